@@ -1,0 +1,32 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: run test lint docs clean
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	@$(BIN)/python -m pip install -q --upgrade pip
+	@# The CPU build of torch is pinned where no GPU is present (a plain `torch` pulls CUDA wheels).
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    $(BIN)/python -m pip install -q "torch<=2.14.1"; \
+	else \
+	    $(BIN)/python -m pip install -q torch==2.13.0; \
+	fi
+	@$(BIN)/python -m pip install -q --compile -e ".[test]"
+	@touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/meshserve backends
+
+test: $(STAMP)
+	$(BIN)/ruff check meshserve tests bench
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+docs: $(STAMP)
+	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,134 @@
+"""Per-step attention metadata: the packed batch layout every backend reads.
+
+Tokens of all sequences are concatenated without padding. Prefill sequences (whole prompts or
+chunks of a longer prompt whose earlier chunks are already cached) come first, decode sequences
+(one new token each, after a cached context) after them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.errors import check
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    """One step's batch, shared by every layer.
+
+    Fields (S = number of sequences, T = number of new tokens in the step):
+      query_start_loc  [S + 1] int32  offsets of each sequence's new tokens in the packed batch
+      seq_lens         [S] int32      context length including the new tokens
+      context_lens     [S] int32      tokens already in the cache before this step (seq_len - query_len)
+      block_table      [S, max_blocks] int32  physical block ids, row s for sequence s
+                                      (entries past a sequence's last block are 0 and never read)
+      slot_mapping     [T] int64      cache slot (block * block_size + offset) of each new token;
+                                      -1 marks a token whose K/V is not written
+      num_prefills, num_prefill_tokens, num_decodes: counts; decodes follow prefills
+      max_query_len, max_seq_len: maxima over the batch (host ints; no device sync needed)
+      block_size: tokens per block of the cache these tables index
+    Host copies of the lengths (`query_lens_host`, `seq_lens_host`) are kept for backends
+    whose planning happens on the host.
+    """
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    context_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decodes: int
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    query_lens_host: tuple[int, ...]
+    seq_lens_host: tuple[int, ...]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens_host)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.query_lens_host)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_tokens - self.num_prefill_tokens
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        query_lens: Sequence[int],
+        seq_lens: Sequence[int],
+        block_tables: Sequence[Sequence[int]],
+        block_size: int,
+        device: torch.device | str = "cpu",
+        write_kv: bool = True,
+    ) -> AttentionMetadata:
+        """Build metadata from host lists; slot_mapping follows the block tables.
+
+        A sequence counts as a decode when it adds exactly one token after a non-empty cached
+        context; every decode must come after every prefill.
+        """
+        num_seqs = len(query_lens)
+        check(len(seq_lens) == num_seqs, "seq_lens", len(seq_lens), f"one entry per sequence ({num_seqs})")
+        check(
+            len(block_tables) == num_seqs, "block_tables", len(block_tables), f"one row per sequence ({num_seqs})"
+        )
+        check(block_size >= 1, "block_size", block_size, "an integer >= 1")
+        is_decode = []
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            check(q >= 1, f"query_lens[{i}]", q, "an integer >= 1")
+            check(s >= q, f"seq_lens[{i}]", s, f"an integer >= query_lens[{i}]={q}")
+            needed = -(-s // block_size)
+            check(
+                len(block_tables[i]) >= needed,
+                f"block_tables[{i}]",
+                len(block_tables[i]),
+                f">= {needed} blocks for seq_len {s} at block_size {block_size}",
+            )
+            is_decode.append(q == 1 and s > 1)
+        num_prefills = next((i for i, d in enumerate(is_decode) if d), num_seqs)
+        check(
+            all(is_decode[num_prefills:]),
+            "query_lens",
+            list(query_lens),
+            "prefill sequences first, then decode sequences (one new token each)",
+        )
+        max_blocks = max((len(t) for t in block_tables), default=0)
+        table = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
+        for i, row in enumerate(block_tables):
+            if row:
+                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        slots: list[int] = []
+        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
+            for pos in range(s - q, s):
+                if write_kv:
+                    slots.append(block_tables[i][pos // block_size] * block_size + pos % block_size)
+                else:
+                    slots.append(-1)
+        qsl = [0]
+        for q in query_lens:
+            qsl.append(qsl[-1] + q)
+        return cls(
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
+            context_lens=torch.tensor([s - q for q, s in zip(query_lens, seq_lens)], dtype=torch.int32,
+                                      device=device),
+            block_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            num_prefills=num_prefills,
+            num_prefill_tokens=sum(query_lens[:num_prefills]),
+            num_decodes=num_seqs - num_prefills,
+            max_query_len=max(query_lens, default=0),
+            max_seq_len=max(seq_lens, default=0),
+            block_size=block_size,
+            query_lens_host=tuple(query_lens),
+            seq_lens_host=tuple(seq_lens),
+        )

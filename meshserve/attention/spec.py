@@ -1,0 +1,132 @@
+"""What one attention layer computes: the static, per-layer description.
+
+A model builds one `AttentionSpec` per layer. Backends read it (never a global config) to know
+what to compute; the registry checks it against each backend's declared capabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import StrEnum
+
+from meshserve.errors import check
+
+
+class AttentionType(StrEnum):
+    DECODER = "decoder"  # causal self-attention over the paged cache
+    ENCODER = "encoder"  # non-causal self-attention whose K/V are cached (for cross-attention later)
+    ENCODER_ONLY = "encoder_only"  # non-causal self-attention, no KV cache (embedding models)
+    CROSS = "cross"  # decoder queries over cached encoder K/V, non-causal
+
+
+class KVCacheDtype(StrEnum):
+    AUTO = "auto"  # same dtype as the model
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+    @property
+    def is_fp8(self) -> bool:
+        return self is not KVCacheDtype.AUTO
+
+
+@dataclass(frozen=True)
+class MLADims:
+    """Multi-head latent attention dimensions (DeepSeek-V2/V3)."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None = None
+
+    @property
+    def latent_size(self) -> int:
+        """Per-token width of the latent cache: compressed KV plus the shared rope key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Static description of one attention layer.
+
+    Masking semantics (positions are absolute token positions in the sequence):
+      causal:          key kp visible to query qp iff kp <= qp
+      sliding_window:  additionally qp - kp < sliding_window (the window counts the query itself)
+      num_sink_tokens: keys kp < num_sink_tokens stay visible whatever the window (StreamingLLM)
+      has_sinks:       a learned logit per head joins the softmax denominator (GPT-OSS); its
+                       probability mass is dropped, so outputs sum to less than one
+      use_alibi:       score += slope[h] * (kp - qp)
+      logits_soft_cap: score = cap * tanh(score / cap), after scaling, before ALiBi and masks
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_size: int
+    head_size_v: int | None = None
+    scale: float | None = None  # None: 1 / (q_scaling * sqrt(head_size))
+    q_scaling: float = 1.0
+    attn_type: AttentionType = AttentionType.DECODER
+    sliding_window: int | None = None
+    has_sinks: bool = False
+    num_sink_tokens: int = 0
+    use_alibi: bool = False
+    logits_soft_cap: float | None = None
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    mla: MLADims | None = None
+
+    def __post_init__(self) -> None:
+        check(self.num_heads >= 1, "num_heads", self.num_heads, "an integer >= 1")
+        check(self.num_kv_heads >= 1, "num_kv_heads", self.num_kv_heads, "an integer >= 1")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            "num_kv_heads",
+            self.num_kv_heads,
+            f"a divisor of num_heads={self.num_heads}",
+        )
+        check(self.head_size >= 1, "head_size", self.head_size, "an integer >= 1")
+        if self.head_size_v is not None:
+            check(self.head_size_v >= 1, "head_size_v", self.head_size_v, "an integer >= 1 or None")
+        check(self.q_scaling > 0, "q_scaling", self.q_scaling, "a number > 0")
+        if self.scale is not None:
+            check(self.scale > 0 and math.isfinite(self.scale), "scale", self.scale, "a finite number > 0")
+        if self.sliding_window is not None:
+            check(self.sliding_window >= 1, "sliding_window", self.sliding_window, "an integer >= 1 or None")
+        check(self.num_sink_tokens >= 0, "num_sink_tokens", self.num_sink_tokens, "an integer >= 0")
+        check(
+            self.num_sink_tokens == 0 or self.sliding_window is not None,
+            "num_sink_tokens",
+            self.num_sink_tokens,
+            "0 unless sliding_window is set (sink tokens only matter beside a window)",
+        )
+        if self.logits_soft_cap is not None:
+            check(self.logits_soft_cap > 0, "logits_soft_cap", self.logits_soft_cap, "a number > 0 or None")
+        if self.sliding_window is not None:
+            check(
+                self.attn_type is AttentionType.DECODER,
+                "attn_type",
+                str(self.attn_type),
+                "'decoder' when sliding_window is set",
+            )
+
+    @property
+    def softmax_scale(self) -> float:
+        if self.scale is not None:
+            return self.scale
+        return 1.0 / (self.q_scaling * math.sqrt(self.head_size))
+
+    @property
+    def v_size(self) -> int:
+        return self.head_size_v if self.head_size_v is not None else self.head_size
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    @property
+    def is_causal(self) -> bool:
+        return self.attn_type is AttentionType.DECODER
+
+    @property
+    def uses_kv_cache(self) -> bool:
+        return self.attn_type is not AttentionType.ENCODER_ONLY

@@ -1,0 +1,30 @@
+"""Errors shared by every layer. Each names what was wrong and what is allowed."""
+
+from __future__ import annotations
+
+
+class MeshserveError(Exception):
+    """Base class of every error meshserve raises on purpose."""
+
+
+class ConfigError(MeshserveError, ValueError):
+    """A setting has a value outside what is allowed.
+
+    The message always names the field, the value given and the allowed values or range.
+    """
+
+    def __init__(self, field: str, value: object, allowed: str):
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"{field}={value!r} is not allowed: {allowed}")
+
+
+class NoBackendError(MeshserveError):
+    """No attention backend can serve a configuration; the message lists every reason."""
+
+
+def check(condition: bool, field: str, value: object, allowed: str) -> None:
+    """Raise ConfigError(field, value, allowed) unless `condition` holds."""
+    if not condition:
+        raise ConfigError(field, value, allowed)
