@@ -119,7 +119,11 @@ class BackendCapabilities:
         if bs > mml:
             return [f"block_size={bs} is larger than max_model_len={mml}"]
         if bs == mml:
-            out = [] if self.naive_layout else [f"naive layout (block_size == max_model_len={mml}) not supported"]
+            out = (
+                []
+                if self.naive_layout
+                else [f"naive layout (block_size == max_model_len={mml}) not supported"]
+            )
             if spec.kv_cache_dtype.is_fp8:
                 out.append("the naive layout does not take an FP8 KV cache")
             if spec.has_sinks or spec.num_sink_tokens:
@@ -207,8 +211,9 @@ class AttentionBackend(ABC):
         return metadata
 
     @abstractmethod
-    def write_kv(self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache,
-                 slot_mapping: torch.Tensor) -> None:
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
         """Store new tokens' K/V ([T, num_kv_heads, head_size]) at `slot_mapping` ([T]; -1 skips)."""
 
     @abstractmethod

@@ -32,6 +32,9 @@ class AttentionMetadata:
       block_size: tokens per block of the cache these tables index
     Host copies of the lengths (`query_lens_host`, `seq_lens_host`) are kept for backends
     whose planning happens on the host.
+    Cross-attention layers read the encoder side instead of seq_lens/block_table:
+      encoder_seq_lens_host  per sequence, the number of cached encoder tokens
+      encoder_block_table    [S, max_encoder_blocks] int32
     """
 
     query_start_loc: torch.Tensor
@@ -47,6 +50,8 @@ class AttentionMetadata:
     block_size: int
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    encoder_seq_lens_host: tuple[int, ...] | None = None
+    encoder_block_table: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -70,6 +75,8 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
         write_kv: bool = True,
+        encoder_seq_lens: Sequence[int] | None = None,
+        encoder_block_tables: Sequence[Sequence[int]] | None = None,
     ) -> AttentionMetadata:
         """Build metadata from host lists; slot_mapping follows the block tables.
 
@@ -79,7 +86,10 @@ class AttentionMetadata:
         num_seqs = len(query_lens)
         check(len(seq_lens) == num_seqs, "seq_lens", len(seq_lens), f"one entry per sequence ({num_seqs})")
         check(
-            len(block_tables) == num_seqs, "block_tables", len(block_tables), f"one row per sequence ({num_seqs})"
+            len(block_tables) == num_seqs,
+            "block_tables",
+            len(block_tables),
+            f"one row per sequence ({num_seqs})",
         )
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
         is_decode = []
@@ -101,11 +111,18 @@ class AttentionMetadata:
             list(query_lens),
             "prefill sequences first, then decode sequences (one new token each)",
         )
-        max_blocks = max((len(t) for t in block_tables), default=0)
-        table = torch.zeros((num_seqs, max(max_blocks, 1)), dtype=torch.int32)
-        for i, row in enumerate(block_tables):
-            if row:
-                table[i, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        table = _pad_table(block_tables)
+        encoder_table = None
+        if encoder_seq_lens is not None:
+            check(
+                encoder_block_tables is not None
+                and len(encoder_block_tables) == num_seqs
+                and len(encoder_seq_lens) == num_seqs,
+                "encoder_block_tables",
+                None if encoder_block_tables is None else len(encoder_block_tables),
+                f"one row per sequence ({num_seqs}) with encoder_seq_lens",
+            )
+            encoder_table = _pad_table(encoder_block_tables).to(device)
         slots: list[int] = []
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             for pos in range(s - q, s):
@@ -119,8 +136,9 @@ class AttentionMetadata:
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            context_lens=torch.tensor([s - q for q, s in zip(query_lens, seq_lens)], dtype=torch.int32,
-                                      device=device),
+            context_lens=torch.tensor(
+                [s - q for q, s in zip(query_lens, seq_lens)], dtype=torch.int32, device=device
+            ),
             block_table=table.to(device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             num_prefills=num_prefills,
@@ -131,4 +149,16 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
+            encoder_seq_lens_host=None if encoder_seq_lens is None else tuple(encoder_seq_lens),
+            encoder_block_table=encoder_table,
         )
+
+
+def _pad_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """[len(rows), max_len] int32, rows padded with block 0 (never read past a sequence's end)."""
+    width = max((len(r) for r in rows), default=0)
+    table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
+    for i, row in enumerate(rows):
+        if row:
+            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+    return table

@@ -88,7 +88,9 @@ def select_backend(problem: AttentionProblem, name: str | None = None) -> type[A
             raise ConfigError("attention_backend", name, f"one of {sorted(BACKENDS)}")
         verdict = judge(name, problem)
         if not verdict.ok:
-            raise NoBackendError(f"attention backend {name} cannot serve this configuration:\n" + _format([verdict]))
+            raise NoBackendError(
+                f"attention backend {name} cannot serve this configuration:\n" + _format([verdict])
+            )
         return load_backend(name)
     verdicts = explain(problem)
     for verdict in verdicts:

@@ -1,0 +1,12 @@
+"""Suite-wide environment: set before any module that defines Triton kernels is imported."""
+
+import os
+
+import torch
+
+# Without CUDA, Triton kernels run in the interpreter (see PLATFORM.md); it must be set before
+# the first `@triton.jit` is defined, hence here, at the root of the suite.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
