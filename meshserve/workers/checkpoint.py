@@ -102,3 +102,13 @@ class Checkpoint:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
             yield name, self.read(name)
+
+
+def load_tokenizer(model_dir: str | Path):
+    """The `tokenizers.Tokenizer` in tokenizer.json, or None when the checkpoint has none."""
+    path = Path(model_dir) / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path))
