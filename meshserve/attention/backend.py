@@ -64,12 +64,12 @@ class BackendCapabilities:
     soft_cap: bool
     mla: bool
     returns_lse: bool
-    dcp: bool  # reads DCP-sharded caches with global positions (metadata.dcp_size/dcp_rank)
     devices: frozenset[str]
     min_compute_capability: tuple[int, int] | None = None
     max_compute_capability: tuple[int, int] | None = None
     required_packages: tuple[str, ...] = ()
     cuda_graphs: bool = False
+    dcp: bool = False  # reads DCP-sharded caches with global positions (metadata.dcp_size/dcp_rank)
     notes: str = ""
 
     def reasons(self, problem: AttentionProblem) -> list[str]:
