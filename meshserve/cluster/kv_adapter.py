@@ -31,3 +31,10 @@ class KVBlocks(Protocol):
 
     @property
     def num_free_blocks(self) -> int: ...
+
+
+def make_kv_blocks(num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True) -> KVBlocks:
+    """The KV store's block manager for one replica, seen through KVBlocks."""
+    from meshserve.kvstore import KVCacheManager  # noqa: F401  (lands with the kvstore branch)
+
+    return KVCacheManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)

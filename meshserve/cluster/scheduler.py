@@ -27,6 +27,16 @@ from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPla
 
 
 @dataclass
+class SchedulerStats:
+    """Counters since start (for metrics and tests)."""
+
+    num_steps: int = 0
+    num_computed_tokens: int = 0  # tokens whose K/V a step computed
+    num_prefix_hit_tokens: int = 0  # tokens served from the prefix cache instead
+    num_preemptions: int = 0
+
+
+@dataclass
 class ScheduledStep:
     """A step's plan and, per scheduled request, how many tokens it computes."""
 
@@ -52,6 +62,7 @@ class Scheduler:
         self._announced: set[str] = set()  # request ids the workers know
         self._to_forget: list[str] = []  # finished ids to tell the workers in the next plan
         self._step_id = 0
+        self.stats = SchedulerStats()
 
     # -- requests in and out ---------------------------------------------------------------
 
@@ -143,6 +154,7 @@ class Scheduler:
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
+            self.stats.num_prefix_hit_tokens += cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
             self.running.append(req)
@@ -157,6 +169,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.stats.num_preemptions += 1
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
@@ -173,6 +186,8 @@ class Scheduler:
                 block_table=self.kv.block_ids(req.request_id),
                 sample=start + n == req.num_tokens,
             ))
+        self.stats.num_steps += bool(seqs)
+        self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         plan = StepPlan(self._step_id, seqs, new, self._to_forget)
         self._to_forget = []
         self._step_id += 1
