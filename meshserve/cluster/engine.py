@@ -12,12 +12,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
-from meshserve.cluster.kv_adapter import KVBlocks, make_kv_blocks
 from meshserve.cluster.outputs import CompletionDelta, RequestOutput
 from meshserve.cluster.request import FinishReason, Request
 from meshserve.cluster.scheduler import Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.errors import check
+from meshserve.kvstore.manager import KVCacheManager
+from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import StepOutput, StepPlan
@@ -68,13 +69,14 @@ class _Tracked:
 class EngineCore:
     """Add requests, call `step()` until `has_unfinished()` is False; each step returns deltas."""
 
-    def __init__(self, config: EngineConfig, *, executor=None, kv: KVBlocks | None = None,
+    def __init__(self, config: EngineConfig, *, executor=None, kv: KVCacheManager | None = None,
                  device: str | None = None, progress: bool = True) -> None:
         self.config = config
         self.executor = executor or InProcessExecutor(config, device=device, progress=progress)
         self.info = self.executor.start()
         self.tokenizer = load_tokenizer(config.model.model)
-        self.kv = kv or make_kv_blocks(self.info.num_kv_blocks, self.info.block_size,
+        retention = RetentionPolicy(self.info.sliding_window, self.info.num_sink_tokens)
+        self.kv = kv or KVCacheManager(self.info.num_kv_blocks, self.info.block_size, retention=retention,
                                        enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)

@@ -18,12 +18,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from meshserve.cluster.kv_adapter import KVBlocks
 from meshserve.cluster.request import FinishReason, Request, RequestStatus
 from meshserve.config import SchedulerConfig
 from meshserve.errors import check
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
+
+if TYPE_CHECKING:
+    from meshserve.kvstore.manager import KVCacheManager
 
 
 @dataclass
@@ -50,7 +53,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlocks, *, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int,
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
@@ -128,7 +131,7 @@ class Scheduler:
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             n = min(req.num_uncomputed_tokens, budget)
-            while not self.kv.allocate(req.request_id, req.all_token_ids, req.num_computed_tokens, n):
+            while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
@@ -144,12 +147,13 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            cached = self.kv.lookup_prefix(req.request_id, req.all_token_ids)
+            hit = self.kv.lookup_prefix(req.all_token_ids)
+            cached = hit.num_tokens
             n = req.num_tokens - cached
             if n > budget and not self.config.enable_chunked_prefill:
                 break
             n = min(n, budget)
-            if not self.kv.allocate(req.request_id, req.all_token_ids, cached, n):
+            if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids, prefix=hit):
                 break  # the head waits for blocks; nobody overtakes it
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
@@ -183,12 +187,12 @@ class Scheduler:
                 request_id=req.request_id,
                 token_ids=req.all_token_ids[start:start + n],
                 context_len=start,
-                block_table=self.kv.block_ids(req.request_id),
+                block_table=list(self.kv.block_table(req.request_id)),
                 sample=start + n == req.num_tokens,
             ))
         self.stats.num_steps += bool(seqs)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget)
+        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())
         self._to_forget = []
         self._step_id += 1
         return plan
@@ -201,7 +205,6 @@ class Scheduler:
             if req.is_finished:
                 continue  # aborted while the step ran
             req.num_computed_tokens += n
-            self.kv.computed(req.request_id, req.all_token_ids, req.num_computed_tokens)
             sampled = tokens.get(req.request_id)
             if sampled is None:
                 continue  # a prompt chunk that is not the last

@@ -17,6 +17,7 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.registry import select_backend
 from meshserve.attention.spec import AttentionSpec
 from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 from meshserve.workers.sampler import Sampler, SamplingRow
 from meshserve.workers.sampling_params import SamplingParams
@@ -77,6 +78,7 @@ class ModelRunner:
         for new in plan.new_requests:
             self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
                                                      list(new.prompt_ids), list(new.output_ids))
+        copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         sampled: list[SampledToken] = []
         if plan.seqs:
             sampled = self._run(plan.seqs)

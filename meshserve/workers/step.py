@@ -57,12 +57,18 @@ class ScheduledSeq:
 
 @dataclass
 class StepPlan:
-    """Everything every worker needs for one forward step. `finished`: ids the workers may forget."""
+    """Everything every worker needs for one forward step.
+
+    finished: request ids the workers may forget (after this step).
+    copies:   (src, dst) block pairs to copy in every layer's cache before any K/V is written
+              (copy-on-write of a shared partial block).
+    """
 
     step_id: int
     seqs: list[ScheduledSeq]
     new_requests: list[NewRequest] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
 
     def to_msgpack(self) -> bytes:
         return msgpack.packb({
@@ -70,6 +76,7 @@ class StepPlan:
             "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_table, s.sample] for s in self.seqs],
             "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
             "finished": self.finished,
+            "copies": [list(c) for c in self.copies],
         })
 
     @classmethod
@@ -80,6 +87,7 @@ class StepPlan:
             seqs=[ScheduledSeq(*s) for s in d["seqs"]],
             new_requests=[NewRequest(*r) for r in d["new"]],
             finished=d["finished"],
+            copies=[tuple(c) for c in d["copies"]],
         )
 
 

@@ -13,15 +13,14 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.attention.backend import KVCache
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
+from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.workers.checkpoint import read_arch
-from meshserve.workers.kv_memory import allocate_kv_caches, bytes_per_block
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
-from meshserve.workers.sharding import kv_heads_per_rank
 from meshserve.workers.step import StepPlan
 
 log = logging.getLogger("meshserve.worker")
@@ -32,7 +31,11 @@ GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
 
 @dataclass(frozen=True)
 class WorkerInfo:
-    """What the scheduler needs to know about a started worker."""
+    """What the scheduler needs to know about a started worker (plain values: msgpack-able).
+
+    num_kv_blocks counts the null block 0, which the KV store never hands out.
+    sliding_window / num_sink_tokens: what the cache must retain (kvstore RetentionPolicy).
+    """
 
     rank: int
     num_kv_blocks: int
@@ -42,6 +45,8 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     backend: str
     dtype: str
+    sliding_window: int | None = None
+    num_sink_tokens: int = 0
 
 
 def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
@@ -86,20 +91,23 @@ class Worker:
         capacity = -(-max_model_len // bs) * bs  # block tables hold whole blocks
         backends = make_backends(model.attention_specs(), name=self.attention_config.backend, dtype=dtype,
                                  block_size=bs, max_model_len=capacity, device=self.device)
-        kv_heads = kv_heads_per_rank(arch, self.parallel.tp)
-        per_block = bytes_per_block(arch.num_layers, bs, kv_heads, arch.head_dim, dtype)
-        num_blocks = self._num_blocks(per_block)
-        check(num_blocks * bs >= max_model_len, "num_kv_blocks", num_blocks,
-              f">= {-(-max_model_len // bs)} blocks of {bs} tokens, enough for one max_model_len="
-              f"{max_model_len} sequence (or lower max_model_len)")
-        caches: list[KVCache] = allocate_kv_caches(arch.num_layers, num_blocks, bs, kv_heads, arch.head_dim,
-                                                   dtype, self.device)
+        specs = model.attention_specs()
+        tp = self.parallel.tp
+        num_blocks = self._num_blocks(block_bytes(specs, bs, dtype, tp_size=tp))
+        needed = -(-max_model_len // bs) + 1
+        check(num_blocks >= needed, "num_kv_blocks", num_blocks,
+              f">= {needed} blocks of {bs} tokens (the null block + one max_model_len={max_model_len} "
+              "sequence); give more KV memory or lower max_model_len")
+        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
+                                 tp_size=tp)
+        retention = RetentionPolicy.from_specs(specs)
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=self.rank == 0, seed=self.model_config.seed)
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
-                               dtype=str(dtype).removeprefix("torch."))
+                               dtype=str(dtype).removeprefix("torch."), sliding_window=retention.sliding_window,
+                               num_sink_tokens=retention.num_sink_tokens)
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
         return self.info

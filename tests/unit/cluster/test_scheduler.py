@@ -97,7 +97,7 @@ def test_continuous_batching_respects_budget_and_max_seqs():
     for r, p in zip(reqs, PROMPTS):
         assert r.output_ids == reference(p, 10)
         assert r.finish_reason is FinishReason.LENGTH
-    assert kv.num_free_blocks == 64
+    assert kv.num_free_blocks == 63
 
 
 def test_chunked_prefill_splits_a_long_prompt():
@@ -130,7 +130,7 @@ def test_preemption_by_recompute_keeps_outputs_and_order():
         assert r.output_ids == reference(p, 20)
     # the newest running request is the one preempted; the oldest never is
     assert "r0" not in preempted
-    assert kv.num_free_blocks == 12
+    assert kv.num_free_blocks == 11
 
 
 def test_fcfs_admission_and_no_overtaking():
@@ -185,7 +185,7 @@ def test_abort_frees_blocks_and_tells_workers():
     assert "r0" in step.plan.finished and all(s.request_id != "r0" for s in step.plan.seqs)
     sched.update(step, worker.execute(step.plan))
     run(sched, worker)
-    assert kv.num_free_blocks == 64 and "r0" not in worker.known
+    assert kv.num_free_blocks == 63 and "r0" not in worker.known
 
 
 def test_stop_rules():
