@@ -14,7 +14,7 @@ from meshserve.config import SchedulerConfig
 from meshserve.errors import ConfigError
 from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import SampledToken, StepOutput, StepPlan
-from tests.unit.cluster.fake_kv import FakeKV
+from meshserve.kvstore.manager import KVCacheManager
 
 BS = 4
 EOS = 0
@@ -67,7 +67,7 @@ def run(sched, worker, max_steps=10_000, on_step=None):
 
 
 def make(num_blocks=64, max_model_len=128, **cfg):
-    kv = FakeKV(num_blocks, BS)
+    kv = KVCacheManager(num_blocks, BS)
     return Scheduler(SchedulerConfig(**cfg), kv, max_model_len=max_model_len, eos_token_ids=[EOS]), kv
 
 

@@ -18,7 +18,7 @@ BLOCK = 4
 
 
 def _worker(path, backend="TORCH"):
-    w = Worker(ModelConfig(model=str(path)), CacheConfig(block_size=BLOCK, num_kv_blocks=64),
+    w = Worker(ModelConfig(model=str(path), max_model_len=128), CacheConfig(block_size=BLOCK, num_kv_blocks=64),
                AttentionConfig(backend=backend), device="cpu", progress=False)
     w.start()
     return w
