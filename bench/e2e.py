@@ -164,7 +164,6 @@ def bench_hf(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, fl
         results[bs] = bs * args.output_len / elapsed
         print(f"HF        bs={bs:<3} {results[bs]:10.1f} tok/s  ({elapsed:.2f} s)", flush=True)
     one = generate(random_prompts(1, args.prompt_len, vocab, 7), args.output_len) / args.output_len
-    del model
     return results, one
 
 

@@ -12,9 +12,9 @@ from meshserve.cluster.request import FinishReason, Request, RequestStatus
 from meshserve.cluster.scheduler import Scheduler
 from meshserve.config import SchedulerConfig
 from meshserve.errors import ConfigError
+from meshserve.kvstore.manager import KVCacheManager
 from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import SampledToken, StepOutput, StepPlan
-from meshserve.kvstore.manager import KVCacheManager
 
 BS = 4
 EOS = 0
