@@ -87,15 +87,15 @@ def prompts(n: int, *, seed: int = 1, min_len: int = 3, max_len: int = 30) -> li
     return [torch.randint(1, VOCAB, (length,), generator=g).tolist() for length in lengths]
 
 
-def hf_greedy(model, prompt: list[int], max_new_tokens: int, *, stop_at_eos: bool = True) -> list[int]:
-    """HF transformers' own greedy generate for one prompt (no padding); the generated ids."""
+def hf_greedy(model, prompt: list[int], max_new_tokens: int, *, eos: int = EOS) -> list[int]:
+    """HF transformers' own greedy generate for one prompt (no padding), stopping at `eos`."""
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.int64),
             max_new_tokens=max_new_tokens,
             do_sample=False,
-            eos_token_id=EOS if stop_at_eos else None,
-            pad_token_id=EOS,
+            eos_token_id=eos,
+            pad_token_id=eos,
         )
     return out[0, len(prompt):].tolist()
