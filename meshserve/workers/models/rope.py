@@ -1,8 +1,9 @@
 """Rotary position embedding (half-rotation / "neox" layout, as HF checkpoints store q and k).
 
 The cos/sin table is computed once in float32 for every position up to the model's limit;
-each step gathers the rows of its tokens' absolute positions, so chunked prefill, decode and
-recompute after preemption all see the same angles.
+each step gathers the rows of its tokens' absolute positions once (shared by every layer), so
+chunked prefill, decode and recompute after preemption all see the same angles. As in the HF
+reference, the rotation itself runs in the activation dtype.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Applies rotary embedding to q [T, H, D] and k [T, Hkv, D] at absolute positions [T]."""
+    """Float32 cos/sin tables for positions [0, max_positions); `forward` gathers a step's rows."""
 
     def __init__(self, rope: RopeScaling, head_dim: int, max_positions: int) -> None:
         super().__init__()
@@ -58,15 +59,16 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions][:, None, :]  # [T, 1, D/2] float32
-        sin = self.sin[positions][:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [T]: each [T, 1, D] in `dtype` (once per step, shared by all layers)."""
+        cos = self.cos[positions]  # [T, D/2] float32
+        sin = self.sin[positions]
+        # Full-width tables in the activation dtype, as the HF reference applies them.
+        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((sin, sin), -1)[:, None].to(dtype)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Rotation in float32 whatever the activation dtype; the result goes back to x's dtype.
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, 1, D]: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half].float(), x[..., half:].float()  # [T, H, D/2]
-    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return out.to(x.dtype)
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -21,7 +21,7 @@ from torch import nn
 from meshserve.attention.backend import AttentionBackend, KVCache
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
-from meshserve.workers.models.rope import RotaryEmbedding
+from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
 
 @dataclass
@@ -59,14 +59,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Statistics in float32, scale applied in the activation dtype (as the HF reference).
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # One fused kernel where torch has one; statistics are accumulated in float32.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
@@ -74,18 +72,19 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
         self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.rotary = rotary  # shared by all layers; holds no weights
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)  # [T, H*D], [T, Hkv*D] x2
-        q = q.view(T, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(T, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if self.q_norm is None:
+            qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)  # q and k heads, rotated together
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(T, H, D))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D))
+            qk = torch.cat((q, k), dim=1)
+        q, k = apply_rotary(qk, *rope).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
         layer = ctx.layers[self.layer_idx]
         layer.backend.write_kv(k, v, layer.kv_cache, ctx.slot_mapping)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan)  # [T, H, D]
@@ -106,15 +105,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
-        self.self_attn = Attention(arch, layer_idx, rotary)
+        self.self_attn = Attention(arch, layer_idx)
         self.mlp = MLP(arch)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -123,11 +122,10 @@ class DecoderBody(nn.Module):
 
     def __init__(self, arch: ModelArch, max_positions: int) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, rotary) for i in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.rotary = rotary
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
 
 
 class CausalLM(nn.Module):
@@ -153,8 +151,9 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
         for layer in self.model.layers:
-            x = layer(x, positions, ctx)
+            x = layer(x, rope, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
