@@ -38,10 +38,14 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
 
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
 
     @property
     def num_tokens(self) -> int:

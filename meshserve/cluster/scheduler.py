@@ -208,7 +208,7 @@ class Scheduler:
             sampled = tokens.get(req.request_id)
             if sampled is None:
                 continue  # a prompt chunk that is not the last
-            req.output_ids.append(sampled.token_id)
+            req.append_output(sampled.token_id)
             if sampled.logprobs is not None:
                 req.output_logprobs.append(sampled.logprobs)
             touched.append(req)
