@@ -112,7 +112,7 @@ def test_the_head_runs_the_server_with_grpc_health_probes(rendered):
     head = one(rendered["disaggregated"], "Deployment", "ms-meshserve-head")
     assert head["spec"]["replicas"] == 1 and head["spec"]["strategy"]["type"] == "Recreate"
     c = head["spec"]["template"]["spec"]["containers"][0]
-    assert c["command"] == ["/bin/bash", "/etc/meshserve/scripts/head.sh"]
+    assert c["command"] == ["/usr/bin/tini", "--", "/bin/bash", "/etc/meshserve/scripts/head.sh"]
     assert "nvidia.com/gpu" not in c["resources"]["limits"]
     assert c["readinessProbe"]["grpc"] == {"port": 50051, "service": "meshserve.v1.Inference"}
     assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": ""}

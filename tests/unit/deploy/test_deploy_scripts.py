@@ -77,7 +77,7 @@ def run(path: Path, env: dict[str, str], stubs, **extra) -> subprocess.Completed
 def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
     docs = render(VALUES["gpu-tp8-dcp2"])
     env, container = pod_environment(docs, "head")
-    assert container["command"] == ["/bin/bash", "/etc/meshserve/scripts/head.sh"]
+    assert container["command"] == ["/usr/bin/tini", "--", "/bin/bash", "/etc/meshserve/scripts/head.sh"]
     done = run(script(docs, "head.sh", tmp_path), env, stubs)
     assert done.returncode == 0, done.stderr
     ray, serve = stubs()
@@ -130,7 +130,7 @@ def test_head_flags_parse_with_the_real_cli(tmp_path, stubs):
 def test_worker_joins_the_head_with_its_pool_resource(tmp_path, stubs):
     docs = render(VALUES["disaggregated"])
     env, container = pod_environment(docs, "worker", "decode")
-    assert container["command"] == ["/bin/bash", "/etc/meshserve/scripts/worker.sh"]
+    assert container["command"] == ["/usr/bin/tini", "--", "/bin/bash", "/etc/meshserve/scripts/worker.sh"]
     with socket.create_server(("127.0.0.1", 0)) as head:
         port = head.getsockname()[1]
         head_at = {"RAY_HEAD_HOST": "127.0.0.1", "RAY_PORT": str(port)}

@@ -150,7 +150,7 @@ containers:
   - name: head
     image: {{ include "meshserve.image" . }}
     imagePullPolicy: {{ $v.image.pullPolicy }}
-    command: ["/bin/bash", "/etc/meshserve/scripts/head.sh"]
+    command: ["/usr/bin/tini", "--", "/bin/bash", "/etc/meshserve/scripts/head.sh"]
     envFrom:
       - configMapRef:
           name: {{ include "meshserve.fullname" . }}-config
@@ -253,7 +253,7 @@ containers:
   - name: worker
     image: {{ include "meshserve.image" $root }}
     imagePullPolicy: {{ $v.image.pullPolicy }}
-    command: ["/bin/bash", "/etc/meshserve/scripts/worker.sh"]
+    command: ["/usr/bin/tini", "--", "/bin/bash", "/etc/meshserve/scripts/worker.sh"]
     envFrom:
       - configMapRef:
           name: {{ include "meshserve.fullname" $root }}-config
