@@ -40,7 +40,8 @@ def test_head_starts_ray_without_gpus_then_the_server(config):
     assert flags["--host"] == "0.0.0.0" and flags["--ray-address"] == "auto"
     assert int(flags["--tp"]) % int(flags["--dcp"]) == 0 and flags["--pools"] == "unified"
     assert flags["--model"].startswith("/models/")
-    assert any(o.startswith("--volume=") and o.endswith(":/models:ro") for o in config["docker"]["run_options"])
+    options = config["docker"]["run_options"]
+    assert any(o.startswith("--volume=") and o.endswith(":/models:ro") for o in options)
 
 
 def test_workers_join_the_head_with_their_pool_resource(config):
