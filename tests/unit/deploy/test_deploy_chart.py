@@ -167,10 +167,10 @@ def test_model_pvc_is_mounted_read_only_everywhere(rendered):
     for owner, template in pod_templates(rendered["gpu-tp8-dcp2"]):
         vols = {v["name"]: v for v in template["spec"]["volumes"]}
         claim = vols["model"]["persistentVolumeClaim"]
-        assert claim == {"claimName": "llama-70b-weights", "readOnly": True}, owner
+        assert claim == {"claimName": "model-weights", "readOnly": True}, owner
         mount = next(m for m in template["spec"]["containers"][0]["volumeMounts"] if m["name"] == "model")
         assert mount == {"name": "model", "mountPath": "/models", "readOnly": True,
-                         "subPath": "Llama-3.1-70B-Instruct"}, owner
+                         "subPath": "DeepSeek-V2-Lite-Chat"}, owner
 
 
 def test_kuberay_mode_uses_the_generated_ray_start(rendered):

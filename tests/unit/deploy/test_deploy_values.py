@@ -6,12 +6,13 @@ Field rules come from values.schema.json; rules between fields from templates/_v
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import helm_python as helm
 import pytest
 
-from tests.unit.deploy.manifests import CHART, load_values, render
+from tests.unit.deploy.manifests import CHART, CI_VALUES, REPO, load_values, render
 
 BAD_VALUES = sorted((Path(__file__).parent / "bad_values").glob("*.yaml"))
 
@@ -74,3 +75,22 @@ def test_every_value_in_values_yaml_is_described_by_the_schema():
 
     assert schema is not None and schema.get("additionalProperties") is False
     assert walk(values, schema, "") == []
+
+
+def leaf_paths(node: dict, prefix: str = "") -> set[str]:
+    paths = set()
+    for key, value in node.items():
+        path = f"{prefix}.{key}" if prefix else key
+        paths |= leaf_paths(value, path) if isinstance(value, dict) and value else {path}
+    return paths
+
+
+def test_docs_describe_every_value_and_no_other():
+    text = (REPO / "docs" / "deploy.md").read_text()
+    section = text.split("\n## Values\n", 1)[1].split("\n## ", 1)[0]
+    documented = re.findall(r"^\| `([^`]+)` \|", section, flags=re.M)
+    with helm.Chart.load(CHART) as chart:
+        values = chart.values
+    assert sorted(documented) == sorted(leaf_paths(values))
+    for path in CI_VALUES:
+        assert f"`{path.name}`" in text
