@@ -88,8 +88,10 @@ def test_worker_pools_have_the_planned_size(rendered, scenario):
         for group in one(docs, "RayCluster", "ms-meshserve")["spec"]["workerGroupSpecs"]:
             container = group["template"]["spec"]["containers"][0]
             gpus = int(container["resources"]["limits"].get("nvidia.com/gpu", 0))
-            # KubeRay hands the value to a shell; unquote it the way that shell would.
-            resources = json.loads(json.loads(group["rayStartParams"]["resources"]))
+            # KubeRay's own form: JSON in single quotes (its getResourcesMap strips them too).
+            quoted = group["rayStartParams"]["resources"]
+            assert quoted[0] == quoted[-1] == "'"
+            resources = json.loads(quoted[1:-1])
             assert group["rayStartParams"]["num-gpus"] == str(gpus)
             units = resources[f"meshserve_{group['groupName']}"]
             found[group["groupName"]] = (group["replicas"], gpus, units)

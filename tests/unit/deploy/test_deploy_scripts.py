@@ -168,10 +168,21 @@ def test_worker_waits_until_the_head_listens(tmp_path, stubs):
 
 
 def kuberay_start_command(group: dict, head: bool) -> str:
-    """The `ray start` line KubeRay builds from rayStartParams (one --key=value per param)."""
-    params = " ".join(f"--{k}={v}" for k, v in group["rayStartParams"].items())
-    where = "--head" if head else "--address=ms-meshserve-head-svc.llm.svc:6379"
-    return f"ray start {where} {params} --block"
+    """The `ray start` line KubeRay builds from rayStartParams (its convertParamMap): keys sorted;
+    "true"/"false" values are on/off switches except for a few flags that take a boolean; it adds
+    block=true, and the head Service's address on workers."""
+    params = dict(group["rayStartParams"], block="true")
+    if not head:
+        params["address"] = "ms-meshserve-head-svc.llm.svc:6379"
+    takes_boolean = {"log-color", "include-dashboard", "include-log-monitor"}
+    flags = []
+    for key in sorted(params):
+        value = params[key]
+        if value.lower() in ("true", "false") and key not in takes_boolean:
+            flags += [f"--{key}"] if value.lower() == "true" else []
+        else:
+            flags.append(f"--{key}={value}")
+    return " ".join(["ray", "start", *(["--head"] if head else []), *flags])
 
 
 def test_kuberay_scripts_run_the_generated_ray_start(tmp_path, stubs):
@@ -182,7 +193,8 @@ def test_kuberay_scripts_run_the_generated_ray_start(tmp_path, stubs):
                KUBERAY_GEN_RAY_START_CMD=kuberay_start_command(spec["headGroupSpec"], head=True))
     assert done.returncode == 0, done.stderr
     ray, serve = stubs()
-    assert ray[:3] == ["ray", "start", "--head"] and "--block" not in ray and "--num-gpus=0" in ray
+    assert ray[:3] == ["ray", "start", "--head"] and "--block" not in ray
+    assert {"--num-gpus=0", "--num-cpus=0", "--include-dashboard=false", "--disable-usage-stats"} <= set(ray)
     assert serve[:2] == ["meshserve", "serve"] and "--ray-address" in serve
 
     group = spec["workerGroupSpecs"][0]
@@ -191,6 +203,7 @@ def test_kuberay_scripts_run_the_generated_ray_start(tmp_path, stubs):
                KUBERAY_GEN_RAY_START_CMD=kuberay_start_command(group, head=False))
     assert done.returncode == 0, done.stderr
     ray = stubs()[-1]
-    assert ray[-1] == "--block" and "--num-gpus=4" in ray
+    assert {"--block", "--num-gpus=4", "--num-cpus=16", "--disable-usage-stats"} <= set(ray)
+    assert "--address=ms-meshserve-head-svc.llm.svc:6379" in ray
     resources = next(a for a in ray if a.startswith("--resources="))
     assert json.loads(resources.removeprefix("--resources=")) == {"meshserve_prefill": 4}
