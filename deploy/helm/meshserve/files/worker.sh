@@ -2,6 +2,8 @@
 # meshserve worker pod: wait for the Ray head, then join it as a Ray node that advertises
 # MESHSERVE_POOL_SLOTS units of the resource "meshserve_<pool>" (one per rank it can host),
 # which is how the coordinator places prefill, decode or unified replicas on this pod.
+# Every variable not set here comes from the pod environment (ConfigMap envFrom and env).
+# shellcheck disable=SC2154
 set -euo pipefail
 ulimit -n 65536 2>/dev/null || true
 
