@@ -109,7 +109,8 @@ exec:
     - /etc/meshserve/scripts/healthcheck.py
     - --port={{ int $v.service.grpcPort }}
     - --service={{ .service }}
-    - --timeout={{ int $v.probes.timeoutSeconds }}
+    {{- /* a second under the kubelet's timeout, so the script reports before it is killed */}}
+    - --timeout={{ max 1 (sub (int $v.probes.timeoutSeconds) 1) }}
     {{- if $v.tls.existingSecret }}
     - --tls-dir=/etc/meshserve/tls
     - --server-name={{ include "meshserve.tlsServerName" .root }}
