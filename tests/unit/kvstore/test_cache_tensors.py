@@ -43,10 +43,13 @@ def test_budget_gives_the_most_blocks_that_fit():
 
 
 def test_allocated_caches_have_the_backend_layouts():
-    n, caches = allocate_caches_for_budget([GQA, FP8, MLA, ENC], memory_bytes=1 << 20, block_size=8,
-                                           dtype="bfloat16")
+    n, caches = allocate_caches_for_budget(
+        [GQA, FP8, MLA, ENC], memory_bytes=1 << 20, block_size=8, dtype="bfloat16"
+    )
     gqa, fp8, mla, enc = caches
-    assert isinstance(gqa, KVCache) and gqa.data.shape == (n, 2, 8, 2, 16) and gqa.data.dtype == torch.bfloat16
+    assert (
+        isinstance(gqa, KVCache) and gqa.data.shape == (n, 2, 8, 2, 16) and gqa.data.dtype == torch.bfloat16
+    )
     assert fp8.is_fp8 and fp8.data.dtype == torch.float8_e4m3fn and fp8.k_scale.dtype == torch.float32
     assert isinstance(mla, MLACache) and mla.data.shape == (n, 8, 40) and mla.block_size == 8
     assert enc is None

@@ -155,7 +155,9 @@ def test_window_and_sink_retention_match_brute_force(groups, chunk):
         AttentionSpec(num_heads=2, num_kv_heads=1, head_size=8, sliding_window=w, num_sink_tokens=s)
         for w, s in groups
     ]
-    specs.append(AttentionSpec(num_heads=2, num_kv_heads=2, head_size=8, attn_type=AttentionType.ENCODER_ONLY))
+    specs.append(
+        AttentionSpec(num_heads=2, num_kv_heads=2, head_size=8, attn_type=AttentionType.ENCODER_ONLY)
+    )
     policy = RetentionPolicy.from_specs(specs)
     tpb = 2
     kv = KVCacheManager(64, tpb, retention=policy)

@@ -109,8 +109,13 @@ class KVMachine(RuleBasedStateMachine):
         start = kv.num_tokens(rid) if rid in kv else (prefix.num_tokens if prefix else 0)
         expected = kv.can_allocate(rid, num_new, prefix=prefix)
         before = self._snapshot()
-        ok = kv.allocate_slots(rid, num_new, model.tokens[: start + num_new], prefix=prefix, extra_keys=()
-                               if prefix else model.extra)
+        ok = kv.allocate_slots(
+            rid,
+            num_new,
+            model.tokens[: start + num_new],
+            prefix=prefix,
+            extra_keys=() if prefix else model.extra,
+        )
         assert ok == expected, "can_allocate disagreed with allocate_slots"
         if not ok:
             assert self._snapshot() == before, "a failed allocate_slots left state behind"
