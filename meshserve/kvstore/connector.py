@@ -102,6 +102,7 @@ class KVConnector:
             frames=tuple(plan),
             nbytes=sum(f.numel() for f in frames),
             checksum=digest.value,
+            fingerprint=self.layout.fingerprint,
         )
         return KVExport(header=header, frames=frames, pin_id=pin_id)
 
