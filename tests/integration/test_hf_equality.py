@@ -69,14 +69,16 @@ def test_greedy_matches_hf(cases, arch, backend):
 
 
 # Under the interpreter TRITON takes a second per step or so: two architectures (full
-# attention with llama3 rope, sliding window) on three prompts cover its paths here.
+# attention with llama3 rope, sliding window) on two or three prompts cover its paths here.
 @pytest.mark.parametrize("arch, backend", [(a, "TORCH") for a in ARCHS] + [("llama", "TRITON"),
                                                                           ("mistral", "TRITON")])
 def test_small_chunks_preemption_and_prefix_hits_keep_outputs(cases, arch, backend):
     path, batch, want = cases[arch]
     _skip_unless_usable(backend, path)
     if backend == "TRITON":
-        batch, want = batch[:3], want[:3]
+        # Fewest prompts that still run out of blocks: Mistral's window frees them as it goes.
+        n = 3 if arch == "mistral" else 2
+        batch, want = batch[:n], want[:n]
     # Chunked prefill: at most 8 tokens per step, so every prompt is split.
     chunked = _llm(path, backend, max_num_batched_tokens=8)
     _check(chunked.generate(batch, GREEDY), want)
