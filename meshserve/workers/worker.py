@@ -63,7 +63,10 @@ class Worker:
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, attention: AttentionConfig | None = None,
                  parallel: ParallelConfig | None = None, *, rank: int = 0,
-                 device: str | torch.device | None = None, progress: bool = True) -> None:
+                 device: str | torch.device | None = None, progress: bool = True,
+                 init_method: str | None = None) -> None:
+        """init_method: torch.distributed rendezvous of the replica's ranks (needed when tp > 1),
+        e.g. "tcp://127.0.0.1:29517"; every rank of a replica gets the same one."""
         check(model.model is not None, "model", None, "a checkpoint directory")
         self.model_config = model
         self.cache_config = cache
@@ -71,6 +74,7 @@ class Worker:
         self.parallel = parallel or ParallelConfig()
         check(0 <= rank < self.parallel.tp, "rank", rank, f"an integer in [0, {self.parallel.tp - 1}]")
         self.rank = rank
+        self.init_method = init_method
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.progress = progress
         self.runner: ModelRunner | None = None
