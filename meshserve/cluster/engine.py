@@ -1,7 +1,9 @@
-"""One replica in one process: scheduler + executor + detokenizer. `step()` = schedule, run, postprocess.
+"""One replica: scheduler + executor + detokenizer. `step()` = schedule, run, postprocess.
 
-The executor is how step plans reach the workers. Here it is in-process (a method call on one
-Worker); the plan still goes through msgpack so that the path is the one remote workers use.
+The executor is how step plans reach the workers: in-process here (a method call on one Worker,
+the plan still through msgpack, as remote workers get it), or any executor of
+cluster/executor.py (ranks on threads, subprocesses or Ray actors). `detach` and `adopt` move a
+request between replicas (disaggregated prefill and decode).
 """
 
 from __future__ import annotations
@@ -39,12 +41,17 @@ class EngineConfig:
 
 
 class InProcessExecutor:
-    """Runs the single worker of a tp=1 replica in this process."""
+    """Runs the single worker of a tp=1 replica in this process (the Executor protocol of
+    cluster/executor.py; `call` reaches the same RankHost methods remote ranks answer)."""
 
     def __init__(self, config: EngineConfig, *, device: str | None = None, progress: bool = True) -> None:
+        from meshserve.cluster.rank import RankHost
+
         check(config.parallel.tp == 1, "tp", config.parallel.tp, "1 for the in-process executor")
         self.worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=0,
                              device=device, progress=progress)
+        self.host = RankHost(None, rank=0)
+        self.host.worker = self.worker
 
     def start(self) -> WorkerInfo:
         return self.worker.start()
@@ -52,8 +59,15 @@ class InProcessExecutor:
     def execute_step(self, plan: StepPlan) -> StepOutput:
         return StepOutput.from_msgpack(self.worker.execute_step(plan.to_msgpack()))
 
+    def call(self, method: str, args: Sequence[dict]) -> list:
+        check(len(args) == 1, "args", len(args), "one argument map (one rank)")
+        return [self.host.call(method, args[0])]
+
+    def check_health(self) -> list[dict]:
+        return [self.worker.check_health()]
+
     def shutdown(self) -> None:
-        self.worker.shutdown()
+        self.host.shutdown()
 
 
 @dataclass
@@ -108,13 +122,15 @@ class EngineCore:
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
-        detok = None
-        if self.tokenizer is not None:
-            p = request.params
-            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, stop=p.stop,
-                                           skip_special_tokens=p.skip_special_tokens,
-                                           include_stop_str_in_output=p.include_stop_str_in_output)
-        self._tracked[request.request_id] = _Tracked(request, detok)
+        self._tracked[request.request_id] = _Tracked(request, self._detokenizer(request))
+
+    def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = request.params
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_ids, stop=p.stop,
+                                      skip_special_tokens=p.skip_special_tokens,
+                                      include_stop_str_in_output=p.include_stop_str_in_output)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> Request:
@@ -131,6 +147,29 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    def detach(self, request_id: str) -> Request:
+        """Take a request off this replica without finishing it (hand-over); its blocks are freed
+        here (pin them first to keep its KV). No delta is produced."""
+        self._tracked.pop(request_id, None)
+        return self.scheduler.detach(request_id)
+
+    def adopt(self, request: Request, *, num_computed_tokens: int = 0) -> None:
+        """Continue a request started elsewhere, whose output_ids were already streamed.
+
+        num_computed_tokens > 0: its KV for that many tokens is already in this replica's cache
+        (kv.allocate_for_import); 0: the prompt and the output so far are recomputed.
+        """
+        request.arrival = next(self._arrivals)
+        if num_computed_tokens:
+            self.scheduler.add_running(request, num_computed_tokens)
+        else:
+            self.scheduler.add_request(request, bounded=False)
+        tracked = _Tracked(request, self._detokenizer(request), num_sent_tokens=len(request.output_ids))
+        if tracked.detok is not None:  # replay what the client already has, so text continues seamlessly
+            tracked.detok.push(request.output_ids)
+            tracked.text = tracked.detok.take()
+        self._tracked[request.request_id] = tracked
 
     # -- stepping --------------------------------------------------------------------------
 

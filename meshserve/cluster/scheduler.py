@@ -69,8 +69,9 @@ class Scheduler:
 
     # -- requests in and out ---------------------------------------------------------------
 
-    def check_request(self, request: Request) -> None:
-        """Refuse a request that could never run, before anything is queued."""
+    def check_request(self, request: Request, *, bounded: bool = True) -> None:
+        """Refuse a request that could never run, before anything is queued. bounded=False skips
+        the queue bound (a request handed over from another replica must not be refused)."""
         n = len(request.prompt_ids)
         check(n >= 1, "prompt", n, "at least one token")
         check(n < self.max_model_len, "prompt", f"{n} tokens", f"fewer than max_model_len={self.max_model_len}")
@@ -79,13 +80,41 @@ class Scheduler:
                   f"at most max_num_batched_tokens={self.config.max_num_batched_tokens} "
                   "without chunked prefill")
         check(request.request_id not in self.requests, "request_id", request.request_id, "an id not in use")
-        check(len(self.waiting) < self.config.max_queue, "max_queue", self.config.max_queue,
+        check(not bounded or len(self.waiting) < self.config.max_queue, "max_queue", self.config.max_queue,
               f"more than {len(self.waiting)} waiting requests (queue full)")
 
-    def add_request(self, request: Request) -> None:
-        self.check_request(request)
+    def add_request(self, request: Request, *, bounded: bool = True) -> None:
+        self.check_request(request, bounded=bounded)
         self.requests[request.request_id] = request
         bisect.insort(self.waiting, request, key=lambda r: r.arrival)
+
+    def add_running(self, request: Request, num_computed_tokens: int) -> None:
+        """Admit a request whose first `num_computed_tokens` tokens already have their K/V in the
+        cache (a hand-over: `kv` holds its blocks). It is scheduled from the next step on."""
+        check(request.request_id not in self.requests, "request_id", request.request_id, "an id not in use")
+        check(request.request_id in self.kv, "request_id", request.request_id, "an id holding imported blocks")
+        check(0 < num_computed_tokens < request.num_tokens, "num_computed_tokens", num_computed_tokens,
+              f"an integer in [1, {request.num_tokens - 1}]")
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed_tokens
+        self.requests[request.request_id] = request
+        bisect.insort(self.running, request, key=lambda r: r.arrival)
+
+    def detach(self, request_id: str) -> Request:
+        """Remove an unfinished request without finishing it (it continues on another replica):
+        its blocks are freed and the workers forget it. The request comes back ready to adopt."""
+        req = self.requests.pop(request_id)
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.kv.free(req.request_id)
+        else:
+            self.waiting.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        if req.request_id in self._announced:
+            self._announced.discard(req.request_id)
+            self._to_forget.append(req.request_id)
+        return req
 
     def abort(self, request_id: str) -> Request | None:
         """Finish a request as aborted, freeing its blocks. None if unknown or already finished."""

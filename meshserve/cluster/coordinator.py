@@ -1,0 +1,288 @@
+"""The coordinator: pools of replicas behind the InferenceService protocol (cluster/service.py).
+
+    coord = Coordinator(ClusterConfig(engine=EngineConfig(model=ModelConfig(model=DIR)),
+                                      pools=PoolConfig(mode="disaggregated")))
+    await coord.start()                      # Ray (embedded or ray_address), replicas loaded
+    async for delta in coord.generate("Hello", SamplingParams(max_tokens=32), request_id="r1"):
+        ...
+    await coord.shutdown(drain=True)
+
+Unified mode: one pool; any replica runs a request from prompt to end. Disaggregated: a new
+request goes to the prefill pool (longest cached prefix, then least load) and runs until its
+first token; the decode pool (most free KV, then least load) takes it over with its KV (or by
+recomputing the prompt when the hand-over fails). The client sees one stream either way.
+
+Errors follow the service conventions: ConfigError for bad input (nothing queued),
+CapacityError when prompt + max_tokens can never fit a replica's KV cache, QueueFullError when
+the entry pool's queue is full, UnavailableError when no replica can take it, and
+ReplicaFailedError (raised by the stream) when the replica serving it dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+
+from meshserve.cluster.engine import EngineConfig
+from meshserve.cluster.logs import configure_logging, request_event
+from meshserve.cluster.outputs import CompletionDelta
+from meshserve.cluster.pools import ReplicaPool
+from meshserve.cluster.replica import Handoff, Replica
+from meshserve.cluster.request import Request
+from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.config import ParallelConfig, PoolConfig, PoolMode
+from meshserve.errors import CapacityError, UnavailableError, as_enum, check
+from meshserve.workers.checkpoint import load_tokenizer
+from meshserve.workers.sampling_params import SamplingParams
+
+log = logging.getLogger("meshserve.coordinator")
+
+
+class Runtime(StrEnum):
+    RAY = "ray"  # WorkerActors in placement groups (embedded Ray or pools.ray_address)
+    PROCESSES = "processes"  # local subprocess ranks (no Ray)
+    THREADS = "threads"  # tp=1 ranks on threads of this process (tests, debugging)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """engine: the replicas' settings; pools: mode, replica counts, ray_address.
+
+    prefill_parallel / decode_parallel: a pool's own tp/dcp (default engine.parallel). KV moves
+    between pools of equal tp and dcp; otherwise the decode replica recomputes the prompt.
+    """
+
+    engine: EngineConfig
+    pools: PoolConfig = field(default_factory=PoolConfig)
+    runtime: Runtime = Runtime.RAY
+    prefill_parallel: ParallelConfig | None = None
+    decode_parallel: ParallelConfig | None = None
+    device: str | None = None
+    worker_class: str | None = None  # "module:Class" of the rank's worker (default: the real Worker)
+    ray_num_cpus: int | None = None  # embedded Ray only
+    ray_temp_dir: str | None = None  # embedded Ray only
+    health_period_s: float = 2.0
+    handover_timeout_s: float = 5.0
+    drain_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "runtime", as_enum(Runtime, "runtime", self.runtime))
+        check(self.engine.model.model is not None, "model", None, "a checkpoint directory")
+        for name in ("health_period_s", "handover_timeout_s", "drain_timeout_s"):
+            value = getattr(self, name)
+            check(isinstance(value, int | float) and value > 0, name, value, "a number of seconds > 0")
+        if self.runtime is Runtime.THREADS:
+            for role, par in self.parallel_by_role().items():
+                check(par.tp == 1, f"{role} tp", par.tp, "1 with runtime=threads (use processes or ray)")
+
+    def parallel_by_role(self) -> dict[str, ParallelConfig]:
+        if self.pools.mode is PoolMode.UNIFIED:
+            return {"unified": self.engine.parallel}
+        return {"prefill": self.prefill_parallel or self.engine.parallel,
+                "decode": self.decode_parallel or self.engine.parallel}
+
+
+class Coordinator:
+    """Implements meshserve.cluster.service.InferenceService over pools of replicas."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
+        self.pools: dict[str, ReplicaPool] = {}
+        self.tokenizer = None
+        self._live: dict[str, asyncio.Queue] = {}
+        self._arrivals = itertools.count()
+        self._owns_ray = False
+        self._closing = False
+        self._started = False
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> Coordinator:
+        configure_logging()
+        cfg = self.config
+        if cfg.runtime is Runtime.RAY:
+            from meshserve.cluster.ray_executor import ray_init
+
+            # On the calling thread: Ray installs its signal handlers only from the main thread.
+            self._owns_ray = ray_init(cfg.pools.ray_address, num_cpus=cfg.ray_num_cpus, temp_dir=cfg.ray_temp_dir)
+        self.tokenizer = load_tokenizer(cfg.engine.model.model)
+        sizes = ({"unified": cfg.pools.replicas} if not self.disaggregated
+                 else {"prefill": cfg.pools.prefill_replicas, "decode": cfg.pools.decode_replicas})
+        parallel = cfg.parallel_by_role()
+        for role, size in sizes.items():
+            self.pools[role] = ReplicaPool(role, size, self._builder(role, parallel[role]),
+                                           max_queue=cfg.engine.scheduler.max_queue)
+        try:
+            await asyncio.gather(*(p.start() for p in self.pools.values()))
+        except BaseException:
+            await self._stop_all()
+            raise
+        info = self.pools[self._entry].replicas[0].core.info
+        self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
+        self._started = True
+        log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
+        return self
+
+    async def __aenter__(self) -> Coordinator:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.shutdown(drain=False)
+
+    def _builder(self, role: str, parallel: ParallelConfig):
+        cfg = self.config
+        engine = replace(cfg.engine, parallel=parallel)
+
+        def build(slot: int) -> Replica:
+            name = f"{role}-{slot}"
+            pool = self.pools[role]
+            return Replica(name, role, engine, lambda: self._executor(engine, role, name),
+                           on_handoff=self._on_handoff, on_failed=pool.on_failed,
+                           health_period_s=cfg.health_period_s, handover_timeout_s=cfg.handover_timeout_s)
+        return build
+
+    def _executor(self, engine: EngineConfig, role: str, name: str):
+        cfg = self.config
+        if cfg.runtime is Runtime.RAY:
+            from meshserve.cluster.ray_executor import RayExecutor
+
+            return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class)
+        if cfg.runtime is Runtime.PROCESSES:
+            from meshserve.cluster.multiproc import MultiprocExecutor
+
+            return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name)
+        from meshserve.cluster.executor import ChannelExecutor, ThreadRanks, WorkerSpec
+
+        spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
+                          **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))
+        return ChannelExecutor(ThreadRanks(spec), name=name)
+
+    async def shutdown(self, *, drain: bool = True) -> None:
+        """Refuse new requests; with drain, let running ones finish (up to drain_timeout_s)."""
+        self._closing = True
+        if drain:
+            await asyncio.gather(*(p.drain(self.config.drain_timeout_s) for p in self.pools.values()))
+        await self._stop_all()
+
+    async def _stop_all(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
+        if self._owns_ray:
+            import ray
+
+            ray.shutdown()
+            self._owns_ray = False
+
+    # -- InferenceService -----------------------------------------------------------------------
+    @property
+    def _entry(self) -> str:
+        return "prefill" if self.disaggregated else "unified"
+
+    def models(self) -> list[ModelCard]:
+        name = str(self.config.engine.model.model).rstrip("/").rsplit("/", 1)[-1]
+        return [ModelCard(name, self._max_model_len, self._vocab_size)]
+
+    def tokenize(self, text: str) -> list[int]:
+        check(self.tokenizer is not None, "text", text[:20], "token ids: the model has no tokenizer.json")
+        return self.tokenizer.encode(text).ids
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        check(self.tokenizer is not None, "token_ids", list(token_ids[:5]), "text: the model has no tokenizer")
+        return self.tokenizer.decode(list(token_ids))
+
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                       request_id: str) -> AsyncIterator[CompletionDelta]:
+        """Deltas of one request until its finished one. Refusals raise before anything is queued."""
+        request = self._make_request(prompt, params, request_id)
+        pool = self.pools[self._entry]
+        pool.admit()
+        sink: asyncio.Queue = asyncio.Queue()
+        self._live[request_id] = sink
+        pool.submit(request, sink, prefill_only=self.disaggregated)
+        request_event(request_id, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
+        finished = False
+        try:
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    finished = True  # nothing holds it any more
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._live.pop(request_id, None)
+            if not finished:  # the caller left early: free its blocks now
+                self._abort_everywhere(request_id)
+
+    async def abort(self, request_id: str) -> bool:
+        """Cancel a request; its stream ends with finish_reason abort. False if unknown."""
+        return request_id in self._live and self._abort_everywhere(request_id)
+
+    def _abort_everywhere(self, request_id: str) -> bool:
+        return any(pool.abort(request_id) for pool in self.pools.values())
+
+    def health(self) -> ServiceHealth:
+        replicas = [r for p in self.pools.values() for r in p.replicas]
+        healthy = [r for r in replicas if r.accepting]
+        serving = self._started and not self._closing and all(p.ready for p in self.pools.values())
+        detail = "; ".join(f"{r.name}: {r.state.value}" for r in replicas)
+        return ServiceHealth(serving, len(healthy), len(replicas), detail)
+
+    def stats(self) -> ServiceStats:
+        rows = [s for p in self.pools.values() for s in p.stats()]
+        total = sum(s.num_total_kv_blocks for s in rows)
+        free = sum(s.num_free_kv_blocks for s in rows)
+        return ServiceStats(
+            num_waiting=sum(s.num_waiting for s in rows), num_running=sum(s.num_running for s in rows),
+            kv_usage=(total - free) / total if total else 0.0, num_free_kv_blocks=free,
+            prefix_hit_tokens=sum(s.prefix_hit_tokens for s in rows),
+            prompt_tokens=sum(s.prompt_tokens for s in rows if s.role != "decode"),
+            num_preemptions=sum(s.num_preemptions for s in rows),
+            generated_tokens=sum(s.generated_tokens for s in rows))
+
+    # -- internals ------------------------------------------------------------------------------
+    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:
+        if self._closing or not self._started:
+            raise UnavailableError("the service is shutting down" if self._closing else "the service is starting")
+        params = params or SamplingParams()
+        check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
+        check(isinstance(request_id, str) and request_id != "", "request_id", request_id, "a non-empty string")
+        check(request_id not in self._live, "request_id", request_id, "an id not in use")
+        params.check_vocab(self._vocab_size)
+        if isinstance(prompt, str):
+            text, ids = prompt, self.tokenize(prompt)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self._vocab_size]
+            check(not bad, "prompt", bad[:5], f"token ids in [0, {self._vocab_size})")
+        request = Request(request_id, ids, params, arrival=next(self._arrivals), prompt=text)
+        replicas = [r for p in self.pools.values() for r in p.ready]
+        if not replicas:
+            raise UnavailableError("no healthy replica")
+        for replica in replicas:  # the same checks a single-process engine makes
+            replica.core.scheduler.check_request(request, bounded=False)
+        need = min(len(ids) + params.max_tokens, self._max_model_len)
+        capacity = min(r.core.kv.capacity_tokens for r in replicas)
+        if need > capacity:
+            raise CapacityError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
+                                f"slots; a replica holds {capacity}")
+        return request
+
+    def _on_handoff(self, handoff: Handoff) -> None:
+        rid = handoff.request.request_id
+        if rid not in self._live:  # the client left while it was being prefilled
+            if handoff.offer is not None:
+                handoff.source.release(handoff.offer.pin_id)
+            return
+        request_event(rid, "handoff", source=handoff.source.name, kv=handoff.offer is not None)
+        self.pools["decode"].hand_over(handoff)
+
+    def replicas(self, role: str | None = None) -> list[Replica]:
+        """Live replicas (of one role, or all): for tests and the operations tools."""
+        return [r for name, p in self.pools.items() if role in (None, name) for r in p.replicas]
+

@@ -1,0 +1,211 @@
+"""A pool: the replicas of one role (unified, prefill or decode), with routing, admission and repair.
+
+Routing. New requests go to the ready replica with the longest cached prefix of the prompt,
+then the least load (requests held). Hand-overs go to the ready decode replica with the most
+free KV blocks, then the least load.
+
+Admission. The pool's queue (requests not yet running: waiting inside replicas plus those the
+pool holds while no replica is ready) is bounded by `max_queue`; beyond it QueueFullError.
+When no replica is ready and none is being rebuilt, UnavailableError. Hand-overs are never
+refused: their first token has already been streamed.
+
+Repair. A replica that fails is rebuilt in its slot (fresh ranks, fresh KV), with backoff,
+up to `max_rebuilds` times in a row. Requests it held that had not streamed anything come
+back to the pool and are routed again; meanwhile they wait in the pool's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+from meshserve.cluster.outputs import CompletionDelta
+from meshserve.cluster.replica import Handoff, Replica, ReplicaState, ReplicaStats, Sink
+from meshserve.cluster.request import FinishReason, Request
+from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError
+
+log = logging.getLogger("meshserve.pool")
+
+REBUILD_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+
+
+@dataclass
+class _Waiting:
+    """A request or hand-over held by the pool until a replica is ready."""
+
+    request: Request
+    sink: Sink
+    prefill_only: bool = False
+    handoff: Handoff | None = None
+
+
+class ReplicaPool:
+    """build(slot) -> a new, unstarted Replica for that slot (its callbacks point back here)."""
+
+    def __init__(self, role: str, size: int, build: Callable[[int], Replica], *, max_queue: int,
+                 max_rebuilds: int = len(REBUILD_BACKOFF_S)) -> None:
+        self.role = role
+        self.size = size
+        self.build = build
+        self.max_queue = max_queue
+        self.max_rebuilds = max_rebuilds
+        self.replicas: list[Replica] = []
+        self._waiting: list[_Waiting] = []
+        self._rebuilding: dict[int, asyncio.Task] = {}
+        self._retired = _zero_stats(role)  # counters of replicas that were replaced
+        self.num_rebuilds = 0
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start every replica at once; if any fails, stop the others and raise."""
+        self.replicas = [self.build(slot) for slot in range(self.size)]
+        results = await asyncio.gather(*(r.start() for r in self.replicas), return_exceptions=True)
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            await self.stop()
+            raise errors[0]
+
+    async def drain(self, timeout_s: float | None) -> None:
+        await asyncio.gather(*(r.drain(timeout_s) for r in self.replicas))
+
+    async def stop(self) -> None:
+        for task in list(self._rebuilding.values()):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._rebuilding.clear()
+        await asyncio.gather(*(r.stop() for r in self.replicas), return_exceptions=True)
+        for w in self._waiting:
+            self._give_up(w, "the pool was shut down")
+        self._waiting.clear()
+
+    # -- routing --------------------------------------------------------------------------------
+    @property
+    def ready(self) -> list[Replica]:
+        return [r for r in self.replicas if r.accepting]
+
+    @property
+    def num_queued(self) -> int:
+        return len(self._waiting) + sum(r.num_waiting for r in self.replicas if r.accepting)
+
+    def admit(self) -> None:
+        """Raise unless one more new request may enter this pool now."""
+        if not self.ready and not self._rebuilding:
+            raise UnavailableError(f"no healthy {self.role} replica ({self._describe()})")
+        if self.num_queued >= self.max_queue:
+            raise QueueFullError(f"the {self.role} pool's queue is full ({self.num_queued} of "
+                                 f"max_queue={self.max_queue} requests waiting)")
+
+    def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
+        replica = self._pick_for_prompt(request.prompt_ids)
+        if replica is None:
+            self._waiting.append(_Waiting(request, sink, prefill_only))
+        else:
+            replica.submit(request, sink, prefill_only=prefill_only)
+
+    def hand_over(self, handoff: Handoff) -> None:
+        replica = self._pick_for_decode()
+        if replica is None:
+            self._waiting.append(_Waiting(handoff.request, handoff.sink, handoff=handoff))
+        else:
+            replica.adopt(handoff)
+
+    def abort(self, request_id: str) -> bool:
+        for w in self._waiting:
+            if w.request.request_id == request_id:
+                self._waiting.remove(w)
+                _release(w)
+                w.sink.put_nowait(CompletionDelta(request_id, [], "", True, FinishReason.ABORT))
+                return True
+        return any(r.abort(request_id) for r in self.replicas)
+
+    def _pick_for_prompt(self, prompt_ids: list[int]) -> Replica | None:
+        ready = self.ready
+        if not ready:
+            return None
+        if len(ready) == 1:
+            return ready[0]
+        return max(ready, key=lambda r: (r.cached_prefix_tokens(prompt_ids), -r.load))
+
+    def _pick_for_decode(self) -> Replica | None:
+        ready = self.ready
+        return max(ready, key=lambda r: (r.num_free_blocks, -r.load)) if ready else None
+
+    def _dispatch_waiting(self) -> None:
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            if w.handoff is not None:
+                self.hand_over(w.handoff)
+            else:
+                self.submit(w.request, w.sink, prefill_only=w.prefill_only)
+
+    # -- repair ---------------------------------------------------------------------------------
+    def on_failed(self, replica: Replica, error: BaseException, orphans: list) -> None:
+        """A replica died: route its untouched requests again and rebuild its slot."""
+        for request, sink, prefill_only in orphans:
+            self._waiting.append(_Waiting(request, sink, prefill_only))
+        slot = self.replicas.index(replica) if replica in self.replicas else None
+        if slot is not None and slot not in self._rebuilding:
+            self._rebuilding[slot] = asyncio.get_running_loop().create_task(self._rebuild(slot))
+        self._dispatch_waiting()
+
+    async def _rebuild(self, slot: int) -> None:
+        old = self.replicas[slot]
+        with contextlib.suppress(Exception):
+            await old.stop()
+        self._retire(old.stats())
+        try:
+            for attempt in range(self.max_rebuilds):
+                await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+                new = self.build(slot)
+                self.replicas[slot] = new
+                try:
+                    await new.start()
+                except Exception as exc:
+                    log.warning("rebuilding %s failed (attempt %d): %r", new.name, attempt + 1, exc)
+                    continue
+                self.num_rebuilds += 1
+                log.warning("replica %s rebuilt", new.name)
+                return
+            log.error("giving up on %s pool slot %d after %d attempts", self.role, slot, self.max_rebuilds)
+        finally:
+            self._rebuilding.pop(slot, None)
+            self._dispatch_waiting()
+            if not self.ready and not self._rebuilding:
+                waiting, self._waiting = self._waiting, []
+                for w in waiting:
+                    self._give_up(w, f"no {self.role} replica could be rebuilt")
+
+    def _give_up(self, w: _Waiting, why: str) -> None:
+        _release(w)
+        w.sink.put_nowait(ReplicaFailedError(f"{w.request.request_id}: {why}"))
+
+    # -- health and stats -----------------------------------------------------------------------
+    def _describe(self) -> str:
+        states = [f"{r.name}={r.state.value}" for r in self.replicas]
+        return ", ".join(states) or "no replicas"
+
+    def _retire(self, s: ReplicaStats) -> None:
+        for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
+                  "num_kv_imports", "num_recomputes"):
+            setattr(self._retired, f, getattr(self._retired, f) + getattr(s, f))
+
+    def stats(self) -> list[ReplicaStats]:
+        """One record per live replica, plus one named '<role>-retired' for counters of replaced ones."""
+        return [r.stats() for r in self.replicas] + [self._retired]
+
+    def states(self) -> list[ReplicaState]:
+        return [r.state for r in self.replicas]
+
+
+def _release(w: _Waiting) -> None:
+    if w.handoff is not None and w.handoff.offer is not None:
+        w.handoff.source.release(w.handoff.offer.pin_id)
+
+
+def _zero_stats(role: str) -> ReplicaStats:
+    zero = {f.name: 0 for f in fields(ReplicaStats)}
+    return ReplicaStats(**{**zero, "name": f"{role}-retired", "role": role, "state": "retired", "kv_usage": 0.0})

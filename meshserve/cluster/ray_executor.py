@@ -1,0 +1,157 @@
+"""Replicas on Ray: tp WorkerActors gang-scheduled in one placement group, steps over the channel.
+
+Placement: one bundle per rank, STRICT_PACK (a replica's ranks share a node: their collectives
+stay on one host). A bundle asks for the pool's resource (`meshserve_unified`, `meshserve_prefill`,
+`meshserve_decode`, one unit per rank, advertised by worker nodes; see docs/deploy.md) when the
+cluster has it, one GPU per rank on CUDA, else a sliver of CPU so that many ranks fit on a
+small machine. The channel binds on the driver's node IP; rank 0 picks the torch.distributed
+rendezvous on its own node.
+
+`ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
+embedded one on this machine; the same code runs on both.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from meshserve.cluster.executor import ChannelExecutor, WorkerDiedError, WorkerSpec
+from meshserve.errors import UnavailableError
+
+log = logging.getLogger("meshserve.ray")
+
+CPU_PER_RANK = 0.01  # without pool resources: ranks are placed, not CPU-limited
+PLACEMENT_TIMEOUT_S = 120.0
+
+
+def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
+    """Connect to Ray unless already connected. Returns True when this call connected (the
+    caller then owns the connection and calls ray.shutdown()). address None starts an embedded
+    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address is None:
+        kwargs.update(include_dashboard=False, num_cpus=num_cpus, _temp_dir=temp_dir)
+    ray.init(address=address, **kwargs)
+    return True
+
+
+def rank_bundle(role: str, *, device: str | None) -> dict[str, float]:
+    """Resources one rank of a `role` replica reserves."""
+    resources = ray.cluster_resources()
+    bundle: dict[str, float] = {}
+    pool_resource = f"meshserve_{role}"
+    if pool_resource in resources:
+        bundle[pool_resource] = 1.0
+    if device == "cuda" or (device is None and resources.get("GPU", 0) > 0):
+        bundle["GPU"] = 1.0
+    return bundle or {"CPU": CPU_PER_RANK}
+
+
+class RayRanks:
+    """The ranks of one replica as WorkerActors in a placement group."""
+
+    def __init__(self, spec: WorkerSpec, *, role: str = "unified", name: str = "replica") -> None:
+        self.spec = spec
+        self.world = spec.parallel.tp
+        self.role = role
+        self.name = name
+        self.driver_host = ray.util.get_node_ip_address()
+        self.actors: list[Any] = []
+        self.serving: list[Any] = []
+        self.pg = None
+        self._stopping = False
+
+    def launch(self, address: str) -> None:
+        from meshserve.cluster.actors import WorkerActor
+
+        bundle = rank_bundle(self.role, device=self.spec.device)
+        self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK", name=f"meshserve-{self.name}")
+        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
+        if not ready:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise UnavailableError(f"{self.name}: no Ray node can host {self.world} rank(s) of {bundle} "
+                                   f"within {PLACEMENT_TIMEOUT_S:.0f} s (cluster has {ray.cluster_resources()})")
+        spec = self.spec.to_msgpack()
+        for rank in range(self.world):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+            actor = WorkerActor.options(scheduling_strategy=strategy, resources=_non_cpu(bundle),
+                                        num_gpus=bundle.get("GPU", 0)).remote(spec, rank)
+            self.actors.append(actor)
+        self.serving = [actor.serve.remote(address) for actor in self.actors]
+        log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)
+
+    def check(self) -> None:
+        if not self.serving or self._stopping:
+            return
+        ready, _ = ray.wait(self.serving, num_returns=len(self.serving), timeout=0)
+        for ref in ready:
+            rank = self.serving.index(ref)
+            try:
+                ray.get(ref)
+                cause = "its channel loop ended"
+            except ray.exceptions.RayActorError as exc:
+                cause = actor_death_cause(exc)
+            except Exception as exc:  # the loop itself raised
+                cause = f"{type(exc).__name__}: {exc}"
+            raise WorkerDiedError(f"rank {rank} actor of {self.name} died: {cause}")
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Per rank: node id, IP and pid of its actor."""
+        return ray.get([a.node.remote() for a in self.actors])
+
+    def health(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        self.check()
+        refs = [a.check_health.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise WorkerDiedError(f"{self.name}: {len(refs) - len(ready)} rank(s) did not answer a health "
+                                  f"check within {timeout_s} s")
+        return ray.get(refs)
+
+    def stop(self) -> None:
+        self._stopping = True
+        if self.serving:  # the channel said stop; give the loops a moment to end cleanly
+            ray.wait(self.serving, num_returns=len(self.serving), timeout=5.0)
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors, self.serving = [], []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _non_cpu(bundle: dict[str, float]) -> dict[str, float]:
+    """The actor takes the bundle's custom resources (its CPU / GPU go through num_cpus/num_gpus)."""
+    return {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+
+
+def actor_death_cause(exc: BaseException) -> str:
+    """The informative part of Ray's actor-death message, on one line."""
+    text = str(exc)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("The actor is dead because"):
+            return line[:300]
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
+
+
+class RayExecutor(ChannelExecutor):
+    """An executor for `config` (an EngineConfig) whose tp ranks are Ray actors."""
+
+    def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
+                 worker_class: str | None = None) -> None:
+        spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
+                          **({"worker_class": worker_class} if worker_class else {}))
+        super().__init__(RayRanks(spec, role=role, name=name), name=name)
+
+    def check_health(self) -> list[dict[str, Any]]:
+        return self.ranks.health()

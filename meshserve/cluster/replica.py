@@ -1,0 +1,436 @@
+"""One replica inside the cluster: an EngineCore driven by its own asyncio task.
+
+The task owns the core. Model steps and channel calls run in a worker thread (one at a time);
+new requests, aborts, hand-overs and releases arriving meanwhile wait in lists and are applied
+between steps, so the scheduler and KV manager are only ever touched by one thread at a time.
+
+Disaggregated serving. A prefill replica runs a request until its first token, then (in the
+step thread) pins the request's blocks, asks every rank to offer its KV shard (`kv_offer`),
+detaches the request and hands a `Handoff` to the coordinator. A decode replica `adopt`s it:
+allocates blocks, has every rank pull its shard from the matching prefill rank (`kv_pull`),
+and continues from the first token; if anything about the transfer fails it recomputes the
+prompt instead. Either way the prefill replica is then told to `release` its pin.
+
+Failure: when the executor reports a dead rank (or any step fails) the replica fails. Requests
+in flight (scheduled at least once, or adopted) end with ReplicaFailedError naming the cause:
+one of them may be what killed it, so they are not retried. Requests that never ran lose
+nothing: they go back to the pool (`on_failed`), which also rebuilds the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import enum
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from meshserve.cluster.engine import EngineConfig, EngineCore
+from meshserve.cluster.executor import Executor, RankError
+from meshserve.cluster.logs import request_event
+from meshserve.cluster.outputs import CompletionDelta
+from meshserve.cluster.request import FinishReason, Request, RequestStatus
+from meshserve.errors import MeshserveError, ReplicaFailedError
+from meshserve.kvstore.block_pool import NULL_BLOCK
+
+log = logging.getLogger("meshserve.replica")
+
+Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request's stream
+
+
+class ReplicaState(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"  # finishing its requests, taking no new ones
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class KVOffer:
+    """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
+
+    addresses: list[str]  # per rank: its export server
+    num_tokens: int
+    positions: list[int]  # block-table indices that hold data
+    extra_keys: tuple
+    pin_id: tuple
+    model_id: str
+    tp: int
+    block_size: int
+    dcp_size: int
+
+
+@dataclass
+class Handoff:
+    """A request leaving a prefill replica after its first token (already streamed)."""
+
+    request: Request
+    source: Replica
+    offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
+    reason: str = ""
+    sink: Sink | None = None
+
+
+@dataclass
+class ReplicaStats:
+    name: str
+    role: str
+    state: str
+    num_waiting: int
+    num_running: int
+    num_free_kv_blocks: int
+    num_total_kv_blocks: int
+    kv_usage: float
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    generated_tokens: int
+    num_preemptions: int
+    num_handoffs: int = 0
+    num_kv_imports: int = 0
+    num_recomputes: int = 0
+
+
+@dataclass
+class _Held:
+    request: Request
+    sink: Sink
+    prefill_only: bool = False
+
+
+@dataclass
+class _Counters:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    handoffs: int = 0
+    kv_imports: int = 0
+    recomputes: int = 0
+    pins: itertools.count = field(default_factory=itertools.count)
+
+
+class Replica:
+    """name: unique in the cluster; role: unified, prefill or decode.
+
+    on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
+    the replica died; orphans are (request, sink, prefill_only) that streamed nothing yet.
+    """
+
+    def __init__(self, name: str, role: str, config: EngineConfig, make_executor: Callable[[], Executor], *,
+                 on_handoff: Callable[[Handoff], None] | None = None,
+                 on_failed: Callable[[Replica, BaseException, list], None] | None = None,
+                 health_period_s: float = 2.0, handover_timeout_s: float = 5.0) -> None:
+        self.name = name
+        self.role = role
+        self.config = config
+        self.make_executor = make_executor
+        self.on_handoff = on_handoff
+        self.on_failed = on_failed
+        self.health_period_s = health_period_s
+        self.handover_timeout_s = handover_timeout_s
+        self.model_id = str(config.model.model)
+        self.world = config.parallel.tp
+        self.state = ReplicaState.STARTING
+        self.error: BaseException | None = None
+        self.core: EngineCore | None = None
+        self.executor: Executor | None = None
+        self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
+        self._held: dict[str, _Held] = {}
+        self._inbox: list[str] = []
+        self._adoptions: list[Handoff] = []
+        self._aborts: list[str] = []
+        self._releases: list[tuple] = []
+        self._counters = _Counters()
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._task: asyncio.Task | None = None
+
+    # -- life cycle -----------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Start the ranks and load the model (in a thread); READY when done, FAILED if it raised."""
+        self.executor = self.make_executor()
+        try:
+            self.core = await asyncio.to_thread(EngineCore, self.config, executor=self.executor)
+        except BaseException as exc:
+            self.state, self.error = ReplicaState.FAILED, exc
+            await asyncio.to_thread(self.executor.shutdown)
+            raise
+        self.state = ReplicaState.READY
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
+        log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Take no new requests; wait until the ones held finish. False on timeout."""
+        if self.state is ReplicaState.READY:
+            self.state = ReplicaState.DRAINING
+        self._wake()
+        if not self._held:
+            return True
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        return not self._held
+
+    async def stop(self) -> None:
+        """Stop the loop and the ranks; requests still held end with ReplicaFailedError."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for held in self._held.values():
+            held.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
+        self._held.clear()
+        if self.executor is not None:
+            await asyncio.to_thread(self.executor.shutdown)
+            self.executor = None
+        if self.state is not ReplicaState.FAILED:
+            self.state = ReplicaState.STOPPED
+
+    # -- requests (event-loop thread) -------------------------------------------------------------
+    @property
+    def accepting(self) -> bool:
+        return self.state is ReplicaState.READY
+
+    def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
+        self._held[request.request_id] = _Held(request, sink, prefill_only)
+        self._inbox.append(request.request_id)
+        request_event(request.request_id, "queued", replica=self.name, prefill_only=prefill_only)
+        self._wake()
+
+    def adopt(self, handoff: Handoff) -> None:
+        rid = handoff.request.request_id
+        self._held[rid] = _Held(handoff.request, handoff.sink)
+        self._adoptions.append(handoff)
+        request_event(rid, "adopting", replica=self.name, kv="offered" if handoff.offer else "recompute")
+        self._wake()
+
+    def abort(self, request_id: str) -> bool:
+        if request_id not in self._held:
+            return False
+        self._aborts.append(request_id)
+        self._wake()
+        return True
+
+    def release(self, pin_id: tuple) -> None:
+        """The decode side is done with an offer: free the pinned blocks."""
+        if self.state in (ReplicaState.READY, ReplicaState.DRAINING):
+            self._releases.append(pin_id)
+            self._wake()
+
+    def inject_fault(self, kind: str) -> None:
+        """Make the next hand-over offer from this replica fail ("checksum" or "withdraw")."""
+        self.faults.append(kind)
+
+    @property
+    def load(self) -> int:
+        """Requests held (queued, running, being adopted)."""
+        return len(self._held)
+
+    @property
+    def num_waiting(self) -> int:
+        sched = 0 if self.core is None else len(self.core.scheduler.waiting)
+        return len(self._inbox) + len(self._adoptions) + sched
+
+    @property
+    def num_free_blocks(self) -> int:
+        return 0 if self.core is None else self.core.kv.num_free_blocks
+
+    def cached_prefix_tokens(self, token_ids: list[int]) -> int:
+        """Prompt tokens this replica's prefix cache holds (a routing hint; never blocks)."""
+        try:
+            return self.core.kv.lookup_prefix(token_ids).num_tokens
+        except (RuntimeError, KeyError, AttributeError):  # raced with a step; it is only a hint
+            return 0
+
+    def stats(self) -> ReplicaStats:
+        core, c = self.core, self._counters
+        kv = None if core is None else core.kv
+        return ReplicaStats(
+            name=self.name, role=self.role, state=self.state.value, num_waiting=self.num_waiting,
+            num_running=0 if core is None else len(core.scheduler.running),
+            num_free_kv_blocks=0 if kv is None else kv.num_free_blocks,
+            num_total_kv_blocks=0 if kv is None else kv.num_total_blocks,
+            kv_usage=0.0 if kv is None else kv.usage,
+            prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
+            num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
+            num_handoffs=c.handoffs, num_kv_imports=c.kv_imports, num_recomputes=c.recomputes)
+
+    def _wake(self) -> None:
+        self._wakeup.set()
+
+    # -- the loop -------------------------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            while True:
+                self._apply()
+                if self._adoptions:
+                    adoptions, self._adoptions = self._adoptions, []
+                    try:
+                        await asyncio.to_thread(self._import_all, adoptions)
+                    finally:  # pulled, refused or failed: the source may free its pin
+                        _release_sources(adoptions)
+                    continue
+                if not self.core.has_unfinished():
+                    if not self._held:
+                        self._idle.set()
+                    self._wakeup.clear()
+                    if self._inbox or self._aborts or self._releases:
+                        continue
+                    try:
+                        await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                    except TimeoutError:  # idle: make sure the ranks are still there
+                        await asyncio.to_thread(self.executor.check_health)
+                    continue
+                self._idle.clear()
+                deltas, handoffs = await asyncio.to_thread(self._step)
+                self._deliver(deltas)
+                for h in handoffs:
+                    h.sink = self._held.pop(h.request.request_id).sink
+                    self.on_handoff(h)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._fail(exc)
+
+    def _apply(self) -> None:
+        """Releases, aborts and new requests, while no step runs."""
+        core = self.core
+        releases, self._releases = self._releases, []
+        for pin in releases:
+            core.kv.free(pin)
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            held = self._held.pop(rid, None)
+            if held is None:
+                continue
+            if rid in self._inbox:
+                self._inbox.remove(rid)
+            else:
+                core.abort(rid)
+            held.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
+            request_event(rid, "aborted", replica=self.name)
+        inbox, self._inbox = self._inbox, []
+        for rid in inbox:
+            held = self._held[rid]
+            try:
+                core.add(held.request)
+            except MeshserveError as exc:
+                del self._held[rid]
+                held.sink.put_nowait(exc)
+                continue
+            self._counters.prompt_tokens += len(held.request.prompt_ids)
+
+    def _deliver(self, deltas: list[CompletionDelta]) -> None:
+        for delta in deltas:
+            held = self._held.get(delta.request_id)
+            if held is None:
+                continue
+            self._counters.generated_tokens += len(delta.token_ids)
+            held.sink.put_nowait(delta)
+            if delta.finished:
+                del self._held[delta.request_id]
+                request_event(delta.request_id, "finished", replica=self.name, reason=delta.finish_reason)
+
+    # -- step thread ----------------------------------------------------------------------------
+    def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
+        deltas = self.core.step()
+        handoffs = []
+        for d in deltas:
+            held = self._held.get(d.request_id)
+            if held is not None and held.prefill_only and not d.finished:
+                handoffs.append(self._hand_off(d.request_id))
+        return deltas, handoffs
+
+    def _hand_off(self, rid: str) -> Handoff:
+        """Pin the request's blocks, have every rank offer its shard, detach the request."""
+        kv = self.core.kv
+        pin = ("handoff", rid, next(self._counters.pins))
+        kv.fork(rid, pin)
+        table = list(kv.block_table(pin))
+        args = {"request_id": rid, "table": table, "num_tokens": kv.num_tokens(pin),
+                "hashes": list(kv.block_hashes(pin)), "extra_keys": list(kv.extra_keys(pin)),
+                "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
+                "fault": self.faults.pop(0) if self.faults else None}
+        offer, reason = None, ""
+        try:
+            addresses = self.executor.call("kv_offer", [args] * self.world)
+            offer = KVOffer(addresses, args["num_tokens"], [i for i, b in enumerate(table) if b != NULL_BLOCK],
+                            tuple(args["extra_keys"]), pin, self.model_id, self.world, kv.block_size, kv.dcp_size)
+        except RankError as exc:
+            kv.free(pin)
+            reason = str(exc)
+        self._counters.handoffs += 1
+        request_event(rid, "prefilled", replica=self.name, kv_tokens=args["num_tokens"], offered=offer is not None)
+        return Handoff(self.core.detach(rid), self, offer, reason)
+
+    def _import_all(self, adoptions: list[Handoff]) -> None:
+        for h in adoptions:
+            if h.request.request_id not in self._held:
+                continue  # aborted before it arrived
+            computed = self._import(h)
+            self.core.adopt(h.request, num_computed_tokens=computed)
+            if computed:
+                self._counters.kv_imports += 1
+            else:
+                self._counters.recomputes += 1
+
+    def _import(self, h: Handoff) -> int:
+        """Pull the offered KV into fresh blocks; tokens now cached, or 0 to recompute."""
+        rid, offer, kv = h.request.request_id, h.offer, self.core.kv
+        why = h.reason or "no KV was offered"
+        if offer is not None:
+            same = (offer.tp, offer.model_id, offer.block_size, offer.dcp_size) == (
+                self.world, self.model_id, kv.block_size, kv.dcp_size)
+            blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
+                                            extra_keys=offer.extra_keys) if same else None
+            why = "KV layouts differ (tp, model, block size or dcp)" if not same else "no free blocks"
+            if blocks is not None:
+                args = [{"request_id": rid, "address": offer.addresses[r], "blocks": blocks,
+                         "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
+                         "timeout_s": self.handover_timeout_s} for r in range(self.world)]
+                try:
+                    results = self.executor.call("kv_pull", args)
+                except RankError as exc:
+                    results = [{"ok": False, "error": str(exc)}]
+                if all(r["ok"] for r in results):
+                    kv.register_hashes(rid, results[0]["hashes"])
+                    request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
+                    return offer.num_tokens
+                kv.free(rid, keep_cache=False)
+                why = "; ".join(r["error"] for r in results if not r["ok"])
+        log.info("replica %s recomputes %s: %s", self.name, rid, why)
+        request_event(rid, "recompute", replica=self.name, why=why)
+        return 0
+
+    # -- failure --------------------------------------------------------------------------------
+    def _fail(self, exc: BaseException) -> None:
+        self.state, self.error = ReplicaState.FAILED, exc
+        cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, MeshserveError) else str(exc)
+        log.warning("replica %s failed: %s", self.name, cause)
+        orphans = []
+        for rid, held in self._held.items():
+            req = held.request
+            never_ran = rid in self._inbox or (req.status is RequestStatus.WAITING and not req.output_ids
+                                               and req.num_preemptions == 0)
+            if not never_ran:  # it was in flight: it may be what killed the replica, so no retry
+                held.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
+                request_event(rid, "failed", replica=self.name)
+            else:
+                fresh = Request(rid, held.request.prompt_ids, held.request.params, held.request.arrival,
+                                prompt=held.request.prompt)
+                orphans.append((fresh, held.sink, held.prefill_only))
+        self._held.clear()
+        self._inbox.clear()
+        _release_sources(self._adoptions)
+        self._adoptions.clear()
+        self._idle.set()
+        if self.on_failed is not None:
+            self.on_failed(self, exc, orphans)
+
+
+def _release_sources(adoptions: list[Handoff]) -> None:
+    for h in adoptions:
+        if h.offer is not None:
+            h.source.release(h.offer.pin_id)

@@ -1,0 +1,198 @@
+"""The coordinator with ranks on threads (no Ray): routing, KV hand-over, refusals, abort, failure.
+
+The ranks are real Workers on a tiny checkpoint; steps and KV hand-overs cross the same zmq
+channel and KV transport as with Ray actors. The oracle is the single-process engine.
+"""
+
+import asyncio
+
+import pytest
+
+from meshserve.cluster.coordinator import ClusterConfig, Coordinator
+from meshserve.cluster.null_worker import POISON_TOKEN, next_token
+from meshserve.cluster.request import FinishReason
+from meshserve.config import PoolConfig
+from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
+from meshserve.workers.sampling_params import SamplingParams
+from tests.tiny_models import write_checkpoint
+from tests.unit.cluster.cases import (
+    assert_no_held_blocks,
+    assert_same,
+    collect,
+    engine_config,
+    mixed_requests,
+    reference,
+    run_all,
+)
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cluster") / "llama"
+    write_checkpoint(path, "llama", seed=4)
+    return path
+
+
+@pytest.fixture(scope="module")
+def want(ckpt):
+    return reference(ckpt, mixed_requests())
+
+
+def serve(config: ClusterConfig, body):
+    """Start a coordinator, run `body(coordinator)`, shut it down; returns body's result."""
+    async def main():
+        coord = await Coordinator(config).start()
+        try:
+            return await body(coord)
+        finally:
+            await coord.shutdown(drain=False)
+    return asyncio.run(main())
+
+
+def threads(ckpt, mode="unified", **kw) -> ClusterConfig:
+    sched = kw.pop("scheduler", {})
+    return ClusterConfig(engine=engine_config(ckpt, **sched), pools=PoolConfig(mode=mode, **kw), runtime="threads")
+
+
+def test_unified_two_replicas_match_the_single_process_engine(ckpt, want):
+    async def body(c):
+        got = await run_all(c, mixed_requests())
+        assert [r.stats().prompt_tokens > 0 for r in c.replicas()] == [True, True]  # both served
+        assert_no_held_blocks(c)
+        return got
+    assert_same(serve(threads(ckpt, replicas=2), body), want)
+
+
+def test_disaggregated_hands_kv_over_and_matches(ckpt, want):
+    async def body(c):
+        got = await run_all(c, mixed_requests())
+        (prefill,), (decode,) = c.replicas("prefill"), c.replicas("decode")
+        handed = sum(1 for r in want.values() if len(r.token_ids) > 1)
+        assert prefill.stats().num_handoffs == handed
+        assert decode.stats().num_kv_imports == handed and decode.stats().num_recomputes == 0
+        assert_no_held_blocks(c)  # the prefill side released every pin
+        return got
+    assert_same(serve(threads(ckpt, "disaggregated"), body), want)
+
+
+@pytest.mark.parametrize("fault", ["checksum", "withdraw"])
+def test_a_failed_hand_over_is_recomputed_with_identical_tokens(ckpt, want, fault):
+    rid, prompt, params = mixed_requests()[7]
+
+    async def body(c):
+        (prefill,), (decode,) = c.replicas("prefill"), c.replicas("decode")
+        prefill.inject_fault(fault)
+        got = await collect(c, rid, prompt, params)
+        assert decode.stats().num_recomputes == 1 and decode.stats().num_kv_imports == 0
+        assert_no_held_blocks(c)
+        return got
+    got = serve(threads(ckpt, "disaggregated"), body)
+    assert (got.token_ids, got.text) == (want[rid].token_ids, want[rid].text)
+
+
+def test_refusals_leave_nothing_behind(ckpt):
+    async def body(c):
+        before = c.stats()
+        bad = [([], GREEDY, ConfigError), ([1, 2, 10_000], GREEDY, ConfigError),
+               (list(range(1, 300)), GREEDY, ConfigError),  # longer than max_model_len
+               ([1, 2, 3], SamplingParams(stop_token_ids=(10_000,)), ConfigError)]
+        for prompt, params, error in bad:
+            with pytest.raises(error):
+                await collect(c, "bad", prompt, params)
+        assert c.stats() == before and c.health().serving
+        # The same id twice at once is refused; the first goes on.
+        first = c.generate([5, 6, 7], GREEDY, request_id="dup")
+        await first.__anext__()
+        with pytest.raises(ConfigError, match="request_id"):
+            await collect(c, "dup", [5, 6], GREEDY)
+        await first.aclose()
+    serve(threads(ckpt), body)
+
+
+def test_queue_full_then_abort_and_early_exit_free_blocks(ckpt):
+    async def body(c):
+        long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+        running = c.generate([1, 2, 3], long, request_id="running")
+        await running.__anext__()  # max_num_seqs=1: it holds the only slot
+        waiting = asyncio.ensure_future(collect(c, "waiting", [4, 5, 6], GREEDY))
+        await asyncio.sleep(0.05)
+        assert c.stats().num_waiting == 1
+        with pytest.raises(QueueFullError, match="max_queue=1"):
+            await collect(c, "refused", [7, 8], GREEDY)
+        assert await c.abort("running")
+        deltas = [d async for d in running]
+        assert deltas[-1].finished and deltas[-1].finish_reason is FinishReason.ABORT
+        assert len((await waiting).token_ids) == 24
+        assert not await c.abort("running") and not await c.abort("nobody")
+        leaver = c.generate([9, 9, 9], long, request_id="leaver")
+        await leaver.__anext__()
+        await leaver.aclose()  # leaving the stream aborts the request
+        await asyncio.sleep(0.05)
+        assert_no_held_blocks(c)
+    serve(threads(ckpt, scheduler={"max_num_seqs": 1, "max_queue": 1}), body)
+
+
+def test_drain_lets_running_requests_finish_and_then_refuses(ckpt, want):
+    rid, prompt, params = mixed_requests()[3]
+
+    async def main():
+        c = await Coordinator(threads(ckpt)).start()
+        task = asyncio.ensure_future(collect(c, rid, prompt, params))
+        await asyncio.sleep(0.01)
+        await c.shutdown(drain=True)
+        with pytest.raises(UnavailableError, match="shutting down"):
+            await collect(c, "late", [1, 2], GREEDY)
+        assert not c.health().serving
+        return await task
+    got = asyncio.run(main())
+    assert got.token_ids == want[rid].token_ids
+
+
+def null_config(tmp_path, mode="unified", **kw) -> ClusterConfig:
+    (tmp_path / "null").mkdir(exist_ok=True)
+    cfg = threads(tmp_path / "null", mode, **kw)
+    return ClusterConfig(engine=cfg.engine, pools=cfg.pools, runtime="threads",
+                         worker_class="meshserve.cluster.null_worker:NullWorker", health_period_s=0.2)
+
+
+def null_tokens(prompt, n):
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+def test_a_failing_replica_fails_its_requests_and_is_rebuilt(tmp_path):
+    async def body(c):
+        (old,) = c.replicas()
+        ok = [asyncio.ensure_future(collect(c, f"ok-{i}", [i + 1, 2, 3], GREEDY)) for i in range(3)]
+        with pytest.raises(ReplicaFailedError, match="unified-0 failed: .*poisoned request"):
+            await collect(c, "poison", [1, POISON_TOKEN], GREEDY)
+        results = await asyncio.gather(*ok, return_exceptions=True)
+        for i, r in enumerate(results):  # each either finished before the failure, or failed with it
+            assert isinstance(r, ReplicaFailedError) or r.token_ids == null_tokens([i + 1, 2, 3], 24)
+        for _ in range(100):
+            if c.health().serving:
+                break
+            await asyncio.sleep(0.05)
+        (new,) = c.replicas()
+        assert new is not old and c.pools["unified"].num_rebuilds == 1
+        after = await collect(c, "after", [4, 5], GREEDY)
+        assert after.token_ids == null_tokens([4, 5], 24)
+        assert_no_held_blocks(c)
+    serve(null_config(tmp_path), body)
+
+
+def test_capacity_error_when_prompt_and_max_tokens_cannot_fit(tmp_path):
+    async def body(c):
+        # 8 blocks of 16 tokens, one of them the null block: 112 slots; 100 + 24 tokens do not fit.
+        with pytest.raises(CapacityError, match="needs 124 KV slots; a replica holds 112"):
+            await collect(c, "big", list(range(1, 101)), GREEDY)
+        assert (await collect(c, "small", [1, 2], GREEDY)).token_ids == null_tokens([1, 2], 24)
+    cfg = null_config(tmp_path)
+    from dataclasses import replace
+
+    engine = replace(cfg.engine, cache=replace(cfg.engine.cache, num_kv_blocks=8))
+    serve(replace(cfg, engine=engine), body)
