@@ -69,7 +69,7 @@ class DriverChannel:
 
     def step(self, plan: bytes, check: Callable[[], None]) -> bytes:
         """Send a msgpack StepPlan to every rank; rank 0's msgpack StepOutput."""
-        seq = self._send_all(STEP, [plan] * self.world)
+        seq = self._send_all(STEP, [plan] * self.world, check)
         while True:
             ident, kind, rseq, payload = self._recv(check)
             if kind == OUT and rseq == seq:
@@ -78,7 +78,7 @@ class DriverChannel:
     def call(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None]) -> list[Any]:
         """Run an allow-listed method on every rank (args[r] for rank r); results by rank."""
         payloads = [msgpack.packb({"method": method, "args": a}) for a in args]
-        seq = self._send_all(CALL, payloads)
+        seq = self._send_all(CALL, payloads, check)
         results: dict[int, Any] = {}
         while len(results) < self.world:
             ident, kind, rseq, payload = self._recv(check)
@@ -95,7 +95,7 @@ class DriverChannel:
                 pass
         self._sock.close(linger=200)  # let the stops leave
 
-    def _send_all(self, kind: bytes, payloads: Sequence[bytes]) -> int:
+    def _send_all(self, kind: bytes, payloads: Sequence[bytes], check: Callable[[], None]) -> int:
         seq = self._next_seq
         self._next_seq += 1
         s = _seq(seq)
@@ -103,6 +103,7 @@ class DriverChannel:
             try:
                 self._sock.send_multipart([ident, kind, s, payload])
             except zmq.ZMQError as exc:
+                check()  # the launcher knows why (exit code, Ray's death cause)
                 raise WorkerDiedError(f"{ident.decode()} is not connected to the channel ({exc})") from exc
         return seq
 

@@ -86,8 +86,10 @@ async def run_all(service, requests) -> dict[str, Result]:
 
 
 def assert_same(got: dict[str, Result], want: dict[str, Result]) -> None:
-    for rid, w in want.items():
-        g = got[rid]
+    """Every result in `got` equals the oracle's (tokens, text, finish reason)."""
+    assert got
+    for rid, g in got.items():
+        w = want[rid]
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
 
 

@@ -1,0 +1,99 @@
+"""Real Ray clusters on this machine for the cluster tests (no hard-coded ports, own temp dirs).
+
+`embedded_ray()`: ray.init() of a local cluster in this process (the default deployment).
+`multi_node_ray(resources)`: `ray start --head` plus one `ray start --address` node per entry of
+`resources` (its custom resources), each a separate process group that is killed at the end;
+yields the head's address after connecting this process to it.
+Token authentication (on by default in Ray 2.60, which writes under ~/.ray) is disabled, and
+every file Ray writes goes to a temp dir that is removed afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+from tests.integration.distributed import free_port
+
+RAY = os.path.join(os.path.dirname(sys.executable), "ray")
+START_TIMEOUT_S = 90.0
+
+
+@contextlib.contextmanager
+def _no_auth():
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = old
+
+
+@contextlib.contextmanager
+def embedded_ray(num_cpus: int = 2):
+    import ray
+
+    from meshserve.cluster.ray_executor import ray_init
+
+    temp = tempfile.mkdtemp(prefix="msray-", dir="/tmp")  # short: Ray's socket paths have a length limit
+    with _no_auth():
+        ray_init(num_cpus=num_cpus, temp_dir=temp)
+        try:
+            yield temp
+        finally:
+            ray.shutdown()
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def multi_node_ray(resources: list[dict[str, float]]):
+    import ray
+
+    temp = tempfile.mkdtemp(prefix="msrayc-", dir="/tmp")
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    common = ["--num-cpus", "1", "--disable-usage-stats", "--block", "--dashboard-agent-listen-port", "0"]
+    procs = []
+
+    def start(args):
+        procs.append(subprocess.Popen([RAY, "start", *args, *common], env=env, start_new_session=True,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+    with _no_auth():
+        try:
+            start(["--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard", "false",
+                   "--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())])
+            for res in resources:
+                start(["--address", address, "--resources", json.dumps(res)])
+            deadline = time.monotonic() + START_TIMEOUT_S
+            while True:
+                try:
+                    ray.init(address=address, logging_level="WARNING")
+                    break
+                except Exception:  # the head is not up yet
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(1.0)
+            while len([n for n in ray.nodes() if n["Alive"]]) < 1 + len(resources):
+                assert time.monotonic() < deadline, f"only {ray.nodes()} joined"
+                time.sleep(0.5)
+            yield address
+        finally:
+            if ray.is_initialized():
+                ray.shutdown()
+            for proc in procs:  # each node's processes share the session started for it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            shutil.rmtree(temp, ignore_errors=True)
