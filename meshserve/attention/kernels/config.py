@@ -1,0 +1,50 @@
+"""Tile shapes and launch settings of the Triton attention kernels, per device and head size.
+
+The CUDA values were chosen by measurement on an H200 (bench/attention.py, docs/performance.md).
+On the CPU interpreter small tiles keep several tiles per sequence in the tests' short
+sequences, so the masked and unmasked paths, the window edges and the splits all run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_partition: int  # fewest keys per split worth a merge pass
+
+
+def prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
+    if device != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    if dtype == "float32":
+        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    if block_d <= 64:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    if block_d <= 128:
+        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
+    if device != "cuda":
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32)
+    block_d = max(16, triton.next_power_of_2(head_size))
+    if dtype == "float32" or block_d > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=256)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=256)
