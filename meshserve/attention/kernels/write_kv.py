@@ -26,7 +26,8 @@ def round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, 
     # Below the smallest normal the grid is uniform: round x / ulp to an integer (RNE through
     # the 1.5 * 2**23 trick, exact since the scaling is a power of two).
     r = x * (1.0 / SUB_ULP)
-    sub = ((r + 12582912.0) - 12582912.0) * SUB_ULP
+    sub = tl.abs(((r + 12582912.0) - 12582912.0) * SUB_ULP)
+    sub = tl.where(x < 0, -sub, sub)  # keep the sign of values that round to zero (-0)
     return tl.where(tl.abs(x) < MIN_NORMAL, sub, normal)
 
 
