@@ -185,34 +185,9 @@ class TritonBackend(AttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
-        from meshserve.attention.kernels.write_kv import write_kv_kernel
+        from meshserve.attention.kernels.write_kv import write_kv
 
-        spec = self.spec
-        num_tokens = key.shape[0]
-        check(
-            tuple(key.shape) == (num_tokens, spec.num_kv_heads, spec.head_size),
-            "key",
-            tuple(key.shape),
-            f"[T, {spec.num_kv_heads}, {spec.head_size}]",
-        )
-        shape = tuple(slot_mapping.shape)
-        check(shape == (num_tokens,), "slot_mapping", shape, f"[{num_tokens}] (one slot per new token)")
-        if num_tokens == 0:
-            return
-        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
-        data = kv_cache.data
-        fp8 = kv_cache.is_fp8
-        k_scale, v_scale = self._scales(kv_cache, data.device)
-        write_kv_kernel[(num_tokens,)](
-            key, value, data[:, 0], data[:, 1], slot_mapping, k_scale, v_scale,
-            torch.finfo(data.dtype).max if fp8 else 0.0,
-            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-            data.stride(0), data.stride(2), data.stride(3),
-            NUM_KV_HEADS=spec.num_kv_heads, HEAD_D=spec.head_size, HEAD_DV=spec.v_size,
-            BLOCK_HKV=_pow2(spec.num_kv_heads, 1), BLOCK_D=_pow2(spec.head_size, 1),
-            BLOCK_DV=_pow2(spec.v_size, 1), PAGE=kv_cache.block_size, KV_FP8=fp8,
-            **_fp8_grid(data.dtype),
-        )  # fmt: skip
+        write_kv(self.spec, key, value, kv_cache, slot_mapping)
 
     # -------------------------------------------------------------------------------- forward
     def forward(
@@ -334,10 +309,9 @@ class TritonBackend(AttentionBackend):
 
     @staticmethod
     def _scales(kv_cache: KVCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        return (
-            kv_cache.k_scale.to(device=device, dtype=torch.float32),
-            kv_cache.v_scale.to(device=device, dtype=torch.float32),
-        )
+        from meshserve.attention.kernels.write_kv import scales_on
+
+        return scales_on(kv_cache, device)
 
 
 def _prefill_tiles(query_lens, kv_lens, block_m, causal):
@@ -350,12 +324,6 @@ def _choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg: DecodeC
     from meshserve.attention.kernels.decode import choose_partition
 
     return choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg.block_n, cfg.min_partition)
-
-
-def _fp8_grid(dtype: torch.dtype) -> dict[str, float]:
-    """Mantissa bits, smallest normal and subnormal spacing of an FP8 format (unused otherwise)."""
-    bits, min_exp = (2, -14) if dtype == torch.float8_e5m2 else (3, -6)
-    return dict(FP8_MANTISSA_BITS=bits, FP8_MIN_NORMAL=2.0**min_exp, FP8_SUB_ULP=2.0 ** (min_exp - bits))
 
 
 def _pow2(n: int, floor: int) -> int:

@@ -3,13 +3,12 @@
 The CUDA values were chosen by measurement on an H200 (bench/attention.py, docs/performance.md).
 On the CPU interpreter small tiles keep several tiles per sequence in the tests' short
 sequences, so the masked and unmasked paths, the window edges and the splits all run.
+This module imports no Triton: the backend reads it to plan without loading kernels.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import triton
 
 
 @dataclass(frozen=True)
@@ -31,7 +30,7 @@ class DecodeConfig:
 def prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
     if device != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
-    block_d = max(16, triton.next_power_of_2(head_size))
+    block_d = max(16, 1 << (head_size - 1).bit_length())
     if dtype == "float32":
         return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
     if block_d <= 64:
@@ -44,7 +43,7 @@ def prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> Pre
 def decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
     if device != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32)
-    block_d = max(16, triton.next_power_of_2(head_size))
+    block_d = max(16, 1 << (head_size - 1).bit_length())
     if dtype == "float32" or block_d > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=256)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=256)

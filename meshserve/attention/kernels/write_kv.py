@@ -6,8 +6,13 @@ One program stores one token: all its KV heads for K and for V. A slot of -1 ski
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+from meshserve.attention.backend import KVCache
+from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import check
 
 
 @triton.jit
@@ -66,3 +71,47 @@ def write_kv_kernel(
             v = round_to_fp8_grid(v, FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_SUB_ULP)
         tl.store(cache_k_ptr + dst + d[None, :], k.to(cache_k_ptr.dtype.element_ty), mask=mask)
         tl.store(cache_v_ptr + dst + dv[None, :], v.to(cache_v_ptr.dtype.element_ty), mask=mask_v)
+
+
+def write_kv(
+    spec: AttentionSpec, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+) -> None:
+    """Launch write_kv_kernel: key [T, Hkv, D], value [T, Hkv, Dv], slot_mapping [T] int64 (-1 skips)."""
+    num_tokens = key.shape[0]
+    want = (num_tokens, spec.num_kv_heads, spec.head_size)
+    check(tuple(key.shape) == want, "key", tuple(key.shape), f"shape {list(want)}")
+    want_v = (num_tokens, spec.num_kv_heads, spec.v_size)
+    check(tuple(value.shape) == want_v, "value", tuple(value.shape), f"shape {list(want_v)}")
+    shape = tuple(slot_mapping.shape)
+    check(shape == (num_tokens,), "slot_mapping", shape, f"[{num_tokens}] (one slot per new token)")
+    if num_tokens == 0:
+        return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    data = kv_cache.data
+    fp8 = kv_cache.is_fp8
+    k_scale, v_scale = scales_on(kv_cache, data.device)
+    write_kv_kernel[(num_tokens,)](
+        key, value, data[:, 0], data[:, 1], slot_mapping, k_scale, v_scale,
+        torch.finfo(data.dtype).max if fp8 else 0.0,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        data.stride(0), data.stride(2), data.stride(3),
+        NUM_KV_HEADS=spec.num_kv_heads, HEAD_D=spec.head_size, HEAD_DV=spec.v_size,
+        BLOCK_HKV=triton.next_power_of_2(spec.num_kv_heads), BLOCK_D=triton.next_power_of_2(spec.head_size),
+        BLOCK_DV=triton.next_power_of_2(spec.v_size), PAGE=kv_cache.block_size, KV_FP8=fp8,
+        **_fp8_grid(data.dtype),
+    )  # fmt: skip
+
+
+def scales_on(kv_cache: KVCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cache's dequantisation scales as float32 tensors on `device` (no copy when already there)."""
+    return (
+        kv_cache.k_scale.to(device=device, dtype=torch.float32),
+        kv_cache.v_scale.to(device=device, dtype=torch.float32),
+    )
+
+
+def _fp8_grid(dtype: torch.dtype) -> dict[str, float]:
+    """Mantissa bits, smallest normal and subnormal spacing of an FP8 format (unused otherwise)."""
+    bits, min_exp = (2, -14) if dtype == torch.float8_e5m2 else (3, -6)
+    return dict(FP8_MANTISSA_BITS=bits, FP8_MIN_NORMAL=2.0**min_exp, FP8_SUB_ULP=2.0 ** (min_exp - bits))
