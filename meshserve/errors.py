@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import TypeVar
+
+E = TypeVar("E", bound=StrEnum)
+
 
 class MeshserveError(Exception):
     """Base class of every error meshserve raises on purpose."""
@@ -28,3 +33,13 @@ def check(condition: bool, field: str, value: object, allowed: str) -> None:
     """Raise ConfigError(field, value, allowed) unless `condition` holds."""
     if not condition:
         raise ConfigError(field, value, allowed)
+
+
+def as_enum(enum: type[E], field: str, value: object) -> E:
+    """`value` as a member of `enum`, or ConfigError listing the allowed values."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(str(value).lower())
+    except ValueError:
+        raise ConfigError(field, value, f"one of {[m.value for m in enum]}") from None
