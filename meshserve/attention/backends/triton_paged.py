@@ -24,7 +24,12 @@ from meshserve.attention.backend import (
     KVCache,
     LayerParams,
 )
-from meshserve.attention.kernels.config import DecodeConfig, PrefillConfig, decode_config, prefill_config
+from meshserve.attention.kernels.config import (
+    DecodeConfig,
+    PrefillConfig,
+    default_decode_config,
+    default_prefill_config,
+)
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.errors import ConfigError, check
@@ -107,18 +112,26 @@ class TritonBackend(AttentionBackend):
         return out
 
     def __init__(
-        self, problem: AttentionProblem, *, decode_partition: int | None = None, num_sms: int | None = None
+        self,
+        problem: AttentionProblem,
+        *,
+        decode_partition: int | None = None,
+        num_sms: int | None = None,
+        prefill_config: PrefillConfig | None = None,
+        decode_config: DecodeConfig | None = None,
     ) -> None:
         """decode_partition: fixed keys per decode split (tests, tuning); default chosen per step.
-        num_sms: multiprocessors the split heuristic fills; default read from the device (8 on CPU)."""
+        num_sms: multiprocessors the split heuristic fills; default read from the device (8 on CPU).
+        prefill_config / decode_config: tile shapes (tuning); default from kernels/config.py."""
         super().__init__(problem)
         if decode_partition is not None:
             check(decode_partition >= 1, "decode_partition", decode_partition, "an integer >= 1 or None")
         self.decode_partition = decode_partition
         self.num_sms = num_sms
         fp8 = self.spec.kv_cache_dtype.is_fp8
-        self.prefill_cfg = prefill_config(self.spec.head_size, problem.dtype, problem.device, fp8)
-        self.decode_cfg = decode_config(self.spec.head_size, problem.dtype, problem.device, fp8)
+        args = (self.spec.head_size, problem.dtype, problem.device, fp8)
+        self.prefill_cfg = prefill_config or default_prefill_config(*args)
+        self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan
     def plan(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -267,7 +280,8 @@ class TritonBackend(AttentionBackend):
         from meshserve.attention.kernels.prefill import prefill_kernel
 
         cfg = plan.prefill
-        grid = (plan.tile_seq.numel(), self.spec.num_heads)
+        # Heads vary fastest: the query heads of one tile run together and share K/V through L2.
+        grid = (self.spec.num_heads, plan.tile_seq.numel())
         prefill_kernel[grid](
             query, k_src, v_src, out, lse, plan.tile_seq, plan.tile_q0,
             plan.metadata.query_start_loc, plan.kv_lens, plan.positions, plan.block_table, *tensors, *scalars,
@@ -323,7 +337,9 @@ def _prefill_tiles(query_lens, kv_lens, block_m, causal):
 def _choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg: DecodeConfig) -> tuple[int, int]:
     from meshserve.attention.kernels.decode import choose_partition
 
-    return choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg.block_n, cfg.min_partition)
+    return choose_partition(
+        max_keys, num_decodes, num_kv_heads, num_sms * cfg.programs_per_sm, cfg.block_n, cfg.min_partition
+    )
 
 
 def _pow2(n: int, floor: int) -> int:

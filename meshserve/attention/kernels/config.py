@@ -25,9 +25,10 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     min_partition: int  # fewest keys per split worth a merge pass
+    programs_per_sm: int = 8  # splits are added until the grid has about this many programs per SM
 
 
-def prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
+def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
     if device != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     block_d = max(16, 1 << (head_size - 1).bit_length())
@@ -40,10 +41,10 @@ def prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> Pre
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
-def decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
+def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
     if device != "cuda":
-        return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32)
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32, programs_per_sm=2)
     block_d = max(16, 1 << (head_size - 1).bit_length())
     if dtype == "float32" or block_d > 128:
-        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=256)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=256)
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=512)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=512)

@@ -127,16 +127,17 @@ def decode_kernel(
 
 
 def choose_partition(
-    max_keys: int, num_decodes: int, num_kv_heads: int, num_sms: int, block_n: int, min_partition: int
+    max_keys: int, num_decodes: int, num_kv_heads: int, target_programs: int, block_n: int, min_partition: int
 ) -> tuple[int, int]:
-    """(partition size, number of splits) so that the grid fills the chip about twice over.
+    """(partition size, number of splits) so that the grid has about `target_programs` programs.
 
-    Splitting adds a merge pass and partial writes; below `min_partition` keys per split it
-    costs more than the extra parallelism gives back. Partitions are whole BLOCK_N tiles.
+    Many short programs balance the waves of equal-length work over the multiprocessors; each
+    split costs one partial (o, lse) write and a merge read, small next to its KV reads until a
+    split holds fewer than `min_partition` keys. Partitions are whole BLOCK_N tiles.
     """
     max_keys = max(max_keys, 1)
     pairs = max(num_decodes * num_kv_heads, 1)
-    want = max(1, -(-2 * num_sms // pairs))
+    want = max(1, -(-target_programs // pairs))
     most = max(1, max_keys // max(min_partition, block_n))
     splits = min(want, most)
     partition = -(-max_keys // splits)

@@ -13,7 +13,8 @@ that can hold an invisible key pay for a mask:
     [full_hi, kv_end)        the causal diagonal, or the ragged end            (masked)
 
 Programs come from a host-built tile list (sequence, first query) ordered longest-first, so the
-expensive causal tiles start early and the grid needs no per-sequence padding.
+expensive causal tiles start early and the grid needs no per-sequence padding. The grid is
+(head, tile): the heads of one tile run side by side and share their K/V tiles through L2.
 """
 
 from __future__ import annotations
@@ -73,8 +74,8 @@ def prefill_kernel(
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    tile = tl.program_id(0)
-    head = tl.program_id(1)
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
     kv_head = head // QUERIES_PER_KV
     seq = tl.load(tile_seq_ptr + tile)
     q0 = tl.load(tile_q0_ptr + tile)

@@ -144,7 +144,7 @@ def test_declared_limits_are_reasons(monkeypatch):
     "max_keys,decodes,kv_heads", [(32768, 8, 8), (4096, 64, 8), (2048, 256, 8), (100, 1, 1), (1, 3, 2)]
 )
 def test_choose_partition_covers_keys_with_whole_tiles(max_keys, decodes, kv_heads):
-    partition, splits = choose_partition(max_keys, decodes, kv_heads, 132, 64, 256)
+    partition, splits = choose_partition(max_keys, decodes, kv_heads, 132 * 8, 64, 256)
     assert partition % 64 == 0 and splits >= 1
     assert splits * partition >= max_keys > (splits - 1) * partition
     if splits > 1:
