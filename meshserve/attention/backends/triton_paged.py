@@ -250,6 +250,8 @@ class TritonBackend(AttentionBackend):
             v_strides = (0, v_src.stride(0), v_src.stride(1))
             page, fp8 = 1, False
             k_scale = v_scale = plan.kv_lens  # never read
+        from meshserve.attention.kernels.attn_common import dot_precision
+
         heads = spec.num_heads
         sinks = _layer_tensor(layer.sinks, spec.has_sinks, "layer.sinks", heads, device)
         slopes = _layer_tensor(layer.alibi_slopes, spec.use_alibi, "layer.alibi_slopes", heads, device)
@@ -259,7 +261,7 @@ class TritonBackend(AttentionBackend):
             USE_WINDOW=spec.sliding_window is not None, USE_SINK_TOKENS=spec.num_sink_tokens > 0,
             USE_SINKS=spec.has_sinks, USE_ALIBI=spec.use_alibi,
             USE_SOFTCAP=spec.logits_soft_cap is not None, KV_FP8=fp8,
-            DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+            DOT_PRECISION=dot_precision(query.dtype),
         )  # fmt: skip
         scalars = (
             spec.softmax_scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0, spec.num_sink_tokens
