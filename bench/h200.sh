@@ -1,13 +1,12 @@
 #!/usr/bin/env bash
 # One session on the H200 (device tool): install the FlashInfer wheels, time the attention
 # kernels side by side (bench/attention.py), run tests/gpu, and pack what was compiled.
-#   bash bench/h200.sh WHEEL_DIR [--sweep] [TEST_FILTER]
+#   bash bench/h200.sh WHEEL_DIR [--sweep]
 # FlashInfer JIT-builds each kernel variant on first use; the built modules are packed into
 # $OUT/fi_aot.tgz, and a later session that finds WHEEL_DIR/fi_aot.tgz loads them as AOT modules.
 set -u
 WHEELS=${1:?wheel dir}
 SWEEP=${2:-}
-FILTER=${3:-}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -25,15 +24,20 @@ pack() {  # compiled FlashInfer modules, as <name>/<name>.so
     d=$(ls -d /tmp/fiws/.cache/flashinfer/*/*/cached_ops 2>/dev/null | head -1)
     [ -n "$d" ] && (cd "$d" && tar -czf "$OUT/fi_aot.tgz" */*.so 2>/dev/null)
 }
+gpu_tests() {  # name, timeout, pytest -k expression
+    MAX_JOBS=4 timeout "$2" python3 -m pytest -v -p no:cacheprovider -n 4 -k "$3" tests/gpu > "$OUT/tests_$1.log" 2>&1
+    echo "gpu tests ($1) exit $? after ${SECONDS}s"
+    grep -E "(FAILED|ERROR) tests" "$OUT/tests_$1.log" | sed 's/ - .*//' | sort -u | head -20
+    grep -E "^E  " "$OUT/tests_$1.log" | sort | uniq -c | sort -rn | head -8
+    tail -1 "$OUT/tests_$1.log"
+}
 SECONDS=0
 timeout "${BENCH_TIMEOUT:-270}" python3 -m bench.attention $SWEEP --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench exit $? after ${SECONDS}s"
 pack
-grep -E "failed|Error|rel diff" "$OUT/bench.log" | head -30
-MAX_JOBS=4 timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -p no:cacheprovider -n 4 -k "${FILTER}" \
-    tests/gpu > "$OUT/gpu_tests.log" 2>&1
-echo "gpu tests exit $? after ${SECONDS}s"
+grep -E "failed|Error|rel diff|done" "$OUT/bench.log" | head -40
+gpu_tests triton "${TEST_TIMEOUT:-150}" "not FLASHINFER"
+gpu_tests flashinfer "${FI_TEST_TIMEOUT:-200}" "FLASHINFER"
 pack
-grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" | tail -25
 sed -n '/^Best Triton sweep/,$p' "$OUT/bench.log"
 ls -la "$OUT"

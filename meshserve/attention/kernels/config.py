@@ -32,8 +32,8 @@ def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool
     if device != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     block_d = max(16, 1 << (head_size - 1).bit_length())
-    if dtype == "float32":
-        return PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=2)
+    if dtype == "float32":  # IEEE fp32 products run on FMA units; these tiles spill least
+        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if block_d <= 64:
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     if block_d <= 128:
@@ -45,6 +45,8 @@ def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool)
     if device != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32, programs_per_sm=2)
     block_d = max(16, 1 << (head_size - 1).bit_length())
-    if dtype == "float32" or block_d > 128:
+    if dtype == "float32":
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=2, min_partition=512)
+    if block_d > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=512)
     return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=512)
