@@ -28,16 +28,16 @@ gpu_tests() {  # name, timeout, pytest -k expression
     MAX_JOBS=4 timeout "$2" python3 -m pytest -v -p no:cacheprovider -n 4 -k "$3" tests/gpu > "$OUT/tests_$1.log" 2>&1
     echo "gpu tests ($1) exit $? after ${SECONDS}s"
     grep -E "(FAILED|ERROR) tests" "$OUT/tests_$1.log" | sed 's/ - .*//' | sort -u | head -20
-    grep -E "^E  " "$OUT/tests_$1.log" | sort | uniq -c | sort -rn | head -8
+    grep -E "^E  " "$OUT/tests_$1.log" | cut -c1-160 | sort | uniq -c | sort -rn | head -8
     tail -1 "$OUT/tests_$1.log"
 }
 SECONDS=0
 timeout "${BENCH_TIMEOUT:-270}" python3 -m bench.attention $SWEEP --out "$OUT" > "$OUT/bench.log" 2>&1
 echo "bench exit $? after ${SECONDS}s"
 pack
-grep -E "failed|Error|rel diff|done" "$OUT/bench.log" | head -40
+grep -E "failed|Error|rel diff" "$OUT/bench.log" | cut -c1-200 | head -30
 gpu_tests triton "${TEST_TIMEOUT:-150}" "not FLASHINFER"
-gpu_tests flashinfer "${FI_TEST_TIMEOUT:-200}" "FLASHINFER"
+gpu_tests flashinfer "${FI_TEST_TIMEOUT:-200}" "${FI_FILTER:-FLASHINFER}"
 pack
 sed -n '/^Best Triton sweep/,$p' "$OUT/bench.log"
 ls -la "$OUT"

@@ -117,7 +117,7 @@ def test_backend_matches_torch_reference(name, scenario, dtype):
     ref_out, ref_lse = run_backend(TorchBackend, _fresh(case), dtype=dtype_name, device="cuda")
     out, lse = run_backend(backend_cls, _fresh(case), dtype=dtype_name, device="cuda")
     assert out.dtype == dtype and lse.dtype == torch.float32
-    assert_matches(out, lse, ref_out.double(), ref_lse.double(), dtype)
+    assert_matches(out, lse, ref_out.double().cpu(), ref_lse.double().cpu(), dtype)
 
 
 @pytest.mark.parametrize("name", [n for n in GPU_BACKENDS if n == "TRITON"])
@@ -164,7 +164,7 @@ def test_decode_cuda_graph_replay_with_static_metadata(name):
         out.fill_(float("nan"))
         graph.replay()
         ref_out, ref_lse = reference.forward(q, None, None, cache, fresh, return_lse=True)
-        assert_matches(out, lse, ref_out.double(), ref_lse.double(), torch.bfloat16)
+        assert_matches(out, lse, ref_out.double().cpu(), ref_lse.double().cpu(), torch.bfloat16)
 
 
 def test_merge_kernels_match_torch_reference_on_gpu():

@@ -241,8 +241,9 @@ class TritonBackend(AttentionBackend):
             k_strides = (data.stride(0), data.stride(2), data.stride(3))
             v_strides = k_strides
             page = kv_cache.block_size
-            k_scale, v_scale = self._scales(kv_cache, device)
             fp8 = kv_cache.is_fp8
+            # Scales are read only by FP8 kernels; under CUDA graphs they must already be on the GPU.
+            k_scale, v_scale = self._scales(kv_cache, device) if fp8 else (plan.kv_lens, plan.kv_lens)
         else:
             check(key is not None and value is not None, "key", None, "the new tokens' keys for encoder_only")
             k_src, v_src = _last_dim_contiguous(key), _last_dim_contiguous(value)
@@ -261,6 +262,9 @@ class TritonBackend(AttentionBackend):
             USE_WINDOW=spec.sliding_window is not None, USE_SINK_TOKENS=spec.num_sink_tokens > 0,
             USE_SINKS=spec.has_sinks, USE_ALIBI=spec.use_alibi,
             USE_SOFTCAP=spec.logits_soft_cap is not None, KV_FP8=fp8,
+            # FP8 K/V convert exactly and cheaply to fp16 (bf16 would need a second, slow conversion),
+            # so with an FP8 cache both products run in fp16.
+            FP8_AS_F16=fp8 and query.dtype != torch.float32,
             DOT_PRECISION=dot_precision(query.dtype),
         )  # fmt: skip
         scalars = (

@@ -34,10 +34,8 @@ def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool
     block_d = max(16, 1 << (head_size - 1).bit_length())
     if dtype == "float32":  # IEEE fp32 products run on FMA units; these tiles spill least
         return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
-    if block_d <= 64:
+    if block_d <= 128:  # H200 sweep: one warpgroup per 128 queries beat two (docs/performance.md)
         return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
-    if block_d <= 128:
-        return PrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -49,4 +47,6 @@ def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool)
         return DecodeConfig(block_n=32, num_warps=8, num_stages=2, min_partition=512)
     if block_d > 128:
         return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=512)
-    return DecodeConfig(block_n=64, num_warps=4, num_stages=3, min_partition=512)
+    if kv_fp8:  # half the bytes per key: twice the keys per tile keeps the same bytes in flight
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=3, min_partition=512)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=512)

@@ -63,7 +63,7 @@ def decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)  # index among the decode sequences
     kv_head = tl.program_id(1)
@@ -80,6 +80,8 @@ def decode_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q = tl.load(q_ptr + tok.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=head_mask[:, None] & (d[None, :] < HEAD_D), other=0.0)
+    if FP8_AS_F16:
+        q = q.to(tl.float16)  # K/V tiles follow q's dtype in the products
 
     qk_scale = sm_scale
     v_scale = 1.0

@@ -71,7 +71,7 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, RETURN_LSE: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
@@ -91,6 +91,8 @@ def prefill_kernel(
     dv = tl.arange(0, BLOCK_DV)
     q_ptrs = q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
     q = tl.load(q_ptrs, mask=row_mask[:, None] & (d[None, :] < HEAD_D), other=0.0)
+    if FP8_AS_F16:
+        q = q.to(tl.float16)  # K/V tiles follow q's dtype in the products
 
     qk_scale = sm_scale
     v_scale = 1.0

@@ -25,15 +25,18 @@ def round_to_fp8_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, 
     """
     SHIFT: tl.constexpr = 23 - MANTISSA_BITS
     bits = x.to(tl.int32, bitcast=True)
-    lsb = (bits >> SHIFT) & 1
-    bits = (bits + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
-    normal = bits.to(tl.float32, bitcast=True)
-    # Below the smallest normal the grid is uniform: round x / ulp to an integer (RNE through
+    sign = bits & -2147483648  # the sign bit, put back last so that -0 survives any simplification
+    ax = tl.abs(x)
+    mag = ax.to(tl.int32, bitcast=True)
+    lsb = (mag >> SHIFT) & 1
+    mag = (mag + ((1 << (SHIFT - 1)) - 1) + lsb) & ~((1 << SHIFT) - 1)
+    normal = mag.to(tl.float32, bitcast=True)
+    # Below the smallest normal the grid is uniform: round |x| / ulp to an integer (RNE through
     # the 1.5 * 2**23 trick, exact since the scaling is a power of two).
-    r = x * (1.0 / SUB_ULP)
-    sub = tl.abs(((r + 12582912.0) - 12582912.0) * SUB_ULP)
-    sub = tl.where(x < 0, -sub, sub)  # keep the sign of values that round to zero (-0)
-    return tl.where(tl.abs(x) < MIN_NORMAL, sub, normal)
+    r = ax * (1.0 / SUB_ULP)
+    sub = ((r + 12582912.0) - 12582912.0) * SUB_ULP
+    rounded = tl.where(ax < MIN_NORMAL, sub, normal)
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
