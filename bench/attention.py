@@ -253,6 +253,7 @@ def plot(rows: list[Row], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time Triton tile configs and split sizes")
+    ap.add_argument("--no-prefill-sweep", action="store_true", help="sweep decode configurations only")
     ap.add_argument("--out", default=".", help="folder for attention.json and attention.png")
     ap.add_argument("--only", default="", help="run only cases whose name contains this text")
     args = ap.parse_args(argv)
@@ -270,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{time.time() - t0:.0f}s] decode bs{batch}x{seq} fp8={fp8} done", flush=True)
     for batch, seq in PREFILL_SHAPES:
         if args.only in f"prefill {batch}x{seq}":
-            rows += prefill_case(batch, seq, args.sweep)
+            rows += prefill_case(batch, seq, args.sweep and not args.no_prefill_sweep)
             print(f"[{time.time() - t0:.0f}s] prefill {batch}x{seq} done", flush=True)
     rows = with_ratios(rows)
     command = "python -m bench.attention " + " ".join(argv if argv is not None else sys.argv[1:])

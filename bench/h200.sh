@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # One session on the H200 (device tool): install the FlashInfer wheels, time the attention
 # kernels side by side (bench/attention.py), run tests/gpu, and pack what was compiled.
-#   bash bench/h200.sh WHEEL_DIR [--sweep]
+#   bash bench/h200.sh WHEEL_DIR ["BENCH FLAGS"]
 # FlashInfer JIT-builds each kernel variant on first use; the built modules are packed into
 # $OUT/fi_aot.tgz, and a later session that finds WHEEL_DIR/fi_aot.tgz loads them as AOT modules.
 set -u
 WHEELS=${1:?wheel dir}
-SWEEP=${2:-}
+SWEEP=${2:-}  # bench/attention.py flags, e.g. "--sweep --no-prefill-sweep"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
