@@ -117,7 +117,10 @@ class FlashInferBackend(AttentionBackend):
 
         if self._prefill is None:
             workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+            # FlashInfer 0.5.3 picks FA3 on Hopper for bf16 queries over an e4m3 cache, and that
+            # kernel fails to build (seen on the H200); its FA2 kernels serve FP8 caches.
+            backend = "fa2" if self.spec.kv_cache_dtype.is_fp8 else "auto"
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
             self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
             )
