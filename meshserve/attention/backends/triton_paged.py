@@ -18,7 +18,6 @@ from functools import lru_cache
 import torch
 
 from meshserve.attention.backend import (
-    FP8_DTYPES,
     AttentionBackend,
     AttentionProblem,
     BackendCapabilities,
@@ -238,11 +237,8 @@ class TritonBackend(AttentionBackend):
         if spec.uses_kv_cache:
             check(kv_cache is not None, "kv_cache", None, f"a KVCache for attention type '{spec.attn_type}'")
             data = kv_cache.data
-            # FP8 values go in as int16 pairs that the kernels rebuild as fp16 (see to_compute).
-            fp8_pairs = _fp8_as_f16(data.dtype, query.dtype, spec.head_size)
-            src = data.view(torch.int16) if fp8_pairs else data
-            k_src, v_src = src[:, 0], src[:, 1]
-            k_strides = (src.stride(0), src.stride(2), src.stride(3))
+            k_src, v_src = data[:, 0], data[:, 1]
+            k_strides = (data.stride(0), data.stride(2), data.stride(3))
             v_strides = k_strides
             page = kv_cache.block_size
             fp8 = kv_cache.is_fp8
@@ -266,10 +262,9 @@ class TritonBackend(AttentionBackend):
             USE_WINDOW=spec.sliding_window is not None, USE_SINK_TOKENS=spec.num_sink_tokens > 0,
             USE_SINKS=spec.has_sinks, USE_ALIBI=spec.use_alibi,
             USE_SOFTCAP=spec.logits_soft_cap is not None, KV_FP8=fp8,
-            # FP8 K/V become fp16 exactly and cheaply (bf16 would need a second, slow conversion),
+            # FP8 K/V convert exactly and cheaply to fp16 (bf16 would need a second, slow conversion),
             # so with an FP8 cache both products run in fp16.
-            FP8_AS_F16=spec.uses_kv_cache and _fp8_as_f16(kv_cache.data.dtype, query.dtype, spec.head_size),
-            FP8_E5M2=spec.uses_kv_cache and kv_cache.data.dtype == torch.float8_e5m2,
+            FP8_AS_F16=fp8 and query.dtype != torch.float32,
             DOT_PRECISION=dot_precision(query.dtype),
         )  # fmt: skip
         scalars = (
@@ -351,11 +346,6 @@ def _choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg: DecodeC
     return choose_partition(
         max_keys, num_decodes, num_kv_heads, num_sms * cfg.programs_per_sm, cfg.block_n, cfg.min_partition
     )
-
-
-def _fp8_as_f16(cache_dtype: torch.dtype, dtype: torch.dtype, head_size: int) -> bool:
-    """FP8 K/V rebuilt as fp16 from int16 pairs: 16-bit models with an even head size."""
-    return cache_dtype in FP8_DTYPES.values() and dtype != torch.float32 and head_size % 2 == 0
 
 
 def _pow2(n: int, floor: int) -> int:

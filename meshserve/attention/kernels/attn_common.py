@@ -59,38 +59,6 @@ def load_kv_tile(
 
 
 @triton.jit
-def to_compute(x, dtype: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_E5M2: tl.constexpr):
-    """A loaded K/V tile in the dtype of the products.
-
-    FP8_AS_F16: x is [N, D/2] int16, each holding two FP8 values (little-endian: feature 2i in
-    the low byte). Integer ops rebuild each byte as fp16 and tl.join interleaves them back to
-    [N, D]. Loading pairs keeps the tile 16-bit on its way through shared memory: loaded as
-    bytes, Triton moves the conversion after the shared-memory round trip and reads the tile
-    one byte per instruction, which made FP8 decode no faster than bf16. e5m2 is the top byte
-    of fp16; e4m3's fields placed in fp16's read as value * 2**-8, which the caller folds into
-    its scales (FP8_E4M3_BIAS).
-    """
-    if FP8_AS_F16:
-        u = x.to(tl.uint16, bitcast=True)
-        lo = u & 0xFF
-        hi = u >> 8
-        if FP8_E5M2:
-            lo = lo << 8
-            hi = hi << 8
-        else:
-            lo = ((lo & 0x80) << 8) | ((lo & 0x7F) << 7)
-            hi = ((hi & 0x80) << 8) | ((hi & 0x7F) << 7)
-        pairs = tl.join(lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True))
-        return tl.reshape(pairs, (x.shape[0], 2 * x.shape[1]))
-    else:
-        return x.to(dtype)
-
-
-# fp16 reading of e4m3 bit fields is the value times 2**-8 (exponent bias 15 vs 7).
-FP8_E4M3_BIAS = tl.constexpr(256.0)
-
-
-@triton.jit
 def scores_log2(
     qk,  # [R, BLOCK_N] fp32 raw dot products (R = query rows or heads)
     qk_scale,  # softmax scale * k dequant scale (natural units)

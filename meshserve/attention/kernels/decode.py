@@ -18,13 +18,11 @@ import triton
 import triton.language as tl
 
 from meshserve.attention.kernels.attn_common import (
-    FP8_E4M3_BIAS,
     LOG2E,
     finish_rows,
     load_kv_tile,
     online_softmax_step,
     scores_log2,
-    to_compute,
 )
 
 
@@ -35,25 +33,20 @@ def _decode_range(
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_E5M2: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
-    PACK: tl.constexpr = 2 if FP8_AS_F16 else 1  # FP8 values per loaded element
-    d = tl.arange(0, BLOCK_D // PACK)
-    dv = tl.arange(0, BLOCK_DV // PACK)
     for start_n in range(start, end, BLOCK_N):
         kp = start_n + tl.arange(0, BLOCK_N)
         tok_mask = kp < end
         k = load_kv_tile(k_ptr, bt_row, kp, kv_head, d, tok_mask, stride_kb, stride_kt, stride_kh,
-                         HEAD_D // PACK, BLOCK_D // PACK, PAGE, True, True)
+                         HEAD_D, BLOCK_D, PAGE, True, True)
         v = load_kv_tile(v_ptr, bt_row, kp, kv_head, dv, tok_mask, stride_vb, stride_vt, stride_vh,
-                         HEAD_DV // PACK, BLOCK_DV // PACK, PAGE, True, True)
-        k = to_compute(k, q.dtype, FP8_AS_F16, FP8_E5M2)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                         HEAD_DV, BLOCK_DV, PAGE, True, True)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         # Every key of [start, end) is visible to the decode query; only the tail is masked.
         s = scores_log2(qk, qk_scale, softcap, slope, qp_rows, kp, end, 0, 0,
                         USE_SOFTCAP, USE_ALIBI, True, False, False, False)
-        v = to_compute(v, q.dtype, FP8_AS_F16, FP8_E5M2)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, True, DOT_PRECISION)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), True, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -70,8 +63,7 @@ def decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_E5M2: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)  # index among the decode sequences
     kv_head = tl.program_id(1)
@@ -96,10 +88,6 @@ def decode_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-        if FP8_AS_F16:
-            if not FP8_E5M2:
-                qk_scale = qk_scale * FP8_E4M3_BIAS
-                v_scale = v_scale * FP8_E4M3_BIAS
     slope = tl.zeros([BLOCK_H], dtype=tl.float32)
     if USE_ALIBI:
         slope = tl.load(alibi_ptr + heads, mask=head_mask, other=0.0)
@@ -125,14 +113,12 @@ def decode_kernel(
                 m_i, l_i, acc, qk_scale, softcap, slope, qp_rows,
                 stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
                 HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-                FP8_AS_F16, FP8_E5M2,
             )  # fmt: skip
     m_i, l_i, acc = _decode_range(
         k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp_rows,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-        FP8_AS_F16, FP8_E5M2,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

@@ -23,13 +23,11 @@ import triton
 import triton.language as tl
 
 from meshserve.attention.kernels.attn_common import (
-    FP8_E4M3_BIAS,
     LOG2E,
     finish_rows,
     load_kv_tile,
     online_softmax_step,
     scores_log2,
-    to_compute,
 )
 
 
@@ -42,24 +40,18 @@ def _key_range(
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    FP8_AS_F16: tl.constexpr, FP8_E5M2: tl.constexpr,
-):  # fmt: skip
-    PACK: tl.constexpr = 2 if FP8_AS_F16 else 1  # FP8 values per loaded element
-    d = tl.arange(0, BLOCK_D // PACK)
-    dv = tl.arange(0, BLOCK_DV // PACK)
+):
     for start_n in range(start, end, BLOCK_N):
         kp = start_n + tl.arange(0, BLOCK_N)
         tok_mask = kp < kv_len
         k = load_kv_tile(k_ptr, bt_row, kp, kv_head, d, tok_mask, stride_kb, stride_kt, stride_kh,
-                         HEAD_D // PACK, BLOCK_D // PACK, PAGE, PAGED, MASKED)
-        k = to_compute(k, q.dtype, FP8_AS_F16, FP8_E5M2)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+                         HEAD_D, BLOCK_D, PAGE, PAGED, MASKED)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         s = scores_log2(qk, qk_scale, softcap, slope, qp, kp, kv_len, window, num_sink_tokens,
                         USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)
         v = load_kv_tile(v_ptr, bt_row, kp, kv_head, dv, tok_mask, stride_vb, stride_vt, stride_vh,
-                         HEAD_DV // PACK, BLOCK_DV // PACK, PAGE, PAGED, MASKED)
-        v = to_compute(v, q.dtype, FP8_AS_F16, FP8_E5M2)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION)
+                         HEAD_DV, BLOCK_DV, PAGE, PAGED, MASKED)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), MASKED, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -79,8 +71,8 @@ def prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
-    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, FP8_E5M2: tl.constexpr,
-    RETURN_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -107,10 +99,6 @@ def prefill_kernel(
     if KV_FP8:
         qk_scale = qk_scale * tl.load(k_scale_ptr)
         v_scale = tl.load(v_scale_ptr)
-        if FP8_AS_F16:
-            if not FP8_E5M2:
-                qk_scale = qk_scale * FP8_E4M3_BIAS
-                v_scale = v_scale * FP8_E4M3_BIAS
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if USE_ALIBI:
         slope += tl.load(alibi_ptr + head)
@@ -158,7 +146,6 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-            FP8_AS_F16, FP8_E5M2,
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
@@ -167,7 +154,6 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-            FP8_AS_F16, FP8_E5M2,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
@@ -175,7 +161,6 @@ def prefill_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
         CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-            FP8_AS_F16, FP8_E5M2,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
@@ -183,7 +168,6 @@ def prefill_kernel(
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
         CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
-            FP8_AS_F16, FP8_E5M2,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)
