@@ -52,7 +52,7 @@ def test_gpu_mla_matches_reference(sc, decode, dtype):
     out, lse = _run(MLAAttention(problem, decode_backend=decode, prefill_backend="TRITON"), case)
     ref_out, ref_lse = _run(MLAAttention(problem, decode_backend=TorchMLABackend(problem),
                                          prefill_backend=TorchMLABackend(problem)), torch_case)  # fmt: skip
-    assert_matches(out, lse, ref_out.double(), ref_lse.double(), dtype)
+    assert_matches(out, lse, ref_out.double().cpu(), ref_lse.double().cpu(), dtype)
 
 
 @pytest.mark.parametrize("kv_dtype", [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3, KVCacheDtype.FP8_E5M2])

@@ -21,8 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from meshserve.attention.kernels.mla_tiles import LN2, LOG2E, load_rows, store_rows
 
 
 @triton.jit
@@ -43,7 +42,7 @@ def mla_decode_kernel(
     stride_bt,
     R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
 ):  # fmt: skip
     head_block = tl.program_id(0)
     i = tl.program_id(1)
@@ -52,12 +51,10 @@ def mla_decode_kernel(
     head_mask = heads < num_heads
     r = tl.arange(0, BLOCK_R)
     p = tl.arange(0, BLOCK_P)
-    r_mask = r < R
-    p_mask = p < P
-    q_lat = tl.load(q_lat_ptr + i.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + r[None, :],
-                    mask=head_mask[:, None] & r_mask[None, :], other=0.0)
-    q_pe = tl.load(q_pe_ptr + i.to(tl.int64) * stride_pt + heads[:, None] * stride_ph + p[None, :],
-                   mask=head_mask[:, None] & p_mask[None, :], other=0.0)
+    q_lat = load_rows(q_lat_ptr + i.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + r[None, :],
+                      head_mask, r, R, BLOCK_R)
+    q_pe = load_rows(q_pe_ptr + i.to(tl.int64) * stride_pt + heads[:, None] * stride_ph + p[None, :],
+                     head_mask, p, P, BLOCK_P)
 
     kv_scale = 1.0
     if KV_FP8:
@@ -81,26 +78,38 @@ def mla_decode_kernel(
         else:
             blk = tl.load(bt_row + kp // PAGE, mask=tok_mask, other=0).to(tl.int64)
             rows = blk * stride_cb + (kp % PAGE).to(tl.int64) * stride_ct
-        lat = tl.load(cache_ptr + rows[:, None] + r[None, :], mask=tok_mask[:, None] & r_mask[None, :], other=0.0)
-        pe = tl.load(cache_ptr + rows[:, None] + R + p[None, :], mask=tok_mask[:, None] & p_mask[None, :],
-                     other=0.0)
+        lat = load_rows(cache_ptr + rows[:, None] + r[None, :], tok_mask, r, R, BLOCK_R)
+        pe = load_rows(cache_ptr + rows[:, None] + R + p[None, :], tok_mask, p, P, BLOCK_P)
         lat = lat.to(q_lat.dtype)
         qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
         qk = tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), qk, input_precision=DOT_PRECISION)
         # Every tile holds at least one visible key (start_n < end), so m_new is finite.
         s = tl.where(tok_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        if LAZY_RESCALE:
+            # Rescaling the [BLOCK_H, 512] accumulator costs as many instructions as the tile's
+            # softmax; skip it while no row's maximum has grown by more than 2^8 (the sum and the
+            # accumulator then hold values up to 256x larger, exact in fp32; the result is the same).
+            if tl.max(m_new - m_i, 0) > 8.0:
+                alpha = tl.exp2(m_i - m_new)
+                l_i = l_i * alpha
+                acc = acc * alpha[:, None]
+                m_i = m_new
+            prob = tl.exp2(s - m_i[:, None])
+            l_i = l_i + tl.sum(prob, 1)
+            acc = tl.dot(prob.to(lat.dtype), lat, acc, input_precision=DOT_PRECISION)
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            prob = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(prob, 1)
+            acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
+            m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (kv_scale / l_safe)[:, None]
     o_ptrs = out_ptr + split * stride_on + i.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + r[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & r_mask[None, :])
+    store_rows(o_ptrs, out.to(out_ptr.dtype.element_ty), head_mask, r, R, BLOCK_R)
     if WRITE_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(lse_ptr + split * stride_ln + i.to(tl.int64) * stride_lt + heads * stride_lh, lse, mask=head_mask)

@@ -21,8 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from meshserve.attention.kernels.mla_tiles import LN2, LOG2E, load_rows, store_rows
 
 
 @triton.jit
@@ -40,10 +39,9 @@ def _prefill_range(
         j = start_n + tl.arange(0, BLOCK_N)
         tok = (k_start + j).to(tl.int64)
         tok_mask = j < kv_len
-        kn = tl.load(k_nope_ptr + tok[:, None] * stride_kt + head * stride_kh + dn[None, :],
-                     mask=tok_mask[:, None] & (dn[None, :] < DN), other=0.0)
-        kr = tl.load(k_pe_ptr + tok[:, None] * stride_pt + dr[None, :],
-                     mask=tok_mask[:, None] & (dr[None, :] < DR), other=0.0)
+        kn = load_rows(k_nope_ptr + tok[:, None] * stride_kt + head * stride_kh + dn[None, :], tok_mask, dn, DN,
+                       BLOCK_DN)
+        kr = load_rows(k_pe_ptr + tok[:, None] * stride_pt + dr[None, :], tok_mask, dr, DR, BLOCK_DR)
         qk = tl.dot(q_nope, tl.trans(kn), input_precision=DOT_PRECISION)
         qk = tl.dot(q_pe, tl.trans(kr), qk, input_precision=DOT_PRECISION)
         s = qk * qk_scale
@@ -57,8 +55,7 @@ def _prefill_range(
         alpha = tl.exp2(m_i - m_use)
         prob = tl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + tl.sum(prob, 1)
-        v = tl.load(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dv[None, :],
-                    mask=tok_mask[:, None] & (dv[None, :] < DV), other=0.0)
+        v = load_rows(v_ptr + tok[:, None] * stride_vt + head * stride_vh + dv[None, :], tok_mask, dv, DV, BLOCK_DV)
         acc = tl.dot(prob.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
         m_i = m_new
     return m_i, l_i, acc
@@ -100,8 +97,8 @@ def mla_prefill_kernel(
     dr = tl.arange(0, BLOCK_DR)
     dv = tl.arange(0, BLOCK_DV)
     q_row = q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh
-    q_nope = tl.load(q_row + dn[None, :], mask=row_mask[:, None] & (dn[None, :] < DN), other=0.0)
-    q_pe = tl.load(q_row + DN + dr[None, :], mask=row_mask[:, None] & (dr[None, :] < DR), other=0.0)
+    q_nope = load_rows(q_row + dn[None, :], row_mask, dn, DN, BLOCK_DN)
+    q_pe = load_rows(q_row + DN + dr[None, :], row_mask, dr, DR, BLOCK_DR)
 
     # Local keys visible to position x: j * dcp + rank <= x, i.e. j < (x - rank + dcp) // dcp.
     qp_lo = context + q0
@@ -129,7 +126,7 @@ def mla_prefill_kernel(
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc / l_safe[:, None]
     o_ptrs = out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dv[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dv[None, :] < DV))
+    store_rows(o_ptrs, out.to(out_ptr.dtype.element_ty), row_mask, dv, DV, BLOCK_DV)
     if RETURN_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(lse_ptr + (q_start + rows).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_mask)

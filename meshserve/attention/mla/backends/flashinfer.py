@@ -130,7 +130,7 @@ class FlashInferMLADecodeBackend(MLABackend):
             raise ConfigError("plan", type(plan).__name__, "the FlashInferMLAPlan returned by this backend's plan")
         self._check_inputs(query, weights, plan.metadata.num_tokens)
         dn = self.dims.qk_nope_head_dim
-        q_lat = weights.absorb(query[..., :dn])
+        q_lat = weights.absorb(query[..., :dn]).contiguous()  # the output is allocated like q_lat
         o_lat, lse = self._get_wrapper(query.device).run(
             q_lat, query[..., dn:], cache.latent, cache.rope, return_lse=True, return_lse_base_on_e=True
         )
