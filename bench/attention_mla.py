@@ -41,9 +41,8 @@ HEADS, PAGE = 128, 64
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 SCALE = V3.qk_head_dim**-0.5
 SHAPES = ((64, 4096), (128, 2048), (32, 8192), (8, 32768))
-SWEEP = (  # block_h, block_n, num_warps, num_stages, lazy_rescale
-    (64, 16, 8, 2, True), (64, 16, 8, 3, True), (64, 32, 8, 2, True), (64, 16, 8, 2, False), (64, 32, 8, 2, False),
-    (32, 32, 8, 2, True), (32, 64, 8, 2, True), (16, 32, 4, 2, True),
+SWEEP = (  # block_h, block_n, num_warps, num_stages
+    (64, 16, 8, 2), (64, 16, 8, 3), (64, 32, 8, 2), (32, 32, 8, 2), (32, 64, 8, 2), (16, 32, 4, 2),
 )  # fmt: skip
 
 
@@ -179,9 +178,9 @@ def main() -> None:
     configs = [default]
     if args.sweep:
         inp = make_inputs(*shapes[0])
-        for bh, bn, warps, stages, lazy in SWEEP:
+        for bh, bn, warps, stages in SWEEP:
             for per_sm in (1, 2):
-                cfg = MLADecodeConfig(bh, bn, warps, stages, per_sm, 256, lazy)
+                cfg = MLADecodeConfig(bh, bn, warps, stages, per_sm, 256)
                 try:
                     ms, err, info = run_triton(inp, cfg)
                     row = dict(config=cfg.__dict__, us=ms * 1e3, err=err, **info)

@@ -42,7 +42,7 @@ def mla_decode_kernel(
     stride_bt,
     R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
-    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     head_block = tl.program_id(0)
     i = tl.program_id(1)
@@ -86,24 +86,11 @@ def mla_decode_kernel(
         # Every tile holds at least one visible key (start_n < end), so m_new is finite.
         s = tl.where(tok_mask[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        if LAZY_RESCALE:
-            # Rescaling the [BLOCK_H, 512] accumulator costs as many instructions as the tile's
-            # softmax; skip it while no row's maximum has grown by more than 2^8 (the sum and the
-            # accumulator then hold values up to 256x larger, exact in fp32; the result is the same).
-            if tl.max(m_new - m_i, 0) > 8.0:
-                alpha = tl.exp2(m_i - m_new)
-                l_i = l_i * alpha
-                acc = acc * alpha[:, None]
-                m_i = m_new
-            prob = tl.exp2(s - m_i[:, None])
-            l_i = l_i + tl.sum(prob, 1)
-            acc = tl.dot(prob.to(lat.dtype), lat, acc, input_precision=DOT_PRECISION)
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            prob = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(prob, 1)
-            acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
-            m_i = m_new
+        alpha = tl.exp2(m_i - m_new)
+        prob = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(prob, 1)
+        acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
+        m_i = m_new
 
     empty = l_i == 0.0
     l_safe = tl.where(empty, 1.0, l_i)

@@ -65,7 +65,6 @@ class MLADecodeConfig:
     num_stages: int
     programs_per_sm: int  # the split heuristic aims at num_sms * programs_per_sm programs
     min_partition: int  # fewest keys per split worth a merge pass
-    lazy_rescale: bool = True  # rescale the accumulator only when a row's max grows by > 2^8
 
 
 @dataclass(frozen=True)
@@ -83,10 +82,11 @@ def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
     if dtype == "float32":
         return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, programs_per_sm=2,
                                min_partition=256)  # fmt: skip
-    # 64 heads x 512 fp32 accumulators fill the register file at 8 warps; 16-row tiles keep the
-    # loop free of spills (the compiler's report, sm_90).
+    # Measured on an H200 (bench/attention_mla.py, docs/performance.md): 64 heads share each row
+    # load (wgmma needs 64 rows); their 64 x 512 fp32 accumulators fill the register file at 8
+    # warps, which leaves room for 32-row tiles, not 64.
     block_h = 64 if num_heads >= 64 else max(16, 1 << (num_heads - 1).bit_length())
-    return MLADecodeConfig(block_h=block_h, block_n=16, num_warps=8, num_stages=2, programs_per_sm=1,
+    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2,
                            min_partition=256)  # fmt: skip
 
 

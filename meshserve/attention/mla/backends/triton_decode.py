@@ -163,7 +163,7 @@ class TritonMLADecodeBackend(MLABackend):
             meta.block_table.stride(0),
             R=r, P=p, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_R=pow2(r, 16), BLOCK_P=pow2(p, 16),
             PAGE=cache.block_size, KV_FP8=cache.is_fp8, WRITE_LSE=split or return_lse,
-            DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", LAZY_RESCALE=cfg.lazy_rescale,
+            DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
         if split:
