@@ -14,8 +14,7 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def load_rows(ptrs, rows_ok, cols, N: tl.constexpr, BLOCK: tl.constexpr):
-    """[R, BLOCK] tile of rows_ok rows (others read 0). When the row is exactly BLOCK wide no column
-    mask is applied: a mask that varies along a row would split each 16-byte load into 2-byte ones."""
+    """[R, BLOCK] tile of the rows where rows_ok (others read 0), columns past N read 0."""
     if N == BLOCK:
         x = tl.load(ptrs, mask=rows_ok[:, None], other=0.0)
     else:
