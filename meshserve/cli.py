@@ -99,6 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="attention backend feature table and selection for this machine")
     _add_layer_flags(p)
     p.set_defaults(func=cmd_backends)
+    from meshserve.engine import add_generate_parser
+
+    add_generate_parser(sub)
     return parser
 
 

@@ -43,3 +43,23 @@ def as_enum(enum: type[E], field: str, value: object) -> E:
         return enum(str(value).lower())
     except ValueError:
         raise ConfigError(field, value, f"one of {[m.value for m in enum]}") from None
+
+
+class QueueFullError(MeshserveError):
+    """Admission control refused a request: the pool's waiting queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class CapacityError(MeshserveError):
+    """A request can never fit: its prompt plus max_tokens exceeds the KV capacity (RESOURCE_EXHAUSTED)."""
+
+
+class UnavailableError(MeshserveError):
+    """No healthy replica can take the request right now (UNAVAILABLE)."""
+
+
+class ReplicaFailedError(MeshserveError):
+    """The replica serving a request died; the message names the cause (UNAVAILABLE)."""
+
+
+class NotFoundError(MeshserveError):
+    """An unknown model name or request id (NOT_FOUND)."""

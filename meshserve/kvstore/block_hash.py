@@ -1,0 +1,70 @@
+"""Content hashes of full KV blocks, chained so that a hash names a whole prefix.
+
+hash(block i) = sha256(hash(block i-1) | token ids of block i as int64 | extra keys), with the
+root parent a fixed 32-byte string. Equal hashes therefore mean equal prefixes (not just equal
+blocks), which is what lets two requests share the blocks.
+
+Why sha256 and not Python's `hash`: the digest is the same in every process and on every host,
+so a coordinator can route by prefix and a replica that imports KV can register the sender's
+hashes; and a collision (which would hand one request another's KV) is not something a client
+can provoke. Cost is about 1 µs per block, paid once per full block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections.abc import Sequence
+
+import msgpack
+
+from meshserve.errors import ConfigError
+
+BlockHash = bytes  # 32-byte sha256 digest
+ROOT_HASH: BlockHash = b"meshserve-kv-root".ljust(32, b"\0")
+
+
+def encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
+    """Canonical bytes of a request's extra keys (LoRA name, cache salt, multimodal ids ...).
+
+    Extra keys are part of every block hash of the request, so requests with different keys
+    never share blocks even when their tokens agree. Allowed items: str, int, bytes, and
+    tuples/lists of those.
+    """
+    if not extra_keys:
+        return b""
+    try:
+        return msgpack.packb(list(extra_keys), use_bin_type=True, strict_types=False)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ConfigError("extra_keys", extra_keys, "a sequence of str, int or bytes items") from exc
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one full block given its parent's hash (None for the first block).
+
+    token_ids: the block's tokens (exactly tokens_per_block of them; not checked here).
+    extra: `encode_extra_keys(...)` of the request.
+    """
+    h = hashlib.sha256(parent if parent is not None else ROOT_HASH)
+    h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(extra)
+    return h.digest()
+
+
+def hash_blocks(
+    token_ids: Sequence[int],
+    tokens_per_block: int,
+    *,
+    extra: bytes = b"",
+    num_blocks: int | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of the first `num_blocks` full blocks of `token_ids` (default: all full ones)."""
+    full = len(token_ids) // tokens_per_block
+    count = full if num_blocks is None else min(num_blocks, full)
+    out: list[BlockHash] = []
+    parent = None
+    for i in range(count):
+        parent = hash_block(parent, token_ids[i * tokens_per_block : (i + 1) * tokens_per_block], extra)
+        out.append(parent)
+    return out

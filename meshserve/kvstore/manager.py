@@ -1,0 +1,513 @@
+"""Per-request block tables over a BlockPool: the scheduler's view of the KV cache.
+
+Plain Python, no torch. The scheduler reads like pseudocode with it:
+
+    hit = kv.lookup_prefix(req.token_ids, extra_keys=req.extra_keys)     # pure query
+    n = min(budget, len(req.token_ids) - hit.num_tokens)
+    if kv.allocate_slots(req.id, n, req.token_ids, prefix=hit): ...    # admitted, all or nothing
+    ...
+    while not kv.allocate_slots(run.id, 1, run.token_ids):              # decode step
+        kv.free(victim.id)                                              # preempt
+    copies = kv.take_copies()          # copy-on-write pairs: the step copies them before writing KV
+    kv.free(req.id)                    # finish / abort / preempt
+
+Conventions
+- Positions and tokens are logical: with DCP of size d every logical block covers
+  `block_size * d` tokens (each rank stores its 1/d share in its own physical block of the same
+  id), so every count here is in logical tokens and `capacity_tokens` already includes the × d.
+- A block table keeps one entry per logical block, in position order. A block released because
+  it fell out of the sliding window (and is not a sink block) is replaced by `NULL_BLOCK` (0),
+  the reserved block that attention never reads: the table index of a position never changes.
+- `allocate_slots` assumes every slot it allocated earlier for the request has been computed
+  by the time the new slots are (synchronous scheduling): it releases out-of-window blocks from
+  that assumption, and it registers prefix hashes of blocks filled by the scheduled tokens. A
+  request hit in the same step reads them after they are written, because every layer writes
+  the step's KV before it attends. If a step fails, `free(..., keep_cache=False)` its requests.
+- Block tables returned by `block_table` are the manager's own lists: read them, never modify.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from meshserve.errors import ConfigError, MeshserveError, check
+from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, hash_block
+from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
+from meshserve.kvstore.retention import RetentionPolicy
+
+RequestId = Hashable
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """Result of `lookup_prefix`: what of a token sequence is already cached.
+
+    num_tokens:   cached tokens (a multiple of tokens_per_block, at most len(token_ids) - 1: the
+                  last token is always computed, to produce logits)
+    block_ids:    the table entries covering them (NULL_BLOCK where a sliding window does not
+                  need the block, so it was not required to be cached)
+    block_hashes: chained hashes of the full blocks of token_ids computed during the lookup
+                  (at least one per entry of block_ids); allocate_slots reuses them
+    extra_keys:   the extra keys the hashes were computed with
+    """
+
+    num_tokens: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    extra_keys: tuple = ()
+
+
+@dataclass
+class KVCacheStats:
+    """Monotonic counters (tokens unless named blocks)."""
+
+    prefix_query_tokens: int = 0  # prompt tokens of admitted requests (with prefix caching on)
+    prefix_hit_tokens: int = 0  # of which were already cached
+    cow_copies: int = 0  # blocks copied on write after a fork
+    window_released_blocks: int = 0  # blocks returned because they left the window
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+class _Request:
+    __slots__ = ("table", "num_tokens", "hashes", "num_registered", "extra", "extra_keys", "first_held")
+
+    def __init__(
+        self,
+        table: list[int],
+        num_tokens: int,
+        hashes: list[BlockHash],
+        extra_keys: tuple,
+        extra: bytes,
+        first_held: int,
+    ) -> None:
+        self.table = table  # physical block per logical block (NULL_BLOCK once released)
+        self.num_tokens = num_tokens  # slots allocated (computed or being computed)
+        self.hashes = hashes  # chained hashes of full blocks, known so far (may run ahead)
+        self.num_registered = 0  # blocks [0, this) have had their hash offered to the pool
+        self.extra_keys = extra_keys
+        self.extra = extra
+        self.first_held = first_held  # non-sink blocks below this index were released
+
+
+class KVCacheManager:
+    """Block tables of running requests, prefix reuse, window release, copy-on-write forks.
+
+    num_blocks:  physical blocks per layer cache, including the null block 0
+    block_size:  tokens per physical block on one rank
+    dcp_size:    decode-context-parallel ranks; a logical block covers block_size * dcp_size tokens
+    retention:   which positions must stay cached (RetentionPolicy.from_specs(layer_specs))
+    enable_prefix_caching: hash full blocks and reuse them across requests
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dcp_size: int = 1,
+        retention: RetentionPolicy | None = None,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        check(block_size >= 1, "block_size", block_size, "an integer >= 1")
+        check(dcp_size >= 1, "dcp_size", dcp_size, "an integer >= 1")
+        self.pool = BlockPool(num_blocks)
+        self.block_size = block_size
+        self.dcp_size = dcp_size
+        self.tokens_per_block = block_size * dcp_size
+        self.retention = retention if retention is not None else RetentionPolicy()
+        self.enable_prefix_caching = enable_prefix_caching
+        self.stats = KVCacheStats()
+        self._requests: dict[RequestId, _Request] = {}
+        self._copies: list[tuple[int, int]] = []
+        self._window = self.retention.sliding_window
+        self._sink_blocks = self.retention.num_sink_blocks(self.tokens_per_block)
+
+    # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (cached-but-unreferenced blocks count as free)."""
+        return self.pool.usage
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Tokens the whole cache holds (× dcp_size: each rank keeps 1/dcp of every block)."""
+        return self.pool.num_total_blocks * self.tokens_per_block
+
+    @property
+    def free_capacity_tokens(self) -> int:
+        return self.pool.num_free_blocks * self.tokens_per_block
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- per-request reads ----------------------------------------------------------------
+    def __contains__(self, request_id: RequestId) -> bool:
+        return request_id in self._requests
+
+    def block_table(self, request_id: RequestId) -> list[int]:
+        """Physical block ids by logical block index (NULL_BLOCK where released). Read-only."""
+        return self._get(request_id).table
+
+    def num_tokens(self, request_id: RequestId) -> int:
+        """Slots allocated to the request (tokens computed or being computed)."""
+        return self._get(request_id).num_tokens
+
+    def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
+        """Hashes of the request's full blocks whose hash was registered (in position order)."""
+        req = self._get(request_id)
+        return req.hashes[: req.num_registered]
+
+    def extra_keys(self, request_id: RequestId) -> tuple:
+        return self._get(request_id).extra_keys
+
+    def request_ids(self) -> list[RequestId]:
+        return list(self._requests)
+
+    # ---- prefix lookup --------------------------------------------------------------------
+    def lookup_prefix(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] = ()) -> PrefixHit:
+        """The longest cached prefix of `token_ids` that a new request can start from. Pure.
+
+        Full attention needs every block of the prefix cached. With a sliding window only the
+        sink blocks and the blocks the first query's window reaches must be cached; the others
+        appear as NULL_BLOCK in `block_ids`.
+        """
+        keys = tuple(extra_keys)
+        extra = encode_extra_keys(keys)
+        tpb = self.tokens_per_block
+        max_blocks = max(0, len(token_ids) - 1) // tpb
+        if not self.enable_prefix_caching or max_blocks == 0:
+            return PrefixHit(0, (), (), keys)
+        lookup = self.pool.lookup
+        hashes: list[BlockHash] = []
+        found: list[int | None] = []
+        parent = None
+        for i in range(max_blocks):
+            parent = hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], extra)
+            hashes.append(parent)
+            found.append(lookup(parent))
+            if found[-1] is None and self._window is None:
+                break  # full attention: the prefix ends at the first miss
+        if self._window is None:
+            hit = len(found) - (found[-1] is None)
+            return PrefixHit(hit * tpb, tuple(found[:hit]), tuple(hashes), keys)
+        return self._windowed_hit(found, hashes, keys)
+
+    def _windowed_hit(self, found: list[int | None], hashes: list[BlockHash], keys: tuple) -> PrefixHit:
+        tpb, sink = self.tokens_per_block, self._sink_blocks
+        leading = next((i for i, b in enumerate(found) if b is None), len(found))  # cached from 0
+        run_end = [0] * len(found)  # length of the cached run ending at i
+        for i, b in enumerate(found):
+            run_end[i] = 0 if b is None else (run_end[i - 1] + 1 if i else 1)
+        for k in range(len(found), 0, -1):
+            lo = self.retention.first_needed_block(k * tpb, tpb)
+            if min(k, sink) <= leading and (lo >= k or run_end[k - 1] >= k - lo):
+                table = tuple(found[i] if (i < sink or i >= lo) else NULL_BLOCK for i in range(k))
+                return PrefixHit(k * tpb, table, tuple(hashes), keys)  # type: ignore[arg-type]
+        return PrefixHit(0, (), tuple(hashes), keys)
+
+    # ---- allocation -----------------------------------------------------------------------
+    def can_allocate(
+        self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None
+    ) -> bool:
+        """Whether `allocate_slots` with the same arguments would succeed. Pure."""
+        check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
+        req = self._requests.get(request_id)
+        if req is None:
+            return self._admission_need(num_new_tokens, prefix) <= self.pool.num_free_blocks
+        need, freeable = self._growth_need(req, num_new_tokens)
+        return need <= self.pool.num_free_blocks + freeable
+
+    def allocate_slots(
+        self,
+        request_id: RequestId,
+        num_new_tokens: int,
+        token_ids: Sequence[int],
+        *,
+        prefix: PrefixHit | None = None,
+        extra_keys: Sequence[object] = (),
+    ) -> bool:
+        """Give the request slots for `num_new_tokens` more tokens; False (and no change) if the
+        pool cannot. A new request starts from `prefix` (from lookup_prefix on the same token
+        ids), or from nothing. token_ids: the request's tokens so far, including the ones being
+        scheduled (used to hash blocks as they fill; may be shorter, e.g. speculative slots).
+        extra_keys: for a new request without `prefix` (a prefix carries its own).
+        """
+        req = self._requests.get(request_id)
+        if req is None:
+            return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
+        if prefix is not None:
+            raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
+        if num_new_tokens < 0:
+            raise ConfigError("num_new_tokens", num_new_tokens, "an integer >= 0")
+        tpb = self.tokens_per_block
+        n = req.num_tokens
+        total = n + num_new_tokens
+        table = req.table
+        # Fast path (most decode steps): room in the last block, not shared, nothing to release.
+        if (
+            total <= len(table) * tpb
+            and (n % tpb == 0 or self.pool.ref_counts[table[n // tpb]] == 1)
+            and (self._window is None or n - self._window + 1 < (req.first_held + 1) * tpb)
+        ):
+            req.num_tokens = total
+        else:
+            need, freeable = self._growth_need(req, num_new_tokens)
+            if need > self.pool.num_free_blocks + freeable:
+                return False
+            self._release_out_of_window(req)
+            self._grow(req, total)
+        if self.enable_prefix_caching and min(total, len(token_ids)) // tpb > req.num_registered:
+            self._register_full_blocks(req, token_ids, total)
+        return True
+
+    def _admission_need(self, num_new_tokens: int, prefix: PrefixHit | None) -> int:
+        """Blocks a new request takes from the free count (new ones plus revived cached hits)."""
+        tpb = self.tokens_per_block
+        if prefix is None:
+            return -(-num_new_tokens // tpb)
+        self._check_fresh(prefix)
+        ref = self.pool.ref_counts
+        revived = sum(1 for b in prefix.block_ids if b != NULL_BLOCK and ref[b] == 0)
+        return -(-(prefix.num_tokens + num_new_tokens) // tpb) - len(prefix.block_ids) + revived
+
+    def _check_fresh(self, prefix: PrefixHit) -> None:
+        for i, block in enumerate(prefix.block_ids):
+            if block != NULL_BLOCK and self.pool.block_hash(block) != prefix.block_hashes[i]:
+                raise MeshserveError(
+                    f"stale PrefixHit: block {block} (index {i}) was evicted since lookup_prefix; "
+                    "look up again right before allocating"
+                )
+
+    def _admit(
+        self,
+        request_id: RequestId,
+        num_new_tokens: int,
+        token_ids: Sequence[int],
+        prefix: PrefixHit | None,
+        extra_keys: tuple,
+    ) -> bool:
+        check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
+        if prefix is not None and extra_keys and tuple(extra_keys) != prefix.extra_keys:
+            raise ConfigError(
+                "extra_keys", extra_keys, f"the prefix hit's own extra keys {prefix.extra_keys}"
+            )
+        keys = prefix.extra_keys if prefix is not None else extra_keys
+        extra = encode_extra_keys(keys)
+        if self._admission_need(num_new_tokens, prefix) > self.pool.num_free_blocks:
+            return False
+        tpb = self.tokens_per_block
+        if prefix is None:
+            table: list[int] = []
+            hashes: list[BlockHash] = []
+            num_cached = 0
+        else:
+            table = list(prefix.block_ids)
+            hashes = list(prefix.block_hashes)
+            num_cached = prefix.num_tokens
+            self.pool.touch(b for b in table if b != NULL_BLOCK)
+        first_held = max(self._sink_blocks, self.retention.first_needed_block(num_cached, tpb))
+        req = _Request(table, num_cached, hashes, keys, extra, first_held)
+        req.num_registered = len(table)  # hit blocks are hashed already
+        self._grow(req, num_cached + num_new_tokens)
+        self._requests[request_id] = req
+        if self.enable_prefix_caching:
+            self.stats.prefix_query_tokens += len(token_ids)
+            self.stats.prefix_hit_tokens += num_cached
+            self._register_full_blocks(req, token_ids, req.num_tokens)
+        return True
+
+    def _growth_need(self, req: _Request, num_new_tokens: int) -> tuple[int, int]:
+        """(blocks to take, blocks the window release would give back) for a running request."""
+        tpb = self.tokens_per_block
+        n = req.num_tokens
+        table = req.table
+        ref = self.pool.ref_counts
+        need = -(-(n + num_new_tokens) // tpb) - len(table)
+        if num_new_tokens and n % tpb and ref[table[n // tpb]] > 1:
+            need += 1  # the shared partial block is copied before it is written
+        freeable = 0
+        if self._window is not None:
+            lo, hi = self._release_range(req)
+            freeable = sum(1 for b in table[lo:hi] if b != NULL_BLOCK and ref[b] == 1)
+        return need, freeable
+
+    def _release_range(self, req: _Request) -> tuple[int, int]:
+        lo = max(req.first_held, self._sink_blocks)
+        hi = self.retention.first_needed_block(req.num_tokens, self.tokens_per_block)
+        return lo, max(lo, hi)
+
+    def _release_out_of_window(self, req: _Request) -> None:
+        if self._window is None:
+            return
+        lo, hi = self._release_range(req)
+        table = req.table
+        released = [b for b in table[lo:hi] if b != NULL_BLOCK]
+        for i in range(lo, hi):
+            table[i] = NULL_BLOCK
+        req.first_held = hi
+        if released:
+            self.pool.free(released)
+            self.stats.window_released_blocks += len(released)
+
+    def _grow(self, req: _Request, total: int) -> None:
+        """Copy a shared partial last block if it will be written, then append new blocks."""
+        tpb = self.tokens_per_block
+        n, table = req.num_tokens, req.table
+        if total > n and n % tpb and self.pool.ref_counts[table[n // tpb]] > 1:
+            old = table[n // tpb]
+            (new,) = self.pool.allocate(1)
+            self._copies.append((old, new))
+            self.pool.free([old])
+            table[n // tpb] = new
+            self.stats.cow_copies += 1
+        missing = -(-total // tpb) - len(table)
+        if missing > 0:
+            table.extend(self.pool.allocate(missing))
+        req.num_tokens = total
+
+    def _register_full_blocks(self, req: _Request, token_ids: Sequence[int], upto: int) -> None:
+        tpb = self.tokens_per_block
+        full = min(upto, len(token_ids)) // tpb
+        hashes, table, pool = req.hashes, req.table, self.pool
+        for i in range(req.num_registered, full):
+            if i == len(hashes):
+                parent = hashes[i - 1] if i else None
+                hashes.append(hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], req.extra))
+            if table[i] != NULL_BLOCK:
+                pool.cache_block(table[i], hashes[i])
+        req.num_registered = max(req.num_registered, full)
+
+    # ---- release, fork, copies ------------------------------------------------------------
+    def free(self, request_id: RequestId, *, keep_cache: bool = True) -> bool:
+        """Return every block of the request (finish, abort, preempt); False if it held none.
+
+        Hashed blocks stay cached for prefix reuse, tail blocks first in line for eviction.
+        keep_cache=False forgets the hashes of blocks nobody else holds (their KV may never
+        have been written, e.g. the step failed).
+        """
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return False
+        held = [b for b in reversed(req.table) if b != NULL_BLOCK]
+        if not keep_cache:
+            for b in held:
+                if self.pool.ref_counts[b] == 1:
+                    self.pool.uncache(b)
+        self.pool.free(held)
+        return True
+
+    def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
+        """The child shares every block of the parent (n > 1 samples, beam search); the first
+        write to a shared partial block copies it (see take_copies)."""
+        parent = self._get(parent_id)
+        check(child_id not in self._requests, "child_id", child_id, "an id that holds no blocks yet")
+        child = _Request(
+            list(parent.table),
+            parent.num_tokens,
+            list(parent.hashes),
+            parent.extra_keys,
+            parent.extra,
+            parent.first_held,
+        )
+        child.num_registered = parent.num_registered
+        self.pool.touch(b for b in child.table if b != NULL_BLOCK)
+        self._requests[child_id] = child
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write (src, dst) block pairs made since the last call. Copy them (every layer,
+        every rank) before the step writes any KV: dst now belongs to the writer."""
+        out, self._copies = self._copies, []
+        return out
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix hash (e.g. after weights change)."""
+        self.pool.reset_prefix_cache()
+        for req in self._requests.values():
+            req.hashes.clear()
+            req.num_registered = 0
+
+    # ---- KV hand-over ---------------------------------------------------------------------
+    def allocate_for_import(
+        self,
+        request_id: RequestId,
+        num_tokens: int,
+        block_positions: Sequence[int],
+        *,
+        extra_keys: Sequence[object] = (),
+    ) -> list[int] | None:
+        """Fresh blocks for a request whose KV arrives from another replica; None if the pool
+        cannot (nothing changes). block_positions: table indices that carry data (strictly
+        increasing); other entries are NULL_BLOCK. Returns the new block ids, one per position.
+        On a failed transfer call `free(request_id, keep_cache=False)`."""
+        check(request_id not in self._requests, "request_id", request_id, "an id that holds no blocks yet")
+        check(num_tokens >= 0, "num_tokens", num_tokens, "an integer >= 0")
+        num_table = -(-num_tokens // self.tokens_per_block)
+        positions = list(block_positions)
+        check(
+            all(0 <= p < num_table for p in positions)
+            and all(a < b for a, b in zip(positions, positions[1:])),
+            "block_positions",
+            positions if len(positions) < 16 else f"{len(positions)} positions",
+            f"strictly increasing table indices in [0, {num_table})",
+        )
+        if not self.pool.can_allocate(len(positions)):
+            return None
+        blocks = self.pool.allocate(len(positions))
+        table = [NULL_BLOCK] * num_table
+        for p, b in zip(positions, blocks):
+            table[p] = b
+        keys = tuple(extra_keys)
+        self._requests[request_id] = _Request(
+            table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks
+        )
+        return blocks
+
+    def register_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
+        """Adopt known hashes of the request's first full blocks (after an import succeeded)."""
+        req = self._get(request_id)
+        full = req.num_tokens // self.tokens_per_block
+        check(len(block_hashes) <= full, "block_hashes", len(block_hashes), f"at most {full} (full blocks)")
+        if not self.enable_prefix_caching or req.num_registered:
+            return
+        req.hashes = list(block_hashes)
+        for i, h in enumerate(req.hashes):
+            if req.table[i] != NULL_BLOCK:
+                self.pool.cache_block(req.table[i], h)
+        req.num_registered = len(req.hashes)
+
+    # ---- checking -------------------------------------------------------------------------
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant (pool, tables, ref counts)."""
+        self.pool.check_invariants()
+        held: Counter[int] = Counter()
+        for rid, req in self._requests.items():
+            if len(req.table) != -(-req.num_tokens // self.tokens_per_block):
+                raise AssertionError(f"request {rid!r}: {len(req.table)} blocks for {req.num_tokens} tokens")
+            blocks = [b for b in req.table if b != NULL_BLOCK]
+            if len(set(blocks)) != len(blocks):
+                raise AssertionError(f"request {rid!r} holds a block twice: {req.table}")
+            held.update(blocks)
+        ref = self.pool.ref_counts
+        for block in range(1, self.pool.num_blocks):
+            if ref[block] != held[block]:
+                raise AssertionError(f"block {block}: ref count {ref[block]} but {held[block]} table entries")
+
+    def _get(self, request_id: RequestId) -> _Request:
+        req = self._requests.get(request_id)
+        if req is None:
+            raise ConfigError("request_id", request_id, "an id that holds blocks in this KVCacheManager")
+        return req

@@ -1,0 +1,224 @@
+"""Wire format of a KV hand-over: a msgpack header, then raw frames of cache bytes.
+
+Header (msgpack map, `KVHeader.pack`):
+  version, request_id (str | int), fingerprint (of the layout), layout (model id, block size,
+  dcp size, per cached layer: dtype name and the shape of one block), num_tokens,
+  block_positions (block-table indices that carry data; the rest are released window blocks),
+  block_hashes (prefix hashes of the first full blocks), extra_keys, scales (per cached layer:
+  [k_scale, v_scale], or [scale] for MLA), frames ([layer, first, count] per frame), nbytes,
+  checksum.
+Frames: frame i is the raw bytes of `count` consecutive sent blocks of one layer
+  (cache.data[blocks[first:first + count]] in storage order), layers in order, each layer's
+  blocks in table order, so the receiver can write each frame straight into its own blocks.
+Checksum: `FrameDigest` over the frames in order: 64-bit word sums per 32 KiB chunk, weighted by
+  chunk index (catches flipped bits, truncation and reordering) at memory speed, on CPU or GPU.
+  It guards against bugs and mismatched peers, not against an attacker.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgpack
+import torch
+
+from meshserve.errors import MeshserveError
+
+WIRE_VERSION = 1
+_MASK = (1 << 64) - 1
+_CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
+
+
+class KVTransferError(MeshserveError):
+    """A KV hand-over was refused. `reason` is one of: layout, capacity, truncated, checksum,
+    bad_header, unknown_request, timeout. The receiver has freed everything it allocated."""
+
+    REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout")
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(f"KV hand-over refused ({reason}): {message}")
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """What a receiver's caches must match, byte for byte, to take a sender's blocks.
+
+    layers: per layer that keeps a cache, (dtype name, shape of one block).
+    """
+
+    model_id: str
+    block_size: int
+    dcp_size: int
+    layers: tuple[tuple[str, tuple[int, ...]], ...]
+
+    @classmethod
+    def from_caches(
+        cls, caches: Sequence[object], *, model_id: str, block_size: int, dcp_size: int
+    ) -> KVLayout:
+        layers = tuple(
+            (str(c.data.dtype).removeprefix("torch."), tuple(c.data.shape[1:]))
+            for c in caches
+            if c is not None
+        )
+        return cls(model_id, block_size, dcp_size, layers)
+
+    def to_wire(self) -> list:
+        return [self.model_id, self.block_size, self.dcp_size, [[d, list(s)] for d, s in self.layers]]
+
+    @classmethod
+    def from_wire(cls, obj: list) -> KVLayout:
+        model_id, block_size, dcp_size, layers = obj
+        return cls(
+            str(model_id),
+            int(block_size),
+            int(dcp_size),
+            tuple((str(d), tuple(int(x) for x in s)) for d, s in layers),
+        )
+
+    @property
+    def fingerprint(self) -> str:
+        import hashlib
+
+        return hashlib.sha256(msgpack.packb(self.to_wire())).hexdigest()[:32]
+
+    def block_nbytes(self) -> list[int]:
+        """Bytes of one block of each cached layer."""
+        out = []
+        for dtype, shape in self.layers:
+            torch_dtype = getattr(torch, dtype, None)
+            if not isinstance(torch_dtype, torch.dtype):
+                raise KVTransferError("bad_header", f"unknown cache dtype {dtype!r}")
+            out.append(torch_dtype.itemsize * int(torch.Size(shape).numel()))
+        return out
+
+    def difference(self, other: KVLayout) -> str:
+        """Human-readable first difference between two layouts (self = ours, other = theirs)."""
+        for name in ("model_id", "block_size", "dcp_size"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name}: receiver {getattr(self, name)!r}, sender {getattr(other, name)!r}"
+        if len(self.layers) != len(other.layers):
+            return f"cached layers: receiver {len(self.layers)}, sender {len(other.layers)}"
+        for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
+            if mine != theirs:
+                return f"layer {i} (dtype, block shape): receiver {mine}, sender {theirs}"
+        return "none"
+
+
+@dataclass(frozen=True)
+class KVHeader:
+    request_id: str | int
+    layout: KVLayout
+    num_tokens: int
+    block_positions: tuple[int, ...]
+    block_hashes: tuple[bytes, ...]
+    extra_keys: tuple
+    scales: tuple[tuple[float, ...], ...]
+    frames: tuple[tuple[int, int, int], ...]  # (cached layer index, first sent block, count)
+    nbytes: int
+    checksum: int
+    fingerprint: str = ""
+    version: int = WIRE_VERSION
+
+    def pack(self) -> bytes:
+        return msgpack.packb(
+            {
+                "version": self.version,
+                "request_id": self.request_id,
+                "fingerprint": self.fingerprint or self.layout.fingerprint,
+                "layout": self.layout.to_wire(),
+                "num_tokens": self.num_tokens,
+                "block_positions": list(self.block_positions),
+                "block_hashes": list(self.block_hashes),
+                "extra_keys": list(self.extra_keys),
+                "scales": [list(s) for s in self.scales],
+                "frames": [list(f) for f in self.frames],
+                "nbytes": self.nbytes,
+                "checksum": self.checksum,
+            },
+            use_bin_type=True,
+        )
+
+    @classmethod
+    def unpack(cls, data: bytes | memoryview) -> KVHeader:
+        try:
+            obj = msgpack.unpackb(data, raw=False)
+            if obj.get("version") != WIRE_VERSION:
+                raise KVTransferError(
+                    "bad_header", f"wire version {obj.get('version')!r}, expected {WIRE_VERSION}"
+                )
+            return cls(
+                request_id=obj["request_id"],
+                layout=KVLayout.from_wire(obj["layout"]),
+                num_tokens=int(obj["num_tokens"]),
+                block_positions=tuple(int(p) for p in obj["block_positions"]),
+                block_hashes=tuple(bytes(h) for h in obj["block_hashes"]),
+                extra_keys=_tuplify(obj["extra_keys"]),
+                scales=tuple(tuple(float(x) for x in s) for s in obj["scales"]),
+                frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
+                nbytes=int(obj["nbytes"]),
+                checksum=int(obj["checksum"]),
+                fingerprint=str(obj["fingerprint"]),
+            )
+        except KVTransferError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
+            raise KVTransferError("bad_header", f"cannot decode the header: {exc!r}") from exc
+
+    def frame_nbytes(self) -> list[int]:
+        """Byte size of each frame, from the sender's layout."""
+        per_block = self.layout.block_nbytes()
+        return [per_block[layer] * count for layer, _, count in self.frames]
+
+
+def _tuplify(obj: object) -> object:
+    return tuple(_tuplify(x) for x in obj) if isinstance(obj, list) else obj
+
+
+def plan_frames(
+    blocks: Sequence[int], block_nbytes: Sequence[int], max_frame_bytes: int
+) -> list[tuple[int, int, int]]:
+    """(layer, first, count) frames: runs of consecutive block ids, at most max_frame_bytes each
+    (but at least one block)."""
+    frames = []
+    for layer, per_block in enumerate(block_nbytes):
+        cap = max(1, max_frame_bytes // per_block)
+        i = 0
+        while i < len(blocks):
+            j = i + 1
+            while j < len(blocks) and j - i < cap and blocks[j] == blocks[j - 1] + 1:
+                j += 1
+            frames.append((layer, i, j - i))
+            i = j
+    return frames
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor seen as a flat uint8 tensor (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+class FrameDigest:
+    """Running checksum over frames (uint8 tensors on any device), in order."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, frame: torch.Tensor) -> None:
+        n = frame.numel()
+        n8 = n - n % 8
+        if frame.storage_offset() % 8:
+            frame = frame.clone()  # int64 views need 8-byte alignment
+        words = frame[:n8].view(torch.int64)
+        m = words.numel() // _CHUNK_WORDS
+        total = weighted = 0
+        if m:
+            sums = words[: m * _CHUNK_WORDS].view(m, _CHUNK_WORDS).sum(1)
+            total = int(sums.sum())
+            weighted = int((sums * torch.arange(1, m + 1, device=sums.device)).sum())
+        rest = int(words[m * _CHUNK_WORDS :].sum()) if words.numel() > m * _CHUNK_WORDS else 0
+        tail = int.from_bytes(bytes(frame[n8:].cpu().tolist()), "little") if n8 < n else 0
+        total = (total + rest + tail) & _MASK
+        weighted = (weighted + (m + 1) * (rest + tail)) & _MASK
+        self.value = ((self.value * 0x100000001B3) ^ total ^ (weighted * 0x9E3779B97F4A7C15) ^ n) & _MASK

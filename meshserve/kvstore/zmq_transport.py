@@ -1,0 +1,198 @@
+"""KV hand-over over pyzmq, between processes or hosts: the receiver pulls.
+
+Sender (prefill replica):
+    server = KVExportServer(connector)                # ROUTER socket, tcp://127.0.0.1 random port
+    server.offer(request_id)                          # pins the blocks; hand (server.address, id) out
+    ... server.poll(timeout_ms) from the replica's own loop: serves pulls, releases sent exports
+Receiver (decode replica):
+    blocks = pull_kv(connector, address, request_id, timeout_s=30)   # or KVTransferError
+
+Messages: the receiver's DEALER sends msgpack {"op": "pull", "request_id": id}; the reply is one
+multipart message [header, frame 0, frame 1, ...] (see wire.py), or [msgpack {"error": reason,
+"message": text}]. Frames leave the sender without a copy (zmq reads the cache memory; the
+export stays pinned until zmq has let go of every frame) and, where the receiver's new blocks
+form one run, land in its cache without a copy (`recv_into`).
+
+The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
+KVCacheManager, so the manager needs no locks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgpack
+import zmq
+
+from meshserve.errors import check
+from meshserve.kvstore.connector import DEFAULT_FRAME_BYTES, ImportSession, KVConnector, KVExport
+from meshserve.kvstore.wire import KVTransferError
+
+
+class KVExportServer:
+    """Serves offered exports of one connector to pulling receivers.
+
+    address: a zmq endpoint; "tcp://HOST" without a port binds a random free port. The bound
+    endpoint is `self.address`.
+    """
+
+    def __init__(
+        self,
+        connector: KVConnector,
+        *,
+        address: str = "tcp://127.0.0.1",
+        context: zmq.Context | None = None,
+        max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+    ) -> None:
+        self.connector = connector
+        self.max_frame_bytes = max_frame_bytes
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://") and address.count(":") == 1:
+            self._sock.bind_to_random_port(address)
+        else:
+            self._sock.bind(address)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._offers: dict[str | int, tuple[KVExport, float]] = {}
+        self._sending: list[tuple[KVExport, list[zmq.MessageTracker]]] = []
+
+    def offer(self, request_id: str | int, *, ttl_s: float = 60.0) -> str:
+        """Export the request's KV for one pull within `ttl_s`; returns the address to pull from."""
+        return self.offer_export(
+            self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s
+        )
+
+    def offer_export(self, export: KVExport, *, ttl_s: float = 60.0) -> str:
+        """Offer a prepared export (the server releases it after it is sent or expires)."""
+        check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
+        rid = export.header.request_id
+        check(rid not in self._offers, "request_id", rid, "an id not already on offer")
+        self._offers[rid] = (export, time.monotonic() + ttl_s)
+        return self.address
+
+    @property
+    def num_pending(self) -> int:
+        """Exports still pinned: offered and not pulled, or being sent."""
+        return len(self._offers) + len(self._sending)
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Serve the pulls that arrived (waiting up to timeout_ms for one); release exports that are
+        sent or expired. Returns the number of pulls answered."""
+        served = 0
+        if self._sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    ident, body = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
+                except (zmq.Again, ValueError):
+                    break
+                self._answer(ident, body)
+                served += 1
+        self._reap()
+        return served
+
+    def _answer(self, ident: bytes, body: bytes) -> None:
+        try:
+            req = msgpack.unpackb(body, raw=False)
+            rid = req["request_id"]
+            offer = self._offers.pop(rid, None)
+        except (msgpack.UnpackException, KeyError, TypeError, ValueError):
+            self._send_error(ident, "bad_header", "the pull request is not a msgpack map with a request_id")
+            return
+        if offer is None:
+            self._send_error(ident, "unknown_request", f"request {rid!r} is not on offer at {self.address}")
+            return
+        export = offer[0]
+        frames = [zmq.Frame(export.header_bytes)]
+        for tensor in export.frames:
+            host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+            frames.append(zmq.Frame(host.numpy(), copy=False, track=True))
+        self._sock.send_multipart([ident, *frames], copy=False)
+        self._sending.append((export, [f.tracker for f in frames[1:]]))
+
+    def _send_error(self, ident: bytes, reason: str, message: str) -> None:
+        self._sock.send_multipart([ident, msgpack.packb({"error": reason, "message": message})])
+
+    def _reap(self) -> None:
+        still = []
+        for export, trackers in self._sending:
+            if all(t.done for t in trackers):
+                self.connector.release(export)
+            else:
+                still.append((export, trackers))
+        self._sending = still
+        now = time.monotonic()
+        for rid, (export, deadline) in list(self._offers.items()):
+            if now > deadline:
+                del self._offers[rid]
+                self.connector.release(export)
+
+    def close(self) -> None:
+        """Release every export and close the socket."""
+        for export, _ in self._offers.values():
+            self.connector.release(export)
+        self._offers.clear()
+        self._sock.close(linger=0)
+        for export, _ in self._sending:  # zmq dropped the frames with the socket
+            self.connector.release(export)
+        self._sending.clear()
+
+
+def pull_kv(
+    connector: KVConnector,
+    address: str,
+    request_id: str | int,
+    *,
+    timeout_s: float = 30.0,
+    context: zmq.Context | None = None,
+) -> list[int]:
+    """Pull a request's KV from a KVExportServer into fresh blocks of `connector`.
+
+    Returns the new block ids (the request now holds them in connector.manager); raises
+    KVTransferError when refused, after freeing everything it allocated.
+    """
+    ctx = context or zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.connect(address)
+    try:
+        sock.send(msgpack.packb({"op": "pull", "request_id": request_id}))
+        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
+            raise KVTransferError("timeout", f"no answer from {address} for {request_id!r} in {timeout_s} s")
+        first = sock.recv()
+        _raise_if_error(first)
+        with connector.begin_import(first) as session:
+            for i in range(session.num_frames):
+                if not sock.getsockopt(zmq.RCVMORE):
+                    raise KVTransferError("truncated", f"{i} of {session.num_frames} frames arrived")
+                _receive_frame(sock, session, i)
+            if sock.getsockopt(zmq.RCVMORE):
+                raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
+            return session.finish()
+    finally:
+        sock.close(linger=0)
+
+
+def _receive_frame(sock: zmq.Socket, session: ImportSession, index: int) -> None:
+    dst = session.destination(index)
+    expected = session.frame_nbytes[index]
+    if dst is not None and dst.device.type == "cpu" and hasattr(sock, "recv_into"):
+        nbytes = sock.recv_into(dst.numpy())
+        if nbytes != expected:
+            session.abort()
+            raise KVTransferError("truncated", f"frame {index} has {nbytes} bytes, expected {expected}")
+        session.accept(index)
+    else:
+        session.accept(index, sock.recv(copy=False).buffer)
+
+
+def _raise_if_error(first: bytes) -> None:
+    try:
+        obj = msgpack.unpackb(first, raw=False)
+    except (msgpack.UnpackException, ValueError):
+        return  # not a map at all: begin_import reports the bad header
+    if isinstance(obj, dict) and "error" in obj:
+        reason = obj["error"] if obj["error"] in KVTransferError.REASONS else "bad_header"
+        raise KVTransferError(reason, str(obj.get("message", "")))

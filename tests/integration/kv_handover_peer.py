@@ -1,0 +1,123 @@
+"""The other process of the KV hand-over tests (run with `python -m tests.integration.kv_handover_peer`).
+
+zmq:  serve a sender replica's exports (some of them broken on purpose) until stdin closes, then
+      print a JSON line with what is still pinned.
+dist: one rank of a gloo pair; rank 1 sends exports, rank 0 receives them and prints results.
+Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import sys
+
+import torch
+
+from meshserve.kvstore.connector import KVExport
+from tests.unit.kvstore.replicas import Replica
+
+TOKENS = list(range(100, 137))
+SENDER_SEED = 1
+
+
+def sender_replica() -> Replica:
+    """The sender's state, rebuilt identically by the checking side."""
+    rep = Replica("gqa", seed=SENDER_SEED)
+    rep.fragment(3)
+    for rid in ("ok", "layout", "capacity", "truncated", "checksum"):
+        rep.add_request(rid, TOKENS)
+    return rep
+
+
+def broken(export: KVExport, how: str) -> KVExport:
+    frames = [f.clone() for f in export.frames]
+    if how == "truncated":
+        frames = frames[:-1]
+    else:
+        frames[0][5] ^= 0x40  # a copy: the sender's cache stays intact
+    return KVExport(
+        header=export.header, frames=frames, pin_id=export.pin_id, header_bytes=export.header_bytes
+    )
+
+
+def serve_zmq() -> None:
+    from meshserve.kvstore.zmq_transport import KVExportServer
+
+    rep = sender_replica()
+    server = KVExportServer(rep.connector, max_frame_bytes=4096)
+    for rid in ("ok", "layout", "capacity"):
+        server.offer(rid)
+    for rid in ("truncated", "checksum"):
+        server.offer_export(broken(rep.connector.export(rid, max_frame_bytes=4096), rid))
+    for rid in rep.kv.request_ids():
+        rep.kv.free(rid)  # the exports keep what they need
+    print(json.dumps({"address": server.address}), flush=True)
+    while True:
+        server.poll(50)
+        if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
+            break
+    for _ in range(100):  # let zmq finish with frames still in flight
+        if not server.num_pending:
+            break
+        server.poll(10)
+    pinned = rep.kv.num_total_blocks - rep.kv.num_free_blocks
+    print(json.dumps({"pending": server.num_pending, "pinned_blocks": pinned}), flush=True)
+    server.close()
+
+
+def run_dist(rank: int, port: int) -> None:
+    import torch.distributed as dist
+
+    from meshserve.kvstore.dist_transport import recv_kv, send_kv
+    from meshserve.kvstore.wire import KVTransferError
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
+    try:
+        if rank == 1:
+            rep = sender_replica()
+            for rid in ("ok", "checksum", "layout"):
+                export = rep.connector.export(rid, max_frame_bytes=4096)
+                send_kv(broken(export, "checksum") if rid == "checksum" else export, 0)
+                rep.connector.release(export)
+            return
+        results = {}
+        dst = Replica("gqa", seed=2)
+        dst.fragment(2)
+        expected = sender_replica().request_bytes("ok")
+        recv_kv(dst.connector, 1)
+        results["ok"] = all(torch.equal(a, b) for a, b in zip(dst.request_bytes("ok"), expected))
+        free = dst.kv.num_free_blocks
+        try:
+            recv_kv(dst.connector, 1)
+        except KVTransferError as exc:
+            results["checksum"] = exc.reason
+        other = Replica("gqa", model_id="other")
+        other_free = other.kv.num_free_blocks
+        try:
+            recv_kv(other.connector, 1)
+        except KVTransferError as exc:
+            results["layout"] = exc.reason
+        results["leaked"] = (free - dst.kv.num_free_blocks) + (other_free - other.kv.num_free_blocks)
+        dst.kv.check_invariants()
+        print(json.dumps(results), flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["zmq", "dist"])
+    parser.add_argument("--rank", type=int, default=0)
+    parser.add_argument("--port", type=int, default=0)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.mode == "zmq":
+        serve_zmq()
+    else:
+        run_dist(args.rank, args.port)
+
+
+if __name__ == "__main__":
+    main()

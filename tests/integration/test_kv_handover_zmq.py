@@ -1,0 +1,85 @@
+"""KV hand-over between two processes over zmq (tcp loopback), and every refusal path."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from meshserve.kvstore.wire import KVTransferError
+from meshserve.kvstore.zmq_transport import pull_kv
+from tests.integration.kv_handover_peer import sender_replica
+from tests.unit.kvstore.replicas import Replica
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def peer():
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tests.integration.kv_handover_peer", "zmq"],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        assert line, "the peer process did not start"
+        yield proc, json.loads(line)["address"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_round_trip_and_refusals_between_processes(peer):
+    proc, address = peer
+    expected = sender_replica().request_bytes("ok")
+
+    dst = Replica("gqa", seed=2)
+    dst.fragment(4)  # the receiver's new blocks are scattered: staged frames as well as direct ones
+    blocks = pull_kv(dst.connector, address, "ok", timeout_s=30)
+    assert dst.kv.block_table("ok") == blocks
+    for ours, theirs in zip(dst.request_bytes("ok"), expected):
+        assert torch.equal(ours, theirs)
+    assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36
+    dst.kv.check_invariants()
+
+    cases = [
+        ("layout", Replica("gqa", model_id="other"), "layout"),
+        ("capacity", Replica("gqa", num_blocks=5), "capacity"),
+        ("truncated", Replica("gqa", seed=3), "truncated"),
+        ("checksum", Replica("gqa", seed=4), "checksum"),
+        ("nope", Replica("gqa", seed=5), "unknown_request"),
+        ("ok", Replica("gqa", seed=6), "unknown_request"),  # an offer serves one pull
+    ]
+    for rid, receiver, reason in cases:
+        free = receiver.kv.num_free_blocks
+        with pytest.raises(KVTransferError) as info:
+            pull_kv(receiver.connector, address, rid, timeout_s=30)
+        assert info.value.reason == reason, f"{rid}: {info.value}"
+        assert receiver.kv.num_free_blocks == free and rid not in receiver.kv
+        receiver.kv.check_invariants()
+
+    out, _ = proc.communicate(input="", timeout=60)
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report == {"pending": 0, "pinned_blocks": 0}  # the sender released every export
+
+
+def test_pull_times_out_without_a_sender():
+    import zmq
+
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    dst = Replica()
+    try:
+        with pytest.raises(KVTransferError) as info:
+            pull_kv(dst.connector, f"tcp://127.0.0.1:{port}", "r", timeout_s=0.2)
+        assert info.value.reason == "timeout"
+        assert dst.kv.num_free_blocks == dst.kv.num_total_blocks
+    finally:
+        silent.close(linger=0)

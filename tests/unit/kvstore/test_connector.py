@@ -1,0 +1,184 @@
+"""KV hand-over in one process: round trips byte for byte, and every refusal frees everything."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from meshserve.kvstore.connector import KVExport
+from meshserve.kvstore.wire import FrameDigest, KVHeader, KVTransferError, plan_frames
+from tests.unit.kvstore.replicas import Replica
+
+TOKENS = list(range(100, 137))  # 37 tokens: 9 full blocks of 4 and one partial
+
+
+@pytest.mark.parametrize("kind", ["gqa", "fp8", "mla"])
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_round_trip_copies_every_layer_byte_for_byte(kind, fragmented):
+    src = Replica(kind, seed=1)
+    dst = Replica(kind, seed=2)
+    if fragmented:
+        src.fragment(6)
+        dst.fragment(6)
+    src.add_request("r", TOKENS)
+    export = src.connector.export("r", max_frame_bytes=3 * 2 * 4 * 2 * 8 * 2)  # several frames per layer
+    assert len(export.frames) > 2
+    blocks = dst.connector.import_(export.header_bytes, [bytes(f.numpy()) for f in export.frames])
+    src.connector.release(export)
+    assert dst.kv.block_table("r") == blocks and dst.kv.num_tokens("r") == len(TOKENS)
+    for ours, theirs in zip(dst.request_bytes("r"), src.request_bytes("r")):
+        assert torch.equal(ours, theirs)
+    # the receiver can serve the same prefix to later requests
+    assert dst.kv.lookup_prefix(TOKENS).num_tokens == 36
+    dst.kv.check_invariants()
+    src.kv.check_invariants()
+
+
+def test_windowed_request_sends_only_the_blocks_it_holds():
+    src, dst = Replica("window", seed=1), Replica("window", seed=2)
+    src.add_request("w", TOKENS, step=5)
+    held = src.held_positions("w")
+    assert len(held) < len(src.kv.block_table("w"))  # sinks + window only
+    dst.connector.transfer_from(src.connector, "w")
+    assert dst.held_positions("w") == held
+    for ours, theirs in zip(dst.request_bytes("w"), src.request_bytes("w")):
+        assert torch.equal(ours, theirs)
+    assert dst.kv.allocate_slots("w", 1, TOKENS + [5])  # decoding goes on on the receiver
+    dst.kv.check_invariants()
+
+
+def test_export_pins_blocks_until_released():
+    src = Replica()
+    src.add_request("r", TOKENS)
+    held = src.kv.num_total_blocks - src.kv.num_free_blocks
+    export = src.connector.export("r")
+    src.kv.free("r")  # the prefill replica is done with the request
+    assert src.kv.num_total_blocks - src.kv.num_free_blocks == held
+    src.connector.release(export)
+    assert src.kv.num_free_blocks == src.kv.num_total_blocks
+    src.kv.check_invariants()
+
+
+def _tamper(export: KVExport, **changes) -> KVExport:
+    return KVExport(header=replace(export.header, **changes), frames=export.frames, pin_id=export.pin_id)
+
+
+def _refusals():
+    """(name, receiver factory, function export -> (header, frames), expected reason)."""
+
+    def frames(e):
+        return [bytes(f.numpy()) for f in e.frames]
+
+    def flip(e):
+        out = frames(e)
+        out[1] = out[1][:7] + bytes([out[1][7] ^ 1]) + out[1][8:]
+        return e.header_bytes, out
+
+    def reorder(e):
+        out = frames(e)
+        return e.header_bytes, [out[1], out[0], *out[2:]]
+
+    def bad_plan(e):
+        h = e.header
+        plan = tuple(plan_frames(list(range(len(h.block_positions))), [1], 1 << 30))
+        return _tamper(
+            e, frames=plan, nbytes=sum(replace(h, frames=plan).frame_nbytes())
+        ).header_bytes, frames(e)
+
+    return [
+        ("other model", lambda: Replica(model_id="other"), lambda e: (e.header_bytes, frames(e)), "layout"),
+        ("block size", lambda: Replica(block_size=8), lambda e: (e.header_bytes, frames(e)), "layout"),
+        ("dtype", lambda: Replica(dtype="float16"), lambda e: (e.header_bytes, frames(e)), "layout"),
+        ("fp8 vs bf16", lambda: Replica("fp8"), lambda e: (e.header_bytes, frames(e)), "layout"),
+        ("capacity", lambda: Replica(num_blocks=6), lambda e: (e.header_bytes, frames(e)), "capacity"),
+        ("missing frame", Replica, lambda e: (e.header_bytes, frames(e)[:-1]), "truncated"),
+        (
+            "short frame",
+            Replica,
+            lambda e: (e.header_bytes, [*frames(e)[:-1], frames(e)[-1][:-3]]),
+            "truncated",
+        ),
+        ("flipped bit", Replica, flip, "checksum"),
+        ("swapped frames", Replica, reorder, "checksum"),
+        (
+            "bad checksum",
+            Replica,
+            lambda e: (_tamper(e, checksum=e.header.checksum ^ 1).header_bytes, frames(e)),
+            "checksum",
+        ),
+        ("garbage header", Replica, lambda e: (b"\x93not a header", frames(e)), "bad_header"),
+        ("frames do not tile", Replica, bad_plan, "bad_header"),
+        (
+            "fingerprint",
+            Replica,
+            lambda e: (_tamper(e, fingerprint="0" * 32).header_bytes, frames(e)),
+            "bad_header",
+        ),
+    ]
+
+
+@pytest.mark.parametrize("name,receiver,mangle,reason", _refusals(), ids=[r[0] for r in _refusals()])
+def test_refusals_leave_no_block_behind(name, receiver, mangle, reason):
+    src = Replica(seed=1)
+    src.add_request("r", TOKENS)
+    dst = receiver()
+    dst.add_request("other", [1, 2, 3, 4, 5])  # something already running there stays untouched
+    before = (dst.kv.num_free_blocks, list(dst.kv.block_table("other")), list(dst.kv.pool.ref_counts))
+    export = src.connector.export("r", max_frame_bytes=4096)
+    header, frames = mangle(export)
+    with pytest.raises(KVTransferError) as info:
+        dst.connector.import_(header, frames)
+    assert info.value.reason == reason, str(info.value)
+    assert "r" not in dst.kv
+    assert (dst.kv.num_free_blocks, list(dst.kv.block_table("other")), list(dst.kv.pool.ref_counts)) == before
+    dst.kv.check_invariants()
+    src.connector.release(export)
+
+
+def test_scale_mismatch_is_a_layout_refusal():
+    src, dst = Replica("fp8", seed=1), Replica("fp8", seed=2)
+    dst.caches[0].k_scale.fill_(0.5)
+    src.add_request("r", TOKENS)
+    free = dst.kv.num_free_blocks
+    with pytest.raises(KVTransferError, match="scales"):
+        dst.connector.transfer_from(src.connector, "r")
+    assert dst.kv.num_free_blocks == free and "r" not in dst.kv
+    assert src.kv.num_total_blocks - src.kv.num_free_blocks == len(src.kv.block_table("r"))  # export released
+
+
+def test_duplicate_request_is_refused_without_touching_the_running_one():
+    src, dst = Replica(seed=1), Replica(seed=2)
+    src.add_request("r", TOKENS)
+    dst.add_request("r", [9, 9, 9])
+    table = list(dst.kv.block_table("r"))
+    with pytest.raises(KVTransferError, match="already holds blocks"):
+        dst.connector.transfer_from(src.connector, "r")
+    assert dst.kv.block_table("r") == table
+    dst.kv.check_invariants()
+
+
+def test_digest_sees_every_byte_and_the_order():
+    data = torch.randint(0, 256, (100_003,), dtype=torch.uint8)
+
+    def digest(*frames):
+        d = FrameDigest()
+        for f in frames:
+            d.update(f)
+        return d.value
+
+    base = digest(data[:50_000], data[50_000:])
+    for pos in (0, 4095 * 8, 99_999, 100_002):  # head, chunk edge, word tail, byte tail
+        bad = data.clone()
+        bad[pos] ^= 0x10
+        assert digest(bad[:50_000], bad[50_000:]) != base
+    assert digest(data[50_000:], data[:50_000]) != base
+    assert digest(data[:50_000], data[50_000:-1]) != base
+
+
+def test_header_round_trips_through_msgpack():
+    rep = Replica()
+    rep.add_request("x", [1, 2, 3, 4, 5])
+    header = rep.connector.export("x").header
+    back = KVHeader.unpack(header.pack())
+    assert back == header and header.fingerprint == header.layout.fingerprint
+    assert back.num_tokens == 5 and back.block_positions == (0, 1) and len(back.block_hashes) == 1
