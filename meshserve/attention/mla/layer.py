@@ -87,6 +87,19 @@ class MLAAttention:
         self.decode = self._make(problem, decode_backend, BackendKind.MLA_DECODE)
         self.prefill = self._make(problem, prefill_backend, BackendKind.MLA_PREFILL)
 
+    @classmethod
+    def named(cls, problem: AttentionProblem, name: str | None) -> MLAAttention:
+        """One engine-wide backend name for both phases: the prefill table takes it when it has it
+        (FLASHINFER serves decode only here), else chooses by priority."""
+        from meshserve.attention.registry import MLA_PREFILL_BACKENDS
+
+        prefill = name if name is None or name.upper() in MLA_PREFILL_BACKENDS else None
+        return cls(problem, decode_backend=name, prefill_backend=prefill)
+
+    @property
+    def name(self) -> str:
+        return f"MLA(decode {self.decode.name}, prefill {self.prefill.name})"
+
     @staticmethod
     def _make(problem: AttentionProblem, choice: str | MLABackend | None, kind: BackendKind) -> MLABackend:
         if isinstance(choice, MLABackend):
