@@ -25,7 +25,7 @@ from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.moe import GatedMLP, MoE
-from meshserve.workers.models.transformer import ForwardContext, RMSNorm
+from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
 
 
@@ -35,7 +35,10 @@ class MLAttention(nn.Module):
         ds = arch.deepseek
         dims = ds.mla
         self.layer_idx = layer_idx
-        self.num_heads, self.dims = arch.num_heads, dims
+        # num_heads: the query heads this module projects; attn_heads: the heads its attention
+        # computes (more under DCP, where a rank attends for its whole DCP group: deepseek_parallel).
+        self.num_heads = self.attn_heads = arch.num_heads
+        self.dims = dims
         hidden, heads, bias = arch.hidden_size, arch.num_heads, ds.attention_bias
         q_out = heads * dims.qk_head_dim
         if dims.q_lora_rank is None:
@@ -62,11 +65,14 @@ class MLAttention(nn.Module):
         latent = self.kv_a_layernorm(compressed[:, :r])
         k_pe = rotary.apply(compressed[:, None, r:], *rope)[:, 0]  # [T, rope], shared by every head
         q = torch.cat((q[..., :dn], rotary.apply(q[..., dn:], *rope)), dim=-1)
-        layer = ctx.layers[self.layer_idx]
-        layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
-        weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, H, dims)
-        o = layer.backend.forward(q, layer.kv_cache, layer.plan, weights)  # [T, H, v]
+        o = self.attend(q, latent, k_pe, ctx.layers[self.layer_idx])  # [T, H, v]
         return self.o_proj(o.reshape(T, H * dims.v_head_dim))
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+        """Write the new tokens' latent rows, attend: q [T, H, nope + rope] -> o [T, H, v]."""
+        layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
+        weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.attn_heads, self.dims)
+        return layer.backend.forward(q, layer.kv_cache, layer.plan, weights)
 
 
 class DeepseekDecoderLayer(nn.Module):
@@ -113,7 +119,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def attention_specs(self) -> list[AttentionSpec]:
         ds = self.arch.deepseek
-        spec = mla_spec(self.arch.num_heads, ds.mla, scale=ds.softmax_scale)
+        spec = mla_spec(self.model.layers[0].self_attn.attn_heads, ds.mla, scale=ds.softmax_scale)
         return [spec] * self.arch.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
