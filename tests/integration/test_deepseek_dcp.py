@@ -32,7 +32,8 @@ def greedy(model, attn: MLAAttention, caches, batch, chunks, *, dcp: int, rank: 
     tokens = [list(p) for p in batch]
     computed = [0] * len(batch)
     plans = [list(c) for c in chunks]
-    per_seq = -(-(-(-(max(map(len, batch)) + NEW_TOKENS) // dcp)) // BLOCK)
+    local = -(-(max(map(len, batch)) + NEW_TOKENS) // dcp)  # tokens a rank caches per sequence
+    per_seq = -(-local // BLOCK)
     tables = [list(range((s + 1) * per_seq, s * per_seq, -1)) for s in range(len(batch))]  # reversed ids
     while any(len(t) - len(p) < NEW_TOKENS for t, p in zip(tokens, batch)):
         step = []
