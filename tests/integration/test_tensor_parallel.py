@@ -85,3 +85,18 @@ def test_parallel_layout_matches_single_rank(references, tmp_path, arch, tp, dcp
         for step, (a, b) in enumerate(zip(g["logprobs"], w["logprobs"])):
             assert abs(a - b) <= 1e-4 * max(1.0, abs(b)), f"prompt {i} step {step}: logprob {a} vs {b}"
         assert [[t for t, _ in top] for top in g["top"]] == [[t for t, _ in top] for top in w["top"]]
+
+
+def test_generate_command_tp2_dcp2_prints_the_single_rank_text():
+    import subprocess
+    import sys
+
+    def run(*flags):
+        cmd = [sys.executable, "-m", "meshserve.cli", "generate", "--max-tokens", "16", "--device", "cpu",
+               *flags, "The for statement is used to"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, check=True)
+        return done.stdout
+
+    single = run()
+    assert len(single) > len("The for statement is used to") + 20
+    assert run("--tp", "2", "--dcp", "2") == single
