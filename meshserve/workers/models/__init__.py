@@ -1,7 +1,10 @@
 """Decoder models built from HF configs: per-architecture data in `arch`, the model class per architecture."""
 
+from collections.abc import Callable
+
 from torch import nn
 
+from meshserve.parallel.groups import ParallelContext
 from meshserve.workers.models.arch import ARCHITECTURES, ModelArch, RopeScaling, arch_from_hf_config
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 
@@ -10,6 +13,17 @@ MODEL_CLASSES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "meshserve.workers.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "meshserve.workers.models.deepseek:DeepseekForCausalLM",
 }
+
+
+def tensor_parallel_transform(arch: ModelArch) -> Callable[[nn.Module, ParallelContext], None]:
+    """The meta-device TP transform for `arch`'s model class (parallel.transform for CausalLM)."""
+    if arch.deepseek is not None:
+        from meshserve.workers.models.deepseek_parallel import apply_deepseek_tensor_parallel
+
+        return apply_deepseek_tensor_parallel
+    from meshserve.parallel.transform import apply_tensor_parallel
+
+    return apply_tensor_parallel
 
 
 def model_class(arch: ModelArch) -> type[nn.Module]:
@@ -33,4 +47,5 @@ __all__ = [
     "RopeScaling",
     "arch_from_hf_config",
     "model_class",
+    "tensor_parallel_transform",
 ]

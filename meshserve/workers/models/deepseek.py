@@ -17,7 +17,6 @@ backends chosen separately); this module never sees the latent layout or the ker
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.attention.mla.backend import MLAWeights
@@ -119,7 +118,7 @@ class DeepseekForCausalLM(nn.Module):
 
     def attention_specs(self) -> list[AttentionSpec]:
         ds = self.arch.deepseek
-        spec = mla_spec(self.model.layers[0].self_attn.attn_heads, ds.mla, scale=ds.softmax_scale)
+        spec = mla_spec(self.arch.num_heads, ds.mla, scale=ds.softmax_scale)  # the whole model's heads
         return [spec] * self.arch.num_layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -132,4 +131,5 @@ class DeepseekForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head.weight).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()

@@ -1,75 +1,67 @@
-"""Tensor and decode-context parallelism for DeepSeek's attention: a transform of a loaded model.
+"""Tensor parallelism for DeepSeek models: a transform of the meta-device model, before loading.
 
-The model code stays plain (gpt-fast style); this transform, applied once to a model holding
-the checkpoint's full weights, makes its attention one rank's share of a tp-way replica:
-- query heads split over the tp ranks: q_proj / q_b_proj keep the rows of this rank's heads,
-  o_proj keeps their input columns and sums the ranks' products (RowParallelLinear);
-- the latent cache has one "head", so without DCP every rank would hold all of it. With DCP the
-  dcp consecutive ranks of a group hold every dcp-th token each: a rank gathers its group's
-  query heads, attends over its own tokens returning the LSE, and the partial outputs merge
-  by LSE (parallel/dcp.py) back to each rank's heads. kv_b_proj keeps the group's heads.
-The MLP, MoE, embeddings and LM head stay whole on every rank (each computes them in full, the
-same on all ranks): sharding those is the engine's tensor parallelism, not MLA's.
+The model code stays plain (gpt-fast style). For rank ctx.rank of a tp-way replica:
+- attention: query heads split over ranks (q_proj / q_b_proj keep this rank's heads' rows,
+  o_proj keeps their input columns and sums over ranks). The latent cache has one "head":
+  without DCP every rank caches all of it; with DCP the dcp ranks of a group cache every dcp-th
+  token each, and a rank attends for its whole group's query heads (gathered by the worker's
+  DCP wrapper) over its tokens, so kv_b_proj keeps the group's heads (Split.DCP_GROUP);
+- dense MLP and every expert (routed and shared): intermediate features split, partial products
+  summed by one all-reduce per layer (after the routed and shared experts together);
+- embeddings and LM head split over the vocabulary; router, norms and latent projections whole.
+The loader then fills each parameter with this rank's slice (workers/sharding.py).
 """
 
 from __future__ import annotations
 
-import types
+from torch import nn
 
-import torch
-
-from meshserve.attention.mla.backend import MLAWeights
-from meshserve.config import DcpComm
 from meshserve.errors import check
-from meshserve.parallel.dcp import gather_queries, merge_outputs
-from meshserve.parallel.groups import ParallelContext
-from meshserve.parallel.layers import RowParallelLinear
-from meshserve.workers.models.transformer import LayerAttention
+from meshserve.parallel.groups import ParallelContext, all_reduce
+from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from meshserve.workers.models.moe import GatedMLP, MoE
 
 
-def _keep_rows(linear: torch.nn.Linear, start: int, rows: int) -> None:
-    linear.weight = torch.nn.Parameter(linear.weight.data[start : start + rows].clone(), requires_grad=False)
-    if linear.bias is not None:
-        linear.bias = torch.nn.Parameter(linear.bias.data[start : start + rows].clone(), requires_grad=False)
-    linear.out_features = rows
+def _shard_mlp(mlp: GatedMLP, tp: int, ctx: ParallelContext | None) -> None:
+    """Split the intermediate features; ctx given: the down projection all-reduces itself."""
+    hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    check(inter % tp == 0, "tp", tp, f"a divisor of the MLP intermediate size {inter}")
+    mlp.gate_proj = nn.Linear(hidden, inter // tp, bias=False)
+    mlp.up_proj = nn.Linear(hidden, inter // tp, bias=False)
+    if ctx is None:
+        mlp.down_proj = nn.Linear(inter // tp, hidden, bias=False)  # partial: the MoE sums once
+    else:
+        mlp.down_proj = RowParallelLinear(inter // tp, hidden, bias=False, ctx=ctx)
 
 
-def parallelize_deepseek(model: torch.nn.Module, ctx: ParallelContext, *, comm: DcpComm = DcpComm.AG_RS) -> None:
-    """Shard `model`'s attention for rank ctx.rank of a (tp, dcp) replica, in place."""
-    arch = model.arch
-    heads = arch.num_heads
-    check(heads % ctx.tp == 0, "tp", ctx.tp, f"a divisor of num_attention_heads={heads}")
-    local = heads // ctx.tp
-    group = local * ctx.dcp  # heads a rank attends for: its whole DCP group's
-    first_local, first_group = ctx.rank * local, ctx.kv_group_index * group
-    for layer in model.model.layers:
+def apply_deepseek_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
+    """Reshape a meta-device DeepseekForCausalLM in place for rank ctx.rank of ctx.tp."""
+    if ctx.tp == 1:
+        return
+    arch, tp = model.arch, ctx.tp
+    hidden, ds = arch.hidden_size, arch.deepseek
+    dims = ds.mla
+    check(arch.num_heads % tp == 0, "tp", tp, f"a divisor of num_attention_heads={arch.num_heads}")
+    local = arch.num_heads // tp
+    group = local * ctx.dcp
+    body = model.model
+    body.embed_tokens = VocabParallelEmbedding(arch.vocab_size, hidden, ctx=ctx)
+    for layer in body.layers:
         attn = layer.self_attn
-        dims = attn.dims
-        q_proj = attn.q_proj if dims.q_lora_rank is None else attn.q_b_proj
-        _keep_rows(q_proj, first_local * dims.qk_head_dim, local * dims.qk_head_dim)
-        per_head = dims.qk_nope_head_dim + dims.v_head_dim
-        _keep_rows(attn.kv_b_proj, first_group * per_head, group * per_head)
-        dv = dims.v_head_dim
-        full = attn.o_proj
-        o_proj = RowParallelLinear(local * dv, full.out_features, bias=full.bias is not None, ctx=ctx)
-        o_proj.weight.data = full.weight.data[:, first_local * dv : (first_local + local) * dv].clone()
-        if full.bias is not None:
-            o_proj.bias.data = full.bias.data.clone()
-        attn.o_proj = o_proj
+        if dims.q_lora_rank is None:
+            attn.q_proj = nn.Linear(hidden, local * dims.qk_head_dim, bias=False)
+        else:
+            attn.q_b_proj = nn.Linear(dims.q_lora_rank, local * dims.qk_head_dim, bias=False)
+        attn.kv_b_proj = nn.Linear(dims.kv_lora_rank, group * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False)
+        attn.o_proj = RowParallelLinear(local * dims.v_head_dim, hidden, bias=ds.attention_bias, ctx=ctx)
         attn.num_heads, attn.attn_heads = local, group
-        if ctx.dcp > 1:
-            attn.attend = types.MethodType(_dcp_attend(ctx, comm), attn)
-
-
-def _dcp_attend(ctx: ParallelContext, comm: DcpComm):
-    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-               layer: LayerAttention) -> torch.Tensor:  # fmt: skip
-        """q [T, local heads, nope + rope] -> o [T, local heads, v], over the group's token shards."""
-        q_group = gather_queries(q, ctx)  # [T, group heads, nope + rope]
-        # The step's slot mapping (built with this rank's dcp_rank) writes only this rank's tokens.
-        layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
-        weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.attn_heads, self.dims)
-        o, lse = layer.backend.forward(q_group, layer.kv_cache, layer.plan, weights, return_lse=True)
-        return merge_outputs(o, lse, ctx, comm)
-
-    return attend
+        if isinstance(layer.mlp, MoE):
+            moe = layer.mlp
+            for expert in moe.experts:
+                _shard_mlp(expert, tp, None)
+            if moe.shared_experts is not None:
+                _shard_mlp(moe.shared_experts, tp, None)
+            moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
+        else:
+            _shard_mlp(layer.mlp, tp, ctx)
+    model.lm_head = ParallelLMHead(arch.vocab_size, hidden, ctx=ctx)
