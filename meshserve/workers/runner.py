@@ -31,7 +31,8 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
     """One backend instance per distinct spec, listed per layer.
 
     The backend class is chosen once (by name, or by priority for the first layer's problem)
-    and must serve every layer; otherwise the registry's error lists the reasons.
+    and must serve every layer; otherwise the registry's error lists the reasons. MLA layers get
+    an MLAAttention instead (its decode and prefill backends are chosen from their own tables).
     """
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
@@ -41,10 +42,18 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
                                 dcp_size=dcp_size)
 
     distinct = list(dict.fromkeys(specs))
-    chosen = select_backend(problem(distinct[0]), name)
-    for spec in distinct[1:]:
-        select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
-    instances = {spec: chosen(problem(spec)) for spec in distinct}
+    standard = [spec for spec in distinct if spec.mla is None]
+    instances: dict[AttentionSpec, object] = {}
+    if standard:
+        chosen = select_backend(problem(standard[0]), name)
+        for spec in standard[1:]:
+            select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
+        instances.update({spec: chosen(problem(spec)) for spec in standard})
+    for spec in distinct:
+        if spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table
+            from meshserve.attention.mla.layer import MLAAttention
+
+            instances[spec] = MLAAttention.named(problem(spec), name)
     return [instances[spec] for spec in specs]
 
 

@@ -23,11 +23,14 @@ class Split(StrEnum):
     KV_COLUMN = "kv_column"  # dim 0 split by K/V head, replicated when heads < ranks
     ROW = "row"  # dim 1 split evenly
     VOCAB = "vocab"  # dim 0 split into ceil(V / world) rows per rank
+    DCP_GROUP = "dcp_group"  # dim 0 split into tp // dcp equal parts, one per DCP group (MLA kv_b_proj)
 
 
 # Module name (second-to-last component of the tensor name) -> split rule for its weight.
 SPLITS: dict[str, Split] = {
     "q_proj": Split.COLUMN,
+    "q_b_proj": Split.COLUMN,  # DeepSeek: query heads after the q LoRA
+    "kv_b_proj": Split.DCP_GROUP,  # DeepSeek: W_UK/W_UV of the query heads a DCP group attends for
     "k_proj": Split.KV_COLUMN,
     "v_proj": Split.KV_COLUMN,
     "gate_proj": Split.COLUMN,
@@ -80,6 +83,11 @@ def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, worl
         heads = local_kv_heads(arch.num_kv_heads, world, dcp)  # checks divisibility, names the values
         first = kv_head_offset(arch.num_kv_heads, world, dcp, rank)
         return Shard(0, first * d, (first + heads) * d)
+    if split is Split.DCP_GROUP:
+        groups = world // dcp
+        check(shape[0] % groups == 0, "tp", world, f"tp/dcp dividing {shape[0]} (dim 0 of tensor {name})")
+        per = shape[0] // groups
+        return Shard(0, rank // dcp * per, (rank // dcp + 1) * per)
     dim = 0 if split is Split.COLUMN else 1
     size = shape[dim]
     check(size % world == 0, "tp", world, f"a divisor of {size} (dim {dim} of tensor {name})")

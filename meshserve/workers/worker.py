@@ -13,15 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.parallel.dcp import DcpAttention
+from meshserve.parallel.dcp_mla import DcpMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
-from meshserve.parallel.transform import apply_tensor_parallel, local_attention_spec
+from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
 from meshserve.workers.loader import load_model, resolve_dtype
+from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
 from meshserve.workers.step import StepPlan
@@ -99,7 +102,7 @@ class Worker:
         logical_bs = bs * par.dcp  # a block-table entry covers bs tokens on each of the dcp ranks
 
         def transform(model):
-            apply_tensor_parallel(model, ctx)
+            tensor_parallel_transform(arch)(model, ctx)
 
         model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
                            world=par.tp, dcp=par.dcp, max_positions=max_model_len, progress=self.progress,
@@ -109,7 +112,8 @@ class Worker:
         backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,
                                  max_model_len=max(capacity, bs), device=self.device, dcp_size=par.dcp)
         if par.dcp > 1:
-            backends = [DcpAttention(b, ctx, par.dcp_comm) for b in backends]
+            backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
+                        else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
         num_blocks = self._num_blocks(block_bytes(specs, bs, dtype))
         needed = -(-max_model_len // logical_bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
