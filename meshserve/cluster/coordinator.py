@@ -164,8 +164,9 @@ class Coordinator:
     async def shutdown(self, *, drain: bool = True) -> None:
         """Refuse new requests; with drain, let running ones finish (up to drain_timeout_s)."""
         self._closing = True
-        if drain:
-            await asyncio.gather(*(p.drain(self.config.drain_timeout_s) for p in self.pools.values()))
+        if drain:  # prefill first: its requests end up on decode replicas, which drain after
+            for pool in self.pools.values():
+                await pool.drain(self.config.drain_timeout_s)
         await self._stop_all()
 
     async def _stop_all(self) -> None:

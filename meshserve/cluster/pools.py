@@ -131,8 +131,8 @@ class ReplicaPool:
         return max(ready, key=lambda r: (r.cached_prefix_tokens(prompt_ids), -r.load))
 
     def _pick_for_decode(self) -> Replica | None:
-        ready = self.ready
-        return max(ready, key=lambda r: (r.num_free_blocks, -r.load)) if ready else None
+        alive = [r for r in self.replicas if r.alive]  # draining ones too: a hand-over is never refused
+        return max(alive, key=lambda r: (r.num_free_blocks, -r.load)) if alive else None
 
     def _dispatch_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []

@@ -14,6 +14,8 @@ embedded one on this machine; the same code runs on both.
 from __future__ import annotations
 
 import logging
+import os
+import uuid
 from typing import Any
 
 import ray
@@ -72,7 +74,9 @@ class RayRanks:
         from meshserve.cluster.actors import WorkerActor
 
         bundle = rank_bundle(self.role, device=self.spec.device)
-        self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK", name=f"meshserve-{self.name}")
+        # Named for `ray list placement-groups`; the suffix keeps names unique across coordinators.
+        self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK",
+                                  name=f"meshserve-{self.name}-{uuid.uuid4().hex[:8]}")
         ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
         if not ready:
             remove_placement_group(self.pg)
@@ -80,10 +84,13 @@ class RayRanks:
             raise UnavailableError(f"{self.name}: no Ray node can host {self.world} rank(s) of {bundle} "
                                    f"within {PLACEMENT_TIMEOUT_S:.0f} s (cluster has {ray.cluster_resources()})")
         spec = self.spec.to_msgpack()
+        extra = {}
+        if "MESHSERVE_LOG" in os.environ:  # nodes of an existing cluster do not have the driver's environment
+            extra["runtime_env"] = {"env_vars": {"MESHSERVE_LOG": os.environ["MESHSERVE_LOG"]}}
         for rank in range(self.world):
             strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
             actor = WorkerActor.options(scheduling_strategy=strategy, resources=_non_cpu(bundle),
-                                        num_gpus=bundle.get("GPU", 0)).remote(spec, rank)
+                                        num_gpus=bundle.get("GPU", 0), **extra).remote(spec, rank)
             self.actors.append(actor)
         self.serving = [actor.serve.remote(address) for actor in self.actors]
         log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)

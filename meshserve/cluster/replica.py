@@ -190,7 +190,13 @@ class Replica:
     # -- requests (event-loop thread) -------------------------------------------------------------
     @property
     def accepting(self) -> bool:
+        """Takes new requests."""
         return self.state is ReplicaState.READY
+
+    @property
+    def alive(self) -> bool:
+        """Still runs what it holds, and takes hand-overs (a draining decode replica must)."""
+        return self.state in (ReplicaState.READY, ReplicaState.DRAINING)
 
     def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
         self._held[request.request_id] = _Held(request, sink, prefill_only)
@@ -214,7 +220,7 @@ class Replica:
 
     def release(self, pin_id: tuple) -> None:
         """The decode side is done with an offer: free the pinned blocks."""
-        if self.state in (ReplicaState.READY, ReplicaState.DRAINING):
+        if self.alive:
             self._releases.append(pin_id)
             self._wake()
 
@@ -240,7 +246,7 @@ class Replica:
         """Prompt tokens this replica's prefix cache holds (a routing hint; never blocks)."""
         try:
             return self.core.kv.lookup_prefix(token_ids).num_tokens
-        except (RuntimeError, KeyError, AttributeError):  # raced with a step; it is only a hint
+        except Exception:  # raced with a step: it is only a hint
             return 0
 
     def stats(self) -> ReplicaStats:
