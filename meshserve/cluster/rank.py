@@ -5,7 +5,8 @@
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
     kv_offer(...)                   offer a request's blocks to pullers; returns the export address
-    kv_pull(...)                    pull a request's blocks from a peer rank into given blocks
+    kv_pull(...)                    pull a request's blocks from the prefill ranks into given blocks
+                                    (re-sharding KV heads when the pools' tp differ: kv_reshard.py)
 
 The replica's driver owns the block bookkeeping (its KVCacheManager); a rank owns only the cache
 tensors. The kvstore's KVConnector wants both, so each hand-over gives the rank a `BlockBook`:
@@ -15,6 +16,7 @@ when receiving) in the shape of the manager calls the connector makes.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 from collections.abc import Sequence
@@ -22,9 +24,12 @@ from dataclasses import asdict
 from typing import Any
 
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
+from meshserve.cluster.kv_reshard import copy_heads, is_headless, pull_key, pullers_of, sources_of, staging_caches
 from meshserve.errors import check
 from meshserve.kvstore.connector import KVConnector, KVExport
 from meshserve.kvstore.wire import KVTransferError
+from meshserve.parallel.transform import local_kv_heads
+from meshserve.workers.checkpoint import read_arch
 
 log = logging.getLogger("meshserve.rank")
 
@@ -153,9 +158,10 @@ class RankHost:
             self._connector = KVConnector(self._book, self.worker.runner.kv_caches, model_id=model_id)
         return self._connector
 
-    def kv_offer(self, request_id: str, table: list[int], num_tokens: int, hashes: list[bytes],
-                 extra_keys: list, block_size: int, dcp_size: int, model_id: str, fault: str | None = None) -> str:
-        """Offer the request's blocks (the driver keeps them pinned until the puller confirms).
+    def kv_offer(self, request_id: str, table: list[int], num_tokens: int, hashes: list[bytes], extra_keys: list,
+                 block_size: int, dcp_size: int, model_id: str, dst_tp: int, fault: str | None = None) -> str:
+        """Offer this rank's shard of the request's blocks to the decode ranks of `dst_tp` that need
+        it (the driver keeps the blocks pinned until the decode side is done). Returns the address.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
@@ -166,37 +172,77 @@ class RankHost:
             self._server = KVExportServer(connector, address=f"tcp://{_reachable_host()}")
         self._book.describe(request_id, table, num_tokens, hashes, extra_keys)
         export = connector.export(request_id)
-        self._book.free(request_id)  # the export's pin holds the description now
-        if fault == "withdraw":
-            connector.release(export)
-        elif fault == "checksum":
-            frames = [f.clone() for f in export.frames]
-            frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
-            self._server.offer_export(KVExport(export.header, frames, export.pin_id, export.header_bytes),
-                                      ttl_s=OFFER_TTL_S)
+        if dst_tp == self.tp:
+            keys = [request_id]  # decode rank r pulls from prefill rank r
         else:
-            self._server.offer_export(export, ttl_s=OFFER_TTL_S)
+            keys = [pull_key(request_id, j) for j in pullers_of(self.rank, self._num_kv_heads(), self.tp, dst_tp)]
+        frames = export.frames
+        if fault == "checksum":
+            frames = [f.clone() for f in frames]
+            frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
+        for key in keys if fault != "withdraw" else []:
+            header = export.header if key == request_id else dataclasses.replace(export.header, request_id=key)
+            self._server.offer_export(KVExport(header, frames, (export.pin_id, key)), ttl_s=OFFER_TTL_S)
+        connector.release(export)  # the driver's pin keeps the blocks; each offer holds the frames
         return self._server.address
 
-    def kv_pull(self, request_id: str, address: str, blocks: list[int], block_size: int, dcp_size: int,
-                model_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
-        """Pull the request's blocks from `address` into `blocks` (allocated by the driver).
+    def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int], block_size: int,
+                dcp_size: int, model_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Pull this rank's share of the request's KV from the prefill ranks (`addresses`, by rank)
+        into `blocks` (allocated by the driver); with a different tp, through kv_reshard.
 
         Returns {"ok": True, "hashes": [...]} or {"ok": False, "reason": ..., "error": ...}; on
         failure the blocks hold garbage and the driver frees them without caching.
         """
-        from meshserve.kvstore.zmq_transport import pull_kv
-
         connector = self._kv(block_size, dcp_size, model_id)
-        self._book.assign(request_id, blocks)
         try:
-            pull_kv(connector, address, request_id, timeout_s=timeout_s)
-            return {"ok": True, "hashes": self._book.imported_hashes.pop(request_id, [])}
+            if src_tp == self.tp:
+                hashes = _pull(connector, self._book, addresses[self.rank], request_id, blocks, timeout_s)
+            else:
+                hashes = self._pull_resharded(request_id, addresses, src_tp, blocks, model_id, timeout_s)
+            return {"ok": True, "hashes": hashes}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
-        finally:
-            self._book.free(request_id)
-            self._book.imported_hashes.pop(request_id, None)
+
+    def _pull_resharded(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int],
+                        model_id: str, timeout_s: float) -> list[bytes]:
+        caches = self.worker.runner.kv_caches
+        heads = self._num_kv_heads()
+        key = pull_key(request_id, self.rank)
+        hashes: list[bytes] = []
+        for piece in sources_of(self.rank, heads, src_tp, self.tp):
+            if piece.src_heads is None:  # latent caches: the source's shard is the whole cache
+                return _pull(self._connector, self._book, addresses[piece.src_rank], key, blocks, timeout_s)
+            staging = staging_caches(caches, local_kv_heads(heads, src_tp, 1), len(blocks))
+            book = BlockBook(self._book.block_size, self._book.dcp_size)
+            stage = KVConnector(book, staging, model_id=model_id)
+            hashes = _pull(stage, book, addresses[piece.src_rank], key, list(range(1, len(blocks) + 1)), timeout_s)
+            copy_heads(caches, staging, blocks, piece)
+        return hashes
+
+    @property
+    def tp(self) -> int:
+        return self.worker.parallel.tp
+
+    def _num_kv_heads(self) -> int | None:
+        """The model's KV heads (None for caches without a head axis)."""
+        if is_headless(self.worker.runner.kv_caches):
+            return None
+        return read_arch(self.worker.model_config.model).num_kv_heads
+
+
+def _pull(connector: KVConnector, book: BlockBook, address: str, key: str, blocks: list[int],
+          timeout_s: float) -> list[bytes]:
+    """Pull offer `key` from `address` into `blocks` of `connector`'s caches; the prefix hashes."""
+    from meshserve.kvstore.zmq_transport import pull_kv
+
+    book.assign(key, blocks)
+    try:
+        pull_kv(connector, address, key, timeout_s=timeout_s)
+        return book.imported_hashes.get(key, [])
+    finally:
+        book.free(key)
+        book.imported_hashes.pop(key, None)
 
 
 def _reachable_host() -> str:

@@ -59,6 +59,8 @@ class KVOffer:
     pin_id: tuple
     model_id: str
     tp: int
+    dcp: int
+    dst_tp: int  # the decode tp the shards were offered for
     block_size: int
     dcp_size: int
 
@@ -111,7 +113,8 @@ class _Counters:
 
 
 class Replica:
-    """name: unique in the cluster; role: unified, prefill or decode.
+    """name: unique in the cluster; role: unified, prefill or decode; handoff_tp: the tp of the
+    replicas that take this one's hand-overs (prefill role).
 
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
     the replica died; orphans are (request, sink, prefill_only) that streamed nothing yet.
@@ -120,7 +123,8 @@ class Replica:
     def __init__(self, name: str, role: str, config: EngineConfig, make_executor: Callable[[], Executor], *,
                  on_handoff: Callable[[Handoff], None] | None = None,
                  on_failed: Callable[[Replica, BaseException, list], None] | None = None,
-                 health_period_s: float = 2.0, handover_timeout_s: float = 5.0) -> None:
+                 handoff_tp: int | None = None, health_period_s: float = 2.0,
+                 handover_timeout_s: float = 5.0) -> None:
         self.name = name
         self.role = role
         self.config = config
@@ -131,6 +135,7 @@ class Replica:
         self.handover_timeout_s = handover_timeout_s
         self.model_id = str(config.model.model)
         self.world = config.parallel.tp
+        self.handoff_tp = handoff_tp or self.world  # the decode pool's tp (prefill role)
         self.state = ReplicaState.STARTING
         self.error: BaseException | None = None
         self.core: EngineCore | None = None
@@ -358,12 +363,13 @@ class Replica:
         args = {"request_id": rid, "table": table, "num_tokens": kv.num_tokens(pin),
                 "hashes": list(kv.block_hashes(pin)), "extra_keys": list(kv.extra_keys(pin)),
                 "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-                "fault": self.faults.pop(0) if self.faults else None}
+                "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
         offer, reason = None, ""
         try:
             addresses = self.executor.call("kv_offer", [args] * self.world)
             offer = KVOffer(addresses, args["num_tokens"], [i for i, b in enumerate(table) if b != NULL_BLOCK],
-                            tuple(args["extra_keys"]), pin, self.model_id, self.world, kv.block_size, kv.dcp_size)
+                            tuple(args["extra_keys"]), pin, self.model_id, self.world, self.config.parallel.dcp,
+                            self.handoff_tp, kv.block_size, kv.dcp_size)
         except RankError as exc:
             kv.free(pin)
             reason = str(exc)
@@ -387,15 +393,17 @@ class Replica:
         rid, offer, kv = h.request.request_id, h.offer, self.core.kv
         why = h.reason or "no KV was offered"
         if offer is not None:
-            same = (offer.tp, offer.model_id, offer.block_size, offer.dcp_size) == (
-                self.world, self.model_id, kv.block_size, kv.dcp_size)
+            dcp = self.config.parallel.dcp
+            fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp) == (
+                self.model_id, kv.block_size, kv.dcp_size, dcp)
+                and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
             blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
-                                            extra_keys=offer.extra_keys) if same else None
-            why = "KV layouts differ (tp, model, block size or dcp)" if not same else "no free blocks"
+                                            extra_keys=offer.extra_keys) if fits else None
+            why = "no free blocks" if fits else "KV layouts differ (model, block size, dcp; or tp with dcp > 1)"
             if blocks is not None:
-                args = [{"request_id": rid, "address": offer.addresses[r], "blocks": blocks,
+                args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
                          "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-                         "timeout_s": self.handover_timeout_s} for r in range(self.world)]
+                         "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
                 try:
                     results = self.executor.call("kv_pull", args)
                 except RankError as exc:

@@ -2,8 +2,9 @@
 
 `embedded_ray()`: ray.init() of a local cluster in this process (the default deployment).
 `multi_node_ray(resources)`: `ray start --head` plus one `ray start --address` node per entry of
-`resources` (its custom resources), each a separate process group that is killed at the end;
-yields the head's address after connecting this process to it.
+`resources` (its custom resources), started one after the other once the head answers, each a
+separate process group that is killed at the end; yields the head's address after connecting
+this process to it.
 Token authentication (on by default in Ray 2.60, which writes under ~/.ray) is disabled, and
 every file Ray writes goes to a temp dir that is removed afterwards.
 """
@@ -20,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from tests.integration.distributed import free_port
+from meshserve.cluster.executor import free_port
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 START_TIMEOUT_S = 90.0
@@ -74,20 +75,22 @@ def multi_node_ray(resources: list[dict[str, float]]):
         try:
             start(["--head", "--port", str(port), "--temp-dir", temp, "--include-dashboard", "false",
                    "--ray-client-server-port", str(free_port()), "--dashboard-port", str(free_port())])
-            for res in resources:
-                start(["--address", address, "--resources", json.dumps(res)])
             deadline = time.monotonic() + START_TIMEOUT_S
-            while True:
+            while True:  # a node joining a head that is still starting can crash its raylet: wait
                 try:
                     ray.init(address=address, logging_level="WARNING")
                     break
-                except Exception:  # the head is not up yet
+                except Exception:
                     if time.monotonic() > deadline:
                         raise
                     time.sleep(1.0)
-            while len([n for n in ray.nodes() if n["Alive"]]) < 1 + len(resources):
-                assert time.monotonic() < deadline, f"only {ray.nodes()} joined"
-                time.sleep(0.5)
+            for i, res in enumerate(resources, start=1):
+                # Nodes on one machine share the head's session dir, and a node picks unused socket
+                # file names there only if the nodes before it have made theirs: one at a time.
+                start(["--address", address, "--resources", json.dumps(res)])
+                while len([n for n in ray.nodes() if n["Alive"]]) < 1 + i:
+                    assert time.monotonic() < deadline, f"only {ray.nodes()} joined"
+                    time.sleep(0.5)
             yield address
         finally:
             if ray.is_initialized():

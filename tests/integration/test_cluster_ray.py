@@ -1,5 +1,7 @@
 """The cluster on a local Ray: unified and disaggregated pools against the single-process engine,
-KV hand-over failures, a killed worker actor, and a tp=2 replica gang-scheduled as two actors.
+KV hand-over failures and a killed worker actor. The disaggregated coordinator runs prefill at
+tp=1 and decode at tp=2: its decode replica is two gang-scheduled actors, and every hand-over
+re-shards KV heads between the pools.
 
 One Ray session and one coordinator per mode serve the whole module (actors load in seconds
 each on two busy cores). The oracle is the single-process engine on the same tiny checkpoint.
@@ -13,10 +15,7 @@ import time
 import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.null_worker import next_token
-from meshserve.cluster.ray_executor import RayExecutor
-from meshserve.config import CacheConfig, ModelConfig, ParallelConfig, PoolConfig
+from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.errors import ReplicaFailedError
 from meshserve.workers.sampling_params import SamplingParams
 from tests.integration.ray_cluster import embedded_ray
@@ -57,11 +56,12 @@ def loop():
 
 @pytest.fixture(scope="module")
 def coordinators(ckpt, loop):
-    """Unified (2 replicas) and disaggregated (1 prefill + 1 decode), started together."""
+    """Unified (2 replicas) and disaggregated (1 prefill at tp=1, 1 decode at tp=2), started together."""
     with embedded_ray():
         engine = engine_config(ckpt)
         unified = Coordinator(ClusterConfig(engine=engine, pools=PoolConfig(replicas=2), health_period_s=0.5))
-        disagg = Coordinator(ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated")))
+        disagg = Coordinator(ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated"),
+                                           decode_parallel=ParallelConfig(tp=2)))
         loop.run_until_complete(_both(unified.start(), disagg.start()))
         try:
             yield {"unified": unified, "disaggregated": disagg}
@@ -87,7 +87,9 @@ def test_disaggregated_pools_on_ray_hand_kv_over(coordinators, want, loop):
     assert_same(got, want)
     (decode,) = c.replicas("decode")
     handed = sum(1 for r in want.values() if 1 < len(r.token_ids)) - len(LONG_REQUESTS)
-    assert decode.stats().num_kv_imports == handed and decode.stats().num_recomputes == 0
+    assert decode.stats().num_kv_imports == handed and decode.stats().num_recomputes == 0  # re-sharded 1 -> 2
+    nodes = decode.executor.ranks.nodes()  # a tp=2 replica: two actors packed on one node
+    assert len({n["node_id"] for n in nodes}) == 1 and len({n["pid"] for n in nodes}) == 2
     assert_no_held_blocks(c)
 
 
@@ -138,25 +140,3 @@ def test_a_killed_worker_actor_fails_its_requests_fast_and_is_rebuilt(coordinato
     assert c.replicas()[0] is not victim and c.pools["unified"].num_rebuilds == 1
     assert_same(after, {rid: want[rid] for rid, _, _ in mixed_requests()[:6]})
     assert_no_held_blocks(c)
-
-
-def test_tp2_replica_is_two_gang_scheduled_actors_on_one_node(coordinators, tmp_path):
-    cfg = EngineConfig(model=ModelConfig(model=str(tmp_path)), cache=CacheConfig(num_kv_blocks=64),
-                       parallel=ParallelConfig(tp=2))
-    executor = RayExecutor(cfg, name="tp2", worker_class="meshserve.cluster.null_worker:NullWorker")
-    core = EngineCore(cfg, executor=executor)
-    try:
-        nodes = executor.ranks.nodes()
-        assert len({n["node_id"] for n in nodes}) == 1 and len({n["pid"] for n in nodes}) == 2
-        params = SamplingParams(temperature=0, max_tokens=5)
-        core.add_request([3, 1, 4, 1, 5], params, request_id="pi")
-        tokens = []
-        while core.has_unfinished():
-            tokens += [t for d in core.step() for t in d.token_ids]
-        seq = [3, 1, 4, 1, 5]
-        for _ in range(5):
-            seq.append(next_token(seq))
-        assert tokens == seq[5:]  # each step all-reduced across both actors (NullWorker checks agreement)
-        assert [h["started"] for h in executor.check_health()] == [True, True]
-    finally:
-        core.shutdown()
