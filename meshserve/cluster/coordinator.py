@@ -28,10 +28,11 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 from meshserve.cluster.engine import EngineConfig
+from meshserve.cluster.handover import Handoff
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.pools import ReplicaPool
-from meshserve.cluster.replica import Handoff, Replica
+from meshserve.cluster.replica import Replica
 from meshserve.cluster.request import Request
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode

@@ -22,8 +22,9 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, fields
 
+from meshserve.cluster.handover import Handoff
 from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.replica import Handoff, Replica, ReplicaState, ReplicaStats, Sink
+from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats, Sink
 from meshserve.cluster.request import FinishReason, Request
 from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError
 

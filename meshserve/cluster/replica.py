@@ -4,12 +4,10 @@ The task owns the core. Model steps and channel calls run in a worker thread (on
 new requests, aborts, hand-overs and releases arriving meanwhile wait in lists and are applied
 between steps, so the scheduler and KV manager are only ever touched by one thread at a time.
 
-Disaggregated serving. A prefill replica runs a request until its first token, then (in the
-step thread) pins the request's blocks, asks every rank to offer its KV shard (`kv_offer`),
-detaches the request and hands a `Handoff` to the coordinator. A decode replica `adopt`s it:
-allocates blocks, has every rank pull its shard from the matching prefill rank (`kv_pull`),
-and continues from the first token; if anything about the transfer fails it recomputes the
-prompt instead. Either way the prefill replica is then told to `release` its pin.
+Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
+then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it,
+pulling the KV (or recomputing the prompt when that fails); then the prefill replica is told to
+`release` its pin.
 
 Failure: when the executor reports a dead rank (or any step fails) the replica fails. Requests
 in flight (scheduled at least once, or adopted) end with ReplicaFailedError naming the cause:
@@ -28,12 +26,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import Executor, RankError
+from meshserve.cluster.executor import Executor
+from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.request import FinishReason, Request, RequestStatus
 from meshserve.errors import MeshserveError, ReplicaFailedError
-from meshserve.kvstore.block_pool import NULL_BLOCK
 
 log = logging.getLogger("meshserve.replica")
 
@@ -46,34 +44,6 @@ class ReplicaState(enum.Enum):
     DRAINING = "draining"  # finishing its requests, taking no new ones
     FAILED = "failed"
     STOPPED = "stopped"
-
-
-@dataclass
-class KVOffer:
-    """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
-
-    addresses: list[str]  # per rank: its export server
-    num_tokens: int
-    positions: list[int]  # block-table indices that hold data
-    extra_keys: tuple
-    pin_id: tuple
-    model_id: str
-    tp: int
-    dcp: int
-    dst_tp: int  # the decode tp the shards were offered for
-    block_size: int
-    dcp_size: int
-
-
-@dataclass
-class Handoff:
-    """A request leaving a prefill replica after its first token (already streamed)."""
-
-    request: Request
-    source: Replica
-    offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
-    reason: str = ""
-    sink: Sink | None = None
 
 
 @dataclass
@@ -146,7 +116,7 @@ class Replica:
         self._adoptions: list[Handoff] = []
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
-        self._counters = _Counters()
+        self.counters = _Counters()
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -255,7 +225,7 @@ class Replica:
             return 0
 
     def stats(self) -> ReplicaStats:
-        core, c = self.core, self._counters
+        core, c = self.core, self.counters
         kv = None if core is None else core.kv
         return ReplicaStats(
             name=self.name, role=self.role, state=self.state.value, num_waiting=self.num_waiting,
@@ -281,7 +251,7 @@ class Replica:
                     try:
                         await asyncio.to_thread(self._import_all, adoptions)
                     finally:  # pulled, refused or failed: the source may free its pin
-                        _release_sources(adoptions)
+                        release_sources(adoptions)
                     continue
                 if not self.core.has_unfinished():
                     if not self._held:
@@ -331,14 +301,14 @@ class Replica:
                 del self._held[rid]
                 held.sink.put_nowait(exc)
                 continue
-            self._counters.prompt_tokens += len(held.request.prompt_ids)
+            self.counters.prompt_tokens += len(held.request.prompt_ids)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
             held = self._held.get(delta.request_id)
             if held is None:
                 continue
-            self._counters.generated_tokens += len(delta.token_ids)
+            self.counters.generated_tokens += len(delta.token_ids)
             held.sink.put_nowait(delta)
             if delta.finished:
                 del self._held[delta.request_id]
@@ -351,72 +321,19 @@ class Replica:
         for d in deltas:
             held = self._held.get(d.request_id)
             if held is not None and held.prefill_only and not d.finished:
-                handoffs.append(self._hand_off(d.request_id))
+                handoffs.append(offer_kv(self, d.request_id))
         return deltas, handoffs
-
-    def _hand_off(self, rid: str) -> Handoff:
-        """Pin the request's blocks, have every rank offer its shard, detach the request."""
-        kv = self.core.kv
-        pin = ("handoff", rid, next(self._counters.pins))
-        kv.fork(rid, pin)
-        table = list(kv.block_table(pin))
-        args = {"request_id": rid, "table": table, "num_tokens": kv.num_tokens(pin),
-                "hashes": list(kv.block_hashes(pin)), "extra_keys": list(kv.extra_keys(pin)),
-                "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-                "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
-        offer, reason = None, ""
-        try:
-            addresses = self.executor.call("kv_offer", [args] * self.world)
-            offer = KVOffer(addresses, args["num_tokens"], [i for i, b in enumerate(table) if b != NULL_BLOCK],
-                            tuple(args["extra_keys"]), pin, self.model_id, self.world, self.config.parallel.dcp,
-                            self.handoff_tp, kv.block_size, kv.dcp_size)
-        except RankError as exc:
-            kv.free(pin)
-            reason = str(exc)
-        self._counters.handoffs += 1
-        request_event(rid, "prefilled", replica=self.name, kv_tokens=args["num_tokens"], offered=offer is not None)
-        return Handoff(self.core.detach(rid), self, offer, reason)
 
     def _import_all(self, adoptions: list[Handoff]) -> None:
         for h in adoptions:
             if h.request.request_id not in self._held:
                 continue  # aborted before it arrived
-            computed = self._import(h)
+            computed = import_kv(self, h)
             self.core.adopt(h.request, num_computed_tokens=computed)
             if computed:
-                self._counters.kv_imports += 1
+                self.counters.kv_imports += 1
             else:
-                self._counters.recomputes += 1
-
-    def _import(self, h: Handoff) -> int:
-        """Pull the offered KV into fresh blocks; tokens now cached, or 0 to recompute."""
-        rid, offer, kv = h.request.request_id, h.offer, self.core.kv
-        why = h.reason or "no KV was offered"
-        if offer is not None:
-            dcp = self.config.parallel.dcp
-            fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp) == (
-                self.model_id, kv.block_size, kv.dcp_size, dcp)
-                and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
-            blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
-                                            extra_keys=offer.extra_keys) if fits else None
-            why = "no free blocks" if fits else "KV layouts differ (model, block size, dcp; or tp with dcp > 1)"
-            if blocks is not None:
-                args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
-                         "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-                         "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
-                try:
-                    results = self.executor.call("kv_pull", args)
-                except RankError as exc:
-                    results = [{"ok": False, "error": str(exc)}]
-                if all(r["ok"] for r in results):
-                    kv.register_hashes(rid, results[0]["hashes"])
-                    request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
-                    return offer.num_tokens
-                kv.free(rid, keep_cache=False)
-                why = "; ".join(r["error"] for r in results if not r["ok"])
-        log.info("replica %s recomputes %s: %s", self.name, rid, why)
-        request_event(rid, "recompute", replica=self.name, why=why)
-        return 0
+                self.counters.recomputes += 1
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -437,14 +354,8 @@ class Replica:
                 orphans.append((fresh, held.sink, held.prefill_only))
         self._held.clear()
         self._inbox.clear()
-        _release_sources(self._adoptions)
+        release_sources(self._adoptions)
         self._adoptions.clear()
         self._idle.set()
         if self.on_failed is not None:
             self.on_failed(self, exc, orphans)
-
-
-def _release_sources(adoptions: list[Handoff]) -> None:
-    for h in adoptions:
-        if h.offer is not None:
-            h.source.release(h.offer.pin_id)

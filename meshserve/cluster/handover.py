@@ -1,0 +1,122 @@
+"""The KV hand-over between a prefill and a decode replica (disaggregated serving).
+
+A prefill replica runs a request until its first token; then, in its step thread, `offer_kv`
+pins the request's blocks (a fork of its table in the KV manager), asks every rank to offer its
+KV shard (`kv_offer`: each rank's KVExportServer, msgpack header + raw frames) and detaches the
+request, which the coordinator hands to a decode replica as a `Handoff`. The decode replica's
+`import_kv` allocates blocks, has every rank pull its shard (`kv_pull`; with another tp, heads
+are re-sharded: kv_reshard.py), registers the prefix hashes and continues from the first token.
+If anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
+prefill replica is then told to release its pin (`release_sources`).
+
+Functions of a Replica (its core, executor and counters), kept apart so replica.py stays the
+replica's life cycle and loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from meshserve.cluster.executor import RankError
+from meshserve.cluster.logs import request_event
+from meshserve.cluster.request import Request
+from meshserve.kvstore.block_pool import NULL_BLOCK
+
+if TYPE_CHECKING:
+    from meshserve.cluster.replica import Replica, Sink
+
+log = logging.getLogger("meshserve.replica")
+
+
+@dataclass
+class KVOffer:
+    """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
+
+    addresses: list[str]  # per rank: its export server
+    num_tokens: int
+    positions: list[int]  # block-table indices that hold data
+    extra_keys: tuple
+    pin_id: tuple
+    model_id: str
+    tp: int
+    dcp: int
+    dst_tp: int  # the decode tp the shards were offered for
+    block_size: int
+    dcp_size: int
+
+
+@dataclass
+class Handoff:
+    """A request leaving a prefill replica after its first token (already streamed)."""
+
+    request: Request
+    source: Replica
+    offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
+    reason: str = ""
+    sink: Sink | None = None
+
+
+def offer_kv(self: Replica, rid: str) -> Handoff:
+    """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
+    detach the request."""
+    kv = self.core.kv
+    pin = ("handoff", rid, next(self.counters.pins))
+    kv.fork(rid, pin)
+    table = list(kv.block_table(pin))
+    args = {"request_id": rid, "table": table, "num_tokens": kv.num_tokens(pin),
+            "hashes": list(kv.block_hashes(pin)), "extra_keys": list(kv.extra_keys(pin)),
+            "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
+            "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
+    offer, reason = None, ""
+    try:
+        addresses = self.executor.call("kv_offer", [args] * self.world)
+        offer = KVOffer(addresses, args["num_tokens"], [i for i, b in enumerate(table) if b != NULL_BLOCK],
+                        tuple(args["extra_keys"]), pin, self.model_id, self.world, self.config.parallel.dcp,
+                        self.handoff_tp, kv.block_size, kv.dcp_size)
+    except RankError as exc:
+        kv.free(pin)
+        reason = str(exc)
+    self.counters.handoffs += 1
+    request_event(rid, "prefilled", replica=self.name, kv_tokens=args["num_tokens"], offered=offer is not None)
+    return Handoff(self.core.detach(rid), self, offer, reason)
+
+
+def import_kv(self: Replica, h: Handoff) -> int:
+    """(Decode replica, step thread) Pull the offered KV into fresh blocks; the tokens now cached,
+    or 0 when the prompt must be recomputed."""
+    rid, offer, kv = h.request.request_id, h.offer, self.core.kv
+    why = h.reason or "no KV was offered"
+    if offer is not None:
+        dcp = self.config.parallel.dcp
+        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp) == (
+            self.model_id, kv.block_size, kv.dcp_size, dcp)
+            and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
+        blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
+                                        extra_keys=offer.extra_keys) if fits else None
+        why = "no free blocks" if fits else "KV layouts differ (model, block size, dcp; or tp with dcp > 1)"
+        if blocks is not None:
+            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
+                     "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
+                     "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
+            try:
+                results = self.executor.call("kv_pull", args)
+            except RankError as exc:
+                results = [{"ok": False, "error": str(exc)}]
+            if all(r["ok"] for r in results):
+                kv.register_hashes(rid, results[0]["hashes"])
+                request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
+                return offer.num_tokens
+            kv.free(rid, keep_cache=False)
+            why = "; ".join(r["error"] for r in results if not r["ok"])
+    log.info("replica %s recomputes %s: %s", self.name, rid, why)
+    request_event(rid, "recompute", replica=self.name, why=why)
+    return 0
+
+
+def release_sources(adoptions: list[Handoff]) -> None:
+    """Tell each source replica it may free its pin (pulled, refused or failed alike)."""
+    for h in adoptions:
+        if h.offer is not None:
+            h.source.release(h.offer.pin_id)
