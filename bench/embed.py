@@ -77,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                      "batch": f"packed, {args.max_num_batched_tokens} tokens", "seconds": secs,
                      "sentences_per_s": len(texts) / secs, "min_cosine": cos})
     tokens = sum(len(st.tokenizer(t)["input_ids"]) for t in texts)
-    meta = {"device": args.device, "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+    meta = {"device": args.device, "threads": torch.get_num_threads(),
+            "cpu": platform.processor() or platform.machine(),
             "torch": torch.__version__, "sentences": len(texts), "tokens": tokens, "repeats": args.repeats}
     print(f"{len(texts)} sentences, {tokens} tokens, {meta['threads']} threads on {args.device}")
     print(f"{'engine':40} {'batch':26} {'seconds':>8} {'sent/s':>9} {'min cos':>9}")
