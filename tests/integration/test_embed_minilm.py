@@ -138,3 +138,14 @@ def test_embed_cli(reference, capsys):
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [line["index"] for line in lines] == [0, 1]
     assert_match(np.array([line["embedding"] for line in lines], dtype=np.float32), reference[[7, 17]])
+
+
+def test_paged_layout_only_when_asked(reference):
+    """A block size below max_model_len asks for the paged (flash) layout; it is validated like any."""
+    from meshserve.errors import NoBackendError
+
+    paged = LLM(MODEL_DIR, attention_backend="TORCH", device="cpu", block_size=16)
+    assert not paged.embedder.backend.problem.is_naive_layout
+    assert_match(vectors(paged.embed(SENTENCES[28:31])), reference[28:31])
+    with pytest.raises(NoBackendError, match="not a power of two"):
+        LLM(MODEL_DIR, attention_backend="TRITON", device="cpu", block_size=24)
