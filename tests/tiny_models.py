@@ -40,6 +40,21 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=MISTRAL_WINDOW)),
 }
 
+# Hybrid-attention architectures (alternating sliding/full layers): windows shorter than the
+# prompts, soft-caps small enough to bite, learned sinks large enough to matter.
+HYBRID_WINDOW = 6
+HYBRID_ARCHS: dict[str, tuple[str, dict]] = {
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=HYBRID_WINDOW, query_pre_attn_scalar=24,
+                                     attn_logit_softcapping=3.0, final_logit_softcapping=10.0,
+                                     num_hidden_layers=3)),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=HYBRID_WINDOW, intermediate_size=32,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                       "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                       "truncate": False,
+                                                       "original_max_position_embeddings": 16})),
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Hello world, hello meshserve! Once upon a time there was a tiny model that liked to count: "
@@ -51,10 +66,22 @@ def hf_model(name: str, *, seed: int = 0):
     """A fresh random HF model of architecture `name` (float32, eval mode)."""
     import transformers
 
-    cls_name, extra = ARCHS[name]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    cls_name, extra = {**ARCHS, **HYBRID_ARCHS}[name]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if name == "gemma2":
+        with torch.no_grad():  # HF's init makes every (1 + weight) norm scale exactly one
+            for pname, param in model.named_parameters():
+                if pname.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
+            # The tied, sqrt(hidden)-scaled embedding otherwise makes every token predict itself.
+            model.model.embed_tokens.weight.mul_(0.15)
+    if name == "gpt_oss":
+        with torch.no_grad():  # HF's init makes sinks tiny; large ones show whether they are used
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
 
 
 def tiny_tokenizer():
