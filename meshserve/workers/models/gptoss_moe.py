@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshserve.errors import check
+from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.moe import combine_experts
 
@@ -69,3 +71,20 @@ class SwigluMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
         return combine_experts(x, weights, ids, self.experts.run)
+
+
+def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:
+    """Tensor parallelism on the meta-device model: every expert keeps intermediate/tp of its
+    features (loader: workers/sharding.py EXPERT_SPLITS); the router stays whole, so each rank
+    routes alike; partial outputs are summed by one all-reduce per layer, and only rank 0 adds
+    the experts' down-projection bias."""
+    bank = moe.experts
+    experts, hidden, two_i = bank.gate_up_proj.shape
+    inter = two_i // 2
+    check(inter % ctx.tp == 0, "tp", ctx.tp, f"a divisor of the experts' intermediate_size={inter}")
+    local = inter // ctx.tp
+    bank.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * local), requires_grad=False)
+    bank.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * local), requires_grad=False)
+    bank.down_proj = nn.Parameter(torch.empty(experts, local, hidden), requires_grad=False)
+    bank.add_down_bias = ctx.rank == 0
+    moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
