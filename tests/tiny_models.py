@@ -62,12 +62,12 @@ CORPUS = [
 ] * 10
 
 
-def hf_model(name: str, *, seed: int = 0):
-    """A fresh random HF model of architecture `name` (float32, eval mode)."""
+def hf_model(name: str, *, seed: int = 0, overrides: dict | None = None):
+    """A fresh random HF model of architecture `name` (float32, eval mode); `overrides` change its config."""
     import transformers
 
     cls_name, extra = {**ARCHS, **HYBRID_ARCHS}[name]
-    config = getattr(transformers, cls_name)(**{**COMMON, **extra})
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     if name == "gemma2":
@@ -98,9 +98,10 @@ def tiny_tokenizer():
     return tok
 
 
-def write_checkpoint(path: Path, name: str, *, seed: int = 0, max_shard_size: str | None = None):
+def write_checkpoint(path: Path, name: str, *, seed: int = 0, max_shard_size: str | None = None,
+                     overrides: dict | None = None):
     """Save architecture `name` with a tokenizer to `path`; returns the HF model for oracles."""
-    model = hf_model(name, seed=seed)
+    model = hf_model(name, seed=seed, overrides=overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
