@@ -113,3 +113,16 @@ def test_backend_without_sinks_is_refused_with_the_reason(cases):
     assert any("sink" in r for r in verdicts["FLASHINFER"].reasons), verdicts["FLASHINFER"].reasons
     no_sinks = dataclasses.replace(gpu, spec=dataclasses.replace(spec, has_sinks=False))
     assert not any("sink" in r for r in {v.name: v for v in explain(no_sinks)}["FLASHINFER"].reasons)
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+def test_generate_command_prints_hf_greedy_text(cases, arch, capsys):
+    from meshserve.cli import main
+    from tests.tiny_models import tiny_tokenizer
+
+    path, _, _, hf = cases[arch]
+    text = "Once upon a time there was a tiny model"
+    tok = tiny_tokenizer()
+    ref = hf_greedy(hf, tok.encode(text).ids, 8)
+    assert main(["generate", "--model", str(path), "--max-tokens", "8", "--device", "cpu", text]) == 0
+    assert capsys.readouterr().out.strip() == (text + tok.decode(ref)).strip()  # the prompt, then HF's text
