@@ -47,6 +47,13 @@ HYBRID_ARCHS: dict[str, tuple[str, dict]] = {
     "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=HYBRID_WINDOW, query_pre_attn_scalar=24,
                                      attn_logit_softcapping=3.0, final_logit_softcapping=10.0,
                                      num_hidden_layers=3)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=HYBRID_WINDOW, query_pre_attn_scalar=24,
+                                         num_hidden_layers=3,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         rope_parameters={
+                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
     "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=HYBRID_WINDOW, intermediate_size=32,
                                       num_local_experts=4, num_experts_per_tok=2,
                                       rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
@@ -70,7 +77,7 @@ def hf_model(name: str, *, seed: int = 0, overrides: dict | None = None):
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    if name == "gemma2":
+    if name in ("gemma2", "gemma3"):
         with torch.no_grad():  # HF's init makes every (1 + weight) norm scale exactly one
             for pname, param in model.named_parameters():
                 if pname.endswith("norm.weight"):

@@ -1,7 +1,7 @@
 """Gemma2 and GPT-OSS on CUDA through the backend the registry picks, against the TORCH
 reference and HF transformers; skipped without CUDA.
 
-Head size 64 so that FlashInfer's kernels apply. Gemma2 (soft-caps, alternating windows) runs
+Head size 64 so that FlashInfer's kernels apply. Gemma2/3 (soft-caps, alternating windows) run
 on FLASHINFER when it is installed; GPT-OSS's learned sinks are refused by FLASHINFER, so it
 runs on TRITON. bf16 runs are compared with the TORCH backend in bf16 (rounding may split a
 late near-tie, so the first token of every prompt must agree and most of the rest); float32
@@ -38,7 +38,7 @@ def _llm(path, backend=None, dtype="bfloat16"):
 
 
 def _expected_backend(arch: str) -> str:
-    if arch == "gemma2" and importlib.util.find_spec("flashinfer") is not None:
+    if arch.startswith("gemma") and importlib.util.find_spec("flashinfer") is not None:
         return "FLASHINFER"
     return "TRITON"  # GPT-OSS: FLASHINFER has no learned sinks
 

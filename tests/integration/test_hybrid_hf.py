@@ -1,10 +1,13 @@
-"""Gemma2 and GPT-OSS through `meshserve.LLM` equal HF transformers' greedy `generate`, token for token.
+"""Gemma2, Gemma3 (text) and GPT-OSS through `meshserve.LLM` equal HF transformers' greedy
+`generate`, token for token.
 
 Both alternate sliding-window (6 tokens, shorter than every prompt) and full-attention layers
 in one model. Gemma2 adds attention and final logit soft-caps, query_pre_attn_scalar, sandwich
 norms with (1 + weight) scales and a tied, scaled embedding; GPT-OSS adds learned per-head sink
 logits (made large in the checkpoint so that ignoring them changes the tokens), YaRN rope and a
-top-2-of-4 mixture of clamped-SwiGLU experts. The same outputs must hold with chunked prefill,
+top-2-of-4 mixture of clamped-SwiGLU experts. Gemma3 drops the soft-caps, adds (1 + weight)
+q/k norms and rotates its windowed layers with a local base (10k) and its full layers with a
+linearly scaled global one (1M, factor 4). The same outputs must hold with chunked prefill,
 preemption and prefix-cache hits.
 """
 
@@ -52,6 +55,9 @@ def test_architecture_data(cases):
     assert gemma.layer_windows == (HYBRID_WINDOW, None, HYBRID_WINDOW)
     assert (gemma.attn_soft_cap, gemma.final_soft_cap, gemma.attn_scale) == (3.0, 10.0, 24 ** -0.5)
     assert gemma.tie_word_embeddings and gemma.sandwich_norms and gemma.embed_scale == 8.0
+    gemma3 = read_arch(cases["gemma3"][0])
+    assert gemma3.qk_norm and gemma3.attn_soft_cap is None and gemma3.final_soft_cap is None
+    assert (gemma3.rope.theta, gemma3.rope.kind, gemma3.local_rope.theta) == (1e6, "linear", 1e4)
     oss = read_arch(cases["gpt_oss"][0])
     assert oss.layer_windows == (HYBRID_WINDOW, None) and oss.attn_sinks
     assert (oss.experts.num_experts, oss.experts.top_k, oss.rope.kind) == (4, 2, "yarn")
@@ -115,7 +121,7 @@ def test_backend_without_sinks_is_refused_with_the_reason(cases):
     assert not any("sink" in r for r in {v.name: v for v in explain(no_sinks)}["FLASHINFER"].reasons)
 
 
-@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+@pytest.mark.parametrize("arch", ["gemma3", "gpt_oss"])
 def test_generate_command_prints_hf_greedy_text(cases, arch, capsys):
     from meshserve.cli import main
     from tests.tiny_models import tiny_tokenizer

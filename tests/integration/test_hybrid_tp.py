@@ -13,12 +13,12 @@ import pytest
 from meshserve.cluster.engine import EngineCore
 from tests.integration.distributed import run_ranks
 from tests.integration.test_tensor_parallel import engine_config, generate, rank_main
-from tests.tiny_models import HYBRID_ARCHS, hf_greedy, prompts, write_checkpoint
+from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 
 NEW_TOKENS = 12  # test_tensor_parallel.PARAMS: greedy, 12 tokens, ignore_eos, top-3 logprobs
 
 
-@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss"])  # Gemma3 differs from Gemma2 only in replicated parts
 def test_tp2_matches_single_rank_and_hf(tmp_path, arch):
     path = tmp_path / arch
     hf = write_checkpoint(path, arch)

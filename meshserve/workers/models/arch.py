@@ -2,7 +2,8 @@
 
 One `ModelArch` describes every supported architecture: Llama (llama3 rope scaling), Qwen2
 (bias on q/k/v), Qwen3 (RMSNorm on each q/k head), Mistral (sliding window), Gemma2 (soft-caps,
-sandwich norms, scaled embeddings, alternating windows), GPT-OSS (learned sinks, YaRN, a
+sandwich norms, scaled embeddings, alternating windows), Gemma3 text (Gemma2 without soft-caps,
+with (1 + w) q/k norms and a local rope base for windowed layers), GPT-OSS (learned sinks, YaRN, a
 mixture of experts: gptoss_moe.py). Each parser
 below maps one `architectures` name to the fields that differ; the transformer reads only
 this record, so adding an architecture is a table entry, not a copy of the model.
@@ -112,6 +113,7 @@ class ModelArch:
     attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
     attn_soft_cap: float | None = None  # attention logits: cap * tanh(score / cap)
     final_soft_cap: float | None = None  # LM logits: cap * tanh(logit / cap)
+    local_rope: RopeScaling | None = None  # Gemma3: the sliding-window layers' own rope (None: `rope`)
     # GPT-OSS details:
     attn_sinks: bool = False  # a learned per-head logit joins each softmax denominator (self_attn.sinks)
     experts: SwigluExperts | None = None  # the MLP is gptoss_moe.SwigluMoE
@@ -281,6 +283,23 @@ def _gemma2(cfg: dict[str, Any]) -> ModelArch:
     )
 
 
+def _gemma3(cfg: dict[str, Any]) -> ModelArch:
+    num_layers = cfg.get("num_hidden_layers", 1)
+    pattern = int(cfg.get("sliding_window_pattern", 6))  # older configs: every pattern-th layer is full
+    layer_types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one rope per layer type
+        rope = _rope({"rope_parameters": params["full_attention"]})
+        local = _rope({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+    else:
+        rope = _rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+        local = RopeScaling(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    gemma = _gemma2({**cfg, "layer_types": layer_types, "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+                     "final_logit_softcapping": cfg.get("final_logit_softcapping")})
+    return replace(gemma, architecture="Gemma3ForCausalLM", qk_norm=True, rope=rope, local_rope=local)
+
+
 def _gpt_oss(cfg: dict[str, Any]) -> ModelArch:
     base = _common(cfg, "GptOssForCausalLM")
     bias = bool(cfg.get("attention_bias", True))
@@ -317,6 +336,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArch]] = {
     "Qwen3ForCausalLM": _qwen3,
     "MistralForCausalLM": _mistral,
     "Gemma2ForCausalLM": _gemma2,
+    "Gemma3ForCausalLM": _gemma3,
     "GptOssForCausalLM": _gpt_oss,
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,

@@ -76,8 +76,8 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.norm_unit_offset) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.norm_unit_offset) if arch.qk_norm else None
         # GPT-OSS: one learned logit per query head joins the softmax denominator.
         self.sinks = nn.Parameter(torch.empty(arch.num_heads), requires_grad=False) if arch.attn_sinks else None
 
@@ -158,6 +158,9 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
+        # Gemma3: sliding-window layers rotate with their own (local) base.
+        self.local_rotary = (RotaryEmbedding(arch.local_rope, arch.head_dim, max_positions)
+                             if arch.local_rope is not None else None)
 
 
 class CausalLM(nn.Module):
@@ -187,8 +190,9 @@ class CausalLM(nn.Module):
         if self.arch.embed_scale is not None:  # Gemma: the scale is rounded to the activation dtype first
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype, device=x.device)
         rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
-        for layer in self.model.layers:
-            x = layer(x, rope, ctx)
+        local = rope if self.model.local_rotary is None else self.model.local_rotary(positions, x.dtype)
+        for layer, window in zip(self.model.layers, self.arch.layer_windows):
+            x = layer(x, rope if window is None else local, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
