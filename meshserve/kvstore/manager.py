@@ -73,8 +73,22 @@ class KVCacheStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+_NEVER = 1 << 62
+
+
 class _Request:
-    __slots__ = ("table", "num_tokens", "hashes", "num_registered", "extra", "extra_keys", "first_held")
+    __slots__ = (
+        "table",
+        "num_tokens",
+        "hashes",
+        "num_registered",
+        "extra",
+        "extra_keys",
+        "first_held",
+        "fast_capacity",
+        "release_at",
+        "hash_at",
+    )
 
     def __init__(
         self,
@@ -92,6 +106,10 @@ class _Request:
         self.extra_keys = extra_keys
         self.extra = extra
         self.first_held = first_held  # non-sink blocks below this index were released
+        # Limits of the fast path, kept by KVCacheManager._refresh (see allocate_slots):
+        self.fast_capacity = 0  # grow to this many tokens without touching the pool
+        self.release_at = _NEVER  # at this num_tokens a block leaves the window
+        self.hash_at = _NEVER  # at this many tokens the next full block is due for hashing
 
 
 class KVCacheManager:
@@ -247,32 +265,42 @@ class KVCacheManager:
         extra_keys: for a new request without `prefix` (a prefix carries its own).
         """
         req = self._requests.get(request_id)
+        # Fast path, most decode steps: the tokens fit the last block, which no fork shares, and
+        # no block leaves the window. The limits are precomputed per request by _refresh.
+        if req is not None and prefix is None and num_new_tokens >= 0 and req.num_tokens < req.release_at:
+            total = req.num_tokens + num_new_tokens
+            if total <= req.fast_capacity:
+                req.num_tokens = total
+                if total >= req.hash_at:
+                    self._register_full_blocks(req, token_ids, total)
+                return True
         if req is None:
             return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
         if prefix is not None:
             raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
         if num_new_tokens < 0:
             raise ConfigError("num_new_tokens", num_new_tokens, "an integer >= 0")
-        tpb = self.tokens_per_block
-        n = req.num_tokens
-        total = n + num_new_tokens
-        table = req.table
-        # Fast path (most decode steps): room in the last block, not shared, nothing to release.
-        if (
-            total <= len(table) * tpb
-            and (n % tpb == 0 or self.pool.ref_counts[table[n // tpb]] == 1)
-            and (self._window is None or n - self._window + 1 < (req.first_held + 1) * tpb)
-        ):
-            req.num_tokens = total
-        else:
-            need, freeable = self._growth_need(req, num_new_tokens)
-            if need > self.pool.num_free_blocks + freeable:
-                return False
-            self._release_out_of_window(req)
-            self._grow(req, total)
-        if self.enable_prefix_caching and min(total, len(token_ids)) // tpb > req.num_registered:
-            self._register_full_blocks(req, token_ids, total)
+        need, freeable = self._growth_need(req, num_new_tokens)
+        if need > self.pool.num_free_blocks + freeable:
+            return False
+        self._release_out_of_window(req)
+        self._grow(req, req.num_tokens + num_new_tokens)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(req, token_ids, req.num_tokens)
+        self._refresh(req)
         return True
+
+    def _refresh(self, req: _Request) -> None:
+        """Recompute the fast-path limits of a request after anything about it changed."""
+        tpb = self.tokens_per_block
+        n, table = req.num_tokens, req.table
+        if n % tpb and self.pool.ref_counts[table[n // tpb]] > 1:
+            req.fast_capacity = n  # the partial last block is shared: its next write copies it
+        else:
+            req.fast_capacity = len(table) * tpb
+        if self._window is not None:
+            req.release_at = (req.first_held + 1) * tpb + self._window - 1
+        req.hash_at = (req.num_registered + 1) * tpb if self.enable_prefix_caching else _NEVER
 
     def _admission_need(self, num_new_tokens: int, prefix: PrefixHit | None) -> int:
         """Blocks a new request takes from the free count (new ones plus revived cached hits)."""
@@ -328,6 +356,7 @@ class KVCacheManager:
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
             self._register_full_blocks(req, token_ids, req.num_tokens)
+        self._refresh(req)
         return True
 
     def _growth_need(self, req: _Request, num_new_tokens: int) -> tuple[int, int]:
@@ -389,7 +418,9 @@ class KVCacheManager:
                 hashes.append(hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], req.extra))
             if table[i] != NULL_BLOCK:
                 pool.cache_block(table[i], hashes[i])
-        req.num_registered = max(req.num_registered, full)
+        if full > req.num_registered:
+            req.num_registered = full
+            req.hash_at = (full + 1) * tpb
 
     # ---- release, fork, copies ------------------------------------------------------------
     def free(self, request_id: RequestId, *, keep_cache: bool = True) -> bool:
@@ -426,6 +457,8 @@ class KVCacheManager:
         child.num_registered = parent.num_registered
         self.pool.touch(b for b in child.table if b != NULL_BLOCK)
         self._requests[child_id] = child
+        self._refresh(parent)
+        self._refresh(child)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs made since the last call. Copy them (every layer,
@@ -439,6 +472,7 @@ class KVCacheManager:
         for req in self._requests.values():
             req.hashes.clear()
             req.num_registered = 0
+            self._refresh(req)
 
     # ---- KV hand-over ---------------------------------------------------------------------
     def allocate_for_import(
@@ -471,9 +505,9 @@ class KVCacheManager:
         for p, b in zip(positions, blocks):
             table[p] = b
         keys = tuple(extra_keys)
-        self._requests[request_id] = _Request(
-            table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks
-        )
+        req = _Request(table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks)
+        self._requests[request_id] = req
+        self._refresh(req)
         return blocks
 
     def register_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
@@ -488,6 +522,7 @@ class KVCacheManager:
             if req.table[i] != NULL_BLOCK:
                 self.pool.cache_block(req.table[i], h)
         req.num_registered = len(req.hashes)
+        self._refresh(req)
 
     # ---- checking -------------------------------------------------------------------------
     def check_invariants(self) -> None:

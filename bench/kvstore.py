@@ -1,0 +1,223 @@
+"""KV store benchmarks (CPU): block bookkeeping per scheduler step, prefix lookup, zmq hand-over.
+
+    python bench/kvstore.py                 # all three, prints tables
+    python bench/kvstore.py --only handover --handover-mib 256
+
+bookkeeping: 256 running requests decode one token per step (allocate_slots), requests finish
+  after a random output length and are freed; a new request is admitted in their place (prefix
+  lookup + allocate the prompt). Reported: µs per step for the manager calls, decode-only steps
+  and steps with admissions separately.
+lookup: lookup_prefix on a 4k-token prompt, all cached and none cached.
+handover: a sender process offers one request whose blocks hold N MiB (4 layers, bf16, 8 KV
+  heads of 128, block 16); this process pulls it over tcp loopback zmq into fresh blocks
+  (checksum and allocation included) and copies the same bytes with memcpy, side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from meshserve.attention.spec import AttentionSpec  # noqa: E402
+from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
+from meshserve.kvstore.connector import KVConnector  # noqa: E402
+from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
+
+SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
+LAYERS = 4
+BLOCK = 16
+BLOCK_BYTES = 2 * BLOCK * 8 * 128 * 2  # per layer, bf16
+
+
+# ---- block bookkeeping -------------------------------------------------------------------
+def bench_bookkeeping(steps: int, running: int = 256, prompt: int = 512, seed: int = 0) -> dict:
+    rng = random.Random(seed)
+    kv = KVCacheManager(running * (prompt + 1200) // BLOCK + 64, BLOCK)
+    system = [rng.randrange(32000) for _ in range(256)]  # a shared system prompt: prefix hits
+
+    def new_request(i: int) -> tuple[str, list[int], int]:
+        tokens = system + [rng.randrange(32000) for _ in range(prompt - len(system))]
+        return f"r{i}", tokens, rng.randint(64, 1024)
+
+    reqs = [new_request(i) for i in range(running)]
+    for rid, tokens, _ in reqs:
+        hit = kv.lookup_prefix(tokens)
+        assert kv.allocate_slots(rid, len(tokens) - hit.num_tokens, tokens, prefix=hit)
+    next_id = running
+    decode_only: list[float] = []
+    with_admission: list[float] = []
+    admitted = 0
+    clock = time.perf_counter
+    for _ in range(steps):
+        for _, tokens, _ in reqs:  # the sampler's work, not timed
+            tokens.append(rng.randrange(32000))
+        finished: list[int] = []
+        t0 = clock()
+        for i, (rid, tokens, budget) in enumerate(reqs):
+            if len(tokens) - prompt >= budget:
+                kv.free(rid)
+                finished.append(i)
+            elif not kv.allocate_slots(rid, 1, tokens):
+                raise RuntimeError("the pool is sized so that decode never preempts")
+        spent = clock() - t0
+        fresh = []
+        for i in finished:
+            fresh.append((i, new_request(next_id)))
+            next_id += 1
+        t0 = clock()
+        for i, (rid, tokens, budget) in fresh:
+            hit = kv.lookup_prefix(tokens)
+            assert kv.allocate_slots(rid, len(tokens) - hit.num_tokens, tokens, prefix=hit)
+            reqs[i] = (rid, tokens, budget)
+        spent += clock() - t0
+        admitted += len(fresh)
+        (with_admission if fresh else decode_only).append(spent * 1e6)
+    kv.check_invariants()
+    return {
+        "running": running,
+        "steps": steps,
+        "decode_only_us_median": statistics.median(decode_only) if decode_only else None,
+        "decode_only_steps": len(decode_only),
+        "all_steps_us_mean": (sum(decode_only) + sum(with_admission)) / steps,
+        "with_admission_us_median": statistics.median(with_admission) if with_admission else None,
+        "admitted_per_step": admitted / steps,
+        "prefix_hit_rate": kv.stats.prefix_hit_rate,
+    }
+
+
+# ---- prefix lookup -----------------------------------------------------------------------
+def bench_lookup(tokens: int = 4096, repeat: int = 50) -> dict:
+    kv = KVCacheManager(tokens // BLOCK + 8, BLOCK)
+    prompt = list(range(tokens))
+    assert kv.allocate_slots("a", tokens, prompt, prefix=kv.lookup_prefix(prompt))
+    other = [t + 1 for t in prompt]
+
+    def timed(seq: list[int]) -> float:
+        samples = []
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            kv.lookup_prefix(seq)
+            samples.append(time.perf_counter() - t0)
+        return statistics.median(samples) * 1e6
+
+    hit_us = timed(prompt + [0])
+    miss_us = timed(other)
+    assert kv.lookup_prefix(prompt + [0]).num_tokens == tokens
+    return {"prompt_tokens": tokens, "all_cached_us": hit_us, "none_cached_us": miss_us}
+
+
+# ---- hand-over -----------------------------------------------------------------------------
+def _replica(num_blocks: int) -> tuple[KVCacheManager, list, KVConnector]:
+    kv = KVCacheManager(num_blocks, BLOCK)
+    caches = allocate_caches([SPEC] * LAYERS, num_blocks=num_blocks, block_size=BLOCK, dtype="bfloat16")
+    return kv, caches, KVConnector(kv, caches, model_id="bench")
+
+
+def serve(mib: int, copies: int) -> None:
+    """The sender process: one request of `mib` MiB, forked into `copies` offers."""
+    from meshserve.kvstore.zmq_transport import KVExportServer
+
+    blocks = mib * (1 << 20) // (LAYERS * BLOCK_BYTES)
+    kv, caches, conn = _replica(blocks + 1)
+    for c in caches:
+        raw = c.data.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))  # random, never zeros
+    tokens = list(range(blocks * BLOCK))
+    assert kv.allocate_slots("r", len(tokens), tokens)
+    server = KVExportServer(conn)
+    for i in range(copies):
+        kv.fork("r", f"r{i}")
+        server.offer(f"r{i}", ttl_s=600)
+    print(json.dumps({"address": server.address, "blocks": blocks}), flush=True)
+    while sys.stdin.readable():
+        server.poll(20)
+        if not server.num_pending:
+            break
+    server.close()
+
+
+def bench_handover(mib: int, repeat: int) -> dict:
+    from meshserve.kvstore.zmq_transport import pull_kv
+
+    proc = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--serve", str(mib), "--copies", str(repeat)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        info = json.loads(proc.stdout.readline())
+        kv, caches, conn = _replica(info["blocks"] + 1)
+        nbytes = info["blocks"] * LAYERS * BLOCK_BYTES
+        zmq_s = []
+        for i in range(repeat):
+            t0 = time.perf_counter()
+            pull_kv(conn, info["address"], f"r{i}", timeout_s=120)
+            zmq_s.append(time.perf_counter() - t0)
+            kv.free(f"r{i}")
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.fill_(1)  # fault the pages in, as the receiver's cache is
+    memcpy_s = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+        memcpy_s.append(time.perf_counter() - t0)
+    zmq_gbs = nbytes / statistics.median(zmq_s) / 1e9
+    memcpy_gbs = nbytes / statistics.median(memcpy_s) / 1e9
+    return {
+        "mib": nbytes / (1 << 20),
+        "zmq_gb_s_median": zmq_gbs,
+        "zmq_gb_s_best": nbytes / min(zmq_s) / 1e9,
+        "memcpy_gb_s_median": memcpy_gbs,
+        "ratio": zmq_gbs / memcpy_gbs,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=["bookkeeping", "lookup", "handover"])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--handover-mib", type=int, default=256)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    if args.serve:
+        serve(args.serve, args.copies)
+        return
+    out = {}
+    if args.only in (None, "bookkeeping"):
+        out["bookkeeping"] = bench_bookkeeping(args.steps)
+    if args.only in (None, "lookup"):
+        out["lookup"] = bench_lookup()
+    if args.only in (None, "handover"):
+        out["handover"] = bench_handover(args.handover_mib, args.repeat)
+    if args.json:
+        print(json.dumps(out))
+        return
+    for section, values in out.items():
+        print(f"[{section}]")
+        for key, value in values.items():
+            print(f"  {key:28s} {value:.2f}" if isinstance(value, float) else f"  {key:28s} {value}")
+
+
+if __name__ == "__main__":
+    main()
