@@ -58,12 +58,20 @@ def bench_bookkeeping(steps: int, running: int = 256, prompt: int = 512, seed: i
     next_id = running
     decode_only: list[float] = []
     with_admission: list[float] = []
+    cpu_decode_only: list[float] = []
+    loop_only: list[float] = []
     admitted = 0
-    clock = time.perf_counter
+    clock, cpu = time.perf_counter, time.thread_time
     for _ in range(steps):
         for _, tokens, _ in reqs:  # the sampler's work, not timed
             tokens.append(rng.randrange(32000))
         finished: list[int] = []
+        t0 = clock()  # the same loop without the manager: what the scheduler itself costs
+        for _i, (_rid, tokens, budget) in enumerate(reqs):
+            if len(tokens) - prompt >= budget or not tokens:
+                pass
+        loop_only.append((clock() - t0) * 1e6)
+        c0 = cpu()
         t0 = clock()
         for i, (rid, tokens, budget) in enumerate(reqs):
             if len(tokens) - prompt >= budget:
@@ -72,6 +80,7 @@ def bench_bookkeeping(steps: int, running: int = 256, prompt: int = 512, seed: i
             elif not kv.allocate_slots(rid, 1, tokens):
                 raise RuntimeError("the pool is sized so that decode never preempts")
         spent = clock() - t0
+        cpu_spent = cpu() - c0
         fresh = []
         for i in finished:
             fresh.append((i, new_request(next_id)))
@@ -84,11 +93,15 @@ def bench_bookkeeping(steps: int, running: int = 256, prompt: int = 512, seed: i
         spent += clock() - t0
         admitted += len(fresh)
         (with_admission if fresh else decode_only).append(spent * 1e6)
+        if not fresh:
+            cpu_decode_only.append(cpu_spent * 1e6)
     kv.check_invariants()
     return {
         "running": running,
         "steps": steps,
+        "loop_only_us_median": statistics.median(loop_only),
         "decode_only_us_median": statistics.median(decode_only) if decode_only else None,
+        "decode_only_cpu_us_median": statistics.median(cpu_decode_only) if cpu_decode_only else None,
         "decode_only_steps": len(decode_only),
         "all_steps_us_mean": (sum(decode_only) + sum(with_admission)) / steps,
         "with_admission_us_median": statistics.median(with_admission) if with_admission else None,
@@ -190,7 +203,9 @@ def bench_handover(mib: int, repeat: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--only", choices=["bookkeeping", "lookup", "handover"])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--handover-mib", type=int, default=256)

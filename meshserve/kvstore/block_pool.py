@@ -89,10 +89,18 @@ class BlockPool:
 
     def allocate(self, num: int) -> list[int]:
         """Hand out `num` blocks with ref count 1, all or none (OutOfBlocksError)."""
+        free, ref = self._free, self.ref_counts
+        if 0 <= num <= len(free):  # the common case: no eviction
+            out = free[len(free) - num :]
+            del free[len(free) - num :]
+            out.reverse()  # pop order: lowest id first
+            for block in out:
+                ref[block] = 1
+            self.stats.allocated += num
+            return out
         if not self.can_allocate(num):
             raise OutOfBlocksError(f"cannot allocate {num} blocks: {self.num_free_blocks} free")
-        out: list[int] = []
-        ref = self.ref_counts
+        out = []
         for _ in range(num):
             if self._free:
                 block = self._free.pop()

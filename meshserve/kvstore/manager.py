@@ -265,15 +265,28 @@ class KVCacheManager:
         extra_keys: for a new request without `prefix` (a prefix carries its own).
         """
         req = self._requests.get(request_id)
-        # Fast path, most decode steps: the tokens fit the last block, which no fork shares, and
-        # no block leaves the window. The limits are precomputed per request by _refresh.
-        if req is not None and prefix is None and num_new_tokens >= 0 and req.num_tokens < req.release_at:
-            total = req.num_tokens + num_new_tokens
-            if total <= req.fast_capacity:
-                req.num_tokens = total
-                if total >= req.hash_at:
-                    self._register_full_blocks(req, token_ids, total)
-                return True
+        # Fast path, every decode step and most chunks: no block leaves the window and the last
+        # block is not shared with a fork; new blocks are appended. Limits come from _refresh.
+        if req is not None and prefix is None:
+            n = req.num_tokens
+            total = n + num_new_tokens
+            if n < total and n < req.release_at:
+                capacity = req.fast_capacity
+                if total > capacity:
+                    tpb = self.tokens_per_block
+                    table = req.table
+                    if capacity == len(table) * tpb:  # else the shared partial block needs a copy
+                        missing = (total - capacity + tpb - 1) // tpb
+                        pool = self.pool
+                        if not pool.can_allocate(missing):
+                            return False
+                        table.extend(pool.allocate(missing))
+                        req.fast_capacity = capacity = capacity + missing * tpb
+                if total <= capacity:
+                    req.num_tokens = total
+                    if total >= req.hash_at:
+                        self._register_full_blocks(req, token_ids, total)
+                    return True
         if req is None:
             return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
         if prefix is not None:
