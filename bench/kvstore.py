@@ -135,10 +135,12 @@ def bench_lookup(tokens: int = 4096, repeat: int = 50) -> dict:
 def _replica(num_blocks: int) -> tuple[KVCacheManager, list, KVConnector]:
     kv = KVCacheManager(num_blocks, BLOCK)
     caches = allocate_caches([SPEC] * LAYERS, num_blocks=num_blocks, block_size=BLOCK, dtype="bfloat16")
+    for c in caches:
+        c.data.fill_(1.0)  # fault the pages in: a serving replica's cache is long since touched
     return kv, caches, KVConnector(kv, caches, model_id="bench")
 
 
-def serve(mib: int, copies: int) -> None:
+def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     """The sender process: one request of `mib` MiB, forked into `copies` offers."""
     from meshserve.kvstore.zmq_transport import KVExportServer
 
@@ -149,11 +151,13 @@ def serve(mib: int, copies: int) -> None:
         raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8))  # random, never zeros
     tokens = list(range(blocks * BLOCK))
     assert kv.allocate_slots("r", len(tokens), tokens)
-    server = KVExportServer(conn)
+    export_s = time.perf_counter()
+    server = KVExportServer(conn, address=address, max_frame_bytes=frame_bytes)
     for i in range(copies):
         kv.fork("r", f"r{i}")
         server.offer(f"r{i}", ttl_s=600)
-    print(json.dumps({"address": server.address, "blocks": blocks}), flush=True)
+    export_s = (time.perf_counter() - export_s) / copies  # pin + checksum, before any pull
+    print(json.dumps({"address": server.address, "blocks": blocks, "export_s": export_s}), flush=True)
     while sys.stdin.readable():
         server.poll(20)
         if not server.num_pending:
@@ -161,11 +165,22 @@ def serve(mib: int, copies: int) -> None:
     server.close()
 
 
-def bench_handover(mib: int, repeat: int) -> dict:
+def bench_handover(mib: int, repeat: int, address: str, frame_bytes: int) -> dict:
     from meshserve.kvstore.zmq_transport import pull_kv
 
     proc = subprocess.Popen(
-        [sys.executable, os.path.abspath(__file__), "--serve", str(mib), "--copies", str(repeat)],
+        [
+            sys.executable,
+            os.path.abspath(__file__),
+            "--serve",
+            str(mib),
+            "--copies",
+            str(repeat),
+            "--address",
+            address,
+            "--frame-kib",
+            str(frame_bytes >> 10),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -195,6 +210,9 @@ def bench_handover(mib: int, repeat: int) -> dict:
     memcpy_gbs = nbytes / statistics.median(memcpy_s) / 1e9
     return {
         "mib": nbytes / (1 << 20),
+        "address": info["address"],
+        "frame_kib": frame_bytes >> 10,
+        "sender_export_ms": info["export_s"] * 1e3,
         "zmq_gb_s_median": zmq_gbs,
         "zmq_gb_s_best": nbytes / min(zmq_s) / 1e9,
         "memcpy_gb_s_median": memcpy_gbs,
@@ -210,13 +228,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--handover-mib", type=int, default=256)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--address", default="tcp://127.0.0.1", help="zmq endpoint of the sender")
+    parser.add_argument("--frame-kib", type=int, default=1024, help="hand-over frame size")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.serve:
-        serve(args.serve, args.copies)
+        serve(args.serve, args.copies, args.address, args.frame_kib << 10)
         return
     out = {}
     if args.only in (None, "bookkeeping"):
@@ -224,7 +244,7 @@ def main() -> None:
     if args.only in (None, "lookup"):
         out["lookup"] = bench_lookup()
     if args.only in (None, "handover"):
-        out["handover"] = bench_handover(args.handover_mib, args.repeat)
+        out["handover"] = bench_handover(args.handover_mib, args.repeat, args.address, args.frame_kib << 10)
     if args.json:
         print(json.dumps(out))
         return

@@ -111,6 +111,7 @@ class BlockPool:
                 self.stats.evictions += 1
             ref[block] = 1
             out.append(block)
+        out.sort()  # ascending runs let a KV hand-over move many blocks per frame
         self.stats.allocated += num
         return out
 
