@@ -115,6 +115,21 @@ class BlockPool:
         self.stats.allocated += num
         return out
 
+    def allocate_one(self) -> int:
+        """`allocate(1)[0]`, the decode path's common case, without the list."""
+        if self._free:
+            block = self._free.pop()
+        elif self._cached:  # a full cache in steady state: evict the least recently used prefix
+            block, _ = self._cached.popitem(last=False)
+            del self._by_hash[self._hash[block]]
+            self._hash[block] = None
+            self.stats.evictions += 1
+        else:
+            raise OutOfBlocksError("cannot allocate 1 block: 0 free")
+        self.ref_counts[block] = 1
+        self.stats.allocated += 1
+        return block
+
     def touch(self, block_ids: Iterable[int]) -> None:
         """Add one reference to each block (a prefix hit or a fork); revives cached blocks."""
         ref = self.ref_counts

@@ -278,9 +278,12 @@ class KVCacheManager:
                     if capacity == len(table) * tpb:  # else the shared partial block needs a copy
                         missing = (total - capacity + tpb - 1) // tpb
                         pool = self.pool
-                        if not pool.can_allocate(missing):
+                        if missing == 1 and pool.num_free_blocks:
+                            table.append(pool.allocate_one())
+                        elif pool.can_allocate(missing):
+                            table.extend(pool.allocate(missing))
+                        else:
                             return False
-                        table.extend(pool.allocate(missing))
                         req.fast_capacity = capacity = capacity + missing * tpb
                 if total <= capacity:
                     req.num_tokens = total
@@ -302,6 +305,31 @@ class KVCacheManager:
             self._register_full_blocks(req, token_ids, req.num_tokens)
         self._refresh(req)
         return True
+
+    def append_slots(
+        self, request_ids: Sequence[RequestId], token_ids: Sequence[Sequence[int]], num_new_tokens: int = 1
+    ) -> int:
+        """`allocate_slots(id, num_new_tokens, tokens)` for running requests in order, stopping at
+        the first that cannot get its slots (it is left unchanged). Returns how many succeeded:
+        the scheduler preempts and calls again from there. The batch form of a decode step: one
+        call instead of one per request."""
+        requests = self._requests
+        done = 0
+        for rid, tokens in zip(request_ids, token_ids):
+            req = requests.get(rid)
+            if req is not None and num_new_tokens > 0:
+                n = req.num_tokens
+                total = n + num_new_tokens
+                if total <= req.fast_capacity and n < req.release_at:
+                    req.num_tokens = total
+                    if total >= req.hash_at:
+                        self._register_full_blocks(req, tokens, total)
+                    done += 1
+                    continue
+            if not self.allocate_slots(rid, num_new_tokens, tokens):
+                return done
+            done += 1
+        return done
 
     def _refresh(self, req: _Request) -> None:
         """Recompute the fast-path limits of a request after anything about it changed."""
@@ -422,15 +450,16 @@ class KVCacheManager:
         req.num_tokens = total
 
     def _register_full_blocks(self, req: _Request, token_ids: Sequence[int], upto: int) -> None:
+        """Offer the hashes of blocks filled up to `upto` tokens (as far as token_ids go)."""
         tpb = self.tokens_per_block
         full = min(upto, len(token_ids)) // tpb
-        hashes, table, pool = req.hashes, req.table, self.pool
+        hashes, table, cache_block = req.hashes, req.table, self.pool.cache_block
         for i in range(req.num_registered, full):
             if i == len(hashes):
                 parent = hashes[i - 1] if i else None
                 hashes.append(hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], req.extra))
             if table[i] != NULL_BLOCK:
-                pool.cache_block(table[i], hashes[i])
+                cache_block(table[i], hashes[i])
         if full > req.num_registered:
             req.num_registered = full
             req.hash_at = (full + 1) * tpb
@@ -462,7 +491,7 @@ class KVCacheManager:
         child = _Request(
             list(parent.table),
             parent.num_tokens,
-            list(parent.hashes),
+            parent.hashes[: parent.num_registered],  # hashes past that were for the parent's tokens
             parent.extra_keys,
             parent.extra,
             parent.first_held,
