@@ -22,7 +22,7 @@ run: $(STAMP)
 	$(BIN)/meshserve backends
 
 test: $(STAMP)
-	$(BIN)/ruff check meshserve tests bench
+	$(BIN)/ruff check meshserve tests $(wildcard bench scripts)
 	$(BIN)/python -m pytest -q -p no:cacheprovider tests
 
 docs: $(STAMP)

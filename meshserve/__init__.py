@@ -1,0 +1,31 @@
+"""meshserve: distributed LLM inference. `from meshserve import LLM, SamplingParams`.
+
+The public names load lazily, so `import meshserve.errors` (the CLI, the config) stays light.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+_PUBLIC = {
+    "LLM": "meshserve.engine",
+    "SamplingParams": "meshserve.workers.sampling_params",
+    "RequestOutput": "meshserve.cluster.outputs",
+    "CompletionDelta": "meshserve.cluster.outputs",
+}
+
+if TYPE_CHECKING:
+    from meshserve.cluster.outputs import CompletionDelta, RequestOutput
+    from meshserve.engine import LLM
+    from meshserve.workers.sampling_params import SamplingParams
+
+
+def __getattr__(name: str):
+    if name in _PUBLIC:
+        import importlib
+
+        return getattr(importlib.import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'meshserve' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionDelta"]

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+from typing import TypeVar
+
+E = TypeVar("E", bound=StrEnum)
+
 
 class MeshserveError(Exception):
     """Base class of every error meshserve raises on purpose."""
@@ -28,3 +33,33 @@ def check(condition: bool, field: str, value: object, allowed: str) -> None:
     """Raise ConfigError(field, value, allowed) unless `condition` holds."""
     if not condition:
         raise ConfigError(field, value, allowed)
+
+
+def as_enum(enum: type[E], field: str, value: object) -> E:
+    """`value` as a member of `enum`, or ConfigError listing the allowed values."""
+    if isinstance(value, enum):
+        return value
+    try:
+        return enum(str(value).lower())
+    except ValueError:
+        raise ConfigError(field, value, f"one of {[m.value for m in enum]}") from None
+
+
+class QueueFullError(MeshserveError):
+    """Admission control refused a request: the pool's waiting queue is full (RESOURCE_EXHAUSTED)."""
+
+
+class CapacityError(MeshserveError):
+    """A request can never fit: its prompt plus max_tokens exceeds the KV capacity (RESOURCE_EXHAUSTED)."""
+
+
+class UnavailableError(MeshserveError):
+    """No healthy replica can take the request right now (UNAVAILABLE)."""
+
+
+class ReplicaFailedError(MeshserveError):
+    """The replica serving a request died; the message names the cause (UNAVAILABLE)."""
+
+
+class NotFoundError(MeshserveError):
+    """An unknown model name or request id (NOT_FOUND)."""

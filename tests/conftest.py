@@ -10,3 +10,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# The suite's tensors are tiny and the CI machine has 2 shared cores: a second intra-op thread
+# buys nothing, and when the cores are busy its spin-waits made engine tests ~7x slower.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)

@@ -36,6 +36,7 @@ class AttentionProblem:
     device: str = "cpu"  # "cpu" or "cuda"
     compute_capability: tuple[int, int] | None = None  # (major, minor) on CUDA
     needs_lse: bool = False  # DCP needs (o, lse) from every layer
+    dcp_size: int = 1  # > 1: the cache holds every dcp_size-th token (see AttentionMetadata)
 
     @property
     def is_naive_layout(self) -> bool:
@@ -68,6 +69,7 @@ class BackendCapabilities:
     max_compute_capability: tuple[int, int] | None = None
     required_packages: tuple[str, ...] = ()
     cuda_graphs: bool = False
+    dcp: bool = False  # reads DCP-sharded caches with global positions (metadata.dcp_size/dcp_rank)
     notes: str = ""
 
     def reasons(self, problem: AttentionProblem) -> list[str]:
@@ -107,8 +109,11 @@ class BackendCapabilities:
             (spec.use_alibi, self.alibi, "ALiBi"),
             (spec.logits_soft_cap is not None, self.soft_cap, "logit soft-cap"),
             (spec.mla is not None, self.mla, "multi-head latent attention"),
-            (problem.needs_lse, self.returns_lse, "returning the LSE (needed by DCP)"),
+            (problem.needs_lse or problem.dcp_size > 1, self.returns_lse, "returning the LSE (needed by DCP)"),
+            (problem.dcp_size > 1, self.dcp, "DCP-sharded KV cache"),
         ]
+        if problem.dcp_size > 1 and spec.attn_type is not AttentionType.DECODER:
+            out.append(f"DCP applies to decoder attention only, not '{spec.attn_type}'")
         out += [f"{name} not supported" for wanted, has, name in features if wanted and not has]
         return out
 

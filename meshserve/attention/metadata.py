@@ -32,6 +32,11 @@ class AttentionMetadata:
       block_size: tokens per block of the cache these tables index
     Host copies of the lengths (`query_lens_host`, `seq_lens_host`) are kept for backends
     whose planning happens on the host.
+    Decode context parallelism (dcp_size > 1): seq_lens, context_lens and query positions stay
+    global; only storage is sharded. The token at global position p lives on DCP rank
+    p % dcp_size at local position p // dcp_size, so block_table rows index local storage and
+    slot_mapping is -1 for new tokens that belong to another rank. Learned sink logits join
+    the softmax on DCP rank 0 only, so the LSE merge counts them once.
     Cross-attention layers read the encoder side instead of seq_lens/block_table:
       encoder_seq_lens_host  per sequence, the number of cached encoder tokens
       encoder_block_table    [S, max_encoder_blocks] int32
@@ -52,6 +57,12 @@ class AttentionMetadata:
     seq_lens_host: tuple[int, ...]
     encoder_seq_lens_host: tuple[int, ...] | None = None
     encoder_block_table: torch.Tensor | None = None
+    dcp_size: int = 1
+    dcp_rank: int = 0
+
+    def local_len(self, seq_len: int) -> int:
+        """How many of a sequence's first `seq_len` tokens this DCP rank stores."""
+        return (seq_len - self.dcp_rank + self.dcp_size - 1) // self.dcp_size
 
     @property
     def num_seqs(self) -> int:
@@ -77,6 +88,8 @@ class AttentionMetadata:
         write_kv: bool = True,
         encoder_seq_lens: Sequence[int] | None = None,
         encoder_block_tables: Sequence[Sequence[int]] | None = None,
+        dcp_size: int = 1,
+        dcp_rank: int = 0,
     ) -> AttentionMetadata:
         """Build metadata from host lists; slot_mapping follows the block tables.
 
@@ -92,16 +105,18 @@ class AttentionMetadata:
             f"one row per sequence ({num_seqs})",
         )
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
+        check(dcp_size >= 1, "dcp_size", dcp_size, "an integer >= 1")
+        check(0 <= dcp_rank < dcp_size, "dcp_rank", dcp_rank, f"an integer in [0, {dcp_size - 1}]")
         is_decode = []
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             check(q >= 1, f"query_lens[{i}]", q, "an integer >= 1")
             check(s >= q, f"seq_lens[{i}]", s, f"an integer >= query_lens[{i}]={q}")
-            needed = -(-s // block_size)
+            needed = -(-((s - dcp_rank + dcp_size - 1) // dcp_size) // block_size)
             check(
                 len(block_tables[i]) >= needed,
                 f"block_tables[{i}]",
                 len(block_tables[i]),
-                f">= {needed} blocks for seq_len {s} at block_size {block_size}",
+                f">= {needed} blocks for seq_len {s} at block_size {block_size} (dcp {dcp_rank}/{dcp_size})",
             )
             is_decode.append(q == 1 and s > 1)
         num_prefills = next((i for i, d in enumerate(is_decode) if d), num_seqs)
@@ -126,8 +141,9 @@ class AttentionMetadata:
         slots: list[int] = []
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             for pos in range(s - q, s):
-                if write_kv:
-                    slots.append(block_tables[i][pos // block_size] * block_size + pos % block_size)
+                if write_kv and pos % dcp_size == dcp_rank:
+                    local = pos // dcp_size
+                    slots.append(block_tables[i][local // block_size] * block_size + local % block_size)
                 else:
                     slots.append(-1)
         qsl = [0]
@@ -151,6 +167,8 @@ class AttentionMetadata:
             seq_lens_host=tuple(seq_lens),
             encoder_seq_lens_host=None if encoder_seq_lens is None else tuple(encoder_seq_lens),
             encoder_block_table=encoder_table,
+            dcp_size=dcp_size,
+            dcp_rank=dcp_rank,
         )
 
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from meshserve.errors import check
+from meshserve.errors import as_enum, check
 
 
 class AttentionType(StrEnum):
@@ -76,6 +76,8 @@ class AttentionSpec:
     mla: MLADims | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "attn_type", as_enum(AttentionType, "attn_type", self.attn_type))
+        object.__setattr__(self, "kv_cache_dtype", as_enum(KVCacheDtype, "kv_cache_dtype", self.kv_cache_dtype))
         check(self.num_heads >= 1, "num_heads", self.num_heads, "an integer >= 1")
         check(self.num_kv_heads >= 1, "num_kv_heads", self.num_kv_heads, "an integer >= 1")
         check(

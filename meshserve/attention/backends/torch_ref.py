@@ -63,11 +63,15 @@ def attend(
     q_pos: torch.Tensor,
     k_pos: torch.Tensor,
     layer: LayerParams,
+    *,
+    with_sinks: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of one sequence in float32.
 
     q: [Lq, H, D], k: [Lk, Hkv, D], v: [Lk, Hkv, Dv]. Returns o [Lq, H, Dv], lse [Lq, H].
+    with_sinks=False leaves learned sinks out (DCP ranks other than 0).
     """
+    use_sinks = spec.has_sinks and with_sinks
     group = spec.num_queries_per_kv
     k = k.repeat_interleave(group, dim=1)  # [Lk, H, D]
     v = v.repeat_interleave(group, dim=1)
@@ -80,13 +84,13 @@ def attend(
         scores = scores + layer.alibi_slopes.float()[:, None, None] * rel
     mask = visibility_mask(spec, q_pos, k_pos)
     scores = scores.masked_fill(~mask, float("-inf"))
-    if spec.has_sinks:
+    if use_sinks:
         sink = layer.sinks.float()[:, None, None].expand(-1, scores.shape[1], 1)
         scores = torch.cat([scores, sink], dim=-1)  # the sink joins the denominator only
     lse = torch.logsumexp(scores, dim=-1)  # [H, Lq]; -inf where nothing is visible
     probs = torch.exp(scores - lse[..., None].clamp(min=torch.finfo(torch.float32).min))
     probs = torch.nan_to_num(probs, nan=0.0)
-    if spec.has_sinks:
+    if use_sinks:
         probs = probs[..., :-1]
     o = torch.einsum("hqk,khd->qhd", probs, v.float())
     return o, lse.transpose(0, 1).contiguous()
@@ -112,6 +116,7 @@ class TorchBackend(AttentionBackend):
         soft_cap=True,
         mla=False,
         returns_lse=True,
+        dcp=True,
         devices=frozenset({"cpu", "cuda"}),
         notes="reference: one sequence at a time, float32 math; the oracle for every test",
     )
@@ -155,13 +160,15 @@ class TorchBackend(AttentionBackend):
             if spec.attn_type is AttentionType.CROSS:
                 k, v = gather_kv(kv_cache, meta.encoder_block_table[s], meta.encoder_seq_lens_host[s])
             elif spec.uses_kv_cache:
-                k, v = gather_kv(kv_cache, meta.block_table[s], seq_len)
+                k, v = gather_kv(kv_cache, meta.block_table[s], meta.local_len(seq_len))
             else:
                 k, v = key[q0:q1].float(), value[q0:q1].float()
             device = query.device
             q_pos = torch.arange(context_len, seq_len, device=device)
-            k_pos = torch.arange(k.shape[0], device=device)
-            out[q0:q1], lse[q0:q1] = attend(spec, query[q0:q1], k, v, q_pos, k_pos, layer)
+            # Under DCP this rank holds every dcp_size-th token, starting at dcp_rank.
+            k_pos = torch.arange(k.shape[0], device=device) * meta.dcp_size + meta.dcp_rank
+            out[q0:q1], lse[q0:q1] = attend(spec, query[q0:q1], k, v, q_pos, k_pos, layer,
+                                            with_sinks=meta.dcp_rank == 0)
         out = out.to(query.dtype)
         return (out, lse) if return_lse else out
 

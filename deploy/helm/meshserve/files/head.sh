@@ -1,0 +1,63 @@
+#!/bin/bash
+# meshserve head pod: start the Ray head daemons, then run `meshserve serve` in the foreground.
+# Every setting arrives as environment from the chart's ConfigMap and the pod spec; an empty
+# optional variable leaves its flag out so that the server's own default applies.
+# Every variable not set here comes from the pod environment (ConfigMap envFrom and env).
+# shellcheck disable=SC2154
+set -euo pipefail
+ulimit -n 65536 2>/dev/null || true
+
+if [[ -n "${KUBERAY_GEN_RAY_START_CMD:-}" ]]; then
+  # KubeRay mode: the operator built `ray start --head ...` from rayStartParams. It ends in
+  # --block; dropping that lets the daemons detach so the gRPC server is the main process.
+  eval "${KUBERAY_GEN_RAY_START_CMD//--block/}"
+else
+  dashboard=(--include-dashboard=false)
+  if [[ "${RAY_DASHBOARD}" == "true" ]]; then
+    dashboard=(--include-dashboard=true --dashboard-host=0.0.0.0)
+  fi
+  ray start --head \
+    --node-ip-address="${POD_IP}" \
+    --port="${RAY_PORT}" \
+    --node-manager-port="${RAY_NODE_MANAGER_PORT}" \
+    --object-manager-port="${RAY_OBJECT_MANAGER_PORT}" \
+    --num-cpus="${RAY_NUM_CPUS}" \
+    --num-gpus=0 \
+    "${dashboard[@]}" \
+    --disable-usage-stats
+fi
+
+args=(serve
+  --host 0.0.0.0
+  --port "${MESHSERVE_PORT}"
+  --metrics-port "${MESHSERVE_METRICS_PORT}"
+  --ray-address "${POD_IP}:${RAY_PORT}"
+  --dtype "${MESHSERVE_DTYPE}"
+  --tp "${MESHSERVE_TP}"
+  --dcp "${MESHSERVE_DCP}"
+  --pools "${MESHSERVE_POOLS}")
+if [[ "${MESHSERVE_POOLS}" == "unified" ]]; then
+  args+=(--replicas "${MESHSERVE_REPLICAS}")
+else
+  args+=(--prefill-replicas "${MESHSERVE_PREFILL_REPLICAS}" --decode-replicas "${MESHSERVE_DECODE_REPLICAS}")
+fi
+
+# optional FLAG VALUE: add the flag only when the value is set.
+optional() {
+  if [[ -n "$2" ]]; then args+=("$1" "$2"); fi
+}
+optional --model "${MESHSERVE_MODEL:-}"
+optional --attention-backend "${MESHSERVE_ATTENTION_BACKEND:-}"
+optional --block-size "${MESHSERVE_BLOCK_SIZE:-}"
+optional --max-model-len "${MESHSERVE_MAX_MODEL_LEN:-}"
+optional --max-queue "${MESHSERVE_MAX_QUEUE:-}"
+optional --tls-cert "${MESHSERVE_TLS_CERT:-}"
+optional --tls-key "${MESHSERVE_TLS_KEY:-}"
+optional --auth-token-file "${MESHSERVE_AUTH_TOKEN_FILE:-}"
+if [[ -n "${MESHSERVE_EXTRA_ARGS:-}" ]]; then
+  read -r -a extra <<< "${MESHSERVE_EXTRA_ARGS}"
+  args+=("${extra[@]}")
+fi
+
+echo "meshserve head: meshserve ${args[*]}" >&2
+exec meshserve "${args[@]}"

@@ -1,0 +1,92 @@
+"""The backend feature table, generated from the registry's declared capabilities.
+
+`python -m meshserve.attention.docs --write docs/attention-backends.md` refreshes the generated
+block of that page; a test fails when the page is stale. The CLI prints the same table.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from meshserve.attention.backend import BackendCapabilities
+from meshserve.attention.registry import BACKENDS, PRIORITIES, load_backend
+
+BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
+
+
+def _yes(flag: bool) -> str:
+    return "yes" if flag else "-"
+
+
+def _rows(caps: BackendCapabilities) -> dict[str, str]:
+    layouts = [name for name, ok in (("paged", caps.paged_layout), ("naive", caps.naive_layout)) if ok]
+    cc = "-"
+    if caps.min_compute_capability or caps.max_compute_capability:
+        lo = ".".join(map(str, caps.min_compute_capability or (0, 0)))
+        hi = ".".join(map(str, caps.max_compute_capability)) if caps.max_compute_capability else "+"
+        cc = f"{lo}..{hi}" if hi != "+" else f">= {lo}"
+    head = f"{caps.min_head_size}..{caps.max_head_size}"
+    if caps.head_size_multiple > 1:
+        head += f" (x{caps.head_size_multiple})"
+    return {
+        "devices": ", ".join(sorted(caps.devices)),
+        "compute capability": cc,
+        "dtypes": ", ".join(sorted(caps.dtypes)),
+        "KV cache dtypes": ", ".join(sorted(str(d) for d in caps.kv_cache_dtypes)),
+        "layouts": ", ".join(layouts),
+        "paged block sizes": f"{caps.min_block_size}..{caps.max_block_size}" if caps.paged_layout else "-",
+        "head sizes": head,
+        "attention types": ", ".join(sorted(str(t) for t in caps.attention_types)),
+        "sliding window": _yes(caps.sliding_window),
+        "learned sinks": _yes(caps.learned_sinks),
+        "StreamingLLM sink tokens": _yes(caps.sink_tokens),
+        "ALiBi": _yes(caps.alibi),
+        "logit soft-cap": _yes(caps.soft_cap),
+        "MLA": _yes(caps.mla),
+        "returns LSE": _yes(caps.returns_lse),
+        "DCP-sharded cache": _yes(caps.dcp),
+        "CUDA graphs": _yes(caps.cuda_graphs),
+        "required packages": ", ".join(caps.required_packages) or "-",
+        "notes": caps.notes or "-",
+    }
+
+
+def feature_table() -> str:
+    """Markdown: one column per registered backend, one row per capability."""
+    columns: dict[str, dict[str, str]] = {}
+    for name in BACKENDS:
+        try:
+            columns[name] = _rows(load_backend(name).capabilities)
+        except ImportError as exc:
+            columns[name] = {"notes": f"cannot be imported here: {exc}"}
+    features = list(next(iter(c for c in columns.values() if len(c) > 1)).keys())
+    lines = ["| feature | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    for feature in features:
+        lines.append(f"| {feature} | " + " | ".join(c.get(feature, "?") for c in columns.values()) + " |")
+    lines += ["", "Priority (automatic selection takes the first valid backend):", ""]
+    lines += [f"- `{platform}`: {' > '.join(order)}" for platform, order in PRIORITIES.items()]
+    return "\n".join(lines)
+
+
+def render_page(page: str) -> str:
+    """`page` with its generated block replaced by the current table."""
+    if BEGIN not in page or END not in page:
+        raise ValueError(f"page lacks the markers {BEGIN} ... {END}")
+    head, _, rest = page.partition(BEGIN)
+    _, _, tail = rest.partition(END)
+    return f"{head}{BEGIN}\n{feature_table()}\n{END}{tail}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--write", type=Path, help="refresh the generated block of this markdown page")
+    args = parser.parse_args()
+    if args.write is None:
+        print(feature_table())
+        return
+    args.write.write_text(render_page(args.write.read_text()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""`meshserve backends | generate | serve | bench | client` — the command-line boundary.
+
+Strings become enums and configs here; every subcommand is a small function.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from meshserve.errors import MeshserveError
+
+
+def _add_layer_flags(p: argparse.ArgumentParser) -> None:
+    from meshserve.attention.spec import AttentionType, KVCacheDtype
+
+    g = p.add_argument_group("the attention layer to choose a backend for")
+    g.add_argument("--num-heads", type=int, default=32)
+    g.add_argument("--num-kv-heads", type=int, default=8)
+    g.add_argument("--head-size", type=int, default=128)
+    g.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
+    g.add_argument("--sliding-window", type=int, default=None)
+    g.add_argument("--sinks", action="store_true", help="learned per-head sink logits (GPT-OSS)")
+    g.add_argument("--sink-tokens", type=int, default=0, help="StreamingLLM sink tokens kept with the window")
+    g.add_argument("--alibi", action="store_true")
+    g.add_argument("--soft-cap", type=float, default=None)
+    g.add_argument("--needs-lse", action="store_true", help="the layer runs under DCP")
+    g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: this machine")
+    g.add_argument("--attention-backend", default=None, help="validate this backend instead of choosing")
+    p.add_argument("--quiet", action="store_true", help="only the selection, not the feature table")
+
+
+def cmd_backends(args: argparse.Namespace) -> int:
+    import torch
+
+    from meshserve.attention.backend import AttentionProblem
+    from meshserve.attention.docs import feature_table
+    from meshserve.attention.registry import explain, platform_of, select_backend
+    from meshserve.attention.spec import AttentionSpec
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cc = torch.cuda.get_device_capability() if device == "cuda" and torch.cuda.is_available() else None
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    spec = AttentionSpec(
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+        attn_type=args.attn_type, sliding_window=args.sliding_window, has_sinks=args.sinks,
+        num_sink_tokens=args.sink_tokens, use_alibi=args.alibi, logits_soft_cap=args.soft_cap,
+        kv_cache_dtype=args.kv_cache_dtype,
+    )
+    problem = AttentionProblem(spec=spec, dtype=dtype, block_size=args.block_size,
+                               max_model_len=args.max_model_len, device=device, compute_capability=cc,
+                               needs_lse=args.needs_lse)
+    if not args.quiet:
+        print(feature_table())
+    where = f"{device}" + (f" sm{cc[0]}{cc[1]}" if cc else "")
+    print(f"\nThis machine: {where} (priority list '{platform_of(problem)}'), dtype {dtype}, "
+          f"block_size {args.block_size}, max_model_len {args.max_model_len}")
+    for verdict in explain(problem):
+        print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
+    chosen = select_backend(problem, args.attention_backend)
+    print(f"Selected: {chosen.name}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="meshserve", description="Distributed LLM inference runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("backends", help="attention backend feature table and selection for this machine")
+    _add_layer_flags(p)
+    p.set_defaults(func=cmd_backends)
+    from meshserve.engine import add_generate_parser
+
+    add_generate_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except MeshserveError as exc:
+        print(f"meshserve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

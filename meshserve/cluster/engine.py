@@ -1,0 +1,176 @@
+"""One replica in one process: scheduler + executor + detokenizer. `step()` = schedule, run, postprocess.
+
+The executor is how step plans reach the workers. Here it is in-process (a method call on one
+Worker); the plan still goes through msgpack so that the path is the one remote workers use.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from meshserve.cluster.detokenizer import IncrementalDetokenizer
+from meshserve.cluster.outputs import CompletionDelta, RequestOutput
+from meshserve.cluster.request import FinishReason, Request
+from meshserve.cluster.scheduler import Scheduler
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.errors import check
+from meshserve.kvstore.manager import KVCacheManager
+from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.workers.checkpoint import load_tokenizer
+from meshserve.workers.sampling_params import SamplingParams
+from meshserve.workers.step import StepOutput, StepPlan
+from meshserve.workers.worker import Worker, WorkerInfo
+
+log = logging.getLogger("meshserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The settings one replica reads, each validated by its own dataclass."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+
+class InProcessExecutor:
+    """Runs the single worker of a tp=1 replica in this process."""
+
+    def __init__(self, config: EngineConfig, *, device: str | None = None, progress: bool = True) -> None:
+        check(config.parallel.tp == 1, "tp", config.parallel.tp, "1 for the in-process executor")
+        self.worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=0,
+                             device=device, progress=progress)
+
+    def start(self) -> WorkerInfo:
+        return self.worker.start()
+
+    def execute_step(self, plan: StepPlan) -> StepOutput:
+        return StepOutput.from_msgpack(self.worker.execute_step(plan.to_msgpack()))
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+
+
+@dataclass
+class _Tracked:
+    """Output-side state of one request."""
+
+    request: Request
+    detok: IncrementalDetokenizer | None
+    num_sent_tokens: int = 0
+    text: str = ""
+
+
+class EngineCore:
+    """Add requests, call `step()` until `has_unfinished()` is False; each step returns deltas."""
+
+    def __init__(self, config: EngineConfig, *, executor=None, kv: KVCacheManager | None = None,
+                 device: str | None = None, progress: bool = True) -> None:
+        self.config = config
+        self.executor = executor or InProcessExecutor(config, device=device, progress=progress)
+        self.info = self.executor.start()
+        self.tokenizer = load_tokenizer(config.model.model)
+        retention = RetentionPolicy(self.info.sliding_window, self.info.num_sink_tokens)
+        self.kv = kv or KVCacheManager(self.info.num_kv_blocks, self.info.block_size, retention=retention,
+                                       enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
+                                   eos_token_ids=self.info.eos_token_ids)
+        self._tracked: dict[str, _Tracked] = {}
+        self._arrivals = itertools.count()
+        self._ids = itertools.count()
+
+    # -- requests --------------------------------------------------------------------------
+
+    def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                     request_id: str | None = None) -> Request:
+        """Tokenize and validate; nothing is queued (errors leave no state behind)."""
+        params = params or SamplingParams()
+        check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
+        params.check_vocab(self.info.vocab_size)
+        if isinstance(prompt, str):
+            check(self.tokenizer is not None, "prompt", "text",
+                  "token ids: the checkpoint has no tokenizer.json to encode text")
+            text, ids = prompt, self.tokenizer.encode(prompt).ids
+        else:
+            text, ids = None, [int(t) for t in prompt]
+            vocab = self.info.vocab_size
+            bad = [t for t in ids if not 0 <= t < vocab]
+            check(not bad, "prompt", bad[:5], f"token ids in [0, {vocab})")
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        req = Request(rid, ids, params, arrival=next(self._arrivals), prompt=text)
+        self.scheduler.check_request(req)
+        return req
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+        detok = None
+        if self.tokenizer is not None:
+            p = request.params
+            detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, stop=p.stop,
+                                           skip_special_tokens=p.skip_special_tokens,
+                                           include_stop_str_in_output=p.include_stop_str_in_output)
+        self._tracked[request.request_id] = _Tracked(request, detok)
+
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
+                    request_id: str | None = None) -> Request:
+        req = self.make_request(prompt, params, request_id=request_id)
+        self.add(req)
+        return req
+
+    def abort(self, request_id: str) -> CompletionDelta | None:
+        req = self.scheduler.abort(request_id)
+        if req is None:
+            return None
+        self._tracked.pop(request_id, None)
+        return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # -- stepping --------------------------------------------------------------------------
+
+    def step(self) -> list[CompletionDelta]:
+        step = self.scheduler.schedule()
+        if step.is_empty:
+            return []
+        output = self.executor.execute_step(step.plan)
+        return [self._delta(req) for req in self.scheduler.update(step, output)]
+
+    def _delta(self, req: Request) -> CompletionDelta:
+        tracked = self._tracked[req.request_id]
+        new_tokens = req.output_ids[tracked.num_sent_tokens:]
+        new_logprobs = req.output_logprobs[tracked.num_sent_tokens:]
+        tracked.num_sent_tokens = len(req.output_ids)
+        text = ""
+        if tracked.detok is not None:
+            detok = tracked.detok
+            # EOS and stop token ids end the output; their text is not part of it.
+            ends_on_token = req.is_finished and req.finish_reason is FinishReason.STOP
+            detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
+            if detok.stopped_on is not None and not req.is_finished:
+                self.scheduler.finish(req, FinishReason.STOP, detok.stopped_on)
+            if req.is_finished:
+                detok.flush()
+            text = detok.take(final=req.is_finished)
+            tracked.text += text
+        if req.is_finished:
+            del self._tracked[req.request_id]
+        return CompletionDelta(req.request_id, new_tokens, text, req.is_finished, req.finish_reason,
+                               req.stop_reason, new_logprobs)
+
+    def output_of(self, req: Request, text: str) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids), text=text, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()

@@ -1,0 +1,65 @@
+"""A request's life inside one replica: tokens known, tokens computed, status, why it finished."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from meshserve.workers.sampler import TokenLogprobs
+from meshserve.workers.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; never run, or preempted (its KV freed, recomputed when resumed)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state. `num_computed_tokens` of `all_token_ids` have their K/V in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order: lower = older (FCFS)
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason

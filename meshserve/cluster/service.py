@@ -1,0 +1,70 @@
+"""The serving protocol: what the API layer (gRPC, Python embedding) calls on the cluster.
+
+`Coordinator` (replica pools, unified or disaggregated) implements it; so does `LocalService`
+(one in-process engine), which embeds meshserve in a program without Ray.
+
+Conventions (Ray LLM style): bad input raises ConfigError before anything is queued (nothing
+is left behind); capacity and admission refusals raise CapacityError / QueueFullError; no
+healthy replica raises UnavailableError; a replica dying under a request ends its stream with
+ReplicaFailedError. Every other outcome arrives as deltas: the last one has finished=True and
+a finish_reason (stop, length, abort). Leaving a stream early aborts the request and frees its
+KV blocks at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from meshserve.cluster.outputs import CompletionDelta
+from meshserve.workers.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ModelCard:
+    name: str
+    max_model_len: int
+    vocab_size: int
+    task: str = "generate"  # "generate" or "embed"
+
+
+@dataclass(frozen=True)
+class ServiceHealth:
+    serving: bool  # at least one healthy replica in every pool a request needs
+    healthy_replicas: int
+    total_replicas: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ServiceStats:
+    """A snapshot for metrics; counters are totals since start."""
+
+    num_waiting: int
+    num_running: int
+    kv_usage: float  # fraction of KV blocks in use, over all replicas
+    num_free_kv_blocks: int
+    prefix_hit_tokens: int
+    prompt_tokens: int
+    num_preemptions: int
+    generated_tokens: int
+
+
+class InferenceService(Protocol):
+    def models(self) -> list[ModelCard]: ...
+
+    def tokenize(self, text: str) -> list[int]: ...
+
+    def detokenize(self, token_ids: Sequence[int]) -> str: ...
+
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams, *,
+                 request_id: str) -> AsyncIterator[CompletionDelta]: ...
+
+    async def abort(self, request_id: str) -> bool: ...
+
+    def health(self) -> ServiceHealth: ...
+
+    def stats(self) -> ServiceStats: ...
+
+    async def shutdown(self, *, drain: bool = True) -> None: ...

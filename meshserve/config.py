@@ -1,0 +1,160 @@
+"""Every user-facing setting, as frozen dataclasses validated in one place.
+
+Strings become enums here, once, at the boundary. A bad value raises ConfigError naming the
+field, the value and what is allowed. Each subpackage reads only the config it needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+from pathlib import Path
+
+from meshserve.attention.spec import KVCacheDtype
+from meshserve.errors import as_enum, check
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"  # the checkpoint's torch_dtype (float32 on CPU when it is half precision)
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
+class PoolMode(StrEnum):
+    UNIFIED = "unified"
+    DISAGGREGATED = "disaggregated"
+
+
+class DcpComm(StrEnum):
+    AG_RS = "ag_rs"  # all-gather LSE, rescale, reduce-scatter outputs
+    A2A = "a2a"  # all-to-all outputs and LSEs, then a local merge
+
+
+def _positive(name: str, value: int, *, upper: int | None = None) -> None:
+    allowed = "an integer >= 1" if upper is None else f"an integer in [1, {upper}]"
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
+    check(ok and (upper is None or value <= upper), name, value, allowed)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = field(default=None, metadata={"help": "HF checkpoint directory; None = bundled demo"})
+    dtype: Dtype = Dtype.AUTO
+    max_model_len: int | None = field(default=None, metadata={"help": "None = the model's own limit"})
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))
+        if self.model is not None:
+            check(Path(self.model).is_dir(), "model", self.model, "an existing checkpoint directory")
+        if self.max_model_len is not None:
+            _positive("max_model_len", self.max_model_len, upper=1 << 22)
+        check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
+    num_kv_blocks: int | None = field(default=None, metadata={"help": "fixed block count; overrides memory"})
+    kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV budget per rank in bytes"})
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kv_cache_dtype", as_enum(KVCacheDtype, "kv_cache_dtype", self.kv_cache_dtype))
+        bs = self.block_size
+        check(
+            isinstance(bs, int) and 1 <= bs <= 1 << 20 and bs & (bs - 1) == 0,
+            "block_size",
+            bs,
+            "a power of two (16..256 for paged backends; == max_model_len for the naive layout)",
+        )
+        if self.num_kv_blocks is not None:
+            _positive("num_kv_blocks", self.num_kv_blocks)
+        if self.kv_cache_memory_bytes is not None:
+            _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    backend: str | None = field(default=None, metadata={"help": "TORCH, TRITON, FLASHINFER; None = automatic"})
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            from meshserve.attention.registry import BACKENDS
+
+            name = str(self.backend).upper()
+            check(name in BACKENDS, "attention_backend", self.backend, f"one of {sorted(BACKENDS)} or None")
+            object.__setattr__(self, "backend", name)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tp: int = 1
+    dcp: int = 1
+    dcp_comm: DcpComm = DcpComm.AG_RS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dcp_comm", as_enum(DcpComm, "dcp_comm", self.dcp_comm))
+        _positive("tp", self.tp, upper=1024)
+        _positive("dcp", self.dcp, upper=1024)
+        divisors = [d for d in range(1, self.tp + 1) if self.tp % d == 0]
+        check(self.tp % self.dcp == 0, "dcp", self.dcp, f"a divisor of tp={self.tp}: one of {divisors}")
+
+    def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
+        """Refuse head counts this layout cannot split, saying which tp values would work."""
+        ok_tp = [t for t in range(1, num_heads + 1) if num_heads % t == 0
+                 and (num_kv_heads % t == 0 or t % num_kv_heads == 0)]
+        check(self.tp in ok_tp, "tp", self.tp,
+              f"one of {ok_tp} for num_heads={num_heads}, num_kv_heads={num_kv_heads}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    enable_chunked_prefill: bool = True
+    max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
+
+    def __post_init__(self) -> None:
+        _positive("max_num_seqs", self.max_num_seqs, upper=1 << 16)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 24)
+        _positive("max_queue", self.max_queue, upper=1 << 24)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    mode: PoolMode = PoolMode.UNIFIED
+    replicas: int = 1
+    prefill_replicas: int = 1
+    decode_replicas: int = 1
+    ray_address: str | None = field(default=None, metadata={"help": "join this Ray cluster; None = local"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", as_enum(PoolMode, "pools", self.mode))
+        for name in ("replicas", "prefill_replicas", "decode_replicas"):
+            _positive(name, getattr(self, name), upper=4096)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9400
+    tls_cert: str | None = None
+    tls_key: str | None = None
+    auth_token_file: str | None = None
+    max_message_bytes: int = 16 << 20
+
+    def __post_init__(self) -> None:
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and 0 <= value <= 65535, name, value, "an integer in [0, 65535]")
+        check((self.tls_cert is None) == (self.tls_key is None), "tls_key", self.tls_key,
+              "set together with tls_cert (both or neither)")
+        for name in ("tls_cert", "tls_key", "auth_token_file"):
+            path = getattr(self, name)
+            if path is not None:
+                check(Path(path).is_file(), name, path, "an existing readable file")
+        _positive("max_message_bytes", self.max_message_bytes, upper=1 << 31)

@@ -1,0 +1,145 @@
+"""The public, single-process API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
+
+`LLM.stream(prompt, params)` is an async generator of CompletionDelta, built on the same
+AsyncEngine the cluster uses. Use either `generate` or `stream` on one LLM at a time.
+`generate_main` is the `meshserve generate` command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+
+from meshserve.cluster.async_engine import AsyncEngine
+from meshserve.cluster.engine import EngineConfig, EngineCore
+from meshserve.cluster.outputs import CompletionDelta, RequestOutput
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
+from meshserve.errors import check
+from meshserve.workers.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+class LLM:
+    """A model served in this process (one rank, in-process executor).
+
+    model: HF checkpoint directory (None: the bundled demo model).
+    num_kv_blocks / kv_cache_memory_bytes: KV pool size (default: 85% of free GPU memory, or
+    256 MiB on CPU). The other settings are those of ModelConfig, CacheConfig, SchedulerConfig.
+    """
+
+    def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", attention_backend: str | None = None,
+                 block_size: int = 16, max_model_len: int | None = None, num_kv_blocks: int | None = None,
+                 kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
+                 progress: bool = True) -> None:
+        if model is None:
+            from meshserve.demo_model import DEMO_MODEL_DIR
+
+            model = DEMO_MODEL_DIR
+        config = EngineConfig(
+            model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+            cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
+                              kv_cache_memory_bytes=kv_cache_memory_bytes,
+                              enable_prefix_caching=enable_prefix_caching),
+            scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      enable_chunked_prefill=enable_chunked_prefill),
+            attention=AttentionConfig(backend=attention_backend),
+        )
+        self.core = EngineCore(config, device=device, progress=progress)
+        self._async: AsyncEngine | None = None
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+                 = None) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids); outputs in the prompts' order.
+
+        All prompts are validated before any is queued: one bad prompt refuses the whole call.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        check(len(params) == len(prompts), "params", len(params), f"one SamplingParams or {len(prompts)}")
+        check(not self.core.has_unfinished(), "generate", "busy", "no requests in flight (one call at a time)")
+        requests = []
+        for prompt, p in zip(prompts, params):
+            requests.append(self.core.make_request(prompt, p))
+        ids = [r.request_id for r in requests]
+        check(len(set(ids)) == len(ids), "request_id", ids, "distinct ids")
+        for req in requests:
+            self.core.add(req)
+        texts = {r.request_id: [] for r in requests}
+        while self.core.has_unfinished():
+            for delta in self.core.step():
+                texts[delta.request_id].append(delta.text)
+        return [self.core.output_of(r, "".join(texts[r.request_id])) for r in requests]
+
+    async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
+                     request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
+        """Deltas of one request as they are produced (see AsyncEngine.stream)."""
+        if self._async is None:
+            self._async = AsyncEngine(self.core)
+        async for delta in self._async.stream(prompt, params, request_id=request_id):
+            yield delta
+
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
+
+# -- `meshserve generate` -------------------------------------------------------------------------
+
+
+def add_generate_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `generate` on the CLI's subparsers; the parsed args go to `generate_main`."""
+    p = subparsers.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    p.add_argument("prompt", help="the prompt text")
+    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+    p.add_argument("--attention-backend", default=None, help="TORCH, TRITON, FLASHINFER (default: automatic)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.set_defaults(func=generate_main)
+    return p
+
+
+def generate_main(args: argparse.Namespace) -> int:
+    """Stream the continuation of `args.prompt` to stdout; the reason it ended goes to stderr."""
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
+              max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              device=args.device, progress=sys.stderr.isatty())
+    core = llm.core
+    core.add_request(args.prompt, params)
+    sys.stdout.write(args.prompt)
+    reason = None
+    while core.has_unfinished():
+        for delta in core.step():
+            sys.stdout.write(delta.text)
+            sys.stdout.flush()
+            if delta.finished:
+                reason = delta.finish_reason
+    sys.stdout.write("\n")
+    print(f"[finished: {reason}]", file=sys.stderr)
+    llm.shutdown()
+    return 0

@@ -1,0 +1,104 @@
+"""Process groups of one replica: TP over all its ranks, DCP over consecutive TP ranks.
+
+Rank, world size and the rendezvous address are passed in (never a hard-coded port). gloo on
+CPU, NCCL on CUDA. A single-rank replica creates no group and every collective is skipped.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from meshserve.config import ParallelConfig
+from meshserve.errors import check
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Where this rank sits in its replica.
+
+    rank: TP rank in [0, tp). DCP groups are [g*dcp, (g+1)*dcp); dcp_rank = rank % dcp.
+    The ranks of one DCP group hold the same KV heads and split their tokens (token p on
+    dcp_rank p % dcp).
+    """
+
+    rank: int = 0
+    tp: int = 1
+    dcp: int = 1
+    tp_group: dist.ProcessGroup | None = None
+    dcp_group: dist.ProcessGroup | None = None
+
+    @property
+    def dcp_rank(self) -> int:
+        return self.rank % self.dcp
+
+    @property
+    def kv_group_index(self) -> int:
+        """Which of the tp // dcp KV-head groups this rank serves."""
+        return self.rank // self.dcp
+
+    @property
+    def num_kv_groups(self) -> int:
+        return self.tp // self.dcp
+
+    @property
+    def is_driver(self) -> bool:
+        """Rank 0 samples and reports tokens."""
+        return self.rank == 0
+
+
+def init_parallel(config: ParallelConfig, *, rank: int, init_method: str | None, device: str = "cpu",
+                  timeout_s: float = 120.0) -> ParallelContext:
+    """Join the replica's process group and build its DCP groups.
+
+    init_method: a torch.distributed rendezvous such as "tcp://10.0.0.5:29517" (None for tp=1).
+    Every rank must call this with the same config.
+    """
+    check(0 <= rank < config.tp, "rank", rank, f"an integer in [0, {config.tp - 1}]")
+    if config.tp == 1:
+        return ParallelContext()
+    check(init_method is not None, "init_method", init_method, "a rendezvous address when tp > 1")
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.tp,
+                            timeout=timedelta(seconds=timeout_s))
+    dcp_group = None
+    if config.dcp > 1:
+        for first in range(0, config.tp, config.dcp):
+            group = dist.new_group(list(range(first, first + config.dcp)))  # every rank creates every group
+            if first <= rank < first + config.dcp:
+                dcp_group = group
+    return ParallelContext(rank=rank, tp=config.tp, dcp=config.dcp, tp_group=dist.group.WORLD,
+                           dcp_group=dcp_group)
+
+
+def shutdown_parallel(ctx: ParallelContext) -> None:
+    if ctx.tp > 1 and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_reduce(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """Sum over the TP group (in place); identity on one rank."""
+    if ctx.tp > 1:
+        dist.all_reduce(x, group=ctx.tp_group)
+    return x
+
+
+def all_gather(x: torch.Tensor, ctx: ParallelContext, *, dim: int = -1, group_kind: str = "tp") -> torch.Tensor:
+    """Concatenate every rank's `x` along `dim`, in rank order, over the TP or DCP group."""
+    size = ctx.tp if group_kind == "tp" else ctx.dcp
+    if size == 1:
+        return x
+    group = ctx.tp_group if group_kind == "tp" else ctx.dcp_group
+    x = x.contiguous()
+    out = torch.empty((size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    _all_gather_single(out, x, group=group)
+    return torch.cat(out.view(size, *x.shape).unbind(0), dim=dim)
+
+
+# torch >= 2.12 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,74 @@
+"""Rotary position embedding (half-rotation / "neox" layout, as HF checkpoints store q and k).
+
+The cos/sin table is computed once in float32 for every position up to the model's limit;
+each step gathers the rows of its tokens' absolute positions once (shared by every layer), so
+chunked prefill, decode and recompute after preemption all see the same angles. As in the HF
+reference, the rotation itself runs in the activation dtype.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from meshserve.workers.models.arch import RopeScaling
+
+
+def inverse_frequencies(rope: RopeScaling, head_dim: int) -> torch.Tensor:
+    """[head_dim // 2] float32 angular frequencies, after the checkpoint's scaling rule."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        return _llama3(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
+    """Llama 3.1: long wavelengths slowed by `factor`, short ones kept, a smooth ramp between."""
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Float32 cos/sin tables for positions [0, max_positions); `forward` gathers a step's rows."""
+
+    def __init__(self, rope: RopeScaling, head_dim: int, max_positions: int) -> None:
+        super().__init__()
+        self.rope, self.head_dim, self.max_positions = rope, head_dim, max_positions
+        self.reset_tables()
+
+    def reset_tables(self, device: torch.device | str | None = None) -> None:
+        """(Re)compute the float32 cos/sin tables, e.g. after the model was built on the meta device."""
+        inv_freq = inverse_frequencies(self.rope, self.head_dim)
+        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
+        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
+        # Non-persistent: derived from the config, never read from the checkpoint.
+        cos, sin = freqs.cos(), freqs.sin()
+        if device is not None:
+            cos, sin = cos.to(device), sin.to(device)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for `positions` [T]: each [T, 1, D] in `dtype` (once per step, shared by all layers)."""
+        cos = self.cos[positions]  # [T, D/2] float32
+        sin = self.sin[positions]
+        # Full-width tables in the activation dtype, as the HF reference applies them.
+        return torch.cat((cos, cos), -1)[:, None].to(dtype), torch.cat((sin, sin), -1)[:, None].to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos, sin [T, 1, D]: x * cos + rotate_half(x) * sin."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,161 @@
+"""One decoder-only transformer for every supported architecture (differences come from ModelArch).
+
+Plain torch, gpt-fast style: no tensor-parallel or quantisation code here (those are
+transforms applied to the built model). Tokens are packed: activations are [T, hidden] for the
+T new tokens of all sequences in a step. Attention goes through the backend handed in with
+the step's `ForwardContext`; no code here knows which backend that is.
+
+Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one matrix
+each (`qkv_proj`, `gate_up_proj`); the loader stacks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from meshserve.attention.backend import AttentionBackend, KVCache
+from meshserve.attention.spec import AttentionSpec
+from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
+
+
+@dataclass
+class LayerAttention:
+    """What one layer needs to attend: its backend, the backend's plan for this step, its cache."""
+
+    backend: AttentionBackend
+    plan: object
+    kv_cache: KVCache
+
+
+@dataclass
+class ForwardContext:
+    """One step's attention state, passed explicitly to every layer.
+
+    slot_mapping: [T] int64 cache slot of each new token (-1: do not write).
+    layers: one LayerAttention per decoder layer.
+    """
+
+    slot_mapping: torch.Tensor
+    layers: Sequence[LayerAttention]
+
+
+_ACT = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # One fused kernel where torch has one; statistics are accumulated in float32.
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
+        self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
+        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        if self.q_norm is None:
+            qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)  # q and k heads, rotated together
+        else:
+            q = self.q_norm(qkv[:, :q_size].view(T, H, D))
+            k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D))
+            qk = torch.cat((q, k), dim=1)
+        q, k = apply_rotary(qk, *rope).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
+        v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
+        layer = ctx.layers[self.layer_idx]
+        layer.backend.write_kv(k, v, layer.kv_cache, ctx.slot_mapping)
+        o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan)  # [T, H, D]
+        return self.o_proj(o.reshape(T, q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, arch: ModelArch) -> None:
+        super().__init__()
+        self.intermediate_size = arch.intermediate_size
+        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
+        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        self.act = _ACT[arch.hidden_act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(self.act(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(arch, layer_idx)
+        self.mlp = MLP(arch)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBody(nn.Module):
+    """HF's `model.` prefix: embeddings, layers, final norm."""
+
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
+
+
+class CausalLM(nn.Module):
+    """Decoder-only language model over a packed batch of new tokens."""
+
+    def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DecoderBody(arch, max_positions or arch.max_position_embeddings)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        """One spec per layer; layers with equal specs can share a backend instance."""
+        a = self.arch
+        return [
+            AttentionSpec(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_size=a.head_dim,
+                          sliding_window=window)
+            for window in a.layer_windows
+        ]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
+        for layer in self.model.layers:
+            x = layer(x, rope, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()

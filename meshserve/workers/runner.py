@@ -1,0 +1,136 @@
+"""Runs one StepPlan: packed inputs and attention metadata, the forward pass, sampling on rank 0.
+
+Per step: order sequences prefill-first (the metadata's layout), build AttentionMetadata once,
+ask each backend instance for its plan once, run the model (each layer writes its new K/V and
+attends through its backend), then sample the sequences whose last known token was computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCache
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.registry import select_backend
+from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import copy_blocks
+from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
+from meshserve.workers.sampler import Sampler, SamplingRow
+from meshserve.workers.sampling_params import SamplingParams
+from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
+
+DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: torch.dtype, block_size: int,
+                  max_model_len: int, device: torch.device) -> list[AttentionBackend]:
+    """One backend instance per distinct spec, listed per layer.
+
+    The backend class is chosen once (by name, or by priority for the first layer's problem)
+    and must serve every layer; otherwise the registry's error lists the reasons.
+    """
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+    def problem(spec: AttentionSpec) -> AttentionProblem:
+        return AttentionProblem(spec=spec, dtype=DTYPE_NAMES[dtype], block_size=block_size,
+                                max_model_len=max_model_len, device=device.type, compute_capability=cc)
+
+    distinct = list(dict.fromkeys(specs))
+    chosen = select_backend(problem(distinct[0]), name)
+    for spec in distinct[1:]:
+        select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
+    instances = {spec: chosen(problem(spec)) for spec in distinct}
+    return [instances[spec] for spec in specs]
+
+
+@dataclass
+class _Request:
+    params: SamplingParams
+    prompt_ids: list[int]
+    output_ids: list[int] = field(default_factory=list)
+
+
+class ModelRunner:
+    """Executes step plans on one rank. `is_driver` (rank 0) samples; other ranks only compute."""
+
+    def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
+                 block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0) -> None:
+        check(len(backends) == len(kv_caches) == len(model.model.layers), "kv_caches", len(kv_caches),
+              f"one per layer ({len(model.model.layers)})")
+        self.model = model
+        self.backends = list(backends)
+        self.kv_caches = list(kv_caches)
+        self.block_size = block_size
+        self.device = torch.device(device)
+        self.is_driver = is_driver
+        self.sampler = Sampler(seed=seed, device=self.device) if is_driver else None
+        self.requests: dict[str, _Request] = {}
+
+    @property
+    def num_active_requests(self) -> int:
+        return len(self.requests)
+
+    def execute(self, plan: StepPlan) -> StepOutput:
+        for new in plan.new_requests:
+            self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
+                                                     list(new.prompt_ids), list(new.output_ids))
+        copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
+        sampled: list[SampledToken] = []
+        if plan.seqs:
+            sampled = self._run(plan.seqs)
+        for rid in plan.finished:
+            self.requests.pop(rid, None)
+        return StepOutput(step_id=plan.step_id, sampled=sampled)
+
+    @torch.inference_mode()
+    def _run(self, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
+        for s in seqs:
+            check(s.request_id in self.requests, "request_id", s.request_id, "a request announced in new_requests")
+        # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
+        order = sorted(seqs, key=lambda s: s.is_decode)
+        meta = AttentionMetadata.build(
+            query_lens=[len(s.token_ids) for s in order],
+            seq_lens=[s.seq_len for s in order],
+            block_tables=[s.block_table for s in order],
+            block_size=self.block_size,
+            device=self.device,
+        )
+        input_ids = torch.tensor([t for s in order for t in s.token_ids], dtype=torch.int64)
+        positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
+        plans = {id(b): b.plan(meta) for b in self.backends}  # plan once per instance per step
+        ctx = ForwardContext(
+            slot_mapping=meta.slot_mapping,
+            layers=[LayerAttention(b, plans[id(b)], kv) for b, kv in zip(self.backends, self.kv_caches)],
+        )
+        hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [T, hidden]
+        if not self.is_driver:
+            return []
+        ends = torch.tensor(_ends(order), dtype=torch.int64)
+        to_sample = [i for i, s in enumerate(order) if s.sample]
+        if not to_sample:
+            return []
+        logits = self.model.compute_logits(hidden[ends[to_sample].to(self.device)])  # [N, V] float32
+        rows = []
+        for i in to_sample:
+            req = self.requests[order[i].request_id]
+            rows.append(SamplingRow(req.params, req.prompt_ids, req.output_ids))
+        token_ids, logprobs = self.sampler(logits, rows)
+        out = []
+        for i, tok, lp in zip(to_sample, token_ids, logprobs):
+            rid = order[i].request_id
+            self.requests[rid].output_ids.append(tok)
+            out.append(SampledToken(rid, tok, lp))
+        return out
+
+
+def _ends(order: Sequence[ScheduledSeq]) -> list[int]:
+    """Index of each sequence's last new token in the packed batch."""
+    ends, total = [], 0
+    for s in order:
+        total += len(s.token_ids)
+        ends.append(total - 1)
+    return ends

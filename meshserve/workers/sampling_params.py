@@ -1,0 +1,113 @@
+"""How to pick each next token and when to stop: one frozen, validated record per request.
+
+Processing order in the sampler (HF `generate` order): repetition / presence / frequency
+penalties, then temperature, top-k, top-p, min-p, then a draw. temperature == 0 is greedy
+(argmax after the penalties). Logprobs are those of the model's own distribution
+(log-softmax of the raw logits, before penalties and temperature).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from meshserve.errors import check
+
+MAX_LOGPROBS = 20
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_num(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling and stopping settings.
+
+    temperature        >= 0; 0 = greedy
+    top_k              None (off) or an integer >= 1: keep the k most likely tokens
+    top_p              (0, 1]: keep the smallest set whose probability reaches top_p
+    min_p              [0, 1]: drop tokens below min_p * (probability of the most likely)
+    seed               None or an integer in [0, 2**63): the same seed gives the same tokens
+    repetition_penalty > 0; 1 = off. Tokens seen in prompt or output: logit / p if > 0 else * p
+    presence_penalty   [-2, 2]: subtracted once from every token already generated
+    frequency_penalty  [-2, 2]: subtracted per occurrence of a token already generated
+    max_tokens         >= 1: generated tokens at most
+    stop               strings that end the output (not included unless include_stop_str_in_output)
+    stop_token_ids     token ids that end the output (included in token_ids, not in text)
+    ignore_eos         keep going past the model's EOS tokens
+    logprobs           None, or 0..20: also return the sampled token's logprob and the top-n
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        check(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+              "a finite number >= 0 (0 = greedy)")
+        check(self.top_k is None or (_is_int(self.top_k) and self.top_k >= 1), "top_k", self.top_k,
+              "None (off) or an integer >= 1")
+        check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "a number in (0, 1]")
+        check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "a number in [0, 1]")
+        check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**63), "seed", self.seed,
+              "None or an integer in [0, 2**63)")
+        check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+              self.repetition_penalty, "a finite number > 0 (1 = off)")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(_is_num(value) and -2 <= value <= 2, name, value, "a number in [-2, 2]")
+        check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+              "an integer >= 1")
+        check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop, "non-empty strings")
+        check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids", self.stop_token_ids,
+              "integers >= 0")
+        check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
+              "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def has_penalties(self) -> bool:
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse token ids the model cannot produce."""
+        for t in self.stop_token_ids:
+            check(t < vocab_size, "stop_token_ids", t, f"token ids in [0, {vocab_size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain types only (msgpack-able); tuples become lists."""
+        out = asdict(self)
+        out["stop"], out["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names)
+        check(not unknown, "sampling_params", unknown, f"known fields: {sorted(names)}")
+        return cls(**data)

@@ -1,0 +1,87 @@
+"""Which part of each checkpoint tensor a tensor-parallel rank holds (Megatron layout).
+
+Column-parallel (q/k/v, gate/up): output rows split across ranks; row-parallel (o, down): input
+columns split, their biases kept whole (the TP transform adds them once, after the
+all-reduce); vocab-parallel (embeddings, LM head): vocabulary rows split into ceil(V / world)
+parts; norms replicated. K/V heads split when there are at least as many as ranks, otherwise
+each rank holds the one head its query heads use (heads replicated across ranks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+from meshserve.errors import check
+from meshserve.workers.models.arch import ModelArch
+
+
+class Split(StrEnum):
+    REPLICATED = "replicated"
+    COLUMN = "column"  # dim 0 split evenly
+    KV_COLUMN = "kv_column"  # dim 0 split by K/V head, replicated when heads < ranks
+    ROW = "row"  # dim 1 split evenly
+    VOCAB = "vocab"  # dim 0 split into ceil(V / world) rows per rank
+
+
+# Module name (second-to-last component of the tensor name) -> split rule for its weight.
+SPLITS: dict[str, Split] = {
+    "q_proj": Split.COLUMN,
+    "k_proj": Split.KV_COLUMN,
+    "v_proj": Split.KV_COLUMN,
+    "gate_proj": Split.COLUMN,
+    "up_proj": Split.COLUMN,
+    "o_proj": Split.ROW,
+    "down_proj": Split.ROW,
+    "embed_tokens": Split.VOCAB,
+    "lm_head": Split.VOCAB,
+}
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice [start:stop] along `dim` of a checkpoint tensor; dim None means the whole tensor."""
+
+    dim: int | None
+    start: int = 0
+    stop: int | None = None
+
+
+def split_of(name: str) -> Split:
+    """The rule for checkpoint tensor `name` (e.g. 'model.layers.3.self_attn.k_proj.bias')."""
+    parts = name.split(".")
+    module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else (parts[0], "weight")
+    split = SPLITS.get(module, Split.REPLICATED)
+    if split is Split.ROW and kind == "bias":
+        return Split.REPLICATED
+    return split
+
+
+def kv_heads_per_rank(arch: ModelArch, world: int) -> int:
+    return max(arch.num_kv_heads // world, 1)
+
+
+def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, world: int) -> Shard:
+    """The part of tensor `name` (full shape `shape`) that rank `rank` of `world` holds."""
+    check(world >= 1, "world", world, "an integer >= 1")
+    check(0 <= rank < world, "rank", rank, f"an integer in [0, {world - 1}]")
+    split = split_of(name)
+    if world == 1 or split is Split.REPLICATED:
+        return Shard(None)
+    if split is Split.VOCAB:
+        per = -(-shape[0] // world)
+        return Shard(0, min(rank * per, shape[0]), min((rank + 1) * per, shape[0]))
+    if split is Split.KV_COLUMN:
+        heads, d = arch.num_kv_heads, arch.head_dim
+        if heads >= world:
+            check(heads % world == 0, "tp", world, f"a divisor of num_key_value_heads={heads} (tensor {name})")
+            per = heads // world
+            return Shard(0, rank * per * d, (rank + 1) * per * d)
+        check(world % heads == 0, "tp", world, f"a multiple of num_key_value_heads={heads} (tensor {name})")
+        head = rank * heads // world
+        return Shard(0, head * d, (head + 1) * d)
+    dim = 0 if split is Split.COLUMN else 1
+    size = shape[dim]
+    check(size % world == 0, "tp", world, f"a divisor of {size} (dim {dim} of tensor {name})")
+    per = size // world
+    return Shard(dim, rank * per, (rank + 1) * per)

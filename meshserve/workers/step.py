@@ -1,0 +1,123 @@
+"""The messages between a replica's scheduler and its workers: one StepPlan in, one StepOutput out.
+
+Both travel as msgpack (never pickle). A request's prompt and sampling settings are sent once,
+when it first appears (`new_requests`); afterwards each step carries only the new tokens,
+where they start and the block table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from meshserve.workers.sampler import TokenLogprobs
+
+
+@dataclass
+class NewRequest:
+    """A request the workers have not seen: its prompt and settings (SamplingParams.to_dict()).
+
+    output_ids: tokens already generated elsewhere (a hand-over); empty for a fresh request.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    output_ids: list[int] = field(default_factory=list)
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step.
+
+    token_ids:   the new tokens whose K/V this step computes and writes
+    context_len: tokens of this sequence already in the cache (the first new token's position)
+    block_table: physical block ids covering at least context_len + len(token_ids) tokens
+    sample:      whether a next token is drawn after the last new token (False for a prompt
+                 chunk that is not the prompt's last)
+    """
+
+    request_id: str
+    token_ids: list[int]
+    context_len: int
+    block_table: list[int]
+    sample: bool = True
+
+    @property
+    def seq_len(self) -> int:
+        return self.context_len + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """The metadata's notion: exactly one new token after a non-empty cached context."""
+        return len(self.token_ids) == 1 and self.context_len > 0
+
+
+@dataclass
+class StepPlan:
+    """Everything every worker needs for one forward step.
+
+    finished: request ids the workers may forget (after this step).
+    copies:   (src, dst) block pairs to copy in every layer's cache before any K/V is written
+              (copy-on-write of a shared partial block).
+    """
+
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequest] = field(default_factory=list)
+    finished: list[str] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({
+            "step_id": self.step_id,
+            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_table, s.sample] for s in self.seqs],
+            "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
+            "finished": self.finished,
+            "copies": [list(c) for c in self.copies],
+        })
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> StepPlan:
+        d = msgpack.unpackb(data)
+        return cls(
+            step_id=d["step_id"],
+            seqs=[ScheduledSeq(*s) for s in d["seqs"]],
+            new_requests=[NewRequest(*r) for r in d["new"]],
+            finished=d["finished"],
+            copies=[tuple(c) for c in d["copies"]],
+        )
+
+
+@dataclass
+class SampledToken:
+    request_id: str
+    token_id: int
+    logprobs: TokenLogprobs | None = None
+
+
+@dataclass
+class StepOutput:
+    """Tokens drawn this step (rank 0 only; other ranks return an empty list)."""
+
+    step_id: int
+    sampled: list[SampledToken]
+
+    def to_msgpack(self) -> bytes:
+        rows = []
+        for s in self.sampled:
+            lp = s.logprobs
+            rows.append([s.request_id, s.token_id,
+                         None if lp is None else [lp.logprob, [list(p) for p in lp.top]]])
+        return msgpack.packb({"step_id": self.step_id, "sampled": rows})
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> StepOutput:
+        d = msgpack.unpackb(data)
+        sampled = []
+        for rid, tok, lp in d["sampled"]:
+            logprobs = None if lp is None else TokenLogprobs(tok, lp[0], tuple((int(t), v) for t, v in lp[1]))
+            sampled.append(SampledToken(rid, tok, logprobs))
+        return cls(step_id=d["step_id"], sampled=sampled)

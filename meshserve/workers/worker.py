@@ -1,0 +1,144 @@
+"""One rank of a replica: model shard + KV cache shard + runner. Plain Python, no Ray.
+
+Protocol (the only methods an executor may call): `start() -> WorkerInfo`,
+`execute_step(plan: bytes) -> bytes` (msgpack StepPlan in, msgpack StepOutput out),
+`check_health() -> dict`, `shutdown()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
+from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
+from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.loader import load_model, resolve_dtype
+from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.runner import ModelRunner, make_backends
+from meshserve.workers.step import StepPlan
+
+log = logging.getLogger("meshserve.worker")
+
+CPU_DEFAULT_KV_BYTES = 256 << 20
+GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What the scheduler needs to know about a started worker (plain values: msgpack-able).
+
+    num_kv_blocks counts the null block 0, which the KV store never hands out.
+    sliding_window / num_sink_tokens: what the cache must retain (kvstore RetentionPolicy).
+    """
+
+    rank: int
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    backend: str
+    dtype: str
+    sliding_window: int | None = None
+    num_sink_tokens: int = 0
+
+
+def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
+    limit = arch.max_position_embeddings
+    if model.max_model_len is None:
+        return limit
+    check(model.max_model_len <= limit, "max_model_len", model.max_model_len,
+          f"an integer in [1, {limit}] (the model's max_position_embeddings)")
+    return model.max_model_len
+
+
+class Worker:
+    """Holds one rank's model and cache; executes step plans handed to it by an executor."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, attention: AttentionConfig | None = None,
+                 parallel: ParallelConfig | None = None, *, rank: int = 0,
+                 device: str | torch.device | None = None, progress: bool = True,
+                 init_method: str | None = None) -> None:
+        """init_method: torch.distributed rendezvous of the replica's ranks (needed when tp > 1),
+        e.g. "tcp://127.0.0.1:29517"; every rank of a replica gets the same one."""
+        check(model.model is not None, "model", None, "a checkpoint directory")
+        self.model_config = model
+        self.cache_config = cache
+        self.attention_config = attention or AttentionConfig()
+        self.parallel = parallel or ParallelConfig()
+        check(0 <= rank < self.parallel.tp, "rank", rank, f"an integer in [0, {self.parallel.tp - 1}]")
+        self.rank = rank
+        self.init_method = init_method
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.progress = progress
+        self.runner: ModelRunner | None = None
+        self.info: WorkerInfo | None = None
+
+    def start(self) -> WorkerInfo:
+        """Load weights, choose the attention backend, allocate the KV cache. Idempotent."""
+        if self.info is not None:
+            return self.info
+        t0 = time.perf_counter()
+        arch = read_arch(self.model_config.model)
+        self.parallel.check_heads(arch.num_heads, arch.num_kv_heads)
+        max_model_len = resolve_max_model_len(self.model_config, arch)
+        dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
+        bs = self.cache_config.block_size
+        model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
+                           world=self.parallel.tp, max_positions=max_model_len, progress=self.progress)
+        capacity = -(-max_model_len // bs) * bs  # block tables hold whole blocks
+        backends = make_backends(model.attention_specs(), name=self.attention_config.backend, dtype=dtype,
+                                 block_size=bs, max_model_len=capacity, device=self.device)
+        specs = model.attention_specs()
+        tp = self.parallel.tp
+        num_blocks = self._num_blocks(block_bytes(specs, bs, dtype, tp_size=tp))
+        needed = -(-max_model_len // bs) + 1
+        check(num_blocks >= needed, "num_kv_blocks", num_blocks,
+              f">= {needed} blocks of {bs} tokens (the null block + one max_model_len={max_model_len} "
+              "sequence); give more KV memory or lower max_model_len")
+        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
+                                 tp_size=tp)
+        retention = RetentionPolicy.from_specs(specs)
+        self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
+                                  is_driver=self.rank == 0, seed=self.model_config.seed)
+        self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs,
+                               max_model_len=max_model_len, vocab_size=arch.vocab_size,
+                               eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
+                               dtype=str(dtype).removeprefix("torch."), sliding_window=retention.sliding_window,
+                               num_sink_tokens=retention.num_sink_tokens)
+        log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks", self.rank,
+                 time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
+        return self.info
+
+    def _num_blocks(self, per_block: int) -> int:
+        cfg = self.cache_config
+        if cfg.num_kv_blocks is not None:
+            return cfg.num_kv_blocks
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * GPU_KV_FRACTION)
+        else:
+            budget = CPU_DEFAULT_KV_BYTES
+        return budget // per_block
+
+    def execute_step(self, plan: bytes) -> bytes:
+        check(self.runner is not None, "worker", "not started", "start() before execute_step()")
+        return self.runner.execute(StepPlan.from_msgpack(plan)).to_msgpack()
+
+    def check_health(self) -> dict[str, object]:
+        return {"rank": self.rank, "started": self.runner is not None,
+                "active_requests": 0 if self.runner is None else self.runner.num_active_requests}
+
+    def shutdown(self) -> None:
+        self.runner = None
+        self.info = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,91 @@
+"""TP layers and the DCP merge over real gloo process groups, against single-rank math."""
+
+import pytest
+import torch
+
+from meshserve.config import DcpComm, ParallelConfig
+from meshserve.parallel import dcp as dcp_ops
+from meshserve.parallel.groups import init_parallel, shutdown_parallel
+from meshserve.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from tests.integration.distributed import run_ranks
+from tests.unit.attention.scenarios import Scenario, make_case, oracle
+from tests.unit.attention.test_dcp_reference import shard_run
+
+
+def check_tp_layers(ctx) -> None:
+    gen = torch.Generator().manual_seed(0)  # the same full weights on every rank
+    hidden, inter, vocab = 16, 24, 40
+    x = torch.randn(5, hidden, generator=gen)
+    w_qkv = torch.randn(8 + 4 + 4, hidden, generator=gen)
+    b_qkv = torch.randn(16, generator=gen)
+    w_up, w_down = torch.randn(2 * inter, hidden, generator=gen), torch.randn(hidden, inter, generator=gen)
+    b_down = torch.randn(hidden, generator=gen)
+    emb = torch.randn(vocab, hidden, generator=gen)
+    ids = torch.randint(0, vocab, (7,), generator=gen)
+
+    qkv = ColumnParallelLinear(w_qkv, b_qkv, ctx, parts=[8, 4, 4])(x)
+    q, k, v = torch.split(torch.nn.functional.linear(x, w_qkv, b_qkv), [8, 4, 4], dim=-1)
+    n = ctx.tp
+    expect = torch.cat([t.chunk(n, -1)[ctx.rank] for t in (q, k, v)], -1)
+    torch.testing.assert_close(qkv, expect)
+
+    gate_up = ColumnParallelLinear(w_up, None, ctx, parts=[inter, inter])(x)
+    g, u = gate_up.chunk(2, -1)
+    y = RowParallelLinear(w_down, b_down, ctx)(torch.nn.functional.silu(g) * u)
+    g_full, u_full = torch.nn.functional.linear(x, w_up).chunk(2, -1)
+    y_full = torch.nn.functional.linear(torch.nn.functional.silu(g_full) * u_full, w_down, b_down)
+    torch.testing.assert_close(y, y_full, rtol=1e-5, atol=1e-5)
+
+    torch.testing.assert_close(VocabParallelEmbedding(emb, ctx)(ids), emb[ids])
+    torch.testing.assert_close(ParallelLMHead(emb, ctx)(x), x @ emb.T, rtol=1e-5, atol=1e-5)
+
+
+# Uneven shards and a one-token sequence (every rank but 0 holds no key of it).
+DCP_SCENARIO = Scenario("dcp_uneven", (1, 6, 1, 1), (0, 5, 13, 40), spec=dict(num_heads=8, num_kv_heads=2))
+
+
+def check_dcp_merge(ctx) -> None:
+    case = make_case(DCP_SCENARIO)
+    ref_out, ref_lse = oracle(case)
+    local = case.spec.num_heads // ctx.dcp
+    mine = slice(ctx.dcp_rank * local, (ctx.dcp_rank + 1) * local)
+    gathered = dcp_ops.gather_queries(case.query[:, mine], ctx)
+    torch.testing.assert_close(gathered, case.query, rtol=0, atol=0)
+    o, lse = shard_run(case, ctx.dcp, ctx.dcp_rank, torch.Generator().manual_seed(ctx.rank))
+    for comm in DcpComm:
+        merged = dcp_ops.merge_outputs(o, lse, ctx, comm)
+        assert merged.shape == (o.shape[0], local, o.shape[2]), merged.shape
+        err = (merged.double() - ref_out[:, mine]).abs().max().item()
+        assert err < 1e-5, f"{comm}: DCP merge error {err}"
+
+
+def worker(rank: int, world: int, init_method: str, dcp: int) -> None:
+    torch.set_num_threads(1)
+    ctx = init_parallel(ParallelConfig(tp=world, dcp=dcp), rank=rank, init_method=init_method)
+    try:
+        assert (ctx.rank, ctx.tp, ctx.dcp, ctx.dcp_rank) == (rank, world, dcp, rank % dcp)
+        check_tp_layers(ctx)
+        if dcp > 1:
+            check_dcp_merge(ctx)
+    finally:
+        shutdown_parallel(ctx)
+
+
+@pytest.mark.parametrize(("tp", "dcp"), [(2, 1), (2, 2), (4, 2), (4, 4)])
+def test_tp_layers_and_dcp_merge(tp, dcp):
+    run_ranks(worker, tp, dcp)
+
+
+def test_kv_heads_of_rank():
+    from meshserve.parallel.groups import ParallelContext
+
+    # 8 q heads, 2 kv heads, tp=4: each rank's 2 q heads use one kv head (replicated x2).
+    assert [list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=r, tp=4))) for r in range(4)] == \
+        [[0], [0], [1], [1]]
+    # With dcp=2 the replicas of a kv head become token shards of it.
+    assert [list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=r, tp=4, dcp=2))) for r in range(4)] == \
+        [[0], [0], [1], [1]]
+    # tp=2, dcp=2: one group holds all 8 q heads and both kv heads.
+    assert list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=1, tp=2, dcp=2))) == [0, 1]
+    # 8 kv heads, tp=4: two kv heads per rank.
+    assert list(dcp_ops.kv_heads_of_rank(8, 8, ParallelContext(rank=3, tp=4))) == [6, 7]

@@ -1,0 +1,25 @@
+"""docs/attention-backends.md is generated from the registry; stale docs fail here."""
+
+from pathlib import Path
+
+from meshserve.attention.docs import render_page
+from meshserve.cli import main
+
+PAGE = Path(__file__).resolve().parents[3] / "docs" / "attention-backends.md"
+
+
+def test_backend_page_is_current():
+    page = PAGE.read_text()
+    assert render_page(page) == page, "docs/attention-backends.md is stale: run `make docs`"
+
+
+def test_cli_prints_table_and_selection(capsys):
+    assert main(["backends", "--num-heads", "4", "--num-kv-heads", "2", "--head-size", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "| feature | TORCH" in out and "Selected: " in out
+
+
+def test_cli_explains_refusal(capsys):
+    assert main(["backends", "--quiet", "--attention-backend", "TORCH", "--block-size", "24"]) == 2
+    err = capsys.readouterr().err
+    assert "block_size=24 is not a power of two" in err
