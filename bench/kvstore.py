@@ -42,9 +42,7 @@ BLOCK_BYTES = 2 * BLOCK * 8 * 128 * 2  # per layer, bf16
 
 
 # ---- block bookkeeping -------------------------------------------------------------------
-def bench_bookkeeping(
-    steps: int, *, batched: bool, running: int = 256, prompt: int = 512, seed: int = 0
-) -> dict:
+def bench_bookkeeping(steps: int, *, batched: bool, running: int = 256, prompt: int = 512, seed: int = 0) -> dict:
     """Timed: the manager calls of each step (free the finished, one slot per running request,
     admit new requests). Not timed: sampling and the scheduler's own lists."""
     rng = random.Random(seed)
@@ -165,65 +163,88 @@ def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     server.close()
 
 
+def raw_serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
+    """The transport's ceiling: the same messages as a hand-over, without any KV logic."""
+    import zmq
+
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    port = sock.bind_to_random_port(address) if address.startswith("tcp") else None
+    if port is None:
+        sock.bind(address)
+    data = torch.randint(0, 256, (mib << 20,), dtype=torch.uint8).numpy()
+    print(json.dumps({"address": sock.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
+    for _ in range(copies):
+        ident, _ = sock.recv_multipart()
+        for off in range(0, len(data), frame_bytes):
+            sock.send_multipart([ident, b"F", zmq.Frame(data[off : off + frame_bytes], copy=False)], copy=False)
+    sock.close(linger=-1)
+    zmq.Context.instance().term()  # returns once every queued frame has left
+
+
+def _spawn(mode: str, mib: int, repeat: int, address: str, frame_bytes: int) -> tuple[subprocess.Popen, dict]:
+    args = [mode, str(mib), "--copies", str(repeat), "--address", address, "--frame-kib", str(frame_bytes >> 10)]
+    proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), *args], stdout=subprocess.PIPE, text=True)
+    return proc, json.loads(proc.stdout.readline())
+
+
 def bench_handover(mib: int, repeat: int, address: str, frame_bytes: int) -> dict:
+    """Per round, side by side: memcpy, the raw zmq stream, and pull_kv of the same bytes."""
+    import zmq
+
     from meshserve.kvstore.zmq_transport import pull_kv
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            os.path.abspath(__file__),
-            "--serve",
-            str(mib),
-            "--copies",
-            str(repeat),
-            "--address",
-            address,
-            "--frame-kib",
-            str(frame_bytes >> 10),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    kv_proc, info = _spawn("--serve", mib, repeat, address, frame_bytes)
+    raw_proc, raw_info = _spawn("--raw-serve", mib, repeat, address, frame_bytes)
     try:
-        info = json.loads(proc.stdout.readline())
         kv, caches, conn = _replica(info["blocks"] + 1)
         nbytes = info["blocks"] * LAYERS * BLOCK_BYTES
-        zmq_s = []
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
+        dst = torch.ones(nbytes, dtype=torch.uint8)  # pages faulted in, as a serving cache's are
+        raw = zmq.Context.instance().socket(zmq.DEALER)
+        raw.connect(raw_info["address"])
+        view = dst.numpy()
+        times: dict[str, list[float]] = {"memcpy": [], "raw_zmq": [], "pull_kv": []}
         for i in range(repeat):
             t0 = time.perf_counter()
+            ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+            times["memcpy"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            raw.send(b"go")
+            for off in range(0, mib << 20, frame_bytes):
+                raw.recv()
+                raw.recv_into(view[off : off + frame_bytes])
+            times["raw_zmq"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
             pull_kv(conn, info["address"], f"r{i}", timeout_s=120)
-            zmq_s.append(time.perf_counter() - t0)
+            times["pull_kv"].append(time.perf_counter() - t0)
             kv.free(f"r{i}")
-        proc.wait(timeout=60)
+        raw.close(linger=0)
+        kv_proc.wait(timeout=60)
+        raw_proc.wait(timeout=60)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    dst.fill_(1)  # fault the pages in, as the receiver's cache is
-    memcpy_s = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        memcpy_s.append(time.perf_counter() - t0)
-    zmq_gbs = nbytes / statistics.median(zmq_s) / 1e9
-    memcpy_gbs = nbytes / statistics.median(memcpy_s) / 1e9
+        for proc in (kv_proc, raw_proc):
+            if proc.poll() is None:
+                proc.kill()
+    gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     return {
         "mib": nbytes / (1 << 20),
         "address": info["address"],
         "frame_kib": frame_bytes >> 10,
+        "rounds": repeat,
         "sender_export_ms": info["export_s"] * 1e3,
-        "zmq_gb_s_median": zmq_gbs,
-        "zmq_gb_s_best": nbytes / min(zmq_s) / 1e9,
-        "memcpy_gb_s_median": memcpy_gbs,
-        "ratio": zmq_gbs / memcpy_gbs,
+        "memcpy_gb_s_median": gbs["memcpy"],
+        "raw_zmq_gb_s_median": gbs["raw_zmq"],
+        "pull_kv_gb_s_median": gbs["pull_kv"],
+        "pull_kv_gb_s_best": nbytes / min(times["pull_kv"]) / 1e9,
+        "pull_kv_vs_memcpy": gbs["pull_kv"] / gbs["memcpy"],
+        "raw_zmq_vs_memcpy": gbs["raw_zmq"] / gbs["memcpy"],
+        "pull_kv_vs_raw_zmq": gbs["pull_kv"] / gbs["raw_zmq"],
     }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=["bookkeeping", "lookup", "handover"])
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--handover-mib", type=int, default=256)
@@ -231,12 +252,16 @@ def main() -> None:
     parser.add_argument("--address", default="tcp://127.0.0.1", help="zmq endpoint of the sender")
     parser.add_argument("--frame-kib", type=int, default=1024, help="hand-over frame size")
     parser.add_argument("--serve", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--raw-serve", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--copies", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.serve:
         serve(args.serve, args.copies, args.address, args.frame_kib << 10)
+        return
+    if args.raw_serve:
+        raw_serve(args.raw_serve, args.copies, args.address, args.frame_kib << 10)
         return
     out = {}
     if args.only in (None, "bookkeeping"):
