@@ -156,10 +156,8 @@ def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
         server.offer(f"r{i}", ttl_s=600)
     export_s = (time.perf_counter() - export_s) / copies  # pin + checksum, before any pull
     print(json.dumps({"address": server.address, "blocks": blocks, "export_s": export_s}), flush=True)
-    while sys.stdin.readable():
+    while server.num_pending:  # until every offer was pulled and zmq let go of its frames
         server.poll(20)
-        if not server.num_pending:
-            break
     server.close()
 
 

@@ -45,9 +45,7 @@ class BlockPool:
     """
 
     def __init__(self, num_blocks: int) -> None:
-        check(
-            num_blocks >= 2, "num_blocks", num_blocks, "an integer >= 2 (block 0 is the reserved null block)"
-        )
+        check(num_blocks >= 2, "num_blocks", num_blocks, "an integer >= 2 (block 0 is the reserved null block)")
         self.num_blocks = num_blocks
         self.ref_counts: list[int] = [0] * num_blocks  # read-only outside this class
         self._hash: list[BlockHash | None] = [None] * num_blocks
@@ -136,9 +134,7 @@ class BlockPool:
         for block in block_ids:
             if ref[block] == 0:
                 if block not in self._cached:
-                    raise MeshserveError(
-                        f"touch of block {block}, which is free (only held or cached blocks)"
-                    )
+                    raise MeshserveError(f"touch of block {block}, which is free (only held or cached blocks)")
                 del self._cached[block]
                 self.stats.revived += 1
             ref[block] += 1
@@ -205,9 +201,7 @@ class BlockPool:
                 raise AssertionError(f"block {block} has a negative reference count {count}")
             is_free = block in free_set or block in self._cached
             if is_free == (count > 0):
-                raise AssertionError(
-                    f"block {block}: free={is_free} but ref={count} (must be free xor referenced)"
-                )
+                raise AssertionError(f"block {block}: free={is_free} but ref={count} (must be free xor referenced)")
             if block in free_set and block in self._cached:
                 raise AssertionError(f"block {block} is both on the free list and in the LRU")
             if block in free_set and self._hash[block] is not None:
@@ -216,9 +210,7 @@ class BlockPool:
                 raise AssertionError(f"cached block {block} has no hash")
         used = sum(1 for b in range(1, self.num_blocks) if ref[b] > 0)
         if used + self.num_free_blocks != self.num_total_blocks:
-            raise AssertionError(
-                f"free ({self.num_free_blocks}) + used ({used}) != total ({self.num_total_blocks})"
-            )
+            raise AssertionError(f"free ({self.num_free_blocks}) + used ({used}) != total ({self.num_total_blocks})")
         for block_hash, block in self._by_hash.items():
             if self._hash[block] != block_hash:
                 raise AssertionError(f"hash index points at block {block}, which has another hash")

@@ -63,9 +63,7 @@ class KVExportServer:
 
     def offer(self, request_id: str | int, *, ttl_s: float = 60.0) -> str:
         """Export the request's KV for one pull within `ttl_s`; returns the address to pull from."""
-        return self.offer_export(
-            self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s
-        )
+        return self.offer_export(self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s)
 
     def offer_export(self, export: KVExport, *, ttl_s: float = 60.0) -> str:
         """Offer a prepared export (the server releases it after it is sent or expires)."""
