@@ -279,6 +279,7 @@ def test_random_operations_keep_the_invariants():
             deadline=None,
             suppress_health_check=list(HealthCheck),
             derandomize=True,
+            database=None,
         ),
     )
     assert OPS["count"] >= 10_000, f"only {OPS['count']} operations ran"
