@@ -67,8 +67,8 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
         attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
         attn.qkv_proj = nn.Linear(hidden, (q_heads + 2 * kv_heads) * arch.head_dim, bias=arch.qkv_bias)
         attn.o_proj = RowParallelLinear(q_heads * arch.head_dim, hidden, bias=arch.o_bias, ctx=ctx)
-        if attn.sinks is not None:  # one sink logit per query head: this rank's heads
-            attn.sinks = nn.Parameter(torch.empty(q_heads), requires_grad=False)
+        if attn.sinks is not None:  # one sink logit per query head it attends for (DCP: the group's)
+            attn.sinks = nn.Parameter(torch.empty(q_heads * ctx.dcp), requires_grad=False)
         if arch.experts is not None:
             from meshserve.workers.models.gptoss_moe import shard_swiglu_moe
 

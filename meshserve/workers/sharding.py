@@ -51,7 +51,8 @@ EXPERT_SPLITS: dict[str, Split] = {
     "down_proj": Split.ROW,  # [E, I, hidden]: dim 1
     "down_proj_bias": Split.REPLICATED,  # added once, by rank 0
 }
-# Per-head parameters named by their last component: GPT-OSS's sink logits [H] follow the query heads.
+# Per-head parameters named by their last component: GPT-OSS's sink logits [H] follow the query
+# heads a rank attends for (under DCP: its whole DCP group's, gathered before attention).
 PER_HEAD = ("sinks",)
 
 
@@ -71,7 +72,7 @@ def split_of(name: str) -> Split:
     if module == "experts" and kind in EXPERT_SPLITS:
         return EXPERT_SPLITS[kind]
     if kind in PER_HEAD:
-        return Split.COLUMN
+        return Split.DCP_GROUP
     split = SPLITS.get(module, Split.REPLICATED)
     if split is Split.ROW and kind == "bias":
         return Split.REPLICATED
