@@ -268,7 +268,9 @@ def _gemma2(cfg: dict[str, Any]) -> ModelArch:
     bias = bool(cfg.get("attention_bias", False))
 
     def cap(key: str) -> float | None:
-        return None if cfg.get(key) is None else float(cfg[key])
+        value = cfg.get(key)
+        check(value is None or (isinstance(value, int | float) and value > 0), key, value, "a number > 0 or null")
+        return None if value is None else float(value)
 
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.num_layers)]
