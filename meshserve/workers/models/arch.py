@@ -304,6 +304,10 @@ def _gemma3(cfg: dict[str, Any]) -> ModelArch:
 
 def _gpt_oss(cfg: dict[str, Any]) -> ModelArch:
     base = _common(cfg, "GptOssForCausalLM")
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    # The released checkpoints store experts in MXFP4 blocks; only dequantized (bf16/fp32) ones load.
+    check(quant is None, "config.json:quantization_config.quant_method", quant,
+          "absent: an unquantized GPT-OSS checkpoint (dequantize MXFP4 experts first)")
     bias = bool(cfg.get("attention_bias", True))
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.num_layers)]
