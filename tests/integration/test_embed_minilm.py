@@ -149,3 +149,30 @@ def test_paged_layout_only_when_asked(reference):
     assert_match(vectors(paged.embed(SENTENCES[28:31])), reference[28:31])
     with pytest.raises(NoBackendError, match="not a power of two"):
         LLM(MODEL_DIR, attention_backend="TRITON", device="cpu", block_size=24)
+
+
+def test_embedding_service(llm, reference):
+    """The serving protocol over the embedder: Embed answers, Generate is refused naming the task."""
+    import asyncio
+
+    from meshserve.cluster.embedding_service import EmbeddingService
+    from meshserve.workers.sampling_params import SamplingParams
+
+    service = EmbeddingService(llm.embedder, model_name="minilm")
+
+    async def scenario():
+        (card,) = service.models()
+        assert (card.name, card.task, card.max_model_len, card.vocab_size) == ("minilm", "embed", 512, 30522)
+        outs = await service.embed([SENTENCES[9], llm.tokenizer.encode(SENTENCES[12]).ids])
+        with pytest.raises(ConfigError, match="max_model_len=512"):
+            await service.embed([TOO_LONG])
+        with pytest.raises(ConfigError, match="task is 'embed'"):
+            async for _ in service.generate("hi", SamplingParams(), request_id="r1"):
+                pass
+        await service.shutdown()
+        return outs
+
+    outs = asyncio.run(scenario())
+    assert_match(vectors(outs), reference[[9, 12]])
+    assert service.stats().prompt_tokens == sum(o.num_tokens for o in outs)
+    assert not service.health().serving
