@@ -35,15 +35,17 @@ def server_credentials(cert_file: str | Path, key_file: str | Path) -> grpc.Serv
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, token: str, *, open_methods: frozenset[str] = OPEN_METHODS) -> None:
-        self._expected = f"Bearer {token}".encode()
+        self._expected = token.encode()
         self._open = open_methods
 
     def authorized(self, metadata) -> bool:
+        """Exactly one `authorization` entry, scheme Bearer (any case), the right token."""
         given = [v for k, v in (metadata or ()) if k == "authorization"]
         if len(given) != 1:
             return False
         value = given[0].encode() if isinstance(given[0], str) else given[0]
-        return hmac.compare_digest(value, self._expected)
+        scheme, _, token = value.partition(b" ")
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token, self._expected)
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         handler = await continuation(details)

@@ -240,8 +240,11 @@ class LocalService:
         self._recovery = asyncio.get_running_loop().create_task(self._rebuild(dead))
 
     async def _rebuild(self, dead: AsyncEngine) -> None:
+        # Only the executor is shut down: the dead engine's loop ends by itself once it has handed
+        # the error to every open stream (cancelling it now could beat it to that and leave the
+        # streams waiting forever).
         with contextlib.suppress(Exception):
-            await dead.shutdown()
+            dead.core.shutdown()
         delay = self._retry_seconds
         while not self._closed:
             try:
