@@ -99,3 +99,4 @@ def test_lenient_parser():
     bad = parse(pb.GenerateRequest(text="ab").SerializeToString().replace(b"ab", b"\xff\xfe"))
     assert isinstance(bad, Malformed) and "UTF-8" in bad.reason
     assert str(bad.error()).startswith("request='<meshserve.v1.GenerateRequest that does not parse>")
+
