@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	else \
 	    $(BIN)/python -m pip install -q torch==2.13.0; \
 	fi
-	@$(BIN)/python -m pip install -q --compile -e ".[test]"
+	@$(BIN)/python -m pip install -q --compile -e ".[test,bench]"
 	@touch $(STAMP)
 
 # The demo model on 127.0.0.1:50051 (metrics on :9400) until Ctrl-C; try `meshserve client "Python supports"`.

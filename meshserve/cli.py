@@ -31,6 +31,13 @@ def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--needs-lse", action="store_true", help="the layer runs under DCP")
     g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: this machine")
     g.add_argument("--attention-backend", default=None, help="validate this backend instead of choosing")
+    m = p.add_argument_group("a multi-head latent attention layer (DeepSeek-V2/V3) instead")
+    m.add_argument("--kv-lora-rank", type=int, default=None, help="set to describe an MLA layer (e.g. 512)")
+    m.add_argument("--qk-rope-head-dim", type=int, default=64)
+    m.add_argument("--qk-nope-head-dim", type=int, default=128)
+    m.add_argument("--v-head-dim", type=int, default=128)
+    m.add_argument("--mla-decode-backend", default=None, help="validate this MLA decode backend")
+    m.add_argument("--mla-prefill-backend", default=None, help="validate this MLA prefill backend")
     p.add_argument("--quiet", action="store_true", help="only the selection, not the feature table")
 
 
@@ -39,18 +46,21 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     from meshserve.attention.backend import AttentionProblem
     from meshserve.attention.docs import feature_table
-    from meshserve.attention.registry import explain, platform_of, select_backend
+    from meshserve.attention.registry import BackendKind, explain, platform_of, select_backend
     from meshserve.attention.spec import AttentionSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cc = torch.cuda.get_device_capability() if device == "cuda" and torch.cuda.is_available() else None
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-    spec = AttentionSpec(
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
-        attn_type=args.attn_type, sliding_window=args.sliding_window, has_sinks=args.sinks,
-        num_sink_tokens=args.sink_tokens, use_alibi=args.alibi, logits_soft_cap=args.soft_cap,
-        kv_cache_dtype=args.kv_cache_dtype,
-    )
+    if args.kv_lora_rank is not None:
+        spec = _mla_spec(args)
+    else:
+        spec = AttentionSpec(
+            num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_size=args.head_size,
+            attn_type=args.attn_type, sliding_window=args.sliding_window, has_sinks=args.sinks,
+            num_sink_tokens=args.sink_tokens, use_alibi=args.alibi, logits_soft_cap=args.soft_cap,
+            kv_cache_dtype=args.kv_cache_dtype,
+        )
     problem = AttentionProblem(spec=spec, dtype=dtype, block_size=args.block_size,
                                max_model_len=args.max_model_len, device=device, compute_capability=cc,
                                needs_lse=args.needs_lse)
@@ -59,11 +69,28 @@ def cmd_backends(args: argparse.Namespace) -> int:
     where = f"{device}" + (f" sm{cc[0]}{cc[1]}" if cc else "")
     print(f"\nThis machine: {where} (priority list '{platform_of(problem)}'), dtype {dtype}, "
           f"block_size {args.block_size}, max_model_len {args.max_model_len}")
-    for verdict in explain(problem):
-        print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
-    chosen = select_backend(problem, args.attention_backend)
-    print(f"Selected: {chosen.name}")
+    if args.kv_lora_rank is None:
+        choices = [(BackendKind.ATTENTION, args.attention_backend)]
+    else:
+        choices = [(BackendKind.MLA_DECODE, args.mla_decode_backend),
+                   (BackendKind.MLA_PREFILL, args.mla_prefill_backend)]  # fmt: skip
+    for kind, name in choices:
+        if kind is not BackendKind.ATTENTION:
+            print(f"{kind}:")
+        for verdict in explain(problem, kind):
+            print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
+        chosen = select_backend(problem, name, kind=kind)
+        print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}")
     return 0
+
+
+def _mla_spec(args: argparse.Namespace):
+    from meshserve.attention.mla.spec import mla_spec
+    from meshserve.attention.spec import MLADims
+
+    dims = MLADims(kv_lora_rank=args.kv_lora_rank, qk_nope_head_dim=args.qk_nope_head_dim,
+                   qk_rope_head_dim=args.qk_rope_head_dim, v_head_dim=args.v_head_dim)  # fmt: skip
+    return mla_spec(args.num_heads, dims, kv_cache_dtype=args.kv_cache_dtype)
 
 
 def build_parser() -> argparse.ArgumentParser:

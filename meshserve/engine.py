@@ -15,7 +15,7 @@ from pathlib import Path
 from meshserve.cluster.async_engine import AsyncEngine
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.outputs import CompletionDelta, RequestOutput
-from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.errors import check
 from meshserve.workers.sampling_params import SamplingParams
 
@@ -117,29 +117,79 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
+    p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (a divisor of --tp)")
+    p.add_argument("--dcp-comm", default="ag_rs", choices=["ag_rs", "a2a"], help="how DCP partial outputs merge")
     p.set_defaults(func=generate_main)
     return p
 
 
 def generate_main(args: argparse.Namespace) -> int:
-    """Stream the continuation of `args.prompt` to stdout; the reason it ended goes to stderr."""
-    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
-                            stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+    """Stream the continuation of `args.prompt` to stdout; the reason it ended goes to stderr.
+
+    With --tp > 1 one process per rank runs the replica in lock-step (cluster/spmd.py); rank 0 prints.
+    """
+    if args.tp > 1:
+        import torch.multiprocessing as mp
+
+        from meshserve.parallel.groups import local_rendezvous
+
+        ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm)  # refuse bad layouts before spawning
+        mp.start_processes(_generate_rank, args=(args, local_rendezvous()), nprocs=args.tp, join=True,
+                           start_method="spawn")
+        return 0
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty())
-    core = llm.core
-    core.add_request(args.prompt, params)
-    sys.stdout.write(args.prompt)
+    try:
+        _stream(llm.core, args, echo=True)
+    finally:
+        llm.shutdown()
+    return 0
+
+
+def _params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, seed=args.seed, max_tokens=args.max_tokens,
+                          stop=tuple(args.stop), ignore_eos=args.ignore_eos)
+
+
+def _stream(core: EngineCore, args: argparse.Namespace, *, echo: bool) -> None:
+    """Run one request to the end; with echo, print the prompt, the text as it comes and the reason."""
+    core.add_request(args.prompt, _params(args))
+    if echo:
+        sys.stdout.write(args.prompt)
     reason = None
     while core.has_unfinished():
         for delta in core.step():
-            sys.stdout.write(delta.text)
-            sys.stdout.flush()
+            if echo:
+                sys.stdout.write(delta.text)
+                sys.stdout.flush()
             if delta.finished:
                 reason = delta.finish_reason
-    sys.stdout.write("\n")
-    print(f"[finished: {reason}]", file=sys.stderr)
-    llm.shutdown()
-    return 0
+    if echo:
+        sys.stdout.write("\n")
+        print(f"[finished: {reason}]", file=sys.stderr)
+
+
+def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
+    from meshserve.cluster.spmd import SpmdExecutor
+    from meshserve.workers.worker import Worker
+
+    if args.model is None:
+        from meshserve.demo_model import DEMO_MODEL_DIR
+
+        args.model = str(DEMO_MODEL_DIR)
+    config = EngineConfig(
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+        attention=AttentionConfig(backend=args.attention_backend),
+        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm),
+    )
+    worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device=args.device,
+                    progress=False, init_method=init_method)
+    core = EngineCore(config, executor=SpmdExecutor(worker))
+    try:
+        _stream(core, args, echo=rank == 0)
+    finally:
+        core.shutdown()

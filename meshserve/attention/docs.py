@@ -10,9 +10,14 @@ import argparse
 from pathlib import Path
 
 from meshserve.attention.backend import BackendCapabilities
-from meshserve.attention.registry import BACKENDS, PRIORITIES, load_backend
+from meshserve.attention.registry import BackendKind, load_backend, tables
 
 BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
+SECTIONS = (
+    (BackendKind.ATTENTION, "Standard attention"),
+    (BackendKind.MLA_DECODE, "Multi-head latent attention: decode"),
+    (BackendKind.MLA_PREFILL, "Multi-head latent attention: prefill"),
+)
 
 
 def _yes(flag: bool) -> str:
@@ -52,12 +57,13 @@ def _rows(caps: BackendCapabilities) -> dict[str, str]:
     }
 
 
-def feature_table() -> str:
-    """Markdown: one column per registered backend, one row per capability."""
+def kind_table(kind: BackendKind = BackendKind.ATTENTION) -> str:
+    """Markdown: one column per backend registered for `kind`, one row per capability."""
+    backends, priorities = tables(kind)
     columns: dict[str, dict[str, str]] = {}
-    for name in BACKENDS:
+    for name in backends:
         try:
-            columns[name] = _rows(load_backend(name).capabilities)
+            columns[name] = _rows(load_backend(name, kind).capabilities)
         except ImportError as exc:
             columns[name] = {"notes": f"cannot be imported here: {exc}"}
     features = list(next(iter(c for c in columns.values() if len(c) > 1)).keys())
@@ -65,8 +71,13 @@ def feature_table() -> str:
     for feature in features:
         lines.append(f"| {feature} | " + " | ".join(c.get(feature, "?") for c in columns.values()) + " |")
     lines += ["", "Priority (automatic selection takes the first valid backend):", ""]
-    lines += [f"- `{platform}`: {' > '.join(order)}" for platform, order in PRIORITIES.items()]
+    lines += [f"- `{platform}`: {' > '.join(order)}" for platform, order in priorities.items()]
     return "\n".join(lines)
+
+
+def feature_table() -> str:
+    """Every kind's table under its own heading: standard attention, then MLA decode and prefill."""
+    return "\n\n".join(f"### {title}\n\n{kind_table(kind)}" for kind, title in SECTIONS)
 
 
 def render_page(page: str) -> str:

@@ -3,15 +3,24 @@
 Automatic selection takes the first backend in the platform's priority list that validates.
 Explicit selection validates the named backend and fails with its reasons. When nothing is
 valid the error lists every backend with every reason. An ImportError is a reason too.
+
+Three tables, one selection logic (`kind`): standard attention, and multi-head latent attention
+whose decode and prefill backends are chosen separately (as vLLM does): decode attends in the
+latent space, prefill over expanded K/V, and the fastest of each differs.
 """
 
 from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem
-from meshserve.errors import ConfigError, NoBackendError
+from meshserve.errors import ConfigError, NoBackendError, as_enum
+
+if TYPE_CHECKING:
+    from meshserve.attention.mla.backend import MLABackend
 
 # name -> "module:Class"; imported only when asked for.
 BACKENDS: dict[str, str] = {
@@ -29,6 +38,50 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
 }
 
 
+MLA_DECODE_BACKENDS: dict[str, str] = {
+    "TORCH": "meshserve.attention.mla.backends.torch_ref:TorchMLABackend",
+    "TRITON": "meshserve.attention.mla.backends.triton_decode:TritonMLADecodeBackend",
+    "FLASHINFER": "meshserve.attention.mla.backends.flashinfer:FlashInferMLADecodeBackend",
+}
+MLA_DECODE_PRIORITIES: dict[str, tuple[str, ...]] = {
+    "cuda_sm90": ("FLASHINFER", "TRITON", "TORCH"),
+    "cuda_sm100": ("FLASHINFER", "TRITON", "TORCH"),
+    "cuda": ("TRITON", "TORCH"),
+    "cpu": ("TORCH", "TRITON"),
+}
+MLA_PREFILL_BACKENDS: dict[str, str] = {
+    "TORCH": "meshserve.attention.mla.backends.torch_ref:TorchMLABackend",
+    "TRITON": "meshserve.attention.mla.backends.triton_prefill:TritonMLAPrefillBackend",
+}
+MLA_PREFILL_PRIORITIES: dict[str, tuple[str, ...]] = {
+    "cuda_sm90": ("TRITON", "TORCH"),
+    "cuda_sm100": ("TRITON", "TORCH"),
+    "cuda": ("TRITON", "TORCH"),
+    "cpu": ("TORCH", "TRITON"),
+}
+
+
+class BackendKind(StrEnum):
+    ATTENTION = "attention"  # standard layers: AttentionBackend
+    MLA_DECODE = "mla_decode"  # MLA layers, decode sequences: MLABackend
+    MLA_PREFILL = "mla_prefill"  # MLA layers, prefill sequences: MLABackend
+
+
+def tables(kind: BackendKind | str = BackendKind.ATTENTION) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
+    """(name -> "module:Class", platform -> priority) of one kind, read when called."""
+    kind = as_enum(BackendKind, "backend kind", kind)
+    if kind is BackendKind.MLA_DECODE:
+        return MLA_DECODE_BACKENDS, MLA_DECODE_PRIORITIES
+    if kind is BackendKind.MLA_PREFILL:
+        return MLA_PREFILL_BACKENDS, MLA_PREFILL_PRIORITIES
+    return BACKENDS, PRIORITIES
+
+
+def _field(kind: BackendKind | str) -> str:
+    """The setting that names a backend of this kind (for error messages): attention_backend, ..."""
+    return f"{as_enum(BackendKind, 'backend kind', kind)}_backend"
+
+
 def platform_of(problem: AttentionProblem) -> str:
     """The priority list that applies to `problem`'s device."""
     if problem.device != "cuda":
@@ -41,11 +94,14 @@ def platform_of(problem: AttentionProblem) -> str:
     return "cuda"
 
 
-def load_backend(name: str) -> type[AttentionBackend]:
+def load_backend(
+    name: str, kind: BackendKind | str = BackendKind.ATTENTION
+) -> type[AttentionBackend] | type[MLABackend]:
     """Import and return the backend class registered as `name` (ImportError propagates)."""
-    if name not in BACKENDS:
-        raise ConfigError("attention_backend", name, f"one of {sorted(BACKENDS)}")
-    module, _, cls = BACKENDS[name].partition(":")
+    backends, _ = tables(kind)
+    if name not in backends:
+        raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
+    module, _, cls = backends[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
 
@@ -61,39 +117,45 @@ class Verdict:
         return not self.reasons
 
 
-def judge(name: str, problem: AttentionProblem) -> Verdict:
+def judge(name: str, problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> Verdict:
     try:
-        backend = load_backend(name)
+        backend = load_backend(name, kind)
     except ImportError as exc:
         return Verdict(name, (f"cannot be imported: {exc}",))
     return Verdict(name, tuple(backend.validate_configuration(problem)))
 
 
-def explain(problem: AttentionProblem) -> list[Verdict]:
+def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:
     """Every registered backend's verdict, in the platform's priority order first."""
-    order = list(PRIORITIES[platform_of(problem)])
-    order += [n for n in BACKENDS if n not in order]
-    return [judge(n, problem) for n in order]
+    backends, priorities = tables(kind)
+    order = list(priorities[platform_of(problem)])
+    order += [n for n in backends if n not in order]
+    return [judge(n, problem, kind) for n in order]
 
 
 def _format(verdicts: list[Verdict]) -> str:
     return "\n".join(f"  {v.name}: " + "; ".join(v.reasons) for v in verdicts)
 
 
-def select_backend(problem: AttentionProblem, name: str | None = None) -> type[AttentionBackend]:
-    """The backend class to use: `name` if given (validated), else the first valid by priority."""
+def select_backend(
+    problem: AttentionProblem, name: str | None = None, *, kind: BackendKind | str = BackendKind.ATTENTION
+) -> type[AttentionBackend] | type[MLABackend]:
+    """The backend class to use: `name` if given (validated), else the first valid by priority.
+
+    kind ATTENTION gives an AttentionBackend subclass; MLA_DECODE / MLA_PREFILL an MLABackend one.
+    """
+    backends, priorities = tables(kind)
+    what = "attention backend" if str(kind) == "attention" else f"{kind} backend"
     if name is not None:
         name = name.upper()
-        if name not in BACKENDS:
-            raise ConfigError("attention_backend", name, f"one of {sorted(BACKENDS)}")
-        verdict = judge(name, problem)
+        if name not in backends:
+            raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
+        verdict = judge(name, problem, kind)
         if not verdict.ok:
-            raise NoBackendError(
-                f"attention backend {name} cannot serve this configuration:\n" + _format([verdict])
-            )
-        return load_backend(name)
-    verdicts = explain(problem)
+            raise NoBackendError(f"{what} {name} cannot serve this configuration:\n" + _format([verdict]))
+        return load_backend(name, kind)
+    verdicts = explain(problem, kind)
     for verdict in verdicts:
-        if verdict.ok and verdict.name in PRIORITIES[platform_of(problem)]:
-            return load_backend(verdict.name)
-    raise NoBackendError("no attention backend can serve this configuration:\n" + _format(verdicts))
+        if verdict.ok and verdict.name in priorities[platform_of(problem)]:
+            return load_backend(verdict.name, kind)
+    raise NoBackendError(f"no {what} can serve this configuration:\n" + _format(verdicts))

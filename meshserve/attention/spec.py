@@ -40,6 +40,18 @@ class MLADims:
     v_head_dim: int
     q_lora_rank: int | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
+        if self.q_lora_rank is not None:
+            check(self.q_lora_rank >= 1, "q_lora_rank", self.q_lora_rank, "an integer >= 1 or None")
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Per-head query/key width before absorption: the no-rope part plus the rope part."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
     @property
     def latent_size(self) -> int:
         """Per-token width of the latent cache: compressed KV plus the shared rope key."""

@@ -12,34 +12,16 @@ share one tensor.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from meshserve.attention.backend import DTYPES, FP8_DTYPES, KVCache
+from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.spec import AttentionSpec
 from meshserve.errors import ConfigError, check
 
-
-@dataclass
-class MLACache:
-    """One MLA layer's paged latent cache.
-
-    data:  [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]; model dtype or float8
-    scale: [] float32 (FP8 only matters): stored value = real value / scale
-    """
-
-    data: torch.Tensor
-    scale: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
-
-    @property
-    def block_size(self) -> int:
-        return self.data.shape[1]
-
-    @property
-    def is_fp8(self) -> bool:
-        return self.data.dtype in FP8_DTYPES.values()
-
+# The latent cache type is the one the MLA backends read (attention/mla/cache.py).
+MLACache = LatentCache
 
 LayerCache = KVCache | MLACache
 
@@ -132,7 +114,7 @@ def allocate_caches(
         data = torch.zeros((num_blocks, *shape), dtype=cache_dtype(spec, dtype), device=device)
         one = torch.tensor(1.0, dtype=torch.float32, device=device)
         if spec.mla is not None:
-            out.append(MLACache(data=data, scale=one))
+            out.append(MLACache(data=data, kv_lora_rank=spec.mla.kv_lora_rank, scale=one))
         else:
             out.append(KVCache(data=data, k_scale=one, v_scale=one.clone()))
     return out

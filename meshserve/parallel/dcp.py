@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from meshserve.attention.backend import AttentionBackend, LayerParams
 from meshserve.attention.merge import merge_attn_states_n
 from meshserve.config import DcpComm
+from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_gather
 
 
@@ -69,3 +71,34 @@ def kv_heads_of_rank(num_heads: int, num_kv_heads: int, ctx: ParallelContext) ->
     first_kv = first_q // per_kv
     last_kv = (first_q + q_per_group - 1) // per_kv
     return range(first_kv, last_kv + 1)
+
+
+class DcpAttention:
+    """A backend seen through DCP: same plan and write_kv, forward over this rank's token shard.
+
+    forward gathers the DCP group's query heads, attends over the local shard with the LSE, and
+    merges across the group (ag_rs or a2a), returning this rank's heads. The wrapped backend
+    must declare `capabilities.dcp` (global positions over a sharded cache) — the registry
+    refuses it for a DCP problem otherwise.
+    """
+
+    def __init__(self, backend: AttentionBackend, ctx: ParallelContext, comm: DcpComm) -> None:
+        self.inner = backend
+        self.ctx = ctx
+        self.comm = comm
+        self.name = backend.name
+        self.spec = backend.spec
+
+    def plan(self, metadata):
+        return self.inner.plan(metadata)
+
+    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
+        self.inner.write_kv(key, value, kv_cache, slot_mapping)
+
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, kv_cache,
+                plan: object, *, layer: LayerParams | None = None, return_lse: bool = False) -> torch.Tensor:
+        check(not return_lse, "return_lse", return_lse, "False under DCP (the merged LSE is not kept)")
+        q_all = gather_queries(query, self.ctx)  # [T, dcp * H_local, D]
+        out, lse = self.inner.forward(q_all, key, value, kv_cache, plan, layer=layer or LayerParams(),
+                                      return_lse=True)
+        return merge_outputs(out, lse, self.ctx, self.comm)

@@ -6,6 +6,7 @@ CPU, NCCL on CUDA. A single-rank replica creates no group and every collective i
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -74,6 +75,13 @@ def init_parallel(config: ParallelConfig, *, rank: int, init_method: str | None,
                 dcp_group = group
     return ParallelContext(rank=rank, tp=config.tp, dcp=config.dcp, tp_group=dist.group.WORLD,
                            dcp_group=dcp_group)
+
+
+def local_rendezvous(host: str = "127.0.0.1") -> str:
+    """A tcp:// rendezvous on a port that is free on `host` now (for ranks started on this machine)."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return f"tcp://{host}:{sock.getsockname()[1]}"
 
 
 def shutdown_parallel(ctx: ParallelContext) -> None:

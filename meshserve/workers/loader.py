@@ -19,6 +19,7 @@ from tqdm import tqdm
 from meshserve.config import Dtype
 from meshserve.errors import MeshserveError, as_enum
 from meshserve.workers.checkpoint import Checkpoint, read_arch
+from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.transformer import CausalLM
 from meshserve.workers.sharding import kv_heads_per_rank, shard_of
@@ -51,20 +52,21 @@ def resolve_dtype(dtype: str | Dtype | torch.dtype | None, arch: ModelArch, devi
     return torch.float32 if torch.device(device).type == "cpu" else native
 
 
-def part_sizes(fused: str, arch: ModelArch, world: int) -> tuple[int, ...]:
+def part_sizes(fused: str, arch: ModelArch, world: int, dcp: int = 1) -> tuple[int, ...]:
     """Rows of each part inside this rank's fused matrix."""
     if fused == "qkv_proj":
-        kv = kv_heads_per_rank(arch, world) * arch.head_dim
+        kv = kv_heads_per_rank(arch, world, dcp) * arch.head_dim
         return (arch.q_size // world, kv, kv)
     return (arch.intermediate_size // world,) * 2
 
 
-def _target(name: str, arch: ModelArch, world: int) -> tuple[str, int | None, int | None]:
+def _target(name: str, arch: ModelArch, world: int, dcp: int,
+            stacked: dict[str, tuple[str, int]] = STACKED) -> tuple[str, int | None, int | None]:  # fmt: skip
     """Checkpoint name -> (model parameter name, row offset, rows) inside a fused parameter."""
     parts = name.split(".")
-    if len(parts) >= 2 and parts[-2] in STACKED:
-        fused, index = STACKED[parts[-2]]
-        sizes = part_sizes(fused, arch, world)
+    if len(parts) >= 2 and parts[-2] in stacked:
+        fused, index = stacked[parts[-2]]
+        sizes = part_sizes(fused, arch, world, dcp)
         return ".".join([*parts[:-2], fused, parts[-1]]), sum(sizes[:index]), sizes[index]
     return name, None, None
 
@@ -76,24 +78,28 @@ def _is_last(name: str) -> bool:
     return index == len(FUSED_PARTS[fused]) - 1
 
 
-def _expected(params: dict[str, torch.nn.Parameter]) -> set[str]:
+def _expected(params: dict[str, torch.nn.Parameter], fused_parts: dict[str, tuple[str, ...]]) -> set[str]:
     """Checkpoint tensor names the model's parameters need."""
     out: set[str] = set()
     for pname in params:
         parts = pname.split(".")
-        if len(parts) >= 2 and parts[-2] in FUSED_PARTS:
+        if len(parts) >= 2 and parts[-2] in fused_parts:
             out |= {".".join([*parts[:-2], p, parts[-1]]) for p in FUSED_PARTS[parts[-2]]}
         else:
             out.add(pname)
     return out
 
 
-def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int = 1,
+def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int = 1, dcp: int = 1,
                  progress: bool = True) -> None:
-    """Fill every parameter of `model` from `ckpt`, slicing each tensor for `rank` of `world`."""
+    """Fill every parameter of `model` from `ckpt`, slicing each tensor for `rank` of `world`
+    (`dcp`: ranks of one DCP group share K/V heads)."""
     arch = model.arch
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    expected = _expected(params)
+    # A model class may fuse differently (or not at all): it says so with its own STACKED map.
+    stacked = getattr(model, "STACKED", STACKED)
+    fused_parts = {f: FUSED_PARTS[f] for f, _ in stacked.values()}
+    expected = _expected(params, fused_parts)
     names = ckpt.names()
     loaded: set[str] = set()
     bar = tqdm(names, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress,
@@ -103,11 +109,11 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
             continue  # derived from the config; some old checkpoints store it
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue  # the embedding serves as the LM head
-        target, offset, rows = _target(name, arch, world)
+        target, offset, rows = _target(name, arch, world, dcp, stacked)
         if target not in params:
             raise WeightError(f"checkpoint tensor '{name}' {ckpt.shape(name)} has no place in the "
                               f"{arch.architecture} model (unexpected tensor in {ckpt.model_dir})")
-        shard = shard_of(name, ckpt.shape(name), arch, rank, world)
+        shard = shard_of(name, ckpt.shape(name), arch, rank, world, dcp)
         tensor = ckpt.read(name, shard.dim, shard.start, shard.stop)
         dest = params[target].data
         where = f" (rank {rank} of {world})" if world > 1 else ""
@@ -133,7 +139,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
                 transform: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """An unfilled model on `device` (weights uninitialised), built without touching memory first."""
     with torch.device("meta"):
-        model = CausalLM(arch, max_positions=max_positions)
+        model = model_class(arch)(arch, max_positions=max_positions)
     if transform is not None:
         transform(model)
     model = model.to(dtype).to_empty(device=device)
@@ -144,7 +150,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
 
 
 def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None = None,
-               device: str | torch.device = "cpu", rank: int = 0, world: int = 1,
+               device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1,
                max_positions: int | None = None, progress: bool = True,
                transform: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """Load the HF checkpoint in `model_dir` as rank `rank` of a `world`-way tensor-parallel group.
@@ -157,5 +163,5 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
     model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
                         transform=transform)
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
-        load_weights(model, ckpt, rank=rank, world=world, progress=progress)
+        load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, progress=progress)
     return model

@@ -27,23 +27,33 @@ DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat1
 
 
 def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: torch.dtype, block_size: int,
-                  max_model_len: int, device: torch.device) -> list[AttentionBackend]:
+                  max_model_len: int, device: torch.device, dcp_size: int = 1) -> list[AttentionBackend]:
     """One backend instance per distinct spec, listed per layer.
 
     The backend class is chosen once (by name, or by priority for the first layer's problem)
-    and must serve every layer; otherwise the registry's error lists the reasons.
+    and must serve every layer; otherwise the registry's error lists the reasons. MLA layers get
+    an MLAAttention instead (its decode and prefill backends are chosen from their own tables).
     """
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
     def problem(spec: AttentionSpec) -> AttentionProblem:
         return AttentionProblem(spec=spec, dtype=DTYPE_NAMES[dtype], block_size=block_size,
-                                max_model_len=max_model_len, device=device.type, compute_capability=cc)
+                                max_model_len=max_model_len, device=device.type, compute_capability=cc,
+                                dcp_size=dcp_size)
 
     distinct = list(dict.fromkeys(specs))
-    chosen = select_backend(problem(distinct[0]), name)
-    for spec in distinct[1:]:
-        select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
-    instances = {spec: chosen(problem(spec)) for spec in distinct}
+    standard = [spec for spec in distinct if spec.mla is None]
+    instances: dict[AttentionSpec, object] = {}
+    if standard:
+        chosen = select_backend(problem(standard[0]), name)
+        for spec in standard[1:]:
+            select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
+        instances.update({spec: chosen(problem(spec)) for spec in standard})
+    for spec in distinct:
+        if spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table
+            from meshserve.attention.mla.layer import MLAAttention
+
+            instances[spec] = MLAAttention.named(problem(spec), name)
     return [instances[spec] for spec in specs]
 
 
@@ -58,13 +68,18 @@ class ModelRunner:
     """Executes step plans on one rank. `is_driver` (rank 0) samples; other ranks only compute."""
 
     def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
-                 block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0) -> None:
+                 block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
+                 dcp_size: int = 1, dcp_rank: int = 0) -> None:
+        """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
+        block tables in step plans are logical (block_size * dcp_size tokens per block) and this
+        rank stores positions dcp_rank, dcp_rank + dcp_size, ..."""
         check(len(backends) == len(kv_caches) == len(model.model.layers), "kv_caches", len(kv_caches),
               f"one per layer ({len(model.model.layers)})")
         self.model = model
         self.backends = list(backends)
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
+        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.device = torch.device(device)
         self.is_driver = is_driver
         self.sampler = Sampler(seed=seed, device=self.device) if is_driver else None
@@ -98,6 +113,8 @@ class ModelRunner:
             block_tables=[s.block_table for s in order],
             block_size=self.block_size,
             device=self.device,
+            dcp_size=self.dcp_size,
+            dcp_rank=self.dcp_rank,
         )
         input_ids = torch.tensor([t for s in order for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
@@ -107,13 +124,14 @@ class ModelRunner:
             layers=[LayerAttention(b, plans[id(b)], kv) for b, kv in zip(self.backends, self.kv_caches)],
         )
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [T, hidden]
-        if not self.is_driver:
-            return []
         ends = torch.tensor(_ends(order), dtype=torch.int64)
         to_sample = [i for i, s in enumerate(order) if s.sample]
         if not to_sample:
             return []
+        # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
         logits = self.model.compute_logits(hidden[ends[to_sample].to(self.device)])  # [N, V] float32
+        if not self.is_driver:
+            return []
         rows = []
         for i in to_sample:
             req = self.requests[order[i].request_id]

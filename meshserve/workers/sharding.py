@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 from meshserve.errors import check
+from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.models.arch import ModelArch
 
 
@@ -22,11 +23,14 @@ class Split(StrEnum):
     KV_COLUMN = "kv_column"  # dim 0 split by K/V head, replicated when heads < ranks
     ROW = "row"  # dim 1 split evenly
     VOCAB = "vocab"  # dim 0 split into ceil(V / world) rows per rank
+    DCP_GROUP = "dcp_group"  # dim 0 split into tp // dcp equal parts, one per DCP group (MLA kv_b_proj)
 
 
 # Module name (second-to-last component of the tensor name) -> split rule for its weight.
 SPLITS: dict[str, Split] = {
     "q_proj": Split.COLUMN,
+    "q_b_proj": Split.COLUMN,  # DeepSeek: query heads after the q LoRA
+    "kv_b_proj": Split.DCP_GROUP,  # DeepSeek: W_UK/W_UV of the query heads a DCP group attends for
     "k_proj": Split.KV_COLUMN,
     "v_proj": Split.KV_COLUMN,
     "gate_proj": Split.COLUMN,
@@ -57,12 +61,15 @@ def split_of(name: str) -> Split:
     return split
 
 
-def kv_heads_per_rank(arch: ModelArch, world: int) -> int:
-    return max(arch.num_kv_heads // world, 1)
+def kv_heads_per_rank(arch: ModelArch, world: int, dcp: int = 1) -> int:
+    return local_kv_heads(arch.num_kv_heads, world, dcp)
 
 
-def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, world: int) -> Shard:
-    """The part of tensor `name` (full shape `shape`) that rank `rank` of `world` holds."""
+def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, world: int, dcp: int = 1) -> Shard:
+    """The part of tensor `name` (full shape `shape`) that rank `rank` of `world` holds.
+
+    Under DCP (dcp > 1) the ranks of one DCP group hold the same K/V heads (they split tokens).
+    """
     check(world >= 1, "world", world, "an integer >= 1")
     check(0 <= rank < world, "rank", rank, f"an integer in [0, {world - 1}]")
     split = split_of(name)
@@ -72,14 +79,15 @@ def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, worl
         per = -(-shape[0] // world)
         return Shard(0, min(rank * per, shape[0]), min((rank + 1) * per, shape[0]))
     if split is Split.KV_COLUMN:
-        heads, d = arch.num_kv_heads, arch.head_dim
-        if heads >= world:
-            check(heads % world == 0, "tp", world, f"a divisor of num_key_value_heads={heads} (tensor {name})")
-            per = heads // world
-            return Shard(0, rank * per * d, (rank + 1) * per * d)
-        check(world % heads == 0, "tp", world, f"a multiple of num_key_value_heads={heads} (tensor {name})")
-        head = rank * heads // world
-        return Shard(0, head * d, (head + 1) * d)
+        d = arch.head_dim
+        heads = local_kv_heads(arch.num_kv_heads, world, dcp)  # checks divisibility, names the values
+        first = kv_head_offset(arch.num_kv_heads, world, dcp, rank)
+        return Shard(0, first * d, (first + heads) * d)
+    if split is Split.DCP_GROUP:
+        groups = world // dcp
+        check(shape[0] % groups == 0, "tp", world, f"tp/dcp dividing {shape[0]} (dim 0 of tensor {name})")
+        per = shape[0] // groups
+        return Shard(0, rank // dcp * per, (rank // dcp + 1) * per)
     dim = 0 if split is Split.COLUMN else 1
     size = shape[dim]
     check(size % world == 0, "tp", world, f"a divisor of {size} (dim {dim} of tensor {name})")

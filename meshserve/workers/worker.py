@@ -13,12 +13,18 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.parallel.dcp import DcpAttention
+from meshserve.parallel.dcp_mla import DcpMLAAttention
+from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
+from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
 from meshserve.workers.loader import load_model, resolve_dtype
+from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
 from meshserve.workers.step import StepPlan
@@ -78,6 +84,7 @@ class Worker:
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.progress = progress
         self.runner: ModelRunner | None = None
+        self.ctx = ParallelContext()
         self.info: WorkerInfo | None = None
 
     def start(self) -> WorkerInfo:
@@ -86,28 +93,38 @@ class Worker:
             return self.info
         t0 = time.perf_counter()
         arch = read_arch(self.model_config.model)
-        self.parallel.check_heads(arch.num_heads, arch.num_kv_heads)
+        par = self.parallel
+        par.check_heads(arch.num_heads, arch.num_kv_heads)
         max_model_len = resolve_max_model_len(self.model_config, arch)
         dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
+        self.ctx = ctx = init_parallel(par, rank=self.rank, init_method=self.init_method, device=self.device.type)
         bs = self.cache_config.block_size
+        logical_bs = bs * par.dcp  # a block-table entry covers bs tokens on each of the dcp ranks
+
+        def transform(model):
+            tensor_parallel_transform(arch)(model, ctx)
+
         model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
-                           world=self.parallel.tp, max_positions=max_model_len, progress=self.progress)
-        capacity = -(-max_model_len // bs) * bs  # block tables hold whole blocks
-        backends = make_backends(model.attention_specs(), name=self.attention_config.backend, dtype=dtype,
-                                 block_size=bs, max_model_len=capacity, device=self.device)
-        specs = model.attention_specs()
-        tp = self.parallel.tp
-        num_blocks = self._num_blocks(block_bytes(specs, bs, dtype, tp_size=tp))
-        needed = -(-max_model_len // bs) + 1
+                           world=par.tp, dcp=par.dcp, max_positions=max_model_len, progress=self.progress,
+                           transform=transform if par.tp > 1 else None)
+        specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
+        capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
+        backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,
+                                 max_model_len=max(capacity, bs), device=self.device, dcp_size=par.dcp)
+        if par.dcp > 1:
+            backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
+                        else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
+        num_blocks = self._num_blocks(block_bytes(specs, bs, dtype))
+        needed = -(-max_model_len // logical_bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
-              f">= {needed} blocks of {bs} tokens (the null block + one max_model_len={max_model_len} "
+              f">= {needed} blocks of {logical_bs} tokens (the null block + one max_model_len={max_model_len} "
               "sequence); give more KV memory or lower max_model_len")
-        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
-                                 tp_size=tp)
+        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device)
         retention = RetentionPolicy.from_specs(specs)
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
-                                  is_driver=self.rank == 0, seed=self.model_config.seed)
-        self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs,
+                                  is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
+                                  dcp_rank=ctx.dcp_rank)
+        self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=logical_bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
                                dtype=str(dtype).removeprefix("torch."), sliding_window=retention.sliding_window,
@@ -140,5 +157,7 @@ class Worker:
     def shutdown(self) -> None:
         self.runner = None
         self.info = None
+        shutdown_parallel(self.ctx)
+        self.ctx = ParallelContext()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

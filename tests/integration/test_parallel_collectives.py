@@ -6,38 +6,35 @@ import torch
 from meshserve.config import DcpComm, ParallelConfig
 from meshserve.parallel import dcp as dcp_ops
 from meshserve.parallel.groups import init_parallel, shutdown_parallel
-from meshserve.parallel.layers import ColumnParallelLinear, ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding, vocab_range
 from tests.integration.distributed import run_ranks
 from tests.unit.attention.scenarios import Scenario, make_case, oracle
 from tests.unit.attention.test_dcp_reference import shard_run
 
 
 def check_tp_layers(ctx) -> None:
+    """Each layer filled with this rank's slice (cut here, independently of the loader)."""
     gen = torch.Generator().manual_seed(0)  # the same full weights on every rank
-    hidden, inter, vocab = 16, 24, 40
+    hidden, inter, vocab = 16, 24, 41  # 41 rows do not split evenly: the last shard is shorter
     x = torch.randn(5, hidden, generator=gen)
-    w_qkv = torch.randn(8 + 4 + 4, hidden, generator=gen)
-    b_qkv = torch.randn(16, generator=gen)
-    w_up, w_down = torch.randn(2 * inter, hidden, generator=gen), torch.randn(hidden, inter, generator=gen)
-    b_down = torch.randn(hidden, generator=gen)
+    h = torch.randn(5, inter, generator=gen)
+    w_down, b_down = torch.randn(hidden, inter, generator=gen), torch.randn(hidden, generator=gen)
     emb = torch.randn(vocab, hidden, generator=gen)
-    ids = torch.randint(0, vocab, (7,), generator=gen)
+    ids = torch.randint(0, vocab, (9,), generator=gen)
+    per_in = inter // ctx.tp
+    cols = slice(ctx.rank * per_in, (ctx.rank + 1) * per_in)
 
-    qkv = ColumnParallelLinear(w_qkv, b_qkv, ctx, parts=[8, 4, 4])(x)
-    q, k, v = torch.split(torch.nn.functional.linear(x, w_qkv, b_qkv), [8, 4, 4], dim=-1)
-    n = ctx.tp
-    expect = torch.cat([t.chunk(n, -1)[ctx.rank] for t in (q, k, v)], -1)
-    torch.testing.assert_close(qkv, expect)
+    down = RowParallelLinear(per_in, hidden, bias=True, ctx=ctx)
+    down.weight.data.copy_(w_down[:, cols])
+    down.bias.data.copy_(b_down)
+    torch.testing.assert_close(down(h[:, cols]), h @ w_down.T + b_down, rtol=1e-5, atol=1e-5)
 
-    gate_up = ColumnParallelLinear(w_up, None, ctx, parts=[inter, inter])(x)
-    g, u = gate_up.chunk(2, -1)
-    y = RowParallelLinear(w_down, b_down, ctx)(torch.nn.functional.silu(g) * u)
-    g_full, u_full = torch.nn.functional.linear(x, w_up).chunk(2, -1)
-    y_full = torch.nn.functional.linear(torch.nn.functional.silu(g_full) * u_full, w_down, b_down)
-    torch.testing.assert_close(y, y_full, rtol=1e-5, atol=1e-5)
-
-    torch.testing.assert_close(VocabParallelEmbedding(emb, ctx)(ids), emb[ids])
-    torch.testing.assert_close(ParallelLMHead(emb, ctx)(x), x @ emb.T, rtol=1e-5, atol=1e-5)
+    start, stop = vocab_range(vocab, ctx)
+    embed, head = VocabParallelEmbedding(vocab, hidden, ctx=ctx), ParallelLMHead(vocab, hidden, ctx=ctx)
+    embed.weight.data.copy_(emb[start:stop])
+    head.weight.data.copy_(emb[start:stop])
+    torch.testing.assert_close(embed(ids), emb[ids])
+    torch.testing.assert_close(head(x), x @ emb.T, rtol=1e-5, atol=1e-5)
 
 
 # Uneven shards and a one-token sequence (every rank but 0 holds no key of it).

@@ -10,9 +10,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshserve.errors import ConfigError, check
+
+if TYPE_CHECKING:
+    from meshserve.workers.models.deepseek_arch import DeepseekArch
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,7 @@ class ModelArch:
     torch_dtype: str = "float32"
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    deepseek: DeepseekArch | None = None  # MLA + MoE models (deepseek_arch.py); built by deepseek.py
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -202,12 +206,27 @@ def _mistral(cfg: dict[str, Any]) -> ModelArch:
     return replace(base, layer_windows=(window,) * base.num_layers)
 
 
-# `architectures[0]` in config.json -> parser. The transformer is the same for all of them.
+def _deepseek_v2(cfg: dict[str, Any]) -> ModelArch:
+    from meshserve.workers.models.deepseek_arch import parse_deepseek_v2
+
+    return parse_deepseek_v2(cfg)
+
+
+def _deepseek_v3(cfg: dict[str, Any]) -> ModelArch:
+    from meshserve.workers.models.deepseek_arch import parse_deepseek_v3
+
+    return parse_deepseek_v3(cfg)
+
+
+# `architectures[0]` in config.json -> parser. The transformer is the same for the first four;
+# DeepSeek (MLA attention, MoE) is built by models/deepseek.py (see models.model_class).
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArch]] = {
     "LlamaForCausalLM": _llama,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "MistralForCausalLM": _mistral,
+    "DeepseekV2ForCausalLM": _deepseek_v2,
+    "DeepseekV3ForCausalLM": _deepseek_v3,
 }
 
 

@@ -1,0 +1,141 @@
+"""Compile the TRITON backend's kernels for a GPU target on a machine without one, and report them.
+
+    python -m bench.kernel_report [--arch 90] [--sass DIR]
+
+Runs the backend's real launch path on CPU tensors with the kernel launch intercepted: every
+launch is compiled with `triton.compile` for sm_<arch> instead of run, and cuobjdump reports the
+registers, stack frame (spills) and shared memory of each variant. This catches compile errors and register
+spills before any GPU time is spent; with --sass it also writes each kernel's SASS (to check
+for wgmma/HGMMA in prefill and 16-byte loads in decode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import JITFunction, create_function_from_signature
+
+from meshserve.attention.backend import AttentionProblem, KVCache
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.spec import AttentionSpec, KVCacheDtype
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+class Recorder:
+    """Stands in for JITFunction.run: compiles each launch for `target` and keeps the result."""
+
+    def __init__(self, target: GPUTarget, sass_dir: Path | None) -> None:
+        self.target, self.sass_dir, self.rows, self.seen = target, sass_dir, [], set()
+
+    def __call__(self, fn: JITFunction, *args, grid, warmup, **kwargs):
+        # The same binding and specialisation (16-byte alignment, divisibility by 16) as a launch.
+        backend = make_backend(self.target)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, specialization, options)
+        launch = {k: kwargs[k] for k in LAUNCH_OPTIONS if k in kwargs}
+        key = (fn.fn.__name__, tuple(sorted(constexprs.items())), tuple(sorted(launch.items())), str(attrs))
+        if key in self.seen:
+            return None
+        self.seen.add(key)
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
+                                  options=options.__dict__)  # fmt: skip
+        named = {fn.params[path[0]].name: value for path, value in constexprs.items()}
+        self.rows.append((fn.fn.__name__, launch, named, _resource_report(compiled)))
+        if self.sass_dir is not None:
+            self._write_sass(fn.fn.__name__, compiled)
+        return None
+
+    def _write_sass(self, name: str, compiled) -> None:
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(compiled.asm["cubin"])
+            f.flush()
+            sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
+        path = self.sass_dir / f"{name}_{len(self.rows)}.sass"
+        path.write_text(sass)
+        ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")}
+        self.rows[-1][3]["sass"] = ops
+
+
+def _resource_report(compiled) -> dict:
+    """Registers and stack frame (spilled registers land there) from the cubin, and shared memory."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
+    grab = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else -1  # noqa: E731
+    return dict(registers=grab(r"REG:(\d+)"), stack=grab(r"STACK:(\d+)"), shared=compiled.metadata.shared)
+
+
+def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
+    """(label, problem, query_lens, seq_lens): the benchmark shapes plus feature variants."""
+    out = []
+    for dtype in ("bfloat16", "float16", "float32"):
+        for kv in (KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3):
+            if dtype == "float32" and kv.is_fp8:
+                continue
+            spec = AttentionSpec(32, 8, 128, kv_cache_dtype=kv)
+            out.append((f"{dtype} {kv} gqa32/8 d128", spec, dtype))
+    out.append(("bf16 all features", AttentionSpec(32, 8, 128, sliding_window=512, num_sink_tokens=4, has_sinks=True,
+                                                     use_alibi=True, logits_soft_cap=30.0), "bfloat16"))  # fmt: skip
+    out.append(("bf16 d64", AttentionSpec(16, 2, 64), "bfloat16"))
+    out.append(("bf16 d80", AttentionSpec(16, 4, 80), "bfloat16"))
+    out.append(("bf16 d256", AttentionSpec(8, 1, 256), "bfloat16"))
+    return [(label, AttentionProblem(spec, dtype=dt, block_size=16, max_model_len=65536, device="cuda",
+                                     compute_capability=(9, 0)), [300, 1, 1], [300, 5000, 40000])
+            for label, spec, dt in out]  # fmt: skip
+
+
+def main() -> int:
+    from meshserve.attention.backends.triton_paged import TritonBackend
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--arch", type=int, default=90)
+    ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
+    args = ap.parse_args()
+    if args.sass:
+        args.sass.mkdir(parents=True, exist_ok=True)
+    recorder = Recorder(GPUTarget("cuda", args.arch, 32), args.sass)
+    original = JITFunction.run
+    JITFunction.run = lambda self, *a, grid, warmup, **kw: recorder(self, *a, grid=grid, warmup=warmup, **kw)
+    try:
+        for label, prob, qlens, slens in problems():
+            spec = prob.spec
+            dt = getattr(torch, prob.dtype)
+            kv_dt = torch.float8_e4m3fn if spec.kv_cache_dtype.is_fp8 else dt
+            blocks = [list(range(i * 3000, i * 3000 + -(-s // 16))) for i, s in enumerate(slens)]
+            meta = AttentionMetadata.build(query_lens=qlens, seq_lens=slens, block_tables=blocks, block_size=16)
+            backend = TritonBackend(prob, num_sms=132)
+            plan = backend.plan(meta)
+            cache = KVCache(torch.empty(9000, 2, 16, spec.num_kv_heads, spec.head_size, dtype=kv_dt))
+            n = sum(qlens)
+            q = torch.empty(n, spec.num_heads, spec.head_size, dtype=dt)
+            k = torch.empty(n, spec.num_kv_heads, spec.head_size, dtype=dt)
+            from meshserve.attention.backend import LayerParams
+
+            layer = LayerParams(sinks=torch.zeros(spec.num_heads), alibi_slopes=torch.zeros(spec.num_heads))
+            before = len(recorder.rows)
+            backend.write_kv(k, k, cache, meta.slot_mapping)
+            backend.forward(q, k, k, cache, plan, layer=layer, return_lse=True)
+            for name, options, _, rep in recorder.rows[before:]:
+                print(f"{label:32s} {name:18s} {options} {rep}", flush=True)
+    finally:
+        JITFunction.run = original
+    spilled = [r for r in recorder.rows if r[3]["stack"] > 0]
+    print(f"{len(recorder.rows)} kernel variants compiled for sm_{args.arch}; {len(spilled)} with a stack frame")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

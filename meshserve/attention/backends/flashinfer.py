@@ -1,0 +1,226 @@
+"""FLASHINFER: FlashInfer's paged prefill and decode wrappers (GPU only).
+
+Life cycle as FlashInfer intends it: `plan` once per step calls the wrappers' own plan (host
+work: page lists, work partition), `forward` per layer calls `run`. The wrappers are owned by
+the backend instance and re-planned every step, so a plan object is valid until the next
+`plan` call. The cache layout [num_blocks, 2, block_size, Hkv, D] is FlashInfer's "NHD" paged
+layout as is; K/V are written by meshserve's Triton write_kv (FP8 quantisation included).
+
+Conventions bridged here:
+- FlashInfer returns the LSE in base 2; we return natural log (lse2 * ln 2).
+- FP8 scales: FlashInfer takes them as host floats; ours are device tensors (no host sync per
+  layer), so the key scale is folded into the query and the value scale into the output.
+- Sliding window W (query sees keys with qp - kp < W) is FlashInfer's window_left = W - 1.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from meshserve.attention.backend import (
+    AttentionBackend,
+    AttentionProblem,
+    BackendCapabilities,
+    KVCache,
+    LayerParams,
+)
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.errors import ConfigError, check
+
+WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
+HEAD_SIZES = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
+
+
+@dataclass(frozen=True)
+class FlashInferPlan:
+    """One step: the metadata and which wrappers were planned (prefill first, then decode)."""
+
+    metadata: AttentionMetadata
+    num_prefill_tokens: int
+    has_prefill: bool
+    has_decode: bool
+
+
+def _page_lists(
+    table: torch.Tensor, kv_lens: tuple[int, ...], page: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's CSR page lists for rows of a host block table: (indptr, indices, last_page_len)."""
+    counts = [-(-n // page) for n in kv_lens]
+    indptr = [0]
+    for c in counts:
+        indptr.append(indptr[-1] + c)
+    indices = [table[i, :c] for i, c in enumerate(counts)]
+    last = [n - (c - 1) * page for n, c in zip(kv_lens, counts)]
+    return (
+        torch.tensor(indptr, dtype=torch.int32),
+        torch.cat(indices).to(torch.int32) if indices else torch.zeros(0, dtype=torch.int32),
+        torch.tensor(last, dtype=torch.int32),
+    )
+
+
+class FlashInferBackend(AttentionBackend):
+    name = "FLASHINFER"
+    capabilities = BackendCapabilities(
+        dtypes=frozenset({"float16", "bfloat16"}),
+        kv_cache_dtypes=frozenset(KVCacheDtype),
+        min_block_size=16,
+        max_block_size=256,
+        naive_layout=False,
+        paged_layout=True,
+        min_head_size=64,
+        max_head_size=256,
+        head_size_multiple=64,
+        attention_types=frozenset({AttentionType.DECODER, AttentionType.ENCODER, AttentionType.CROSS}),
+        sliding_window=True,
+        learned_sinks=False,
+        sink_tokens=False,
+        alibi=False,
+        soft_cap=True,
+        mla=False,
+        returns_lse=True,
+        devices=frozenset({"cuda"}),
+        min_compute_capability=(8, 0),
+        required_packages=("flashinfer",),
+        cuda_graphs=False,
+        notes="FlashInfer 0.5 paged prefill/decode wrappers; ALiBi not offered (FlashInfer derives its own "
+        "slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache), "
+        "CUDA graphs not wired (the wrappers need fixed buffers for that)",
+    )
+
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        spec, out = problem.spec, []
+        if spec.head_size not in HEAD_SIZES:
+            out.append(f"head size {spec.head_size} not built into FlashInfer (supports {list(HEAD_SIZES)})")
+        if spec.v_size != spec.head_size:
+            out.append(f"head_size_v={spec.v_size} != head_size={spec.head_size}")
+        cc = problem.compute_capability
+        if problem.device == "cuda" and spec.kv_cache_dtype.is_fp8 and cc is not None and cc < (8, 9):
+            out.append(f"an FP8 KV cache needs compute capability >= 8.9 (have {cc[0]}.{cc[1]})")
+        return out
+
+    def __init__(self, problem: AttentionProblem, *, decode_tensor_cores: bool | None = None) -> None:
+        """decode_tensor_cores: FlashInfer's tensor-core decode; default on for GQA groups of 4+."""
+        super().__init__(problem)
+        self.decode_tensor_cores = (
+            self.spec.num_queries_per_kv >= 4 if decode_tensor_cores is None else decode_tensor_cores
+        )
+        self._prefill = None
+        self._decode = None
+
+    def _wrappers(self, device: torch.device):
+        import flashinfer
+
+        if self._prefill is None:
+            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            # FlashInfer 0.5.3 picks FA3 on Hopper for bf16 queries over an e4m3 cache, and that
+            # kernel fails to build (seen on the H200); its FA2 kernels serve FP8 caches.
+            backend = "fa2" if self.spec.kv_cache_dtype.is_fp8 else "auto"
+            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
+            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+            )
+        return self._prefill, self._decode
+
+    def plan(self, metadata: AttentionMetadata) -> FlashInferPlan:
+        from meshserve.attention.backend import DTYPES, FP8_DTYPES
+
+        spec = self.spec
+        device = metadata.seq_lens.device
+        prefill, decode = self._wrappers(device)
+        if spec.attn_type is AttentionType.CROSS:
+            check(
+                metadata.encoder_seq_lens_host is not None and metadata.encoder_block_table is not None,
+                "metadata.encoder_seq_lens_host",
+                metadata.encoder_seq_lens_host,
+                "set (with encoder_block_table) for cross attention",
+            )
+            kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table
+        else:
+            kv_lens, table = metadata.seq_lens_host, metadata.block_table
+        table = table.cpu()  # host page lists: FlashInfer plans on the host anyway
+        q_dtype = DTYPES[self.problem.dtype]
+        kv_dtype = FP8_DTYPES[spec.kv_cache_dtype] if spec.kv_cache_dtype.is_fp8 else q_dtype
+        common = dict(
+            pos_encoding_mode="NONE",
+            window_left=spec.sliding_window - 1 if spec.sliding_window is not None else -1,
+            logits_soft_cap=spec.logits_soft_cap or 0.0,
+            sm_scale=spec.softmax_scale,
+            q_data_type=q_dtype,
+            kv_data_type=kv_dtype,
+        )
+        page = metadata.block_size
+        num_p = metadata.num_prefills
+        if num_p:
+            indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
+            qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
+            prefill.plan(
+                qo_indptr.to(device), indptr.to(device), indices.to(device), last.to(device),
+                spec.num_heads, spec.num_kv_heads, spec.head_size, page, causal=spec.is_causal, **common,
+            )  # fmt: skip
+        if metadata.num_decodes:
+            indptr, indices, last = _page_lists(table[num_p:], kv_lens[num_p:], page)
+            decode.plan(
+                indptr.to(device), indices.to(device), last.to(device),
+                spec.num_heads, spec.num_kv_heads, spec.head_size, page, **common,
+            )  # fmt: skip
+        return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0)
+
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        from meshserve.attention.kernels.write_kv import write_kv
+
+        write_kv(self.spec, key, value, kv_cache, slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        plan: object,
+        *,
+        layer: LayerParams = LayerParams(),
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(plan, FlashInferPlan):
+            raise ConfigError("plan", type(plan).__name__, "the FlashInferPlan from FlashInferBackend.plan")
+        check(kv_cache is not None, "kv_cache", None, "a KVCache (FLASHINFER reads K/V from the cache)")
+        spec = self.spec
+        num_tokens = query.shape[0]
+        want = (plan.metadata.num_tokens, spec.num_heads, spec.head_size)
+        check(tuple(query.shape) == want, "query", tuple(query.shape), f"shape {list(want)}")
+        query = query.contiguous()
+        if kv_cache.is_fp8:
+            # k_scale folded into q: (q * s_k) . k_stored = q . k_real, with no host read of s_k.
+            query = (query.float() * kv_cache.k_scale.to(query.device, torch.float32)).to(query.dtype)
+        out = torch.empty(num_tokens, spec.num_heads, spec.v_size, dtype=query.dtype, device=query.device)
+        lse = None
+        if return_lse:
+            lse = torch.empty(num_tokens, spec.num_heads, dtype=torch.float32, device=query.device)
+        cut = plan.num_prefill_tokens
+        for wrapper, planned, rows in (
+            (self._prefill, plan.has_prefill, slice(0, cut)),
+            (self._decode, plan.has_decode, slice(cut, num_tokens)),
+        ):
+            if planned:
+                wrapper.run(query[rows], kv_cache.data, out=out[rows],
+                            lse=None if lse is None else lse[rows], return_lse=return_lse)  # fmt: skip
+        if kv_cache.is_fp8:
+            out = (out.float() * kv_cache.v_scale.to(out.device, torch.float32)).to(out.dtype)
+        if not return_lse:
+            return out
+        return out, lse.mul_(math.log(2.0))  # base 2 -> natural log
+
+
+def _cumsum(xs: tuple[int, ...]) -> list[int]:
+    out, total = [], 0
+    for x in xs:
+        total += x
+        out.append(total)
+    return out

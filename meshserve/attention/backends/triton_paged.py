@@ -1,0 +1,366 @@
+"""TRITON: paged flash attention in Triton kernels (GPU; CPU under TRITON_INTERPRET=1 for tests).
+
+Per step, `plan` builds the prefill tile list and the decode split sizes on the host (and the
+decode workspace), once for every layer. Per layer, `forward` launches at most three kernels:
+varlen prefill over the prefill sequences, split-KV decode over the decode sequences, and the
+LSE merge of the decode splits (skipped when one split suffices). Nothing in `forward` reads a
+device value on the host, so a decode step can be captured in a CUDA graph and replayed after
+the metadata tensors (seq_lens, block_table, query_start_loc) are updated in place, as long as
+the lengths stay within those the plan was made for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from meshserve.attention.backend import (
+    AttentionBackend,
+    AttentionProblem,
+    BackendCapabilities,
+    KVCache,
+    LayerParams,
+)
+from meshserve.attention.kernels.config import (
+    DecodeConfig,
+    PrefillConfig,
+    default_decode_config,
+    default_prefill_config,
+)
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.errors import ConfigError, check
+
+
+@dataclass(frozen=True)
+class TritonPlan:
+    """Per-step state shared by every layer.
+
+    kv_lens      [S] int32  keys each sequence attends over (encoder lengths for cross attention)
+    positions    [S] int32  seq_lens: query j of sequence s sits at positions[s] - query_len + j
+    block_table  [S, max_blocks] int32 (the encoder table for cross attention)
+    tile_seq, tile_q0  [num_tiles] int32  prefill programs, longest first
+    partial_o    [splits, num_decodes, H, Dv] float32, partial_lse [splits, num_decodes, H]
+    """
+
+    metadata: AttentionMetadata
+    kv_lens: torch.Tensor
+    positions: torch.Tensor
+    block_table: torch.Tensor
+    prefill: PrefillConfig
+    tile_seq: torch.Tensor
+    tile_q0: torch.Tensor
+    decode: DecodeConfig
+    partition: int
+    num_splits: int
+    partial_o: torch.Tensor | None
+    partial_lse: torch.Tensor | None
+
+
+@lru_cache(maxsize=8)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+class TritonBackend(AttentionBackend):
+    name = "TRITON"
+    capabilities = BackendCapabilities(
+        dtypes=frozenset({"float32", "float16", "bfloat16"}),
+        kv_cache_dtypes=frozenset(KVCacheDtype),
+        min_block_size=16,
+        max_block_size=256,
+        naive_layout=True,
+        paged_layout=True,
+        min_head_size=1,
+        max_head_size=256,
+        head_size_multiple=1,
+        attention_types=frozenset(AttentionType),
+        sliding_window=True,
+        learned_sinks=True,
+        sink_tokens=True,
+        alibi=True,
+        soft_cap=True,
+        mla=False,
+        returns_lse=True,
+        devices=frozenset({"cuda", "cpu"}),
+        min_compute_capability=(8, 0),
+        required_packages=("triton",),
+        cuda_graphs=True,
+        notes="paged flash attention: varlen prefill, split-KV decode with GQA-shared KV loads, LSE merge; "
+        "the naive layout runs through the same kernels (one block per request)",
+    )
+
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        spec, out = problem.spec, []
+        if problem.device == "cpu":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                out.append("on CPU the Triton kernels run only in the interpreter (TRITON_INTERPRET=1)")
+            if problem.dtype == "bfloat16":
+                out.append("dtype 'bfloat16' on CPU: the Triton interpreter computes bf16 arithmetic wrongly")
+        cc = problem.compute_capability
+        if problem.device == "cuda" and spec.kv_cache_dtype.is_fp8 and cc is not None and cc < (8, 9):
+            out.append(f"an FP8 KV cache needs compute capability >= 8.9 (have {cc[0]}.{cc[1]})")
+        if spec.uses_kv_cache and spec.v_size != spec.head_size:
+            out.append(
+                f"head_size_v={spec.v_size} != head_size={spec.head_size}: the cache holds K and V "
+                "with one head size"
+            )
+        return out
+
+    def __init__(
+        self,
+        problem: AttentionProblem,
+        *,
+        decode_partition: int | None = None,
+        num_sms: int | None = None,
+        prefill_config: PrefillConfig | None = None,
+        decode_config: DecodeConfig | None = None,
+    ) -> None:
+        """decode_partition: fixed keys per decode split (tests, tuning); default chosen per step.
+        num_sms: multiprocessors the split heuristic fills; default read from the device (8 on CPU).
+        prefill_config / decode_config: tile shapes (tuning); default from kernels/config.py."""
+        super().__init__(problem)
+        if decode_partition is not None:
+            check(decode_partition >= 1, "decode_partition", decode_partition, "an integer >= 1 or None")
+        self.decode_partition = decode_partition
+        self.num_sms = num_sms
+        fp8 = self.spec.kv_cache_dtype.is_fp8
+        args = (self.spec.head_size, problem.dtype, problem.device, fp8)
+        self.prefill_cfg = prefill_config or default_prefill_config(*args)
+        self.decode_cfg = decode_config or default_decode_config(*args)
+
+    # ----------------------------------------------------------------------------------- plan
+    def plan(self, metadata: AttentionMetadata) -> TritonPlan:
+        spec = self.spec
+        device = metadata.seq_lens.device
+        if spec.attn_type is AttentionType.CROSS:
+            check(
+                metadata.encoder_seq_lens_host is not None and metadata.encoder_block_table is not None,
+                "metadata.encoder_seq_lens_host",
+                metadata.encoder_seq_lens_host,
+                "set (with encoder_block_table) for cross attention",
+            )
+            kv_host = metadata.encoder_seq_lens_host
+            kv_lens = torch.tensor(kv_host, dtype=torch.int32, device=device)
+            block_table = metadata.encoder_block_table
+        elif spec.attn_type is AttentionType.ENCODER_ONLY:
+            kv_host = metadata.query_lens_host
+            kv_lens = (metadata.query_start_loc[1:] - metadata.query_start_loc[:-1]).to(torch.int32)
+            block_table = metadata.block_table
+        else:
+            kv_host = metadata.seq_lens_host
+            kv_lens = metadata.seq_lens
+            block_table = metadata.block_table
+
+        # ENCODER_ONLY has no cache: every sequence goes through the prefill kernel.
+        num_prefills = metadata.num_seqs if not spec.uses_kv_cache else metadata.num_prefills
+        num_decodes = metadata.num_seqs - num_prefills
+        cfg = self.prefill_cfg
+        seqs, q0s = _prefill_tiles(
+            metadata.query_lens_host[:num_prefills], kv_host[:num_prefills], cfg.block_m, spec.is_causal
+        )
+        tile_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
+        tile_q0 = torch.tensor(q0s, dtype=torch.int32, device=device)
+
+        partition, splits, partial_o, partial_lse = 0, 0, None, None
+        if num_decodes:
+            max_keys = max(kv_host[num_prefills:])
+            if spec.sliding_window is not None:
+                max_keys = min(max_keys, spec.sliding_window)
+            if self.decode_partition is not None:
+                partition = self.decode_partition
+                splits = -(-max_keys // partition)
+            else:
+                partition, splits = _choose_partition(
+                    max_keys, num_decodes, spec.num_kv_heads, self._sm_count(device), self.decode_cfg
+                )
+            if splits > 1:
+                shape = (splits, num_decodes, spec.num_heads)
+                partial_o = torch.empty(*shape, spec.v_size, dtype=torch.float32, device=device)
+                partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
+        return TritonPlan(
+            metadata, kv_lens, metadata.seq_lens, block_table, cfg, tile_seq, tile_q0,
+            self.decode_cfg, partition, splits, partial_o, partial_lse,
+        )  # fmt: skip
+
+    def _sm_count(self, device: torch.device) -> int:
+        if self.num_sms is not None:
+            return self.num_sms
+        if device.type == "cuda":
+            return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        return 8
+
+    # ------------------------------------------------------------------------------- write_kv
+    def write_kv(
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+    ) -> None:
+        from meshserve.attention.kernels.write_kv import write_kv
+
+        write_kv(self.spec, key, value, kv_cache, slot_mapping)
+
+    # -------------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor | None,
+        value: torch.Tensor | None,
+        kv_cache: KVCache | None,
+        plan: object,
+        *,
+        layer: LayerParams = LayerParams(),
+        return_lse: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(plan, TritonPlan):
+            raise ConfigError("plan", type(plan).__name__, "the TritonPlan returned by TritonBackend.plan")
+        spec = self.spec
+        meta = plan.metadata
+        num_tokens = query.shape[0]
+        check(
+            tuple(query.shape) == (meta.num_tokens, spec.num_heads, spec.head_size),
+            "query",
+            tuple(query.shape),
+            f"[{meta.num_tokens}, {spec.num_heads}, {spec.head_size}]",
+        )
+        query = _last_dim_contiguous(query)
+        device = query.device
+        out = torch.empty(num_tokens, spec.num_heads, spec.v_size, dtype=query.dtype, device=device)
+        lse = out  # a placeholder pointer when no LSE is asked for; never written
+        if return_lse:
+            lse = torch.empty(num_tokens, spec.num_heads, dtype=torch.float32, device=device)
+        if num_tokens == 0:
+            return (out, lse) if return_lse else out
+
+        if spec.uses_kv_cache:
+            check(kv_cache is not None, "kv_cache", None, f"a KVCache for attention type '{spec.attn_type}'")
+            data = kv_cache.data
+            k_src, v_src = data[:, 0], data[:, 1]
+            k_strides = (data.stride(0), data.stride(2), data.stride(3))
+            v_strides = k_strides
+            page = kv_cache.block_size
+            fp8 = kv_cache.is_fp8
+            # Scales are read only by FP8 kernels; under CUDA graphs they must already be on the GPU.
+            k_scale, v_scale = self._scales(kv_cache, device) if fp8 else (plan.kv_lens, plan.kv_lens)
+        else:
+            check(key is not None and value is not None, "key", None, "the new tokens' keys for encoder_only")
+            k_src, v_src = _last_dim_contiguous(key), _last_dim_contiguous(value)
+            k_strides = (0, k_src.stride(0), k_src.stride(1))
+            v_strides = (0, v_src.stride(0), v_src.stride(1))
+            page, fp8 = 1, False
+            k_scale = v_scale = plan.kv_lens  # never read
+        from meshserve.attention.kernels.attn_common import dot_precision
+
+        heads = spec.num_heads
+        sinks = _layer_tensor(layer.sinks, spec.has_sinks, "layer.sinks", heads, device)
+        slopes = _layer_tensor(layer.alibi_slopes, spec.use_alibi, "layer.alibi_slopes", heads, device)
+        common = dict(
+            QUERIES_PER_KV=spec.num_queries_per_kv, HEAD_D=spec.head_size, HEAD_DV=spec.v_size,
+            BLOCK_D=_pow2(spec.head_size, 16), BLOCK_DV=_pow2(spec.v_size, 16), PAGE=page,
+            USE_WINDOW=spec.sliding_window is not None, USE_SINK_TOKENS=spec.num_sink_tokens > 0,
+            USE_SINKS=spec.has_sinks, USE_ALIBI=spec.use_alibi,
+            USE_SOFTCAP=spec.logits_soft_cap is not None, KV_FP8=fp8,
+            # FP8 K/V convert exactly and cheaply to fp16 (bf16 would need a second, slow conversion),
+            # so with an FP8 cache both products run in fp16.
+            FP8_AS_F16=fp8 and query.dtype != torch.float32,
+            DOT_PRECISION=dot_precision(query.dtype),
+        )  # fmt: skip
+        scalars = (
+            spec.softmax_scale, spec.logits_soft_cap or 1.0, spec.sliding_window or 0, spec.num_sink_tokens
+        )
+        unused = plan.kv_lens  # a valid pointer for kernel arguments a disabled feature never reads
+        tensors = (unused if sinks is None else sinks, unused if slopes is None else slopes, k_scale, v_scale)
+
+        if plan.tile_seq.numel():
+            self._prefill(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
+                          tensors, scalars, common)  # fmt: skip
+        if plan.num_splits:
+            self._decode(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
+                         tensors, scalars, common)  # fmt: skip
+        return (out, lse) if return_lse else out
+
+    def _prefill(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
+                 tensors, scalars, common) -> None:  # fmt: skip
+        from meshserve.attention.kernels.prefill import prefill_kernel
+
+        cfg = plan.prefill
+        # Heads vary fastest: the query heads of one tile run together and share K/V through L2.
+        grid = (self.spec.num_heads, plan.tile_seq.numel())
+        prefill_kernel[grid](
+            query, k_src, v_src, out, lse, plan.tile_seq, plan.tile_q0,
+            plan.metadata.query_start_loc, plan.kv_lens, plan.positions, plan.block_table, *tensors, *scalars,
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            *k_strides, *v_strides, plan.block_table.stride(0),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
+            CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+
+    def _decode(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
+                tensors, scalars, common) -> None:  # fmt: skip
+        from meshserve.attention.kernels.decode import decode_kernel
+        from meshserve.attention.merge import merge_attn_states_n_triton
+
+        spec, meta, cfg = self.spec, plan.metadata, plan.decode
+        num_decodes = meta.num_decodes
+        first_tok = meta.num_prefill_tokens
+        final_o, final_lse = out[first_tok:], lse[first_tok:]
+        split = plan.num_splits > 1
+        o_dst = plan.partial_o if split else final_o.unsqueeze(0)
+        l_dst = plan.partial_lse if split else final_lse.unsqueeze(0)
+        block_h = _pow2(spec.num_queries_per_kv, 16)
+        decode_kernel[(num_decodes, spec.num_kv_heads, plan.num_splits)](
+            query, k_src, v_src, o_dst, l_dst, meta.query_start_loc, plan.kv_lens, plan.positions,
+            plan.block_table,
+            *tensors, meta.num_prefills, *scalars, plan.partition,
+            query.stride(0), query.stride(1), o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
+            l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
+            *k_strides, *v_strides, plan.block_table.stride(0),
+            BLOCK_H=block_h, BLOCK_N=cfg.block_n, WRITE_LSE=split or return_lse,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+        )  # fmt: skip
+        if split:
+            merge_attn_states_n_triton(
+                plan.partial_o, plan.partial_lse, out=final_o, out_lse=final_lse if return_lse else None,
+                return_lse=return_lse,
+            )
+
+    @staticmethod
+    def _scales(kv_cache: KVCache, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        from meshserve.attention.kernels.write_kv import scales_on
+
+        return scales_on(kv_cache, device)
+
+
+def _prefill_tiles(query_lens, kv_lens, block_m, causal):
+    from meshserve.attention.kernels.prefill import prefill_tiles
+
+    return prefill_tiles(tuple(query_lens), tuple(kv_lens), block_m, causal)
+
+
+def _choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg: DecodeConfig) -> tuple[int, int]:
+    from meshserve.attention.kernels.decode import choose_partition
+
+    return choose_partition(
+        max_keys, num_decodes, num_kv_heads, num_sms * cfg.programs_per_sm, cfg.block_n, cfg.min_partition
+    )
+
+
+def _pow2(n: int, floor: int) -> int:
+    return max(floor, 1 << (max(n, 1) - 1).bit_length())
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _layer_tensor(
+    t: torch.Tensor | None, wanted: bool, field: str, num_heads: int, device: torch.device
+) -> torch.Tensor | None:
+    if not wanted:
+        return None
+    if t is None or tuple(t.shape) != (num_heads,):
+        raise ConfigError(field, None if t is None else tuple(t.shape), f"a [{num_heads}] tensor")
+    return t.to(device=device, dtype=torch.float32).contiguous()

@@ -1,0 +1,52 @@
+"""Tile shapes and launch settings of the Triton attention kernels, per device and head size.
+
+The CUDA values were chosen by measurement on an H200 (bench/attention.py, docs/performance.md).
+On the CPU interpreter small tiles keep several tiles per sequence in the tests' short
+sequences, so the masked and unmasked paths, the window edges and the splits all run.
+This module imports no Triton: the backend reads it to plan without loading kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    block_n: int
+    num_warps: int
+    num_stages: int
+    min_partition: int  # fewest keys per split worth a merge pass
+    programs_per_sm: int = 8  # splits are added until the grid has about this many programs per SM
+
+
+def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
+    if device != "cuda":
+        return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    block_d = max(16, 1 << (head_size - 1).bit_length())
+    if dtype == "float32":  # IEEE fp32 products run on FMA units; these tiles spill least
+        return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    if block_d <= 128:  # H200 sweep: one warpgroup per 128 queries beat two (docs/performance.md)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+    return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
+
+
+def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
+    if device != "cuda":
+        return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32, programs_per_sm=2)
+    block_d = max(16, 1 << (head_size - 1).bit_length())
+    if dtype == "float32":
+        return DecodeConfig(block_n=32, num_warps=8, num_stages=2, min_partition=512)
+    if block_d > 128:
+        return DecodeConfig(block_n=32, num_warps=4, num_stages=2, min_partition=512)
+    if kv_fp8:  # half the bytes per key: twice the keys per tile (H200 sweep, docs/performance.md)
+        return DecodeConfig(block_n=128, num_warps=4, num_stages=2, min_partition=512)
+    return DecodeConfig(block_n=64, num_warps=4, num_stages=2, min_partition=512)

@@ -1,0 +1,192 @@
+"""Prefill attention over packed variable-length sequences and the paged KV cache.
+
+One program computes BLOCK_M consecutive queries of one sequence for one query head, with an
+online softmax over key tiles of BLOCK_N. Query j of sequence s sits at absolute position
+context_len[s] + j, so chunked prefill (earlier chunks already cached) needs nothing special:
+the keys come from the cache, which write_kv has already filled with this chunk's tokens.
+
+The key range of a query tile is cut into up to four tile-aligned pieces so that only tiles
+that can hold an invisible key pay for a mask:
+    [0, sink_end)            StreamingLLM sink tokens left of the window      (masked)
+    [start, full_lo)         left edge of the sliding window                   (masked)
+    [full_lo, full_hi)       keys every query of the tile sees                 (no mask)
+    [full_hi, kv_end)        the causal diagonal, or the ragged end            (masked)
+
+Programs come from a host-built tile list (sequence, first query) ordered longest-first, so the
+expensive causal tiles start early and the grid needs no per-sequence padding. The grid is
+(head, tile): the heads of one tile run side by side and share their K/V tiles through L2.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from meshserve.attention.kernels.attn_common import (
+    LOG2E,
+    finish_rows,
+    load_kv_tile,
+    online_softmax_step,
+    scores_log2,
+)
+
+
+@triton.jit
+def _key_range(
+    k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
+    m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(start, end, BLOCK_N):
+        kp = start_n + tl.arange(0, BLOCK_N)
+        tok_mask = kp < kv_len
+        k = load_kv_tile(k_ptr, bt_row, kp, kv_head, d, tok_mask, stride_kb, stride_kt, stride_kh,
+                         HEAD_D, BLOCK_D, PAGE, PAGED, MASKED)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        s = scores_log2(qk, qk_scale, softcap, slope, qp, kp, kv_len, window, num_sink_tokens,
+                        USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)
+        v = load_kv_tile(v_ptr, bt_row, kp, kv_head, dv, tok_mask, stride_vb, stride_vt, stride_vh,
+                         HEAD_DV, BLOCK_DV, PAGE, PAGED, MASKED)
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), MASKED, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def prefill_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    tile_seq_ptr, tile_q0_ptr,  # [num_tiles] int32: sequence and first query of each program
+    qsl_ptr,  # [S + 1] int32 query_start_loc
+    kv_len_ptr,  # [S] int32 keys per sequence (seq_lens, encoder lens, or query lens)
+    pos_ptr,  # [S] int32 seq_lens: the new queries sit at positions [seq_len - q_len, seq_len)
+    bt_ptr,  # [S, max_blocks] int32 block table (paged only)
+    sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
+    sm_scale, softcap, window, num_sink_tokens,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
+    QUERIES_PER_KV: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):  # fmt: skip
+    head = tl.program_id(0)
+    tile = tl.program_id(1)
+    kv_head = head // QUERIES_PER_KV
+    seq = tl.load(tile_seq_ptr + tile)
+    q0 = tl.load(tile_q0_ptr + tile)
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_len_ptr + seq)
+    context = tl.load(pos_ptr + seq) - q_len  # absolute position of the sequence's first new query
+
+    rows = q0 + tl.arange(0, BLOCK_M)
+    row_mask = rows < q_len
+    qp = context + rows
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    q_ptrs = q_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_qt + head * stride_qh + d[None, :]
+    q = tl.load(q_ptrs, mask=row_mask[:, None] & (d[None, :] < HEAD_D), other=0.0)
+    if FP8_AS_F16:
+        q = q.to(tl.float16)  # K/V tiles follow q's dtype in the products
+
+    qk_scale = sm_scale
+    v_scale = 1.0
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)
+        v_scale = tl.load(v_scale_ptr)
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_ALIBI:
+        slope += tl.load(alibi_ptr + head)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if USE_SINKS:
+        # The learned sink joins the denominator as one more logit with a zero value vector.
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) + tl.load(sinks_ptr + head) * LOG2E
+        l_i += 1.0
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+    if PAGED:
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        bt_row = bt_ptr
+        k_base = k_ptr + q_start.to(tl.int64) * stride_kt
+        v_base = v_ptr + q_start.to(tl.int64) * stride_vt
+
+    # Key ranges (see the module docstring).
+    q_last = tl.minimum(q0 + BLOCK_M, q_len) - 1
+    qp_lo = context + q0
+    qp_hi = context + q_last
+    if CAUSAL:
+        kv_end = qp_hi + 1
+        full_hi = qp_lo + 1
+    else:
+        kv_end = kv_len
+        full_hi = kv_len
+    kv_start = 0
+    full_lo = 0
+    if USE_WINDOW:
+        kv_start = tl.maximum(qp_lo - window + 1, 0)
+        full_lo = tl.maximum(qp_hi - window + 1, kv_start)
+    start = kv_start // BLOCK_N * BLOCK_N
+    f0 = tl.minimum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_end)
+    f1 = tl.maximum(full_hi // BLOCK_N * BLOCK_N, f0)
+
+    if USE_SINK_TOKENS:
+        sink_end = tl.minimum(tl.cdiv(num_sink_tokens, BLOCK_N) * BLOCK_N, start)
+        m_i, l_i, acc = _key_range(
+            k_base, v_base, bt_row, kv_head, q, d, dv, 0, sink_end,
+            m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
+    if USE_WINDOW:
+        m_i, l_i, acc = _key_range(
+            k_base, v_base, bt_row, kv_head, q, d, dv, start, f0,
+            m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+        )  # fmt: skip
+    m_i, l_i, acc = _key_range(
+        k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
+        m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+    m_i, l_i, acc = _key_range(
+        k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
+        m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+    )  # fmt: skip
+
+    out, lse = finish_rows(acc, m_i, l_i, v_scale)
+    o_ptrs = out_ptr + (q_start + rows).to(tl.int64)[:, None] * stride_ot + head * stride_oh + dv[None, :]
+    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dv[None, :] < HEAD_DV))
+    if RETURN_LSE:
+        tl.store(lse_ptr + (q_start + rows).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_mask)
+
+
+def prefill_tiles(
+    query_lens: tuple[int, ...], kv_lens: tuple[int, ...], block_m: int, causal: bool
+) -> tuple[list[int], list[int]]:
+    """(sequence, first query) of every program, the ones with most keys to visit first."""
+    tiles = []
+    for s, (q_len, kv_len) in enumerate(zip(query_lens, kv_lens)):
+        context = kv_len - q_len
+        for q0 in range(0, q_len, block_m):
+            work = context + min(q0 + block_m, q_len) if causal else kv_len
+            tiles.append((-work, s, q0))
+    tiles.sort()
+    return [s for _, s, _ in tiles], [q0 for _, _, q0 in tiles]
+

@@ -1,0 +1,102 @@
+"""What the TRITON MLA decode and prefill backends share: capabilities, limits and tile shapes.
+
+The CUDA tile shapes were chosen by measurement on an H200 (bench/attention_mla.py,
+docs/performance.md). On the CPU interpreter small tiles make the tests' short sequences span
+several tiles, splits and pages, so every path runs. This module imports no Triton.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+
+from meshserve.attention.backend import AttentionProblem, BackendCapabilities
+from meshserve.attention.spec import AttentionType, KVCacheDtype
+
+TRITON_MLA_CAPABILITIES = BackendCapabilities(
+    dtypes=frozenset({"float32", "float16", "bfloat16"}),
+    kv_cache_dtypes=frozenset(KVCacheDtype),
+    min_block_size=1,
+    max_block_size=1024,
+    naive_layout=True,
+    paged_layout=True,
+    min_head_size=1,
+    max_head_size=1024,
+    head_size_multiple=1,
+    attention_types=frozenset({AttentionType.DECODER}),
+    sliding_window=False,
+    learned_sinks=False,
+    sink_tokens=False,
+    alibi=False,
+    soft_cap=False,
+    mla=True,
+    returns_lse=True,
+    dcp=True,
+    devices=frozenset({"cuda", "cpu"}),
+    min_compute_capability=(8, 0),
+    required_packages=("triton",),
+)
+
+
+def with_notes(notes: str) -> BackendCapabilities:
+    return dataclasses.replace(TRITON_MLA_CAPABILITIES, notes=notes)
+
+
+def triton_reasons(problem: AttentionProblem) -> list[str]:
+    """Limits of the Triton MLA kernels that the capability record cannot express."""
+    out = []
+    if problem.device == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            out.append("on CPU the Triton kernels run only in the interpreter (TRITON_INTERPRET=1)")
+        if problem.dtype == "bfloat16":
+            out.append("dtype 'bfloat16' on CPU: the Triton interpreter computes bf16 arithmetic wrongly")
+    cc = problem.compute_capability
+    if problem.device == "cuda" and problem.spec.kv_cache_dtype.is_fp8 and cc is not None and cc < (8, 9):
+        out.append(f"an FP8 KV cache needs compute capability >= 8.9 (have {cc[0]}.{cc[1]})")
+    return out
+
+
+@dataclass(frozen=True)
+class MLADecodeConfig:
+    block_h: int  # heads per program (rows of both dot products)
+    block_n: int  # cache rows per tile
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # the split heuristic aims at num_sms * programs_per_sm programs
+    min_partition: int  # fewest keys per split worth a merge pass
+
+
+@dataclass(frozen=True)
+class MLAPrefillConfig:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
+    if device != "cuda":
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, programs_per_sm=1,
+                               min_partition=32)  # fmt: skip
+    if dtype == "float32":
+        return MLADecodeConfig(block_h=16, block_n=16, num_warps=4, num_stages=1, programs_per_sm=2,
+                               min_partition=256)  # fmt: skip
+    # Measured on an H200 (bench/attention_mla.py, docs/performance.md): 64 heads share each row
+    # load (wgmma needs 64 rows); their 64 x 512 fp32 accumulators fill the register file at 8
+    # warps, which leaves room for 32-row tiles, not 64.
+    block_h = 64 if num_heads >= 64 else max(16, 1 << (num_heads - 1).bit_length())
+    return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2,
+                           min_partition=256)  # fmt: skip
+
+
+def prefill_config(dtype: str, device: str) -> MLAPrefillConfig:
+    if device != "cuda":
+        return MLAPrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    if dtype == "float32":
+        return MLAPrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1)
+    return MLAPrefillConfig(block_m=128, block_n=64, num_warps=8, num_stages=2)
+
+
+def pow2(n: int, at_least: int = 1) -> int:
+    return max(at_least, 1 << (max(n, 1) - 1).bit_length())

@@ -1,0 +1,135 @@
+"""DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: multi-head latent attention, MoE, dense first layers.
+
+The same interface as transformer.CausalLM (packed [T, hidden] tokens, one ForwardContext per
+step, `attention_specs`, `compute_logits`), and HF's parameter names, one checkpoint tensor
+per parameter. Attention per token (DeepSeek-V2 paper, section 2.1):
+
+    q            = q_b_proj(q_a_layernorm(q_a_proj(x)))   or q_proj(x)      [H, nope + rope]
+    c, k_pe      = kv_a_proj_with_mqa(x)                                      [rank], [rope]
+    c            = kv_a_layernorm(c)                 (cached with the rotated k_pe, one row per token)
+    o            = MLA(q_nope, rope(q_pe); c, rope(k_pe); W_UK, W_UV from kv_b_proj)  [H, v]
+    out          = o_proj(o)
+
+The cache write and the attention go through the layer's MLAAttention (decode and prefill
+backends chosen separately); this module never sees the latent layout or the kernels.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshserve.attention.mla.backend import MLAWeights
+from meshserve.attention.mla.spec import mla_spec
+from meshserve.attention.spec import AttentionSpec
+from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.moe import GatedMLP, MoE
+from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
+from meshserve.workers.models.yarn_rope import YarnRotary
+
+
+class MLAttention(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        ds = arch.deepseek
+        dims = ds.mla
+        self.layer_idx = layer_idx
+        # num_heads: the query heads this module projects; attn_heads: the heads its attention
+        # computes (more under DCP, where a rank attends for its whole DCP group: deepseek_parallel).
+        self.num_heads = self.attn_heads = arch.num_heads
+        self.dims = dims
+        hidden, heads, bias = arch.hidden_size, arch.num_heads, ds.attention_bias
+        q_out = heads * dims.qk_head_dim
+        if dims.q_lora_rank is None:
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(hidden, dims.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, 1e-6)  # HF's default eps for these norms
+            self.q_b_proj = nn.Linear(dims.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, dims.latent_size, bias=bias)
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(heads * dims.v_head_dim, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
+                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        T, H, dims = x.shape[0], self.num_heads, self.dims
+        dn, r = dims.qk_nope_head_dim, dims.kv_lora_rank
+        if dims.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(T, H, dims.qk_head_dim)
+        compressed = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
+        latent = self.kv_a_layernorm(compressed[:, :r])
+        k_pe = rotary.apply(compressed[:, None, r:], *rope)[:, 0]  # [T, rope], shared by every head
+        q = torch.cat((q[..., :dn], rotary.apply(q[..., dn:], *rope)), dim=-1)
+        o = self.attend(q, latent, k_pe, ctx.layers[self.layer_idx])  # [T, H, v]
+        return self.o_proj(o.reshape(T, H * dims.v_head_dim))
+
+    def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
+        """Write the new tokens' latent rows, attend: q [T, H, nope + rope] -> o [T, H, v]."""
+        layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
+        weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.attn_heads, self.dims)
+        return layer.backend.forward(q, layer.kv_cache, layer.plan, weights)
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, layer_idx: int) -> None:
+        super().__init__()
+        moe = arch.deepseek.moe
+        self.self_attn = MLAttention(arch, layer_idx)
+        if layer_idx < moe.first_k_dense_replace:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        else:
+            self.mlp = MoE(arch.hidden_size, moe)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
+                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
+        x = x + self.self_attn(self.input_layernorm(x), rope, rotary, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekBody(nn.Module):
+    """HF's `model.` prefix."""
+
+    def __init__(self, arch: ModelArch, max_positions: int) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(arch, i) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = YarnRotary(arch.deepseek.rope, arch.deepseek.mla.qk_rope_head_dim, max_positions)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepSeek-V2/V3 over a packed batch of new tokens (the CausalLM interface)."""
+
+    STACKED: dict[str, tuple[str, int]] = {}  # no fused parameters: every checkpoint tensor loads as is
+
+    def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.arch = arch
+        self.model = DeepseekBody(arch, max_positions or arch.max_position_embeddings)
+        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        if arch.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_specs(self) -> list[AttentionSpec]:
+        ds = self.arch.deepseek
+        spec = mla_spec(self.arch.num_heads, ds.mla, scale=ds.softmax_scale)  # the whole model's heads
+        return [spec] * self.arch.num_layers
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
+        x = self.model.embed_tokens(input_ids)
+        rotary = self.model.rotary
+        rope = rotary(positions, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, rope, rotary, ctx)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] float32."""
+        return self.lm_head(hidden).float()
