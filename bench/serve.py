@@ -142,7 +142,7 @@ def table(args, summary: dict, server_stats: dict) -> str:
         f"{t['p50']:.0f} / {t['p99']:.0f} | {p['p50']:.1f} / {p['p99']:.1f} | "
         f"{summary['e2e_s']['p50']:.2f} / {summary['e2e_s']['p99']:.2f} | {summary['failed']} |",
     ]
-    note = (f"\nServer over the run: {server_stats['preemptions']} preemptions, prefix-cache hit rate "
+    note = (f"\n\nServer over the run: {server_stats['preemptions']} preemptions, prefix-cache hit rate "
             f"{server_stats['hit_rate']:.1%}, TTFT mean {t['mean']:.0f} ms, TPOT mean {p['mean']:.1f} ms.")
     return "\n".join(rows) + note
 
@@ -195,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         with InferenceClient(args.address) as client:
             requests = make_requests(corpus_ids(client), args.requests, prompt_lens, output_lens, args.seed)
             before = client.server_info().stats
+            load_before = os.getloadavg()[0]
             samples, wall = asyncio.run(run_load(args.address, requests, rate=args.rate,
                                                  concurrency=args.concurrency, seed=args.seed))
             after = client.server_info().stats
+            load_after = os.getloadavg()[0]
     finally:
         if proc is not None:
             proc.send_signal(signal.SIGTERM)
@@ -214,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write:
         cpu = platform.processor() or platform.machine()
         header = (f"Measured {time.strftime('%Y-%m-%d')} with `python -m bench.serve {' '.join(argv or sys.argv[1:])}`"
-                  f" ({os.cpu_count()} CPU cores, {cpu}, Python {platform.python_version()}).\n\n")
+                  f" ({os.cpu_count()} CPU cores, {cpu}, Python {platform.python_version()}; load average "
+                  f"{load_before:.1f} before and {load_after:.1f} after the run: the cores are shared).\n\n")
         write_section(Path(args.write), header + text)
     return 0 if summary["failed"] == 0 else 1
 

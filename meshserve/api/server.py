@@ -14,6 +14,7 @@ requests).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
@@ -78,15 +79,14 @@ class ApiServer:
             raise ConfigError("port", cfg.port, f"a free port on {cfg.host} ({exc})") from None
         if port == 0:
             raise ConfigError("port", cfg.port, f"a free port on {cfg.host}")
-        await self.health.start()
-        await server.start()
-        self._server, self.port = server, port
-        if self._serve_metrics:
+        if self._serve_metrics:  # before anything runs: a busy port leaves nothing to clean up
             try:
                 self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
             except OSError as exc:
-                await server.stop(None)
                 raise ConfigError("metrics_port", cfg.metrics_port, f"a free port on {cfg.host} ({exc})") from None
+        await self.health.start()
+        await server.start()
+        self._server, self.port = server, port
         log.info("serving %s on %s (tls=%s, auth=%s)", INFERENCE_SERVICE, _address(cfg.host, port), self.tls,
                  self.token is not None)
 
@@ -100,7 +100,7 @@ class ApiServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
-        self.metrics.stop_http()
+        await asyncio.to_thread(self.metrics.stop_http)  # waits for the HTTP thread's poll to end
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:

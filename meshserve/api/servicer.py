@@ -98,13 +98,8 @@ class InferenceServicer:
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
-        except MeshserveError as exc:
-            code = status_of(exc)[0]
-            await self._fail(context, exc)
         except Exception as exc:
-            if isinstance(exc, grpc.aio.AbortError):
-                raise
-            code = grpc.StatusCode.INTERNAL
+            code = status_of(exc)[0]
             await self._fail(context, exc)
         finally:
             if stream is not None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
@@ -93,7 +94,8 @@ class LocalService:
         self._retry_seconds = retry_seconds
         self.tokenizer = load_tokenizer(config.model.model)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._active: dict[str, AsyncEngine] = {}  # request id -> the replica serving it
+        self._active: dict[str, tuple[AsyncEngine, str]] = {}  # request id -> (its replica, the id it has there)
+        self._serial = itertools.count()
         self._totals = _Totals()
         self._prompt_tokens = 0
         self._closed = False
@@ -126,19 +128,23 @@ class LocalService:
         """Deltas of one request. Every refusal is raised before the request is queued."""
         engine = self._serving_engine()
         self._loop = asyncio.get_running_loop()
-        req = engine.core.make_request(prompt, params, request_id=request_id)  # ConfigError
+        # The engine knows the request by a fresh id: a client may reuse an id as soon as its
+        # stream ends, before the engine has processed the abort of the old one.
+        engine_id = f"{next(self._serial)}:{request_id}"
+        req = engine.core.make_request(prompt, params, request_id=engine_id)  # ConfigError
         self._check_fits(len(req.prompt_ids), params, engine.core)
         check(request_id not in self._active, "request_id", request_id, "an id not in use")
         if self.num_waiting >= self.max_queue:
             raise QueueFullError(f"the queue is full: {self.num_waiting} requests waiting, max_queue={self.max_queue}"
                                  "; retry later")
-        self._active[request_id] = engine
+        self._active[request_id] = (engine, engine_id)
         self._prompt_tokens += len(req.prompt_ids)
         try:
             # aclosing: leaving this generator must close the engine's stream now (which aborts
             # the request and frees its blocks), not whenever the garbage collector gets to it.
-            async with contextlib.aclosing(engine.stream(req.prompt_ids, params, request_id=request_id)) as deltas:
+            async with contextlib.aclosing(engine.stream(req.prompt_ids, params, request_id=engine_id)) as deltas:
                 async for delta in deltas:
+                    delta.request_id = request_id
                     yield delta
         except EngineDeadError as exc:
             if engine is self._engine:  # it died outside a step (the executor saw nothing)
@@ -148,10 +154,10 @@ class LocalService:
             self._active.pop(request_id, None)
 
     async def abort(self, request_id: str) -> bool:
-        engine = self._active.get(request_id)
-        if engine is None:
+        if request_id not in self._active:
             return False
-        engine.abort(request_id)
+        engine, engine_id = self._active[request_id]
+        engine.abort(engine_id)
         return True
 
     def health(self) -> ServiceHealth:
@@ -190,8 +196,8 @@ class LocalService:
         """Refuse new requests; with drain, let running ones finish, otherwise abort them."""
         self._closed = True
         if not drain:
-            for rid, engine in list(self._active.items()):
-                engine.abort(rid)
+            for engine, engine_id in list(self._active.values()):
+                engine.abort(engine_id)
         while self._active:
             await asyncio.sleep(0.02)
         if self._recovery is not None:

@@ -197,6 +197,29 @@ def test_200_streams_cancelled_at_random_points_leak_no_blocks(served):
     assert len(out.token_ids) == 4
 
 
+def test_request_ids_can_be_reused_as_soon_as_a_stream_ends(served):
+    """Cancel, then send the same id at once (before the server has even seen the cancel), many
+    times: each new request is served or refused as "in use", never both under one id; the
+    engine survives and nothing leaks."""
+    client, _, free_at_start = served
+    served_count = 0
+    for i in range(16):
+        call = client.stub.Generate(InferenceClient.request(PROMPTS[i % 4], request_id="reused", max_tokens=50,
+                                                            ignore_eos=True))
+        try:
+            if i % 2:  # cancelled after its first token; otherwise right after sending
+                next(r for r in call if r.token_ids)
+                served_count += 1
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_id='reused'" in exc.details()
+        call.cancel()
+    assert served_count >= 1
+    wait_idle(client, free_at_start)
+    out = client.generate(PROMPTS[0], request_id="reused", max_tokens=3, temperature=0)
+    assert out.request_id == "reused" and len(out.token_ids) == 3
+    assert client.health() == "SERVING"
+
+
 def test_metrics_endpoint_exports_every_documented_metric(served):
     client, server, _ = served
     client.generate(PROMPTS[1], max_tokens=5, temperature=0, ignore_eos=True)
