@@ -21,6 +21,9 @@ import pytest
 
 from meshserve.api.client import InferenceClient
 
+# A hung server or stream fails the test in minutes, not at the suite's 10-minute limit.
+pytestmark = pytest.mark.timeout(180)
+
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 

@@ -17,6 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from meshserve.api.client import InferenceClient
 from tests.integration.api_harness import ServerLoop, demo_service, rpc_error, wait_for, wait_idle
 
+# A hung server or stream fails the test in minutes, not at the suite's 10-minute limit.
+pytestmark = pytest.mark.timeout(180)
+
 SERVICE = "meshserve.v1.Inference"
 
 

@@ -17,6 +17,9 @@ from meshserve.api.client import InferenceClient
 from meshserve.cluster.service import ServiceHealth
 from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
 
+# A hung server or stream fails the test in minutes, not at the suite's 10-minute limit.
+pytestmark = pytest.mark.timeout(180)
+
 TOKEN = "s3cret-token-for-tests"
 UNAUTHENTICATED = grpc.StatusCode.UNAUTHENTICATED
 

@@ -24,6 +24,9 @@ from meshserve.v1 import inference_pb2 as pb
 from meshserve.v1 import inference_pb2_grpc as pb_grpc
 from tests.integration.api_harness import ServerLoop, demo_service, rpc_error, wait_idle
 
+# A hung server or stream fails the test in minutes, not at the suite's 10-minute limit.
+pytestmark = pytest.mark.timeout(180)
+
 PROMPTS = ["The for statement is used to", "An exception is raised when", "Python supports",
            "A class definition defines"]
 

@@ -20,6 +20,9 @@ from meshserve.api.client import InferenceClient
 from meshserve.v1 import inference_pb2 as pb
 from tests.integration.api_harness import ServerLoop, demo_service, raw_generate, rpc_error, wait_for, wait_idle
 
+# A hung server or stream fails the test in minutes, not at the suite's 10-minute limit.
+pytestmark = pytest.mark.timeout(180)
+
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
 
