@@ -99,8 +99,8 @@ class InferenceServicer:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            code = status_of(exc)[0]
-            await self._fail(context, exc)
+            code, message = status_of(exc)
+            await context.abort(code, message)
         finally:
             if stream is not None:
                 with contextlib.suppress(Exception):

@@ -196,6 +196,8 @@ def test_200_streams_cancelled_at_random_points_leak_no_blocks(served):
     assert outcomes["cancelled"] >= 150 and sum(outcomes.values()) == 200, outcomes
     stats = wait_idle(client, free_at_start)
     assert stats.kv_usage == 0.0
+    scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    assert 'code="CANCELLED"' in scrape and 'code="INTERNAL"' not in scrape  # cancels are not errors
     out = client.generate(PROMPTS[0], max_tokens=4, temperature=0)  # and it still serves
     assert len(out.token_ids) == 4
 
