@@ -114,6 +114,17 @@ class InferenceClient:
     def tokenize(self, text: str, *, model: str = "") -> list[int]:
         return list(self.stub.Tokenize(pb.TokenizeRequest(model=model, text=text), metadata=self.metadata).token_ids)
 
+    def embed(self, inputs: Sequence[str | Sequence[int]], *, model: str = "", truncate: bool = False,
+              timeout: float | None = None) -> pb.EmbedResponse:
+        """One float32 vector per input (text or token ids), in order: response.embeddings[i].values."""
+        request = pb.EmbedRequest(model=model, truncate=truncate)
+        for item in inputs:
+            if isinstance(item, str):
+                request.inputs.add(text=item)
+            else:
+                request.inputs.add().token_ids.ids.extend(item)
+        return self.stub.Embed(request, timeout=timeout, metadata=self.metadata)
+
     def list_models(self) -> list[pb.Model]:
         return list(self.stub.ListModels(pb.ListModelsRequest(), metadata=self.metadata).models)
 

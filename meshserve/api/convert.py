@@ -131,6 +131,24 @@ def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None)
     return out
 
 
+def embed_inputs_of(request: pb.EmbedRequest) -> list[str | list[int]]:
+    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges)."""
+    check(len(request.inputs) >= 1, "inputs", [], "at least one input (text or token_ids)")
+    out: list[str | list[int]] = []
+    for i, item in enumerate(request.inputs):
+        which = item.WhichOneof("input")
+        check(which is not None, f"inputs[{i}]", None, "set: one of text or token_ids")
+        out.append(item.text if which == "text" else list(item.token_ids.ids))
+    return out
+
+
+def embed_response_of(outputs) -> pb.EmbedResponse:
+    """EmbeddingOutputs (float32 vectors) -> the response, in input order."""
+    dims = outputs[0].embedding.shape[0] if outputs else 0
+    return pb.EmbedResponse(dimensions=dims, embeddings=[
+        pb.Embedding(values=o.embedding.tolist(), num_tokens=o.num_tokens) for o in outputs])
+
+
 def model_of(card: ModelCard) -> pb.Model:
     return pb.Model(name=card.name, max_model_len=card.max_model_len, vocab_size=card.vocab_size, task=card.task)
 

@@ -44,7 +44,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--attention-backend", default=None, help="TORCH, TRITON or FLASHINFER (default: automatic)")
-    m.add_argument("--block-size", type=int, default=16, help="KV block size in tokens (a power of two)")
+    m.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens, a power of two (default 16; embedding models: the naive layout)")
     m.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
     m.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget per rank in bytes")
@@ -82,7 +83,7 @@ def configs_of(args: argparse.Namespace):
     engine = EngineConfig(
         model=ModelConfig(model=str(args.model or DEMO_MODEL_DIR), dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed),
-        cache=CacheConfig(block_size=args.block_size, num_kv_blocks=args.num_kv_blocks,
+        cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -99,9 +100,15 @@ def configs_of(args: argparse.Namespace):
     return engine, pools, server
 
 
-def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool):
-    """The InferenceService these settings ask for (loads the model; takes seconds)."""
+def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool,
+                  block_size: int | None = None):
+    """The InferenceService these settings ask for (loads the model; takes seconds).
+
+    An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
+    apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
+    """
     from meshserve.cluster.local import LocalService
+    from meshserve.workers.embedder import read_model_task
 
     why = "1: this build serves one in-process replica (the Ray coordinator is not part of it yet)"
     check(pools.mode is PoolMode.UNIFIED, "pools", pools.mode.value, f"'unified' with {why}")
@@ -109,6 +116,15 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
     check(pools.ray_address is None, "ray_address", pools.ray_address, f"unset, with replicas={why}")
     check(engine.parallel.tp == 1, "tp", engine.parallel.tp, why)
     check(engine.parallel.dcp == 1, "dcp", engine.parallel.dcp, why)
+    if read_model_task(engine.model.model) == "embed":
+        from meshserve.cluster.embedding_service import EmbeddingService
+        from meshserve.workers.embedder import Embedder
+
+        embedder = Embedder(engine.model.model, dtype=engine.model.dtype.value,
+                            attention_backend=engine.attention.backend, block_size=block_size,
+                            max_model_len=engine.model.max_model_len,
+                            max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, device=device)
+        return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
     return LocalService(engine, model_name=model_name, device=device, progress=progress)
 
 
@@ -144,7 +160,7 @@ def serve_main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     engine, pools, server = configs_of(args)
     service = build_service(engine, pools, model_name=args.served_model_name, device=args.device,
-                            progress=sys.stderr.isatty())
+                            progress=sys.stderr.isatty(), block_size=args.block_size)
     announce = lambda line: print(line, flush=True)
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
                            announce=announce))

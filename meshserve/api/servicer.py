@@ -134,6 +134,17 @@ class InferenceServicer:
         except MeshserveError as exc:
             await self._fail(context, exc)
 
+    async def Embed(self, request: pb.EmbedRequest | Malformed, context) -> pb.EmbedResponse:
+        """Every input checked, then one call to the service (it runs the model off the loop)."""
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            self._model(request.model)
+            inputs = convert.embed_inputs_of(request)
+            return convert.embed_response_of(await self.service.embed(inputs, truncate=request.truncate))
+        except MeshserveError as exc:
+            await self._fail(context, exc)
+
     async def ServerInfo(self, request, context) -> pb.ServerInfoResponse:
         health = self.service.health()
         info = self._info

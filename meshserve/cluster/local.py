@@ -28,7 +28,7 @@ from meshserve.cluster.async_engine import AsyncEngine, EngineDeadError
 from meshserve.cluster.engine import EngineConfig, EngineCore, InProcessExecutor
 from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
-from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError, check
+from meshserve.errors import ConfigError, QueueFullError, ReplicaFailedError, UnavailableError, check
 from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import StepOutput, StepPlan
@@ -114,6 +114,11 @@ class LocalService:
 
     def models(self) -> list[ModelCard]:
         return [self._card]
+
+    async def embed(self, inputs, *, truncate: bool = False):
+        """A generative model has no Embed (the protocol's task rule)."""
+        raise ConfigError("model", self.model_name, "an embed model for Embed; this model's task is 'generate' "
+                          "(use Generate)")
 
     def tokenize(self, text: str) -> list[int]:
         check(self.tokenizer is not None, "text", "text", "token ids: the checkpoint has no tokenizer.json")

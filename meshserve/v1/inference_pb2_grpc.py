@@ -59,6 +59,11 @@ class InferenceStub:
                 request_serializer=meshserve_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/meshserve.v1.Inference/Embed',
+                request_serializer=meshserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -100,6 +105,14 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """One pooled vector per input, for a model whose task is "embed" (a generative model
+        refuses it with INVALID_ARGUMENT naming its task; an embedding model refuses Generate).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +140,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.ServerInfo,
                     request_deserializer=meshserve_dot_v1_dot_inference__pb2.ServerInfoRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_inference__pb2.ServerInfoResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=meshserve_dot_v1_dot_inference__pb2.EmbedRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_inference__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +282,33 @@ class Inference:
             '/meshserve.v1.Inference/ServerInfo',
             meshserve_dot_v1_dot_inference__pb2.ServerInfoRequest.SerializeToString,
             meshserve_dot_v1_dot_inference__pb2.ServerInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Inference/Embed',
+            meshserve_dot_v1_dot_inference__pb2.EmbedRequest.SerializeToString,
+            meshserve_dot_v1_dot_inference__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,
