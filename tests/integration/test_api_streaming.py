@@ -256,4 +256,4 @@ def test_reflection_describes_the_service(served):
         assert {"meshserve.v1.Inference", "grpc.health.v1.Health"} <= services
         generate = db.FindFileContainingSymbol("meshserve.v1.Inference")
         assert [m.name for m in generate.service[0].method] == ["Generate", "Tokenize", "ListModels", "Abort",
-                                                               "ServerInfo"]
+                                                               "ServerInfo", "Embed"]
