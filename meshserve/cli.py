@@ -104,6 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     from meshserve.engine import add_generate_parser
 
     add_generate_parser(sub)
+    from meshserve.embed_cli import add_embed_parser
+
+    add_embed_parser(sub)
     add_serve_parser(sub)
     add_client_parser(sub)
     return parser
