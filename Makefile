@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs clean
+.PHONY: run test lint docs proto clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,8 +18,9 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install -q --compile -e ".[test,bench]"
 	@touch $(STAMP)
 
+# The demo model on 127.0.0.1:50051 (metrics on :9400) until Ctrl-C; try `meshserve client "Python supports"`.
 run: $(STAMP)
-	$(BIN)/meshserve backends
+	$(BIN)/meshserve serve
 
 test: $(STAMP)
 	$(BIN)/ruff check meshserve tests $(wildcard bench scripts)
@@ -27,6 +28,9 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
+
+proto: $(STAMP)
+	$(BIN)/python -m meshserve.api.protogen
 
 clean:
 	rm -rf $(VENV)

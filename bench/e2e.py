@@ -28,13 +28,36 @@ from pathlib import Path
 import torch
 
 BANDWIDTH = 4.18e12  # bytes/s, measured copy bandwidth of the H200 (read + write)
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-                 rope_theta=500000.0, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 8192})
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            vocab_size=512, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0, rope_scaling=None)
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=8192,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-5,
+    rope_theta=10000.0,
+    rope_scaling=None,
+)
 BEGIN, END = "<!-- bench/e2e.py:begin -->", "<!-- bench/e2e.py:end -->"
 
 
@@ -53,14 +76,19 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
     shards = [{"model.embed_tokens.weight": rand(v, h)}]
     for i in range(shape["num_hidden_layers"]):
         p = f"model.layers.{i}"
-        shards.append({
-            f"{p}.self_attn.q_proj.weight": rand(h, h), f"{p}.self_attn.k_proj.weight": rand(kv, h),
-            f"{p}.self_attn.v_proj.weight": rand(kv, h), f"{p}.self_attn.o_proj.weight": rand(h, h),
-            f"{p}.mlp.gate_proj.weight": rand(inter, h), f"{p}.mlp.up_proj.weight": rand(inter, h),
-            f"{p}.mlp.down_proj.weight": rand(h, inter),
-            f"{p}.input_layernorm.weight": torch.ones(h, dtype=dtype),
-            f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
-        })
+        shards.append(
+            {
+                f"{p}.self_attn.q_proj.weight": rand(h, h),
+                f"{p}.self_attn.k_proj.weight": rand(kv, h),
+                f"{p}.self_attn.v_proj.weight": rand(kv, h),
+                f"{p}.self_attn.o_proj.weight": rand(h, h),
+                f"{p}.mlp.gate_proj.weight": rand(inter, h),
+                f"{p}.mlp.up_proj.weight": rand(inter, h),
+                f"{p}.mlp.down_proj.weight": rand(h, inter),
+                f"{p}.input_layernorm.weight": torch.ones(h, dtype=dtype),
+                f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
+            }
+        )
     shards.append({"model.norm.weight": torch.ones(h, dtype=dtype), "lm_head.weight": rand(v, h)})
     weight_map, total = {}, 0
     for k, tensors in enumerate(shards):
@@ -70,10 +98,20 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             weight_map[t_name] = name
             total += t.numel() * t.element_size()
     (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": str(dtype)[6:],
-              "hidden_act": "silu", "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2,
-              "attention_bias": False, "mlp_bias": False, **shape}
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": str(dtype)[6:],
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "attention_bias": False,
+        "mlp_bias": False,
+        **shape,
+    }
     if config["rope_scaling"] is None:
         del config["rope_scaling"]
     (path / "config.json").write_text(json.dumps(config, indent=1))
@@ -101,10 +139,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def bench_meshserve(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, dict]:
     from meshserve import LLM, SamplingParams
 
-    llm = LLM(path, dtype=args.dtype, attention_backend=args.attention_backend, device=args.device,
-              max_model_len=args.prompt_len + args.output_len + 16, kv_cache_memory_bytes=args.kv_bytes,
-              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max(8192, args.prompt_len * 2),
-              progress=False)
+    llm = LLM(
+        path,
+        dtype=args.dtype,
+        attention_backend=args.attention_backend,
+        device=args.device,
+        max_model_len=args.prompt_len + args.output_len + 16,
+        kv_cache_memory_bytes=args.kv_bytes,
+        max_num_seqs=max(args.batch_sizes),
+        max_num_batched_tokens=max(8192, args.prompt_len * 2),
+        progress=False,
+    )
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(random_prompts(2, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=8))
     results = {}
@@ -151,8 +196,14 @@ def bench_hf(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, fl
         sync(args.device)
         t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
         sync(args.device)
         assert out.shape[1] == ids.shape[1] + new
         return time.perf_counter() - t0
@@ -167,8 +218,15 @@ def bench_hf(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, fl
     return results, one
 
 
-def report(args: argparse.Namespace, shape_name: str, ours: dict, step: dict, hf: tuple | None,
-           roofline_s: float, weight_bytes: int) -> str:
+def report(
+    args: argparse.Namespace,
+    shape_name: str,
+    ours: dict,
+    step: dict,
+    hf: tuple | None,
+    roofline_s: float,
+    weight_bytes: int,
+) -> str:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     lines = [
         BEGIN,

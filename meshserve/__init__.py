@@ -12,11 +12,13 @@ _PUBLIC = {
     "SamplingParams": "meshserve.workers.sampling_params",
     "RequestOutput": "meshserve.cluster.outputs",
     "CompletionDelta": "meshserve.cluster.outputs",
+    "EmbeddingOutput": "meshserve.workers.embedder",
 }
 
 if TYPE_CHECKING:
     from meshserve.cluster.outputs import CompletionDelta, RequestOutput
     from meshserve.engine import LLM
+    from meshserve.workers.embedder import EmbeddingOutput
     from meshserve.workers.sampling_params import SamplingParams
 
 
@@ -28,4 +30,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'meshserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionDelta"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionDelta", "EmbeddingOutput"]

@@ -3,6 +3,9 @@
 `LLM.stream(prompt, params)` is an async generator of CompletionDelta, built on the same
 AsyncEngine the cluster uses. Use either `generate` or `stream` on one LLM at a time.
 `generate_main` is the `meshserve generate` command.
+
+An encoder-only checkpoint (BertModel family) is served for embeddings instead:
+`LLM(model=DIR).embed(texts)` (workers/embedder.py); each task refuses the other's calls.
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ from meshserve.cluster.async_engine import AsyncEngine
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.outputs import CompletionDelta, RequestOutput
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from meshserve.errors import check
+from meshserve.errors import ConfigError, check
+from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
 from meshserve.workers.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -28,10 +32,13 @@ class LLM:
     model: HF checkpoint directory (None: the bundled demo model).
     num_kv_blocks / kv_cache_memory_bytes: KV pool size (default: 85% of free GPU memory, or
     256 MiB on CPU). The other settings are those of ModelConfig, CacheConfig, SchedulerConfig.
+    block_size: default 16 for generative models; for embedding models the naive layout
+    (block_size == max_model_len) unless a smaller block size asks for the paged flash path.
+    `task` is "generate" or "embed" (read from the checkpoint's architecture).
     """
 
     def __init__(self, model: str | Path | None = None, *, dtype: str = "auto", attention_backend: str | None = None,
-                 block_size: int = 16, max_model_len: int | None = None, num_kv_blocks: int | None = None,
+                 block_size: int | None = None, max_model_len: int | None = None, num_kv_blocks: int | None = None,
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
@@ -40,6 +47,17 @@ class LLM:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
             model = DEMO_MODEL_DIR
+        self.model_dir = str(model)
+        self.task = read_model_task(model)
+        self.core: EngineCore | None = None
+        self.embedder: Embedder | None = None
+        self._async: AsyncEngine | None = None
+        if self.task == "embed":
+            self.embedder = Embedder(model, dtype=dtype, attention_backend=attention_backend, block_size=block_size,
+                                     max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                                     device=device)
+            return
+        block_size = 16 if block_size is None else block_size
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
@@ -50,11 +68,26 @@ class LLM:
             attention=AttentionConfig(backend=attention_backend),
         )
         self.core = EngineCore(config, device=device, progress=progress)
-        self._async: AsyncEngine | None = None
 
     @property
     def tokenizer(self):
-        return self.core.tokenizer
+        return self.embedder.tokenizer if self.embedder is not None else self.core.tokenizer
+
+    def _require(self, task: str, call: str) -> None:
+        """Refuse `call` unless this model's task is `task`, naming the model and its task."""
+        if self.task != task:
+            other = "LLM.embed" if self.task == "embed" else "LLM.generate / LLM.stream"
+            raise ConfigError("model", self.model_dir, f"a {task} model for {call}; this checkpoint's task is "
+                              f"'{self.task}' (use {other})")
+
+    def embed(self, inputs: EmbedInput | Sequence[EmbedInput], *, truncate: bool = False) -> list[EmbeddingOutput]:
+        """One pooled embedding per input (text or token ids), in order (see workers/embedder.py).
+
+        Inputs longer than max_model_len are refused (ConfigError naming the limit) unless
+        `truncate`; every input is validated before any is run.
+        """
+        self._require("embed", "embed")
+        return self.embedder.embed(inputs, truncate=truncate)
 
     def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
                  = None) -> list[RequestOutput]:
@@ -62,6 +95,7 @@ class LLM:
 
         All prompts are validated before any is queued: one bad prompt refuses the whole call.
         """
+        self._require("generate", "generate")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -85,13 +119,15 @@ class LLM:
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
         """Deltas of one request as they are produced (see AsyncEngine.stream)."""
+        self._require("generate", "stream")
         if self._async is None:
             self._async = AsyncEngine(self.core)
         async for delta in self._async.stream(prompt, params, request_id=request_id):
             yield delta
 
     def shutdown(self) -> None:
-        self.core.shutdown()
+        if self.core is not None:
+            self.core.shutdown()
 
 
 # -- `meshserve generate` -------------------------------------------------------------------------

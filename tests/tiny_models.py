@@ -40,6 +40,28 @@ ARCHS: dict[str, tuple[str, dict]] = {
     "mistral": ("MistralConfig", dict(sliding_window=MISTRAL_WINDOW)),
 }
 
+# Hybrid-attention architectures (alternating sliding/full layers): windows shorter than the
+# prompts, soft-caps small enough to bite, learned sinks large enough to matter.
+HYBRID_WINDOW = 6
+HYBRID_ARCHS: dict[str, tuple[str, dict]] = {
+    "gemma2": ("Gemma2Config", dict(head_dim=16, sliding_window=HYBRID_WINDOW, query_pre_attn_scalar=24,
+                                     attn_logit_softcapping=3.0, final_logit_softcapping=10.0,
+                                     num_hidden_layers=3)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=HYBRID_WINDOW, query_pre_attn_scalar=24,
+                                         num_hidden_layers=3,
+                                         layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                                         rope_parameters={
+                                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                "rope_theta": 1_000_000.0},
+                                             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    "gpt_oss": ("GptOssConfig", dict(head_dim=16, sliding_window=HYBRID_WINDOW, intermediate_size=32,
+                                      num_local_experts=4, num_experts_per_tok=2,
+                                      rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0,
+                                                       "factor": 16.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                       "truncate": False,
+                                                       "original_max_position_embeddings": 16})),
+}
+
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. " * 3,
     "Hello world, hello meshserve! Once upon a time there was a tiny model that liked to count: "
@@ -47,14 +69,26 @@ CORPUS = [
 ] * 10
 
 
-def hf_model(name: str, *, seed: int = 0):
-    """A fresh random HF model of architecture `name` (float32, eval mode)."""
+def hf_model(name: str, *, seed: int = 0, overrides: dict | None = None):
+    """A fresh random HF model of architecture `name` (float32, eval mode); `overrides` change its config."""
     import transformers
 
-    cls_name, extra = ARCHS[name]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    cls_name, extra = {**ARCHS, **HYBRID_ARCHS}[name]
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
-    return transformers.AutoModelForCausalLM.from_config(config).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    if name in ("gemma2", "gemma3"):
+        with torch.no_grad():  # HF's init makes every (1 + weight) norm scale exactly one
+            for pname, param in model.named_parameters():
+                if pname.endswith("norm.weight"):
+                    param.normal_(0.0, 0.5)
+            # The tied, sqrt(hidden)-scaled embedding otherwise makes every token predict itself.
+            model.model.embed_tokens.weight.mul_(0.15)
+    if name == "gpt_oss":
+        with torch.no_grad():  # HF's init makes sinks tiny; large ones show whether they are used
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
+    return model
 
 
 def tiny_tokenizer():
@@ -71,9 +105,10 @@ def tiny_tokenizer():
     return tok
 
 
-def write_checkpoint(path: Path, name: str, *, seed: int = 0, max_shard_size: str | None = None):
+def write_checkpoint(path: Path, name: str, *, seed: int = 0, max_shard_size: str | None = None,
+                     overrides: dict | None = None):
     """Save architecture `name` with a tokenizer to `path`; returns the HF model for oracles."""
-    model = hf_model(name, seed=seed)
+    model = hf_model(name, seed=seed, overrides=overrides)
     kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, **kwargs)
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))

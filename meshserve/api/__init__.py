@@ -1,0 +1,13 @@
+"""The gRPC face of meshserve: `meshserve.v1.Inference`, health, reflection, auth, TLS, metrics.
+
+server.py   ApiServer: the grpc.aio server over any InferenceService
+servicer.py the Inference methods: requests in, deltas out, errors as status codes
+convert.py  proto messages <-> SamplingParams / CompletionDelta, with the API's own limits
+status.py   which meshserve error becomes which status code
+auth.py     bearer-token interceptor and TLS credentials
+health.py   grpc.health.v1 status that follows the service's health
+metrics.py  Prometheus metrics and their HTTP endpoint
+serve.py    the `meshserve serve` command
+client.py   InferenceClient and the `meshserve client` command
+protogen.py regenerates meshserve/v1/inference_pb2*.py from the proto
+"""

@@ -159,3 +159,41 @@ def select_backend(
         if verdict.ok and verdict.name in priorities[platform_of(problem)]:
             return load_backend(verdict.name, kind)
     raise NoBackendError(f"no {what} can serve this configuration:\n" + _format(verdicts))
+
+
+def select_backend_for_layers(
+    problems: list[AttentionProblem], name: str | None = None
+) -> type[AttentionBackend]:
+    """One standard-attention backend class for every layer's problem (hybrid models mix
+    windowed and full layers; GPT-OSS adds sinks): `name` if given and valid for all, else the
+    first by priority that serves every layer. The error names each refused backend with the
+    reasons per layer kind (e.g. FLASHINFER: "learned sink logits not supported")."""
+    check_problems = list(dict.fromkeys(problems))
+    if len(check_problems) == 1:
+        return select_backend(check_problems[0], name)
+    first = check_problems[0]
+    _, priorities = tables(BackendKind.ATTENTION)
+    order = [name.upper()] if name is not None else list(priorities[platform_of(first)])
+    if name is not None and order[0] not in BACKENDS:
+        raise ConfigError(_field(BackendKind.ATTENTION), name, f"one of {sorted(BACKENDS)}")
+    refused: list[Verdict] = []
+    for candidate in order:
+        reasons: list[str] = []
+        for i, problem in enumerate(check_problems):
+            verdict = judge(candidate, problem)
+            reasons += [f"layer kind {i} ({_describe(problem)}): {r}" for r in verdict.reasons]
+        if not reasons:
+            return load_backend(candidate)
+        refused.append(Verdict(candidate, tuple(reasons)))
+    what = f"attention backend {order[0]}" if name is not None else "no attention backend"
+    raise NoBackendError(f"{what} can serve every layer of this model:\n" + _format(refused))
+
+
+def _describe(problem: AttentionProblem) -> str:
+    spec = problem.spec
+    parts = [f"window {spec.sliding_window}" if spec.sliding_window else "full attention"]
+    if spec.has_sinks:
+        parts.append("learned sinks")
+    if spec.logits_soft_cap is not None:
+        parts.append(f"soft-cap {spec.logits_soft_cap}")
+    return ", ".join(parts)

@@ -9,16 +9,22 @@ healthy replica raises UnavailableError; a replica dying under a request ends it
 ReplicaFailedError. Every other outcome arrives as deltas: the last one has finished=True and
 a finish_reason (stop, length, abort). Leaving a stream early aborts the request and frees its
 KV blocks at once.
+
+A service serves one task per model (ModelCard.task): `generate` on an embedding model and
+`embed` on a generative one raise ConfigError naming the model's task (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from meshserve.cluster.outputs import CompletionDelta
 from meshserve.workers.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from meshserve.workers.embedder import EmbeddingOutput
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,10 @@ class InferenceService(Protocol):
                  request_id: str) -> AsyncIterator[CompletionDelta]: ...
 
     async def abort(self, request_id: str) -> bool: ...
+
+    async def embed(self, inputs: Sequence[str | Sequence[int]], *, truncate: bool = False) -> list[EmbeddingOutput]:
+        """One pooled vector per input (text or token ids); all validated before any runs."""
+        ...
 
     def health(self) -> ServiceHealth: ...
 

@@ -12,9 +12,9 @@ can provoke. Cost is about 1 µs per block, paid once per full block.
 
 from __future__ import annotations
 
-import hashlib
-from array import array
-from collections.abc import Sequence
+import struct
+from collections.abc import Callable, Sequence
+from hashlib import sha256
 
 import msgpack
 
@@ -42,14 +42,16 @@ def encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block).
 
-    token_ids: the block's tokens (exactly tokens_per_block of them; not checked here).
-    extra: `encode_extra_keys(...)` of the request.
+    token_ids: the block's tokens (exactly tokens_per_block of them; not checked here), hashed
+    as little-endian int64 so every host agrees. extra: `encode_extra_keys(...)` of the request.
     """
-    h = hashlib.sha256(parent if parent is not None else ROOT_HASH)
-    h.update(array("q", token_ids).tobytes())
-    if extra:
-        h.update(extra)
-    return h.digest()
+    packer = _PACKERS.get(len(token_ids))
+    if packer is None:
+        packer = _PACKERS[len(token_ids)] = struct.Struct(f"<{len(token_ids)}q").pack
+    return sha256((parent or ROOT_HASH) + packer(*token_ids) + extra).digest()
+
+
+_PACKERS: dict[int, Callable[..., bytes]] = {}
 
 
 def hash_blocks(

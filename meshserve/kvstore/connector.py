@@ -59,9 +59,7 @@ class KVConnector:
     model_id: names the weights; replicas of different models never exchange KV.
     """
 
-    def __init__(
-        self, manager: KVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str
-    ) -> None:
+    def __init__(self, manager: KVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str) -> None:
         self.manager = manager
         self.caches = [c for c in caches if c is not None]
         check(bool(self.caches), "caches", len(caches), "at least one layer cache")
@@ -74,9 +72,7 @@ class KVConnector:
     # ---- sender ---------------------------------------------------------------------------
     def export(self, request_id: str | int, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
         """Pin the request's blocks and describe them (the request itself may be freed now)."""
-        check(
-            isinstance(request_id, str | int), "request_id", request_id, "a str or int (it goes on the wire)"
-        )
+        check(isinstance(request_id, str | int), "request_id", request_id, "a str or int (it goes on the wire)")
         check(max_frame_bytes >= 1, "max_frame_bytes", max_frame_bytes, "an integer >= 1")
         kv = self.manager
         table = kv.block_table(request_id)
@@ -85,9 +81,7 @@ class KVConnector:
         pin_id = ("kv-export", request_id, next(self._pins))
         kv.fork(request_id, pin_id)  # the export holds its own references
         plan = plan_frames(blocks, self._block_nbytes, max_frame_bytes)
-        frames = [
-            as_bytes(self.caches[layer].data[blocks[first] : blocks[first] + n]) for layer, first, n in plan
-        ]
+        frames = [as_bytes(self.caches[layer].data[blocks[first] : blocks[first] + n]) for layer, first, n in plan]
         digest = FrameDigest()
         for frame in frames:
             digest.update(frame)
@@ -152,9 +146,7 @@ class ImportSession:
         except ConfigError as exc:
             raise KVTransferError("bad_header", str(exc)) from exc
         if blocks is None:
-            raise KVTransferError(
-                "capacity", f"{len(header.block_positions)} blocks needed, {kv.num_free_blocks} free"
-            )
+            raise KVTransferError("capacity", f"{len(header.block_positions)} blocks needed, {kv.num_free_blocks} free")
         self.blocks = blocks
         self._next = 0
         self._digest = FrameDigest()
@@ -234,9 +226,7 @@ class ImportSession:
         if self._next != self.num_frames:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
         if self._digest.value != self.header.checksum:
-            self._fail(
-                "checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}"
-            )
+            self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
         self.connector.manager.register_hashes(self.request_id, self.header.block_hashes)
         self._open = False
         return self.blocks

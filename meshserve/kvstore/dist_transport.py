@@ -28,9 +28,7 @@ def send_kv(
     device: torch.device | str | None = None,
 ) -> None:
     """Send one export to rank `dst`. device: where the header goes (default: the frames')."""
-    dev = (
-        torch.device(device) if device is not None else (export.frames[0].device if export.frames else "cpu")
-    )
+    dev = torch.device(device) if device is not None else (export.frames[0].device if export.frames else "cpu")
     header = torch.tensor(list(export.header_bytes), dtype=torch.uint8, device=dev)
     dist.send(torch.tensor([header.numel()], dtype=torch.int64, device=dev), dst, group=group)
     dist.send(header, dst, group=group)

@@ -1,97 +1,27 @@
-"""Per-request block tables over a BlockPool: the scheduler's view of the KV cache.
+"""Per-request block tables over a BlockPool: the scheduler's view of the KV cache (no torch).
 
-Plain Python, no torch. The scheduler reads like pseudocode with it:
-
-    hit = kv.lookup_prefix(req.token_ids, extra_keys=req.extra_keys)     # pure query
-    n = min(budget, len(req.token_ids) - hit.num_tokens)
-    if kv.allocate_slots(req.id, n, req.token_ids, prefix=hit): ...    # admitted, all or nothing
-    ...
-    while not kv.allocate_slots(run.id, 1, run.token_ids):              # decode step
-        kv.free(victim.id)                                              # preempt
-    copies = kv.take_copies()          # copy-on-write pairs: the step copies them before writing KV
-    kv.free(req.id)                    # finish / abort / preempt
-
-Conventions
-- Positions and tokens are logical: with DCP of size d every logical block covers
-  `block_size * d` tokens (each rank stores its 1/d share in its own physical block of the same
-  id), so every count here is in logical tokens and `capacity_tokens` already includes the × d.
-- A block table keeps one entry per logical block, in position order. A block released because
-  it fell out of the sliding window (and is not a sink block) is replaced by `NULL_BLOCK` (0),
-  the reserved block that attention never reads: the table index of a position never changes.
-- `allocate_slots` assumes every slot it allocated earlier for the request has been computed
-  by the time the new slots are (synchronous scheduling): it releases out-of-window blocks from
-  that assumption, and it registers prefix hashes of blocks filled by the scheduled tokens. A
-  request hit in the same step reads them after they are written, because every layer writes
-  the step's KV before it attends. If a step fails, `free(..., keep_cache=False)` its requests.
-- Block tables returned by `block_table` are the manager's own lists: read them, never modify.
+Usage, semantics and design choices: docs/kvstore.md. In short:
+- counts are in logical tokens: with DCP of size d a logical block covers block_size * d tokens;
+- a table keeps one entry per logical block; blocks released by a sliding window become
+  NULL_BLOCK (0), which attention never reads, so a position's table index never changes;
+- allocate_slots is all or nothing; it assumes earlier slots are computed by the time the new
+  ones are (synchronous scheduling) and hashes blocks filled by the scheduled tokens;
+- block_table returns the manager's own list: read it, never modify it.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 
 from meshserve.errors import ConfigError, MeshserveError, check
 from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, hash_block
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
+from meshserve.kvstore.prefix import PrefixHit, find_cached_prefix
+from meshserve.kvstore.request_blocks import NEVER, KVCacheStats, RequestBlocks
 from meshserve.kvstore.retention import RetentionPolicy
 
 RequestId = Hashable
-
-
-@dataclass(frozen=True)
-class PrefixHit:
-    """Result of `lookup_prefix`: what of a token sequence is already cached.
-
-    num_tokens:   cached tokens (a multiple of tokens_per_block, at most len(token_ids) - 1: the
-                  last token is always computed, to produce logits)
-    block_ids:    the table entries covering them (NULL_BLOCK where a sliding window does not
-                  need the block, so it was not required to be cached)
-    block_hashes: chained hashes of the full blocks of token_ids computed during the lookup
-                  (at least one per entry of block_ids); allocate_slots reuses them
-    extra_keys:   the extra keys the hashes were computed with
-    """
-
-    num_tokens: int
-    block_ids: tuple[int, ...]
-    block_hashes: tuple[BlockHash, ...]
-    extra_keys: tuple = ()
-
-
-@dataclass
-class KVCacheStats:
-    """Monotonic counters (tokens unless named blocks)."""
-
-    prefix_query_tokens: int = 0  # prompt tokens of admitted requests (with prefix caching on)
-    prefix_hit_tokens: int = 0  # of which were already cached
-    cow_copies: int = 0  # blocks copied on write after a fork
-    window_released_blocks: int = 0  # blocks returned because they left the window
-
-    @property
-    def prefix_hit_rate(self) -> float:
-        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
-
-
-class _Request:
-    __slots__ = ("table", "num_tokens", "hashes", "num_registered", "extra", "extra_keys", "first_held")
-
-    def __init__(
-        self,
-        table: list[int],
-        num_tokens: int,
-        hashes: list[BlockHash],
-        extra_keys: tuple,
-        extra: bytes,
-        first_held: int,
-    ) -> None:
-        self.table = table  # physical block per logical block (NULL_BLOCK once released)
-        self.num_tokens = num_tokens  # slots allocated (computed or being computed)
-        self.hashes = hashes  # chained hashes of full blocks, known so far (may run ahead)
-        self.num_registered = 0  # blocks [0, this) have had their hash offered to the pool
-        self.extra_keys = extra_keys
-        self.extra = extra
-        self.first_held = first_held  # non-sink blocks below this index were released
 
 
 class KVCacheManager:
@@ -122,7 +52,7 @@ class KVCacheManager:
         self.retention = retention if retention is not None else RetentionPolicy()
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = KVCacheStats()
-        self._requests: dict[RequestId, _Request] = {}
+        self._requests: dict[RequestId, RequestBlocks] = {}
         self._copies: list[tuple[int, int]] = []
         self._window = self.retention.sliding_window
         self._sink_blocks = self.retention.num_sink_blocks(self.tokens_per_block)
@@ -185,44 +115,12 @@ class KVCacheManager:
         sink blocks and the blocks the first query's window reaches must be cached; the others
         appear as NULL_BLOCK in `block_ids`.
         """
-        keys = tuple(extra_keys)
-        extra = encode_extra_keys(keys)
-        tpb = self.tokens_per_block
-        max_blocks = max(0, len(token_ids) - 1) // tpb
-        if not self.enable_prefix_caching or max_blocks == 0:
-            return PrefixHit(0, (), (), keys)
-        lookup = self.pool.lookup
-        hashes: list[BlockHash] = []
-        found: list[int | None] = []
-        parent = None
-        for i in range(max_blocks):
-            parent = hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], extra)
-            hashes.append(parent)
-            found.append(lookup(parent))
-            if found[-1] is None and self._window is None:
-                break  # full attention: the prefix ends at the first miss
-        if self._window is None:
-            hit = len(found) - (found[-1] is None)
-            return PrefixHit(hit * tpb, tuple(found[:hit]), tuple(hashes), keys)
-        return self._windowed_hit(found, hashes, keys)
-
-    def _windowed_hit(self, found: list[int | None], hashes: list[BlockHash], keys: tuple) -> PrefixHit:
-        tpb, sink = self.tokens_per_block, self._sink_blocks
-        leading = next((i for i, b in enumerate(found) if b is None), len(found))  # cached from 0
-        run_end = [0] * len(found)  # length of the cached run ending at i
-        for i, b in enumerate(found):
-            run_end[i] = 0 if b is None else (run_end[i - 1] + 1 if i else 1)
-        for k in range(len(found), 0, -1):
-            lo = self.retention.first_needed_block(k * tpb, tpb)
-            if min(k, sink) <= leading and (lo >= k or run_end[k - 1] >= k - lo):
-                table = tuple(found[i] if (i < sink or i >= lo) else NULL_BLOCK for i in range(k))
-                return PrefixHit(k * tpb, table, tuple(hashes), keys)  # type: ignore[arg-type]
-        return PrefixHit(0, (), tuple(hashes), keys)
+        if not self.enable_prefix_caching:
+            return PrefixHit(0, (), (), tuple(extra_keys))
+        return find_cached_prefix(self.pool, self.retention, self.tokens_per_block, token_ids, tuple(extra_keys))
 
     # ---- allocation -----------------------------------------------------------------------
-    def can_allocate(
-        self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None
-    ) -> bool:
+    def can_allocate(self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None) -> bool:
         """Whether `allocate_slots` with the same arguments would succeed. Pure."""
         check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
         req = self._requests.get(request_id)
@@ -247,32 +145,83 @@ class KVCacheManager:
         extra_keys: for a new request without `prefix` (a prefix carries its own).
         """
         req = self._requests.get(request_id)
+        # Fast path, every decode step and most chunks: no block leaves the window and the last
+        # block is not shared with a fork; new blocks are appended. Limits come from _refresh.
+        if req is not None and prefix is None:
+            n = req.num_tokens
+            total = n + num_new_tokens
+            if n < total and n < req.release_at:
+                capacity = req.fast_capacity
+                if total > capacity:
+                    tpb = self.tokens_per_block
+                    table = req.table
+                    if capacity == len(table) * tpb:  # else the shared partial block needs a copy
+                        missing = (total - capacity + tpb - 1) // tpb
+                        pool = self.pool
+                        if missing == 1 and pool.num_free_blocks:
+                            table.append(pool.allocate_one())
+                        elif pool.can_allocate(missing):
+                            table.extend(pool.allocate(missing))
+                        else:
+                            return False
+                        req.fast_capacity = capacity = capacity + missing * tpb
+                if total <= capacity:
+                    req.num_tokens = total
+                    if total >= req.hash_at:
+                        self._register_full_blocks(req, token_ids, total)
+                    return True
         if req is None:
             return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
         if prefix is not None:
             raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
         if num_new_tokens < 0:
             raise ConfigError("num_new_tokens", num_new_tokens, "an integer >= 0")
-        tpb = self.tokens_per_block
-        n = req.num_tokens
-        total = n + num_new_tokens
-        table = req.table
-        # Fast path (most decode steps): room in the last block, not shared, nothing to release.
-        if (
-            total <= len(table) * tpb
-            and (n % tpb == 0 or self.pool.ref_counts[table[n // tpb]] == 1)
-            and (self._window is None or n - self._window + 1 < (req.first_held + 1) * tpb)
-        ):
-            req.num_tokens = total
-        else:
-            need, freeable = self._growth_need(req, num_new_tokens)
-            if need > self.pool.num_free_blocks + freeable:
-                return False
-            self._release_out_of_window(req)
-            self._grow(req, total)
-        if self.enable_prefix_caching and min(total, len(token_ids)) // tpb > req.num_registered:
-            self._register_full_blocks(req, token_ids, total)
+        need, freeable = self._growth_need(req, num_new_tokens)
+        if need > self.pool.num_free_blocks + freeable:
+            return False
+        self._release_out_of_window(req)
+        self._grow(req, req.num_tokens + num_new_tokens)
+        if self.enable_prefix_caching:
+            self._register_full_blocks(req, token_ids, req.num_tokens)
+        self._refresh(req)
         return True
+
+    def append_slots(
+        self, request_ids: Sequence[RequestId], token_ids: Sequence[Sequence[int]], num_new_tokens: int = 1
+    ) -> int:
+        """`allocate_slots(id, num_new_tokens, tokens)` for running requests in order, stopping at
+        the first that cannot get its slots (it is left unchanged). Returns how many succeeded:
+        the scheduler preempts and calls again from there. The batch form of a decode step: one
+        call instead of one per request."""
+        requests = self._requests
+        done = 0
+        for rid, tokens in zip(request_ids, token_ids):
+            req = requests.get(rid)
+            if req is not None and num_new_tokens > 0:
+                n = req.num_tokens
+                total = n + num_new_tokens
+                if total <= req.fast_capacity and n < req.release_at:
+                    req.num_tokens = total
+                    if total >= req.hash_at:
+                        self._register_full_blocks(req, tokens, total)
+                    done += 1
+                    continue
+            if not self.allocate_slots(rid, num_new_tokens, tokens):
+                return done
+            done += 1
+        return done
+
+    def _refresh(self, req: RequestBlocks) -> None:
+        """Recompute the fast-path limits of a request after anything about it changed."""
+        tpb = self.tokens_per_block
+        n, table = req.num_tokens, req.table
+        if n % tpb and self.pool.ref_counts[table[n // tpb]] > 1:
+            req.fast_capacity = n  # the partial last block is shared: its next write copies it
+        else:
+            req.fast_capacity = len(table) * tpb
+        if self._window is not None:
+            req.release_at = (req.first_held + 1) * tpb + self._window - 1
+        req.hash_at = (req.num_registered + 1) * tpb if self.enable_prefix_caching else NEVER
 
     def _admission_need(self, num_new_tokens: int, prefix: PrefixHit | None) -> int:
         """Blocks a new request takes from the free count (new ones plus revived cached hits)."""
@@ -302,9 +251,7 @@ class KVCacheManager:
     ) -> bool:
         check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
         if prefix is not None and extra_keys and tuple(extra_keys) != prefix.extra_keys:
-            raise ConfigError(
-                "extra_keys", extra_keys, f"the prefix hit's own extra keys {prefix.extra_keys}"
-            )
+            raise ConfigError("extra_keys", extra_keys, f"the prefix hit's own extra keys {prefix.extra_keys}")
         keys = prefix.extra_keys if prefix is not None else extra_keys
         extra = encode_extra_keys(keys)
         if self._admission_need(num_new_tokens, prefix) > self.pool.num_free_blocks:
@@ -320,7 +267,7 @@ class KVCacheManager:
             num_cached = prefix.num_tokens
             self.pool.touch(b for b in table if b != NULL_BLOCK)
         first_held = max(self._sink_blocks, self.retention.first_needed_block(num_cached, tpb))
-        req = _Request(table, num_cached, hashes, keys, extra, first_held)
+        req = RequestBlocks(table, num_cached, hashes, keys, extra, first_held)
         req.num_registered = len(table)  # hit blocks are hashed already
         self._grow(req, num_cached + num_new_tokens)
         self._requests[request_id] = req
@@ -328,9 +275,10 @@ class KVCacheManager:
             self.stats.prefix_query_tokens += len(token_ids)
             self.stats.prefix_hit_tokens += num_cached
             self._register_full_blocks(req, token_ids, req.num_tokens)
+        self._refresh(req)
         return True
 
-    def _growth_need(self, req: _Request, num_new_tokens: int) -> tuple[int, int]:
+    def _growth_need(self, req: RequestBlocks, num_new_tokens: int) -> tuple[int, int]:
         """(blocks to take, blocks the window release would give back) for a running request."""
         tpb = self.tokens_per_block
         n = req.num_tokens
@@ -345,12 +293,12 @@ class KVCacheManager:
             freeable = sum(1 for b in table[lo:hi] if b != NULL_BLOCK and ref[b] == 1)
         return need, freeable
 
-    def _release_range(self, req: _Request) -> tuple[int, int]:
+    def _release_range(self, req: RequestBlocks) -> tuple[int, int]:
         lo = max(req.first_held, self._sink_blocks)
         hi = self.retention.first_needed_block(req.num_tokens, self.tokens_per_block)
         return lo, max(lo, hi)
 
-    def _release_out_of_window(self, req: _Request) -> None:
+    def _release_out_of_window(self, req: RequestBlocks) -> None:
         if self._window is None:
             return
         lo, hi = self._release_range(req)
@@ -363,7 +311,7 @@ class KVCacheManager:
             self.pool.free(released)
             self.stats.window_released_blocks += len(released)
 
-    def _grow(self, req: _Request, total: int) -> None:
+    def _grow(self, req: RequestBlocks, total: int) -> None:
         """Copy a shared partial last block if it will be written, then append new blocks."""
         tpb = self.tokens_per_block
         n, table = req.num_tokens, req.table
@@ -379,17 +327,20 @@ class KVCacheManager:
             table.extend(self.pool.allocate(missing))
         req.num_tokens = total
 
-    def _register_full_blocks(self, req: _Request, token_ids: Sequence[int], upto: int) -> None:
+    def _register_full_blocks(self, req: RequestBlocks, token_ids: Sequence[int], upto: int) -> None:
+        """Offer the hashes of blocks filled up to `upto` tokens (as far as token_ids go)."""
         tpb = self.tokens_per_block
         full = min(upto, len(token_ids)) // tpb
-        hashes, table, pool = req.hashes, req.table, self.pool
+        hashes, table, cache_block = req.hashes, req.table, self.pool.cache_block
         for i in range(req.num_registered, full):
             if i == len(hashes):
                 parent = hashes[i - 1] if i else None
                 hashes.append(hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], req.extra))
             if table[i] != NULL_BLOCK:
-                pool.cache_block(table[i], hashes[i])
-        req.num_registered = max(req.num_registered, full)
+                cache_block(table[i], hashes[i])
+        if full > req.num_registered:
+            req.num_registered = full
+            req.hash_at = (full + 1) * tpb
 
     # ---- release, fork, copies ------------------------------------------------------------
     def free(self, request_id: RequestId, *, keep_cache: bool = True) -> bool:
@@ -415,10 +366,10 @@ class KVCacheManager:
         write to a shared partial block copies it (see take_copies)."""
         parent = self._get(parent_id)
         check(child_id not in self._requests, "child_id", child_id, "an id that holds no blocks yet")
-        child = _Request(
+        child = RequestBlocks(
             list(parent.table),
             parent.num_tokens,
-            list(parent.hashes),
+            parent.hashes[: parent.num_registered],  # hashes past that were for the parent's tokens
             parent.extra_keys,
             parent.extra,
             parent.first_held,
@@ -426,6 +377,8 @@ class KVCacheManager:
         child.num_registered = parent.num_registered
         self.pool.touch(b for b in child.table if b != NULL_BLOCK)
         self._requests[child_id] = child
+        self._refresh(parent)
+        self._refresh(child)
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write (src, dst) block pairs made since the last call. Copy them (every layer,
@@ -439,6 +392,7 @@ class KVCacheManager:
         for req in self._requests.values():
             req.hashes.clear()
             req.num_registered = 0
+            self._refresh(req)
 
     # ---- KV hand-over ---------------------------------------------------------------------
     def allocate_for_import(
@@ -458,8 +412,7 @@ class KVCacheManager:
         num_table = -(-num_tokens // self.tokens_per_block)
         positions = list(block_positions)
         check(
-            all(0 <= p < num_table for p in positions)
-            and all(a < b for a, b in zip(positions, positions[1:])),
+            all(0 <= p < num_table for p in positions) and all(a < b for a, b in zip(positions, positions[1:])),
             "block_positions",
             positions if len(positions) < 16 else f"{len(positions)} positions",
             f"strictly increasing table indices in [0, {num_table})",
@@ -471,9 +424,9 @@ class KVCacheManager:
         for p, b in zip(positions, blocks):
             table[p] = b
         keys = tuple(extra_keys)
-        self._requests[request_id] = _Request(
-            table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks
-        )
+        req = RequestBlocks(table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks)
+        self._requests[request_id] = req
+        self._refresh(req)
         return blocks
 
     def register_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
@@ -488,6 +441,7 @@ class KVCacheManager:
             if req.table[i] != NULL_BLOCK:
                 self.pool.cache_block(req.table[i], h)
         req.num_registered = len(req.hashes)
+        self._refresh(req)
 
     # ---- checking -------------------------------------------------------------------------
     def check_invariants(self) -> None:
@@ -506,7 +460,7 @@ class KVCacheManager:
             if ref[block] != held[block]:
                 raise AssertionError(f"block {block}: ref count {ref[block]} but {held[block]} table entries")
 
-    def _get(self, request_id: RequestId) -> _Request:
+    def _get(self, request_id: RequestId) -> RequestBlocks:
         req = self._requests.get(request_id)
         if req is None:
             raise ConfigError("request_id", request_id, "an id that holds blocks in this KVCacheManager")

@@ -54,13 +54,9 @@ class KVLayout:
     layers: tuple[tuple[str, tuple[int, ...]], ...]
 
     @classmethod
-    def from_caches(
-        cls, caches: Sequence[object], *, model_id: str, block_size: int, dcp_size: int
-    ) -> KVLayout:
+    def from_caches(cls, caches: Sequence[object], *, model_id: str, block_size: int, dcp_size: int) -> KVLayout:
         layers = tuple(
-            (str(c.data.dtype).removeprefix("torch."), tuple(c.data.shape[1:]))
-            for c in caches
-            if c is not None
+            (str(c.data.dtype).removeprefix("torch."), tuple(c.data.shape[1:])) for c in caches if c is not None
         )
         return cls(model_id, block_size, dcp_size, layers)
 
@@ -145,9 +141,7 @@ class KVHeader:
         try:
             obj = msgpack.unpackb(data, raw=False)
             if obj.get("version") != WIRE_VERSION:
-                raise KVTransferError(
-                    "bad_header", f"wire version {obj.get('version')!r}, expected {WIRE_VERSION}"
-                )
+                raise KVTransferError("bad_header", f"wire version {obj.get('version')!r}, expected {WIRE_VERSION}")
             return cls(
                 request_id=obj["request_id"],
                 layout=KVLayout.from_wire(obj["layout"]),
@@ -176,9 +170,7 @@ def _tuplify(obj: object) -> object:
     return tuple(_tuplify(x) for x in obj) if isinstance(obj, list) else obj
 
 
-def plan_frames(
-    blocks: Sequence[int], block_nbytes: Sequence[int], max_frame_bytes: int
-) -> list[tuple[int, int, int]]:
+def plan_frames(blocks: Sequence[int], block_nbytes: Sequence[int], max_frame_bytes: int) -> list[tuple[int, int, int]]:
     """(layer, first, count) frames: runs of consecutive block ids, at most max_frame_bytes each
     (but at least one block)."""
     frames = []

@@ -7,11 +7,14 @@ Sender (prefill replica):
 Receiver (decode replica):
     blocks = pull_kv(connector, address, request_id, timeout_s=30)   # or KVTransferError
 
-Messages: the receiver's DEALER sends msgpack {"op": "pull", "request_id": id}; the reply is one
-multipart message [header, frame 0, frame 1, ...] (see wire.py), or [msgpack {"error": reason,
-"message": text}]. Frames leave the sender without a copy (zmq reads the cache memory; the
-export stays pinned until zmq has let go of every frame) and, where the receiver's new blocks
-form one run, land in its cache without a copy (`recv_into`).
+Messages: the receiver's DEALER sends msgpack {"op": "pull", "request_id": id}; the answer is
+[b"H", header] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}], then one
+message [b"F", bytes] per frame and a last [b"E"]. One message per frame (not one multipart
+message for all) lets the receiver copy and check frame i while frame i + 1 is on the wire; the
+end marker turns a short stream into a clear "truncated". Frames leave the sender without a copy
+(zmq reads the cache memory; the export stays pinned until zmq has let go of every frame) and,
+where the receiver's new blocks form one run, go from zmq's buffer straight into the receiving
+cache (`recv_into`).
 
 The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
 KVCacheManager, so the manager needs no locks.
@@ -60,9 +63,7 @@ class KVExportServer:
 
     def offer(self, request_id: str | int, *, ttl_s: float = 60.0) -> str:
         """Export the request's KV for one pull within `ttl_s`; returns the address to pull from."""
-        return self.offer_export(
-            self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s
-        )
+        return self.offer_export(self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s)
 
     def offer_export(self, export: KVExport, *, ttl_s: float = 60.0) -> str:
         """Offer a prepared export (the server releases it after it is sent or expires)."""
@@ -104,15 +105,19 @@ class KVExportServer:
             self._send_error(ident, "unknown_request", f"request {rid!r} is not on offer at {self.address}")
             return
         export = offer[0]
-        frames = [zmq.Frame(export.header_bytes)]
+        sock = self._sock
+        sock.send_multipart([ident, _HEADER, export.header_bytes])
+        trackers = []
         for tensor in export.frames:
             host = tensor if tensor.device.type == "cpu" else tensor.cpu()
-            frames.append(zmq.Frame(host.numpy(), copy=False, track=True))
-        self._sock.send_multipart([ident, *frames], copy=False)
-        self._sending.append((export, [f.tracker for f in frames[1:]]))
+            frame = zmq.Frame(host.numpy(), copy=False, track=True)
+            sock.send_multipart([ident, _FRAME, frame], copy=False)
+            trackers.append(frame.tracker)
+        sock.send_multipart([ident, _END])
+        self._sending.append((export, trackers))
 
     def _send_error(self, ident: bytes, reason: str, message: str) -> None:
-        self._sock.send_multipart([ident, msgpack.packb({"error": reason, "message": message})])
+        self._sock.send_multipart([ident, _ERROR, msgpack.packb({"error": reason, "message": message})])
 
     def _reap(self) -> None:
         still = []
@@ -157,28 +162,41 @@ def pull_kv(
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
+    deadline = time.monotonic() + timeout_s
     try:
         sock.send(msgpack.packb({"op": "pull", "request_id": request_id}))
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise KVTransferError("timeout", f"no answer from {address} for {request_id!r} in {timeout_s} s")
-        first = sock.recv()
-        _raise_if_error(first)
-        with connector.begin_import(first) as session:
+        tag = _next_tag(sock, deadline, address, request_id)
+        if tag == _ERROR:
+            _raise_error(sock.recv())
+        if tag != _HEADER or not sock.getsockopt(zmq.RCVMORE):
+            raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
+        with connector.begin_import(sock.recv()) as session:
             for i in range(session.num_frames):
-                if not sock.getsockopt(zmq.RCVMORE):
+                tag = _next_tag(sock, deadline, address, request_id)
+                if tag != _FRAME or not sock.getsockopt(zmq.RCVMORE):
                     raise KVTransferError("truncated", f"{i} of {session.num_frames} frames arrived")
                 _receive_frame(sock, session, i)
-            if sock.getsockopt(zmq.RCVMORE):
+            if _next_tag(sock, deadline, address, request_id) != _END:
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
             return session.finish()
     finally:
         sock.close(linger=0)
 
 
+_HEADER, _ERROR, _FRAME, _END = b"H", b"X", b"F", b"E"
+
+
+def _next_tag(sock: zmq.Socket, deadline: float, address: str, request_id: str | int) -> bytes:
+    """The tag part of the next message, waiting until the deadline at most."""
+    if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+        raise KVTransferError("timeout", f"no complete answer from {address} for {request_id!r} in time")
+    return sock.recv()
+
+
 def _receive_frame(sock: zmq.Socket, session: ImportSession, index: int) -> None:
     dst = session.destination(index)
     expected = session.frame_nbytes[index]
-    if dst is not None and dst.device.type == "cpu" and hasattr(sock, "recv_into"):
+    if dst is not None and dst.device.type == "cpu":
         nbytes = sock.recv_into(dst.numpy())
         if nbytes != expected:
             session.abort()
@@ -188,11 +206,10 @@ def _receive_frame(sock: zmq.Socket, session: ImportSession, index: int) -> None
         session.accept(index, sock.recv(copy=False).buffer)
 
 
-def _raise_if_error(first: bytes) -> None:
+def _raise_error(body: bytes) -> None:
     try:
-        obj = msgpack.unpackb(first, raw=False)
-    except (msgpack.UnpackException, ValueError):
-        return  # not a map at all: begin_import reports the bad header
-    if isinstance(obj, dict) and "error" in obj:
-        reason = obj["error"] if obj["error"] in KVTransferError.REASONS else "bad_header"
-        raise KVTransferError(reason, str(obj.get("message", "")))
+        obj = msgpack.unpackb(body, raw=False)
+        reason, message = obj["error"], str(obj.get("message", ""))
+    except (msgpack.UnpackException, ValueError, KeyError, TypeError):
+        raise KVTransferError("bad_header", "the sender answered with an undecodable error") from None
+    raise KVTransferError(reason if reason in KVTransferError.REASONS else "bad_header", message)

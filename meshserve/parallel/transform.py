@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from meshserve.attention.spec import AttentionSpec
@@ -66,6 +67,13 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
         attn.num_heads, attn.num_kv_heads = q_heads, kv_heads
         attn.qkv_proj = nn.Linear(hidden, (q_heads + 2 * kv_heads) * arch.head_dim, bias=arch.qkv_bias)
         attn.o_proj = RowParallelLinear(q_heads * arch.head_dim, hidden, bias=arch.o_bias, ctx=ctx)
+        if attn.sinks is not None:  # one sink logit per query head it attends for (DCP: the group's)
+            attn.sinks = nn.Parameter(torch.empty(q_heads * ctx.dcp), requires_grad=False)
+        if arch.experts is not None:
+            from meshserve.workers.models.gptoss_moe import shard_swiglu_moe
+
+            shard_swiglu_moe(mlp, ctx)
+            continue
         mlp.intermediate_size = arch.intermediate_size // tp
         mlp.gate_up_proj = nn.Linear(hidden, 2 * mlp.intermediate_size, bias=arch.mlp_bias)
         mlp.down_proj = RowParallelLinear(mlp.intermediate_size, hidden, bias=arch.mlp_bias, ctx=ctx)

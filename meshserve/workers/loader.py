@@ -144,6 +144,8 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
         transform(model)
     model = model.to(dtype).to_empty(device=device)
     model.model.rotary.reset_tables(device)
+    if getattr(model.model, "local_rotary", None) is not None:
+        model.model.local_rotary.reset_tables(device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties shared meta params
     return model.eval()

@@ -14,7 +14,7 @@ import torch
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCache
 from meshserve.attention.metadata import AttentionMetadata
-from meshserve.attention.registry import select_backend
+from meshserve.attention.registry import select_backend_for_layers
 from meshserve.attention.spec import AttentionSpec
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
@@ -30,8 +30,8 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
                   max_model_len: int, device: torch.device, dcp_size: int = 1) -> list[AttentionBackend]:
     """One backend instance per distinct spec, listed per layer.
 
-    The backend class is chosen once (by name, or by priority for the first layer's problem)
-    and must serve every layer; otherwise the registry's error lists the reasons. MLA layers get
+    The backend class is chosen once (by name, or the first by priority that serves every
+    layer's problem); otherwise the registry's error lists the reasons per layer kind. MLA layers get
     an MLAAttention instead (its decode and prefill backends are chosen from their own tables).
     """
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -45,9 +45,8 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
     standard = [spec for spec in distinct if spec.mla is None]
     instances: dict[AttentionSpec, object] = {}
     if standard:
-        chosen = select_backend(problem(standard[0]), name)
-        for spec in standard[1:]:
-            select_backend(problem(spec), chosen.name)  # raises with the reasons if it cannot serve
+        # One class for all layers (windowed and full, with or without sinks), or the reasons why not.
+        chosen = select_backend_for_layers([problem(spec) for spec in standard], name)
         instances.update({spec: chosen(problem(spec)) for spec in standard})
     for spec in distinct:
         if spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table

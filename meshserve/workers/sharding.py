@@ -24,6 +24,7 @@ class Split(StrEnum):
     ROW = "row"  # dim 1 split evenly
     VOCAB = "vocab"  # dim 0 split into ceil(V / world) rows per rank
     DCP_GROUP = "dcp_group"  # dim 0 split into tp // dcp equal parts, one per DCP group (MLA kv_b_proj)
+    LAST = "last"  # last dim split evenly (GPT-OSS experts' gate_up_proj [E, hidden, 2I] and its bias)
 
 
 # Module name (second-to-last component of the tensor name) -> split rule for its weight.
@@ -42,6 +43,19 @@ SPLITS: dict[str, Split] = {
 }
 
 
+# GPT-OSS keeps all experts in one tensor per kind ('...mlp.experts.gate_up_proj'): split each
+# expert's intermediate features (interleaved gate/up pairs stay together in an even slice).
+EXPERT_SPLITS: dict[str, Split] = {
+    "gate_up_proj": Split.LAST,
+    "gate_up_proj_bias": Split.LAST,
+    "down_proj": Split.ROW,  # [E, I, hidden]: dim 1
+    "down_proj_bias": Split.REPLICATED,  # added once, by rank 0
+}
+# Per-head parameters named by their last component: GPT-OSS's sink logits [H] follow the query
+# heads a rank attends for (under DCP: its whole DCP group's, gathered before attention).
+PER_HEAD = ("sinks",)
+
+
 @dataclass(frozen=True)
 class Shard:
     """The slice [start:stop] along `dim` of a checkpoint tensor; dim None means the whole tensor."""
@@ -55,6 +69,10 @@ def split_of(name: str) -> Split:
     """The rule for checkpoint tensor `name` (e.g. 'model.layers.3.self_attn.k_proj.bias')."""
     parts = name.split(".")
     module, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else (parts[0], "weight")
+    if module == "experts" and kind in EXPERT_SPLITS:
+        return EXPERT_SPLITS[kind]
+    if kind in PER_HEAD:
+        return Split.DCP_GROUP
     split = SPLITS.get(module, Split.REPLICATED)
     if split is Split.ROW and kind == "bias":
         return Split.REPLICATED
@@ -88,7 +106,7 @@ def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, worl
         check(shape[0] % groups == 0, "tp", world, f"tp/dcp dividing {shape[0]} (dim 0 of tensor {name})")
         per = shape[0] // groups
         return Shard(0, rank // dcp * per, (rank // dcp + 1) * per)
-    dim = 0 if split is Split.COLUMN else 1
+    dim = {Split.COLUMN: 0, Split.ROW: 1, Split.LAST: len(shape) - 1}[split]
     size = shape[dim]
     check(size % world == 0, "tp", world, f"a divisor of {size} (dim {dim} of tensor {name})")
     per = size // world

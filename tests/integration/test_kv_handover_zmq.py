@@ -83,3 +83,26 @@ def test_pull_times_out_without_a_sender():
         assert dst.kv.num_free_blocks == dst.kv.num_total_blocks
     finally:
         silent.close(linger=0)
+
+
+def test_unpulled_offers_expire_and_close_releases_everything():
+    import time
+
+    from meshserve.kvstore.zmq_transport import KVExportServer
+
+    src = Replica(seed=1)
+    src.add_request("a", list(range(20)))
+    src.add_request("b", list(range(40, 60)))
+    server = KVExportServer(src.connector)
+    server.offer("a", ttl_s=0.05)
+    server.offer("b", ttl_s=600)
+    src.kv.free("a")
+    src.kv.free("b")
+    held = src.kv.num_total_blocks - src.kv.num_free_blocks
+    assert held == 2 * 5 and server.num_pending == 2  # the offers pin the blocks
+    time.sleep(0.1)
+    server.poll(0)
+    assert server.num_pending == 1 and src.kv.num_total_blocks - src.kv.num_free_blocks == 5
+    server.close()
+    assert src.kv.num_free_blocks == src.kv.num_total_blocks
+    src.kv.check_invariants()

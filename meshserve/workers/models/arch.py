@@ -1,7 +1,10 @@
 """A decoder's shape and per-architecture differences, as data read from an HF config.json.
 
 One `ModelArch` describes every supported architecture: Llama (llama3 rope scaling), Qwen2
-(bias on q/k/v), Qwen3 (RMSNorm on each q/k head), Mistral (sliding window). Each parser
+(bias on q/k/v), Qwen3 (RMSNorm on each q/k head), Mistral (sliding window), Gemma2 (soft-caps,
+sandwich norms, scaled embeddings, alternating windows), Gemma3 text (Gemma2 without soft-caps,
+with (1 + w) q/k norms and a local rope base for windowed layers), GPT-OSS (learned sinks, YaRN, a
+mixture of experts: gptoss_moe.py). Each parser
 below maps one `architectures` name to the fields that differ; the transformer reads only
 this record, so adding an architecture is a table entry, not a copy of the model.
 """
@@ -22,7 +25,8 @@ if TYPE_CHECKING:
 class RopeScaling:
     """Rotary embedding parameters (HF `rope_parameters` / legacy `rope_theta` + `rope_scaling`).
 
-    kind: "default", "linear" (positions / factor) or "llama3" (frequency-band smoothing).
+    kind: "default", "linear" (positions / factor), "llama3" (frequency-band smoothing) or
+    "yarn" (YaRN: beta_fast/beta_slow ramp, cos/sin times attention_factor; GPT-OSS).
     """
 
     theta: float = 10000.0
@@ -31,18 +35,45 @@ class RopeScaling:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float | None = None  # yarn: None = derived from factor (and mscales)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
-    KINDS = ("default", "linear", "llama3")
+    KINDS = ("default", "linear", "llama3", "yarn")
 
     def __post_init__(self) -> None:
         check(self.kind in self.KINDS, "rope_type", self.kind, f"one of {list(self.KINDS)}")
         check(self.theta > 0, "rope_theta", self.theta, "a number > 0")
         check(self.factor > 0, "rope factor", self.factor, "a number > 0")
+        if self.kind == "yarn":
+            check(self.original_max_position_embeddings is not None, "original_max_position_embeddings",
+                  None, "an integer >= 1 for yarn rope scaling")
         if self.kind == "llama3":
             check(self.high_freq_factor > self.low_freq_factor, "high_freq_factor", self.high_freq_factor,
                   f"a number > low_freq_factor={self.low_freq_factor}")
             check(self.original_max_position_embeddings is not None, "original_max_position_embeddings",
                   None, "an integer >= 1 for llama3 rope scaling")
+
+
+@dataclass(frozen=True)
+class SwigluExperts:
+    """GPT-OSS's mixture of experts: top_k of num_experts per token, softmax over the chosen
+    router logits; each expert is a clamped SwiGLU (gate * sigmoid(alpha * gate) * (up + 1))."""
+
+    num_experts: int
+    top_k: int
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.num_experts, int) and self.num_experts >= 1, "num_local_experts",
+              self.num_experts, "an integer >= 1")
+        check(isinstance(self.top_k, int) and 1 <= self.top_k <= self.num_experts, "num_experts_per_tok",
+              self.top_k, f"an integer in [1, num_local_experts={self.num_experts}]")
+        check(self.swiglu_limit > 0, "swiglu_limit", self.swiglu_limit, "a number > 0")
 
 
 @dataclass(frozen=True)
@@ -75,6 +106,17 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
     deepseek: DeepseekArch | None = None  # MLA + MoE models (deepseek_arch.py); built by deepseek.py
+    # Gemma-style details (all off for Llama-like models):
+    norm_unit_offset: bool = False  # RMSNorm multiplies by (1 + weight): checkpoints store the offset
+    embed_scale: float | None = None  # embeddings times this (Gemma: sqrt(hidden_size))
+    sandwich_norms: bool = False  # norms after attention and MLP too (pre/post_feedforward_layernorm)
+    attn_scale: float | None = None  # softmax scale; None: 1 / sqrt(head_dim)
+    attn_soft_cap: float | None = None  # attention logits: cap * tanh(score / cap)
+    final_soft_cap: float | None = None  # LM logits: cap * tanh(logit / cap)
+    local_rope: RopeScaling | None = None  # Gemma3: the sliding-window layers' own rope (None: `rope`)
+    # GPT-OSS details:
+    attn_sinks: bool = False  # a learned per-head logit joins each softmax denominator (self_attn.sinks)
+    experts: SwigluExperts | None = None  # the MLP is gptoss_moe.SwigluMoE
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -85,6 +127,9 @@ class ModelArch:
               f"a divisor of num_attention_heads={self.num_heads}")
         check(len(self.layer_windows) == self.num_layers, "layer_types", len(self.layer_windows),
               f"one entry per layer ({self.num_layers})")
+        for name in ("attn_soft_cap", "final_soft_cap", "attn_scale", "embed_scale"):
+            value = getattr(self, name)
+            check(value is None or value > 0, name, value, "a number > 0 or None")
         check(self.hidden_act in ACTIVATIONS, "hidden_act", self.hidden_act, f"one of {sorted(ACTIVATIONS)}")
 
     @property
@@ -99,6 +144,8 @@ class ModelArch:
         """Weights in the checkpoint (embeddings counted once when tied)."""
         attn = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
         mlp = 3 * self.hidden_size * self.intermediate_size
+        if self.experts is not None:
+            mlp = self.experts.num_experts * (mlp + 3 * self.intermediate_size + 2 * self.hidden_size)
         layer = attn + mlp + 2 * self.hidden_size
         embed = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         return self.num_layers * layer + embed + self.hidden_size
@@ -114,6 +161,10 @@ def _rope(cfg: dict[str, Any]) -> RopeScaling:
     params = {**legacy, **params}
     theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     kind = params.get("rope_type", params.get("type", "default"))
+
+    def num(key: str) -> float | None:
+        return None if params.get(key) is None else float(params[key])
+
     return RopeScaling(
         theta=float(theta),
         kind=str(kind),
@@ -121,6 +172,12 @@ def _rope(cfg: dict[str, Any]) -> RopeScaling:
         low_freq_factor=float(params.get("low_freq_factor", 1.0)),
         high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=params.get("original_max_position_embeddings"),
+        beta_fast=float(params.get("beta_fast") or 32.0),
+        beta_slow=float(params.get("beta_slow") or 1.0),
+        truncate=bool(params.get("truncate", True)),
+        attention_factor=num("attention_factor"),
+        mscale=num("mscale"),
+        mscale_all_dim=num("mscale_all_dim"),
     )
 
 
@@ -206,6 +263,65 @@ def _mistral(cfg: dict[str, Any]) -> ModelArch:
     return replace(base, layer_windows=(window,) * base.num_layers)
 
 
+def _gemma2(cfg: dict[str, Any]) -> ModelArch:
+    base = _common(cfg, "Gemma2ForCausalLM")
+    bias = bool(cfg.get("attention_bias", False))
+
+    def cap(key: str) -> float | None:
+        value = cfg.get(key)
+        check(value is None or (isinstance(value, int | float) and value > 0), key, value, "a number > 0 or null")
+        return None if value is None else float(value)
+
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.num_layers)]
+    return replace(
+        base, qkv_bias=bias, o_bias=bias,
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        layer_windows=_layer_windows({**cfg, "layer_types": layer_types}, base.num_layers),
+        norm_unit_offset=True, embed_scale=float(base.hidden_size) ** 0.5, sandwich_norms=True,
+        attn_scale=float(cfg.get("query_pre_attn_scalar", base.head_dim)) ** -0.5,
+        attn_soft_cap=cap("attn_logit_softcapping"), final_soft_cap=cap("final_logit_softcapping"),
+    )
+
+
+def _gemma3(cfg: dict[str, Any]) -> ModelArch:
+    num_layers = cfg.get("num_hidden_layers", 1)
+    pattern = int(cfg.get("sliding_window_pattern", 6))  # older configs: every pattern-th layer is full
+    layer_types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
+    params = cfg.get("rope_parameters") or {}
+    if "full_attention" in params:  # transformers >= 5: one rope per layer type
+        rope = _rope({"rope_parameters": params["full_attention"]})
+        local = _rope({"rope_parameters": params.get("sliding_attention") or {"rope_theta": 10000.0}})
+    else:
+        rope = _rope({**cfg, "rope_theta": cfg.get("rope_theta", 1_000_000.0)})
+        local = RopeScaling(theta=float(cfg.get("rope_local_base_freq", 10000.0)))
+    gemma = _gemma2({**cfg, "layer_types": layer_types, "attn_logit_softcapping": cfg.get("attn_logit_softcapping"),
+                     "final_logit_softcapping": cfg.get("final_logit_softcapping")})
+    return replace(gemma, architecture="Gemma3ForCausalLM", qk_norm=True, rope=rope, local_rope=local)
+
+
+def _gpt_oss(cfg: dict[str, Any]) -> ModelArch:
+    base = _common(cfg, "GptOssForCausalLM")
+    quant = (cfg.get("quantization_config") or {}).get("quant_method")
+    # The released checkpoints store experts in MXFP4 blocks; only dequantized (bf16/fp32) ones load.
+    check(quant is None, "config.json:quantization_config.quant_method", quant,
+          "absent: an unquantized GPT-OSS checkpoint (dequantize MXFP4 experts first)")
+    bias = bool(cfg.get("attention_bias", True))
+    layer_types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.num_layers)]
+    experts = SwigluExperts(
+        num_experts=cfg.get("num_local_experts", cfg.get("num_experts")),
+        top_k=cfg.get("num_experts_per_tok"),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+    )
+    return replace(base, qkv_bias=bias, o_bias=bias, attn_sinks=True, experts=experts,
+                   rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+                   layer_windows=_layer_windows({**cfg, "layer_types": layer_types}, base.num_layers))
+
+
 def _deepseek_v2(cfg: dict[str, Any]) -> ModelArch:
     from meshserve.workers.models.deepseek_arch import parse_deepseek_v2
 
@@ -225,6 +341,9 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArch]] = {
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
     "MistralForCausalLM": _mistral,
+    "Gemma2ForCausalLM": _gemma2,
+    "Gemma3ForCausalLM": _gemma3,
+    "GptOssForCausalLM": _gpt_oss,
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,
 }

@@ -8,11 +8,29 @@ Module and parameter names are HF's, so checkpoints load one tensor per paramete
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from meshserve.workers.models.deepseek_arch import MoEConfig
+
+
+def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    run_expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, grouped per expert.
+
+    x [T, hidden]; weights [T, k]; ids [T, k] int64; run_expert(e, x_e [n, hidden]) -> [n, hidden].
+    Each chosen expert runs once on all its tokens, in ascending expert order (the order HF
+    accumulates in, so float sums match it). Returns [T, hidden] in x's dtype.
+    """
+    out = torch.zeros_like(x)
+    for expert in ids.unique().tolist():
+        token, slot = torch.where(ids == expert)
+        y = run_expert(expert, x[token]) * weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
 
 
 class GatedMLP(nn.Module):
@@ -90,11 +108,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, ids = self.gate(x)  # [T, k] each
-        out = torch.zeros_like(x)
-        for expert in ids.unique().tolist():  # ascending: the order HF accumulates in
-            token, slot = torch.where(ids == expert)
-            y = self.experts[expert](x[token]) * weights[token, slot, None]
-            out.index_add_(0, token, y.to(out.dtype))
+        out = combine_experts(x, weights, ids, lambda e, xe: self.experts[e](xe))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

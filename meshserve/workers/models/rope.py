@@ -23,7 +23,27 @@ def inverse_frequencies(rope: RopeScaling, head_dim: int) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.kind == "llama3":
         return _llama3(inv_freq, rope)
+    if rope.kind == "yarn":
+        return _yarn(rope, head_dim)[0]
     return inv_freq
+
+
+def attention_factor(rope: RopeScaling, head_dim: int) -> float:
+    """The factor cos and sin are multiplied by (YaRN's temperature; 1 for the other kinds)."""
+    return _yarn(rope, head_dim)[1] if rope.kind == "yarn" else 1.0
+
+
+def _yarn(rope: RopeScaling, head_dim: int) -> tuple[torch.Tensor, float]:
+    """YaRN on the two halves of each head (GPT-OSS): the same tables as DeepSeek's rope part."""
+    from meshserve.workers.models.deepseek_arch import YarnRope
+    from meshserve.workers.models.yarn_rope import yarn_inverse_frequencies
+
+    yarn = YarnRope(theta=rope.theta, kind="yarn", factor=rope.factor,
+                    original_max_position_embeddings=rope.original_max_position_embeddings,
+                    beta_fast=rope.beta_fast, beta_slow=rope.beta_slow, mscale=rope.mscale,
+                    mscale_all_dim=rope.mscale_all_dim, attention_factor=rope.attention_factor,
+                    truncate=rope.truncate, interleaved=False)
+    return yarn_inverse_frequencies(yarn, head_dim)
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
@@ -53,7 +73,8 @@ class RotaryEmbedding(torch.nn.Module):
         positions = torch.arange(self.max_positions, dtype=torch.int64).float()
         freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
         # Non-persistent: derived from the config, never read from the checkpoint.
-        cos, sin = freqs.cos(), freqs.sin()
+        factor = attention_factor(self.rope, self.head_dim)
+        cos, sin = freqs.cos() * factor, freqs.sin() * factor
         if device is not None:
             cos, sin = cos.to(device), sin.to(device)
         self.register_buffer("cos", cos, persistent=False)

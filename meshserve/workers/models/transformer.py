@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshserve.attention.backend import AttentionBackend, KVCache
+from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
@@ -53,13 +53,19 @@ _ACT = {
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, size: int, eps: float) -> None:
+    """unit_offset: the scale is 1 + weight (Gemma checkpoints store the offset from one)."""
+
+    def __init__(self, size: int, eps: float, unit_offset: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused kernel where torch has one; statistics are accumulated in float32.
+        if self.unit_offset:  # as Gemma: normalise and scale in float32, then cast back
+            scale = 1.0 + self.weight.float()
+            return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
@@ -70,8 +76,10 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         self.qkv_proj = nn.Linear(arch.hidden_size, arch.q_size + 2 * arch.kv_size, bias=arch.qkv_bias)
         self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=arch.o_bias)
-        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps) if arch.qk_norm else None
+        self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.norm_unit_offset) if arch.qk_norm else None
+        self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps, arch.norm_unit_offset) if arch.qk_norm else None
+        # GPT-OSS: one learned logit per query head joins the softmax denominator.
+        self.sinks = nn.Parameter(torch.empty(arch.num_heads), requires_grad=False) if arch.attn_sinks else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
@@ -87,7 +95,8 @@ class Attention(nn.Module):
         v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
         layer = ctx.layers[self.layer_idx]
         layer.backend.write_kv(k, v, layer.kv_cache, ctx.slot_mapping)
-        o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan)  # [T, H, D]
+        params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
+        o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, q_size))
 
 
@@ -104,15 +113,38 @@ class MLP(nn.Module):
         return self.down_proj(self.act(gate) * up)
 
 
+def _mlp(arch: ModelArch) -> nn.Module:
+    if arch.experts is not None:
+        from meshserve.workers.models.gptoss_moe import SwigluMoE
+
+        return SwigluMoE(arch.hidden_size, arch.intermediate_size, arch.experts)
+    return MLP(arch)
+
+
 class DecoderLayer(nn.Module):
+    """Pre-norm residual block. With sandwich norms (Gemma2) the attention and MLP outputs are
+    normed too before the residual add: HF names them post_attention_layernorm (attention
+    output), pre_feedforward_layernorm and post_feedforward_layernorm."""
+
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(arch, layer_idx)
-        self.mlp = MLP(arch)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = _mlp(arch)
+
+        def norm() -> RMSNorm:
+            return RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset)
+
+        self.input_layernorm = norm()
+        self.post_attention_layernorm = norm()
+        self.sandwich = arch.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -124,8 +156,11 @@ class DecoderBody(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_positions)
+        # Gemma3: sliding-window layers rotate with their own (local) base.
+        self.local_rotary = (RotaryEmbedding(arch.local_rope, arch.head_dim, max_positions)
+                             if arch.local_rope is not None else None)
 
 
 class CausalLM(nn.Module):
@@ -144,18 +179,24 @@ class CausalLM(nn.Module):
         a = self.arch
         return [
             AttentionSpec(num_heads=a.num_heads, num_kv_heads=a.num_kv_heads, head_size=a.head_dim,
-                          sliding_window=window)
+                          sliding_window=window, scale=a.attn_scale, logits_soft_cap=a.attn_soft_cap,
+                          has_sinks=a.attn_sinks)
             for window in a.layer_windows
         ]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        if self.arch.embed_scale is not None:  # Gemma: the scale is rounded to the activation dtype first
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype, device=x.device)
         rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
-        for layer in self.model.layers:
-            x = layer(x, rope, ctx)
+        local = rope if self.model.local_rotary is None else self.model.local_rotary(positions, x.dtype)
+        for layer, window in zip(self.model.layers, self.arch.layer_windows):
+            x = layer(x, rope if window is None else local, ctx)
         return self.model.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [N, hidden] -> logits [N, vocab] float32."""
-        return self.lm_head(hidden).float()
+        """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped when the arch says so)."""
+        logits = self.lm_head(hidden).float()
+        cap = self.arch.final_soft_cap
+        return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -215,3 +215,33 @@ def test_import_allocation_is_all_or_nothing_and_adopts_hashes():
     with pytest.raises(ConfigError, match="block_positions"):
         kv.allocate_for_import("z", 4, [1, 0])
     kv.check_invariants()
+
+
+def test_append_slots_is_allocate_slots_for_a_batch_and_stops_at_the_first_failure():
+    kv = KVCacheManager(6, 2)  # 5 usable blocks
+    tokens = {r: [1, 2, 3, 4] if r != "c" else [7] for r in "abc"}
+    for r, t in tokens.items():
+        assert kv.allocate_slots(r, len(t), t)
+    assert kv.num_free_blocks == 0
+    for t in tokens.values():
+        t.append(9)
+    assert kv.append_slots(["c", "a", "b"], [tokens["c"], tokens["a"], tokens["b"]]) == 1  # a needs a block
+    assert kv.num_tokens("c") == 2 and kv.num_tokens("a") == 4 and kv.num_tokens("b") == 4
+    kv.free("b")
+    assert kv.append_slots(["a"], [tokens["a"]]) == 1 and kv.num_tokens("a") == 5
+    assert kv.block_hashes("a") == hash_blocks(tokens["a"], 2)
+    kv.check_invariants()
+
+
+def test_a_fork_hashes_its_own_tokens_not_the_parents_prompt():
+    """Regression (found by the state machine): the parent's lookup hashed its whole prompt
+    ahead of computing it; a fork that diverges inside that block must not inherit the hash."""
+    kv = KVCacheManager(16, 2)
+    prompt = [7, 7, 7]
+    assert kv.allocate_slots("p", 1, prompt, prefix=kv.lookup_prefix(prompt))  # chunk of one token
+    kv.fork("p", "c")
+    assert kv.allocate_slots("c", 1, [7, 0])
+    assert kv.lookup_prefix(prompt).num_tokens == 0
+    assert kv.lookup_prefix([7, 0, 5]).num_tokens == 2
+    assert kv.allocate_slots("p", 1, prompt[:2])
+    assert kv.lookup_prefix(prompt).num_tokens == 2

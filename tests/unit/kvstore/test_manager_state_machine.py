@@ -156,6 +156,26 @@ class KVMachine(RuleBasedStateMachine):
             model.append(new)
         self._allocate(rid, min(len(new), len(model.tokens) - have))
 
+    @rule(rids=st.lists(live, unique=True, min_size=1, max_size=6), token=st.integers(0, 9))
+    def decode_batch(self, rids, token):
+        """One decode step for several requests through the batch verb."""
+        OPS["count"] += len(rids)
+        kv = self.kv
+        starts = [kv.num_tokens(r) for r in rids]
+        for rid, start in zip(rids, starts):
+            if start == len(self.reqs[rid].tokens):
+                self.reqs[rid].append([token])
+        before = self._snapshot()
+        done = kv.append_slots(rids, [self.reqs[r].tokens[: s + 1] for r, s in zip(rids, starts)])
+        for rid, start in zip(rids[:done], starts):
+            self.reqs[rid].release_base = start
+            self._write(rid, start, start + 1)
+        if done < len(rids):
+            after = self._snapshot()
+            for rid in rids[done:]:  # the one that failed, and those after it, are untouched
+                assert after[2][rid] == before[2][rid] and after[3][rid] == before[3][rid]
+            assert not kv.can_allocate(rids[done], 1)
+
     @rule(target=live, parent=live)
     def fork(self, parent):
         OPS["count"] += 1
@@ -259,6 +279,7 @@ def test_random_operations_keep_the_invariants():
             deadline=None,
             suppress_health_check=list(HealthCheck),
             derandomize=True,
+            database=None,
         ),
     )
     assert OPS["count"] >= 10_000, f"only {OPS['count']} operations ran"

@@ -1,0 +1,160 @@
+"""Proto messages to meshserve values and back, checking what the engine does not.
+
+The engine's SamplingParams checks every sampling range (the message names the field with
+its proto name: they are the same). This layer adds the limits of a public endpoint (how
+many stop strings, how long, request id shape), the prompt's shape and the token id range,
+and turns `top_k` -1/0 (the proto's "off") into None.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from google.protobuf.message import DecodeError, Message
+
+from meshserve.cluster.outputs import CompletionDelta
+from meshserve.cluster.request import FinishReason
+from meshserve.cluster.service import ModelCard, ServiceStats
+from meshserve.errors import ConfigError, check
+from meshserve.v1 import inference_pb2 as pb
+from meshserve.workers.sampling_params import MAX_LOGPROBS, SamplingParams
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
+_FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
+           FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
+# Optional scalar fields copied to SamplingParams unchanged when set.
+_PLAIN = ("temperature", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
+          "max_tokens", "logprobs", "skip_special_tokens")
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    """What one request may ask for, beyond the engine's own ranges."""
+
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 64
+    max_request_id_chars: int = 128
+
+    def to_proto(self, *, max_message_bytes: int, max_queue: int) -> pb.Limits:
+        return pb.Limits(max_message_bytes=max_message_bytes, max_queue=max_queue,
+                         max_stop_strings=self.max_stop_strings, max_stop_string_chars=self.max_stop_string_chars,
+                         max_stop_token_ids=self.max_stop_token_ids,
+                         max_request_id_chars=self.max_request_id_chars, max_logprobs=MAX_LOGPROBS)
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """A request body that did not parse (bad protobuf, or a string that is not UTF-8)."""
+
+    type_name: str
+    reason: str
+
+    def error(self) -> ConfigError:
+        return ConfigError("request", f"<{self.type_name} that does not parse>",
+                           f"a valid protobuf message with UTF-8 text fields ({self.reason})")
+
+
+def lenient_parser(message_type: type[Message]):
+    """A request deserializer that returns Malformed instead of raising (which gRPC would
+    report as UNKNOWN), so that the servicer can answer INVALID_ARGUMENT."""
+    name = message_type.DESCRIPTOR.full_name
+
+    def parse(data: bytes) -> Message | Malformed:
+        try:
+            return message_type.FromString(data)
+        except DecodeError as exc:
+            return Malformed(name, str(exc).removeprefix(f"Error parsing message with type '{name}': "))
+
+    return parse
+
+
+def _short(text: str, n: int = 40) -> str:
+    return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
+
+
+def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
+    """The prompt as text or token ids; refuses an empty or missing prompt and unknown ids."""
+    which = request.WhichOneof("prompt")
+    check(which is not None, "prompt", None, "set: one of text or token_ids")
+    if which == "text":
+        check(request.text != "", "text", "", "a non-empty UTF-8 string")
+        return request.text
+    ids = list(request.token_ids.ids)
+    check(len(ids) > 0, "token_ids", [], "a non-empty list of token ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    check(not bad, "token_ids", bad[:5], f"token ids in [0, {vocab_size})")
+    return ids
+
+
+def request_id_of(text: str, limits: ApiLimits) -> str:
+    """The client's request id ("" = none given), checked."""
+    n = limits.max_request_id_chars
+    ok = len(text) <= n and (text == "" or _REQUEST_ID.fullmatch(text) is not None)
+    check(ok, "request_id", _short(text), f"at most {n} characters of letters, digits and ._:-")
+    return text
+
+
+def sampling_params_of(msg: pb.SamplingParams, vocab_size: int, limits: ApiLimits) -> SamplingParams:
+    kw: dict[str, object] = {name: getattr(msg, name) for name in _PLAIN if msg.HasField(name)}
+    if msg.HasField("top_k"):
+        check(msg.top_k >= -1, "top_k", msg.top_k, "-1 or 0 (off), or an integer >= 1")
+        kw["top_k"] = msg.top_k if msg.top_k >= 1 else None
+    stop = list(msg.stop)
+    check(len(stop) <= limits.max_stop_strings, "stop", f"{len(stop)} strings",
+          f"at most {limits.max_stop_strings} stop strings")
+    for s in stop:
+        check(1 <= len(s) <= limits.max_stop_string_chars, "stop", _short(s),
+              f"strings of 1 to {limits.max_stop_string_chars} characters")
+    ids = list(msg.stop_token_ids)
+    check(len(ids) <= limits.max_stop_token_ids, "stop_token_ids", f"{len(ids)} ids",
+          f"at most {limits.max_stop_token_ids} ids")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    check(not bad, "stop_token_ids", bad[:5], f"token ids in [0, {vocab_size})")
+    return SamplingParams(stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=msg.ignore_eos,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kw)
+
+
+def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None) -> pb.GenerateResponse:
+    out = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
+                              finish_reason=_FINISH[delta.finish_reason] if delta.finished else 0)
+    for lp in delta.logprobs:
+        out.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    if isinstance(delta.stop_reason, str):
+        out.stop_string = delta.stop_reason
+    elif isinstance(delta.stop_reason, int):
+        out.stop_token_id = delta.stop_reason
+    if usage is not None:
+        out.usage.CopyFrom(usage)
+    return out
+
+
+def embed_inputs_of(request: pb.EmbedRequest) -> list[str | list[int]]:
+    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges)."""
+    check(len(request.inputs) >= 1, "inputs", [], "at least one input (text or token_ids)")
+    out: list[str | list[int]] = []
+    for i, item in enumerate(request.inputs):
+        which = item.WhichOneof("input")
+        check(which is not None, f"inputs[{i}]", None, "set: one of text or token_ids")
+        out.append(item.text if which == "text" else list(item.token_ids.ids))
+    return out
+
+
+def embed_response_of(outputs) -> pb.EmbedResponse:
+    """EmbeddingOutputs (float32 vectors) -> the response, in input order."""
+    dims = outputs[0].embedding.shape[0] if outputs else 0
+    return pb.EmbedResponse(dimensions=dims, embeddings=[
+        pb.Embedding(values=o.embedding.tolist(), num_tokens=o.num_tokens) for o in outputs])
+
+
+def model_of(card: ModelCard) -> pb.Model:
+    return pb.Model(name=card.name, max_model_len=card.max_model_len, vocab_size=card.vocab_size, task=card.task)
+
+
+def stats_of(stats: ServiceStats) -> pb.Stats:
+    return pb.Stats(num_waiting=stats.num_waiting, num_running=stats.num_running, kv_usage=stats.kv_usage,
+                    num_free_kv_blocks=stats.num_free_kv_blocks, prefix_hit_tokens=stats.prefix_hit_tokens,
+                    prompt_tokens=stats.prompt_tokens, num_preemptions=stats.num_preemptions,
+                    generated_tokens=stats.generated_tokens)

@@ -1,0 +1,131 @@
+"""Prometheus metrics of one server, on their own registry, served as text at /metrics.
+
+Gauges and counters of the engine are read from `service.stats()` and `service.health()` at
+scrape time (nothing to keep in sync); latency histograms are observed by the API per
+request, as the client sees it (from the request's arrival at the server). Names and meanings
+are listed in docs/api.md; `METRICS` below is that list, checked by a test.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from meshserve.cluster.service import InferenceService
+
+PREFIX = "meshserve_"
+METRICS = {
+    "meshserve_requests_running": "gauge: requests holding KV blocks and being stepped",
+    "meshserve_requests_waiting": "gauge: accepted requests not running (queued or preempted)",
+    "meshserve_kv_cache_usage_ratio": "gauge: fraction of KV cache blocks held by requests",
+    "meshserve_kv_cache_free_blocks": "gauge: KV cache blocks free or holding reusable prefixes",
+    "meshserve_prefix_cache_hit_rate": "gauge: prefix-hit tokens / prompt tokens since start",
+    "meshserve_prefix_cache_hit_tokens_total": "counter: prompt tokens served from the prefix cache",
+    "meshserve_prompt_tokens_total": "counter: prompt tokens of accepted requests",
+    "meshserve_generation_tokens_total": "counter: tokens generated",
+    "meshserve_preemptions_total": "counter: requests preempted (KV freed, recomputed later)",
+    "meshserve_replicas_healthy": "gauge: replicas able to serve",
+    "meshserve_replicas": "gauge: replicas configured",
+    "meshserve_requests_total": "counter: finished Generate calls by gRPC status code (label code)",
+    "meshserve_time_to_first_token_seconds": "histogram: arrival to first token",
+    "meshserve_time_per_output_token_seconds": "histogram: (last token - first token) / (tokens - 1), per request",
+    "meshserve_e2e_request_latency_seconds": "histogram: arrival to last token, requests that finished",
+}
+
+_TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+_E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class _ServiceCollector(Collector):
+    """Reads the service's snapshot at each scrape."""
+
+    def __init__(self, service: InferenceService) -> None:
+        self.service = service
+
+    def collect(self) -> Iterator:
+        s = self.service.stats()
+        h = self.service.health()
+        doc = {name: text.split(": ", 1)[1] for name, text in METRICS.items()}
+
+        def gauge(name: str, value: float) -> GaugeMetricFamily:
+            return GaugeMetricFamily(name, doc[name], value=value)
+
+        def counter(name: str, value: float) -> CounterMetricFamily:
+            return CounterMetricFamily(name.removesuffix("_total"), doc[name], value=value)
+
+        yield gauge("meshserve_requests_running", s.num_running)
+        yield gauge("meshserve_requests_waiting", s.num_waiting)
+        yield gauge("meshserve_kv_cache_usage_ratio", s.kv_usage)
+        yield gauge("meshserve_kv_cache_free_blocks", s.num_free_kv_blocks)
+        yield gauge("meshserve_prefix_cache_hit_rate", min(1.0, s.prefix_hit_tokens / max(1, s.prompt_tokens)))
+        yield counter("meshserve_prefix_cache_hit_tokens_total", s.prefix_hit_tokens)
+        yield counter("meshserve_prompt_tokens_total", s.prompt_tokens)
+        yield counter("meshserve_generation_tokens_total", s.generated_tokens)
+        yield counter("meshserve_preemptions_total", s.num_preemptions)
+        yield gauge("meshserve_replicas_healthy", h.healthy_replicas)
+        yield gauge("meshserve_replicas", h.total_replicas)
+
+
+class RequestTimer:
+    """Latency of one Generate call; `tokens(n)` as deltas arrive, `finish(code)` once."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.first: float | None = None
+        self.last = self.start
+        self.num_tokens = 0
+
+    def tokens(self, n: int) -> None:
+        if n == 0:
+            return
+        now = time.monotonic()
+        if self.first is None:
+            self.first = now
+            self.metrics.ttft.observe(now - self.start)
+        self.num_tokens += n
+        self.last = now
+
+    def finish(self, code: str, *, completed: bool) -> None:
+        """code: the call's status code name; completed: the request reached its last delta."""
+        self.metrics.requests.labels(code=code).inc()
+        if completed and self.first is not None:
+            self.metrics.e2e.observe(self.last - self.start)
+            if self.num_tokens > 1:
+                self.metrics.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
+
+
+class ServerMetrics:
+    def __init__(self, service: InferenceService) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(_ServiceCollector(service))
+        doc = {name: text.split(": ", 1)[1] for name, text in METRICS.items()}
+        self.requests = Counter("meshserve_requests", doc["meshserve_requests_total"], ["code"],
+                                registry=self.registry)
+        self.ttft = Histogram("meshserve_time_to_first_token_seconds", doc["meshserve_time_to_first_token_seconds"],
+                              buckets=_TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("meshserve_time_per_output_token_seconds",
+                              doc["meshserve_time_per_output_token_seconds"], buckets=_TPOT_BUCKETS,
+                              registry=self.registry)
+        self.e2e = Histogram("meshserve_e2e_request_latency_seconds", doc["meshserve_e2e_request_latency_seconds"],
+                             buckets=_E2E_BUCKETS, registry=self.registry)
+        self._http = None
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Serve /metrics on host:port (0 = a free port) in a daemon thread; returns the port."""
+        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        return self._http.server_port
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None

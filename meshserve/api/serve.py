@@ -1,0 +1,167 @@
+"""`meshserve serve`: load the model, serve gRPC and metrics until SIGINT/SIGTERM, then drain.
+
+The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy parses its
+command line with this parser). Every flag becomes a field of a config dataclass, which
+validates it; the backend is `build_service`'s choice.
+
+Backend: one in-process replica (cluster.local.LocalService). The Ray Coordinator (replica
+pools, --ray-address, tp > 1, disaggregated pools) is refused here with a message saying so,
+until it lands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from meshserve.config import (
+    AttentionConfig,
+    CacheConfig,
+    Dtype,
+    ModelConfig,
+    ParallelConfig,
+    PoolConfig,
+    PoolMode,
+    SchedulerConfig,
+    ServerConfig,
+)
+from meshserve.errors import check
+
+log = logging.getLogger("meshserve.serve")
+
+
+def add_serve_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `serve` on the CLI's subparsers; the parsed args go to `serve_main`."""
+    p = subparsers.add_parser("serve", help="serve a model over gRPC (meshserve.v1.Inference) with Prometheus metrics")
+    m = p.add_argument_group("model and engine")
+    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
+    m.add_argument("--served-model-name", default=None, help="name clients use (default: the folder's name)")
+    m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
+    m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
+    m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
+    m.add_argument("--attention-backend", default=None, help="TORCH, TRITON or FLASHINFER (default: automatic)")
+    m.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens, a power of two (default 16; embedding models: the naive layout)")
+    m.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
+    m.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
+    m.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget per rank in bytes")
+    m.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per replica")
+    m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step per replica")
+    m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
+    m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
+    c = p.add_argument_group("cluster")
+    c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
+    c.add_argument("--replicas", type=int, default=1, help="replicas in the unified pool")
+    c.add_argument("--prefill-replicas", type=int, default=1, help="prefill replicas (disaggregated)")
+    c.add_argument("--decode-replicas", type=int, default=1, help="decode replicas (disaggregated)")
+    c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
+    s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
+    s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any free port)")
+    s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
+    s.add_argument("--tls-key", default=None, help="PEM private key")
+    s.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
+    s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
+    s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message either way")
+    s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
+    p.set_defaults(func=serve_main)
+    return p
+
+
+def configs_of(args: argparse.Namespace):
+    """Every flag into its config dataclass (each validates its fields)."""
+    from meshserve.cluster.engine import EngineConfig
+    from meshserve.demo_model import DEMO_MODEL_DIR
+
+    backend = args.attention_backend
+    engine = EngineConfig(
+        model=ModelConfig(model=str(args.model or DEMO_MODEL_DIR), dtype=args.dtype, max_model_len=args.max_model_len,
+                          seed=args.seed),
+        cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          enable_prefix_caching=not args.no_prefix_caching),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                                  max_queue=args.max_queue),
+        attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
+        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp),
+    )
+    pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
+                       decode_replicas=args.decode_replicas, ray_address=args.ray_address)
+    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+                          tls_key=args.tls_key, auth_token_file=args.auth_token_file,
+                          max_message_bytes=args.max_message_bytes)
+    check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
+    return engine, pools, server
+
+
+def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool,
+                  block_size: int | None = None):
+    """The InferenceService these settings ask for (loads the model; takes seconds).
+
+    An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
+    apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
+    """
+    from meshserve.cluster.local import LocalService
+    from meshserve.workers.embedder import read_model_task
+
+    why = "1: this build serves one in-process replica (the Ray coordinator is not part of it yet)"
+    check(pools.mode is PoolMode.UNIFIED, "pools", pools.mode.value, f"'unified' with {why}")
+    check(pools.replicas == 1, "replicas", pools.replicas, why)
+    check(pools.ray_address is None, "ray_address", pools.ray_address, f"unset, with replicas={why}")
+    check(engine.parallel.tp == 1, "tp", engine.parallel.tp, why)
+    check(engine.parallel.dcp == 1, "dcp", engine.parallel.dcp, why)
+    if read_model_task(engine.model.model) == "embed":
+        from meshserve.cluster.embedding_service import EmbeddingService
+        from meshserve.workers.embedder import Embedder
+
+        embedder = Embedder(engine.model.model, dtype=engine.model.dtype.value,
+                            attention_backend=engine.attention.backend, block_size=block_size,
+                            max_model_len=engine.model.max_model_len,
+                            max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, device=device)
+        return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
+    return LocalService(engine, model_name=model_name, device=device, progress=progress)
+
+
+async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
+                     announce=print) -> None:
+    """Serve until SIGINT or SIGTERM, then drain and shut the service down."""
+    from meshserve.api.server import ApiServer
+
+    server = ApiServer(service, server_config, max_queue=max_queue)
+    await server.start()
+    model = service.models()[0].name
+    announce(f"meshserve: serving {model} on {server.address}, metrics on "
+             f"http://{server_config.host}:{server.metrics_port}/metrics")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+        announce(f"meshserve: draining (up to {drain_seconds:g} s)")
+        await server.stop(grace=drain_seconds)
+        await service.shutdown(drain=False)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    announce("meshserve: stopped")
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    level = os.environ.get("MESHSERVE_LOG", "info").upper()
+    check(level in ("DEBUG", "INFO", "WARNING", "ERROR"), "MESHSERVE_LOG", level.lower(),
+          "one of debug, info, warning, error")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    engine, pools, server = configs_of(args)
+    service = build_service(engine, pools, model_name=args.served_model_name, device=args.device,
+                            progress=sys.stderr.isatty(), block_size=args.block_size)
+    announce = lambda line: print(line, flush=True)
+    asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
+                           announce=announce))
+    return 0

@@ -1,0 +1,172 @@
+"""The methods of meshserve.v1.Inference over an InferenceService.
+
+Generate, step by step: parse (a body that does not parse is INVALID_ARGUMENT), find the model
+(NOT_FOUND), check prompt and sampling settings (INVALID_ARGUMENT), tokenize a text prompt, ask
+the service for a stream (its refusals become their status codes, nothing is queued), then
+write one response per delta. When the client cancels, or its deadline passes, gRPC cancels
+this coroutine; closing the service's stream then aborts the request and frees its KV blocks
+at once. The handler writes with `context.write` (not by yielding) so that the closing happens
+here, deterministically, whatever gRPC was doing when the cancellation came.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from importlib.metadata import PackageNotFoundError, version
+
+import grpc
+
+from meshserve.api import convert
+from meshserve.api.convert import ApiLimits, Malformed
+from meshserve.api.metrics import ServerMetrics
+from meshserve.api.status import status_of
+from meshserve.cluster.service import InferenceService, ModelCard
+from meshserve.errors import ConfigError, MeshserveError, NotFoundError
+from meshserve.v1 import inference_pb2 as pb
+
+# Texts longer than this are tokenized in a thread so that the event loop keeps serving.
+_INLINE_TOKENIZE_CHARS = 1 << 16
+
+
+def _version() -> str:
+    try:
+        return version("meshserve")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+class InferenceServicer:
+    def __init__(self, service: InferenceService, *, metrics: ServerMetrics, limits: ApiLimits = ApiLimits(),
+                 max_message_bytes: int, max_queue: int, auth_required: bool, tls: bool) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.limits = limits
+        self._info = dict(max_message_bytes=max_message_bytes, max_queue=max_queue, auth_required=auth_required,
+                          tls=tls)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _model(self, name: str) -> ModelCard:
+        models = self.service.models()
+        if name == "":
+            return models[0]
+        for card in models:
+            if card.name == name:
+                return card
+        raise NotFoundError(f"model={name!r} is not served here; models: {[c.name for c in models]}")
+
+    async def _tokenize(self, text: str) -> list[int]:
+        if len(text) <= _INLINE_TOKENIZE_CHARS:
+            return self.service.tokenize(text)
+        return await asyncio.to_thread(self.service.tokenize, text)
+
+    @staticmethod
+    async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+        code, message = status_of(exc)
+        await context.abort(code, message)
+
+    # -- Generate ---------------------------------------------------------------------------------
+
+    async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext) -> None:
+        timer = self.metrics.timer()
+        code, completed = grpc.StatusCode.OK, False
+        stream = None
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            card = self._model(request.model)
+            prompt = convert.prompt_of(request, card.vocab_size)
+            params = convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
+            request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
+            ids = await self._tokenize(prompt) if isinstance(prompt, str) else prompt
+            stream = self.service.generate(ids, params, request_id=request_id)
+            num_tokens = 0
+            async for delta in stream:
+                timer.tokens(len(delta.token_ids))
+                num_tokens += len(delta.token_ids)
+                if not delta.token_ids and not delta.finished:
+                    continue
+                usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens) if delta.finished else None
+                await context.write(convert.response_of(delta, request_id, usage))
+                if delta.finished:
+                    completed = True
+                    break
+        except asyncio.CancelledError:
+            remaining = context.time_remaining()
+            expired = remaining is not None and remaining <= 0
+            code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
+            raise
+        except Exception as exc:
+            code, message = status_of(exc)
+            await context.abort(code, message)
+        finally:
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    await stream.aclose()  # aborts the request if it is still running
+            timer.finish(code.name, completed=completed)
+
+    # -- the others -------------------------------------------------------------------------------
+
+    async def Tokenize(self, request: pb.TokenizeRequest | Malformed, context) -> pb.TokenizeResponse:
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            self._model(request.model)
+            return pb.TokenizeResponse(token_ids=await self._tokenize(request.text))
+        except MeshserveError as exc:
+            await self._fail(context, exc)
+
+    async def ListModels(self, request, context) -> pb.ListModelsResponse:
+        return pb.ListModelsResponse(models=[convert.model_of(c) for c in self.service.models()])
+
+    async def Abort(self, request: pb.AbortRequest | Malformed, context) -> pb.AbortResponse:
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            request_id = convert.request_id_of(request.request_id, self.limits)
+            if request_id == "":
+                raise ConfigError("request_id", "", "the id of a running request")
+            if not await self.service.abort(request_id):
+                raise NotFoundError(f"request_id={request_id!r} is not a running request")
+            return pb.AbortResponse()
+        except MeshserveError as exc:
+            await self._fail(context, exc)
+
+    async def Embed(self, request: pb.EmbedRequest | Malformed, context) -> pb.EmbedResponse:
+        """Every input checked, then one call to the service (it runs the model off the loop)."""
+        try:
+            if isinstance(request, Malformed):
+                raise request.error()
+            self._model(request.model)
+            inputs = convert.embed_inputs_of(request)
+            return convert.embed_response_of(await self.service.embed(inputs, truncate=request.truncate))
+        except MeshserveError as exc:
+            await self._fail(context, exc)
+
+    async def ServerInfo(self, request, context) -> pb.ServerInfoResponse:
+        health = self.service.health()
+        info = self._info
+        return pb.ServerInfoResponse(
+            version=_version(), models=[convert.model_of(c) for c in self.service.models()],
+            serving=health.serving, healthy_replicas=health.healthy_replicas,
+            total_replicas=health.total_replicas, health_detail=health.detail,
+            stats=convert.stats_of(self.service.stats()),
+            limits=self.limits.to_proto(max_message_bytes=info["max_message_bytes"], max_queue=info["max_queue"]),
+            auth_required=info["auth_required"], tls=info["tls"])
+
+
+def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, registered by hand rather than with the generated helper so that
+    requests parse leniently (see convert.lenient_parser)."""
+    service = pb.DESCRIPTOR.services_by_name["Inference"]
+    handlers = {}
+    for method in service.methods:
+        request_type = getattr(pb, method.input_type.name)
+        response_type = getattr(pb, method.output_type.name)
+        make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
+        handlers[method.name] = make(getattr(servicer, method.name),
+                                     request_deserializer=convert.lenient_parser(request_type),
+                                     response_serializer=response_type.SerializeToString)
+    return grpc.method_handlers_generic_handler(service.full_name, handlers)

@@ -1,0 +1,90 @@
+"""GPT-OSS's mixture of experts: plain top-k routing over clamped-SwiGLU experts with biases.
+
+Per token x [hidden]:
+
+    logits      = router(x)                              [E]   (with bias)
+    ids, top    = topk(logits, k);  w = softmax(top)     [k]
+    expert e:     g, u = (x @ gate_up_proj[e] + b)[0::2], [1::2]    (gate and up interleaved)
+                  g = min(g, limit);  u = clamp(u, -limit, limit)
+                  y_e = ((u + 1) * g * sigmoid(alpha * g)) @ down_proj[e] + down_proj_bias[e]
+    out         = sum_j w_j * y_{ids_j}
+
+Parameters keep HF's names and layouts ([E, in, out], "transposed" against nn.Linear), so each
+checkpoint tensor loads as one parameter. Each expert runs once per step on its tokens
+(moe.combine_experts). Tensor parallelism (gptoss_parallel.py) splits every expert's
+intermediate columns: gate/up pairs stay together because they are interleaved.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshserve.errors import check
+from meshserve.parallel.groups import ParallelContext, all_reduce
+from meshserve.workers.models.arch import SwigluExperts
+from meshserve.workers.models.moe import combine_experts
+
+
+class SwigluExpertBank(nn.Module):
+    """All experts' weights, HF layout.
+
+    gate_up_proj [E, hidden, 2 * I] (gate in even columns, up in odd), gate_up_proj_bias [E, 2 * I],
+    down_proj [E, I, hidden], down_proj_bias [E, hidden]. Under tensor parallelism I is this
+    rank's share and only rank 0 adds down_proj_bias (the partial outputs are summed).
+    """
+
+    def __init__(self, hidden: int, intermediate: int, cfg: SwigluExperts) -> None:
+        super().__init__()
+        e = cfg.num_experts
+        self.alpha, self.limit = cfg.swiglu_alpha, cfg.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(e, hidden, 2 * intermediate), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * intermediate), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(e, intermediate, hidden), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(e, hidden), requires_grad=False)
+        self.add_down_bias = True
+
+    def run(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert `expert` on its tokens x [n, hidden] -> [n, hidden]."""
+        gate_up = x @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]  # [n, 2I]
+        gate = gate_up[..., 0::2].clamp(max=self.limit)
+        up = gate_up[..., 1::2].clamp(min=-self.limit, max=self.limit)
+        h = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # [n, I]
+        y = h @ self.down_proj[expert]
+        return y + self.down_proj_bias[expert] if self.add_down_bias else y
+
+
+class SwigluMoE(nn.Module):
+    """router (nn.Linear with bias, [E, hidden]) + experts (SwigluExpertBank); x [T, hidden] -> [T, hidden]."""
+
+    def __init__(self, hidden: int, intermediate: int, cfg: SwigluExperts) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(hidden, cfg.num_experts, bias=True)
+        self.experts = SwigluExpertBank(hidden, intermediate, cfg)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
+        return top.softmax(dim=-1), ids
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.route(x)
+        return combine_experts(x, weights, ids, self.experts.run)
+
+
+def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:
+    """Tensor parallelism on the meta-device model: every expert keeps intermediate/tp of its
+    features (loader: workers/sharding.py EXPERT_SPLITS); the router stays whole, so each rank
+    routes alike; partial outputs are summed by one all-reduce per layer, and only rank 0 adds
+    the experts' down-projection bias."""
+    bank = moe.experts
+    experts, hidden, two_i = bank.gate_up_proj.shape
+    inter = two_i // 2
+    check(inter % ctx.tp == 0, "tp", ctx.tp, f"a divisor of the experts' intermediate_size={inter}")
+    local = inter // ctx.tp
+    bank.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * local), requires_grad=False)
+    bank.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * local), requires_grad=False)
+    bank.down_proj = nn.Parameter(torch.empty(experts, local, hidden), requires_grad=False)
+    bank.add_down_bias = ctx.rank == 0
+    moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))

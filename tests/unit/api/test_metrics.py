@@ -1,0 +1,70 @@
+"""Metric values from a known timeline and a known service snapshot; the docs list every name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from meshserve.api import metrics as metrics_module
+from meshserve.api.metrics import METRICS, ServerMetrics
+from meshserve.cluster.service import ServiceHealth, ServiceStats
+
+
+class FakeService:
+    def stats(self) -> ServiceStats:
+        return ServiceStats(num_waiting=3, num_running=5, kv_usage=0.25, num_free_kv_blocks=77,
+                            prefix_hit_tokens=30, prompt_tokens=120, num_preemptions=2, generated_tokens=999)
+
+    def health(self) -> ServiceHealth:
+        return ServiceHealth(True, 1, 2)
+
+
+def samples(m: ServerMetrics) -> dict[str, float]:
+    out = {}
+    for line in generate_latest(m.registry).decode().splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def test_timeline_gives_ttft_tpot_e2e(monkeypatch):
+    clock = iter([10.0, 10.5, 10.7, 11.3, 12.0])  # start, 1st token, 2 more, 3 more, (unused)
+    monkeypatch.setattr(metrics_module.time, "monotonic", lambda: next(clock))
+    m = ServerMetrics(FakeService())
+    timer = m.timer()
+    timer.tokens(0)  # a delta without tokens is not a first token
+    timer.tokens(1)
+    timer.tokens(2)
+    timer.tokens(3)
+    timer.finish("OK", completed=True)
+    s = samples(m)
+    assert s["meshserve_time_to_first_token_seconds_sum"] == 0.5
+    assert abs(s["meshserve_time_per_output_token_seconds_sum"] - (11.3 - 10.5) / 5) < 1e-12
+    assert abs(s["meshserve_e2e_request_latency_seconds_sum"] - 1.3) < 1e-12
+    assert s['meshserve_requests_total{code="OK"}'] == 1
+
+
+def test_cancelled_requests_count_but_have_no_latency():
+    m = ServerMetrics(FakeService())
+    m.timer().finish("CANCELLED", completed=False)
+    s = samples(m)
+    assert s['meshserve_requests_total{code="CANCELLED"}'] == 1
+    assert s["meshserve_e2e_request_latency_seconds_count"] == 0
+
+
+def test_service_snapshot_is_exported():
+    s = samples(ServerMetrics(FakeService()))
+    assert (s["meshserve_requests_waiting"], s["meshserve_requests_running"]) == (3, 5)
+    assert (s["meshserve_kv_cache_usage_ratio"], s["meshserve_kv_cache_free_blocks"]) == (0.25, 77)
+    assert s["meshserve_prefix_cache_hit_rate"] == 0.25
+    assert (s["meshserve_prefix_cache_hit_tokens_total"], s["meshserve_prompt_tokens_total"]) == (30, 120)
+    assert (s["meshserve_preemptions_total"], s["meshserve_generation_tokens_total"]) == (2, 999)
+    assert (s["meshserve_replicas_healthy"], s["meshserve_replicas"]) == (1, 2)
+
+
+def test_docs_list_every_metric():
+    doc = (Path(__file__).resolve().parents[3] / "docs" / "api.md").read_text()
+    for name in METRICS:
+        assert f"`{name}" in doc, name

@@ -1,0 +1,80 @@
+"""The `serve` and `client` commands' flags: the deploy contract, defaults, and refusals that come
+before any model is loaded."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+import pytest
+
+from meshserve.api.server import ApiServer
+from meshserve.cli import build_parser, main
+from meshserve.config import PoolMode, ServerConfig
+from meshserve.errors import ConfigError
+
+CONTRACT = ["serve", "--model", "/m", "--dtype", "bfloat16", "--tp", "8", "--dcp", "2", "--attention-backend",
+            "FLASHINFER", "--block-size", "32", "--max-model-len", "4096", "--pools", "disaggregated",
+            "--replicas", "3", "--prefill-replicas", "2", "--decode-replicas", "4", "--ray-address", "auto",
+            "--host", "0.0.0.0", "--port", "1234", "--metrics-port", "5678", "--tls-cert", "c.pem", "--tls-key",
+            "k.pem", "--auth-token-file", "t", "--max-queue", "99"]
+
+
+def test_every_contract_flag_parses():
+    args = build_parser().parse_args(CONTRACT)
+    assert (args.model, args.dtype, args.tp, args.dcp, args.attention_backend, args.block_size,
+            args.max_model_len) == ("/m", "bfloat16", 8, 2, "FLASHINFER", 32, 4096)
+    assert (args.pools, args.replicas, args.prefill_replicas, args.decode_replicas, args.ray_address) == (
+        "disaggregated", 3, 2, 4, "auto")
+    assert (args.host, args.port, args.metrics_port, args.tls_cert, args.tls_key, args.auth_token_file,
+            args.max_queue) == ("0.0.0.0", 1234, 5678, "c.pem", "k.pem", "t", 99)
+
+
+def test_defaults_serve_the_demo_on_loopback():
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port, args.metrics_port, args.pools, args.replicas) == (
+        None, "127.0.0.1", 50051, 9400, PoolMode.UNIFIED.value, 1)
+    client = build_parser().parse_args(["client", "hello"])
+    assert (client.address, client.prompt) == ("127.0.0.1:50051", "hello")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--tp", "2"], "tp=2 is not allowed: 1: this build serves one in-process replica"),
+    (["--ray-address", "auto"], "ray_address='auto' is not allowed"),
+    (["--pools", "disaggregated"], "pools='disaggregated' is not allowed"),
+    (["--replicas", "2"], "replicas=2 is not allowed"),
+    (["--tp", "4", "--dcp", "3"], "dcp=3 is not allowed: a divisor of tp=4"),
+    (["--block-size", "24"], "block_size=24 is not allowed: a power of two"),
+    (["--tls-cert", "x.pem"], "tls_key=None is not allowed: set together with tls_cert"),
+    (["--auth-token-file", "/no/such/file"], "auth_token_file='/no/such/file' is not allowed"),
+    (["--port", "70000"], "port=70000 is not allowed: an integer in [0, 65535]"),
+    (["--max-queue", "0"], "max_queue=0 is not allowed"),
+    (["--model", "/no/such/model"], "model='/no/such/model' is not allowed: an existing checkpoint directory"),
+    (["--attention-backend", "CUDNN"], "attention_backend='CUDNN' is not allowed"),
+])
+def test_refusals_name_the_flag_before_loading_anything(flags, message, capsys):
+    assert main(["serve", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_log_level_is_refused(monkeypatch, capsys):
+    monkeypatch.setenv("MESHSERVE_LOG", "loud")
+    assert main(["serve"]) == 2
+    assert "MESHSERVE_LOG='loud' is not allowed: one of debug, info, warning, error" in capsys.readouterr().err
+
+
+class _NoService:
+    """ApiServer.start binds ports before it asks the service anything."""
+
+    def health(self):
+        raise AssertionError("not reached")
+
+
+def test_a_busy_port_is_refused_with_its_number():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = ApiServer(_NoService(), ServerConfig(port=port, metrics_port=0), max_queue=1)
+        with pytest.raises(ConfigError, match=f"^port={port} is not allowed: a free port on 127.0.0.1"):
+            asyncio.run(server.start())
