@@ -10,7 +10,8 @@ Frames: driver -> rank  [identity, kind, seq, payload]
         rank -> driver  [kind, seq, payload]   (the ROUTER prepends the identity)
 kind: HELLO, STEP, OUT (rank 0's step result), CALL, RET, ERR, STOP; seq: 8-byte counter so a
 late answer to an abandoned request is recognised and dropped. An ERR from any rank fails the
-driver's current request: a rank that failed a step has diverged from the others.
+driver's current request (a rank that failed a step has diverged from the others); the same
+request's ERRs from the other ranks are dropped afterwards.
 
 While the driver waits it wakes every POLL_MS to ask the launcher whether a rank died, so a dead
 actor or process surfaces as WorkerDiedError within a fraction of a second.
@@ -57,6 +58,7 @@ class DriverChannel:
         self._idents = [rank_identity(r) for r in range(world)]
         self._ranks = {ident: r for r, ident in enumerate(self._idents)}
         self._next_seq = 1
+        self._reported: set[int] = set()  # requests whose failure was raised already
 
     def wait_ready(self, check: Callable[[], None], *, timeout_s: float) -> None:
         """Wait for every rank's hello."""
@@ -113,11 +115,13 @@ class DriverChannel:
             if deadline is not None and time.monotonic() > deadline:
                 raise WorkerDiedError("ranks did not connect to the channel in time")
         ident, kind, seq, payload = self._sock.recv_multipart()
-        if kind == ERR:
+        n = struct.unpack("<Q", seq)[0]
+        if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
+            self._reported.add(n)
             err = msgpack.unpackb(payload)
             log.debug("rank error traceback:\n%s", err.get("traceback", ""))
             raise RankError(f"rank {err['rank']} failed: {err['error']}")
-        return ident, kind, struct.unpack("<Q", seq)[0], payload
+        return ident, kind, n, payload
 
 
 def serve_rank(host, address: str, *, rank: int, keep_going: Callable[[], bool] | None = None,

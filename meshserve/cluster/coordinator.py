@@ -12,8 +12,9 @@ request goes to the prefill pool (longest cached prefix, then least load) and ru
 first token; the decode pool (most free KV, then least load) takes it over with its KV (or by
 recomputing the prompt when the hand-over fails). The client sees one stream either way.
 
-Errors follow the service conventions: ConfigError for bad input (nothing queued),
-CapacityError when prompt + max_tokens can never fit a replica's KV cache, QueueFullError when
+Errors follow the service conventions: ConfigError for bad input (nothing queued; as in
+LocalService, a prompt plus max_tokens beyond max_model_len is bad input), CapacityError when
+prompt + max_tokens can never fit a replica's KV cache, QueueFullError when
 the entry pool's queue is full, UnavailableError when no replica can take it, and
 ReplicaFailedError (raised by the stream) when the replica serving it dies.
 """
@@ -26,6 +27,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from pathlib import Path
 
 from meshserve.cluster.engine import EngineConfig
 from meshserve.cluster.handover import Handoff
@@ -36,7 +38,7 @@ from meshserve.cluster.replica import Replica
 from meshserve.cluster.request import Request
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
-from meshserve.errors import CapacityError, UnavailableError, as_enum, check
+from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.sampling_params import SamplingParams
 
@@ -65,6 +67,7 @@ class ClusterConfig:
     decode_parallel: ParallelConfig | None = None
     device: str | None = None
     worker_class: str | None = None  # "module:Class" of the rank's worker (default: the real Worker)
+    model_name: str | None = None  # what clients call the model (default: the checkpoint folder's name)
     ray_num_cpus: int | None = None  # embedded Ray only
     ray_temp_dir: str | None = None  # embedded Ray only
     health_period_s: float = 2.0
@@ -96,8 +99,13 @@ class Coordinator:
         self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
         self.pools: dict[str, ReplicaPool] = {}
         self.tokenizer = None
-        self._live: dict[str, asyncio.Queue] = {}
+        # client request id -> (the id replicas know it by, its delta queue). Replicas see a fresh
+        # id per request: a client may reuse an id as soon as its stream ends, before the abort of
+        # the old request has reached its replica.
+        self._live: dict[str, tuple[str, asyncio.Queue]] = {}
+        self._internal: set[str] = set()
         self._arrivals = itertools.count()
+        self._serial = itertools.count()
         self._owns_ray = False
         self._closing = False
         self._started = False
@@ -185,9 +193,18 @@ class Coordinator:
     def _entry(self) -> str:
         return "prefill" if self.disaggregated else "unified"
 
+    @property
+    def model_name(self) -> str:
+        """What clients call the model: ClusterConfig.model_name, else the checkpoint folder's name."""
+        from meshserve.demo_model import DEMO_MODEL_DIR
+
+        if self.config.model_name:
+            return self.config.model_name
+        path = Path(self.config.engine.model.model).resolve()
+        return "meshserve-demo" if path == DEMO_MODEL_DIR else path.name
+
     def models(self) -> list[ModelCard]:
-        name = str(self.config.engine.model.model).rstrip("/").rsplit("/", 1)[-1]
-        return [ModelCard(name, self._max_model_len, self._vocab_size)]
+        return [ModelCard(self.model_name, self._max_model_len, self._vocab_size)]
 
     def tokenize(self, text: str) -> list[int]:
         check(self.tokenizer is not None, "text", text[:20], "token ids: the model has no tokenizer.json")
@@ -195,7 +212,7 @@ class Coordinator:
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         check(self.tokenizer is not None, "token_ids", list(token_ids[:5]), "text: the model has no tokenizer")
-        return self.tokenizer.decode(list(token_ids))
+        return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                        request_id: str) -> AsyncIterator[CompletionDelta]:
@@ -203,10 +220,12 @@ class Coordinator:
         request = self._make_request(prompt, params, request_id)
         pool = self.pools[self._entry]
         pool.admit()
+        internal = request.request_id
         sink: asyncio.Queue = asyncio.Queue()
-        self._live[request_id] = sink
+        self._live[request_id] = (internal, sink)
+        self._internal.add(internal)
         pool.submit(request, sink, prefill_only=self.disaggregated)
-        request_event(request_id, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
+        request_event(internal, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
         finished = False
         try:
             while True:
@@ -214,21 +233,29 @@ class Coordinator:
                 if isinstance(item, BaseException):
                     finished = True  # nothing holds it any more
                     raise item
+                item.request_id = request_id
                 yield item
                 if item.finished:
                     finished = True
                     return
         finally:
             self._live.pop(request_id, None)
+            self._internal.discard(internal)
             if not finished:  # the caller left early: free its blocks now
-                self._abort_everywhere(request_id)
+                self._abort_everywhere(internal)
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with finish_reason abort. False if unknown."""
-        return request_id in self._live and self._abort_everywhere(request_id)
+        entry = self._live.get(request_id)
+        return entry is not None and self._abort_everywhere(entry[0])
 
-    def _abort_everywhere(self, request_id: str) -> bool:
-        return any(pool.abort(request_id) for pool in self.pools.values())
+    async def embed(self, inputs, *, truncate: bool = False):
+        """A generative model has no Embed (the protocol's task rule)."""
+        raise ConfigError("model", self.model_name, "an embed model for Embed; this model's task is 'generate' "
+                          "(use Generate)")
+
+    def _abort_everywhere(self, internal_id: str) -> bool:
+        return any(pool.abort(internal_id) for pool in self.pools.values())
 
     def health(self) -> ServiceHealth:
         replicas = [r for p in self.pools.values() for r in p.replicas]
@@ -258,19 +285,23 @@ class Coordinator:
         check(isinstance(request_id, str) and request_id != "", "request_id", request_id, "a non-empty string")
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
         params.check_vocab(self._vocab_size)
+        internal = f"{next(self._serial)}:{request_id}"
         if isinstance(prompt, str):
             text, ids = prompt, self.tokenize(prompt)
         else:
             text, ids = None, [int(t) for t in prompt]
             bad = [t for t in ids if not 0 <= t < self._vocab_size]
             check(not bad, "prompt", bad[:5], f"token ids in [0, {self._vocab_size})")
-        request = Request(request_id, ids, params, arrival=next(self._arrivals), prompt=text)
+        request = Request(internal, ids, params, arrival=next(self._arrivals), prompt=text)
         replicas = [r for p in self.pools.values() for r in p.ready]
         if not replicas:
             raise UnavailableError("no healthy replica")
         for replica in replicas:  # the same checks a single-process engine makes
             replica.core.scheduler.check_request(request, bounded=False)
-        need = min(len(ids) + params.max_tokens, self._max_model_len)
+        room = self._max_model_len - len(ids)  # as LocalService: refuse what would be cut short
+        check(params.max_tokens <= room, "max_tokens", params.max_tokens,
+              f"an integer in [1, {room}]: max_model_len={self._max_model_len} minus the prompt's {len(ids)} tokens")
+        need = len(ids) + params.max_tokens
         capacity = min(r.core.kv.capacity_tokens for r in replicas)
         if need > capacity:
             raise CapacityError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
@@ -279,7 +310,7 @@ class Coordinator:
 
     def _on_handoff(self, handoff: Handoff) -> None:
         rid = handoff.request.request_id
-        if rid not in self._live:  # the client left while it was being prefilled
+        if rid not in self._internal:  # the client left while it was being prefilled
             if handoff.offer is not None:
                 handoff.source.release(handoff.offer.pin_id)
             return

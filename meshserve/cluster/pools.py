@@ -182,7 +182,7 @@ class ReplicaPool:
 
     def _give_up(self, w: _Waiting, why: str) -> None:
         _release(w)
-        w.sink.put_nowait(ReplicaFailedError(f"{w.request.request_id}: {why}"))
+        w.sink.put_nowait(ReplicaFailedError(why))
 
     # -- health and stats -----------------------------------------------------------------------
     def _describe(self) -> str:

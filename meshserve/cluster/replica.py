@@ -140,11 +140,15 @@ class Replica:
         if self.state is ReplicaState.READY:
             self.state = ReplicaState.DRAINING
         self._wake()
-        if not self._held:
-            return True
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._idle.wait(), timeout_s)
-        return not self._held
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout_s is None else loop.time() + timeout_s
+        while self._held:  # the event may be stale: check what it stands for
+            left = None if deadline is None else deadline - loop.time()
+            if left is not None and left <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), left)
+        return True
 
     async def stop(self) -> None:
         """Stop the loop and the ranks; requests still held end with ReplicaFailedError."""
@@ -175,6 +179,7 @@ class Replica:
 
     def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
         self._held[request.request_id] = _Held(request, sink, prefill_only)
+        self._idle.clear()
         self._inbox.append(request.request_id)
         request_event(request.request_id, "queued", replica=self.name, prefill_only=prefill_only)
         self._wake()
@@ -182,6 +187,7 @@ class Replica:
     def adopt(self, handoff: Handoff) -> None:
         rid = handoff.request.request_id
         self._held[rid] = _Held(handoff.request, handoff.sink)
+        self._idle.clear()
         self._adoptions.append(handoff)
         request_event(rid, "adopting", replica=self.name, kv="offered" if handoff.offer else "recompute")
         self._wake()

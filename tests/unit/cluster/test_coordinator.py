@@ -101,6 +101,11 @@ def test_refusals_leave_nothing_behind(ckpt):
         for prompt, params, error in bad:
             with pytest.raises(error):
                 await collect(c, "bad", prompt, params)
+        with pytest.raises(ConfigError, match="max_tokens=60 is not allowed: an integer in \\[1, 57\\]"):  # 199 + 60
+            await collect(c, "bad", list(range(1, 200)), SamplingParams(max_tokens=60))
+        with pytest.raises(ConfigError, match="task is 'generate'"):
+            await c.embed(["hello"])
+        assert [m.name for m in c.models()] == ["llama"] and c.models()[0].max_model_len == 256
         assert c.stats() == before and c.health().serving
         # The same id twice at once is refused; the first goes on.
         first = c.generate([5, 6, 7], GREEDY, request_id="dup")
@@ -129,6 +134,8 @@ def test_queue_full_then_abort_and_early_exit_free_blocks(ckpt):
         leaver = c.generate([9, 9, 9], long, request_id="leaver")
         await leaver.__anext__()
         await leaver.aclose()  # leaving the stream aborts the request
+        again = await collect(c, "leaver", [4, 5, 6], GREEDY)  # the id is free again at once
+        assert again.token_ids == (await waiting).token_ids and again.finish_reason is FinishReason.LENGTH
         await asyncio.sleep(0.05)
         assert_no_held_blocks(c)
     serve(threads(ckpt, scheduler={"max_num_seqs": 1, "max_queue": 1}), body)
