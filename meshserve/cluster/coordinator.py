@@ -224,8 +224,8 @@ class Coordinator:
         sink: asyncio.Queue = asyncio.Queue()
         self._live[request_id] = (internal, sink)
         self._internal.add(internal)
-        pool.submit(request, sink, prefill_only=self.disaggregated)
         request_event(internal, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
+        pool.submit(request, sink, prefill_only=self.disaggregated)
         finished = False
         try:
             while True:
