@@ -104,19 +104,21 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
                   block_size: int | None = None):
     """The InferenceService these settings ask for (loads the model; takes seconds).
 
+    One unified replica at tp=1 without a Ray address is served in this process (LocalService:
+    the embedded default, nothing to start); any other layout gets the Ray Coordinator (replica
+    pools, tp/dcp ranks as actors, disaggregated prefill/decode), started by `run_server`.
+
     An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
     apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
     """
     from meshserve.cluster.local import LocalService
     from meshserve.workers.embedder import read_model_task
 
-    why = "1: this build serves one in-process replica (the Ray coordinator is not part of it yet)"
-    check(pools.mode is PoolMode.UNIFIED, "pools", pools.mode.value, f"'unified' with {why}")
-    check(pools.replicas == 1, "replicas", pools.replicas, why)
-    check(pools.ray_address is None, "ray_address", pools.ray_address, f"unset, with replicas={why}")
-    check(engine.parallel.tp == 1, "tp", engine.parallel.tp, why)
-    check(engine.parallel.dcp == 1, "dcp", engine.parallel.dcp, why)
     if read_model_task(engine.model.model) == "embed":
+        why = "1 for an embedding model (it is served in-process, without Ray)"
+        check(pools.mode is PoolMode.UNIFIED, "pools", pools.mode.value, f"'unified' with replicas={why}")
+        check(pools.replicas == 1, "replicas", pools.replicas, why)
+        check(engine.parallel.tp == 1, "tp", engine.parallel.tp, why)
         from meshserve.cluster.embedding_service import EmbeddingService
         from meshserve.workers.embedder import Embedder
 
@@ -125,7 +127,13 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
                             max_model_len=engine.model.max_model_len,
                             max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, device=device)
         return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
-    return LocalService(engine, model_name=model_name, device=device, progress=progress)
+    single = (pools.mode is PoolMode.UNIFIED and pools.replicas == 1 and pools.ray_address is None
+              and engine.parallel.tp == 1)
+    if single:  # the embedded default: one replica in this process, no Ray to start
+        return LocalService(engine, model_name=model_name, device=device, progress=progress)
+    from meshserve.cluster.coordinator import ClusterConfig, Coordinator
+
+    return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name))
 
 
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
@@ -133,6 +141,8 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     """Serve until SIGINT or SIGTERM, then drain and shut the service down."""
     from meshserve.api.server import ApiServer
 
+    if hasattr(service, "start"):  # the Ray coordinator starts its replicas on the event loop
+        await service.start()
     server = ApiServer(service, server_config, max_queue=max_queue)
     await server.start()
     model = service.models()[0].name

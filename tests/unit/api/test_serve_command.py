@@ -39,10 +39,8 @@ def test_defaults_serve_the_demo_on_loopback():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--tp", "2"], "tp=2 is not allowed: 1: this build serves one in-process replica"),
-    (["--ray-address", "auto"], "ray_address='auto' is not allowed"),
-    (["--pools", "disaggregated"], "pools='disaggregated' is not allowed"),
-    (["--replicas", "2"], "replicas=2 is not allowed"),
+    (["--dcp", "2"], "dcp=2 is not allowed: a divisor of tp=1"),
+    (["--replicas", "0"], "replicas=0 is not allowed"),
     (["--tp", "4", "--dcp", "3"], "dcp=3 is not allowed: a divisor of tp=4"),
     (["--block-size", "24"], "block_size=24 is not allowed: a power of two"),
     (["--tls-cert", "x.pem"], "tls_key=None is not allowed: set together with tls_cert"),
