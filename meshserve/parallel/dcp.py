@@ -57,22 +57,6 @@ def merge_outputs(o: torch.Tensor, lse: torch.Tensor, ctx: ParallelContext,
     return merged
 
 
-def kv_heads_of_rank(num_heads: int, num_kv_heads: int, ctx: ParallelContext) -> range:
-    """The KV heads rank `ctx.rank` stores.
-
-    Without DCP the q heads are split over tp ranks and each rank keeps the KV heads its q heads
-    use (replicated when num_kv_heads < tp). With DCP the q heads of a DCP group are gathered,
-    so the group keeps the KV heads of all of them and splits their tokens instead.
-    """
-    groups = ctx.num_kv_groups
-    q_per_group = num_heads // groups
-    first_q = ctx.kv_group_index * q_per_group
-    per_kv = num_heads // num_kv_heads
-    first_kv = first_q // per_kv
-    last_kv = (first_q + q_per_group - 1) // per_kv
-    return range(first_kv, last_kv + 1)
-
-
 class DcpAttention:
     """A backend seen through DCP: same plan and write_kv, forward over this rank's token shard.
 

@@ -73,16 +73,19 @@ def test_tp_layers_and_dcp_merge(tp, dcp):
     run_ranks(worker, tp, dcp)
 
 
-def test_kv_heads_of_rank():
-    from meshserve.parallel.groups import ParallelContext
+def test_kv_heads_each_rank_stores():
+    """The heads the loader slices for each rank (transform.local_kv_heads / kv_head_offset)."""
+    from meshserve.parallel.transform import kv_head_offset, local_kv_heads
+
+    def heads(num_kv, tp, dcp, rank):
+        first = kv_head_offset(num_kv, tp, dcp, rank)
+        return list(range(first, first + local_kv_heads(num_kv, tp, dcp)))
 
     # 8 q heads, 2 kv heads, tp=4: each rank's 2 q heads use one kv head (replicated x2).
-    assert [list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=r, tp=4))) for r in range(4)] == \
-        [[0], [0], [1], [1]]
+    assert [heads(2, 4, 1, r) for r in range(4)] == [[0], [0], [1], [1]]
     # With dcp=2 the replicas of a kv head become token shards of it.
-    assert [list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=r, tp=4, dcp=2))) for r in range(4)] == \
-        [[0], [0], [1], [1]]
-    # tp=2, dcp=2: one group holds all 8 q heads and both kv heads.
-    assert list(dcp_ops.kv_heads_of_rank(8, 2, ParallelContext(rank=1, tp=2, dcp=2))) == [0, 1]
+    assert [heads(2, 4, 2, r) for r in range(4)] == [[0], [0], [1], [1]]
+    # tp=2, dcp=2: one group holds all q heads and both kv heads.
+    assert heads(2, 2, 2, 1) == [0, 1]
     # 8 kv heads, tp=4: two kv heads per rank.
-    assert list(dcp_ops.kv_heads_of_rank(8, 8, ParallelContext(rank=3, tp=4))) == [6, 7]
+    assert heads(8, 4, 1, 3) == [6, 7]
