@@ -149,3 +149,25 @@ def test_windowed_layers_of_a_hybrid_model_free_their_blocks(cases):
     out = llm.generate(long_pair, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert all(len(o.token_ids) == NEW_TOKENS for o in out)
     assert llm.core.scheduler.stats.num_preemptions == 0
+    kv = llm.core.kv
+    assert kv.num_groups == GROUPS["gemma2"] and kv.num_total_blocks == 6 * 3 - 1  # one layer per block id
+    assert kv.stats.window_released_blocks > 0
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+def test_prefix_hit_past_released_window_blocks_matches_hf(cases, arch):
+    """Prompts of 50..60 tokens: on the second run the hit is 48 tokens, and the windowed groups'
+    hits hold only the blocks the first query's window reaches (block 2); their blocks 0 and 1
+    were released while the first run decoded and are the null block in the hit."""
+    path, _, _, hf = cases[arch]
+    batch = prompts(2, seed=21, min_len=50, max_len=60)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in batch]
+    llm = _llm(path)
+    _check(llm.generate(batch, GREEDY), want)
+    assert llm.core.kv.stats.window_released_blocks > 0
+    hit = llm.core.kv.lookup_prefix(batch[0])
+    windowed = [h for h, r in zip(hit.hits, llm.core.kv.retentions) if not r.keeps_everything]
+    assert hit.num_tokens == 48 and all(h.block_ids[:2] == (0, 0) for h in windowed)
+    second = llm.generate(batch, GREEDY)
+    _check(second, want)
+    assert [o.num_cached_tokens for o in second] == [48, 48]
