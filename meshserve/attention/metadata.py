@@ -30,6 +30,8 @@ class AttentionMetadata:
       num_prefills, num_prefill_tokens, num_decodes: counts; decodes follow prefills
       max_query_len, max_seq_len: maxima over the batch (host ints; no device sync needed)
       block_size: tokens per block of the cache these tables index
+      kv_group: the KV layer group whose block tables these are (hybrid models build one
+                metadata per group; backends with per-plan state keep it per group)
     Host copies of the lengths (`query_lens_host`, `seq_lens_host`) are kept for backends
     whose planning happens on the host.
     Decode context parallelism (dcp_size > 1): seq_lens, context_lens and query positions stay
@@ -59,6 +61,7 @@ class AttentionMetadata:
     encoder_block_table: torch.Tensor | None = None
     dcp_size: int = 1
     dcp_rank: int = 0
+    kv_group: int = 0
 
     def local_len(self, seq_len: int) -> int:
         """How many of a sequence's first `seq_len` tokens this DCP rank stores."""
@@ -90,6 +93,7 @@ class AttentionMetadata:
         encoder_block_tables: Sequence[Sequence[int]] | None = None,
         dcp_size: int = 1,
         dcp_rank: int = 0,
+        kv_group: int = 0,
     ) -> AttentionMetadata:
         """Build metadata from host lists; slot_mapping follows the block tables.
 
@@ -169,6 +173,7 @@ class AttentionMetadata:
             encoder_block_table=encoder_table,
             dcp_size=dcp_size,
             dcp_rank=dcp_rank,
+            kv_group=kv_group,
         )
 
 

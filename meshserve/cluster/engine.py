@@ -19,6 +19,7 @@ from meshserve.cluster.request import FinishReason, Request
 from meshserve.cluster.scheduler import Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.errors import check
+from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.workers.checkpoint import load_tokenizer
@@ -70,6 +71,18 @@ class InProcessExecutor:
         self.host.shutdown()
 
 
+def kv_manager_for(info: WorkerInfo, *, enable_prefix_caching: bool) -> KVCacheManager | HybridKVCacheManager:
+    """The block bookkeeping for a replica's workers: one table per request, or one per KV layer
+    group when the workers allocated a hybrid layout (info.kv_groups)."""
+    if info.kv_groups:
+        retentions = [RetentionPolicy(w, s) for w, s in info.kv_groups]
+        return HybridKVCacheManager(info.num_kv_blocks, info.block_size, retentions=retentions,
+                                    enable_prefix_caching=enable_prefix_caching)
+    retention = RetentionPolicy(info.sliding_window, info.num_sink_tokens)
+    return KVCacheManager(info.num_kv_blocks, info.block_size, retention=retention,
+                          enable_prefix_caching=enable_prefix_caching)
+
+
 @dataclass
 class _Tracked:
     """Output-side state of one request."""
@@ -89,9 +102,7 @@ class EngineCore:
         self.executor = executor or InProcessExecutor(config, device=device, progress=progress)
         self.info = self.executor.start()
         self.tokenizer = load_tokenizer(config.model.model)
-        retention = RetentionPolicy(self.info.sliding_window, self.info.num_sink_tokens)
-        self.kv = kv or KVCacheManager(self.info.num_kv_blocks, self.info.block_size, retention=retention,
-                                       enable_prefix_caching=config.cache.enable_prefix_caching)
+        self.kv = kv or kv_manager_for(self.info, enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)
         self._tracked: dict[str, _Tracked] = {}

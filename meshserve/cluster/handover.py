@@ -36,7 +36,7 @@ class KVOffer:
 
     addresses: list[str]  # per rank: its export server
     num_tokens: int
-    positions: list[int]  # block-table indices that hold data
+    positions: list[list[int]]  # per KV layer group, the block-table indices that hold data
     extra_keys: tuple
     pin_id: tuple
     model_id: str
@@ -64,15 +64,17 @@ def offer_kv(self: Replica, rid: str) -> Handoff:
     kv = self.core.kv
     pin = ("handoff", rid, next(self.counters.pins))
     kv.fork(rid, pin)
-    table = list(kv.block_table(pin))
-    args = {"request_id": rid, "table": table, "num_tokens": kv.num_tokens(pin),
-            "hashes": list(kv.block_hashes(pin)), "extra_keys": list(kv.extra_keys(pin)),
+    tables = [list(t) for t in kv.block_tables(pin)]
+    hashes = kv.group_block_hashes(pin) if kv.num_groups > 1 else (kv.block_hashes(pin),)
+    args = {"request_id": rid, "tables": tables, "num_tokens": kv.num_tokens(pin),
+            "hashes": [list(h) for h in hashes], "extra_keys": list(kv.extra_keys(pin)),
             "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
             "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
     offer, reason = None, ""
     try:
         addresses = self.executor.call("kv_offer", [args] * self.world)
-        offer = KVOffer(addresses, args["num_tokens"], [i for i, b in enumerate(table) if b != NULL_BLOCK],
+        positions = [[i for i, b in enumerate(t) if b != NULL_BLOCK] for t in tables]
+        offer = KVOffer(addresses, args["num_tokens"], positions,
                         tuple(args["extra_keys"]), pin, self.model_id, self.world, self.config.parallel.dcp,
                         self.handoff_tp, kv.block_size, kv.dcp_size)
     except RankError as exc:
@@ -90,12 +92,14 @@ def import_kv(self: Replica, h: Handoff) -> int:
     why = h.reason or "no KV was offered"
     if offer is not None:
         dcp = self.config.parallel.dcp
-        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp) == (
-            self.model_id, kv.block_size, kv.dcp_size, dcp)
+        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp, len(offer.positions)) == (
+            self.model_id, kv.block_size, kv.dcp_size, dcp, kv.num_groups)
             and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
-        blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
+        positions = offer.positions if kv.num_groups > 1 else offer.positions[0]
+        blocks = kv.allocate_for_import(rid, offer.num_tokens, positions,
                                         extra_keys=offer.extra_keys) if fits else None
-        why = "no free blocks" if fits else "KV layouts differ (model, block size, dcp; or tp with dcp > 1)"
+        why = "no free blocks" if fits else (
+            "KV layouts differ (model, block size, dcp, KV layer groups; or tp with dcp > 1)")
         if blocks is not None:
             args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
@@ -105,7 +109,10 @@ def import_kv(self: Replica, h: Handoff) -> int:
             except RankError as exc:
                 results = [{"ok": False, "error": str(exc)}]
             if all(r["ok"] for r in results):
-                kv.register_hashes(rid, results[0]["hashes"])
+                if kv.num_groups > 1:
+                    kv.register_group_hashes(rid, results[0]["hashes"])
+                else:
+                    kv.register_hashes(rid, results[0]["hashes"][0])
                 request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
                 return offer.num_tokens
             kv.free(rid, keep_cache=False)

@@ -72,15 +72,19 @@ def pull_key(request_id: str, dst_rank: int) -> str:
 
 def staging_caches(caches: Sequence[object | None], src_heads: int, num_blocks: int) -> list[KVCache | None]:
     """Caches shaped like a source rank's shard (`src_heads` local KV heads), blocks 1..num_blocks
-    (block 0 is the null block, as in every cache)."""
+    (block 0 is the null block, as in every cache). Layers that share a tensor (a hybrid KV
+    layout) share their staging tensor too, so the staging layout is the source's."""
     out: list[KVCache | None] = []
+    shared: dict[int, torch.Tensor] = {}
     for cache in caches:
         if cache is None:
             out.append(None)
             continue
-        _, two, bs, _, head_size = cache.data.shape
-        data = torch.empty((num_blocks + 1, two, bs, src_heads, head_size), dtype=cache.data.dtype,
-                           device=cache.data.device)
+        data = shared.get(id(cache.data))
+        if data is None:
+            _, two, bs, _, head_size = cache.data.shape
+            data = shared[id(cache.data)] = torch.empty((num_blocks + 1, two, bs, src_heads, head_size),
+                                                        dtype=cache.data.dtype, device=cache.data.device)
         out.append(KVCache(data, cache.k_scale, cache.v_scale))
     return out
 
@@ -89,9 +93,11 @@ def copy_heads(caches: Sequence[KVCache | None], staging: Sequence[KVCache | Non
                piece: Slice) -> None:
     """Copy `piece`'s heads of staging blocks 1..n into our `blocks` (same order), every layer."""
     (slo, shi), (dlo, dhi) = piece.src_heads, piece.dst_heads
+    done: set[int] = set()
     for cache, stage in zip(caches, staging):
-        if cache is None:
+        if cache is None or id(cache.data) in done:
             continue
+        done.add(id(cache.data))
         idx = torch.tensor(list(blocks), dtype=torch.long, device=cache.data.device)
         # [n, 2, block_size, heads, head_size]: one block per row, K and V together
         cache.data[idx, :, :, dlo:dhi] = stage.data[1:, :, :, slo:shi]

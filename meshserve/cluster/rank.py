@@ -10,8 +10,8 @@
 
 The replica's driver owns the block bookkeeping (its KVCacheManager); a rank owns only the cache
 tensors. The kvstore's KVConnector wants both, so each hand-over gives the rank a `BlockBook`:
-the driver's decisions for that request (its block table when sending; the blocks it allocated
-when receiving) in the shape of the manager calls the connector makes.
+the driver's decisions for that request (its block tables, one per KV layer group, when sending;
+the blocks it allocated when receiving) in the shape of the manager calls the connector makes.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.cluster.kv_reshard import copy_heads, is_headless, pull_key, pullers_of, sources_of, staging_caches
 from meshserve.errors import check
 from meshserve.kvstore.connector import KVConnector, KVExport
+from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.parallel.transform import local_kv_heads
 from meshserve.workers.checkpoint import read_arch
@@ -39,32 +40,44 @@ OFFER_TTL_S = 30.0  # an offer nobody pulls is dropped after this
 class BlockBook:
     """The driver's block decisions for hand-overs, as the KVConnector asks for them.
 
-    Sender: `describe(request_id, table, num_tokens, hashes, extra_keys)` first; the connector
-    then reads the table and pins (fork) it; the driver keeps the blocks pinned on its side.
-    Receiver: `assign(request_id, blocks)` first; `allocate_for_import` hands exactly those out.
+    Sender: `describe(request_id, tables, num_tokens, hashes, extra_keys)` first (tables and
+    hashes: one list per KV layer group); the connector then reads the tables and pins (fork)
+    them; the driver keeps the blocks pinned on its side.
+    Receiver: `assign(request_id, blocks)` first (every group's, group after group);
+    `allocate_for_import` hands exactly those out.
+    retentions: per KV layer group (the worker's KVGroupLayout), for the layout check.
     """
 
-    def __init__(self, block_size: int, dcp_size: int = 1) -> None:
+    def __init__(self, block_size: int, dcp_size: int = 1, retentions: Sequence[RetentionPolicy] = (RetentionPolicy(),)
+                 ) -> None:  # fmt: skip
         self.block_size = block_size
         self.dcp_size = dcp_size
         self.tokens_per_block = block_size * dcp_size
+        self.retentions = tuple(retentions)
+        self.num_groups = len(self.retentions)
         self.num_free_blocks = 0  # only quoted in refusal messages: the driver decides capacity
-        self._tables: dict[Any, tuple[list[int], int, list[bytes], tuple]] = {}
+        self._tables: dict[Any, tuple[list[list[int]], int, list[list[bytes]], tuple]] = {}
         self._assigned: dict[Any, list[int]] = {}
-        self.imported_hashes: dict[Any, list[bytes]] = {}
+        self.imported_hashes: dict[Any, list[list[bytes]]] = {}
 
     # sender side
-    def describe(self, request_id: Any, table: Sequence[int], num_tokens: int, hashes: Sequence[bytes],
-                 extra_keys: Sequence[object] = ()) -> None:
-        self._tables[request_id] = (list(table), num_tokens, [bytes(h) for h in hashes], tuple(extra_keys))
+    def describe(self, request_id: Any, tables: Sequence[Sequence[int]], num_tokens: int,
+                 hashes: Sequence[Sequence[bytes]], extra_keys: Sequence[object] = ()) -> None:
+        check(len(tables) == len(hashes) == self.num_groups, "tables", len(tables),
+              f"one table and one hash list per KV layer group ({self.num_groups})")
+        self._tables[request_id] = ([list(t) for t in tables], num_tokens, [[bytes(h) for h in g] for g in hashes],
+                                    tuple(extra_keys))  # fmt: skip
 
-    def block_table(self, request_id: Any) -> list[int]:
+    def block_tables(self, request_id: Any) -> list[list[int]]:
         return self._tables[request_id][0]
 
     def num_tokens(self, request_id: Any) -> int:
         return self._tables[request_id][1]
 
     def block_hashes(self, request_id: Any) -> list[bytes]:
+        return self._tables[request_id][2][0]
+
+    def group_block_hashes(self, request_id: Any) -> list[list[bytes]]:
         return self._tables[request_id][2]
 
     def extra_keys(self, request_id: Any) -> tuple:
@@ -84,15 +97,20 @@ class BlockBook:
     def assign(self, request_id: Any, blocks: Sequence[int]) -> None:
         self._assigned[request_id] = list(blocks)
 
-    def allocate_for_import(self, request_id: Any, num_tokens: int, block_positions: Sequence[int], *,
+    def allocate_for_import(self, request_id: Any, num_tokens: int, block_positions: Sequence, *,
                             extra_keys: Sequence[object] = ()) -> list[int] | None:
+        """block_positions: one list (one group) or one list per group, as the managers take them."""
         blocks = self._assigned.get(request_id)
-        if blocks is None or len(blocks) != len(block_positions):
+        count = sum(len(p) for p in block_positions) if self.num_groups > 1 else len(block_positions)
+        if blocks is None or len(blocks) != count:
             return None  # the driver sized the import differently: refused as "capacity"
         return blocks
 
     def register_hashes(self, request_id: Any, block_hashes: Sequence[bytes]) -> None:
-        self.imported_hashes[request_id] = [bytes(h) for h in block_hashes]
+        self.register_group_hashes(request_id, [block_hashes])
+
+    def register_group_hashes(self, request_id: Any, block_hashes: Sequence[Sequence[bytes]]) -> None:
+        self.imported_hashes[request_id] = [[bytes(h) for h in g] for g in block_hashes]
 
 
 class RankHost:
@@ -154,14 +172,19 @@ class RankHost:
         if self._connector is None:
             check(self.worker is not None and self.worker.runner is not None, "rank", self.rank,
                   "started before a KV hand-over")
-            self._book = BlockBook(block_size, dcp_size)
+            layout, info = self.worker.kv_layout, self.worker.info
+            retentions = layout.retentions if layout.is_hybrid else (
+                RetentionPolicy(info.sliding_window, info.num_sink_tokens),)  # the driver's single table
+            self._book = BlockBook(block_size, dcp_size, retentions)
             self._connector = KVConnector(self._book, self.worker.runner.kv_caches, model_id=model_id)
         return self._connector
 
-    def kv_offer(self, request_id: str, table: list[int], num_tokens: int, hashes: list[bytes], extra_keys: list,
-                 block_size: int, dcp_size: int, model_id: str, dst_tp: int, fault: str | None = None) -> str:
-        """Offer this rank's shard of the request's blocks to the decode ranks of `dst_tp` that need
-        it (the driver keeps the blocks pinned until the decode side is done). Returns the address.
+    def kv_offer(self, request_id: str, tables: list[list[int]], num_tokens: int, hashes: list[list[bytes]],
+                 extra_keys: list, block_size: int, dcp_size: int, model_id: str, dst_tp: int,
+                 fault: str | None = None) -> str:
+        """Offer this rank's shard of the request's blocks (tables and hashes per KV layer group) to
+        the decode ranks of `dst_tp` that need it (the driver keeps the blocks pinned until the
+        decode side is done). Returns the address.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
@@ -170,7 +193,7 @@ class RankHost:
         connector = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
             self._server = KVExportServer(connector, address=f"tcp://{_reachable_host()}")
-        self._book.describe(request_id, table, num_tokens, hashes, extra_keys)
+        self._book.describe(request_id, tables, num_tokens, hashes, extra_keys)
         export = connector.export(request_id)
         if dst_tp == self.tp:
             keys = [request_id]  # decode rank r pulls from prefill rank r
@@ -189,9 +212,10 @@ class RankHost:
     def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """Pull this rank's share of the request's KV from the prefill ranks (`addresses`, by rank)
-        into `blocks` (allocated by the driver); with a different tp, through kv_reshard.
+        into `blocks` (allocated by the driver, every KV layer group's in group order); with a
+        different tp, through kv_reshard.
 
-        Returns {"ok": True, "hashes": [...]} or {"ok": False, "reason": ..., "error": ...}; on
+        Returns {"ok": True, "hashes": [[...] per group]} or {"ok": False, "reason": ..., "error": ...}; on
         failure the blocks hold garbage and the driver frees them without caching.
         """
         connector = self._kv(block_size, dcp_size, model_id)
@@ -205,16 +229,16 @@ class RankHost:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
     def _pull_resharded(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int],
-                        model_id: str, timeout_s: float) -> list[bytes]:
+                        model_id: str, timeout_s: float) -> list[list[bytes]]:
         caches = self.worker.runner.kv_caches
         heads = self._num_kv_heads()
         key = pull_key(request_id, self.rank)
-        hashes: list[bytes] = []
+        hashes: list[list[bytes]] = []
         for piece in sources_of(self.rank, heads, src_tp, self.tp):
             if piece.src_heads is None:  # latent caches: the source's shard is the whole cache
                 return _pull(self._connector, self._book, addresses[piece.src_rank], key, blocks, timeout_s)
             staging = staging_caches(caches, local_kv_heads(heads, src_tp, 1), len(blocks))
-            book = BlockBook(self._book.block_size, self._book.dcp_size)
+            book = BlockBook(self._book.block_size, self._book.dcp_size, self._book.retentions)
             stage = KVConnector(book, staging, model_id=model_id)
             hashes = _pull(stage, book, addresses[piece.src_rank], key, list(range(1, len(blocks) + 1)), timeout_s)
             copy_heads(caches, staging, blocks, piece)
@@ -232,14 +256,15 @@ class RankHost:
 
 
 def _pull(connector: KVConnector, book: BlockBook, address: str, key: str, blocks: list[int],
-          timeout_s: float) -> list[bytes]:
-    """Pull offer `key` from `address` into `blocks` of `connector`'s caches; the prefix hashes."""
+          timeout_s: float) -> list[list[bytes]]:
+    """Pull offer `key` from `address` into `blocks` of `connector`'s caches; the prefix hashes
+    per KV layer group."""
     from meshserve.kvstore.zmq_transport import pull_kv
 
     book.assign(key, blocks)
     try:
         pull_kv(connector, address, key, timeout_s=timeout_s)
-        return book.imported_hashes.get(key, [])
+        return book.imported_hashes.get(key, [[] for _ in range(book.num_groups)])
     finally:
         book.free(key)
         book.imported_hashes.pop(key, None)

@@ -26,6 +26,7 @@ from meshserve.errors import check
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 if TYPE_CHECKING:
+    from meshserve.kvstore.hybrid import HybridKVCacheManager
     from meshserve.kvstore.manager import KVCacheManager
 
 
@@ -53,7 +54,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager, *, max_model_len: int,
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv
@@ -216,7 +217,7 @@ class Scheduler:
                 request_id=req.request_id,
                 token_ids=req.all_token_ids[start:start + n],
                 context_len=start,
-                block_table=list(self.kv.block_table(req.request_id)),
+                block_tables=[list(t) for t in self.kv.block_tables(req.request_id)],
                 sample=start + n == req.num_tokens,
             ))
         self.stats.num_steps += bool(seqs)

@@ -1,6 +1,7 @@
 """Per-layer KV cache tensors sized from a memory budget.
 
-Layouts (one tensor per layer, block id = dim 0, shared by all layers and the block table):
+Layouts (one tensor per layer, block id = dim 0, shared by all layers and the block table; a
+hybrid layout (kvstore/groups.py) gives layer slot j of every group one shared tensor):
   standard  KVCache.data  [num_blocks, 2, block_size, num_kv_heads_local, head_size]  (0 = K, 1 = V)
   MLA       MLACache.data [num_blocks, block_size, kv_lora_rank + qk_rope_head_dim]
 FP8 caches (spec.kv_cache_dtype fp8_e4m3 / fp8_e5m2) hold float8 data plus float32 scalar
@@ -101,17 +102,31 @@ def allocate_caches(
     dtype: str | torch.dtype,
     device: str | torch.device = "cpu",
     tp_size: int = 1,
+    layer_slots: Sequence[int | None] | None = None,
 ) -> list[LayerCache | None]:
-    """One cache per layer (None where the layer keeps none), zero-filled, scales 1.0."""
+    """One cache per layer (None where the layer keeps none), zero-filled, scales 1.0.
+
+    layer_slots (KVGroupLayout.layer_slots): layers with the same slot share one data tensor
+    (each keeps its own scales); None entries, or no list, get a tensor of their own.
+    """
     check(num_blocks >= 2, "num_blocks", num_blocks, "an integer >= 2")
     check(block_size >= 1, "block_size", block_size, "an integer >= 1")
+    slots = list(layer_slots) if layer_slots is not None else [None] * len(specs)
+    check(len(slots) == len(specs), "layer_slots", len(slots), f"one entry per layer ({len(specs)})")
+    shared: dict[int, torch.Tensor] = {}
     out: list[LayerCache | None] = []
-    for spec in specs:
+    for spec, slot in zip(specs, slots):
         shape = block_shape(spec, block_size, tp_size=tp_size)
         if shape is None:
             out.append(None)
             continue
-        data = torch.zeros((num_blocks, *shape), dtype=cache_dtype(spec, dtype), device=device)
+        data = shared.get(slot) if slot is not None else None
+        if data is None:
+            data = torch.zeros((num_blocks, *shape), dtype=cache_dtype(spec, dtype), device=device)
+            if slot is not None:
+                shared[slot] = data
+        check(data.shape[1:] == shape and data.dtype == cache_dtype(spec, dtype), "layer_slots", slot,
+              "slots shared only by layers of one page shape and cache dtype")
         one = torch.tensor(1.0, dtype=torch.float32, device=device)
         if spec.mla is not None:
             out.append(MLACache(data=data, kv_lora_rank=spec.mla.kv_lora_rank, scale=one))
@@ -138,12 +153,15 @@ def allocate_caches_for_budget(
 
 
 def copy_blocks(caches: Sequence[LayerCache | None], pairs: Sequence[tuple[int, int]]) -> None:
-    """Apply copy-on-write pairs (src, dst) from KVCacheManager.take_copies to every layer."""
+    """Apply copy-on-write pairs (src, dst) from KVCacheManager.take_copies to every cache
+    tensor (once per tensor: layers of a hybrid layout share them)."""
     if not pairs:
         return
+    seen: set[int] = set()
     for cache in caches:
-        if cache is None:
+        if cache is None or id(cache.data) in seen:
             continue
+        seen.add(id(cache.data))
         data = cache.data.view(torch.uint8)  # byte view: index ops exist for every storage dtype
         src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=data.device)
         dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=data.device)

@@ -10,7 +10,10 @@
                   blocks = s.finish()                # checksum; hashes registered; else refused
 A refusal raises KVTransferError; leaving the `with` block without `finish` frees every block the
 import allocated. Each DCP/TP rank moves its own shard with its own connector; the layout
-fingerprint (model id, block size, dcp size, per-layer dtype and block shape) must match.
+fingerprint (model id, block size, dcp size, per-tensor dtype and block shape, KV layer groups)
+must match. The manager is a KVCacheManager (one block table per request) or a
+HybridKVCacheManager (one per layer group, whose caches share tensors: each tensor is sent once
+per block, whatever group holds it).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 from meshserve.errors import ConfigError, check
 from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import LayerCache, MLACache
+from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
 
@@ -52,19 +56,28 @@ def _scales(cache: LayerCache) -> tuple[float, ...]:
     return (float(cache.k_scale), float(cache.v_scale))
 
 
-class KVConnector:
-    """Exports and imports requests' KV for one rank's (KVCacheManager, per-layer caches).
+def _group_hashes(kv, request_id) -> tuple[list[bytes], ...]:
+    return kv.group_block_hashes(request_id) if kv.num_groups > 1 else (kv.block_hashes(request_id),)
 
-    caches: as from allocate_caches (None entries, layers without a cache, are skipped).
+
+class KVConnector:
+    """Exports and imports requests' KV for one rank's (KV manager, per-layer caches).
+
+    caches: as from allocate_caches (None entries, layers without a cache, are skipped; layers
+    that share a tensor are sent once).
     model_id: names the weights; replicas of different models never exchange KV.
     """
 
-    def __init__(self, manager: KVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str) -> None:
+    def __init__(
+        self, manager: KVCacheManager | HybridKVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str
+    ) -> None:
         self.manager = manager
-        self.caches = [c for c in caches if c is not None]
+        self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
+        self.caches = list({id(c.data): c for c in self.layer_caches}.values())  # one per tensor
         check(bool(self.caches), "caches", len(caches), "at least one layer cache")
         self.layout = KVLayout.from_caches(
-            self.caches, model_id=model_id, block_size=manager.block_size, dcp_size=manager.dcp_size
+            self.caches, model_id=model_id, block_size=manager.block_size, dcp_size=manager.dcp_size,
+            groups=[(r.sliding_window, r.num_sink_tokens) for r in manager.retentions],
         )
         self._block_nbytes = self.layout.block_nbytes()
         self._pins = count()
@@ -75,9 +88,9 @@ class KVConnector:
         check(isinstance(request_id, str | int), "request_id", request_id, "a str or int (it goes on the wire)")
         check(max_frame_bytes >= 1, "max_frame_bytes", max_frame_bytes, "an integer >= 1")
         kv = self.manager
-        table = kv.block_table(request_id)
-        positions = [i for i, b in enumerate(table) if b != NULL_BLOCK]
-        blocks = [table[i] for i in positions]
+        tables = kv.block_tables(request_id)
+        positions = [[i for i, b in enumerate(table) if b != NULL_BLOCK] for table in tables]
+        blocks = [table[i] for table, held in zip(tables, positions) for i in held]
         pin_id = ("kv-export", request_id, next(self._pins))
         kv.fork(request_id, pin_id)  # the export holds its own references
         plan = plan_frames(blocks, self._block_nbytes, max_frame_bytes)
@@ -89,10 +102,10 @@ class KVConnector:
             request_id=request_id,
             layout=self.layout,
             num_tokens=kv.num_tokens(request_id),
-            block_positions=tuple(positions),
-            block_hashes=tuple(kv.block_hashes(request_id)),
+            block_positions=tuple(tuple(p) for p in positions),
+            block_hashes=tuple(tuple(h) for h in _group_hashes(kv, request_id)),
             extra_keys=kv.extra_keys(request_id),
-            scales=tuple(_scales(c) for c in self.caches),
+            scales=tuple(_scales(c) for c in self.layer_caches),
             frames=tuple(plan),
             nbytes=sum(f.numel() for f in frames),
             checksum=digest.value,
@@ -139,14 +152,13 @@ class ImportSession:
         self._check(header)
         self.frame_nbytes = header.frame_nbytes()
         kv = connector.manager
+        positions = header.block_positions if kv.num_groups > 1 else header.block_positions[0]
         try:
-            blocks = kv.allocate_for_import(
-                self.request_id, header.num_tokens, header.block_positions, extra_keys=header.extra_keys
-            )
+            blocks = kv.allocate_for_import(self.request_id, header.num_tokens, positions, extra_keys=header.extra_keys)
         except ConfigError as exc:
             raise KVTransferError("bad_header", str(exc)) from exc
         if blocks is None:
-            raise KVTransferError("capacity", f"{len(header.block_positions)} blocks needed, {kv.num_free_blocks} free")
+            raise KVTransferError("capacity", f"{header.num_blocks} blocks needed, {kv.num_free_blocks} free")
         self.blocks = blocks
         self._next = 0
         self._digest = FrameDigest()
@@ -165,10 +177,12 @@ class ImportSession:
                 "layout",
                 f"fingerprint {header.fingerprint} != {ours.fingerprint}; {ours.difference(header.layout)}",
             )
-        mine = tuple(_scales(c) for c in self.connector.caches)
+        mine = tuple(_scales(c) for c in self.connector.layer_caches)
         if header.scales != mine:
             raise KVTransferError("layout", f"cache scales differ: receiver {mine}, sender {header.scales}")
-        num_blocks = len(header.block_positions)
+        if len(header.block_positions) != len(ours.groups) or len(header.block_hashes) != len(ours.groups):
+            raise KVTransferError("bad_header", f"block positions and hashes for {len(ours.groups)} KV layer groups")
+        num_blocks = header.num_blocks
         for layer in range(len(ours.layers)):
             covered = [(first, n) for lay, first, n in header.frames if lay == layer]
             starts = [0]
@@ -183,7 +197,7 @@ class ImportSession:
         if header.nbytes != sum(header.frame_nbytes()):
             raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
         full = header.num_tokens // self.connector.manager.tokens_per_block
-        if len(header.block_hashes) > full or any(len(h) != 32 for h in header.block_hashes):
+        if any(len(g) > full or any(len(h) != 32 for h in g) for g in header.block_hashes):
             raise KVTransferError("bad_header", f"block_hashes: at most {full} hashes of 32 bytes")
         if self.request_id in self.connector.manager:
             raise KVTransferError("bad_header", f"request {self.request_id!r} already holds blocks here")
@@ -227,7 +241,11 @@ class ImportSession:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
         if self._digest.value != self.header.checksum:
             self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
-        self.connector.manager.register_hashes(self.request_id, self.header.block_hashes)
+        kv = self.connector.manager
+        if kv.num_groups > 1:
+            kv.register_group_hashes(self.request_id, self.header.block_hashes)
+        else:
+            kv.register_hashes(self.request_id, self.header.block_hashes[0])
         self._open = False
         return self.blocks
 

@@ -32,6 +32,8 @@ class KVCacheManager:
     dcp_size:    decode-context-parallel ranks; a logical block covers block_size * dcp_size tokens
     retention:   which positions must stay cached (RetentionPolicy.from_specs(layer_specs))
     enable_prefix_caching: hash full blocks and reuse them across requests
+    pool, hash_salt: a BlockPool shared with the other layer groups of a hybrid model, and bytes
+                 that keep this group's prefix hashes apart from theirs (kvstore/hybrid.py)
     """
 
     def __init__(
@@ -42,14 +44,18 @@ class KVCacheManager:
         dcp_size: int = 1,
         retention: RetentionPolicy | None = None,
         enable_prefix_caching: bool = True,
+        pool: BlockPool | None = None,
+        hash_salt: bytes = b"",
     ) -> None:
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
         check(dcp_size >= 1, "dcp_size", dcp_size, "an integer >= 1")
-        self.pool = BlockPool(num_blocks)
+        self.pool = pool if pool is not None else BlockPool(num_blocks)
+        self._salt = hash_salt
         self.block_size = block_size
         self.dcp_size = dcp_size
         self.tokens_per_block = block_size * dcp_size
         self.retention = retention if retention is not None else RetentionPolicy()
+        self.retentions = (self.retention,)  # per layer group, as HybridKVCacheManager
         self.enable_prefix_caching = enable_prefix_caching
         self.stats = KVCacheStats()
         self._requests: dict[RequestId, RequestBlocks] = {}
@@ -84,6 +90,8 @@ class KVCacheManager:
     def num_requests(self) -> int:
         return len(self._requests)
 
+    num_groups = 1  # one block table per request (HybridKVCacheManager: one per layer group)
+
     # ---- per-request reads ----------------------------------------------------------------
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._requests
@@ -91,6 +99,10 @@ class KVCacheManager:
     def block_table(self, request_id: RequestId) -> list[int]:
         """Physical block ids by logical block index (NULL_BLOCK where released). Read-only."""
         return self._get(request_id).table
+
+    def block_tables(self, request_id: RequestId) -> tuple[list[int], ...]:
+        """One table per layer group (here one). Read-only."""
+        return (self._get(request_id).table,)
 
     def num_tokens(self, request_id: RequestId) -> int:
         """Slots allocated to the request (tokens computed or being computed)."""
@@ -117,17 +129,24 @@ class KVCacheManager:
         """
         if not self.enable_prefix_caching:
             return PrefixHit(0, (), (), tuple(extra_keys))
-        return find_cached_prefix(self.pool, self.retention, self.tokens_per_block, token_ids, tuple(extra_keys))
+        return find_cached_prefix(
+            self.pool, self.retention, self.tokens_per_block, token_ids, tuple(extra_keys), self._salt
+        )
 
     # ---- allocation -----------------------------------------------------------------------
     def can_allocate(self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None) -> bool:
         """Whether `allocate_slots` with the same arguments would succeed. Pure."""
+        return self.blocks_needed(request_id, num_new_tokens, prefix=prefix) <= self.pool.num_free_blocks
+
+    def blocks_needed(self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None) -> int:
+        """Free blocks `allocate_slots` would consume, net of what its window release returns
+        (negative when it returns more). Pure."""
         check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
         req = self._requests.get(request_id)
         if req is None:
-            return self._admission_need(num_new_tokens, prefix) <= self.pool.num_free_blocks
+            return self._admission_need(num_new_tokens, prefix)
         need, freeable = self._growth_need(req, num_new_tokens)
-        return need <= self.pool.num_free_blocks + freeable
+        return need - freeable
 
     def allocate_slots(
         self,
@@ -253,7 +272,7 @@ class KVCacheManager:
         if prefix is not None and extra_keys and tuple(extra_keys) != prefix.extra_keys:
             raise ConfigError("extra_keys", extra_keys, f"the prefix hit's own extra keys {prefix.extra_keys}")
         keys = prefix.extra_keys if prefix is not None else extra_keys
-        extra = encode_extra_keys(keys)
+        extra = encode_extra_keys(keys) + self._salt
         if self._admission_need(num_new_tokens, prefix) > self.pool.num_free_blocks:
             return False
         tpb = self.tokens_per_block
@@ -424,7 +443,7 @@ class KVCacheManager:
         for p, b in zip(positions, blocks):
             table[p] = b
         keys = tuple(extra_keys)
-        req = RequestBlocks(table, num_tokens, [], keys, encode_extra_keys(keys), self._sink_blocks)
+        req = RequestBlocks(table, num_tokens, [], keys, encode_extra_keys(keys) + self._salt, self._sink_blocks)
         self._requests[request_id] = req
         self._refresh(req)
         return blocks
@@ -447,6 +466,14 @@ class KVCacheManager:
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (pool, tables, ref counts)."""
         self.pool.check_invariants()
+        held = self.held_blocks()
+        ref = self.pool.ref_counts
+        for block in range(1, self.pool.num_blocks):
+            if ref[block] != held[block]:
+                raise AssertionError(f"block {block}: ref count {ref[block]} but {held[block]} table entries")
+
+    def held_blocks(self) -> Counter[int]:
+        """Table entries naming each block; AssertionError if a table is malformed."""
         held: Counter[int] = Counter()
         for rid, req in self._requests.items():
             if len(req.table) != -(-req.num_tokens // self.tokens_per_block):
@@ -455,10 +482,7 @@ class KVCacheManager:
             if len(set(blocks)) != len(blocks):
                 raise AssertionError(f"request {rid!r} holds a block twice: {req.table}")
             held.update(blocks)
-        ref = self.pool.ref_counts
-        for block in range(1, self.pool.num_blocks):
-            if ref[block] != held[block]:
-                raise AssertionError(f"block {block}: ref count {ref[block]} but {held[block]} table entries")
+        return held
 
     def _get(self, request_id: RequestId) -> RequestBlocks:
         req = self._requests.get(request_id)

@@ -35,9 +35,11 @@ def find_cached_prefix(
     tokens_per_block: int,
     token_ids: Sequence[int],
     extra_keys: tuple,
+    salt: bytes = b"",
 ) -> PrefixHit:
-    """What KVCacheManager.lookup_prefix returns (with prefix caching on)."""
-    extra = encode_extra_keys(extra_keys)
+    """What KVCacheManager.lookup_prefix returns (with prefix caching on). salt: the layer
+    group's hash salt (appended to the encoded extra keys)."""
+    extra = encode_extra_keys(extra_keys) + salt
     tpb = tokens_per_block
     max_blocks = max(0, len(token_ids) - 1) // tpb  # the last token is always computed
     if max_blocks == 0:

@@ -2,14 +2,17 @@
 
 Header (msgpack map, `KVHeader.pack`):
   version, request_id (str | int), fingerprint (of the layout), layout (model id, block size,
-  dcp size, per cached layer: dtype name and the shape of one block), num_tokens,
-  block_positions (block-table indices that carry data; the rest are released window blocks),
-  block_hashes (prefix hashes of the first full blocks), extra_keys, scales (per cached layer:
-  [k_scale, v_scale], or [scale] for MLA), frames ([layer, first, count] per frame), nbytes,
-  checksum.
-Frames: frame i is the raw bytes of `count` consecutive sent blocks of one layer
-  (cache.data[blocks[first:first + count]] in storage order), layers in order, each layer's
-  blocks in table order, so the receiver can write each frame straight into its own blocks.
+  dcp size, per cache tensor: dtype name and the shape of one block, per KV layer group: its
+  [sliding_window, num_sink_tokens]), num_tokens, block_positions (per group, the block-table
+  indices that carry data; the rest are released window blocks), block_hashes (per group, prefix
+  hashes of the first full blocks), extra_keys, scales (per cached layer: [k_scale, v_scale], or
+  [scale] for MLA), frames ([tensor, first, count] per frame), nbytes, checksum.
+Sent blocks: every group's held blocks, group after group, each in table order. A hybrid layout
+  (kvstore/groups.py) shares its cache tensors between groups, so every sent block, whatever its
+  group, is one row of each tensor.
+Frames: frame i is the raw bytes of `count` consecutive sent blocks of one cache tensor
+  (cache.data[blocks[first:first + count]] in storage order), tensors in order, so the receiver
+  can write each frame straight into its own blocks.
 Checksum: `FrameDigest` over the frames in order: 64-bit word sums per 32 KiB chunk, weighted by
   chunk index (catches flipped bits, truncation and reordering) at memory speed, on CPU or GPU.
   It guards against bugs and mismatched peers, not against an attacker.
@@ -25,7 +28,7 @@ import torch
 
 from meshserve.errors import MeshserveError
 
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: KV layer groups (per-group positions and hashes)
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 
@@ -45,32 +48,44 @@ class KVTransferError(MeshserveError):
 class KVLayout:
     """What a receiver's caches must match, byte for byte, to take a sender's blocks.
 
-    layers: per layer that keeps a cache, (dtype name, shape of one block).
+    layers: per cache tensor, (dtype name, shape of one block).
+    groups: per KV layer group, (sliding_window, num_sink_tokens) of its block table.
     """
 
     model_id: str
     block_size: int
     dcp_size: int
     layers: tuple[tuple[str, tuple[int, ...]], ...]
+    groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
 
     @classmethod
-    def from_caches(cls, caches: Sequence[object], *, model_id: str, block_size: int, dcp_size: int) -> KVLayout:
+    def from_caches(
+        cls,
+        caches: Sequence[object],
+        *,
+        model_id: str,
+        block_size: int,
+        dcp_size: int,
+        groups: Sequence[tuple[int | None, int]] = ((None, 0),),
+    ) -> KVLayout:
         layers = tuple(
             (str(c.data.dtype).removeprefix("torch."), tuple(c.data.shape[1:])) for c in caches if c is not None
         )
-        return cls(model_id, block_size, dcp_size, layers)
+        return cls(model_id, block_size, dcp_size, layers, tuple((w, s) for w, s in groups))
 
     def to_wire(self) -> list:
-        return [self.model_id, self.block_size, self.dcp_size, [[d, list(s)] for d, s in self.layers]]
+        return [self.model_id, self.block_size, self.dcp_size, [[d, list(s)] for d, s in self.layers],
+                [list(g) for g in self.groups]]
 
     @classmethod
     def from_wire(cls, obj: list) -> KVLayout:
-        model_id, block_size, dcp_size, layers = obj
+        model_id, block_size, dcp_size, layers, groups = obj
         return cls(
             str(model_id),
             int(block_size),
             int(dcp_size),
             tuple((str(d), tuple(int(x) for x in s)) for d, s in layers),
+            tuple((None if w is None else int(w), int(s)) for w, s in groups),
         )
 
     @property
@@ -94,6 +109,9 @@ class KVLayout:
         for name in ("model_id", "block_size", "dcp_size"):
             if getattr(self, name) != getattr(other, name):
                 return f"{name}: receiver {getattr(self, name)!r}, sender {getattr(other, name)!r}"
+        if self.groups != other.groups:
+            return (f"KV layer groups (sliding_window, num_sink_tokens): receiver {list(self.groups)}, "
+                    f"sender {list(other.groups)}")
         if len(self.layers) != len(other.layers):
             return f"cached layers: receiver {len(self.layers)}, sender {len(other.layers)}"
         for i, (mine, theirs) in enumerate(zip(self.layers, other.layers)):
@@ -107,8 +125,8 @@ class KVHeader:
     request_id: str | int
     layout: KVLayout
     num_tokens: int
-    block_positions: tuple[int, ...]
-    block_hashes: tuple[bytes, ...]
+    block_positions: tuple[tuple[int, ...], ...]  # per KV layer group
+    block_hashes: tuple[tuple[bytes, ...], ...]  # per KV layer group
     extra_keys: tuple
     scales: tuple[tuple[float, ...], ...]
     frames: tuple[tuple[int, int, int], ...]  # (cached layer index, first sent block, count)
@@ -125,8 +143,8 @@ class KVHeader:
                 "fingerprint": self.fingerprint or self.layout.fingerprint,
                 "layout": self.layout.to_wire(),
                 "num_tokens": self.num_tokens,
-                "block_positions": list(self.block_positions),
-                "block_hashes": list(self.block_hashes),
+                "block_positions": [list(p) for p in self.block_positions],
+                "block_hashes": [list(h) for h in self.block_hashes],
                 "extra_keys": list(self.extra_keys),
                 "scales": [list(s) for s in self.scales],
                 "frames": [list(f) for f in self.frames],
@@ -146,8 +164,8 @@ class KVHeader:
                 request_id=obj["request_id"],
                 layout=KVLayout.from_wire(obj["layout"]),
                 num_tokens=int(obj["num_tokens"]),
-                block_positions=tuple(int(p) for p in obj["block_positions"]),
-                block_hashes=tuple(bytes(h) for h in obj["block_hashes"]),
+                block_positions=tuple(tuple(int(p) for p in g) for g in obj["block_positions"]),
+                block_hashes=tuple(tuple(bytes(h) for h in g) for g in obj["block_hashes"]),
                 extra_keys=_tuplify(obj["extra_keys"]),
                 scales=tuple(tuple(float(x) for x in s) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
@@ -159,6 +177,11 @@ class KVHeader:
             raise
         except (KeyError, TypeError, ValueError, AttributeError, msgpack.UnpackException) as exc:
             raise KVTransferError("bad_header", f"cannot decode the header: {exc!r}") from exc
+
+    @property
+    def num_blocks(self) -> int:
+        """Sent blocks (all groups)."""
+        return sum(len(p) for p in self.block_positions)
 
     def frame_nbytes(self) -> list[int]:
         """Byte size of each frame, from the sender's layout."""

@@ -1,8 +1,9 @@
 """Runs one StepPlan: packed inputs and attention metadata, the forward pass, sampling on rank 0.
 
-Per step: order sequences prefill-first (the metadata's layout), build AttentionMetadata once,
-ask each backend instance for its plan once, run the model (each layer writes its new K/V and
-attends through its backend), then sample the sequences whose last known token was computed.
+Per step: order sequences prefill-first (the metadata's layout), build AttentionMetadata once
+per KV layer group (one for most models; kvstore/groups.py), ask each backend instance for its
+plan once per group it serves, run the model (each layer writes its new K/V and attends through
+its backend with its group's plan), then sample the sequences whose last known token was computed.
 """
 
 from __future__ import annotations
@@ -68,12 +69,19 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
-                 dcp_size: int = 1, dcp_rank: int = 0) -> None:
+                 dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None) -> None:
         """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
         block tables in step plans are logical (block_size * dcp_size tokens per block) and this
-        rank stores positions dcp_rank, dcp_rank + dcp_size, ..."""
-        check(len(backends) == len(kv_caches) == len(model.model.layers), "kv_caches", len(kv_caches),
-              f"one per layer ({len(model.model.layers)})")
+        rank stores positions dcp_rank, dcp_rank + dcp_size, ...
+        layer_groups: per layer, the KV group whose block tables it reads (KVGroupLayout.group_of_layer);
+        default: one group."""
+        num_layers = len(model.model.layers)
+        check(len(backends) == len(kv_caches) == num_layers, "kv_caches", len(kv_caches),
+              f"one per layer ({num_layers})")
+        self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
+        check(len(self.layer_groups) == num_layers, "layer_groups", len(self.layer_groups),
+              f"one per layer ({num_layers})")
+        self.num_groups = max(self.layer_groups) + 1
         self.model = model
         self.backends = list(backends)
         self.kv_caches = list(kv_caches)
@@ -104,24 +112,27 @@ class ModelRunner:
     def _run(self, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
         for s in seqs:
             check(s.request_id in self.requests, "request_id", s.request_id, "a request announced in new_requests")
+            check(len(s.block_tables) == self.num_groups, "block_tables", len(s.block_tables),
+                  f"one table per KV layer group ({self.num_groups})")
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
-        meta = AttentionMetadata.build(
-            query_lens=[len(s.token_ids) for s in order],
-            seq_lens=[s.seq_len for s in order],
-            block_tables=[s.block_table for s in order],
-            block_size=self.block_size,
-            device=self.device,
-            dcp_size=self.dcp_size,
-            dcp_rank=self.dcp_rank,
-        )
+        query_lens, seq_lens = [len(s.token_ids) for s in order], [s.seq_len for s in order]
+        metas = [
+            AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
+                                    block_tables=[s.block_tables[g] for s in order], block_size=self.block_size,
+                                    device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g)
+            for g in range(self.num_groups)
+        ]  # fmt: skip
         input_ids = torch.tensor([t for s in order for t in s.token_ids], dtype=torch.int64)
         positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
-        plans = {id(b): b.plan(meta) for b in self.backends}  # plan once per instance per step
-        ctx = ForwardContext(
-            slot_mapping=meta.slot_mapping,
-            layers=[LayerAttention(b, plans[id(b)], kv) for b, kv in zip(self.backends, self.kv_caches)],
-        )
+        plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
+        layers = []
+        for b, kv, g in zip(self.backends, self.kv_caches, self.layer_groups):
+            plan = plans.get((id(b), g))
+            if plan is None:
+                plan = plans[id(b), g] = b.plan(metas[g])
+            layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
+        ctx = ForwardContext(layers=layers)
         hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [T, hidden]
         ends = torch.tensor(_ends(order), dtype=torch.int64)
         to_sample = [i for i, s in enumerate(order) if s.sample]

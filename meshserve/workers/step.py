@@ -2,7 +2,7 @@
 
 Both travel as msgpack (never pickle). A request's prompt and sampling settings are sent once,
 when it first appears (`new_requests`); afterwards each step carries only the new tokens,
-where they start and the block table.
+where they start and the block tables (one per KV layer group: kvstore/groups.py).
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ class ScheduledSeq:
 
     token_ids:   the new tokens whose K/V this step computes and writes
     context_len: tokens of this sequence already in the cache (the first new token's position)
-    block_table: physical block ids covering at least context_len + len(token_ids) tokens
+    block_tables: per KV layer group (one for most models), physical block ids covering at
+                 least context_len + len(token_ids) tokens
     sample:      whether a next token is drawn after the last new token (False for a prompt
                  chunk that is not the prompt's last)
     """
@@ -42,7 +43,7 @@ class ScheduledSeq:
     request_id: str
     token_ids: list[int]
     context_len: int
-    block_table: list[int]
+    block_tables: list[list[int]]
     sample: bool = True
 
     @property
@@ -60,8 +61,8 @@ class StepPlan:
     """Everything every worker needs for one forward step.
 
     finished: request ids the workers may forget (after this step).
-    copies:   (src, dst) block pairs to copy in every layer's cache before any K/V is written
-              (copy-on-write of a shared partial block).
+    copies:   (src, dst) block pairs to copy in every cache tensor before any K/V is written
+              (copy-on-write of a shared partial block; ids are unique across layer groups).
     """
 
     step_id: int
@@ -73,7 +74,7 @@ class StepPlan:
     def to_msgpack(self) -> bytes:
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_table, s.sample] for s in self.seqs],
+            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample] for s in self.seqs],
             "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],

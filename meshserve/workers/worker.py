@@ -17,6 +17,7 @@ from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
+from meshserve.kvstore.groups import KVGroupLayout
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.parallel.dcp import DcpAttention
 from meshserve.parallel.dcp_mla import DcpMLAAttention
@@ -40,7 +41,10 @@ class WorkerInfo:
     """What the scheduler needs to know about a started worker (plain values: msgpack-able).
 
     num_kv_blocks counts the null block 0, which the KV store never hands out.
-    sliding_window / num_sink_tokens: what the cache must retain (kvstore RetentionPolicy).
+    sliding_window / num_sink_tokens: what the cache must retain (kvstore RetentionPolicy), the
+    union over all layers.
+    kv_groups: for a hybrid layout (kvstore/groups.py), per layer group its [sliding_window,
+    num_sink_tokens]; empty when one block table serves every layer.
     """
 
     rank: int
@@ -53,6 +57,7 @@ class WorkerInfo:
     dtype: str
     sliding_window: int | None = None
     num_sink_tokens: int = 0
+    kv_groups: tuple[tuple[int | None, int], ...] = ()
 
 
 def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
@@ -86,6 +91,7 @@ class Worker:
         self.runner: ModelRunner | None = None
         self.ctx = ParallelContext()
         self.info: WorkerInfo | None = None
+        self.kv_layout: KVGroupLayout | None = None  # which layers share a block table (start)
 
     def start(self) -> WorkerInfo:
         """Load weights, choose the attention backend, allocate the KV cache. Idempotent."""
@@ -114,23 +120,30 @@ class Worker:
         if par.dcp > 1:
             backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
                         else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
-        num_blocks = self._num_blocks(block_bytes(specs, bs, dtype))
-        needed = -(-max_model_len // logical_bs) + 1
+        # A hybrid layout stores one group's worth of layers per block id (kvstore/groups.py).
+        self.kv_layout = layout = KVGroupLayout.from_specs(specs)
+        paged = [specs[i] for i in layout.groups[0]] if layout.is_hybrid else specs
+        num_blocks = self._num_blocks(block_bytes(paged, bs, dtype))
+        needed = layout.num_groups * -(-max_model_len // logical_bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
               f">= {needed} blocks of {logical_bs} tokens (the null block + one max_model_len={max_model_len} "
-              "sequence); give more KV memory or lower max_model_len")
-        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device)
+              f"sequence in each of {layout.num_groups} KV layer group(s)); give more KV memory or lower "
+              "max_model_len")
+        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
+                                 layer_slots=layout.layer_slots(len(specs)))
         retention = RetentionPolicy.from_specs(specs)
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
-                                  dcp_rank=ctx.dcp_rank)
+                                  dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)))
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=logical_bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
                                dtype=str(dtype).removeprefix("torch."), sliding_window=retention.sliding_window,
-                               num_sink_tokens=retention.num_sink_tokens)
-        log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks", self.rank,
-                 time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
+                               num_sink_tokens=retention.num_sink_tokens,
+                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens) for r in layout.retentions)
+                               if layout.is_hybrid else ())
+        log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks, %d KV layer group(s)", self.rank,
+                 time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
 
     def _num_blocks(self, per_block: int) -> int:

@@ -26,6 +26,8 @@ NEW_TOKENS = 16
 BLOCK = 16
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 BATCH = {"TORCH": 4, "TRITON": 2}  # TRITON runs in the interpreter on CPU
+# KV layer groups (kvstore/groups.py): 2 windowed + 1 full layer -> 3 groups of one layer each.
+GROUPS = {"gemma2": 3, "gemma3": 3, "gpt_oss": 2}
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def test_chunked_prefill_preemption_and_prefix_hits_keep_outputs(cases, arch):
     chunked = _llm(path, max_num_batched_tokens=8)  # every prompt split into chunks of <= 8 tokens
     _check(chunked.generate(batch, GREEDY), want)
     assert chunked.core.scheduler.stats.num_steps >= sum(len(p) for p in batch) // 8
-    tiny = _llm(path, num_kv_blocks=5, max_model_len=64)  # 4 usable blocks: the batch cannot fit
+    # the null block + 3 per group (one 48-token sequence in each): the batch cannot fit
+    tiny = _llm(path, num_kv_blocks=1 + 3 * GROUPS[arch], max_model_len=48)
     _check(tiny.generate(batch, GREEDY), want)
     assert tiny.core.scheduler.stats.num_preemptions > 0
     cached = _llm(path)
@@ -134,8 +137,6 @@ def test_generate_command_prints_hf_greedy_text(cases, arch, capsys):
     assert capsys.readouterr().out.strip() == (text + tok.decode(ref)).strip()  # the prompt, then HF's text
 
 
-@pytest.mark.xfail(strict=True, reason="per-layer-group KV (vLLM's hybrid allocator) is not built: one block table "
-                   "per request, so the windowed layers of a hybrid model keep every block like the full ones")
 def test_windowed_layers_of_a_hybrid_model_free_their_blocks(cases):
     """KV memory for 6 blocks of all 3 layers (one null): two 46-token sequences need 6 blocks
     if every layer keeps everything, but only 3 + 3 of the full layer plus <= 2 + 2 of each
@@ -148,3 +149,25 @@ def test_windowed_layers_of_a_hybrid_model_free_their_blocks(cases):
     out = llm.generate(long_pair, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True))
     assert all(len(o.token_ids) == NEW_TOKENS for o in out)
     assert llm.core.scheduler.stats.num_preemptions == 0
+    kv = llm.core.kv
+    assert kv.num_groups == GROUPS["gemma2"] and kv.num_total_blocks == 6 * 3 - 1  # one layer per block id
+    assert kv.stats.window_released_blocks > 0
+
+
+@pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
+def test_prefix_hit_past_released_window_blocks_matches_hf(cases, arch):
+    """Prompts of 50..60 tokens: on the second run the hit is 48 tokens, and the windowed groups'
+    hits hold only the blocks the first query's window reaches (block 2); their blocks 0 and 1
+    were released while the first run decoded and are the null block in the hit."""
+    path, _, _, hf = cases[arch]
+    batch = prompts(2, seed=21, min_len=50, max_len=60)
+    want = [hf_greedy(hf, p, NEW_TOKENS) for p in batch]
+    llm = _llm(path)
+    _check(llm.generate(batch, GREEDY), want)
+    assert llm.core.kv.stats.window_released_blocks > 0
+    hit = llm.core.kv.lookup_prefix(batch[0])
+    windowed = [h for h, r in zip(hit.hits, llm.core.kv.retentions) if not r.keeps_everything]
+    assert hit.num_tokens == 48 and all(h.block_ids[:2] == (0, 0) for h in windowed)
+    second = llm.generate(batch, GREEDY)
+    _check(second, want)
+    assert [o.num_cached_tokens for o in second] == [48, 48]

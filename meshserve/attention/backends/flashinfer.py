@@ -37,12 +37,15 @@ HEAD_SIZES = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 
 @dataclass(frozen=True)
 class FlashInferPlan:
-    """One step: the metadata and which wrappers were planned (prefill first, then decode)."""
+    """One step: the metadata and which wrappers were planned (prefill first, then decode);
+    the wrappers are those of the metadata's KV group."""
 
     metadata: AttentionMetadata
     num_prefill_tokens: int
     has_prefill: bool
     has_decode: bool
+    prefill: object = None
+    decode: object = None
 
 
 def _page_lists(
@@ -109,29 +112,36 @@ class FlashInferBackend(AttentionBackend):
         self.decode_tensor_cores = (
             self.spec.num_queries_per_kv >= 4 if decode_tensor_cores is None else decode_tensor_cores
         )
-        self._prefill = None
-        self._decode = None
+        self._workspace: torch.Tensor | None = None
+        self._by_group: dict[int, tuple[object, object]] = {}
 
-    def _wrappers(self, device: torch.device):
+    def _wrappers(self, device: torch.device, group: int):
+        """(prefill, decode) wrappers of one KV layer group: a wrapper holds the plan it was last
+        given, and a hybrid model plans this instance once per group each step. The float
+        workspace is scratch for one run at a time, so the groups share it."""
         import flashinfer
 
-        if self._prefill is None:
-            workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if group not in self._by_group:
+            if self._workspace is None:
+                self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+            workspace = self._workspace
             # FlashInfer 0.5.3 picks FA3 on Hopper for bf16 queries over an e4m3 cache, and that
             # kernel fails to build (seen on the H200); its FA2 kernels serve FP8 caches.
             backend = "fa2" if self.spec.kv_cache_dtype.is_fp8 else "auto"
-            self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend)
-            self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+            self._by_group[group] = (
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend),
+                flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                    workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+                ),
             )
-        return self._prefill, self._decode
+        return self._by_group[group]
 
     def plan(self, metadata: AttentionMetadata) -> FlashInferPlan:
         from meshserve.attention.backend import DTYPES, FP8_DTYPES
 
         spec = self.spec
         device = metadata.seq_lens.device
-        prefill, decode = self._wrappers(device)
+        prefill, decode = self._wrappers(device, metadata.kv_group)
         if spec.attn_type is AttentionType.CROSS:
             check(
                 metadata.encoder_seq_lens_host is not None and metadata.encoder_block_table is not None,
@@ -168,7 +178,8 @@ class FlashInferBackend(AttentionBackend):
                 indptr.to(device), indices.to(device), last.to(device),
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, **common,
             )  # fmt: skip
-        return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0)
+        return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0,
+                              prefill, decode)
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
@@ -205,8 +216,8 @@ class FlashInferBackend(AttentionBackend):
             lse = torch.empty(num_tokens, spec.num_heads, dtype=torch.float32, device=query.device)
         cut = plan.num_prefill_tokens
         for wrapper, planned, rows in (
-            (self._prefill, plan.has_prefill, slice(0, cut)),
-            (self._decode, plan.has_decode, slice(cut, num_tokens)),
+            (plan.prefill, plan.has_prefill, slice(0, cut)),
+            (plan.decode, plan.has_decode, slice(cut, num_tokens)),
         ):
             if planned:
                 wrapper.run(query[rows], kv_cache.data, out=out[rows],

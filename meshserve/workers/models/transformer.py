@@ -26,22 +26,26 @@ from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
 @dataclass
 class LayerAttention:
-    """What one layer needs to attend: its backend, the backend's plan for this step, its cache."""
+    """What one layer needs to attend: its backend, the backend's plan for this step, its cache,
+    and where the new tokens' K/V go in it.
+
+    slot_mapping: [T] int64 cache slot of each new token (-1: do not write); from the block
+    tables of the layer's KV group (layers of a hybrid model's groups have different ones).
+    """
 
     backend: AttentionBackend
     plan: object
     kv_cache: KVCache
+    slot_mapping: torch.Tensor
 
 
 @dataclass
 class ForwardContext:
     """One step's attention state, passed explicitly to every layer.
 
-    slot_mapping: [T] int64 cache slot of each new token (-1: do not write).
     layers: one LayerAttention per decoder layer.
     """
 
-    slot_mapping: torch.Tensor
     layers: Sequence[LayerAttention]
 
 
@@ -94,7 +98,7 @@ class Attention(nn.Module):
         q, k = apply_rotary(qk, *rope).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
         v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
         layer = ctx.layers[self.layer_idx]
-        layer.backend.write_kv(k, v, layer.kv_cache, ctx.slot_mapping)
+        layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping)
         params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, q_size))

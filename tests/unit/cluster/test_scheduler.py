@@ -39,9 +39,9 @@ class FakeWorker:
             self.computed_tokens += len(s.token_ids)
             for i, t in enumerate(s.token_ids):
                 pos = s.context_len + i
-                self.slots[s.block_table[pos // BS] * BS + pos % BS] = t
+                self.slots[s.block_tables[0][pos // BS] * BS + pos % BS] = t
             if s.sample:
-                prefix = [self.slots[s.block_table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
+                prefix = [self.slots[s.block_tables[0][p // BS] * BS + p % BS] for p in range(s.seq_len)]
                 out.append(SampledToken(s.request_id, next_token(prefix)))
         self.known -= set(plan.finished)
         return StepOutput(plan.step_id, out)

@@ -11,6 +11,8 @@ from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype,
 from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import allocate_caches
 from meshserve.kvstore.connector import KVConnector
+from meshserve.kvstore.groups import KVGroupLayout
+from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 
@@ -26,6 +28,10 @@ SPECS = {
     "mla": [AttentionSpec(num_heads=4, num_kv_heads=4, head_size=12, mla=MLADims(16, 8, 4, 8))] * 2,
     "window": [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=8, num_sink_tokens=2)]
     * 2,
+    # windowed and full layers of one page shape: a hybrid layout of 2 groups of 2 layers
+    "hybrid": [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=6), _GQA] * 2,
+    # the same with another window: 2 groups too, but a different group layout
+    "hybrid_w10": [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=10), _GQA] * 2,
 }
 
 
@@ -41,10 +47,15 @@ class Replica:
         seed: int = 0,
     ) -> None:
         specs = SPECS[kind]
-        self.kv = KVCacheManager(num_blocks, block_size, retention=RetentionPolicy.from_specs(specs))
-        self.caches = allocate_caches(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype)
+        self.layout = KVGroupLayout.from_specs(specs)
+        if self.layout.is_hybrid:
+            self.kv = HybridKVCacheManager(num_blocks, block_size, retentions=self.layout.retentions)
+        else:
+            self.kv = KVCacheManager(num_blocks, block_size, retention=RetentionPolicy.from_specs(specs))
+        self.caches = allocate_caches(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+                                      layer_slots=self.layout.layer_slots(len(specs)))
         gen = torch.Generator().manual_seed(seed)
-        for cache in self.caches:
+        for cache in {id(c.data): c for c in self.caches if c is not None}.values():
             if cache is not None:
                 raw = cache.data.view(torch.uint8)
                 raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
@@ -71,9 +82,13 @@ class Replica:
             self.kv.free(f"gap-{i}", keep_cache=False)
 
     def request_bytes(self, rid: str) -> list[torch.Tensor]:
-        """Per cached layer: the bytes of the request's held blocks, in position order."""
-        held = [b for b in self.kv.block_table(rid) if b != NULL_BLOCK]
-        return [c.data.view(torch.uint8)[held].clone() for c in self.caches if c is not None]
+        """Per KV layer group and cached layer: the bytes of the request's held blocks, in position order."""
+        out = []
+        for table in self.kv.block_tables(rid):
+            held = [b for b in table if b != NULL_BLOCK]
+            out += [c.data.view(torch.uint8)[held].clone() for c in self.caches if c is not None]
+        return out
 
-    def held_positions(self, rid: str) -> list[int]:
-        return [i for i, b in enumerate(self.kv.block_table(rid)) if b != NULL_BLOCK]
+    def held_positions(self, rid: str) -> list[list[int]]:
+        """Per KV layer group, the table indices that hold a block."""
+        return [[i for i, b in enumerate(t) if b != NULL_BLOCK] for t in self.kv.block_tables(rid)]

@@ -38,12 +38,56 @@ def test_windowed_request_sends_only_the_blocks_it_holds():
     src, dst = Replica("window", seed=1), Replica("window", seed=2)
     src.add_request("w", TOKENS, step=5)
     held = src.held_positions("w")
-    assert len(held) < len(src.kv.block_table("w"))  # sinks + window only
+    assert len(held[0]) < len(src.kv.block_table("w"))  # sinks + window only
     dst.connector.transfer_from(src.connector, "w")
     assert dst.held_positions("w") == held
     for ours, theirs in zip(dst.request_bytes("w"), src.request_bytes("w")):
         assert torch.equal(ours, theirs)
     assert dst.kv.allocate_slots("w", 1, TOKENS + [5])  # decoding goes on on the receiver
+    dst.kv.check_invariants()
+
+
+def test_hybrid_round_trip_sends_each_groups_blocks_once_per_shared_tensor():
+    """Two groups (window 6, full) of two layers; the windowed group holds fewer blocks, and
+    its held blocks and the full group's arrive byte for byte in the receiver's own groups."""
+    src, dst = Replica("hybrid", seed=1), Replica("hybrid", seed=2)
+    src.fragment(3)
+    src.add_request("h", TOKENS, step=5)
+    held = src.held_positions("h")
+    assert len(src.connector.caches) == 2 and len(held[0]) < len(held[1]) == 10  # 2 tensors; window frees
+    blocks = dst.connector.transfer_from(src.connector, "h")
+    assert dst.held_positions("h") == held and len(blocks) == len(held[0]) + len(held[1])
+    for ours, theirs in zip(dst.request_bytes("h"), src.request_bytes("h"), strict=True):
+        assert torch.equal(ours, theirs)
+    assert dst.kv.group_block_hashes("h") == src.kv.group_block_hashes("h")
+    assert dst.kv.lookup_prefix(TOKENS).num_tokens == 36  # both groups' hashes were registered
+    assert dst.kv.allocate_slots("h", 1, TOKENS + [5])
+    dst.kv.check_invariants()
+    src.kv.check_invariants()
+
+
+@pytest.mark.parametrize("receiver,match", [
+    ("gqa", "KV layer groups"),  # one group (and one tensor per layer)
+    ("hybrid_w10", "KV layer groups"),  # two groups, another window
+])
+def test_a_receiver_with_another_group_layout_is_refused(receiver, match):
+    src, dst = Replica("hybrid", seed=1), Replica(receiver, seed=2)
+    src.add_request("h", TOKENS)
+    before = (dst.kv.num_free_blocks, list(dst.kv.pool.ref_counts))
+    with pytest.raises(KVTransferError, match=match) as info:
+        dst.connector.transfer_from(src.connector, "h")
+    assert info.value.reason == "layout"
+    assert (dst.kv.num_free_blocks, list(dst.kv.pool.ref_counts)) == before and "h" not in dst.kv
+    assert src.kv.num_total_blocks - src.kv.num_free_blocks == sum(len(t) for t in src.kv.block_tables("h"))
+
+
+def test_hybrid_import_without_room_for_every_group_is_refused_whole():
+    src, dst = Replica("hybrid", seed=1), Replica("hybrid", seed=2, num_blocks=16)
+    src.add_request("h", TOKENS)  # 10 blocks in each group: 20 > 15
+    with pytest.raises(KVTransferError) as info:
+        dst.connector.transfer_from(src.connector, "h")
+    assert info.value.reason == "capacity" and "h" not in dst.kv
+    assert dst.kv.num_free_blocks == dst.kv.num_total_blocks
     dst.kv.check_invariants()
 
 
@@ -80,7 +124,7 @@ def _refusals():
 
     def bad_plan(e):
         h = e.header
-        plan = tuple(plan_frames(list(range(len(h.block_positions))), [1], 1 << 30))
+        plan = tuple(plan_frames(list(range(h.num_blocks)), [1], 1 << 30))
         return _tamper(
             e, frames=plan, nbytes=sum(replace(h, frames=plan).frame_nbytes())
         ).header_bytes, frames(e)
@@ -181,4 +225,4 @@ def test_header_round_trips_through_msgpack():
     header = rep.connector.export("x").header
     back = KVHeader.unpack(header.pack())
     assert back == header and header.fingerprint == header.layout.fingerprint
-    assert back.num_tokens == 5 and back.block_positions == (0, 1) and len(back.block_hashes) == 1
+    assert back.num_tokens == 5 and back.block_positions == ((0, 1),) and [len(h) for h in back.block_hashes] == [1]

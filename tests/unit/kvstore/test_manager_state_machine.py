@@ -1,4 +1,5 @@
-"""Property test: random scheduler traffic against BlockPool + KVCacheManager.
+"""Property test: random scheduler traffic against BlockPool + KVCacheManager, and against
+HybridKVCacheManager with two layer groups (a windowed one and a full one) over one pool.
 
 An independent model simulates what the cache *holds*: every allocation "computes" the new
 tokens and writes, into the slot the block table names, a key that identifies the token and
@@ -10,7 +11,9 @@ its whole prefix (and extra keys). After every operation:
   - a block is free xor referenced; reference counts equal the table entries and are never
     negative; free + used = total; two requests share a block only if it is hashed or they
     are forks of one request;
-  - a failed allocate_slots changed nothing.
+  - a failed allocate_slots changed nothing (in any group).
+With two groups every group's table is checked against its own retention; block ids are unique
+across groups, so one model of the cache contents serves both.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hypothesis.stateful import (
 )
 
 from meshserve.kvstore.block_pool import NULL_BLOCK
+from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 
@@ -70,13 +74,21 @@ class KVMachine(RuleBasedStateMachine):
         dcp=st.sampled_from([1, 1, 2]),
         retention=st.sampled_from([(None, 0), (None, 0), (6, 0), (9, 3), (4, 1)]),
         caching=st.sampled_from([True, True, False]),
+        hybrid=st.sampled_from([False, False, True]),
     )
-    def setup(self, num_blocks, block_size, dcp, retention, caching):
-        self.window, self.sinks = retention
-        policy = RetentionPolicy(sliding_window=self.window, num_sink_tokens=self.sinks)
-        self.kv = KVCacheManager(
-            num_blocks, block_size, dcp_size=dcp, retention=policy, enable_prefix_caching=caching
-        )
+    def setup(self, num_blocks, block_size, dcp, retention, caching, hybrid):
+        if hybrid and retention[0] is not None:  # the windowed group and a full-attention one
+            self.retentions = [retention, (None, 0)]
+            self.kv = HybridKVCacheManager(
+                num_blocks, block_size, dcp_size=dcp, enable_prefix_caching=caching,
+                retentions=[RetentionPolicy(sliding_window=w, num_sink_tokens=s) for w, s in self.retentions],
+            )
+        else:
+            self.retentions = [retention]
+            policy = RetentionPolicy(sliding_window=retention[0], num_sink_tokens=retention[1])
+            self.kv = KVCacheManager(
+                num_blocks, block_size, dcp_size=dcp, retention=policy, enable_prefix_caching=caching
+            )
         self.tpb = block_size * dcp
         self.reqs: dict[int, ReqModel] = {}
         self.content: dict[int, list[int | None]] = {}
@@ -88,7 +100,7 @@ class KVMachine(RuleBasedStateMachine):
         return (
             list(kv.pool.ref_counts),
             kv.num_free_blocks,
-            {r: list(kv.block_table(r)) for r in kv.request_ids()},
+            {r: [list(t) for t in kv.block_tables(r)] for r in kv.request_ids()},
             {r: kv.num_tokens(r) for r in kv.request_ids()},
         )
 
@@ -96,12 +108,12 @@ class KVMachine(RuleBasedStateMachine):
         """The step computes positions [start, end): copy-on-write first, then write KV."""
         for src, dst in self.kv.take_copies():
             self.content[dst] = list(self.content[src])
-        table = self.kv.block_table(rid)
         model = self.reqs[rid]
-        for p in range(start, end):
-            block = table[p // self.tpb]
-            assert block != NULL_BLOCK, f"position {p} of request {rid} maps to the null block"
-            self.content.setdefault(block, [None] * self.tpb)[p % self.tpb] = model.keys[p]
+        for group, table in enumerate(self.kv.block_tables(rid)):  # a group's layers hold their own K/V
+            for p in range(start, end):
+                block = table[p // self.tpb]
+                assert block != NULL_BLOCK, f"position {p} of request {rid} maps to the null block"
+                self.content.setdefault(block, [None] * self.tpb)[p % self.tpb] = (group, model.keys[p])
 
     def _allocate(self, rid: int, num_new: int, prefix=None) -> bool:
         OPS["count"] += 1
@@ -225,27 +237,32 @@ class KVMachine(RuleBasedStateMachine):
     # ---- invariants ---------------------------------------------------------------------
     @invariant()
     def reads_see_their_own_prefix(self):
-        kv, tpb = self.kv, self.tpb
         for rid, model in self.reqs.items():
-            table = kv.block_table(rid)
-            n = kv.num_tokens(rid)
-            assert len(table) == -(-n // tpb)
-            base = model.release_base
-            horizon = len(table) * tpb + 1
-            for idx, block in enumerate(table):
-                needed = any(
-                    visible(q, k, self.window, self.sinks)
-                    for k in range(idx * tpb, (idx + 1) * tpb)
-                    for q in range(base, max(base, k) + 1 if k < horizon else base + 1)
+            for group, (table, (window, sinks)) in enumerate(
+                zip(self.kv.block_tables(rid), self.retentions, strict=True)
+            ):
+                self._check_table(rid, model, group, table, window, sinks)
+
+    def _check_table(self, rid, model, group, table, window, sinks):
+        tpb = self.tpb
+        n = self.kv.num_tokens(rid)
+        assert len(table) == -(-n // tpb)
+        base = model.release_base
+        horizon = len(table) * tpb + 1
+        for idx, block in enumerate(table):
+            needed = any(
+                visible(q, k, window, sinks)
+                for k in range(idx * tpb, (idx + 1) * tpb)
+                for q in range(base, max(base, k) + 1 if k < horizon else base + 1)
+            )
+            assert (block != NULL_BLOCK) == needed, (rid, idx, block, needed, table, base)
+            if block == NULL_BLOCK:
+                continue
+            stored = self.content.get(block)
+            for p in range(idx * tpb, min(n, (idx + 1) * tpb)):
+                assert stored is not None and stored[p % tpb] == (group, model.keys[p]), (
+                    f"request {rid} position {p} reads block {block} holding another prefix"
                 )
-                assert (block != NULL_BLOCK) == needed, (rid, idx, block, needed, table, base)
-                if block == NULL_BLOCK:
-                    continue
-                stored = self.content.get(block)
-                for p in range(idx * tpb, min(n, (idx + 1) * tpb)):
-                    assert stored is not None and stored[p % tpb] == model.keys[p], (
-                        f"request {rid} position {p} reads block {block} holding another prefix"
-                    )
 
     @invariant()
     def accounting(self):
@@ -254,9 +271,10 @@ class KVMachine(RuleBasedStateMachine):
         assert min(refs) >= 0
         holders: dict[int, list[int]] = {}
         for rid in kv.request_ids():
-            for block in kv.block_table(rid):
-                if block != NULL_BLOCK:
-                    holders.setdefault(block, []).append(rid)
+            for table in kv.block_tables(rid):
+                for block in table:
+                    if block != NULL_BLOCK:
+                        holders.setdefault(block, []).append(rid)
         for block in range(1, kv.pool.num_blocks):
             assert refs[block] == len(holders.get(block, [])), f"block {block}"
         assert kv.num_free_blocks + len(holders) == kv.num_total_blocks  # free + used = total
@@ -266,7 +284,7 @@ class KVMachine(RuleBasedStateMachine):
                 f"block {block} reachable from unrelated requests {rids} without a hash"
             )
         kv.check_invariants()
-        assert kv.capacity_tokens == kv.num_total_blocks * self.tpb
+        assert kv.capacity_tokens == kv.num_total_blocks // len(self.retentions) * self.tpb
 
 
 def test_random_operations_keep_the_invariants():
