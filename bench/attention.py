@@ -186,7 +186,7 @@ def prefill_case(batch: int, seq: int, sweep: bool) -> list[Row]:
         if k_name != "TRITON":
             print(f"  {name}: max rel diff TRITON vs {k_name}: {rel_err(outs['TRITON'], out):.2e}", flush=True)
     if sweep:
-        shapes = ((128, 64, 4, 2), (128, 64, 4, 4), (128, 32, 4, 3), (128, 128, 4, 2))
+        shapes = ((128, 64, 4, 3), (128, 64, 4, 4), (128, 32, 4, 3), (256, 64, 8, 3), (256, 64, 8, 2), (128, 128, 4, 2))
         for cfg in (PrefillConfig(*shape) for shape in shapes):
             try:
                 b = TritonBackend(prob, prefill_config=cfg)

@@ -76,7 +76,10 @@ def hf_model(name: str, *, seed: int = 0, overrides: dict | None = None):
     cls_name, extra = {**ARCHS, **HYBRID_ARCHS}[name]
     config = getattr(transformers, cls_name)(**{**COMMON, **extra, **(overrides or {})})
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    # Gemma2's attention soft-cap exists only in HF's eager attention: versions whose default is SDPA
+    # silently drop it (seen on the GPU machine's transformers), which would make a wrong oracle.
+    kwargs = {"attn_implementation": "eager"} if name.startswith("gemma") else {}
+    model = transformers.AutoModelForCausalLM.from_config(config, **kwargs).eval()
     if name in ("gemma2", "gemma3"):
         with torch.no_grad():  # HF's init makes every (1 + weight) norm scale exactly one
             for pname, param in model.named_parameters():

@@ -59,6 +59,8 @@ GPU_SCENARIOS = tuple(_at_head_128(s) for s in SCENARIOS) + (
     Scenario(
         "gpu_alibi_block_256", (200, 1), (300, 700), spec=_gqa(4, 2, use_alibi=True), block_size=256, max_model_len=2048
     ),
+    # A prefill long enough for TRITON's long-prefill tiles (kernels/config.py), beside a decode.
+    Scenario("gpu_long_prefill", (8200, 1), (0, 300), spec=_gqa(8, 2), max_model_len=16384),
 )
 
 

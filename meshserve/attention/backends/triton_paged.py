@@ -25,10 +25,12 @@ from meshserve.attention.backend import (
     LayerParams,
 )
 from meshserve.attention.kernels.config import (
+    LONG_PREFILL_QUERIES,
     DecodeConfig,
     PrefillConfig,
     default_decode_config,
     default_prefill_config,
+    long_prefill_config,
 )
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
@@ -131,6 +133,7 @@ class TritonBackend(AttentionBackend):
         fp8 = self.spec.kv_cache_dtype.is_fp8
         args = (self.spec.head_size, problem.dtype, problem.device, fp8)
         self.prefill_cfg = prefill_config or default_prefill_config(*args)
+        self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args)
         self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan
@@ -160,6 +163,8 @@ class TritonBackend(AttentionBackend):
         num_prefills = metadata.num_seqs if not spec.uses_kv_cache else metadata.num_prefills
         num_decodes = metadata.num_seqs - num_prefills
         cfg = self.prefill_cfg
+        if self.long_prefill_cfg and max(metadata.query_lens_host[:num_prefills], default=0) >= LONG_PREFILL_QUERIES:
+            cfg = self.long_prefill_cfg
         seqs, q0s = _prefill_tiles(
             metadata.query_lens_host[:num_prefills], kv_host[:num_prefills], cfg.block_m, spec.is_causal
         )

@@ -39,6 +39,22 @@ def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
+# From this many queries in one sequence on, long_prefill_config's tiles replace the default ones.
+LONG_PREFILL_QUERIES = 8192
+
+
+def long_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig | None:
+    """Tiles for steps whose longest prefill has >= LONG_PREFILL_QUERIES queries, or None (the default).
+
+    Two warpgroups of 128 queries each share every K/V tile: H200, bf16, head 128, causal
+    (docs/performance.md): 380 against 353 TFLOP/s at 1 x 16384, 325 against 320 at 4 x 4096.
+    """
+    block_d = max(16, 1 << (head_size - 1).bit_length())
+    if device != "cuda" or dtype not in ("bfloat16", "float16") or kv_fp8 or block_d > 128:
+        return None
+    return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+
+
 def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:
     if device != "cuda":
         return DecodeConfig(block_n=16, num_warps=4, num_stages=1, min_partition=32, programs_per_sm=2)

@@ -149,3 +149,28 @@ def test_choose_partition_covers_keys_with_whole_tiles(max_keys, decodes, kv_hea
     assert splits * partition >= max_keys > (splits - 1) * partition
     if splits > 1:
         assert partition >= 256
+
+
+def test_long_prefills_plan_the_long_prefill_tiles():
+    """On CUDA a step whose longest prefill reaches LONG_PREFILL_QUERIES gets long_prefill_config's
+    tiles (and a tile list cut to its block_m); shorter steps and explicit configs keep theirs."""
+    from meshserve.attention.kernels.config import LONG_PREFILL_QUERIES, PrefillConfig
+    from meshserve.attention.metadata import AttentionMetadata
+
+    def plan(backend, query_len):
+        blocks = [list(range(1, 2 + query_len // 16))]
+        meta = AttentionMetadata.build(query_lens=[query_len, 1], seq_lens=[query_len, 40],
+                                       block_tables=blocks + [[0, 0, 0]], block_size=16)
+        return backend.plan(meta)
+
+    problem = Scenario("long", (1,), (1,), spec=dict(num_heads=8, num_kv_heads=2, head_size=128),
+                       max_model_len=2 * LONG_PREFILL_QUERIES).problem("bfloat16", device="cuda",
+                                                                       compute_capability=(9, 0))
+    backend = TritonBackend(problem, num_sms=132)
+    long_plan = plan(backend, LONG_PREFILL_QUERIES)
+    assert long_plan.prefill == backend.long_prefill_cfg and backend.long_prefill_cfg.block_m == 256
+    assert long_plan.tile_seq.numel() == LONG_PREFILL_QUERIES // 256
+    assert plan(backend, LONG_PREFILL_QUERIES - 1).prefill == backend.prefill_cfg != backend.long_prefill_cfg
+    fixed = PrefillConfig(64, 32, 4, 2)
+    assert plan(TritonBackend(problem, prefill_config=fixed), LONG_PREFILL_QUERIES).prefill == fixed
+    assert TritonBackend(Scenario("long", (1,), (1,)).problem("float32")).long_prefill_cfg is None  # CPU
