@@ -168,7 +168,7 @@ def prefill_case(batch: int, seq: int, sweep: bool) -> list[Row]:
     tri = TritonBackend(prob)
     tri.write_kv(k, v, cache, meta.slot_mapping)
     tri_plan = tri.plan(meta)
-    add("TRITON", lambda: tri.forward(q, k, v, cache, tri_plan), str(tri.prefill_cfg))
+    add("TRITON", lambda: tri.forward(q, k, v, cache, tri_plan), str(tri_plan.prefill))
     try:
         fi = FlashInferBackend(prob)
         fi_plan = fi.plan(meta)
