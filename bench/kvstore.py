@@ -6,7 +6,9 @@
 bookkeeping: 256 running requests decode one token per step (allocate_slots), requests finish
   after a random output length and are freed; a new request is admitted in their place (prefix
   lookup + allocate the prompt). Reported: µs per step for the manager calls, decode-only steps
-  and steps with admissions separately.
+  and steps with admissions separately. The hybrid rows run the same requests through a
+  HybridKVCacheManager of two layer groups (window 512 and full attention) over a pool twice
+  the size (what a hybrid model's shared cache tensors give).
 lookup: lookup_prefix on a 4k-token prompt, all cached and none cached.
 handover: a sender process offers one request whose blocks hold N MiB (4 layers, bf16, 8 KV
   heads of 128, block 16); this process pulls it over tcp loopback zmq into fresh blocks
@@ -33,7 +35,9 @@ sys.path.insert(0, ROOT)
 from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.connector import KVConnector  # noqa: E402
+from meshserve.kvstore.hybrid import HybridKVCacheManager  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
+from meshserve.kvstore.retention import RetentionPolicy  # noqa: E402
 
 SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
 LAYERS = 4
@@ -42,11 +46,17 @@ BLOCK_BYTES = 2 * BLOCK * 8 * 128 * 2  # per layer, bf16
 
 
 # ---- block bookkeeping -------------------------------------------------------------------
-def bench_bookkeeping(steps: int, *, batched: bool, running: int = 256, prompt: int = 512, seed: int = 0) -> dict:
+def bench_bookkeeping(
+    steps: int, *, batched: bool, hybrid: bool = False, running: int = 256, prompt: int = 512, seed: int = 0
+) -> dict:
     """Timed: the manager calls of each step (free the finished, one slot per running request,
     admit new requests). Not timed: sampling and the scheduler's own lists."""
     rng = random.Random(seed)
-    kv = KVCacheManager(running * (prompt + 1200) // BLOCK + 64, BLOCK)
+    num_blocks = running * (prompt + 1200) // BLOCK + 64
+    if hybrid:
+        kv = HybridKVCacheManager(2 * num_blocks, BLOCK, retentions=[RetentionPolicy(512, 0), RetentionPolicy()])
+    else:
+        kv = KVCacheManager(num_blocks, BLOCK)
     system = [rng.randrange(32000) for _ in range(256)]  # a shared system prompt: prefix hits
 
     def new_request(i: int) -> tuple[str, list[int], int]:
@@ -96,7 +106,8 @@ def bench_bookkeeping(steps: int, *, batched: bool, running: int = 256, prompt: 
         all_steps.append((t2 - t0) * 1e6)
     kv.check_invariants()
     return {
-        "api": "append_slots (one call per step)" if batched else "allocate_slots per request",
+        "api": ("append_slots (one call per step)" if batched else "allocate_slots per request")
+        + (", hybrid: 2 layer groups" if hybrid else ""),
         "running": running,
         "steps": steps,
         "decode_step_us_median": statistics.median(decode_steps),
@@ -265,6 +276,7 @@ def main() -> None:
     if args.only in (None, "bookkeeping"):
         out["bookkeeping"] = bench_bookkeeping(args.steps, batched=False)
         out["bookkeeping_batched"] = bench_bookkeeping(args.steps, batched=True)
+        out["bookkeeping_hybrid"] = bench_bookkeeping(args.steps, batched=True, hybrid=True)
     if args.only in (None, "lookup"):
         out["lookup"] = bench_lookup()
     if args.only in (None, "handover"):

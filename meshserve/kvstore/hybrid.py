@@ -174,6 +174,22 @@ class HybridKVCacheManager:
     ) -> bool:
         return sum(self._needs(request_id, num_new_tokens, prefix)) <= self.pool.num_free_blocks
 
+    def _advance_in_place(self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int]) -> bool:
+        """The common step of a running request: no group needs a block or releases one. Reads
+        and advances the groups' request records directly (the fast path of
+        KVCacheManager.append_slots, checked in every group before any is changed); False, and
+        nothing changed, when some group needs its slow path."""
+        records = [group._requests.get(request_id) for group in self.groups]
+        for req in records:
+            if req is None or req.num_tokens + num_new_tokens > req.fast_capacity or req.num_tokens >= req.release_at:
+                return False
+        for group, req in zip(self.groups, records):
+            total = req.num_tokens + num_new_tokens
+            req.num_tokens = total
+            if total >= req.hash_at:
+                group._register_full_blocks(req, token_ids, total)
+        return True
+
     def allocate_slots(
         self,
         request_id: RequestId,
@@ -184,6 +200,8 @@ class HybridKVCacheManager:
         extra_keys: Sequence[object] = (),
     ) -> bool:
         """KVCacheManager.allocate_slots for every group, all or nothing."""
+        if prefix is None and num_new_tokens > 0 and self._advance_in_place(request_id, num_new_tokens, token_ids):
+            return True
         running = request_id in self.groups[0]
         if running and prefix is not None:
             raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
@@ -214,6 +232,8 @@ class HybridKVCacheManager:
     def append_slots(
         self, request_ids: Sequence[RequestId], token_ids: Sequence[Sequence[int]], num_new_tokens: int = 1
     ) -> int:
+        """KVCacheManager.append_slots over every group: stops at the first request that cannot
+        get its slots in all groups (left unchanged) and returns how many succeeded."""
         done = 0
         for rid, tokens in zip(request_ids, token_ids):
             if not self.allocate_slots(rid, num_new_tokens, tokens):
