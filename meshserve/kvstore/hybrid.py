@@ -205,6 +205,15 @@ class HybridKVCacheManager:
         running = request_id in self.groups[0]
         if running and prefix is not None:
             raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
+        if running and num_new_tokens >= 0:
+            # A group takes at most ceil(k / tokens_per_block) new blocks plus one copy-on-write
+            # copy; when every group's worst case fits at once, any order succeeds unchecked.
+            worst = len(self.groups) * (num_new_tokens // self.tokens_per_block + 2)
+            if worst <= self.pool.num_free_blocks:
+                for g, group in enumerate(self.groups):
+                    if not group.allocate_slots(request_id, num_new_tokens, token_ids):
+                        raise AssertionError(f"group {g} refused {num_new_tokens} tokens within its worst case")
+                return True
         needs = self._needs(request_id, num_new_tokens, prefix)
         if sum(needs) > self.pool.num_free_blocks:
             return False
