@@ -133,7 +133,7 @@ class TritonBackend(AttentionBackend):
         fp8 = self.spec.kv_cache_dtype.is_fp8
         args = (self.spec.head_size, problem.dtype, problem.device, fp8)
         self.prefill_cfg = prefill_config or default_prefill_config(*args)
-        self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args)
+        self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, problem.compute_capability)
         self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan

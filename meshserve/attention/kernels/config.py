@@ -43,14 +43,20 @@ def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool
 LONG_PREFILL_QUERIES = 8192
 
 
-def long_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig | None:
+def long_prefill_config(
+    head_size: int, dtype: str, device: str, kv_fp8: bool, compute_capability: tuple[int, int] | None
+) -> PrefillConfig | None:
     """Tiles for steps whose longest prefill has >= LONG_PREFILL_QUERIES queries, or None (the default).
 
     Two warpgroups of 128 queries each share every K/V tile: H200, bf16, head 128, causal
     (docs/performance.md): 380 against 353 TFLOP/s at 1 x 16384, 325 against 320 at 4 x 4096.
+    Hopper and later only: measured there, and the tiles take 128 KB of shared memory (more than
+    sm_89 GPUs give; untried on sm_80).
     """
     block_d = max(16, 1 << (head_size - 1).bit_length())
     if device != "cuda" or dtype not in ("bfloat16", "float16") or kv_fp8 or block_d > 128:
+        return None
+    if compute_capability is None or compute_capability < (9, 0):
         return None
     return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 

@@ -1,6 +1,7 @@
 """TRITON beyond the shared table: features combined, forced decode splits, block and head sizes,
 FP8 write_kv bit-exactness, and the errors a caller can hit. CPU: the Triton interpreter."""
 
+import dataclasses
 import functools
 import os
 
@@ -174,3 +175,5 @@ def test_long_prefills_plan_the_long_prefill_tiles():
     fixed = PrefillConfig(64, 32, 4, 2)
     assert plan(TritonBackend(problem, prefill_config=fixed), LONG_PREFILL_QUERIES).prefill == fixed
     assert TritonBackend(Scenario("long", (1,), (1,)).problem("float32")).long_prefill_cfg is None  # CPU
+    ampere = dataclasses.replace(problem, compute_capability=(8, 0))  # measured on Hopper only
+    assert TritonBackend(ampere).long_prefill_cfg is None
