@@ -99,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="attention backend feature table and selection for this machine")
     _add_layer_flags(p)
     p.set_defaults(func=cmd_backends)
-    from meshserve.api.client import add_client_parser
+    from meshserve.api.client_cli import add_client_parser
     from meshserve.api.serve import add_serve_parser
     from meshserve.engine import add_generate_parser
 
