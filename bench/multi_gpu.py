@@ -10,7 +10,8 @@ equality: a tiny random Llama (tests/tiny_models.py; HF save_pretrained, own tok
   standard-attention backend that declares DCP); the tp-only layouts also run TRITON.
 handover: rank 1 (GPU 1) holds one request of N MiB of KV blocks (4 layers, bf16, 8 KV heads of
   128, block 16; one run of blocks on each side); rank 0 (GPU 0) imports it with kvstore/dist_transport
-  (send_kv / recv_kv over NCCL, into fresh blocks, checksums included). Side by side: the same
+  (send_kv / recv_kv over NCCL, into fresh blocks, checksums included), once per --frame-mib
+  (the export's max frame size: 1 MiB is the default, made for zmq). Side by side: the same
   bytes as one NCCL send/recv of a contiguous tensor, and a device-to-device copy_ (GPU 1 ->
   GPU 0). Medians of --repeat rounds after one warm-up.
 Prints tables; writes multi_gpu.json under --out.
@@ -92,7 +93,8 @@ def _replica(num_blocks: int, device: str):
     return kv, caches, KVConnector(kv, caches, model_id="bench")
 
 
-def _handover_rank(rank: int, init: str, mib: int, repeat: int, device: str, out_file: str) -> None:
+def _handover_rank(rank: int, init: str, mib: int, frame_mib: list[int], repeat: int, device: str,
+                   out_file: str) -> None:
     import torch.distributed as dist
 
     from meshserve.kvstore.dist_transport import recv_kv, send_kv
@@ -107,7 +109,8 @@ def _handover_rank(rank: int, init: str, mib: int, repeat: int, device: str, out
     nbytes = blocks * LAYERS * block_bytes
     kv, caches, conn = _replica(2 * blocks + 2, str(dev))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    times: dict[str, list[float]] = {"dist_transport": [], "raw_nccl": [], "device_copy": []}
+    times: dict[str, list[float]] = {f"dist_transport_{f}mib_frames": [] for f in frame_mib}
+    times.update(raw_nccl=[], device_copy=[])
     flat = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     if rank == 1:
         for c in caches:
@@ -118,21 +121,22 @@ def _handover_rank(rank: int, init: str, mib: int, repeat: int, device: str, out
         assert kv.allocate_slots("r", len(tokens), tokens)
         flat.random_(0, 256)
     for i in range(repeat + 1):
-        dist.barrier()
-        sync()
-        t0 = time.perf_counter()
-        if rank == 1:
-            export = conn.export("r")
-            send_kv(export, 0)
-            conn.release(export)
-        else:
-            recv_kv(conn, 1)
-        sync()
-        dist.barrier()
-        if i:
-            times["dist_transport"].append(time.perf_counter() - t0)
-        if rank == 0:
-            assert kv.free(kv.request_ids()[0])
+        for f in frame_mib:
+            dist.barrier()
+            sync()
+            t0 = time.perf_counter()
+            if rank == 1:
+                export = conn.export("r", max_frame_bytes=f << 20)
+                send_kv(export, 0)
+                conn.release(export)
+            else:
+                recv_kv(conn, 1)
+            sync()
+            dist.barrier()
+            if i:
+                times[f"dist_transport_{f}mib_frames"].append(time.perf_counter() - t0)
+            if rank == 0:
+                assert kv.free(kv.request_ids()[0])
         dist.barrier()
         sync()
         t0 = time.perf_counter()
@@ -161,17 +165,18 @@ def _handover_rank(rank: int, init: str, mib: int, repeat: int, device: str, out
     dist.destroy_process_group()
 
 
-def bench_handover(mib: int, repeat: int, device: str) -> dict:
+def bench_handover(mib: int, frame_mib: list[int], repeat: int, device: str) -> dict:
     import torch.multiprocessing as mp
 
     from meshserve.parallel.groups import local_rendezvous
 
     out = Path(tempfile.mkdtemp(prefix="msho-")) / "handover.json"
-    mp.start_processes(_handover_rank, args=(local_rendezvous(), mib, repeat, device, str(out)), nprocs=2,
+    mp.start_processes(_handover_rank, args=(local_rendezvous(), mib, frame_mib, repeat, device, str(out)), nprocs=2,
                        join=True, start_method="spawn")  # fmt: skip
     row = json.loads(out.read_text())
     base = row.get("device_copy_gb_s") or row.get("raw_nccl_gb_s")
-    row["dist_transport_vs_device_copy"] = row["dist_transport_gb_s"] / base
+    for f in frame_mib:
+        row[f"dist_transport_{f}mib_frames_vs_device_copy"] = row[f"dist_transport_{f}mib_frames_gb_s"] / base
     return row
 
 
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", choices=["equality", "handover"])
     ap.add_argument("--handover-mib", type=int, default=1024)
+    ap.add_argument("--frame-mib", default="1,64", help="hand-over frame sizes to time (MiB, comma-separated)")
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -194,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "equality"):
         result["equality"] = bench_equality(gpus, args.device, args.dtypes.split(","), args.backends.split(","))
     if args.only in (None, "handover"):
-        result["handover"] = bench_handover(args.handover_mib, args.repeat, args.device)
+        result["handover"] = bench_handover(args.handover_mib, [int(f) for f in args.frame_mib.split(",")], args.repeat,
+                                            args.device)
         print("  hand-over: " + ", ".join(f"{k} {v:.2f}" for k, v in result["handover"].items()
                                           if isinstance(v, float)), flush=True)  # fmt: skip
     out = Path(args.out)

@@ -215,10 +215,14 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class FrameDigest:
-    """Running checksum over frames (uint8 tensors on any device), in order."""
+    """Running checksum over frames (uint8 tensors on any device), in order.
+
+    The word sums stay on the frames' device until `value` is read: one synchronisation per
+    hand-over instead of several per frame (a GPU-to-GPU hand-over has hundreds of frames)."""
 
     def __init__(self) -> None:
-        self.value = 0
+        self._value = 0
+        self._pending: list[tuple[torch.Tensor, int, int, int]] = []  # (total, weighted) on device, m, tail, n
 
     def update(self, frame: torch.Tensor) -> None:
         n = frame.numel()
@@ -227,13 +231,26 @@ class FrameDigest:
             frame = frame.clone()  # int64 views need 8-byte alignment
         words = frame[:n8].view(torch.int64)
         m = words.numel() // _CHUNK_WORDS
-        total = weighted = 0
+        total = weighted = words.new_zeros(())
         if m:
             sums = words[: m * _CHUNK_WORDS].view(m, _CHUNK_WORDS).sum(1)
-            total = int(sums.sum())
-            weighted = int((sums * torch.arange(1, m + 1, device=sums.device)).sum())
-        rest = int(words[m * _CHUNK_WORDS :].sum()) if words.numel() > m * _CHUNK_WORDS else 0
+            total = sums.sum()
+            weighted = (sums * torch.arange(1, m + 1, device=sums.device)).sum()
+        if words.numel() > m * _CHUNK_WORDS:
+            rest = words[m * _CHUNK_WORDS :].sum()
+            total = total + rest
+            weighted = weighted + (m + 1) * rest
         tail = int.from_bytes(bytes(frame[n8:].cpu().tolist()), "little") if n8 < n else 0
-        total = (total + rest + tail) & _MASK
-        weighted = (weighted + (m + 1) * (rest + tail)) & _MASK
-        self.value = ((self.value * 0x100000001B3) ^ total ^ (weighted * 0x9E3779B97F4A7C15) ^ n) & _MASK
+        self._pending.append((torch.stack([total, weighted]), m, tail, n))
+
+    @property
+    def value(self) -> int:
+        if self._pending:
+            device = self._pending[0][0].device
+            pairs = torch.stack([p.to(device) for p, _, _, _ in self._pending]).cpu().tolist()
+            for (total, weighted), (_, m, tail, n) in zip(pairs, self._pending):
+                total = (total + tail) & _MASK
+                weighted = (weighted + (m + 1) * tail) & _MASK
+                self._value = ((self._value * 0x100000001B3) ^ total ^ (weighted * 0x9E3779B97F4A7C15) ^ n) & _MASK
+            self._pending.clear()
+        return self._value
