@@ -59,6 +59,18 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def register_tables(module: torch.nn.Module, inv_freq: torch.Tensor, factor: float, max_positions: int,
+                    device: torch.device | str | None) -> None:
+    """Float32 `cos`, `sin` buffers [max_positions, len(inv_freq)] of `module`, times `factor`.
+    Non-persistent: derived from the config, never read from the checkpoint."""
+    freqs = torch.arange(max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
+    cos, sin = freqs.cos() * factor, freqs.sin() * factor
+    if device is not None:
+        cos, sin = cos.to(device), sin.to(device)
+    module.register_buffer("cos", cos, persistent=False)
+    module.register_buffer("sin", sin, persistent=False)
+
+
 class RotaryEmbedding(torch.nn.Module):
     """Float32 cos/sin tables for positions [0, max_positions); `forward` gathers a step's rows."""
 
@@ -70,15 +82,7 @@ class RotaryEmbedding(torch.nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the float32 cos/sin tables, e.g. after the model was built on the meta device."""
         inv_freq = inverse_frequencies(self.rope, self.head_dim)
-        positions = torch.arange(self.max_positions, dtype=torch.int64).float()
-        freqs = positions[:, None] * inv_freq[None, :]  # [P, D/2]
-        # Non-persistent: derived from the config, never read from the checkpoint.
-        factor = attention_factor(self.rope, self.head_dim)
-        cos, sin = freqs.cos() * factor, freqs.sin() * factor
-        if device is not None:
-            cos, sin = cos.to(device), sin.to(device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        register_tables(self, inv_freq, attention_factor(self.rope, self.head_dim), self.max_positions, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T]: each [T, 1, D] in `dtype` (once per step, shared by all layers)."""

@@ -17,6 +17,7 @@ import torch
 
 from meshserve.attention.mla.spec import yarn_mscale
 from meshserve.workers.models.deepseek_arch import YarnRope
+from meshserve.workers.models.rope import register_tables
 
 
 def yarn_inverse_frequencies(rope: YarnRope, dim: int) -> tuple[torch.Tensor, float]:
@@ -62,12 +63,7 @@ class YarnRotary(torch.nn.Module):
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables, e.g. after the model was built on the meta device."""
         inv_freq, factor = yarn_inverse_frequencies(self.rope, self.dim)
-        freqs = torch.arange(self.max_positions, dtype=torch.int64).float()[:, None] * inv_freq[None, :]
-        cos, sin = freqs.cos() * factor, freqs.sin() * factor
-        if device is not None:
-            cos, sin = cos.to(device), sin.to(device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        register_tables(self, inv_freq, factor, self.max_positions, device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for `positions` [T]: each [T, 1, dim / 2] in `dtype`, shared by every layer."""
