@@ -1,4 +1,4 @@
-"""InferenceClient: a small synchronous client, and the `meshserve client` command.
+"""InferenceClient: a small synchronous client (the `meshserve client` command is api/client_cli.py).
 
     from meshserve.api.client import InferenceClient
 
@@ -10,7 +10,7 @@
 
 Sampling settings are the fields of meshserve.v1.SamplingParams as keywords. Errors are
 grpc.RpcError with the server's status code and message. This module imports grpc and the
-generated stubs only (no torch), so the command starts fast.
+generated stubs only (no torch).
 """
 
 from __future__ import annotations

@@ -231,11 +231,12 @@ class FrameDigest:
             frame = frame.clone()  # int64 views need 8-byte alignment
         words = frame[:n8].view(torch.int64)
         m = words.numel() // _CHUNK_WORDS
-        total = weighted = words.new_zeros(())
         if m:
             sums = words[: m * _CHUNK_WORDS].view(m, _CHUNK_WORDS).sum(1)
             total = sums.sum()
             weighted = (sums * torch.arange(1, m + 1, device=sums.device)).sum()
+        else:
+            total = weighted = words.new_zeros(())
         if words.numel() > m * _CHUNK_WORDS:
             rest = words[m * _CHUNK_WORDS :].sum()
             total = total + rest
