@@ -35,6 +35,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token written under ~/.ray by a bench run
 
+from bench.report import write_section  # noqa: E402
 from meshserve.cluster.null_worker import NullWorker  # noqa: E402
 
 BEGIN, END = "<!-- bench/cluster.py:begin -->", "<!-- bench/cluster.py:end -->"
@@ -244,16 +245,6 @@ def report(args, overhead, serving) -> str:
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Performance\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=1000, help="timed steps per executor")
@@ -295,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     section = report(args, overhead, serving)
     print(section)
     if args.write:
-        write_section(args.write, section)
+        write_section(args.write, section, BEGIN, END)
     return 0
 
 

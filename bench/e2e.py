@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from bench.report import write_section
+
 BANDWIDTH = 4.18e12  # bytes/s, measured copy bandwidth of the H200 (read + write)
 LLAMA3_8B = dict(
     hidden_size=4096,
@@ -256,17 +258,6 @@ def report(
     return "\n".join(lines)
 
 
-def write_section(path: Path, section: str) -> None:
-    """Replace this script's section of `path` (or append it), leaving the rest alone."""
-    text = path.read_text() if path.exists() else "# Performance\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + section + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -302,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     section = report(args, shape_name, ours, step, hf, weight_bytes / BANDWIDTH, weight_bytes)
     print(section)
     if args.write:
-        write_section(Path(args.write), section)
+        write_section(Path(args.write), section, BEGIN, END)
     return 0
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import grpc
 
+from bench.report import write_section
 from meshserve.api.client import InferenceClient
 from meshserve.v1 import inference_pb2_grpc as pb_grpc
 
@@ -161,16 +162,6 @@ def spawn_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, match[1]
 
 
-def write_section(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else ""
-    block = f"{BEGIN}\n{text}\n{END}"
-    if BEGIN in old:
-        new = old[: old.index(BEGIN)] + block + old[old.index(END) + len(END):]
-    else:
-        new = old.rstrip() + "\n\n" + block + "\n"
-    path.write_text(new)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--address", default="127.0.0.1:50051")
@@ -218,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         header = (f"Measured {time.strftime('%Y-%m-%d')} with `python -m bench.serve {' '.join(argv or sys.argv[1:])}`"
                   f" ({os.cpu_count()} CPU cores, {cpu}, Python {platform.python_version()}; load average "
                   f"{load_before:.1f} before and {load_after:.1f} after the run: the cores are shared).\n\n")
-        write_section(Path(args.write), header + text)
+        write_section(Path(args.write), f"{BEGIN}\n{header + text}\n{END}", BEGIN, END)
     return 0 if summary["failed"] == 0 else 1
 
 

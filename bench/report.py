@@ -1,0 +1,17 @@
+"""Writing a benchmark's own section of a Markdown file (docs/performance.md), leaving the rest alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def write_section(path: Path, block: str, begin: str, end: str) -> None:
+    """Replace the text from `begin` to `end` in `path` by `block` (which starts with `begin` and
+    ends with `end`), or append `block` when the file has no such section yet."""
+    text = path.read_text() if path.exists() else "# Performance\n"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = head + block + rest.split(end, 1)[1]
+    else:
+        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text)
