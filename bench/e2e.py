@@ -1,14 +1,20 @@
-"""End-to-end generation throughput: meshserve.LLM against HF transformers' `generate`, same run.
+"""End-to-end decode steps: meshserve against a compiled static-cache Llama, in the same run.
 
 A Llama-3-8B-shaped checkpoint with random bf16 weights is written to disk (sharded safetensors
-+ config.json, no download) and loaded by both. For each batch size: prompts of random tokens,
-greedy decoding of a fixed number of tokens (EOS ignored), output tokens per second of wall
-time. The bs=1 decode step time is set against the weight-bytes roofline (every weight but
-the embedding table read once per step at the measured copy bandwidth).
++ config.json, no download) and loaded by meshserve (`LLM`, the engine's own step loop) and by
+the baseline in bench/baseline_llama.py (gpt-fast style, torch.compile reduce-overhead).
+Per batch size, with prompts of random tokens already prefilled:
+- wall ms per decode step (median; the engine's whole step: schedule, run, sample, update),
+- GPU-busy ms and kernels per step (torch profiler: kernel time summed over a few steps),
+- the roofline (weights + the step's KV bytes at the measured copy bandwidth) and our ratio,
+- the baseline's ms per step at the same context, and meshserve / baseline.
+Then output tokens/s of `generate` (128 in / 256 out, EOS ignored) and time to first token
+for long prompts, with MFU against the measured bf16 matmul peak. Table + PNG.
 
-    python -m bench.e2e                          # on the H200: 8B shape, bs 1/16/64, 128 in / 256 out
-    python -m bench.e2e --device cpu --tiny      # smoke run on a CPU
-    python -m bench.e2e --write docs/performance.md
+    python -m bench.e2e                          # on the H200: 8B shape, bs 1/16/64/256
+    python -m bench.e2e --enforce-eager          # the same without CUDA graphs
+    python -m bench.e2e --device cpu --tiny --no-baseline   # smoke run on a CPU
+    python -m bench.e2e --write docs/performance.md --out bench/results
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import torch
 from bench.report import write_section
 
 BANDWIDTH = 4.18e12  # bytes/s, measured copy bandwidth of the H200 (read + write)
+MATMUL_PEAK = 793e12  # FLOP/s, measured bf16 matmul peak of the H200
 LLAMA3_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -37,7 +44,7 @@ LLAMA3_8B = dict(
     num_attention_heads=32,
     num_key_value_heads=8,
     vocab_size=128256,
-    max_position_embeddings=8192,
+    max_position_embeddings=131072,
     rms_norm_eps=1e-5,
     rope_theta=500000.0,
     rope_scaling={
@@ -138,124 +145,216 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
-def bench_meshserve(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, dict]:
+def kv_bytes_per_token(shape: dict, itemsize: int) -> int:
+    hd = shape["hidden_size"] // shape["num_attention_heads"]
+    return 2 * shape["num_hidden_layers"] * shape["num_key_value_heads"] * hd * itemsize
+
+
+def prefill_flops(shape: dict, tokens: int) -> float:
+    """Matmul FLOPs of a causal prefill: 2 per weight per token, plus QK^T and PV over the causal half."""
+    h, inter = shape["hidden_size"], shape["intermediate_size"]
+    kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
+    layer = 2 * h * h + 2 * kv * h + 3 * h * inter
+    dense = 2 * tokens * (shape["num_hidden_layers"] * layer + h * shape["vocab_size"] / tokens)
+    attention = 2 * tokens * tokens * h * shape["num_hidden_layers"]  # 4 L^2 h / 2 per layer
+    return dense + attention
+
+
+def gpu_profile(run_steps, steps: int) -> tuple[float, float]:
+    """(GPU-busy seconds, kernels) per step over `steps` steps: kernel durations summed (one stream)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run_steps(steps)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    busy = sum(e.device_time_total for e in kernels) * 1e-6  # us -> s
+    return busy / steps, len(kernels) / steps
+
+
+def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
+    """Prefill bs prompts, then time the engine's decode steps one by one."""
+    from meshserve import SamplingParams
+
+    core = llm.core
+    timed, profiled = args.steps, 5 if args.device == "cuda" else 0
+    params = SamplingParams(temperature=0, max_tokens=timed + profiled + 12, ignore_eos=True)
+    reqs = [core.add_request(p, params) for p in random_prompts(bs, args.prompt_len, vocab, bs)]
+    while any(not r.output_ids for r in reqs):  # prefill (chunked under the token budget)
+        core.step()
+    for _ in range(5):
+        core.step()
+    times = []
+    for _ in range(timed):
+        sync(args.device)
+        t0 = time.perf_counter()
+        core.step()
+        sync(args.device)
+        times.append(time.perf_counter() - t0)
+    context = statistics.mean(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
+    busy = kernels = math.nan
+    if profiled:
+        def run(n: int) -> None:
+            for _ in range(n):
+                core.step()
+
+        busy, kernels = gpu_profile(run, profiled)
+    while core.has_unfinished():
+        core.step()
+    return {"wall_s": statistics.median(times), "busy_s": busy, "kernels": kernels, "context": context}
+
+
+def ttft(llm, length: int, vocab: int, device: str) -> float:
+    from meshserve import SamplingParams
+
+    core = llm.core
+    req = core.add_request(random_prompts(1, length, vocab, length)[0], SamplingParams(max_tokens=1))
+    sync(device)
+    t0 = time.perf_counter()
+    while not req.output_ids:
+        core.step()
+    sync(device)
+    elapsed = time.perf_counter() - t0
+    while core.has_unfinished():
+        core.step()
+    return elapsed
+
+
+def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
     from meshserve import LLM, SamplingParams
 
-    llm = LLM(
-        path,
-        dtype=args.dtype,
-        attention_backend=args.attention_backend,
-        device=args.device,
-        max_model_len=args.prompt_len + args.output_len + 16,
-        kv_cache_memory_bytes=args.kv_bytes,
-        max_num_seqs=max(args.batch_sizes),
-        max_num_batched_tokens=max(8192, args.prompt_len * 2),
-        progress=False,
-    )
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    vocab = shape["vocab_size"]
+    longest = max([args.prompt_len + args.output_len, *args.ttft_lens]) + 64
+    t0 = time.perf_counter()
+    llm = LLM(path, dtype=args.dtype, attention_backend=args.attention_backend, device=args.device,
+              max_model_len=-(-longest // 256) * 256, kv_cache_memory_bytes=args.kv_bytes,
+              max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max([8192, *args.ttft_lens]),
+              enforce_eager=args.enforce_eager, progress=False)
+    start_s = time.perf_counter() - t0
+    graphs = llm.core.executor.worker.runner.decode_graphs
+    out = {"backend": llm.core.info.backend, "start_s": start_s, "graphs": graphs is not None,
+           "capture_s": graphs.capture_seconds if graphs else 0.0,
+           "capture_mib": graphs.capture_bytes / 2**20 if graphs else 0.0, "steps": {}, "tok_s": {}, "ttft": {}}
+    print(f"meshserve ready in {start_s:.1f} s (backend {out['backend']}, graphs {out['graphs']}, "
+          f"capture {out['capture_s']:.1f} s / {out['capture_mib']:.0f} MiB)", flush=True)
     llm.generate(random_prompts(2, args.prompt_len, vocab, 0), SamplingParams(temperature=0, max_tokens=8))
-    results = {}
     for bs in args.batch_sizes:
-        prompts = random_prompts(bs, args.prompt_len, vocab, bs)
+        out["steps"][bs] = r = decode_steps(llm, bs, args, vocab)
+        print(f"meshserve bs={bs:<3} {r['wall_s'] * 1e3:7.2f} ms/step  busy {r['busy_s'] * 1e3:6.2f} ms  "
+              f"{r['kernels']:.0f} kernels", flush=True)
+    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
+    for bs in args.throughput_sizes:
+        prompts = random_prompts(bs, args.prompt_len, vocab, bs + 1)
         sync(args.device)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
         sync(args.device)
         elapsed = time.perf_counter() - t0
         assert all(len(o.token_ids) == args.output_len for o in outs)
-        results[bs] = bs * args.output_len / elapsed
-        print(f"meshserve bs={bs:<3} {results[bs]:10.1f} tok/s  ({elapsed:.2f} s)", flush=True)
-    # bs=1 step times, step by step: the first step is the prefill, the rest are decodes.
-    core = llm.core
-    core.add_request(random_prompts(1, args.prompt_len, vocab, 7)[0], params)
-    times = []
-    while core.has_unfinished():
-        sync(args.device)
-        t0 = time.perf_counter()
-        core.step()
-        sync(args.device)
-        times.append(time.perf_counter() - t0)
-    step = {"prefill_s": times[0], "decode_median_s": statistics.median(times[1:]), "backend": core.info.backend}
+        out["tok_s"][bs] = bs * args.output_len / elapsed
+        print(f"meshserve generate bs={bs}: {out['tok_s'][bs]:.0f} tok/s", flush=True)
+    for length in args.ttft_lens:
+        ttft(llm, length, vocab, args.device)  # warm-up: compile the prefill tiles for this length
+        out["ttft"][length] = ttft(llm, length, vocab, args.device)
+        print(f"meshserve TTFT {length}: {out['ttft'][length] * 1e3:.1f} ms", flush=True)
     llm.shutdown()
     del llm
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return results, step
+    return out
 
 
-def bench_hf(path: Path, args: argparse.Namespace, vocab: int) -> tuple[dict, float] | None:
-    try:
-        import transformers
-    except ImportError:
-        print("HF transformers is not installed: no comparison", flush=True)
-        return None
-    dtype = getattr(torch, args.dtype)
-    dtype_kw = {"dtype": dtype} if int(transformers.__version__.split(".")[0]) >= 5 else {"torch_dtype": dtype}
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, **dtype_kw).to(args.device).eval()
+def bench_baseline(path: Path, args: argparse.Namespace, contexts: dict[int, float]) -> dict[int, tuple]:
+    from bench.baseline_llama import time_decode
 
-    def generate(prompts: list[list[int]], new: int) -> float:
-        ids = torch.tensor(prompts, device=args.device)
-        sync(args.device)
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=new,
-                min_new_tokens=new,
-                do_sample=False,
-                pad_token_id=0,
-            )
-        sync(args.device)
-        assert out.shape[1] == ids.shape[1] + new
-        return time.perf_counter() - t0
-
-    generate(random_prompts(2, args.prompt_len, vocab, 0), 8)
-    results = {}
+    out = {}
     for bs in args.batch_sizes:
-        elapsed = generate(random_prompts(bs, args.prompt_len, vocab, bs), args.output_len)
-        results[bs] = bs * args.output_len / elapsed
-        print(f"HF        bs={bs:<3} {results[bs]:10.1f} tok/s  ({elapsed:.2f} s)", flush=True)
-    one = generate(random_prompts(1, args.prompt_len, vocab, 7), args.output_len) / args.output_len
-    return results, one
+        try:
+            out[bs] = time_decode(path, batch=bs, context=round(contexts[bs]), steps=args.steps + 3,
+                                  device=args.device, dtype=getattr(torch, args.dtype))
+        except Exception as exc:  # a failed baseline must not cost the meshserve numbers
+            print(f"baseline bs={bs} failed: {type(exc).__name__}: {exc}"[:400], flush=True)
+            out[bs] = (math.nan, math.nan)
+        print(f"baseline  bs={bs:<3} {out[bs][1] * 1e3:7.2f} ms/step (compile {out[bs][0]:.0f} s)", flush=True)
+    return out
 
 
-def report(
-    args: argparse.Namespace,
-    shape_name: str,
-    ours: dict,
-    step: dict,
-    hf: tuple | None,
-    roofline_s: float,
-    weight_bytes: int,
-) -> str:
+def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, base: dict) -> tuple[str, list]:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
+    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    weights = decode_weight_bytes(shape, itemsize)
+    per_token = kv_bytes_per_token(shape, itemsize)
+    mode = "CUDA graphs" if ours["graphs"] else "eager"
     lines = [
         BEGIN,
-        "## End-to-end generation (bench/e2e.py)",
+        "## End-to-end decode (bench/e2e.py)",
         "",
-        f"{shape_name} with random {args.dtype} weights on {device}; torch {torch.__version__}; "
-        f"attention backend {step['backend']}; {args.prompt_len} prompt tokens, {args.output_len} generated "
-        "(greedy, EOS ignored); output tokens per second of wall time, HF transformers "
-        "`generate` in the same run.",
+        f"{shape_name} with random {args.dtype} weights on {device}; torch {torch.__version__}; attention "
+        f"backend {ours['backend']}, decode steps {mode} (start-up {ours['start_s']:.1f} s, of which graph "
+        f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
+        "random tokens, already prefilled; one engine step = schedule, run, sample, update. Roofline = "
+        f"weights ({weights / 1e9:.2f} GB) + the step's KV bytes at {BANDWIDTH / 1e12:.2f} TB/s. Baseline: "
+        "bench/baseline_llama.py, a static-cache Llama under torch.compile(mode=\"reduce-overhead\") on the same "
+        "checkpoint, in the same run.",
         "",
-        "| batch | meshserve tok/s | HF tok/s | meshserve / HF |",
-        "| ---: | ---: | ---: | ---: |",
+        "| batch | context | wall ms/step | GPU-busy ms | busy % | kernels/step | roofline ms | roofline / wall "
+        "| baseline ms | meshserve / baseline |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
+    rows = []
     for bs in args.batch_sizes:
-        theirs = hf[0][bs] if hf else math.nan
-        lines.append(f"| {bs} | {ours[bs]:.1f} | {theirs:.1f} | {ours[bs] / theirs:.2f}x |")
-    decode = step["decode_median_s"]
-    lines += [
-        "",
-        f"bs=1 decode step (median): {decode * 1e3:.2f} ms; weight-bytes roofline "
-        f"{weight_bytes / 1e9:.2f} GB / {BANDWIDTH / 1e12:.2f} TB/s = {roofline_s * 1e3:.2f} ms "
-        f"({roofline_s / decode:.0%} of roofline)"
-        + (f"; HF {hf[1] * 1e3:.2f} ms per token" if hf else "")
-        + f"; bs=1 prefill of {args.prompt_len} tokens: {step['prefill_s'] * 1e3:.1f} ms.",
-        END,
-    ]
-    return "\n".join(lines)
+        r = ours["steps"][bs]
+        roof = (weights + bs * r["context"] * per_token) / BANDWIDTH
+        b = base.get(bs, (math.nan, math.nan))[1]
+        rows.append((bs, r["wall_s"], r["busy_s"], roof, b))
+        lines.append(
+            f"| {bs} | {r['context']:.0f} | {r['wall_s'] * 1e3:.2f} | {r['busy_s'] * 1e3:.2f} | "
+            f"{r['busy_s'] / r['wall_s']:.0%} | {r['kernels']:.0f} | {roof * 1e3:.2f} | {roof / r['wall_s']:.0%} | "
+            f"{b * 1e3:.2f} | {b / r['wall_s']:.2f}x faster |" if b == b else
+            f"| {bs} | {r['context']:.0f} | {r['wall_s'] * 1e3:.2f} | {r['busy_s'] * 1e3:.2f} | "
+            f"{r['busy_s'] / r['wall_s']:.0%} | {r['kernels']:.0f} | {roof * 1e3:.2f} | {roof / r['wall_s']:.0%} | "
+            "- | - |"
+        )
+    lines.append("")
+    for bs, tok_s in ours["tok_s"].items():
+        lines.append(f"- `generate`, batch {bs}, {args.prompt_len} in / {args.output_len} out: {tok_s:,.0f} "
+                     "output tok/s.")
+    for length, t in ours["ttft"].items():
+        flops = prefill_flops(shape, length)
+        lines.append(f"- Time to first token, one {length}-token prompt: {t * 1e3:.1f} ms "
+                     f"({flops / t / 1e12:.0f} TFLOP/s effective, {flops / t / MATMUL_PEAK:.0%} MFU).")
+    lines.append(END)
+    return "\n".join(lines), rows
+
+
+def plot(rows: list, path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    bs = [str(r[0]) for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.2
+    for k, (label, idx) in enumerate((("meshserve wall", 1), ("meshserve GPU busy", 2), ("roofline", 3),
+                                      ("compiled baseline", 4))):
+        ax.bar([i + (k - 1.5) * width for i in range(len(bs))], [r[idx] * 1e3 for r in rows], width, label=label)
+    ax.set_xticks(range(len(bs)), bs)
+    ax.set_xlabel("decode batch size")
+    ax.set_ylabel("ms per decode step")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}", flush=True)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,35 +362,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (CPU smoke run)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
-    ap.add_argument("--batch-sizes", default=None, help="comma separated (default 1,16,64; tiny: 1,4)")
+    ap.add_argument("--batch-sizes", default=None, help="decode batches (default 1,16,64,256; tiny: 1,4)")
+    ap.add_argument("--throughput-sizes", default=None, help="generate() batches (default 64; tiny: 4)")
+    ap.add_argument("--ttft-lens", default=None, help="long prompts for TTFT (default 4096,16384; tiny: none)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
     ap.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 16)")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--attention-backend", default=None)
-    ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 16 GiB on CUDA)")
-    ap.add_argument("--no-hf", action="store_true", help="skip the HF transformers comparison")
+    ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")
+    ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--write", default=None, help="put the results section into this markdown file")
+    ap.add_argument("--out", default=None, help="folder for the PNG plot and the JSON results")
     args = ap.parse_args(argv)
     shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.batch_sizes = [int(b) for b in (args.batch_sizes or ("1,4" if args.tiny else "1,16,64")).split(",")]
+    args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))
+    args.throughput_sizes = _ints(args.throughput_sizes or ("4" if args.tiny else "64"))
+    args.ttft_lens = _ints(args.ttft_lens if args.ttft_lens is not None else ("" if args.tiny else "4096,16384"))
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.output_len = args.output_len or (16 if args.tiny else 256)
     if args.kv_bytes is None and args.device == "cuda":
-        args.kv_bytes = 16 << 30
+        args.kv_bytes = 24 << 30
     workdir = Path(tempfile.mkdtemp(prefix="meshserve_e2e_", dir=args.workdir))
     try:
         t0 = time.perf_counter()
         size = write_checkpoint(workdir, shape, getattr(torch, args.dtype), args.device)
         print(f"checkpoint: {size / 1e9:.2f} GB written in {time.perf_counter() - t0:.1f} s", flush=True)
-        ours, step = bench_meshserve(workdir, args, shape["vocab_size"])
-        hf = None if args.no_hf else bench_hf(workdir, args, shape["vocab_size"])
+        ours = bench_meshserve(workdir, args, shape)
+        contexts = {bs: r["context"] for bs, r in ours["steps"].items()}
+        base = {} if args.no_baseline else bench_baseline(workdir, args, contexts)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    weight_bytes = decode_weight_bytes(shape, itemsize)
-    section = report(args, shape_name, ours, step, hf, weight_bytes / BANDWIDTH, weight_bytes)
+    section, rows = report(args, shape_name, shape, ours, base)
     print(section)
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "e2e.json").write_text(json.dumps({"meshserve": ours, "baseline": base}, indent=1, default=str))
+        plot(rows, out / "e2e.png", f"{shape_name}, {args.dtype}: one decode step")
     if args.write:
         write_section(Path(args.write), section, BEGIN, END)
     return 0

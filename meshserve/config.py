@@ -43,9 +43,14 @@ class ModelConfig:
     dtype: Dtype = Dtype.AUTO
     max_model_len: int | None = field(default=None, metadata={"help": "None = the model's own limit"})
     seed: int = 0
+    enforce_eager: bool = field(default=False, metadata={"help": "never replay decode steps as CUDA graphs"})
+    cuda_graph_max_batch: int = field(default=256, metadata={
+        "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))
+        check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "true or false")
+        _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)
         if self.model is not None:
             check(Path(self.model).is_dir(), "model", self.model, "an existing checkpoint directory")
         if self.max_model_len is not None:

@@ -42,7 +42,7 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
-                 progress: bool = True) -> None:
+                 enforce_eager: bool = False, progress: bool = True) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -59,7 +59,8 @@ class LLM:
             return
         block_size = 16 if block_size is None else block_size
         config = EngineConfig(
-            model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed),
+            model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
+                              enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512))),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
@@ -155,6 +156,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (a divisor of --tp)")
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--dcp-comm", default="ag_rs", choices=["ag_rs", "a2a"], help="how DCP partial outputs merge")
     p.set_defaults(func=generate_main)
     return p
@@ -175,6 +177,7 @@ def generate_main(args: argparse.Namespace) -> int:
                            start_method="spawn")
         return 0
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
+              enforce_eager=args.enforce_eager,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty())
     try:
@@ -217,7 +220,8 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> Non
 
         args.model = str(DEMO_MODEL_DIR)
     config = EngineConfig(
-        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len),
+        model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
+                          enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm),

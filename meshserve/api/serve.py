@@ -53,6 +53,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step per replica")
     m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
     m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
+    m.add_argument("--enforce-eager", action="store_true",
+                   help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     c = p.add_argument_group("cluster")
     c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
@@ -82,7 +84,8 @@ def configs_of(args: argparse.Namespace):
     backend = args.attention_backend
     engine = EngineConfig(
         model=ModelConfig(model=str(args.model or DEMO_MODEL_DIR), dtype=args.dtype, max_model_len=args.max_model_len,
-                          seed=args.seed),
+                          seed=args.seed, enforce_eager=args.enforce_eager,
+                          cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           enable_prefix_caching=not args.no_prefix_caching),

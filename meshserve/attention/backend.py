@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -214,6 +215,24 @@ class AttentionBackend(ABC):
     def plan(self, metadata: AttentionMetadata) -> object:
         """Prepare per-step state shared by all layers; the returned object goes to forward."""
         return metadata
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> object:
+        """A decode plan to capture in a CUDA graph (backends declaring `cuda_graphs`).
+
+        `metadata` holds num_decodes decode rows whose device tensors are static buffers; its
+        host lengths are the longest the graph will see. The plan must stay valid when later
+        steps rewrite those buffers in place with any lengths up to that, after
+        `prepare_replay`; forward must read no device value on the host.
+        """
+        from meshserve.errors import ConfigError
+
+        raise ConfigError("attention_backend", self.name, "a backend whose capabilities declare cuda_graphs")
+
+    def prepare_replay(self, plan: object, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
+        """Host work before replaying a graph captured with `plan`, for this step's lengths and
+        tables (one row per graph row, padding included). Default: nothing (the kernels read
+        the static buffers directly)."""
+        return None
 
     @abstractmethod
     def write_kv(

@@ -19,6 +19,7 @@ from meshserve.attention.registry import select_backend_for_layers
 from meshserve.attention.spec import AttentionSpec
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
+from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 from meshserve.workers.sampler import Sampler, SamplingRow
 from meshserve.workers.sampling_params import SamplingParams
@@ -91,6 +92,8 @@ class ModelRunner:
         self.is_driver = is_driver
         self.sampler = Sampler(seed=seed, device=self.device) if is_driver else None
         self.requests: dict[str, _Request] = {}
+        # Set by the worker when decode steps replay CUDA graphs (workers/decode_graphs.py).
+        self.decode_graphs: DecodeGraphs | None = None
 
     @property
     def num_active_requests(self) -> int:
@@ -116,6 +119,12 @@ class ModelRunner:
                   f"one table per KV layer group ({self.num_groups})")
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
+        if self.decode_graphs is not None and self.decode_graphs.serves(order):
+            logits = self.decode_graphs.run(order)  # [N, V]: every row samples
+            return self._sample(order, list(range(len(order))), logits)
+        return self._run_eager(order)
+
+    def _run_eager(self, order: Sequence[ScheduledSeq]) -> list[SampledToken]:
         query_lens, seq_lens = [len(s.token_ids) for s in order], [s.seq_len for s in order]
         metas = [
             AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
@@ -140,6 +149,10 @@ class ModelRunner:
             return []
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
         logits = self.model.compute_logits(hidden[ends[to_sample].to(self.device)])  # [N, V] float32
+        return self._sample(order, to_sample, logits)
+
+    def _sample(self, order: Sequence[ScheduledSeq], to_sample: list[int], logits: torch.Tensor) -> list[SampledToken]:
+        """Draw the next token of order[i] for i in to_sample from logits' rows (driver rank only)."""
         if not self.is_driver:
             return []
         rows = []

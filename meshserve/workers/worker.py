@@ -24,11 +24,13 @@ from meshserve.parallel.dcp_mla import DcpMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
-from meshserve.workers.step import StepPlan
+from meshserve.workers.sampling_params import SamplingParams
+from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 
 log = logging.getLogger("meshserve.worker")
 
@@ -123,7 +125,11 @@ class Worker:
         # A hybrid layout stores one group's worth of layers per block id (kvstore/groups.py).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
         paged = [specs[i] for i in layout.groups[0]] if layout.is_hybrid else specs
-        num_blocks = self._num_blocks(block_bytes(paged, bs, dtype))
+        use_graphs = self._graph_refusals(backends, model) == []
+        reserve = 0
+        if use_graphs:  # the graphs' activation pool comes out of the KV budget
+            reserve = self._decode_peak_bytes(model, backends, specs, layout, bs, dtype)
+        num_blocks = self._num_blocks(block_bytes(paged, bs, dtype), reserve=reserve)
         needed = layout.num_groups * -(-max_model_len // logical_bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
               f">= {needed} blocks of {logical_bs} tokens (the null block + one max_model_len={max_model_len} "
@@ -135,6 +141,14 @@ class Worker:
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
                                   dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)))
+        if use_graphs:
+            graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
+                                  block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,
+                                  dcp_rank=ctx.dcp_rank, max_batch=self.model_config.cuda_graph_max_batch)
+            graphs.capture_all(progress=self.progress)
+            log.info("decode graphs hold %.0f MiB (%.0f MiB reserved before the KV cache was sized)",
+                     graphs.capture_bytes / 2**20, reserve / 2**20)
+            self.runner.decode_graphs = graphs
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=logical_bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
@@ -146,7 +160,48 @@ class Worker:
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
 
-    def _num_blocks(self, per_block: int) -> int:
+    def _graph_refusals(self, backends, model) -> list[str]:
+        """Why decode steps cannot replay CUDA graphs here (empty: they do); logged once."""
+        why = []
+        if self.device.type != "cuda":
+            why.append(f"device is {self.device.type}")
+        if self.model_config.enforce_eager:
+            why.append("enforce_eager is set")
+        if self.parallel.tp > 1:
+            why.append(f"tp={self.parallel.tp}: collectives inside graphs are not captured yet")
+        for b in dict.fromkeys(backends):
+            caps = getattr(type(b), "capabilities", None)
+            if caps is None or not caps.cuda_graphs:
+                why.append(f"attention backend {b.name} declares no CUDA-graph support")
+        if not getattr(model, "cuda_graph_safe", False):
+            why.append(f"{type(model).__name__} syncs with the host in its forward pass (MoE routing)")
+        if why and self.device.type == "cuda":
+            log.info("decode steps run eagerly: %s", "; ".join(why))
+        return why
+
+    def _decode_peak_bytes(self, model, backends, specs, layout: KVGroupLayout, bs: int, dtype) -> int:
+        """Peak activation bytes of one eager decode step of the largest graph batch, over a
+        two-block scratch cache: what the graphs' shared memory pool will hold, plus a margin."""
+        batch = self.model_config.cuda_graph_max_batch
+        scratch = allocate_caches(specs, num_blocks=2, block_size=bs, dtype=dtype, device=self.device,
+                                  layer_slots=layout.layer_slots(len(specs)))
+        probe = ModelRunner(model, backends=backends, kv_caches=scratch, block_size=bs, device=self.device,
+                            is_driver=False, layer_groups=layout.group_of_layer(len(specs)))
+        ids = [f"probe-{i}" for i in range(batch)]
+        plan = StepPlan(step_id=0, seqs=[ScheduledSeq(r, [0], 1, [[1]] * layout.num_groups) for r in ids],
+                        new_requests=[NewRequest(r, [0], SamplingParams(max_tokens=1).to_dict()) for r in ids],
+                        finished=ids)  # fmt: skip
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        probe.execute(plan)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        del probe, scratch
+        return int(peak * 1.25) + (64 << 20)
+
+    def _num_blocks(self, per_block: int, *, reserve: int = 0) -> int:
+        """reserve: bytes kept out of an automatic GPU budget (the decode graphs' pool)."""
         cfg = self.cache_config
         if cfg.num_kv_blocks is not None:
             return cfg.num_kv_blocks
@@ -154,7 +209,7 @@ class Worker:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * GPU_KV_FRACTION)
+            budget = int(max(free - reserve, 0) * GPU_KV_FRACTION)
         else:
             budget = CPU_DEFAULT_KV_BYTES
         return budget // per_block

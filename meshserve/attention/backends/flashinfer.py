@@ -16,6 +16,7 @@ Conventions bridged here:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -49,18 +50,19 @@ class FlashInferPlan:
 
 
 def _page_lists(
-    table: torch.Tensor, kv_lens: tuple[int, ...], page: int
+    rows: Sequence[Sequence[int]], kv_lens: Sequence[int], page: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page lists for rows of a host block table: (indptr, indices, last_page_len)."""
+    """FlashInfer's CSR page lists (indptr, indices, last_page_len), host int32, for host block-table rows."""
     counts = [-(-n // page) for n in kv_lens]
     indptr = [0]
-    for c in counts:
+    indices: list[int] = []
+    for row, c in zip(rows, counts):
         indptr.append(indptr[-1] + c)
-    indices = [table[i, :c] for i, c in enumerate(counts)]
+        indices.extend(row[:c])
     last = [n - (c - 1) * page for n, c in zip(kv_lens, counts)]
     return (
         torch.tensor(indptr, dtype=torch.int32),
-        torch.cat(indices).to(torch.int32) if indices else torch.zeros(0, dtype=torch.int32),
+        torch.tensor(indices, dtype=torch.int32),
         torch.tensor(last, dtype=torch.int32),
     )
 
@@ -88,10 +90,10 @@ class FlashInferBackend(AttentionBackend):
         devices=frozenset({"cuda"}),
         min_compute_capability=(8, 0),
         required_packages=("flashinfer",),
-        cuda_graphs=False,
+        cuda_graphs=True,
         notes="FlashInfer 0.5 paged prefill/decode wrappers; ALiBi not offered (FlashInfer derives its own "
-        "slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache), "
-        "CUDA graphs not wired (the wrappers need fixed buffers for that)",
+        "slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache); CUDA graphs "
+        "replay decode wrappers in FlashInfer's graph mode (fixed page-list buffers, re-planned per step)",
     )
 
     @classmethod
@@ -137,8 +139,6 @@ class FlashInferBackend(AttentionBackend):
         return self._by_group[group]
 
     def plan(self, metadata: AttentionMetadata) -> FlashInferPlan:
-        from meshserve.attention.backend import DTYPES, FP8_DTYPES
-
         spec = self.spec
         device = metadata.seq_lens.device
         prefill, decode = self._wrappers(device, metadata.kv_group)
@@ -152,17 +152,8 @@ class FlashInferBackend(AttentionBackend):
             kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table
         else:
             kv_lens, table = metadata.seq_lens_host, metadata.block_table
-        table = table.cpu()  # host page lists: FlashInfer plans on the host anyway
-        q_dtype = DTYPES[self.problem.dtype]
-        kv_dtype = FP8_DTYPES[spec.kv_cache_dtype] if spec.kv_cache_dtype.is_fp8 else q_dtype
-        common = dict(
-            pos_encoding_mode="NONE",
-            window_left=spec.sliding_window - 1 if spec.sliding_window is not None else -1,
-            logits_soft_cap=spec.logits_soft_cap or 0.0,
-            sm_scale=spec.softmax_scale,
-            q_data_type=q_dtype,
-            kv_data_type=kv_dtype,
-        )
+        table = table.tolist()  # host page lists: FlashInfer plans on the host anyway
+        common = self._plan_args()
         page = metadata.block_size
         num_p = metadata.num_prefills
         if num_p:
@@ -180,6 +171,47 @@ class FlashInferBackend(AttentionBackend):
             )  # fmt: skip
         return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0,
                               prefill, decode)
+
+    def _plan_args(self) -> dict[str, object]:
+        from meshserve.attention.backend import DTYPES, FP8_DTYPES
+
+        spec = self.spec
+        q_dtype = DTYPES[self.problem.dtype]
+        return dict(
+            pos_encoding_mode="NONE",
+            window_left=spec.sliding_window - 1 if spec.sliding_window is not None else -1,
+            logits_soft_cap=spec.logits_soft_cap or 0.0,
+            sm_scale=spec.softmax_scale,
+            q_data_type=q_dtype,
+            kv_data_type=FP8_DTYPES[spec.kv_cache_dtype] if spec.kv_cache_dtype.is_fp8 else q_dtype,
+        )
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> FlashInferPlan:
+        """A decode wrapper of its own in FlashInfer's CUDA-graph mode: page lists live in fixed
+        device buffers sized for the batch and the longest table, and `prepare_replay` re-plans
+        into them before each replay."""
+        import flashinfer
+
+        check(metadata.num_prefills == 0, "metadata.num_prefills", metadata.num_prefills,
+              "0 (CUDA graphs capture decode steps only)")
+        device, b = metadata.seq_lens.device, metadata.num_decodes
+        self._wrappers(device, metadata.kv_group)  # the shared float workspace
+        max_pages = metadata.block_table.shape[1]
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=device),
+            paged_kv_indices_buffer=torch.zeros(b * max_pages, dtype=torch.int32, device=device),
+            paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=device),
+        )  # fmt: skip
+        plan = FlashInferPlan(metadata, 0, False, True, None, wrapper)
+        self.prepare_replay(plan, [1] * b, [[0]] * b)  # a valid plan to capture with: the padding rows'
+        return plan
+
+    def prepare_replay(self, plan: object, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
+        spec = self.spec
+        indptr, indices, last = _page_lists(block_tables, seq_lens, plan.metadata.block_size)
+        plan.decode.plan(indptr, indices, last, spec.num_heads, spec.num_kv_heads, spec.head_size,
+                         plan.metadata.block_size, non_blocking=True, **self._plan_args())  # fmt: skip
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor

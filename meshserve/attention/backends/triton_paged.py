@@ -11,6 +11,7 @@ the lengths stay within those the plan was made for.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -191,6 +192,14 @@ class TritonBackend(AttentionBackend):
             metadata, kv_lens, metadata.seq_lens, block_table, cfg, tile_seq, tile_q0,
             self.decode_cfg, partition, splits, partial_o, partial_lse,
         )  # fmt: skip
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> TritonPlan:
+        """The plan for the longest lengths, with the split count fixed and each sequence's
+        partition derived in the kernel from its own length (partition 0)."""
+        check(metadata.num_prefills == 0, "metadata.num_prefills", metadata.num_prefills,
+              "0 (CUDA graphs capture decode steps only)")
+        plan = self.plan(metadata)
+        return dataclasses.replace(plan, partition=0)
 
     def _sm_count(self, device: torch.device) -> int:
         if self.num_sms is not None:

@@ -4,8 +4,10 @@ Grid (decode sequence, KV head, split). Each program loads one tile of keys and 
 for one KV head and uses it for all the query heads of that GQA group at once (rows of the dot
 product are query heads, padded to BLOCK_H >= 16 for the tensor cores), so each KV byte is read
 once per step, as TensorRT-LLM's XQA does. The visible keys of a sequence ([window start, end),
-plus StreamingLLM sink tokens on split 0) are cut into partitions of PARTITION keys; a program
-handles one partition and writes its partial (o, lse), which the LSE merge combines. With one
+plus StreamingLLM sink tokens on split 0) are cut into partitions of `partition` keys (or, when
+`partition` is 0, into as many equal whole-tile parts as there are splits, per sequence: the
+form a CUDA graph replays at any length); a program handles one partition and writes its
+partial (o, lse), which the LSE merge combines. With one
 split the program writes the final output directly.
 
 Decode is memory bound: every key tile is loaded with a mask (the cost is a predicate, not a
@@ -104,6 +106,10 @@ def decode_kernel(
     lo = 0
     if USE_WINDOW:
         lo = tl.maximum(qp - window + 1, 0)
+    if partition <= 0:
+        # Partition from this sequence's own length (a CUDA graph fixes the number of splits, not
+        # the lengths it will replay with): the splits share the visible keys in whole tiles.
+        partition = tl.cdiv(tl.cdiv(kv_len - lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = lo + split * partition
     end = tl.minimum(start + partition, kv_len)
     if USE_SINK_TOKENS:

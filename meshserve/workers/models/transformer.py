@@ -178,6 +178,12 @@ class CausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether forward never waits on the device (a CUDA graph can hold it): MoE routing still
+        reads expert ids on the host."""
+        return self.arch.experts is None
+
     def attention_specs(self) -> list[AttentionSpec]:
         """One spec per layer; layers with equal specs can share a backend instance."""
         a = self.arch
@@ -192,7 +198,8 @@ class CausalLM(nn.Module):
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
         x = self.model.embed_tokens(input_ids)  # [T, hidden]
         if self.arch.embed_scale is not None:  # Gemma: the scale is rounded to the activation dtype first
-            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype, device=x.device)
+            # A host 0-dim tensor, as HF does: a launch argument, no copy to the device (graph-safe).
+            x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
         local = rope if self.model.local_rotary is None else self.model.local_rotary(positions, x.dtype)
         for layer, window in zip(self.model.layers, self.arch.layer_windows):

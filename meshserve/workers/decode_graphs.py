@@ -1,0 +1,211 @@
+"""Decode steps over static input buffers, captured as one CUDA graph per batch-size bucket.
+
+A pure-decode step of n sequences runs as the graph of the smallest bucket b >= n (buckets 1,
+2, 4, 8, then steps of 8 up to the largest batch to capture). Its inputs are written into
+static buffers that every graph reads (token ids, positions, sequence lengths, block tables
+and slot mappings per KV layer group), so a replay launches the whole forward pass — every
+layer and the LM head — as one graph. Rows n..b-1 are padding: token 0 at position 0 with one
+key, block table row [0] and slot 0, i.e. they read and write only the null block 0 that the
+KV store never hands out, and their logits are never sampled.
+
+The same static path runs without capture (`capture=False`): that is how the CPU tests check
+its contract (buffers keep their addresses, padded rows reach neither the sampler nor a real
+block, tokens equal the eager path's).
+
+Graphs are captured largest first into one shared memory pool (a smaller graph's activations
+fit in the pool the largest one sized). Steps with prefill tokens, and batches larger than
+the largest bucket, stay eager.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+import torch
+
+from meshserve.attention.backend import AttentionBackend, KVCache
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.errors import check
+from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
+from meshserve.workers.step import ScheduledSeq
+
+log = logging.getLogger("meshserve.graphs")
+
+NULL_SLOT = 0  # slot 0 of block 0: the null block, never handed out by the KV store
+
+
+def capture_sizes(max_batch: int) -> list[int]:
+    """Bucket sizes: 1, 2, 4, 8, then multiples of 8, and max_batch itself."""
+    check(isinstance(max_batch, int) and max_batch >= 1, "max_batch", max_batch, "an integer >= 1")
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] != max_batch:
+        sizes.append(max_batch)
+    return sizes
+
+
+class DecodeGraphs:
+    """Static buffers, per-bucket plans and (on CUDA) graphs for the decode steps of one rank."""
+
+    def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
+                 layer_groups: Sequence[int], block_size: int, max_local_len: int, max_batch: int,
+                 device: torch.device, dcp_size: int = 1, dcp_rank: int = 0, capture: bool = True) -> None:
+        """max_local_len: tokens of the longest sequence this rank stores (a max_model_len sequence
+        under its DCP share); it sizes the block tables and the plans' split counts."""
+        for b in dict.fromkeys(backends):
+            check(type(b).capabilities.cuda_graphs, "attention_backend", b.name,
+                  "a backend whose capabilities declare cuda_graphs (or enforce_eager)")
+        check(not capture or device.type == "cuda", "device", device.type, "cuda to capture CUDA graphs")
+        self.model, self.backends, self.kv_caches = model, list(backends), list(kv_caches)
+        self.layer_groups = list(layer_groups)
+        self.num_groups = max(self.layer_groups) + 1
+        self.block_size, self.max_local_len = block_size, max_local_len
+        self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
+        self.device, self.capture = device, capture
+        self.sizes = capture_sizes(max_batch)
+        b, width = self.sizes[-1], -(-max_local_len // block_size)
+        # Device buffers, written in place before every replay (their addresses are in the graphs).
+        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)
+        self.context_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per row
+        self.block_tables = [torch.zeros(b, width, dtype=torch.int32, device=device) for _ in range(self.num_groups)]
+        self.slot_mappings = [torch.full((b,), NULL_SLOT, dtype=torch.int64, device=device)
+                              for _ in range(self.num_groups)]  # fmt: skip
+        self._contexts: dict[int, ForwardContext] = {}
+        self._plans: dict[int, list[tuple[AttentionBackend, int, object]]] = {}  # (backend, group, plan)
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._logits: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self.capture_bytes = 0
+        self.num_steps = 0  # decode steps served here (replays, or static runs without capture)
+
+    @property
+    def max_batch(self) -> int:
+        return self.sizes[-1]
+
+    def bucket(self, num_seqs: int) -> int:
+        """The smallest bucket holding num_seqs rows."""
+        check(1 <= num_seqs <= self.max_batch, "num_seqs", num_seqs, f"an integer in [1, {self.max_batch}]")
+        return next(s for s in self.sizes if s >= num_seqs)
+
+    def serves(self, seqs: Sequence[ScheduledSeq]) -> bool:
+        """Whether a step runs here: only decodes that sample, at most max_batch of them."""
+        return 0 < len(seqs) <= self.max_batch and all(s.is_decode and s.sample for s in seqs)
+
+    # ------------------------------------------------------------------------------ set-up
+    def _metadata(self, b: int, group: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            query_start_loc=self.query_start_loc[: b + 1], seq_lens=self.seq_lens[:b],
+            context_lens=self.context_lens[:b], block_table=self.block_tables[group][:b],
+            slot_mapping=self.slot_mappings[group][:b], num_prefills=0, num_prefill_tokens=0, num_decodes=b,
+            max_query_len=1, max_seq_len=self.max_local_len * self.dcp_size, block_size=self.block_size,
+            query_lens_host=(1,) * b, seq_lens_host=(self.max_local_len * self.dcp_size,) * b,
+            dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=group,
+        )  # fmt: skip
+
+    def _context(self, b: int) -> ForwardContext:
+        if b not in self._contexts:
+            metas = [self._metadata(b, g) for g in range(self.num_groups)]
+            plans: dict[tuple[int, int], tuple[AttentionBackend, object]] = {}  # one per backend and group
+            layers = []
+            for backend, kv, g in zip(self.backends, self.kv_caches, self.layer_groups):
+                key = (id(backend), g)
+                if key not in plans:
+                    plans[key] = (backend, backend.plan_for_graph(metas[g]))
+                layers.append(LayerAttention(backend, plans[key][1], kv, self.slot_mappings[g][:b]))
+            self._plans[b] = [(backend, g, plan) for (_, g), (backend, plan) in plans.items()]
+            self._contexts[b] = ForwardContext(layers=layers)
+        return self._contexts[b]
+
+    def _forward(self, b: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:b], self.positions[:b], self._context(b))  # [b, hidden]
+        return self.model.compute_logits(hidden)  # [b, V] float32
+
+    @torch.inference_mode()
+    def capture_all(self, *, progress: bool = True) -> None:
+        """Capture every bucket's graph, largest first, into one memory pool; log time and memory."""
+        if not self.capture:
+            return
+        from tqdm import tqdm
+
+        torch.cuda.synchronize(self.device)
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        t0 = time.perf_counter()
+        pool = None
+        for b in tqdm(list(reversed(self.sizes)), desc="Capturing decode graphs", unit="graph", file=sys.stderr,
+                      disable=not progress, leave=False):  # fmt: skip
+            self._context(b)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # compile the kernels and settle the allocator outside the capture
+                self._forward(b)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._logits[b] = self._forward(b)
+            pool = graph.pool()
+            self._graphs[b] = graph
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - t0
+        self.capture_bytes = max(0, free_before - torch.cuda.mem_get_info(self.device)[0])
+        log.info("captured %d decode graphs (batch 1..%d) in %.1fs, %.0f MiB", len(self.sizes), self.max_batch,
+                 self.capture_seconds, self.capture_bytes / 2**20)
+
+    # ------------------------------------------------------------------------------- a step
+    @torch.inference_mode()
+    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
+        """Logits [len(seqs), V] float32 of one decode step, rows in the order of `seqs`."""
+        check(self.serves(seqs), "seqs", len(seqs), f"1..{self.max_batch} decodes that sample")
+        n = len(seqs)
+        b = self.bucket(n)
+        pad = b - n
+        lens = [s.seq_len for s in seqs] + [1] * pad
+        self._write(self.input_ids, [s.token_ids[0] for s in seqs] + [0] * pad)
+        self._write(self.positions, [s.context_len for s in seqs] + [0] * pad)
+        self._write(self.seq_lens, lens)
+        self._write(self.context_lens, [length - 1 for length in lens])
+        for g in range(self.num_groups):
+            rows = [s.block_tables[g] for s in seqs] + [[0]] * pad
+            self._write_table(self.block_tables[g], rows)
+            self._write(self.slot_mappings[g], [self._slot(s.block_tables[g], s.context_len) for s in seqs]
+                        + [NULL_SLOT] * pad)  # fmt: skip
+            for backend, group, plan in self._plans.get(b, ()):
+                if group == g:
+                    backend.prepare_replay(plan, lens, rows)
+        self.num_steps += 1
+        if self.capture:
+            if b not in self._graphs:
+                raise RuntimeError(f"no decode graph for batch {b}: capture_all() must run before run()")
+            self._graphs[b].replay()
+            return self._logits[b][:n]
+        return self._forward(b)[:n]
+
+    def _slot(self, table: Sequence[int], pos: int) -> int:
+        if pos % self.dcp_size != self.dcp_rank:
+            return -1  # another DCP rank stores this token
+        local = pos // self.dcp_size
+        return table[local // self.block_size] * self.block_size + local % self.block_size
+
+    def _write(self, dst: torch.Tensor, values: list[int]) -> None:
+        src = torch.tensor(values, dtype=dst.dtype)
+        if dst.is_cuda:
+            src = src.pin_memory()
+        dst[: len(values)].copy_(src, non_blocking=True)
+
+    def _write_table(self, dst: torch.Tensor, rows: list[Sequence[int]]) -> None:
+        """Rows' block ids into the left of dst's rows; entries right of a row's end stay stale
+        (never read: sequence lengths bound every read)."""
+        width = max(len(r) for r in rows)
+        check(width <= dst.shape[1], "block_tables", width, f"at most {dst.shape[1]} blocks (max_model_len)")
+        host = torch.zeros(len(rows), width, dtype=torch.int32)
+        lengths = torch.tensor([len(r) for r in rows])
+        flat = torch.tensor([x for r in rows for x in r], dtype=torch.int32)
+        cols = torch.arange(width).expand(len(rows), width) < lengths[:, None]
+        host[cols] = flat
+        if dst.is_cuda:
+            host = host.pin_memory()
+        dst[: len(rows), :width].copy_(host, non_blocking=True)

@@ -1,0 +1,87 @@
+"""CUDA-graph decode against eager decode on the same checkpoint, skipped without CUDA.
+
+Each run mixes what a serving step sees: prompts sharing a prefix (prefix-cache hits), a token
+budget smaller than a prompt (chunked prefill) and a KV pool too small for every request at
+once (preemption and recompute), so graph steps alternate with eager prefill steps and the
+decode batch moves between buckets. float32 TRITON must give HF transformers' greedy tokens
+exactly, graphs or not; bf16 graph runs must give the eager run's tokens.
+"""
+
+import pytest
+import torch
+
+from meshserve import LLM, SamplingParams
+from meshserve.attention.backend import AttentionProblem
+from meshserve.attention.registry import load_backend
+from meshserve.attention.spec import AttentionSpec
+from tests.tiny_models import hf_greedy, prompts, write_checkpoint
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+NEW_TOKENS = 24
+GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+ARCHS = ("llama", "gemma2")
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("graphs_gpu")
+    shared = prompts(1, seed=9, min_len=40, max_len=40)[0]
+    batch = [shared + p for p in prompts(10, seed=3, min_len=4, max_len=50)]  # a common 40-token prefix
+    out = {}
+    for name in ARCHS:
+        hf = write_checkpoint(root / name, name, overrides={"head_dim": 64})
+        out[name] = (root / name, batch, hf)
+    return out
+
+
+def _llm(path, backend, dtype, *, enforce_eager):
+    return LLM(path, attention_backend=backend, dtype=dtype, device="cuda", block_size=16, num_kv_blocks=40,
+               max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=enforce_eager,
+               progress=False)
+
+
+def _run(llm, batch, params=GREEDY):
+    outs = [o.token_ids for o in llm.generate(batch, params)]
+    core = llm.core
+    graphs = core.executor.worker.runner.decode_graphs
+    return outs, graphs, core.scheduler.stats
+
+
+def _skip_unless_served(backend, dtype):
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64)
+    problem = AttentionProblem(spec, dtype=dtype, block_size=16, max_model_len=128, device="cuda",
+                               compute_capability=torch.cuda.get_device_capability())
+    try:
+        reasons = load_backend(backend).validate_configuration(problem)
+    except ImportError as exc:
+        reasons = [str(exc)]
+    if reasons:
+        pytest.skip("; ".join(reasons))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
+    path, batch, hf = cases[arch]
+    _skip_unless_served("TRITON", "float32")
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)  # stops at EOS, as HF's generate
+    got, graphs, stats = _run(_llm(path, "TRITON", "float32", enforce_eager=False), batch, params)
+    eager, no_graphs, _ = _run(_llm(path, "TRITON", "float32", enforce_eager=True), batch, params)
+    assert graphs is not None and graphs.num_steps > 0 and no_graphs is None
+    assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
+    assert got == eager
+    for i, (g, p) in enumerate(zip(got, batch)):
+        assert g == hf_greedy(hf, p, NEW_TOKENS), f"prompt {i}"
+
+
+
+@pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_graphs_equal_eager(cases, arch, backend):
+    path, batch, _ = cases[arch]
+    _skip_unless_served(backend, "bfloat16")
+    got, graphs, stats = _run(_llm(path, backend, "bfloat16", enforce_eager=False), batch)
+    eager, _, _ = _run(_llm(path, backend, "bfloat16", enforce_eager=True), batch)
+    assert graphs is not None and graphs.num_steps > 0
+    assert stats.num_preemptions > 0
+    assert got == eager

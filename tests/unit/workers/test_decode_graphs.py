@@ -1,0 +1,184 @@
+"""The static decode path (workers/decode_graphs.py) on CPU, without capture: buckets, padding,
+static buffers, and tokens equal to the eager path's (the graphs replay exactly this path on CUDA).
+
+Oracle: the eager ModelRunner on the same checkpoint, fed the same step plans.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
+from meshserve.errors import ConfigError
+from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes
+from meshserve.workers.sampling_params import SamplingParams
+from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.worker import Worker
+from tests.tiny_models import write_checkpoint
+
+BLOCK = 16
+NUM_BLOCKS = 64
+
+
+def test_capture_sizes_are_the_documented_buckets():
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(3) == [1, 2, 3]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert capture_sizes(256) == [1, 2, 4] + list(range(8, 257, 8))
+    with pytest.raises(ConfigError, match="max_batch"):
+        capture_sizes(0)
+
+
+def _worker(path, backend="TRITON") -> Worker:
+    w = Worker(ModelConfig(model=str(path), dtype="float32"), CacheConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS),
+               AttentionConfig(backend=backend), device="cpu", progress=False)  # fmt: skip
+    w.start()
+    return w
+
+
+def _graphs(w: Worker, max_batch: int) -> DecodeGraphs:
+    r = w.runner
+    return DecodeGraphs(r.model, backends=r.backends, kv_caches=r.kv_caches, layer_groups=r.layer_groups,
+                        block_size=BLOCK, max_local_len=w.info.max_model_len, max_batch=max_batch,
+                        device=torch.device("cpu"), capture=False)  # fmt: skip
+
+
+class _Driver:
+    """Feeds identical step plans to several runners: prompts, then decodes, with requests
+    joining and leaving so that the batch moves between buckets."""
+
+    def __init__(self, num_groups: int, seed: int = 0) -> None:
+        self.rng = random.Random(seed)
+        self.free = list(range(1, NUM_BLOCKS))  # block 0 is the null block
+        self.rng.shuffle(self.free)
+        self.num_groups = num_groups
+        self.tables: dict[str, list[list[int]]] = {}
+        self.lens: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.step = 0
+
+    def blocks_for(self, rid: str, seq_len: int) -> list[list[int]]:
+        tables = self.tables.setdefault(rid, [[] for _ in range(self.num_groups)])
+        for t in tables:
+            while len(t) * BLOCK < seq_len:
+                t.append(self.free.pop())
+        return [list(t) for t in tables]
+
+    def prefill(self, rid: str, prompt: list[int]) -> StepPlan:
+        self.step += 1
+        self.lens[rid] = len(prompt)
+        new = NewRequest(rid, prompt, SamplingParams(max_tokens=64).to_dict())
+        seq = ScheduledSeq(rid, prompt, 0, self.blocks_for(rid, len(prompt)))
+        return StepPlan(self.step, [seq], new_requests=[new])
+
+    def decode(self, rids: list[str], finished: list[str] = ()) -> StepPlan:
+        self.step += 1
+        seqs = []
+        for rid in rids:
+            ctx = self.lens[rid]
+            self.lens[rid] += 1
+            seqs.append(ScheduledSeq(rid, [self.last[rid]], ctx, self.blocks_for(rid, ctx + 1)))
+        return StepPlan(self.step, seqs, finished=list(finished))
+
+    def record(self, out) -> dict[str, int]:
+        toks = {s.request_id: s.token_id for s in out.sampled}
+        self.last.update(toks)
+        return toks
+
+
+def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int) -> tuple[list[tuple[int, int]], set[int]]:
+    """Drive both runners; return (batch, bucket) of every static step and the blocks handed out."""
+    drv = _Driver(num_groups)
+    sampled_rows: list[int] = []
+    real_sampler = static.sampler
+
+    def spy(logits, rows):
+        sampled_rows.append(logits.shape[0])
+        assert logits.shape[0] == len(rows)
+        return real_sampler(logits, rows)
+
+    static.sampler = spy
+    seen = []
+    prompts = {f"r{i}": [drv.rng.randrange(1, 300) for _ in range(5 + 7 * i)] for i in range(5)}
+
+    def both(plan: StepPlan) -> None:
+        sampled_rows.clear()
+        a, b = eager.execute(plan), static.execute(plan)
+        assert sampled_rows == [len(plan.seqs)]  # padded rows never reach the sampler
+        ta, tb = drv.record(a), {s.request_id: s.token_id for s in b.sampled}
+        assert ta == tb, f"step {plan.step_id}: eager {ta} != static {tb}"
+        if graphs.serves(plan.seqs):
+            seen.append((len(plan.seqs), graphs.bucket(len(plan.seqs))))
+
+    for rid in ("r0", "r1", "r2"):
+        both(drv.prefill(rid, prompts[rid]))
+    for _ in range(4):
+        both(drv.decode(["r0", "r1", "r2"]))  # 3 rows in bucket 4: one padded row
+    both(drv.prefill("r3", prompts["r3"]))  # a prefill step runs eagerly
+    for _ in range(3):
+        both(drv.decode(["r0", "r1", "r2", "r3"]))
+    both(drv.decode(["r1", "r3"], finished=["r0", "r2"]))
+    both(drv.prefill("r4", prompts["r4"]))
+    for _ in range(3):
+        both(drv.decode(["r1", "r3", "r4"]))
+    for _ in range(2):
+        both(drv.decode(["r4"]))
+    used = {b for tables in drv.tables.values() for t in tables for b in t}
+    return seen, used
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_static_decode_equals_eager_and_keeps_its_contract(tmp_path, arch):
+    write_checkpoint(tmp_path / arch, arch)
+    eager_w, static_w = _worker(tmp_path / arch), _worker(tmp_path / arch)
+    static = static_w.runner
+    graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
+    buffers = [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens,
+               *graphs.block_tables, *graphs.slot_mappings]  # fmt: skip
+    ptrs = [t.data_ptr() for t in buffers]
+    seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups)
+
+    assert {bucket for _, bucket in seen} == {1, 2, 4}  # the batch moved between buckets
+    assert (3, 4) in seen  # a padded step ran
+    assert [t.data_ptr() for t in buffers] == ptrs  # the addresses a graph holds never change
+    # Padded rows wrote only into the null block: every block no request owns is untouched.
+    for cache in static.kv_caches:
+        untouched = [b for b in range(1, NUM_BLOCKS) if b not in used]
+        assert torch.count_nonzero(cache.data[untouched]) == 0
+    # The K/V the requests wrote agree with the eager run's (attention partitions differ: rounding only).
+    for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):
+        torch.testing.assert_close(a.data[1:], b.data[1:], rtol=1e-5, atol=1e-5)
+    # Padded rows' slot mapping points at the null slot.
+    assert graphs.slot_mappings[0][3].item() == NULL_SLOT
+
+
+def test_static_decode_refuses_what_it_cannot_serve(tmp_path):
+    write_checkpoint(tmp_path / "llama", "llama")
+    w = _worker(tmp_path / "llama")
+    graphs = _graphs(w, max_batch=2)
+    decode = ScheduledSeq("a", [5], 3, [[1]])
+    assert graphs.serves([decode, decode])
+    assert not graphs.serves([decode] * 3)  # larger than the largest bucket: eager
+    assert not graphs.serves([ScheduledSeq("a", [5, 6], 3, [[1]])])  # a prompt chunk: eager
+    assert not graphs.serves([ScheduledSeq("a", [5], 3, [[1]], sample=False)])
+    assert not graphs.serves([])
+    with pytest.raises(ConfigError, match="seqs"):
+        graphs.run([decode] * 3)
+    ref = _worker(tmp_path / "llama", backend="TORCH")
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        _graphs(ref, max_batch=2)
+
+
+def test_graphs_off_on_cpu_and_with_enforce_eager(tmp_path, caplog):
+    write_checkpoint(tmp_path / "llama", "llama")
+    w = _worker(tmp_path / "llama")
+    assert w.runner.decode_graphs is None  # CPU: nothing to capture
+    assert "device is cpu" in w._graph_refusals(w.runner.backends, w.runner.model)
+    eager = Worker(ModelConfig(model=str(tmp_path / "llama"), dtype="float32", enforce_eager=True),
+                   CacheConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS), device="cpu", progress=False)
+    assert "enforce_eager is set" in eager._graph_refusals(w.runner.backends, w.runner.model)
+    with pytest.raises(ConfigError, match="cuda_graph_max_batch"):
+        ModelConfig(model=str(tmp_path / "llama"), cuda_graph_max_batch=0)
