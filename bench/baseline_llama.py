@@ -71,7 +71,8 @@ class StaticLlama(torch.nn.Module):
         self.v = per_layer(lambda p: torch.randn(shape, device=device, generator=g).to(dtype))
 
     def _rope(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:  # x [B, H, 1, D]
-        cos, sin = self.cos[pos].to(x.dtype), self.sin[pos].to(x.dtype)  # [D/2]
+        at = pos.view(1)  # a tensor index keeps the step free of host values (one graph for every pos)
+        cos, sin = self.cos.index_select(0, at).to(x.dtype), self.sin.index_select(0, at).to(x.dtype)  # [1, D/2]
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 

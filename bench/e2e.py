@@ -179,7 +179,7 @@ def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
 
     core = llm.core
     timed, profiled = args.steps, 5 if args.device == "cuda" else 0
-    params = SamplingParams(temperature=0, max_tokens=timed + profiled + 12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=timed + 2 * profiled + 12, ignore_eos=True)
     reqs = [core.add_request(p, params) for p in random_prompts(bs, args.prompt_len, vocab, bs)]
     while any(not r.output_ids for r in reqs):  # prefill (chunked under the token budget)
         core.step()
@@ -200,16 +200,25 @@ def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
                 core.step()
 
         busy, kernels = gpu_profile(run, profiled)
+        if args.host_profile and args.out:  # where the host's part of a step goes
+            import cProfile
+            import pstats
+
+            prof = cProfile.Profile()
+            prof.runcall(run, profiled)
+            with open(Path(args.out) / f"host_bs{bs}.txt", "w") as f:
+                pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
     while core.has_unfinished():
         core.step()
     return {"wall_s": statistics.median(times), "busy_s": busy, "kernels": kernels, "context": context}
 
 
-def ttft(llm, length: int, vocab: int, device: str) -> float:
+def ttft(llm, length: int, vocab: int, device: str, seed: int) -> float:
+    """Seconds from adding one fresh prompt (no prefix-cache hit) to its first token."""
     from meshserve import SamplingParams
 
     core = llm.core
-    req = core.add_request(random_prompts(1, length, vocab, length)[0], SamplingParams(max_tokens=1))
+    req = core.add_request(random_prompts(1, length, vocab, seed)[0], SamplingParams(max_tokens=1))
     sync(device)
     t0 = time.perf_counter()
     while not req.output_ids:
@@ -255,8 +264,8 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
         out["tok_s"][bs] = bs * args.output_len / elapsed
         print(f"meshserve generate bs={bs}: {out['tok_s'][bs]:.0f} tok/s", flush=True)
     for length in args.ttft_lens:
-        ttft(llm, length, vocab, args.device)  # warm-up: compile the prefill tiles for this length
-        out["ttft"][length] = ttft(llm, length, vocab, args.device)
+        ttft(llm, length, vocab, args.device, seed=length)  # warm-up: compile the prefill tiles for this length
+        out["ttft"][length] = ttft(llm, length, vocab, args.device, seed=length + 1)
         print(f"meshserve TTFT {length}: {out['ttft'][length] * 1e3:.1f} ms", flush=True)
     llm.shutdown()
     del llm
@@ -372,6 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline")
+    ap.add_argument("--host-profile", action="store_true", help="cProfile a few steps per batch (into --out)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--write", default=None, help="put the results section into this markdown file")
     ap.add_argument("--out", default=None, help="folder for the PNG plot and the JSON results")

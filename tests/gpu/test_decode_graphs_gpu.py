@@ -35,8 +35,15 @@ def cases(tmp_path_factory):
     return out
 
 
+# KV blocks of 16 tokens: enough for one max_model_len=128 sequence in each KV layer group (gemma2 has
+# three) plus a little, far fewer than the batch needs at once, so requests are preempted.
+NUM_BLOCKS = {"llama": 14, "gemma2": 30}
+
+
 def _llm(path, backend, dtype, *, enforce_eager):
-    return LLM(path, attention_backend=backend, dtype=dtype, device="cuda", block_size=16, num_kv_blocks=40,
+    arch = path.name
+    return LLM(path, attention_backend=backend, dtype=dtype, device="cuda", block_size=16,
+               num_kv_blocks=NUM_BLOCKS[arch],
                max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=enforce_eager,
                progress=False)
 
