@@ -1,16 +1,16 @@
-"""Fused decoder-layer kernels for CUDA: fewer launches per layer, same results as the torch ops.
+"""Fused decoder-layer kernels for CUDA: fewer launches per layer, the same math as the torch ops.
 
-Per decoder layer (Llama-style, no q/k norm), each fusion removes:
-- `add_rms_norm`: the residual add before each of the two norms (2 launches; the first norm of
-  layer 0 and the final norm use `rms_norm` / `add_rms_norm` the same way);
-- `act_and_mul`: the activation, the multiply, and the strided copy `chunk` makes the product
-  read (2 launches: one kernel where eager torch runs three);
-- `rotary_qk_write_kv`: the rotary embedding (~6 elementwise launches: two halves, a negation, a
-  cat, two multiplies and an add), the split into q and k, and the separate `write_kv` launch.
-`rms_norm` is one kernel for a norm without a residual (layer 0's input norm, q/k norms).
+Launches removed per decoder layer (eager torch, Llama-style layer without q/k norm):
+- `add_rms_norm`: the residual add before each of the layer's two norms joins the norm: -2
+  (the final norm too, once per model). Gemma's unit-offset norms also lose the float32 casts
+  of x and weight, the 1 + weight and the cast back: 5 launches become 1 per norm;
+- `act_and_mul`: act(gate) and the multiply by up become one kernel: -1;
+- `rotary_qk_write_kv`: apply_rotary (negate, cat, two multiplies, add) and the separate
+  write_kv launch become one kernel: -5.
+`rms_norm` is a norm without a residual (layer 0's input norm, q/k norms) as one kernel.
 
-Each function takes `use_triton`: None (the default) means "when the tensor is on CUDA". Off
-the Triton path every function runs exactly the unfused torch ops the model ran before, so CPU
+Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA). Off the
+Triton path every function runs exactly the unfused torch ops the model ran before, so CPU
 results are bit-for-bit unchanged; tests pass `use_triton=True` to run the kernels in the
 Triton interpreter. Kernels load in the activation dtype, compute in float32 and round once
 when they store.
@@ -37,8 +37,13 @@ _ACT_CODE = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
 MAX_HIDDEN = 32768  # rms_norm keeps one row in registers
 
 
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether the fused ops take the Triton path for x by default: when x is on CUDA."""
+    return x.is_cuda
+
+
 def _on_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
-    return x.is_cuda if use_triton is None else use_triton
+    return runs_triton(x) if use_triton is None else use_triton
 
 
 # ------------------------------------------------------------------------------------ rms_norm

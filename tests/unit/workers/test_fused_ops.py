@@ -221,3 +221,46 @@ def test_rotary_qk_write_kv_torch_path_is_the_unfused_ops(dtype, cache_dtype, di
     q2, k2, _ = _fused(qkv, cos[:, 0], sin[:, 0], dim, cache2, slots, use_triton=True)
     torch.testing.assert_close(q2, q, **TORCH_TOL[dtype])
     torch.testing.assert_close(k2, k, **TORCH_TOL[dtype])
+
+
+# ------------------------------------------------------------------------------ the whole model
+def _step_logits(path) -> list[torch.Tensor]:
+    """Logits of a prefill step of two prompts and a decode step, TRITON backend, float32."""
+    from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
+    from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+    from meshserve.workers.worker import Worker
+    from tests.tiny_models import prompts
+
+    worker = Worker(ModelConfig(model=str(path), max_model_len=64), CacheConfig(block_size=16, num_kv_blocks=16),
+                    AttentionConfig(backend="TRITON"), device="cpu", progress=False)
+    worker.start()
+    seen, model = [], worker.runner.model
+    compute = model.compute_logits
+    model.compute_logits = lambda hidden: seen.append(compute(hidden)) or seen[-1]
+    batch, groups = prompts(2, min_len=5, max_len=19), worker.runner.num_groups
+    tables = [[[3, 1]] * groups, [[0, 6]] * groups]  # shuffled blocks
+    new = [NewRequest(f"r{i}", p, {"temperature": 0.0}) for i, p in enumerate(batch)]
+    first = worker.runner.execute(StepPlan(0, [ScheduledSeq(f"r{i}", p, 0, tables[i])
+                                               for i, p in enumerate(batch)], new)).sampled
+    worker.runner.execute(StepPlan(1, [ScheduledSeq(f"r{i}", [first[i].token_id], len(p), tables[i])
+                                       for i, p in enumerate(batch)]))
+    return seen
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma2"])  # plain, q/k norms, sandwich norms + Gemma
+def test_model_on_the_fused_kernels_matches_the_torch_ops(tmp_path, monkeypatch, name):
+    """The model's CUDA wiring, run in the interpreter by making the fused ops take the Triton path."""
+    from meshserve.workers.models import fused_ops
+    from tests.tiny_models import write_checkpoint
+
+    write_checkpoint(tmp_path, name)
+    want = _step_logits(tmp_path)
+    calls = []
+    rotary = fused_ops.rotary_qk_write_kv
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(fused_ops, "rotary_qk_write_kv", lambda *a, **kw: calls.append(1) or rotary(*a, **kw))
+    got = _step_logits(tmp_path)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert bool(calls) == (name != "qwen3")  # q/k norms keep the backend's own write
