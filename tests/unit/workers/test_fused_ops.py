@@ -224,15 +224,16 @@ def test_rotary_qk_write_kv_torch_path_is_the_unfused_ops(dtype, cache_dtype, di
 
 
 # ------------------------------------------------------------------------------ the whole model
-def _step_logits(path) -> list[torch.Tensor]:
-    """Logits of a prefill step of two prompts and a decode step, TRITON backend, float32."""
+def step_logits(path, *, backend: str = "TRITON", dtype: str = "float32", device: str = "cpu") -> list[torch.Tensor]:
+    """Logits of a prefill step of two prompts and a decode step (also used by tests/gpu)."""
     from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
     from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
     from meshserve.workers.worker import Worker
     from tests.tiny_models import prompts
 
-    worker = Worker(ModelConfig(model=str(path), max_model_len=64), CacheConfig(block_size=16, num_kv_blocks=16),
-                    AttentionConfig(backend="TRITON"), device="cpu", progress=False)
+    worker = Worker(ModelConfig(model=str(path), max_model_len=64, dtype=dtype),
+                    CacheConfig(block_size=16, num_kv_blocks=16), AttentionConfig(backend=backend), device=device,
+                    progress=False)
     worker.start()
     seen, model = [], worker.runner.model
     compute = model.compute_logits
@@ -254,12 +255,12 @@ def test_model_on_the_fused_kernels_matches_the_torch_ops(tmp_path, monkeypatch,
     from tests.tiny_models import write_checkpoint
 
     write_checkpoint(tmp_path, name)
-    want = _step_logits(tmp_path)
+    want = step_logits(tmp_path)
     calls = []
     rotary = fused_ops.rotary_qk_write_kv
     monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
     monkeypatch.setattr(fused_ops, "rotary_qk_write_kv", lambda *a, **kw: calls.append(1) or rotary(*a, **kw))
-    got = _step_logits(tmp_path)
+    got = step_logits(tmp_path)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
