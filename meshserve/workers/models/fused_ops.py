@@ -111,8 +111,10 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = None
     if residual is not None:
-        check(residual.shape == x.shape, "residual", tuple(residual.shape), f"shape {list(x.shape)}")
-        residual = residual.reshape(-1, n) if residual.stride(-1) == 1 else residual.reshape(-1, n).contiguous()
+        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual",
+              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(x.shape)} and dtype {x.dtype}")
+        residual = residual.reshape(-1, n)
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, total
