@@ -192,6 +192,9 @@ class AttentionBackend(ABC):
 
     name: ClassVar[str]
     capabilities: ClassVar[BackendCapabilities]
+    # write_kv is meshserve's paged write (kernels.write_kv: layout, FP8 quantisation, -1 skips),
+    # so a model may store K/V itself in that same way, fused with its rotary embedding.
+    fused_kv_write: ClassVar[bool] = False
 
     def __init__(self, problem: AttentionProblem) -> None:
         reasons = self.validate_configuration(problem)

@@ -66,6 +66,8 @@ class DcpAttention:
     refuses it for a DCP problem otherwise.
     """
 
+    fused_kv_write = False  # K/V go through the wrapped backend's write_kv, never a fused model write
+
     def __init__(self, backend: AttentionBackend, ctx: ParallelContext, comm: DcpComm) -> None:
         self.inner = backend
         self.ctx = ctx

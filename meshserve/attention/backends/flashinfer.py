@@ -69,6 +69,7 @@ def _page_lists(
 
 class FlashInferBackend(AttentionBackend):
     name = "FLASHINFER"
+    fused_kv_write = True  # write_kv is kernels.write_kv
     capabilities = BackendCapabilities(
         dtypes=frozenset({"float16", "bfloat16"}),
         kv_cache_dtypes=frozenset(KVCacheDtype),

@@ -25,6 +25,20 @@ def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> to
     return (x.float() / scale.float()).clamp(-limit, limit).to(dtype)
 
 
+def scatter_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor) -> None:
+    """Store key/value [T, Hkv, D] at `slot_mapping` [T] (-1 skips), quantised for an FP8 cache."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    bs = kv_cache.block_size
+    blocks, offsets = slots // bs, slots % bs
+    k, v = key[keep], value[keep]
+    if kv_cache.is_fp8:
+        k = quantize_fp8(k, kv_cache.k_scale, kv_cache.data.dtype)
+        v = quantize_fp8(v, kv_cache.v_scale, kv_cache.data.dtype)
+    kv_cache.data[blocks, 0, offsets] = k.to(kv_cache.data.dtype)
+    kv_cache.data[blocks, 1, offsets] = v.to(kv_cache.data.dtype)
+
+
 def gather_kv(kv_cache: KVCache, block_row: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """One sequence's first `seq_len` cached keys and values, dequantised to float32.
 
@@ -124,16 +138,7 @@ class TorchBackend(AttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep]
-        bs = kv_cache.block_size
-        blocks, offsets = slots // bs, slots % bs
-        k, v = key[keep], value[keep]
-        if kv_cache.is_fp8:
-            k = quantize_fp8(k, kv_cache.k_scale, kv_cache.data.dtype)
-            v = quantize_fp8(v, kv_cache.v_scale, kv_cache.data.dtype)
-        kv_cache.data[blocks, 0, offsets] = k.to(kv_cache.data.dtype)
-        kv_cache.data[blocks, 1, offsets] = v.to(kv_cache.data.dtype)
+        scatter_kv(key, value, kv_cache, slot_mapping)
 
     def forward(
         self,
@@ -173,4 +178,4 @@ class TorchBackend(AttentionBackend):
         return (out, lse) if return_lse else out
 
 
-__all__ = ["TorchBackend", "quantize_fp8", "gather_kv", "attend", "FP8_DTYPES"]
+__all__ = ["TorchBackend", "quantize_fp8", "scatter_kv", "gather_kv", "attend", "FP8_DTYPES"]

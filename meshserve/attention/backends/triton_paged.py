@@ -70,6 +70,7 @@ def _num_sms(device_index: int) -> int:
 
 class TritonBackend(AttentionBackend):
     name = "TRITON"
+    fused_kv_write = True  # write_kv is kernels.write_kv
     capabilities = BackendCapabilities(
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         kv_cache_dtypes=frozenset(KVCacheDtype),

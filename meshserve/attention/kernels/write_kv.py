@@ -102,7 +102,7 @@ def write_kv(
         NUM_KV_HEADS=spec.num_kv_heads, HEAD_D=spec.head_size, HEAD_DV=spec.v_size,
         BLOCK_HKV=triton.next_power_of_2(spec.num_kv_heads), BLOCK_D=triton.next_power_of_2(spec.head_size),
         BLOCK_DV=triton.next_power_of_2(spec.v_size), PAGE=kv_cache.block_size, KV_FP8=fp8,
-        **_fp8_grid(data.dtype),
+        **fp8_grid(data.dtype),
     )  # fmt: skip
 
 
@@ -114,7 +114,7 @@ def scales_on(kv_cache: KVCache, device: torch.device) -> tuple[torch.Tensor, to
     )
 
 
-def _fp8_grid(dtype: torch.dtype) -> dict[str, float]:
+def fp8_grid(dtype: torch.dtype) -> dict[str, float]:
     """Mantissa bits, smallest normal and subnormal spacing of an FP8 format (unused otherwise)."""
     bits, min_exp = (2, -14) if dtype == torch.float8_e5m2 else (3, -6)
     return dict(FP8_MANTISSA_BITS=bits, FP8_MIN_NORMAL=2.0**min_exp, FP8_SUB_ULP=2.0 ** (min_exp - bits))

@@ -5,6 +5,10 @@ transforms applied to the built model). Tokens are packed: activations are [T, h
 T new tokens of all sequences in a step. Attention goes through the backend handed in with
 the step's `ForwardContext`; no code here knows which backend that is.
 
+Layers pass on (output, residual stream) pairs, as vLLM does, so that each residual add joins
+the norm after it: on CUDA these, the MLP activation and the rotary embedding with the K/V
+write run as fused Triton kernels (fused_ops); on CPU the same torch ops as ever run.
+
 Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one matrix
 each (`qkv_proj`, `gate_up_proj`); the loader stacks them.
 """
@@ -15,11 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
+from meshserve.workers.models import fused_ops as fused
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
@@ -49,13 +53,6 @@ class ForwardContext:
     layers: Sequence[LayerAttention]
 
 
-_ACT = {
-    "silu": F.silu,
-    "gelu": F.gelu,
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-}
-
-
 class RMSNorm(nn.Module):
     """unit_offset: the scale is 1 + weight (Gemma checkpoints store the offset from one)."""
 
@@ -66,11 +63,12 @@ class RMSNorm(nn.Module):
         self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # One fused kernel where torch has one; statistics are accumulated in float32.
-        if self.unit_offset:  # as Gemma: normalise and scale in float32, then cast back
-            scale = 1.0 + self.weight.float()
-            return F.rms_norm(x.float(), (x.shape[-1],), scale, self.eps).to(x.dtype)
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # Statistics in float32; with unit_offset, as Gemma, normalised and scaled in float32.
+        return fused.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual); the sum is in the activation dtype."""
+        return fused.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
 
 
 class Attention(nn.Module):
@@ -87,21 +85,32 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q_size, kv_size = H * D, Hkv * D
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        layer = ctx.layers[self.layer_idx]
+        if self.q_norm is None and layer.backend.fused_kv_write and fused.runs_triton(qkv):
+            # One kernel rotates q and k and stores k and v as the backend's write_kv would.
+            q, k, v = fused.rotary_qk_write_kv(qkv, *rope, num_heads=H, num_kv_heads=Hkv, head_dim=D,
+                                               kv_cache=layer.kv_cache, slot_mapping=layer.slot_mapping)
+        else:
+            q, k, v = self._rotate(qkv, rope)
+            layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping)
+        params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
+        o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
+        return self.o_proj(o.reshape(T, H * D))
+
+    def _rotate(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, H, D] and k [T, Hkv, D] normed (q/k norms) and rotated; v [T, Hkv, D], a view of qkv."""
+        T, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q_size, kv_size = H * D, Hkv * D
         if self.q_norm is None:
             qk = qkv[:, : q_size + kv_size].view(T, H + Hkv, D)  # q and k heads, rotated together
         else:
             q = self.q_norm(qkv[:, :q_size].view(T, H, D))
             k = self.k_norm(qkv[:, q_size : q_size + kv_size].view(T, Hkv, D))
             qk = torch.cat((q, k), dim=1)
-        q, k = apply_rotary(qk, *rope).split([H, Hkv], dim=1)  # [T, H, D], [T, Hkv, D]
-        v = qkv[:, q_size + kv_size :].view(T, Hkv, D)
-        layer = ctx.layers[self.layer_idx]
-        layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping)
-        params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
-        o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
-        return self.o_proj(o.reshape(T, q_size))
+        q, k = apply_rotary(qk, *rope).split([H, Hkv], dim=1)
+        return q, k, qkv[:, q_size + kv_size :].view(T, Hkv, D)
 
 
 class MLP(nn.Module):
@@ -110,11 +119,11 @@ class MLP(nn.Module):
         self.intermediate_size = arch.intermediate_size
         self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
         self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
-        self.act = _ACT[arch.hidden_act]
+        self.hidden_act = arch.hidden_act
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
-        return self.down_proj(self.act(gate) * up)
+        gate_up = self.gate_up_proj(x)  # [T, 2I]: gate, then up
+        return self.down_proj(fused.act_and_mul(gate_up, self.hidden_act))  # act(gate) * up: [T, I]
 
 
 def _mlp(arch: ModelArch) -> nn.Module:
@@ -145,12 +154,21 @@ class DecoderLayer(nn.Module):
             self.pre_feedforward_layernorm = norm()
             self.post_feedforward_layernorm = norm()
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], ctx: ForwardContext) -> torch.Tensor:
-        if self.sandwich:
-            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, ctx))
-            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: the previous layer's output and `residual` the stream it is still to be added to
+        (layer 0: the embeddings and None). Returns (output, residual) in the same sense; the
+        next layer's input norm, or the final norm, adds them as it normalises."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        attn = self.self_attn(h, rope, ctx)
+        if self.sandwich:  # the attention output is normed before it joins the stream
+            h, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), residual)
+            return self.post_feedforward_layernorm(self.mlp(h)), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(h), residual
 
 
 class DecoderBody(nn.Module):
@@ -202,9 +220,10 @@ class CausalLM(nn.Module):
             x = x * torch.tensor(self.arch.embed_scale, dtype=x.dtype)
         rope = self.model.rotary(positions, x.dtype)  # computed once, used by every layer
         local = rope if self.model.local_rotary is None else self.model.local_rotary(positions, x.dtype)
+        residual = None
         for layer, window in zip(self.model.layers, self.arch.layer_windows):
-            x = layer(x, rope if window is None else local, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope if window is None else local, ctx)
+        return self.model.norm(x) if residual is None else self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped when the arch says so)."""

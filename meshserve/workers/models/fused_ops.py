@@ -1,0 +1,291 @@
+"""Fused decoder-layer kernels for CUDA: fewer launches per layer, the same math as the torch ops.
+
+Launches removed per decoder layer (eager torch, Llama-style layer without q/k norm):
+- `add_rms_norm`: the residual add before each of the layer's two norms joins the norm: -2
+  (the final norm too, once per model). Gemma's unit-offset norms also lose the float32 casts
+  of x and weight, the 1 + weight and the cast back: 5 launches become 1 per norm;
+- `act_and_mul`: act(gate) and the multiply by up become one kernel: -1;
+- `rotary_qk_write_kv`: apply_rotary (negate, cat, two multiplies, add) and the separate
+  write_kv launch become one kernel: -5.
+`rms_norm` is a norm without a residual (layer 0's input norm, q/k norms) as one kernel.
+
+Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA). Off the
+Triton path every function runs exactly the unfused torch ops the model ran before, so CPU
+results are bit-for-bit unchanged; tests pass `use_triton=True` to run the kernels in the
+Triton interpreter. Kernels load in the activation dtype, compute in float32 and round once
+when they store.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from meshserve.attention.backend import KVCache
+from meshserve.attention.kernels.write_kv import fp8_grid, round_to_fp8_grid, scales_on
+from meshserve.errors import check
+
+# Activation names (arch.ACTIVATIONS) -> the torch function, and the kernel's constexpr code.
+TORCH_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+_ACT_CODE = {"silu": 0, "gelu": 1, "gelu_pytorch_tanh": 2}
+MAX_HIDDEN = 32768  # rms_norm keeps one row in registers
+
+
+def runs_triton(x: torch.Tensor) -> bool:
+    """Whether the fused ops take the Triton path for x by default: when x is on CUDA."""
+    return x.is_cuda
+
+
+def _on_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
+    return runs_triton(x) if use_triton is None else use_triton
+
+
+# ------------------------------------------------------------------------------------ rms_norm
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_x_outer, stride_x_inner, rows_inner, stride_res,
+    n, eps,
+    HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    # Row `row` of x viewed as [outer, inner, n]: a q/k norm reads heads of a strided qkv view.
+    x_row = x_ptr + (row // rows_inner) * stride_x_outer + (row % rows_inner) * stride_x_inner
+    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        x = x.to(tl.float32) + r.to(tl.float32)
+        x = x.to(sum_ptr.dtype.element_ty)  # the sum is rounded to the activation dtype, as `x + r`
+        tl.store(sum_ptr + row * n + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if UNIT_OFFSET:
+        w = w + 1.0
+    tl.store(out_ptr + row * n + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
+             use_triton: bool | None = None) -> torch.Tensor:
+    """x [..., N] normalised over N, times weight [N] (unit_offset: times 1 + weight, Gemma).
+
+    Plain: as F.rms_norm(x, (N,), weight) in x's dtype. unit_offset: as F.rms_norm in float32
+    with scale 1 + weight.float(), cast back. Returns a new tensor shaped and typed as x.
+    """
+    if not _on_triton(use_triton, x):
+        if unit_offset:
+            return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return _launch_norm(x, None, weight, eps, unit_offset)[0]
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                 unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
+    if not _on_triton(use_triton, x):
+        s = x + residual
+        return rms_norm(s, weight, eps, unit_offset=unit_offset, use_triton=False), s
+    return _launch_norm(x, residual, weight, eps, unit_offset)
+
+
+def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n = x.shape[-1]
+    check(0 < n <= MAX_HIDDEN, "hidden size", n, f"1..{MAX_HIDDEN} for the fused rms_norm")
+    check(tuple(weight.shape) == (n,), "weight", tuple(weight.shape), f"shape [{n}]")
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    if x.dim() == 3:  # [T, heads, D]: a strided view of qkv (q/k norm) is read in place
+        rows, rows_inner, stride_outer, stride_inner = x, x.shape[1], x.stride(0), x.stride(1)
+    else:
+        rows = x.reshape(-1, n)
+        rows_inner, stride_outer, stride_inner = 1, rows.stride(0), 0
+    num_rows = x.numel() // n
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = None
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual",
+              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(x.shape)} and dtype {x.dtype}")
+        residual = residual.reshape(-1, n)
+        residual = residual if residual.stride(-1) == 1 else residual.contiguous()
+        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_rows == 0:
+        return out, total
+    block = triton.next_power_of_2(n)
+    _rms_norm_kernel[(num_rows,)](
+        rows, residual if residual is not None else rows, weight, out, total if total is not None else out,
+        stride_outer, stride_inner, rows_inner, residual.stride(0) if residual is not None else 0,
+        n, eps,
+        HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
+        num_warps=min(max(block // 512, 1), 16),
+    )  # fmt: skip
+    return out, total
+
+
+# ---------------------------------------------------------------------------------- act_and_mul
+@triton.jit
+def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    gate = tl.load(gu_ptr + t * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + t * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if ACT == 0:  # silu; exp of -|gate| only, so that nothing overflows
+        e = tl.exp(-tl.abs(gate))
+        act = gate * tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+    elif ACT == 1:  # gelu, erf form
+        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+    else:  # gelu, tanh approximation; tanh(u) = sign(u) (1 - e) / (1 + e) with e = exp(-2|u|)
+        u = 0.7978845608028654 * (gate + 0.044715 * gate * gate * gate)
+        e = tl.exp(-2.0 * tl.abs(u))
+        tanh = (1.0 - e) / (1.0 + e)
+        act = 0.5 * gate * (1.0 + tl.where(u >= 0, tanh, -tanh))
+    tl.store(out_ptr + t * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = None) -> torch.Tensor:
+    """gate_up [T, 2I] (gate, then up) -> act(gate) * up [T, I] in gate_up's dtype.
+
+    act: one of TORCH_ACTIVATIONS. The kernel computes in float32 and rounds once; the torch
+    path rounds act(gate) and the product separately, as the unfused MLP did.
+    """
+    check(act in _ACT_CODE, "act", act, f"one of {sorted(_ACT_CODE)}")
+    if not _on_triton(use_triton, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return TORCH_ACTIVATIONS[act](gate) * up
+    width = gate_up.shape[-1]
+    check(width % 2 == 0, "gate_up", tuple(gate_up.shape), "an even last dimension (gate, then up)")
+    gu = gate_up.reshape(-1, width)
+    gu = gu if gu.stride(-1) == 1 else gu.contiguous()
+    inter = width // 2
+    out = torch.empty((*gate_up.shape[:-1], inter), dtype=gate_up.dtype, device=gate_up.device)
+    if gu.shape[0] == 0 or inter == 0:
+        return out
+    block = min(triton.next_power_of_2(inter), 1024)
+    grid = (gu.shape[0], triton.cdiv(inter, block))
+    _act_and_mul_kernel[grid](gu, out, gu.stride(0), inter, ACT=_ACT_CODE[act], BLOCK=block, num_warps=4)
+    return out
+
+
+# ------------------------------------------------------------------------- rotary_qk_write_kv
+@triton.jit
+def _rotary_qk_write_kv_kernel(
+    qkv_ptr, cos_ptr, sin_ptr, q_ptr, k_ptr, cache_ptr, slot_ptr, k_scale_ptr, v_scale_ptr, fp8_max,
+    stride_qkv, stride_cos, stride_sin, stride_cb, stride_ckv, stride_ct, stride_ch,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_D: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, PAGE: tl.constexpr, KV_FP8: tl.constexpr,
+    FP8_MANTISSA_BITS: tl.constexpr, FP8_MIN_NORMAL: tl.constexpr, FP8_SUB_ULP: tl.constexpr,
+):  # fmt: skip
+    # Program (t, g): token t, heads [g * BLOCK_H, (g + 1) * BLOCK_H) of the H + 2 Hkv heads of
+    # qkv (q heads, k heads, v heads, in that order). Each head is processed as its two halves.
+    HALF: tl.constexpr = HEAD_D // 2
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_HALF)
+    in_d = d < HALF
+    mask = (h < NUM_HEADS + 2 * NUM_KV_HEADS)[:, None] & in_d[None, :]
+    src = qkv_ptr + t * stride_qkv + h[:, None] * HEAD_D + d[None, :]
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos_ptr + t * stride_cos + d, mask=in_d, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_ptr + t * stride_cos + HALF + d, mask=in_d, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_ptr + t * stride_sin + d, mask=in_d, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_ptr + t * stride_sin + HALF + d, mask=in_d, other=0.0).to(tl.float32)[None, :]
+    is_v = (h >= NUM_HEADS + NUM_KV_HEADS)[:, None]
+    # x * cos + rotate_half(x) * sin with rotate_half(x) = (-x2, x1); v heads pass through.
+    out1 = tl.where(is_v, x1, x1 * cos1 - x2 * sin1).to(q_ptr.dtype.element_ty)
+    out2 = tl.where(is_v, x2, x2 * cos2 + x1 * sin2).to(q_ptr.dtype.element_ty)
+
+    is_q = (h < NUM_HEADS)[:, None]
+    q_dst = q_ptr + t * (NUM_HEADS * HEAD_D) + h[:, None] * HEAD_D + d[None, :]
+    tl.store(q_dst, out1, mask=mask & is_q)
+    tl.store(q_dst + HALF, out2, mask=mask & is_q)
+    is_k = (h >= NUM_HEADS)[:, None] & ~is_v
+    k_dst = k_ptr + t * (NUM_KV_HEADS * HEAD_D) + (h - NUM_HEADS)[:, None] * HEAD_D + d[None, :]
+    tl.store(k_dst, out1, mask=mask & is_k)
+    tl.store(k_dst + HALF, out2, mask=mask & is_k)
+
+    # The paged cache: K heads to index 0, V heads to index 1 of the token's slot (-1: skip).
+    slot = tl.load(slot_ptr + t)
+    kv_head = tl.where(is_v, h[:, None] - NUM_HEADS - NUM_KV_HEADS, h[:, None] - NUM_HEADS)
+    dst = (cache_ptr + (slot // PAGE) * stride_cb + is_v.to(tl.int64) * stride_ckv + (slot % PAGE) * stride_ct
+           + kv_head * stride_ch + d[None, :])
+    c1, c2 = out1.to(tl.float32), out2.to(tl.float32)  # quantise the values q/k/v hold
+    if KV_FP8:
+        # Stored = real / scale, saturated at the format's largest finite value (as write_kv).
+        scale = tl.where(is_v, tl.load(v_scale_ptr), tl.load(k_scale_ptr))
+        c1 = round_to_fp8_grid(tl.clamp(c1 / scale, -fp8_max, fp8_max),
+                               FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_SUB_ULP)
+        c2 = round_to_fp8_grid(tl.clamp(c2 / scale, -fp8_max, fp8_max),
+                               FP8_MANTISSA_BITS, FP8_MIN_NORMAL, FP8_SUB_ULP)
+    to_cache = (h >= NUM_HEADS) & (tl.zeros([BLOCK_H], dtype=tl.int64) + slot >= 0)  # K/V heads, kept slot
+    cache_mask = mask & to_cache[:, None]
+    tl.store(dst, c1.to(cache_ptr.dtype.element_ty), mask=cache_mask)
+    tl.store(dst + HALF, c2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
+
+
+def rotary_qk_write_kv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int, num_kv_heads: int,
+    head_dim: int, kv_cache: KVCache, slot_mapping: torch.Tensor, use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotate q and k of a fused qkv projection and store k, v in the paged cache, in one kernel.
+
+    qkv: [T, (H + 2 Hkv) * D] (q heads, k heads, v heads); cos, sin: [T, 1, D] or [T, D] as
+    RotaryEmbedding returns them (full width, neox half rotation); kv_cache.data: [blocks, 2,
+    block_size, Hkv, D], FP8 caches quantised with the cache's scales as write_kv does;
+    slot_mapping: [T] int64 (-1 skips). Returns q [T, H, D] and k [T, Hkv, D] (new tensors) and
+    v [T, Hkv, D] (a view of qkv), all in qkv's dtype.
+
+    The kernel rotates in float32 and rounds once (HF rounds x * cos and rotate_half(x) * sin to
+    the activation dtype before adding them: at most an ulp apart in fp16/bf16, equal in fp32).
+    The cache receives the rounded k, so it holds exactly what write_kv(k, v) would store. The
+    torch path (use_triton False) is the unfused apply_rotary + TORCH reference write.
+    """
+    T, H, Hkv, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
+    check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
+    cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
+    check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
+    data = kv_cache.data
+    want = (2, data.shape[2], Hkv, D)
+    check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
+    check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")
+    check(data.stride(-1) == 1, "kv_cache.data", tuple(data.stride()), "unit stride in the head dimension")
+    v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    if not _on_triton(use_triton, qkv):
+        from meshserve.attention.backends.torch_ref import scatter_kv
+        from meshserve.workers.models.rope import apply_rotary
+
+        qk = qkv[:, : (H + Hkv) * D].view(T, H + Hkv, D)
+        q, k = apply_rotary(qk, cos[:, None], sin[:, None]).split([H, Hkv], dim=1)
+        scatter_kv(k, v, kv_cache, slot_mapping)
+        return q, k, v
+    qkv = qkv if qkv.stride(-1) == 1 else qkv.contiguous()
+    cos = cos if cos.stride(-1) == 1 else cos.contiguous()
+    sin = sin if sin.stride(-1) == 1 else sin.contiguous()
+    q = torch.empty((T, H, D), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((T, Hkv, D), dtype=qkv.dtype, device=qkv.device)
+    check(kv_cache.is_fp8 or data.dtype == qkv.dtype, "kv_cache.data", data.dtype, f"{qkv.dtype} or an FP8 dtype")
+    if T == 0:
+        return q, k, v
+    k_scale, v_scale = scales_on(kv_cache, data.device)
+    block_half = triton.next_power_of_2(D // 2)
+    heads = H + 2 * Hkv
+    block_h = min(triton.next_power_of_2(heads), max(1, 2048 // block_half))
+    _rotary_qk_write_kv_kernel[(T, triton.cdiv(heads, block_h))](
+        qkv, cos, sin, q, k, data, slot_mapping, k_scale, v_scale,
+        torch.finfo(data.dtype).max if kv_cache.is_fp8 else 0.0,
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        data.stride(0), data.stride(1), data.stride(2), data.stride(3),
+        NUM_HEADS=H, NUM_KV_HEADS=Hkv, HEAD_D=D, BLOCK_H=block_h, BLOCK_HALF=block_half,
+        PAGE=kv_cache.block_size, KV_FP8=kv_cache.is_fp8, **fp8_grid(data.dtype),
+        num_warps=4,
+    )  # fmt: skip
+    return q, k, v
