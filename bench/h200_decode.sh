@@ -16,7 +16,7 @@ export FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/tcache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 SECONDS=0
 if [ -n "$TESTS" ]; then
-    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -x -rfEs $TESTS > "$OUT/tests.log" 2>&1
+    timeout "${TEST_TIMEOUT:-240}" python3 -m pytest -q -p no:cacheprovider -rfEs $TESTS > "$OUT/tests.log" 2>&1
     echo "gpu tests exit $? after ${SECONDS}s"
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests.log" | cut -c1-220 | head -30
     tail -3 "$OUT/tests.log"
