@@ -182,8 +182,8 @@ async def serve_load(mode: str, args) -> dict[str, list[tuple[float, float]]]:
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
     from meshserve.cluster.engine import EngineConfig
     from meshserve.config import CacheConfig, ModelConfig, PoolConfig
+    from meshserve.core.sampling_params import SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
-    from meshserve.workers.sampling_params import SamplingParams
 
     engine = EngineConfig(model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32"),
                           cache=CacheConfig(num_kv_blocks=512))

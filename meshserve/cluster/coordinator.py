@@ -32,15 +32,15 @@ from pathlib import Path
 from meshserve.cluster.engine import EngineConfig
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.logs import configure_logging, request_event
-from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
 from meshserve.cluster.request import Request
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer
-from meshserve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger("meshserve.coordinator")
 

@@ -29,8 +29,8 @@ from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.request import FinishReason, Request, RequestStatus
+from meshserve.cluster.request import Request, RequestStatus
+from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, ReplicaFailedError
 
 log = logging.getLogger("meshserve.replica")

@@ -5,20 +5,14 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from meshserve.workers.sampler import TokenLogprobs
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.outputs import FinishReason, TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; never run, or preempted (its KV freed, recomputed when resumed)
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
-    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass(eq=False)

@@ -16,8 +16,8 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError
-from meshserve.workers.sampling_params import SamplingParams
 from tests.integration.ray_cluster import embedded_ray
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from tests.tiny_models import prompts
 
 SHARED = prompts(1, seed=11, min_len=48, max_len=48)[0]

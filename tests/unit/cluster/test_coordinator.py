@@ -10,10 +10,10 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
-from meshserve.cluster.request import FinishReason
 from meshserve.config import PoolConfig
+from meshserve.core.outputs import FinishReason
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
-from meshserve.workers.sampling_params import SamplingParams
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.cluster.request import FinishReason
+from meshserve.core.outputs import FinishReason
 from meshserve.engine import add_generate_parser, generate_main
 from meshserve.errors import ConfigError
 from tests.tiny_models import EOS, hf_greedy, prompts, write_checkpoint
