@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 _PUBLIC = {
-    "LLM": "meshserve.engine",
+    "LLM": "meshserve.api.llm",
     "SamplingParams": "meshserve.core.sampling_params",
     "RequestOutput": "meshserve.core.outputs",
     "CompletionDelta": "meshserve.core.outputs",
@@ -16,9 +16,9 @@ _PUBLIC = {
 }
 
 if TYPE_CHECKING:
+    from meshserve.api.llm import LLM
     from meshserve.core.outputs import CompletionDelta, RequestOutput
     from meshserve.core.sampling_params import SamplingParams
-    from meshserve.engine import LLM
     from meshserve.workers.embedder import EmbeddingOutput
 
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from meshserve.api.llm import add_generate_parser, generate_main
 from meshserve.core.outputs import FinishReason
-from meshserve.engine import add_generate_parser, generate_main
 from meshserve.errors import ConfigError
 from tests.tiny_models import EOS, hf_greedy, prompts, write_checkpoint
 
