@@ -98,7 +98,8 @@ def engine_config(tp: int, model_dir: str):
 def measure_overhead(args) -> list[tuple[str, int, float]]:
     """Median step time per executor. All executors run side by side, in interleaved blocks of
     steps, so that background load on a shared machine falls on all of them alike."""
-    from meshserve.cluster.executor import ChannelExecutor, ThreadRanks, WorkerSpec
+    from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
+    from meshserve.cluster.executor import WorkerSpec
     from meshserve.cluster.multiproc import MultiprocExecutor
     from meshserve.cluster.ray_executor import RayExecutor
     from meshserve.workers.step import StepOutput

@@ -166,7 +166,8 @@ class Coordinator:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name)
-        from meshserve.cluster.executor import ChannelExecutor, ThreadRanks, WorkerSpec
+        from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
+        from meshserve.cluster.executor import WorkerSpec
 
         spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
                           **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))
