@@ -23,8 +23,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from meshserve.cluster.handover import Handoff
-from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats, Sink
-from meshserve.cluster.request import Request
+from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats
+from meshserve.cluster.request import Request, Sink
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError
 

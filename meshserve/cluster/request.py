@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 
 from meshserve.core.outputs import FinishReason, TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
+
+Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request's stream
 
 
 class RequestStatus(enum.Enum):
