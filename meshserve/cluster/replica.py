@@ -35,6 +35,7 @@ from meshserve.errors import MeshserveError, ReplicaFailedError
 
 log = logging.getLogger("meshserve.replica")
 
+
 class ReplicaState(enum.Enum):
     STARTING = "starting"
     READY = "ready"
