@@ -98,7 +98,8 @@ def engine_config(tp: int, model_dir: str):
 def measure_overhead(args) -> list[tuple[str, int, float]]:
     """Median step time per executor. All executors run side by side, in interleaved blocks of
     steps, so that background load on a shared machine falls on all of them alike."""
-    from meshserve.cluster.executor import ChannelExecutor, ThreadRanks, WorkerSpec
+    from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
+    from meshserve.cluster.executor import WorkerSpec
     from meshserve.cluster.multiproc import MultiprocExecutor
     from meshserve.cluster.ray_executor import RayExecutor
     from meshserve.workers.step import StepOutput
@@ -182,8 +183,8 @@ async def serve_load(mode: str, args) -> dict[str, list[tuple[float, float]]]:
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
     from meshserve.cluster.engine import EngineConfig
     from meshserve.config import CacheConfig, ModelConfig, PoolConfig
+    from meshserve.core.sampling_params import SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
-    from meshserve.workers.sampling_params import SamplingParams
 
     engine = EngineConfig(model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32"),
                           cache=CacheConfig(num_kv_blocks=512))

@@ -8,18 +8,18 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 _PUBLIC = {
-    "LLM": "meshserve.engine",
-    "SamplingParams": "meshserve.workers.sampling_params",
-    "RequestOutput": "meshserve.cluster.outputs",
-    "CompletionDelta": "meshserve.cluster.outputs",
+    "LLM": "meshserve.api.llm",
+    "SamplingParams": "meshserve.core.sampling_params",
+    "RequestOutput": "meshserve.core.outputs",
+    "CompletionDelta": "meshserve.core.outputs",
     "EmbeddingOutput": "meshserve.workers.embedder",
 }
 
 if TYPE_CHECKING:
-    from meshserve.cluster.outputs import CompletionDelta, RequestOutput
-    from meshserve.engine import LLM
+    from meshserve.api.llm import LLM
+    from meshserve.core.outputs import CompletionDelta, RequestOutput
+    from meshserve.core.sampling_params import SamplingParams
     from meshserve.workers.embedder import EmbeddingOutput
-    from meshserve.workers.sampling_params import SamplingParams
 
 
 def __getattr__(name: str):

@@ -100,8 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_layer_flags(p)
     p.set_defaults(func=cmd_backends)
     from meshserve.api.client_cli import add_client_parser
+    from meshserve.api.llm import add_generate_parser
     from meshserve.api.serve import add_serve_parser
-    from meshserve.engine import add_generate_parser
 
     add_generate_parser(sub)
     from meshserve.embed_cli import add_embed_parser

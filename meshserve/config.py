@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from meshserve.attention.spec import KVCacheDtype
+from meshserve.core.attention_options import ATTENTION_BACKENDS, KVCacheDtype
 from meshserve.errors import as_enum, check
 
 
@@ -87,10 +87,9 @@ class AttentionConfig:
 
     def __post_init__(self) -> None:
         if self.backend is not None:
-            from meshserve.attention.registry import BACKENDS
-
             name = str(self.backend).upper()
-            check(name in BACKENDS, "attention_backend", self.backend, f"one of {sorted(BACKENDS)} or None")
+            check(name in ATTENTION_BACKENDS, "attention_backend", self.backend,
+                  f"one of {sorted(ATTENTION_BACKENDS)} or None")
             object.__setattr__(self, "backend", name)
 
 

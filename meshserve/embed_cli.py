@@ -31,7 +31,7 @@ def add_embed_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def embed_main(args: argparse.Namespace) -> int:
-    from meshserve.engine import LLM
+    from meshserve.api.llm import LLM
 
     texts = args.texts
     if texts == ["-"]:

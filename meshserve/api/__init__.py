@@ -1,5 +1,7 @@
-"""The gRPC face of meshserve: `meshserve.v1.Inference`, health, reflection, auth, TLS, metrics.
+"""The faces of meshserve: the Python `LLM` and the gRPC service `meshserve.v1.Inference`
+(health, reflection, auth, TLS, metrics).
 
+llm.py      LLM (the public Python API, `from meshserve import LLM`) and the `meshserve generate` command
 server.py   ApiServer: the grpc.aio server over any InferenceService
 servicer.py the Inference methods: requests in, deltas out, errors as status codes
 convert.py  proto messages <-> SamplingParams / CompletionDelta, with the API's own limits

@@ -13,12 +13,11 @@ from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
 
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.request import FinishReason
 from meshserve.cluster.service import ModelCard, ServiceStats
+from meshserve.core.outputs import CompletionDelta, FinishReason
+from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.v1 import inference_pb2 as pb
-from meshserve.workers.sampling_params import MAX_LOGPROBS, SamplingParams
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,

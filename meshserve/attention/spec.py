@@ -10,6 +10,7 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 
+from meshserve.core.attention_options import KVCacheDtype  # defined in core for config.py; part of this spec
 from meshserve.errors import as_enum, check
 
 
@@ -18,16 +19,6 @@ class AttentionType(StrEnum):
     ENCODER = "encoder"  # non-causal self-attention whose K/V are cached (for cross-attention later)
     ENCODER_ONLY = "encoder_only"  # non-causal self-attention, no KV cache (embedding models)
     CROSS = "cross"  # decoder queries over cached encoder K/V, non-causal
-
-
-class KVCacheDtype(StrEnum):
-    AUTO = "auto"  # same dtype as the model
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-
-    @property
-    def is_fp8(self) -> bool:
-        return self is not KVCacheDtype.AUTO
 
 
 @dataclass(frozen=True)

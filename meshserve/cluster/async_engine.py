@@ -13,10 +13,10 @@ import contextlib
 from collections.abc import AsyncIterator, Sequence
 
 from meshserve.cluster.engine import EngineCore
-from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.request import Request
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, MeshserveError
-from meshserve.workers.sampling_params import SamplingParams
 
 
 class EngineDeadError(MeshserveError):

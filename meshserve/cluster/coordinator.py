@@ -32,15 +32,15 @@ from pathlib import Path
 from meshserve.cluster.engine import EngineConfig
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.logs import configure_logging, request_event
-from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
 from meshserve.cluster.request import Request
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer
-from meshserve.workers.sampling_params import SamplingParams
 
 log = logging.getLogger("meshserve.coordinator")
 
@@ -166,7 +166,8 @@ class Coordinator:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name)
-        from meshserve.cluster.executor import ChannelExecutor, ThreadRanks, WorkerSpec
+        from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
+        from meshserve.cluster.executor import WorkerSpec
 
         spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
                           **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))

@@ -14,11 +14,11 @@ import asyncio
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, QueueFullError, UnavailableError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput
-from meshserve.workers.sampling_params import SamplingParams
 
 
 class EmbeddingService:

@@ -14,16 +14,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
-from meshserve.cluster.outputs import CompletionDelta, RequestOutput
-from meshserve.cluster.request import FinishReason, Request
+from meshserve.cluster.request import Request
 from meshserve.cluster.scheduler import Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.core.outputs import CompletionDelta, FinishReason, RequestOutput
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.workers.checkpoint import load_tokenizer
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import Worker, WorkerInfo
 

@@ -9,25 +9,43 @@ are re-sharded: kv_reshard.py), registers the prefix hashes and continues from t
 If anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
 prefill replica is then told to release its pin (`release_sources`).
 
-Functions of a Replica (its core, executor and counters), kept apart so replica.py stays the
-replica's life cycle and loop.
+Functions of either end (`HandoverEnd`: what they use of a replica), kept apart so replica.py
+stays the replica's life cycle and loop; replica.py imports this module, never the reverse.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from meshserve.cluster.executor import RankError
+from meshserve.cluster.executor import Executor, RankError
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.request import Request
+from meshserve.cluster.request import Request, Sink
 from meshserve.kvstore.block_pool import NULL_BLOCK
 
 if TYPE_CHECKING:
-    from meshserve.cluster.replica import Replica, Sink
+    from meshserve.cluster.engine import EngineConfig, EngineCore
 
 log = logging.getLogger("meshserve.replica")
+
+
+class HandoverEnd(Protocol):
+    """One end of a hand-over, the prefill replica that offers or the decode replica that pulls
+    (replica.Replica): its engine and ranks, and what both ends must agree on."""
+
+    name: str
+    model_id: str
+    world: int  # its tp
+    handoff_tp: int  # (prefill end) the tp of the decode replicas it offers to
+    handover_timeout_s: float
+    faults: list[str]  # injected offer faults (tests)
+    config: EngineConfig
+    core: EngineCore
+    executor: Executor
+
+    def release(self, pin_id: tuple) -> None:
+        """(Prefill end) the decode end is done with the offer pinned as `pin_id`."""
 
 
 @dataclass
@@ -52,17 +70,16 @@ class Handoff:
     """A request leaving a prefill replica after its first token (already streamed)."""
 
     request: Request
-    source: Replica
+    source: HandoverEnd
     offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
     reason: str = ""
     sink: Sink | None = None
 
 
-def offer_kv(self: Replica, rid: str) -> Handoff:
-    """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
-    detach the request."""
+def offer_kv(self: HandoverEnd, rid: str, pin: tuple) -> Handoff:
+    """(Prefill replica, step thread) Pin the request's blocks as `pin` (an id unique in this
+    replica), have every rank offer its shard, detach the request."""
     kv = self.core.kv
-    pin = ("handoff", rid, next(self.counters.pins))
     kv.fork(rid, pin)
     tables = [list(t) for t in kv.block_tables(pin)]
     hashes = kv.group_block_hashes(pin) if kv.num_groups > 1 else (kv.block_hashes(pin),)
@@ -80,12 +97,11 @@ def offer_kv(self: Replica, rid: str) -> Handoff:
     except RankError as exc:
         kv.free(pin)
         reason = str(exc)
-    self.counters.handoffs += 1
     request_event(rid, "prefilled", replica=self.name, kv_tokens=args["num_tokens"], offered=offer is not None)
     return Handoff(self.core.detach(rid), self, offer, reason)
 
 
-def import_kv(self: Replica, h: Handoff) -> int:
+def import_kv(self: HandoverEnd, h: Handoff) -> int:
     """(Decode replica, step thread) Pull the offered KV into fresh blocks; the tokens now cached,
     or 0 when the prompt must be recomputed."""
     rid, offer, kv = h.request.request_id, h.offer, self.core.kv

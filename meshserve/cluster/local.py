@@ -26,11 +26,11 @@ from pathlib import Path
 
 from meshserve.cluster.async_engine import AsyncEngine, EngineDeadError
 from meshserve.cluster.engine import EngineConfig, EngineCore, InProcessExecutor
-from meshserve.cluster.outputs import CompletionDelta
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, QueueFullError, ReplicaFailedError, UnavailableError, check
 from meshserve.workers.checkpoint import load_tokenizer
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import StepOutput, StepPlan
 
 log = logging.getLogger("meshserve.local")

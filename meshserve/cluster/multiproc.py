@@ -13,7 +13,8 @@ import signal
 import subprocess
 import sys
 
-from meshserve.cluster.executor import ChannelExecutor, WorkerDiedError, WorkerSpec
+from meshserve.cluster.channel_executor import ChannelExecutor
+from meshserve.cluster.executor import WorkerDiedError, WorkerSpec
 
 STOP_GRACE_S = 10.0
 

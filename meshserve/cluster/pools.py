@@ -23,9 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 from meshserve.cluster.handover import Handoff
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats, Sink
-from meshserve.cluster.request import FinishReason, Request
+from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats
+from meshserve.cluster.request import Request, Sink
+from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError
 
 log = logging.getLogger("meshserve.pool")

@@ -22,7 +22,8 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from meshserve.cluster.executor import ChannelExecutor, WorkerDiedError, WorkerSpec
+from meshserve.cluster.channel_executor import ChannelExecutor
+from meshserve.cluster.executor import WorkerDiedError, WorkerSpec
 from meshserve.errors import UnavailableError
 
 log = logging.getLogger("meshserve.ray")

@@ -29,13 +29,11 @@ from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.request import FinishReason, Request, RequestStatus
+from meshserve.cluster.request import Request, RequestStatus, Sink
+from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, ReplicaFailedError
 
 log = logging.getLogger("meshserve.replica")
-
-Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request's stream
 
 
 class ReplicaState(enum.Enum):
@@ -327,7 +325,9 @@ class Replica:
         for d in deltas:
             held = self._held.get(d.request_id)
             if held is not None and held.prefill_only and not d.finished:
-                handoffs.append(offer_kv(self, d.request_id))
+                pin = ("handoff", d.request_id, next(self.counters.pins))
+                handoffs.append(offer_kv(self, d.request_id, pin))
+                self.counters.handoffs += 1
         return deltas, handoffs
 
     def _import_all(self, adoptions: list[Handoff]) -> None:

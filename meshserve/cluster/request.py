@@ -2,23 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from dataclasses import dataclass, field
 
-from meshserve.workers.sampler import TokenLogprobs
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.outputs import FinishReason, TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
+
+Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request's stream
 
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; never run, or preempted (its KV freed, recomputed when resumed)
     RUNNING = "running"  # holds KV blocks and is scheduled every step
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # EOS, a stop token id or a stop string
-    LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
-    ABORT = "abort"  # cancelled by the caller
 
 
 @dataclass(eq=False)

@@ -20,8 +20,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from meshserve.cluster.request import FinishReason, Request, RequestStatus
+from meshserve.cluster.request import Request, RequestStatus
 from meshserve.config import SchedulerConfig
+from meshserve.core.outputs import FinishReason
 from meshserve.errors import check
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
 

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from meshserve.workers.embedder import EmbeddingOutput

@@ -17,12 +17,12 @@ from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCa
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.registry import select_backend_for_layers
 from meshserve.attention.spec import AttentionSpec
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 from meshserve.workers.sampler import Sampler, SamplingRow
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.outputs import TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 
@@ -33,15 +34,6 @@ class SamplingRow:
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
-
-
-@dataclass(frozen=True)
-class TokenLogprobs:
-    """logprob of the sampled token, and the top-n (token id, logprob) pairs, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 class Sampler:

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgpack
 
-from meshserve.workers.sampler import TokenLogprobs
+from meshserve.core.outputs import TokenLogprobs
 
 
 @dataclass

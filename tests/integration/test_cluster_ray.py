@@ -16,8 +16,8 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError
-from meshserve.workers.sampling_params import SamplingParams
 from tests.integration.ray_cluster import embedded_ray
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
@@ -29,6 +29,7 @@ from tests.unit.cluster.cases import (
     mixed_requests,
     reference,
     run_all,
+    wait_until,
 )
 
 LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
@@ -116,14 +117,15 @@ def test_a_killed_worker_actor_fails_its_requests_fast_and_is_rebuilt(coordinato
 
     async def scenario():
         streams = {rid: asyncio.ensure_future(collect(c, rid, p, sp)) for rid, p, sp in LONG_REQUESTS}
-        while victim.stats().num_running == 0 or victim.stats().generated_tokens < 8:
-            await asyncio.sleep(0.01)  # mid-generation on the victim
+        await wait_until(lambda: victim.stats().num_running > 0 and victim.stats().generated_tokens >= 8,
+                         "requests mid-generation on the victim replica", timeout_s=120, state=victim.stats)
         os.kill(pid, signal.SIGKILL)
         killed = time.monotonic()
         done = await asyncio.gather(*streams.values(), return_exceptions=True)
         failed_at = time.monotonic()
-        while not (c.health().serving and c.health().healthy_replicas == 2):
-            await asyncio.sleep(0.1)
+        await wait_until(lambda: c.health().serving and c.health().healthy_replicas == 2,
+                         "the pool to rebuild the killed replica (2 healthy replicas)", timeout_s=240,
+                         state=c.health, poll_s=0.1)
         after = await run_all(c, mixed_requests()[:6])
         return dict(zip(streams, done)), failed_at - killed, after
 

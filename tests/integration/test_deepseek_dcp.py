@@ -14,7 +14,7 @@ import pytest
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.spmd import SpmdExecutor
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
 from tests.integration.distributed import run_ranks

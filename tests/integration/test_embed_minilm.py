@@ -156,7 +156,7 @@ def test_embedding_service(llm, reference):
     import asyncio
 
     from meshserve.cluster.embedding_service import EmbeddingService
-    from meshserve.workers.sampling_params import SamplingParams
+    from meshserve.core.sampling_params import SamplingParams
 
     service = EmbeddingService(llm.embedder, model_name="minilm")
 

@@ -9,7 +9,7 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import PoolConfig
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 from tests.unit.cluster.cases import assert_no_held_blocks, collect, engine_config
 

@@ -13,7 +13,7 @@ import pytest
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.spmd import SpmdExecutor
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.workers.worker import Worker
 from tests.integration.distributed import run_ranks
 from tests.tiny_models import prompts, write_checkpoint

@@ -16,12 +16,12 @@ MODEL_CLASSES: dict[str, str] = {
 
 
 def tensor_parallel_transform(arch: ModelArch) -> Callable[[nn.Module, ParallelContext], None]:
-    """The meta-device TP transform for `arch`'s model class (parallel.transform for CausalLM)."""
+    """The meta-device TP transform for `arch`'s model class (transformer_parallel for CausalLM)."""
     if arch.deepseek is not None:
         from meshserve.workers.models.deepseek_parallel import apply_deepseek_tensor_parallel
 
         return apply_deepseek_tensor_parallel
-    from meshserve.parallel.transform import apply_tensor_parallel
+    from meshserve.workers.models.transformer_parallel import apply_tensor_parallel
 
     return apply_tensor_parallel
 

@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from meshserve.errors import ConfigError, check
-
-if TYPE_CHECKING:
-    from meshserve.workers.models.deepseek_arch import DeepseekArch
+from meshserve.workers.models.deepseek_arch import DeepseekArch, deepseek_generic_config, parse_deepseek
 
 
 @dataclass(frozen=True)
@@ -322,16 +320,17 @@ def _gpt_oss(cfg: dict[str, Any]) -> ModelArch:
                    layer_windows=_layer_windows({**cfg, "layer_types": layer_types}, base.num_layers))
 
 
-def _deepseek_v2(cfg: dict[str, Any]) -> ModelArch:
-    from meshserve.workers.models.deepseek_arch import parse_deepseek_v2
+def _deepseek(cfg: dict[str, Any], architecture: str, *, v3: bool) -> ModelArch:
+    base = _common(deepseek_generic_config(cfg, v3=v3), architecture)
+    return replace(base, deepseek=parse_deepseek(cfg, v3=v3))
 
-    return parse_deepseek_v2(cfg)
+
+def _deepseek_v2(cfg: dict[str, Any]) -> ModelArch:
+    return _deepseek(cfg, "DeepseekV2ForCausalLM", v3=False)
 
 
 def _deepseek_v3(cfg: dict[str, Any]) -> ModelArch:
-    from meshserve.workers.models.deepseek_arch import parse_deepseek_v3
-
-    return parse_deepseek_v3(cfg)
+    return _deepseek(cfg, "DeepseekV3ForCausalLM", v3=True)
 
 
 # `architectures[0]` in config.json -> parser. The transformer is the same for the first four;

@@ -1,8 +1,9 @@
 """DeepSeek-V2 / V3 as architecture data: MLA dimensions, YaRN rope, MoE routing, dense first layers.
 
-`parse_deepseek_v2` / `parse_deepseek_v3` turn an HF config.json into a `ModelArch` whose
-`deepseek` field carries what the generic record has no place for. The model itself is
-`deepseek.DeepseekForCausalLM`; it reads only these records.
+`parse_deepseek` turns an HF config.json into the `DeepseekArch` record that a `ModelArch`'s
+`deepseek` field carries (what the generic record has no place for); arch.py builds the generic
+part from `deepseek_generic_config`. The model itself is `deepseek.DeepseekForCausalLM`; it
+reads only these records.
 
 Differences between the two, as HF transformers implements them:
   V2: softmax router scores; top-k "greedy" or "group_limited_greedy" (groups ranked by their
@@ -153,27 +154,26 @@ def _moe(cfg: dict[str, Any], *, v3: bool) -> MoEConfig:
     )
 
 
-def _deepseek(cfg: dict[str, Any], architecture: str, *, v3: bool):
-    from meshserve.workers.models.arch import _common
+def _interleaved(cfg: dict[str, Any], v3: bool) -> bool:
+    return bool(cfg.get("rope_interleave", True)) if v3 else True
 
+
+def deepseek_generic_config(cfg: dict[str, Any], *, v3: bool) -> dict[str, Any]:
+    """`cfg` as the generic parser (arch.py) reads it for a DeepSeek model.
+
+    num_key_value_heads in DeepSeek configs is a formality: MLA caches one latent per token.
+    The generic rope record stays at its default: YarnRope is the one the model reads.
+    """
     dims = _dims(cfg)
-    rope, params = _rope(cfg, interleaved=bool(cfg.get("rope_interleave", True)) if v3 else True)
-    # num_key_value_heads in DeepSeek configs is a formality: MLA caches one latent per token.
-    # The generic rope record stays at its default: YarnRope is the one the model reads.
-    generic = {**cfg, "head_dim": dims.qk_head_dim, "num_key_value_heads": 1, "rope_parameters": None,
-               "rope_scaling": None, "rope_theta": rope.theta}  # fmt: skip
-    base = _common(generic, architecture)
-    from dataclasses import replace
-
-    deepseek = DeepseekArch(mla=dims, rope=rope, moe=_moe(cfg, v3=v3),
-                            softmax_scale=deepseek_softmax_scale(dims, params),
-                            attention_bias=bool(cfg.get("attention_bias", False)))  # fmt: skip
-    return replace(base, deepseek=deepseek)
+    rope, _ = _rope(cfg, interleaved=_interleaved(cfg, v3))
+    return {**cfg, "head_dim": dims.qk_head_dim, "num_key_value_heads": 1, "rope_parameters": None,
+            "rope_scaling": None, "rope_theta": rope.theta}  # fmt: skip
 
 
-def parse_deepseek_v2(cfg: dict[str, Any]):
-    return _deepseek(cfg, "DeepseekV2ForCausalLM", v3=False)
-
-
-def parse_deepseek_v3(cfg: dict[str, Any]):
-    return _deepseek(cfg, "DeepseekV3ForCausalLM", v3=True)
+def parse_deepseek(cfg: dict[str, Any], *, v3: bool) -> DeepseekArch:
+    """What a DeepSeek-V2 (v3=False) or V3 model needs beyond the generic record."""
+    dims = _dims(cfg)
+    rope, params = _rope(cfg, interleaved=_interleaved(cfg, v3))
+    return DeepseekArch(mla=dims, rope=rope, moe=_moe(cfg, v3=v3),
+                        softmax_scale=deepseek_softmax_scale(dims, params),
+                        attention_bias=bool(cfg.get("attention_bias", False)))  # fmt: skip

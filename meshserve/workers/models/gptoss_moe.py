@@ -11,8 +11,9 @@ Per token x [hidden]:
 
 Parameters keep HF's names and layouts ([E, in, out], "transposed" against nn.Linear), so each
 checkpoint tensor loads as one parameter. Each expert runs once per step on its tokens
-(moe.combine_experts). Tensor parallelism (gptoss_parallel.py) splits every expert's
-intermediate columns: gate/up pairs stay together because they are interleaved.
+(moe.combine_experts). Tensor parallelism (`shard_swiglu_moe`, called by transformer_parallel.py)
+splits every expert's intermediate columns: gate/up pairs stay together because they are
+interleaved.
 """
 
 from __future__ import annotations

@@ -13,12 +13,10 @@ from meshserve.api.convert import (
     response_of,
     sampling_params_of,
 )
-from meshserve.cluster.outputs import CompletionDelta
-from meshserve.cluster.request import FinishReason
+from meshserve.core.outputs import CompletionDelta, FinishReason, TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.v1 import inference_pb2 as pb
-from meshserve.workers.sampler import TokenLogprobs
-from meshserve.workers.sampling_params import SamplingParams
 
 LIMITS = ApiLimits()
 

@@ -117,3 +117,10 @@ def test_platform_lists():
 def test_constructing_a_backend_for_an_invalid_problem_fails():
     with pytest.raises(NoBackendError, match="TORCH cannot serve"):
         TorchBackend(problem(block_size=24, max_model_len=240))
+
+
+def test_config_accepts_exactly_the_registered_backends():
+    """config.py validates backend names against core's list (it may not import the registry)."""
+    from meshserve.core.attention_options import ATTENTION_BACKENDS
+
+    assert sorted(ATTENTION_BACKENDS) == sorted(registry.BACKENDS)

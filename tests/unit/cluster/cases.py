@@ -9,11 +9,15 @@ sampled request. The oracle runs the same requests through one in-process Engine
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import pytest
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.core.sampling_params import SamplingParams
 from tests.tiny_models import prompts
 
 SHARED = prompts(1, seed=11, min_len=48, max_len=48)[0]
@@ -70,9 +74,12 @@ def reference(model_dir, requests) -> dict[str, Result]:
     return out
 
 
-async def collect(service, rid, prompt, params) -> Result:
+async def collect(service, rid, prompt, params, *, started: asyncio.Event | None = None) -> Result:
+    """The whole stream of one request; `started` is set at its first delta."""
     r = Result([], "", None)
     async for d in service.generate(prompt, params, request_id=rid):
+        if started is not None:
+            started.set()
         r.token_ids += d.token_ids
         r.text += d.text
         r.finish_reason = d.finish_reason
@@ -100,3 +107,28 @@ def assert_no_held_blocks(coordinator) -> None:
         kv.check_invariants()
         assert kv.num_requests == 0, (replica.name, kv.request_ids())
         assert kv.num_free_blocks == kv.num_total_blocks, replica.name
+
+
+async def wait_until(condition: Callable[[], bool], what: str, *, timeout_s: float,
+                     state: Callable[[], object] | None = None, poll_s: float = 0.01) -> None:
+    """Poll `condition` until it holds; after `timeout_s` fail naming `what` and the last `state()`."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() >= deadline:
+            seen = "" if state is None else f"; last seen: {state()}"
+            pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}{seen}", pytrace=False)
+        await asyncio.sleep(poll_s)
+
+
+async def wait_for_events(events: dict[str, asyncio.Event], what: str, *, timeout_s: float) -> None:
+    """Wait until every event is set; after `timeout_s` fail naming `what` and the keys still unset."""
+    try:
+        await asyncio.wait_for(asyncio.gather(*(e.wait() for e in events.values())), timeout_s)
+    except TimeoutError:
+        missing = sorted(k for k, e in events.items() if not e.is_set())
+        pytest.fail(f"timed out after {timeout_s:g} s waiting for {what}: still waiting for {missing}", pytrace=False)
+
+
+def holds_no_blocks(coordinator) -> bool:
+    """No replica's KV manager holds a request any more (the condition assert_no_held_blocks checks)."""
+    return all(r.core.kv.num_requests == 0 for r in coordinator.replicas())

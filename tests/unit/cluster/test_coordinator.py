@@ -10,19 +10,22 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
-from meshserve.cluster.request import FinishReason
 from meshserve.config import PoolConfig
+from meshserve.core.outputs import FinishReason
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
-from meshserve.workers.sampling_params import SamplingParams
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
     collect,
     engine_config,
+    holds_no_blocks,
     mixed_requests,
     reference,
     run_all,
+    wait_for_events,
+    wait_until,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -122,8 +125,8 @@ def test_queue_full_then_abort_and_early_exit_free_blocks(ckpt):
         running = c.generate([1, 2, 3], long, request_id="running")
         await running.__anext__()  # max_num_seqs=1: it holds the only slot
         waiting = asyncio.ensure_future(collect(c, "waiting", [4, 5, 6], GREEDY))
-        await asyncio.sleep(0.05)
-        assert c.stats().num_waiting == 1
+        await wait_until(lambda: c.stats().num_waiting == 1, "the second request to wait for the only slot",
+                         timeout_s=10, state=c.stats)
         with pytest.raises(QueueFullError, match="max_queue=1"):
             await collect(c, "refused", [7, 8], GREEDY)
         assert await c.abort("running")
@@ -136,7 +139,8 @@ def test_queue_full_then_abort_and_early_exit_free_blocks(ckpt):
         await leaver.aclose()  # leaving the stream aborts the request
         again = await collect(c, "leaver", [4, 5, 6], GREEDY)  # the id is free again at once
         assert again.token_ids == (await waiting).token_ids and again.finish_reason is FinishReason.LENGTH
-        await asyncio.sleep(0.05)
+        await wait_until(lambda: holds_no_blocks(c), "the replica to free every request's blocks", timeout_s=10,
+                         state=lambda: [r.core.kv.request_ids() for r in c.replicas()])
         assert_no_held_blocks(c)
     serve(threads(ckpt, scheduler={"max_num_seqs": 1, "max_queue": 1}), body)
 
@@ -147,8 +151,9 @@ def test_drain_lets_running_requests_finish_and_then_refuses(ckpt, want, mode):
 
     async def main():
         c = await Coordinator(threads(ckpt, mode)).start()
-        tasks = [asyncio.ensure_future(collect(c, rid, p, sp)) for rid, p, sp in picked]
-        await asyncio.sleep(0.01)
+        started = {rid: asyncio.Event() for rid, _, _ in picked}
+        tasks = [asyncio.ensure_future(collect(c, rid, p, sp, started=started[rid])) for rid, p, sp in picked]
+        await wait_for_events(started, "every request's first token", timeout_s=30)  # all in flight
         await c.shutdown(drain=True)  # a disaggregated drain waits for hand-overs to finish on decode
         with pytest.raises(UnavailableError, match="shutting down"):
             await collect(c, "late", [1, 2], GREEDY)
@@ -180,10 +185,7 @@ def test_a_failing_replica_fails_its_requests_and_is_rebuilt(tmp_path):
         results = await asyncio.gather(*ok, return_exceptions=True)
         for i, r in enumerate(results):  # each either finished before the failure, or failed with it
             assert isinstance(r, ReplicaFailedError) or r.token_ids == null_tokens([i + 1, 2, 3], 24)
-        for _ in range(100):
-            if c.health().serving:
-                break
-            await asyncio.sleep(0.05)
+        await wait_until(lambda: c.health().serving, "the pool to rebuild unified-0", timeout_s=30, state=c.health)
         (new,) = c.replicas()
         assert new is not old and c.pools["unified"].num_rebuilds == 1
         after = await collect(c, "after", [4, 5], GREEDY)

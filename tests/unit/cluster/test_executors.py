@@ -7,13 +7,14 @@ import time
 
 import pytest
 
+from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import ChannelExecutor, RankError, ThreadRanks, WorkerDiedError, WorkerSpec
+from meshserve.cluster.executor import RankError, WorkerDiedError, WorkerSpec
 from meshserve.cluster.multiproc import MultiprocExecutor
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
-from meshserve.workers.sampling_params import SamplingParams
 
 NULL = "meshserve.cluster.null_worker:NullWorker"
 GREEDY = SamplingParams(temperature=0, max_tokens=6)

@@ -8,12 +8,13 @@ must equal one-request-at-a-time generation.
 
 import pytest
 
-from meshserve.cluster.request import FinishReason, Request, RequestStatus
+from meshserve.cluster.request import Request, RequestStatus
 from meshserve.cluster.scheduler import Scheduler
 from meshserve.config import SchedulerConfig
+from meshserve.core.outputs import FinishReason
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import SampledToken, StepOutput, StepPlan
 
 BS = 4

@@ -6,7 +6,7 @@ import torch
 from meshserve.errors import ConfigError
 from meshserve.workers.models.arch import arch_from_hf_config
 from meshserve.workers.models.moe import MoE
-from meshserve.workers.models.yarn_rope import yarn_inverse_frequencies
+from meshserve.workers.models.rope import yarn_inverse_frequencies
 from tests.deepseek_models import COMMON, DEEPSEEK, hf_deepseek
 
 

@@ -5,9 +5,10 @@ import math
 import pytest
 import torch
 
+from meshserve.core.outputs import TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
-from meshserve.workers.sampler import Sampler, SamplingRow, TokenLogprobs, filter_logits
-from meshserve.workers.sampling_params import SamplingParams
+from meshserve.workers.sampler import Sampler, SamplingRow, filter_logits
 from meshserve.workers.step import NewRequest, SampledToken, ScheduledSeq, StepOutput, StepPlan
 
 

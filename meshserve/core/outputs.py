@@ -1,11 +1,28 @@
-"""What callers get back: a delta per step while streaming, a RequestOutput when done."""
+"""What callers get back: a delta per step while streaming, a RequestOutput when done.
+
+Every layer speaks these: the sampler produces TokenLogprobs, the scheduler sets FinishReason,
+the engines stream CompletionDelta and the API converts them to its messages.
+"""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from meshserve.cluster.request import FinishReason
-from meshserve.workers.sampler import TokenLogprobs
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """logprob of the sampled token, and the top-n (token id, logprob) pairs, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass

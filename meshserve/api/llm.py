@@ -17,11 +17,11 @@ from pathlib import Path
 
 from meshserve.cluster.async_engine import AsyncEngine
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.outputs import CompletionDelta, RequestOutput
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.core.outputs import CompletionDelta, RequestOutput
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
-from meshserve.workers.sampling_params import SamplingParams
 
 Prompt = str | Sequence[int]
 

@@ -8,10 +8,11 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from meshserve.cluster.request import FinishReason
-from meshserve.engine import add_generate_parser, generate_main
+from meshserve.api.llm import add_generate_parser, generate_main
+from meshserve.core.outputs import FinishReason
 from meshserve.errors import ConfigError
 from tests.tiny_models import EOS, hf_greedy, prompts, write_checkpoint
+from tests.unit.cluster.cases import wait_until
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
@@ -84,10 +85,8 @@ def test_leaving_a_stream_aborts_its_request(ckpt):
             got.append(delta)
             if len(got) == 2:
                 break
-        for _ in range(50):  # the engine loop notices the abort between steps
-            if not llm.core.has_unfinished():
-                break
-            await asyncio.sleep(0.01)
+        await wait_until(lambda: not llm.core.has_unfinished(), "the engine loop to drop the left stream's "
+                         "request (it notices the abort between steps)", timeout_s=10)
         return got
 
     assert len(asyncio.run(run())) == 2
