@@ -15,6 +15,7 @@ import torch
 
 from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.groups import KVGroupLayout
@@ -29,7 +30,6 @@ from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 
 log = logging.getLogger("meshserve.worker")

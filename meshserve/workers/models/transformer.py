@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+import meshserve.workers.models.fused_ops as fused
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
-from meshserve.workers.models import fused_ops as fused
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
+from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes
-from meshserve.workers.sampling_params import SamplingParams
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
 from tests.tiny_models import write_checkpoint
