@@ -120,8 +120,11 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
+    async_scheduling: bool = field(default=True, metadata={
+        "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md)"})
 
     def __post_init__(self) -> None:
+        check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
         _positive("max_num_seqs", self.max_num_seqs, upper=1 << 16)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 24)
         _positive("max_queue", self.max_queue, upper=1 << 24)

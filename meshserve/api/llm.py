@@ -42,7 +42,7 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
-                 enforce_eager: bool = False, progress: bool = True) -> None:
+                 enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -65,7 +65,8 @@ class LLM:
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
             scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                                      enable_chunked_prefill=enable_chunked_prefill),
+                                      enable_chunked_prefill=enable_chunked_prefill,
+                                      async_scheduling=async_scheduling),
             attention=AttentionConfig(backend=attention_backend),
         )
         self.core = EngineCore(config, device=device, progress=progress)
@@ -157,6 +158,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (a divisor of --tp)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
+    p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of planning and running")
     p.add_argument("--dcp-comm", default="ag_rs", choices=["ag_rs", "a2a"], help="how DCP partial outputs merge")
     p.set_defaults(func=generate_main)
     return p
@@ -177,7 +179,7 @@ def generate_main(args: argparse.Namespace) -> int:
                            start_method="spawn")
         return 0
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
-              enforce_eager=args.enforce_eager,
+              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty())
     try:

@@ -55,6 +55,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     m.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
+    m.add_argument("--no-async-scheduling", action="store_true",
+                   help="plan each step only after the previous one returned (default: overlap them)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     c = p.add_argument_group("cluster")
     c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
@@ -90,7 +92,7 @@ def configs_of(args: argparse.Namespace):
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           enable_prefix_caching=not args.no_prefix_caching),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_queue=args.max_queue),
+                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp),
     )

@@ -32,8 +32,9 @@ class AttentionMetadata:
       block_size: tokens per block of the cache these tables index
       kv_group: the KV layer group whose block tables these are (hybrid models build one
                 metadata per group; backends with per-plan state keep it per group)
-    Host copies of the lengths (`query_lens_host`, `seq_lens_host`) are kept for backends
-    whose planning happens on the host.
+    Host copies of the lengths (`query_lens_host`, `seq_lens_host`) and of the block tables
+    (`block_tables_host`, when built from host lists) are kept for backends whose planning
+    happens on the host: reading the device tensors back would wait for the device.
     Decode context parallelism (dcp_size > 1): seq_lens, context_lens and query positions stay
     global; only storage is sharded. The token at global position p lives on DCP rank
     p % dcp_size at local position p // dcp_size, so block_table rows index local storage and
@@ -57,6 +58,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
+    block_tables_host: tuple[Sequence[int], ...] | None = None
     encoder_seq_lens_host: tuple[int, ...] | None = None
     encoder_block_table: torch.Tensor | None = None
     dcp_size: int = 1
@@ -141,7 +143,7 @@ class AttentionMetadata:
                 None if encoder_block_tables is None else len(encoder_block_tables),
                 f"one row per sequence ({num_seqs}) with encoder_seq_lens",
             )
-            encoder_table = _pad_table(encoder_block_tables).to(device)
+            encoder_table = _pad_table(encoder_block_tables).to(device, non_blocking=True)
         slots: list[int] = []
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             for pos in range(s - q, s):
@@ -153,14 +155,16 @@ class AttentionMetadata:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
+        def on_device(values, dtype: torch.dtype) -> torch.Tensor:
+            # Stream-ordered, without waiting for the device (it may still run the previous step).
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return cls(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int32, device=device),
-            context_lens=torch.tensor(
-                [s - q for q, s in zip(query_lens, seq_lens)], dtype=torch.int32, device=device
-            ),
-            block_table=table.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=on_device(qsl, torch.int32),
+            seq_lens=on_device(list(seq_lens), torch.int32),
+            context_lens=on_device([s - q for q, s in zip(query_lens, seq_lens)], torch.int32),
+            block_table=table.to(device, non_blocking=True),
+            slot_mapping=on_device(slots, torch.int64),
             num_prefills=num_prefills,
             num_prefill_tokens=sum(query_lens[:num_prefills]),
             num_decodes=num_seqs - num_prefills,
@@ -169,6 +173,7 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
+            block_tables_host=tuple(block_tables),
             encoder_seq_lens_host=None if encoder_seq_lens is None else tuple(encoder_seq_lens),
             encoder_block_table=encoder_table,
             dcp_size=dcp_size,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
 from meshserve.cluster.request import Request
-from meshserve.cluster.scheduler import Scheduler
+from meshserve.cluster.scheduler import ScheduledStep, Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.outputs import CompletionDelta, FinishReason, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
@@ -58,7 +58,16 @@ class InProcessExecutor:
         return self.worker.start()
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        return StepOutput.from_msgpack(self.worker.execute_step(plan.to_msgpack()))
+        self.submit_step(plan)
+        return self.collect_step()
+
+    def submit_step(self, plan: StepPlan) -> None:
+        """Start a step (the plan object as it is: no process boundary to cross)."""
+        self.worker.submit(plan)
+
+    def collect_step(self) -> StepOutput:
+        """The oldest submitted step's tokens."""
+        return self.worker.collect()
 
     def call(self, method: str, args: Sequence[dict]) -> list:
         check(len(args) == 1, "args", len(args), "one argument map (one rank)")
@@ -108,6 +117,11 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
+        # Overlap scheduling: the next step is planned and submitted while this one runs, with
+        # executors that can submit a step before collecting the previous one (one rank).
+        self.overlap = config.scheduler.async_scheduling and callable(getattr(self.executor, "submit_step", None))
+        self._in_flight: ScheduledStep | None = None  # submitted, results not applied yet
+        self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls
 
     # -- requests --------------------------------------------------------------------------
 
@@ -157,13 +171,20 @@ class EngineCore:
         return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._carried)
 
     def detach(self, request_id: str) -> Request:
         """Take a request off this replica without finishing it (hand-over); its blocks are freed
         here (pin them first to keep its KV). No delta is produced."""
+        self.drain()
         self._tracked.pop(request_id, None)
         return self.scheduler.detach(request_id)
+
+    def drain(self) -> None:
+        """Wait for the step in flight and apply it; its deltas come with the next step()."""
+        if self._in_flight is not None:
+            step, self._in_flight = self._in_flight, None
+            self._carried += self._apply(step, self.executor.collect_step())
 
     def adopt(self, request: Request, *, num_computed_tokens: int = 0) -> None:
         """Continue a request started elsewhere, whose output_ids were already streamed.
@@ -185,10 +206,26 @@ class EngineCore:
     # -- stepping --------------------------------------------------------------------------
 
     def step(self) -> list[CompletionDelta]:
+        """Schedule and run one step; returns the deltas of the step whose results came back.
+
+        With overlap the step scheduled here is submitted before the previous one is collected:
+        the host plans step N+1 while the device runs step N, and the deltas returned are step
+        N's. A request that step N finishes may still be in step N+1, whose token for it is dropped.
+        """
+        deltas, self._carried = self._carried, []
         step = self.scheduler.schedule()
-        if step.is_empty:
-            return []
-        output = self.executor.execute_step(step.plan)
+        if not self.overlap:
+            if not step.is_empty:
+                deltas += self._apply(step, self.executor.execute_step(step.plan))
+            return deltas
+        if not step.is_empty:
+            self.executor.submit_step(step.plan)
+        previous, self._in_flight = self._in_flight, (None if step.is_empty else step)
+        if previous is not None:
+            deltas += self._apply(previous, self.executor.collect_step())
+        return deltas
+
+    def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
         return [self._delta(req) for req in self.scheduler.update(step, output)]
 
     def _delta(self, req: Request) -> CompletionDelta:
@@ -223,4 +260,5 @@ class EngineCore:
         )
 
     def shutdown(self) -> None:
+        self._in_flight = None
         self.executor.shutdown()

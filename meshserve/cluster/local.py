@@ -53,8 +53,19 @@ class _WatchedExecutor:
         return self.inner.start()
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
+        self.submit_step(plan)
+        return self.collect_step()
+
+    def submit_step(self, plan: StepPlan) -> None:
         try:
-            output = self.inner.execute_step(plan)
+            self.inner.submit_step(plan)
+        except BaseException as exc:
+            self.on_failure(exc)
+            raise
+
+    def collect_step(self) -> StepOutput:
+        try:
+            output = self.inner.collect_step()
         except BaseException as exc:
             self.on_failure(exc)
             raise

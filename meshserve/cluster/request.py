@@ -29,7 +29,8 @@ class Request:
     prompt: str | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    num_computed_tokens: int = 0  # advanced when a step is scheduled (its K/V is being written)
+    num_pending_outputs: int = 0  # tokens being drawn by scheduled steps whose results are not applied yet
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -50,7 +51,16 @@ class Request:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        """Tokens whose K/V no step computes yet, a token still being drawn counted."""
+        return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Whether the token being drawn is certain to finish the request (max_tokens or
+        max_model_len), so that scheduling past it would only compute a token to throw away."""
+        if not self.num_pending_outputs:
+            return False
+        return len(self.output_ids) + self.num_pending_outputs >= self.params.max_tokens
 
     @property
     def is_finished(self) -> bool:

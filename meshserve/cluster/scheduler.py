@@ -161,6 +161,8 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
+            if req.ends_with_pending or req.num_tokens + req.num_pending_outputs >= self.max_model_len:
+                continue  # the token still being drawn finishes it (overlap scheduling)
             n = min(req.num_uncomputed_tokens, budget)
             while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
                 victim = self.running[-1]
@@ -178,6 +180,8 @@ class Scheduler:
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
+            if req.num_pending_outputs:
+                break  # preempted while a token of it was being drawn: resumes once that token is known
             hit = self.kv.lookup_prefix(req.all_token_ids)
             cached = hit.num_tokens
             n = req.num_tokens - cached
@@ -213,14 +217,18 @@ class Scheduler:
             if req.request_id not in self._announced:
                 self._announced.add(req.request_id)
                 new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
-            start = req.num_computed_tokens
+            start, known = req.num_computed_tokens, req.num_tokens
+            sample = start + n == known + req.num_pending_outputs
             seqs.append(ScheduledSeq(
                 request_id=req.request_id,
-                token_ids=req.all_token_ids[start:start + n],
+                token_ids=req.all_token_ids[start:min(start + n, known)],
                 context_len=start,
                 block_tables=[list(t) for t in self.kv.block_tables(req.request_id)],
-                sample=start + n == req.num_tokens,
+                sample=sample,
+                from_last_step=start + n > known,  # the token the step in flight draws for it
             ))
+            req.num_computed_tokens = start + n
+            req.num_pending_outputs += sample
         self.stats.num_steps += bool(seqs)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())
@@ -229,16 +237,19 @@ class Scheduler:
         return plan
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
-        """Apply a step's results; returns the requests that received a token (some now finished)."""
+        """Apply a step's results; returns the requests that received a token (some now finished).
+
+        With overlap scheduling the next step is already planned: a request finished here may
+        be in it, and its token there is dropped (the request is finished by then)."""
         tokens = {s.request_id: s for s in output.sampled}
         touched = []
-        for req, n in step.requests:
+        for req, _ in step.requests:
             if req.is_finished:
-                continue  # aborted while the step ran
-            req.num_computed_tokens += n
+                continue  # aborted or stopped while the step ran
             sampled = tokens.get(req.request_id)
             if sampled is None:
                 continue  # a prompt chunk that is not the last
+            req.num_pending_outputs -= 1
             req.append_output(sampled.token_id)
             if sampled.logprobs is not None:
                 req.output_logprobs.append(sampled.logprobs)

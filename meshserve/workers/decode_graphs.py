@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -157,14 +157,20 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------------------- a step
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ScheduledSeq]) -> torch.Tensor:
-        """Logits [len(seqs), V] float32 of one decode step, rows in the order of `seqs`."""
+    def run(self, seqs: Sequence[ScheduledSeq], *, fill: Callable[[torch.Tensor], None] | None = None
+            ) -> torch.Tensor:
+        """Logits [len(seqs), V] float32 of one decode step, rows in the order of `seqs`.
+
+        fill: writes the tokens the host does not know yet (`from_last_step`) into the token-id
+        buffer, on the device, before the replay."""
         check(self.serves(seqs), "seqs", len(seqs), f"1..{self.max_batch} decodes that sample")
         n = len(seqs)
         b = self.bucket(n)
         pad = b - n
         lens = [s.seq_len for s in seqs] + [1] * pad
-        self._write(self.input_ids, [s.token_ids[0] for s in seqs] + [0] * pad)
+        self._write(self.input_ids, [s.token_ids[0] if s.token_ids else 0 for s in seqs] + [0] * pad)
+        if fill is not None:
+            fill(self.input_ids)
         self._write(self.positions, [s.context_len for s in seqs] + [0] * pad)
         self._write(self.seq_lens, lens)
         self._write(self.context_lens, [length - 1 for length in lens])

@@ -8,6 +8,7 @@ its backend with its group's plan), then sample the sequences whose last known t
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -22,7 +23,7 @@ from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
-from meshserve.workers.sampler import Sampler, SamplingRow
+from meshserve.workers.sampler import Draw, Sampler, SamplingRow
 from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -65,8 +66,24 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _InFlight:
+    """A submitted step whose sampled tokens the host has not read yet (`result` once read)."""
+
+    step_id: int
+    request_ids: list[str] = field(default_factory=list)  # the request of each drawn row
+    draw: Draw | None = None
+    result: StepOutput | None = None
+
+
 class ModelRunner:
-    """Executes step plans on one rank. `is_driver` (rank 0) samples; other ranks only compute."""
+    """Executes step plans on one rank. `is_driver` (rank 0) samples; other ranks only compute.
+
+    `submit` runs a step up to its draw on the device and returns at once; `collect` reads the
+    oldest submitted step's tokens (the step's one device->host copy). A step may be submitted
+    before the previous one is collected: its sequences marked `from_last_step` take their
+    input token from the previous step's draw on the device (overlap scheduling).
+    """
 
     def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
@@ -94,45 +111,99 @@ class ModelRunner:
         self.requests: dict[str, _Request] = {}
         # Set by the worker when decode steps replay CUDA graphs (workers/decode_graphs.py).
         self.decode_graphs: DecodeGraphs | None = None
+        self._in_flight: deque[_InFlight] = deque()
+        self._last: _InFlight | None = None  # the latest submitted step that drew tokens
+        self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
 
     @property
     def num_active_requests(self) -> int:
         return len(self.requests)
 
     def execute(self, plan: StepPlan) -> StepOutput:
+        self.submit(plan)
+        return self.collect()
+
+    def submit(self, plan: StepPlan) -> None:
+        """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
             self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
                                                      list(new.prompt_ids), list(new.output_ids))
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
-        sampled: list[SampledToken] = []
+        flight = _InFlight(plan.step_id)
         if plan.seqs:
-            sampled = self._run(plan.seqs)
+            self._run(plan.seqs, flight)
+        self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
-        return StepOutput(step_id=plan.step_id, sampled=sampled)
+
+    def collect(self) -> StepOutput:
+        """The tokens of the oldest submitted step not yet collected."""
+        check(bool(self._in_flight), "collect", "no step in flight", "one submit() per collect()")
+        return self._read(self._in_flight.popleft())
+
+    def _read(self, flight: _InFlight) -> StepOutput:
+        if flight.result is None:
+            sampled = []
+            if flight.draw is not None:
+                tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
+                for rid, tok, lp in zip(flight.request_ids, tokens, logprobs):
+                    req = self.requests.get(rid)
+                    if req is not None:  # else: forgotten meanwhile (finished, aborted)
+                        req.output_ids.append(tok)
+                    sampled.append(SampledToken(rid, tok, lp))
+            flight.result = StepOutput(step_id=flight.step_id, sampled=sampled)
+        return flight.result
 
     @torch.inference_mode()
-    def _run(self, seqs: Sequence[ScheduledSeq]) -> list[SampledToken]:
+    def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
         for s in seqs:
             check(s.request_id in self.requests, "request_id", s.request_id, "a request announced in new_requests")
             check(len(s.block_tables) == self.num_groups, "block_tables", len(s.block_tables),
                   f"one table per KV layer group ({self.num_groups})")
+            check(not s.from_last_step or s.request_id in self._last_rows, "from_last_step", s.request_id,
+                  "set only for a request that drew a token in the previous step on this (driver) rank")
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
+        ends = _ends(order)
+        fill = self._from_last_step(order, ends)
         if self.decode_graphs is not None and self.decode_graphs.serves(order):
-            logits = self.decode_graphs.run(order)  # [N, V]: every row samples
-            return self._sample(order, list(range(len(order))), logits)
-        return self._run_eager(order)
+            logits = self.decode_graphs.run(order, fill=fill)  # [N, V]: every row samples
+            to_sample = list(range(len(order)))
+        else:
+            to_sample = [i for i, s in enumerate(order) if s.sample]
+            logits = self._run_eager(order, ends, to_sample, fill)
+        if to_sample and self.is_driver:
+            self._draw([order[i].request_id for i in to_sample], logits, flight)
 
-    def _run_eager(self, order: Sequence[ScheduledSeq]) -> list[SampledToken]:
-        query_lens, seq_lens = [len(s.token_ids) for s in order], [s.seq_len for s in order]
+    def _from_last_step(self, order: Sequence[ScheduledSeq], ends: list[int]):
+        """A function that writes the tokens drawn in the previous step into a packed input_ids
+        tensor (on the device, in stream order: no wait), or None when no sequence needs one."""
+        rows = [(ends[i], self._last_rows[s.request_id]) for i, s in enumerate(order) if s.from_last_step]
+        if not rows:
+            return None
+        tokens = self._last.draw.tokens
+        dst = torch.tensor([d for d, _ in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        src = torch.tensor([r for _, r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+
+        def fill(input_ids: torch.Tensor) -> None:
+            input_ids.index_copy_(0, dst, tokens.index_select(0, src))
+
+        return fill
+
+    def _run_eager(self, order: Sequence[ScheduledSeq], ends: list[int], to_sample: list[int], fill
+                   ) -> torch.Tensor | None:
+        query_lens, seq_lens = [s.num_new_tokens for s in order], [s.seq_len for s in order]
         metas = [
             AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
                                     block_tables=[s.block_tables[g] for s in order], block_size=self.block_size,
                                     device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g)
             for g in range(self.num_groups)
         ]  # fmt: skip
-        input_ids = torch.tensor([t for s in order for t in s.token_ids], dtype=torch.int64)
+        # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
+        input_ids = torch.tensor([t for s in order for t in (*s.token_ids, *(0,) * s.from_last_step)],
+                                 dtype=torch.int64).to(self.device, non_blocking=True)
+        if fill is not None:
+            fill(input_ids)
         positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
         plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
         layers = []
@@ -142,36 +213,30 @@ class ModelRunner:
                 plan = plans[id(b), g] = b.plan(metas[g])
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
         ctx = ForwardContext(layers=layers)
-        hidden = self.model(input_ids.to(self.device), positions.to(self.device), ctx)  # [T, hidden]
-        ends = torch.tensor(_ends(order), dtype=torch.int64)
-        to_sample = [i for i, s in enumerate(order) if s.sample]
+        hidden = self.model(input_ids, positions.to(self.device, non_blocking=True), ctx)  # [T, hidden]
         if not to_sample:
-            return []
+            return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
-        logits = self.model.compute_logits(hidden[ends[to_sample].to(self.device)])  # [N, V] float32
-        return self._sample(order, to_sample, logits)
+        rows = torch.tensor([ends[i] for i in to_sample], dtype=torch.int64)
+        return self.model.compute_logits(hidden[rows.to(self.device, non_blocking=True)])  # [N, V] float32
 
-    def _sample(self, order: Sequence[ScheduledSeq], to_sample: list[int], logits: torch.Tensor) -> list[SampledToken]:
-        """Draw the next token of order[i] for i in to_sample from logits' rows (driver rank only)."""
-        if not self.is_driver:
-            return []
-        rows = []
-        for i in to_sample:
-            req = self.requests[order[i].request_id]
-            rows.append(SamplingRow(req.params, req.prompt_ids, req.output_ids))
-        token_ids, logprobs = self.sampler(logits, rows)
-        out = []
-        for i, tok, lp in zip(to_sample, token_ids, logprobs):
-            rid = order[i].request_id
-            self.requests[rid].output_ids.append(tok)
-            out.append(SampledToken(rid, tok, lp))
-        return out
+    def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
+        """Draw the next token of each request from its row of logits, on the device."""
+        reqs = [self.requests[rid] for rid in request_ids]
+        if any(r.params.has_penalties or r.params.seed is not None for r in reqs):
+            for earlier in self._in_flight:  # penalties and seeds read every token drawn so far
+                self._read(earlier)
+        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids) for r in reqs]
+        flight.draw = self.sampler.draw(logits, rows)
+        flight.request_ids = request_ids
+        self._last = flight
+        self._last_rows = {rid: j for j, rid in enumerate(request_ids)}
 
 
 def _ends(order: Sequence[ScheduledSeq]) -> list[int]:
     """Index of each sequence's last new token in the packed batch."""
     ends, total = [], 0
     for s in order:
-        total += len(s.token_ids)
+        total += s.num_new_tokens
         ends.append(total - 1)
     return ends

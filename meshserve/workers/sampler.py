@@ -36,6 +36,32 @@ class SamplingRow:
     output_ids: Sequence[int]
 
 
+@dataclass
+class Draw:
+    """One step's draw, still on the device: `to_host` is the step's one device->host copy.
+
+    tokens: [N] int64; chosen [W] float32 logprob of each logprobs row's token; top_values /
+    top_ids [W, K] its K most likely (K = the largest n asked for); wants: (row, n) per logprobs row.
+    """
+
+    tokens: torch.Tensor
+    wants: list[tuple[int, int]]
+    chosen: torch.Tensor | None = None
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+
+    def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
+        token_list = self.tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
+        if self.wants:
+            chosen = self.chosen.tolist()
+            values, ids = self.top_values.tolist(), self.top_ids.tolist()
+            for j, (i, n) in enumerate(self.wants):
+                top = tuple(zip(ids[j][:n], values[j][:n]))
+                logprobs[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[j], top=top)
+        return token_list, logprobs
+
+
 class Sampler:
     """Stateless apart from the generator used by rows without a seed."""
 
@@ -46,28 +72,34 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits: [N, V] float32, one row per entry of `rows`. Returns N token ids and logprobs."""
-        wants_logprobs = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
-        raw_logprobs = torch.log_softmax(logits[wants_logprobs], dim=-1) if wants_logprobs else None
+        return self.draw(logits, rows).to_host()
+
+    def draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Draw:
+        """The step's tokens (and logprobs) on the device, without waiting for them."""
+        wants = [(i, r.params.logprobs) for i, r in enumerate(rows) if r.params.logprobs is not None]
+        want_rows = _on([i for i, _ in wants], logits.device) if wants else None
+        raw_logprobs = torch.log_softmax(logits[want_rows], dim=-1) if wants else None
         logits = apply_penalties(logits, rows)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:
-            tokens[random_rows] = self._draw(logits[random_rows], [rows[i] for i in random_rows])
-        token_list = tokens.tolist()
-        logprobs: list[TokenLogprobs | None] = [None] * len(rows)
-        for j, i in enumerate(wants_logprobs):
-            logprobs[i] = _logprobs_of(raw_logprobs[j], token_list[i], rows[i].params.logprobs)
-        return token_list, logprobs
+            at = _on(random_rows, logits.device)
+            tokens[at] = self._draw(logits[at], [rows[i] for i in random_rows])
+        if not wants:
+            return Draw(tokens, [])
+        chosen = raw_logprobs.gather(1, tokens[want_rows][:, None])[:, 0]
+        top = torch.topk(raw_logprobs, max(n for _, n in wants), dim=-1)
+        return Draw(tokens, wants, chosen, top.values, top.indices)
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        temperature = torch.tensor([r.params.temperature for r in rows], device=logits.device)
+        temperature = _on([r.params.temperature for r in rows], logits.device)
         logits = filter_logits(logits / temperature[:, None], rows)
         probs = torch.softmax(logits, dim=-1)  # [n, V]
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
-            noise[unseeded] = torch.empty(len(unseeded), probs.shape[1], device=probs.device).exponential_(
-                generator=self.generator)
+            fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
+            noise[_on(unseeded, probs.device)] = fresh.exponential_(generator=self.generator)
         for j, row in enumerate(rows):
             if row.params.seed is not None:
                 gen = torch.Generator(probs.device).manual_seed(mix_seed(row.params.seed, len(row.output_ids)))
@@ -87,14 +119,15 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     seen |= counts > 0
 
     def column(name: str) -> torch.Tensor:
-        return torch.tensor([getattr(rows[i].params, name) for i in idx], device=device)[:, None]
+        return _on([getattr(rows[i].params, name) for i in idx], device)[:, None]
 
-    sub = logits[idx]
+    at = _on(idx, device)
+    sub = logits[at]
     rep = column("repetition_penalty")
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
     sub = sub - column("frequency_penalty") * counts - column("presence_penalty") * (counts > 0)
     out = logits.clone()
-    out[idx] = sub
+    out[at] = sub
     return out
 
 
@@ -106,7 +139,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
         if toks:
             padded[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, padded.to(device, non_blocking=True), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -119,22 +152,22 @@ def filter_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
         ranks = torch.arange(vocab, device=device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= torch.tensor(top_k, device=device)[:, None],
+        sorted_logits = sorted_logits.masked_fill(ranks >= _on(top_k, device)[:, None],
                                                   float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always stays (mass 0)
-        drop = mass_before >= torch.tensor(top_p, device=device)[:, None]
+        drop = mass_before >= _on(top_p, device)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     min_p = [r.params.min_p for r in rows]
     if any(p > 0 for p in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_p, device=device)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * _on(min_p, device)[:, None]
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
 
 
-def _logprobs_of(logprobs: torch.Tensor, token_id: int, n: int) -> TokenLogprobs:
-    top = torch.topk(logprobs, n) if n else None
-    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
-    return TokenLogprobs(token_id=token_id, logprob=float(logprobs[token_id]), top=pairs)
+def _on(values: list, device: torch.device) -> torch.Tensor:
+    """A small host list on the device without waiting for the device (the copy is stream-ordered):
+    under overlap scheduling the device is still running the previous step."""
+    return torch.tensor(values).to(device, non_blocking=True)

@@ -32,12 +32,16 @@ class NewRequest:
 class ScheduledSeq:
     """One sequence's work in a step.
 
-    token_ids:   the new tokens whose K/V this step computes and writes
+    token_ids:   the new tokens whose K/V this step computes and writes, as far as the host
+                 knows them
     context_len: tokens of this sequence already in the cache (the first new token's position)
     block_tables: per KV layer group (one for most models), physical block ids covering at
-                 least context_len + len(token_ids) tokens
+                 least seq_len tokens
     sample:      whether a next token is drawn after the last new token (False for a prompt
                  chunk that is not the prompt's last)
+    from_last_step: one more new token follows token_ids: the token this request sampled in
+                 the previous step, which the host has not seen yet (overlap scheduling: the
+                 step was planned while that one ran); the runner takes it from the device
     """
 
     request_id: str
@@ -45,15 +49,20 @@ class ScheduledSeq:
     context_len: int
     block_tables: list[list[int]]
     sample: bool = True
+    from_last_step: bool = False
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids) + self.from_last_step
 
     @property
     def seq_len(self) -> int:
-        return self.context_len + len(self.token_ids)
+        return self.context_len + self.num_new_tokens
 
     @property
     def is_decode(self) -> bool:
         """The metadata's notion: exactly one new token after a non-empty cached context."""
-        return len(self.token_ids) == 1 and self.context_len > 0
+        return self.num_new_tokens == 1 and self.context_len > 0
 
 
 @dataclass
@@ -74,7 +83,8 @@ class StepPlan:
     def to_msgpack(self) -> bytes:
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample] for s in self.seqs],
+            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step]
+                     for s in self.seqs],
             "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],

@@ -30,7 +30,7 @@ from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 log = logging.getLogger("meshserve.worker")
 
@@ -217,6 +217,16 @@ class Worker:
     def execute_step(self, plan: bytes) -> bytes:
         check(self.runner is not None, "worker", "not started", "start() before execute_step()")
         return self.runner.execute(StepPlan.from_msgpack(plan)).to_msgpack()
+
+    def submit(self, plan: StepPlan) -> None:
+        """In-process callers: start a step (the plan object itself, nothing serialised); `collect`
+        returns its tokens. A second step may be submitted before the first is collected."""
+        check(self.runner is not None, "worker", "not started", "start() before submit()")
+        self.runner.submit(plan)
+
+    def collect(self) -> StepOutput:
+        check(self.runner is not None, "worker", "not started", "start() before collect()")
+        return self.runner.collect()
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,

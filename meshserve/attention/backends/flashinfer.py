@@ -117,6 +117,7 @@ class FlashInferBackend(AttentionBackend):
         )
         self._workspace: torch.Tensor | None = None
         self._by_group: dict[int, tuple[object, object]] = {}
+        self._plan_event: torch.cuda.Event | None = None  # recorded after each plan's copies were enqueued
 
     def _wrappers(self, device: torch.device, group: int):
         """(prefill, decode) wrappers of one KV layer group: a wrapper holds the plan it was last
@@ -150,26 +151,29 @@ class FlashInferBackend(AttentionBackend):
                 metadata.encoder_seq_lens_host,
                 "set (with encoder_block_table) for cross attention",
             )
-            kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table
+            kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table.tolist()
         else:
-            kv_lens, table = metadata.seq_lens_host, metadata.block_table
-        table = table.tolist()  # host page lists: FlashInfer plans on the host anyway
+            kv_lens = metadata.seq_lens_host
+            table = metadata.block_tables_host or metadata.block_table.tolist()
         common = self._plan_args()
         page = metadata.block_size
         num_p = metadata.num_prefills
+        # FlashInfer plans from host page lists; the page ids go to the device by a stream-ordered copy.
+        self._wait_for_last_plan()
         if num_p:
             indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
             qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
             prefill.plan(
-                qo_indptr.to(device), indptr.to(device), indices.to(device), last.to(device),
+                qo_indptr, indptr, indices.to(device, non_blocking=True), last,
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, causal=spec.is_causal, **common,
             )  # fmt: skip
         if metadata.num_decodes:
             indptr, indices, last = _page_lists(table[num_p:], kv_lens[num_p:], page)
             decode.plan(
-                indptr.to(device), indices.to(device), last.to(device),
+                indptr, indices.to(device, non_blocking=True), last,
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, **common,
             )  # fmt: skip
+        self._planned(device)
         return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0,
                               prefill, decode)
 
@@ -211,8 +215,25 @@ class FlashInferBackend(AttentionBackend):
     def prepare_replay(self, plan: object, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
         spec = self.spec
         indptr, indices, last = _page_lists(block_tables, seq_lens, plan.metadata.block_size)
-        plan.decode.plan(indptr, indices, last, spec.num_heads, spec.num_kv_heads, spec.head_size,
-                         plan.metadata.block_size, non_blocking=True, **self._plan_args())  # fmt: skip
+        device = plan.metadata.seq_lens.device
+        self._wait_for_last_plan()
+        # Page ids already on the device: FlashInfer's graph mode copies host ones synchronously.
+        plan.decode.plan(indptr, indices.to(device, non_blocking=True), last, spec.num_heads, spec.num_kv_heads,
+                         spec.head_size, plan.metadata.block_size, non_blocking=True, **self._plan_args())
+        self._planned(device)
+
+    def _wait_for_last_plan(self) -> None:
+        """A wrapper's plan writes its pinned host buffer, then copies it to the device without
+        waiting; under overlap scheduling the previous step's copy may not have run yet, so the
+        next plan waits for it (the copy comes before that step's kernels: a short wait)."""
+        if self._plan_event is not None:
+            self._plan_event.synchronize()
+
+    def _planned(self, device: torch.device) -> None:
+        if device.type == "cuda":
+            if self._plan_event is None:
+                self._plan_event = torch.cuda.Event()
+            self._plan_event.record()
 
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor

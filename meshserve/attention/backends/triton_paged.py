@@ -150,7 +150,7 @@ class TritonBackend(AttentionBackend):
                 "set (with encoder_block_table) for cross attention",
             )
             kv_host = metadata.encoder_seq_lens_host
-            kv_lens = torch.tensor(kv_host, dtype=torch.int32, device=device)
+            kv_lens = torch.tensor(kv_host, dtype=torch.int32).to(device, non_blocking=True)
             block_table = metadata.encoder_block_table
         elif spec.attn_type is AttentionType.ENCODER_ONLY:
             kv_host = metadata.query_lens_host
@@ -170,8 +170,9 @@ class TritonBackend(AttentionBackend):
         seqs, q0s = _prefill_tiles(
             metadata.query_lens_host[:num_prefills], kv_host[:num_prefills], cfg.block_m, spec.is_causal
         )
-        tile_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
-        tile_q0 = torch.tensor(q0s, dtype=torch.int32, device=device)
+        # Stream-ordered copies: planning never waits for the device (overlap scheduling).
+        tile_seq = torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True)
+        tile_q0 = torch.tensor(q0s, dtype=torch.int32).to(device, non_blocking=True)
 
         partition, splits, partial_o, partial_lse = 0, 0, None, None
         if num_decodes:

@@ -93,14 +93,14 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int) -> tuple[lis
     """Drive both runners; return (batch, bucket) of every static step and the blocks handed out."""
     drv = _Driver(num_groups)
     sampled_rows: list[int] = []
-    real_sampler = static.sampler
+    real_draw = static.sampler.draw
 
     def spy(logits, rows):
         sampled_rows.append(logits.shape[0])
         assert logits.shape[0] == len(rows)
-        return real_sampler(logits, rows)
+        return real_draw(logits, rows)
 
-    static.sampler = spy
+    static.sampler.draw = spy
     seen = []
     prompts = {f"r{i}": [drv.rng.randrange(1, 300) for _ in range(5 + 7 * i)] for i in range(5)}
 
