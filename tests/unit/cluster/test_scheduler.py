@@ -91,7 +91,7 @@ def test_continuous_batching_respects_budget_and_max_seqs():
         assert len(sched.running) <= 3
         # chunks that do not end the known tokens do not sample (a step advances num_computed_tokens
         # as it is scheduled)
-        for r, n in step.requests:
+        for r, _ in step.requests:
             assert (r.num_computed_tokens == r.num_tokens) == next(
                 s.sample for s in step.plan.seqs if s.request_id == r.request_id)
 
