@@ -71,7 +71,7 @@ def test_health_flips_when_the_replica_dies_and_recovers(served):
         def crash(plan):
             raise RuntimeError("simulated replica crash")
 
-        worker.execute_step = crash
+        worker.submit = crash  # how the in-process executor starts a step
         exc = rpc_error(client.generate, "Hello again", max_tokens=5)
         assert exc.code() == grpc.StatusCode.UNAVAILABLE
         assert "failed" in exc.details() and "simulated replica crash" in exc.details()
