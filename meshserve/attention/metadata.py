@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.core.tensors import to_device
 from meshserve.errors import check
 
 
@@ -143,7 +144,7 @@ class AttentionMetadata:
                 None if encoder_block_tables is None else len(encoder_block_tables),
                 f"one row per sequence ({num_seqs}) with encoder_seq_lens",
             )
-            encoder_table = _pad_table(encoder_block_tables).to(device, non_blocking=True)
+            encoder_table = to_device(_pad_table(encoder_block_tables), device)
         slots: list[int] = []
         for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
             for pos in range(s - q, s):
@@ -155,16 +156,12 @@ class AttentionMetadata:
         qsl = [0]
         for q in query_lens:
             qsl.append(qsl[-1] + q)
-        def on_device(values, dtype: torch.dtype) -> torch.Tensor:
-            # Stream-ordered, without waiting for the device (it may still run the previous step).
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
-
-        return cls(
-            query_start_loc=on_device(qsl, torch.int32),
-            seq_lens=on_device(list(seq_lens), torch.int32),
-            context_lens=on_device([s - q for q, s in zip(query_lens, seq_lens)], torch.int32),
-            block_table=table.to(device, non_blocking=True),
-            slot_mapping=on_device(slots, torch.int64),
+        return cls(  # stream-ordered copies: building never waits for the device (core/tensors.py)
+            query_start_loc=to_device(qsl, device, torch.int32),
+            seq_lens=to_device(list(seq_lens), device, torch.int32),
+            context_lens=to_device([s - q for q, s in zip(query_lens, seq_lens)], device, torch.int32),
+            block_table=to_device(table, device),
+            slot_mapping=to_device(slots, device, torch.int64),
             num_prefills=num_prefills,
             num_prefill_tokens=sum(query_lens[:num_prefills]),
             num_decodes=num_seqs - num_prefills,

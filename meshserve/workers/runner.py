@@ -19,6 +19,7 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.registry import select_backend_for_layers
 from meshserve.attention.spec import AttentionSpec
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.core.tensors import to_device
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
@@ -182,8 +183,8 @@ class ModelRunner:
         if not rows:
             return None
         tokens = self._last.draw.tokens
-        dst = torch.tensor([d for d, _ in rows], dtype=torch.int64).to(self.device, non_blocking=True)
-        src = torch.tensor([r for _, r in rows], dtype=torch.int64).to(self.device, non_blocking=True)
+        dst = to_device([d for d, _ in rows], self.device, torch.int64)
+        src = to_device([r for _, r in rows], self.device, torch.int64)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
@@ -200,8 +201,8 @@ class ModelRunner:
             for g in range(self.num_groups)
         ]  # fmt: skip
         # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
-        input_ids = torch.tensor([t for s in order for t in (*s.token_ids, *(0,) * s.from_last_step)],
-                                 dtype=torch.int64).to(self.device, non_blocking=True)
+        input_ids = to_device([t for s in order for t in (*s.token_ids, *(0,) * s.from_last_step)], self.device,
+                              torch.int64)
         if fill is not None:
             fill(input_ids)
         positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
@@ -213,12 +214,12 @@ class ModelRunner:
                 plan = plans[id(b), g] = b.plan(metas[g])
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
         ctx = ForwardContext(layers=layers)
-        hidden = self.model(input_ids, positions.to(self.device, non_blocking=True), ctx)  # [T, hidden]
+        hidden = self.model(input_ids, to_device(positions, self.device), ctx)  # [T, hidden]
         if not to_sample:
             return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
-        rows = torch.tensor([ends[i] for i in to_sample], dtype=torch.int64)
-        return self.model.compute_logits(hidden[rows.to(self.device, non_blocking=True)])  # [N, V] float32
+        rows = to_device([ends[i] for i in to_sample], self.device, torch.int64)
+        return self.model.compute_logits(hidden[rows])  # [N, V] float32
 
     def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
         """Draw the next token of each request from its row of logits, on the device."""

@@ -15,6 +15,7 @@ import torch
 
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.core.tensors import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -139,7 +140,7 @@ def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torc
         if toks:
             padded[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.int64)
     counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, padded.to(device, non_blocking=True), torch.ones(padded.shape, device=device))
+    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
     return counts[:, :vocab]
 
 
@@ -168,6 +169,6 @@ def filter_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
 
 
 def _on(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for the device (the copy is stream-ordered):
-    under overlap scheduling the device is still running the previous step."""
-    return torch.tensor(values).to(device, non_blocking=True)
+    """A small host list on the device without waiting for it (the device may still run the
+    previous step)."""
+    return to_device(values, device)

@@ -30,6 +30,7 @@ from meshserve.attention.backend import (
 )
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
@@ -52,7 +53,8 @@ class FlashInferPlan:
 def _page_lists(
     rows: Sequence[Sequence[int]], kv_lens: Sequence[int], page: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page lists (indptr, indices, last_page_len), host int32, for host block-table rows."""
+    """FlashInfer's CSR page lists (indptr, indices, last_page_len), host int32, for host block-table
+    rows. FlashInfer reads indptr and last_page_len on the host and copies them up itself."""
     counts = [-(-n // page) for n in kv_lens]
     indptr = [0]
     indices: list[int] = []
@@ -164,13 +166,13 @@ class FlashInferBackend(AttentionBackend):
             indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
             qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
             prefill.plan(
-                qo_indptr, indptr, indices.to(device, non_blocking=True), last,
+                _pinned(qo_indptr), _pinned(indptr), to_device(indices, device), _pinned(last),
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, causal=spec.is_causal, **common,
             )  # fmt: skip
         if metadata.num_decodes:
             indptr, indices, last = _page_lists(table[num_p:], kv_lens[num_p:], page)
             decode.plan(
-                indptr, indices.to(device, non_blocking=True), last,
+                _pinned(indptr), to_device(indices, device), _pinned(last),
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, **common,
             )  # fmt: skip
         self._planned(device)
@@ -218,8 +220,9 @@ class FlashInferBackend(AttentionBackend):
         device = plan.metadata.seq_lens.device
         self._wait_for_last_plan()
         # Page ids already on the device: FlashInfer's graph mode copies host ones synchronously.
-        plan.decode.plan(indptr, indices.to(device, non_blocking=True), last, spec.num_heads, spec.num_kv_heads,
-                         spec.head_size, plan.metadata.block_size, non_blocking=True, **self._plan_args())
+        plan.decode.plan(_pinned(indptr), to_device(indices, device), _pinned(last), spec.num_heads,
+                         spec.num_kv_heads, spec.head_size, plan.metadata.block_size, non_blocking=True,
+                         **self._plan_args())
         self._planned(device)
 
     def _wait_for_last_plan(self) -> None:
@@ -289,3 +292,8 @@ def _cumsum(xs: tuple[int, ...]) -> list[int]:
         total += x
         out.append(total)
     return out
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor FlashInfer both reads on the host and copies to the device without waiting."""
+    return t.pin_memory() if torch.cuda.is_available() else t

@@ -35,6 +35,7 @@ from meshserve.attention.kernels.config import (
 )
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
 
 
@@ -150,7 +151,7 @@ class TritonBackend(AttentionBackend):
                 "set (with encoder_block_table) for cross attention",
             )
             kv_host = metadata.encoder_seq_lens_host
-            kv_lens = torch.tensor(kv_host, dtype=torch.int32).to(device, non_blocking=True)
+            kv_lens = to_device(kv_host, device, torch.int32)
             block_table = metadata.encoder_block_table
         elif spec.attn_type is AttentionType.ENCODER_ONLY:
             kv_host = metadata.query_lens_host
@@ -171,8 +172,8 @@ class TritonBackend(AttentionBackend):
             metadata.query_lens_host[:num_prefills], kv_host[:num_prefills], cfg.block_m, spec.is_causal
         )
         # Stream-ordered copies: planning never waits for the device (overlap scheduling).
-        tile_seq = torch.tensor(seqs, dtype=torch.int32).to(device, non_blocking=True)
-        tile_q0 = torch.tensor(q0s, dtype=torch.int32).to(device, non_blocking=True)
+        tile_seq = to_device(seqs, device, torch.int32)
+        tile_q0 = to_device(q0s, device, torch.int32)
 
         partition, splits, partial_o, partial_lse = 0, 0, None, None
         if num_decodes:

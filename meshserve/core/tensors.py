@@ -1,0 +1,26 @@
+"""Host values onto the device without waiting for it.
+
+Under overlap scheduling the device is still running step N while the host stages step N+1.
+A copy from pageable host memory may make the host wait for the stream; a copy from pinned
+memory is stream-ordered and returns at once (the caching host allocator keeps the pinned
+block until the copy has run), so every host-to-device copy of a step goes through here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype: torch.dtype | None = None
+              ) -> torch.Tensor:
+    """`values` (a host list or CPU tensor) as a tensor on `device`; on CUDA by a stream-ordered
+    copy from pinned memory that does not wait for the device."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if dtype is not None and host.dtype != dtype:
+        host = host.to(dtype)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
