@@ -78,7 +78,7 @@ class DecodeGraphs:
         self._contexts: dict[int, ForwardContext] = {}
         self._plans: dict[int, list[tuple[AttentionBackend, int, object]]] = {}  # (backend, group, plan)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self._logits: dict[int, torch.Tensor] = {}
+        self._logits_out: torch.Tensor | None = None  # [max_batch, V] float32, every graph's output
         self.capture_seconds = 0.0
         self.capture_bytes = 0
         self.num_steps = 0  # decode steps served here (replays, or static runs without capture)
@@ -123,7 +123,14 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:b], self.positions[:b], self._context(b))  # [b, hidden]
-        return self.model.compute_logits(hidden)  # [b, V] float32
+        logits = self.model.compute_logits(hidden)  # [b, V] float32
+        if self._logits_out is None:  # the first run (a warm-up, outside any capture) sizes it
+            self._logits_out = logits.new_empty(self.max_batch, logits.shape[1])
+        # One output buffer for every bucket: each graph's own [b, V] result would stay allocated in
+        # the pool (about 2 GiB over the buckets up to 256 at a 128k vocabulary).
+        out = self._logits_out[:b]
+        out.copy_(logits)
+        return out
 
     @torch.inference_mode()
     def capture_all(self, *, progress: bool = True) -> None:
@@ -146,7 +153,7 @@ class DecodeGraphs:
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._logits[b] = self._forward(b)
+                self._forward(b)
             pool = graph.pool()
             self._graphs[b] = graph
         torch.cuda.synchronize(self.device)
@@ -187,7 +194,7 @@ class DecodeGraphs:
             if b not in self._graphs:
                 raise RuntimeError(f"no decode graph for batch {b}: capture_all() must run before run()")
             self._graphs[b].replay()
-            return self._logits[b][:n]
+            return self._logits_out[:n]
         return self._forward(b)[:n]
 
     def _slot(self, table: Sequence[int], pos: int) -> int:
