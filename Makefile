@@ -22,9 +22,16 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	$(BIN)/meshserve serve
 
+# With a GPU, the CPU suite runs as CI runs it (no visible GPU: Triton kernels in the interpreter,
+# which must be chosen before any kernel is defined), then tests/gpu runs on the GPU.
 test: $(STAMP)
 	$(BIN)/ruff check meshserve tests $(wildcard bench scripts)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	    CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu && \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/gpu; \
+	else \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider tests; \
+	fi
 
 docs: $(STAMP)
 	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
