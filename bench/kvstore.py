@@ -7,8 +7,8 @@ bookkeeping: 256 running requests decode one token per step (allocate_slots), re
   after a random output length and are freed; a new request is admitted in their place (prefix
   lookup + allocate the prompt). Reported: µs per step for the manager calls, decode-only steps
   and steps with admissions separately. The hybrid rows run the same requests through a
-  HybridKVCacheManager of two layer groups (window 512 and full attention) over a pool twice
-  the size (what a hybrid model's shared cache tensors give).
+  KVCacheManager of two layer groups (window 512 and full attention) over a pool twice the size
+  (what a hybrid model's shared cache tensors give).
 lookup: lookup_prefix on a 4k-token prompt, all cached and none cached.
 handover: a sender process offers one request whose blocks hold N MiB (4 layers, bf16, 8 KV
   heads of 128, block 16); this process pulls it over tcp loopback zmq into fresh blocks
@@ -35,7 +35,6 @@ sys.path.insert(0, ROOT)
 from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.connector import KVConnector  # noqa: E402
-from meshserve.kvstore.hybrid import HybridKVCacheManager  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
 from meshserve.kvstore.retention import RetentionPolicy  # noqa: E402
 
@@ -54,7 +53,7 @@ def bench_bookkeeping(
     rng = random.Random(seed)
     num_blocks = running * (prompt + 1200) // BLOCK + 64
     if hybrid:
-        kv = HybridKVCacheManager(2 * num_blocks, BLOCK, retentions=[RetentionPolicy(512, 0), RetentionPolicy()])
+        kv = KVCacheManager(2 * num_blocks, BLOCK, retentions=[RetentionPolicy(512, 0), RetentionPolicy()])
     else:
         kv = KVCacheManager(num_blocks, BLOCK)
     system = [rng.randrange(32000) for _ in range(256)]  # a shared system prompt: prefix hits

@@ -82,7 +82,7 @@ def offer_kv(self: HandoverEnd, rid: str, pin: tuple) -> Handoff:
     kv = self.core.kv
     kv.fork(rid, pin)
     tables = [list(t) for t in kv.block_tables(pin)]
-    hashes = kv.group_block_hashes(pin) if kv.num_groups > 1 else (kv.block_hashes(pin),)
+    hashes = kv.block_hashes(pin)
     args = {"request_id": rid, "tables": tables, "num_tokens": kv.num_tokens(pin),
             "hashes": [list(h) for h in hashes], "extra_keys": list(kv.extra_keys(pin)),
             "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
@@ -111,13 +111,13 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
         fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp, len(offer.positions)) == (
             self.model_id, kv.block_size, kv.dcp_size, dcp, kv.num_groups)
             and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
-        positions = offer.positions if kv.num_groups > 1 else offer.positions[0]
-        blocks = kv.allocate_for_import(rid, offer.num_tokens, positions,
+        blocks = kv.allocate_for_import(rid, offer.num_tokens, offer.positions,
                                         extra_keys=offer.extra_keys) if fits else None
         why = "no free blocks" if fits else (
             "KV layouts differ (model, block size, dcp, KV layer groups; or tp with dcp > 1)")
         if blocks is not None:
-            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
+            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp,
+                     "blocks": [b for group in blocks for b in group],
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
                      "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
             try:
@@ -125,10 +125,7 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
             except RankError as exc:
                 results = [{"ok": False, "error": str(exc)}]
             if all(r["ok"] for r in results):
-                if kv.num_groups > 1:
-                    kv.register_group_hashes(rid, results[0]["hashes"])
-                else:
-                    kv.register_hashes(rid, results[0]["hashes"][0])
+                kv.register_hashes(rid, results[0]["hashes"])
                 request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
                 return offer.num_tokens
             kv.free(rid, keep_cache=False)

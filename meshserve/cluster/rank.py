@@ -74,10 +74,7 @@ class BlockBook:
     def num_tokens(self, request_id: Any) -> int:
         return self._tables[request_id][1]
 
-    def block_hashes(self, request_id: Any) -> list[bytes]:
-        return self._tables[request_id][2][0]
-
-    def group_block_hashes(self, request_id: Any) -> list[list[bytes]]:
+    def block_hashes(self, request_id: Any) -> list[list[bytes]]:
         return self._tables[request_id][2]
 
     def extra_keys(self, request_id: Any) -> tuple:
@@ -97,19 +94,19 @@ class BlockBook:
     def assign(self, request_id: Any, blocks: Sequence[int]) -> None:
         self._assigned[request_id] = list(blocks)
 
-    def allocate_for_import(self, request_id: Any, num_tokens: int, block_positions: Sequence, *,
-                            extra_keys: Sequence[object] = ()) -> list[int] | None:
-        """block_positions: one list (one group) or one list per group, as the managers take them."""
+    def allocate_for_import(self, request_id: Any, num_tokens: int, block_positions: Sequence[Sequence[int]], *,
+                            extra_keys: Sequence[object] = ()) -> tuple[list[int], ...] | None:
+        """block_positions: one list per group, as the manager takes them."""
         blocks = self._assigned.get(request_id)
-        count = sum(len(p) for p in block_positions) if self.num_groups > 1 else len(block_positions)
-        if blocks is None or len(blocks) != count:
+        if blocks is None or len(blocks) != sum(len(p) for p in block_positions):
             return None  # the driver sized the import differently: refused as "capacity"
-        return blocks
+        out, start = [], 0
+        for positions in block_positions:
+            out.append(blocks[start : start + len(positions)])
+            start += len(positions)
+        return tuple(out)
 
-    def register_hashes(self, request_id: Any, block_hashes: Sequence[bytes]) -> None:
-        self.register_group_hashes(request_id, [block_hashes])
-
-    def register_group_hashes(self, request_id: Any, block_hashes: Sequence[Sequence[bytes]]) -> None:
+    def register_hashes(self, request_id: Any, block_hashes: Sequence[Sequence[bytes]]) -> None:
         self.imported_hashes[request_id] = [[bytes(h) for h in g] for g in block_hashes]
 
 
@@ -172,10 +169,7 @@ class RankHost:
         if self._connector is None:
             check(self.worker is not None and self.worker.runner is not None, "rank", self.rank,
                   "started before a KV hand-over")
-            layout, info = self.worker.kv_layout, self.worker.info
-            retentions = layout.retentions if layout.is_hybrid else (
-                RetentionPolicy(info.sliding_window, info.num_sink_tokens),)  # the driver's single table
-            self._book = BlockBook(block_size, dcp_size, retentions)
+            self._book = BlockBook(block_size, dcp_size, self.worker.kv_layout.retentions)
             self._connector = KVConnector(self._book, self.worker.runner.kv_caches, model_id=model_id)
         return self._connector
 

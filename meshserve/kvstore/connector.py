@@ -11,9 +11,8 @@
 A refusal raises KVTransferError; leaving the `with` block without `finish` frees every block the
 import allocated. Each DCP/TP rank moves its own shard with its own connector; the layout
 fingerprint (model id, block size, dcp size, per-tensor dtype and block shape, KV layer groups)
-must match. The manager is a KVCacheManager (one block table per request) or a
-HybridKVCacheManager (one per layer group, whose caches share tensors: each tensor is sent once
-per block, whatever group holds it).
+must match. The manager holds one block table per request and KV layer group; a hybrid layout's
+groups share cache tensors, so each tensor is sent once per block, whatever group holds it.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ import torch
 from meshserve.errors import ConfigError, check
 from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import LayerCache, MLACache
-from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
 
@@ -56,10 +54,6 @@ def _scales(cache: LayerCache) -> tuple[float, ...]:
     return (float(cache.k_scale), float(cache.v_scale))
 
 
-def _group_hashes(kv, request_id) -> tuple[list[bytes], ...]:
-    return kv.group_block_hashes(request_id) if kv.num_groups > 1 else (kv.block_hashes(request_id),)
-
-
 class KVConnector:
     """Exports and imports requests' KV for one rank's (KV manager, per-layer caches).
 
@@ -69,7 +63,7 @@ class KVConnector:
     """
 
     def __init__(
-        self, manager: KVCacheManager | HybridKVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str
+        self, manager: KVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str
     ) -> None:
         self.manager = manager
         self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
@@ -103,7 +97,7 @@ class KVConnector:
             layout=self.layout,
             num_tokens=kv.num_tokens(request_id),
             block_positions=tuple(tuple(p) for p in positions),
-            block_hashes=tuple(tuple(h) for h in _group_hashes(kv, request_id)),
+            block_hashes=tuple(tuple(h) for h in kv.block_hashes(request_id)),
             extra_keys=kv.extra_keys(request_id),
             scales=tuple(_scales(c) for c in self.layer_caches),
             frames=tuple(plan),
@@ -124,8 +118,8 @@ class KVConnector:
             header = KVHeader.unpack(header)
         return ImportSession(self, header)
 
-    def import_(self, header: KVHeader | bytes, frames: Sequence[object]) -> list[int]:
-        """Import from in-memory frames (bytes-like or uint8 tensors); returns the new block ids."""
+    def import_(self, header: KVHeader | bytes, frames: Sequence[object]) -> tuple[list[int], ...]:
+        """Import from in-memory frames (bytes-like or uint8 tensors); returns the new blocks per group."""
         with self.begin_import(header) as session:
             if len(frames) != session.num_frames:
                 raise KVTransferError("truncated", f"{len(frames)} frames, header lists {session.num_frames}")
@@ -133,7 +127,7 @@ class KVConnector:
                 session.accept(i, frame)
             return session.finish()
 
-    def transfer_from(self, sender: KVConnector, request_id: str | int) -> list[int]:
+    def transfer_from(self, sender: KVConnector, request_id: str | int) -> tuple[list[int], ...]:
         """In-process hand-over (both replicas in this process): export, copy, release."""
         export = sender.export(request_id)
         try:
@@ -152,14 +146,15 @@ class ImportSession:
         self._check(header)
         self.frame_nbytes = header.frame_nbytes()
         kv = connector.manager
-        positions = header.block_positions if kv.num_groups > 1 else header.block_positions[0]
         try:
-            blocks = kv.allocate_for_import(self.request_id, header.num_tokens, positions, extra_keys=header.extra_keys)
+            blocks = kv.allocate_for_import(self.request_id, header.num_tokens, header.block_positions,
+                                            extra_keys=header.extra_keys)
         except ConfigError as exc:
             raise KVTransferError("bad_header", str(exc)) from exc
         if blocks is None:
             raise KVTransferError("capacity", f"{header.num_blocks} blocks needed, {kv.num_free_blocks} free")
         self.blocks = blocks
+        self._flat = [b for group in blocks for b in group]  # the sent order
         self._next = 0
         self._digest = FrameDigest()
         self._open = True
@@ -197,15 +192,16 @@ class ImportSession:
         if header.nbytes != sum(header.frame_nbytes()):
             raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
         full = header.num_tokens // self.connector.manager.tokens_per_block
-        if any(len(g) > full or any(len(h) != 32 for h in g) for g in header.block_hashes):
-            raise KVTransferError("bad_header", f"block_hashes: at most {full} hashes of 32 bytes")
+        counts = {len(g) for g in header.block_hashes}
+        if len(counts) > 1 or max(counts) > full or any(len(h) != 32 for g in header.block_hashes for h in g):
+            raise KVTransferError("bad_header", f"block_hashes: as many in every group, at most {full} of 32 bytes")
         if self.request_id in self.connector.manager:
             raise KVTransferError("bad_header", f"request {self.request_id!r} already holds blocks here")
 
     def destination(self, index: int) -> torch.Tensor | None:
         """Our cache bytes for frame `index` (flat uint8, writable) when its blocks are one run."""
         layer, first, n = self.header.frames[index]
-        dst = self.blocks[first : first + n]
+        dst = self._flat[first : first + n]
         if dst[-1] - dst[0] != n - 1:
             return None
         return as_bytes(self.connector.caches[layer].data[dst[0] : dst[0] + n])
@@ -230,22 +226,18 @@ class ImportSession:
             self._fail("truncated", f"frame {index} has {frame.numel()} bytes, expected {expected}")
         self._digest.update(frame)
         if data is not None:
-            dst = torch.tensor(self.blocks[first : first + n], dtype=torch.long, device=cache.device)
+            dst = torch.tensor(self._flat[first : first + n], dtype=torch.long, device=cache.device)
             rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)
             rows.index_copy_(0, dst, frame.to(cache.device).view(n, -1))
         self._next += 1
 
-    def finish(self) -> list[int]:
-        """Verify the checksum and make the blocks the request's; returns the block ids."""
+    def finish(self) -> tuple[list[int], ...]:
+        """Verify the checksum and make the blocks the request's; returns them per group."""
         if self._next != self.num_frames:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
         if self._digest.value != self.header.checksum:
             self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
-        kv = self.connector.manager
-        if kv.num_groups > 1:
-            kv.register_group_hashes(self.request_id, self.header.block_hashes)
-        else:
-            kv.register_hashes(self.request_id, self.header.block_hashes[0])
+        self.connector.manager.register_hashes(self.request_id, self.header.block_hashes)
         self._open = False
         return self.blocks
 

@@ -42,7 +42,7 @@ def test_round_trip_and_refusals_between_processes(peer):
     dst = Replica("gqa", seed=2)
     dst.fragment(4)  # the receiver's new blocks are scattered: staged frames as well as direct ones
     blocks = pull_kv(dst.connector, address, "ok", timeout_s=30)
-    assert dst.kv.block_table("ok") == blocks
+    assert dst.kv.block_tables("ok") == blocks
     for ours, theirs in zip(dst.request_bytes("ok"), expected):
         assert torch.equal(ours, theirs)
     assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36
