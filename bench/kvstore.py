@@ -32,6 +32,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
 from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.connector import KVConnector  # noqa: E402
@@ -160,10 +161,10 @@ def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     tokens = list(range(blocks * BLOCK))
     assert kv.allocate_slots("r", len(tokens), tokens)
     export_s = time.perf_counter()
-    server = KVExportServer(conn, address=address, max_frame_bytes=frame_bytes)
+    server = KVExportServer(address=address)
     for i in range(copies):
         kv.fork("r", f"r{i}")
-        server.offer(f"r{i}", ttl_s=600)
+        server.offer(conn.export(f"r{i}", max_frame_bytes=frame_bytes), ttl_s=600, release=conn.release)
     export_s = (time.perf_counter() - export_s) / copies  # pin + checksum, before any pull
     print(json.dumps({"address": server.address, "blocks": blocks, "export_s": export_s}), flush=True)
     while server.num_pending:  # until every offer was pulled and zmq let go of its frames

@@ -93,9 +93,9 @@ def test_unpulled_offers_expire_and_close_releases_everything():
     src = Replica(seed=1)
     src.add_request("a", list(range(20)))
     src.add_request("b", list(range(40, 60)))
-    server = KVExportServer(src.connector)
-    server.offer("a", ttl_s=0.05)
-    server.offer("b", ttl_s=600)
+    server = KVExportServer()
+    server.offer(src.connector.export("a"), ttl_s=0.05, release=src.connector.release)
+    server.offer(src.connector.export("b"), ttl_s=600, release=src.connector.release)
     src.kv.free("a")
     src.kv.free("b")
     held = src.kv.num_total_blocks - src.kv.num_free_blocks

@@ -226,3 +226,57 @@ def test_header_round_trips_through_msgpack():
     back = KVHeader.unpack(header.pack())
     assert back == header and header.fingerprint == header.layout.fingerprint
     assert back.num_tokens == 5 and back.block_positions == ((0, 1),) and [len(h) for h in back.block_hashes] == [1]
+
+
+def test_driver_and_rank_sides_apart_move_a_hybrid_request():
+    """The split a distributed replica uses: the drivers pin and reserve in their managers (KVPins),
+    the ranks only read and write cache tensors (KVRankIO) from what the drivers tell them, as
+    msgpack; the receiving driver commits the sender's hashes."""
+    import msgpack
+
+    from meshserve.kvstore.pins import HandoverBlocks, KVPins
+    from meshserve.kvstore.rank_io import KVRankIO
+
+    src, dst = Replica("hybrid", seed=1), Replica("hybrid", seed=2)
+    src.fragment(2)
+    dst.fragment(3)
+    src.add_request("h", TOKENS, step=5)
+    sender, receiver = KVPins(src.kv), KVPins(dst.kv)
+    pin = sender.pin("h")
+    src.kv.free("h")  # the pin alone keeps the blocks
+    assert sender.num_pinned == 1 and pin.blocks.block_hashes == tuple(map(tuple, src.kv.block_hashes(pin.pin_id)))
+    wire = HandoverBlocks.from_wire(msgpack.unpackb(msgpack.packb(pin.blocks.to_wire()), raw=False))
+    assert wire == pin.blocks
+    rank_io = KVRankIO(src.caches, model_id="tiny", block_size=4, retentions=src.layout.retentions)
+    export = rank_io.export(wire, max_frame_bytes=512)
+    reserved = receiver.reserve("h", wire.num_tokens, wire.block_positions, extra_keys=wire.extra_keys)
+    dst_io = KVRankIO(dst.caches, model_id="tiny", block_size=4, retentions=dst.layout.retentions)
+    with dst_io.into(reserved).begin_import(export.header_bytes) as session:
+        for i, frame in enumerate(export.frames):
+            session.accept(i, bytes(frame.numpy()))
+        assert session.finish() == reserved
+    receiver.commit("h", wire.block_hashes)
+    assert dst.held_positions("h") == [list(p) for p in wire.block_positions]
+    expected = [c.data.view(torch.uint8)[wire.blocks].clone() for c in src.caches]
+    for layer, cache in enumerate(dst.caches):
+        assert torch.equal(cache.data.view(torch.uint8)[[b for g in reserved for b in g]], expected[layer])
+    assert dst.kv.lookup_prefix(TOKENS).num_tokens == 36  # both groups' hashes were committed
+    assert sender.release(pin.pin_id) and not sender.release(pin.pin_id)  # a second release is a no-op
+    assert sender.num_pinned == 0 and src.kv.num_free_blocks == src.kv.num_total_blocks - 4  # the fragmentation
+    src.kv.check_invariants()
+    dst.kv.check_invariants()
+
+
+def test_a_rank_refuses_frames_for_blocks_its_driver_did_not_reserve():
+    from meshserve.kvstore.pins import KVPins
+    from meshserve.kvstore.rank_io import KVRankIO
+
+    src = Replica("hybrid", seed=1)
+    src.add_request("h", TOKENS)
+    pin = KVPins(src.kv).pin("h")
+    io = KVRankIO(src.caches, model_id="tiny", block_size=4, retentions=src.layout.retentions)
+    export = io.export(pin.blocks)
+    short = [list(range(1, 11)), list(range(11, 20))]  # the header lists 10 + 10 blocks
+    with pytest.raises(KVTransferError, match="blocks per group") as info:
+        io.into(short).begin_import(export.header_bytes)
+    assert info.value.reason == "bad_header"
