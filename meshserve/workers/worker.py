@@ -117,9 +117,9 @@ class Worker:
         if par.dcp > 1:
             backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
                         else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
-        # A hybrid layout stores one group's worth of layers per block id (kvstore/groups.py).
+        # A block id holds one group's worth of layers (kvstore/groups.py: the groups share tensors).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
-        paged = [specs[i] for i in layout.groups[0]] if layout.is_hybrid else specs
+        paged = [specs[i] for i in layout.groups[0]]
         use_graphs = self._graph_refusals(backends, model) == []
         reserve = 0
         if use_graphs:  # the graphs' activation pool comes out of the KV budget

@@ -47,7 +47,7 @@ def test_layout_groups_layers_of_one_retention_in_equal_groups():
 
 def test_layouts_that_stay_one_group():
     plain = KVGroupLayout.from_specs([FULL] * 3)
-    assert not plain.is_hybrid and plain.retentions == (ALL,) and plain.layer_slots(3) == [None] * 3
+    assert not plain.is_hybrid and plain.retentions == (ALL,) and plain.layer_slots(3) == [0, 1, 2]  # a tensor each
     fp8_local = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=4,
                               kv_cache_dtype=KVCacheDtype.FP8_E4M3)
     mixed = KVGroupLayout.from_specs([fp8_local, FULL])  # page shapes differ: the union, as before
