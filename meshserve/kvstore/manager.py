@@ -61,6 +61,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self._tables = BlockTables(self.pool, self.retentions, self.tokens_per_block, enable_prefix_caching)
         self.stats: KVCacheStats = self._tables.stats
+        self._register = self._tables.register_full_blocks  # the fast paths' one call
         self._requests: dict[RequestId, RequestBlocks] = {}
         # Lookups visit full-attention groups first: their (prefix-closed) hit bounds the others'.
         self._lookup_order = sorted(range(len(self.retentions)), key=lambda g: not self.retentions[g].keeps_everything)
@@ -198,7 +199,7 @@ class KVCacheManager:
                 if total <= capacity:
                     req.num_tokens = total
                     if total >= req.hash_at:
-                        self._tables.register_full_blocks(req, token_ids, total)
+                        self._register(req, token_ids, total)
                     return True
         if req is None:
             return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
@@ -225,7 +226,7 @@ class KVCacheManager:
         the scheduler preempts and calls again from there. The batch form of a decode step: one
         call instead of one per request."""
         requests = self._requests
-        register = self._tables.register_full_blocks
+        register = self._register
         done = 0
         for rid, tokens in zip(request_ids, token_ids):
             req = requests.get(rid)
@@ -244,9 +245,9 @@ class KVCacheManager:
         return done
 
     def _check_prefix(self, prefix: PrefixHit | None) -> None:
-        if prefix is not None:
-            check(isinstance(prefix, PrefixHit) and len(prefix.block_ids) == self.num_groups, "prefix",
-                  type(prefix).__name__, f"the PrefixHit of this manager's lookup_prefix ({self.num_groups} groups)")
+        if prefix is not None and not (isinstance(prefix, PrefixHit) and len(prefix.block_ids) == len(self.retentions)):
+            raise ConfigError("prefix", type(prefix).__name__,
+                              f"the PrefixHit of this manager's lookup_prefix ({self.num_groups} groups)")
 
     def _admit(
         self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int], prefix: PrefixHit | None,
@@ -294,9 +295,7 @@ class KVCacheManager:
         """Forget every prefix hash (e.g. after weights change)."""
         self.pool.reset_prefix_cache()
         for req in self._requests.values():
-            req.hashes = [[] for _ in req.tables]
-            req.num_registered = 0
-            self._tables.refresh(req)
+            self._tables.forget_hashes(req)
 
     # ---- KV hand-over ---------------------------------------------------------------------
     def allocate_for_import(

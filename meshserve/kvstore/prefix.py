@@ -51,17 +51,20 @@ def lookup(
     tpb = tokens_per_block
     limit = len(token_ids)  # a group's hit never exceeds limit - 1 tokens
     hashes: list[list[BlockHash]] = [[] for _ in retentions]  # per group, computed once, as needed
-    hits: list[tuple[int, tuple[int, ...]] | None] = [None] * len(retentions)
+    hits: list[tuple[int, tuple[int, ...]]] = [(limit, ())] * len(retentions)  # (limit, ...): not looked up
     while True:
         for g in order:
             hit = hits[g]
-            if hit is None or hit[0] > limit - 1:
+            if hit[0] >= limit:
                 hit = hits[g] = _group_hit(pool, retentions[g], tpb, token_ids, limit, extras[g], hashes[g])
-            limit = min(limit, hit[0] + 1)
+            if hit[0] < limit - 1:
+                limit = hit[0] + 1
         # Agreed, or a group hit longer than the shortest: the next pass looks it up again.
-        if all(h is not None and h[0] == limit - 1 for h in hits):
-            block_ids = tuple(h[1] for h in hits)  # type: ignore[index]
-            return PrefixHit(limit - 1, block_ids, tuple(tuple(h) for h in hashes), extra_keys)
+        for hit in hits:
+            if hit[0] != limit - 1:
+                break
+        else:
+            return PrefixHit(limit - 1, tuple([h[1] for h in hits]), tuple([tuple(h) for h in hashes]), extra_keys)
 
 
 def _group_hit(
@@ -77,13 +80,20 @@ def _group_hit(
     extends `hashes`, the group's chain of token_ids, as far as it reads."""
     max_blocks = max(0, limit - 1) // tpb  # the last token is always computed
     windowed = retention.sliding_window is not None
+    find = pool.lookup
     found: list[int | None] = []
-    for i in range(max_blocks):
-        if i == len(hashes):
-            hashes.append(hash_block(hashes[i - 1] if i else None, token_ids[i * tpb : (i + 1) * tpb], extra))
-        found.append(pool.lookup(hashes[i]))
+    for h in hashes[:max_blocks]:  # known from an earlier pass of another limit
+        found.append(find(h))
         if found[-1] is None and not windowed:
             break  # full attention: the prefix ends at the first miss
+    else:
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), max_blocks):
+            parent = hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], extra)
+            hashes.append(parent)
+            found.append(find(parent))
+            if found[-1] is None and not windowed:
+                break
     if not found:
         return 0, ()
     if not windowed:

@@ -37,6 +37,7 @@ class RequestBlocks:
         "num_registered",
         "extra_keys",
         "extras",
+        "chains",
         "first_held",
         "fast_capacity",
         "release_at",
@@ -47,7 +48,7 @@ class RequestBlocks:
         self,
         tables: tuple[list[int], ...],
         num_tokens: int,
-        hashes: list[list[BlockHash]],
+        hashes: tuple[list[BlockHash], ...],
         extra_keys: tuple,
         extras: tuple[bytes, ...],
         first_held: list[int],
@@ -58,6 +59,8 @@ class RequestBlocks:
         self.num_registered = 0  # blocks [0, this) of every group have had their hash offered to the pool
         self.extra_keys = extra_keys
         self.extras = extras  # per group: encoded extra keys + the group's salt (hash input)
+        # Per group (table, hashes, extra), for the hashing loop (these lists change in place only).
+        self.chains = tuple(zip(tables, hashes, extras))
         self.first_held = first_held  # per group: non-sink blocks below this index were released
         # Limits of the fast path, the tightest over the groups, kept by BlockTables.refresh:
         self.fast_capacity = 0  # grow to this many tokens without touching the pool

@@ -37,8 +37,10 @@ class BlockTables:
     # ---- new records ----------------------------------------------------------------------
     def extras(self, extra_keys: tuple) -> tuple[bytes, ...]:
         """Per group, the hash input of a request's extra keys (its salt appended)."""
+        if not extra_keys:
+            return self.salts
         extra = encode_extra_keys(extra_keys)
-        return tuple(extra + salt for salt in self.salts)
+        return tuple([extra + salt for salt in self.salts])
 
     def admission_need(self, prefix: PrefixHit | None, num_new_tokens: int) -> int:
         """Blocks a new request takes from the free count: new ones plus revived cached hits."""
@@ -66,21 +68,20 @@ class BlockTables:
         self, prefix: PrefixHit | None, num_new_tokens: int, token_ids: Sequence[int], extra_keys: tuple
     ) -> RequestBlocks:
         """A new request's record (the caller checked admission_need against the free count)."""
-        groups = range(len(self.retentions))
         if prefix is None:
-            tables: tuple[list[int], ...] = tuple([] for _ in groups)
-            hashes: list[list[BlockHash]] = [[] for _ in groups]
+            tables: tuple[list[int], ...] = tuple([[] for _ in self.retentions])
+            hashes: tuple[list[BlockHash], ...] = tuple([[] for _ in self.retentions])
             num_cached = 0
         else:
-            tables = tuple(list(ids) for ids in prefix.block_ids)
-            hashes = [list(h) for h in prefix.block_hashes]
+            tables = tuple(map(list, prefix.block_ids))
+            hashes = tuple(map(list, prefix.block_hashes))
             num_cached = prefix.num_tokens
             # Every group's hit is referenced before any group allocates: no group's new blocks
             # can evict another group's hit.
-            self.pool.touch(b for table in tables for b in table if b != NULL_BLOCK)
-        first_held = [
-            max(self.sink_blocks[g], r.first_needed_block(num_cached, self.tpb)) for g, r in enumerate(self.retentions)
-        ]
+            self.pool.touch([b for table in tables for b in table if b != NULL_BLOCK])
+        first_held = list(self.sink_blocks)
+        for g in self.windowed:
+            first_held[g] = max(first_held[g], self.retentions[g].first_needed_block(num_cached, self.tpb))
         req = RequestBlocks(tables, num_cached, hashes, extra_keys, self.extras(extra_keys), first_held)
         req.num_registered = len(tables[0])  # hit blocks are hashed already
         self.grow(req, num_cached + num_new_tokens)
@@ -95,15 +96,15 @@ class BlockTables:
         """A child sharing every block of the parent (references taken)."""
         n = parent.num_registered
         child = RequestBlocks(
-            tuple(list(t) for t in parent.tables),
+            tuple(map(list, parent.tables)),
             parent.num_tokens,
-            [h[:n] for h in parent.hashes],  # hashes past that were for the parent's tokens
+            tuple([h[:n] for h in parent.hashes]),  # hashes past that were for the parent's tokens
             parent.extra_keys,
             parent.extras,
             list(parent.first_held),
         )
         child.num_registered = n
-        self.pool.touch(b for table in child.tables for b in table if b != NULL_BLOCK)
+        self.pool.touch([b for table in child.tables for b in table if b != NULL_BLOCK])
         self.refresh(parent)
         self.refresh(child)
         return child
@@ -121,7 +122,7 @@ class BlockTables:
         for table, positions in zip(tables, block_positions):
             for p in positions:
                 table[p] = next(blocks)
-        req = RequestBlocks(tables, num_tokens, [[] for _ in tables], extra_keys, self.extras(extra_keys),
+        req = RequestBlocks(tables, num_tokens, tuple([[] for _ in tables]), extra_keys, self.extras(extra_keys),
                             list(self.sink_blocks))  # fmt: skip
         self.refresh(req)
         return req
@@ -186,23 +187,36 @@ class BlockTables:
         if full <= start:
             return
         cache_block = self.pool.cache_block
-        for hashes, table, extra in zip(req.hashes, req.tables, req.extras):
+        for table, hashes, extra in req.chains:
+            known = len(hashes)
+            parent = hashes[start - 1] if start else None
             for i in range(start, full):
-                if i == len(hashes):
-                    hashes.append(hash_block(hashes[i - 1] if i else None, token_ids[i * tpb : (i + 1) * tpb], extra))
-                if table[i] != NULL_BLOCK:
-                    cache_block(table[i], hashes[i])
+                if i < known:
+                    parent = hashes[i]
+                else:
+                    parent = hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], extra)
+                    hashes.append(parent)
+                block = table[i]
+                if block != NULL_BLOCK:
+                    cache_block(block, parent)
         req.num_registered = full
         req.hash_at = (full + 1) * tpb
 
     def adopt_hashes(self, req: RequestBlocks, block_hashes: Sequence[Sequence[BlockHash]]) -> None:
         """Register known hashes of the first full blocks of every group (an import succeeded)."""
-        req.hashes = [list(h) for h in block_hashes]
-        for table, hashes in zip(req.tables, req.hashes):
+        for table, hashes, given in zip(req.tables, req.hashes, block_hashes):
+            hashes[:] = given
             for i, h in enumerate(hashes):
                 if table[i] != NULL_BLOCK:
                     self.pool.cache_block(table[i], h)
         req.num_registered = len(req.hashes[0])
+        self.refresh(req)
+
+    def forget_hashes(self, req: RequestBlocks) -> None:
+        """After the pool forgot every hash: the record's hashes are gone too."""
+        for hashes in req.hashes:
+            hashes.clear()
+        req.num_registered = 0
         self.refresh(req)
 
     def refresh(self, req: RequestBlocks) -> None:
@@ -211,9 +225,11 @@ class BlockTables:
         n, tables = req.num_tokens, req.tables
         capacity = len(tables[0]) * tpb
         if n % tpb:
-            ref = self.pool.ref_counts
-            if any(ref[t[n // tpb]] > 1 for t in tables):
-                capacity = n  # a shared partial last block: its next write copies it
+            ref, last = self.pool.ref_counts, n // tpb
+            for table in tables:
+                if ref[table[last]] > 1:
+                    capacity = n  # a shared partial last block: its next write copies it
+                    break
         req.fast_capacity = capacity
         release_at = NEVER
         for g in self.windowed:
