@@ -7,8 +7,8 @@ bookkeeping: 256 running requests decode one token per step (allocate_slots), re
   after a random output length and are freed; a new request is admitted in their place (prefix
   lookup + allocate the prompt). Reported: µs per step for the manager calls, decode-only steps
   and steps with admissions separately. The hybrid rows run the same requests through a
-  HybridKVCacheManager of two layer groups (window 512 and full attention) over a pool twice
-  the size (what a hybrid model's shared cache tensors give).
+  KVCacheManager of two layer groups (window 512 and full attention) over a pool twice the size
+  (what a hybrid model's shared cache tensors give).
 lookup: lookup_prefix on a 4k-token prompt, all cached and none cached.
 handover: a sender process offers one request whose blocks hold N MiB (4 layers, bf16, 8 KV
   heads of 128, block 16); this process pulls it over tcp loopback zmq into fresh blocks
@@ -32,10 +32,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+
 from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.connector import KVConnector  # noqa: E402
-from meshserve.kvstore.hybrid import HybridKVCacheManager  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
 from meshserve.kvstore.retention import RetentionPolicy  # noqa: E402
 
@@ -54,7 +54,7 @@ def bench_bookkeeping(
     rng = random.Random(seed)
     num_blocks = running * (prompt + 1200) // BLOCK + 64
     if hybrid:
-        kv = HybridKVCacheManager(2 * num_blocks, BLOCK, retentions=[RetentionPolicy(512, 0), RetentionPolicy()])
+        kv = KVCacheManager(2 * num_blocks, BLOCK, retentions=[RetentionPolicy(512, 0), RetentionPolicy()])
     else:
         kv = KVCacheManager(num_blocks, BLOCK)
     system = [rng.randrange(32000) for _ in range(256)]  # a shared system prompt: prefix hits
@@ -161,10 +161,10 @@ def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     tokens = list(range(blocks * BLOCK))
     assert kv.allocate_slots("r", len(tokens), tokens)
     export_s = time.perf_counter()
-    server = KVExportServer(conn, address=address, max_frame_bytes=frame_bytes)
+    server = KVExportServer(address=address)
     for i in range(copies):
         kv.fork("r", f"r{i}")
-        server.offer(f"r{i}", ttl_s=600)
+        server.offer(conn.export(f"r{i}", max_frame_bytes=frame_bytes), ttl_s=600, release=conn.release)
     export_s = (time.perf_counter() - export_s) / copies  # pin + checksum, before any pull
     print(json.dumps({"address": server.address, "blocks": blocks, "export_s": export_s}), flush=True)
     while server.num_pending:  # until every offer was pulled and zmq let go of its frames

@@ -20,7 +20,6 @@ from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, Parallel
 from meshserve.core.outputs import CompletionDelta, FinishReason, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
-from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.workers.checkpoint import load_tokenizer
@@ -80,15 +79,11 @@ class InProcessExecutor:
         self.host.shutdown()
 
 
-def kv_manager_for(info: WorkerInfo, *, enable_prefix_caching: bool) -> KVCacheManager | HybridKVCacheManager:
-    """The block bookkeeping for a replica's workers: one table per request, or one per KV layer
-    group when the workers allocated a hybrid layout (info.kv_groups)."""
-    if info.kv_groups:
-        retentions = [RetentionPolicy(w, s) for w, s in info.kv_groups]
-        return HybridKVCacheManager(info.num_kv_blocks, info.block_size, retentions=retentions,
-                                    enable_prefix_caching=enable_prefix_caching)
-    retention = RetentionPolicy(info.sliding_window, info.num_sink_tokens)
-    return KVCacheManager(info.num_kv_blocks, info.block_size, retention=retention,
+def kv_manager_for(info: WorkerInfo, *, enable_prefix_caching: bool) -> KVCacheManager:
+    """The block bookkeeping for a replica's workers: one block table per request and KV layer
+    group of the workers' layout (info.kv_groups)."""
+    retentions = [RetentionPolicy(w, s) for w, s in info.kv_groups]
+    return KVCacheManager(info.num_kv_blocks, info.block_size, retentions=retentions,
                           enable_prefix_caching=enable_prefix_caching)
 
 

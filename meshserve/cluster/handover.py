@@ -1,12 +1,13 @@
 """The KV hand-over between a prefill and a decode replica (disaggregated serving).
 
 A prefill replica runs a request until its first token; then, in its step thread, `offer_kv`
-pins the request's blocks (a fork of its table in the KV manager), asks every rank to offer its
-KV shard (`kv_offer`: each rank's KVExportServer, msgpack header + raw frames) and detaches the
-request, which the coordinator hands to a decode replica as a `Handoff`. The decode replica's
-`import_kv` allocates blocks, has every rank pull its shard (`kv_pull`; with another tp, heads
-are re-sharded: kv_reshard.py), registers the prefix hashes and continues from the first token.
-If anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
+pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manager), asks every
+rank to offer its KV shard of them (`kv_offer`: each rank's KVExportServer, msgpack header + raw
+frames) and detaches the request, which the coordinator hands to a decode replica as a
+`Handoff`. The decode replica's `import_kv` reserves blocks in every KV layer group, has every
+rank pull its shard into them (`kv_pull`; with another tp, heads are re-sharded:
+kv_reshard.py), commits the sender's prefix hashes and continues from the first token. If
+anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
 prefill replica is then told to release its pin (`release_sources`).
 
 Functions of either end (`HandoverEnd`: what they use of a replica), kept apart so replica.py
@@ -22,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 from meshserve.cluster.executor import Executor, RankError
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, Sink
-from meshserve.kvstore.block_pool import NULL_BLOCK
+from meshserve.kvstore.pins import HandoverBlocks, KVPins
 
 if TYPE_CHECKING:
     from meshserve.cluster.engine import EngineConfig, EngineCore
@@ -42,6 +43,7 @@ class HandoverEnd(Protocol):
     faults: list[str]  # injected offer faults (tests)
     config: EngineConfig
     core: EngineCore
+    pins: KVPins  # the driver side of hand-overs, over core.kv
     executor: Executor
 
     def release(self, pin_id: tuple) -> None:
@@ -53,9 +55,7 @@ class KVOffer:
     """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
 
     addresses: list[str]  # per rank: its export server
-    num_tokens: int
-    positions: list[list[int]]  # per KV layer group, the block-table indices that hold data
-    extra_keys: tuple
+    blocks: HandoverBlocks  # what was pinned: tokens, per KV layer group tables and hashes
     pin_id: tuple
     model_id: str
     tp: int
@@ -76,28 +76,22 @@ class Handoff:
     sink: Sink | None = None
 
 
-def offer_kv(self: HandoverEnd, rid: str, pin: tuple) -> Handoff:
-    """(Prefill replica, step thread) Pin the request's blocks as `pin` (an id unique in this
-    replica), have every rank offer its shard, detach the request."""
+def offer_kv(self: HandoverEnd, rid: str) -> Handoff:
+    """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
+    detach the request."""
     kv = self.core.kv
-    kv.fork(rid, pin)
-    tables = [list(t) for t in kv.block_tables(pin)]
-    hashes = kv.group_block_hashes(pin) if kv.num_groups > 1 else (kv.block_hashes(pin),)
-    args = {"request_id": rid, "tables": tables, "num_tokens": kv.num_tokens(pin),
-            "hashes": [list(h) for h in hashes], "extra_keys": list(kv.extra_keys(pin)),
-            "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-            "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
+    pin = self.pins.pin(rid)
+    args = {"blocks": pin.blocks.to_wire(), "block_size": kv.block_size, "dcp_size": kv.dcp_size,
+            "model_id": self.model_id, "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
     offer, reason = None, ""
     try:
         addresses = self.executor.call("kv_offer", [args] * self.world)
-        positions = [[i for i, b in enumerate(t) if b != NULL_BLOCK] for t in tables]
-        offer = KVOffer(addresses, args["num_tokens"], positions,
-                        tuple(args["extra_keys"]), pin, self.model_id, self.world, self.config.parallel.dcp,
+        offer = KVOffer(addresses, pin.blocks, pin.pin_id, self.model_id, self.world, self.config.parallel.dcp,
                         self.handoff_tp, kv.block_size, kv.dcp_size)
     except RankError as exc:
-        kv.free(pin)
+        self.pins.release(pin.pin_id)
         reason = str(exc)
-    request_event(rid, "prefilled", replica=self.name, kv_tokens=args["num_tokens"], offered=offer is not None)
+    request_event(rid, "prefilled", replica=self.name, kv_tokens=pin.blocks.num_tokens, offered=offer is not None)
     return Handoff(self.core.detach(rid), self, offer, reason)
 
 
@@ -108,16 +102,16 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
     why = h.reason or "no KV was offered"
     if offer is not None:
         dcp = self.config.parallel.dcp
-        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp, len(offer.positions)) == (
+        sent = offer.blocks
+        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp, len(sent.block_tables)) == (
             self.model_id, kv.block_size, kv.dcp_size, dcp, kv.num_groups)
             and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
-        positions = offer.positions if kv.num_groups > 1 else offer.positions[0]
-        blocks = kv.allocate_for_import(rid, offer.num_tokens, positions,
-                                        extra_keys=offer.extra_keys) if fits else None
+        blocks = self.pins.reserve(rid, sent.num_tokens, sent.block_positions,
+                                   extra_keys=sent.extra_keys) if fits else None
         why = "no free blocks" if fits else (
             "KV layouts differ (model, block size, dcp, KV layer groups; or tp with dcp > 1)")
         if blocks is not None:
-            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": blocks,
+            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": list(blocks),
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
                      "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
             try:
@@ -125,13 +119,10 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
             except RankError as exc:
                 results = [{"ok": False, "error": str(exc)}]
             if all(r["ok"] for r in results):
-                if kv.num_groups > 1:
-                    kv.register_group_hashes(rid, results[0]["hashes"])
-                else:
-                    kv.register_hashes(rid, results[0]["hashes"][0])
-                request_event(rid, "kv_imported", replica=self.name, tokens=offer.num_tokens)
-                return offer.num_tokens
-            kv.free(rid, keep_cache=False)
+                self.pins.commit(rid, sent.block_hashes)
+                request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens)
+                return sent.num_tokens
+            self.pins.abort(rid)
             why = "; ".join(r["error"] for r in results if not r["ok"])
     log.info("replica %s recomputes %s: %s", self.name, rid, why)
     request_event(rid, "recompute", replica=self.name, why=why)

@@ -8,10 +8,10 @@
     kv_pull(...)                    pull a request's blocks from the prefill ranks into given blocks
                                     (re-sharding KV heads when the pools' tp differ: kv_reshard.py)
 
-The replica's driver owns the block bookkeeping (its KVCacheManager); a rank owns only the cache
-tensors. The kvstore's KVConnector wants both, so each hand-over gives the rank a `BlockBook`:
-the driver's decisions for that request (its block tables, one per KV layer group, when sending;
-the blocks it allocated when receiving) in the shape of the manager calls the connector makes.
+The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
+kvstore/pins.py); a rank owns only the cache tensors and moves bytes between them and the wire
+(kvstore/rank_io.py): it exports the blocks the driver pinned and imports into the blocks the
+driver reserved.
 """
 
 from __future__ import annotations
@@ -19,15 +19,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
-from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.cluster.kv_reshard import copy_heads, is_headless, pull_key, pullers_of, sources_of, staging_caches
 from meshserve.errors import check
-from meshserve.kvstore.connector import KVConnector, KVExport
-from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.kvstore.pins import HandoverBlocks
+from meshserve.kvstore.rank_io import KVExport, KVRankIO
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.parallel.transform import local_kv_heads
 from meshserve.workers.checkpoint import read_arch
@@ -37,82 +36,6 @@ log = logging.getLogger("meshserve.rank")
 OFFER_TTL_S = 30.0  # an offer nobody pulls is dropped after this
 
 
-class BlockBook:
-    """The driver's block decisions for hand-overs, as the KVConnector asks for them.
-
-    Sender: `describe(request_id, tables, num_tokens, hashes, extra_keys)` first (tables and
-    hashes: one list per KV layer group); the connector then reads the tables and pins (fork)
-    them; the driver keeps the blocks pinned on its side.
-    Receiver: `assign(request_id, blocks)` first (every group's, group after group);
-    `allocate_for_import` hands exactly those out.
-    retentions: per KV layer group (the worker's KVGroupLayout), for the layout check.
-    """
-
-    def __init__(self, block_size: int, dcp_size: int = 1, retentions: Sequence[RetentionPolicy] = (RetentionPolicy(),)
-                 ) -> None:  # fmt: skip
-        self.block_size = block_size
-        self.dcp_size = dcp_size
-        self.tokens_per_block = block_size * dcp_size
-        self.retentions = tuple(retentions)
-        self.num_groups = len(self.retentions)
-        self.num_free_blocks = 0  # only quoted in refusal messages: the driver decides capacity
-        self._tables: dict[Any, tuple[list[list[int]], int, list[list[bytes]], tuple]] = {}
-        self._assigned: dict[Any, list[int]] = {}
-        self.imported_hashes: dict[Any, list[list[bytes]]] = {}
-
-    # sender side
-    def describe(self, request_id: Any, tables: Sequence[Sequence[int]], num_tokens: int,
-                 hashes: Sequence[Sequence[bytes]], extra_keys: Sequence[object] = ()) -> None:
-        check(len(tables) == len(hashes) == self.num_groups, "tables", len(tables),
-              f"one table and one hash list per KV layer group ({self.num_groups})")
-        self._tables[request_id] = ([list(t) for t in tables], num_tokens, [[bytes(h) for h in g] for g in hashes],
-                                    tuple(extra_keys))  # fmt: skip
-
-    def block_tables(self, request_id: Any) -> list[list[int]]:
-        return self._tables[request_id][0]
-
-    def num_tokens(self, request_id: Any) -> int:
-        return self._tables[request_id][1]
-
-    def block_hashes(self, request_id: Any) -> list[bytes]:
-        return self._tables[request_id][2][0]
-
-    def group_block_hashes(self, request_id: Any) -> list[list[bytes]]:
-        return self._tables[request_id][2]
-
-    def extra_keys(self, request_id: Any) -> tuple:
-        return self._tables[request_id][3]
-
-    def fork(self, parent_id: Any, child_id: Any) -> None:
-        self._tables[child_id] = self._tables[parent_id]
-
-    def free(self, request_id: Any, *, keep_cache: bool = True) -> bool:
-        found = self._tables.pop(request_id, None) is not None
-        return self._assigned.pop(request_id, None) is not None or found
-
-    def __contains__(self, request_id: Any) -> bool:
-        return request_id in self._tables  # an import's id is never described here
-
-    # receiver side
-    def assign(self, request_id: Any, blocks: Sequence[int]) -> None:
-        self._assigned[request_id] = list(blocks)
-
-    def allocate_for_import(self, request_id: Any, num_tokens: int, block_positions: Sequence, *,
-                            extra_keys: Sequence[object] = ()) -> list[int] | None:
-        """block_positions: one list (one group) or one list per group, as the managers take them."""
-        blocks = self._assigned.get(request_id)
-        count = sum(len(p) for p in block_positions) if self.num_groups > 1 else len(block_positions)
-        if blocks is None or len(blocks) != count:
-            return None  # the driver sized the import differently: refused as "capacity"
-        return blocks
-
-    def register_hashes(self, request_id: Any, block_hashes: Sequence[bytes]) -> None:
-        self.register_group_hashes(request_id, [block_hashes])
-
-    def register_group_hashes(self, request_id: Any, block_hashes: Sequence[Sequence[bytes]]) -> None:
-        self.imported_hashes[request_id] = [[bytes(h) for h in g] for g in block_hashes]
-
-
 class RankHost:
     """Builds the worker on `start` and answers the driver's messages for one rank."""
 
@@ -120,8 +43,7 @@ class RankHost:
         self.spec = spec
         self.rank = rank
         self.worker = None
-        self._book: BlockBook | None = None
-        self._connector: KVConnector | None = None
+        self._io: KVRankIO | None = None
         self._server = None
 
     # -- dispatch -------------------------------------------------------------------------------
@@ -168,33 +90,29 @@ class RankHost:
         if self._server is not None:
             self._server.poll(timeout_ms)
 
-    def _kv(self, block_size: int, dcp_size: int, model_id: str) -> KVConnector:
-        if self._connector is None:
+    def _kv(self, block_size: int, dcp_size: int, model_id: str) -> KVRankIO:
+        if self._io is None:
             check(self.worker is not None and self.worker.runner is not None, "rank", self.rank,
                   "started before a KV hand-over")
-            layout, info = self.worker.kv_layout, self.worker.info
-            retentions = layout.retentions if layout.is_hybrid else (
-                RetentionPolicy(info.sliding_window, info.num_sink_tokens),)  # the driver's single table
-            self._book = BlockBook(block_size, dcp_size, retentions)
-            self._connector = KVConnector(self._book, self.worker.runner.kv_caches, model_id=model_id)
-        return self._connector
+            self._io = KVRankIO(self.worker.runner.kv_caches, model_id=model_id, block_size=block_size,
+                                dcp_size=dcp_size, retentions=self.worker.kv_layout.retentions)
+        return self._io
 
-    def kv_offer(self, request_id: str, tables: list[list[int]], num_tokens: int, hashes: list[list[bytes]],
-                 extra_keys: list, block_size: int, dcp_size: int, model_id: str, dst_tp: int,
+    def kv_offer(self, blocks: dict[str, Any], block_size: int, dcp_size: int, model_id: str, dst_tp: int,
                  fault: str | None = None) -> str:
-        """Offer this rank's shard of the request's blocks (tables and hashes per KV layer group) to
-        the decode ranks of `dst_tp` that need it (the driver keeps the blocks pinned until the
-        decode side is done). Returns the address.
+        """Offer this rank's shard of a request's blocks (`HandoverBlocks.to_wire()`: tables and
+        hashes per KV layer group, pinned by the driver until the decode side is done) to the
+        decode ranks of `dst_tp` that need it. Returns the address.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
         from meshserve.kvstore.zmq_transport import KVExportServer
 
-        connector = self._kv(block_size, dcp_size, model_id)
+        io = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
-            self._server = KVExportServer(connector, address=f"tcp://{_reachable_host()}")
-        self._book.describe(request_id, tables, num_tokens, hashes, extra_keys)
-        export = connector.export(request_id)
+            self._server = KVExportServer(address=f"tcp://{_reachable_host()}")
+        export = io.export(HandoverBlocks.from_wire(blocks))
+        request_id = export.header.request_id
         if dst_tp == self.tp:
             keys = [request_id]  # decode rank r pulls from prefill rank r
         else:
@@ -205,44 +123,52 @@ class RankHost:
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
         for key in keys if fault != "withdraw" else []:
             header = export.header if key == request_id else dataclasses.replace(export.header, request_id=key)
-            self._server.offer_export(KVExport(header, frames, (export.pin_id, key)), ttl_s=OFFER_TTL_S)
-        connector.release(export)  # the driver's pin keeps the blocks; each offer holds the frames
+            self._server.offer(KVExport(header, frames), ttl_s=OFFER_TTL_S)  # the driver's pin keeps the blocks
         return self._server.address
 
-    def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int], block_size: int,
+    def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
         """Pull this rank's share of the request's KV from the prefill ranks (`addresses`, by rank)
-        into `blocks` (allocated by the driver, every KV layer group's in group order); with a
-        different tp, through kv_reshard.
+        into `blocks` (reserved by the driver, per KV layer group); with a different tp, through
+        kv_reshard.
 
-        Returns {"ok": True, "hashes": [[...] per group]} or {"ok": False, "reason": ..., "error": ...}; on
-        failure the blocks hold garbage and the driver frees them without caching.
+        Returns {"ok": True} or {"ok": False, "reason": ..., "error": ...}; on failure the blocks
+        hold garbage and the driver frees them without caching.
         """
-        connector = self._kv(block_size, dcp_size, model_id)
+        from meshserve.kvstore.zmq_transport import pull_kv
+
+        io = self._kv(block_size, dcp_size, model_id)
         try:
             if src_tp == self.tp:
-                hashes = _pull(connector, self._book, addresses[self.rank], request_id, blocks, timeout_s)
+                pull_kv(io.into(blocks), addresses[self.rank], request_id, timeout_s=timeout_s)
             else:
-                hashes = self._pull_resharded(request_id, addresses, src_tp, blocks, model_id, timeout_s)
-            return {"ok": True, "hashes": hashes}
+                self._pull_resharded(io, request_id, addresses, src_tp, blocks, timeout_s)
+            return {"ok": True}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
-    def _pull_resharded(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[int],
-                        model_id: str, timeout_s: float) -> list[list[bytes]]:
+    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], src_tp: int,
+                        blocks: list[list[int]], timeout_s: float) -> None:
+        from meshserve.kvstore.zmq_transport import pull_kv
+
         caches = self.worker.runner.kv_caches
         heads = self._num_kv_heads()
         key = pull_key(request_id, self.rank)
-        hashes: list[list[bytes]] = []
+        flat = [b for group in blocks for b in group]
+        staged, first = [], 1  # staging blocks 1..n, in the sent order (group after group)
+        for group in blocks:
+            staged.append(list(range(first, first + len(group))))
+            first += len(group)
+        layout = io.layout
         for piece in sources_of(self.rank, heads, src_tp, self.tp):
             if piece.src_heads is None:  # latent caches: the source's shard is the whole cache
-                return _pull(self._connector, self._book, addresses[piece.src_rank], key, blocks, timeout_s)
-            staging = staging_caches(caches, local_kv_heads(heads, src_tp, 1), len(blocks))
-            book = BlockBook(self._book.block_size, self._book.dcp_size, self._book.retentions)
-            stage = KVConnector(book, staging, model_id=model_id)
-            hashes = _pull(stage, book, addresses[piece.src_rank], key, list(range(1, len(blocks) + 1)), timeout_s)
-            copy_heads(caches, staging, blocks, piece)
-        return hashes
+                pull_kv(io.into(blocks), addresses[piece.src_rank], key, timeout_s=timeout_s)
+                return
+            staging = staging_caches(caches, local_kv_heads(heads, src_tp, 1), len(flat))
+            stage = KVRankIO(staging, model_id=layout.model_id, block_size=layout.block_size,
+                             dcp_size=layout.dcp_size, retentions=io.retentions)
+            pull_kv(stage.into(staged), addresses[piece.src_rank], key, timeout_s=timeout_s)
+            copy_heads(caches, staging, flat, piece)
 
     @property
     def tp(self) -> int:
@@ -253,21 +179,6 @@ class RankHost:
         if is_headless(self.worker.runner.kv_caches):
             return None
         return read_arch(self.worker.model_config.model).num_kv_heads
-
-
-def _pull(connector: KVConnector, book: BlockBook, address: str, key: str, blocks: list[int],
-          timeout_s: float) -> list[list[bytes]]:
-    """Pull offer `key` from `address` into `blocks` of `connector`'s caches; the prefix hashes
-    per KV layer group."""
-    from meshserve.kvstore.zmq_transport import pull_kv
-
-    book.assign(key, blocks)
-    try:
-        pull_kv(connector, address, key, timeout_s=timeout_s)
-        return book.imported_hashes.get(key, [[] for _ in range(book.num_groups)])
-    finally:
-        book.free(key)
-        book.imported_hashes.pop(key, None)
 
 
 def _reachable_host() -> str:

@@ -20,10 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor
@@ -32,6 +31,7 @@ from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, RequestStatus, Sink
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, ReplicaFailedError
+from meshserve.kvstore.pins import KVPins
 
 log = logging.getLogger("meshserve.replica")
 
@@ -77,7 +77,6 @@ class _Counters:
     handoffs: int = 0
     kv_imports: int = 0
     recomputes: int = 0
-    pins: itertools.count = field(default_factory=itertools.count)
 
 
 class Replica:
@@ -107,6 +106,7 @@ class Replica:
         self.state = ReplicaState.STARTING
         self.error: BaseException | None = None
         self.core: EngineCore | None = None
+        self.pins: KVPins | None = None  # the driver side of hand-overs (handover.py), over core.kv
         self.executor: Executor | None = None
         self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
         self._held: dict[str, _Held] = {}
@@ -129,6 +129,7 @@ class Replica:
             self.state, self.error = ReplicaState.FAILED, exc
             await asyncio.to_thread(self.executor.shutdown)
             raise
+        self.pins = KVPins(self.core.kv)
         self.state = ReplicaState.READY
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
         log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
@@ -284,7 +285,7 @@ class Replica:
         core = self.core
         releases, self._releases = self._releases, []
         for pin in releases:
-            core.kv.free(pin)
+            self.pins.release(pin)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
             held = self._held.pop(rid, None)
@@ -325,8 +326,7 @@ class Replica:
         for d in deltas:
             held = self._held.get(d.request_id)
             if held is not None and held.prefill_only and not d.finished:
-                pin = ("handoff", d.request_id, next(self.counters.pins))
-                handoffs.append(offer_kv(self, d.request_id, pin))
+                handoffs.append(offer_kv(self, d.request_id))
                 self.counters.handoffs += 1
         return deltas, handoffs
 

@@ -27,7 +27,6 @@ from meshserve.errors import check
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 if TYPE_CHECKING:
-    from meshserve.kvstore.hybrid import HybridKVCacheManager
     from meshserve.kvstore.manager import KVCacheManager
 
 
@@ -55,7 +54,7 @@ class ScheduledStep:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager | HybridKVCacheManager, *, max_model_len: int,
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, *, max_model_len: int,
                  eos_token_ids: Iterable[int] = ()) -> None:
         self.config = config
         self.kv = kv

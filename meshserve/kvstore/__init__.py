@@ -1,12 +1,14 @@
 """Paged KV cache: block pool, prefix reuse, window/sink retention, cache tensors, KV hand-over.
 
-Block logic (block_pool, block_hash, retention, manager) is plain Python; torch appears only in
-cache_tensors, slots, wire and the connectors. See docs/kvstore.md.
+Block logic (block_pool, block_hash, retention, groups, prefix, tables, manager, pins) is plain
+Python; torch appears only in cache_tensors, slots, wire, rank_io and the transports. See
+docs/kvstore.md.
 """
 
 from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, hash_block, hash_blocks
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool, OutOfBlocksError, PoolStats
-from meshserve.kvstore.manager import KVCacheManager, KVCacheStats, PrefixHit
+from meshserve.kvstore.manager import KVCacheManager, KVCacheStats
+from meshserve.kvstore.prefix import PrefixHit
 from meshserve.kvstore.retention import RetentionPolicy
 
 __all__ = [

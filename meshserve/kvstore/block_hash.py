@@ -39,6 +39,14 @@ def encode_extra_keys(extra_keys: Sequence[object]) -> bytes:
         raise ConfigError("extra_keys", extra_keys, "a sequence of str, int or bytes items") from exc
 
 
+def group_salt(group: int) -> bytes:
+    """Appended to the encoded extra keys of KV layer group `group`, so equal prefixes of two
+    groups (which hold different layers' KV) never map to one block. Group 0 has none (a
+    one-group model hashes as if there were no groups); 0xc1 never starts a msgpack object, so a
+    salted key string never equals another request's unsalted one."""
+    return b"" if group == 0 else b"\xc1" + group.to_bytes(2, "little")
+
+
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block).
 

@@ -1,131 +1,81 @@
-"""KV hand-over between replicas: export a request's blocks, import them into fresh blocks.
+"""Both ends of KV hand-overs in one process: a KVCacheManager's driver side (pins.py) and one
+rank's caches (rank_io.py), for replicas whose driver and only rank share a process, tests and
+benches. A distributed replica uses the two halves apart (cluster/handover.py drives, every
+rank's cluster/rank.py moves its shard).
 
     sender:   export = src.export(request_id)        # pins the blocks; the request may be freed
               ... ship export.header_bytes and export.frames (zmq, torch.distributed, in-process)
               src.release(export)                    # once the transport is done with the frames
-    receiver: with dst.begin_import(header) as s:    # checks layout + allocates, or refuses
-                  for i in range(s.num_frames):
-                      view = s.destination(i)        # our own cache bytes when the run is contiguous
-                      ... write frame i into `view`, then s.accept(i); or s.accept(i, frame_bytes)
+    receiver: with dst.begin_import(header) as s:    # checks layout + reserves, or refuses
+                  ... frames as with KVRankIO (rank_io.py) ...
                   blocks = s.finish()                # checksum; hashes registered; else refused
 A refusal raises KVTransferError; leaving the `with` block without `finish` frees every block the
-import allocated. Each DCP/TP rank moves its own shard with its own connector; the layout
-fingerprint (model id, block size, dcp size, per-tensor dtype and block shape, KV layer groups)
-must match. The manager is a KVCacheManager (one block table per request) or a
-HybridKVCacheManager (one per layer group, whose caches share tensors: each tensor is sent once
-per block, whatever group holds it).
+import reserved.
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
-from itertools import count
+import dataclasses
+from collections.abc import Sequence
 
-import torch
-
-from meshserve.errors import ConfigError, check
-from meshserve.kvstore.block_pool import NULL_BLOCK
-from meshserve.kvstore.cache_tensors import LayerCache, MLACache
-from meshserve.kvstore.hybrid import HybridKVCacheManager
+from meshserve.errors import ConfigError
+from meshserve.kvstore.cache_tensors import LayerCache
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
+from meshserve.kvstore.pins import KVPins
+from meshserve.kvstore.rank_io import DEFAULT_FRAME_BYTES, ImportSession, KVExport, KVRankIO
+from meshserve.kvstore.wire import KVHeader, KVTransferError
 
-DEFAULT_FRAME_BYTES = 1 << 20  # small enough to pipeline sender and receiver copies
-
-
-@dataclass
-class KVExport:
-    """One request's blocks ready to ship. frames: flat uint8 views of the sender's caches (on the
-    caches' device; no copy). Valid until `KVConnector.release`."""
-
-    header: KVHeader
-    frames: list[torch.Tensor]
-    pin_id: Hashable
-    header_bytes: bytes = field(default=b"")
-
-    def __post_init__(self) -> None:
-        if not self.header_bytes:
-            self.header_bytes = self.header.pack()
-
-
-def _scales(cache: LayerCache) -> tuple[float, ...]:
-    if isinstance(cache, MLACache):
-        return (float(cache.scale),)
-    return (float(cache.k_scale), float(cache.v_scale))
-
-
-def _group_hashes(kv, request_id) -> tuple[list[bytes], ...]:
-    return kv.group_block_hashes(request_id) if kv.num_groups > 1 else (kv.block_hashes(request_id),)
+__all__ = ["DEFAULT_FRAME_BYTES", "ImportSession", "KVConnector", "KVExport"]
 
 
 class KVConnector:
-    """Exports and imports requests' KV for one rank's (KV manager, per-layer caches).
+    """KVPins over `manager` plus KVRankIO over `caches` (an `ImportTarget` for the transports)."""
 
-    caches: as from allocate_caches (None entries, layers without a cache, are skipped; layers
-    that share a tensor are sent once).
-    model_id: names the weights; replicas of different models never exchange KV.
-    """
-
-    def __init__(
-        self, manager: KVCacheManager | HybridKVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str
-    ) -> None:
+    def __init__(self, manager: KVCacheManager, caches: Sequence[LayerCache | None], *, model_id: str) -> None:
         self.manager = manager
-        self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
-        self.caches = list({id(c.data): c for c in self.layer_caches}.values())  # one per tensor
-        check(bool(self.caches), "caches", len(caches), "at least one layer cache")
-        self.layout = KVLayout.from_caches(
-            self.caches, model_id=model_id, block_size=manager.block_size, dcp_size=manager.dcp_size,
-            groups=[(r.sliding_window, r.num_sink_tokens) for r in manager.retentions],
-        )
-        self._block_nbytes = self.layout.block_nbytes()
-        self._pins = count()
+        self.pins = KVPins(manager)
+        self.io = KVRankIO(caches, model_id=model_id, block_size=manager.block_size, dcp_size=manager.dcp_size,
+                           retentions=manager.retentions)  # fmt: skip
+        self.layout = self.io.layout
+        self.caches = self.io.caches
+        self.device = self.io.device
 
     # ---- sender ---------------------------------------------------------------------------
     def export(self, request_id: str | int, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
         """Pin the request's blocks and describe them (the request itself may be freed now)."""
-        check(isinstance(request_id, str | int), "request_id", request_id, "a str or int (it goes on the wire)")
-        check(max_frame_bytes >= 1, "max_frame_bytes", max_frame_bytes, "an integer >= 1")
-        kv = self.manager
-        tables = kv.block_tables(request_id)
-        positions = [[i for i, b in enumerate(table) if b != NULL_BLOCK] for table in tables]
-        blocks = [table[i] for table, held in zip(tables, positions) for i in held]
-        pin_id = ("kv-export", request_id, next(self._pins))
-        kv.fork(request_id, pin_id)  # the export holds its own references
-        plan = plan_frames(blocks, self._block_nbytes, max_frame_bytes)
-        frames = [as_bytes(self.caches[layer].data[blocks[first] : blocks[first] + n]) for layer, first, n in plan]
-        digest = FrameDigest()
-        for frame in frames:
-            digest.update(frame)
-        header = KVHeader(
-            request_id=request_id,
-            layout=self.layout,
-            num_tokens=kv.num_tokens(request_id),
-            block_positions=tuple(tuple(p) for p in positions),
-            block_hashes=tuple(tuple(h) for h in _group_hashes(kv, request_id)),
-            extra_keys=kv.extra_keys(request_id),
-            scales=tuple(_scales(c) for c in self.layer_caches),
-            frames=tuple(plan),
-            nbytes=sum(f.numel() for f in frames),
-            checksum=digest.value,
-            fingerprint=self.layout.fingerprint,
-        )
-        return KVExport(header=header, frames=frames, pin_id=pin_id)
+        pin = self.pins.pin(request_id)
+        try:
+            export = self.io.export(pin.blocks, max_frame_bytes=max_frame_bytes)
+        except BaseException:
+            self.pins.release(pin.pin_id)
+            raise
+        return dataclasses.replace(export, pin_id=pin.pin_id)
 
     def release(self, export: KVExport) -> None:
-        """Drop the export's references (its frames must no longer be read)."""
-        self.manager.free(export.pin_id)
+        """Drop the export's pin (its frames must no longer be read)."""
+        if export.pin_id is not None:
+            self.pins.release(export.pin_id)
 
     # ---- receiver -------------------------------------------------------------------------
     def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession:
-        """Check the header against this replica and allocate blocks; KVTransferError if refused."""
+        """Check the header against this replica and reserve blocks; KVTransferError if refused."""
         if not isinstance(header, KVHeader):
             header = KVHeader.unpack(header)
-        return ImportSession(self, header)
+        self.io.check(header)
+        rid = header.request_id
+        if rid in self.manager:
+            raise KVTransferError("bad_header", f"request {rid!r} already holds blocks here")
+        try:
+            blocks = self.pins.reserve(rid, header.num_tokens, header.block_positions, extra_keys=header.extra_keys)
+        except ConfigError as exc:
+            raise KVTransferError("bad_header", str(exc)) from exc
+        if blocks is None:
+            raise KVTransferError("capacity", f"{header.num_blocks} blocks needed, {self.manager.num_free_blocks} free")
+        return ImportSession(self.io, header, blocks, on_finish=lambda: self.pins.commit(rid, header.block_hashes),
+                             on_abort=lambda: self.pins.abort(rid))  # fmt: skip
 
-    def import_(self, header: KVHeader | bytes, frames: Sequence[object]) -> list[int]:
-        """Import from in-memory frames (bytes-like or uint8 tensors); returns the new block ids."""
+    def import_(self, header: KVHeader | bytes, frames: Sequence[object]) -> tuple[list[int], ...]:
+        """Import from in-memory frames (bytes-like or uint8 tensors); returns the new blocks per group."""
         with self.begin_import(header) as session:
             if len(frames) != session.num_frames:
                 raise KVTransferError("truncated", f"{len(frames)} frames, header lists {session.num_frames}")
@@ -133,143 +83,10 @@ class KVConnector:
                 session.accept(i, frame)
             return session.finish()
 
-    def transfer_from(self, sender: KVConnector, request_id: str | int) -> list[int]:
+    def transfer_from(self, sender: KVConnector, request_id: str | int) -> tuple[list[int], ...]:
         """In-process hand-over (both replicas in this process): export, copy, release."""
         export = sender.export(request_id)
         try:
             return self.import_(export.header, export.frames)
         finally:
             sender.release(export)
-
-
-class ImportSession:
-    """One import in progress; frames must be accepted in order. Use as a context manager."""
-
-    def __init__(self, connector: KVConnector, header: KVHeader) -> None:
-        self.connector = connector
-        self.header = header
-        self.request_id = header.request_id
-        self._check(header)
-        self.frame_nbytes = header.frame_nbytes()
-        kv = connector.manager
-        positions = header.block_positions if kv.num_groups > 1 else header.block_positions[0]
-        try:
-            blocks = kv.allocate_for_import(self.request_id, header.num_tokens, positions, extra_keys=header.extra_keys)
-        except ConfigError as exc:
-            raise KVTransferError("bad_header", str(exc)) from exc
-        if blocks is None:
-            raise KVTransferError("capacity", f"{header.num_blocks} blocks needed, {kv.num_free_blocks} free")
-        self.blocks = blocks
-        self._next = 0
-        self._digest = FrameDigest()
-        self._open = True
-
-    @property
-    def num_frames(self) -> int:
-        return len(self.header.frames)
-
-    def _check(self, header: KVHeader) -> None:
-        ours = self.connector.layout
-        if header.fingerprint != header.layout.fingerprint:
-            raise KVTransferError("bad_header", "the fingerprint does not match the layout it came with")
-        if header.layout != ours:
-            raise KVTransferError(
-                "layout",
-                f"fingerprint {header.fingerprint} != {ours.fingerprint}; {ours.difference(header.layout)}",
-            )
-        mine = tuple(_scales(c) for c in self.connector.layer_caches)
-        if header.scales != mine:
-            raise KVTransferError("layout", f"cache scales differ: receiver {mine}, sender {header.scales}")
-        if len(header.block_positions) != len(ours.groups) or len(header.block_hashes) != len(ours.groups):
-            raise KVTransferError("bad_header", f"block positions and hashes for {len(ours.groups)} KV layer groups")
-        num_blocks = header.num_blocks
-        for layer in range(len(ours.layers)):
-            covered = [(first, n) for lay, first, n in header.frames if lay == layer]
-            starts = [0]
-            for first, n in covered:
-                if first != starts[-1] or n < 1:
-                    raise KVTransferError("bad_header", f"frames of layer {layer} do not tile its blocks")
-                starts.append(first + n)
-            if starts[-1] != num_blocks:
-                raise KVTransferError(
-                    "bad_header", f"frames of layer {layer} cover {starts[-1]} of {num_blocks} blocks"
-                )
-        if header.nbytes != sum(header.frame_nbytes()):
-            raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
-        full = header.num_tokens // self.connector.manager.tokens_per_block
-        if any(len(g) > full or any(len(h) != 32 for h in g) for g in header.block_hashes):
-            raise KVTransferError("bad_header", f"block_hashes: at most {full} hashes of 32 bytes")
-        if self.request_id in self.connector.manager:
-            raise KVTransferError("bad_header", f"request {self.request_id!r} already holds blocks here")
-
-    def destination(self, index: int) -> torch.Tensor | None:
-        """Our cache bytes for frame `index` (flat uint8, writable) when its blocks are one run."""
-        layer, first, n = self.header.frames[index]
-        dst = self.blocks[first : first + n]
-        if dst[-1] - dst[0] != n - 1:
-            return None
-        return as_bytes(self.connector.caches[layer].data[dst[0] : dst[0] + n])
-
-    def accept(self, index: int, data: object | None = None) -> None:
-        """Take frame `index`: `data` (bytes-like or uint8 tensor), or None when it was written
-        into `destination(index)` already. Refuses (and frees) on a size mismatch."""
-        if index != self._next:
-            self._fail("truncated", f"frame {index} arrived, expected frame {self._next}")
-        expected = self.frame_nbytes[index]
-        layer, first, n = self.header.frames[index]
-        cache = self.connector.caches[layer].data
-        if data is None:
-            frame = self.destination(index)
-            if frame is None:
-                self._fail("truncated", f"frame {index} has no contiguous destination; pass its bytes")
-        else:
-            frame = data if isinstance(data, torch.Tensor) else _frombuffer(data)
-            if frame.dtype != torch.uint8 or frame.dim() != 1:
-                frame = as_bytes(frame.contiguous())
-        if frame.numel() != expected:
-            self._fail("truncated", f"frame {index} has {frame.numel()} bytes, expected {expected}")
-        self._digest.update(frame)
-        if data is not None:
-            dst = torch.tensor(self.blocks[first : first + n], dtype=torch.long, device=cache.device)
-            rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)
-            rows.index_copy_(0, dst, frame.to(cache.device).view(n, -1))
-        self._next += 1
-
-    def finish(self) -> list[int]:
-        """Verify the checksum and make the blocks the request's; returns the block ids."""
-        if self._next != self.num_frames:
-            self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
-        if self._digest.value != self.header.checksum:
-            self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
-        kv = self.connector.manager
-        if kv.num_groups > 1:
-            kv.register_group_hashes(self.request_id, self.header.block_hashes)
-        else:
-            kv.register_hashes(self.request_id, self.header.block_hashes[0])
-        self._open = False
-        return self.blocks
-
-    def abort(self) -> None:
-        """Free every block this import allocated (idempotent)."""
-        if self._open:
-            self._open = False
-            self.connector.manager.free(self.request_id, keep_cache=False)
-
-    def _fail(self, reason: str, message: str) -> None:
-        self.abort()
-        raise KVTransferError(reason, f"request {self.request_id!r}: {message}")
-
-    def __enter__(self) -> ImportSession:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
-
-
-def _frombuffer(data: object) -> torch.Tensor:
-    view = memoryview(data).cast("B")  # type: ignore[arg-type]
-    if len(view) == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are only read here
-        return torch.frombuffer(view, dtype=torch.uint8)

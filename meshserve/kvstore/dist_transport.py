@@ -1,7 +1,7 @@
 """KV hand-over over torch.distributed point-to-point (NCCL between GPUs, gloo on CPU).
 
-    sender rank:   send_kv(export, dst=receiver_rank, group=g); connector.release(export)
-    receiver rank: blocks = recv_kv(connector, src=sender_rank, group=g)
+    sender rank:   send_kv(export, dst=receiver_rank, group=g)   # then the driver may release its pin
+    receiver rank: blocks = recv_kv(target, src=sender_rank, group=g)   # an ImportTarget (rank_io.py)
 
 Stream on the wire: [int64 header length] [uint8 header bytes] [frame 0] [frame 1] ..., every
 tensor on the caches' device (NCCL needs device tensors; the frames are views of the cache, so
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from meshserve.kvstore.connector import KVConnector, KVExport
+from meshserve.kvstore.rank_io import ImportTarget, KVExport
 from meshserve.kvstore.wire import KVHeader, KVTransferError
 
 
@@ -36,10 +36,10 @@ def send_kv(
         dist.send(frame, dst, group=group)
 
 
-def recv_kv(connector: KVConnector, src: int, *, group: dist.ProcessGroup | None = None) -> list[int]:
-    """Receive one hand-over from rank `src` into fresh blocks; KVTransferError if refused
-    (after freeing what it allocated)."""
-    dev = connector.caches[0].data.device
+def recv_kv(target: ImportTarget, src: int, *, group: dist.ProcessGroup | None = None) -> tuple[list[int], ...]:
+    """Receive one hand-over from rank `src` into `target`'s blocks (returned per group);
+    KVTransferError if refused (after the target let go of its blocks)."""
+    dev = target.device
     length = torch.empty(1, dtype=torch.int64, device=dev)
     dist.recv(length, src, group=group)
     raw = torch.empty(int(length.item()), dtype=torch.uint8, device=dev)
@@ -47,7 +47,7 @@ def recv_kv(connector: KVConnector, src: int, *, group: dist.ProcessGroup | None
     header = KVHeader.unpack(raw.cpu().numpy().tobytes())
     sizes = header.frame_nbytes()
     try:
-        session = connector.begin_import(header)
+        session = target.begin_import(header)
     except KVTransferError:
         for size in sizes:  # keep the stream in step
             dist.recv(torch.empty(size, dtype=torch.uint8, device=dev), src, group=group)

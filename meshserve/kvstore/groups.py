@@ -53,9 +53,8 @@ class KVGroupLayout:
     def __post_init__(self) -> None:
         check(len(self.groups) == len(self.retentions) >= 1, "groups", len(self.groups),
               f"one group per retention ({len(self.retentions)}), at least one")
-        if len(self.groups) > 1:
-            sizes = {len(g) for g in self.groups}
-            check(len(sizes) == 1, "groups", sorted(sizes), "groups of equal size (slot j shares one tensor)")
+        sizes = {len(g) for g in self.groups}
+        check(len(sizes) == 1, "groups", sorted(sizes), "groups of equal size (slot j shares one tensor)")
 
     @classmethod
     def from_specs(cls, specs: Sequence[AttentionSpec]) -> KVGroupLayout:
@@ -88,7 +87,7 @@ class KVGroupLayout:
 
     @property
     def num_slots(self) -> int:
-        """Cache tensors a hybrid layout allocates (layers per group)."""
+        """Cache tensors the layout allocates (layers per group; one group: one per cached layer)."""
         return len(self.groups[0])
 
     def group_of_layer(self, num_layers: int) -> list[int]:
@@ -100,12 +99,12 @@ class KVGroupLayout:
         return out
 
     def layer_slots(self, num_layers: int) -> list[int | None]:
-        """Per model layer, the shared cache tensor it lives in (hybrid layouts), else None."""
+        """Per model layer, the cache tensor it lives in: slot j of every group shares one (with
+        one group every cached layer has its own); None for layers without a cache."""
         out: list[int | None] = [None] * num_layers
-        if self.is_hybrid:
-            for layers in self.groups:
-                for slot, i in enumerate(layers):
-                    out[i] = slot
+        for layers in self.groups:
+            for slot, i in enumerate(layers):
+                out[i] = slot
         return out
 
     def to_wire(self) -> list:

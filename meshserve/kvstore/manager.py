@@ -1,12 +1,15 @@
 """Per-request block tables over a BlockPool: the scheduler's view of the KV cache (no torch).
 
-Usage, semantics and design choices: docs/kvstore.md. In short:
+One API for every model: a request holds one block table per KV layer group (kvstore/groups.py),
+and every per-request call takes and returns one entry per group. A plain model is one group;
+a hybrid one (sliding-window and full layers sharing a page shape) has several, drawing block
+ids from one pool. Usage, semantics and design choices: docs/kvstore.md. In short:
 - counts are in logical tokens: with DCP of size d a logical block covers block_size * d tokens;
 - a table keeps one entry per logical block; blocks released by a sliding window become
   NULL_BLOCK (0), which attention never reads, so a position's table index never changes;
-- allocate_slots is all or nothing; it assumes earlier slots are computed by the time the new
-  ones are (synchronous scheduling) and hashes blocks filled by the scheduled tokens;
-- block_table returns the manager's own list: read it, never modify it.
+- allocate_slots is all or nothing across groups; it assumes earlier slots are computed by the
+  time the new ones are (synchronous scheduling) and hashes blocks filled by the scheduled tokens;
+- block_tables returns the manager's own lists: read them, never modify them.
 """
 
 from __future__ import annotations
@@ -14,26 +17,28 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Hashable, Sequence
 
-from meshserve.errors import ConfigError, MeshserveError, check
-from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, hash_block
+from meshserve.errors import ConfigError, check
+from meshserve.kvstore.block_hash import BlockHash
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
-from meshserve.kvstore.prefix import PrefixHit, find_cached_prefix
-from meshserve.kvstore.request_blocks import NEVER, KVCacheStats, RequestBlocks
+from meshserve.kvstore.prefix import PrefixHit, lookup
+from meshserve.kvstore.request_blocks import KVCacheStats, RequestBlocks
 from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.kvstore.tables import BlockTables
 
 RequestId = Hashable
+__all__ = ["KVCacheManager", "KVCacheStats", "PrefixHit", "RequestId"]
 
 
 class KVCacheManager:
     """Block tables of running requests, prefix reuse, window release, copy-on-write forks.
 
-    num_blocks:  physical blocks per layer cache, including the null block 0
+    num_blocks:  physical blocks, including the null block 0 (block b is the same memory in every
+                 group: slot j of every group shares one cache tensor)
     block_size:  tokens per physical block on one rank
+    retentions:  per KV layer group, what its layers keep (KVGroupLayout.retentions); one
+                 full-attention group by default
     dcp_size:    decode-context-parallel ranks; a logical block covers block_size * dcp_size tokens
-    retention:   which positions must stay cached (RetentionPolicy.from_specs(layer_specs))
     enable_prefix_caching: hash full blocks and reuse them across requests
-    pool, hash_salt: a BlockPool shared with the other layer groups of a hybrid model, and bytes
-                 that keep this group's prefix hashes apart from theirs (kvstore/hybrid.py)
     """
 
     def __init__(
@@ -41,29 +46,32 @@ class KVCacheManager:
         num_blocks: int,
         block_size: int,
         *,
+        retentions: Sequence[RetentionPolicy] = (RetentionPolicy(),),
         dcp_size: int = 1,
-        retention: RetentionPolicy | None = None,
         enable_prefix_caching: bool = True,
-        pool: BlockPool | None = None,
-        hash_salt: bytes = b"",
     ) -> None:
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
         check(dcp_size >= 1, "dcp_size", dcp_size, "an integer >= 1")
-        self.pool = pool if pool is not None else BlockPool(num_blocks)
-        self._salt = hash_salt
+        check(len(retentions) >= 1, "retentions", len(retentions), "one RetentionPolicy per KV layer group (>= 1)")
+        self.pool = BlockPool(num_blocks)
         self.block_size = block_size
         self.dcp_size = dcp_size
         self.tokens_per_block = block_size * dcp_size
-        self.retention = retention if retention is not None else RetentionPolicy()
-        self.retentions = (self.retention,)  # per layer group, as HybridKVCacheManager
+        self.retentions = tuple(retentions)
         self.enable_prefix_caching = enable_prefix_caching
-        self.stats = KVCacheStats()
+        self._tables = BlockTables(self.pool, self.retentions, self.tokens_per_block, enable_prefix_caching)
+        self.stats: KVCacheStats = self._tables.stats
+        self._register = self._tables.register_full_blocks  # the fast paths' one call
         self._requests: dict[RequestId, RequestBlocks] = {}
-        self._copies: list[tuple[int, int]] = []
-        self._window = self.retention.sliding_window
-        self._sink_blocks = self.retention.num_sink_blocks(self.tokens_per_block)
+        # Lookups visit full-attention groups first: their (prefix-closed) hit bounds the others'.
+        self._lookup_order = sorted(range(len(self.retentions)), key=lambda g: not self.retentions[g].keeps_everything)
 
     # ---- capacity -------------------------------------------------------------------------
+    @property
+    def num_groups(self) -> int:
+        """KV layer groups: block tables per request."""
+        return len(self.retentions)
+
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
@@ -79,39 +87,37 @@ class KVCacheManager:
 
     @property
     def capacity_tokens(self) -> int:
-        """Tokens the whole cache holds (× dcp_size: each rank keeps 1/dcp of every block)."""
-        return self.pool.num_total_blocks * self.tokens_per_block
+        """Tokens one request can surely hold (× dcp_size: each rank keeps 1/dcp of every block):
+        every group may keep every block of it (a prompt computed in one chunk needs them all
+        before a window releases any)."""
+        return self.pool.num_total_blocks // self.num_groups * self.tokens_per_block
 
     @property
     def free_capacity_tokens(self) -> int:
-        return self.pool.num_free_blocks * self.tokens_per_block
+        return self.pool.num_free_blocks // self.num_groups * self.tokens_per_block
 
     @property
     def num_requests(self) -> int:
         return len(self._requests)
 
-    num_groups = 1  # one block table per request (HybridKVCacheManager: one per layer group)
-
     # ---- per-request reads ----------------------------------------------------------------
     def __contains__(self, request_id: RequestId) -> bool:
         return request_id in self._requests
 
-    def block_table(self, request_id: RequestId) -> list[int]:
-        """Physical block ids by logical block index (NULL_BLOCK where released). Read-only."""
-        return self._get(request_id).table
-
     def block_tables(self, request_id: RequestId) -> tuple[list[int], ...]:
-        """One table per layer group (here one). Read-only."""
-        return (self._get(request_id).table,)
+        """Per group, physical block ids by logical block index (NULL_BLOCK where released).
+        The manager's own lists: read-only."""
+        return self._get(request_id).tables
 
     def num_tokens(self, request_id: RequestId) -> int:
         """Slots allocated to the request (tokens computed or being computed)."""
         return self._get(request_id).num_tokens
 
-    def block_hashes(self, request_id: RequestId) -> list[BlockHash]:
-        """Hashes of the request's full blocks whose hash was registered (in position order)."""
+    def block_hashes(self, request_id: RequestId) -> tuple[list[BlockHash], ...]:
+        """Per group, hashes of the request's full blocks whose hash was registered (in position
+        order; every group has as many)."""
         req = self._get(request_id)
-        return req.hashes[: req.num_registered]
+        return tuple(h[: req.num_registered] for h in req.hashes)
 
     def extra_keys(self, request_id: RequestId) -> tuple:
         return self._get(request_id).extra_keys
@@ -121,17 +127,20 @@ class KVCacheManager:
 
     # ---- prefix lookup --------------------------------------------------------------------
     def lookup_prefix(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] = ()) -> PrefixHit:
-        """The longest cached prefix of `token_ids` that a new request can start from. Pure.
+        """The longest prefix of `token_ids` that every group has cached, which a new request can
+        start from. Pure.
 
         Full attention needs every block of the prefix cached. With a sliding window only the
         sink blocks and the blocks the first query's window reaches must be cached; the others
-        appear as NULL_BLOCK in `block_ids`.
+        appear as NULL_BLOCK in the group's `block_ids`.
         """
+        keys = tuple(extra_keys)
         if not self.enable_prefix_caching:
-            return PrefixHit(0, (), (), tuple(extra_keys))
-        return find_cached_prefix(
-            self.pool, self.retention, self.tokens_per_block, token_ids, tuple(extra_keys), self._salt
-        )
+            empty = ((),) * self.num_groups
+            return PrefixHit(0, empty, empty, keys)  # type: ignore[arg-type]
+        t = self._tables
+        return lookup(self.pool, self.retentions, t.extras(keys), self._lookup_order, self.tokens_per_block,
+                      token_ids, keys)  # fmt: skip
 
     # ---- allocation -----------------------------------------------------------------------
     def can_allocate(self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None) -> bool:
@@ -139,13 +148,14 @@ class KVCacheManager:
         return self.blocks_needed(request_id, num_new_tokens, prefix=prefix) <= self.pool.num_free_blocks
 
     def blocks_needed(self, request_id: RequestId, num_new_tokens: int, *, prefix: PrefixHit | None = None) -> int:
-        """Free blocks `allocate_slots` would consume, net of what its window release returns
-        (negative when it returns more). Pure."""
+        """Free blocks `allocate_slots` would consume over all groups, net of what its window
+        release returns (negative when it returns more). Pure."""
         check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
         req = self._requests.get(request_id)
         if req is None:
-            return self._admission_need(num_new_tokens, prefix)
-        need, freeable = self._growth_need(req, num_new_tokens)
+            self._check_prefix(prefix)
+            return self._tables.admission_need(prefix, num_new_tokens)
+        need, freeable = self._tables.growth_need(req, num_new_tokens)
         return need - freeable
 
     def allocate_slots(
@@ -157,15 +167,15 @@ class KVCacheManager:
         prefix: PrefixHit | None = None,
         extra_keys: Sequence[object] = (),
     ) -> bool:
-        """Give the request slots for `num_new_tokens` more tokens; False (and no change) if the
-        pool cannot. A new request starts from `prefix` (from lookup_prefix on the same token
-        ids), or from nothing. token_ids: the request's tokens so far, including the ones being
-        scheduled (used to hash blocks as they fill; may be shorter, e.g. speculative slots).
-        extra_keys: for a new request without `prefix` (a prefix carries its own).
+        """Give the request slots for `num_new_tokens` more tokens in every group; False (and no
+        change) if the pool cannot. A new request starts from `prefix` (from lookup_prefix on the
+        same token ids), or from nothing. token_ids: the request's tokens so far, including the
+        ones being scheduled (used to hash blocks as they fill; may be shorter, e.g. speculative
+        slots). extra_keys: for a new request without `prefix` (a prefix carries its own).
         """
         req = self._requests.get(request_id)
-        # Fast path, every decode step and most chunks: no block leaves the window and the last
-        # block is not shared with a fork; new blocks are appended. Limits come from _refresh.
+        # Fast path, every decode step and most chunks: no group releases a block and no last
+        # block is shared with a fork; new blocks are appended. Limits come from refresh.
         if req is not None and prefix is None:
             n = req.num_tokens
             total = n + num_new_tokens
@@ -173,36 +183,39 @@ class KVCacheManager:
                 capacity = req.fast_capacity
                 if total > capacity:
                     tpb = self.tokens_per_block
-                    table = req.table
-                    if capacity == len(table) * tpb:  # else the shared partial block needs a copy
+                    tables = req.tables
+                    if capacity == len(tables[0]) * tpb:  # else a shared partial block needs a copy
                         missing = (total - capacity + tpb - 1) // tpb
                         pool = self.pool
-                        if missing == 1 and pool.num_free_blocks:
-                            table.append(pool.allocate_one())
-                        elif pool.can_allocate(missing):
-                            table.extend(pool.allocate(missing))
+                        if missing == 1 and pool.num_free_blocks >= len(tables):
+                            for table in tables:
+                                table.append(pool.allocate_one())
+                        elif pool.can_allocate(missing * len(tables)):
+                            for table in tables:
+                                table.extend(pool.allocate(missing))
                         else:
                             return False
                         req.fast_capacity = capacity = capacity + missing * tpb
                 if total <= capacity:
                     req.num_tokens = total
                     if total >= req.hash_at:
-                        self._register_full_blocks(req, token_ids, total)
+                        self._register(req, token_ids, total)
                     return True
         if req is None:
             return self._admit(request_id, num_new_tokens, token_ids, prefix, tuple(extra_keys))
         if prefix is not None:
             raise ConfigError("prefix", prefix.num_tokens, "None for a request that already holds blocks")
-        if num_new_tokens < 0:
-            raise ConfigError("num_new_tokens", num_new_tokens, "an integer >= 0")
-        need, freeable = self._growth_need(req, num_new_tokens)
+        check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
+        t = self._tables
+        need, freeable = t.growth_need(req, num_new_tokens)
         if need > self.pool.num_free_blocks + freeable:
             return False
-        self._release_out_of_window(req)
-        self._grow(req, req.num_tokens + num_new_tokens)
+        # Every group releases before any group grows: then every allocation fits.
+        t.release_out_of_window(req)
+        t.grow(req, req.num_tokens + num_new_tokens)
         if self.enable_prefix_caching:
-            self._register_full_blocks(req, token_ids, req.num_tokens)
-        self._refresh(req)
+            t.register_full_blocks(req, token_ids, req.num_tokens)
+        t.refresh(req)
         return True
 
     def append_slots(
@@ -213,6 +226,7 @@ class KVCacheManager:
         the scheduler preempts and calls again from there. The batch form of a decode step: one
         call instead of one per request."""
         requests = self._requests
+        register = self._register
         done = 0
         for rid, tokens in zip(request_ids, token_ids):
             req = requests.get(rid)
@@ -222,7 +236,7 @@ class KVCacheManager:
                 if total <= req.fast_capacity and n < req.release_at:
                     req.num_tokens = total
                     if total >= req.hash_at:
-                        self._register_full_blocks(req, tokens, total)
+                        register(req, tokens, total)
                     done += 1
                     continue
             if not self.allocate_slots(rid, num_new_tokens, tokens):
@@ -230,136 +244,24 @@ class KVCacheManager:
             done += 1
         return done
 
-    def _refresh(self, req: RequestBlocks) -> None:
-        """Recompute the fast-path limits of a request after anything about it changed."""
-        tpb = self.tokens_per_block
-        n, table = req.num_tokens, req.table
-        if n % tpb and self.pool.ref_counts[table[n // tpb]] > 1:
-            req.fast_capacity = n  # the partial last block is shared: its next write copies it
-        else:
-            req.fast_capacity = len(table) * tpb
-        if self._window is not None:
-            req.release_at = (req.first_held + 1) * tpb + self._window - 1
-        req.hash_at = (req.num_registered + 1) * tpb if self.enable_prefix_caching else NEVER
-
-    def _admission_need(self, num_new_tokens: int, prefix: PrefixHit | None) -> int:
-        """Blocks a new request takes from the free count (new ones plus revived cached hits)."""
-        tpb = self.tokens_per_block
-        if prefix is None:
-            return -(-num_new_tokens // tpb)
-        self._check_fresh(prefix)
-        ref = self.pool.ref_counts
-        revived = sum(1 for b in prefix.block_ids if b != NULL_BLOCK and ref[b] == 0)
-        return -(-(prefix.num_tokens + num_new_tokens) // tpb) - len(prefix.block_ids) + revived
-
-    def _check_fresh(self, prefix: PrefixHit) -> None:
-        for i, block in enumerate(prefix.block_ids):
-            if block != NULL_BLOCK and self.pool.block_hash(block) != prefix.block_hashes[i]:
-                raise MeshserveError(
-                    f"stale PrefixHit: block {block} (index {i}) was evicted since lookup_prefix; "
-                    "look up again right before allocating"
-                )
+    def _check_prefix(self, prefix: PrefixHit | None) -> None:
+        if prefix is not None and not (isinstance(prefix, PrefixHit) and len(prefix.block_ids) == len(self.retentions)):
+            raise ConfigError("prefix", type(prefix).__name__,
+                              f"the PrefixHit of this manager's lookup_prefix ({self.num_groups} groups)")
 
     def _admit(
-        self,
-        request_id: RequestId,
-        num_new_tokens: int,
-        token_ids: Sequence[int],
-        prefix: PrefixHit | None,
+        self, request_id: RequestId, num_new_tokens: int, token_ids: Sequence[int], prefix: PrefixHit | None,
         extra_keys: tuple,
-    ) -> bool:
+    ) -> bool:  # fmt: skip
         check(num_new_tokens >= 0, "num_new_tokens", num_new_tokens, "an integer >= 0")
-        if prefix is not None and extra_keys and tuple(extra_keys) != prefix.extra_keys:
+        self._check_prefix(prefix)
+        if prefix is not None and extra_keys and extra_keys != prefix.extra_keys:
             raise ConfigError("extra_keys", extra_keys, f"the prefix hit's own extra keys {prefix.extra_keys}")
-        keys = prefix.extra_keys if prefix is not None else extra_keys
-        extra = encode_extra_keys(keys) + self._salt
-        if self._admission_need(num_new_tokens, prefix) > self.pool.num_free_blocks:
+        if self._tables.admission_need(prefix, num_new_tokens) > self.pool.num_free_blocks:
             return False
-        tpb = self.tokens_per_block
-        if prefix is None:
-            table: list[int] = []
-            hashes: list[BlockHash] = []
-            num_cached = 0
-        else:
-            table = list(prefix.block_ids)
-            hashes = list(prefix.block_hashes)
-            num_cached = prefix.num_tokens
-            self.pool.touch(b for b in table if b != NULL_BLOCK)
-        first_held = max(self._sink_blocks, self.retention.first_needed_block(num_cached, tpb))
-        req = RequestBlocks(table, num_cached, hashes, keys, extra, first_held)
-        req.num_registered = len(table)  # hit blocks are hashed already
-        self._grow(req, num_cached + num_new_tokens)
-        self._requests[request_id] = req
-        if self.enable_prefix_caching:
-            self.stats.prefix_query_tokens += len(token_ids)
-            self.stats.prefix_hit_tokens += num_cached
-            self._register_full_blocks(req, token_ids, req.num_tokens)
-        self._refresh(req)
+        keys = prefix.extra_keys if prefix is not None else extra_keys
+        self._requests[request_id] = self._tables.admit(prefix, num_new_tokens, token_ids, keys)
         return True
-
-    def _growth_need(self, req: RequestBlocks, num_new_tokens: int) -> tuple[int, int]:
-        """(blocks to take, blocks the window release would give back) for a running request."""
-        tpb = self.tokens_per_block
-        n = req.num_tokens
-        table = req.table
-        ref = self.pool.ref_counts
-        need = -(-(n + num_new_tokens) // tpb) - len(table)
-        if num_new_tokens and n % tpb and ref[table[n // tpb]] > 1:
-            need += 1  # the shared partial block is copied before it is written
-        freeable = 0
-        if self._window is not None:
-            lo, hi = self._release_range(req)
-            freeable = sum(1 for b in table[lo:hi] if b != NULL_BLOCK and ref[b] == 1)
-        return need, freeable
-
-    def _release_range(self, req: RequestBlocks) -> tuple[int, int]:
-        lo = max(req.first_held, self._sink_blocks)
-        hi = self.retention.first_needed_block(req.num_tokens, self.tokens_per_block)
-        return lo, max(lo, hi)
-
-    def _release_out_of_window(self, req: RequestBlocks) -> None:
-        if self._window is None:
-            return
-        lo, hi = self._release_range(req)
-        table = req.table
-        released = [b for b in table[lo:hi] if b != NULL_BLOCK]
-        for i in range(lo, hi):
-            table[i] = NULL_BLOCK
-        req.first_held = hi
-        if released:
-            self.pool.free(released)
-            self.stats.window_released_blocks += len(released)
-
-    def _grow(self, req: RequestBlocks, total: int) -> None:
-        """Copy a shared partial last block if it will be written, then append new blocks."""
-        tpb = self.tokens_per_block
-        n, table = req.num_tokens, req.table
-        if total > n and n % tpb and self.pool.ref_counts[table[n // tpb]] > 1:
-            old = table[n // tpb]
-            (new,) = self.pool.allocate(1)
-            self._copies.append((old, new))
-            self.pool.free([old])
-            table[n // tpb] = new
-            self.stats.cow_copies += 1
-        missing = -(-total // tpb) - len(table)
-        if missing > 0:
-            table.extend(self.pool.allocate(missing))
-        req.num_tokens = total
-
-    def _register_full_blocks(self, req: RequestBlocks, token_ids: Sequence[int], upto: int) -> None:
-        """Offer the hashes of blocks filled up to `upto` tokens (as far as token_ids go)."""
-        tpb = self.tokens_per_block
-        full = min(upto, len(token_ids)) // tpb
-        hashes, table, cache_block = req.hashes, req.table, self.pool.cache_block
-        for i in range(req.num_registered, full):
-            if i == len(hashes):
-                parent = hashes[i - 1] if i else None
-                hashes.append(hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], req.extra))
-            if table[i] != NULL_BLOCK:
-                cache_block(table[i], hashes[i])
-        if full > req.num_registered:
-            req.num_registered = full
-            req.hash_at = (full + 1) * tpb
 
     # ---- release, fork, copies ------------------------------------------------------------
     def free(self, request_id: RequestId, *, keep_cache: bool = True) -> bool:
@@ -372,117 +274,91 @@ class KVCacheManager:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
-        held = [b for b in reversed(req.table) if b != NULL_BLOCK]
-        if not keep_cache:
-            for b in held:
-                if self.pool.ref_counts[b] == 1:
-                    self.pool.uncache(b)
-        self.pool.free(held)
+        self._tables.free(req, keep_cache=keep_cache)
         return True
 
     def fork(self, parent_id: RequestId, child_id: RequestId) -> None:
-        """The child shares every block of the parent (n > 1 samples, beam search); the first
-        write to a shared partial block copies it (see take_copies)."""
+        """The child shares every block of the parent in every group (n > 1 samples, beam search,
+        a hand-over's pin); the first write to a shared partial block copies it (take_copies)."""
         parent = self._get(parent_id)
         check(child_id not in self._requests, "child_id", child_id, "an id that holds no blocks yet")
-        child = RequestBlocks(
-            list(parent.table),
-            parent.num_tokens,
-            parent.hashes[: parent.num_registered],  # hashes past that were for the parent's tokens
-            parent.extra_keys,
-            parent.extra,
-            parent.first_held,
-        )
-        child.num_registered = parent.num_registered
-        self.pool.touch(b for b in child.table if b != NULL_BLOCK)
-        self._requests[child_id] = child
-        self._refresh(parent)
-        self._refresh(child)
+        self._requests[child_id] = self._tables.fork(parent)
 
     def take_copies(self) -> list[tuple[int, int]]:
-        """Copy-on-write (src, dst) block pairs made since the last call. Copy them (every layer,
-        every rank) before the step writes any KV: dst now belongs to the writer."""
-        out, self._copies = self._copies, []
-        return out
+        """Copy-on-write (src, dst) block pairs made since the last call, every group's. Copy them
+        (every cache tensor, every rank) before the step writes any KV: dst now belongs to the
+        writer. One flat list: block ids are unique across groups and slot j of every group is
+        one tensor, so copying a pair in every tensor is exactly the owning group's copy."""
+        return self._tables.take_copies()
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix hash (e.g. after weights change)."""
         self.pool.reset_prefix_cache()
         for req in self._requests.values():
-            req.hashes.clear()
-            req.num_registered = 0
-            self._refresh(req)
+            self._tables.forget_hashes(req)
 
     # ---- KV hand-over ---------------------------------------------------------------------
     def allocate_for_import(
         self,
         request_id: RequestId,
         num_tokens: int,
-        block_positions: Sequence[int],
+        block_positions: Sequence[Sequence[int]],
         *,
         extra_keys: Sequence[object] = (),
-    ) -> list[int] | None:
+    ) -> tuple[list[int], ...] | None:
         """Fresh blocks for a request whose KV arrives from another replica; None if the pool
-        cannot (nothing changes). block_positions: table indices that carry data (strictly
-        increasing); other entries are NULL_BLOCK. Returns the new block ids, one per position.
-        On a failed transfer call `free(request_id, keep_cache=False)`."""
+        cannot hold them all (nothing changes). block_positions: per group, the table indices
+        that carry data (strictly increasing); other entries are NULL_BLOCK. Returns per group
+        the new block ids, one per position. On a failed transfer call
+        `free(request_id, keep_cache=False)`."""
         check(request_id not in self._requests, "request_id", request_id, "an id that holds no blocks yet")
         check(num_tokens >= 0, "num_tokens", num_tokens, "an integer >= 0")
+        check(len(block_positions) == self.num_groups, "block_positions", len(block_positions),
+              f"one list per KV layer group ({self.num_groups})")
         num_table = -(-num_tokens // self.tokens_per_block)
-        positions = list(block_positions)
-        check(
-            all(0 <= p < num_table for p in positions) and all(a < b for a, b in zip(positions, positions[1:])),
-            "block_positions",
-            positions if len(positions) < 16 else f"{len(positions)} positions",
-            f"strictly increasing table indices in [0, {num_table})",
-        )
-        if not self.pool.can_allocate(len(positions)):
+        for positions in block_positions:
+            p = list(positions)
+            check(all(0 <= i < num_table for i in p) and all(a < b for a, b in zip(p, p[1:])), "block_positions",
+                  p if len(p) < 16 else f"{len(p)} positions", f"strictly increasing table indices in [0, {num_table})")
+        req = self._tables.for_import(num_tokens, block_positions, tuple(extra_keys))
+        if req is None:
             return None
-        blocks = self.pool.allocate(len(positions))
-        table = [NULL_BLOCK] * num_table
-        for p, b in zip(positions, blocks):
-            table[p] = b
-        keys = tuple(extra_keys)
-        req = RequestBlocks(table, num_tokens, [], keys, encode_extra_keys(keys) + self._salt, self._sink_blocks)
         self._requests[request_id] = req
-        self._refresh(req)
-        return blocks
+        return tuple([b for b in table if b != NULL_BLOCK] for table in req.tables)
 
-    def register_hashes(self, request_id: RequestId, block_hashes: Sequence[BlockHash]) -> None:
-        """Adopt known hashes of the request's first full blocks (after an import succeeded)."""
+    def register_hashes(self, request_id: RequestId, block_hashes: Sequence[Sequence[BlockHash]]) -> None:
+        """Adopt known hashes of the request's first full blocks, per group (an import succeeded)."""
         req = self._get(request_id)
         full = req.num_tokens // self.tokens_per_block
-        check(len(block_hashes) <= full, "block_hashes", len(block_hashes), f"at most {full} (full blocks)")
-        if not self.enable_prefix_caching or req.num_registered:
-            return
-        req.hashes = list(block_hashes)
-        for i, h in enumerate(req.hashes):
-            if req.table[i] != NULL_BLOCK:
-                self.pool.cache_block(req.table[i], h)
-        req.num_registered = len(req.hashes)
-        self._refresh(req)
+        check(len(block_hashes) == self.num_groups, "block_hashes", len(block_hashes),
+              f"one list per KV layer group ({self.num_groups})")
+        lengths = {len(h) for h in block_hashes}
+        check(len(lengths) == 1 and max(lengths) <= full, "block_hashes", sorted(lengths),
+              f"as many hashes in every group, at most {full} (full blocks)")
+        if self.enable_prefix_caching and not req.num_registered:
+            self._tables.adopt_hashes(req, block_hashes)
 
     # ---- checking -------------------------------------------------------------------------
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant (pool, tables, ref counts)."""
         self.pool.check_invariants()
-        held = self.held_blocks()
+        held: Counter[int] = Counter()
+        tpb = self.tokens_per_block
+        for rid, req in self._requests.items():
+            if len(req.tables) != self.num_groups:
+                raise AssertionError(f"request {rid!r}: {len(req.tables)} tables for {self.num_groups} groups")
+            blocks = []
+            for g, table in enumerate(req.tables):
+                if len(table) != -(-req.num_tokens // tpb):
+                    raise AssertionError(f"request {rid!r} group {g}: {len(table)} blocks for {req.num_tokens} tokens")
+                blocks += [b for b in table if b != NULL_BLOCK]
+            if len(set(blocks)) != len(blocks):
+                raise AssertionError(f"request {rid!r} holds a block twice: {req.tables}")
+            held.update(blocks)
         ref = self.pool.ref_counts
         for block in range(1, self.pool.num_blocks):
             if ref[block] != held[block]:
                 raise AssertionError(f"block {block}: ref count {ref[block]} but {held[block]} table entries")
-
-    def held_blocks(self) -> Counter[int]:
-        """Table entries naming each block; AssertionError if a table is malformed."""
-        held: Counter[int] = Counter()
-        for rid, req in self._requests.items():
-            if len(req.table) != -(-req.num_tokens // self.tokens_per_block):
-                raise AssertionError(f"request {rid!r}: {len(req.table)} blocks for {req.num_tokens} tokens")
-            blocks = [b for b in req.table if b != NULL_BLOCK]
-            if len(set(blocks)) != len(blocks):
-                raise AssertionError(f"request {rid!r} holds a block twice: {req.table}")
-            held.update(blocks)
-        return held
 
     def _get(self, request_id: RequestId) -> RequestBlocks:
         req = self._requests.get(request_id)

@@ -9,10 +9,10 @@ from meshserve.kvstore.block_hash import BlockHash
 
 @dataclass
 class KVCacheStats:
-    """Monotonic counters (tokens unless named blocks)."""
+    """Monotonic counters (tokens unless named blocks), over every layer group."""
 
     prefix_query_tokens: int = 0  # prompt tokens of admitted requests (with prefix caching on)
-    prefix_hit_tokens: int = 0  # of which were already cached
+    prefix_hit_tokens: int = 0  # of which were already cached (a hit has one length in every group)
     cow_copies: int = 0  # blocks copied on write after a fork
     window_released_blocks: int = 0  # blocks returned because they left the window
 
@@ -25,13 +25,19 @@ NEVER = 1 << 62
 
 
 class RequestBlocks:
+    """One request's blocks in every KV layer group. Every group's table has one entry per
+    logical block (ceil(num_tokens / tokens_per_block)), so the groups share num_tokens, the
+    number of registered hashes and the fast-path limits; what differs per group (tables, hash
+    chains, salts, window release) is a tuple or list with one entry per group."""
+
     __slots__ = (
-        "table",
+        "tables",
         "num_tokens",
         "hashes",
         "num_registered",
-        "extra",
         "extra_keys",
+        "extras",
+        "chains",
         "first_held",
         "fast_capacity",
         "release_at",
@@ -40,21 +46,23 @@ class RequestBlocks:
 
     def __init__(
         self,
-        table: list[int],
+        tables: tuple[list[int], ...],
         num_tokens: int,
-        hashes: list[BlockHash],
+        hashes: tuple[list[BlockHash], ...],
         extra_keys: tuple,
-        extra: bytes,
-        first_held: int,
+        extras: tuple[bytes, ...],
+        first_held: list[int],
     ) -> None:
-        self.table = table  # physical block per logical block (NULL_BLOCK once released)
+        self.tables = tables  # per group: physical block per logical block (NULL_BLOCK once released)
         self.num_tokens = num_tokens  # slots allocated (computed or being computed)
-        self.hashes = hashes  # chained hashes of full blocks, known so far (may run ahead)
-        self.num_registered = 0  # blocks [0, this) have had their hash offered to the pool
+        self.hashes = hashes  # per group: chained hashes of full blocks, known so far (may run ahead)
+        self.num_registered = 0  # blocks [0, this) of every group have had their hash offered to the pool
         self.extra_keys = extra_keys
-        self.extra = extra
-        self.first_held = first_held  # non-sink blocks below this index were released
-        # Limits of the fast path, kept by KVCacheManager._refresh (see allocate_slots):
+        self.extras = extras  # per group: encoded extra keys + the group's salt (hash input)
+        # Per group (table, hashes, extra), for the hashing loop (these lists change in place only).
+        self.chains = tuple(zip(tables, hashes, extras))
+        self.first_held = first_held  # per group: non-sink blocks below this index were released
+        # Limits of the fast path, the tightest over the groups, kept by BlockTables.refresh:
         self.fast_capacity = 0  # grow to this many tokens without touching the pool
-        self.release_at = NEVER  # at this num_tokens a block leaves the window
+        self.release_at = NEVER  # at this num_tokens a block of some group leaves its window
         self.hash_at = NEVER  # at this many tokens the next full block is due for hashing

@@ -5,14 +5,12 @@ q - k < window, or k < num_sink_tokens). Queries only move forward, so once the 
 position is n, keys below n - window + 1 that are not sinks are never read again, and a block
 whose every position is such a key can go back to the pool.
 
-Hybrid models (some layer groups windowed, some full, some with sinks) share one block table
-per request, so a block can go back only when *no* group needs it. Each group needs the block
-set [0, sink_blocks) ∪ [first_window_block, ∞); the union of such sets is again of that form,
-with the largest sink count and the largest window (a full-attention group: keep everything).
-So one `RetentionPolicy` describes every model; `from_specs` builds it. Windowed layers of a
-hybrid model that also has full-attention layers therefore keep every block: per-group block
-tables (vLLM's hybrid allocator) would reclaim that memory, at the price of one block table and
-one slot mapping per group in every step.
+Each KV layer group (kvstore/groups.py) has one policy: its layers' window and sinks. Layers of
+different kinds that share one block table (one group, when their page shapes differ) can give
+a block back only when *no* layer needs it. Each layer needs the block set [0, sink_blocks) ∪
+[first_window_block, ∞); the union of such sets is again of that form, with the largest sink
+count and the largest window (a full-attention layer: keep everything), so one `RetentionPolicy`
+describes such a group too; `from_specs` builds it.
 """
 
 from __future__ import annotations

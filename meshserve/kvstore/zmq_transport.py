@@ -1,11 +1,13 @@
 """KV hand-over over pyzmq, between processes or hosts: the receiver pulls.
 
 Sender (prefill replica):
-    server = KVExportServer(connector)                # ROUTER socket, tcp://127.0.0.1 random port
-    server.offer(request_id)                          # pins the blocks; hand (server.address, id) out
-    ... server.poll(timeout_ms) from the replica's own loop: serves pulls, releases sent exports
+    server = KVExportServer()                         # ROUTER socket, tcp://127.0.0.1 random port
+    server.offer(export, release=...)                 # hand (server.address, id) out
+    ... server.poll(timeout_ms) from the owner's own loop: serves pulls, lets go of sent exports
 Receiver (decode replica):
-    blocks = pull_kv(connector, address, request_id, timeout_s=30)   # or KVTransferError
+    blocks = pull_kv(target, address, request_id, timeout_s=30)   # or KVTransferError
+target: an ImportTarget (rank_io.py): a KVConnector (driver and rank in one process) or a rank's
+`io.into(blocks)` (blocks the driver reserved).
 
 Messages: the receiver's DEALER sends msgpack {"op": "pull", "request_id": id}; the answer is
 [b"H", header] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}], then one
@@ -17,38 +19,32 @@ where the receiver's new blocks form one run, go from zmq's buffer straight into
 cache (`recv_into`).
 
 The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
-KVCacheManager, so the manager needs no locks.
+exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing needs locks.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import msgpack
 import zmq
 
 from meshserve.errors import check
-from meshserve.kvstore.connector import DEFAULT_FRAME_BYTES, ImportSession, KVConnector, KVExport
+from meshserve.kvstore.rank_io import ImportSession, ImportTarget, KVExport
 from meshserve.kvstore.wire import KVTransferError
+
+Release = Callable[[KVExport], None]
 
 
 class KVExportServer:
-    """Serves offered exports of one connector to pulling receivers.
+    """Serves offered exports to pulling receivers.
 
     address: a zmq endpoint; "tcp://HOST" without a port binds a random free port. The bound
     endpoint is `self.address`.
     """
 
-    def __init__(
-        self,
-        connector: KVConnector,
-        *,
-        address: str = "tcp://127.0.0.1",
-        context: zmq.Context | None = None,
-        max_frame_bytes: int = DEFAULT_FRAME_BYTES,
-    ) -> None:
-        self.connector = connector
-        self.max_frame_bytes = max_frame_bytes
+    def __init__(self, *, address: str = "tcp://127.0.0.1", context: zmq.Context | None = None) -> None:
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
@@ -58,19 +54,17 @@ class KVExportServer:
         else:
             self._sock.bind(address)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._offers: dict[str | int, tuple[KVExport, float]] = {}
-        self._sending: list[tuple[KVExport, list[zmq.MessageTracker]]] = []
+        self._offers: dict[str | int, tuple[KVExport, float, Release | None]] = {}
+        self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
 
-    def offer(self, request_id: str | int, *, ttl_s: float = 60.0) -> str:
-        """Export the request's KV for one pull within `ttl_s`; returns the address to pull from."""
-        return self.offer_export(self.connector.export(request_id, max_frame_bytes=self.max_frame_bytes), ttl_s=ttl_s)
-
-    def offer_export(self, export: KVExport, *, ttl_s: float = 60.0) -> str:
-        """Offer a prepared export (the server releases it after it is sent or expires)."""
+    def offer(self, export: KVExport, *, ttl_s: float = 60.0, release: Release | None = None) -> str:
+        """Offer an export for one pull within `ttl_s`; returns the address to pull from.
+        release(export) is called once zmq has let go of its frames or the offer expired (e.g.
+        KVConnector.release, which drops the pin); without it the owner keeps the blocks alive."""
         check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
         rid = export.header.request_id
         check(rid not in self._offers, "request_id", rid, "an id not already on offer")
-        self._offers[rid] = (export, time.monotonic() + ttl_s)
+        self._offers[rid] = (export, time.monotonic() + ttl_s, release)
         return self.address
 
     @property
@@ -104,7 +98,7 @@ class KVExportServer:
         if offer is None:
             self._send_error(ident, "unknown_request", f"request {rid!r} is not on offer at {self.address}")
             return
-        export = offer[0]
+        export, _, release = offer
         sock = self._sock
         sock.send_multipart([ident, _HEADER, export.header_bytes])
         trackers = []
@@ -114,48 +108,53 @@ class KVExportServer:
             sock.send_multipart([ident, _FRAME, frame], copy=False)
             trackers.append(frame.tracker)
         sock.send_multipart([ident, _END])
-        self._sending.append((export, trackers))
+        self._sending.append((export, trackers, release))
 
     def _send_error(self, ident: bytes, reason: str, message: str) -> None:
         self._sock.send_multipart([ident, _ERROR, msgpack.packb({"error": reason, "message": message})])
 
     def _reap(self) -> None:
         still = []
-        for export, trackers in self._sending:
+        for export, trackers, release in self._sending:
             if all(t.done for t in trackers):
-                self.connector.release(export)
+                _let_go(export, release)
             else:
-                still.append((export, trackers))
+                still.append((export, trackers, release))
         self._sending = still
         now = time.monotonic()
-        for rid, (export, deadline) in list(self._offers.items()):
+        for rid, (export, deadline, release) in list(self._offers.items()):
             if now > deadline:
                 del self._offers[rid]
-                self.connector.release(export)
+                _let_go(export, release)
 
     def close(self) -> None:
         """Release every export and close the socket."""
-        for export, _ in self._offers.values():
-            self.connector.release(export)
+        for export, _, release in self._offers.values():
+            _let_go(export, release)
         self._offers.clear()
         self._sock.close(linger=0)
-        for export, _ in self._sending:  # zmq dropped the frames with the socket
-            self.connector.release(export)
+        for export, _, release in self._sending:  # zmq dropped the frames with the socket
+            _let_go(export, release)
         self._sending.clear()
 
 
+def _let_go(export: KVExport, release: Release | None) -> None:
+    if release is not None:
+        release(export)
+
+
 def pull_kv(
-    connector: KVConnector,
+    target: ImportTarget,
     address: str,
     request_id: str | int,
     *,
     timeout_s: float = 30.0,
     context: zmq.Context | None = None,
-) -> list[int]:
-    """Pull a request's KV from a KVExportServer into fresh blocks of `connector`.
+) -> tuple[list[int], ...]:
+    """Pull a request's KV from a KVExportServer into `target`'s blocks.
 
-    Returns the new block ids (the request now holds them in connector.manager); raises
-    KVTransferError when refused, after freeing everything it allocated.
+    Returns the blocks, per group (with a KVConnector the request now holds them in its
+    manager); raises KVTransferError when refused, after the target let go of its blocks.
     """
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -170,7 +169,7 @@ def pull_kv(
             _raise_error(sock.recv())
         if tag != _HEADER or not sock.getsockopt(zmq.RCVMORE):
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
-        with connector.begin_import(sock.recv()) as session:
+        with target.begin_import(sock.recv()) as session:
             for i in range(session.num_frames):
                 tag = _next_tag(sock, deadline, address, request_id)
                 if tag != _FRAME or not sock.getsockopt(zmq.RCVMORE):

@@ -20,7 +20,6 @@ from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.groups import KVGroupLayout
-from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.parallel.dcp import DcpAttention
 from meshserve.parallel.dcp_mla import DcpMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
@@ -44,10 +43,8 @@ class WorkerInfo:
     """What the scheduler needs to know about a started worker (plain values: msgpack-able).
 
     num_kv_blocks counts the null block 0, which the KV store never hands out.
-    sliding_window / num_sink_tokens: what the cache must retain (kvstore RetentionPolicy), the
-    union over all layers.
-    kv_groups: for a hybrid layout (kvstore/groups.py), per layer group its [sliding_window,
-    num_sink_tokens]; empty when one block table serves every layer.
+    kv_groups: per KV layer group (kvstore/groups.py: one for most models, one per group of a
+    hybrid layout), what its cache must retain: [sliding_window, num_sink_tokens].
     """
 
     rank: int
@@ -58,9 +55,7 @@ class WorkerInfo:
     eos_token_ids: tuple[int, ...]
     backend: str
     dtype: str
-    sliding_window: int | None = None
-    num_sink_tokens: int = 0
-    kv_groups: tuple[tuple[int | None, int], ...] = ()
+    kv_groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
 
 
 def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
@@ -123,9 +118,9 @@ class Worker:
         if par.dcp > 1:
             backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
                         else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
-        # A hybrid layout stores one group's worth of layers per block id (kvstore/groups.py).
+        # A block id holds one group's worth of layers (kvstore/groups.py: the groups share tensors).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
-        paged = [specs[i] for i in layout.groups[0]] if layout.is_hybrid else specs
+        paged = [specs[i] for i in layout.groups[0]]
         use_graphs = self._graph_refusals(backends, model) == []
         reserve = 0
         if use_graphs:  # the graphs' activation pool comes out of the KV budget
@@ -138,7 +133,6 @@ class Worker:
               "max_model_len")
         caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
                                  layer_slots=layout.layer_slots(len(specs)))
-        retention = RetentionPolicy.from_specs(specs)
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
                                   dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)))
@@ -159,10 +153,8 @@ class Worker:
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=logical_bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
-                               dtype=str(dtype).removeprefix("torch."), sliding_window=retention.sliding_window,
-                               num_sink_tokens=retention.num_sink_tokens,
-                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens) for r in layout.retentions)
-                               if layout.is_hybrid else ())
+                               dtype=str(dtype).removeprefix("torch."),
+                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens) for r in layout.retentions))
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks, %d KV layer group(s)", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info

@@ -46,11 +46,10 @@ def serve_zmq() -> None:
     from meshserve.kvstore.zmq_transport import KVExportServer
 
     rep = sender_replica()
-    server = KVExportServer(rep.connector, max_frame_bytes=4096)
-    for rid in ("ok", "layout", "capacity"):
-        server.offer(rid)
-    for rid in ("truncated", "checksum"):
-        server.offer_export(broken(rep.connector.export(rid, max_frame_bytes=4096), rid))
+    server = KVExportServer()
+    for rid in ("ok", "layout", "capacity", "truncated", "checksum"):
+        export = rep.connector.export(rid, max_frame_bytes=4096)
+        server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export, release=rep.connector.release)
     for rid in rep.kv.request_ids():
         rep.kv.free(rid)  # the exports keep what they need
     print(json.dumps({"address": server.address}), flush=True)

@@ -166,8 +166,8 @@ def test_prefix_hit_past_released_window_blocks_matches_hf(cases, arch):
     _check(llm.generate(batch, GREEDY), want)
     assert llm.core.kv.stats.window_released_blocks > 0
     hit = llm.core.kv.lookup_prefix(batch[0])
-    windowed = [h for h, r in zip(hit.hits, llm.core.kv.retentions) if not r.keeps_everything]
-    assert hit.num_tokens == 48 and all(h.block_ids[:2] == (0, 0) for h in windowed)
+    windowed = [ids for ids, r in zip(hit.block_ids, llm.core.kv.retentions) if not r.keeps_everything]
+    assert hit.num_tokens == 48 and windowed and all(ids[:2] == (0, 0) for ids in windowed)
     second = llm.generate(batch, GREEDY)
     _check(second, want)
     assert [o.num_cached_tokens for o in second] == [48, 48]

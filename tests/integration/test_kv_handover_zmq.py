@@ -42,7 +42,7 @@ def test_round_trip_and_refusals_between_processes(peer):
     dst = Replica("gqa", seed=2)
     dst.fragment(4)  # the receiver's new blocks are scattered: staged frames as well as direct ones
     blocks = pull_kv(dst.connector, address, "ok", timeout_s=30)
-    assert dst.kv.block_table("ok") == blocks
+    assert dst.kv.block_tables("ok") == blocks
     for ours, theirs in zip(dst.request_bytes("ok"), expected):
         assert torch.equal(ours, theirs)
     assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36
@@ -93,9 +93,9 @@ def test_unpulled_offers_expire_and_close_releases_everything():
     src = Replica(seed=1)
     src.add_request("a", list(range(20)))
     src.add_request("b", list(range(40, 60)))
-    server = KVExportServer(src.connector)
-    server.offer("a", ttl_s=0.05)
-    server.offer("b", ttl_s=600)
+    server = KVExportServer()
+    server.offer(src.connector.export("a"), ttl_s=0.05, release=src.connector.release)
+    server.offer(src.connector.export("b"), ttl_s=600, release=src.connector.release)
     src.kv.free("a")
     src.kv.free("b")
     held = src.kv.num_total_blocks - src.kv.num_free_blocks

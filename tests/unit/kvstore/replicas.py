@@ -12,9 +12,7 @@ from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import allocate_caches
 from meshserve.kvstore.connector import KVConnector
 from meshserve.kvstore.groups import KVGroupLayout
-from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.kvstore.retention import RetentionPolicy
 
 _GQA = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8)
 SPECS = {
@@ -48,10 +46,7 @@ class Replica:
     ) -> None:
         specs = SPECS[kind]
         self.layout = KVGroupLayout.from_specs(specs)
-        if self.layout.is_hybrid:
-            self.kv = HybridKVCacheManager(num_blocks, block_size, retentions=self.layout.retentions)
-        else:
-            self.kv = KVCacheManager(num_blocks, block_size, retention=RetentionPolicy.from_specs(specs))
+        self.kv = KVCacheManager(num_blocks, block_size, retentions=self.layout.retentions)
         self.caches = allocate_caches(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
                                       layer_slots=self.layout.layer_slots(len(specs)))
         gen = torch.Generator().manual_seed(seed)

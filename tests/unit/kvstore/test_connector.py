@@ -25,7 +25,7 @@ def test_round_trip_copies_every_layer_byte_for_byte(kind, fragmented):
     assert len(export.frames) > 2
     blocks = dst.connector.import_(export.header_bytes, [bytes(f.numpy()) for f in export.frames])
     src.connector.release(export)
-    assert dst.kv.block_table("r") == blocks and dst.kv.num_tokens("r") == len(TOKENS)
+    assert dst.kv.block_tables("r") == blocks and dst.kv.num_tokens("r") == len(TOKENS)
     for ours, theirs in zip(dst.request_bytes("r"), src.request_bytes("r")):
         assert torch.equal(ours, theirs)
     # the receiver can serve the same prefix to later requests
@@ -38,7 +38,7 @@ def test_windowed_request_sends_only_the_blocks_it_holds():
     src, dst = Replica("window", seed=1), Replica("window", seed=2)
     src.add_request("w", TOKENS, step=5)
     held = src.held_positions("w")
-    assert len(held[0]) < len(src.kv.block_table("w"))  # sinks + window only
+    assert len(held[0]) < len(src.kv.block_tables("w")[0])  # sinks + window only
     dst.connector.transfer_from(src.connector, "w")
     assert dst.held_positions("w") == held
     for ours, theirs in zip(dst.request_bytes("w"), src.request_bytes("w")):
@@ -56,10 +56,10 @@ def test_hybrid_round_trip_sends_each_groups_blocks_once_per_shared_tensor():
     held = src.held_positions("h")
     assert len(src.connector.caches) == 2 and len(held[0]) < len(held[1]) == 10  # 2 tensors; window frees
     blocks = dst.connector.transfer_from(src.connector, "h")
-    assert dst.held_positions("h") == held and len(blocks) == len(held[0]) + len(held[1])
+    assert dst.held_positions("h") == held and [len(b) for b in blocks] == [len(p) for p in held]
     for ours, theirs in zip(dst.request_bytes("h"), src.request_bytes("h"), strict=True):
         assert torch.equal(ours, theirs)
-    assert dst.kv.group_block_hashes("h") == src.kv.group_block_hashes("h")
+    assert dst.kv.block_hashes("h") == src.kv.block_hashes("h")
     assert dst.kv.lookup_prefix(TOKENS).num_tokens == 36  # both groups' hashes were registered
     assert dst.kv.allocate_slots("h", 1, TOKENS + [5])
     dst.kv.check_invariants()
@@ -167,14 +167,14 @@ def test_refusals_leave_no_block_behind(name, receiver, mangle, reason):
     src.add_request("r", TOKENS)
     dst = receiver()
     dst.add_request("other", [1, 2, 3, 4, 5])  # something already running there stays untouched
-    before = (dst.kv.num_free_blocks, list(dst.kv.block_table("other")), list(dst.kv.pool.ref_counts))
+    before = (dst.kv.num_free_blocks, list(dst.kv.block_tables("other")[0]), list(dst.kv.pool.ref_counts))
     export = src.connector.export("r", max_frame_bytes=4096)
     header, frames = mangle(export)
     with pytest.raises(KVTransferError) as info:
         dst.connector.import_(header, frames)
     assert info.value.reason == reason, str(info.value)
     assert "r" not in dst.kv
-    assert (dst.kv.num_free_blocks, list(dst.kv.block_table("other")), list(dst.kv.pool.ref_counts)) == before
+    assert (dst.kv.num_free_blocks, list(dst.kv.block_tables("other")[0]), list(dst.kv.pool.ref_counts)) == before
     dst.kv.check_invariants()
     src.connector.release(export)
 
@@ -187,17 +187,17 @@ def test_scale_mismatch_is_a_layout_refusal():
     with pytest.raises(KVTransferError, match="scales"):
         dst.connector.transfer_from(src.connector, "r")
     assert dst.kv.num_free_blocks == free and "r" not in dst.kv
-    assert src.kv.num_total_blocks - src.kv.num_free_blocks == len(src.kv.block_table("r"))  # export released
+    assert src.kv.num_total_blocks - src.kv.num_free_blocks == len(src.kv.block_tables("r")[0])  # export released
 
 
 def test_duplicate_request_is_refused_without_touching_the_running_one():
     src, dst = Replica(seed=1), Replica(seed=2)
     src.add_request("r", TOKENS)
     dst.add_request("r", [9, 9, 9])
-    table = list(dst.kv.block_table("r"))
+    table = list(dst.kv.block_tables("r")[0])
     with pytest.raises(KVTransferError, match="already holds blocks"):
         dst.connector.transfer_from(src.connector, "r")
-    assert dst.kv.block_table("r") == table
+    assert dst.kv.block_tables("r")[0] == table
     dst.kv.check_invariants()
 
 
@@ -226,3 +226,57 @@ def test_header_round_trips_through_msgpack():
     back = KVHeader.unpack(header.pack())
     assert back == header and header.fingerprint == header.layout.fingerprint
     assert back.num_tokens == 5 and back.block_positions == ((0, 1),) and [len(h) for h in back.block_hashes] == [1]
+
+
+def test_driver_and_rank_sides_apart_move_a_hybrid_request():
+    """The split a distributed replica uses: the drivers pin and reserve in their managers (KVPins),
+    the ranks only read and write cache tensors (KVRankIO) from what the drivers tell them, as
+    msgpack; the receiving driver commits the sender's hashes."""
+    import msgpack
+
+    from meshserve.kvstore.pins import HandoverBlocks, KVPins
+    from meshserve.kvstore.rank_io import KVRankIO
+
+    src, dst = Replica("hybrid", seed=1), Replica("hybrid", seed=2)
+    src.fragment(2)
+    dst.fragment(3)
+    src.add_request("h", TOKENS, step=5)
+    sender, receiver = KVPins(src.kv), KVPins(dst.kv)
+    pin = sender.pin("h")
+    src.kv.free("h")  # the pin alone keeps the blocks
+    assert sender.num_pinned == 1 and pin.blocks.block_hashes == tuple(map(tuple, src.kv.block_hashes(pin.pin_id)))
+    wire = HandoverBlocks.from_wire(msgpack.unpackb(msgpack.packb(pin.blocks.to_wire()), raw=False))
+    assert wire == pin.blocks
+    rank_io = KVRankIO(src.caches, model_id="tiny", block_size=4, retentions=src.layout.retentions)
+    export = rank_io.export(wire, max_frame_bytes=512)
+    reserved = receiver.reserve("h", wire.num_tokens, wire.block_positions, extra_keys=wire.extra_keys)
+    dst_io = KVRankIO(dst.caches, model_id="tiny", block_size=4, retentions=dst.layout.retentions)
+    with dst_io.into(reserved).begin_import(export.header_bytes) as session:
+        for i, frame in enumerate(export.frames):
+            session.accept(i, bytes(frame.numpy()))
+        assert session.finish() == reserved
+    receiver.commit("h", wire.block_hashes)
+    assert dst.held_positions("h") == [list(p) for p in wire.block_positions]
+    expected = [c.data.view(torch.uint8)[wire.blocks].clone() for c in src.caches]
+    for layer, cache in enumerate(dst.caches):
+        assert torch.equal(cache.data.view(torch.uint8)[[b for g in reserved for b in g]], expected[layer])
+    assert dst.kv.lookup_prefix(TOKENS).num_tokens == 36  # both groups' hashes were committed
+    assert sender.release(pin.pin_id) and not sender.release(pin.pin_id)  # a second release is a no-op
+    assert sender.num_pinned == 0 and src.kv.num_free_blocks == src.kv.num_total_blocks - 4  # the fragmentation
+    src.kv.check_invariants()
+    dst.kv.check_invariants()
+
+
+def test_a_rank_refuses_frames_for_blocks_its_driver_did_not_reserve():
+    from meshserve.kvstore.pins import KVPins
+    from meshserve.kvstore.rank_io import KVRankIO
+
+    src = Replica("hybrid", seed=1)
+    src.add_request("h", TOKENS)
+    pin = KVPins(src.kv).pin("h")
+    io = KVRankIO(src.caches, model_id="tiny", block_size=4, retentions=src.layout.retentions)
+    export = io.export(pin.blocks)
+    short = [list(range(1, 11)), list(range(11, 20))]  # the header lists 10 + 10 blocks
+    with pytest.raises(KVTransferError, match="blocks per group") as info:
+        io.into(short).begin_import(export.header_bytes)
+    assert info.value.reason == "bad_header"

@@ -67,14 +67,14 @@ def test_a_freed_request_loses_its_tail_before_its_head():
     prompt = list(range(16))
     hit = kv.lookup_prefix(prompt)
     assert kv.allocate_slots("a", 16, prompt, prefix=hit)
-    table = list(kv.block_table("a"))
+    table = list(kv.block_tables("a")[0])
     kv.free("a")
     assert kv.pool.num_cached_blocks == 4
     assert kv.lookup_prefix(prompt + [99]).num_tokens == 16
     assert kv.allocate_slots("b", 4, [7] * 4)  # evicts one block of "a"
-    assert kv.block_table("b") == [table[3]], "the tail block of the freed request goes first"
+    assert kv.block_tables("b")[0] == [table[3]], "the tail block of the freed request goes first"
     assert kv.lookup_prefix(prompt + [99]).num_tokens == 12
     assert kv.allocate_slots("c", 8, [8] * 8)  # two more
-    assert kv.block_table("c") == sorted(table[1:3])
+    assert kv.block_tables("c")[0] == sorted(table[1:3])
     assert kv.lookup_prefix(prompt + [99]).num_tokens == 4  # the head block is still a prefix hit
     kv.check_invariants()

@@ -1,4 +1,4 @@
-"""Layer groups (KVGroupLayout) and HybridKVCacheManager: groups over one shared pool."""
+"""Layer groups (KVGroupLayout) and KVCacheManager with several groups over one shared pool."""
 
 import pytest
 
@@ -7,7 +7,8 @@ from meshserve.errors import ConfigError
 from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import allocate_caches, copy_blocks
 from meshserve.kvstore.groups import KVGroupLayout
-from meshserve.kvstore.hybrid import HybridKVCacheManager, HybridPrefixHit
+from meshserve.kvstore.manager import KVCacheManager
+from meshserve.kvstore.prefix import PrefixHit
 from meshserve.kvstore.retention import RetentionPolicy
 
 FULL = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8)
@@ -15,9 +16,9 @@ LOCAL = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=4
 WINDOW, ALL = RetentionPolicy(4), RetentionPolicy()
 
 
-def manager(num_blocks=64, block_size=4, **kw) -> HybridKVCacheManager:
+def manager(num_blocks=64, block_size=4, **kw) -> KVCacheManager:
     """Group 0 windowed (4 tokens), group 1 full attention."""
-    return HybridKVCacheManager(num_blocks, block_size, retentions=[WINDOW, ALL], **kw)
+    return KVCacheManager(num_blocks, block_size, retentions=[WINDOW, ALL], **kw)
 
 
 def admit(kv, rid, tokens, chunk=None):
@@ -46,7 +47,7 @@ def test_layout_groups_layers_of_one_retention_in_equal_groups():
 
 def test_layouts_that_stay_one_group():
     plain = KVGroupLayout.from_specs([FULL] * 3)
-    assert not plain.is_hybrid and plain.retentions == (ALL,) and plain.layer_slots(3) == [None] * 3
+    assert not plain.is_hybrid and plain.retentions == (ALL,) and plain.layer_slots(3) == [0, 1, 2]  # a tensor each
     fp8_local = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=4,
                               kv_cache_dtype=KVCacheDtype.FP8_E4M3)
     mixed = KVGroupLayout.from_specs([fp8_local, FULL])  # page shapes differ: the union, as before
@@ -131,9 +132,9 @@ def test_a_hit_has_one_length_in_every_group_and_is_served_from_both():
     decode(kv, "a", tokens, 8)
     kv.free("a")
     hit = kv.lookup_prefix(tokens + [99])
-    assert isinstance(hit, HybridPrefixHit) and hit.num_tokens == 40
-    local, full = (h.block_ids for h in hit.hits)
-    assert all(h.num_tokens == 40 for h in hit.hits) and NULL_BLOCK not in full
+    assert isinstance(hit, PrefixHit) and hit.num_tokens == 40
+    local, full = hit.block_ids
+    assert len(local) == len(full) == 10 and NULL_BLOCK not in full
     assert local[:9] == (NULL_BLOCK,) * 9 and local[9] != NULL_BLOCK  # the first query's window only
     assert kv.allocate_slots("b", 1, tokens + [99], prefix=hit)
     assert kv.block_tables("b")[1][:10] == list(full)
@@ -146,20 +147,20 @@ def test_hits_are_cut_to_the_shortest_group_and_rechecked_there():
     cached for 40 tokens. Evicted: blocks 4.. of group 1, block 3 of group 0. Group 0 first hits 10
     blocks, group 1 only 4; cut to 4, group 0 needs its block 3: gone, so 3 blocks; group 1 at 3
     blocks needs block 2: cached. Every group ends at 12 tokens."""
-    kv = HybridKVCacheManager(64, 4, retentions=[WINDOW, WINDOW, ALL])
+    kv = KVCacheManager(64, 4, retentions=[WINDOW, WINDOW, ALL])
     tokens = list(range(1, 41))
     admit(kv, "a", tokens[:8])
     decode(kv, "a", tokens, 8)
-    blocks = [[kv.pool.lookup(h) for h in hashes] for hashes in kv.group_block_hashes("a")]
+    blocks = [[kv.pool.lookup(h) for h in hashes] for hashes in kv.block_hashes("a")]
     kv.free("a")
     assert kv.lookup_prefix(tokens + [0]).num_tokens == 40
     for b in blocks[1][4:] + [blocks[0][3]]:
         kv.pool.uncache(b)
     hit = kv.lookup_prefix(tokens + [0])
-    assert [h.num_tokens for h in hit.hits] == [12, 12, 12] and hit.num_tokens == 12
-    assert hit.hits[0].block_ids == (NULL_BLOCK, NULL_BLOCK, blocks[0][2])
-    assert hit.hits[1].block_ids == (NULL_BLOCK, NULL_BLOCK, blocks[1][2])
-    assert hit.hits[2].block_ids == tuple(blocks[2][:3])
+    assert [len(ids) for ids in hit.block_ids] == [3, 3, 3] and hit.num_tokens == 12
+    assert hit.block_ids[0] == (NULL_BLOCK, NULL_BLOCK, blocks[0][2])
+    assert hit.block_ids[1] == (NULL_BLOCK, NULL_BLOCK, blocks[1][2])
+    assert hit.block_ids[2] == tuple(blocks[2][:3])
     assert kv.allocate_slots("b", 29, tokens + [0], prefix=hit)
     kv.check_invariants()
 
@@ -176,17 +177,19 @@ def test_one_groups_allocation_never_evicts_another_groups_hit():
     hit = kv.lookup_prefix(a + [9, 10, 11, 12, 13])
     assert hit.num_tokens == 8 and kv.pool.num_cached_blocks == 8
     assert kv.allocate_slots("b", 5, a + [9, 10, 11, 12, 13], prefix=hit)
-    assert kv.block_tables("b")[1][:2] == list(hit.hits[1].block_ids)
+    assert kv.block_tables("b")[1][:2] == list(hit.block_ids[1])
     kv.check_invariants()
 
 
 def test_group_hashes_never_collide():
     kv = manager()
     admit(kv, "a", list(range(9)))
-    local, full = kv.group_block_hashes("a")
+    local, full = kv.block_hashes("a")
     assert len(local) == len(full) == 2 and not set(local) & set(full)
-    with pytest.raises(ConfigError, match="HybridPrefixHit"):
-        kv.allocate_slots("b", 1, [1], prefix=kv.groups[0].lookup_prefix([1]))
+    one_group = KVCacheManager(64, 4, retentions=[ALL])
+    with pytest.raises(ConfigError, match="PrefixHit"):
+        kv.allocate_slots("b", 1, [1], prefix=one_group.lookup_prefix([1]))
+    assert "b" not in kv
 
 
 # ---- forks, imports ------------------------------------------------------------------------
@@ -212,6 +215,6 @@ def test_import_allocates_every_group_or_nothing():
         kv.allocate_for_import("z", 8, [[0], [1, 0]])  # group 0 allocates, group 1 refuses
     assert "z" not in kv and kv.num_free_blocks == 5
     blocks = kv.allocate_for_import("y", 12, [[2], [0, 1, 2]])
-    assert blocks is not None and len(blocks) == 4
-    assert kv.block_tables("y") == ([NULL_BLOCK, NULL_BLOCK, blocks[0]], blocks[1:])
+    assert blocks is not None and [len(b) for b in blocks] == [1, 3]
+    assert kv.block_tables("y") == ([NULL_BLOCK, NULL_BLOCK, blocks[0][0]], blocks[1])
     kv.check_invariants()

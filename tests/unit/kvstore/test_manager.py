@@ -23,11 +23,11 @@ def test_prefix_hit_is_the_longest_cached_prefix_and_leaves_the_last_token():
     admit(kv, "a", prompt)
     assert kv.lookup_prefix(prompt).num_tokens == 12  # 16 cached, the last token is recomputed
     hit = kv.lookup_prefix(prompt[:10] + [99] * 8)
-    assert hit.num_tokens == 8 and list(hit.block_ids) == kv.block_table("a")[:2]
+    assert hit.num_tokens == 8 and list(hit.block_ids[0]) == kv.block_tables("a")[0][:2]
     assert kv.lookup_prefix([5] + prompt[1:]).num_tokens == 0  # the chain starts at token 0
     admit(kv, "b", prompt[:10] + [99] * 8)
-    assert kv.block_table("b")[:2] == kv.block_table("a")[:2]  # equal prefixes share blocks
-    assert kv.block_table("b")[2] not in kv.block_table("a")
+    assert kv.block_tables("b")[0][:2] == kv.block_tables("a")[0][:2]  # equal prefixes share blocks
+    assert kv.block_tables("b")[0][2] not in kv.block_tables("a")[0]
     assert kv.stats.prefix_hit_tokens == 8 and kv.stats.prefix_query_tokens == 34
     kv.check_invariants()
 
@@ -48,12 +48,12 @@ def test_blocks_are_hashed_as_decode_fills_them_and_survive_free():
     for t in range(4, 10):
         tokens.append(t)
         assert kv.allocate_slots("a", 1, tokens)
-    assert kv.block_hashes("a") == hash_blocks(tokens, 4)
-    table = list(kv.block_table("a"))
+    assert kv.block_hashes("a") == (hash_blocks(tokens, 4),)
+    table = list(kv.block_tables("a")[0])
     kv.free("a")
     assert kv.num_free_blocks == kv.num_total_blocks and kv.pool.num_cached_blocks == 2
     hit = kv.lookup_prefix(tokens + [10])
-    assert hit.num_tokens == 8 and list(hit.block_ids) == table[:2]
+    assert hit.num_tokens == 8 and list(hit.block_ids[0]) == table[:2]
 
 
 def test_stale_prefix_hit_is_refused():
@@ -71,10 +71,10 @@ def test_stale_prefix_hit_is_refused():
 def test_failed_allocation_changes_nothing():
     kv = KVCacheManager(5, 4)  # 4 usable blocks
     admit(kv, "a", list(range(10)))
-    before = (kv.num_free_blocks, list(kv.block_table("a")), kv.num_tokens("a"))
+    before = (kv.num_free_blocks, list(kv.block_tables("a")[0]), kv.num_tokens("a"))
     assert not kv.can_allocate("a", 7)
     assert not kv.allocate_slots("a", 7, list(range(17)))
-    assert (kv.num_free_blocks, list(kv.block_table("a")), kv.num_tokens("a")) == before
+    assert (kv.num_free_blocks, list(kv.block_tables("a")[0]), kv.num_tokens("a")) == before
     assert not kv.allocate_slots("b", 9, list(range(9)))
     assert "b" not in kv and kv.num_free_blocks == 1
     assert kv.allocate_slots("a", 6, list(range(16)))
@@ -86,15 +86,15 @@ def test_fork_shares_blocks_and_copies_the_partial_block_on_write():
     tokens = list(range(6))
     admit(kv, "p", tokens)
     kv.fork("p", "c")
-    assert kv.block_table("c") == kv.block_table("p")
-    shared = kv.block_table("p")[1]
+    assert kv.block_tables("c")[0] == kv.block_tables("p")[0]
+    shared = kv.block_tables("p")[0][1]
     assert kv.pool.ref_counts[shared] == 2
     assert kv.allocate_slots("c", 1, tokens + [100])
     (copy,) = kv.take_copies()
-    assert copy[0] == shared and kv.block_table("c")[1] == copy[1] != shared
-    assert kv.block_table("c")[0] == kv.block_table("p")[0]  # the full block stays shared
+    assert copy[0] == shared and kv.block_tables("c")[0][1] == copy[1] != shared
+    assert kv.block_tables("c")[0][0] == kv.block_tables("p")[0][0]  # the full block stays shared
     assert kv.allocate_slots("p", 1, tokens + [200])  # the parent now owns its block alone
-    assert kv.take_copies() == [] and kv.block_table("p")[1] == shared
+    assert kv.take_copies() == [] and kv.block_tables("p")[0][1] == shared
     assert kv.stats.cow_copies == 1
     kv.free("p")
     kv.free("c")
@@ -116,7 +116,7 @@ def test_errors_name_the_field():
     with pytest.raises(ConfigError, match="num_new_tokens=-1"):
         kv.allocate_slots("a", -1, [])
     with pytest.raises(ConfigError, match="request_id='nope'"):
-        kv.block_table("nope")
+        kv.block_tables("nope")[0]
     admit(kv, "a", [1, 2, 3])
     with pytest.raises(ConfigError, match="child_id='a'"):
         kv.fork("a", "a")
@@ -160,14 +160,14 @@ def test_window_and_sink_retention_match_brute_force(groups, chunk):
     )
     policy = RetentionPolicy.from_specs(specs)
     tpb = 2
-    kv = KVCacheManager(64, tpb, retention=policy)
+    kv = KVCacheManager(64, tpb, retentions=[policy])
     tokens: list[int] = []
     peak = 0
     while len(tokens) < 60:
         base = len(tokens)
         tokens += [len(tokens) % 7] * chunk
         assert kv.allocate_slots("s", chunk, tokens)
-        table = kv.block_table("s")
+        table = kv.block_tables("s")[0]
         held = [b != NULL_BLOCK for b in table]
         assert held == brute_force_needed(groups, base, len(table), tpb), (base, table)
         peak = max(peak, kv.num_total_blocks - kv.num_free_blocks)
@@ -180,17 +180,17 @@ def test_window_and_sink_retention_match_brute_force(groups, chunk):
 
 def test_windowed_prefix_hit_needs_only_sinks_and_the_window():
     tpb = 2
-    kv = KVCacheManager(64, tpb, retention=RetentionPolicy(sliding_window=4, num_sink_tokens=2))
+    kv = KVCacheManager(64, tpb, retentions=[RetentionPolicy(sliding_window=4, num_sink_tokens=2)])
     prompt = list(range(20))
     admit(kv, "a", prompt)
-    table = list(kv.block_table("a"))
+    table = list(kv.block_tables("a")[0])
     kv.free("a")
     for i in range(2, 7):  # drop blocks that the next request's first query no longer reads
         kv.pool.uncache(table[i])
     hit = kv.lookup_prefix(prompt)
     # 19 of 20 tokens may be cached: 18 (9 blocks); the first query at 18 reads keys 15..18 + sinks 0, 1
     assert hit.num_tokens == 18
-    assert [b != NULL_BLOCK for b in hit.block_ids] == brute_force_needed([(4, 2)], 18, 9, tpb)
+    assert [b != NULL_BLOCK for b in hit.block_ids[0]] == brute_force_needed([(4, 2)], 18, 9, tpb)
     admit(kv, "b", prompt)
     assert kv.num_tokens("b") == 20
     kv.check_invariants()
@@ -200,20 +200,20 @@ def test_dcp_capacity_and_logical_blocks():
     kv = KVCacheManager(9, 4, dcp_size=2)
     assert kv.tokens_per_block == 8 and kv.capacity_tokens == 8 * 8
     admit(kv, "a", list(range(17)))
-    assert len(kv.block_table("a")) == 3 and kv.free_capacity_tokens == 5 * 8
+    assert len(kv.block_tables("a")[0]) == 3 and kv.free_capacity_tokens == 5 * 8
 
 
 def test_import_allocation_is_all_or_nothing_and_adopts_hashes():
     kv = KVCacheManager(6, 2)
-    assert kv.allocate_for_import("x", 12, [0, 1, 2, 3, 4, 5]) is None
+    assert kv.allocate_for_import("x", 12, [[0, 1, 2, 3, 4, 5]]) is None
     assert "x" not in kv and kv.num_free_blocks == 5
-    blocks = kv.allocate_for_import("y", 7, [0, 2, 3], extra_keys=("k",))
-    assert kv.block_table("y") == [blocks[0], NULL_BLOCK, blocks[1], blocks[2]]
+    (blocks,) = kv.allocate_for_import("y", 7, [[0, 2, 3]], extra_keys=("k",))
+    assert kv.block_tables("y")[0] == [blocks[0], NULL_BLOCK, blocks[1], blocks[2]]
     hashes = hash_blocks([1, 2, 3, 4, 5, 6], 2)
-    kv.register_hashes("y", hashes)
+    kv.register_hashes("y", [hashes])
     assert kv.pool.lookup(hashes[2]) == blocks[1] and kv.pool.lookup(hashes[1]) is None
     with pytest.raises(ConfigError, match="block_positions"):
-        kv.allocate_for_import("z", 4, [1, 0])
+        kv.allocate_for_import("z", 4, [[1, 0]])
     kv.check_invariants()
 
 
@@ -229,7 +229,7 @@ def test_append_slots_is_allocate_slots_for_a_batch_and_stops_at_the_first_failu
     assert kv.num_tokens("c") == 2 and kv.num_tokens("a") == 4 and kv.num_tokens("b") == 4
     kv.free("b")
     assert kv.append_slots(["a"], [tokens["a"]]) == 1 and kv.num_tokens("a") == 5
-    assert kv.block_hashes("a") == hash_blocks(tokens["a"], 2)
+    assert kv.block_hashes("a") == (hash_blocks(tokens["a"], 2),)
     kv.check_invariants()
 
 

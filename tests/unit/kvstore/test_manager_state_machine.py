@@ -1,5 +1,6 @@
-"""Property test: random scheduler traffic against BlockPool + KVCacheManager, and against
-HybridKVCacheManager with two layer groups (a windowed one and a full one) over one pool.
+"""Property test: random scheduler traffic against BlockPool + KVCacheManager, with one layer
+group, with two (a windowed one and a full one) and with three (two windows and a full one) over
+one pool.
 
 An independent model simulates what the cache *holds*: every allocation "computes" the new
 tokens and writes, into the slot the block table names, a key that identifies the token and
@@ -12,8 +13,8 @@ its whole prefix (and extra keys). After every operation:
     negative; free + used = total; two requests share a block only if it is hashed or they
     are forks of one request;
   - a failed allocate_slots changed nothing (in any group).
-With two groups every group's table is checked against its own retention; block ids are unique
-across groups, so one model of the cache contents serves both.
+With several groups every group's table is checked against its own retention; block ids are unique
+across groups, so one model of the cache contents (tagged by group) serves them all.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from hypothesis.stateful import (
 )
 
 from meshserve.kvstore.block_pool import NULL_BLOCK
-from meshserve.kvstore.hybrid import HybridKVCacheManager
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
 
@@ -74,21 +74,19 @@ class KVMachine(RuleBasedStateMachine):
         dcp=st.sampled_from([1, 1, 2]),
         retention=st.sampled_from([(None, 0), (None, 0), (6, 0), (9, 3), (4, 1)]),
         caching=st.sampled_from([True, True, False]),
-        hybrid=st.sampled_from([False, False, True]),
+        hybrid=st.sampled_from([0, 0, 0, 0, 1, 1, 2]),
     )
     def setup(self, num_blocks, block_size, dcp, retention, caching, hybrid):
         if hybrid and retention[0] is not None:  # the windowed group and a full-attention one
             self.retentions = [retention, (None, 0)]
-            self.kv = HybridKVCacheManager(
-                num_blocks, block_size, dcp_size=dcp, enable_prefix_caching=caching,
-                retentions=[RetentionPolicy(sliding_window=w, num_sink_tokens=s) for w, s in self.retentions],
-            )
+            if hybrid == 2:  # and a wider window: two groups release at different times
+                self.retentions.append((retention[0] + 5, retention[1]))
         else:
             self.retentions = [retention]
-            policy = RetentionPolicy(sliding_window=retention[0], num_sink_tokens=retention[1])
-            self.kv = KVCacheManager(
-                num_blocks, block_size, dcp_size=dcp, retention=policy, enable_prefix_caching=caching
-            )
+        self.kv = KVCacheManager(
+            num_blocks, block_size, dcp_size=dcp, enable_prefix_caching=caching,
+            retentions=[RetentionPolicy(sliding_window=w, num_sink_tokens=s) for w, s in self.retentions],
+        )
         self.tpb = block_size * dcp
         self.reqs: dict[int, ReqModel] = {}
         self.content: dict[int, list[int | None]] = {}

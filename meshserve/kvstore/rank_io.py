@@ -1,0 +1,274 @@
+"""The rank side of a KV hand-over: a request's blocks out of this rank's cache tensors, and into
+blocks the driver reserved. No block bookkeeping here: the driver decides (pins.py).
+
+    sender:   export = io.export(pin.blocks)          # frames are views of the caches (no copy)
+              ... ship export.header_bytes, export.frames (zmq, torch.distributed, in-process) ...
+    receiver: with io.begin_import(header, blocks) as s:   # layout check, or KVTransferError
+                  for i in range(s.num_frames):
+                      view = s.destination(i)          # our own cache bytes when the run is contiguous
+                      ... write frame i into `view`, then s.accept(i); or s.accept(i, frame_bytes)
+                  s.finish()                           # checksum; else refused
+The transports take an import target (`ImportTarget`: `begin_import(header)` and `device`):
+`io.into(blocks)` on a rank, KVConnector (connector.py) where driver and rank share a process.
+Each DCP/TP rank moves its own shard; the layout fingerprint (model id, block size, dcp size,
+per-tensor dtype and block shape, KV layer groups) must match. Layers that share a tensor (a
+hybrid layout: every group's block b is one row of each tensor) are sent once per block.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from meshserve.errors import ConfigError, check
+from meshserve.kvstore.cache_tensors import LayerCache, MLACache
+from meshserve.kvstore.pins import HandoverBlocks
+from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
+
+DEFAULT_FRAME_BYTES = 1 << 20  # small enough to pipeline sender and receiver copies
+
+
+@dataclass
+class KVExport:
+    """One request's blocks ready to ship. frames: flat uint8 views of the sender's caches (on the
+    caches' device; no copy), valid while the driver's pin holds the blocks. pin_id: that pin,
+    when the exporting process also drives (KVConnector.release drops it)."""
+
+    header: KVHeader
+    frames: list[torch.Tensor]
+    pin_id: Hashable | None = None
+    header_bytes: bytes = field(default=b"")
+
+    def __post_init__(self) -> None:
+        if not self.header_bytes:
+            self.header_bytes = self.header.pack()
+
+
+class ImportTarget(Protocol):
+    """Where a transport writes an incoming hand-over."""
+
+    device: torch.device
+
+    def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession: ...
+
+
+def _scales(cache: LayerCache) -> tuple[float, ...]:
+    if isinstance(cache, MLACache):
+        return (float(cache.scale),)
+    return (float(cache.k_scale), float(cache.v_scale))
+
+
+class KVRankIO:
+    """One rank's caches as hand-over frames.
+
+    caches: as from allocate_caches (None entries, layers without a cache, are skipped; layers
+    that share a tensor are sent once). model_id names the weights: replicas of different models
+    never exchange KV. retentions: per KV layer group (KVGroupLayout.retentions).
+    """
+
+    def __init__(self, caches: Sequence[LayerCache | None], *, model_id: str, block_size: int, dcp_size: int = 1,
+                 retentions: Sequence[RetentionPolicy] = (RetentionPolicy(),)) -> None:  # fmt: skip
+        self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
+        self.caches = list({id(c.data): c for c in self.layer_caches}.values())  # one per tensor
+        check(bool(self.caches), "caches", len(caches), "at least one layer cache")
+        self.retentions = tuple(retentions)
+        self.tokens_per_block = block_size * dcp_size
+        self.layout = KVLayout.from_caches(self.caches, model_id=model_id, block_size=block_size, dcp_size=dcp_size,
+                                           groups=[(r.sliding_window, r.num_sink_tokens) for r in self.retentions])
+        self.device = self.caches[0].data.device
+        self._block_nbytes = self.layout.block_nbytes()
+
+    # ---- sender ---------------------------------------------------------------------------
+    def export(self, blocks: HandoverBlocks, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
+        """Describe the request's blocks and view their bytes (the driver keeps them pinned)."""
+        check(max_frame_bytes >= 1, "max_frame_bytes", max_frame_bytes, "an integer >= 1")
+        check(len(blocks.block_tables) == len(self.retentions), "block_tables", len(blocks.block_tables),
+              f"one table per KV layer group ({len(self.retentions)})")
+        sent = blocks.blocks
+        plan = plan_frames(sent, self._block_nbytes, max_frame_bytes)
+        frames = [as_bytes(self.caches[layer].data[sent[first] : sent[first] + n]) for layer, first, n in plan]
+        digest = FrameDigest()
+        for frame in frames:
+            digest.update(frame)
+        header = KVHeader(
+            request_id=blocks.request_id,
+            layout=self.layout,
+            num_tokens=blocks.num_tokens,
+            block_positions=blocks.block_positions,
+            block_hashes=blocks.block_hashes,
+            extra_keys=blocks.extra_keys,
+            scales=tuple(_scales(c) for c in self.layer_caches),
+            frames=tuple(plan),
+            nbytes=sum(f.numel() for f in frames),
+            checksum=digest.value,
+            fingerprint=self.layout.fingerprint,
+        )
+        return KVExport(header=header, frames=frames)
+
+    # ---- receiver -------------------------------------------------------------------------
+    def check(self, header: KVHeader) -> None:
+        """Refuse (KVTransferError) a header whose blocks cannot go into these caches as they are."""
+        ours = self.layout
+        if header.fingerprint != header.layout.fingerprint:
+            raise KVTransferError("bad_header", "the fingerprint does not match the layout it came with")
+        if header.layout != ours:
+            raise KVTransferError(
+                "layout", f"fingerprint {header.fingerprint} != {ours.fingerprint}; {ours.difference(header.layout)}"
+            )
+        mine = tuple(_scales(c) for c in self.layer_caches)
+        if header.scales != mine:
+            raise KVTransferError("layout", f"cache scales differ: receiver {mine}, sender {header.scales}")
+        if len(header.block_positions) != len(ours.groups) or len(header.block_hashes) != len(ours.groups):
+            raise KVTransferError("bad_header", f"block positions and hashes for {len(ours.groups)} KV layer groups")
+        num_blocks = header.num_blocks
+        for layer in range(len(ours.layers)):
+            starts = [0]
+            for lay, first, n in header.frames:
+                if lay != layer:
+                    continue
+                if first != starts[-1] or n < 1:
+                    raise KVTransferError("bad_header", f"frames of layer {layer} do not tile its blocks")
+                starts.append(first + n)
+            if starts[-1] != num_blocks:
+                raise KVTransferError("bad_header",
+                                      f"frames of layer {layer} cover {starts[-1]} of {num_blocks} blocks")
+        if header.nbytes != sum(header.frame_nbytes()):
+            raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
+        full = header.num_tokens // self.tokens_per_block
+        counts = {len(g) for g in header.block_hashes}
+        if len(counts) > 1 or max(counts) > full or any(len(h) != 32 for g in header.block_hashes for h in g):
+            raise KVTransferError("bad_header", f"block_hashes: as many in every group, at most {full} of 32 bytes")
+
+    def begin_import(self, header: KVHeader | bytes | memoryview, blocks: Sequence[Sequence[int]], *,
+                     on_finish: Callable[[], None] | None = None, on_abort: Callable[[], None] | None = None,
+                     ) -> ImportSession:  # fmt: skip
+        """Check the header and start writing its frames into `blocks` (per group, one per sent
+        block position, reserved by the driver). on_finish / on_abort: what the driver does when
+        the import succeeds / is refused (KVConnector: commit / abort its reservation)."""
+        if not isinstance(header, KVHeader):
+            header = KVHeader.unpack(header)
+        self.check(header)
+        return ImportSession(self, header, blocks, on_finish=on_finish, on_abort=on_abort)
+
+    def into(self, blocks: Sequence[Sequence[int]]) -> ReservedBlocks:
+        """An import target for a transport: the next hand-over goes into `blocks` (per group)."""
+        return ReservedBlocks(self, blocks)
+
+
+@dataclass
+class ReservedBlocks:
+    """`ImportTarget` of a rank whose driver reserved the blocks already."""
+
+    io: KVRankIO
+    blocks: Sequence[Sequence[int]]
+
+    @property
+    def device(self) -> torch.device:
+        return self.io.device
+
+    def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession:
+        return self.io.begin_import(header, self.blocks)
+
+
+class ImportSession:
+    """One import in progress; frames must be accepted in order. Use as a context manager:
+    leaving it without `finish` aborts."""
+
+    def __init__(self, io: KVRankIO, header: KVHeader, blocks: Sequence[Sequence[int]], *,
+                 on_finish: Callable[[], None] | None = None, on_abort: Callable[[], None] | None = None) -> None:
+        self.io = io
+        self.header = header
+        self.request_id = header.request_id
+        self.blocks = tuple(list(b) for b in blocks)
+        self._on_finish, self._on_abort = on_finish, on_abort
+        self._open = True
+        reserved = [len(b) for b in self.blocks]
+        if reserved != [len(p) for p in header.block_positions]:
+            self._fail("bad_header", f"blocks per group: header {[len(p) for p in header.block_positions]}, "
+                       f"reserved {reserved}")  # fmt: skip
+        self._flat = [b for group in self.blocks for b in group]  # the sent order
+        self.frame_nbytes = header.frame_nbytes()
+        self._next = 0
+        self._digest = FrameDigest()
+
+    @property
+    def num_frames(self) -> int:
+        return len(self.header.frames)
+
+    def destination(self, index: int) -> torch.Tensor | None:
+        """Our cache bytes for frame `index` (flat uint8, writable) when its blocks are one run."""
+        layer, first, n = self.header.frames[index]
+        dst = self._flat[first : first + n]
+        if dst[-1] - dst[0] != n - 1:
+            return None
+        return as_bytes(self.io.caches[layer].data[dst[0] : dst[0] + n])
+
+    def accept(self, index: int, data: object | None = None) -> None:
+        """Take frame `index`: `data` (bytes-like or uint8 tensor), or None when it was written
+        into `destination(index)` already. Refuses (and aborts) on a size mismatch."""
+        if index != self._next:
+            self._fail("truncated", f"frame {index} arrived, expected frame {self._next}")
+        expected = self.frame_nbytes[index]
+        layer, first, n = self.header.frames[index]
+        cache = self.io.caches[layer].data
+        if data is None:
+            frame = self.destination(index)
+            if frame is None:
+                self._fail("truncated", f"frame {index} has no contiguous destination; pass its bytes")
+        else:
+            frame = data if isinstance(data, torch.Tensor) else _frombuffer(data)
+            if frame.dtype != torch.uint8 or frame.dim() != 1:
+                frame = as_bytes(frame.contiguous())
+        if frame.numel() != expected:
+            self._fail("truncated", f"frame {index} has {frame.numel()} bytes, expected {expected}")
+        self._digest.update(frame)
+        if data is not None:
+            dst = torch.tensor(self._flat[first : first + n], dtype=torch.long, device=cache.device)
+            rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)
+            rows.index_copy_(0, dst, frame.to(cache.device).view(n, -1))
+        self._next += 1
+
+    def finish(self) -> tuple[list[int], ...]:
+        """Verify the checksum; the blocks now hold the request's KV. Returns them, per group."""
+        if self._next != self.num_frames:
+            self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
+        if self._digest.value != self.header.checksum:
+            self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
+        if self._on_finish is not None:
+            try:
+                self._on_finish()
+            except ConfigError as exc:
+                self._fail("bad_header", str(exc))
+        self._open = False
+        return self.blocks
+
+    def abort(self) -> None:
+        """Give up the import (idempotent): the driver frees the blocks."""
+        if self._open:
+            self._open = False
+            if self._on_abort is not None:
+                self._on_abort()
+
+    def _fail(self, reason: str, message: str) -> None:
+        self.abort()
+        raise KVTransferError(reason, f"request {self.request_id!r}: {message}")
+
+    def __enter__(self) -> ImportSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.abort()
+
+
+def _frombuffer(data: object) -> torch.Tensor:
+    view = memoryview(data).cast("B")  # type: ignore[arg-type]
+    if len(view) == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only buffers are only read here
+        return torch.frombuffer(view, dtype=torch.uint8)
