@@ -98,6 +98,7 @@ class Scheduler:
               f"an integer in [1, {request.num_tokens - 1}]")
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
+        request.sent_table_lens = None
         self.requests[request.request_id] = request
         bisect.insort(self.running, request, key=lambda r: r.arrival)
 
@@ -112,6 +113,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
+        req.sent_table_lens = None
         if req.request_id in self._announced:
             self._announced.discard(req.request_id)
             self._to_forget.append(req.request_id)
@@ -192,6 +194,7 @@ class Scheduler:
             self.waiting.pop(0)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
+            req.sent_table_lens = None  # new blocks: the workers get the tables whole
             self.stats.num_prefix_hit_tokens += cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
@@ -204,6 +207,7 @@ class Scheduler:
         """Recompute later: free the blocks, requeue by arrival (ahead of younger requests)."""
         self.running.remove(req)
         self.kv.free(req.request_id)
+        req.sent_table_lens = None
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -218,13 +222,15 @@ class Scheduler:
                 new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
             start, known = req.num_computed_tokens, req.num_tokens
             sample = start + n == known + req.num_pending_outputs
+            tables, offsets = self._table_changes(req)
             seqs.append(ScheduledSeq(
                 request_id=req.request_id,
                 token_ids=req.all_token_ids[start:min(start + n, known)],
                 context_len=start,
-                block_tables=[list(t) for t in self.kv.block_tables(req.request_id)],
+                block_tables=tables,
                 sample=sample,
                 from_last_step=start + n > known,  # the token the step in flight draws for it
+                table_offsets=offsets,
             ))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
@@ -234,6 +240,19 @@ class Scheduler:
         self._to_forget = []
         self._step_id += 1
         return plan
+
+    def _table_changes(self, req: Request) -> tuple[list[list[int]], list[int] | None]:
+        """What a plan carries of the request's block tables: whole the first time (offsets None),
+        afterwards per group the blocks from the last one the workers hold on (a copy-on-write
+        replaces only a table's last block; new blocks are appended). Entries the window released
+        are not resent: the workers' stale ids there are never read (outside every window)."""
+        tables = self.kv.block_tables(req.request_id)
+        sent = req.sent_table_lens
+        req.sent_table_lens = [len(t) for t in tables]
+        if sent is None:
+            return [list(t) for t in tables], None
+        offsets = [max(n - 1, 0) for n in sent]
+        return [list(t[o:]) for t, o in zip(tables, offsets)], offsets
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).

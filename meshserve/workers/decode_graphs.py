@@ -164,10 +164,12 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------------------- a step
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ScheduledSeq], *, fill: Callable[[torch.Tensor], None] | None = None
-            ) -> torch.Tensor:
+    def run(self, seqs: Sequence[ScheduledSeq], tables: Sequence[Sequence[Sequence[int]]] | None = None, *,
+            fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [len(seqs), V] float32 of one decode step, rows in the order of `seqs`.
 
+        tables: per sequence, its whole block tables (one per KV layer group); default: the
+        seqs' own block_tables (plans that carry whole tables).
         fill: writes the tokens the host does not know yet (`from_last_step`) into the token-id
         buffer, on the device, before the replay."""
         check(self.serves(seqs), "seqs", len(seqs), f"1..{self.max_batch} decodes that sample")
@@ -181,10 +183,12 @@ class DecodeGraphs:
         self._write(self.positions, [s.context_len for s in seqs] + [0] * pad)
         self._write(self.seq_lens, lens)
         self._write(self.context_lens, [length - 1 for length in lens])
+        if tables is None:
+            tables = [s.block_tables for s in seqs]
         for g in range(self.num_groups):
-            rows = [s.block_tables[g] for s in seqs] + [[0]] * pad
+            rows = [t[g] for t in tables] + [[0]] * pad
             self._write_table(self.block_tables[g], rows)
-            self._write(self.slot_mappings[g], [self._slot(s.block_tables[g], s.context_len) for s in seqs]
+            self._write(self.slot_mappings[g], [self._slot(t[g], s.context_len) for s, t in zip(seqs, tables)]
                         + [NULL_SLOT] * pad)  # fmt: skip
             for backend, group, plan in self._plans.get(b, ()):
                 if group == g:

@@ -25,7 +25,7 @@ from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan, apply_table_changes
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -65,6 +65,7 @@ class _Request:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)  # its block tables, per KV layer group
 
 
 @dataclass
@@ -161,18 +162,21 @@ class ModelRunner:
             check(s.request_id in self.requests, "request_id", s.request_id, "a request announced in new_requests")
             check(len(s.block_tables) == self.num_groups, "block_tables", len(s.block_tables),
                   f"one table per KV layer group ({self.num_groups})")
+            req = self.requests[s.request_id]
+            req.tables = apply_table_changes(req.tables, s)
             check(not s.from_last_step or s.request_id in self._last_rows, "from_last_step", s.request_id,
                   "set only for a request that drew a token in the previous step on this (driver) rank")
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
         ends = _ends(order)
         fill = self._from_last_step(order, ends)
+        tables = [self.requests[s.request_id].tables for s in order]
         if self.decode_graphs is not None and self.decode_graphs.serves(order):
-            logits = self.decode_graphs.run(order, fill=fill)  # [N, V]: every row samples
+            logits = self.decode_graphs.run(order, tables, fill=fill)  # [N, V]: every row samples
             to_sample = list(range(len(order)))
         else:
             to_sample = [i for i, s in enumerate(order) if s.sample]
-            logits = self._run_eager(order, ends, to_sample, fill)
+            logits = self._run_eager(order, tables, ends, to_sample, fill)
         if to_sample and self.is_driver:
             self._draw([order[i].request_id for i in to_sample], logits, flight)
 
@@ -191,12 +195,13 @@ class ModelRunner:
 
         return fill
 
-    def _run_eager(self, order: Sequence[ScheduledSeq], ends: list[int], to_sample: list[int], fill
-                   ) -> torch.Tensor | None:
+    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[list[list[int]]], ends: list[int],
+                   to_sample: list[int], fill) -> torch.Tensor | None:
+        """tables: per sequence of `order`, its block tables (one per KV layer group)."""
         query_lens, seq_lens = [s.num_new_tokens for s in order], [s.seq_len for s in order]
         metas = [
             AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
-                                    block_tables=[s.block_tables[g] for s in order], block_size=self.block_size,
+                                    block_tables=[t[g] for t in tables], block_size=self.block_size,
                                     device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g)
             for g in range(self.num_groups)
         ]  # fmt: skip

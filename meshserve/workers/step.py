@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 
 from meshserve.core.outputs import TokenLogprobs
+from meshserve.errors import check
 
 
 @dataclass
@@ -35,13 +36,16 @@ class ScheduledSeq:
     token_ids:   the new tokens whose K/V this step computes and writes, as far as the host
                  knows them
     context_len: tokens of this sequence already in the cache (the first new token's position)
-    block_tables: per KV layer group (one for most models), physical block ids covering at
-                 least seq_len tokens
+    block_tables: per KV layer group (one for most models), physical block ids; with the
+                 workers' tables (see table_offsets) they cover at least seq_len tokens
     sample:      whether a next token is drawn after the last new token (False for a prompt
                  chunk that is not the prompt's last)
     from_last_step: one more new token follows token_ids: the token this request sampled in
                  the previous step, which the host has not seen yet (overlap scheduling: the
                  step was planned while that one ran); the runner takes it from the device
+    table_offsets: None when block_tables are the request's whole tables; else, per group,
+                 the index in the table the workers hold from which block_tables replace it
+                 (a plan carries what changed: new blocks and a copied last block)
     """
 
     request_id: str
@@ -50,6 +54,7 @@ class ScheduledSeq:
     block_tables: list[list[int]]
     sample: bool = True
     from_last_step: bool = False
+    table_offsets: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -63,6 +68,21 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         """The metadata's notion: exactly one new token after a non-empty cached context."""
         return self.num_new_tokens == 1 and self.context_len > 0
+
+
+def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list[int]]:
+    """The request's block tables after `seq`'s changes (`tables`: the ones held so far; updated
+    in place where they are kept)."""
+    if seq.table_offsets is None:
+        return [list(t) for t in seq.block_tables]
+    check(len(seq.table_offsets) == len(tables) == len(seq.block_tables), "table_offsets",
+          seq.table_offsets, f"one offset per KV layer group ({len(tables)})")
+    for table, offset, blocks in zip(tables, seq.table_offsets, seq.block_tables):
+        check(0 <= offset <= len(table), "table_offsets", offset, f"an index in [0, {len(table)}] "
+              f"(the blocks held for {seq.request_id})")
+        del table[offset:]
+        table.extend(blocks)
+    return tables
 
 
 @dataclass
@@ -83,8 +103,8 @@ class StepPlan:
     def to_msgpack(self) -> bytes:
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step]
-                     for s in self.seqs],
+            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step,
+                      s.table_offsets] for s in self.seqs],
             "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],

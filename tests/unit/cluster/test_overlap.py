@@ -12,7 +12,7 @@ from collections import deque
 
 from meshserve.cluster.request import RequestStatus
 from meshserve.core.outputs import FinishReason
-from meshserve.workers.step import SampledToken, StepOutput, StepPlan
+from meshserve.workers.step import SampledToken, StepOutput, StepPlan, apply_table_changes
 from tests.unit.cluster.test_scheduler import BS, EOS, PROMPTS, FakeWorker, make, next_token, reference, req, run
 
 
@@ -22,6 +22,7 @@ class OverlapWorker:
     def __init__(self) -> None:
         self.slots: dict[int, int] = {}
         self.known: set[str] = set()
+        self.tables: dict[str, list[list[int]]] = {}
         self.last: dict[str, int] = {}  # request id -> token drawn by the latest step (device side)
         self.out: deque[StepOutput] = deque()
         self.computed_tokens = 0
@@ -33,6 +34,9 @@ class OverlapWorker:
         drawn = []
         for s in plan.seqs:
             assert s.request_id in self.known
+            # the workers keep each request's tables; plans carry what changed
+            self.tables[s.request_id] = apply_table_changes(self.tables.get(s.request_id, [[]]), s)
+            table = self.tables[s.request_id][0]
             tokens = list(s.token_ids)
             if s.from_last_step:
                 tokens.append(self.last[s.request_id])
@@ -41,9 +45,9 @@ class OverlapWorker:
             self.computed_tokens += len(tokens)
             for i, t in enumerate(tokens):
                 pos = s.context_len + i
-                self.slots[s.block_tables[0][pos // BS] * BS + pos % BS] = t
+                self.slots[table[pos // BS] * BS + pos % BS] = t
             if s.sample:
-                prefix = [self.slots[s.block_tables[0][p // BS] * BS + p % BS] for p in range(s.seq_len)]
+                prefix = [self.slots[table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
                 drawn.append(SampledToken(s.request_id, next_token(prefix)))
         for d in drawn:
             self.last[d.request_id] = d.token_id

@@ -15,7 +15,7 @@ from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.workers.step import SampledToken, StepOutput, StepPlan
+from meshserve.workers.step import SampledToken, StepOutput, StepPlan, apply_table_changes
 
 BS = 4
 EOS = 0
@@ -29,6 +29,7 @@ class FakeWorker:
     def __init__(self):
         self.slots: dict[int, int] = {}
         self.known: set[str] = set()
+        self.tables: dict[str, list[list[int]]] = {}
         self.computed_tokens = 0
 
     def execute(self, plan: StepPlan) -> StepOutput:
@@ -37,12 +38,15 @@ class FakeWorker:
         out = []
         for s in plan.seqs:
             assert s.request_id in self.known
+            # the workers keep each request's tables; plans carry what changed
+            self.tables[s.request_id] = apply_table_changes(self.tables.get(s.request_id, [[]]), s)
+            table = self.tables[s.request_id][0]
             self.computed_tokens += len(s.token_ids)
             for i, t in enumerate(s.token_ids):
                 pos = s.context_len + i
-                self.slots[s.block_tables[0][pos // BS] * BS + pos % BS] = t
+                self.slots[table[pos // BS] * BS + pos % BS] = t
             if s.sample:
-                prefix = [self.slots[s.block_tables[0][p // BS] * BS + p % BS] for p in range(s.seq_len)]
+                prefix = [self.slots[table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
                 out.append(SampledToken(s.request_id, next_token(prefix)))
         self.known -= set(plan.finished)
         return StepOutput(plan.step_id, out)
@@ -214,3 +218,30 @@ def test_bad_requests_leave_no_state():
     with pytest.raises(ConfigError, match="request_id"):
         sched.add_request(Request("r2", [5], SamplingParams(), arrival=9))
     assert sched.num_unfinished == 1
+
+
+def test_plans_carry_table_changes_not_whole_tables():
+    """The first plan of a request carries its tables whole, later ones only the last block the
+    workers hold (a copy-on-write replaces it) and the new ones; a preempted request starts over."""
+    sched, kv = make(num_blocks=24, max_num_batched_tokens=64)
+    prompts = [list(range(3, 40)), list(range(5, 45))]  # 37 and 40 tokens: 10 blocks each
+    reqs = [req(i, p, max_tokens=30) for i, p in enumerate(prompts)]
+    for r in reqs:
+        sched.add_request(r)
+    carried: dict[str, list[tuple[list[int] | None, int, int]]] = {r.request_id: [] for r in reqs}
+
+    def record(step):
+        for s in step.plan.seqs:
+            carried[s.request_id].append((s.table_offsets, len(s.block_tables[0]), s.num_new_tokens))
+
+    run(sched, FakeWorker(), on_step=record)
+    assert sched.stats.num_preemptions > 0  # 23 usable blocks cannot hold both at 70 tokens
+    for r, p in zip(reqs, prompts):
+        assert r.output_ids == reference(p, 30)  # the fake worker rebuilt every table from the changes
+        plans = carried[r.request_id]
+        assert plans[0][0] is None  # the first plan: its tables whole
+        decodes = [n for offsets, n, new in plans if offsets is not None and new == 1]
+        assert decodes and max(decodes) <= 2  # the held last block and at most one new one
+    restarts = sum(offsets is None for plans in carried.values() for offsets, _, _ in plans)
+    assert restarts > len(reqs)  # a re-admitted request got its (new) tables whole
+    assert kv.num_free_blocks == 23
