@@ -42,6 +42,9 @@ class GroupPlan:
                 uncached layers [S * Hkv * L] rows of key.view(T * Hkv, D)
     bias:       [S, 1, 1, Lq, L] float32: 0 where visible, -inf where not
     rel:        [S, 1, 1, Lq, L] float32 kp - qp (ALiBi only)
+    fresh:      every sequence is a whole prompt (nothing cached before, no DCP, no window and
+                no ALiBi): its keys are exactly its new tokens, so SDPA can run per sequence on
+                the step's own K/V with is_causal and skip the masked-out half (measured below)
     """
 
     tokens: tuple[int, int]
@@ -53,6 +56,8 @@ class GroupPlan:
     kv_index: torch.Tensor
     bias: torch.Tensor
     rel: torch.Tensor | None
+    fresh: bool = False
+    starts: tuple[int, ...] = ()  # token offsets of each sequence in the packed batch (fresh groups)
 
 
 @dataclass(frozen=True)
@@ -119,10 +124,14 @@ class CpuSdpaBackend(AttentionBackend):
         outs, lses = [], []
         for g in plan.groups:
             t0, t1 = g.tokens
+            use_sinks = spec.has_sinks and plan.with_sinks
+            plain = not return_lse and spec.logits_soft_cap is None and not use_sinks
+            if g.fresh and plain:
+                outs.append(_sdpa_per_sequence(spec, query, key, value, g))
+                continue
             k, v = self._gather_kv(g, key, value, kv_cache)  # [S, Hkv, L, D] float32 each
             q = _padded_query(query[t0:t1], g, spec)  # [S, H, Lq, D] float32
-            use_sinks = spec.has_sinks and plan.with_sinks
-            if g.max_query_len > 1 and not return_lse and spec.logits_soft_cap is None and not use_sinks:
+            if g.max_query_len > 1 and plain:
                 o, lse = _sdpa(spec, q, k, v, g, layer), None
             else:
                 o, lse = _explicit(spec, q, k, v, g, layer, use_sinks)
@@ -212,6 +221,14 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         )  # [S, Lq] token row of each padded query
         q_index = (tok[:, None, :] * H + torch.arange(H, device=dev)[None, :, None]).reshape(-1)  # [S, H, Lq]
         out_rows = (torch.arange(num_seqs, device=dev)[:, None] * lq + j[None, :])[q_valid]
+    fresh = (
+        lq > 1
+        and spec.attn_type is not AttentionType.CROSS
+        and meta.dcp_size == 1
+        and spec.sliding_window is None
+        and not spec.use_alibi
+        and meta.query_lens_host[s0:s1] == meta.seq_lens_host[s0:s1]
+    )
     return GroupPlan(
         tokens=(starts[s0], starts[s1]),
         num_seqs=num_seqs,
@@ -222,6 +239,8 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         kv_index=kv_index,
         bias=bias[:, None, None],
         rel=rel,
+        fresh=fresh,
+        starts=tuple(starts[s0 : s1 + 1]),
     )
 
 
@@ -248,6 +267,23 @@ def _sdpa(
     if spec.use_alibi:
         mask = mask + layer.alibi_slopes.float()[None, :, None, None] * g.rel[:, 0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.softmax_scale, enable_gqa=True)
+
+
+def _sdpa_per_sequence(
+    spec: AttentionSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: GroupPlan
+) -> torch.Tensor:
+    """Whole prompts: SDPA on each sequence's own new K/V, [tokens, H, Dv] float32.
+
+    Measured on the demo model's shapes (1 thread, 16 prompts of 10..300 tokens): 5.7 ms against
+    21 ms for one padded SDPA with a mask over the gathered cache (64-token prompts: 1.6 vs 2.3).
+    """
+    outs = []
+    for a, b in zip(g.starts, g.starts[1:]):
+        q, k, v = (x[a:b].float().transpose(0, 1)[None] for x in (query, key, value))  # [1, H(kv), L, D]
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.softmax_scale,
+                                           enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def _explicit(
