@@ -8,9 +8,10 @@ tensor ops per layer:
 - `plan` (once per step, shared by every layer) turns the metadata into flat gather indices and
   an additive mask with tensor ops: K/V index [2, S, Hkv, L] into the cache viewed as rows of
   head_size, so one `index_select` yields K and V already laid out [S, Hkv, L, D];
-- `forward` gathers, then either `scaled_dot_product_attention` with `enable_gqa` (prefill
-  when neither the LSE, a soft-cap nor learned sinks are asked for) or explicit matmuls with
+- `forward` gathers, then either `scaled_dot_product_attention` with `enable_gqa` and the mask
+  (when neither the LSE, a soft-cap nor learned sinks are asked for) or explicit matmuls with
   the query viewed as [S, Hkv, G * Lq, D] against the shared K/V: no repeat_interleave copies.
+  Whole prompts skip the gather: SDPA per sequence on the step's own K/V with is_causal.
 
 Padded key slots point at a real key of the same sequence (never at unwritten cache memory)
 and are masked with -inf; padded query rows see key 0 and are dropped on the way out.
@@ -90,8 +91,8 @@ class CpuSdpaBackend(AttentionBackend):
         dcp=True,
         devices=frozenset({"cpu"}),
         notes="whole batch at once: prefills and decodes each one padded group (one K/V gather from the "
-        "paged cache, GQA by query reshape); prefill via scaled_dot_product_attention unless the LSE, "
-        "a soft-cap or learned sinks are needed; float32 math",
+        "paged cache, GQA without K/V copies) through scaled_dot_product_attention, or explicit matmuls "
+        "when the LSE, a soft-cap or learned sinks are needed; float32 math; CPU only",
     )
 
     def write_kv(
@@ -131,7 +132,7 @@ class CpuSdpaBackend(AttentionBackend):
                 continue
             k, v = self._gather_kv(g, key, value, kv_cache)  # [S, Hkv, L, D] float32 each
             q = _padded_query(query[t0:t1], g, spec)  # [S, H, Lq, D] float32
-            if g.max_query_len > 1 and plain:
+            if plain:  # one fused kernel: 19 vs 80 us at 1 decode, 207 vs 284 us at 16 (demo shapes)
                 o, lse = _sdpa(spec, q, k, v, g, layer), None
             else:
                 o, lse = _explicit(spec, q, k, v, g, layer, use_sinks)
