@@ -24,7 +24,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from meshserve.attention.backend import AttentionBackend, BackendCapabilities, KVCache, LayerParams
+from meshserve.attention.backend import (
+    AttentionBackend,
+    AttentionProblem,
+    BackendCapabilities,
+    KVCache,
+    LayerParams,
+)
 from meshserve.attention.backends.torch_ref import scatter_kv
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
@@ -64,7 +70,6 @@ class GroupPlan:
 @dataclass(frozen=True)
 class CpuPlan:
     groups: tuple[GroupPlan, ...]  # prefills first, then decodes; empty groups left out
-    num_tokens: int
     with_sinks: bool  # learned sinks join on DCP rank 0 only
 
 
@@ -95,6 +100,14 @@ class CpuSdpaBackend(AttentionBackend):
         "when the LSE, a soft-cap or learned sinks are needed; float32 math; CPU only",
     )
 
+    @classmethod
+    def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
+        spec = problem.spec
+        if spec.uses_kv_cache and spec.v_size != spec.head_size:
+            # K and V rows are gathered from one [-1, head_size] view of the cache
+            return [f"head_size_v={spec.v_size} != head_size={spec.head_size} with a KV cache not supported"]
+        return []
+
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
@@ -107,7 +120,7 @@ class CpuSdpaBackend(AttentionBackend):
             starts.append(starts[-1] + q)
         splits = ((0, meta.num_prefills), (meta.num_prefills, meta.num_seqs))
         groups = tuple(_plan_group(self.spec, meta, s0, s1, starts) for s0, s1 in splits if s1 > s0)
-        return CpuPlan(groups, starts[-1], with_sinks=meta.dcp_rank == 0)
+        return CpuPlan(groups, with_sinks=meta.dcp_rank == 0)
 
     def forward(
         self,
@@ -155,8 +168,6 @@ class CpuSdpaBackend(AttentionBackend):
             v = value[t0:t1].reshape(-1, spec.v_size).index_select(0, g.kv_index)
             return k.view(*shape, -1).float(), v.view(*shape, -1).float()
         data = kv_cache.data
-        if spec.v_size != spec.head_size:
-            raise ValueError("CPU_SDPA reads K and V from one cache of equal head sizes")
         kv = data.view(-1, data.shape[-1]).index_select(0, g.kv_index).view(2, *shape, -1)
         k, v = kv[0], kv[1]
         if kv_cache.is_fp8:

@@ -101,3 +101,22 @@ def test_dcp_shards_merge_to_full_attention(name, dcp):
     merged = (torch.nan_to_num(torch.exp(lses - lse), nan=0.0)[..., None] * outs).sum(0)
     ref_out, ref_lse = oracle(case)
     assert_matches(merged, lse, ref_out, ref_lse, torch.float32)
+
+
+def test_cached_value_head_size_other_than_key_is_refused_as_data():
+    from meshserve.attention.backend import AttentionProblem
+    from meshserve.attention.spec import AttentionSpec, AttentionType
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, head_size_v=16)
+    assert any("head_size_v" in r for r in CpuSdpaBackend.validate_configuration(AttentionProblem(spec=spec)))
+    uncached = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=32, head_size_v=16,
+                             attn_type=AttentionType.ENCODER_ONLY)
+    assert CpuSdpaBackend.validate_configuration(AttentionProblem(spec=uncached)) == []
+
+
+def test_encoder_only_with_value_head_size_other_than_key():
+    scenario = Scenario("encoder_only_dv", (9, 4), (0, 0), spec=dict(attn_type="encoder_only", head_size_v=8))
+    case = make_case(scenario)
+    ref_out, ref_lse = oracle(case)
+    out, lse = run_backend(CpuSdpaBackend, case)
+    assert_matches(out, lse, ref_out, ref_lse, torch.float32)
