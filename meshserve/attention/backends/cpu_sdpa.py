@@ -111,7 +111,18 @@ class CpuSdpaBackend(AttentionBackend):
     def write_kv(
         self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
     ) -> None:
-        scatter_kv(key, value, kv_cache, slot_mapping)
+        """The shared torch scatter, with a fast path for the common step (every slot written, no
+        FP8): two index_copy_ calls instead of boolean selection (90 us of a 6 ms batch-1 step
+        per layer went to scatter_kv's masking, 1 thread, demo model)."""
+        data = kv_cache.data
+        if kv_cache.is_fp8 or not data.is_contiguous() or not bool((slot_mapping >= 0).all()):
+            scatter_kv(key, value, kv_cache, slot_mapping)
+            return
+        bs = data.shape[2]
+        rows = slot_mapping + slot_mapping // bs * bs  # K row of slot s in data viewed [N * 2 * bs, Hkv, D]
+        flat = data.view(-1, *data.shape[3:])
+        flat.index_copy_(0, rows, key.to(data.dtype))
+        flat.index_copy_(0, rows + bs, value.to(data.dtype))
 
     def plan(self, metadata: AttentionMetadata) -> CpuPlan:
         meta = metadata

@@ -120,3 +120,18 @@ def test_encoder_only_with_value_head_size_other_than_key():
     ref_out, ref_lse = oracle(case)
     out, lse = run_backend(CpuSdpaBackend, case)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["all_slots", "some_skipped"])
+def test_write_kv_matches_the_shared_scatter(skip):
+    from meshserve.attention.backend import KVCache
+    from meshserve.attention.backends.torch_ref import scatter_kv
+
+    gen = torch.Generator().manual_seed(3)
+    data = torch.randn(7, 2, 4, 2, 8, generator=gen)
+    key, value = torch.randn(5, 2, 8, generator=gen), torch.randn(5, 2, 8, generator=gen)
+    slots = torch.tensor([5, 27, 0, 13, -1 if skip else 22])
+    ours, ref = KVCache(data.clone()), KVCache(data.clone())
+    CpuSdpaBackend(SCENARIO_BY_NAME["small_decode"].problem()).write_kv(key, value, ours, slots)
+    scatter_kv(key, value, ref, slots)
+    assert torch.equal(ours.data, ref.data)
