@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 # name -> "module:Class"; imported only when asked for.
 BACKENDS: dict[str, str] = {
     "TORCH": "meshserve.attention.backends.torch_ref:TorchBackend",
+    "CPU_SDPA": "meshserve.attention.backends.cpu_sdpa:CpuSdpaBackend",
     "TRITON": "meshserve.attention.backends.triton_paged:TritonBackend",
     "FLASHINFER": "meshserve.attention.backends.flashinfer:FlashInferBackend",
 }
@@ -34,7 +35,7 @@ PRIORITIES: dict[str, tuple[str, ...]] = {
     "cuda_sm90": ("FLASHINFER", "TRITON", "TORCH"),
     "cuda_sm100": ("FLASHINFER", "TRITON", "TORCH"),
     "cuda": ("TRITON", "TORCH"),
-    "cpu": ("TORCH", "TRITON"),
+    "cpu": ("CPU_SDPA", "TORCH", "TRITON"),
 }
 
 

@@ -22,4 +22,4 @@ class KVCacheDtype(StrEnum):
 
 
 # `--attention-backend NAME` / AttentionConfig.backend: what config accepts (None = automatic).
-ATTENTION_BACKENDS: tuple[str, ...] = ("TORCH", "TRITON", "FLASHINFER")
+ATTENTION_BACKENDS: tuple[str, ...] = ("TORCH", "CPU_SDPA", "TRITON", "FLASHINFER")

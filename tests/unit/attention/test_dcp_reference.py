@@ -13,8 +13,8 @@ DCP_SCENARIOS = ["small_decode", "mixed_prefill_decode", "chunked_prefill", "lon
                  "sliding_window", "streaming_sinks", "sinks", "alibi", "softcap", "fp8_e4m3"]
 
 
-def shard_run(case, dcp: int, rank: int, gen: torch.Generator):
-    """Run TORCH on DCP rank `rank`'s shard of `case`; returns (out, lse)."""
+def shard_run(case, dcp: int, rank: int, gen: torch.Generator, backend_cls=TorchBackend):
+    """Run `backend_cls` (TORCH by default) on DCP rank `rank`'s shard of `case`; returns (out, lse)."""
     sc = case.scenario
     bs = sc.block_size
     seq_lens = [c + q for c, q in zip(sc.context_lens, sc.query_lens)]
@@ -38,9 +38,10 @@ def shard_run(case, dcp: int, rank: int, gen: torch.Generator):
             cache.data[tables[s][lp // bs], :, lp % bs] = stored.to(data.dtype)
     meta = AttentionMetadata.build(query_lens=sc.query_lens, seq_lens=seq_lens, block_tables=tables,
                                    block_size=bs, dcp_size=dcp, dcp_rank=rank)
-    backend = TorchBackend(sc.problem(needs_lse=True))
+    backend = backend_cls(sc.problem(needs_lse=True))
+    plan = backend.plan(meta)
     backend.write_kv(case.key, case.value, cache, meta.slot_mapping)
-    return backend.forward(case.query, case.key, case.value, cache, meta, layer=case.layer, return_lse=True)
+    return backend.forward(case.query, case.key, case.value, cache, plan, layer=case.layer, return_lse=True)
 
 
 @pytest.mark.parametrize("name", DCP_SCENARIOS)
