@@ -78,13 +78,13 @@ class Sampler:
     def draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Draw:
         """The step's tokens (and logprobs) on the device, without waiting for them."""
         wants = [(i, r.params.logprobs) for i, r in enumerate(rows) if r.params.logprobs is not None]
-        want_rows = _on([i for i, _ in wants], logits.device) if wants else None
+        want_rows = to_device([i for i, _ in wants], logits.device) if wants else None
         raw_logprobs = torch.log_softmax(logits[want_rows], dim=-1) if wants else None
         logits = apply_penalties(logits, rows)
         tokens = logits.argmax(dim=-1)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:
-            at = _on(random_rows, logits.device)
+            at = to_device(random_rows, logits.device)
             tokens[at] = self._draw(logits[at], [rows[i] for i in random_rows])
         if not wants:
             return Draw(tokens, [])
@@ -93,14 +93,14 @@ class Sampler:
         return Draw(tokens, wants, chosen, top.values, top.indices)
 
     def _draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-        temperature = _on([r.params.temperature for r in rows], logits.device)
+        temperature = to_device([r.params.temperature for r in rows], logits.device)
         logits = filter_logits(logits / temperature[:, None], rows)
         probs = torch.softmax(logits, dim=-1)  # [n, V]
         noise = torch.empty_like(probs)
         unseeded = [j for j, r in enumerate(rows) if r.params.seed is None]
         if unseeded:
             fresh = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-            noise[_on(unseeded, probs.device)] = fresh.exponential_(generator=self.generator)
+            noise[to_device(unseeded, probs.device)] = fresh.exponential_(generator=self.generator)
         for j, row in enumerate(rows):
             if row.params.seed is not None:
                 gen = torch.Generator(probs.device).manual_seed(mix_seed(row.params.seed, len(row.output_ids)))
@@ -120,9 +120,9 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     seen |= counts > 0
 
     def column(name: str) -> torch.Tensor:
-        return _on([getattr(rows[i].params, name) for i in idx], device)[:, None]
+        return to_device([getattr(rows[i].params, name) for i in idx], device)[:, None]
 
-    at = _on(idx, device)
+    at = to_device(idx, device)
     sub = logits[at]
     rep = column("repetition_penalty")
     sub = torch.where(seen, torch.where(sub > 0, sub / rep, sub * rep), sub)
@@ -153,22 +153,16 @@ def filter_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Te
     if any(k < vocab for k in top_k) or any(p < 1 for p in top_p):
         sorted_logits, order = logits.sort(dim=-1, descending=True)  # [n, V]
         ranks = torch.arange(vocab, device=device)[None, :]
-        sorted_logits = sorted_logits.masked_fill(ranks >= _on(top_k, device)[:, None],
+        sorted_logits = sorted_logits.masked_fill(ranks >= to_device(top_k, device)[:, None],
                                                   float("-inf"))
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = probs.cumsum(dim=-1) - probs  # the most likely token always stays (mass 0)
-        drop = mass_before >= _on(top_p, device)[:, None]
+        drop = mass_before >= to_device(top_p, device)[:, None]
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     min_p = [r.params.min_p for r in rows]
     if any(p > 0 for p in min_p):
         probs = torch.softmax(logits, dim=-1)
-        floor = probs.max(dim=-1, keepdim=True).values * _on(min_p, device)[:, None]
+        floor = probs.max(dim=-1, keepdim=True).values * to_device(min_p, device)[:, None]
         logits = logits.masked_fill(probs < floor, float("-inf"))
     return logits
-
-
-def _on(values: list, device: torch.device) -> torch.Tensor:
-    """A small host list on the device without waiting for it (the device may still run the
-    previous step)."""
-    return to_device(values, device)

@@ -34,6 +34,7 @@ from meshserve.attention.backend import (
 from meshserve.attention.backends.torch_ref import scatter_kv
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
+from meshserve.errors import ConfigError
 
 
 @dataclass(frozen=True)
@@ -144,7 +145,8 @@ class CpuSdpaBackend(AttentionBackend):
         layer: LayerParams = LayerParams(),
         return_lse: bool = False,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        assert isinstance(plan, CpuPlan), f"CPU_SDPA needs its own plan, got {type(plan).__name__}"
+        if not isinstance(plan, CpuPlan):
+            raise ConfigError("plan", type(plan).__name__, "the CpuPlan returned by CpuSdpaBackend.plan")
         spec = self.spec
         outs, lses = [], []
         for g in plan.groups:

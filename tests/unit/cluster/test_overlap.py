@@ -12,20 +12,17 @@ from collections import deque
 
 from meshserve.cluster.request import RequestStatus
 from meshserve.core.outputs import FinishReason
-from meshserve.workers.step import SampledToken, StepOutput, StepPlan, apply_table_changes
-from tests.unit.cluster.test_scheduler import BS, EOS, PROMPTS, FakeWorker, make, next_token, reference, req, run
+from meshserve.workers.step import StepOutput, StepPlan
+from tests.unit.cluster.test_scheduler import EOS, PROMPTS, FakeWorker, make, reference, req, run
 
 
-class OverlapWorker:
+class OverlapWorker(FakeWorker):
     """submit/collect like ModelRunner: a step may be submitted before the previous is collected."""
 
     def __init__(self) -> None:
-        self.slots: dict[int, int] = {}
-        self.known: set[str] = set()
-        self.tables: dict[str, list[list[int]]] = {}
+        super().__init__()
         self.last: dict[str, int] = {}  # request id -> token drawn by the latest step (device side)
         self.out: deque[StepOutput] = deque()
-        self.computed_tokens = 0
         self.from_last_step = 0
 
     def submit(self, plan: StepPlan) -> None:
@@ -33,24 +30,13 @@ class OverlapWorker:
         self.known |= {r.request_id for r in plan.new_requests}
         drawn = []
         for s in plan.seqs:
-            assert s.request_id in self.known
-            # the workers keep each request's tables; plans carry what changed
-            self.tables[s.request_id] = apply_table_changes(self.tables.get(s.request_id, [[]]), s)
-            table = self.tables[s.request_id][0]
             tokens = list(s.token_ids)
             if s.from_last_step:
                 tokens.append(self.last[s.request_id])
                 self.from_last_step += 1
-            assert len(tokens) == s.num_new_tokens
-            self.computed_tokens += len(tokens)
-            for i, t in enumerate(tokens):
-                pos = s.context_len + i
-                self.slots[table[pos // BS] * BS + pos % BS] = t
-            if s.sample:
-                prefix = [self.slots[table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
-                drawn.append(SampledToken(s.request_id, next_token(prefix)))
-        for d in drawn:
-            self.last[d.request_id] = d.token_id
+            if (tok := self.compute(s, tokens)) is not None:
+                drawn.append(tok)
+        self.last.update((d.request_id, d.token_id) for d in drawn)
         self.known -= set(plan.finished)
         self.out.append(StepOutput(plan.step_id, drawn))
 

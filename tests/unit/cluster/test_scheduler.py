@@ -26,6 +26,8 @@ def next_token(prefix):
 
 
 class FakeWorker:
+    """Keeps each request's tables (plans carry what changed) and its tokens in slots."""
+
     def __init__(self):
         self.slots: dict[int, int] = {}
         self.known: set[str] = set()
@@ -35,21 +37,24 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepOutput:
         plan = StepPlan.from_msgpack(plan.to_msgpack())
         self.known |= {r.request_id for r in plan.new_requests}
-        out = []
-        for s in plan.seqs:
-            assert s.request_id in self.known
-            # the workers keep each request's tables; plans carry what changed
-            self.tables[s.request_id] = apply_table_changes(self.tables.get(s.request_id, [[]]), s)
-            table = self.tables[s.request_id][0]
-            self.computed_tokens += len(s.token_ids)
-            for i, t in enumerate(s.token_ids):
-                pos = s.context_len + i
-                self.slots[table[pos // BS] * BS + pos % BS] = t
-            if s.sample:
-                prefix = [self.slots[table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
-                out.append(SampledToken(s.request_id, next_token(prefix)))
+        out = [tok for s in plan.seqs if (tok := self.compute(s, list(s.token_ids))) is not None]
         self.known -= set(plan.finished)
         return StepOutput(plan.step_id, out)
+
+    def compute(self, s, tokens: list[int]) -> SampledToken | None:
+        """Store the seq's new `tokens` through its tables; its next token when it samples."""
+        assert s.request_id in self.known
+        assert len(tokens) == s.num_new_tokens
+        self.tables[s.request_id] = apply_table_changes(self.tables.get(s.request_id, [[]]), s)
+        table = self.tables[s.request_id][0]
+        self.computed_tokens += len(tokens)
+        for i, t in enumerate(tokens):
+            pos = s.context_len + i
+            self.slots[table[pos // BS] * BS + pos % BS] = t
+        if not s.sample:
+            return None
+        prefix = [self.slots[table[p // BS] * BS + p % BS] for p in range(s.seq_len)]
+        return SampledToken(s.request_id, next_token(prefix))
 
 
 def reference(prompt, n):
