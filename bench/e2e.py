@@ -161,8 +161,9 @@ def prefill_flops(shape: dict, tokens: int) -> float:
     return dense + attention
 
 
-def gpu_profile(run_steps, steps: int) -> tuple[float, float]:
-    """(GPU-busy seconds, kernels) per step over `steps` steps: kernel durations summed (one stream)."""
+def gpu_profile(run_steps, steps: int) -> tuple[float, float, list]:
+    """(GPU-busy seconds, kernels, by name) per step over `steps` steps: kernel durations summed (one
+    stream); by name: [(kernel name, launches per step, microseconds per step)], slowest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -171,7 +172,13 @@ def gpu_profile(run_steps, steps: int) -> tuple[float, float]:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
     busy = sum(e.device_time_total for e in kernels) * 1e-6  # us -> s
-    return busy / steps, len(kernels) / steps
+    names: dict[str, list[float]] = {}
+    for e in kernels:
+        entry = names.setdefault(e.name[:90], [0, 0.0])
+        entry[0] += 1
+        entry[1] += e.device_time_total
+    by_name = sorted(((n, c / steps, t / steps) for n, (c, t) in names.items()), key=lambda r: -r[2])
+    return busy / steps, len(kernels) / steps, by_name
 
 
 def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
@@ -196,12 +203,13 @@ def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
     wall = (time.perf_counter() - t0) / timed
     context = statistics.mean(len(r.prompt_ids) + len(r.output_ids) for r in reqs)
     busy = kernels = math.nan
+    by_name: list = []
     if profiled:
         def run(n: int) -> None:
             for _ in range(n):
                 core.step()
 
-        busy, kernels = gpu_profile(run, profiled)
+        busy, kernels, by_name = gpu_profile(run, profiled)
         if args.host_profile and args.out:  # where the host's part of a step goes
             import cProfile
             import pstats
@@ -212,7 +220,7 @@ def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
                 pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
     while core.has_unfinished():
         core.step()
-    return {"wall_s": wall, "busy_s": busy, "kernels": kernels, "context": context}
+    return {"wall_s": wall, "busy_s": busy, "kernels": kernels, "context": context, "by_kernel": by_name}
 
 
 def ttft(llm, length: int, vocab: int, device: str, seed: int) -> float:
@@ -255,6 +263,9 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
         out["steps"][bs] = r = decode_steps(llm, bs, args, vocab)
         print(f"meshserve bs={bs:<3} {r['wall_s'] * 1e3:7.2f} ms/step  busy {r['busy_s'] * 1e3:6.2f} ms  "
               f"{r['kernels']:.0f} kernels", flush=True)
+        if bs == args.batch_sizes[0]:  # where the launches of the smallest batch go
+            for name, count, us in sorted(r["by_kernel"], key=lambda k: -k[1])[:25]:
+                print(f"    {count:6.1f} x {us:8.1f} us  {name}", flush=True)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     for bs in args.throughput_sizes:
         prompts = random_prompts(bs, args.prompt_len, vocab, bs + 1)

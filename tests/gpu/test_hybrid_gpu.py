@@ -43,16 +43,31 @@ def _expected_backend(arch: str) -> str:
     return "TRITON"  # GPT-OSS: FLASHINFER has no learned sinks
 
 
+# bf16 noise may flip a near-tie, after which free-running greedy texts part for good; so every
+# token the fast backend chose is judged teacher-forced: the TORCH reference, fed the same prefix,
+# must rank it first (at least 90% of the time) or within this many nats of its first choice (always);
+# the random-weight models' next-token distributions are flat (top two often < 0.05 nats apart).
+NEAR_TIE_NATS = 0.05
+
+
 @pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
 def test_registry_backend_matches_torch_reference_in_bf16(cases, arch):
     path, batch, _ = cases[arch]
     fast = _llm(path)
     assert fast.core.info.backend == _expected_backend(arch)
     got = [o.token_ids for o in fast.generate(batch, GREEDY)]
-    want = [o.token_ids for o in _llm(path, "TORCH").generate(batch, GREEDY)]
-    assert [g[0] for g in got] == [w[0] for w in want]
-    same = sum(a == b for g, w in zip(got, want) for a, b in zip(g, w))
-    assert same >= 0.75 * NEW_TOKENS * len(batch), (got, want)
+    prefixes = [list(p) + g[:k] for p, g in zip(batch, got) for k in range(NEW_TOKENS)]
+    chosen = [g[k] for g in got for k in range(NEW_TOKENS)]
+    ref = _llm(path, "TORCH").generate(prefixes, SamplingParams(temperature=0, max_tokens=1, logprobs=5))
+    misses, firsts = [], 0
+    for i, (tok, out) in enumerate(zip(chosen, ref)):
+        firsts += tok == out.logprobs[0].top[0][0]
+        top = dict(out.logprobs[0].top)
+        best = out.logprobs[0].top[0][1]
+        if tok not in top or top[tok] < best - NEAR_TIE_NATS:
+            misses.append((i // NEW_TOKENS, i % NEW_TOKENS, tok, out.logprobs[0].top[:3]))
+    assert not misses, misses
+    assert firsts >= 0.9 * len(chosen), (firsts, len(chosen))
 
 
 @pytest.mark.parametrize("arch", list(HYBRID_ARCHS))
