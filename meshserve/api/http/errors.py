@@ -54,7 +54,9 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
     if first.get("type") == "json_invalid":
         return error_response(400, f"the body is not valid JSON: {first.get('msg')}", param="body")
     value = first.get("input")
-    shown = json.dumps(value)[:80] if value is not None and first.get("type") != "missing" else "missing"
+    if isinstance(value, bytes):  # a body that is not JSON (or not sent as application/json)
+        value = value.decode("utf-8", "replace")
+    shown = json.dumps(value, default=repr)[:80] if first.get("type") != "missing" else "missing"
     more = f" (and {len(exc.errors()) - 1} more problems)" if len(exc.errors()) > 1 else ""
     return error_response(400, f"{field}={shown} is not allowed: {first.get('msg')}{more}", param=field)
 
