@@ -214,13 +214,14 @@ def serve_main(args: argparse.Namespace) -> int:
     from meshserve.api.http.chat import ChatTemplate
     from meshserve.cluster.logs import configure_logging
 
-    # serve logs at info unless told; exported so that rank processes and actors log alike
-    os.environ.setdefault("MESHSERVE_LOG", "info")
-    if args.log_format:
-        os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
-    configure_logging()
+    level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
+    configure_logging(level, args.log_format)
     engine, pools, server = configs_of(args)
     chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
+    # exported once every flag is good, so that rank processes and actors log alike
+    os.environ["MESHSERVE_LOG"] = level
+    if args.log_format:
+        os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
     service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
                             progress=sys.stderr.isatty(), block_size=args.block_size)
     announce = lambda line: print(line, flush=True)
