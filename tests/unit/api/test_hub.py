@@ -7,35 +7,12 @@ not hold with a message naming HF_HUB_OFFLINE, and leave local folders alone.
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from meshserve.api.hub import resolve_model
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.errors import ConfigError
-
-MAIN = "1" * 40
-OLD = "2" * 40
-FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
-
-
-def hub_cache(root, repo: str = "acme/pydoc-llama", *, weights: bool = False):
-    """A hub cache holding `repo` at two commits: main (and tag v1) -> MAIN, branch old -> OLD."""
-    folder = root / ("models--" + repo.replace("/", "--"))
-    for commit in (MAIN, OLD):
-        snap = folder / "snapshots" / commit
-        snap.mkdir(parents=True)
-        for name in FILES + (("model.safetensors",) if weights else ()):
-            blob = folder / "blobs" / f"{commit[:8]}-{name}"
-            blob.parent.mkdir(exist_ok=True)
-            shutil.copy(DEMO_MODEL_DIR / name, blob)
-            (snap / name).symlink_to(blob)
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text(MAIN)
-    (folder / "refs" / "old").write_text(OLD)
-    (folder / "refs" / "v1").write_text(MAIN)
-    return folder
+from tests.hub_cache import MAIN, OLD, hub_cache
 
 
 @pytest.fixture

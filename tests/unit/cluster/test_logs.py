@@ -38,8 +38,8 @@ def _run(**env: str) -> list[str]:
 def test_json_lines_carry_request_fields_and_third_parties_stay_at_warning():
     lines = _run(MESHSERVE_LOG="debug", MESHSERVE_LOG_FORMAT="json")
     records = [json.loads(line) for line in lines]  # every line is one JSON object
-    assert [r["message"] for r in records] == ["debug from meshserve", "req-7 routed replica=prefill-0 cached_tokens=32",
-                                               "third-party warning", "it failed"]
+    assert [r["message"] for r in records] == [
+        "debug from meshserve", "req-7 routed replica=prefill-0 cached_tokens=32", "third-party warning", "it failed"]
     event = records[1]
     assert (event["logger"], event["level"], event["request_id"], event["event"], event["replica"],
             event["cached_tokens"]) == ("meshserve.request", "DEBUG", "req-7", "routed", "prefill-0", 32)
