@@ -118,7 +118,7 @@ class OpenAIFrontend:
     @staticmethod
     def _model_entry(card: ModelCard) -> dict:
         return {"id": card.name, "object": "model", "created": 0, "owned_by": "meshserve",
-                "max_model_len": card.max_model_len, "task": card.task}
+                "max_model_len": card.max_model_len, "vocab_size": card.vocab_size, "task": card.task}
 
     async def list_models(self) -> dict:
         return {"object": "list", "data": [self._model_entry(c) for c in self.service.models()]}
