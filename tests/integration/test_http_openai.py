@@ -230,6 +230,17 @@ def test_other_refusals_and_nothing_left_behind(server):
     response = httpx2.post(f"{url}/v1/completions", content=big, timeout=30,
                            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert response.status_code == 413 and "65536" in response.json()["error"]["message"]
+    def chunks():  # no Content-Length: the limit is counted as the body arrives
+        for _ in range(10):
+            yield b" " * 8192
+
+    response = httpx2.post(f"{url}/v1/completions", content=chunks(), timeout=30,
+                           headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    assert response.status_code == 413 and "65536" in response.json()["error"]["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        http.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                     extra_body={"chat_template_kwargs": {"messages": []}})
+    assert info.value.body["param"] == "chat_template_kwargs"
     response = httpx2.post(f"{url}/v1/completions", content=b"{not json", timeout=30,
                            headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
     assert response.status_code == 400 and response.json()["error"]["param"] == "body"

@@ -20,6 +20,8 @@ from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.errors import check
 
 Prompt = str | list[str] | list[int] | list[list[int]]
+# What the route itself passes to the chat template; chat_template_kwargs may not override them.
+_RESERVED = frozenset({"messages", "add_generation_prompt", "tools", "documents"})
 
 
 def prompt_list(value: Prompt, field: str) -> list[str | list[int]]:
@@ -149,6 +151,8 @@ class ChatCompletionRequest(_Sampling):
               "unset: tool calls are not parsed by this server")
         check(self.top_logprobs is None or (self.logprobs and 0 <= self.top_logprobs <= MAX_LOGPROBS),
               "top_logprobs", self.top_logprobs, f"unset, or an integer in [0, {MAX_LOGPROBS}] with logprobs true")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & _RESERVED)
+        check(not reserved, "chat_template_kwargs", reserved, f"keys other than {sorted(_RESERVED)}")
 
     @property
     def num_logprobs(self) -> int | None:
