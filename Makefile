@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	@$(BIN)/python -m pip install -q --compile -e ".[test,bench]"
 	@touch $(STAMP)
 
-# The demo model on 127.0.0.1:50051 (metrics on :9400) until Ctrl-C; try `meshserve client "Python supports"`.
+# The demo model on 127.0.0.1:50051 (gRPC), http://127.0.0.1:8000/v1 (OpenAI API) and :9400 (metrics)
+# until Ctrl-C; try `meshserve client "Python supports"` or the curl lines in README.md.
 run: $(STAMP)
 	$(BIN)/meshserve serve
 

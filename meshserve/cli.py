@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_embed_parser(sub)
     add_serve_parser(sub)
     add_client_parser(sub)
+    from meshserve.api.bench.command import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 

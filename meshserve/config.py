@@ -153,14 +153,17 @@ class ServerConfig:
     tls_key: str | None = None
     auth_token_file: str | None = None
     max_message_bytes: int = 16 << 20
+    http_host: str = field(default="127.0.0.1", metadata={"help": "bind address of the OpenAI-compatible HTTP API"})
+    http_port: int = field(default=8000, metadata={"help": "its port; 0 = no HTTP API"})
+    chat_template: str | None = field(default=None, metadata={"help": "Jinja2 file replacing the model's template"})
 
     def __post_init__(self) -> None:
-        for name in ("port", "metrics_port"):
+        for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
             check(isinstance(value, int) and 0 <= value <= 65535, name, value, "an integer in [0, 65535]")
         check((self.tls_cert is None) == (self.tls_key is None), "tls_key", self.tls_key,
               "set together with tls_cert (both or neither)")
-        for name in ("tls_cert", "tls_key", "auth_token_file"):
+        for name in ("tls_cert", "tls_key", "auth_token_file", "chat_template"):
             path = getattr(self, name)
             if path is not None:
                 check(Path(path).is_file(), name, path, "an existing readable file")

@@ -31,6 +31,15 @@ BOS = "<|begin_of_text|>"
 EOS = "<|end_of_text|>"
 # Separates the documentation topics in the pinned corpus file; never occurs in the text.
 TOPIC_SEPARATOR = "\n\x1e\n"
+# The model continues text, so chat continues the conversation's text: a user message is the
+# prompt as written (chat over one user message equals a completion of its text).
+DEMO_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+    "{% elif message['role'] == 'user' %}{{ message['content'] }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+    "{% else %}{{ raise_exception('the demo model knows the roles system, user and assistant') }}"
+    "{% endif %}{% endfor %}")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 SAMPLE_PROMPTS = (
     "The for statement is used to",
@@ -87,6 +96,7 @@ def train_tokenizer(topics: list[str], *, vocab_size: int, out_dir: Path, max_le
         "add_bos_token": True,
         "model_max_length": max_len,
         "clean_up_tokenization_spaces": False,
+        "chat_template": DEMO_CHAT_TEMPLATE,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
 

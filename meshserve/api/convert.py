@@ -8,17 +8,21 @@ and turns `top_k` -1/0 (the proto's "off") into None.
 
 from __future__ import annotations
 
+import asyncio
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from google.protobuf.message import DecodeError, Message
 
-from meshserve.cluster.service import ModelCard, ServiceStats
+from meshserve.cluster.service import InferenceService, ModelCard, ServiceStats
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from meshserve.errors import ConfigError, check
+from meshserve.errors import ConfigError, NotFoundError, check
 from meshserve.v1 import inference_pb2 as pb
 
+# Texts longer than this are tokenized in a thread so that the event loop keeps serving.
+_INLINE_TOKENIZE_CHARS = 1 << 16
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -69,6 +73,23 @@ def lenient_parser(message_type: type[Message]):
     return parse
 
 
+def find_model(models: Sequence[ModelCard], name: str) -> ModelCard:
+    """The served model called `name` ("" = the first one), or NotFoundError listing them."""
+    if name == "":
+        return models[0]
+    for card in models:
+        if card.name == name:
+            return card
+    raise NotFoundError(f"model={name!r} is not served here; models: {[c.name for c in models]}")
+
+
+async def tokenize(service: InferenceService, text: str) -> list[int]:
+    """The service's tokenization of `text`; long texts in a thread so that the event loop keeps serving."""
+    if len(text) <= _INLINE_TOKENIZE_CHARS:
+        return service.tokenize(text)
+    return await asyncio.to_thread(service.tokenize, text)
+
+
 def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
@@ -80,10 +101,14 @@ def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
     if which == "text":
         check(request.text != "", "text", "", "a non-empty UTF-8 string")
         return request.text
-    ids = list(request.token_ids.ids)
-    check(len(ids) > 0, "token_ids", [], "a non-empty list of token ids")
+    return token_ids_of(list(request.token_ids.ids), vocab_size)
+
+
+def token_ids_of(ids: list[int], vocab_size: int, *, field: str = "token_ids") -> list[int]:
+    """A prompt given as token ids: non-empty, every id in the vocabulary."""
+    check(len(ids) > 0, field, [], "a non-empty list of token ids")
     bad = [t for t in ids if not 0 <= t < vocab_size]
-    check(not bad, "token_ids", bad[:5], f"token ids in [0, {vocab_size})")
+    check(not bad, field, bad[:5], f"token ids in [0, {vocab_size})")
     return ids
 
 
@@ -100,19 +125,24 @@ def sampling_params_of(msg: pb.SamplingParams, vocab_size: int, limits: ApiLimit
     if msg.HasField("top_k"):
         check(msg.top_k >= -1, "top_k", msg.top_k, "-1 or 0 (off), or an integer >= 1")
         kw["top_k"] = msg.top_k if msg.top_k >= 1 else None
-    stop = list(msg.stop)
+    stop, ids = check_stops(list(msg.stop), list(msg.stop_token_ids), vocab_size, limits)
+    return SamplingParams(stop=stop, stop_token_ids=ids, ignore_eos=msg.ignore_eos,
+                          include_stop_str_in_output=msg.include_stop_str_in_output, **kw)
+
+
+def check_stops(stop: list[str], stop_token_ids: list[int], vocab_size: int,
+                limits: ApiLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """Stop strings and stop token ids within a public endpoint's limits (gRPC and HTTP alike)."""
     check(len(stop) <= limits.max_stop_strings, "stop", f"{len(stop)} strings",
           f"at most {limits.max_stop_strings} stop strings")
     for s in stop:
         check(1 <= len(s) <= limits.max_stop_string_chars, "stop", _short(s),
               f"strings of 1 to {limits.max_stop_string_chars} characters")
-    ids = list(msg.stop_token_ids)
-    check(len(ids) <= limits.max_stop_token_ids, "stop_token_ids", f"{len(ids)} ids",
+    check(len(stop_token_ids) <= limits.max_stop_token_ids, "stop_token_ids", f"{len(stop_token_ids)} ids",
           f"at most {limits.max_stop_token_ids} ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
+    bad = [t for t in stop_token_ids if not 0 <= t < vocab_size]
     check(not bad, "stop_token_ids", bad[:5], f"token ids in [0, {vocab_size})")
-    return SamplingParams(stop=tuple(stop), stop_token_ids=tuple(ids), ignore_eos=msg.ignore_eos,
-                          include_stop_str_in_output=msg.include_stop_str_in_output, **kw)
+    return tuple(stop), tuple(stop_token_ids)
 
 
 def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None) -> pb.GenerateResponse:

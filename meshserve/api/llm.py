@@ -29,7 +29,7 @@ Prompt = str | Sequence[int]
 class LLM:
     """A model served in this process (one rank, in-process executor).
 
-    model: HF checkpoint directory (None: the bundled demo model).
+    model: HF checkpoint directory, or a hub model id "org/name" at `revision` (None: the bundled demo model).
     num_kv_blocks / kv_cache_memory_bytes: KV pool size (default: 85% of free GPU memory, or
     256 MiB on CPU). The other settings are those of ModelConfig, CacheConfig, SchedulerConfig.
     block_size: default 16 for generative models; for embedding models the naive layout
@@ -42,11 +42,16 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
-                 enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True) -> None:
+                 enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True,
+                 revision: str | None = None) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
             model = DEMO_MODEL_DIR
+        else:  # a folder, or a hub model id (downloaded into the hub cache unless HF_HUB_OFFLINE)
+            from meshserve.api.hub import resolve_model
+
+            model = resolve_model(model, revision=revision, progress=progress)
         self.model_dir = str(model)
         self.task = read_model_task(model)
         self.core: EngineCore | None = None
@@ -139,7 +144,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     """Register `generate` on the CLI's subparsers; the parsed args go to `generate_main`."""
     p = subparsers.add_parser("generate", help="generate text from a prompt, streamed to stdout")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
+    p.add_argument("--model", default=None,
+                   help="HF checkpoint directory, or a hub model id org/name (default: the bundled demo model)")
+    p.add_argument("--revision", default=None, help="branch, tag or commit of a hub model id")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -169,6 +176,11 @@ def generate_main(args: argparse.Namespace) -> int:
 
     With --tp > 1 one process per rank runs the replica in lock-step (cluster/spmd.py); rank 0 prints.
     """
+    if args.model is not None:  # a hub id becomes its snapshot folder once, before any rank starts
+        from meshserve.api.hub import resolve_model
+
+        args.model, args.revision = resolve_model(args.model, revision=args.revision,
+                                                  progress=sys.stderr.isatty()), None
     if args.tp > 1:
         import torch.multiprocessing as mp
 

@@ -1,4 +1,5 @@
-"""`meshserve serve`: load the model, serve gRPC and metrics until SIGINT/SIGTERM, then drain.
+"""`meshserve serve`: load the model, serve gRPC, the OpenAI-compatible HTTP API and metrics until
+SIGINT/SIGTERM, then drain. gRPC and HTTP sit on the same InferenceService in one process.
 
 The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy parses its
 command line with this parser). Every flag becomes a field of a config dataclass, which
@@ -36,10 +37,15 @@ log = logging.getLogger("meshserve.serve")
 
 def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers; the parsed args go to `serve_main`."""
-    p = subparsers.add_parser("serve", help="serve a model over gRPC (meshserve.v1.Inference) with Prometheus metrics")
+    p = subparsers.add_parser("serve", help="serve a model over gRPC (meshserve.v1.Inference) and OpenAI-compatible "
+                                            "HTTP, with Prometheus metrics")
     m = p.add_argument_group("model and engine")
-    m.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
-    m.add_argument("--served-model-name", default=None, help="name clients use (default: the folder's name)")
+    m.add_argument("--model", default=None,
+                   help="HF checkpoint directory, or a hub model id org/name (default: the bundled demo model)")
+    m.add_argument("--revision", default=None, help="branch, tag or commit of a hub model id")
+    m.add_argument("--served-model-name", default=None,
+                   help="name clients use (default: the model id, or the folder's name)")
+    m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
@@ -68,24 +74,34 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any free port)")
+    s.add_argument("--http-host", default="127.0.0.1", help="address of the OpenAI-compatible HTTP API")
+    s.add_argument("--http-port", type=int, default=8000, help="its port (0 = no HTTP API)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
     s.add_argument("--tls-key", default=None, help="PEM private key")
     s.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message either way")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
+    s.add_argument("--log-format", default=None, choices=["text", "json"],
+                   help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
     p.set_defaults(func=serve_main)
     return p
 
 
 def configs_of(args: argparse.Namespace):
     """Every flag into its config dataclass (each validates its fields)."""
+    from meshserve.api.hub import resolve_model
     from meshserve.cluster.engine import EngineConfig
     from meshserve.demo_model import DEMO_MODEL_DIR
 
     backend = args.attention_backend
+    if args.model is None:
+        check(args.revision is None, "revision", args.revision, "unset unless --model names a hub model id")
+        model = str(DEMO_MODEL_DIR)
+    else:
+        model = resolve_model(args.model, revision=args.revision, progress=sys.stderr.isatty())
     engine = EngineConfig(
-        model=ModelConfig(model=str(args.model or DEMO_MODEL_DIR), dtype=args.dtype, max_model_len=args.max_model_len,
+        model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, enforce_eager=args.enforce_eager,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
@@ -100,7 +116,8 @@ def configs_of(args: argparse.Namespace):
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address)
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
                           tls_key=args.tls_key, auth_token_file=args.auth_token_file,
-                          max_message_bytes=args.max_message_bytes)
+                          max_message_bytes=args.max_message_bytes, http_host=args.http_host,
+                          http_port=args.http_port, chat_template=args.chat_template)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
     return engine, pools, server
 
@@ -141,18 +158,42 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
     return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name))
 
 
+def default_model_name(args: argparse.Namespace) -> str | None:
+    """--served-model-name, else a hub id as given (not its snapshot folder's hash), else None (the folder)."""
+    from meshserve.api.hub import is_model_id
+
+    if args.served_model_name or args.model is None or os.path.isdir(args.model):
+        return args.served_model_name
+    return args.model if is_model_id(args.model) else None
+
+
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
-                     announce=print) -> None:
+                     announce=print, chat_template=None) -> None:
     """Serve until SIGINT or SIGTERM, then drain and shut the service down."""
+    from meshserve.api.http.server import HttpServer
     from meshserve.api.server import ApiServer
 
     if hasattr(service, "start"):  # the Ray coordinator starts its replicas on the event loop
         await service.start()
     server = ApiServer(service, server_config, max_queue=max_queue)
-    await server.start()
+    http = None
+    if server_config.http_port != 0:  # bound first: a busy port fails before gRPC starts
+        http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
+                          metrics=server.metrics, token=server.token, chat_template=chat_template,
+                          max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
+                          tls_key=server_config.tls_key)
+        await http.start()
+    try:
+        await server.start()
+    except BaseException:
+        if http is not None:
+            await http.stop(grace=0)
+        raise
     model = service.models()[0].name
     announce(f"meshserve: serving {model} on {server.address}, metrics on "
              f"http://{server_config.host}:{server.metrics_port}/metrics")
+    if http is not None:
+        announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -160,7 +201,8 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     try:
         await stop.wait()
         announce(f"meshserve: draining (up to {drain_seconds:g} s)")
-        await server.stop(grace=drain_seconds)
+        await asyncio.gather(server.stop(grace=drain_seconds),
+                             *([http.stop(grace=drain_seconds)] if http is not None else []))
         await service.shutdown(drain=False)
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -169,14 +211,20 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    level = os.environ.get("MESHSERVE_LOG", "info").upper()
-    check(level in ("DEBUG", "INFO", "WARNING", "ERROR"), "MESHSERVE_LOG", level.lower(),
-          "one of debug, info, warning, error")
-    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from meshserve.api.http.chat import ChatTemplate
+    from meshserve.cluster.logs import configure_logging
+
+    level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
+    configure_logging(level, args.log_format)
     engine, pools, server = configs_of(args)
-    service = build_service(engine, pools, model_name=args.served_model_name, device=args.device,
+    chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
+    # exported once every flag is good, so that rank processes and actors log alike
+    os.environ["MESHSERVE_LOG"] = level
+    if args.log_format:
+        os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
+    service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
                             progress=sys.stderr.isatty(), block_size=args.block_size)
     announce = lambda line: print(line, flush=True)
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                           announce=announce))
+                           announce=announce, chat_template=chat_template))
     return 0

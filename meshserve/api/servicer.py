@@ -26,9 +26,6 @@ from meshserve.cluster.service import InferenceService, ModelCard
 from meshserve.errors import ConfigError, MeshserveError, NotFoundError
 from meshserve.v1 import inference_pb2 as pb
 
-# Texts longer than this are tokenized in a thread so that the event loop keeps serving.
-_INLINE_TOKENIZE_CHARS = 1 << 16
-
 
 def _version() -> str:
     try:
@@ -49,18 +46,10 @@ class InferenceServicer:
     # -- helpers --------------------------------------------------------------------------------
 
     def _model(self, name: str) -> ModelCard:
-        models = self.service.models()
-        if name == "":
-            return models[0]
-        for card in models:
-            if card.name == name:
-                return card
-        raise NotFoundError(f"model={name!r} is not served here; models: {[c.name for c in models]}")
+        return convert.find_model(self.service.models(), name)
 
     async def _tokenize(self, text: str) -> list[int]:
-        if len(text) <= _INLINE_TOKENIZE_CHARS:
-            return self.service.tokenize(text)
-        return await asyncio.to_thread(self.service.tokenize, text)
+        return await convert.tokenize(self.service, text)
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import grpc
 
-from meshserve.api.client import InferenceClient
+from meshserve.api.client import InferenceClient, ServerStats
 from meshserve.api.convert import ApiLimits
 from meshserve.api.server import ApiServer
 from meshserve.cluster.engine import EngineConfig
@@ -76,7 +76,7 @@ def wait_for(predicate: Callable[[], bool], *, timeout: float = 60.0, what: str 
         time.sleep(0.02)
 
 
-def wait_idle(client: InferenceClient, free_blocks: int, *, timeout: float = 60.0) -> pb.Stats:
+def wait_idle(client: InferenceClient, free_blocks: int, *, timeout: float = 60.0) -> ServerStats:
     """Wait until nothing runs or waits and the KV free-block count is `free_blocks` again."""
     last = {}
 

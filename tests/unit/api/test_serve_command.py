@@ -17,7 +17,8 @@ CONTRACT = ["serve", "--model", "/m", "--dtype", "bfloat16", "--tp", "8", "--dcp
             "FLASHINFER", "--block-size", "32", "--max-model-len", "4096", "--pools", "disaggregated",
             "--replicas", "3", "--prefill-replicas", "2", "--decode-replicas", "4", "--ray-address", "auto",
             "--host", "0.0.0.0", "--port", "1234", "--metrics-port", "5678", "--tls-cert", "c.pem", "--tls-key",
-            "k.pem", "--auth-token-file", "t", "--max-queue", "99"]
+            "k.pem", "--auth-token-file", "t", "--max-queue", "99", "--http-host", "0.0.0.0", "--http-port", "8080",
+            "--chat-template", "chat.jinja", "--revision", "v2", "--log-format", "json"]
 
 
 def test_every_contract_flag_parses():
@@ -28,12 +29,15 @@ def test_every_contract_flag_parses():
         "disaggregated", 3, 2, 4, "auto")
     assert (args.host, args.port, args.metrics_port, args.tls_cert, args.tls_key, args.auth_token_file,
             args.max_queue) == ("0.0.0.0", 1234, 5678, "c.pem", "k.pem", "t", 99)
+    assert (args.http_host, args.http_port, args.chat_template, args.revision, args.log_format) == (
+        "0.0.0.0", 8080, "chat.jinja", "v2", "json")
 
 
 def test_defaults_serve_the_demo_on_loopback():
     args = build_parser().parse_args(["serve"])
     assert (args.model, args.host, args.port, args.metrics_port, args.pools, args.replicas) == (
         None, "127.0.0.1", 50051, 9400, PoolMode.UNIFIED.value, 1)
+    assert (args.http_host, args.http_port, args.log_format) == ("127.0.0.1", 8000, None)
     client = build_parser().parse_args(["client", "hello"])
     assert (client.address, client.prompt) == ("127.0.0.1:50051", "hello")
 
@@ -46,6 +50,10 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--tls-cert", "x.pem"], "tls_key=None is not allowed: set together with tls_cert"),
     (["--auth-token-file", "/no/such/file"], "auth_token_file='/no/such/file' is not allowed"),
     (["--port", "70000"], "port=70000 is not allowed: an integer in [0, 65535]"),
+    (["--http-port", "-1"], "http_port=-1 is not allowed: an integer in [0, 65535]"),
+    (["--chat-template", "/no/such.jinja"], "chat_template='/no/such.jinja' is not allowed: an existing readable file"),
+    (["--revision", "v1"], "revision='v1' is not allowed: unset unless --model names a hub model id"),
+    (["--model", "acme/not-in-the-cache"], "HF_HUB_OFFLINE is set and the hub cache has no snapshot"),
     (["--max-queue", "0"], "max_queue=0 is not allowed"),
     (["--model", "/no/such/model"], "model='/no/such/model' is not allowed: an existing checkpoint directory"),
     (["--attention-backend", "CUDNN"], "attention_backend='CUDNN' is not allowed"),
@@ -75,6 +83,18 @@ def test_a_busy_port_is_refused_with_its_number():
         port = busy.getsockname()[1]
         server = ApiServer(_NoService(), ServerConfig(port=port, metrics_port=0), max_queue=1)
         with pytest.raises(ConfigError, match=f"^port={port} is not allowed: a free port on 127.0.0.1"):
+            asyncio.run(server.start())
+
+
+def test_a_busy_http_port_is_refused_with_its_number():
+    from meshserve.api.http.server import HttpServer
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        server = HttpServer(_NoService(), port=port)
+        with pytest.raises(ConfigError, match=f"^http_port={port} is not allowed: a free port on 127.0.0.1"):
             asyncio.run(server.start())
 
 

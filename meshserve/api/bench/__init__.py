@@ -1,0 +1,7 @@
+"""`meshserve bench`: a serving benchmark against a running server, over gRPC or the OpenAI HTTP API.
+
+loadgen.py  the requests (random token-id prompts of fixed or ranged lengths), their arrival
+            (Poisson at --request-rate, capped at --max-concurrency), one client per backend
+report.py   TTFT, TPOT, inter-token latency percentiles and throughputs; the table, JSON and PNG
+command.py  the command line
+"""

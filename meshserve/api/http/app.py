@@ -1,0 +1,253 @@
+"""The OpenAI-compatible routes over an InferenceService (FastAPI).
+
+    GET  /health                 200 while the service can serve, else 503 (open without the token)
+    GET  /v1/models              the served models; GET /v1/models/{id} one of them
+    POST /v1/completions         text or token-id prompt(s); SSE when stream is true
+    POST /v1/chat/completions    messages through the model's chat template; SSE when stream is true
+    POST /v1/embeddings          pooled vectors of an embedding model (float lists or base64)
+
+Every /v1 route needs `Authorization: Bearer <token>` when the server has a token (the same
+file as gRPC's); a body over `max_body_bytes` is a 413 before it is read whole. Each prompt of
+a request is one request to the service (`<id>-<index>` when there are several), all opened
+before the response starts (see streams.py).
+"""
+
+from __future__ import annotations
+
+import base64
+import hmac
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import FastAPI, Request
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from meshserve.api import convert
+from meshserve.api.convert import ApiLimits
+from meshserve.api.http.chat import ChatTemplate
+from meshserve.api.http.errors import error_of, error_response, install_handlers
+from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from meshserve.api.http.responses import Shaper, sse
+from meshserve.api.http.streams import (
+    ClientGone,
+    Job,
+    SSEResponse,
+    collect,
+    merged,
+    new_id,
+    open_jobs,
+    until_disconnect,
+)
+from meshserve.api.metrics import ServerMetrics
+from meshserve.cluster.service import InferenceService, ModelCard
+from meshserve.errors import ConfigError, check
+
+CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; nobody reads it
+
+
+class _Guard:
+    """ASGI middleware: the bearer token on /v1 routes (401), and the body size limit (413)."""
+
+    def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int) -> None:
+        self.app = app
+        self.expected = f"bearer {token}".encode() if token else None
+        self.max_body_bytes = max_body_bytes
+
+    def _authorized(self, scope: Scope) -> bool:
+        given = [v for k, v in scope["headers"] if k == b"authorization"]
+        if len(given) != 1:
+            return False
+        scheme, _, token = given[0].partition(b" ")
+        return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self.expected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.expected is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+            response = error_response(401, "missing or wrong bearer token: send the header "
+                                           "'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
+            return await response(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        limit = self.max_body_bytes
+        if length is not None and length.isdigit() and int(length) > limit:
+            return await error_response(413, f"the body has {int(length)} bytes; at most {limit} are allowed "
+                                             "(--max-message-bytes)")(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:  # a chunked body has no length: count as it comes
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise HTTPException(413, f"the body is over {limit} bytes (--max-message-bytes)")
+            return message
+
+        await self.app(scope, counted, send)
+
+
+class OpenAIFrontend:
+    """The routes, their service and settings. `app` is the ASGI application."""
+
+    def __init__(self, service: InferenceService, *, metrics: ServerMetrics | None = None,
+                 limits: ApiLimits = ApiLimits(), token: str | None = None,
+                 chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.limits = limits
+        self.chat_template = chat_template
+        api = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
+        install_handlers(api)
+        api.add_api_route("/health", self.health, methods=["GET"])
+        api.add_api_route("/v1/models", self.list_models, methods=["GET"])
+        api.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
+        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        self.app = _Guard(api, token=token, max_body_bytes=max_body_bytes)
+
+    # -- small routes ------------------------------------------------------------------------------
+
+    async def health(self) -> Response:
+        state = self.service.health()
+        if state.serving:
+            return JSONResponse({"status": "ok", "healthy_replicas": state.healthy_replicas,
+                                 "total_replicas": state.total_replicas})
+        return error_response(503, f"not serving: {state.detail or 'no healthy replica'}")
+
+    @staticmethod
+    def _model_entry(card: ModelCard) -> dict:
+        return {"id": card.name, "object": "model", "created": 0, "owned_by": "meshserve",
+                "max_model_len": card.max_model_len, "vocab_size": card.vocab_size, "task": card.task}
+
+    async def list_models(self) -> dict:
+        return {"object": "list", "data": [self._model_entry(c) for c in self.service.models()]}
+
+    async def get_model(self, model_id: str) -> dict:
+        return self._model_entry(convert.find_model(self.service.models(), model_id))
+
+    # -- generation --------------------------------------------------------------------------------
+
+    def _generate_card(self, name: str) -> ModelCard:
+        card = convert.find_model(self.service.models(), name)
+        check(card.task == "generate", "model", card.name,
+              f"a generate model for this route; this model's task is {card.task!r} (use /v1/embeddings)")
+        return card
+
+    async def _tokenize(self, text: str) -> list[int]:
+        return await convert.tokenize(self.service, text)
+
+    def _jobs(self, request_id: str, prompts: Sequence[list[int]], body, card: ModelCard, *,
+              max_tokens: int | None, logprobs: int | None) -> list[Job]:
+        jobs = []
+        for i, ids in enumerate(prompts):
+            n = max_tokens if max_tokens is not None else max(1, card.max_model_len - len(ids))
+            params = body.sampling_params(max_tokens=n, logprobs=logprobs, vocab_size=card.vocab_size,
+                                          limits=self.limits)
+            jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params))
+        return jobs
+
+    async def _respond(self, request: Request, jobs: list[Job], whole, events) -> Response:
+        """Open the jobs (refusals become the status), then stream `events()` or send `whole()`."""
+        if events is not None:
+            await open_jobs(self.service, jobs, self.metrics)
+            return SSEResponse(events(), jobs)
+
+        async def run() -> dict:
+            await open_jobs(self.service, jobs, self.metrics)
+            await collect(jobs)
+            return whole()
+
+        try:
+            return JSONResponse(await until_disconnect(request, run()))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+
+    @staticmethod
+    async def _events(chunks: AsyncIterator[dict], jobs: list[Job], shaper: Shaper, obj: str,
+                      include_usage: bool) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield sse(chunk)
+            if include_usage:
+                yield sse(shaper.usage_chunk(obj, jobs))
+        except Exception as exc:  # after the 200 went out, an error is an event
+            yield sse(error_of(exc)[1])
+        yield sse("[DONE]")
+
+    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+        body.check()
+        card = self._generate_card(body.model)
+        prompts = body.prompts()
+        ids = [await self._tokenize(p) if isinstance(p, str) else convert.token_ids_of(list(p), card.vocab_size,
+                                                                                      field="prompt")
+               for p in prompts]
+        request_id = new_id("cmpl")
+        jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        shaper = Shaper(request_id, card.name, self.service.detokenize)
+        want_logprobs = body.logprobs is not None
+        echo = [p if isinstance(p, str) else self.service.detokenize(p) for p in prompts] if body.echo else None
+        if not body.stream:
+            return await self._respond(request, jobs, lambda: shaper.completion(jobs, echo=echo,
+                                                                               want_logprobs=want_logprobs), None)
+
+        async def chunks() -> AsyncIterator[dict]:
+            offsets = [0] * len(jobs)
+            async for job, delta in merged(jobs):
+                if delta.text or delta.finished or delta.logprobs:
+                    yield shaper.completion_chunk(job, delta, offset=offsets[job.index], want_logprobs=want_logprobs,
+                                                  usage=body.include_usage)
+                    offsets[job.index] += len(delta.text)
+
+        return await self._respond(request, jobs, None, lambda: self._events(
+            chunks(), jobs, shaper, "text_completion", body.include_usage))
+
+    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Response:
+        body.check()
+        card = self._generate_card(body.model)
+        template = self.chat_template
+        if template is None:
+            raise ConfigError("messages", f"<{len(body.messages)} messages>",
+                              f"a model with a chat template: {card.name!r} has none (start the server with "
+                              "--chat-template FILE, or use /v1/completions)")
+        text = template.render([m.for_template() for m in body.messages],
+                               add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
+        ids = await template.prompt_ids(text, self._tokenize)
+        request_id = new_id("chatcmpl")
+        jobs = self._jobs(request_id, [ids], body, card, max_tokens=body.requested_max_tokens,
+                          logprobs=body.num_logprobs)
+        shaper = Shaper(request_id, card.name, self.service.detokenize)
+        if not body.stream:
+            return await self._respond(request, jobs, lambda: shaper.chat(jobs, want_logprobs=body.logprobs), None)
+
+        async def chunks() -> AsyncIterator[dict]:
+            for job in jobs:
+                yield shaper.chat_chunk(job, None, usage=body.include_usage)
+            async for job, delta in merged(jobs):
+                if delta.text or delta.finished or delta.logprobs:
+                    yield shaper.chat_chunk(job, delta, want_logprobs=body.logprobs, usage=body.include_usage)
+
+        return await self._respond(request, jobs, None, lambda: self._events(
+            chunks(), jobs, shaper, "chat.completion.chunk", body.include_usage))
+
+    # -- embeddings --------------------------------------------------------------------------------
+
+    async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
+        card = convert.find_model(self.service.models(), body.model)
+        check(card.task == "embed", "model", card.name,
+              f"an embed model for /v1/embeddings; this model's task is {card.task!r} (use /v1/completions)")
+        inputs = body.inputs()
+        try:
+            outputs = await until_disconnect(request, self.service.embed(inputs))
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        dims = outputs[0].embedding.shape[0]
+        check(body.dimensions in (None, dims), "dimensions", body.dimensions, f"unset or {dims} (the model's size)")
+        data = []
+        for i, out in enumerate(outputs):
+            vector = out.embedding.numpy().astype("<f4")
+            value = base64.b64encode(vector.tobytes()).decode() if body.encoding_format == "base64" else vector.tolist()
+            data.append({"object": "embedding", "index": i, "embedding": value})
+        tokens = sum(o.num_tokens for o in outputs)
+        return JSONResponse({"object": "list", "data": data, "model": card.name,
+                             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}})

@@ -1,0 +1,130 @@
+"""OpenAI's response bodies and stream chunks, built from the service's deltas.
+
+Completions (`text_completion`) and chat completions (`chat.completion`, and
+`chat.completion.chunk` while streaming) differ in where text and logprobs go; usage counts
+are prompt tokens (after the chat template), generated tokens (a final EOS or stop token
+included, as the engine counts them) and their sum. A streamed response ends with a chunk of
+empty choices carrying the usage when `stream_options.include_usage` is set, then
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+
+from meshserve.api.http.streams import Job
+from meshserve.core.outputs import CompletionDelta, TokenLogprobs
+
+Detokenize = Callable[[Sequence[int]], str]
+
+
+def sse(payload: dict | str) -> str:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+def usage_of(jobs: Sequence[Job]) -> dict:
+    prompt = sum(len(j.prompt_ids) for j in jobs)
+    completion = sum(j.num_tokens for j in jobs)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def finish_of(delta: CompletionDelta) -> str | None:
+    return str(delta.finish_reason) if delta.finished and delta.finish_reason is not None else None
+
+
+def stop_reason_of(delta: CompletionDelta) -> str | int | None:
+    return delta.stop_reason if delta.finished else None
+
+
+class Shaper:
+    """Bodies for one request: its id, creation time and model name."""
+
+    def __init__(self, request_id: str, model: str, detokenize: Detokenize) -> None:
+        self.id = request_id
+        self.model = model
+        self.created = int(time.time())
+        self.detokenize = detokenize
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    # -- logprobs ----------------------------------------------------------------------------------
+
+    def _token(self, token_id: int) -> str:
+        return self.detokenize([token_id])
+
+    def completion_logprobs(self, lps: Sequence[TokenLogprobs], offset: int) -> dict:
+        """{tokens, token_logprobs, top_logprobs, text_offset}; offsets count from `offset`."""
+        tokens = [self._token(lp.token_id) for lp in lps]
+        offsets = []
+        for t in tokens:
+            offsets.append(offset)
+            offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in lps],
+                "top_logprobs": [{self._token(t): v for t, v in lp.top} for lp in lps], "text_offset": offsets}
+
+    def _chat_entry(self, token_id: int, logprob: float) -> dict:
+        token = self._token(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+    def chat_logprobs(self, lps: Sequence[TokenLogprobs]) -> dict:
+        return {"content": [{**self._chat_entry(lp.token_id, lp.logprob),
+                             "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+    # -- whole responses ---------------------------------------------------------------------------
+
+    def completion(self, jobs: Sequence[Job], *, echo: Sequence[str] | None, want_logprobs: bool) -> dict:
+        choices = []
+        for job in jobs:
+            prefix = echo[job.index] if echo else ""
+            last = job.pieces[-1]
+            lps = [lp for d in job.pieces for lp in d.logprobs]
+            choices.append({
+                "index": job.index, "text": prefix + "".join(d.text for d in job.pieces),
+                "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
+                "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
+        return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
+
+    def chat(self, jobs: Sequence[Job], *, want_logprobs: bool) -> dict:
+        choices = []
+        for job in jobs:
+            last = job.pieces[-1]
+            lps = [lp for d in job.pieces for lp in d.logprobs]
+            choices.append({
+                "index": job.index,
+                "message": {"role": "assistant", "content": "".join(d.text for d in job.pieces)},
+                "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
+                "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
+        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
+
+    # -- stream chunks -----------------------------------------------------------------------------
+
+    def completion_chunk(self, job: Job, delta: CompletionDelta, *, offset: int, want_logprobs: bool,
+                         usage: bool) -> dict:
+        choice = {"index": job.index, "text": delta.text,
+                  "logprobs": self.completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
+                  "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+        out = {**self._head("text_completion"), "choices": [choice]}
+        if usage:
+            out["usage"] = None
+        return out
+
+    def chat_chunk(self, job: Job | None, delta: CompletionDelta | None, *,
+                   want_logprobs: bool = False, usage: bool = False) -> dict:
+        if delta is None:  # the opening chunk of a choice: the role
+            choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                      "finish_reason": None}
+        else:
+            choice = {"index": job.index, "delta": {"content": delta.text} if delta.text else {},
+                      "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
+                      "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+        out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        if usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, obj: str, jobs: Sequence[Job]) -> dict:
+        return {**self._head(obj), "choices": [], "usage": usage_of(jobs)}

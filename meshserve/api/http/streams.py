@@ -1,0 +1,192 @@
+"""The service's streams under an HTTP request: opened before the response starts, merged, and
+closed — which aborts their requests and frees their KV blocks — the moment the client leaves.
+
+`open_jobs` starts every prompt of a request and waits for each one's first delta, so that a
+refusal (a bad field, a full queue, a prompt that cannot fit) becomes the response's status
+code instead of an error inside a 200 stream; if one prompt is refused, the others are closed.
+`merged` yields (index, delta) from all of them as they come. `SSEResponse` watches the
+connection while it streams: a disconnect cancels the body and closes every stream at once
+(Starlette's own StreamingResponse notices only at its next write). `until_disconnect` does
+the same for a response that is sent whole.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from dataclasses import dataclass, field
+
+import anyio
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from meshserve.api.metrics import RequestTimer, ServerMetrics
+from meshserve.api.status import outcome_of
+from meshserve.cluster.service import InferenceService
+from meshserve.core.outputs import CompletionDelta
+from meshserve.core.sampling_params import SamplingParams
+
+
+class ClientGone(Exception):
+    """The client closed the connection before the response was ready."""
+
+
+@dataclass
+class Job:
+    """One prompt of a request, and what came back for it."""
+
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    timer: RequestTimer | None = None
+    first: CompletionDelta | None = None
+    stream: AsyncIterator[CompletionDelta] | None = None
+    num_tokens: int = 0
+    completed: bool = False
+    code: str = "CANCELLED"  # until the job ends otherwise
+    pieces: list[CompletionDelta] = field(default_factory=list)
+
+    def count(self, delta: CompletionDelta) -> None:
+        self.num_tokens += len(delta.token_ids)
+        if self.timer is not None:
+            self.timer.tokens(len(delta.token_ids))
+        if delta.finished:
+            self.completed, self.code = True, "OK"
+
+
+async def _first(service: InferenceService, job: Job) -> None:
+    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id)
+    try:
+        job.first = await anext(job.stream)
+    except StopAsyncIteration:  # a stream that ends without a last delta is the service's bug
+        raise RuntimeError(f"the stream of {job.request_id} ended without a finished delta") from None
+    except BaseException as exc:
+        job.code = outcome_of(exc)[0].grpc_code.name if isinstance(exc, Exception) else "CANCELLED"
+        raise
+    job.count(job.first)
+
+
+async def close_jobs(jobs: Sequence[Job]) -> None:
+    """Close every stream (aborting what still runs) even while being cancelled; record metrics once."""
+    with anyio.CancelScope(shield=True):
+        for job in jobs:
+            if job.stream is not None:
+                with contextlib.suppress(Exception):
+                    await job.stream.aclose()
+                job.stream = None
+            if job.timer is not None:
+                job.timer.finish(job.code, completed=job.completed)
+                job.timer = None
+
+
+async def open_jobs(service: InferenceService, jobs: Sequence[Job], metrics: ServerMetrics | None) -> None:
+    """Start every job and wait for its first delta; on any refusal close them all and raise it."""
+    for job in jobs:
+        job.timer = metrics.timer() if metrics is not None else None
+    try:
+        results = await asyncio.gather(*(_first(service, job) for job in jobs), return_exceptions=True)
+    except BaseException:  # cancelled (the client left): nothing may keep running
+        await close_jobs(jobs)
+        raise
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors:
+        await close_jobs(jobs)
+        raise errors[0]
+
+
+async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelta]]:
+    """(job, delta) of every opened job as deltas come, first deltas first; closes all at the end."""
+    queue: asyncio.Queue[tuple[Job, CompletionDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(job: Job) -> None:
+        try:
+            if not job.first.finished:
+                async for delta in job.stream:
+                    job.count(delta)
+                    await queue.put((job, delta))
+                    if delta.finished:
+                        break
+            await queue.put((job, None))
+        except Exception as exc:
+            job.code = outcome_of(exc)[0].grpc_code.name
+            await queue.put((job, exc))
+
+    tasks = [asyncio.ensure_future(pump(job)) for job in jobs]
+    try:
+        for job in jobs:
+            yield job, job.first
+        remaining = len(jobs)
+        while remaining:
+            job, item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield job, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        with anyio.CancelScope(shield=True):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        await close_jobs(jobs)
+
+
+async def collect(jobs: Sequence[Job]) -> None:
+    """Run every opened job to its end; each job's deltas land in job.pieces."""
+    async for job, delta in merged(jobs):
+        job.pieces.append(delta)
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(request: Request, work: Awaitable):
+    """`work`'s result, or ClientGone (with `work` cancelled) if the client leaves first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        raise ClientGone()
+    finally:
+        for t in (task, watch):
+            t.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream whose body is cancelled (and closed) as soon as the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content: AsyncIterator[str], jobs: Sequence[Job]) -> None:
+        super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.jobs = jobs
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as group:
+                async def body() -> None:
+                    with contextlib.suppress(OSError):
+                        await self.stream_response(send)
+                    group.cancel_scope.cancel()
+
+                group.start_soon(body)
+                await _wait_disconnect(receive)
+                group.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()
+            await close_jobs(self.jobs)  # also when the body never started
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
