@@ -22,26 +22,20 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
+def setup(tmp_path_factory) -> tuple:
+    """(checkpoint, requests, the single-process engine's results)."""
     path = tmp_path_factory.mktemp("reshard") / "llama"
     write_checkpoint(path, "llama", seed=5)
-    return path
-
-
-@pytest.fixture(scope="module")
-def requests():
     # 20-75 tokens: several 16-token blocks per rank, a partial last block at every dcp
-    return [(f"r{i}", p, PARAMS) for i, p in enumerate(prompts(3, seed=41, min_len=20, max_len=75))]
-
-
-@pytest.fixture(scope="module")
-def want(ckpt, requests) -> dict[str, Result]:
-    return reference(ckpt, requests)
+    requests = [(f"r{i}", p, PARAMS) for i, p in enumerate(prompts(3, seed=41, min_len=20, max_len=75))]
+    want: dict[str, Result] = reference(path, requests)
+    return path, requests, want
 
 
 @pytest.mark.parametrize(("src", "dst"), [((1, 1), (2, 2)), ((2, 2), (1, 1)), ((2, 2), (4, 1))],
                          ids=lambda layout: f"tp{layout[0]}dcp{layout[1]}")
-def test_handover_between_layouts_reshards_with_identical_tokens(ckpt, requests, want, src, dst):
+def test_handover_between_layouts_reshards_with_identical_tokens(setup, src, dst):
+    ckpt, requests, want = setup
     config = ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(mode="disaggregated"), runtime="processes",
                            prefill_parallel=ParallelConfig(tp=src[0], dcp=src[1]),
                            decode_parallel=ParallelConfig(tp=dst[0], dcp=dst[1]), handover_timeout_s=60.0)

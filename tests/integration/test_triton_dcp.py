@@ -19,11 +19,9 @@ import json
 import pytest
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.spmd import SpmdExecutor
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.workers.worker import Worker
-from tests.integration.distributed import run_ranks
+from tests.integration.distributed import run_on_rank, run_ranks
 from tests.tiny_models import prompts, write_checkpoint
 
 PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
@@ -58,21 +56,11 @@ def run_rounds(core: EngineCore, batches) -> list[dict]:
 
 
 def rank_main(rank, world, init_method, path, dcp, batches, out_file):
-    import torch
-
-    torch.set_num_threads(1)
-    config = engine_config(path, world, dcp, "TRITON")
-    worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device="cpu",
-                    progress=False, init_method=init_method)
-    core = EngineCore(config, executor=SpmdExecutor(worker))
-    try:
+    def work(core):
         assert core.info.backend == "TRITON"
-        results = run_rounds(core, batches)
-    finally:
-        core.shutdown()
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(results, f)
+        return run_rounds(core, batches)
+
+    run_on_rank(engine_config(path, world, dcp, "TRITON"), rank, init_method, work, out_file)
 
 
 @pytest.fixture(scope="module")

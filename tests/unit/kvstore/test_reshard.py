@@ -48,20 +48,29 @@ def valid(num_kv_heads: int, tp: int, dcp: int) -> bool:
     return num_kv_heads % groups == 0 or groups % num_kv_heads == 0
 
 
+def paged(lay: Layout, rank: int, positions, spare: int, width: int, fill, rng: random.Random):
+    """A cache of rank `rank` (heads per lay.head_ranges, or latent rows of `width`) with shuffled
+    blocks for the logical `positions` (and `spare` unused ones), filled by `fill(shape)`."""
+    ids = list(range(1, len(positions) + spare + 1))
+    rng.shuffle(ids)
+    if lay.head_ranges is None:
+        shape = (len(ids) + 1, BS, width)
+    else:
+        lo, hi = lay.head_ranges[rank]
+        shape = (len(ids) + 1, 2, BS, hi - lo, D)
+    return Cache(fill(shape)), dict(zip(positions, ids))
+
+
 def shard_caches(full: torch.Tensor, lay: Layout, positions: list[int], rng: random.Random):
     """Per rank: a noisy cache holding its tokens/heads of `full` at the logical blocks `positions`,
     and {logical position: block id}. full: [N, 2, H, D] (or [N, W] latent)."""
     tpb = BS * lay.dcp
     out = []
     for r in range(lay.tp):
-        ids = list(range(1, len(positions) + 4))
-        rng.shuffle(ids)
-        table = dict(zip(positions, ids))
-        if lay.head_ranges is None:
-            data = torch.randn(len(ids) + 1, BS, full.shape[1]) * 100
-        else:
+        cache, table = paged(lay, r, positions, 3, full.shape[-1], lambda shape: torch.randn(shape) * 100, rng)
+        data = cache.data
+        if lay.head_ranges is not None:
             lo, hi = lay.head_ranges[r]
-            data = torch.randn(len(ids) + 1, 2, BS, hi - lo, D) * 100
         for p in range(lay.residue(r), NUM_TOKENS, lay.dcp):
             if p // tpb not in table:
                 continue  # released (outside a window)
@@ -71,7 +80,7 @@ def shard_caches(full: torch.Tensor, lay: Layout, positions: list[int], rng: ran
                 data[blk, off] = full[p]
             else:
                 data[blk, :, off] = full[p, :, lo:hi]
-        out.append((Cache(data), table))
+        out.append((cache, table))
     return out
 
 
@@ -81,15 +90,8 @@ def run_reshard(full, src: Layout, dst: Layout, sent_positions: list[int], seed:
     dst_positions = receiver_positions(NUM_TOKENS, sent_positions, BS * src.dcp, BS * dst.dcp)
     receivers = []
     for j in range(dst.tp):
-        ids = list(range(1, len(dst_positions) + 5))
-        rng.shuffle(ids)
-        table = dict(zip(dst_positions, ids))
-        if dst.head_ranges is None:
-            data = torch.full((len(ids) + 1, BS, full.shape[1]), float("nan"))
-        else:
-            lo, hi = dst.head_ranges[j]
-            data = torch.full((len(ids) + 1, 2, BS, hi - lo, D), float("nan"))
-        cache = Cache(data)
+        cache, table = paged(dst, j, dst_positions, 4, full.shape[-1],
+                             lambda shape: torch.full(shape, float("nan")), rng)
         for piece in sources_of(j, src, dst):
             assert j in pullers_of(piece.src_rank, src, dst)
             src_cache, src_table = senders[piece.src_rank]
