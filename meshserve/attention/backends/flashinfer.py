@@ -177,7 +177,7 @@ class FlashInferBackend(AttentionBackend):
             mplan = dcp_mask_plan(metadata.query_lens_host[:num_p], kv_lens[:num_p], dcp=dcp, rank=rank,
                                   window=spec.sliding_window)
             empty = mplan.empty_rows
-            masked = dict(custom_mask=mplan.custom_mask.to(device, non_blocking=True), window_left=-1)
+            masked = dict(custom_mask=to_device(mplan.custom_mask, device), window_left=-1)
             decode_lens = [max(local_len(s, dcp, rank), 1) for s in kv_lens[num_p:]]
             first_decode_tok = sum(metadata.query_lens_host[:num_p])
             empty += tuple(first_decode_tok + i for i in empty_decode_rows(kv_lens[num_p:], dcp=dcp, rank=rank))
@@ -187,8 +187,12 @@ class FlashInferBackend(AttentionBackend):
         if num_p:
             indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
             qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
+            # With a custom mask FlashInfer packs it on the device (segment_packbits) with offsets it
+            # derives from these lists, so they must be device tensors there (it reads them back:
+            # a device sync, in DCP prefill steps only); otherwise pinned host lists.
+            host = (lambda t: to_device(t, device)) if masked else _pinned
             prefill.plan(
-                _pinned(qo_indptr), _pinned(indptr), to_device(indices, device), _pinned(last),
+                host(qo_indptr), host(indptr), to_device(indices, device), host(last),
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page,
                 causal=spec.is_causal and not masked, **(common | masked),
             )  # fmt: skip

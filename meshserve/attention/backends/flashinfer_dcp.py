@@ -10,7 +10,9 @@ positions the model's masks are defined by. So:
   sliding window) runs on the prefill wrapper with a custom mask built here from global
   positions: key slot l is visible to the query at position qp when
   l * dcp + rank <= qp and (no window, or qp - (l * dcp + rank) < window).
-The custom mask costs q_len x local_len bits per request (FlashInfer packs it on the device).
+The custom mask costs q_len x local_len bits per request; FlashInfer packs it on the device
+(segment_packbits), which needs the page lists on the device too, so a masked plan reads them
+back from the device once (a sync, in DCP prefill steps only).
 A row that sees no key of this shard (or a request of which this rank holds no token) gets
 output 0 and LSE -inf from the backend itself, whatever FlashInfer computes for it: FlashInfer
 is given one key (the first slot of the request's first block) for an empty request, so its page
