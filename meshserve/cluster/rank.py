@@ -148,14 +148,13 @@ class RankHost:
             if (src_tp, src_dcp) == (self.tp, self.dcp):
                 pull_kv(io.into(blocks), addresses[self.rank], request_id, timeout_s=timeout_s)
             else:
-                sender = dict(tp=src_tp, dcp=src_dcp, block_size=src_block_size or block_size,
-                              positions=src_positions or [], num_tokens=num_tokens)
+                sender = _Sender(src_tp, src_dcp, src_block_size or block_size, src_positions or [], num_tokens)
                 self._pull_resharded(io, request_id, addresses, sender, blocks, dst_positions or [], timeout_s)
             return {"ok": True}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
-    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], sender: dict[str, Any],
+    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], sender: _Sender,
                         blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> None:
         """Pull every source `sources_of` names into a staging cache shaped like its shard (the
         sender's layout and blocks, in the sent order), then copy the tokens and heads we keep
@@ -163,11 +162,11 @@ class RankHost:
         from meshserve.kvstore.zmq_transport import pull_kv
 
         caches = self.worker.runner.kv_caches
-        src, dst = self._layout(sender["tp"], sender["dcp"]), self._layout(self.tp, self.dcp)
-        check(len(dst_positions) == len(blocks) == len(sender["positions"]), "dst_positions", len(dst_positions),
+        src, dst = self._layout(sender.tp, sender.dcp), self._layout(self.tp, self.dcp)
+        check(len(dst_positions) == len(blocks) == len(sender.positions), "dst_positions", len(dst_positions),
               f"one list per KV layer group ({len(blocks)})")
         staged, first = [], 1  # staging blocks 1..n, in the sent order (group after group)
-        for positions in sender["positions"]:
+        for positions in sender.positions:
             staged.append(dict(zip(positions, range(first, first + len(positions)))))
             first += len(positions)
         ours = [dict(zip(p, b)) for p, b in zip(dst_positions, blocks)]
@@ -175,12 +174,12 @@ class RankHost:
         for piece in sources_of(self.rank, src, dst):
             heads = None if piece.src_heads is None else local_kv_heads(self._num_kv_heads(), src.tp, src.dcp)
             staging = staging_caches(caches, heads, first - 1)
-            stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender["block_size"],
+            stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender.block_size,
                              dcp_size=layout.dcp_size, retentions=io.retentions)
             pull_kv(stage.into([list(g.values()) for g in staged]), addresses[piece.src_rank],
                     pull_key(request_id, self.rank), timeout_s=timeout_s)
             for src_blocks, dst_blocks in zip(staged, ours):
-                moves = token_moves(sender["num_tokens"], page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),
+                moves = token_moves(sender.num_tokens, page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),
                                     src_blocks=src_blocks, dst_dcp=dst.dcp, dst_res=dst.residue(self.rank),
                                     dst_blocks=dst_blocks)
                 copy_tokens(caches, staging, moves, piece)
@@ -206,6 +205,18 @@ class RankHost:
         if not any(isinstance(c, KVCache) for c in self.worker.runner.kv_caches if c is not None):
             return None  # latent (MLA) caches
         return read_arch(self.worker.model_config.model).num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sender:
+    """The prefill side of a re-sharding pull: its layout, its (logical) block size, the table
+    positions it held per KV layer group, and the request's token count."""
+
+    tp: int
+    dcp: int
+    block_size: int
+    positions: list[list[int]]
+    num_tokens: int
 
 
 def pull_key(request_id: str, dst_rank: int) -> str:
