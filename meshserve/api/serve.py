@@ -69,6 +69,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--replicas", type=int, default=1, help="replicas in the unified pool")
     c.add_argument("--prefill-replicas", type=int, default=1, help="prefill replicas (disaggregated)")
     c.add_argument("--decode-replicas", type=int, default=1, help="decode replicas (disaggregated)")
+    for role in ("prefill", "decode"):
+        c.add_argument(f"--{role}-tp", type=int, default=None,
+                       help=f"tensor-parallel ranks per {role} replica (disaggregated; default --tp)")
+        c.add_argument(f"--{role}-dcp", type=int, default=None,
+                       help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
@@ -122,8 +127,31 @@ def configs_of(args: argparse.Namespace):
     return engine, pools, server
 
 
+def pool_parallel_of(args: argparse.Namespace, pools: PoolConfig) -> dict[str, ParallelConfig | None]:
+    """{"prefill": ..., "decode": ...}: each pool's own layout from --prefill-tp/--prefill-dcp and
+    --decode-tp/--decode-dcp (None: the pool uses --tp/--dcp). Refused with unified pools."""
+    out: dict[str, ParallelConfig | None] = {}
+    for role in ("prefill", "decode"):
+        tp, dcp = getattr(args, f"{role}_tp"), getattr(args, f"{role}_dcp")
+        if tp is None and dcp is None:
+            out[role] = None
+            continue
+        given = f"{role}_tp" if tp is not None else f"{role}_dcp"
+        check(pools.mode is PoolMode.DISAGGREGATED, given, tp if tp is not None else dcp,
+              "set only with --pools disaggregated (a unified pool uses --tp/--dcp)")
+        tp = args.tp if tp is None else tp
+        dcp = args.dcp if dcp is None else dcp
+        check(isinstance(tp, int) and 1 <= tp <= 1024, f"{role}_tp", tp, "an integer in [1, 1024]")
+        divisors = [d for d in range(1, tp + 1) if tp % d == 0]
+        check(isinstance(dcp, int) and dcp >= 1 and tp % dcp == 0, f"{role}_dcp", dcp,
+              f"a divisor of {role}_tp={tp}: one of {divisors}")
+        out[role] = ParallelConfig(tp=tp, dcp=dcp)
+    return out
+
+
 def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool,
-                  block_size: int | None = None):
+                  block_size: int | None = None, prefill_parallel: ParallelConfig | None = None,
+                  decode_parallel: ParallelConfig | None = None):
     """The InferenceService these settings ask for (loads the model; takes seconds).
 
     One unified replica at tp=1 without a Ray address is served in this process (LocalService:
@@ -132,6 +160,7 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
 
     An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
     apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
+    prefill_parallel / decode_parallel: a disaggregated pool's own (tp, dcp) (default engine.parallel).
     """
     from meshserve.cluster.local import LocalService
     from meshserve.workers.embedder import read_model_task
@@ -155,7 +184,8 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
         return LocalService(engine, model_name=model_name, device=device, progress=progress)
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 
-    return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name))
+    return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name,
+                                     prefill_parallel=prefill_parallel, decode_parallel=decode_parallel))
 
 
 def default_model_name(args: argparse.Namespace) -> str | None:
@@ -222,8 +252,10 @@ def serve_main(args: argparse.Namespace) -> int:
     os.environ["MESHSERVE_LOG"] = level
     if args.log_format:
         os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
+    per_pool = pool_parallel_of(args, pools)
     service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
-                            progress=sys.stderr.isatty(), block_size=args.block_size)
+                            progress=sys.stderr.isatty(), block_size=args.block_size,
+                            prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
     announce = lambda line: print(line, flush=True)
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
                            announce=announce, chat_template=chat_template))

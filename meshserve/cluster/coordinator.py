@@ -56,8 +56,8 @@ class ClusterConfig:
     """engine: the replicas' settings; pools: mode, replica counts, ray_address.
 
     prefill_parallel / decode_parallel: a pool's own tp/dcp (default engine.parallel). KV moves
-    between pools of equal tp, or of any tp when dcp is 1 (heads re-sharded); otherwise the
-    decode replica recomputes the prompt.
+    between pools of any two layouts (heads re-split, tokens re-distributed: kvstore/reshard.py);
+    the per-rank block size (cache block_size) is the one thing both pools must share.
     """
 
     engine: EngineConfig
@@ -146,13 +146,14 @@ class Coordinator:
     def _builder(self, role: str, parallel: ParallelConfig):
         cfg = self.config
         engine = replace(cfg.engine, parallel=parallel)
-        handoff_tp = cfg.parallel_by_role()["decode"].tp if role == "prefill" else None
+        decode = cfg.parallel_by_role()["decode"] if role == "prefill" else None
 
         def build(slot: int) -> Replica:
             name = f"{role}-{slot}"
             pool = self.pools[role]
             return Replica(name, role, engine, lambda: self._executor(engine, role, name),
-                           on_handoff=self._on_handoff, on_failed=pool.on_failed, handoff_tp=handoff_tp,
+                           on_handoff=self._on_handoff, on_failed=pool.on_failed,
+                           handoff_tp=decode and decode.tp, handoff_dcp=decode and decode.dcp,
                            health_period_s=cfg.health_period_s, handover_timeout_s=cfg.handover_timeout_s)
         return build
 

@@ -5,8 +5,10 @@ pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manag
 rank to offer its KV shard of them (`kv_offer`: each rank's KVExportServer, msgpack header + raw
 frames) and detaches the request, which the coordinator hands to a decode replica as a
 `Handoff`. The decode replica's `import_kv` reserves blocks in every KV layer group, has every
-rank pull its shard into them (`kv_pull`; with another tp, heads are re-sharded:
-kv_reshard.py), commits the sender's prefix hashes and continues from the first token. If
+rank pull its shard into them (`kv_pull`; with another (tp, dcp) layout, heads are re-split
+and tokens re-distributed: kvstore/reshard.py), commits the prefix hashes (the sender's, or
+its own from the token ids when the two pools' blocks cover different token counts, i.e.
+their dcp differs) and continues from the first token. If
 anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
 prefill replica is then told to release its pin (`release_sources`).
 
@@ -24,6 +26,7 @@ from meshserve.cluster.executor import Executor, RankError
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, Sink
 from meshserve.kvstore.pins import HandoverBlocks, KVPins
+from meshserve.kvstore.reshard import receiver_positions
 
 if TYPE_CHECKING:
     from meshserve.cluster.engine import EngineConfig, EngineCore
@@ -39,6 +42,7 @@ class HandoverEnd(Protocol):
     model_id: str
     world: int  # its tp
     handoff_tp: int  # (prefill end) the tp of the decode replicas it offers to
+    handoff_dcp: int  # (prefill end) and their dcp
     handover_timeout_s: float
     faults: list[str]  # injected offer faults (tests)
     config: EngineConfig
@@ -63,6 +67,7 @@ class KVOffer:
     dst_tp: int  # the decode tp the shards were offered for
     block_size: int
     dcp_size: int
+    dst_dcp: int = 1  # the decode dcp the shards were offered for
 
 
 @dataclass
@@ -82,12 +87,13 @@ def offer_kv(self: HandoverEnd, rid: str) -> Handoff:
     kv = self.core.kv
     pin = self.pins.pin(rid)
     args = {"blocks": pin.blocks.to_wire(), "block_size": kv.block_size, "dcp_size": kv.dcp_size,
-            "model_id": self.model_id, "dst_tp": self.handoff_tp, "fault": self.faults.pop(0) if self.faults else None}
+            "model_id": self.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
+            "fault": self.faults.pop(0) if self.faults else None}
     offer, reason = None, ""
     try:
         addresses = self.executor.call("kv_offer", [args] * self.world)
         offer = KVOffer(addresses, pin.blocks, pin.pin_id, self.model_id, self.world, self.config.parallel.dcp,
-                        self.handoff_tp, kv.block_size, kv.dcp_size)
+                        self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp)
     except RankError as exc:
         self.pins.release(pin.pin_id)
         reason = str(exc)
@@ -103,15 +109,23 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
     if offer is not None:
         dcp = self.config.parallel.dcp
         sent = offer.blocks
-        fits = ((offer.model_id, offer.block_size, offer.dcp_size, offer.dcp, len(sent.block_tables)) == (
-            self.model_id, kv.block_size, kv.dcp_size, dcp, kv.num_groups)
-            and (offer.tp == self.world or dcp == 1) and offer.dst_tp == self.world)
-        blocks = self.pins.reserve(rid, sent.num_tokens, sent.block_positions,
-                                   extra_keys=sent.extra_keys) if fits else None
+        # Any (tp, dcp) pair re-shards; the per-rank block size (a block-table entry covers it on
+        # each DCP rank) and what the offer was made for must agree.
+        fits = ((offer.model_id, offer.block_size // offer.dcp, offer.dcp_size, len(sent.block_tables),
+                 offer.dst_tp, offer.dst_dcp) == (
+            self.model_id, kv.block_size // dcp, kv.dcp_size, kv.num_groups, self.world, dcp))
+        same_blocks = offer.block_size == kv.block_size  # one table entry covers as many tokens
+        positions = sent.block_positions if same_blocks else tuple(
+            receiver_positions(sent.num_tokens, p, offer.block_size * offer.dcp_size, kv.tokens_per_block)
+            for p in sent.block_positions)
+        blocks = self.pins.reserve(rid, sent.num_tokens, positions, extra_keys=sent.extra_keys) if fits else None
         why = "no free blocks" if fits else (
-            "KV layouts differ (model, block size, dcp, KV layer groups; or tp with dcp > 1)")
+            "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
         if blocks is not None:
-            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "blocks": list(blocks),
+            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "src_dcp": offer.dcp,
+                     "src_block_size": offer.block_size, "num_tokens": sent.num_tokens,
+                     "src_positions": [list(p) for p in sent.block_positions],
+                     "dst_positions": [list(p) for p in positions], "blocks": list(blocks),
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
                      "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
             try:
@@ -119,7 +133,9 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
             except RankError as exc:
                 results = [{"ok": False, "error": str(exc)}]
             if all(r["ok"] for r in results):
-                self.pins.commit(rid, sent.block_hashes)
+                hashes = sent.block_hashes if same_blocks else kv.hashes_of(
+                    h.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
+                self.pins.commit(rid, hashes)
                 request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens)
                 return sent.num_tokens
             self.pins.abort(rid)

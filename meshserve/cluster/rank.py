@@ -6,7 +6,7 @@
     check_health()                  the worker's health dict
     kv_offer(...)                   offer a request's blocks to pullers; returns the export address
     kv_pull(...)                    pull a request's blocks from the prefill ranks into given blocks
-                                    (re-sharding KV heads when the pools' tp differ: kv_reshard.py)
+                                    (re-sharding when the pools' (tp, dcp) differ: kvstore/reshard.py)
 
 The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
 kvstore/pins.py); a rank owns only the cache tensors and moves bytes between them and the wire
@@ -22,13 +22,14 @@ import logging
 from dataclasses import asdict
 from typing import Any
 
+from meshserve.attention.backend import KVCache
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
-from meshserve.cluster.kv_reshard import copy_heads, is_headless, pull_key, pullers_of, sources_of, staging_caches
 from meshserve.errors import check
 from meshserve.kvstore.pins import HandoverBlocks
 from meshserve.kvstore.rank_io import KVExport, KVRankIO
+from meshserve.kvstore.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
 from meshserve.kvstore.wire import KVTransferError
-from meshserve.parallel.transform import local_kv_heads
+from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.checkpoint import read_arch
 
 log = logging.getLogger("meshserve.rank")
@@ -99,10 +100,10 @@ class RankHost:
         return self._io
 
     def kv_offer(self, blocks: dict[str, Any], block_size: int, dcp_size: int, model_id: str, dst_tp: int,
-                 fault: str | None = None) -> str:
+                 dst_dcp: int = 1, fault: str | None = None) -> str:
         """Offer this rank's shard of a request's blocks (`HandoverBlocks.to_wire()`: tables and
         hashes per KV layer group, pinned by the driver until the decode side is done) to the
-        decode ranks of `dst_tp` that need it. Returns the address.
+        decode ranks of (`dst_tp`, `dst_dcp`) that need it. Returns the address.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
@@ -113,10 +114,11 @@ class RankHost:
             self._server = KVExportServer(address=f"tcp://{_reachable_host()}")
         export = io.export(HandoverBlocks.from_wire(blocks))
         request_id = export.header.request_id
-        if dst_tp == self.tp:
+        if (dst_tp, dst_dcp) == (self.tp, self.dcp):
             keys = [request_id]  # decode rank r pulls from prefill rank r
         else:
-            keys = [pull_key(request_id, j) for j in pullers_of(self.rank, self._num_kv_heads(), self.tp, dst_tp)]
+            src, dst = self._layout(self.tp, self.dcp), self._layout(dst_tp, dst_dcp)
+            keys = [pull_key(request_id, j) for j in pullers_of(self.rank, src, dst)]
         frames = export.frames
         if fault == "checksum":
             frames = [f.clone() for f in frames]
@@ -127,10 +129,14 @@ class RankHost:
         return self._server.address
 
     def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
-                dcp_size: int, model_id: str, timeout_s: float = 5.0) -> dict[str, Any]:
+                dcp_size: int, model_id: str, timeout_s: float = 5.0, src_dcp: int = 1,
+                src_block_size: int | None = None, num_tokens: int = 0, src_positions: list[list[int]] | None = None,
+                dst_positions: list[list[int]] | None = None) -> dict[str, Any]:  # fmt: skip
         """Pull this rank's share of the request's KV from the prefill ranks (`addresses`, by rank)
-        into `blocks` (reserved by the driver, per KV layer group); with a different tp, through
-        kv_reshard.
+        into `blocks` (reserved by the driver, per KV layer group, at table positions
+        `dst_positions`); from another (tp, dcp) layout, re-sharded (kvstore/reshard.py): the
+        sender's tables held `src_positions` (logical blocks of `src_block_size` tokens) of
+        `num_tokens` tokens.
 
         Returns {"ok": True} or {"ok": False, "reason": ..., "error": ...}; on failure the blocks
         hold garbage and the driver frees them without caching.
@@ -139,36 +145,56 @@ class RankHost:
 
         io = self._kv(block_size, dcp_size, model_id)
         try:
-            if src_tp == self.tp:
+            if (src_tp, src_dcp) == (self.tp, self.dcp):
                 pull_kv(io.into(blocks), addresses[self.rank], request_id, timeout_s=timeout_s)
             else:
-                self._pull_resharded(io, request_id, addresses, src_tp, blocks, timeout_s)
+                sender = _Sender(src_tp, src_dcp, src_block_size or block_size, src_positions or [], num_tokens)
+                self._pull_resharded(io, request_id, addresses, sender, blocks, dst_positions or [], timeout_s)
             return {"ok": True}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
-    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], src_tp: int,
-                        blocks: list[list[int]], timeout_s: float) -> None:
+    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], sender: _Sender,
+                        blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> None:
+        """Pull every source `sources_of` names into a staging cache shaped like its shard (the
+        sender's layout and blocks, in the sent order), then copy the tokens and heads we keep
+        into our blocks, group by group."""
         from meshserve.kvstore.zmq_transport import pull_kv
 
         caches = self.worker.runner.kv_caches
-        heads = self._num_kv_heads()
-        key = pull_key(request_id, self.rank)
-        flat = [b for group in blocks for b in group]
+        src, dst = self._layout(sender.tp, sender.dcp), self._layout(self.tp, self.dcp)
+        check(len(dst_positions) == len(blocks) == len(sender.positions), "dst_positions", len(dst_positions),
+              f"one list per KV layer group ({len(blocks)})")
         staged, first = [], 1  # staging blocks 1..n, in the sent order (group after group)
-        for group in blocks:
-            staged.append(list(range(first, first + len(group))))
-            first += len(group)
-        layout = io.layout
-        for piece in sources_of(self.rank, heads, src_tp, self.tp):
-            if piece.src_heads is None:  # latent caches: the source's shard is the whole cache
-                pull_kv(io.into(blocks), addresses[piece.src_rank], key, timeout_s=timeout_s)
-                return
-            staging = staging_caches(caches, local_kv_heads(heads, src_tp, 1), len(flat))
-            stage = KVRankIO(staging, model_id=layout.model_id, block_size=layout.block_size,
+        for positions in sender.positions:
+            staged.append(dict(zip(positions, range(first, first + len(positions)))))
+            first += len(positions)
+        ours = [dict(zip(p, b)) for p, b in zip(dst_positions, blocks)]
+        layout, page = io.layout, _page_size(caches)
+        for piece in sources_of(self.rank, src, dst):
+            heads = None if piece.src_heads is None else local_kv_heads(self._num_kv_heads(), src.tp, src.dcp)
+            staging = staging_caches(caches, heads, first - 1)
+            stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender.block_size,
                              dcp_size=layout.dcp_size, retentions=io.retentions)
-            pull_kv(stage.into(staged), addresses[piece.src_rank], key, timeout_s=timeout_s)
-            copy_heads(caches, staging, flat, piece)
+            pull_kv(stage.into([list(g.values()) for g in staged]), addresses[piece.src_rank],
+                    pull_key(request_id, self.rank), timeout_s=timeout_s)
+            for src_blocks, dst_blocks in zip(staged, ours):
+                moves = token_moves(sender.num_tokens, page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),
+                                    src_blocks=src_blocks, dst_dcp=dst.dcp, dst_res=dst.residue(self.rank),
+                                    dst_blocks=dst_blocks)
+                copy_tokens(caches, staging, moves, piece)
+
+    def _layout(self, tp: int, dcp: int) -> Layout:
+        """A pool's layout as kvstore/reshard.py takes it: each rank's KV heads (parallel/transform.py)."""
+        heads = self._num_kv_heads()
+        if heads is None:
+            return Layout(tp, dcp, None)
+        n = local_kv_heads(heads, tp, dcp)
+        return Layout(tp, dcp, tuple((o, o + n) for o in (kv_head_offset(heads, tp, dcp, r) for r in range(tp))))
+
+    @property
+    def dcp(self) -> int:
+        return self.worker.parallel.dcp
 
     @property
     def tp(self) -> int:
@@ -176,9 +202,32 @@ class RankHost:
 
     def _num_kv_heads(self) -> int | None:
         """The model's KV heads (None for caches without a head axis)."""
-        if is_headless(self.worker.runner.kv_caches):
-            return None
+        if not any(isinstance(c, KVCache) for c in self.worker.runner.kv_caches if c is not None):
+            return None  # latent (MLA) caches
         return read_arch(self.worker.model_config.model).num_kv_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sender:
+    """The prefill side of a re-sharding pull: its layout, its (logical) block size, the table
+    positions it held per KV layer group, and the request's token count."""
+
+    tp: int
+    dcp: int
+    block_size: int
+    positions: list[list[int]]
+    num_tokens: int
+
+
+def pull_key(request_id: str, dst_rank: int) -> str:
+    """The offer a re-sharding decode rank pulls (each prefill rank offers its shard once per puller)."""
+    return f"{request_id}>{dst_rank}"
+
+
+def _page_size(caches) -> int:
+    """Tokens per physical block of this rank's caches."""
+    data = next(c.data for c in caches if c is not None)
+    return data.shape[2] if data.dim() == 5 else data.shape[1]
 
 
 def _reachable_host() -> str:

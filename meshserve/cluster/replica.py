@@ -80,8 +80,8 @@ class _Counters:
 
 
 class Replica:
-    """name: unique in the cluster; role: unified, prefill or decode; handoff_tp: the tp of the
-    replicas that take this one's hand-overs (prefill role).
+    """name: unique in the cluster; role: unified, prefill or decode; handoff_tp, handoff_dcp: the
+    layout of the replicas that take this one's hand-overs (prefill role).
 
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
     the replica died; orphans are (request, sink, prefill_only) that streamed nothing yet.
@@ -90,7 +90,7 @@ class Replica:
     def __init__(self, name: str, role: str, config: EngineConfig, make_executor: Callable[[], Executor], *,
                  on_handoff: Callable[[Handoff], None] | None = None,
                  on_failed: Callable[[Replica, BaseException, list], None] | None = None,
-                 handoff_tp: int | None = None, health_period_s: float = 2.0,
+                 handoff_tp: int | None = None, handoff_dcp: int | None = None, health_period_s: float = 2.0,
                  handover_timeout_s: float = 5.0) -> None:
         self.name = name
         self.role = role
@@ -103,6 +103,7 @@ class Replica:
         self.model_id = str(config.model.model)
         self.world = config.parallel.tp
         self.handoff_tp = handoff_tp or self.world  # the decode pool's tp (prefill role)
+        self.handoff_dcp = handoff_dcp or config.parallel.dcp  # and its dcp
         self.state = ReplicaState.STARTING
         self.error: BaseException | None = None
         self.core: EngineCore | None = None

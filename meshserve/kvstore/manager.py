@@ -18,7 +18,7 @@ from collections import Counter
 from collections.abc import Hashable, Sequence
 
 from meshserve.errors import ConfigError, check
-from meshserve.kvstore.block_hash import BlockHash
+from meshserve.kvstore.block_hash import BlockHash, hash_blocks
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
 from meshserve.kvstore.prefix import PrefixHit, lookup
 from meshserve.kvstore.request_blocks import KVCacheStats, RequestBlocks
@@ -325,6 +325,12 @@ class KVCacheManager:
             return None
         self._requests[request_id] = req
         return tuple([b for b in table if b != NULL_BLOCK] for table in req.tables)
+
+    def hashes_of(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] = ()) -> tuple[list[BlockHash], ...]:
+        """Per group, the prefix hashes of the full blocks of `token_ids` with this manager's block
+        size (for an import whose sender's blocks had another size: another dcp). Pure."""
+        extras = self._tables.extras(tuple(extra_keys))
+        return tuple(hash_blocks(token_ids, self.tokens_per_block, extra=e) for e in extras)
 
     def register_hashes(self, request_id: RequestId, block_hashes: Sequence[Sequence[BlockHash]]) -> None:
         """Adopt known hashes of the request's first full blocks, per group (an import succeeded)."""

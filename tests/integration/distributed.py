@@ -7,6 +7,30 @@ import torch.multiprocessing as mp
 from meshserve.parallel.groups import local_rendezvous
 
 
+def run_on_rank(config, rank: int, init_method: str, work, out_file: str) -> None:
+    """Drive this process's rank of `config`'s layout (its Worker on the CPU) with an EngineCore:
+    `work(core)`; rank 0 writes what it returns to `out_file` as JSON."""
+    import json
+
+    import torch
+
+    from meshserve.cluster.engine import EngineCore
+    from meshserve.cluster.spmd import SpmdExecutor
+    from meshserve.workers.worker import Worker
+
+    torch.set_num_threads(1)
+    worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device="cpu",
+                    progress=False, init_method=init_method)
+    core = EngineCore(config, executor=SpmdExecutor(worker))
+    try:
+        results = work(core)
+    finally:
+        core.shutdown()
+    if rank == 0:
+        with open(out_file, "w") as f:
+            json.dump(results, f)
+
+
 def run_ranks(fn, world: int, *args) -> None:
     """Start `world` processes running fn(rank, world, init_method, *args); re-raise any failure."""
     mp.start_processes(fn, args=(world, local_rendezvous(), *args), nprocs=world, join=True, start_method="spawn")

@@ -11,11 +11,9 @@ import json
 import pytest
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.spmd import SpmdExecutor
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.workers.worker import Worker
-from tests.integration.distributed import run_ranks
+from tests.integration.distributed import run_on_rank, run_ranks
 from tests.tiny_models import prompts, write_checkpoint
 
 NEW_TOKENS = 12
@@ -40,21 +38,11 @@ def generate(core: EngineCore, batch) -> list[dict]:
 
 
 def rank_main(rank, world, init_method, path, dcp, comm, batch, out_file):
-    import torch
-
-    torch.set_num_threads(1)
-    config = engine_config(path, world, dcp, comm)
-    worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device="cpu",
-                    progress=False, init_method=init_method)
-    core = EngineCore(config, executor=SpmdExecutor(worker))
-    try:
+    def work(core):
         assert core.info.block_size == 4 * dcp  # the scheduler's blocks cover 4 tokens on each DCP rank
-        results = generate(core, batch)
-    finally:
-        core.shutdown()
-    if rank == 0:
-        with open(out_file, "w") as f:
-            json.dump(results, f)
+        return generate(core, batch)
+
+    run_on_rank(engine_config(path, world, dcp, comm), rank, init_method, work, out_file)
 
 
 @pytest.fixture(scope="module")

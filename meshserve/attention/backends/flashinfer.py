@@ -11,6 +11,9 @@ Conventions bridged here:
 - FP8 scales: FlashInfer takes them as host floats; ours are device tensors (no host sync per
   layer), so the key scale is folded into the query and the value scale into the output.
 - Sliding window W (query sees keys with qp - kp < W) is FlashInfer's window_left = W - 1.
+- DCP-sharded caches: page lists over this rank's local tokens, and a custom mask by global
+  position where FlashInfer's own masks (which compare local indices) would be wrong; see
+  flashinfer_dcp.py.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from meshserve.attention.backend import (
     KVCache,
     LayerParams,
 )
+from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows, local_len
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.core.tensors import to_device
@@ -48,6 +52,7 @@ class FlashInferPlan:
     has_decode: bool
     prefill: object = None
     decode: object = None
+    empty_rows: torch.Tensor | None = None  # [n] int64 (DCP) rows that see no key of this shard
 
 
 def _page_lists(
@@ -90,13 +95,16 @@ class FlashInferBackend(AttentionBackend):
         soft_cap=True,
         mla=False,
         returns_lse=True,
+        dcp=True,
         devices=frozenset({"cuda"}),
         min_compute_capability=(8, 0),
         required_packages=("flashinfer",),
         cuda_graphs=True,
         notes="FlashInfer 0.5 paged prefill/decode wrappers; ALiBi not offered (FlashInfer derives its own "
         "slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache); CUDA graphs "
-        "replay decode wrappers in FlashInfer's graph mode (fixed page-list buffers, re-planned per step)",
+        "replay decode wrappers in FlashInfer's graph mode (fixed page-list buffers, re-planned per step); "
+        "DCP: local page lists, prefill rows (and windowed decode rows) masked by global position with a "
+        "custom mask",
     )
 
     @classmethod
@@ -160,24 +168,44 @@ class FlashInferBackend(AttentionBackend):
         common = self._plan_args()
         page = metadata.block_size
         num_p = metadata.num_prefills
+        dcp, rank = metadata.dcp_size, metadata.dcp_rank
+        empty: tuple[int, ...] = ()
+        masked: dict[str, object] = {}
+        if dcp > 1:
+            if spec.sliding_window is not None:
+                num_p = metadata.num_seqs  # decode rows need the global-position window mask too
+            mplan = dcp_mask_plan(metadata.query_lens_host[:num_p], kv_lens[:num_p], dcp=dcp, rank=rank,
+                                  window=spec.sliding_window)
+            empty = mplan.empty_rows
+            masked = dict(custom_mask=to_device(mplan.custom_mask, device), window_left=-1)
+            decode_lens = [max(local_len(s, dcp, rank), 1) for s in kv_lens[num_p:]]
+            first_decode_tok = sum(metadata.query_lens_host[:num_p])
+            empty += tuple(first_decode_tok + i for i in empty_decode_rows(kv_lens[num_p:], dcp=dcp, rank=rank))
+            kv_lens = mplan.kv_lens + tuple(decode_lens)
         # FlashInfer plans from host page lists; the page ids go to the device by a stream-ordered copy.
         self._wait_for_last_plan()
         if num_p:
             indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
             qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
+            # With a custom mask FlashInfer packs it on the device (segment_packbits) with offsets it
+            # derives from these lists, so they must be device tensors there (it reads them back:
+            # a device sync, in DCP prefill steps only); otherwise pinned host lists.
+            host = (lambda t: to_device(t, device)) if masked else _pinned
             prefill.plan(
-                _pinned(qo_indptr), _pinned(indptr), to_device(indices, device), _pinned(last),
-                spec.num_heads, spec.num_kv_heads, spec.head_size, page, causal=spec.is_causal, **common,
+                host(qo_indptr), host(indptr), to_device(indices, device), host(last),
+                spec.num_heads, spec.num_kv_heads, spec.head_size, page,
+                causal=spec.is_causal and not masked, **(common | masked),
             )  # fmt: skip
-        if metadata.num_decodes:
+        if metadata.num_seqs > num_p:
             indptr, indices, last = _page_lists(table[num_p:], kv_lens[num_p:], page)
             decode.plan(
                 _pinned(indptr), to_device(indices, device), _pinned(last),
                 spec.num_heads, spec.num_kv_heads, spec.head_size, page, **common,
             )  # fmt: skip
         self._planned(device)
-        return FlashInferPlan(metadata, metadata.num_prefill_tokens, num_p > 0, metadata.num_decodes > 0,
-                              prefill, decode)
+        num_prefill_tokens = sum(metadata.query_lens_host[:num_p])
+        return FlashInferPlan(metadata, num_prefill_tokens, num_p > 0, metadata.num_seqs > num_p, prefill, decode,
+                              to_device(list(empty), device, torch.int64) if empty else None)
 
     def _plan_args(self) -> dict[str, object]:
         from meshserve.attention.backend import DTYPES, FP8_DTYPES
@@ -201,6 +229,9 @@ class FlashInferBackend(AttentionBackend):
 
         check(metadata.num_prefills == 0, "metadata.num_prefills", metadata.num_prefills,
               "0 (CUDA graphs capture decode steps only)")
+        # Under DCP a row may hold no key of this shard; the eager path zeroes it after the run,
+        # which a captured graph would not do (and tp > 1, which DCP needs, runs eagerly anyway).
+        check(metadata.dcp_size == 1, "metadata.dcp_size", metadata.dcp_size, "1 (FLASHINFER captures no DCP graphs)")
         device, b = metadata.seq_lens.device, metadata.num_decodes
         self._wrappers(device, metadata.kv_group)  # the shared float workspace
         max_pages = metadata.block_table.shape[1]
@@ -281,6 +312,10 @@ class FlashInferBackend(AttentionBackend):
                             lse=None if lse is None else lse[rows], return_lse=return_lse)  # fmt: skip
         if kv_cache.is_fp8:
             out = (out.float() * kv_cache.v_scale.to(out.device, torch.float32)).to(out.dtype)
+        if plan.empty_rows is not None:  # rows that see no key of this DCP shard: nothing, for the merge
+            out.index_fill_(0, plan.empty_rows, 0.0)
+            if lse is not None:
+                lse.index_fill_(0, plan.empty_rows, float("-inf"))
         if not return_lse:
             return out
         return out, lse.mul_(math.log(2.0))  # base 2 -> natural log

@@ -90,12 +90,14 @@ class TritonBackend(AttentionBackend):
         soft_cap=True,
         mla=False,
         returns_lse=True,
+        dcp=True,
         devices=frozenset({"cuda", "cpu"}),
         min_compute_capability=(8, 0),
         required_packages=("triton",),
         cuda_graphs=True,
         notes="paged flash attention: varlen prefill, split-KV decode with GQA-shared KV loads, LSE merge; "
-        "the naive layout runs through the same kernels (one block per request)",
+        "the naive layout runs through the same kernels (one block per request); DCP shards are read "
+        "in local slots with masks, window and ALiBi by global position",
     )
 
     @classmethod
@@ -180,6 +182,7 @@ class TritonBackend(AttentionBackend):
             max_keys = max(kv_host[num_prefills:])
             if spec.sliding_window is not None:
                 max_keys = min(max_keys, spec.sliding_window)
+            max_keys = -(-max_keys // metadata.dcp_size)  # keys one DCP rank holds
             if self.decode_partition is not None:
                 partition = self.decode_partition
                 splits = -(-max_keys // partition)
@@ -277,7 +280,8 @@ class TritonBackend(AttentionBackend):
             QUERIES_PER_KV=spec.num_queries_per_kv, HEAD_D=spec.head_size, HEAD_DV=spec.v_size,
             BLOCK_D=_pow2(spec.head_size, 16), BLOCK_DV=_pow2(spec.v_size, 16), PAGE=page,
             USE_WINDOW=spec.sliding_window is not None, USE_SINK_TOKENS=spec.num_sink_tokens > 0,
-            USE_SINKS=spec.has_sinks, USE_ALIBI=spec.use_alibi,
+            # Under DCP the learned sink joins rank 0's softmax only, so the LSE merge counts it once.
+            USE_SINKS=spec.has_sinks and meta.dcp_rank == 0, USE_ALIBI=spec.use_alibi, DCP=meta.dcp_size,
             USE_SOFTCAP=spec.logits_soft_cap is not None, KV_FP8=fp8,
             # FP8 K/V convert exactly and cheaply to fp16 (bf16 would need a second, slow conversion),
             # so with an FP8 cache both products run in fp16.
@@ -308,6 +312,7 @@ class TritonBackend(AttentionBackend):
         prefill_kernel[grid](
             query, k_src, v_src, out, lse, plan.tile_seq, plan.tile_q0,
             plan.metadata.query_start_loc, plan.kv_lens, plan.positions, plan.block_table, *tensors, *scalars,
+            plan.metadata.dcp_rank,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             *k_strides, *v_strides, plan.block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
@@ -331,7 +336,7 @@ class TritonBackend(AttentionBackend):
         decode_kernel[(num_decodes, spec.num_kv_heads, plan.num_splits)](
             query, k_src, v_src, o_dst, l_dst, meta.query_start_loc, plan.kv_lens, plan.positions,
             plan.block_table,
-            *tensors, meta.num_prefills, *scalars, plan.partition,
+            *tensors, meta.num_prefills, *scalars, plan.partition, meta.dcp_rank,
             query.stride(0), query.stride(1), o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
             l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
             *k_strides, *v_strides, plan.block_table.stride(0),

@@ -59,6 +59,23 @@ def load_kv_tile(
 
 
 @triton.jit
+def local_count(g, dcp_rank, DCP: tl.constexpr):
+    """How many of the global positions [0, g) (g >= 0) this DCP rank stores: it holds positions
+    dcp_rank, dcp_rank + DCP, ... at local slots 0, 1, ... (g itself without DCP)."""
+    if DCP == 1:
+        return g
+    return (g - dcp_rank + DCP - 1) // DCP
+
+
+@triton.jit
+def global_pos(local, dcp_rank, DCP: tl.constexpr):
+    """The global position of this DCP rank's local slot `local` (any shape)."""
+    if DCP == 1:
+        return local
+    return local * DCP + dcp_rank
+
+
+@triton.jit
 def scores_log2(
     qk,  # [R, BLOCK_N] fp32 raw dot products (R = query rows or heads)
     qk_scale,  # softmax scale * k dequant scale (natural units)

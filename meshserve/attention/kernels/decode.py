@@ -22,7 +22,9 @@ import triton.language as tl
 from meshserve.attention.kernels.attn_common import (
     LOG2E,
     finish_rows,
+    global_pos,
     load_kv_tile,
+    local_count,
     online_softmax_step,
     scores_log2,
 )
@@ -32,10 +34,10 @@ from meshserve.attention.kernels.attn_common import (
 def _decode_range(
     k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
     m_i, l_i, acc, qk_scale, softcap, slope, qp_rows,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
 ):  # fmt: skip
     for start_n in range(start, end, BLOCK_N):
         kp = start_n + tl.arange(0, BLOCK_N)
@@ -46,8 +48,8 @@ def _decode_range(
                          HEAD_DV, BLOCK_DV, PAGE, True, True)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         # Every key of [start, end) is visible to the decode query; only the tail is masked.
-        s = scores_log2(qk, qk_scale, softcap, slope, qp_rows, kp, end, 0, 0,
-                        USE_SOFTCAP, USE_ALIBI, True, False, False, False)
+        s = scores_log2(qk, qk_scale, softcap, slope, qp_rows, global_pos(kp, dcp_rank, DCP),
+                        global_pos(end, dcp_rank, DCP), 0, 0, USE_SOFTCAP, USE_ALIBI, True, False, False, False)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), True, DOT_PRECISION)
     return m_i, l_i, acc
 
@@ -58,7 +60,7 @@ def decode_kernel(
     out_ptr, lse_ptr,  # [NS, num_decodes, H, DV] / [NS, num_decodes, H] partials, or final rows
     qsl_ptr, kv_len_ptr, pos_ptr, bt_ptr,
     sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-    first_seq, sm_scale, softcap, window, num_sink_tokens, partition,
+    first_seq, sm_scale, softcap, window, num_sink_tokens, partition, dcp_rank,
     stride_qt, stride_qh, stride_on, stride_ot, stride_oh, stride_ln, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -66,14 +68,15 @@ def decode_kernel(
     PAGE: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
     KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DCP: tl.constexpr,
 ):  # fmt: skip
     i = tl.program_id(0)  # index among the decode sequences
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq = first_seq + i
     tok = tl.load(qsl_ptr + seq)
-    kv_len = tl.load(kv_len_ptr + seq)
-    qp = tl.load(pos_ptr + seq) - 1  # the decode query's absolute position
+    kv_len = local_count(tl.load(kv_len_ptr + seq), dcp_rank, DCP)  # keys this rank stores
+    qp = tl.load(pos_ptr + seq) - 1  # the decode query's absolute (global) position
 
     g = tl.arange(0, BLOCK_H)
     head_mask = g < QUERIES_PER_KV
@@ -103,9 +106,9 @@ def decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
 
-    lo = 0
+    lo = 0  # first visible local slot
     if USE_WINDOW:
-        lo = tl.maximum(qp - window + 1, 0)
+        lo = local_count(tl.maximum(qp - window + 1, 0), dcp_rank, DCP)
     if partition <= 0:
         # Partition from this sequence's own length (a CUDA graph fixes the number of splits, not
         # the lengths it will replay with): the splits share the visible keys in whole tiles.
@@ -115,16 +118,16 @@ def decode_kernel(
     if USE_SINK_TOKENS:
         if split == 0:
             m_i, l_i, acc = _decode_range(
-                k_ptr, v_ptr, bt_row, kv_head, q, d, dv, 0, tl.minimum(num_sink_tokens, lo),
+                k_ptr, v_ptr, bt_row, kv_head, q, d, dv, 0, tl.minimum(local_count(num_sink_tokens, dcp_rank, DCP), lo),
                 m_i, l_i, acc, qk_scale, softcap, slope, qp_rows,
-                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-                HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+                stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
+                HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
             )  # fmt: skip
     m_i, l_i, acc = _decode_range(
         k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp_rows,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
-        HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
+        HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

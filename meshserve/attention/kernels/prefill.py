@@ -25,7 +25,9 @@ import triton.language as tl
 from meshserve.attention.kernels.attn_common import (
     LOG2E,
     finish_rows,
+    global_pos,
     load_kv_tile,
+    local_count,
     online_softmax_step,
     scores_log2,
 )
@@ -35,20 +37,22 @@ from meshserve.attention.kernels.attn_common import (
 def _key_range(
     k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
     m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
-    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+    stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
-    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
 ):
+    # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
     for start_n in range(start, end, BLOCK_N):
         kp = start_n + tl.arange(0, BLOCK_N)
         tok_mask = kp < kv_len
         k = load_kv_tile(k_ptr, bt_row, kp, kv_head, d, tok_mask, stride_kb, stride_kt, stride_kh,
                          HEAD_D, BLOCK_D, PAGE, PAGED, MASKED)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        s = scores_log2(qk, qk_scale, softcap, slope, qp, kp, kv_len, window, num_sink_tokens,
-                        USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)
+        s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
+                        global_pos(kv_len, dcp_rank, DCP), window,
+                        num_sink_tokens, USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)
         v = load_kv_tile(v_ptr, bt_row, kp, kv_head, dv, tok_mask, stride_vb, stride_vt, stride_vh,
                          HEAD_DV, BLOCK_DV, PAGE, PAGED, MASKED)
         m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), MASKED, DOT_PRECISION)
@@ -64,7 +68,7 @@ def prefill_kernel(
     pos_ptr,  # [S] int32 seq_lens: the new queries sit at positions [seq_len - q_len, seq_len)
     bt_ptr,  # [S, max_blocks] int32 block table (paged only)
     sinks_ptr, alibi_ptr, k_scale_ptr, v_scale_ptr,
-    sm_scale, softcap, window, num_sink_tokens,
+    sm_scale, softcap, window, num_sink_tokens, dcp_rank,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, stride_bt,
     QUERIES_PER_KV: tl.constexpr, HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr,
@@ -72,7 +76,7 @@ def prefill_kernel(
     PAGE: tl.constexpr, PAGED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -81,7 +85,7 @@ def prefill_kernel(
     q0 = tl.load(tile_q0_ptr + tile)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
-    kv_len = tl.load(kv_len_ptr + seq)
+    kv_len = local_count(tl.load(kv_len_ptr + seq), dcp_rank, DCP)  # keys this rank stores
     context = tl.load(pos_ptr + seq) - q_len  # absolute position of the sequence's first new query
 
     rows = q0 + tl.arange(0, BLOCK_M)
@@ -123,51 +127,53 @@ def prefill_kernel(
     q_last = tl.minimum(q0 + BLOCK_M, q_len) - 1
     qp_lo = context + q0
     qp_hi = context + q_last
+    # Bounds are global positions, turned into this rank's local slots (identity without DCP).
     if CAUSAL:
-        kv_end = qp_hi + 1
-        full_hi = qp_lo + 1
+        kv_end = local_count(qp_hi + 1, dcp_rank, DCP)
+        full_hi = local_count(qp_lo + 1, dcp_rank, DCP)
     else:
         kv_end = kv_len
         full_hi = kv_len
     kv_start = 0
     full_lo = 0
     if USE_WINDOW:
-        kv_start = tl.maximum(qp_lo - window + 1, 0)
-        full_lo = tl.maximum(qp_hi - window + 1, kv_start)
+        kv_start_g = tl.maximum(qp_lo - window + 1, 0)
+        kv_start = local_count(kv_start_g, dcp_rank, DCP)
+        full_lo = local_count(tl.maximum(qp_hi - window + 1, kv_start_g), dcp_rank, DCP)
     start = kv_start // BLOCK_N * BLOCK_N
     f0 = tl.minimum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, kv_end)
     f1 = tl.maximum(full_hi // BLOCK_N * BLOCK_N, f0)
 
     if USE_SINK_TOKENS:
-        sink_end = tl.minimum(tl.cdiv(num_sink_tokens, BLOCK_N) * BLOCK_N, start)
+        sink_end = tl.minimum(tl.cdiv(local_count(num_sink_tokens, dcp_rank, DCP), BLOCK_N) * BLOCK_N, start)
         m_i, l_i, acc = _key_range(
             k_base, v_base, bt_row, kv_head, q, d, dv, 0, sink_end,
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
             k_base, v_base, bt_row, kv_head, q, d, dv, start, f0,
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
-            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
-        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+        stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

@@ -57,6 +57,13 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--max-queue", "0"], "max_queue=0 is not allowed"),
     (["--model", "/no/such/model"], "model='/no/such/model' is not allowed: an existing checkpoint directory"),
     (["--attention-backend", "CUDNN"], "attention_backend='CUDNN' is not allowed"),
+    (["--decode-tp", "2"], "decode_tp=2 is not allowed: set only with --pools disaggregated"),
+    (["--pools", "disaggregated", "--decode-tp", "4", "--decode-dcp", "3"],
+     "decode_dcp=3 is not allowed: a divisor of decode_tp=4: one of [1, 2, 4]"),
+    (["--pools", "disaggregated", "--tp", "2", "--dcp", "2", "--prefill-tp", "1"],
+     "prefill_dcp=2 is not allowed: a divisor of prefill_tp=1: one of [1]"),
+    (["--pools", "disaggregated", "--prefill-tp", "0"], "prefill_tp=0 is not allowed: an integer in [1, 1024]"),
+    (["--pools", "disaggregated", "--decode-dcp", "0"], "decode_dcp=0 is not allowed"),
 ])
 def test_refusals_name_the_flag_before_loading_anything(flags, message, capsys):
     assert main(["serve", *flags]) == 2
@@ -113,3 +120,20 @@ def test_the_cli_parser_needs_no_grpc():
             "print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    (["--tp", "2", "--dcp", "2"], {"prefill": (2, 2), "decode": (2, 2)}),  # --tp/--dcp: both pools
+    (["--prefill-tp", "1", "--decode-tp", "2", "--decode-dcp", "2"], {"prefill": (1, 1), "decode": (2, 2)}),
+    (["--tp", "4", "--dcp", "2", "--decode-dcp", "4"], {"prefill": (4, 2), "decode": (4, 4)}),
+])
+def test_per_pool_parallelism_reaches_the_coordinator(flags, want):
+    from meshserve.api.serve import build_service, configs_of, pool_parallel_of
+
+    args = build_parser().parse_args(["serve", "--pools", "disaggregated", *flags])
+    engine, pools, _ = configs_of(args)
+    per_pool = pool_parallel_of(args, pools)
+    service = build_service(engine, pools, model_name=None, device="cpu", progress=False,
+                            prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
+    layouts = service.config.parallel_by_role()  # built, not started: no rank runs
+    assert {role: (p.tp, p.dcp) for role, p in layouts.items()} == want

@@ -39,6 +39,7 @@ class Scenario:
         device: str = "cpu",
         needs_lse: bool = False,
         compute_capability: tuple[int, int] | None = None,
+        dcp_size: int = 1,
     ) -> AttentionProblem:
         return AttentionProblem(
             spec=self.attention_spec(),
@@ -48,6 +49,7 @@ class Scenario:
             device=device,
             compute_capability=compute_capability,
             needs_lse=needs_lse,
+            dcp_size=dcp_size,
         )
 
 

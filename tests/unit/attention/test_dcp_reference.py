@@ -1,11 +1,13 @@
 """DCP-sharded caches: every rank attends over its shard with global positions; the LSE merge
-of the shards equals attention over the whole key set (the float64 oracle)."""
+of the shards equals attention over the whole key set (the float64 oracle). TORCH and TRITON
+(the interpreter on CPU) run the same table; tests/gpu/test_dcp_gpu.py runs it on the GPU."""
 
 import pytest
 import torch
 
-from meshserve.attention.backend import KVCache
+from meshserve.attention.backend import KVCache, LayerParams
 from meshserve.attention.backends.torch_ref import TorchBackend
+from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.metadata import AttentionMetadata
 from tests.unit.attention.scenarios import SCENARIO_BY_NAME, assert_matches, make_case, oracle
 
@@ -13,7 +15,8 @@ DCP_SCENARIOS = ["small_decode", "mixed_prefill_decode", "chunked_prefill", "lon
                  "sliding_window", "streaming_sinks", "sinks", "alibi", "softcap", "fp8_e4m3"]
 
 
-def shard_run(case, dcp: int, rank: int, gen: torch.Generator, backend_cls=TorchBackend):
+def shard_run(case, dcp: int, rank: int, gen: torch.Generator, backend_cls=TorchBackend, *, dtype="float32",
+              device="cpu", backend_kwargs=None):
     """Run `backend_cls` (TORCH by default) on DCP rank `rank`'s shard of `case`; returns (out, lse)."""
     sc = case.scenario
     bs = sc.block_size
@@ -27,34 +30,58 @@ def shard_run(case, dcp: int, rank: int, gen: torch.Generator, backend_cls=Torch
         tables.append(perm[at: at + n])
         at += n
     src = case.kv_cache
-    data = torch.zeros((num_blocks, *src.data.shape[1:]), dtype=src.data.dtype)
-    cache = KVCache(data, src.k_scale, src.v_scale)
+    # Noise outside the sequences: a read past a shard's end shows up as a wrong number.
+    data = (torch.randn((num_blocks, *src.data.shape[1:]), generator=gen) * 100).to(src.data.dtype)
+    k_scale, v_scale = src.k_scale.cpu(), src.v_scale.cpu()
+    cache = KVCache(data, k_scale, v_scale)
     for s, ctx in enumerate(sc.context_lens):  # earlier context, by plain indexing
         for pos in range(rank, ctx, dcp):
             lp = pos // dcp
             stored = torch.stack([case.keys64[s][pos], case.values64[s][pos]])
             if cache.is_fp8:
-                stored = stored / torch.stack([src.k_scale, src.v_scale]).double()[:, None, None]
+                stored = stored / torch.stack([k_scale, v_scale]).double()[:, None, None]
             cache.data[tables[s][lp // bs], :, lp % bs] = stored.to(data.dtype)
+    # Built on the CPU (fast element writes), then moved.
+    cache = KVCache(data.to(device), k_scale.to(device), v_scale.to(device))
+    layer = LayerParams(*(None if t is None else t.to(device) for t in (case.layer.sinks, case.layer.alibi_slopes)))
     meta = AttentionMetadata.build(query_lens=sc.query_lens, seq_lens=seq_lens, block_tables=tables,
-                                   block_size=bs, dcp_size=dcp, dcp_rank=rank)
-    backend = backend_cls(sc.problem(needs_lse=True))
+                                   block_size=bs, dcp_size=dcp, dcp_rank=rank, device=device)
+    cc = torch.cuda.get_device_capability() if device == "cuda" else None
+    problem = sc.problem(dtype, device=device, needs_lse=True, compute_capability=cc, dcp_size=dcp)
+    backend = backend_cls(problem, **(backend_kwargs or {}))
     plan = backend.plan(meta)
-    backend.write_kv(case.key, case.value, cache, meta.slot_mapping)
-    return backend.forward(case.query, case.key, case.value, cache, plan, layer=case.layer, return_lse=True)
+    query, key, value = (t.to(device) for t in (case.query, case.key, case.value))
+    backend.write_kv(key, value, cache, meta.slot_mapping)
+    return backend.forward(query, key, value, cache, plan, layer=layer, return_lse=True)
+
+
+def merge_shards(parts):
+    """LSE merge of per-rank (out, lse) in float64: (merged out [T, H, Dv], lse [T, H])."""
+    outs = torch.stack([o.double().cpu() for o, _ in parts])  # [dcp, T, H, D]
+    lses = torch.stack([lse.double().cpu() for _, lse in parts])  # [dcp, T, H]
+    lse = torch.logsumexp(lses, dim=0)
+    weights = torch.nan_to_num(torch.exp(lses - lse), nan=0.0)
+    return (weights[..., None] * outs).sum(0), lse
 
 
 @pytest.mark.parametrize("name", DCP_SCENARIOS)
 @pytest.mark.parametrize("dcp", [2, 3])
-def test_dcp_shards_merge_to_full_attention(name, dcp):
+@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend], ids=lambda b: b.name)
+def test_dcp_shards_merge_to_full_attention(name, dcp, backend_cls):
     case = make_case(SCENARIO_BY_NAME[name])
     gen = torch.Generator().manual_seed(dcp)
-    parts = [shard_run(case, dcp, r, gen) for r in range(dcp)]
-    outs = torch.stack([o.double() for o, _ in parts])  # [dcp, T, H, D]
-    lses = torch.stack([lse.double() for _, lse in parts])  # [dcp, T, H]
-    lse = torch.logsumexp(lses, dim=0)
-    weights = torch.nan_to_num(torch.exp(lses - lse), nan=0.0)
-    merged = (weights[..., None] * outs).sum(0)
+    merged, lse = merge_shards([shard_run(case, dcp, r, gen, backend_cls) for r in range(dcp)])
+    ref_out, ref_lse = oracle(case)
+    assert_matches(merged, lse, ref_out, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("name", ["small_decode", "long_decode", "sliding_window", "streaming_sinks", "sinks"])
+def test_triton_dcp_split_decode(name):
+    """Split-KV decode (a fixed 16-key partition, so several splits per shard) over DCP shards."""
+    case = make_case(SCENARIO_BY_NAME[name])
+    gen = torch.Generator().manual_seed(7)
+    parts = [shard_run(case, 2, r, gen, TritonBackend, backend_kwargs={"decode_partition": 16}) for r in range(2)]
+    merged, lse = merge_shards(parts)
     ref_out, ref_lse = oracle(case)
     assert_matches(merged, lse, ref_out, ref_lse, torch.float32)
 

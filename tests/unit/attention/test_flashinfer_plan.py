@@ -54,7 +54,8 @@ class FakePrefill(FakeWrapper):
         super().__init__("prefill", float_workspace_buffer, kv_layout, backend=backend)
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
-             num_kv_heads, head_dim_qk, page_size, *, causal=False, pos_encoding_mode="NONE", sm_scale=None,
+             num_kv_heads, head_dim_qk, page_size, head_dim_vo=None, custom_mask=None, packed_custom_mask=None,
+             causal=False, pos_encoding_mode="NONE", sm_scale=None,
              window_left=-1, logits_soft_cap=None, q_data_type="float16", kv_data_type=None):
         self.plans.append(dict(locals(), self=None))
 
@@ -89,10 +90,10 @@ def fake_flashinfer(monkeypatch):
     return module
 
 
-def backend(**spec) -> FlashInferBackend:
+def backend(dcp_size: int = 1, **spec) -> FlashInferBackend:
     spec = dict(num_heads=8, num_kv_heads=2, head_size=64) | spec
     problem = AttentionProblem(spec=AttentionSpec(**spec), dtype="bfloat16", block_size=PAGE, max_model_len=1024,
-                               device="cuda", compute_capability=(9, 0))
+                               device="cuda", compute_capability=(9, 0), dcp_size=dcp_size)
     assert FlashInferBackend.validate_configuration(problem) == []
     return FlashInferBackend(problem)
 
@@ -254,3 +255,66 @@ def test_cross_attention_pages_the_encoder_cache(fake_flashinfer):
     assert ints(p["paged_kv_indices"]) == [9, 4, 30, 31, 7]
     assert ints(p["paged_kv_last_page_len"]) == [1, 8]
     assert p["causal"] is False
+
+
+# ---------------------------------------------------------------------------- DCP-sharded caches
+def brute_mask(query_lens, seq_lens, dcp, rank, window=None) -> list[bool]:
+    """Key slot l of this rank (global position l * dcp + rank) is visible to the query at qp."""
+    out = []
+    for q, s in zip(query_lens, seq_lens):
+        n = max((s - rank + dcp - 1) // dcp, 1)
+        for qp in range(s - q, s):
+            for slot in range(n):
+                kp = slot * dcp + rank
+                out.append(kp < s and kp <= qp and (window is None or qp - kp < window))
+    return out
+
+
+@pytest.mark.parametrize(("dcp", "rank"), [(2, 0), (2, 1), (4, 3)])
+def test_dcp_pages_local_tokens_and_masks_prefill_rows_by_global_position(fake_flashinfer, dcp, rank):
+    be = backend(dcp_size=dcp)
+    q_lens, s_lens = (7, 12, 1, 1), (7, 40, 21, 46)  # a prompt, a chunk after 28 cached, two decodes
+    md = batch(q_lens, s_lens, dcp_size=dcp, dcp_rank=rank)
+    plan = be.plan(md)
+    prefill, decode = fake_flashinfer.built
+    local = [max((s - rank + dcp - 1) // dcp, 1) for s in s_lens]
+    (p,) = prefill.plans
+    assert p["causal"] is False and p["window_left"] == -1  # FlashInfer's masks compare local indices
+    assert p["custom_mask"].tolist() == brute_mask(q_lens[:2], s_lens[:2], dcp, rank)
+    indptr, indices, last = expected_pages(md.block_table[:2], local[:2])
+    assert (ints(p["paged_kv_indptr"]), ints(p["paged_kv_indices"]), ints(p["paged_kv_last_page_len"])) == (
+        indptr, indices, last)
+    (d,) = decode.plans
+    indptr, indices, last = expected_pages(md.block_table[2:], local[2:])
+    assert (ints(d["indptr"]), ints(d["indices"]), ints(d["last_page_len"])) == (indptr, indices, last)
+    assert d["window_left"] == -1  # the decode query is the newest token: every local key is older
+    assert plan.num_prefill_tokens == 19 and plan.has_prefill and plan.has_decode
+
+
+def test_dcp_with_a_window_masks_decode_rows_on_the_prefill_wrapper(fake_flashinfer):
+    be = backend(dcp_size=2, sliding_window=8)
+    q_lens, s_lens = (9, 1, 1), (30, 21, 46)
+    plan = be.plan(batch(q_lens, s_lens, dcp_size=2, dcp_rank=1))
+    prefill, decode = fake_flashinfer.built
+    (p,) = prefill.plans
+    assert decode.plans == [] and not plan.has_decode and plan.num_prefill_tokens == 11
+    assert ints(p["qo_indptr"]) == [0, 9, 10, 11]
+    assert p["custom_mask"].tolist() == brute_mask(q_lens, s_lens, 2, 1, window=8)
+    assert p["window_left"] == -1 and p["causal"] is False
+
+
+def test_dcp_rows_that_see_no_key_of_the_shard_come_out_zero_with_lse_minus_inf(fake_flashinfer):
+    be = backend(dcp_size=4)
+    # rank 3 holds position 3 of the prompt only; decodes at seq_len 3 (nothing here) and 9 (3, 7)
+    md = batch((5, 1, 1), (5, 3, 9), dcp_size=4, dcp_rank=3)
+    plan = be.plan(md)
+    q = torch.randn(7, 8, 64).to(torch.bfloat16)
+    out, lse = be.forward(q, None, None, KVCache(torch.zeros(200, 2, PAGE, 2, 64, dtype=torch.bfloat16)), plan,
+                          return_lse=True)
+    empty = [0, 1, 2, 5]  # prompt queries at 0..2 see no key of rank 3; the seq_len-3 decode has none
+    assert sorted(plan.empty_rows.tolist()) == empty
+    assert torch.equal(out[empty], torch.zeros_like(out[empty])) and torch.all(lse[empty] == float("-inf"))
+    kept = [3, 4, 6]
+    assert torch.equal(out[kept], q[kept]) and torch.allclose(lse[kept], torch.full((3, 8), LSE2 * math.log(2.0)))
+    (d,) = fake_flashinfer.built[1].plans
+    assert ints(d["last_page_len"]) == [1, 2]  # an empty request pages one slot (zeroed above)

@@ -64,7 +64,8 @@ TOPOLOGY = {
                                           "PodDisruptionBudget", "NetworkPolicy"}),
     "gpu-tp8-dcp2": ({"unified": (2, 8, 8)}, {"Deployment", "ConfigMap", "Service", "ServiceAccount",
                                               "PodDisruptionBudget", "NetworkPolicy", "ServiceMonitor"}),
-    "disaggregated": ({"prefill": (2, 8, 8), "decode": (4, 8, 8)},
+    # prefill tp=4 (its own layout): 2 replicas share one 8-GPU pod; decode tp=8 (engine.tp), dcp=2.
+    "disaggregated": ({"prefill": (1, 8, 8), "decode": (4, 8, 8)},
                       {"Deployment", "ConfigMap", "Service", "ServiceAccount", "PodDisruptionBudget",
                        "NetworkPolicy"}),
     # tp=2 on 4-GPU pods: 1 prefill replica and 2 decode replicas need 2 and 4 GPUs.
@@ -163,6 +164,11 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     assert demo["MESHSERVE_MODEL"] == demo["MESHSERVE_BLOCK_SIZE"] == demo["MESHSERVE_TLS_CERT"] == ""
     kuberay = one(rendered["kuberay"], "ConfigMap", "ms-meshserve-config")["data"]
     assert kuberay["RAY_HEAD_HOST"] == "ms-meshserve-head-svc.llm.svc"
+    # A pool's own layout (pools.<pool>.tp/dcp), empty where the pool follows engine.tp/dcp.
+    assert all(demo[f"MESHSERVE_{p}_{k}"] == "" for p in ("PREFILL", "DECODE") for k in ("TP", "DCP"))
+    split = one(rendered["disaggregated"], "ConfigMap", "ms-meshserve-config")["data"]
+    assert {k: split[f"MESHSERVE_{k}"] for k in ("PREFILL_TP", "PREFILL_DCP", "DECODE_TP", "DECODE_DCP")} == {
+        "PREFILL_TP": "4", "PREFILL_DCP": "", "DECODE_TP": "", "DECODE_DCP": "2"}
 
 
 def test_model_pvc_is_mounted_read_only_everywhere(rendered):

@@ -107,7 +107,7 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
     assert serve == ["meshserve", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
                      "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16", "--tp", "8", "--dcp", "1",
                      "--pools", "disaggregated", "--prefill-replicas", "2", "--decode-replicas", "4",
-                     "--model", "/models/Qwen3-32B", "--seed", "7"]
+                     "--prefill-tp", "4", "--decode-dcp", "2", "--model", "/models/Qwen3-32B", "--seed", "7"]
 
 
 def test_head_flags_parse_with_the_real_cli(tmp_path, stubs):

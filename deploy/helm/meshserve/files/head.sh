@@ -36,16 +36,21 @@ args=(serve
   --tp "${MESHSERVE_TP}"
   --dcp "${MESHSERVE_DCP}"
   --pools "${MESHSERVE_POOLS}")
-if [[ "${MESHSERVE_POOLS}" == "unified" ]]; then
-  args+=(--replicas "${MESHSERVE_REPLICAS}")
-else
-  args+=(--prefill-replicas "${MESHSERVE_PREFILL_REPLICAS}" --decode-replicas "${MESHSERVE_DECODE_REPLICAS}")
-fi
 
 # optional FLAG VALUE: add the flag only when the value is set.
 optional() {
   if [[ -n "$2" ]]; then args+=("$1" "$2"); fi
 }
+if [[ "${MESHSERVE_POOLS}" == "unified" ]]; then
+  args+=(--replicas "${MESHSERVE_REPLICAS}")
+else
+  args+=(--prefill-replicas "${MESHSERVE_PREFILL_REPLICAS}" --decode-replicas "${MESHSERVE_DECODE_REPLICAS}")
+  # a pool's own layout; unset: --tp/--dcp
+  optional --prefill-tp "${MESHSERVE_PREFILL_TP:-}"
+  optional --prefill-dcp "${MESHSERVE_PREFILL_DCP:-}"
+  optional --decode-tp "${MESHSERVE_DECODE_TP:-}"
+  optional --decode-dcp "${MESHSERVE_DECODE_DCP:-}"
+fi
 optional --model "${MESHSERVE_MODEL:-}"
 optional --attention-backend "${MESHSERVE_ATTENTION_BACKEND:-}"
 optional --block-size "${MESHSERVE_BLOCK_SIZE:-}"

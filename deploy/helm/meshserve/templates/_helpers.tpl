@@ -76,14 +76,36 @@ meshserve.io/pool: {{ .pool }}
 {{- end -}}
 
 {{/*
-Ranks one worker pod hosts: its GPUs, or one whole replica (tp ranks) on CPU-only pods. Each pod
-advertises this many units of the Ray resource "meshserve_<pool>".
+A pool's layout: pools.<pool>.tp / .dcp when set (prefill and decode pools), else engine.tp /
+engine.dcp. Call with (dict "root" $ "pool" NAME).
+*/}}
+{{- define "meshserve.poolTp" -}}
+{{- $p := get .root.Values.pools .pool -}}
+{{- if or (not (hasKey $p "tp")) (kindIs "invalid" (get $p "tp")) -}}
+{{- int .root.Values.engine.tp -}}
+{{- else -}}
+{{- int (get $p "tp") -}}
+{{- end -}}
+{{- end -}}
+{{- define "meshserve.poolDcp" -}}
+{{- $p := get .root.Values.pools .pool -}}
+{{- if or (not (hasKey $p "dcp")) (kindIs "invalid" (get $p "dcp")) -}}
+{{- int .root.Values.engine.dcp -}}
+{{- else -}}
+{{- int (get $p "dcp") -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Ranks one worker pod of a pool hosts: its GPUs, or one whole replica (the pool's tp ranks) on
+CPU-only pods. Each pod advertises this many units of the Ray resource "meshserve_<pool>".
+Call with (dict "root" $ "pool" NAME).
 */}}
 {{- define "meshserve.slotsPerPod" -}}
-{{- if gt (int .Values.worker.gpus) 0 -}}
-{{- int .Values.worker.gpus -}}
+{{- if gt (int .root.Values.worker.gpus) 0 -}}
+{{- int .root.Values.worker.gpus -}}
 {{- else -}}
-{{- int .Values.engine.tp -}}
+{{- include "meshserve.poolTp" . -}}
 {{- end -}}
 {{- end -}}
 
@@ -91,8 +113,8 @@ advertises this many units of the Ray resource "meshserve_<pool>".
 {{- define "meshserve.workerPods" -}}
 {{- $v := .root.Values -}}
 {{- $replicas := int (get (get $v.pools .pool) "replicas") -}}
-{{- $ranks := mul $replicas (int $v.engine.tp) -}}
-{{- $slots := int (include "meshserve.slotsPerPod" .root) -}}
+{{- $ranks := mul $replicas (int (include "meshserve.poolTp" .)) -}}
+{{- $slots := int (include "meshserve.slotsPerPod" .) -}}
 {{- div (add $ranks (sub $slots 1)) $slots -}}
 {{- end -}}
 

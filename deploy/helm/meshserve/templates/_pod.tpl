@@ -263,7 +263,7 @@ containers:
       - name: MESHSERVE_POOL
         value: {{ .pool }}
       - name: MESHSERVE_POOL_SLOTS
-        value: {{ include "meshserve.slotsPerPod" $root | quote }}
+        value: {{ include "meshserve.slotsPerPod" (dict "root" $root "pool" .pool) | quote }}
       - name: RAY_NUM_CPUS
         value: {{ int $v.worker.cpus | quote }}
       - name: RAY_NUM_GPUS

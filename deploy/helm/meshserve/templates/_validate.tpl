@@ -17,6 +17,22 @@ what it was set to, and what is allowed, like meshserve's own ConfigError.
 {{- if and (gt $gpus 0) (ne (mod $gpus $tp) 0) -}}
 {{- fail (printf "engine.tp=%d is not allowed with worker.gpus=%d: a tensor-parallel group must fit in one worker pod, so tp must divide worker.gpus (raise worker.gpus to a multiple of %d, or lower tp)" $tp $gpus $tp) -}}
 {{- end -}}
+{{- if eq $v.pools.mode "disaggregated" -}}
+{{- range $pool := list "prefill" "decode" -}}
+{{- $ptp := int (include "meshserve.poolTp" (dict "root" $ "pool" $pool)) -}}
+{{- $pdcp := int (include "meshserve.poolDcp" (dict "root" $ "pool" $pool)) -}}
+{{- $pdiv := list -}}
+{{- range $d := untilStep 1 (int (add $ptp 1)) 1 -}}
+{{- if eq (mod $ptp $d) 0 -}}{{- $pdiv = append $pdiv $d -}}{{- end -}}
+{{- end -}}
+{{- if ne (mod $ptp $pdcp) 0 -}}
+{{- fail (printf "pools.%s.dcp=%d is not allowed: it must divide the pool's tp=%d (one of %s)" $pool $pdcp $ptp (join ", " $pdiv)) -}}
+{{- end -}}
+{{- if and (gt $gpus 0) (ne (mod $gpus $ptp) 0) -}}
+{{- fail (printf "pools.%s.tp=%d is not allowed with worker.gpus=%d: a tensor-parallel group must fit in one worker pod, so tp must divide worker.gpus" $pool $ptp $gpus) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
 {{- if and (eq $gpus 0) (eq $v.engine.attentionBackend "FLASHINFER") -}}
 {{- fail "engine.attentionBackend=FLASHINFER is not allowed with worker.gpus=0: FlashInfer needs CUDA GPUs (use auto, TORCH or TRITON)" -}}
 {{- end -}}
