@@ -166,4 +166,7 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
                         transform=transform)
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
         load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, progress=progress)
+        # Modules that want a say once their weights are in (MoE layers: expert layouts, counters).
+        for module in [m for m in model.modules() if hasattr(m, "finish_loading")]:
+            module.finish_loading(device)
     return model
