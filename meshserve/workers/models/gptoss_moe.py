@@ -11,9 +11,9 @@ Per token x [hidden]:
 
 Parameters keep HF's names and layouts ([E, in, out], "transposed" against nn.Linear), so each
 checkpoint tensor loads as one parameter. Each expert runs once per step on its tokens
-(moe.combine_experts). Tensor parallelism (`shard_swiglu_moe`, called by transformer_parallel.py)
-splits every expert's intermediate columns: gate/up pairs stay together because they are
-interleaved.
+(moe.run_moe; fused kernels on CUDA). Tensor parallelism (`shard_swiglu_moe`, called by
+transformer_parallel.py) splits every expert's intermediate columns: gate/up pairs stay together
+because they are interleaved; expert parallelism spreads whole experts over ranks.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
+from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
 from meshserve.workers.models.moe import reset_expert_load, run_moe
 
@@ -99,17 +100,22 @@ class SwigluMoE(nn.Module):
 
 
 def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:
-    """Tensor parallelism on the meta-device model: every expert keeps intermediate/tp of its
-    features (loader: workers/sharding.py EXPERT_SPLITS); the router stays whole, so each rank
-    routes alike; partial outputs are summed by one all-reduce per layer, and only rank 0 adds
-    the experts' down-projection bias."""
+    """Tensor (and expert) parallelism on the meta-device model: every expert keeps
+    intermediate/expert_tp of its features (loader: workers/sharding.py EXPERT_SPLITS; without
+    expert parallelism expert_tp is tp), and under --ep a rank keeps only its E/ep experts
+    (expert_parallel.py). The router stays whole, so each rank routes alike; partial outputs are
+    summed by one all-reduce per layer, and only one rank per expert adds its down-projection bias."""
     bank = moe.experts
     experts, hidden, two_i = bank.gate_up_proj.shape
-    inter = two_i // 2
-    check(inter % ctx.tp == 0, "tp", ctx.tp, f"a divisor of the experts' intermediate_size={inter}")
-    local = inter // ctx.tp
-    bank.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * local), requires_grad=False)
-    bank.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * local), requires_grad=False)
-    bank.down_proj = nn.Parameter(torch.empty(experts, local, hidden), requires_grad=False)
-    bank.add_down_bias = ctx.rank == 0
+    inter, split = two_i // 2, ctx.expert_tp
+    check(inter % split == 0, "tp", ctx.tp, f"tp/ep dividing the experts' intermediate_size={inter} (ep={ctx.ep})")
+    shard = shard_experts_for(ctx, experts)
+    local, num = inter // split, experts if shard is None else shard.num_local
+    bank.gate_up_proj = nn.Parameter(torch.empty(num, hidden, 2 * local), requires_grad=False)
+    bank.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * local), requires_grad=False)
+    bank.down_proj = nn.Parameter(torch.empty(num, local, hidden), requires_grad=False)
+    bank.down_proj_bias = nn.Parameter(torch.empty(num, hidden), requires_grad=False)
+    bank.add_down_bias = ctx.expert_tp_rank == 0
+    moe.expert_shard = shard
+    moe.expert_load = torch.zeros(num, dtype=torch.int64)
     moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
