@@ -206,6 +206,7 @@ class LocalService:
             prompt_tokens=self._prompt_tokens,
             num_preemptions=self._totals.num_preemptions + core.scheduler.stats.num_preemptions,
             generated_tokens=self._totals.generated_tokens + core.executor.num_sampled,
+            expert_tokens=core.executor.worker.expert_load(),  # in-process: the counters on the device
         )
 
     async def shutdown(self, *, drain: bool = True) -> None:

@@ -229,6 +229,27 @@ class Worker:
         check(self.runner is not None, "worker", "not started", "start() before collect()")
         return self.runner.collect()
 
+    def expert_load(self) -> list[list[int]]:
+        """Rows routed to each expert since start, one list of num_experts counts per MoE layer.
+
+        A rank reports the experts it holds (zeros elsewhere); only the first EP group reports
+        (the others count the same rows for their slices of the experts), so the replica sums
+        its ranks' lists. Empty for dense models.
+        """
+        if self.runner is None:
+            return []
+        layers = [m for m in self.runner.model.modules() if hasattr(m, "expert_load")]
+        if not layers or self.ctx.expert_tp_rank != 0:
+            return [[0] * routed_experts(self.runner.model.arch) for _ in layers]
+        out = []
+        for m in layers:
+            shard = m.expert_shard
+            counts = [0] * (m.expert_load.numel() if shard is None else shard.num_experts)
+            first = 0 if shard is None else shard.first
+            counts[first : first + m.expert_load.numel()] = m.expert_load.tolist()
+            out.append(counts)
+        return out
+
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,
                 "active_requests": 0 if self.runner is None else self.runner.num_active_requests}

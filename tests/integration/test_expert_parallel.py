@@ -57,11 +57,9 @@ def rank_main(rank, world, init_method, path, ep, num_experts, batch, out_file):
         layers = _moe_layers(worker.runner.model)
         assert layers and all(m.expert_load.numel() == num_experts // ep for m in layers)  # this rank's experts
         results = generate(core, batch)
-        # Rows per expert, every MoE layer: the EP group's counters side by side cover all experts.
-        local = torch.stack([m.expert_load for m in layers])
-        parts = [torch.empty_like(local) for _ in range(ep)]
-        torch.distributed.all_gather(parts, local, group=worker.ctx.ep_group)
-        load = torch.cat(parts, dim=1)
+        # Rows per expert and MoE layer as the metrics see them: the sum of the ranks' reports.
+        load = torch.tensor(worker.expert_load())
+        torch.distributed.all_reduce(load)
     finally:
         core.shutdown()
     if rank == 0:

@@ -71,7 +71,7 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     flat = F.pad(ids, (0, 0, 0, pad), value=-1)[lo : lo + chunk].reshape(-1)  # [C k]
     cap = chunk * min(k, local)  # rows one peer can receive from this rank
     owner = torch.where(flat >= 0, flat // local, ep)  # padding rows: owner ep, nowhere
-    onehot = F.one_hot(owner, ep + 1)
+    onehot = (owner[:, None] == torch.arange(ep + 1, device=owner.device)).long()  # (F.one_hot syncs on CUDA)
     pos = (onehot.cumsum(0) * onehot).sum(1) - 1  # rank of each row among its owner's rows
     dest = torch.where(owner < ep, owner * cap + pos, ep * cap)  # ep * cap: a trash row
     send_x = x.new_zeros(ep * cap + 1, H).index_copy_(0, dest, xc.repeat_interleave(k, dim=0))
