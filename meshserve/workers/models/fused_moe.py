@@ -197,6 +197,9 @@ def _down_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
+    """block_n: gate_up's output columns per tile, each of gate and up (two accumulators, so the
+    tile is 2 * block_n wide); the down kernel takes tiles of 2 * block_n columns."""
+
     block_m: int
     block_n: int
     block_k: int
@@ -205,14 +208,15 @@ class TileConfig:
 
 
 def tile_config(num_rows: int, num_experts: int) -> TileConfig:
-    """Tiles by rows per expert: decode (a few rows per expert) streams weights in thin tiles,
-    GEMV-like; prefill takes tall tiles so each weight tile is reused by many rows."""
-    per_expert = num_rows / num_experts
+    """Tiles by rows per expert: decode (a few rows per expert) streams weights through narrow
+    tiles, GEMV-like, many programs in flight; prefill takes tall tiles so each weight tile is
+    reused by many rows (accumulators: 2 * block_m * block_n floats per program)."""
+    per_expert = num_rows / max(num_experts, 1)
     if per_expert <= 16:
-        return TileConfig(16, 64, 128, 4, 4)
+        return TileConfig(16, 32, 128, 4, 3)
     if per_expert <= 64:
-        return TileConfig(32, 64, 128, 4, 4)
-    return TileConfig(64, 128, 64, 8, 3)
+        return TileConfig(32, 64, 64, 4, 3)
+    return TileConfig(64, 64, 64, 8, 3)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
@@ -253,11 +257,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     # Rows of dropped slots are never written: zeros, so that the sum ignores them.
     y = (torch.zeros if may_drop else torch.empty)((n, H), dtype=x.dtype, device=x.device)
     route = weights.reshape(-1).contiguous()
-    _down_kernel[(tiles, triton.cdiv(H, cfg.block_n))](
+    _down_kernel[(tiles, triton.cdiv(H, 2 * cfg.block_n))](
         h, w2, experts.b2 if experts.b2 is not None else w2, route, y, align.sorted_rows, align.block_expert,
         n, H, inter, w2.stride(0), w2.stride(1),
         HAS_BIAS=experts.b2 is not None, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n, BLOCK_K=cfg.block_k,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     torch.sum(y.view(T, k, H), dim=1, out=out)

@@ -19,6 +19,7 @@ from meshserve.workers.models.fused_moe import (
     TileConfig,
     align_rows,
     fused_moe,
+    tile_config,
 )
 from meshserve.workers.models.gptoss_moe import SwigluMoE
 from meshserve.workers.models.moe import MoE
@@ -117,11 +118,13 @@ def test_fused_moe_matches_float64(dtype, act, kind, T):
     torch.testing.assert_close(got.double(), _oracle(x, weights, ids, ew), **ORACLE_TOL[dtype])
 
 
-def test_fused_moe_default_tiles_and_no_tokens():
+@pytest.mark.parametrize("T", [4, 70, 300])  # each of tile_config's three choices
+def test_fused_moe_default_tiles_and_no_tokens(T):
     gen = torch.Generator().manual_seed(3)
     ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
-    x = torch.randn(70, H, generator=gen)
-    ids, weights = _routing("random", 70, gen), torch.rand(70, TOP_K, generator=gen)
+    x = torch.randn(T, H, generator=gen)
+    ids, weights = _routing("random", T, gen), torch.rand(T, TOP_K, generator=gen)
+    assert tile_config(ids.numel(), E).block_m == {4: 16, 70: 32, 300: 64}[T]
     torch.testing.assert_close(fused_moe(x, weights, ids, ew).double(), _oracle(x, weights, ids, ew),
                                **ORACLE_TOL[torch.float32])  # fmt: skip
     empty = fused_moe(x[:0], weights[:0], ids[:0], ew)
