@@ -35,6 +35,7 @@ args=(serve
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"
   --dcp "${MESHSERVE_DCP}"
+  --ep "${MESHSERVE_EP}"
   --pools "${MESHSERVE_POOLS}")
 if [[ "${MESHSERVE_POOLS}" == "unified" ]]; then
   args+=(--replicas "${MESHSERVE_REPLICAS}")
