@@ -119,6 +119,16 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
 
 
 @triton.jit
+def _tile(rows_ptr, block_expert_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (m, n)'s expert (-1: unused tile), its BLOCK_M sorted rows and BLOCK_N columns."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, rows < num_rows, cols, cols < num_cols
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr,
     num_rows, hidden, inter, stride_x, stride_we, stride_wn, alpha, limit,
@@ -126,15 +136,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (m, n): tile m of the sorted rows (one expert), intermediate columns n*BLOCK_N...
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert, rows, row_ok, cols, col_ok = _tile(rows_ptr, block_expert_ptr, num_rows, inter, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < num_rows
     token = rows // TOP_K
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < inter
     ks = tl.arange(0, BLOCK_K)
     w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn  # [1, BN]: W13[e, col, :]
     w_up = w_gate + inter * stride_wn
@@ -171,14 +176,9 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (m, n): tile m of the sorted rows, output columns n*BLOCK_N...; y[row] is weighted.
-    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    expert, rows, row_ok, cols, col_ok = _tile(rows_ptr, block_expert_ptr, num_rows, hidden, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
-    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    row_ok = rows < num_rows
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < hidden
     ks = tl.arange(0, BLOCK_K)
     w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn  # W2[e, col, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
