@@ -16,7 +16,6 @@ from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.spmd import SpmdExecutor
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.errors import ConfigError
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
 from tests.integration.distributed import run_ranks
@@ -99,13 +98,3 @@ def test_expert_parallel_matches_single_rank(references, tmp_path, arch, tp, ep)
     # The same rows reached each expert as on one rank (dispatch padding is not counted).
     assert got["load"] == want_load
 
-
-def test_ep_layout_errors_name_the_field():
-    with pytest.raises(ConfigError, match="ep.*divisor of tp=4"):
-        ParallelConfig(tp=4, ep=3)
-    with pytest.raises(ConfigError, match="ep"):
-        ParallelConfig(tp=2, ep=0)
-    with pytest.raises(ConfigError, match="num_experts=4"):
-        ParallelConfig(tp=8, ep=8).check_experts(4)
-    with pytest.raises(ConfigError, match="without routed experts"):
-        ParallelConfig(tp=2, ep=2).check_experts(None)
