@@ -160,6 +160,20 @@ def flashinfer_fn(ew, gate_first: bool) -> Callable:
     return run
 
 
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (as decode steps run it): replaying costs no launch overhead."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
 def time_us(fn: Callable[[], object], device: str, iters: int) -> float:
     for _ in range(3):
         fn()
@@ -234,6 +248,10 @@ def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch
             us = time_us(lambda x=x: packed(x), device, iters)  # routing + fused experts (+ shared experts)
             rows.append(Row(shape.name, T, "fused layer", us, roof, us / roof, flops / us / 1e6, None,
                             "router + experts" + (" + shared experts" if shape.shared else "")))
+            if device == "cuda":  # as decode steps run it: inside a CUDA graph
+                us = time_us(graphed(lambda x=x, w=w, ids=ids, f=variants["fused"]: f(x, w, ids)), device, iters)
+                rows.append(Row(shape.name, T, "fused graph", us, roof, us / roof, flops / us / 1e6, None,
+                                "experts, replayed from a CUDA graph"))
         print(f"  {shape.name} T={T} done", file=sys.stderr, flush=True)
     return rows
 

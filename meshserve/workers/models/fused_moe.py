@@ -90,11 +90,22 @@ class Alignment:
     block_m: int
 
 
-def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
+ALIGN_KERNEL_MAX_ROWS = 2048  # up to here (decode batches) one Triton program aligns; torch ops beyond
+
+
+def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton: bool | None = None) -> Alignment:
     """Sort the T*k rows of ids [T, k] by expert, each expert's rows padded to block_m; ids
-    outside [0, num_experts) are dropped. Graph-safe: no host sync, sizes from T, k, E only."""
+    outside [0, num_experts) are dropped. Graph-safe: no host sync, sizes from T, k, E only.
+
+    use_triton None: on CUDA, for at most ALIGN_KERNEL_MAX_ROWS rows, one single-program kernel
+    (a decode step's alignment in one launch instead of about fifteen); otherwise torch ops.
+    Both give the same result (rows of an expert in their original order).
+    """
     flat = ids.reshape(-1)
     n = flat.numel()
+    max_padded = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    if n > 0 and (use_triton if use_triton is not None else (ids.is_cuda and n <= ALIGN_KERNEL_MAX_ROWS)):
+        return _align_with_kernel(flat, num_experts, block_m, max_padded)
     dropped = (flat < 0) | (flat >= num_experts)
     bucket = torch.where(dropped, num_experts, flat)  # dropped rows sort last, into bucket E
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
@@ -104,7 +115,6 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     padded_end = padded.cumsum(0)
     padded_start = padded_end - padded
     start = counts.cumsum(0) - counts
-    max_padded = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     order = torch.argsort(bucket, stable=True)
     expert = bucket[order]
     safe = expert.clamp(max=num_experts - 1)
@@ -116,6 +126,57 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int) -> Alignment:
     block_expert = torch.searchsorted(padded_end, tile_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return Alignment(sorted_rows[:max_padded], block_expert, counts, block_m)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, rows_ptr, block_expert_ptr, counts_ptr, n, num_experts, max_padded, num_tiles,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    # One program. Rows are matched against every expert as a [CHUNK, E] one-hot, so counts,
+    # ranks among an expert's rows and tile owners are sums and prefix sums of it.
+    experts = tl.arange(0, E_POW2)
+    e_ok = experts < num_experts
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        r = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < n, other=-1)
+        counts += tl.sum(((e[:, None] == experts[None, :]) & e_ok[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    tl.store(counts_ptr + experts, counts.to(tl.int64), mask=e_ok)
+    for start in range(0, max_padded, FILL):  # padding everywhere, then the rows over it
+        p = start + tl.arange(0, FILL)
+        tl.store(rows_ptr + p, tl.zeros([FILL], dtype=tl.int32) + n, mask=p < max_padded)
+    tl.debug_barrier()
+    seen = tl.zeros([E_POW2], dtype=tl.int32)  # rows of each expert placed so far
+    for start in range(0, n, CHUNK):
+        r = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < n, other=-1)
+        hit = ((e[:, None] == experts[None, :]) & e_ok[None, :]).to(tl.int32)  # [CHUNK, E]
+        earlier = tl.cumsum(hit, axis=0) - hit  # rows of the same expert before it in this chunk
+        dest = tl.sum(hit * ((padded_start + seen)[None, :] + earlier), axis=1)
+        tl.store(rows_ptr + dest, r.to(tl.int32), mask=tl.sum(hit, axis=1) > 0)
+        seen += tl.sum(hit, axis=0)
+    for start in range(0, num_tiles, FILL):  # a tile's expert: how many padded runs end at or before it
+        t = start + tl.arange(0, FILL)
+        ended = (padded_end[None, :] <= (t * BLOCK_M)[:, None]) & e_ok[None, :]
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + t, tl.where(owner < num_experts, owner, -1), mask=t < num_tiles)
+
+
+def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int) -> Alignment:
+    device = flat.device
+    rows = torch.empty(max_padded, dtype=torch.int32, device=device)
+    tiles = max_padded // block_m
+    block_expert = torch.empty(tiles, dtype=torch.int32, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    width = max(16, 8192 // e_pow2)  # [width, E] one-hot tiles of at most 8192 entries
+    _align_kernel[(1,)](flat.contiguous(), rows, block_expert, counts, flat.numel(), num_experts, max_padded,
+                        tiles, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=width, FILL=width, num_warps=4)  # fmt: skip
+    return Alignment(rows, block_expert, counts, block_m)
 
 
 @triton.jit

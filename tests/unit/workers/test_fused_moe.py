@@ -75,12 +75,13 @@ def _oracle(x, weights, ids, ew: ExpertWeights) -> torch.Tensor:
     return out
 
 
+@pytest.mark.parametrize("use_triton", [False, True])
 @pytest.mark.parametrize("kind", ["random", "sparse", "one_expert", "dropped"])
-@pytest.mark.parametrize("T", [1, 7, 40])
-def test_align_rows_sorts_pads_and_counts(kind, T):
+@pytest.mark.parametrize("T", [1, 7, 40, 700])
+def test_align_rows_sorts_pads_and_counts(kind, T, use_triton):
     ids = _routing(kind, T, torch.Generator().manual_seed(T))
     block = 8
-    a = align_rows(ids, E, block)
+    a = align_rows(ids, E, block, use_triton=use_triton)
     flat = ids.reshape(-1)
     n = flat.numel()
     rows = a.sorted_rows.view(-1, block)
@@ -101,6 +102,20 @@ def test_align_rows_sorts_pads_and_counts(kind, T):
     assert a.block_expert.tolist()[len(used) :] == [-1] * (len(a.block_expert) - len(used))
     want = torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
     assert torch.equal(a.tokens_per_expert, want)
+    if use_triton:  # the one-program kernel and the torch ops agree exactly
+        b = align_rows(ids, E, block, use_triton=False)
+        assert torch.equal(a.sorted_rows, b.sorted_rows) and torch.equal(a.block_expert, b.block_expert)
+
+
+@pytest.mark.parametrize("num_experts", [1, 64, 160])  # one expert; E a power of two; E not one
+def test_align_kernel_matches_torch_at_other_expert_counts(num_experts):
+    gen = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(-1, num_experts, (37, 3), generator=gen)
+    for block in (16, 64):
+        a = align_rows(ids, num_experts, block, use_triton=True)
+        b = align_rows(ids, num_experts, block, use_triton=False)
+        for name in ("sorted_rows", "block_expert", "tokens_per_expert"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (name, block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
