@@ -98,13 +98,28 @@ class ParallelConfig:
     tp: int = 1
     dcp: int = 1
     dcp_comm: DcpComm = DcpComm.AG_RS
+    # Expert parallelism (MoE models): the tp ranks form tp/ep groups of ep consecutive ranks;
+    # each rank of a group holds num_experts/ep whole experts (sliced tp/ep ways across groups).
+    ep: int = field(default=1, metadata={"help": "expert-parallel ranks (MoE models; a divisor of tp)"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dcp_comm", as_enum(DcpComm, "dcp_comm", self.dcp_comm))
         _positive("tp", self.tp, upper=1024)
         _positive("dcp", self.dcp, upper=1024)
+        _positive("ep", self.ep, upper=1024)
         divisors = [d for d in range(1, self.tp + 1) if self.tp % d == 0]
         check(self.tp % self.dcp == 0, "dcp", self.dcp, f"a divisor of tp={self.tp}: one of {divisors}")
+        check(self.tp % self.ep == 0, "ep", self.ep,
+              f"a divisor of tp={self.tp} (experts spread over the replica's ranks): one of {divisors}")
+
+    def check_experts(self, num_experts: int | None) -> None:
+        """Refuse an ep the model's experts cannot be spread over (num_experts None: a dense model)."""
+        if self.ep == 1:
+            return
+        check(num_experts is not None, "ep", self.ep, "1 for a model without routed experts")
+        ok = [e for e in range(1, self.tp + 1) if self.tp % e == 0 and num_experts % e == 0]
+        check(num_experts % self.ep == 0, "ep", self.ep,
+              f"a divisor of num_experts={num_experts} and of tp={self.tp}: one of {ok}")
 
     def check_heads(self, num_heads: int, num_kv_heads: int) -> None:
         """Refuse head counts this layout cannot split, saying which tp values would work."""

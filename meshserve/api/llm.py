@@ -164,6 +164,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")
     p.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (a divisor of --tp)")
+    p.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for MoE models (divides --tp and the number of experts)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
     p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of planning and running")
     p.add_argument("--dcp-comm", default="ag_rs", choices=["ag_rs", "a2a"], help="how DCP partial outputs merge")
@@ -186,7 +188,8 @@ def generate_main(args: argparse.Namespace) -> int:
 
         from meshserve.parallel.groups import local_rendezvous
 
-        ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm)  # refuse bad layouts before spawning
+        # Refuse bad layouts before spawning.
+        ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep)
         mp.start_processes(_generate_rank, args=(args, local_rendezvous()), nprocs=args.tp, join=True,
                            start_method="spawn")
         return 0
@@ -238,7 +241,7 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> Non
                           enforce_eager=args.enforce_eager),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
-        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm),
+        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),
     )
     worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device=args.device,
                     progress=False, init_method=init_method)

@@ -30,6 +30,8 @@ METRICS = {
     "meshserve_preemptions_total": "counter: requests preempted (KV freed, recomputed later)",
     "meshserve_replicas_healthy": "gauge: replicas able to serve",
     "meshserve_replicas": "gauge: replicas configured",
+    "meshserve_moe_expert_tokens": "gauge: rows routed to each expert since its replica started (labels layer, "
+                                   "expert; MoE models)",
     "meshserve_requests_total": "counter: finished Generate calls by gRPC status code (label code)",
     "meshserve_time_to_first_token_seconds": "histogram: arrival to first token",
     "meshserve_time_per_output_token_seconds": "histogram: (last token - first token) / (tokens - 1), per request",
@@ -69,6 +71,13 @@ class _ServiceCollector(Collector):
         yield counter("meshserve_preemptions_total", s.num_preemptions)
         yield gauge("meshserve_replicas_healthy", h.healthy_replicas)
         yield gauge("meshserve_replicas", h.total_replicas)
+        if s.expert_tokens:
+            experts = GaugeMetricFamily("meshserve_moe_expert_tokens", doc["meshserve_moe_expert_tokens"],
+                                        labels=["layer", "expert"])
+            for layer, row in enumerate(s.expert_tokens):
+                for expert, rows in enumerate(row):
+                    experts.add_metric([str(layer), str(expert)], rows)
+            yield experts
 
 
 class RequestTimer:

@@ -49,6 +49,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
+    m.add_argument("--ep", type=int, default=1,
+                   help="expert-parallel ranks for MoE models (divides tp and the number of experts)")
     m.add_argument("--attention-backend", default=None, help="TORCH, TRITON or FLASHINFER (default: automatic)")
     m.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens, a power of two (default 16; embedding models: the naive layout)")
@@ -115,7 +117,7 @@ def configs_of(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
-        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp),
+        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )
     pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address)

@@ -30,6 +30,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from meshserve.cluster.engine import EngineConfig
+from meshserve.cluster.executor import sum_expert_load
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
@@ -276,7 +277,8 @@ class Coordinator:
             prefix_hit_tokens=sum(s.prefix_hit_tokens for s in rows),
             prompt_tokens=sum(s.prompt_tokens for s in rows if s.role != "decode"),
             num_preemptions=sum(s.num_preemptions for s in rows),
-            generated_tokens=sum(s.generated_tokens for s in rows))
+            generated_tokens=sum(s.generated_tokens for s in rows),
+            expert_tokens=sum_expert_load([s.expert_tokens for s in rows]))
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:

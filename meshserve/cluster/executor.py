@@ -28,7 +28,13 @@ from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import WorkerInfo
 
 # What a driver may ask a rank to do (besides steps). Anything else is refused by the rank.
-RANK_METHODS = frozenset({"rendezvous", "start", "check_health", "kv_offer", "kv_pull"})
+RANK_METHODS = frozenset({"rendezvous", "start", "check_health", "kv_offer", "kv_pull", "expert_load"})
+
+
+def sum_expert_load(per_rank: Sequence[list[list[int]]]) -> list[list[int]]:
+    """The replica's rows per expert and MoE layer: the sum of its ranks' Worker.expert_load()."""
+    first = next((r for r in per_rank if r), [])
+    return [[sum(r[layer][e] for r in per_rank if r) for e in range(len(row))] for layer, row in enumerate(first)]
 DEFAULT_WORKER = "meshserve.workers.worker:Worker"
 
 

@@ -52,6 +52,10 @@ class _WatchedExecutor:
     def start(self):
         return self.inner.start()
 
+    def expert_load(self) -> list[list[int]]:
+        """The worker's rows per expert (MoE models), read from any thread: the counters only grow."""
+        return self.inner.call("expert_load", [{}])[0]
+
     def execute_step(self, plan: StepPlan) -> StepOutput:
         self.submit_step(plan)
         return self.collect_step()
@@ -206,6 +210,7 @@ class LocalService:
             prompt_tokens=self._prompt_tokens,
             num_preemptions=self._totals.num_preemptions + core.scheduler.stats.num_preemptions,
             generated_tokens=self._totals.generated_tokens + core.executor.num_sampled,
+            expert_tokens=core.executor.expert_load(),
         )
 
     async def shutdown(self, *, drain: bool = True) -> None:

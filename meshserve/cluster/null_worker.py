@@ -89,6 +89,9 @@ class NullWorker:
         if not torch.equal(total, mine * self.parallel.tp):
             raise RuntimeError(f"ranks disagree on the step: rank {self.rank} has {tokens}, sum {total.tolist()}")
 
+    def expert_load(self) -> list[list[int]]:
+        return []  # no experts
+
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.info is not None, "active_requests": len(self._seqs)}
 

@@ -4,6 +4,7 @@
     rendezvous()                    "tcp://<this host>:<free port>" (asked of rank 0)
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
+    expert_load()                   rows routed to each expert per MoE layer (Worker.expert_load)
     kv_offer(...)                   offer a request's blocks to pullers; returns the export address
     kv_pull(...)                    pull a request's blocks from the prefill ranks into given blocks
                                     (re-sharding when the pools' (tp, dcp) differ: kvstore/reshard.py)
@@ -72,6 +73,9 @@ class RankHost:
 
     def check_health(self) -> dict[str, Any]:
         return {} if self.worker is None else self.worker.check_health()
+
+    def expert_load(self) -> list[list[int]]:
+        return [] if self.worker is None else self.worker.expert_load()
 
     def shutdown(self) -> None:
         if self._server is not None:

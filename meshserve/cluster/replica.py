@@ -22,10 +22,10 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import Executor
+from meshserve.cluster.executor import Executor, sum_expert_load
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, RequestStatus, Sink
@@ -61,6 +61,7 @@ class ReplicaStats:
     num_handoffs: int = 0
     num_kv_imports: int = 0
     num_recomputes: int = 0
+    expert_tokens: list[list[int]] = field(default_factory=list)  # [MoE layer][expert] rows since start
 
 
 @dataclass
@@ -77,6 +78,12 @@ class _Counters:
     handoffs: int = 0
     kv_imports: int = 0
     recomputes: int = 0
+    expert_tokens: list[list[int]] = field(default_factory=list)
+    steps: int = 0
+
+
+# Steps between two reads of the ranks' expert load counters (and at every idle health check).
+EXPERT_LOAD_PERIOD = 64
 
 
 class Replica:
@@ -242,7 +249,13 @@ class Replica:
             prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
-            num_handoffs=c.handoffs, num_kv_imports=c.kv_imports, num_recomputes=c.recomputes)
+            num_handoffs=c.handoffs, num_kv_imports=c.kv_imports, num_recomputes=c.recomputes,
+            expert_tokens=c.expert_tokens)
+
+    def _read_expert_load(self) -> None:
+        """Between steps (the ranks' channel is free): refresh the per-expert row counts."""
+        world = self.config.parallel.tp
+        self.counters.expert_tokens = sum_expert_load(self.executor.call("expert_load", [{}] * world))
 
     def _wake(self) -> None:
         self._wakeup.set()
@@ -269,6 +282,7 @@ class Replica:
                         await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
                         await asyncio.to_thread(self.executor.check_health)
+                        await asyncio.to_thread(self._read_expert_load)
                     continue
                 self._idle.clear()
                 deltas, handoffs = await asyncio.to_thread(self._step)
@@ -323,6 +337,9 @@ class Replica:
     # -- step thread ----------------------------------------------------------------------------
     def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
         deltas = self.core.step()
+        self.counters.steps += 1
+        if self.counters.steps % EXPERT_LOAD_PERIOD == 0:
+            self._read_expert_load()
         handoffs = []
         for d in deltas:
             held = self._held.get(d.request_id)

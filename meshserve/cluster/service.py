@@ -17,7 +17,7 @@ A service serves one task per model (ModelCard.task): `generate` on an embedding
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from meshserve.core.outputs import CompletionDelta
@@ -55,6 +55,8 @@ class ServiceStats:
     prompt_tokens: int
     num_preemptions: int
     generated_tokens: int
+    # MoE models: rows routed to each expert since start, [MoE layer][expert] (load balance).
+    expert_tokens: list[list[int]] = field(default_factory=list)
 
 
 class InferenceService(Protocol):

@@ -1,4 +1,4 @@
-"""Process groups of one replica: TP over all its ranks, DCP over consecutive TP ranks.
+"""Process groups of one replica: TP over all its ranks, DCP and EP over consecutive TP ranks.
 
 Rank, world size and the rendezvous address are passed in (never a hard-coded port). gloo on
 CPU, NCCL on CUDA. A single-rank replica creates no group and every collective is skipped.
@@ -23,7 +23,8 @@ class ParallelContext:
 
     rank: TP rank in [0, tp). DCP groups are [g*dcp, (g+1)*dcp); dcp_rank = rank % dcp.
     The ranks of one DCP group hold the same KV heads and split their tokens (token p on
-    dcp_rank p % dcp).
+    dcp_rank p % dcp). EP groups are [g*ep, (g+1)*ep): ep_rank = rank % ep picks the experts a
+    rank holds, and the tp // ep groups slice those experts' features (expert_tp_rank).
     """
 
     rank: int = 0
@@ -31,6 +32,21 @@ class ParallelContext:
     dcp: int = 1
     tp_group: dist.ProcessGroup | None = None
     dcp_group: dist.ProcessGroup | None = None
+    ep: int = 1
+    ep_group: dist.ProcessGroup | None = None
+
+    @property
+    def ep_rank(self) -> int:
+        return self.rank % self.ep
+
+    @property
+    def expert_tp(self) -> int:
+        """Ways each expert's intermediate features are split (tp // ep)."""
+        return self.tp // self.ep
+
+    @property
+    def expert_tp_rank(self) -> int:
+        return self.rank // self.ep
 
     @property
     def dcp_rank(self) -> int:
@@ -67,14 +83,23 @@ def init_parallel(config: ParallelConfig, *, rank: int, init_method: str | None,
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=config.tp,
                             timeout=timedelta(seconds=timeout_s))
-    dcp_group = None
-    if config.dcp > 1:
-        for first in range(0, config.tp, config.dcp):
-            group = dist.new_group(list(range(first, first + config.dcp)))  # every rank creates every group
-            if first <= rank < first + config.dcp:
-                dcp_group = group
     return ParallelContext(rank=rank, tp=config.tp, dcp=config.dcp, tp_group=dist.group.WORLD,
-                           dcp_group=dcp_group)
+                           dcp_group=_consecutive_group(config.dcp, config.tp, rank), ep=config.ep,
+                           ep_group=_consecutive_group(config.ep, config.tp, rank))  # fmt: skip
+
+
+def _consecutive_group(size: int, world: int, rank: int) -> dist.ProcessGroup | None:
+    """This rank's group among [0, size), [size, 2 size), ... (None for size 1; WORLD for size world)."""
+    if size == 1:
+        return None
+    if size == world:
+        return dist.group.WORLD
+    mine = None
+    for first in range(0, world, size):
+        group = dist.new_group(list(range(first, first + size)))  # every rank creates every group
+        if first <= rank < first + size:
+            mine = group
+    return mine
 
 
 def local_rendezvous(host: str = "127.0.0.1") -> str:
@@ -110,3 +135,17 @@ def all_gather(x: torch.Tensor, ctx: ParallelContext, *, dim: int = -1, group_ki
 
 # torch >= 2.12 names it all_gather_single; older releases all_gather_into_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def all_to_all_ep(x: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
+    """x [ep, ...]: part i goes to EP rank i; returns [ep, ...] where part i came from EP rank i.
+
+    Equal parts (fixed-size buffers, so nothing is read back to the host). all_to_all_single
+    works on NCCL and on gloo (which lacks the list form all_to_all).
+    """
+    if ctx.ep == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=ctx.ep_group)
+    return out

@@ -92,11 +92,16 @@ class Checkpoint:
         return tuple(self._where[name].get_slice(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        return self.read_box(name, {} if dim is None else {dim: (start, stop)})
+
+    def read_box(self, name: str, box: dict[int, tuple[int, int | None]]) -> torch.Tensor:
+        """Tensor `name` sliced [start:stop] along each dim of `box` (only that part is read)."""
         view = self._where[name].get_slice(name)
-        if dim is None:
+        if not box:
             return view[:]
         index = [slice(None)] * len(view.get_shape())
-        index[dim] = slice(start, stop)
+        for dim, (start, stop) in box.items():
+            index[dim] = slice(start, stop)
         return view[tuple(index)]
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:

@@ -22,7 +22,7 @@ from meshserve.workers.checkpoint import Checkpoint, read_arch
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.transformer import CausalLM
-from meshserve.workers.sharding import kv_heads_per_rank, shard_of
+from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -91,9 +91,10 @@ def _expected(params: dict[str, torch.nn.Parameter], fused_parts: dict[str, tupl
 
 
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int = 1, dcp: int = 1,
-                 progress: bool = True) -> None:
+                 ep: int = 1, progress: bool = True) -> None:
     """Fill every parameter of `model` from `ckpt`, slicing each tensor for `rank` of `world`
-    (`dcp`: ranks of one DCP group share K/V heads)."""
+    (`dcp`: ranks of one DCP group share K/V heads; `ep`: ranks of one EP group split the
+    routed experts, sharding.place_expert)."""
     arch = model.arch
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
     # A model class may fuse differently (or not at all): it says so with its own STACKED map.
@@ -109,12 +110,18 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
             continue  # derived from the config; some old checkpoints store it
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue  # the embedding serves as the LM head
-        target, offset, rows = _target(name, arch, world, dcp, stacked)
+        place = place_expert(name, ckpt.shape(name), arch, rank, world, ep)
+        if place is not None and place.target is None:
+            continue  # another EP rank's expert
+        target, offset, rows = (place.target, None, None) if place else _target(name, arch, world, dcp, stacked)
         if target not in params:
             raise WeightError(f"checkpoint tensor '{name}' {ckpt.shape(name)} has no place in the "
                               f"{arch.architecture} model (unexpected tensor in {ckpt.model_dir})")
-        shard = shard_of(name, ckpt.shape(name), arch, rank, world, dcp)
-        tensor = ckpt.read(name, shard.dim, shard.start, shard.stop)
+        if place is not None:
+            tensor = ckpt.read_box(name, place.box)
+        else:
+            shard = shard_of(name, ckpt.shape(name), arch, rank, world, dcp)
+            tensor = ckpt.read(name, shard.dim, shard.start, shard.stop)
         dest = params[target].data
         where = f" (rank {rank} of {world})" if world > 1 else ""
         if offset is not None:
@@ -126,7 +133,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
             raise WeightError(f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)}{where} but the "
                               f"model expects {tuple(dest.shape)} for '{target}'")
         dest.copy_(tensor)
-        loaded.add(name)
+        loaded.add(name if place is None else target)
     missing = sorted(expected - loaded)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -152,7 +159,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
 
 
 def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None = None,
-               device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1,
+               device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1, ep: int = 1,
                max_positions: int | None = None, progress: bool = True,
                transform: Callable[[CausalLM], None] | None = None) -> CausalLM:
     """Load the HF checkpoint in `model_dir` as rank `rank` of a `world`-way tensor-parallel group.
@@ -165,5 +172,8 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
     model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
                         transform=transform)
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
-        load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, progress=progress)
+        load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, ep=ep, progress=progress)
+        # Modules that want a say once their weights are in (MoE layers: expert layouts, counters).
+        for module in [m for m in model.modules() if hasattr(m, "finish_loading")]:
+            module.finish_loading(device)
     return model

@@ -111,3 +111,53 @@ def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, worl
     check(size % world == 0, "tp", world, f"a divisor of {size} (dim {dim} of tensor {name})")
     per = size // world
     return Shard(dim, rank * per, (rank + 1) * per)
+
+
+def routed_experts(arch: ModelArch) -> int | None:
+    """The number of routed experts of an MoE model (None: a dense model)."""
+    if arch.experts is not None:
+        return arch.experts.num_experts
+    if arch.deepseek is not None:
+        return arch.deepseek.moe.num_experts
+    return None
+
+
+@dataclass(frozen=True)
+class ExpertPlace:
+    """Where an expert tensor goes under expert parallelism: the model parameter (None: another
+    rank's expert, not loaded here) and the part to read, {dim: (start, stop)}."""
+
+    target: str | None
+    box: dict[int, tuple[int, int | None]]
+
+
+def place_expert(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, world: int,
+                 ep: int) -> ExpertPlace | None:  # fmt: skip
+    """With ep > 1, the place of an experts' tensor on `rank` of `world`; None for any other
+    tensor, or when ep is 1 (shard_of's tensor-parallel rules apply).
+
+    EP rank rank % ep holds routed experts [r E/ep, (r+1) E/ep), renumbered from 0 (DeepSeek's
+    'experts.{e}.' modules) or sliced from GPT-OSS's [E, ...] banks; every expert tensor
+    (shared experts too) is split tp/ep ways by the usual column/row rules, as rank rank // ep.
+    """
+    if ep == 1:
+        return None
+    parts = name.split(".")
+    num = routed_experts(arch)
+    check(num is not None and num % ep == 0, "ep", ep, f"a divisor of the number of routed experts ({num})")
+    local, ep_rank = num // ep, rank % ep
+
+    def features() -> dict[int, tuple[int, int | None]]:
+        shard = shard_of(name, shape, arch, rank // ep, world // ep)
+        return {} if shard.dim is None else {shard.dim: (shard.start, shard.stop)}
+
+    if len(parts) >= 4 and parts[-4] == "experts" and parts[-3].isdigit():  # DeepSeek routed expert
+        expert = int(parts[-3]) - ep_rank * local
+        if not 0 <= expert < local:
+            return ExpertPlace(None, {})
+        return ExpertPlace(".".join([*parts[:-3], str(expert), *parts[-2:]]), features())
+    if len(parts) >= 3 and parts[-3] == "shared_experts":
+        return ExpertPlace(name, features())
+    if len(parts) >= 2 and parts[-2] == "experts" and parts[-1] in EXPERT_SPLITS:  # GPT-OSS expert bank
+        return ExpertPlace(name, {0: (ep_rank * local, (ep_rank + 1) * local), **features()})
+    return None

@@ -30,6 +30,7 @@ from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.runner import ModelRunner, make_backends
+from meshserve.workers.sharding import routed_experts
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 log = logging.getLogger("meshserve.worker")
@@ -99,6 +100,7 @@ class Worker:
         arch = read_arch(self.model_config.model)
         par = self.parallel
         par.check_heads(arch.num_heads, arch.num_kv_heads)
+        par.check_experts(routed_experts(arch))
         max_model_len = resolve_max_model_len(self.model_config, arch)
         dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
         self.ctx = ctx = init_parallel(par, rank=self.rank, init_method=self.init_method, device=self.device.type)
@@ -109,7 +111,7 @@ class Worker:
             tensor_parallel_transform(arch)(model, ctx)
 
         model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
-                           world=par.tp, dcp=par.dcp, max_positions=max_model_len, progress=self.progress,
+                           world=par.tp, dcp=par.dcp, ep=par.ep, max_positions=max_model_len, progress=self.progress,
                            transform=transform if par.tp > 1 else None)
         specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
         capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
@@ -226,6 +228,27 @@ class Worker:
     def collect(self) -> StepOutput:
         check(self.runner is not None, "worker", "not started", "start() before collect()")
         return self.runner.collect()
+
+    def expert_load(self) -> list[list[int]]:
+        """Rows routed to each expert since start, one list of num_experts counts per MoE layer.
+
+        A rank reports the experts it holds (zeros elsewhere); only the first EP group reports
+        (the others count the same rows for their slices of the experts), so the replica sums
+        its ranks' lists. Empty for dense models.
+        """
+        if self.runner is None:
+            return []
+        layers = [m for m in self.runner.model.modules() if hasattr(m, "expert_load")]
+        if not layers or self.ctx.expert_tp_rank != 0:
+            return [[0] * routed_experts(self.runner.model.arch) for _ in layers]
+        out = []
+        for m in layers:
+            shard = m.expert_shard
+            counts = [0] * (m.expert_load.numel() if shard is None else shard.num_experts)
+            first = 0 if shard is None else shard.first
+            counts[first : first + m.expert_load.numel()] = m.expert_load.tolist()
+            out.append(counts)
+        return out
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,

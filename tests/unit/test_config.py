@@ -32,6 +32,11 @@ from meshserve.errors import ConfigError
         (lambda: ParallelConfig(tp=0), "tp", "an integer in [1, 1024]"),
         (lambda: ParallelConfig(tp=6, dcp=4), "dcp", "a divisor of tp=6: one of [1, 2, 3, 6]"),
         (lambda: ParallelConfig(dcp_comm="ring"), "dcp_comm", "one of ['ag_rs', 'a2a']"),
+        (lambda: ParallelConfig(tp=4, ep=3), "ep", "a divisor of tp=4 (experts spread over the replica's ranks)"),
+        (lambda: ParallelConfig(tp=2, ep=0), "ep", "an integer in [1, 1024]"),
+        (lambda: ParallelConfig(tp=8, ep=8).check_experts(4), "ep", "a divisor of num_experts=4 and of tp=8: "
+                                                                   "one of [1, 2, 4]"),
+        (lambda: ParallelConfig(tp=2, ep=2).check_experts(None), "ep", "1 for a model without routed experts"),
         (lambda: SchedulerConfig(max_num_seqs=0), "max_num_seqs", "an integer in [1, 65536]"),
         (lambda: SchedulerConfig(max_num_batched_tokens=True), "max_num_batched_tokens", "an integer in"),
         (lambda: PoolConfig(mode="split"), "pools", "one of ['unified', 'disaggregated']"),

@@ -23,7 +23,7 @@ from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
-from meshserve.workers.models.moe import GatedMLP, MoE
+from meshserve.workers.models.moe import GatedMLP, MoE, experts_graph_safe
 from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
 
@@ -115,6 +115,11 @@ class DeepseekForCausalLM(nn.Module):
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def cuda_graph_safe(self) -> bool:
+        """Whether forward never waits on the device: when every MoE layer runs fused (CUDA)."""
+        return experts_graph_safe(self)
 
     def attention_specs(self) -> list[AttentionSpec]:
         ds = self.arch.deepseek

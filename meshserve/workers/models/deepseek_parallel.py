@@ -7,18 +7,21 @@ The model code stays plain (gpt-fast style). For rank ctx.rank of a tp-way repli
   token each, and a rank attends for its whole group's query heads (gathered by the worker's
   DCP wrapper) over its tokens, so kv_b_proj keeps the group's heads (Split.DCP_GROUP);
 - dense MLP and every expert (routed and shared): intermediate features split, partial products
-  summed by one all-reduce per layer (after the routed and shared experts together);
+  summed by one all-reduce per layer (after the routed and shared experts together); under --ep
+  a rank keeps its E/ep routed experts, each split tp/ep ways (expert_parallel.py);
 - embeddings and LM head split over the vocabulary; router, norms and latent projections whole.
 The loader then fills each parameter with this rank's slice (workers/sharding.py).
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear, VocabParallelEmbedding
+from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.moe import GatedMLP, MoE
 
 
@@ -32,6 +35,21 @@ def _shard_mlp(mlp: GatedMLP, tp: int, ctx: ParallelContext | None) -> None:
         mlp.down_proj = nn.Linear(inter // tp, hidden, bias=False)  # partial: the MoE sums once
     else:
         mlp.down_proj = RowParallelLinear(inter // tp, hidden, bias=False, ctx=ctx)
+
+
+def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
+    """Routed experts: this rank's E/ep of them (all without --ep), features split tp/ep ways;
+    shared experts: features split tp/ep ways too; one all-reduce sums the layer."""
+    shard = shard_experts_for(ctx, len(moe.experts))
+    if shard is not None:
+        moe.experts = nn.ModuleList(moe.experts[shard.first : shard.first + shard.num_local])
+        moe.expert_load = torch.zeros(shard.num_local, dtype=torch.int64)
+        moe.expert_shard = shard
+    for expert in moe.experts:
+        _shard_mlp(expert, ctx.expert_tp, None)
+    if moe.shared_experts is not None:
+        _shard_mlp(moe.shared_experts, ctx.expert_tp, None)
+    moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
 
 
 def apply_deepseek_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
@@ -56,12 +74,7 @@ def apply_deepseek_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> No
         attn.o_proj = RowParallelLinear(local * dims.v_head_dim, hidden, bias=ds.attention_bias, ctx=ctx)
         attn.num_heads, attn.attn_heads = local, group
         if isinstance(layer.mlp, MoE):
-            moe = layer.mlp
-            for expert in moe.experts:
-                _shard_mlp(expert, tp, None)
-            if moe.shared_experts is not None:
-                _shard_mlp(moe.shared_experts, tp, None)
-            moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
+            _shard_moe(layer.mlp, ctx)
         else:
             _shard_mlp(layer.mlp, tp, ctx)
     model.lm_head = ParallelLMHead(arch.vocab_size, hidden, ctx=ctx)

@@ -11,9 +11,9 @@ Per token x [hidden]:
 
 Parameters keep HF's names and layouts ([E, in, out], "transposed" against nn.Linear), so each
 checkpoint tensor loads as one parameter. Each expert runs once per step on its tokens
-(moe.combine_experts). Tensor parallelism (`shard_swiglu_moe`, called by transformer_parallel.py)
-splits every expert's intermediate columns: gate/up pairs stay together because they are
-interleaved.
+(moe.run_moe; fused kernels on CUDA). Tensor parallelism (`shard_swiglu_moe`, called by
+transformer_parallel.py) splits every expert's intermediate columns: gate/up pairs stay together
+because they are interleaved; expert parallelism spreads whole experts over ranks.
 """
 
 from __future__ import annotations
@@ -24,7 +24,9 @@ from torch import nn
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
-from meshserve.workers.models.moe import combine_experts
+from meshserve.workers.models.expert_parallel import shard_experts_for
+from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
+from meshserve.workers.models.moe import reset_expert_load, run_moe
 
 
 class SwigluExpertBank(nn.Module):
@@ -54,6 +56,16 @@ class SwigluExpertBank(nn.Module):
         y = h @ self.down_proj[expert]
         return y + self.down_proj_bias[expert] if self.add_down_bias else y
 
+    def packed(self) -> ExpertWeights:
+        """These weights in the fused kernels' layout: gate and up de-interleaved, every matrix
+        [out, in] with the reduction dimension contiguous (new tensors)."""
+        gate_up, bias = self.gate_up_proj, self.gate_up_proj_bias
+        w13 = torch.cat((gate_up[..., 0::2], gate_up[..., 1::2]), dim=-1).transpose(1, 2).contiguous()
+        b13 = torch.cat((bias[:, 0::2], bias[:, 1::2]), dim=-1).contiguous()
+        return ExpertWeights(w13=w13, w2=self.down_proj.transpose(1, 2).contiguous(), b13=b13,
+                             b2=self.down_proj_bias.detach().clone() if self.add_down_bias else None,
+                             activation=ExpertActivation(ACT_SWIGLU_CLAMP, self.alpha, self.limit))
+
 
 class SwigluMoE(nn.Module):
     """router (nn.Linear with bias, [E, hidden]) + experts (SwigluExpertBank); x [T, hidden] -> [T, hidden]."""
@@ -61,31 +73,49 @@ class SwigluMoE(nn.Module):
     def __init__(self, hidden: int, intermediate: int, cfg: SwigluExperts) -> None:
         super().__init__()
         self.top_k = cfg.top_k
+        self.num_experts = cfg.num_experts
         self.router = nn.Linear(hidden, cfg.num_experts, bias=True)
-        self.experts = SwigluExpertBank(hidden, intermediate, cfg)
+        self.experts: SwigluExpertBank | None = SwigluExpertBank(hidden, intermediate, cfg)
+        self.fused: ExpertWeights | None = None  # set by pack_experts (CUDA)
+        self.expert_shard = None  # expert_parallel.ExpertShard under --ep
+        # Rows routed to each local expert since start (load-balance statistics), on the device.
+        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
         top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
         return top.softmax(dim=-1), ids
 
+    def finish_loading(self, device: torch.device | str) -> None:
+        reset_expert_load(self, device)
+
+    def pack_experts(self) -> None:
+        """Switch to the fused kernels: the experts move to their layout; HF's copy is freed."""
+        self.fused = self.experts.packed()
+        self.experts = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = self.route(x)
-        return combine_experts(x, weights, ids, self.experts.run)
+        return run_moe(self, x, weights, ids, None if self.experts is None else self.experts.run)
 
 
 def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:
-    """Tensor parallelism on the meta-device model: every expert keeps intermediate/tp of its
-    features (loader: workers/sharding.py EXPERT_SPLITS); the router stays whole, so each rank
-    routes alike; partial outputs are summed by one all-reduce per layer, and only rank 0 adds
-    the experts' down-projection bias."""
+    """Tensor (and expert) parallelism on the meta-device model: every expert keeps
+    intermediate/expert_tp of its features (loader: workers/sharding.py EXPERT_SPLITS; without
+    expert parallelism expert_tp is tp), and under --ep a rank keeps only its E/ep experts
+    (expert_parallel.py). The router stays whole, so each rank routes alike; partial outputs are
+    summed by one all-reduce per layer, and only one rank per expert adds its down-projection bias."""
     bank = moe.experts
     experts, hidden, two_i = bank.gate_up_proj.shape
-    inter = two_i // 2
-    check(inter % ctx.tp == 0, "tp", ctx.tp, f"a divisor of the experts' intermediate_size={inter}")
-    local = inter // ctx.tp
-    bank.gate_up_proj = nn.Parameter(torch.empty(experts, hidden, 2 * local), requires_grad=False)
-    bank.gate_up_proj_bias = nn.Parameter(torch.empty(experts, 2 * local), requires_grad=False)
-    bank.down_proj = nn.Parameter(torch.empty(experts, local, hidden), requires_grad=False)
-    bank.add_down_bias = ctx.rank == 0
+    inter, split = two_i // 2, ctx.expert_tp
+    check(inter % split == 0, "tp", ctx.tp, f"tp/ep dividing the experts' intermediate_size={inter} (ep={ctx.ep})")
+    shard = shard_experts_for(ctx, experts)
+    local, num = inter // split, experts if shard is None else shard.num_local
+    bank.gate_up_proj = nn.Parameter(torch.empty(num, hidden, 2 * local), requires_grad=False)
+    bank.gate_up_proj_bias = nn.Parameter(torch.empty(num, 2 * local), requires_grad=False)
+    bank.down_proj = nn.Parameter(torch.empty(num, local, hidden), requires_grad=False)
+    bank.down_proj_bias = nn.Parameter(torch.empty(num, hidden), requires_grad=False)
+    bank.add_down_bias = ctx.expert_tp_rank == 0
+    moe.expert_shard = shard
+    moe.expert_load = torch.zeros(num, dtype=torch.int64)
     moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))

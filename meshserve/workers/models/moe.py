@@ -4,6 +4,11 @@ Plain torch, written to be read: the router scores every expert, keeps the best 
 groups of experts, picks `top_k` experts among them, and weighs their outputs; the shared
 experts see every token. Each routed expert runs once per step on the tokens sent to it.
 Module and parameter names are HF's, so checkpoints load one tensor per parameter.
+
+`run_moe` is where both MoE families (this one, gptoss_moe.py) choose how their experts run:
+the readable loop below (CPU, the oracle) or, once `finish_loading` packed them on CUDA, the
+fused Triton kernels (fused_moe.py); under expert parallelism through the all-to-all of
+expert_parallel.py. It also counts the rows each local expert receives (`expert_load`).
 """
 
 from __future__ import annotations
@@ -15,22 +20,88 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.workers.models.deepseek_arch import MoEConfig
+from meshserve.workers.models.fused_moe import (
+    ACT_SILU,
+    ExpertActivation,
+    ExpertWeights,
+    align_rows,
+    fused_moe,
+    runs_fused,
+    tile_config,
+)
+
+ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
 
-def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                    run_expert: Callable[[int, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, run_expert: ExpertFn, *,
+                    num_experts: int | None = None) -> torch.Tensor:
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, grouped per expert.
 
     x [T, hidden]; weights [T, k]; ids [T, k] int64; run_expert(e, x_e [n, hidden]) -> [n, hidden].
     Each chosen expert runs once on all its tokens, in ascending expert order (the order HF
-    accumulates in, so float sums match it). Returns [T, hidden] in x's dtype.
+    accumulates in, so float sums match it). num_experts given: ids outside [0, num_experts)
+    are dropped (held by another rank). Returns [T, hidden] in x's dtype.
     """
     out = torch.zeros_like(x)
     for expert in ids.unique().tolist():
+        if num_experts is not None and not 0 <= expert < num_experts:
+            continue
         token, slot = torch.where(ids == expert)
         y = run_expert(expert, x[token]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  run_expert: ExpertFn | None, *, may_drop: bool = False) -> torch.Tensor:
+    """The experts this rank holds on x [T, hidden] routed by (weights, ids) [T, k], fused when
+    packed; counts each expert's rows into module.expert_load. ids past the local experts
+    (may_drop) contribute 0."""
+    num = module.expert_load.numel()
+    fused: ExpertWeights | None = module.fused
+    if fused is not None:
+        cfg = tile_config(ids.numel(), num)
+        align = align_rows(ids, num, cfg.block_m)
+        module.expert_load += align.tokens_per_expert
+        return fused_moe(x, weights, ids, fused, config=cfg, alignment=align, may_drop=may_drop)
+    flat = ids.reshape(-1)
+    bucket = torch.where((flat >= 0) & (flat < num), flat, num)
+    module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
+        0, bucket, torch.ones_like(bucket))[:num]
+    return combine_experts(x, weights, ids, run_expert, num_experts=num)
+
+
+def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+            run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
+            ) -> torch.Tensor:  # fmt: skip
+    """Routed experts (+ shared experts) of x [T, hidden]; weights, ids [T, k] from the router.
+
+    Under expert parallelism (module.expert_shard set) the result holds only this rank's share
+    of the tokens, zeros elsewhere: the layer's all-reduce completes it.
+    """
+    shard = getattr(module, "expert_shard", None)
+    if shard is not None:
+        from meshserve.workers.models.expert_parallel import dispatch_combine
+
+        def run_local(xs: torch.Tensor, ws: torch.Tensor, ls: torch.Tensor) -> torch.Tensor:
+            return local_experts(module, xs, ws, ls, run_expert, may_drop=True)
+
+        return dispatch_combine(x, weights, ids, shard, run_local, shared)
+    out = local_experts(module, x, weights, ids, run_expert)
+    return out if shared is None else out + shared(x)
+
+
+def reset_expert_load(module: nn.Module, device: torch.device | str) -> None:
+    """Zero the load counters (a meta-built model's buffers hold garbage after to_empty) and
+    pack the experts for the fused kernels when `device` runs them."""
+    module.expert_load = torch.zeros(module.expert_load.numel(), dtype=torch.int64, device=device)
+    if runs_fused(device):
+        module.pack_experts()
+
+
+def experts_graph_safe(model: nn.Module) -> bool:
+    """Whether every MoE layer of `model` runs fused (no host sync: a CUDA graph can hold it)."""
+    return all(m.fused is not None for m in model.modules() if hasattr(m, "expert_load"))
 
 
 class GatedMLP(nn.Module):
@@ -100,15 +171,31 @@ class MoE(nn.Module):
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
         super().__init__()
         self.gate = Router(hidden, moe)
-        self.experts = nn.ModuleList(GatedMLP(hidden, moe.moe_intermediate_size) for _ in range(moe.num_experts))
+        self.experts: nn.ModuleList | None = nn.ModuleList(
+            GatedMLP(hidden, moe.moe_intermediate_size) for _ in range(moe.num_experts))
         self.shared_experts = (
             GatedMLP(hidden, moe.moe_intermediate_size * moe.num_shared_experts) if moe.num_shared_experts else None
         )
+        self.fused: ExpertWeights | None = None  # set by pack_experts (CUDA)
+        self.expert_shard = None  # expert_parallel.ExpertShard under --ep
+        # Rows routed to each local expert since start (load-balance statistics), on the device.
+        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+
+    def finish_loading(self, device: torch.device | str) -> None:
+        reset_expert_load(self, device)
+
+    def pack_experts(self) -> None:
+        """Switch to the fused kernels: the experts move to their layout; the modules are freed."""
+        experts = self.experts
+        self.fused = ExpertWeights(
+            w13=torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts]),
+            w2=torch.stack([e.down_proj.weight for e in experts]), b13=None, b2=None,
+            activation=ExpertActivation(ACT_SILU))  # fmt: skip
+        self.experts = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
         weights, ids = self.gate(x)  # [T, k] each
-        out = combine_experts(x, weights, ids, lambda e, xe: self.experts[e](xe))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        experts = self.experts
+        return run_moe(self, x, weights, ids, None if experts is None else (lambda e, xe: experts[e](xe)),
+                       self.shared_experts)

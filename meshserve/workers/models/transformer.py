@@ -198,9 +198,13 @@ class CausalLM(nn.Module):
 
     @property
     def cuda_graph_safe(self) -> bool:
-        """Whether forward never waits on the device (a CUDA graph can hold it): MoE routing still
-        reads expert ids on the host."""
-        return self.arch.experts is None
+        """Whether forward never waits on the device (a CUDA graph can hold it): MoE layers only
+        when their experts run fused (the torch loop reads expert ids on the host)."""
+        if self.arch.experts is None:
+            return True
+        from meshserve.workers.models.moe import experts_graph_safe
+
+        return experts_graph_safe(self)
 
     def attention_specs(self) -> list[AttentionSpec]:
         """One spec per layer; layers with equal specs can share a backend instance."""

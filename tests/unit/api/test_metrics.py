@@ -14,7 +14,8 @@ from meshserve.cluster.service import ServiceHealth, ServiceStats
 class FakeService:
     def stats(self) -> ServiceStats:
         return ServiceStats(num_waiting=3, num_running=5, kv_usage=0.25, num_free_kv_blocks=77,
-                            prefix_hit_tokens=30, prompt_tokens=120, num_preemptions=2, generated_tokens=999)
+                            prefix_hit_tokens=30, prompt_tokens=120, num_preemptions=2, generated_tokens=999,
+                            expert_tokens=[[4, 0, 7], [1, 2, 8]])
 
     def health(self) -> ServiceHealth:
         return ServiceHealth(True, 1, 2)
@@ -62,6 +63,17 @@ def test_service_snapshot_is_exported():
     assert (s["meshserve_prefix_cache_hit_tokens_total"], s["meshserve_prompt_tokens_total"]) == (30, 120)
     assert (s["meshserve_preemptions_total"], s["meshserve_generation_tokens_total"]) == (2, 999)
     assert (s["meshserve_replicas_healthy"], s["meshserve_replicas"]) == (1, 2)
+    assert s['meshserve_moe_expert_tokens{expert="2",layer="0"}'] == 7
+    assert s['meshserve_moe_expert_tokens{expert="0",layer="1"}'] == 1
+    assert sum(v for k, v in s.items() if k.startswith("meshserve_moe_expert_tokens")) == 22
+
+
+def test_replica_expert_load_sums_its_ranks():
+    from meshserve.cluster.executor import sum_expert_load
+
+    ranks = [[[3, 0, 0, 0], [1, 1, 0, 0]], [[0, 0, 2, 5], [0, 0, 4, 0]], []]  # two ranks' experts, one dense
+    assert sum_expert_load(ranks) == [[3, 0, 2, 5], [1, 1, 4, 0]]
+    assert sum_expert_load([[], []]) == []
 
 
 def test_docs_list_every_metric():

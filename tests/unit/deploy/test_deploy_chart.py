@@ -150,7 +150,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     assert all(isinstance(v, str) for v in data.values())
     expected = {
         "MESHSERVE_MODEL": "/models", "MESHSERVE_DTYPE": "bfloat16",
-        "MESHSERVE_TP": "8", "MESHSERVE_DCP": "2",
+        "MESHSERVE_TP": "8", "MESHSERVE_DCP": "2", "MESHSERVE_EP": "1",
         "MESHSERVE_ATTENTION_BACKEND": "FLASHINFER", "MESHSERVE_BLOCK_SIZE": "16",
         "MESHSERVE_MAX_MODEL_LEN": "131072", "MESHSERVE_MAX_QUEUE": "4096", "MESHSERVE_POOLS": "unified",
         "MESHSERVE_REPLICAS": "2", "MESHSERVE_TLS_CERT": "/etc/meshserve/tls/tls.crt",

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 from meshserve.errors import ConfigError
 from meshserve.workers.checkpoint import Checkpoint, read_arch
 from meshserve.workers.loader import WeightError, load_model
-from meshserve.workers.sharding import Split, shard_of, split_of
+from meshserve.workers.sharding import Split, place_expert, shard_of, split_of
 from tests.tiny_models import write_checkpoint
 
 
@@ -126,3 +126,36 @@ def test_tp_needs_a_divisible_model(checkpoints):
         shard_of("model.layers.0.mlp.gate_proj.weight", (128, 64), arch, 0, 3)
     with pytest.raises(ConfigError, match="rank"):
         shard_of("model.layers.0.mlp.gate_proj.weight", (128, 64), arch, 2, 2)
+
+
+def test_expert_parallel_places_each_expert_on_one_rank_of_each_group(tmp_path):
+    """tp=4, ep=2: EP rank r % 2 holds half the experts, sliced two ways across the groups; the
+    pieces reassemble the checkpoint tensor; DeepSeek's per-expert modules are renumbered."""
+    from tests.deepseek_models import write_deepseek
+    from tests.tiny_models import write_checkpoint as write
+
+    write(tmp_path / "gpt_oss", "gpt_oss")
+    arch = read_arch(tmp_path / "gpt_oss")
+    with Checkpoint(tmp_path / "gpt_oss") as ckpt:
+        for kind in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"):
+            name = f"model.layers.0.mlp.experts.{kind}"
+            full = ckpt.read(name)
+            pieces = {r: ckpt.read_box(name, place_expert(name, tuple(full.shape), arch, r, 4, 2).box)
+                      for r in range(4)}  # fmt: skip
+            for ep_rank in range(2):
+                group = [pieces[ep_rank], pieces[ep_rank + 2]]  # the same experts, two feature slices
+                if kind == "down_proj_bias":
+                    assert torch.equal(group[0], group[1])
+                    group = group[:1]
+                whole = torch.cat(group, dim=1 if kind == "down_proj" else -1)
+                assert torch.equal(whole, full[ep_rank * 2 : ep_rank * 2 + 2]), kind
+    assert place_expert("model.layers.0.self_attn.q_proj.weight", (64, 64), arch, 0, 4, 2) is None
+    write_deepseek(tmp_path / "ds", "deepseek_v3")
+    ds = read_arch(tmp_path / "ds")
+    name = "model.layers.1.mlp.experts.5.up_proj.weight"
+    assert place_expert(name, (32, 64), ds, 0, 2, 2).target is None  # experts 0-3 live on rank 0
+    here = place_expert(name, (32, 64), ds, 1, 2, 2)
+    assert here.target == "model.layers.1.mlp.experts.1.up_proj.weight" and here.box == {}
+    assert place_expert(name, (32, 64), ds, 3, 4, 2).box == {0: (16, 32)}  # second feature slice
+    with pytest.raises(ConfigError, match="ep"):
+        place_expert(name, (32, 64), ds, 0, 3, 3)  # 8 experts over 3 ranks

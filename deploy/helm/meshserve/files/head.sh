@@ -35,6 +35,7 @@ args=(serve
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"
   --dcp "${MESHSERVE_DCP}"
+  --ep "${MESHSERVE_EP}"
   --pools "${MESHSERVE_POOLS}")
 
 # optional FLAG VALUE: add the flag only when the value is set.

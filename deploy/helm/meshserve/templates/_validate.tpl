@@ -14,6 +14,10 @@ what it was set to, and what is allowed, like meshserve's own ConfigError.
 {{- if ne (mod $tp $dcp) 0 -}}
 {{- fail (printf "engine.dcp=%d is not allowed: it must divide engine.tp=%d (one of %s)" $dcp $tp (join ", " $divisors)) -}}
 {{- end -}}
+{{- $ep := int (default 1 $v.engine.ep) -}}
+{{- if ne (mod $tp $ep) 0 -}}
+{{- fail (printf "engine.ep=%d is not allowed: it must divide engine.tp=%d (one of %s)" $ep $tp (join ", " $divisors)) -}}
+{{- end -}}
 {{- if and (gt $gpus 0) (ne (mod $gpus $tp) 0) -}}
 {{- fail (printf "engine.tp=%d is not allowed with worker.gpus=%d: a tensor-parallel group must fit in one worker pod, so tp must divide worker.gpus (raise worker.gpus to a multiple of %d, or lower tp)" $tp $gpus $tp) -}}
 {{- end -}}

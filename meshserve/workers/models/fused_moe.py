@@ -1,0 +1,334 @@
+"""Fused mixture-of-experts for CUDA: tokens sorted by expert, two grouped-GEMM Triton launches.
+
+For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is:
+
+    align   (torch ops on the device)  the T*k (token, slot) rows sorted by expert, each expert's
+            run padded to a multiple of the tile height BLOCK_M; one expert id per tile
+    gate_up (one launch)   h[row] = act(x[row // k] @ W13[e]^T + b13[e])        [T*k, I]
+    down    (one launch)   y[row] = (h[row] @ W2[e]^T + b2[e]) * weights[row]   [T*k, hidden]
+    combine (torch sum)    out[t] = sum_j y[t*k + j]                            [T, hidden]
+
+Nothing here reads a value back to the host: every buffer is sized by the worst case (each
+non-empty expert pads at most BLOCK_M - 1 rows) and tiles past the used ones exit at once, so a
+CUDA graph can capture the whole layer. Empty experts own no tile; a token whose id is outside
+[0, E) (expert parallelism: an expert another rank holds) is dropped and contributes 0.
+
+Weights use the kernel's layout, built once at load time by the model (`ExpertWeights`): both
+projections row-major with the reduction dimension contiguous, gate rows before up rows. The
+readable torch code of each model (moe.py, gptoss_moe.py) stays the CPU path and the oracle.
+Quantised experts (FP8 block scales, MXFP4) would add their scales to `ExpertWeights` and a
+dequantising load to the two kernels; nothing else changes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from meshserve.errors import check
+
+ACT_SILU, ACT_SWIGLU_CLAMP = 0, 1
+
+
+@dataclass(frozen=True)
+class ExpertActivation:
+    """SILU: silu(g) * u (DeepSeek). SWIGLU_CLAMP (GPT-OSS): g = min(g, limit),
+    u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
+
+    kind: int = ACT_SILU
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One layer's experts in the kernels' layout (E experts, hidden H, intermediate I).
+
+    w13: [E, 2I, H] gate rows then up rows; b13: [E, 2I] or None; w2: [E, H, I]; b2: [E, H] or
+    None. All in the activation dtype, contiguous.
+    """
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    b13: torch.Tensor | None
+    b2: torch.Tensor | None
+    activation: ExpertActivation
+
+    def __post_init__(self) -> None:
+        e, two_i, h = self.w13.shape
+        check(two_i % 2 == 0, "w13", tuple(self.w13.shape), "[E, 2I, H] (gate rows, then up rows)")
+        check(tuple(self.w2.shape) == (e, h, two_i // 2), "w2", tuple(self.w2.shape), f"[{e}, {h}, {two_i // 2}]")
+        check(self.b13 is None or tuple(self.b13.shape) == (e, two_i), "b13", None if self.b13 is None
+              else tuple(self.b13.shape), f"None or [{e}, {two_i}]")  # fmt: skip
+        check(self.b2 is None or tuple(self.b2.shape) == (e, h), "b2", None if self.b2 is None
+              else tuple(self.b2.shape), f"None or [{e}, {h}]")  # fmt: skip
+
+    @property
+    def num_experts(self) -> int:
+        return self.w13.shape[0]
+
+    @property
+    def intermediate(self) -> int:
+        return self.w13.shape[1] // 2
+
+
+@dataclass(frozen=True)
+class Alignment:
+    """Rows sorted by expert and padded to BLOCK_M (all on the device, fixed sizes).
+
+    sorted_rows: [max_padded] int32, flat row t*k + j of each sorted position (T*k = padding);
+    block_expert: [max_padded // BLOCK_M] int32 expert of each tile (-1: unused tile);
+    tokens_per_expert: [E] int64, rows routed to each expert (load statistics).
+    """
+
+    sorted_rows: torch.Tensor
+    block_expert: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    block_m: int
+
+
+ALIGN_KERNEL_MAX_ROWS = 2048  # up to here (decode batches) one Triton program aligns; torch ops beyond
+
+
+def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton: bool | None = None) -> Alignment:
+    """Sort the T*k rows of ids [T, k] by expert, each expert's rows padded to block_m; ids
+    outside [0, num_experts) are dropped. Graph-safe: no host sync, sizes from T, k, E only.
+
+    use_triton None: on CUDA, for at most ALIGN_KERNEL_MAX_ROWS rows, one single-program kernel
+    (a decode step's alignment in one launch instead of about fifteen); otherwise torch ops.
+    Both give the same result (rows of an expert in their original order).
+    """
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    max_padded = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
+    if n > 0 and (use_triton if use_triton is not None else (ids.is_cuda and n <= ALIGN_KERNEL_MAX_ROWS)):
+        return _align_with_kernel(flat, num_experts, block_m, max_padded)
+    dropped = (flat < 0) | (flat >= num_experts)
+    bucket = torch.where(dropped, num_experts, flat)  # dropped rows sort last, into bucket E
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, bucket, torch.ones_like(bucket))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    padded_start = padded_end - padded
+    start = counts.cumsum(0) - counts
+    order = torch.argsort(bucket, stable=True)
+    expert = bucket[order]
+    safe = expert.clamp(max=num_experts - 1)
+    dest = padded_start[safe] + torch.arange(n, device=ids.device) - start[safe]
+    dest = torch.where(expert == num_experts, max_padded, dest)  # dropped rows land past the end
+    sorted_rows = torch.full((max_padded + 1,), n, dtype=torch.int32, device=ids.device)
+    sorted_rows.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(0, max_padded, block_m, device=ids.device)
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return Alignment(sorted_rows[:max_padded], block_expert, counts, block_m)
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, rows_ptr, block_expert_ptr, counts_ptr, n, num_experts, max_padded, num_tiles,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+):  # fmt: skip
+    # One program. Rows are matched against every expert as a [CHUNK, E] one-hot, so counts,
+    # ranks among an expert's rows and tile owners are sums and prefix sums of it.
+    experts = tl.arange(0, E_POW2)
+    e_ok = experts < num_experts
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for start in range(0, n, CHUNK):
+        r = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < n, other=-1)
+        counts += tl.sum(((e[:, None] == experts[None, :]) & e_ok[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    padded_end = tl.cumsum(padded, axis=0)
+    padded_start = padded_end - padded
+    tl.store(counts_ptr + experts, counts.to(tl.int64), mask=e_ok)
+    for start in range(0, max_padded, FILL):  # padding everywhere, then the rows over it
+        p = start + tl.arange(0, FILL)
+        tl.store(rows_ptr + p, tl.zeros([FILL], dtype=tl.int32) + n, mask=p < max_padded)
+    tl.debug_barrier()
+    seen = tl.zeros([E_POW2], dtype=tl.int32)  # rows of each expert placed so far
+    for start in range(0, n, CHUNK):
+        r = start + tl.arange(0, CHUNK)
+        e = tl.load(ids_ptr + r, mask=r < n, other=-1)
+        hit = ((e[:, None] == experts[None, :]) & e_ok[None, :]).to(tl.int32)  # [CHUNK, E]
+        earlier = tl.cumsum(hit, axis=0) - hit  # rows of the same expert before it in this chunk
+        dest = tl.sum(hit * ((padded_start + seen)[None, :] + earlier), axis=1)
+        tl.store(rows_ptr + dest, r.to(tl.int32), mask=tl.sum(hit, axis=1) > 0)
+        seen += tl.sum(hit, axis=0)
+    for start in range(0, num_tiles, FILL):  # a tile's expert: how many padded runs end at or before it
+        t = start + tl.arange(0, FILL)
+        ended = (padded_end[None, :] <= (t * BLOCK_M)[:, None]) & e_ok[None, :]
+        owner = tl.sum(ended.to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + t, tl.where(owner < num_experts, owner, -1), mask=t < num_tiles)
+
+
+def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int) -> Alignment:
+    device = flat.device
+    rows = torch.empty(max_padded, dtype=torch.int32, device=device)
+    tiles = max_padded // block_m
+    block_expert = torch.empty(tiles, dtype=torch.int32, device=device)
+    counts = torch.empty(num_experts, dtype=torch.int64, device=device)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    width = max(16, 8192 // e_pow2)  # [width, E] one-hot tiles of at most 8192 entries
+    _align_kernel[(1,)](flat.contiguous(), rows, block_expert, counts, flat.numel(), num_experts, max_padded,
+                        tiles, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=width, FILL=width, num_warps=4)  # fmt: skip
+    return Alignment(rows, block_expert, counts, block_m)
+
+
+@triton.jit
+def _tile(rows_ptr, block_expert_ptr, num_rows, num_cols, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (m, n)'s expert (-1: unused tile), its BLOCK_M sorted rows and BLOCK_N columns."""
+    pid_m, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    rows = tl.load(rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, rows, rows < num_rows, cols, cols < num_cols
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, h_ptr, rows_ptr, block_expert_ptr,
+    num_rows, hidden, inter, stride_x, stride_we, stride_wn, alpha, limit,
+    TOP_K: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (m, n): tile m of the sorted rows (one expert), intermediate columns n*BLOCK_N...
+    expert, rows, row_ok, cols, col_ok = _tile(rows_ptr, block_expert_ptr, num_rows, inter, BLOCK_M, BLOCK_N)
+    if expert < 0:
+        return
+    token = rows // TOP_K
+    ks = tl.arange(0, BLOCK_K)
+    w_gate = w_ptr + expert * stride_we + cols[None, :] * stride_wn  # [1, BN]: W13[e, col, :]
+    w_up = w_gate + inter * stride_wn
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, hidden, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < hidden
+        a = tl.load(x_ptr + token[:, None] * stride_x + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        wmask = k_ok[:, None] & col_ok[None, :]
+        g = tl.load(w_gate + k[:, None], mask=wmask, other=0.0)  # [BK, BN]
+        u = tl.load(w_up + k[:, None], mask=wmask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(a, u, acc_u, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc_g += tl.load(b_ptr + expert * 2 * inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptr + expert * 2 * inter + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    if ACT == 0:  # silu(g) * u, exp of -|g| only so that nothing overflows
+        e = tl.exp(-tl.abs(acc_g))
+        h = acc_g * tl.where(acc_g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * acc_u
+    else:  # GPT-OSS: clamped SwiGLU
+        g = tl.minimum(acc_g, limit)
+        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    tl.store(h_ptr + rows[:, None] * inter + cols[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, b_ptr, route_ptr, y_ptr, rows_ptr, block_expert_ptr,
+    num_rows, hidden, inter, stride_we, stride_wn,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # Program (m, n): tile m of the sorted rows, output columns n*BLOCK_N...; y[row] is weighted.
+    expert, rows, row_ok, cols, col_ok = _tile(rows_ptr, block_expert_ptr, num_rows, hidden, BLOCK_M, BLOCK_N)
+    if expert < 0:
+        return
+    ks = tl.arange(0, BLOCK_K)
+    w_cols = w_ptr + expert * stride_we + cols[None, :] * stride_wn  # W2[e, col, :]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, inter, BLOCK_K):
+        k = k0 + ks
+        k_ok = k < inter
+        a = tl.load(h_ptr + rows[:, None] * inter + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + expert * hidden + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    acc *= tl.load(route_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptr + rows[:, None] * hidden + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """block_n: gate_up's output columns per tile, each of gate and up (two accumulators, so the
+    tile is 2 * block_n wide); the down kernel takes tiles of 2 * block_n columns."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def tile_config(num_rows: int, num_experts: int) -> TileConfig:
+    """Tiles by rows per expert: decode (a few rows per expert) streams weights through narrow
+    tiles, GEMV-like, many programs in flight; prefill takes tall tiles so each weight tile is
+    reused by many rows (accumulators: 2 * block_m * block_n floats per program)."""
+    per_expert = num_rows / max(num_experts, 1)
+    if per_expert <= 16:
+        return TileConfig(16, 32, 128, 4, 3)
+    if per_expert <= 64:
+        return TileConfig(32, 64, 64, 4, 3)
+    return TileConfig(64, 64, 64, 8, 3)
+
+
+def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
+              config: TileConfig | None = None, alignment: Alignment | None = None,
+              may_drop: bool = False) -> torch.Tensor:
+    """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
+
+    x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
+    [0, E), or anything else for a slot to drop when may_drop (expert parallelism: the expert
+    lives on another rank). Returns [T, H] in x's dtype. `alignment` (from align_rows with
+    config.block_m) may be passed when the caller also wants its load statistics.
+    """
+    T, k = ids.shape
+    H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
+    check(tuple(weights.shape) == (T, k), "weights", tuple(weights.shape), f"[{T}, {k}] like ids")
+    check(x.shape[0] == T and experts.w13.shape[2] == H, "x", tuple(x.shape), f"[{T}, {experts.w13.shape[2]}]")
+    check(experts.w13.dtype == x.dtype, "x", x.dtype, f"the experts' dtype {experts.w13.dtype}")
+    cfg = config or tile_config(T * k, E)
+    align = alignment or align_rows(ids, E, cfg.block_m)
+    check(align.block_m == cfg.block_m, "alignment", align.block_m, f"block_m={cfg.block_m} of the tile config")
+    n = T * k
+    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
+    if n == 0:
+        return out
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else None  # fp32: exact, as the reference
+    h = torch.empty((n, inter), dtype=x.dtype, device=x.device)
+    tiles = align.block_expert.numel()
+    w13, w2 = experts.w13, experts.w2
+    act = experts.activation
+    _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n))](
+        x, w13, experts.b13 if experts.b13 is not None else w13, h, align.sorted_rows, align.block_expert,
+        n, H, inter, x.stride(0), w13.stride(0), w13.stride(1), act.alpha, act.limit,
+        TOP_K=k, HAS_BIAS=experts.b13 is not None, ACT=act.kind, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    # Rows of dropped slots are never written: zeros, so that the sum ignores them.
+    y = (torch.zeros if may_drop else torch.empty)((n, H), dtype=x.dtype, device=x.device)
+    route = weights.reshape(-1).contiguous()
+    _down_kernel[(tiles, triton.cdiv(H, 2 * cfg.block_n))](
+        h, w2, experts.b2 if experts.b2 is not None else w2, route, y, align.sorted_rows, align.block_expert,
+        n, H, inter, w2.stride(0), w2.stride(1),
+        HAS_BIAS=experts.b2 is not None, PRECISION=precision,
+        BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n, BLOCK_K=cfg.block_k,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    torch.sum(y.view(T, k, H), dim=1, out=out)
+    return out
+
+
+def runs_fused(device: torch.device | str) -> bool:
+    """Whether MoE layers on `device` pack their experts for the fused kernels: on CUDA."""
+    return torch.device(device).type == "cuda"

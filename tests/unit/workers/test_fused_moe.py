@@ -1,0 +1,196 @@
+"""The fused MoE (Triton interpreter on CPU) against a float64 oracle and against each model's
+own torch MoE code (the CPU path).
+
+Routings: random, some experts with no tokens, every token to one expert, slots dropped (an
+expert held by another rank). fp32 and fp16 only: bf16 arithmetic is wrong in the
+interpreter (tests/gpu covers bf16, T up to 8192).
+"""
+
+import pytest
+import torch
+
+from meshserve.workers.models.arch import SwigluExperts
+from meshserve.workers.models.deepseek_arch import MoEConfig
+from meshserve.workers.models.fused_moe import (
+    ACT_SILU,
+    ACT_SWIGLU_CLAMP,
+    ExpertActivation,
+    ExpertWeights,
+    TileConfig,
+    align_rows,
+    fused_moe,
+    tile_config,
+)
+from meshserve.workers.models.gptoss_moe import SwigluMoE
+from meshserve.workers.models.moe import MoE
+
+E, H, INTER, TOP_K = 6, 40, 24, 2
+SMALL = TileConfig(16, 16, 16, 4, 1)  # several tiles in every dimension at these sizes
+ORACLE_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
+
+
+def _routing(kind: str, T: int, gen: torch.Generator) -> torch.Tensor:
+    """ids [T, TOP_K] with distinct experts per token."""
+    if kind == "one_expert":  # every token's first slot to expert 3, second to expert 0
+        return torch.tensor([[3, 0]] * T)
+    scores = torch.rand(T, E, generator=gen)
+    if kind == "sparse":  # experts 1, 2 and 4 get nothing
+        scores[:, [1, 2, 4]] = -1.0
+    ids = scores.topk(TOP_K, dim=-1).indices
+    if kind == "dropped":  # slots of another rank's experts: ids past the local ones, or -1
+        ids = torch.where(torch.rand(T, TOP_K, generator=gen) < 0.3, torch.tensor([E + 2, -1])[ids % 2], ids)
+    return ids
+
+
+def _experts(act: int, dtype: torch.dtype, gen: torch.Generator, *, bias: bool) -> ExpertWeights:
+    def rnd(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.3).to(dtype)
+
+    return ExpertWeights(w13=rnd(E, 2 * INTER, H), w2=rnd(E, H, INTER), b13=rnd(E, 2 * INTER) if bias else None,
+                         b2=rnd(E, H) if bias else None, activation=ExpertActivation(act, 1.702, 1.5))
+
+
+def _oracle(x, weights, ids, ew: ExpertWeights) -> torch.Tensor:
+    """float64, one (token, slot) at a time."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            if not 0 <= e < E:
+                continue
+            gu = ew.w13[e].double() @ x[t].double()
+            if ew.b13 is not None:
+                gu = gu + ew.b13[e].double()
+            g, u = gu[:INTER], gu[INTER:]
+            if ew.activation.kind == ACT_SILU:
+                h = torch.nn.functional.silu(g) * u
+            else:
+                lim, alpha = ew.activation.limit, ew.activation.alpha
+                g, u = g.clamp(max=lim), u.clamp(-lim, lim)
+                h = (u + 1) * g * torch.sigmoid(alpha * g)
+            y = ew.w2[e].double() @ h.to(x.dtype).double()  # the kernel stores h in x's dtype
+            if ew.b2 is not None:
+                y = y + ew.b2[e].double()
+            out[t] += float(weights[t, j]) * y.to(x.dtype).double()
+    return out
+
+
+@pytest.mark.parametrize("use_triton", [False, True])
+@pytest.mark.parametrize("kind", ["random", "sparse", "one_expert", "dropped"])
+@pytest.mark.parametrize("T", [1, 7, 40, 700])
+def test_align_rows_sorts_pads_and_counts(kind, T, use_triton):
+    ids = _routing(kind, T, torch.Generator().manual_seed(T))
+    block = 8
+    a = align_rows(ids, E, block, use_triton=use_triton)
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    rows = a.sorted_rows.view(-1, block)
+    assert rows.shape[0] == a.block_expert.numel()
+    seen = []
+    for tile, expert in zip(rows.tolist(), a.block_expert.tolist()):
+        real = [r for r in tile if r < n]
+        if expert < 0:
+            assert real == []
+            continue
+        assert real and all(int(flat[r]) == expert for r in real)  # one expert per tile, no empty tile
+        assert tile[: len(real)] == real and all(r == n for r in tile[len(real) :])  # padding at the end
+        seen += real
+    local = [i for i in range(n) if 0 <= int(flat[i]) < E]
+    assert sorted(seen) == local  # every kept row exactly once, dropped rows nowhere
+    used = [e for e in a.block_expert.tolist() if e >= 0]
+    assert used == sorted(used)  # tiles in expert order, the unused ones last
+    assert a.block_expert.tolist()[len(used) :] == [-1] * (len(a.block_expert) - len(used))
+    want = torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
+    assert torch.equal(a.tokens_per_expert, want)
+    if use_triton:  # the one-program kernel and the torch ops agree exactly
+        b = align_rows(ids, E, block, use_triton=False)
+        assert torch.equal(a.sorted_rows, b.sorted_rows) and torch.equal(a.block_expert, b.block_expert)
+
+
+@pytest.mark.parametrize("num_experts", [1, 64, 160])  # one expert; E a power of two; E not one
+def test_align_kernel_matches_torch_at_other_expert_counts(num_experts):
+    gen = torch.Generator().manual_seed(num_experts)
+    ids = torch.randint(-1, num_experts, (37, 3), generator=gen)
+    for block in (16, 64):
+        a = align_rows(ids, num_experts, block, use_triton=True)
+        b = align_rows(ids, num_experts, block, use_triton=False)
+        for name in ("sorted_rows", "block_expert", "tokens_per_expert"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), (name, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("act", [ACT_SILU, ACT_SWIGLU_CLAMP])
+@pytest.mark.parametrize("kind", ["random", "sparse", "one_expert", "dropped"])
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_fused_moe_matches_float64(dtype, act, kind, T):
+    gen = torch.Generator().manual_seed(11 * T + act)
+    ew = _experts(act, dtype, gen, bias=act == ACT_SWIGLU_CLAMP)
+    x = torch.randn(T, H, generator=gen).to(dtype)
+    ids = _routing(kind, T, gen)
+    weights = torch.rand(T, TOP_K, generator=gen)
+    got = fused_moe(x, weights, ids, ew, config=SMALL, may_drop=kind == "dropped")
+    assert got.dtype == dtype and got.shape == (T, H)
+    torch.testing.assert_close(got.double(), _oracle(x, weights, ids, ew), **ORACLE_TOL[dtype])
+
+
+@pytest.mark.parametrize("T", [4, 70, 300])  # each of tile_config's three choices
+def test_fused_moe_default_tiles_and_no_tokens(T):
+    gen = torch.Generator().manual_seed(3)
+    ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
+    x = torch.randn(T, H, generator=gen)
+    ids, weights = _routing("random", T, gen), torch.rand(T, TOP_K, generator=gen)
+    assert tile_config(ids.numel(), E).block_m == {4: 16, 70: 32, 300: 64}[T]
+    torch.testing.assert_close(fused_moe(x, weights, ids, ew).double(), _oracle(x, weights, ids, ew),
+                               **ORACLE_TOL[torch.float32])  # fmt: skip
+    empty = fused_moe(x[:0], weights[:0], ids[:0], ew)
+    assert empty.shape == (0, H)
+
+
+def test_fused_moe_refuses_mismatched_inputs():
+    gen = torch.Generator().manual_seed(4)
+    ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
+    x, ids = torch.randn(3, H, generator=gen), _routing("random", 3, gen)
+    with pytest.raises(ValueError, match="weights"):
+        fused_moe(x, torch.rand(3, TOP_K + 1), ids, ew)
+    with pytest.raises(ValueError, match="dtype"):
+        fused_moe(x.half(), torch.rand(3, TOP_K), ids, ew)
+    with pytest.raises(ValueError, match="w2"):
+        ExpertWeights(w13=ew.w13, w2=ew.w2[:, :, :-1], b13=None, b2=None, activation=ew.activation)
+
+
+def _fill(module: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+
+
+@pytest.mark.parametrize("T", [1, 9, 37])
+def test_gpt_oss_moe_packed_matches_its_torch_code(T):
+    moe = SwigluMoE(H, INTER, SwigluExperts(num_experts=E, top_k=3, swiglu_alpha=1.702, swiglu_limit=1.0))
+    _fill(moe, T)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(100 + T))
+    want = moe(x)
+    assert moe.expert_load.sum() == 3 * T
+    moe.pack_experts()
+    assert moe.experts is None
+    with torch.no_grad():
+        got = moe(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    assert moe.expert_load.sum() == 6 * T  # counted on both paths
+
+
+@pytest.mark.parametrize("scoring", ["softmax", "sigmoid"])
+def test_deepseek_moe_packed_matches_its_torch_code(scoring):
+    cfg = MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=INTER, num_shared_experts=1, num_groups=4,
+                    topk_groups=2, routed_scaling_factor=2.5, scoring=scoring,
+                    group_by="max" if scoring == "softmax" else "top2_sum", norm_topk_prob=scoring == "sigmoid",
+                    correction_bias=scoring == "sigmoid", first_k_dense_replace=0)  # fmt: skip
+    moe = MoE(H, cfg)
+    _fill(moe, 5)
+    x = torch.randn(29, H, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = moe(x)
+        moe.pack_experts()
+        got = moe(x)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
