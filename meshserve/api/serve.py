@@ -4,9 +4,9 @@ The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy p
 command line with this parser). Every flag becomes a field of a config dataclass, which
 validates it; the backend is `build_service`'s choice.
 
-Backend: one in-process replica (cluster.local.LocalService). The Ray Coordinator (replica
-pools, --ray-address, tp > 1, disaggregated pools) is refused here with a message saying so,
-until it lands.
+Backend: always the Coordinator (cluster/coordinator.py). With no cluster flags it runs one
+unified replica whose rank lives in this process (runtime in-process: nothing to start, no
+Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray.
 """
 
 from __future__ import annotations
@@ -107,16 +107,16 @@ def configs_of(args: argparse.Namespace):
 
 def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool,
                   block_size: int | None = None):
-    """The InferenceService these settings ask for (loads the model; takes seconds).
+    """The InferenceService these settings ask for (not started: `run_server` starts it).
 
-    One unified replica at tp=1 without a Ray address is served in this process (LocalService:
-    the embedded default, nothing to start); any other layout gets the Ray Coordinator (replica
-    pools, tp/dcp ranks as actors, disaggregated prefill/decode), started by `run_server`.
+    Always a Coordinator: one unified replica at tp=1 without a Ray address runs its rank in
+    this process (runtime in-process, the embedded default); any other layout puts the ranks on
+    Ray (replica pools, tp/dcp ranks as actors, disaggregated prefill/decode).
 
     An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
     apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
     """
-    from meshserve.cluster.local import LocalService
+    from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
     from meshserve.workers.embedder import read_model_task
 
     if read_model_task(engine.model.model) == "embed":
@@ -134,11 +134,9 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
         return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
     single = (pools.mode is PoolMode.UNIFIED and pools.replicas == 1 and pools.ray_address is None
               and engine.parallel.tp == 1)
-    if single:  # the embedded default: one replica in this process, no Ray to start
-        return LocalService(engine, model_name=model_name, device=device, progress=progress)
-    from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-
-    return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name))
+    runtime = Runtime.IN_PROCESS if single else Runtime.RAY  # the embedded default: no Ray to start
+    return Coordinator(ClusterConfig(engine=engine, pools=pools, runtime=runtime, device=device,
+                                     model_name=model_name, progress=progress))
 
 
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
@@ -146,10 +144,14 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     """Serve until SIGINT or SIGTERM, then drain and shut the service down."""
     from meshserve.api.server import ApiServer
 
-    if hasattr(service, "start"):  # the Ray coordinator starts its replicas on the event loop
+    if hasattr(service, "start"):  # the coordinator starts its replicas on the event loop
         await service.start()
     server = ApiServer(service, server_config, max_queue=max_queue)
-    await server.start()
+    try:
+        await server.start()
+    except BaseException:  # a busy port: the replicas must not outlive the refusal
+        await service.shutdown(drain=False)
+        raise
     model = service.models()[0].name
     announce(f"meshserve: serving {model} on {server.address}, metrics on "
              f"http://{server_config.host}:{server.metrics_port}/metrics")

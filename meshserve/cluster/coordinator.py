@@ -134,8 +134,9 @@ class Coordinator:
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> Coordinator:
-        configure_logging()
         cfg = self.config
+        if cfg.runtime is not Runtime.IN_PROCESS:  # embedded, the host program's logging rules
+            configure_logging()
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.ray_executor import ray_init
 
@@ -307,10 +308,11 @@ class Coordinator:
         any(pool.abort(ticket) for pool in self.pools.values())
 
     def health(self) -> ServiceHealth:
+        """detail: empty while every replica serves; otherwise what is not, and why."""
         replicas = [r for p in self.pools.values() for r in p.replicas]
         healthy = [r for r in replicas if r.accepting]
         serving = self._started and not self._closing and all(p.ready for p in self.pools.values())
-        detail = "; ".join(p.describe() for p in self.pools.values())
+        detail = "; ".join(d for p in self.pools.values() if (d := p.describe(problems_only=True)))
         return ServiceHealth(serving, len(healthy), len(replicas), detail)
 
     def stats(self) -> ServiceStats:

@@ -188,13 +188,16 @@ class ReplicaPool:
         _ticket(w).sink.put_nowait(ReplicaFailedError(why))
 
     # -- health and stats -----------------------------------------------------------------------
-    def describe(self) -> str:
-        """Each replica's state, and why a slot's replica failed until it serves again."""
+    def describe(self, *, problems_only: bool = False) -> str:
+        """Each replica's state (problems_only: of those not ready), and why a slot's replica
+        failed until it serves again."""
         states = []
         for slot, r in enumerate(self.replicas):
             failure = self._failures.get(slot)
+            if problems_only and r.accepting and not failure:
+                continue
             states.append(f"{r.name}: {r.state.value}" + (f" ({failure}; rebuilding)" if failure else ""))
-        return ", ".join(states) or "no replicas"
+        return ", ".join(states) or ("" if problems_only else "no replicas")
 
     def _retire(self, s: ReplicaStats) -> None:
         for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
