@@ -52,9 +52,9 @@ class ServerLoop:
     def run(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, service: Coordinator, *, limits: ApiLimits = ApiLimits(), **server_config) -> ApiServer:
+    def serve(self, service, *, limits: ApiLimits = ApiLimits(), **server_config) -> ApiServer:
         """An ApiServer over `service` (started here the first time it is served)."""
-        if not service.pools:
+        if isinstance(service, Coordinator) and not service.pools:
             self.run(service.start())
         config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, **server_config)
         server = ApiServer(service, config, max_queue=service.max_queue, limits=limits, health_interval=0.05)
