@@ -95,6 +95,10 @@ class ClusterConfig:
         if self.runtime is Runtime.IN_PROCESS:
             check(self.worker_class is None, "worker_class", self.worker_class,
                   "None with runtime=in-process (the real Worker; use threads for a stand-in)")
+            # A hand-over detaches a request mid-overlap and exports KV from a rank server that
+            # in-process ranks do not run: disaggregated pools need ranks behind the channel.
+            check(self.pools.mode is PoolMode.UNIFIED, "pools", self.pools.mode.value,
+                  "'unified' with runtime=in-process (use threads, processes or ray)")
 
     def parallel_by_role(self) -> dict[str, ParallelConfig]:
         if self.pools.mode is PoolMode.UNIFIED:
