@@ -11,42 +11,35 @@ from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.config import PoolConfig
 from meshserve.errors import ConfigError
 from tests.tiny_models import write_checkpoint
-from tests.unit.cluster.cases import (
-    assert_no_held_blocks,
-    assert_same,
-    engine_config,
-    mixed_requests,
-    reference,
-    run_all,
-)
+from tests.unit.cluster import cases
 
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("one-stack") / "llama"
-    write_checkpoint(path, "llama", seed=4)
+    write_checkpoint(path, "llama", seed=4)  # the checkpoint of test_coordinator.py
     return path
 
 
 def test_in_process_pool_of_two_overlapping_replicas_matches_the_engine(ckpt):
-    want = reference(ckpt, mixed_requests())
+    want = cases.reference(ckpt, cases.mixed_requests())
 
     async def main():
-        config = ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(replicas=2), runtime="in-process")
+        config = ClusterConfig(engine=cases.engine_config(ckpt), pools=PoolConfig(replicas=2), runtime="in-process")
         c = await Coordinator(config).start()
         try:
             assert all(r.core.overlap for r in c.replicas())  # step N+1 is submitted before N is collected
-            got = await run_all(c, mixed_requests())
+            got = await cases.run_all(c, cases.mixed_requests())
             assert [r.stats().prompt_tokens > 0 for r in c.replicas()] == [True, True]
-            assert_no_held_blocks(c)
+            cases.assert_no_held_blocks(c)
             return got
         finally:
             await c.shutdown(drain=False)
-    assert_same(asyncio.run(main()), want)
+    cases.assert_same(asyncio.run(main()), want)
 
 
 def test_in_process_runtime_refuses_what_it_cannot_run(ckpt):
-    engine = engine_config(ckpt)
+    engine = cases.engine_config(ckpt)
     with pytest.raises(ConfigError, match="pools='disaggregated' is not allowed: 'unified' with runtime=in-process"):
         ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated"), runtime="in-process")
     with pytest.raises(ConfigError, match="worker_class"):
