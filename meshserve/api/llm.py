@@ -1,7 +1,9 @@
 """The public, single-process API: `LLM(model=DIR).generate(prompts, SamplingParams(...))`.
 
-`LLM.stream(prompt, params)` is an async generator of CompletionDelta, built on the same
-AsyncEngine the cluster uses. Use either `generate` or `stream` on one LLM at a time.
+`LLM.stream(prompt, params)` is an async generator of CompletionDelta served by the one serving
+stack: a Coordinator whose one in-process replica runs this LLM's engine (the model is loaded
+once). `generate` steps the engine directly (offline batch: every prompt admitted at once).
+Use either `generate` or `stream` on one LLM at a time.
 `generate_main` is the `meshserve generate` command.
 
 An encoder-only checkpoint (BertModel family) is served for embeddings instead:
@@ -11,11 +13,14 @@ An encoder-only checkpoint (BertModel family) is served for embeddings instead:
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import itertools
 import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from meshserve.cluster.async_engine import AsyncEngine
+from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.outputs import CompletionDelta, RequestOutput
@@ -56,7 +61,10 @@ class LLM:
         self.task = read_model_task(model)
         self.core: EngineCore | None = None
         self.embedder: Embedder | None = None
-        self._async: AsyncEngine | None = None
+        self._device = device
+        self._service: asyncio.Task | None = None  # starts (then holds) the Coordinator of `stream`
+        self._service_loop: asyncio.AbstractEventLoop | None = None
+        self._stream_ids = itertools.count()
         if self.task == "embed":
             self.embedder = Embedder(model, dtype=dtype, attention_backend=attention_backend, block_size=block_size,
                                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
@@ -125,12 +133,32 @@ class LLM:
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
-        """Deltas of one request as they are produced (see AsyncEngine.stream)."""
+        """Deltas of one request as they are produced, through the Coordinator (the service
+        conventions of cluster/service.py: bad input raises before anything is queued; leaving
+        the stream early aborts the request and frees its blocks)."""
         self._require("generate", "stream")
-        if self._async is None:
-            self._async = AsyncEngine(self.core)
-        async for delta in self._async.stream(prompt, params, request_id=request_id):
-            yield delta
+        service = await self._serving()
+        rid = request_id if request_id is not None else f"stream-{next(self._stream_ids)}"
+        async with contextlib.aclosing(service.generate(prompt, params, request_id=rid)) as deltas:
+            async for delta in deltas:
+                yield delta
+
+    def _serving(self) -> asyncio.Task:
+        """The Coordinator over this LLM's engine, started once per event loop (a loop that
+        ended took the previous one's replica task with it)."""
+        loop = asyncio.get_running_loop()
+        if self._service_loop is not loop:
+            self._service_loop = loop
+            self._service = loop.create_task(self._start_service())
+        return self._service
+
+    async def _start_service(self) -> Coordinator:
+        core = self.core
+        core.drain()
+        for rid in list(core.scheduler.requests):  # left behind by streams of an ended loop
+            core.abort(rid)
+        config = ClusterConfig(engine=core.config, runtime=Runtime.IN_PROCESS, device=self._device)
+        return await Coordinator(config, core=core).start()
 
     def shutdown(self) -> None:
         if self.core is not None:

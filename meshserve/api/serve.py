@@ -5,9 +5,9 @@ The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy p
 command line with this parser). Every flag becomes a field of a config dataclass, which
 validates it; the backend is `build_service`'s choice.
 
-Backend: one in-process replica (cluster.local.LocalService). The Ray Coordinator (replica
-pools, --ray-address, tp > 1, disaggregated pools) is refused here with a message saying so,
-until it lands.
+Backend: always the Coordinator (cluster/coordinator.py). With no cluster flags it runs one
+unified replica whose rank lives in this process (runtime in-process: nothing to start, no
+Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray.
 """
 
 from __future__ import annotations
@@ -154,17 +154,17 @@ def pool_parallel_of(args: argparse.Namespace, pools: PoolConfig) -> dict[str, P
 def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: str | None, progress: bool,
                   block_size: int | None = None, prefill_parallel: ParallelConfig | None = None,
                   decode_parallel: ParallelConfig | None = None):
-    """The InferenceService these settings ask for (loads the model; takes seconds).
+    """The InferenceService these settings ask for (not started: `run_server` starts it).
 
-    One unified replica at tp=1 without a Ray address is served in this process (LocalService:
-    the embedded default, nothing to start); any other layout gets the Ray Coordinator (replica
-    pools, tp/dcp ranks as actors, disaggregated prefill/decode), started by `run_server`.
+    Always a Coordinator: one unified replica at tp=1 without a Ray address runs its rank in
+    this process (runtime in-process, the embedded default); any other layout puts the ranks on
+    Ray (replica pools, tp/dcp ranks as actors, disaggregated prefill/decode).
 
     An embedding checkpoint gets an EmbeddingService (no KV cache: the cache settings do not
     apply; `block_size`, when given, asks for the paged attention layout instead of the naive one).
     prefill_parallel / decode_parallel: a disaggregated pool's own (tp, dcp) (default engine.parallel).
     """
-    from meshserve.cluster.local import LocalService
+    from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
     from meshserve.workers.embedder import read_model_task
 
     if read_model_task(engine.model.model) == "embed":
@@ -182,11 +182,9 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
         return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
     single = (pools.mode is PoolMode.UNIFIED and pools.replicas == 1 and pools.ray_address is None
               and engine.parallel.tp == 1)
-    if single:  # the embedded default: one replica in this process, no Ray to start
-        return LocalService(engine, model_name=model_name, device=device, progress=progress)
-    from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-
-    return Coordinator(ClusterConfig(engine=engine, pools=pools, device=device, model_name=model_name,
+    runtime = Runtime.IN_PROCESS if single else Runtime.RAY  # the embedded default: no Ray to start
+    return Coordinator(ClusterConfig(engine=engine, pools=pools, runtime=runtime, device=device,
+                                     model_name=model_name, progress=progress,
                                      prefill_parallel=prefill_parallel, decode_parallel=decode_parallel))
 
 
@@ -205,21 +203,22 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     from meshserve.api.http.server import HttpServer
     from meshserve.api.server import ApiServer
 
-    if hasattr(service, "start"):  # the Ray coordinator starts its replicas on the event loop
+    if hasattr(service, "start"):  # the coordinator starts its replicas on the event loop
         await service.start()
     server = ApiServer(service, server_config, max_queue=max_queue)
     http = None
-    if server_config.http_port != 0:  # bound first: a busy port fails before gRPC starts
-        http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
-                          metrics=server.metrics, token=server.token, chat_template=chat_template,
-                          max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
-                          tls_key=server_config.tls_key)
-        await http.start()
     try:
+        if server_config.http_port != 0:  # bound first: a busy port fails before gRPC starts
+            http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
+                              metrics=server.metrics, token=server.token, chat_template=chat_template,
+                              max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
+                              tls_key=server_config.tls_key)
+            await http.start()
         await server.start()
-    except BaseException:
+    except BaseException:  # a busy port: neither the other front-end nor the replicas outlive the refusal
         if http is not None:
             await http.stop(grace=0)
+        await service.shutdown(drain=False)
         raise
     model = service.models()[0].name
     announce(f"meshserve: serving {model} on {server.address}, metrics on "

@@ -14,6 +14,15 @@ from meshserve.core.attention_options import KVCacheDtype  # defined in core for
 from meshserve.errors import as_enum, check
 
 
+def check_window(sliding_window: int | None, num_sink_tokens: int) -> None:
+    """The window rule of a layer (AttentionSpec) and of its KV retention (kvstore): a window of
+    at least one token, or none; sink tokens only beside a window."""
+    if sliding_window is not None:
+        check(sliding_window >= 1, "sliding_window", sliding_window, "an integer >= 1 or None")
+    check(num_sink_tokens >= 0, "num_sink_tokens", num_sink_tokens, "an integer >= 0")
+    check(num_sink_tokens == 0 or sliding_window is not None, "num_sink_tokens", num_sink_tokens,
+          "0 unless sliding_window is set (sink tokens only matter beside a window)")
+
 class AttentionType(StrEnum):
     DECODER = "decoder"  # causal self-attention over the paged cache
     ENCODER = "encoder"  # non-causal self-attention whose K/V are cached (for cross-attention later)
@@ -95,15 +104,7 @@ class AttentionSpec:
         check(self.q_scaling > 0, "q_scaling", self.q_scaling, "a number > 0")
         if self.scale is not None:
             check(self.scale > 0 and math.isfinite(self.scale), "scale", self.scale, "a finite number > 0")
-        if self.sliding_window is not None:
-            check(self.sliding_window >= 1, "sliding_window", self.sliding_window, "an integer >= 1 or None")
-        check(self.num_sink_tokens >= 0, "num_sink_tokens", self.num_sink_tokens, "an integer >= 0")
-        check(
-            self.num_sink_tokens == 0 or self.sliding_window is not None,
-            "num_sink_tokens",
-            self.num_sink_tokens,
-            "0 unless sliding_window is set (sink tokens only matter beside a window)",
-        )
+        check_window(self.sliding_window, self.num_sink_tokens)
         if self.logits_soft_cap is not None:
             check(self.logits_soft_cap > 0, "logits_soft_cap", self.logits_soft_cap, "a number > 0 or None")
         if self.sliding_window is not None:

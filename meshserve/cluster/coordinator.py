@@ -7,13 +7,18 @@
         ...
     await coord.shutdown(drain=True)
 
+This is the one serving stack: `meshserve serve` with no flags, and `LLM.stream`, run a
+one-replica unified pool whose ranks live in this process (runtime "in-process": no Ray, no
+channel; the step overlap of EngineCore applies); Ray, subprocesses and threads only change
+where the ranks run.
+
 Unified mode: one pool; any replica runs a request from prompt to end. Disaggregated: a new
 request goes to the prefill pool (longest cached prefix, then least load) and runs until its
 first token; the decode pool (most free KV, then least load) takes it over with its KV (or by
 recomputing the prompt when the hand-over fails). The client sees one stream either way.
 
-Errors follow the service conventions: ConfigError for bad input (nothing queued; as in
-LocalService, a prompt plus max_tokens beyond max_model_len is bad input), CapacityError when
+Errors follow the service conventions: ConfigError for bad input (nothing queued; admission.py:
+a prompt plus max_tokens beyond max_model_len is bad input), CapacityError when
 prompt + max_tokens can never fit a replica's KV cache, QueueFullError when
 the entry pool's queue is full, UnavailableError when no replica can take it, and
 ReplicaFailedError (raised by the stream) when the replica serving it dies.
@@ -29,16 +34,17 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from meshserve.cluster.engine import EngineConfig
+from meshserve.cluster.admission import RequestValidator
+from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import sum_expert_load
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
-from meshserve.cluster.request import Request
+from meshserve.cluster.request import Request, Ticket
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
-from meshserve.core.outputs import CompletionDelta
+from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer
@@ -49,7 +55,8 @@ log = logging.getLogger("meshserve.coordinator")
 class Runtime(StrEnum):
     RAY = "ray"  # WorkerActors in placement groups (embedded Ray or pools.ray_address)
     PROCESSES = "processes"  # local subprocess ranks (no Ray)
-    THREADS = "threads"  # tp=1 ranks on threads of this process (tests, debugging)
+    THREADS = "threads"  # tp=1 ranks on threads of this process, over the zmq step channel (tests)
+    IN_PROCESS = "in-process"  # the tp=1 rank called directly in this process (the embedded default)
 
 
 @dataclass(frozen=True)
@@ -67,6 +74,7 @@ class ClusterConfig:
     prefill_parallel: ParallelConfig | None = None
     decode_parallel: ParallelConfig | None = None
     device: str | None = None
+    progress: bool = False  # in-process runtime: show the model load's progress bar
     worker_class: str | None = None  # "module:Class" of the rank's worker (default: the real Worker)
     model_name: str | None = None  # what clients call the model (default: the checkpoint folder's name)
     ray_num_cpus: int | None = None  # embedded Ray only
@@ -81,9 +89,17 @@ class ClusterConfig:
         for name in ("health_period_s", "handover_timeout_s", "drain_timeout_s"):
             value = getattr(self, name)
             check(isinstance(value, int | float) and value > 0, name, value, "a number of seconds > 0")
-        if self.runtime is Runtime.THREADS:
+        if self.runtime in (Runtime.THREADS, Runtime.IN_PROCESS):
             for role, par in self.parallel_by_role().items():
-                check(par.tp == 1, f"{role} tp", par.tp, "1 with runtime=threads (use processes or ray)")
+                check(par.tp == 1, f"{role} tp", par.tp,
+                      f"1 with runtime={self.runtime.value} (use processes or ray)")
+        if self.runtime is Runtime.IN_PROCESS:
+            check(self.worker_class is None, "worker_class", self.worker_class,
+                  "None with runtime=in-process (the real Worker; use threads for a stand-in)")
+            # A hand-over detaches a request mid-overlap and exports KV from a rank server that
+            # in-process ranks do not run: disaggregated pools need ranks behind the channel.
+            check(self.pools.mode is PoolMode.UNIFIED, "pools", self.pools.mode.value,
+                  "'unified' with runtime=in-process (use threads, processes or ray)")
 
     def parallel_by_role(self) -> dict[str, ParallelConfig]:
         if self.pools.mode is PoolMode.UNIFIED:
@@ -93,18 +109,28 @@ class ClusterConfig:
 
 
 class Coordinator:
-    """Implements meshserve.cluster.service.InferenceService over pools of replicas."""
+    """Implements meshserve.cluster.service.InferenceService over pools of replicas.
 
-    def __init__(self, config: ClusterConfig) -> None:
+    core: an engine already built in this process, run by the first replica of a one-replica
+    in-process pool (`LLM` loads its model once for `generate` and `stream`); a rebuild of that
+    replica builds a fresh engine.
+    """
+
+    def __init__(self, config: ClusterConfig, *, core: EngineCore | None = None) -> None:
+        if core is not None:
+            check(config.runtime is Runtime.IN_PROCESS and config.pools.mode is PoolMode.UNIFIED
+                  and config.pools.replicas == 1, "core", "an engine",
+                  "None unless the pool is one unified in-process replica")
         self.config = config
         self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
         self.pools: dict[str, ReplicaPool] = {}
         self.tokenizer = None
-        # client request id -> (the id replicas know it by, its delta queue). Replicas see a fresh
-        # id per request: a client may reuse an id as soon as its stream ends, before the abort of
-        # the old request has reached its replica.
-        self._live: dict[str, tuple[str, asyncio.Queue]] = {}
-        self._internal: set[str] = set()
+        self.validator: RequestValidator | None = None
+        self._core = core
+        # client request id -> its ticket. Replicas know a request by a fresh internal id: a client
+        # may reuse an id as soon as its stream ends, before the abort of the old request has
+        # reached its replica.
+        self._live: dict[str, Ticket] = {}
         self._arrivals = itertools.count()
         self._serial = itertools.count()
         self._owns_ray = False
@@ -113,8 +139,9 @@ class Coordinator:
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> Coordinator:
-        configure_logging()
         cfg = self.config
+        if cfg.runtime is not Runtime.IN_PROCESS:  # embedded, the host program's logging rules
+            configure_logging()
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.ray_executor import ray_init
 
@@ -134,6 +161,8 @@ class Coordinator:
             raise
         info = self.pools[self._entry].replicas[0].core.info
         self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
+        self.validator = RequestValidator(self.tokenizer, vocab_size=info.vocab_size,
+                                          max_model_len=info.max_model_len, scheduler=cfg.engine.scheduler)
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
         return self
@@ -152,14 +181,31 @@ class Coordinator:
         def build(slot: int) -> Replica:
             name = f"{role}-{slot}"
             pool = self.pools[role]
-            return Replica(name, role, engine, lambda: self._executor(engine, role, name),
+            return Replica(name, role, engine, lambda: self._make_core(engine, role, name),
                            on_handoff=self._on_handoff, on_failed=pool.on_failed,
                            handoff_tp=decode and decode.tp, handoff_dcp=decode and decode.dcp,
                            health_period_s=cfg.health_period_s, handover_timeout_s=cfg.handover_timeout_s)
         return build
 
+    def _make_core(self, engine: EngineConfig, role: str, name: str) -> EngineCore:
+        """(In a thread) a replica's engine over freshly started ranks; the ranks are shut down
+        if it cannot be built."""
+        if self._core is not None:
+            core, self._core = self._core, None
+            return core
+        executor = self._executor(engine, role, name)
+        try:
+            return EngineCore(engine, executor=executor)
+        except BaseException:
+            executor.shutdown()
+            raise
+
     def _executor(self, engine: EngineConfig, role: str, name: str):
         cfg = self.config
+        if cfg.runtime is Runtime.IN_PROCESS:
+            from meshserve.cluster.engine import InProcessExecutor
+
+            return InProcessExecutor(engine, device=cfg.device, progress=cfg.progress)
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.ray_executor import RayExecutor
 
@@ -197,6 +243,11 @@ class Coordinator:
         return "prefill" if self.disaggregated else "unified"
 
     @property
+    def max_queue(self) -> int:
+        """Requests each pool lets wait before QueueFullError."""
+        return self.config.engine.scheduler.max_queue
+
+    @property
     def model_name(self) -> str:
         """What clients call the model: ClusterConfig.model_name, else the checkpoint folder's name."""
         from meshserve.demo_model import DEMO_MODEL_DIR
@@ -211,7 +262,7 @@ class Coordinator:
 
     def tokenize(self, text: str) -> list[int]:
         check(self.tokenizer is not None, "text", text[:20], "token ids: the model has no tokenizer.json")
-        return self.tokenizer.encode(text).ids
+        return self.validator.encode(text)[1] if self.validator else self.tokenizer.encode(text).ids
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         check(self.tokenizer is not None, "token_ids", list(token_ids[:5]), "text: the model has no tokenizer")
@@ -223,16 +274,14 @@ class Coordinator:
         request = self._make_request(prompt, params, request_id)
         pool = self.pools[self._entry]
         pool.admit()
-        internal = request.request_id
-        sink: asyncio.Queue = asyncio.Queue()
-        self._live[request_id] = (internal, sink)
-        self._internal.add(internal)
-        request_event(internal, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
-        pool.submit(request, sink, prefill_only=self.disaggregated)
+        ticket = Ticket(request_id, request, prefill_only=self.disaggregated)
+        self._live[request_id] = ticket
+        request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
+        pool.submit(ticket)
         finished = False
         try:
             while True:
-                item = await sink.get()
+                item = await ticket.sink.get()
                 if isinstance(item, BaseException):
                     finished = True  # nothing holds it any more
                     raise item
@@ -243,28 +292,33 @@ class Coordinator:
                     return
         finally:
             self._live.pop(request_id, None)
-            self._internal.discard(internal)
             if not finished:  # the caller left early: free its blocks now
-                self._abort_everywhere(internal)
+                self._cancel(ticket)
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with finish_reason abort. False if unknown."""
-        entry = self._live.get(request_id)
-        return entry is not None and self._abort_everywhere(entry[0])
+        ticket = self._live.get(request_id)
+        if ticket is None:
+            return False
+        self._cancel(ticket)
+        return True
 
     async def embed(self, inputs, *, truncate: bool = False):
         """A generative model has no Embed (the protocol's task rule)."""
         raise ConfigError("model", self.model_name, "an embed model for Embed; this model's task is 'generate' "
                           "(use Generate)")
 
-    def _abort_everywhere(self, internal_id: str) -> bool:
-        return any(pool.abort(internal_id) for pool in self.pools.values())
+    def _cancel(self, ticket: Ticket) -> None:
+        """Abort wherever the request is; one in hand-over is dropped when it arrives (_on_handoff)."""
+        ticket.cancelled = True
+        any(pool.abort(ticket) for pool in self.pools.values())
 
     def health(self) -> ServiceHealth:
+        """detail: empty while every replica serves; otherwise what is not, and why."""
         replicas = [r for p in self.pools.values() for r in p.replicas]
         healthy = [r for r in replicas if r.accepting]
         serving = self._started and not self._closing and all(p.ready for p in self.pools.values())
-        detail = "; ".join(f"{r.name}: {r.state.value}" for r in replicas)
+        detail = "; ".join(d for p in self.pools.values() if (d := p.describe(problems_only=True)))
         return ServiceHealth(serving, len(healthy), len(replicas), detail)
 
     def stats(self) -> ServiceStats:
@@ -284,41 +338,26 @@ class Coordinator:
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:
         if self._closing or not self._started:
             raise UnavailableError("the service is shutting down" if self._closing else "the service is starting")
-        params = params or SamplingParams()
-        check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         check(isinstance(request_id, str) and request_id != "", "request_id", request_id, "a non-empty string")
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
-        params.check_vocab(self._vocab_size)
-        internal = f"{next(self._serial)}:{request_id}"
-        if isinstance(prompt, str):
-            text, ids = prompt, self.tokenize(prompt)
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            bad = [t for t in ids if not 0 <= t < self._vocab_size]
-            check(not bad, "prompt", bad[:5], f"token ids in [0, {self._vocab_size})")
-        request = Request(internal, ids, params, arrival=next(self._arrivals), prompt=text)
-        replicas = [r for p in self.pools.values() for r in p.ready]
-        if not replicas:
-            raise UnavailableError("no healthy replica")
-        for replica in replicas:  # the same checks a single-process engine makes
-            replica.core.scheduler.check_request(request, bounded=False)
-        room = self._max_model_len - len(ids)  # as LocalService: refuse what would be cut short
-        check(params.max_tokens <= room, "max_tokens", params.max_tokens,
-              f"an integer in [1, {room}]: max_model_len={self._max_model_len} minus the prompt's {len(ids)} tokens")
-        need = len(ids) + params.max_tokens
-        capacity = min(r.core.kv.capacity_tokens for r in replicas)
+        request = self.validator.make(prompt, params, request_id=f"{next(self._serial)}:{request_id}",
+                                      arrival=next(self._arrivals), fit_max_tokens=True)
+        need = len(request.prompt_ids) + request.params.max_tokens
+        capacity = min((r.core.kv.capacity_tokens for p in self.pools.values() for r in p.replicas
+                        if r.core is not None), default=need)
         if need > capacity:
-            raise CapacityError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) needs {need} KV "
-                                f"slots; a replica holds {capacity}")
+            raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+                                f"({request.params.max_tokens}) needs {need} KV slots; a replica holds {capacity}")
         return request
 
     def _on_handoff(self, handoff: Handoff) -> None:
-        rid = handoff.request.request_id
-        if rid not in self._internal:  # the client left while it was being prefilled
+        ticket = handoff.ticket
+        if ticket.cancelled:  # aborted, or the client left, while it was being prefilled
             if handoff.offer is not None:
                 handoff.source.release(handoff.offer.pin_id)
+            ticket.sink.put_nowait(CompletionDelta(ticket.request_id, [], "", True, FinishReason.ABORT))
             return
-        request_event(rid, "handoff", source=handoff.source.name, kv=handoff.offer is not None)
+        request_event(ticket.request_id, "handoff", source=handoff.source.name, kv=handoff.offer is not None)
         self.pools["decode"].hand_over(handoff)
 
     def replicas(self, role: str | None = None) -> list[Replica]:

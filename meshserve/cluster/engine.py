@@ -13,6 +13,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
 from meshserve.cluster.request import Request
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
@@ -109,6 +110,8 @@ class EngineCore:
         self.kv = kv or kv_manager_for(self.info, enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)
+        self.validator = RequestValidator(self.tokenizer, vocab_size=self.info.vocab_size,
+                                          max_model_len=self.info.max_model_len, scheduler=config.scheduler)
         self._tracked: dict[str, _Tracked] = {}
         self._arrivals = itertools.count()
         self._ids = itertools.count()
@@ -122,26 +125,15 @@ class EngineCore:
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> Request:
-        """Tokenize and validate; nothing is queued (errors leave no state behind)."""
-        params = params or SamplingParams()
-        check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
-        params.check_vocab(self.info.vocab_size)
-        if isinstance(prompt, str):
-            check(self.tokenizer is not None, "prompt", "text",
-                  "token ids: the checkpoint has no tokenizer.json to encode text")
-            text, ids = prompt, self.tokenizer.encode(prompt).ids
-        else:
-            text, ids = None, [int(t) for t in prompt]
-            vocab = self.info.vocab_size
-            bad = [t for t in ids if not 0 <= t < vocab]
-            check(not bad, "prompt", bad[:5], f"token ids in [0, {vocab})")
+        """Tokenize and validate (admission.py); nothing is queued (errors leave no state behind)."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = Request(rid, ids, params, arrival=next(self._arrivals), prompt=text)
+        req = self.validator.make(prompt, params, request_id=rid, arrival=next(self._arrivals))
         self.scheduler.check_request(req)
         return req
 
-    def add(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add(self, request: Request, *, bounded: bool = True) -> None:
+        """Queue a request made by `make_request`; bounded=False: its caller bounds the queue."""
+        self.scheduler.add_request(request, bounded=bounded)
         self._tracked[request.request_id] = _Tracked(request, self._detokenizer(request))
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from meshserve.cluster.executor import Executor, RankError
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.request import Request, Sink
+from meshserve.cluster.request import Ticket
 from meshserve.kvstore.pins import HandoverBlocks, KVPins
 from meshserve.kvstore.reshard import receiver_positions
 
@@ -74,17 +74,16 @@ class KVOffer:
 class Handoff:
     """A request leaving a prefill replica after its first token (already streamed)."""
 
-    request: Request
+    ticket: Ticket  # its request is detached from the source's engine
     source: HandoverEnd
     offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
     reason: str = ""
-    sink: Sink | None = None
 
 
-def offer_kv(self: HandoverEnd, rid: str) -> Handoff:
+def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
     """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
     detach the request."""
-    kv = self.core.kv
+    rid, kv = ticket.request_id, self.core.kv
     pin = self.pins.pin(rid)
     args = {"blocks": pin.blocks.to_wire(), "block_size": kv.block_size, "dcp_size": kv.dcp_size,
             "model_id": self.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
@@ -98,13 +97,14 @@ def offer_kv(self: HandoverEnd, rid: str) -> Handoff:
         self.pins.release(pin.pin_id)
         reason = str(exc)
     request_event(rid, "prefilled", replica=self.name, kv_tokens=pin.blocks.num_tokens, offered=offer is not None)
-    return Handoff(self.core.detach(rid), self, offer, reason)
+    self.core.detach(rid)
+    return Handoff(ticket, self, offer, reason)
 
 
 def import_kv(self: HandoverEnd, h: Handoff) -> int:
     """(Decode replica, step thread) Pull the offered KV into fresh blocks; the tokens now cached,
     or 0 when the prompt must be recomputed."""
-    rid, offer, kv = h.request.request_id, h.offer, self.core.kv
+    rid, offer, kv = h.ticket.request_id, h.offer, self.core.kv
     why = h.reason or "no KV was offered"
     if offer is not None:
         dcp = self.config.parallel.dcp

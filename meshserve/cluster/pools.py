@@ -5,13 +5,17 @@ then the least load (requests held). Hand-overs go to the ready decode replica w
 free KV blocks, then the least load.
 
 Admission. The pool's queue (requests not yet running: waiting inside replicas plus those the
-pool holds while no replica is ready) is bounded by `max_queue`; beyond it QueueFullError.
-When no replica is ready and none is being rebuilt, UnavailableError. Hand-overs are never
-refused: their first token has already been streamed.
+pool holds while no replica is ready) is bounded by `max_queue`; beyond it QueueFullError. This
+is the only queue bound: replicas add what the pool routes to them unbounded. When no replica
+is ready (all starting, failed or being rebuilt), UnavailableError naming each replica's state
+and the last failure: health says NOT_SERVING then, and a client does better to retry than to
+wait for a model to reload. Hand-overs are never refused: their first token has already been
+streamed.
 
-Repair. A replica that fails is rebuilt in its slot (fresh ranks, fresh KV), with backoff,
-up to `max_rebuilds` times in a row. Requests it held that had not streamed anything come
-back to the pool and are routed again; meanwhile they wait in the pool's queue.
+Repair. A replica that fails is rebuilt in its slot (fresh ranks, fresh KV), with capped
+backoff, until it serves again (or `max_rebuilds` attempts in a row, when given). Requests it
+held that had not streamed anything come back to the pool and are routed again; meanwhile they
+wait in the pool's queue.
 """
 
 from __future__ import annotations
@@ -20,42 +24,36 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats
-from meshserve.cluster.request import Request, Sink
+from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
-from meshserve.errors import QueueFullError, ReplicaFailedError, UnavailableError
+from meshserve.errors import MeshserveError, QueueFullError, ReplicaFailedError, UnavailableError
 
 log = logging.getLogger("meshserve.pool")
 
 REBUILD_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
 
 
-@dataclass
-class _Waiting:
-    """A request or hand-over held by the pool until a replica is ready."""
-
-    request: Request
-    sink: Sink
-    prefill_only: bool = False
-    handoff: Handoff | None = None
-
-
 class ReplicaPool:
-    """build(slot) -> a new, unstarted Replica for that slot (its callbacks point back here)."""
+    """build(slot) -> a new, unstarted Replica for that slot (its callbacks point back here).
+
+    max_rebuilds: attempts in a row to rebuild a failed slot; None (the default): forever.
+    """
 
     def __init__(self, role: str, size: int, build: Callable[[int], Replica], *, max_queue: int,
-                 max_rebuilds: int = len(REBUILD_BACKOFF_S)) -> None:
+                 max_rebuilds: int | None = None) -> None:
         self.role = role
         self.size = size
         self.build = build
         self.max_queue = max_queue
         self.max_rebuilds = max_rebuilds
         self.replicas: list[Replica] = []
-        self._waiting: list[_Waiting] = []
+        self._waiting: list[Ticket | Handoff] = []  # held until a replica is ready
         self._rebuilding: dict[int, asyncio.Task] = {}
+        self._failures: dict[int, str] = {}  # slot -> why its last replica failed, until rebuilt
         self._retired = _zero_stats(role)  # counters of replicas that were replaced
         self.num_rebuilds = 0
 
@@ -94,34 +92,34 @@ class ReplicaPool:
 
     def admit(self) -> None:
         """Raise unless one more new request may enter this pool now."""
-        if not self.ready and not self._rebuilding:
-            raise UnavailableError(f"no healthy {self.role} replica ({self._describe()})")
+        if not self.ready:
+            raise UnavailableError(f"no healthy replica in the {self.role} pool: {self.describe()}")
         if self.num_queued >= self.max_queue:
             raise QueueFullError(f"the {self.role} pool's queue is full ({self.num_queued} of "
                                  f"max_queue={self.max_queue} requests waiting)")
 
-    def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
-        replica = self._pick_for_prompt(request.prompt_ids)
+    def submit(self, ticket: Ticket) -> None:
+        replica = self._pick_for_prompt(ticket.request.prompt_ids)
         if replica is None:
-            self._waiting.append(_Waiting(request, sink, prefill_only))
+            self._waiting.append(ticket)
         else:
-            replica.submit(request, sink, prefill_only=prefill_only)
+            replica.submit(ticket)
 
     def hand_over(self, handoff: Handoff) -> None:
         replica = self._pick_for_decode()
         if replica is None:
-            self._waiting.append(_Waiting(handoff.request, handoff.sink, handoff=handoff))
+            self._waiting.append(handoff)
         else:
             replica.adopt(handoff)
 
-    def abort(self, request_id: str) -> bool:
+    def abort(self, ticket: Ticket) -> bool:
         for w in self._waiting:
-            if w.request.request_id == request_id:
+            if _ticket(w) is ticket:
                 self._waiting.remove(w)
                 _release(w)
-                w.sink.put_nowait(CompletionDelta(request_id, [], "", True, FinishReason.ABORT))
+                ticket.sink.put_nowait(CompletionDelta(ticket.request_id, [], "", True, FinishReason.ABORT))
                 return True
-        return any(r.abort(request_id) for r in self.replicas)
+        return any(r.abort(ticket.request_id) for r in self.replicas if r.name == ticket.holder)
 
     def _pick_for_prompt(self, prompt_ids: list[int]) -> Replica | None:
         ready = self.ready
@@ -138,17 +136,18 @@ class ReplicaPool:
     def _dispatch_waiting(self) -> None:
         waiting, self._waiting = self._waiting, []
         for w in waiting:
-            if w.handoff is not None:
-                self.hand_over(w.handoff)
+            if isinstance(w, Handoff):
+                self.hand_over(w)
             else:
-                self.submit(w.request, w.sink, prefill_only=w.prefill_only)
+                self.submit(w)
 
     # -- repair ---------------------------------------------------------------------------------
-    def on_failed(self, replica: Replica, error: BaseException, orphans: list) -> None:
+    def on_failed(self, replica: Replica, error: BaseException, orphans: list[Ticket]) -> None:
         """A replica died: route its untouched requests again and rebuild its slot."""
-        for request, sink, prefill_only in orphans:
-            self._waiting.append(_Waiting(request, sink, prefill_only))
+        self._waiting += orphans
         slot = self.replicas.index(replica) if replica in self.replicas else None
+        if slot is not None:
+            self._failures[slot] = f"{replica.name} failed: {_describe_error(error)}"
         if slot is not None and slot not in self._rebuilding:
             self._rebuilding[slot] = asyncio.get_running_loop().create_task(self._rebuild(slot))
         self._dispatch_waiting()
@@ -158,20 +157,24 @@ class ReplicaPool:
         with contextlib.suppress(Exception):
             await old.stop()
         self._retire(old.stats())
+        attempt = 0
         try:
-            for attempt in range(self.max_rebuilds):
+            while self.max_rebuilds is None or attempt < self.max_rebuilds:
                 await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+                attempt += 1
                 new = self.build(slot)
                 self.replicas[slot] = new
                 try:
                     await new.start()
                 except Exception as exc:
-                    log.warning("rebuilding %s failed (attempt %d): %r", new.name, attempt + 1, exc)
+                    self._failures[slot] = f"rebuilding {new.name} failed: {_describe_error(exc)}"
+                    log.warning("rebuilding %s failed (attempt %d): %r", new.name, attempt, exc)
                     continue
+                self._failures.pop(slot, None)
                 self.num_rebuilds += 1
                 log.warning("replica %s rebuilt", new.name)
                 return
-            log.error("giving up on %s pool slot %d after %d attempts", self.role, slot, self.max_rebuilds)
+            log.error("giving up on %s pool slot %d after %d attempts", self.role, slot, attempt)
         finally:
             self._rebuilding.pop(slot, None)
             self._dispatch_waiting()
@@ -180,14 +183,21 @@ class ReplicaPool:
                 for w in waiting:
                     self._give_up(w, f"no {self.role} replica could be rebuilt")
 
-    def _give_up(self, w: _Waiting, why: str) -> None:
+    def _give_up(self, w: Ticket | Handoff, why: str) -> None:
         _release(w)
-        w.sink.put_nowait(ReplicaFailedError(why))
+        _ticket(w).sink.put_nowait(ReplicaFailedError(why))
 
     # -- health and stats -----------------------------------------------------------------------
-    def _describe(self) -> str:
-        states = [f"{r.name}={r.state.value}" for r in self.replicas]
-        return ", ".join(states) or "no replicas"
+    def describe(self, *, problems_only: bool = False) -> str:
+        """Each replica's state (problems_only: of those not ready), and why a slot's replica
+        failed until it serves again."""
+        states = []
+        for slot, r in enumerate(self.replicas):
+            failure = self._failures.get(slot)
+            if problems_only and r.accepting and not failure:
+                continue
+            states.append(f"{r.name}: {r.state.value}" + (f" ({failure}; rebuilding)" if failure else ""))
+        return ", ".join(states) or ("" if problems_only else "no replicas")
 
     def _retire(self, s: ReplicaStats) -> None:
         for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
@@ -202,9 +212,17 @@ class ReplicaPool:
         return [r.state for r in self.replicas]
 
 
-def _release(w: _Waiting) -> None:
-    if w.handoff is not None and w.handoff.offer is not None:
-        w.handoff.source.release(w.handoff.offer.pin_id)
+def _ticket(w: Ticket | Handoff) -> Ticket:
+    return w.ticket if isinstance(w, Handoff) else w
+
+
+def _release(w: Ticket | Handoff) -> None:
+    if isinstance(w, Handoff) and w.offer is not None:
+        w.source.release(w.offer.pin_id)
+
+
+def _describe_error(exc: BaseException) -> str:
+    return str(exc) if isinstance(exc, MeshserveError) else f"{type(exc).__name__}: {exc}"
 
 
 def _zero_stats(role: str) -> ReplicaStats:

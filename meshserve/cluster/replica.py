@@ -28,7 +28,7 @@ from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor, sum_expert_load
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.request import Request, RequestStatus, Sink
+from meshserve.cluster.request import Request, RequestStatus, Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, ReplicaFailedError
 from meshserve.kvstore.pins import KVPins
@@ -65,13 +65,6 @@ class ReplicaStats:
 
 
 @dataclass
-class _Held:
-    request: Request
-    sink: Sink
-    prefill_only: bool = False
-
-
-@dataclass
 class _Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -90,11 +83,14 @@ class Replica:
     """name: unique in the cluster; role: unified, prefill or decode; handoff_tp, handoff_dcp: the
     layout of the replicas that take this one's hand-overs (prefill role).
 
+    make_core(): the replica's engine over freshly started ranks (blocking: called in a thread;
+    it shuts its ranks down itself if it raises). The runtime (ranks in this process, on
+    threads, in subprocesses or Ray actors) is its choice.
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
-    the replica died; orphans are (request, sink, prefill_only) that streamed nothing yet.
+    the replica died; orphans are the tickets that streamed nothing yet, reset to run afresh.
     """
 
-    def __init__(self, name: str, role: str, config: EngineConfig, make_executor: Callable[[], Executor], *,
+    def __init__(self, name: str, role: str, config: EngineConfig, make_core: Callable[[], EngineCore], *,
                  on_handoff: Callable[[Handoff], None] | None = None,
                  on_failed: Callable[[Replica, BaseException, list], None] | None = None,
                  handoff_tp: int | None = None, handoff_dcp: int | None = None, health_period_s: float = 2.0,
@@ -102,7 +98,7 @@ class Replica:
         self.name = name
         self.role = role
         self.config = config
-        self.make_executor = make_executor
+        self.make_core = make_core
         self.on_handoff = on_handoff
         self.on_failed = on_failed
         self.health_period_s = health_period_s
@@ -117,7 +113,7 @@ class Replica:
         self.pins: KVPins | None = None  # the driver side of hand-overs (handover.py), over core.kv
         self.executor: Executor | None = None
         self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
-        self._held: dict[str, _Held] = {}
+        self._held: dict[str, Ticket] = {}  # internal request id -> the ticket of every request held
         self._inbox: list[str] = []
         self._adoptions: list[Handoff] = []
         self._aborts: list[str] = []
@@ -130,13 +126,12 @@ class Replica:
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
         """Start the ranks and load the model (in a thread); READY when done, FAILED if it raised."""
-        self.executor = self.make_executor()
         try:
-            self.core = await asyncio.to_thread(EngineCore, self.config, executor=self.executor)
+            self.core = await asyncio.to_thread(self.make_core)
         except BaseException as exc:
             self.state, self.error = ReplicaState.FAILED, exc
-            await asyncio.to_thread(self.executor.shutdown)
             raise
+        self.executor = self.core.executor
         self.pins = KVPins(self.core.kv)
         self.state = ReplicaState.READY
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
@@ -164,8 +159,8 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for held in self._held.values():
-            held.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
+        for ticket in self._held.values():
+            ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
         self._held.clear()
         if self.executor is not None:
             await asyncio.to_thread(self.executor.shutdown)
@@ -184,16 +179,20 @@ class Replica:
         """Still runs what it holds, and takes hand-overs (a draining decode replica must)."""
         return self.state in (ReplicaState.READY, ReplicaState.DRAINING)
 
-    def submit(self, request: Request, sink: Sink, *, prefill_only: bool = False) -> None:
-        self._held[request.request_id] = _Held(request, sink, prefill_only)
+    def submit(self, ticket: Ticket) -> None:
+        rid = ticket.request_id
+        self._held[rid] = ticket
+        ticket.holder = self.name
         self._idle.clear()
-        self._inbox.append(request.request_id)
-        request_event(request.request_id, "queued", replica=self.name, prefill_only=prefill_only)
+        self._inbox.append(rid)
+        request_event(rid, "queued", replica=self.name, prefill_only=ticket.prefill_only)
         self._wake()
 
     def adopt(self, handoff: Handoff) -> None:
-        rid = handoff.request.request_id
-        self._held[rid] = _Held(handoff.request, handoff.sink)
+        ticket = handoff.ticket
+        rid = ticket.request_id
+        ticket.prefill_only, ticket.holder = False, self.name
+        self._held[rid] = ticket
         self._idle.clear()
         self._adoptions.append(handoff)
         request_event(rid, "adopting", replica=self.name, kv="offered" if handoff.offer else "recompute")
@@ -288,7 +287,8 @@ class Replica:
                 deltas, handoffs = await asyncio.to_thread(self._step)
                 self._deliver(deltas)
                 for h in handoffs:
-                    h.sink = self._held.pop(h.request.request_id).sink
+                    self._held.pop(h.ticket.request_id)
+                    h.ticket.holder = None
                     self.on_handoff(h)
         except asyncio.CancelledError:
             raise
@@ -303,33 +303,33 @@ class Replica:
             self.pins.release(pin)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
-            held = self._held.pop(rid, None)
-            if held is None:
+            ticket = self._held.pop(rid, None)
+            if ticket is None:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
             else:
                 core.abort(rid)
-            held.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
+            ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
             request_event(rid, "aborted", replica=self.name)
         inbox, self._inbox = self._inbox, []
         for rid in inbox:
-            held = self._held[rid]
+            ticket = self._held[rid]
             try:
-                core.add(held.request)
+                core.add(ticket.request, bounded=False)  # the pool bounds the queue (pools.py)
             except MeshserveError as exc:
                 del self._held[rid]
-                held.sink.put_nowait(exc)
+                ticket.sink.put_nowait(exc)
                 continue
-            self.counters.prompt_tokens += len(held.request.prompt_ids)
+            self.counters.prompt_tokens += len(ticket.request.prompt_ids)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
-            held = self._held.get(delta.request_id)
-            if held is None:
+            ticket = self._held.get(delta.request_id)
+            if ticket is None:
                 continue
             self.counters.generated_tokens += len(delta.token_ids)
-            held.sink.put_nowait(delta)
+            ticket.sink.put_nowait(delta)
             if delta.finished:
                 del self._held[delta.request_id]
                 request_event(delta.request_id, "finished", replica=self.name, reason=delta.finish_reason)
@@ -342,18 +342,18 @@ class Replica:
             self._read_expert_load()
         handoffs = []
         for d in deltas:
-            held = self._held.get(d.request_id)
-            if held is not None and held.prefill_only and not d.finished:
-                handoffs.append(offer_kv(self, d.request_id))
+            ticket = self._held.get(d.request_id)
+            if ticket is not None and ticket.prefill_only and not d.finished:
+                handoffs.append(offer_kv(self, ticket))
                 self.counters.handoffs += 1
         return deltas, handoffs
 
     def _import_all(self, adoptions: list[Handoff]) -> None:
         for h in adoptions:
-            if h.request.request_id not in self._held:
+            if h.ticket.request_id not in self._held:
                 continue  # aborted before it arrived
             computed = import_kv(self, h)
-            self.core.adopt(h.request, num_computed_tokens=computed)
+            self.core.adopt(h.ticket.request, num_computed_tokens=computed)
             if computed:
                 self.counters.kv_imports += 1
             else:
@@ -365,17 +365,17 @@ class Replica:
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, MeshserveError) else str(exc)
         log.warning("replica %s failed: %s", self.name, cause)
         orphans = []
-        for rid, held in self._held.items():
-            req = held.request
+        for rid, ticket in self._held.items():
+            req = ticket.request
             never_ran = rid in self._inbox or (req.status is RequestStatus.WAITING and not req.output_ids
                                                and req.num_preemptions == 0)
             if not never_ran:  # it was in flight: it may be what killed the replica, so no retry
-                held.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
+                ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
                 request_event(rid, "failed", replica=self.name)
             else:
-                fresh = Request(rid, held.request.prompt_ids, held.request.params, held.request.arrival,
-                                prompt=held.request.prompt)
-                orphans.append((fresh, held.sink, held.prefill_only))
+                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt)
+                ticket.holder = None
+                orphans.append(ticket)
         self._held.clear()
         self._inbox.clear()
         release_sources(self._adoptions)

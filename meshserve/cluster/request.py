@@ -1,4 +1,6 @@
-"""A request's life inside one replica: tokens known, tokens computed, status, why it finished."""
+"""A request's life: `Request` (inside one replica: tokens known, tokens computed, status, why it
+finished) and `Ticket` (inside the cluster: the one record the coordinator, its pool and the
+replica holding the request all point at, from admission to the last delta)."""
 
 from __future__ import annotations
 
@@ -73,3 +75,26 @@ class Request:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
         self.stop_reason = stop_reason
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request admitted by the coordinator: what it is (`request`, whose id is the internal
+    one replicas know it by), where its deltas go (`sink`), and where it stands.
+
+    client_id:    the id the client gave; free for reuse as soon as the stream ends
+    prefill_only: (disaggregated) run until the first token, then hand over
+    holder:       the name of the replica holding it; None while its pool holds it
+    cancelled:    aborted, or the client left: a hand-over in flight is dropped
+    """
+
+    client_id: str
+    request: Request
+    sink: Sink = field(default_factory=asyncio.Queue)
+    prefill_only: bool = False
+    holder: str | None = None
+    cancelled: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id

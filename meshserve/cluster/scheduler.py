@@ -20,6 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from meshserve.cluster.admission import check_prompt_length
 from meshserve.cluster.request import Request, RequestStatus
 from meshserve.config import SchedulerConfig
 from meshserve.core.outputs import FinishReason
@@ -73,13 +74,7 @@ class Scheduler:
     def check_request(self, request: Request, *, bounded: bool = True) -> None:
         """Refuse a request that could never run, before anything is queued. bounded=False skips
         the queue bound (a request handed over from another replica must not be refused)."""
-        n = len(request.prompt_ids)
-        check(n >= 1, "prompt", n, "at least one token")
-        check(n < self.max_model_len, "prompt", f"{n} tokens", f"fewer than max_model_len={self.max_model_len}")
-        if not self.config.enable_chunked_prefill:
-            check(n <= self.config.max_num_batched_tokens, "prompt", f"{n} tokens",
-                  f"at most max_num_batched_tokens={self.config.max_num_batched_tokens} "
-                  "without chunked prefill")
+        check_prompt_length(len(request.prompt_ids), max_model_len=self.max_model_len, scheduler=self.config)
         check(request.request_id not in self.requests, "request_id", request.request_id, "an id not in use")
         check(not bounded or len(self.waiting) < self.config.max_queue, "max_queue", self.config.max_queue,
               f"more than {len(self.waiting)} waiting requests (queue full)")

@@ -1,7 +1,9 @@
-"""The serving protocol: what the API layer (gRPC, Python embedding) calls on the cluster.
+"""The serving protocol: what the API layer (gRPC, HTTP, Python embedding) calls on the cluster.
 
-`Coordinator` (replica pools, unified or disaggregated) implements it; so does `LocalService`
-(one in-process engine), which embeds meshserve in a program without Ray.
+`Coordinator` (replica pools, unified or disaggregated; the default `serve` and `LLM.stream` are
+its one-replica in-process case) implements it for generative models; `EmbeddingService` for
+embedding models. Front-ends call only these methods; the method names and their semantics are
+stable (new methods may be added).
 
 Conventions (Ray LLM style): bad input raises ConfigError before anything is queued (nothing
 is left behind); capacity and admission refusals raise CapacityError / QueueFullError; no

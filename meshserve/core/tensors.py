@@ -9,6 +9,7 @@ block until the copy has run), so every host-to-device copy of a step goes throu
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 
 import torch
 
@@ -24,3 +25,16 @@ def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+@lru_cache(maxsize=8)
+def _multiprocessors(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device, *, default: int = 8) -> int:
+    """The streaming multiprocessors of a CUDA device (what split-KV kernels size their grids
+    by); `default` elsewhere (the Triton interpreter on a CPU)."""
+    if device.type != "cuda":
+        return default
+    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device())

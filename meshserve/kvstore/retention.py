@@ -18,8 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from meshserve.attention.spec import AttentionSpec, AttentionType
-from meshserve.errors import check
+from meshserve.attention.spec import AttentionSpec, AttentionType, check_window
 
 
 @dataclass(frozen=True)
@@ -34,15 +33,7 @@ class RetentionPolicy:
     num_sink_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.sliding_window is not None:
-            check(self.sliding_window >= 1, "sliding_window", self.sliding_window, "an integer >= 1 or None")
-        check(self.num_sink_tokens >= 0, "num_sink_tokens", self.num_sink_tokens, "an integer >= 0")
-        check(
-            self.num_sink_tokens == 0 or self.sliding_window is not None,
-            "num_sink_tokens",
-            self.num_sink_tokens,
-            "0 unless sliding_window is set",
-        )
+        check_window(self.sliding_window, self.num_sink_tokens)
 
     @classmethod
     def from_specs(cls, specs: Iterable[AttentionSpec]) -> RetentionPolicy:

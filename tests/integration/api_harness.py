@@ -1,8 +1,9 @@
 """Real gRPC servers on loopback for the API tests, and helpers to talk to them.
 
-A `ServerLoop` is an event loop in a daemon thread; ApiServers over one LocalService run on
-it (one service may sit behind several servers, e.g. with and without TLS). Clients are the
-real ones (meshserve.api.client, or raw grpc channels for bytes a client would never send).
+A `ServerLoop` is an event loop in a daemon thread; ApiServers over one Coordinator (the default
+`serve` stack: one in-process replica) run on it (one service may sit behind several servers,
+e.g. with and without TLS). Clients are the real ones (meshserve.api.client, or raw grpc
+channels for bytes a client would never send).
 """
 
 from __future__ import annotations
@@ -17,16 +18,17 @@ import grpc
 from meshserve.api.client import InferenceClient, ServerStats
 from meshserve.api.convert import ApiLimits
 from meshserve.api.server import ApiServer
+from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.engine import EngineConfig
-from meshserve.cluster.local import LocalService
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.v1 import inference_pb2 as pb
 
 
 def demo_service(*, max_model_len: int = 512, num_kv_blocks: int | None = 200, max_num_seqs: int = 64,
-                 max_queue: int = 256, block_size: int = 16) -> LocalService:
-    """The bundled demo model, float32 on CPU, TORCH attention."""
+                 max_queue: int = 256, block_size: int = 16) -> Coordinator:
+    """The bundled demo model, float32 on CPU, TORCH attention, as `meshserve serve` runs it
+    (not started: `ServerLoop.serve` starts it on the server's loop)."""
     from meshserve.config import AttentionConfig
 
     config = EngineConfig(
@@ -35,7 +37,7 @@ def demo_service(*, max_model_len: int = 512, num_kv_blocks: int | None = 200, m
         scheduler=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, max_queue=max_queue),
         attention=AttentionConfig(backend="TORCH"),
     )
-    return LocalService(config, device="cpu")
+    return Coordinator(ClusterConfig(engine=config, runtime="in-process", device="cpu"))
 
 
 class ServerLoop:
@@ -50,14 +52,17 @@ class ServerLoop:
     def run(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
-    def serve(self, service: LocalService, *, limits: ApiLimits = ApiLimits(), **server_config) -> ApiServer:
+    def serve(self, service, *, limits: ApiLimits = ApiLimits(), **server_config) -> ApiServer:
+        """An ApiServer over `service` (started here the first time it is served)."""
+        if isinstance(service, Coordinator) and not service.pools:
+            self.run(service.start())
         config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, **server_config)
         server = ApiServer(service, config, max_queue=service.max_queue, limits=limits, health_interval=0.05)
         self.run(server.start())
         self.servers.append(server)
         return server
 
-    def close(self, *services: LocalService) -> None:
+    def close(self, *services: Coordinator) -> None:
         for server in self.servers:
             self.run(server.stop(grace=0))
         for service in services:

@@ -64,9 +64,9 @@ def test_health_flips_when_the_replica_dies_and_recovers(served):
         assert client.generate("Hello", max_tokens=3, temperature=0).finish_reason
 
         gate = threading.Event()
-        build = service._build
-        service._build = lambda: (gate.wait(120), build())[1]  # hold the rebuild until the test is done looking
-        worker = service._engine.core.executor.inner.worker
+        make_core = service._make_core  # builds a replica's engine, in a thread
+        service._make_core = lambda *a: (gate.wait(120), make_core(*a))[1]  # hold the rebuild while the test looks
+        worker = service.replicas()[0].executor.worker  # the in-process rank's Worker
 
         def crash(plan):
             raise RuntimeError("simulated replica crash")

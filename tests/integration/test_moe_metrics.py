@@ -1,5 +1,6 @@
 """Per-expert load statistics of a served MoE model reach /metrics: every (token, slot) row a
-layer computes is counted once (tiny GPT-OSS: 2 layers, 4 experts, top-2; CPU)."""
+layer computes is counted once (tiny GPT-OSS: 2 layers, 4 experts, top-2; CPU; the default
+serve's one in-process replica)."""
 
 import asyncio
 
@@ -7,7 +8,7 @@ from prometheus_client import generate_latest
 
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.engine import EngineConfig
-from meshserve.cluster.local import LocalService
+from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
 from tests.tiny_models import prompts, write_checkpoint
@@ -21,24 +22,30 @@ def test_expert_rows_are_counted_and_exported(tmp_path):
                           cache=CacheConfig(block_size=4, num_kv_blocks=160),
                           scheduler=SchedulerConfig(max_num_batched_tokens=16))  # fmt: skip
     batch = prompts(2, seed=4, min_len=10, max_len=30)
+    # Each step feeds prompt tokens and every sampled token but the last; top-2: two rows each.
+    rows = 2 * sum(len(p) + NEW_TOKENS - 1 for p in batch)
 
     async def serve():
-        service = LocalService(config, device="cpu")
+        # The replica refreshes its counts every EXPERT_LOAD_PERIOD steps and when idle for a health period.
+        service = await Coordinator(ClusterConfig(engine=config, runtime="in-process", device="cpu",
+                                                  health_period_s=0.1)).start()
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
 
         async def one(i, prompt):
             async for _ in service.generate(prompt, params, request_id=f"r{i}"):
                 pass
 
-        await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
         try:
+            await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+            deadline = asyncio.get_running_loop().time() + 30
+            while (sum(map(sum, service.stats().expert_tokens)) < 2 * rows
+                   and asyncio.get_running_loop().time() < deadline):  # bounded: the idle refresh
+                await asyncio.sleep(0.05)
             return service.stats(), generate_latest(ServerMetrics(service).registry).decode()
         finally:
-            await service.shutdown()
+            await service.shutdown(drain=False)
 
     stats, text = asyncio.run(serve())
-    # Each step feeds prompt tokens and every sampled token but the last; top-2: two rows each.
-    rows = 2 * sum(len(p) + NEW_TOKENS - 1 for p in batch)
     assert [len(layer) for layer in stats.expert_tokens] == [4, 4]
     assert [sum(layer) for layer in stats.expert_tokens] == [rows, rows]
     exported = [line for line in text.splitlines() if line.startswith("meshserve_moe_expert_tokens{")]

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -35,7 +34,7 @@ from meshserve.attention.kernels.config import (
 )
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
-from meshserve.core.tensors import to_device
+from meshserve.core.tensors import sm_count, to_device
 from meshserve.errors import ConfigError, check
 
 
@@ -62,11 +61,6 @@ class TritonPlan:
     num_splits: int
     partial_o: torch.Tensor | None
     partial_lse: torch.Tensor | None
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class TritonBackend(AttentionBackend):
@@ -208,11 +202,7 @@ class TritonBackend(AttentionBackend):
         return dataclasses.replace(plan, partition=0)
 
     def _sm_count(self, device: torch.device) -> int:
-        if self.num_sms is not None:
-            return self.num_sms
-        if device.type == "cuda":
-            return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        return 8
+        return self.num_sms if self.num_sms is not None else sm_count(device)
 
     # ------------------------------------------------------------------------------- write_kv
     def write_kv(

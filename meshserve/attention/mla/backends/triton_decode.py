@@ -10,7 +10,6 @@ reads no device value on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
@@ -25,6 +24,7 @@ from meshserve.attention.mla.backends.triton_common import (
     with_notes,
 )
 from meshserve.attention.mla.cache import LatentCache
+from meshserve.core.tensors import sm_count
 from meshserve.errors import ConfigError, check
 
 
@@ -43,11 +43,6 @@ class MLADecodePlan:
     num_splits: int
     partial_o: torch.Tensor | None
     partial_lse: torch.Tensor | None
-
-
-@lru_cache(maxsize=8)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 class TritonMLADecodeBackend(MLABackend):
@@ -107,11 +102,7 @@ class TritonMLADecodeBackend(MLABackend):
         return MLADecodePlan(metadata, kv_lens, cfg, partition, splits, partial_o, partial_lse)
 
     def _sm_count(self, device: torch.device) -> int:
-        if self.num_sms is not None:
-            return self.num_sms
-        if device.type == "cuda":
-            return _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        return 8
+        return self.num_sms if self.num_sms is not None else sm_count(device)
 
     def forward(
         self,
