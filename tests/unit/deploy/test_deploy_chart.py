@@ -161,8 +161,22 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     demo = one(rendered["cpu-demo"], "ConfigMap", "ms-meshserve-config")["data"]
     # Unset optional flags stay empty so the server's defaults apply (demo model, auto backend).
     assert demo["MESHSERVE_MODEL"] == demo["MESHSERVE_BLOCK_SIZE"] == demo["MESHSERVE_TLS_CERT"] == ""
+    assert demo["MESHSERVE_ATTENTION_BACKEND"] == ""  # automatic: CPU_SDPA on a CPU (next test)
     kuberay = one(rendered["kuberay"], "ConfigMap", "ms-meshserve-config")["data"]
     assert kuberay["RAY_HEAD_HOST"] == "ms-meshserve-head-svc.llm.svc"
+
+
+def test_cpu_demo_gets_the_cpu_default_backend():
+    """The automatic choice the CPU demo values leave to the server is CPU_SDPA for the demo model."""
+    import torch
+
+    from meshserve.attention.spec import AttentionSpec
+    from meshserve.workers.runner import make_backends
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64)  # the bundled demo model's layers
+    (backend,) = make_backends([spec], name=None, dtype=torch.float32, block_size=16, max_model_len=2048,
+                               device=torch.device("cpu"))
+    assert backend.name == "CPU_SDPA"
 
 
 def test_model_pvc_is_mounted_read_only_everywhere(rendered):
