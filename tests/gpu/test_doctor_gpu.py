@@ -7,7 +7,7 @@ import torch
 
 from meshserve import cli
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.mark.parametrize("name", ["TORCH", "TRITON", "FLASHINFER"])
