@@ -45,7 +45,12 @@ def random_batch(rng: random.Random, block_size: int, dcp_size: int, window: int
     for _ in range(num_prefills):
         kind = rng.choice(["whole", "chunk", "prefix_hit"])
         q = rng.randint(1, 70)
-        cached = 0 if kind == "whole" else rng.randint(1, 5) * block_size if kind == "prefix_hit" else rng.randint(1, 90)
+        if kind == "whole":
+            cached = 0
+        elif kind == "prefix_hit":  # whole cached blocks
+            cached = rng.randint(1, 5) * block_size
+        else:  # a later chunk of a long prompt
+            cached = rng.randint(1, 90)
         query_lens.append(q)
         seq_lens.append(cached + q)
     for _ in range(num_decodes):
