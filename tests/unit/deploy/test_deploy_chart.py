@@ -253,3 +253,32 @@ def test_the_validators_refuse_broken_manifests(rendered):
     svc["spec"]["ports"][0]["targetPort"] = "grpcc"
     swapped = [svc if (d["kind"], d["metadata"]["name"]) == ("Service", "ms-meshserve") else d for d in docs]
     assert consistency_problems(swapped) == ["Service/ms-meshserve: targetPort grpcc not on its pods"]
+
+
+def test_chart_creates_the_ray_token_and_every_pod_joins_with_it():
+    import base64
+
+    from tests.unit.deploy.manifests import validate_manifest
+
+    docs = render({"ray": {"authToken": {"create": True}}})
+    secret = one(docs, "Secret", "ms-meshserve-ray-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    validate_manifest(secret, KUBE_VERSIONS[-1])
+    templates = list(pod_templates(docs))
+    assert templates
+    for owner, template in templates:
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", owner
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ms-meshserve-ray-token",
+                                                                      "key": "token"}, owner
+    # An existing Secret wins over create, and no Secret is rendered then.
+    docs = render({"ray": {"authToken": {"create": True, "existingSecret": "mine"}}})
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for owner, template in pod_templates(docs):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine", owner
+    # Neither: auth off.
+    for owner, template in pod_templates(render({})):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env, owner
