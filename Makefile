@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint docs proto clean
+.PHONY: run test lint docs proto image clean
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -39,6 +39,14 @@ docs: $(STAMP)
 
 proto: $(STAMP)
 	$(BIN)/python -m meshserve.api.protogen
+
+# The serving image (deploy/docker/Dockerfile). IMAGE names it; extra build arguments, e.g.
+# IMAGE_ARGS="--build-arg TORCH_CUDA=cu129 --build-arg CUDA_IMAGE=nvidia/cuda:12.9.1-runtime-ubuntu24.04".
+# Smoke test on a GPU host: docker run --rm --gpus all $(IMAGE) doctor --require TRITON,FLASHINFER
+IMAGE ?= meshserve/meshserve:$(shell sed -n 's/^appVersion: *"\{0,1\}\([^"]*\)"\{0,1\}/\1/p' deploy/helm/meshserve/Chart.yaml)
+DOCKER ?= docker
+image:
+	$(DOCKER) build -f deploy/docker/Dockerfile -t $(IMAGE) $(IMAGE_ARGS) .
 
 clean:
 	rm -rf $(VENV)

@@ -20,7 +20,7 @@ import torch
 from bench.e2e import random_prompts
 
 
-def meshserve_tok_s(backend: str, batch_sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+def meshserve_tok_s(backend: str | None, batch_sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
     from meshserve import LLM, SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -38,7 +38,7 @@ def meshserve_tok_s(backend: str, batch_sizes: list[int], args: argparse.Namespa
             best = min(best, time.perf_counter() - t0)
             assert all(len(o.token_ids) == args.output_len for o in outs)
         out[bs] = bs * args.output_len / best
-        print(f"meshserve {backend:<8} bs={bs:<3} {out[bs]:8.0f} tok/s", flush=True)
+        print(f"meshserve {backend or 'auto':<8} bs={bs:<3} {out[bs]:8.0f} tok/s", flush=True)
     llm.shutdown()
     return out
 

@@ -1,5 +1,8 @@
 """End-to-end decode steps: meshserve against a compiled static-cache Llama, in the same run.
 
+On a CPU (`--device cpu` without `--tiny`) it measures the bundled demo model against HF
+transformers' `generate` instead, in alternating rounds, and prints the ratios: bench/e2e_cpu.py.
+
 A Llama-3-8B-shaped checkpoint with random bf16 weights is written to disk (sharded safetensors
 + config.json, no download) and loaded by meshserve (`LLM`, the engine's own step loop) and by
 the baseline in bench/baseline_llama.py (gpt-fast style, torch.compile reduce-overhead).
@@ -14,7 +17,8 @@ for long prompts, with MFU against the measured bf16 matmul peak. Table + PNG.
 
     python -m bench.e2e                          # on the H200: 8B shape, bs 1/16/64/256
     python -m bench.e2e --enforce-eager          # the same without CUDA graphs
-    python -m bench.e2e --device cpu --tiny --no-baseline   # smoke run on a CPU
+    python -m bench.e2e --device cpu --tiny --no-baseline   # smoke run of the GPU bench on a CPU
+    python -m bench.e2e --device cpu --out bench/results    # demo model against HF, batch 1/16/64
     python -m bench.e2e --write docs/performance.md --out bench/results
 """
 
@@ -395,12 +399,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")
     ap.add_argument("--no-async-scheduling", action="store_true", help="meshserve without overlap scheduling")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")
-    ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline (CPU: HF transformers)")
+    ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating meshserve / HF rounds (best is kept)")
+    ap.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads (default: torch's)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile a few steps per batch (into --out)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--write", default=None, help="put the results section into this markdown file")
     ap.add_argument("--out", default=None, help="folder for the PNG plot and the JSON results")
     args = ap.parse_args(argv)
+    if args.device == "cpu" and not args.tiny:  # the demo model against HF transformers
+        from bench import e2e_cpu
+
+        args.batch_sizes = _ints(args.batch_sizes or "1,16,64")
+        return e2e_cpu.main(args)
     shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))

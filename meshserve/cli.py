@@ -1,4 +1,4 @@
-"""`meshserve backends | generate | serve | bench | client` — the command-line boundary.
+"""`meshserve backends | doctor | generate | serve | bench | client` — the command-line boundary.
 
 Strings become enums and configs here; every subcommand is a small function.
 """
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from meshserve.errors import MeshserveError
+from meshserve.errors import ConfigError, MeshserveError
 
 
 def _add_layer_flags(p: argparse.ArgumentParser) -> None:
@@ -84,6 +84,27 @@ def cmd_backends(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from meshserve.attention.selftest import check_backends
+
+    results = check_backends(args.device)
+    for r in results:
+        print(f"{r.name:<11} {r.status.upper():<6} {r.detail}")
+    required = [n.strip().upper() for n in (args.require or "").split(",") if n.strip()]
+    by_name = {r.name: r for r in results}
+    unknown = [n for n in required if n not in by_name]
+    if unknown:
+        raise ConfigError("--require", ",".join(unknown), f"backend names among {sorted(by_name)}")
+    failed = [r.name for r in results if r.status == "fail"]
+    missing = [n for n in required if by_name[n].status != "pass"]
+    passed = [r.name for r in results if r.status == "pass"]
+    if failed or missing or not passed:
+        print(f"doctor: FAILED (failed: {failed or 'none'}; required but not passing: {missing or 'none'})")
+        return 1
+    print(f"doctor: OK ({', '.join(passed)} pass)")
+    return 0
+
+
 def _mla_spec(args: argparse.Namespace):
     from meshserve.attention.mla.spec import mla_spec
     from meshserve.attention.spec import MLADims
@@ -99,6 +120,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("backends", help="attention backend feature table and selection for this machine")
     _add_layer_flags(p)
     p.set_defaults(func=cmd_backends)
+    p = sub.add_parser("doctor", help="run one tiny attention step through every backend this machine has "
+                       "and say which work (an image's smoke test)")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    p.add_argument("--require", default=None, help="comma-separated backends that must pass (e.g. TRITON,FLASHINFER)")
+    p.set_defaults(func=cmd_doctor)
     from meshserve.api.client_cli import add_client_parser
     from meshserve.api.llm import add_generate_parser
     from meshserve.api.serve import add_serve_parser

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from meshserve.core.tensors import to_device
@@ -114,26 +116,22 @@ class AttentionMetadata:
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
         check(dcp_size >= 1, "dcp_size", dcp_size, "an integer >= 1")
         check(0 <= dcp_rank < dcp_size, "dcp_rank", dcp_rank, f"an integer in [0, {dcp_size - 1}]")
-        is_decode = []
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
-            check(q >= 1, f"query_lens[{i}]", q, "an integer >= 1")
-            check(s >= q, f"seq_lens[{i}]", s, f"an integer >= query_lens[{i}]={q}")
-            needed = -(-((s - dcp_rank + dcp_size - 1) // dcp_size) // block_size)
-            check(
-                len(block_tables[i]) >= needed,
-                f"block_tables[{i}]",
-                len(block_tables[i]),
-                f">= {needed} blocks for seq_len {s} at block_size {block_size} (dcp {dcp_rank}/{dcp_size})",
-            )
-            is_decode.append(q == 1 and s > 1)
-        num_prefills = next((i for i, d in enumerate(is_decode) if d), num_seqs)
+        # Host arrays, built with numpy without a Python loop over sequences or tokens (map and
+        # chain run in C); numpy, not torch, because a torch op costs microseconds of dispatch on
+        # these few elements and some (repeat_interleave) wait for a busy core.
+        q = np.fromiter(query_lens, np.int64, num_seqs)  # [S]
+        s = np.fromiter(seq_lens, np.int64, num_seqs)  # [S]
+        widths = np.fromiter(map(len, block_tables), np.int64, num_seqs)  # [S]
+        _check_lengths(q, s, widths, block_size, dcp_size, dcp_rank)
+        is_decode = (q == 1) & (s > 1)
+        num_prefills = int(is_decode.argmax()) if is_decode.any() else num_seqs
         check(
-            all(is_decode[num_prefills:]),
+            bool(is_decode[num_prefills:].all()),
             "query_lens",
             list(query_lens),
             "prefill sequences first, then decode sequences (one new token each)",
         )
-        table = _pad_table(block_tables)
+        table = _pad_table(block_tables, widths)
         encoder_table = None
         if encoder_seq_lens is not None:
             check(
@@ -144,24 +142,17 @@ class AttentionMetadata:
                 None if encoder_block_tables is None else len(encoder_block_tables),
                 f"one row per sequence ({num_seqs}) with encoder_seq_lens",
             )
-            encoder_table = to_device(_pad_table(encoder_block_tables), device)
-        slots: list[int] = []
-        for i, (q, s) in enumerate(zip(query_lens, seq_lens)):
-            for pos in range(s - q, s):
-                if write_kv and pos % dcp_size == dcp_rank:
-                    local = pos // dcp_size
-                    slots.append(block_tables[i][local // block_size] * block_size + local % block_size)
-                else:
-                    slots.append(-1)
-        qsl = [0]
-        for q in query_lens:
-            qsl.append(qsl[-1] + q)
+            encoder_table = to_device(torch.from_numpy(_pad_table(encoder_block_tables)), device)
+        qsl = np.zeros(num_seqs + 1, np.int32)
+        np.cumsum(q, out=qsl[1:])
+        context = s - q
+        slots = _slot_mapping(table, qsl, context, block_size, dcp_size, dcp_rank, write_kv)
         return cls(  # stream-ordered copies: building never waits for the device (core/tensors.py)
-            query_start_loc=to_device(qsl, device, torch.int32),
-            seq_lens=to_device(list(seq_lens), device, torch.int32),
-            context_lens=to_device([s - q for q, s in zip(query_lens, seq_lens)], device, torch.int32),
-            block_table=to_device(table, device),
-            slot_mapping=to_device(slots, device, torch.int64),
+            query_start_loc=to_device(torch.from_numpy(qsl), device),
+            seq_lens=to_device(torch.from_numpy(s.astype(np.int32)), device),
+            context_lens=to_device(torch.from_numpy(context.astype(np.int32)), device),
+            block_table=to_device(torch.from_numpy(table), device),
+            slot_mapping=to_device(torch.from_numpy(slots), device),
             num_prefills=num_prefills,
             num_prefill_tokens=sum(query_lens[:num_prefills]),
             num_decodes=num_seqs - num_prefills,
@@ -179,11 +170,46 @@ class AttentionMetadata:
         )
 
 
-def _pad_table(rows: Sequence[Sequence[int]]) -> torch.Tensor:
+def _check_lengths(q: np.ndarray, s: np.ndarray, widths: np.ndarray, block_size: int, dcp_size: int,
+                   dcp_rank: int) -> None:
+    """The first inconsistent sequence, as the error a check of each sequence in turn gives."""
+    needed = ((s - dcp_rank + dcp_size - 1) // dcp_size + block_size - 1) // block_size  # [S] blocks
+    bad = (q < 1) | (s < q) | (widths < needed)
+    if not bad.any():
+        return
+    i = int(bad.argmax())
+    qi, si = int(q[i]), int(s[i])
+    check(qi >= 1, f"query_lens[{i}]", qi, "an integer >= 1")
+    check(si >= qi, f"seq_lens[{i}]", si, f"an integer >= query_lens[{i}]={qi}")
+    check(False, f"block_tables[{i}]", int(widths[i]),
+          f">= {int(needed[i])} blocks for seq_len {si} at block_size {block_size} (dcp {dcp_rank}/{dcp_size})")
+
+
+def _slot_mapping(table: np.ndarray, qsl: np.ndarray, context: np.ndarray, block_size: int, dcp_size: int,
+                  dcp_rank: int, write_kv: bool) -> np.ndarray:
+    """[T] int64 cache slot of each new token, -1 where this rank does not write it."""
+    num_tokens = int(qsl[-1])
+    if not write_kv:
+        return np.full(num_tokens, -1, np.int64)
+    seq = np.repeat(np.arange(len(context)), np.diff(qsl))  # [T] sequence of each token
+    pos = context[seq] + np.arange(num_tokens) - qsl[seq]  # [T] global positions
+    local = pos // dcp_size
+    if dcp_size == 1:
+        return table[seq, local // block_size].astype(np.int64) * block_size + local % block_size
+    mine = pos % dcp_size == dcp_rank
+    col = np.where(mine, local // block_size, 0)  # another rank's token may lie past this row's blocks
+    slots = table[seq, col].astype(np.int64) * block_size + local % block_size
+    return np.where(mine, slots, -1)
+
+
+def _pad_table(rows: Sequence[Sequence[int]], widths: np.ndarray | None = None) -> np.ndarray:
     """[len(rows), max_len] int32, rows padded with block 0 (never read past a sequence's end)."""
-    width = max((len(r) for r in rows), default=0)
-    table = torch.zeros((len(rows), max(width, 1)), dtype=torch.int32)
-    for i, row in enumerate(rows):
-        if row:
-            table[i, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+    num_rows = len(rows)
+    if widths is None:
+        widths = np.fromiter(map(len, rows), np.int64, num_rows)
+    width = int(widths.max()) if num_rows else 0
+    table = np.zeros((num_rows, max(width, 1)), np.int32)
+    if width:
+        flat = np.fromiter(chain.from_iterable(rows), np.int32, int(widths.sum()))
+        table[np.arange(width) < widths[:, None]] = flat  # row-major: each row's entries in order
     return table

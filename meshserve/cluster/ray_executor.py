@@ -41,8 +41,55 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address is None:
         kwargs.update(include_dashboard=False, num_cpus=num_cpus, _temp_dir=temp_dir)
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        probe_cluster(address or os.environ["RAY_ADDRESS"])
     ray.init(address=address, **kwargs)
     return True
+
+
+PROBE_TIMEOUT_S = 4.0  # a join that cannot work fails within this (ray.init itself retries for ~20 s)
+
+
+def probe_cluster(address: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Ask the cluster's GCS for its id with this process's Ray credentials, before ray.init: a
+    cluster that is not there, or one whose token authentication does not match ours, is one
+    UnavailableError naming the address and RAY_AUTH_MODE instead of a 20 s retry and a traceback."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        SyncAuthenticationMetadataClientInterceptor,
+    )
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    from ray.exceptions import AuthenticationError
+
+    mode = os.environ.get("RAY_AUTH_MODE") or "unset (Ray's default)"
+    try:
+        gcs = canonicalize_bootstrap_address(address)
+    except Exception as exc:  # Ray raises plain exceptions for an address it cannot parse or find
+        raise UnavailableError(f"Ray address {address!r} is not usable: {exc}") from None
+    if gcs is None:
+        raise UnavailableError(f"no Ray cluster to join at {address!r}: start one with `ray start --head` "
+                               "or pass --ray-address HOST:PORT")
+    channel = grpc.intercept_channel(grpc.insecure_channel(gcs), SyncAuthenticationMetadataClientInterceptor())
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+    except AuthenticationError:
+        raise UnavailableError(f"Ray token authentication is on here (RAY_AUTH_MODE={mode}) but no token was found "
+                               f"to join {gcs}: set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token "
+                               "(`ray get-auth-token` on its head), or RAY_AUTH_MODE=disabled if the cluster runs "
+                               "without authentication") from None
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            fix = "this token is not the cluster's:" if mode == "token" else "set RAY_AUTH_MODE=token and"
+            raise UnavailableError(f"the Ray cluster at {gcs} runs token authentication and refused this process "
+                                   f"(RAY_AUTH_MODE={mode}): {fix} give its token in RAY_AUTH_TOKEN or "
+                                   "RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on its head prints it)") from None
+        raise UnavailableError(f"cannot reach the Ray cluster at {gcs} ({exc.code().name} within {timeout:.0f} s; "
+                               f"RAY_AUTH_MODE={mode}): is `ray start --head` running there, and the port open?"
+                               ) from None
+    finally:
+        channel.close()
 
 
 def rank_bundle(role: str, *, device: str | None) -> dict[str, float]:

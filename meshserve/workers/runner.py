@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
+import numpy as np
 import torch
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCache
@@ -158,32 +160,33 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
+        requests, last_rows = self.requests, self._last_rows
         for s in seqs:
-            check(s.request_id in self.requests, "request_id", s.request_id, "a request announced in new_requests")
+            req = requests.get(s.request_id)
+            check(req is not None, "request_id", s.request_id, "a request announced in new_requests")
             check(len(s.block_tables) == self.num_groups, "block_tables", len(s.block_tables),
                   f"one table per KV layer group ({self.num_groups})")
-            req = self.requests[s.request_id]
-            req.tables = apply_table_changes(req.tables, s)
-            check(not s.from_last_step or s.request_id in self._last_rows, "from_last_step", s.request_id,
+            check(not s.from_last_step or s.request_id in last_rows, "from_last_step", s.request_id,
                   "set only for a request that drew a token in the previous step on this (driver) rank")
+            req.tables = apply_table_changes(req.tables, s)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
-        ends = _ends(order)
-        fill = self._from_last_step(order, ends)
-        tables = [self.requests[s.request_id].tables for s in order]
+        batch = _PackedBatch.of(order)
+        fill = self._from_last_step(order, batch.ends)
+        tables = [requests[s.request_id].tables for s in order]
         if self.decode_graphs is not None and self.decode_graphs.serves(order):
             logits = self.decode_graphs.run(order, tables, fill=fill)  # [N, V]: every row samples
             to_sample = list(range(len(order)))
         else:
             to_sample = [i for i, s in enumerate(order) if s.sample]
-            logits = self._run_eager(order, tables, ends, to_sample, fill)
+            logits = self._run_eager(order, tables, batch, to_sample, fill)
         if to_sample and self.is_driver:
             self._draw([order[i].request_id for i in to_sample], logits, flight)
 
-    def _from_last_step(self, order: Sequence[ScheduledSeq], ends: list[int]):
+    def _from_last_step(self, order: Sequence[ScheduledSeq], ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
         tensor (on the device, in stream order: no wait), or None when no sequence needs one."""
-        rows = [(ends[i], self._last_rows[s.request_id]) for i, s in enumerate(order) if s.from_last_step]
+        rows = [(int(ends[i]), self._last_rows[s.request_id]) for i, s in enumerate(order) if s.from_last_step]
         if not rows:
             return None
         tokens = self._last.draw.tokens
@@ -195,22 +198,19 @@ class ModelRunner:
 
         return fill
 
-    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[list[list[int]]], ends: list[int],
+    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[list[list[int]]], batch: _PackedBatch,
                    to_sample: list[int], fill) -> torch.Tensor | None:
         """tables: per sequence of `order`, its block tables (one per KV layer group)."""
-        query_lens, seq_lens = [s.num_new_tokens for s in order], [s.seq_len for s in order]
         metas = [
-            AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
+            AttentionMetadata.build(query_lens=batch.query_lens, seq_lens=batch.seq_lens,
                                     block_tables=[t[g] for t in tables], block_size=self.block_size,
                                     device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g)
             for g in range(self.num_groups)
         ]  # fmt: skip
         # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
-        input_ids = to_device([t for s in order for t in (*s.token_ids, *(0,) * s.from_last_step)], self.device,
-                              torch.int64)
+        input_ids = to_device(torch.from_numpy(batch.input_ids(order)), self.device)
         if fill is not None:
             fill(input_ids)
-        positions = torch.cat([torch.arange(s.context_len, s.seq_len) for s in order])
         plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
         layers = []
         for b, kv, g in zip(self.backends, self.kv_caches, self.layer_groups):
@@ -219,11 +219,11 @@ class ModelRunner:
                 plan = plans[id(b), g] = b.plan(metas[g])
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
         ctx = ForwardContext(layers=layers)
-        hidden = self.model(input_ids, to_device(positions, self.device), ctx)  # [T, hidden]
+        hidden = self.model(input_ids, to_device(torch.from_numpy(batch.positions), self.device), ctx)  # [T, hidden]
         if not to_sample:
             return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
-        rows = to_device([ends[i] for i in to_sample], self.device, torch.int64)
+        rows = to_device(torch.from_numpy(batch.ends[to_sample]), self.device)
         return self.model.compute_logits(hidden[rows])  # [N, V] float32
 
     def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
@@ -239,10 +239,38 @@ class ModelRunner:
         self._last_rows = {rid: j for j, rid in enumerate(request_ids)}
 
 
-def _ends(order: Sequence[ScheduledSeq]) -> list[int]:
-    """Index of each sequence's last new token in the packed batch."""
-    ends, total = [], 0
-    for s in order:
-        total += s.num_new_tokens
-        ends.append(total - 1)
-    return ends
+@dataclass(frozen=True)
+class _PackedBatch:
+    """Host arrays of a step's sequences in packed order, built without a loop over tokens.
+
+    query_lens, seq_lens: per sequence (lists, as AttentionMetadata.build takes them)
+    ends:      [S] int64 index of each sequence's last new token in the packed batch
+    positions: [T] int64 global position of each new token
+    """
+
+    query_lens: list[int]
+    seq_lens: list[int]
+    ends: np.ndarray
+    positions: np.ndarray
+
+    @classmethod
+    def of(cls, order: Sequence[ScheduledSeq]) -> _PackedBatch:
+        context = np.fromiter([s.context_len for s in order], np.int64, len(order))
+        q = np.fromiter([len(s.token_ids) + s.from_last_step for s in order], np.int64, len(order))
+        ends = np.cumsum(q) - 1
+        starts = ends + 1 - q
+        positions = np.arange(int(q.sum())) + np.repeat(context - starts, q)
+        return cls(q.tolist(), (context + q).tolist(), ends, positions)
+
+    def input_ids(self, order: Sequence[ScheduledSeq]) -> np.ndarray:
+        """[T] int64 token ids; 0 in the row of a token the previous step draws (`from_last_step`)."""
+        known = chain.from_iterable(s.token_ids for s in order)
+        num_tokens = len(self.positions)
+        if not any(s.from_last_step for s in order):
+            return np.fromiter(known, np.int64, num_tokens)
+        ids = np.zeros(num_tokens, np.int64)
+        # The unknown token is always a sequence's last: its row is its `ends` entry.
+        has = np.ones(num_tokens, bool)
+        has[self.ends[[i for i, s in enumerate(order) if s.from_last_step]]] = False
+        ids[has] = np.fromiter(known, np.int64, num_tokens - int((~has).sum()))
+        return ids

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 from meshserve.core.outputs import TokenLogprobs
@@ -133,15 +135,13 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
 
 
 def _token_counts(token_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[n, V] float32 occurrence counts (padding goes to an extra column that is dropped)."""
-    width = max((len(t) for t in token_lists), default=0)
-    padded = torch.full((len(token_lists), width), vocab, dtype=torch.int64)
-    for i, toks in enumerate(token_lists):
-        if toks:
-            padded[i, : len(toks)] = torch.as_tensor(list(toks), dtype=torch.int64)
-    counts = torch.zeros(len(token_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, to_device(padded, device), torch.ones(padded.shape, device=device))
-    return counts[:, :vocab]
+    """[n, V] float32 occurrence counts: one bincount over (row, token) pairs built on the host
+    without a loop over tokens (or a tensor per row)."""
+    lengths = np.fromiter(map(len, token_lists), np.int64, len(token_lists))
+    tokens = np.fromiter(chain.from_iterable(token_lists), np.int64, int(lengths.sum()))
+    flat = np.repeat(np.arange(len(token_lists)) * vocab, lengths) + tokens  # row * V + token
+    counts = torch.bincount(to_device(torch.from_numpy(flat), device), minlength=len(token_lists) * vocab)
+    return counts.view(len(token_lists), vocab).float()
 
 
 def filter_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

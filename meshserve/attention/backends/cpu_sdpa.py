@@ -6,7 +6,7 @@ step's sequences form two padded groups, prefills and decodes, and each group is
 tensor ops per layer:
 
 - `plan` (once per step, shared by every layer) turns the metadata into flat gather indices and
-  an additive mask with tensor ops: K/V index [2, S, Hkv, L] into the cache viewed as rows of
+  an additive mask with numpy array ops: K/V index [2, S, Hkv, L] into the cache viewed as rows of
   head_size, so one `index_select` yields K and V already laid out [S, Hkv, L, D];
 - `forward` gathers, then either `scaled_dot_product_attention` with `enable_gqa` and the mask
   (when neither the LSE, a soft-cap nor learned sinks are asked for) or explicit matmuls with
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -189,37 +190,37 @@ class CpuSdpaBackend(AttentionBackend):
 
 
 def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, starts: list[int]) -> GroupPlan:
-    """Indices and mask of sequences s0..s1-1, built with tensor ops (no per-token Python)."""
-    dev = meta.block_table.device
+    """Indices and mask of sequences s0..s1-1, built with numpy array ops on the host (no per-token
+    Python; numpy because this backend runs on the CPU, where a torch op's dispatch costs more
+    than the work on these few elements), handed to torch without a copy."""
     num_seqs = s1 - s0
     H, Hkv = spec.num_heads, spec.num_kv_heads
-    q_lens = torch.tensor(meta.query_lens_host[s0:s1], device=dev)
-    seq_lens = torch.tensor(meta.seq_lens_host[s0:s1], device=dev)
-    lq = max(meta.query_lens_host[s0:s1])
+    q_lens = np.asarray(meta.query_lens_host[s0:s1], np.int64)
+    seq_lens = np.asarray(meta.seq_lens_host[s0:s1], np.int64)
+    lq = int(q_lens.max())
     cross = spec.attn_type is AttentionType.CROSS
     if cross:
-        kv_lens_host = meta.encoder_seq_lens_host[s0:s1]
-    elif spec.uses_kv_cache:
-        kv_lens_host = tuple(meta.local_len(s) for s in meta.seq_lens_host[s0:s1])
+        kv_lens = np.asarray(meta.encoder_seq_lens_host[s0:s1], np.int64)
+    elif spec.uses_kv_cache:  # what this DCP rank stores of each sequence (meta.local_len)
+        kv_lens = (seq_lens - meta.dcp_rank + meta.dcp_size - 1) // meta.dcp_size
     else:
-        kv_lens_host = meta.query_lens_host[s0:s1]
-    kv_lens = torch.tensor(kv_lens_host, device=dev)
-    L = max(max(kv_lens_host), 1)
+        kv_lens = q_lens
+    L = max(int(kv_lens.max()), 1)
 
-    j = torch.arange(lq, device=dev)
-    ell = torch.arange(L, device=dev)
+    j = np.arange(lq)
+    ell = np.arange(L)
     # Padded key slots repeat a real key of the sequence (the last), so no unwritten memory is read.
-    ell_c = torch.minimum(ell[None, :], (kv_lens - 1).clamp(min=0)[:, None])  # [S, L]
-    heads = torch.arange(Hkv, device=dev)
+    ell_c = np.minimum(ell[None, :], np.maximum(kv_lens - 1, 0)[:, None])  # [S, L]
+    heads = np.arange(Hkv)
     if spec.uses_kv_cache:
-        table = (meta.encoder_block_table if cross else meta.block_table)[s0:s1].long()
+        table = (meta.encoder_block_table if cross else meta.block_table)[s0:s1].numpy().astype(np.int64)
         bs = meta.block_size
-        block = table.gather(1, ell_c // bs)  # [S, L]
+        block = np.take_along_axis(table, ell_c // bs, 1)  # [S, L]
         base = (block * 2 * bs + ell_c % bs) * Hkv  # row of K head 0 in the cache viewed as [-1, D]
         idx = base[:, None, :] + heads[None, :, None]  # [S, Hkv, L]
-        kv_index = torch.stack([idx, idx + bs * Hkv]).reshape(-1)
+        kv_index = np.stack([idx, idx + bs * Hkv]).reshape(-1)
     else:
-        tok = torch.tensor(starts[s0:s1], device=dev)[:, None] + ell_c - starts[s0]  # [S, L]
+        tok = np.asarray(starts[s0:s1], np.int64)[:, None] + ell_c - starts[s0]  # [S, L]
         kv_index = (tok[:, None, :] * Hkv + heads[None, :, None]).reshape(-1)
 
     q_valid = j[None, :] < q_lens[:, None]  # [S, Lq]
@@ -235,17 +236,17 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
                 in_window = in_window | (kp < spec.num_sink_tokens)
             visible = visible & in_window
     # Padded query rows see key 0 only: finite rows, dropped on the way out.
-    visible = torch.where(q_valid[:, :, None], visible, ell[None, None, :] == 0)
-    bias = torch.zeros(visible.shape, dtype=torch.float32, device=dev).masked_fill_(~visible, float("-inf"))
-    rel = (kp - qp).float()[:, None, None] if spec.use_alibi else None
+    visible = np.where(q_valid[:, :, None], visible, ell[None, None, :] == 0)  # [S, Lq, L]
+    bias = np.where(visible, np.float32(0), np.float32(-np.inf))
+    rel = torch.from_numpy((kp - qp).astype(np.float32))[:, None, None] if spec.use_alibi else None
 
     q_index = out_rows = None
     if lq > 1:
-        tok = (torch.tensor(starts[s0:s1], device=dev) - starts[s0])[:, None] + torch.minimum(
+        tok = (np.asarray(starts[s0:s1], np.int64) - starts[s0])[:, None] + np.minimum(
             j[None, :], (q_lens - 1)[:, None]
         )  # [S, Lq] token row of each padded query
-        q_index = (tok[:, None, :] * H + torch.arange(H, device=dev)[None, :, None]).reshape(-1)  # [S, H, Lq]
-        out_rows = (torch.arange(num_seqs, device=dev)[:, None] * lq + j[None, :])[q_valid]
+        q_index = torch.from_numpy((tok[:, None, :] * H + np.arange(H)[None, :, None]).reshape(-1))  # [S, H, Lq]
+        out_rows = torch.from_numpy((np.arange(num_seqs)[:, None] * lq + j[None, :])[q_valid])
     fresh = (
         lq > 1
         and spec.attn_type is not AttentionType.CROSS
@@ -261,8 +262,8 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         max_kv_len=L,
         q_index=q_index,
         out_rows=out_rows,
-        kv_index=kv_index,
-        bias=bias[:, None, None],
+        kv_index=torch.from_numpy(kv_index),
+        bias=torch.from_numpy(bias)[:, None, None],
         rel=rel,
         fresh=fresh,
         starts=tuple(starts[s0 : s1 + 1]),

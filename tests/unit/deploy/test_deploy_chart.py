@@ -162,6 +162,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     demo = one(rendered["cpu-demo"], "ConfigMap", "ms-meshserve-config")["data"]
     # Unset optional flags stay empty so the server's defaults apply (demo model, auto backend).
     assert demo["MESHSERVE_MODEL"] == demo["MESHSERVE_BLOCK_SIZE"] == demo["MESHSERVE_TLS_CERT"] == ""
+    assert demo["MESHSERVE_ATTENTION_BACKEND"] == ""  # automatic: CPU_SDPA on a CPU (next test)
     kuberay = one(rendered["kuberay"], "ConfigMap", "ms-meshserve-config")["data"]
     assert kuberay["RAY_HEAD_HOST"] == "ms-meshserve-head-svc.llm.svc"
     # A pool's own layout (pools.<pool>.tp/dcp), empty where the pool follows engine.tp/dcp.
@@ -169,6 +170,19 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     split = one(rendered["disaggregated"], "ConfigMap", "ms-meshserve-config")["data"]
     assert {k: split[f"MESHSERVE_{k}"] for k in ("PREFILL_TP", "PREFILL_DCP", "DECODE_TP", "DECODE_DCP")} == {
         "PREFILL_TP": "4", "PREFILL_DCP": "", "DECODE_TP": "", "DECODE_DCP": "2"}
+
+
+def test_cpu_demo_gets_the_cpu_default_backend():
+    """The automatic choice the CPU demo values leave to the server is CPU_SDPA for the demo model."""
+    import torch
+
+    from meshserve.attention.spec import AttentionSpec
+    from meshserve.workers.runner import make_backends
+
+    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64)  # the bundled demo model's layers
+    (backend,) = make_backends([spec], name=None, dtype=torch.float32, block_size=16, max_model_len=2048,
+                               device=torch.device("cpu"))
+    assert backend.name == "CPU_SDPA"
 
 
 def test_model_pvc_is_mounted_read_only_everywhere(rendered):
@@ -245,3 +259,32 @@ def test_the_validators_refuse_broken_manifests(rendered):
     svc["spec"]["ports"][0]["targetPort"] = "grpcc"
     swapped = [svc if (d["kind"], d["metadata"]["name"]) == ("Service", "ms-meshserve") else d for d in docs]
     assert consistency_problems(swapped) == ["Service/ms-meshserve: targetPort grpcc not on its pods"]
+
+
+def test_chart_creates_the_ray_token_and_every_pod_joins_with_it():
+    import base64
+
+    from tests.unit.deploy.manifests import validate_manifest
+
+    docs = render({"ray": {"authToken": {"create": True}}})
+    secret = one(docs, "Secret", "ms-meshserve-ray-token")
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    validate_manifest(secret, KUBE_VERSIONS[-1])
+    templates = list(pod_templates(docs))
+    assert templates
+    for owner, template in templates:
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "token", owner
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "ms-meshserve-ray-token",
+                                                                      "key": "token"}, owner
+    # An existing Secret wins over create, and no Secret is rendered then.
+    docs = render({"ray": {"authToken": {"create": True, "existingSecret": "mine"}}})
+    assert not [d for d in docs if d["kind"] == "Secret"]
+    for owner, template in pod_templates(docs):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "mine", owner
+    # Neither: auth off.
+    for owner, template in pod_templates(render({})):
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env, owner

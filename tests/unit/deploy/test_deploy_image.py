@@ -152,3 +152,49 @@ def test_build_context_holds_exactly_the_package():
 ])
 def test_ignore_matcher_follows_docker_rules(pattern, path, expected):
     assert in_context(path, ignore_rules(pattern)) is expected
+
+
+def build_args(text: str) -> dict[str, str]:
+    return dict(re.findall(r"^ARG (\w+)=(\S+)", text, flags=re.M))
+
+
+def test_runtime_stage_can_build_triton_launchers_and_serve_ray_launcher():
+    """Triton compiles a C launcher per kernel at run time; Ray's launcher uses rsync and ssh."""
+    runtime = stages(DOCKERFILE.read_text())[1]
+    apt = next(i for i in runtime if "apt-get install" in i).split()
+    for package in ("gcc", "libc6-dev", "python3-dev", "rsync", "openssh-client", "tini"):
+        assert package in apt, package
+    env = " ".join(i for i in runtime if i.startswith("ENV "))
+    # The chart mounts the root read-only: the kernel caches must live under /tmp.
+    assert "TRITON_CACHE_DIR=/tmp/" in env and "XDG_CACHE_HOME=/tmp/" in env
+
+
+def test_torch_and_flashinfer_are_pinned_to_the_base_images_cuda_release():
+    text = DOCKERFILE.read_text()
+    args = build_args(text)
+    cuda = re.match(r"nvidia/cuda:(\d+)\.(\d+)\.\d+-runtime-", args["CUDA_IMAGE"])
+    assert cuda, args["CUDA_IMAGE"]
+    assert args["TORCH_CUDA"] == f"cu{cuda.group(1)}{cuda.group(2)}"
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["TORCH_VERSION"]) and re.fullmatch(r"\d+\.\d+\.\d+",
+                                                                                  args["FLASHINFER_VERSION"])
+    build = " ".join(stages(text)[0])
+    installs = [part for part in build.split("&&") if "pip install" in part]
+    torch_first = installs[0]
+    assert '--index-url "https://download.pytorch.org/whl/${TORCH_CUDA}"' in torch_first
+    assert '"torch==${TORCH_VERSION}"' in torch_first
+    package = next(p for p in installs if '".[gpu]"' in p)
+    for pin in ('"torch==${TORCH_VERSION}"', '"flashinfer-python==${FLASHINFER_VERSION}"',
+                '"flashinfer-cubin==${FLASHINFER_VERSION}"', '"${RAY_PACKAGE}"'):
+        assert pin in package, pin
+    jit = next(p for p in installs if "flashinfer-jit-cache" in p)
+    assert '--index-url "https://flashinfer.ai/whl/${TORCH_CUDA}"' in jit
+    assert '"flashinfer-jit-cache==${FLASHINFER_VERSION}"' in jit
+    # pyproject's gpu extra must allow the pinned FlashInfer.
+    gpu_extra = re.search(r'^gpu = \[(.*)\]', (REPO / "pyproject.toml").read_text(), flags=re.M).group(1)
+    low = re.search(r'flashinfer-python>=([\d.]+)', gpu_extra).group(1)
+    assert tuple(map(int, low.split("."))) <= tuple(map(int, args["FLASHINFER_VERSION"].split(".")))
+
+
+def test_image_has_the_ray_extra_the_dashboard_needs():
+    """values.yaml may turn ray.dashboard on: the default image must carry ray[default]."""
+    assert build_args(DOCKERFILE.read_text())["RAY_PACKAGE"] == "ray[default]"

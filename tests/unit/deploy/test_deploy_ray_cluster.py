@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import subprocess
 
 import pytest
 import yaml
@@ -32,10 +33,16 @@ def test_ray_up_accepts_the_file(config):
 
 
 def test_head_starts_ray_without_gpus_then_the_server(config):
-    ray_cmd, serve_cmd = (shlex.split(c) for c in config["head_start_ray_commands"][1:])
+    ray_cmd, supervised = (shlex.split(c) for c in config["head_start_ray_commands"][1:])
     assert ray_cmd[:3] == ["ray", "start", "--head"] and {"--num-gpus=0", "--port=6379"} <= set(ray_cmd)
-    assert serve_cmd[:3] == ["nohup", "meshserve", "serve"] and serve_cmd[-1] == "&"
-    args = serve_cmd[3:serve_cmd.index(">")]
+    # A shell loop supervises the server: started again whenever it exits.
+    assert supervised[:3] == ["nohup", "sh", "-c"] and supervised[-1] == "&" and ">>" in supervised
+    assert subprocess.run(["sh", "-n", "-c", supervised[3]], capture_output=True).returncode == 0  # parses
+    loop = shlex.split(supervised[3])
+    assert loop[:3] == ["while", "true;", "do"] and loop[-2:] == ["5;", "done"] and "sleep" in loop
+    serve_cmd = loop[3:loop.index("echo")]
+    assert serve_cmd[:2] == ["meshserve", "serve"] and serve_cmd[-1].endswith(";")
+    args = serve_cmd[2:-1] + [serve_cmd[-1].rstrip(";")]
     flags = dict(zip(args[::2], args[1::2]))
     assert flags["--host"] == "0.0.0.0" and flags["--ray-address"] == "auto"
     assert int(flags["--tp"]) % int(flags["--dcp"]) == 0 and flags["--pools"] == "unified"
@@ -52,7 +59,16 @@ def test_workers_join_the_head_with_their_pool_resource(config):
 
 
 def test_container_gets_a_shell_gpus_and_shared_memory(config):
-    options = config["docker"]["run_options"]
+    docker = config["docker"]
+    options = docker["run_options"]
     # The image's ENTRYPOINT is meshserve; the launcher starts the container with `bash`.
-    assert '--entrypoint=""' in options and "--gpus=all" in options
+    assert '--entrypoint=""' in options
     assert any(o.startswith("--shm-size=") for o in options)
+    # GPUs only where they are: the head host has none, and `--gpus=all` fails there.
+    assert not any(o.startswith("--gpus") for o in options + docker["head_run_options"])
+    assert "--gpus=all" in docker["worker_run_options"]
+
+
+def test_every_node_runs_ray_token_auth_with_the_launchers_token(config):
+    assert "--env=RAY_AUTH_MODE=token" in config["docker"]["run_options"]
+    assert config["file_mounts"] == {"~/.ray/auth_token": "~/.ray/auth_token"}  # Ray's default token path

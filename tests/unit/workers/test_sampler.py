@@ -154,3 +154,18 @@ def test_step_messages_round_trip_through_msgpack():
     out = StepOutput(7, [SampledToken("a", 5, TokenLogprobs(5, -0.5, ((5, -0.5), (2, -1.5)))),
                          SampledToken("b", 1)])
     assert StepOutput.from_msgpack(out.to_msgpack()) == out
+
+
+def test_token_counts_equal_a_counter_per_row():
+    """The batched (row, token) bincount against collections.Counter, empty rows included."""
+    import collections
+    import random
+
+    from meshserve.workers.sampler import _token_counts
+
+    rng = random.Random(3)
+    lists = [[rng.randrange(50) for _ in range(rng.choice([0, 1, 7, 40]))] for _ in range(9)] + [[]]
+    counts = _token_counts(lists, 50, torch.device("cpu"))
+    assert counts.shape == (10, 50) and counts.dtype == torch.float32
+    for row, tokens in zip(counts.tolist(), lists):
+        assert row == [float(collections.Counter(tokens)[t]) for t in range(50)]

@@ -139,3 +139,12 @@ Call with (dict "root" $ "pool" NAME).
 {{- .Values.probes.mode -}}
 {{- end -}}
 {{- end -}}
+
+{{/* The Secret holding the Ray cluster token: the existing one, the chart's own, or "" (auth off). */}}
+{{- define "meshserve.rayTokenSecret" -}}
+{{- if .Values.ray.authToken.existingSecret -}}
+{{ .Values.ray.authToken.existingSecret }}
+{{- else if .Values.ray.authToken.create -}}
+{{ include "meshserve.fullname" . }}-ray-token
+{{- end -}}
+{{- end -}}

@@ -38,14 +38,14 @@ the root filesystem is read-only: Ray writes its session under /tmp/ray and its 
   value: /tmp/cache/triton
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
-{{- if .Values.ray.authToken.existingSecret }}
+{{- with include "meshserve.rayTokenSecret" . }}
 - name: RAY_AUTH_MODE
   value: token
 - name: RAY_AUTH_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ .Values.ray.authToken.existingSecret }}
-      key: {{ .Values.ray.authToken.key }}
+      name: {{ . }}
+      key: {{ $.Values.ray.authToken.key }}
 {{- else }}
 {{- /* Ray 2.60 turns token auth on for new clusters; workers would then lack the token. */}}
 - name: RAY_AUTH_MODE
