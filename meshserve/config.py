@@ -26,6 +26,10 @@ class Quantization(StrEnum):
     FP8 = "fp8"  # online FP8: a float checkpoint's linears quantized at load, one scale per channel
 
 
+QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
+                     "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
+
+
 class PoolMode(StrEnum):
     UNIFIED = "unified"
     DISAGGREGATED = "disaggregated"

@@ -19,6 +19,7 @@ import signal
 import sys
 
 from meshserve.config import (
+    QUANTIZATION_HELP,
     AttentionConfig,
     CacheConfig,
     Dtype,
@@ -41,6 +42,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--model", default=None, help="HF checkpoint directory (default: the bundled demo model)")
     m.add_argument("--served-model-name", default=None, help="name clients use (default: the folder's name)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
+    m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--attention-backend", default=None, help="TORCH, TRITON or FLASHINFER (default: automatic)")
@@ -86,7 +88,7 @@ def configs_of(args: argparse.Namespace):
     backend = args.attention_backend
     engine = EngineConfig(
         model=ModelConfig(model=str(args.model or DEMO_MODEL_DIR), dtype=args.dtype, max_model_len=args.max_model_len,
-                          seed=args.seed, enforce_eager=args.enforce_eager,
+                          seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

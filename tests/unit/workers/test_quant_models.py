@@ -115,3 +115,14 @@ def test_online_fp8_refuses_unknown_value_and_mxfp4(tmp_path):
     quantize_checkpoint(src, tmp_path / "quant", "mxfp4")
     with pytest.raises(ConfigError, match="quantization.*'none' for this mxfp4 checkpoint"):
         _run(tmp_path / "quant", [1, 2, 3], quantization="fp8")
+
+
+def test_cli_quantization_flag(tmp_path, capsys):
+    from meshserve.cli import main
+
+    write_checkpoint(tmp_path, "llama")
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--quantization", "int4", "--device", "cpu"]) == 2
+    assert "quantization='int4' is not allowed: one of ['none', 'fp8']" in capsys.readouterr().err
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--quantization", "fp8", "--device", "cpu",
+                 "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert "[finished: length]" in capsys.readouterr().err
