@@ -35,6 +35,7 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
+	$(BIN)/python -m meshserve.workers.quant.support --write docs/quantization.md
 
 proto: $(STAMP)
 	$(BIN)/python -m meshserve.api.protogen

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from meshserve.attention.backend import BackendCapabilities
 from meshserve.attention.registry import BackendKind, load_backend, tables
+from meshserve.core.generated_docs import replace_block
 
 BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
 SECTIONS = (
@@ -82,11 +83,7 @@ def feature_table() -> str:
 
 def render_page(page: str) -> str:
     """`page` with its generated block replaced by the current table."""
-    if BEGIN not in page or END not in page:
-        raise ValueError(f"page lacks the markers {BEGIN} ... {END}")
-    head, _, rest = page.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{feature_table()}\n{END}{tail}"
+    return replace_block(page, BEGIN, END, feature_table())
 
 
 def main() -> None:

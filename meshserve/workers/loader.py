@@ -22,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from meshserve.config import Dtype
-from meshserve.errors import MeshserveError, as_enum
+from meshserve.errors import ConfigError, MeshserveError, as_enum
 from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
@@ -37,6 +37,7 @@ from meshserve.workers.quant.formats import (
     resolve_quantization,
 )
 from meshserve.workers.quant.layers import convert_linears, linear_names
+from meshserve.workers.quant.support import refusals
 from meshserve.workers.sharding import kv_heads_per_rank, shard_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -236,6 +237,15 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
     return model.eval()
 
 
+def _check_served(quant: WeightQuant, device: torch.device) -> None:
+    """Refuse a weight format this device cannot compute (support.py says why), before any weight is read."""
+    fmt = quant.linear_format if quant.method is QuantMethod.FP8 else WeightFormat.MXFP4
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    reasons = refusals(fmt, device.type, cc, quant.block)
+    if reasons:
+        raise ConfigError("quantization", str(fmt), "; ".join(reasons))
+
+
 def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None = None,
                device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1,
                max_positions: int | None = None, progress: bool = True,
@@ -250,6 +260,8 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
     arch = read_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch, str(torch.device(device)))
     quant = resolve_quantization(read_json(Path(model_dir) / "config.json", "model"), quantization)
+    if quant is not None:
+        _check_served(quant, torch.device(device))
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
         convert = None
         if quant is not None and quant.method is QuantMethod.FP8:
