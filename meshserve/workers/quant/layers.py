@@ -12,6 +12,8 @@ With `ctx` it is row-parallel: partial products all-reduced, bias added once aft
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -21,8 +23,13 @@ from meshserve.workers.quant.formats import FP8_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, fp8_linear_reference
 
 
+@functools.cache
+def _has_fp8_tensor_cores(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) >= (8, 9)
+
+
 def _fast_path(x: torch.Tensor) -> bool:
-    return x.is_cuda and torch.cuda.get_device_capability(x.device) >= (8, 9)
+    return x.is_cuda and _has_fp8_tensor_cores(x.device.index if x.device.index is not None else 0)
 
 
 def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
