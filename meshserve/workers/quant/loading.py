@@ -113,12 +113,13 @@ def read_quantized(ckpt: Checkpoint, name: str, names: set[str], *, quant: Weigh
                                  "float8_e4m3fn expected")
         if dest.dtype == FP8:
             return Loaded(weight, scale, (name, scale_name))
+        weight, scale = weight.to(dest.device), scale.to(dest.device)  # dequantize where the model lives
         return Loaded(dequantize_fp8_block(weight, scale, quant.block, dest.dtype), None, (name, scale_name))
     tensor = ckpt.read(name, shard.dim, shard.start, shard.stop)
     if dest.dtype == FP8:  # online FP8: a float checkpoint quantized per output channel
         if tensor.dtype == FP8:
             raise QuantLoadError(f"checkpoint tensor '{name}' is float8 without a weight_scale_inv beside it")
-        q, scale = quantize_fp8_per_channel(tensor)
+        q, scale = quantize_fp8_per_channel(tensor.to(dest.device))  # on the GPU when the model is
         return Loaded(q, scale, (name,))
     if tensor.dtype == FP8:
         raise QuantLoadError(f"checkpoint tensor '{name}' is float8_e4m3fn without a "
@@ -152,5 +153,6 @@ def _read_mxfp4(ckpt: Checkpoint, name: str, names: set[str], *, dest: torch.Ten
     scales = ckpt.read(scales_name, b_dim, b_shard.start, b_shard.stop)
     if dest.dtype == torch.uint8:
         return Loaded(blocks, scales, (name, scales_name))
-    values = dequantize_mxfp4(blocks, scales, dest.dtype).transpose(1, 2)  # [E, in_local, out_local]
+    values = dequantize_mxfp4(blocks.to(dest.device), scales.to(dest.device), dest.dtype)  # [E, out_local, in_local]
+    values = values.transpose(1, 2)  # [E, in_local, out_local]
     return Loaded(values, None, (name, scales_name))
