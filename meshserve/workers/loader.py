@@ -111,6 +111,13 @@ def _expected(params: dict[str, torch.nn.Parameter], fused_parts: dict[str, tupl
     return out
 
 
+def _is_mtp(name: str, arch: ModelArch) -> bool:
+    mtp = arch.deepseek.num_mtp_layers if arch.deepseek is not None else 0
+    parts = name.split(".")
+    return (mtp > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and arch.num_layers <= int(parts[2]) < arch.num_layers + mtp)
+
+
 def fp8_modules(model: CausalLM, quant: WeightQuant, names: set[str]) -> set[str]:
     """Module names of the linears that become Fp8Linear: those whose checkpoint weights ship
     FP8 scales (every part of a fused one), or every eligible linear for online FP8."""
@@ -178,6 +185,8 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
             continue  # derived from the config; some old checkpoints store it
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue  # the embedding serves as the LM head
+        if _is_mtp(name, arch):
+            continue  # DeepSeek-V3's multi-token-prediction layer: speculative decoding only
         if qload.is_companion(name, name_set):
             continue  # scales: read with their weight
         pname = qload.param_of(name)

@@ -4,8 +4,8 @@
 (`weight_scale_inv` [ceil(out / bn), ceil(in / bk)], checkpoints) or per output channel
 (`weight_scale` [out], online FP8). Its compute, by device:
 - CUDA sm89+: block scales -> the Triton block GEMM with per-token-group activation
-  quantization (fp8_triton.py); per-channel -> torch._scaled_mm with per-token activation
-  scales (cuBLASLt row-wise scaling).
+  quantization (fp8_triton.py); per-channel (sm90+, support.py) -> torch._scaled_mm with
+  per-token activation scales (row-wise scaling).
 - elsewhere (CPU): the exact reference, which dequantizes the weight every call (slow).
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.
 """
@@ -36,8 +36,10 @@ def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     """x [M, K] bf16/fp16, weight fp8 [N, K], scale [N] -> [M, N]: per-token dynamic activation scales."""
     x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
     xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
-    return torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(),
-                            out_dtype=x.dtype)
+    # Row-wise scaling writes bf16 only (torch's rule); fp16 models take one cast.
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(),
+                         out_dtype=torch.bfloat16)
+    return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,

@@ -36,7 +36,7 @@ SUPPORT: tuple[FormatSupport, ...] = (
     FormatSupport(WeightFormat.FP8_BLOCK, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / (bn * bk)"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cuda", "torch._scaled_mm, row-wise scales; activations quantized "
-                  "per token", "1 + 4 / in_features", (8, 9)),
+                  "per token", "1 + 4 / in_features", (9, 0), notes="row-wise _scaled_mm needs sm90"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / in_features"),
     FormatSupport(WeightFormat.MXFP4, "cuda", "dequantized at load; the MoE runs in the model dtype",

@@ -129,3 +129,28 @@ def test_mxfp4_packed_seam_and_group_cut_error(gpt_oss_mxfp4):
         with pytest.raises(QuantLoadError, match=cut):
             read_quantized(ckpt, "model.layers.0.mlp.experts.down_proj_blocks", names, quant=quant,
                            dest=torch.empty(0), world=2, rank=0, shard_fn=shard_fn)
+
+
+def test_deepseek_mtp_layer_is_skipped_only_when_the_config_declares_it(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from meshserve.workers.loader import WeightError
+    from tests.deepseek_models import write_deepseek
+
+    write_deepseek(tmp_path / "float", "deepseek_v3")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "quant", "fp8")
+    path = tmp_path / "quant"
+    state = load_file(path / "model.safetensors")
+    # As in the V3/R1 releases: layer num_hidden_layers holds the MTP module (FP8 like the rest).
+    state["model.layers.2.eh_proj.weight"] = torch.zeros(64, 128).to(torch.float8_e4m3fn)
+    state["model.layers.2.eh_proj.weight_scale_inv"] = torch.ones(1, 1)
+    state["model.layers.2.enorm.weight"] = torch.ones(64)
+    save_file(state, str(path / "model.safetensors"))
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["num_nextn_predict_layers"] == 1  # HF's DeepseekV3Config default, as released
+    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 0}))
+    with pytest.raises(WeightError, match="model.layers.2.*has no place"):
+        load_model(path, progress=False)
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path, progress=False)
+    assert len(model.model.layers) == 2
