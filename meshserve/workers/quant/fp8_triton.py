@@ -29,8 +29,10 @@ def _round_e4m3(v):
     exp = ((v.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
     step_exp = tl.maximum(exp, -6) - 3  # 3 mantissa bits; subnormals below 2**-6 keep the 2**-9 step
     step = ((step_exp + 127) << 23).to(tl.float32, bitcast=True)
-    steps = v / step  # exact (a power of two), |steps| < 16
-    return ((steps + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: float addition rounds to even
+    inv_step = ((127 - step_exp) << 23).to(tl.float32, bitcast=True)
+    steps = v * inv_step  # exact (a power of two), |steps| < 16
+    r = ((steps + 12582912.0) - 12582912.0) * step  # 1.5 * 2**23: float addition rounds to even
+    return tl.where(r == 0.0, v * 0.0, r)  # keep the sign of a value that rounds to zero, as a cast does
 
 
 @triton.jit
@@ -40,8 +42,10 @@ def _group_quant(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups,
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
     x = tl.load(x_ptr + m * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FMAX, 1e-12)
-    q = _round_e4m3(tl.clamp(x / scale, -FMAX, FMAX))
+    # IEEE divisions (div_rn): `/` on fp32 compiles to an approximate divide on NVIDIA GPUs, and
+    # the values must equal torch's x / (amax / 448) to the bit.
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FMAX), 1e-12)
+    q = _round_e4m3(tl.clamp(tl.div_rn(x, scale), -FMAX, FMAX))
     tl.store(q_ptr + m * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
     tl.store(s_ptr + m * num_groups + g, scale)
 

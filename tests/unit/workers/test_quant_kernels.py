@@ -56,7 +56,8 @@ def test_mxfp4_dequantizes_as_the_spec_and_round_trips():
 
 @pytest.mark.parametrize("group", [32, 128])
 def test_group_quant_kernel_is_bit_identical_to_torch(group):
-    x = torch.randn(37, 200) * torch.logspace(-2, 2, 200)  # groups of very different ranges
+    g = torch.Generator().manual_seed(2)  # this seed has a negative value that rounds to -0
+    x = torch.randn(37, 200, generator=g) * torch.logspace(-2, 2, 200)  # groups of very different ranges
     x[3] = 0.0  # an all-zero token still gets a finite scale
     q, s = fp8_triton.quantize_groups(x, group)
     ref_q, ref_s = quantize_per_token_group(x, group)
