@@ -123,9 +123,14 @@ def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none"
                CacheConfig(block_size=16, num_kv_blocks=32),
                AttentionConfig(backend="TORCH" if device == "cpu" else None), device=device, progress=False)
     w.start()
-    seen, model = [], w.runner.model
-    original = model.compute_logits
-    model.compute_logits = lambda h: seen.append(original(h).float().cpu()) or seen[-1].to(h.device)
+    seen, runner = [], w.runner
+    draw = runner._draw  # every step's logits pass here, from a replayed graph or an eager forward
+
+    def record(request_ids, logits, flight):
+        seen.append(logits.float().cpu())
+        return draw(request_ids, logits, flight)
+
+    runner._draw = record
     table = [list(range(1, 9))]
     new = [NewRequest("r", tokens[:n_prompt], {"temperature": 0.0})]
     w.runner.execute(StepPlan(0, [ScheduledSeq("r", tokens[:n_prompt], 0, table)], new))
