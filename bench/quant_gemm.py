@@ -43,7 +43,7 @@ def _cases(m: int, n: int, k: int) -> dict[str, callable]:
     xq_t = (x.float() / x_amax).to(torch.float8_e4m3fn)
     wq_t = (w.float() / w_amax).to(torch.float8_e4m3fn)
     one_a, one_b = x_amax.reshape(()).float(), w_amax.reshape(()).float()
-    return {
+    cases = {
         "bf16": lambda: torch.matmul(x, w.t()),
         "scaled_mm_tensor": lambda: torch._scaled_mm(xq_t, wq_t.t(), scale_a=one_a, scale_b=one_b,
                                                      out_dtype=torch.bfloat16),
@@ -51,6 +51,48 @@ def _cases(m: int, n: int, k: int) -> dict[str, callable]:
         "block": lambda: fp8_block_linear(x, wq_b, ws_b, (128, 128)),
         "online_channel": lambda: fp8_linear(x, wq_c, ws_c, None),
     }
+    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b, cases["block_gemm"]())
+    if blockwise is not None:
+        cases["torch_blockwise"] = blockwise
+    return cases
+
+
+def _torch_blockwise(xq, xs, wq, ws, expected):
+    """torch's own block-scaled FP8 GEMM (F.scaled_mm, 1x128 activations x 128x128 weights; cuBLAS
+    on sm90), when this torch has it and it agrees with the Triton GEMM; else None (said once)."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None) or getattr(F, "_ScalingType", None)
+    if not hasattr(F, "scaled_mm") or kinds is None:
+        _say_once("torch_blockwise: this torch has no F.scaled_mm")
+        return None
+    # Scale layouts to try: torch's tests keep block scales outer-dim-major (M-major for 1x128).
+    act = getattr(kinds, "BlockWise1x128", None) or getattr(kinds, "Blockwise_1x128", None)
+    wgt = getattr(kinds, "BlockWise128x128", None) or getattr(kinds, "Blockwise_128x128", None)
+    layouts = [(xs.t().contiguous().t(), ws.t()), (xs, ws.t()), (xs.t().contiguous().t(), ws)]
+    errors = []
+    for sa, sb in layouts:
+        def run(sa=sa, sb=sb):
+            return F.scaled_mm(xq, wq.t(), sa, act, sb, wgt, output_dtype=torch.bfloat16)
+        try:
+            out = run()
+            rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
+        except Exception as exc:  # an unsupported layout / build raises; try the next
+            errors.append(str(exc).splitlines()[0][:120])
+            continue
+        if rel < 1e-2:
+            return run
+        errors.append(f"wrong result (rel. error {rel:.3f})")
+    _say_once("torch_blockwise unavailable: " + " | ".join(errors))
+    return None
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(text: str) -> None:
+    if text not in _SAID:
+        _SAID.add(text)
+        print(text)
 
 
 def measure(reps: int) -> list[dict]:
@@ -64,14 +106,16 @@ def measure(reps: int) -> list[dict]:
                 row[method] = statistics.median(times) * 1e3  # microseconds
             rows.append(row)
         layer = {"m": m, "proj": "layer", "n": 0, "k": 0}
-        for method in METHODS:
-            layer[method] = sum(r[method] for r in rows if r["m"] == m and r["proj"] != "layer")
+        for method in rows[-1]:
+            if method not in layer:
+                layer[method] = sum(r.get(method, float("nan")) for r in rows if r["m"] == m and r["proj"] != "layer")
         rows.append(layer)
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    head = (f"{'M':>5} {'proj':>8} {'N':>6} {'K':>6} | " + " ".join(f"{m:>16}" for m in METHODS)
+    methods = [m for m in (*METHODS, "torch_blockwise") if m in rows[0]]
+    head = (f"{'M':>5} {'proj':>8} {'N':>6} {'K':>6} | " + " ".join(f"{m:>16}" for m in methods)
             + " | block/tensor  block/bf16  online/bf16  TFLOP/s(block_gemm)  TB/s(block, weights)")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -79,7 +123,7 @@ def table(rows: list[dict]) -> str:
         tflops = f"{flops / r['block_gemm'] / 1e6:19.1f}" if flops else " " * 19
         tbs = f"{r['n'] * r['k'] / r['block'] / 1e6:21.2f}" if flops else " " * 21
         lines.append(f"{r['m']:>5} {r['proj']:>8} {r['n'] or '':>6} {r['k'] or '':>6} | "
-                     + " ".join(f"{r[m]:>14.1f}us" for m in METHODS)
+                     + " ".join(f"{r.get(m, float('nan')):>14.1f}us" for m in methods)
                      + f" | {r['scaled_mm_tensor'] / r['block_gemm']:12.2f}x {r['bf16'] / r['block']:10.2f}x"
                      f" {r['bf16'] / r['online_channel']:11.2f}x {tflops} {tbs}")
     return "\n".join(lines)
