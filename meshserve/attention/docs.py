@@ -6,12 +6,9 @@ block of that page; a test fails when the page is stale. The CLI prints the same
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from meshserve.attention.backend import BackendCapabilities
 from meshserve.attention.registry import BackendKind, load_backend, tables
-from meshserve.core.generated_docs import replace_block
+from meshserve.core.generated_docs import docs_main, replace_block
 
 BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
 SECTIONS = (
@@ -87,13 +84,7 @@ def render_page(page: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", type=Path, help="refresh the generated block of this markdown page")
-    args = parser.parse_args()
-    if args.write is None:
-        print(feature_table())
-        return
-    args.write.write_text(render_page(args.write.read_text()))
+    docs_main(__doc__, feature_table, render_page)
 
 
 if __name__ == "__main__":

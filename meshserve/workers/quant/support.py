@@ -7,11 +7,9 @@ the page (a test fails when it is stale).
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
-from pathlib import Path
 
-from meshserve.core.generated_docs import replace_block
+from meshserve.core.generated_docs import docs_main, replace_block
 from meshserve.workers.quant.formats import WeightFormat
 
 
@@ -80,13 +78,7 @@ def render_page(page: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", type=Path, help="refresh the generated block of this markdown page")
-    args = parser.parse_args()
-    if args.write is None:
-        print(support_table())
-    else:
-        args.write.write_text(render_page(args.write.read_text()))
+    docs_main(__doc__, support_table, render_page)
 
 
 if __name__ == "__main__":
