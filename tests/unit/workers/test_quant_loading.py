@@ -154,3 +154,30 @@ def test_deepseek_mtp_layer_is_skipped_only_when_the_config_declares_it(tmp_path
     (path / "config.json").write_text(json.dumps(cfg))
     model = load_model(path, progress=False)
     assert len(model.model.layers) == 2
+
+
+def test_deepseek_fp8_tp_slices_mla_and_experts(tmp_path):
+    """MLA projections (column, row, and kv_b_proj dequantized at load), routed and shared experts:
+    each TP rank's (dequantized) weights are its slices of the whole model's."""
+    from tests.deepseek_models import write_deepseek
+
+    write_deepseek(tmp_path / "float", "deepseek_v3")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "quant", "fp8", block=(16, 16))
+    full = load_model(tmp_path / "quant", progress=False)
+    f_attn, f_moe = full.model.layers[1].self_attn, full.model.layers[1].mlp
+    assert isinstance(f_attn.q_b_proj, Fp8Linear) and f_attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 4)
+    for r in range(2):
+        part = _rank_model(tmp_path / "quant", r, 2)
+        attn, moe = part.model.layers[1].self_attn, part.model.layers[1].mlp
+        rows = slice(r * 48, (r + 1) * 48)  # 2 of 4 heads x (16 nope + 8 rope)
+        torch.testing.assert_close(_deq(attn.q_b_proj), _deq(f_attn.q_b_proj)[rows], rtol=0, atol=0)
+        torch.testing.assert_close(_deq(attn.o_proj), _deq(f_attn.o_proj)[:, r * 32:(r + 1) * 32], rtol=0, atol=0)
+        torch.testing.assert_close(attn.kv_b_proj.weight, f_attn.kv_b_proj.weight[r * 64:(r + 1) * 64], rtol=0, atol=0)
+        torch.testing.assert_close(_deq(attn.kv_a_proj_with_mqa), _deq(f_attn.kv_a_proj_with_mqa), rtol=0, atol=0)
+        for e in (0, 7):
+            torch.testing.assert_close(_deq(moe.experts[e].gate_proj),
+                                       _deq(f_moe.experts[e].gate_proj)[r * 16:(r + 1) * 16], rtol=0, atol=0)
+            torch.testing.assert_close(_deq(moe.experts[e].down_proj),
+                                       _deq(f_moe.experts[e].down_proj)[:, r * 16:(r + 1) * 16], rtol=0, atol=0)
+        torch.testing.assert_close(_deq(moe.shared_experts.up_proj),
+                                   _deq(f_moe.shared_experts.up_proj)[r * 16:(r + 1) * 16], rtol=0, atol=0)
