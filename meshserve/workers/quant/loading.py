@@ -142,17 +142,23 @@ def _read_mxfp4(ckpt: Checkpoint, name: str, names: set[str], *, dest: torch.Ten
     experts, out, groups, _ = ckpt.shape(name)
     full = (experts, groups * MXFP4_GROUP, out)  # the parameter's [E, in, out]
     shard = shard_fn(pname, full, world, rank)
+    packed = dest.dtype == torch.uint8
+    cut = slice(None)  # which of the dequantized input features this rank keeps
     if shard.dim is None:
         b_dim, b_shard = None, Shard(None)
     elif shard.dim == 2:  # output features: rows of every expert's blocks
         b_dim, b_shard = 1, Shard(1, shard.start, shard.stop)
-    else:  # input features: whole groups of 32
-        g = _block_shard(pname, full, shard, (1, MXFP4_GROUP, 1), world, shard_fn, "32-value MXFP4 group")
-        b_dim, b_shard = 2, g
+    elif packed:  # input features, kept packed: only whole groups of 32 can be split
+        b_dim = 2
+        b_shard = _block_shard(pname, full, shard, (1, MXFP4_GROUP, 1), world, shard_fn, "32-value MXFP4 group")
+    else:  # input features, dequantized: the groups around the slice, then the slice itself
+        # (gpt-oss's 2880 features split 4 or 8 ways cut groups: 720 and 360 are not multiples of 32)
+        b_dim, first = 2, shard.start // MXFP4_GROUP
+        b_shard = Shard(2, first, -(-shard.stop // MXFP4_GROUP))
+        cut = slice(shard.start - first * MXFP4_GROUP, shard.stop - first * MXFP4_GROUP)
     blocks = ckpt.read(name, b_dim, b_shard.start, b_shard.stop)
     scales = ckpt.read(scales_name, b_dim, b_shard.start, b_shard.stop)
-    if dest.dtype == torch.uint8:
+    if packed:
         return Loaded(blocks, scales, (name, scales_name))
-    values = dequantize_mxfp4(blocks.to(dest.device), scales.to(dest.device), dest.dtype)  # [E, out_local, in_local]
-    values = values.transpose(1, 2)  # [E, in_local, out_local]
-    return Loaded(values, None, (name, scales_name))
+    values = dequantize_mxfp4(blocks.to(dest.device), scales.to(dest.device), dest.dtype)  # [E, out_local, in]
+    return Loaded(values[..., cut].transpose(1, 2), None, (name, scales_name))  # [E, in_local, out_local]

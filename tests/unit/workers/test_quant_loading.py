@@ -125,10 +125,19 @@ def test_mxfp4_packed_seam_and_group_cut_error(gpt_oss_mxfp4):
                                 rank=1, shard_fn=shard_fn)
         assert torch.equal(packed.values, blocks[:, 32:])  # rank 1: the second half of 2I, still packed
         assert torch.equal(packed.scale, ckpt.read("model.layers.0.mlp.experts.gate_up_proj_scales")[:, 32:])
+        # down_proj [E, hidden, I / 32, 16] with I = 32: tp=2 gives each rank half a group. Kept
+        # packed that cannot be split; dequantized at load, each rank keeps its 16 input features.
+        down = "model.layers.0.mlp.experts.down_proj_blocks"
         cut = r"tp=2 would cut a 32-value MXFP4 group.*down_proj.*work for it: \[1\]"
         with pytest.raises(QuantLoadError, match=cut):
-            read_quantized(ckpt, "model.layers.0.mlp.experts.down_proj_blocks", names, quant=quant,
-                           dest=torch.empty(0), world=2, rank=0, shard_fn=shard_fn)
+            read_quantized(ckpt, down, names, quant=quant, dest=torch.empty(0, dtype=torch.uint8), world=2,
+                           rank=0, shard_fn=shard_fn)
+        whole = read_quantized(ckpt, down, names, quant=quant, dest=torch.empty(0), world=1, rank=0,
+                               shard_fn=shard_fn).values  # [E, I, hidden]
+        for rank in range(2):
+            part = read_quantized(ckpt, down, names, quant=quant, dest=torch.empty(0), world=2, rank=rank,
+                                  shard_fn=shard_fn).values
+            assert torch.equal(part, whole[:, rank * 16:(rank + 1) * 16])
 
 
 def test_deepseek_mtp_layer_is_skipped_only_when_the_config_declares_it(tmp_path):
