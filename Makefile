@@ -36,6 +36,7 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
+	$(BIN)/python -m meshserve.workers.quant.support --write docs/quantization.md
 
 proto: $(STAMP)
 	$(BIN)/python -m meshserve.api.protogen

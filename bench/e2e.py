@@ -253,7 +253,8 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
     llm = LLM(path, dtype=args.dtype, attention_backend=args.attention_backend, device=args.device,
               max_model_len=-(-longest // 256) * 256, kv_cache_memory_bytes=args.kv_bytes,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max([8192, *args.ttft_lens]),
-              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, progress=False)
+              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, progress=False,
+              quantization=args.quantization)
     start_s = time.perf_counter() - t0
     graphs = llm.core.executor.worker.runner.decode_graphs
     out = {"backend": llm.core.info.backend, "start_s": start_s, "graphs": graphs is not None,
@@ -396,6 +397,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 16)")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--quantization", default="none",
+                    help="fp8: meshserve with online FP8 weights (docs/quantization.md)")
     ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")
     ap.add_argument("--no-async-scheduling", action="store_true", help="meshserve without overlap scheduling")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")

@@ -30,6 +30,8 @@ def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--soft-cap", type=float, default=None)
     g.add_argument("--needs-lse", action="store_true", help="the layer runs under DCP")
     g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: this machine")
+    g.add_argument("--compute-capability", default=None,
+                   help="plan for this CUDA compute capability, e.g. 8.0 (default: this machine's GPU)")
     g.add_argument("--attention-backend", default=None, help="validate this backend instead of choosing")
     m = p.add_argument_group("a multi-head latent attention layer (DeepSeek-V2/V3) instead")
     m.add_argument("--kv-lora-rank", type=int, default=None, help="set to describe an MLA layer (e.g. 512)")
@@ -51,6 +53,11 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cc = torch.cuda.get_device_capability() if device == "cuda" and torch.cuda.is_available() else None
+    if args.compute_capability is not None:
+        major, _, minor = args.compute_capability.partition(".")
+        if not (major.isdigit() and minor.isdigit()):
+            raise ConfigError("compute_capability", args.compute_capability, "MAJOR.MINOR, e.g. 9.0")
+        cc = (int(major), int(minor))
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     if args.kv_lora_rank is not None:
         spec = _mla_spec(args)
@@ -81,6 +88,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
             print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
         chosen = select_backend(problem, name, kind=kind)
         print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}")
+    _print_weight_formats(device, cc, table=not args.quiet)
     return 0
 
 
@@ -103,6 +111,20 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         return 1
     print(f"doctor: OK ({', '.join(passed)} pass)")
     return 0
+
+
+def _print_weight_formats(device: str, cc: tuple[int, int] | None, *, table: bool) -> None:
+    """Quantized weight formats on this machine: which are served, how, or why not (quant/support.py)."""
+    from meshserve.workers.quant.formats import WeightFormat
+    from meshserve.workers.quant.support import SUPPORT, refusals, support_table
+
+    if table:
+        print("\nWeight formats:\n" + support_table())
+    print(f"\nWeight formats on {device}" + (f" sm{cc[0]}{cc[1]}" if cc else "") + ":")
+    for fmt in WeightFormat:
+        reasons = refusals(fmt, device, cc, (128, 128))
+        how = next((s.compute for s in SUPPORT if s.format is fmt and s.device == device), "")
+        print(f"  {fmt:<11} " + (f"valid: {how}" if not reasons else "refused: " + "; ".join(reasons)))
 
 
 def _mla_spec(args: argparse.Namespace):

@@ -21,6 +21,15 @@ class Dtype(StrEnum):
     BFLOAT16 = "bfloat16"
 
 
+class Quantization(StrEnum):
+    NONE = "none"  # weights as the checkpoint stores them (FP8 / MXFP4 checkpoints load as published)
+    FP8 = "fp8"  # online FP8: a float checkpoint's linears quantized at load, one scale per channel
+
+
+QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
+                     "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
+
+
 class PoolMode(StrEnum):
     UNIFIED = "unified"
     DISAGGREGATED = "disaggregated"
@@ -46,9 +55,12 @@ class ModelConfig:
     enforce_eager: bool = field(default=False, metadata={"help": "never replay decode steps as CUDA graphs"})
     cuda_graph_max_batch: int = field(default=256, metadata={
         "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
+    quantization: Quantization = field(default=Quantization.NONE, metadata={
+        "help": "fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 at load (per-channel scales)"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))
+        object.__setattr__(self, "quantization", as_enum(Quantization, "quantization", self.quantization or "none"))
         check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "true or false")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)
         if self.model is not None:

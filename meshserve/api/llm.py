@@ -22,7 +22,14 @@ from pathlib import Path
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.config import (
+    QUANTIZATION_HELP,
+    AttentionConfig,
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from meshserve.core.outputs import CompletionDelta, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
@@ -48,7 +55,7 @@ class LLM:
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True,
-                 revision: str | None = None) -> None:
+                 revision: str | None = None, quantization: str = "none") -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -73,7 +80,8 @@ class LLM:
         block_size = 16 if block_size is None else block_size
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
-                              enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512))),
+                              enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
+                              quantization=quantization),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
@@ -185,6 +193,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
+    p.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--attention-backend", default=None, help="TORCH, TRITON, FLASHINFER (default: automatic)")
     p.add_argument("--block-size", type=int, default=16)
@@ -224,7 +233,7 @@ def generate_main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              device=args.device, progress=sys.stderr.isatty())
+              device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization)
     try:
         _stream(llm.core, args, echo=True)
     finally:
@@ -266,7 +275,7 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> Non
         args.model = str(DEMO_MODEL_DIR)
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          enforce_eager=args.enforce_eager),
+                          enforce_eager=args.enforce_eager, quantization=args.quantization),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),

@@ -20,6 +20,7 @@ import signal
 import sys
 
 from meshserve.config import (
+    QUANTIZATION_HELP,
     AttentionConfig,
     CacheConfig,
     Dtype,
@@ -47,6 +48,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="name clients use (default: the model id, or the folder's name)")
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
+    m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--ep", type=int, default=1,
@@ -109,7 +111,7 @@ def configs_of(args: argparse.Namespace):
         model = resolve_model(args.model, revision=args.revision, progress=sys.stderr.isatty())
     engine = EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          seed=args.seed, enforce_eager=args.enforce_eager,
+                          seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

@@ -6,11 +6,9 @@ block of that page; a test fails when the page is stale. The CLI prints the same
 
 from __future__ import annotations
 
-import argparse
-from pathlib import Path
-
 from meshserve.attention.backend import BackendCapabilities
 from meshserve.attention.registry import BackendKind, load_backend, tables
+from meshserve.core.generated_docs import docs_main, replace_block
 
 BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
 SECTIONS = (
@@ -82,21 +80,11 @@ def feature_table() -> str:
 
 def render_page(page: str) -> str:
     """`page` with its generated block replaced by the current table."""
-    if BEGIN not in page or END not in page:
-        raise ValueError(f"page lacks the markers {BEGIN} ... {END}")
-    head, _, rest = page.partition(BEGIN)
-    _, _, tail = rest.partition(END)
-    return f"{head}{BEGIN}\n{feature_table()}\n{END}{tail}"
+    return replace_block(page, BEGIN, END, feature_table())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--write", type=Path, help="refresh the generated block of this markdown page")
-    args = parser.parse_args()
-    if args.write is None:
-        print(feature_table())
-        return
-    args.write.write_text(render_page(args.write.read_text()))
+    docs_main(__doc__, feature_table, render_page)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,11 @@ transform (tensor parallelism shrinks its layers), materialised empty on the tar
 then filled tensor by tensor from the memory-mapped safetensors, each cast to the model dtype
 and sliced to this rank's shard. Every checkpoint tensor must land somewhere and every
 parameter must be filled; otherwise the error names the tensor.
+
+Quantized checkpoints (workers/quant/): before the model is materialised, the linears whose
+checkpoint weights are FP8 (or all eligible linears, for online FP8) become Fp8Linear; their
+scales travel with their weights. Weights that other code reads directly (MLA's kv_b_proj) and
+MXFP4 experts are dequantized at load to the model dtype.
 """
 
 from __future__ import annotations
@@ -17,11 +22,22 @@ import torch
 from tqdm import tqdm
 
 from meshserve.config import Dtype
-from meshserve.errors import MeshserveError, as_enum
-from meshserve.workers.checkpoint import Checkpoint, read_arch
+from meshserve.errors import ConfigError, MeshserveError, as_enum, check
+from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.transformer import CausalLM
+from meshserve.workers.quant import loading as qload
+from meshserve.workers.quant.formats import (
+    SCALE_SUFFIX,
+    QuantMethod,
+    WeightFormat,
+    WeightFormatRecord,
+    WeightQuant,
+    resolve_quantization,
+)
+from meshserve.workers.quant.layers import convert_linears, linear_names
+from meshserve.workers.quant.support import refusals
 from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -35,6 +51,11 @@ STACKED: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up_proj", 1),
 }
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Linears whose weight other code reads as a matrix (MLA folds kv_b_proj into its attention):
+# FP8 checkpoint weights are dequantized at load for them, never kept as an Fp8Linear.
+KEEP_FLOAT = ("kv_b_proj",)
+# Online FP8 leaves these in the model dtype, as vLLM does: they choose tokens and experts.
+ONLINE_SKIP = ("lm_head", "router", *KEEP_FLOAT)
 
 
 class WeightError(MeshserveError):
@@ -90,18 +111,73 @@ def _expected(params: dict[str, torch.nn.Parameter], fused_parts: dict[str, tupl
     return out
 
 
+def _is_mtp(name: str, arch: ModelArch) -> bool:
+    mtp = arch.deepseek.num_mtp_layers if arch.deepseek is not None else 0
+    parts = name.split(".")
+    return (mtp > 0 and len(parts) > 2 and parts[:2] == ["model", "layers"] and parts[2].isdigit()
+            and arch.num_layers <= int(parts[2]) < arch.num_layers + mtp)
+
+
+def fp8_modules(model: CausalLM, quant: WeightQuant, names: set[str]) -> set[str]:
+    """Module names of the linears that become Fp8Linear: those whose checkpoint weights ship
+    FP8 scales (every part of a fused one), or every eligible linear for online FP8."""
+    fused_parts = {f: FUSED_PARTS[f] for f, _ in getattr(model, "STACKED", STACKED).values()}
+    chosen = set()
+    for module in linear_names(model):
+        prefix, _, last = module.rpartition(".")
+        if quant.online:
+            if last not in ONLINE_SKIP:
+                chosen.add(module)
+            continue
+        stems = [f"{prefix}.{p}" for p in fused_parts[last]] if last in fused_parts else [module]
+        scaled = [stem + SCALE_SUFFIX in names for stem in stems]
+        if any(scaled) and not all(scaled):
+            raise WeightError(f"checkpoint quantizes only some of {stems} (FP8 scales for {scaled}); the "
+                              f"fused '{module}' needs all or none")
+        if all(scaled) and last not in KEEP_FLOAT:
+            chosen.add(module)
+    return chosen
+
+
+def _store_scale(model_buffers: dict[str, torch.Tensor], target: str, scale: torch.Tensor,
+                 offset: int | None, rows: int | None, is_last: bool, block: tuple[int, int] | None) -> None:
+    """Copy a weight's scales into its module's buffer (the rows of a fused part, in scale rows)."""
+    module = target.rpartition(".")[0]
+    key = next((k for k in (f"{module}.weight_scale_inv", f"{module}.weight_scale", f"{target}_scales")
+                if k in model_buffers), None)
+    if key is None:
+        raise WeightError(f"model parameter '{target}' has no scale buffer for its quantized checkpoint weight")
+    dest = model_buffers[key]
+    if offset is not None:
+        per = block[0] if block is not None and key.endswith(SCALE_SUFFIX) else 1
+        if offset % per or (rows % per and not is_last):
+            raise WeightError(f"'{target}' fuses parts whose rows ({rows} at {offset}) cut a {per}-row FP8 scale "
+                              "block; this checkpoint cannot be served fused")
+        dest = dest.narrow(0, offset // per, -(-rows // per))
+    if tuple(dest.shape) != tuple(scale.shape):
+        raise WeightError(f"scales for '{target}' have shape {tuple(scale.shape)} but the model expects "
+                          f"{tuple(dest.shape)} (does weight_block_size match the tensors?)")
+    dest.copy_(scale)
+
+
 def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int = 1, dcp: int = 1,
-                 ep: int = 1, progress: bool = True) -> None:
+                 ep: int = 1, progress: bool = True, quant: WeightQuant | None = None) -> None:
     """Fill every parameter of `model` from `ckpt`, slicing each tensor for `rank` of `world`
     (`dcp`: ranks of one DCP group share K/V heads; `ep`: ranks of one EP group split the
-    routed experts, sharding.place_expert)."""
+    routed experts, sharding.place_expert; `quant`: the checkpoint's or online quantization)."""
     arch = model.arch
     params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    buffers = dict(model.named_buffers())
+    modules = dict(model.named_modules())
+
+    def shard_fn(name: str, shape: tuple[int, ...], w: int, r: int):
+        return shard_of(name, shape, arch, r, w, dcp if w == world else 1)
     # A model class may fuse differently (or not at all): it says so with its own STACKED map.
     stacked = getattr(model, "STACKED", STACKED)
     fused_parts = {f: FUSED_PARTS[f] for f, _ in stacked.values()}
     expected = _expected(params, fused_parts)
     names = ckpt.names()
+    name_set = set(names)
     loaded: set[str] = set()
     bar = tqdm(names, desc="Loading weights", unit="tensor", file=sys.stderr, disable=not progress,
                leave=False)
@@ -110,30 +186,42 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
             continue  # derived from the config; some old checkpoints store it
         if arch.tie_word_embeddings and name == "lm_head.weight":
             continue  # the embedding serves as the LM head
-        place = place_expert(name, ckpt.shape(name), arch, rank, world, ep)
+        if _is_mtp(name, arch):
+            continue  # DeepSeek-V3's multi-token-prediction layer: speculative decoding only
+        if qload.is_companion(name, name_set):
+            continue  # scales: read with their weight
+        pname = qload.param_of(name)
+        place = place_expert(pname, ckpt.shape(name), arch, rank, world, ep)
         if place is not None and place.target is None:
             continue  # another EP rank's expert
-        target, offset, rows = (place.target, None, None) if place else _target(name, arch, world, dcp, stacked)
+        target, offset, rows = (place.target, None, None) if place else _target(pname, arch, world, dcp, stacked)
         if target not in params:
             raise WeightError(f"checkpoint tensor '{name}' {ckpt.shape(name)} has no place in the "
                               f"{arch.architecture} model (unexpected tensor in {ckpt.model_dir})")
-        if place is not None:
-            tensor = ckpt.read_box(name, place.box)
-        else:
-            shard = shard_of(name, ckpt.shape(name), arch, rank, world, dcp)
-            tensor = ckpt.read(name, shard.dim, shard.start, shard.stop)
         dest = params[target].data
+        if place is not None:  # an expert tensor under EP (load_model refuses EP with quantized weights)
+            read = qload.Loaded(ckpt.read_box(name, place.box), None, (target,))
+        else:
+            read = qload.read_quantized(ckpt, name, name_set, quant=quant, dest=dest, world=world, rank=rank,
+                                        shard_fn=shard_fn)
+        tensor = read.values
+        if read.scale is not None:
+            _store_scale(buffers, target, read.scale, offset, rows, offset is not None and _is_last(pname),
+                         quant.block if quant is not None else None)
+        elif pname != name:  # MXFP4 experts dequantized at load: say so where the MoE can see it
+            modules[target.rpartition(".")[0]].weight_format = WeightFormatRecord(
+                WeightFormat.MXFP4, str(dest.dtype).removeprefix("torch."))
         where = f" (rank {rank} of {world})" if world > 1 else ""
         if offset is not None:
             if offset + rows > dest.shape[0] or (offset + rows == dest.shape[0]) != _is_last(name):
-                raise WeightError(f"checkpoint tensor '{name}' ({rows} rows{where}) does not fit the fused "
+                raise WeightError(f"checkpoint tensor '{pname}' ({rows} rows{where}) does not fit the fused "
                                   f"model parameter '{target}' {tuple(dest.shape)}")
             dest = dest.narrow(0, offset, rows)
         if tuple(dest.shape) != tuple(tensor.shape):
             raise WeightError(f"checkpoint tensor '{name}' has shape {tuple(tensor.shape)}{where} but the "
                               f"model expects {tuple(dest.shape)} for '{target}'")
         dest.copy_(tensor)
-        loaded.add(name if place is None else target)
+        loaded.update((pname, *read.consumed) if place is None else read.consumed)
     missing = sorted(expected - loaded)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -143,13 +231,20 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
 
 def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.device,
                 max_positions: int | None = None,
-                transform: Callable[[CausalLM], None] | None = None) -> CausalLM:
-    """An unfilled model on `device` (weights uninitialised), built without touching memory first."""
+                transform: Callable[[CausalLM], None] | None = None,
+                quantize: Callable[[CausalLM], None] | None = None) -> CausalLM:
+    """An unfilled model on `device` (weights uninitialised), built without touching memory first.
+
+    `quantize` swaps layers for quantized ones after the dtype cast (which would cast FP8 too)."""
     with torch.device("meta"):
         model = model_class(arch)(arch, max_positions=max_positions)
     if transform is not None:
         transform(model)
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    if quantize is not None:
+        with torch.device("meta"):
+            quantize(model)
+    model = model.to_empty(device=device)
     model.model.rotary.reset_tables(device)
     if getattr(model.model, "local_rotary", None) is not None:
         model.model.local_rotary.reset_tables(device)
@@ -158,21 +253,44 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
     return model.eval()
 
 
+def _check_served(quant: WeightQuant, device: torch.device) -> None:
+    """Refuse a weight format this device cannot compute (support.py says why), before any weight is read."""
+    fmt = quant.linear_format if quant.method is QuantMethod.FP8 else WeightFormat.MXFP4
+    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    reasons = refusals(fmt, device.type, cc, quant.block)
+    if reasons:
+        raise ConfigError("quantization", str(fmt), "; ".join(reasons))
+
+
 def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None = None,
                device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1, ep: int = 1,
                max_positions: int | None = None, progress: bool = True,
-               transform: Callable[[CausalLM], None] | None = None) -> CausalLM:
+               transform: Callable[[CausalLM], None] | None = None,
+               quantization: str | None = None) -> CausalLM:
     """Load the HF checkpoint in `model_dir` as rank `rank` of a `world`-way tensor-parallel group.
 
     `transform` reshapes the meta-device model before weights arrive (tensor parallelism); a
-    plain model takes world == 1.
+    plain model takes world == 1. `quantization`: None/"none", or "fp8" to quantize a float
+    checkpoint's linears at load (quantized checkpoints load as published either way).
     """
     arch = read_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch, str(torch.device(device)))
-    model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
-                        transform=transform)
+    quant = resolve_quantization(read_json(Path(model_dir) / "config.json", "model"), quantization)
+    if quant is not None:
+        _check_served(quant, torch.device(device))
+        check(ep == 1, "ep", ep, "1 with quantized weights (expert parallelism over FP8/MXFP4 experts is not "
+              "implemented yet)")
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
-        load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, ep=ep, progress=progress)
+        convert = None
+        if quant is not None and quant.method is QuantMethod.FP8:
+            names = set(ckpt.names())
+
+            def convert(model: CausalLM) -> None:
+                convert_linears(model, fp8_modules(model, quant, names), quant.block)
+
+        model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
+                            transform=transform, quantize=convert)
+        load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, ep=ep, progress=progress, quant=quant)
         # Modules that want a say once their weights are in (MoE layers: expert layouts, counters).
         for module in [m for m in model.modules() if hasattr(m, "finish_loading")]:
             module.finish_loading(device)

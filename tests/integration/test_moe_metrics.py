@@ -7,8 +7,8 @@ import asyncio
 from prometheus_client import generate_latest
 
 from meshserve.api.metrics import ServerMetrics
-from meshserve.cluster.engine import EngineConfig
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
+from meshserve.cluster.engine import EngineConfig
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
 from tests.tiny_models import prompts, write_checkpoint

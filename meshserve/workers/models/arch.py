@@ -17,6 +17,7 @@ from typing import Any
 
 from meshserve.errors import ConfigError, check
 from meshserve.workers.models.deepseek_arch import DeepseekArch, deepseek_generic_config, parse_deepseek
+from meshserve.workers.quant.formats import parse_quantization_config
 
 
 @dataclass(frozen=True)
@@ -302,10 +303,7 @@ def _gemma3(cfg: dict[str, Any]) -> ModelArch:
 
 def _gpt_oss(cfg: dict[str, Any]) -> ModelArch:
     base = _common(cfg, "GptOssForCausalLM")
-    quant = (cfg.get("quantization_config") or {}).get("quant_method")
-    # The released checkpoints store experts in MXFP4 blocks; only dequantized (bf16/fp32) ones load.
-    check(quant is None, "config.json:quantization_config.quant_method", quant,
-          "absent: an unquantized GPT-OSS checkpoint (dequantize MXFP4 experts first)")
+    # The released checkpoints store experts in MXFP4 blocks: workers/quant reads them.
     bias = bool(cfg.get("attention_bias", True))
     layer_types = cfg.get("layer_types") or [
         "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(base.num_layers)]
@@ -354,4 +352,5 @@ def arch_from_hf_config(cfg: dict[str, Any]) -> ModelArch:
     check(len(names) >= 1, "config.json:architectures", names, f"a list naming one of {sorted(ARCHITECTURES)}")
     name = names[0]
     check(name in ARCHITECTURES, "config.json:architectures", name, f"one of {sorted(ARCHITECTURES)}")
+    parse_quantization_config(cfg)  # an unknown quant_method fails here, before any weight is read
     return ARCHITECTURES[name](cfg)

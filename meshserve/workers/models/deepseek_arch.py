@@ -93,6 +93,9 @@ class DeepseekArch:
     moe: MoEConfig
     softmax_scale: float  # 1/sqrt(qk_head_dim), times mscale(factor, mscale_all_dim)^2 under YaRN
     attention_bias: bool = False  # biases on q_a_proj, kv_a_proj_with_mqa and o_proj
+    # V3/R1 releases append multi-token-prediction layers (model.layers.<num_hidden_layers>...):
+    # weights for speculative decoding, which the model here does not run (the loader skips them).
+    num_mtp_layers: int = 0
 
 
 def _rope(cfg: dict[str, Any], interleaved: bool) -> tuple[YarnRope, dict[str, Any]]:
@@ -176,4 +179,5 @@ def parse_deepseek(cfg: dict[str, Any], *, v3: bool) -> DeepseekArch:
     rope, params = _rope(cfg, interleaved=_interleaved(cfg, v3))
     return DeepseekArch(mla=dims, rope=rope, moe=_moe(cfg, v3=v3),
                         softmax_scale=deepseek_softmax_scale(dims, params),
-                        attention_bias=bool(cfg.get("attention_bias", False)))  # fmt: skip
+                        attention_bias=bool(cfg.get("attention_bias", False)),
+                        num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0))  # fmt: skip

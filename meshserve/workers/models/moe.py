@@ -99,6 +99,13 @@ def reset_expert_load(module: nn.Module, device: torch.device | str) -> None:
         module.pack_experts()
 
 
+def _plain(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
+    """An expert linear's weight as the fused kernels read it: FP8 experts (quant Fp8Linear)
+    dequantized to the model dtype, the interim path until the kernels read FP8 with its scales."""
+    dequantized = getattr(linear, "dequantized", None)
+    return linear.weight if dequantized is None else dequantized(dtype)
+
+
 def experts_graph_safe(model: nn.Module) -> bool:
     """Whether every MoE layer of `model` runs fused (no host sync: a CUDA graph can hold it)."""
     return all(m.fused is not None for m in model.modules() if hasattr(m, "expert_load"))
@@ -186,10 +193,10 @@ class MoE(nn.Module):
 
     def pack_experts(self) -> None:
         """Switch to the fused kernels: the experts move to their layout; the modules are freed."""
-        experts = self.experts
+        experts, dtype = self.experts, self.gate.weight.dtype
         self.fused = ExpertWeights(
-            w13=torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in experts]),
-            w2=torch.stack([e.down_proj.weight for e in experts]), b13=None, b2=None,
+            w13=torch.stack([torch.cat((_plain(e.gate_proj, dtype), _plain(e.up_proj, dtype))) for e in experts]),
+            w2=torch.stack([_plain(e.down_proj, dtype) for e in experts]), b13=None, b2=None,
             activation=ExpertActivation(ACT_SILU))  # fmt: skip
         self.experts = None
 

@@ -39,7 +39,7 @@ def test_gpt_oss_yarn_and_experts():
     ({"num_local_experts": 0, "num_experts_per_tok": 1}, "num_local_experts"),
     ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}, "sliding_window"),
     ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
-      "quantization_config": {"quant_method": "mxfp4"}}, "quant_method"),
+      "quantization_config": {"quant_method": "awq"}}, "quant_method"),
     ({"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 8,
       "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "original_max_position_embeddings"),
 ])

@@ -1,0 +1,10 @@
+"""Quantized weights: FP8 block-scaled and MXFP4 checkpoints as published, and online FP8.
+
+formats.py   what a checkpoint's quantization_config means (and the --quantization values)
+fp8.py       FP8 numerics in torch: (de)quantization and the exact reference linear
+fp8_triton.py  the sm89+ Triton kernels: per-token-group activation quantization, block GEMM
+layers.py    Fp8Linear and the transform that swaps it into a built model
+mxfp4.py     MXFP4 (GPT-OSS experts) (de)quantization
+loading.py   reading quantized tensors (with their scales) for one tensor-parallel rank
+support.py   which devices serve which weight format, as data (docs and `meshserve backends`)
+"""

@@ -1,0 +1,140 @@
+"""Quantized checkpoints end to end on CPU: FP8 block-scaled (Llama, Qwen3, DeepSeek-V3 MLA + MoE),
+GPT-OSS MXFP4 experts, online FP8.
+
+The oracles: the same weights dequantized in float64 (tests/quant_models.py, written apart from
+meshserve's quantization code) run by HF transformers' own model and by meshserve, and HF
+transformers loading the quantized checkpoint itself (on CPU it dequantizes; needs accelerate).
+The CPU path dequantizes exactly, so logits agree to float32 rounding and greedy tokens are
+identical. HF's CPU FP8 dequantization derives the block from the scale grid (rows // scale
+rows), which is wrong for a partial edge block (40 rows in blocks of 32 become two of 20): the
+checkpoints here keep every dimension a whole number of blocks or a single block, where it is right.
+"""
+
+import pytest
+import torch
+
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
+from meshserve.errors import ConfigError
+from meshserve.workers.quant.formats import WeightFormat
+from meshserve.workers.quant.layers import Fp8Linear
+from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.worker import Worker
+from tests.deepseek_models import write_deepseek
+from tests.quant_models import online_fp8_twin, quantize_checkpoint
+from tests.tiny_models import hf_greedy, prompts, write_checkpoint
+
+NEW_TOKENS = 6
+# Qwen3 at the published 128x128 blocks needs q/k/v/gate/up row counts that are multiples of 128.
+QWEN3_128 = dict(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_value_heads=1,
+                 intermediate_size=384)
+
+
+def _run(path, prompt, quantization="none"):
+    """Greedy-decode NEW_TOKENS tokens of one prompt: (logits of each step [NEW_TOKENS, V], tokens, model)."""
+    w = Worker(ModelConfig(model=str(path), max_model_len=64, quantization=quantization),
+               CacheConfig(block_size=4, num_kv_blocks=64), AttentionConfig(backend="TORCH"), device="cpu",
+               progress=False)
+    w.start()
+    model, seen = w.runner.model, []
+    original = model.compute_logits
+    model.compute_logits = lambda h: seen.append(original(h)) or seen[-1]
+    groups = w.kv_layout.num_groups  # GPT-OSS: sliding and full layers keep separate tables
+    tables = [list(range(1 + g * 20, 21 + g * 20)) for g in range(groups)]
+    new = [NewRequest("r", prompt, {"temperature": 0.0})]
+    tokens, context, step_tokens = [], 0, prompt
+    for step in range(NEW_TOKENS):
+        out = w.runner.execute(StepPlan(step, [ScheduledSeq("r", step_tokens, context, tables)], new))
+        new, context = [], context + len(step_tokens)
+        tokens.append(out.sampled[0].token_id)
+        step_tokens = [tokens[-1]]
+    return torch.cat([s[-1:] for s in seen]), tokens, model
+
+
+def _hf_logits(hf_dir, prompt, tokens):
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
+                                                           attn_implementation="eager").eval()
+    with torch.no_grad():
+        logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) - 1 + NEW_TOKENS]
+    return logits, hf_greedy(hf, prompt, NEW_TOKENS, eos=-1)
+
+
+CASES = {
+    "llama_fp8_32": lambda p: (write_checkpoint(p, "llama"), "fp8", (32, 32)),
+    "qwen3_fp8_128": lambda p: (write_checkpoint(p, "qwen3", overrides=QWEN3_128), "fp8", (128, 128)),
+    "deepseek_v3_fp8_128": lambda p: (write_deepseek(p, "deepseek_v3"), "fp8", (128, 128)),
+    "gpt_oss_mxfp4": lambda p: (write_checkpoint(p, "gpt_oss"), "mxfp4", None),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_quantized_checkpoint_matches_dequantized_oracle(tmp_path, case):
+    src = tmp_path / "float"
+    _, fmt, block = CASES[case](src)
+    deq = quantize_checkpoint(src, tmp_path / "quant", fmt, **({"block": block} if block else {}))
+    prompt = prompts(1, min_len=9, max_len=9)[0]
+    logits, tokens, model = _run(tmp_path / "quant", prompt)
+    ref_logits, ref_tokens, ref_model = _run(deq, prompt)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+    for hf_dir in (deq, tmp_path / "quant"):  # HF on the float twin, and HF's own FP8 / MXFP4 loader
+        hf_logits, hf_tokens = _hf_logits(hf_dir, prompt, tokens)
+        assert tokens == hf_tokens, hf_dir
+        torch.testing.assert_close(logits, hf_logits, atol=2e-4, rtol=2e-4)
+    fp8 = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    if fmt == "fp8":  # every decoder projection stays FP8 in memory, except MLA's kv_b_proj
+        assert fp8 and all(m.weight.dtype == torch.float8_e4m3fn and m.block == block for m in fp8)
+        assert not isinstance(model.lm_head, Fp8Linear)
+        if "deepseek" in case:
+            layer = model.model.layers[1]
+            assert isinstance(layer.mlp.experts[0].down_proj, Fp8Linear)
+            assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+            # On CUDA finish_loading packs the experts for the fused kernels: FP8 experts must arrive
+            # there dequantized (scales applied), equal to the float twin's experts.
+            twin = ref_model.model.layers[1].mlp.experts
+            want = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in twin])
+            layer.mlp.pack_experts()
+            assert layer.mlp.fused.w13.dtype == torch.float32
+            torch.testing.assert_close(layer.mlp.fused.w13, want, atol=1e-6, rtol=1e-6)
+            torch.testing.assert_close(layer.mlp.fused.w2, torch.stack([e.down_proj.weight for e in twin]),
+                                       atol=1e-6, rtol=1e-6)
+    else:
+        bank = model.model.layers[0].mlp.experts
+        assert not fp8 and bank.weight_format.checkpoint is WeightFormat.MXFP4
+        assert bank.weight_format.memory == "float32"
+
+
+def test_online_fp8_matches_its_per_channel_round_trip(tmp_path):
+    write_checkpoint(tmp_path / "float", "llama")
+    twin = online_fp8_twin(tmp_path / "float", tmp_path / "twin")
+    prompt = prompts(1, min_len=9, max_len=9)[0]
+    logits, tokens, model = _run(tmp_path / "float", prompt, quantization="fp8")
+    ref_logits, ref_tokens, _ = _run(twin, prompt)
+    names = {n for n, m in model.named_modules() if isinstance(m, Fp8Linear)}
+    assert names == {f"model.layers.{i}.{p}" for i in range(2)
+                     for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    assert all(m.weight_format is WeightFormat.FP8_CHANNEL for m in model.modules() if isinstance(m, Fp8Linear))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_online_fp8_refuses_unknown_value_and_mxfp4(tmp_path):
+    with pytest.raises(ConfigError, match="quantization.*one of"):
+        ModelConfig(quantization="int4")
+    src = tmp_path / "float"
+    write_checkpoint(src, "gpt_oss")
+    quantize_checkpoint(src, tmp_path / "quant", "mxfp4")
+    with pytest.raises(ConfigError, match="quantization.*'none' for this mxfp4 checkpoint"):
+        _run(tmp_path / "quant", [1, 2, 3], quantization="fp8")
+
+
+def test_cli_quantization_flag(tmp_path, capsys):
+    from meshserve.cli import main
+
+    write_checkpoint(tmp_path, "llama")
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--quantization", "int4", "--device", "cpu"]) == 2
+    assert "quantization='int4' is not allowed: one of ['none', 'fp8']" in capsys.readouterr().err
+    assert main(["generate", "Hello", "--model", str(tmp_path), "--quantization", "fp8", "--device", "cpu",
+                 "--max-tokens", "3", "--ignore-eos"]) == 0
+    assert "[finished: length]" in capsys.readouterr().err
