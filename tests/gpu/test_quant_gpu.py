@@ -39,9 +39,12 @@ def test_group_quant_kernel_is_bit_identical_to_torch(dtype, m):
 
     x = _randn(m, 7168, dtype=dtype, scale=3.0)
     q, s = quantize_groups(x, 128)
-    ref_q, ref_s = quantize_per_token_group(x, 128)
-    torch.testing.assert_close(s, ref_s, rtol=0, atol=0)
-    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    # The oracle runs on the CPU, where torch divides with IEEE rounding as the kernel's div_rn
+    # does; CUDA torch divides by a scalar as a multiply by its reciprocal (1 ulp off in ~half
+    # of the scales, measured on the H200), which is not the rounding the kernel promises.
+    ref_q, ref_s = quantize_per_token_group(x.cpu(), 128)
+    torch.testing.assert_close(s.cpu(), ref_s, rtol=0, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
 
 @pytest.mark.parametrize(("n", "k"), SHAPES, ids=str)
