@@ -140,7 +140,7 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
                 results = [{"ok": False, "error": str(exc)}]
             if all(r["ok"] for r in results):
                 hashes = sent.block_hashes if same_blocks else kv.hashes_of(
-                    h.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
+                    h.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
                 self.pins.commit(rid, hashes)
                 request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens)
                 return sent.num_tokens
