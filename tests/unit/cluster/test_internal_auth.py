@@ -14,10 +14,8 @@ import pytest
 import zmq
 
 from meshserve.cluster.channel import ERR, HELLO, OUT, ChannelAuth, DriverChannel, rank_identity, serve_rank
-from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.executor import WorkerDiedError
 from meshserve.cluster.rank import RankHost
-from meshserve.config import PoolConfig
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.kvstore.zmq_transport import new_capability, pull_kv
@@ -25,10 +23,11 @@ from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
-    engine_config,
     mixed_requests,
     reference,
     run_all,
+    serve,
+    threads,
     wait_until,
 )
 
@@ -45,20 +44,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def want(ckpt):
     return reference(ckpt, VICTIMS)
-
-
-def serve(config: ClusterConfig, body):
-    async def main():
-        coord = await Coordinator(config).start()
-        try:
-            return await body(coord)
-        finally:
-            await coord.shutdown(drain=False)
-    return asyncio.run(main())
-
-
-def threads(ckpt, mode: str, **kw) -> ClusterConfig:
-    return ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(mode=mode, **kw), runtime="threads")
 
 
 def forge(address: str, next_seq: int) -> int:
