@@ -151,6 +151,7 @@ def _replica(num_blocks: int) -> tuple[KVCacheManager, list, KVConnector]:
 
 def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     """The sender process: one request of `mib` MiB, forked into `copies` offers."""
+    from meshserve.core.secret import ClusterSecret
     from meshserve.kvstore.zmq_transport import KVExportServer
 
     blocks = mib * (1 << 20) // (LAYERS * BLOCK_BYTES)
@@ -161,15 +162,23 @@ def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     tokens = list(range(blocks * BLOCK))
     assert kv.allocate_slots("r", len(tokens), tokens)
     export_s = time.perf_counter()
-    server = KVExportServer(address=address)
+    server = KVExportServer(ClusterSecret(BENCH_SECRET), address=address)
     for i in range(copies):
         kv.fork("r", f"r{i}")
-        server.offer(conn.export(f"r{i}", max_frame_bytes=frame_bytes), ttl_s=600, release=conn.release)
+        server.offer(conn.export(f"r{i}", max_frame_bytes=frame_bytes), capability=_capability(i), ttl_s=600,
+                     release=conn.release)
     export_s = (time.perf_counter() - export_s) / copies  # pin + checksum, before any pull
     print(json.dumps({"address": server.address, "blocks": blocks, "export_s": export_s}), flush=True)
     while server.num_pending:  # until every offer was pulled and zmq let go of its frames
         server.poll(20)
     server.close()
+
+
+BENCH_SECRET = b"the bench's own cluster secret"  # both processes are this script
+
+
+def _capability(i: int) -> str:
+    return f"bench-capability-{i:04d}"  # the bench's processes agree on it; a server would use new_capability()
 
 
 def raw_serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
@@ -201,6 +210,7 @@ def bench_handover(mib: int, repeat: int, address: str, frame_bytes: int) -> dic
     """Per round, side by side: memcpy, the raw zmq stream, and pull_kv of the same bytes."""
     import zmq
 
+    from meshserve.core.secret import ClusterSecret
     from meshserve.kvstore.zmq_transport import pull_kv
 
     kv_proc, info = _spawn("--serve", mib, repeat, address, frame_bytes)
@@ -225,7 +235,7 @@ def bench_handover(mib: int, repeat: int, address: str, frame_bytes: int) -> dic
                 raw.recv_into(view[off : off + frame_bytes])
             times["raw_zmq"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            pull_kv(conn, info["address"], f"r{i}", timeout_s=120)
+            pull_kv(conn, info["address"], _capability(i), secret=ClusterSecret(BENCH_SECRET), timeout_s=120)
             times["pull_kv"].append(time.perf_counter() - t0)
             kv.free(f"r{i}")
         raw.close(linger=0)

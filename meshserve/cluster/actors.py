@@ -1,10 +1,11 @@
 """`WorkerActor`: one rank of a replica as a Ray actor, serving the step channel.
 
 Ray carries only the life cycle: the constructor (a msgpack WorkerSpec), `serve` (a long-running
-call that runs the channel loop and returns when the driver says stop; the driver watches its
-result to learn at once when the actor dies), `check_health`, `node` and `shutdown`. Steps, and
-the start and KV hand-over calls, go over the channel. The actor is threaded (max_concurrency)
-so that health and shutdown calls are answered while `serve` runs.
+call, given the channel's auth with the cluster secret, that runs the channel loop and returns
+when the driver says stop; the driver watches its result to learn at once when the actor dies),
+`check_health`, `node` and `shutdown`. Steps, and the start and KV hand-over calls, go over the
+channel. The actor is threaded (max_concurrency) so that health and shutdown calls are answered
+while `serve` runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import ray
 
-from meshserve.cluster.channel import serve_rank
+from meshserve.cluster.channel import ChannelAuth, serve_rank
 from meshserve.cluster.executor import WorkerSpec
 from meshserve.cluster.logs import configure_logging
 from meshserve.cluster.rank import RankHost
@@ -33,9 +34,11 @@ class _WorkerActor:
         ctx = ray.get_runtime_context()
         return {"node_id": ctx.get_node_id(), "ip": ray.util.get_node_ip_address(), "pid": os.getpid()}
 
-    def serve(self, address: str) -> str:
-        """Run the channel loop until the driver says stop (or shutdown() is called)."""
-        serve_rank(self.host, address, rank=self.rank, keep_going=lambda: not self._stop.is_set())
+    def serve(self, address: str, auth: bytes) -> str:
+        """Run the channel loop until the driver says stop (or shutdown() is called); `auth`: the
+        msgpack ChannelAuth (cluster secret and session)."""
+        serve_rank(self.host, address, ChannelAuth.from_msgpack(auth), rank=self.rank,
+                   keep_going=lambda: not self._stop.is_set())
         return "stopped"
 
     def check_health(self) -> dict[str, Any]:

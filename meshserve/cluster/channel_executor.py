@@ -12,8 +12,9 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from meshserve.cluster.channel import DriverChannel, serve_rank
+from meshserve.cluster.channel import ChannelAuth, DriverChannel, serve_rank
 from meshserve.cluster.executor import WorkerDiedError, WorkerSpec, info_from_dict
+from meshserve.core.secret import ClusterSecret
 from meshserve.errors import check
 from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import WorkerInfo
@@ -25,7 +26,9 @@ class RankGroup(Protocol):
     """Launches the ranks of one replica and watches them.
 
     driver_host: the address ranks can reach the driver at (the channel binds there).
-    launch(address): start every rank's loop, connecting to the channel at `address`.
+    launch(address, auth): start every rank's loop, connecting to the channel at `address`;
+        `auth` (the cluster secret and the channel's session) goes with each rank's start-up
+        config (stdin, actor arguments), never on a command line or in a log.
     check(): raise WorkerDiedError naming the rank and the cause if a rank is gone.
     stop(): end every rank (after the channel said stop, or forcibly).
     """
@@ -33,7 +36,7 @@ class RankGroup(Protocol):
     world: int
     driver_host: str
 
-    def launch(self, address: str) -> None: ...
+    def launch(self, address: str, auth: ChannelAuth) -> None: ...
 
     def check(self) -> None: ...
 
@@ -41,18 +44,25 @@ class RankGroup(Protocol):
 
 
 class ChannelExecutor:
-    """An Executor whose ranks serve a DriverChannel; `ranks` decides where they run."""
+    """An Executor whose ranks serve a DriverChannel; `ranks` decides where they run.
 
-    def __init__(self, ranks: RankGroup, *, name: str = "replica", start_timeout_s: float = 600.0) -> None:
+    secret: the cluster's (the coordinator hands one to every replica, so that their ranks can
+    exchange KV); default `ClusterSecret.resolve()`.
+    """
+
+    def __init__(self, ranks: RankGroup, *, name: str = "replica", start_timeout_s: float = 600.0,
+                 secret: ClusterSecret | None = None) -> None:  # fmt: skip
         self.ranks = ranks
+        self.secret = secret if secret is not None else ClusterSecret.resolve()
         self.name = name
         self.start_timeout_s = start_timeout_s
         self.channel = None
         self.info: WorkerInfo | None = None
 
     def start(self) -> WorkerInfo:
-        self.channel = DriverChannel(self.ranks.world, host=self.ranks.driver_host)
-        self.ranks.launch(self.channel.address)
+        auth = ChannelAuth.new(self.secret)
+        self.channel = DriverChannel(self.ranks.world, auth, host=self.ranks.driver_host)
+        self.ranks.launch(self.channel.address, auth)
         self.channel.wait_ready(self.ranks.check, timeout_s=self.start_timeout_s)
         # Rank 0's host picks the torch.distributed rendezvous; all ranks start at once with it.
         init_method = self.channel.call("rendezvous", [{}] * self.ranks.world, self.ranks.check)[0]
@@ -93,14 +103,14 @@ class ThreadRanks:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def launch(self, address: str) -> None:
+    def launch(self, address: str, auth: ChannelAuth) -> None:
         from meshserve.cluster.rank import RankHost  # the rank's side: loaded only when ranks run here
 
         host = RankHost(self.spec, rank=0)
 
         def run() -> None:
             try:
-                serve_rank(host, address, rank=0)
+                serve_rank(host, address, auth, rank=0)
             except BaseException as exc:  # the driver learns it from check()
                 self._error = exc
 

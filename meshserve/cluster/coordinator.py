@@ -46,6 +46,7 @@ from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.core.secret import ClusterSecret
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer
 
@@ -127,6 +128,9 @@ class Coordinator:
         self.tokenizer = None
         self.validator: RequestValidator | None = None
         self._core = core
+        # One secret for every replica's internal sockets (their ranks exchange KV): the
+        # operator's (MESHSERVE_CLUSTER_SECRET[_FILE]) or a fresh one; never logged.
+        self.secret = ClusterSecret.resolve()
         # client request id -> its ticket. Replicas know a request by a fresh internal id: a client
         # may reuse an id as soon as its stream ends, before the abort of the old request has
         # reached its replica.
@@ -209,17 +213,19 @@ class Coordinator:
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.ray_executor import RayExecutor
 
-            return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class)
+            return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class,
+                               secret=self.secret)
         if cfg.runtime is Runtime.PROCESSES:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
-            return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name)
+            return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name,
+                                     secret=self.secret)
         from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
         from meshserve.cluster.executor import WorkerSpec
 
         spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
                           **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))
-        return ChannelExecutor(ThreadRanks(spec), name=name)
+        return ChannelExecutor(ThreadRanks(spec), name=name, secret=self.secret)
 
     async def shutdown(self, *, drain: bool = True) -> None:
         """Refuse new requests; with drain, let running ones finish (up to drain_timeout_s)."""

@@ -2,15 +2,16 @@
 
 A prefill replica runs a request until its first token; then, in its step thread, `offer_kv`
 pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manager), asks every
-rank to offer its KV shard of them (`kv_offer`: each rank's KVExportServer, msgpack header + raw
-frames) and detaches the request, which the coordinator hands to a decode replica as a
-`Handoff`. The decode replica's `import_kv` reserves blocks in every KV layer group, has every
-rank pull its shard into them (`kv_pull`; with another (tp, dcp) layout, heads are re-split
-and tokens re-distributed: kvstore/reshard.py), commits the prefix hashes (the sender's, or
-its own from the token ids when the two pools' blocks cover different token counts, i.e.
-their dcp differs) and continues from the first token. If
-anything about the transfer fails it returns 0 and the prompt is recomputed. Either way the
-prefill replica is then told to release its pin (`release_sources`).
+rank to offer its KV shard of them under a fresh unguessable capability (`kv_offer`: each rank's
+KVExportServer, msgpack header + raw frames, every message MACed with the cluster secret) and
+detaches the request, which the coordinator hands to a decode replica as a `Handoff` (the
+capability travels in it, nowhere else). The decode replica's `import_kv` reserves blocks in
+every KV layer group, has every rank pull its shard by that capability into them (`kv_pull`;
+with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
+kvstore/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
+the two pools' blocks cover different token counts, i.e. their dcp differs) and continues from
+the first token. If anything about the transfer fails it returns 0 and the prompt is recomputed.
+Either way the prefill replica is then told to release its pin (`release_sources`).
 
 Functions of either end (`HandoverEnd`: what they use of a replica), kept apart so replica.py
 stays the replica's life cycle and loop; replica.py imports this module, never the reverse.
@@ -19,7 +20,7 @@ stays the replica's life cycle and loop; replica.py imports this module, never t
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from meshserve.cluster.executor import Executor, RankError
@@ -27,6 +28,7 @@ from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Ticket
 from meshserve.kvstore.pins import HandoverBlocks, KVPins
 from meshserve.kvstore.reshard import receiver_positions
+from meshserve.kvstore.zmq_transport import new_capability
 
 if TYPE_CHECKING:
     from meshserve.cluster.engine import EngineConfig, EngineCore
@@ -68,6 +70,7 @@ class KVOffer:
     block_size: int
     dcp_size: int
     dst_dcp: int = 1  # the decode dcp the shards were offered for
+    capability: str = field(default="", repr=False)  # what the decode ranks pull by (never logged)
 
 
 @dataclass
@@ -85,14 +88,16 @@ def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
     detach the request."""
     rid, kv = ticket.request_id, self.core.kv
     pin = self.pins.pin(rid)
-    args = {"blocks": pin.blocks.to_wire(), "block_size": kv.block_size, "dcp_size": kv.dcp_size,
+    capability = new_capability()  # handed to the decode replica with the Handoff, nowhere else
+    args = {"blocks": pin.blocks.to_wire(), "capability": capability, "block_size": kv.block_size,
+            "dcp_size": kv.dcp_size,
             "model_id": self.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
             "fault": self.faults.pop(0) if self.faults else None}
     offer, reason = None, ""
     try:
         addresses = self.executor.call("kv_offer", [args] * self.world)
         offer = KVOffer(addresses, pin.blocks, pin.pin_id, self.model_id, self.world, self.config.parallel.dcp,
-                        self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp)
+                        self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp, capability)
     except RankError as exc:
         self.pins.release(pin.pin_id)
         reason = str(exc)
@@ -122,7 +127,8 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
         why = "no free blocks" if fits else (
             "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
         if blocks is not None:
-            args = [{"request_id": rid, "addresses": offer.addresses, "src_tp": offer.tp, "src_dcp": offer.dcp,
+            args = [{"capability": offer.capability, "addresses": offer.addresses, "src_tp": offer.tp,
+                     "src_dcp": offer.dcp,
                      "src_block_size": offer.block_size, "num_tokens": sent.num_tokens,
                      "src_positions": [list(p) for p in sent.block_positions],
                      "dst_positions": [list(p) for p in positions], "blocks": list(blocks),

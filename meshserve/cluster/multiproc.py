@@ -1,8 +1,9 @@
 """Ranks as local subprocesses (no Ray): tp > 1 on one machine, `meshserve generate --tp 2`.
 
 `MultiprocExecutor(config)` is a ChannelExecutor whose ranks are `python -m
-meshserve.cluster.multiproc ADDRESS RANK` processes; each reads its msgpack WorkerSpec from
-stdin, serves the step channel, and exits when the driver says stop or its parent is gone.
+meshserve.cluster.multiproc ADDRESS RANK` processes; each reads its msgpack WorkerSpec and its
+channel auth (the cluster secret: never argv or the environment) from stdin, serves the step
+channel, and exits when the driver says stop or its parent is gone.
 All ranks start their workers at once with one torch.distributed rendezvous picked by rank 0.
 """
 
@@ -13,6 +14,9 @@ import signal
 import subprocess
 import sys
 
+import msgpack
+
+from meshserve.cluster.channel import ChannelAuth
 from meshserve.cluster.channel_executor import ChannelExecutor
 from meshserve.cluster.executor import WorkerDiedError, WorkerSpec
 
@@ -30,17 +34,17 @@ class ProcessRanks:
         self.env = env
         self.procs: list[subprocess.Popen] = []
 
-    def launch(self, address: str) -> None:
+    def launch(self, address: str, auth: ChannelAuth) -> None:
         env = dict(os.environ if self.env is None else self.env)
         if "OMP_NUM_THREADS" not in env:  # ranks share the cores instead of each taking all of them
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // (self.world + 1)))  # + the driver
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.getcwd(), env.get("PYTHONPATH", "")) if p)
-        spec = self.spec.to_msgpack()
+        start = msgpack.packb({"spec": self.spec.to_msgpack(), "auth": auth.to_msgpack()})
         for rank in range(self.world):
             proc = subprocess.Popen([sys.executable, "-m", "meshserve.cluster.multiproc", address, str(rank)],
                                     stdin=subprocess.PIPE, env=env)
-            proc.stdin.write(spec)
+            proc.stdin.write(start)
             proc.stdin.close()
             self.procs.append(proc)
 
@@ -65,10 +69,10 @@ class MultiprocExecutor(ChannelExecutor):
     """An executor for `config` (an EngineConfig) with one subprocess per TP rank."""
 
     def __init__(self, config, *, device: str | None = None, worker_class: str | None = None,
-                 name: str = "replica") -> None:
+                 name: str = "replica", secret=None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
-        super().__init__(ProcessRanks(spec), name=name)
+        super().__init__(ProcessRanks(spec), name=name, secret=secret)
 
 
 def _main(argv: list[str]) -> int:
@@ -78,9 +82,10 @@ def _main(argv: list[str]) -> int:
 
     configure_logging()
     address, rank = argv[0], int(argv[1])
-    spec = WorkerSpec.from_msgpack(sys.stdin.buffer.read())
+    start = msgpack.unpackb(sys.stdin.buffer.read())
+    spec, auth = WorkerSpec.from_msgpack(start["spec"]), ChannelAuth.from_msgpack(start["auth"])
     parent = os.getppid()
-    serve_rank(RankHost(spec, rank=rank), address, rank=rank, keep_going=lambda: os.getppid() == parent)
+    serve_rank(RankHost(spec, rank=rank), address, auth, rank=rank, keep_going=lambda: os.getppid() == parent)
     return 0
 
 

@@ -5,8 +5,10 @@
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
     expert_load()                   rows routed to each expert per MoE layer (Worker.expert_load)
-    kv_offer(...)                   offer a request's blocks to pullers; returns the export address
-    kv_pull(...)                    pull a request's blocks from the prefill ranks into given blocks
+    kv_offer(...)                   offer a request's blocks to pullers under the coordinator's
+                                    capability; returns the export address
+    kv_pull(...)                    pull a request's blocks (by capability) from the prefill ranks
+                                    into given blocks
                                     (re-sharding when the pools' (tp, dcp) differ: kvstore/reshard.py)
 
 The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
@@ -44,6 +46,7 @@ class RankHost:
     def __init__(self, spec: WorkerSpec, *, rank: int) -> None:
         self.spec = spec
         self.rank = rank
+        self.secret = None  # the cluster's ClusterSecret, set by serve_rank from the start-up config
         self.worker = None
         self._io: KVRankIO | None = None
         self._server = None
@@ -103,41 +106,42 @@ class RankHost:
                                 dcp_size=dcp_size, retentions=self.worker.kv_layout.retentions)
         return self._io
 
-    def kv_offer(self, blocks: dict[str, Any], block_size: int, dcp_size: int, model_id: str, dst_tp: int,
-                 dst_dcp: int = 1, fault: str | None = None) -> str:
+    def kv_offer(self, blocks: dict[str, Any], capability: str, block_size: int, dcp_size: int, model_id: str,
+                 dst_tp: int, dst_dcp: int = 1, fault: str | None = None) -> str:  # fmt: skip
         """Offer this rank's shard of a request's blocks (`HandoverBlocks.to_wire()`: tables and
         hashes per KV layer group, pinned by the driver until the decode side is done) to the
-        decode ranks of (`dst_tp`, `dst_dcp`) that need it. Returns the address.
+        decode ranks of (`dst_tp`, `dst_dcp`) that need it, under `capability` (the coordinator's
+        unguessable token; one per puller when re-sharding: `pull_key`). Returns the address.
+        The export server binds this node's IP (where the peers are), never 0.0.0.0.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
         from meshserve.kvstore.zmq_transport import KVExportServer
 
+        check(self.secret is not None, "rank", self.rank, "given the cluster secret before a KV hand-over")
         io = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
-            self._server = KVExportServer(address=f"tcp://{_reachable_host()}")
+            self._server = KVExportServer(self.secret, address=f"tcp://{_reachable_host()}")
         export = io.export(HandoverBlocks.from_wire(blocks))
-        request_id = export.header.request_id
         if (dst_tp, dst_dcp) == (self.tp, self.dcp):
-            keys = [request_id]  # decode rank r pulls from prefill rank r
+            keys = [capability]  # decode rank r pulls from prefill rank r
         else:
             src, dst = self._layout(self.tp, self.dcp), self._layout(dst_tp, dst_dcp)
-            keys = [pull_key(request_id, j) for j in pullers_of(self.rank, src, dst)]
+            keys = [pull_key(capability, j) for j in pullers_of(self.rank, src, dst)]
         frames = export.frames
         if fault == "checksum":
             frames = [f.clone() for f in frames]
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
-        for key in keys if fault != "withdraw" else []:
-            header = export.header if key == request_id else dataclasses.replace(export.header, request_id=key)
-            self._server.offer(KVExport(header, frames), ttl_s=OFFER_TTL_S)  # the driver's pin keeps the blocks
+        for key in keys if fault != "withdraw" else []:  # the driver's pin keeps the blocks
+            self._server.offer(KVExport(export.header, frames), capability=key, ttl_s=OFFER_TTL_S)
         return self._server.address
 
-    def kv_pull(self, request_id: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
+    def kv_pull(self, capability: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0, src_dcp: int = 1,
                 src_block_size: int | None = None, num_tokens: int = 0, src_positions: list[list[int]] | None = None,
                 dst_positions: list[list[int]] | None = None) -> dict[str, Any]:  # fmt: skip
-        """Pull this rank's share of the request's KV from the prefill ranks (`addresses`, by rank)
-        into `blocks` (reserved by the driver, per KV layer group, at table positions
+        """Pull this rank's share of the request's KV offered under `capability` from the prefill
+        ranks (`addresses`, by rank) into `blocks` (reserved by the driver, per KV layer group, at table positions
         `dst_positions`); from another (tp, dcp) layout, re-sharded (kvstore/reshard.py): the
         sender's tables held `src_positions` (logical blocks of `src_block_size` tokens) of
         `num_tokens` tokens.
@@ -150,15 +154,15 @@ class RankHost:
         io = self._kv(block_size, dcp_size, model_id)
         try:
             if (src_tp, src_dcp) == (self.tp, self.dcp):
-                pull_kv(io.into(blocks), addresses[self.rank], request_id, timeout_s=timeout_s)
+                pull_kv(io.into(blocks), addresses[self.rank], capability, secret=self.secret, timeout_s=timeout_s)
             else:
                 sender = _Sender(src_tp, src_dcp, src_block_size or block_size, src_positions or [], num_tokens)
-                self._pull_resharded(io, request_id, addresses, sender, blocks, dst_positions or [], timeout_s)
+                self._pull_resharded(io, capability, addresses, sender, blocks, dst_positions or [], timeout_s)
             return {"ok": True}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
-    def _pull_resharded(self, io: KVRankIO, request_id: str, addresses: list[str], sender: _Sender,
+    def _pull_resharded(self, io: KVRankIO, capability: str, addresses: list[str], sender: _Sender,
                         blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> None:
         """Pull every source `sources_of` names into a staging cache shaped like its shard (the
         sender's layout and blocks, in the sent order), then copy the tokens and heads we keep
@@ -181,7 +185,7 @@ class RankHost:
             stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender.block_size,
                              dcp_size=layout.dcp_size, retentions=io.retentions)
             pull_kv(stage.into([list(g.values()) for g in staged]), addresses[piece.src_rank],
-                    pull_key(request_id, self.rank), timeout_s=timeout_s)
+                    pull_key(capability, self.rank), secret=self.secret, timeout_s=timeout_s)
             for src_blocks, dst_blocks in zip(staged, ours):
                 moves = token_moves(sender.num_tokens, page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),
                                     src_blocks=src_blocks, dst_dcp=dst.dcp, dst_res=dst.residue(self.rank),
@@ -223,9 +227,9 @@ class _Sender:
     num_tokens: int
 
 
-def pull_key(request_id: str, dst_rank: int) -> str:
+def pull_key(capability: str, dst_rank: int) -> str:
     """The offer a re-sharding decode rank pulls (each prefill rank offers its shard once per puller)."""
-    return f"{request_id}>{dst_rank}"
+    return f"{capability}>{dst_rank}"
 
 
 def _page_size(caches) -> int:

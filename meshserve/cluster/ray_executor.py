@@ -118,7 +118,7 @@ class RayRanks:
         self.pg = None
         self._stopping = False
 
-    def launch(self, address: str) -> None:
+    def launch(self, address: str, auth) -> None:
         from meshserve.cluster.actors import WorkerActor
 
         bundle = rank_bundle(self.role, device=self.spec.device)
@@ -140,7 +140,8 @@ class RayRanks:
             actor = WorkerActor.options(scheduling_strategy=strategy, resources=_non_cpu(bundle),
                                         num_gpus=bundle.get("GPU", 0), **extra).remote(spec, rank)
             self.actors.append(actor)
-        self.serving = [actor.serve.remote(address) for actor in self.actors]
+        start = auth.to_msgpack()  # in the call's arguments (Ray's token-authenticated channel), not its env
+        self.serving = [actor.serve.remote(address, start) for actor in self.actors]
         log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)
 
     def check(self) -> None:
@@ -203,10 +204,10 @@ class RayExecutor(ChannelExecutor):
     """An executor for `config` (an EngineConfig) whose tp ranks are Ray actors."""
 
     def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
-                 worker_class: str | None = None) -> None:
+                 worker_class: str | None = None, secret=None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
-        super().__init__(RayRanks(spec, role=role, name=name), name=name)
+        super().__init__(RayRanks(spec, role=role, name=name), name=name, secret=secret)
 
     def check_health(self) -> list[dict[str, Any]]:
         return self.ranks.health()

@@ -35,9 +35,10 @@ _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 
 class KVTransferError(MeshserveError):
     """A KV hand-over was refused. `reason` is one of: layout, capacity, truncated, checksum,
-    bad_header, unknown_request, timeout. The receiver has freed everything it allocated."""
+    bad_header, unknown_request, timeout, auth (an answer's MAC did not verify). The receiver
+    has freed everything it allocated."""
 
-    REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout")
+    REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout", "auth")
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason

@@ -1,22 +1,29 @@
-"""KV hand-over over pyzmq, between processes or hosts: the receiver pulls.
+"""KV hand-over over pyzmq, between processes or hosts: the receiver pulls, by capability.
 
 Sender (prefill replica):
-    server = KVExportServer()                         # ROUTER socket, tcp://127.0.0.1 random port
-    server.offer(export, release=...)                 # hand (server.address, id) out
+    server = KVExportServer(secret)                   # ROUTER socket, tcp://127.0.0.1 random port
+    server.offer(export, capability=cap, release=...) # hand (server.address, cap) to the puller
     ... server.poll(timeout_ms) from the owner's own loop: serves pulls, lets go of sent exports
 Receiver (decode replica):
-    blocks = pull_kv(target, address, request_id, timeout_s=30)   # or KVTransferError
+    blocks = pull_kv(target, address, cap, secret=secret, timeout_s=30)   # or KVTransferError
 target: an ImportTarget (rank_io.py): a KVConnector (driver and rank in one process) or a rank's
-`io.into(blocks)` (blocks the driver reserved).
+`io.into(blocks)` (blocks the driver reserved). cap: an unguessable token (`new_capability`)
+that the coordinator hands to the importing replica with the hand-over; an export is never
+found by its request id, and a capability is good for one pull.
 
-Messages: the receiver's DEALER sends msgpack {"op": "pull", "request_id": id}; the answer is
-[b"H", header] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}], then one
-message [b"F", bytes] per frame and a last [b"E"]. One message per frame (not one multipart
-message for all) lets the receiver copy and check frame i while frame i + 1 is on the wire; the
-end marker turns a short stream into a clear "truncated". Frames leave the sender without a copy
-(zmq reads the cache memory; the export stays pinned until zmq has let go of every frame) and,
-where the receiver's new blocks form one run, go from zmq's buffer straight into the receiving
-cache (`recv_into`).
+Messages, each with a last part `tag` (HMAC-SHA256 of the cluster secret, core/secret.py): the
+receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the answer is
+[b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
+then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. Answer tags cover
+the capability and the message's index, so answers cannot be replayed into another pull or
+reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
+dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
+A receiver that meets a bad answer tag refuses the transfer (reason "auth"; the prompt is
+recomputed). One message per frame (not one multipart message for all) lets the receiver copy
+and check frame i while frame i + 1 is on the wire; the end marker turns a short stream into a
+clear "truncated". Frames leave the sender without a copy (zmq reads the cache memory; the
+export stays pinned until zmq has let go of every frame) and, where the receiver's new blocks
+form one run, go from zmq's buffer straight into the receiving cache (`recv_into`).
 
 The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
 exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing needs locks.
@@ -24,12 +31,15 @@ exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing
 
 from __future__ import annotations
 
+import secrets
+import struct
 import time
 from collections.abc import Callable
 
 import msgpack
 import zmq
 
+from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
 from meshserve.kvstore.rank_io import ImportSession, ImportTarget, KVExport
 from meshserve.kvstore.wire import KVTransferError
@@ -38,13 +48,15 @@ Release = Callable[[KVExport], None]
 
 
 class KVExportServer:
-    """Serves offered exports to pulling receivers.
+    """Serves offered exports to pulling receivers that hold the cluster `secret`.
 
     address: a zmq endpoint; "tcp://HOST" without a port binds a random free port. The bound
-    endpoint is `self.address`.
+    endpoint is `self.address`. Bind it where the pullers are (the node IP), not 0.0.0.0.
     """
 
-    def __init__(self, *, address: str = "tcp://127.0.0.1", context: zmq.Context | None = None) -> None:
+    def __init__(self, secret: ClusterSecret, *, address: str = "tcp://127.0.0.1",
+                 context: zmq.Context | None = None) -> None:  # fmt: skip
+        self._secret = secret
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
@@ -54,17 +66,21 @@ class KVExportServer:
         else:
             self._sock.bind(address)
         self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._offers: dict[str | int, tuple[KVExport, float, Release | None]] = {}
+        self._offers: dict[str, tuple[KVExport, float, Release | None]] = {}  # by capability
+        self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
 
-    def offer(self, export: KVExport, *, ttl_s: float = 60.0, release: Release | None = None) -> str:
-        """Offer an export for one pull within `ttl_s`; returns the address to pull from.
-        release(export) is called once zmq has let go of its frames or the offer expired (e.g.
-        KVConnector.release, which drops the pin); without it the owner keeps the blocks alive."""
+    def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
+              release: Release | None = None) -> str:  # fmt: skip
+        """Offer an export for one pull by `capability` within `ttl_s`; returns the address to
+        pull from. release(export) is called once zmq has let go of its frames or the offer
+        expired (e.g. KVConnector.release, which drops the pin); without it the owner keeps the
+        blocks alive."""
         check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
-        rid = export.header.request_id
-        check(rid not in self._offers, "request_id", rid, "an id not already on offer")
-        self._offers[rid] = (export, time.monotonic() + ttl_s, release)
+        check(isinstance(capability, str) and len(capability) >= MIN_CAPABILITY_CHARS, "capability",
+              "<hidden>", f"an unguessable token of at least {MIN_CAPABILITY_CHARS} characters (new_capability())")
+        check(capability not in self._offers, "capability", "<hidden>", "a capability not already on offer")
+        self._offers[capability] = (export, time.monotonic() + ttl_s, release)
         return self.address
 
     @property
@@ -79,39 +95,46 @@ class KVExportServer:
         if self._sock.poll(timeout_ms, zmq.POLLIN):
             while True:
                 try:
-                    ident, body = self._sock.recv_multipart(zmq.NOBLOCK)[:2]
-                except (zmq.Again, ValueError):
+                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
                     break
-                self._answer(ident, body)
+                if len(parts) != 3 or not self._secret.verify(parts[2], _PULL, parts[1]):
+                    self.rejected.add("malformed" if len(parts) != 3 else "bad tag")
+                    continue
+                self._answer(parts[0], parts[1])
                 served += 1
         self._reap()
         return served
 
     def _answer(self, ident: bytes, body: bytes) -> None:
         try:
-            req = msgpack.unpackb(body, raw=False)
-            rid = req["request_id"]
-            offer = self._offers.pop(rid, None)
+            cap = msgpack.unpackb(body, raw=False)["capability"]
+            offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
-            self._send_error(ident, "bad_header", "the pull request is not a msgpack map with a request_id")
+            self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
             return
-        if offer is None:
-            self._send_error(ident, "unknown_request", f"request {rid!r} is not on offer at {self.address}")
+        cap = str(cap).encode()
+        if offer is None:  # the capability is not echoed: the asker knows it
+            self._send_error(ident, cap, "unknown_request", f"nothing on offer for that capability at {self.address}")
             return
         export, _, release = offer
-        sock = self._sock
-        sock.send_multipart([ident, _HEADER, export.header_bytes])
+        sock, sign = self._sock, self._secret.sign
+        sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
+                                                                        export.header_bytes)])
         trackers = []
-        for tensor in export.frames:
+        for i, tensor in enumerate(export.frames, 1):
             host = tensor if tensor.device.type == "cpu" else tensor.cpu()
-            frame = zmq.Frame(host.numpy(), copy=False, track=True)
-            sock.send_multipart([ident, _FRAME, frame], copy=False)
+            data = host.numpy()
+            frame = zmq.Frame(data, copy=False, track=True)
+            sock.send_multipart([ident, _FRAME, frame, sign(_ANSWER, cap, _index(i), _FRAME, data)], copy=False)
             trackers.append(frame.tracker)
-        sock.send_multipart([ident, _END])
+        end = len(export.frames) + 1
+        sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
         self._sending.append((export, trackers, release))
 
-    def _send_error(self, ident: bytes, reason: str, message: str) -> None:
-        self._sock.send_multipart([ident, _ERROR, msgpack.packb({"error": reason, "message": message})])
+    def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
+        body = msgpack.packb({"error": reason, "message": message})
+        self._sock.send_multipart([ident, _ERROR, body, self._secret.sign(_ANSWER, cap, _index(0), _ERROR, body)])
 
     def _reap(self) -> None:
         still = []
@@ -143,15 +166,21 @@ def _let_go(export: KVExport, release: Release | None) -> None:
         release(export)
 
 
+def new_capability() -> str:
+    """An unguessable name for one offer (256 random bits)."""
+    return secrets.token_urlsafe(32)
+
+
 def pull_kv(
     target: ImportTarget,
     address: str,
-    request_id: str | int,
+    capability: str,
     *,
+    secret: ClusterSecret,
     timeout_s: float = 30.0,
     context: zmq.Context | None = None,
 ) -> tuple[list[int], ...]:
-    """Pull a request's KV from a KVExportServer into `target`'s blocks.
+    """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
     Returns the blocks, per group (with a KVConnector the request now holds them in its
     manager); raises KVTransferError when refused, after the target let go of its blocks.
@@ -162,47 +191,91 @@ def pull_kv(
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
     deadline = time.monotonic() + timeout_s
+    answers = _Answers(sock, secret, capability, deadline, address)
     try:
-        sock.send(msgpack.packb({"op": "pull", "request_id": request_id}))
-        tag = _next_tag(sock, deadline, address, request_id)
+        body = msgpack.packb({"op": "pull", "capability": capability})
+        sock.send_multipart([body, secret.sign(_PULL, body)])
+        tag = answers.next_tag()
         if tag == _ERROR:
-            _raise_error(sock.recv())
-        if tag != _HEADER or not sock.getsockopt(zmq.RCVMORE):
+            _raise_error(answers.part(tag))
+        if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
-        with target.begin_import(sock.recv()) as session:
+        with target.begin_import(answers.part(tag)) as session:
             for i in range(session.num_frames):
-                tag = _next_tag(sock, deadline, address, request_id)
-                if tag != _FRAME or not sock.getsockopt(zmq.RCVMORE):
+                tag = answers.next_tag()
+                if tag != _FRAME:
                     raise KVTransferError("truncated", f"{i} of {session.num_frames} frames arrived")
-                _receive_frame(sock, session, i)
-            if _next_tag(sock, deadline, address, request_id) != _END:
+                _receive_frame(answers, session, i)
+            tag = answers.next_tag()
+            if tag != _END:
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
+            answers.part(tag)
             return session.finish()
     finally:
         sock.close(linger=0)
 
 
+MIN_CAPABILITY_CHARS = 16
 _HEADER, _ERROR, _FRAME, _END = b"H", b"X", b"F", b"E"
+_PULL, _ANSWER = b"kv-pull", b"kv-answer"
 
 
-def _next_tag(sock: zmq.Socket, deadline: float, address: str, request_id: str | int) -> bytes:
-    """The tag part of the next message, waiting until the deadline at most."""
-    if not sock.poll(max(0, int((deadline - time.monotonic()) * 1000)), zmq.POLLIN):
-        raise KVTransferError("timeout", f"no complete answer from {address} for {request_id!r} in time")
-    return sock.recv()
+def _index(i: int) -> bytes:
+    return struct.pack("<Q", i)
 
 
-def _receive_frame(sock: zmq.Socket, session: ImportSession, index: int) -> None:
+class _Answers:
+    """The receiver's view of one pull's answers: each message's tag, payload and MAC, in order."""
+
+    def __init__(self, sock: zmq.Socket, secret: ClusterSecret, capability: str, deadline: float,
+                 address: str) -> None:  # fmt: skip
+        self.sock, self.secret, self.cap = sock, secret, capability.encode()
+        self.deadline, self.address = deadline, address
+        self.index = 0
+
+    def next_tag(self) -> bytes:
+        """The tag part of the next message, waiting until the deadline at most."""
+        if not self.sock.poll(max(0, int((self.deadline - time.monotonic()) * 1000)), zmq.POLLIN):
+            raise KVTransferError("timeout", f"no complete answer from {self.address} in time")
+        tag = self.sock.recv()
+        if not self.sock.getsockopt(zmq.RCVMORE):
+            raise KVTransferError("bad_header", f"a {tag!r} message without its payload and MAC")
+        return tag
+
+    def verify(self, tag: bytes, payload) -> None:
+        """Check the message's MAC (its last part) over `payload`; refuse the transfer if wrong."""
+        mac = self.sock.recv() if self.sock.getsockopt(zmq.RCVMORE) else b""
+        ok = self.secret.verify(mac, _ANSWER, self.cap, _index(self.index), tag, payload)
+        self.index += 1
+        if not ok:
+            raise KVTransferError("auth", f"answer {self.index - 1} from {self.address} fails authentication")
+
+    def part(self, tag: bytes) -> bytes:
+        """The payload of a message whose tag was read, verified."""
+        payload = self.sock.recv()
+        self.verify(tag, payload)
+        return payload
+
+
+def _receive_frame(answers: _Answers, session: ImportSession, index: int) -> None:
+    sock = answers.sock
     dst = session.destination(index)
     expected = session.frame_nbytes[index]
-    if dst is not None and dst.device.type == "cpu":
-        nbytes = sock.recv_into(dst.numpy())
-        if nbytes != expected:
-            session.abort()
-            raise KVTransferError("truncated", f"frame {index} has {nbytes} bytes, expected {expected}")
-        session.accept(index)
-    else:
-        session.accept(index, sock.recv(copy=False).buffer)
+    try:
+        if dst is not None and dst.device.type == "cpu":
+            view = dst.numpy()
+            nbytes = sock.recv_into(view)
+            if nbytes != expected:
+                raise KVTransferError("truncated", f"frame {index} has {nbytes} bytes, expected {expected}")
+            answers.verify(_FRAME, view)
+            session.accept(index)
+        else:
+            data = sock.recv(copy=False).buffer
+            answers.verify(_FRAME, data)
+            session.accept(index, data)
+    except KVTransferError:
+        session.abort()
+        raise
 
 
 def _raise_error(body: bytes) -> None:

@@ -1,7 +1,9 @@
 """The other process of the KV hand-over tests (run with `python -m tests.integration.kv_handover_peer`).
 
-zmq:  serve a sender replica's exports (some of them broken on purpose) until stdin closes, then
-      print a JSON line with what is still pinned.
+zmq:  serve a sender replica's exports (some of them broken on purpose; the cluster secret from
+      MESHSERVE_CLUSTER_SECRET, each export under a fresh capability, printed with the address)
+      until stdin closes, then print a JSON line with what is still pinned and how many pulls
+      were dropped for failing authentication.
 dist: one rank of a gloo pair; rank 1 sends exports, rank 0 receives them and prints results.
 Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
 """
@@ -43,16 +45,20 @@ def broken(export: KVExport, how: str) -> KVExport:
 
 
 def serve_zmq() -> None:
-    from meshserve.kvstore.zmq_transport import KVExportServer
+    from meshserve.core.secret import ClusterSecret
+    from meshserve.kvstore.zmq_transport import KVExportServer, new_capability
 
     rep = sender_replica()
-    server = KVExportServer()
+    server = KVExportServer(ClusterSecret.resolve())
+    capabilities = {}
     for rid in ("ok", "layout", "capacity", "truncated", "checksum"):
         export = rep.connector.export(rid, max_frame_bytes=4096)
-        server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export, release=rep.connector.release)
+        capabilities[rid] = new_capability()
+        server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export,
+                     capability=capabilities[rid], release=rep.connector.release)
     for rid in rep.kv.request_ids():
         rep.kv.free(rid)  # the exports keep what they need
-    print(json.dumps({"address": server.address}), flush=True)
+    print(json.dumps({"address": server.address, "capabilities": capabilities}), flush=True)
     while True:
         server.poll(50)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
@@ -62,7 +68,8 @@ def serve_zmq() -> None:
             break
         server.poll(10)
     pinned = rep.kv.num_total_blocks - rep.kv.num_free_blocks
-    print(json.dumps({"pending": server.num_pending, "pinned_blocks": pinned}), flush=True)
+    print(json.dumps({"pending": server.num_pending, "pinned_blocks": pinned, "rejected": server.rejected.count}),
+          flush=True)
     server.close()
 
 

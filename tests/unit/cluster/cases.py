@@ -32,6 +32,29 @@ def engine_config(model_dir, **scheduler) -> EngineConfig:
     )
 
 
+def serve(config, body):
+    """Start a Coordinator on `config`, run `body(coordinator)`, shut it down; returns body's result."""
+    from meshserve.cluster.coordinator import Coordinator
+
+    async def main():
+        coord = await Coordinator(config).start()
+        try:
+            return await body(coord)
+        finally:
+            await coord.shutdown(drain=False)
+    return asyncio.run(main())
+
+
+def threads(model_dir, mode="unified", **kw):
+    """A ClusterConfig with ranks on threads; `scheduler` (a dict) and PoolConfig fields as keywords."""
+    from meshserve.cluster.coordinator import ClusterConfig
+    from meshserve.config import PoolConfig
+
+    sched = kw.pop("scheduler", {})
+    return ClusterConfig(engine=engine_config(model_dir, **sched), pools=PoolConfig(mode=mode, **kw),
+                         runtime="threads")
+
+
 def mixed_requests() -> list[tuple[str, object, SamplingParams]]:
     """(request id, prompt, params) x 20."""
     greedy = dict(temperature=0, ignore_eos=True)

@@ -10,7 +10,6 @@ import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
-from meshserve.config import PoolConfig
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
@@ -19,11 +18,12 @@ from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
     collect,
-    engine_config,
     holds_no_blocks,
     mixed_requests,
     reference,
     run_all,
+    serve,
+    threads,
     wait_for_events,
     wait_until,
 )
@@ -41,22 +41,6 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def want(ckpt):
     return reference(ckpt, mixed_requests())
-
-
-def serve(config: ClusterConfig, body):
-    """Start a coordinator, run `body(coordinator)`, shut it down; returns body's result."""
-    async def main():
-        coord = await Coordinator(config).start()
-        try:
-            return await body(coord)
-        finally:
-            await coord.shutdown(drain=False)
-    return asyncio.run(main())
-
-
-def threads(ckpt, mode="unified", **kw) -> ClusterConfig:
-    sched = kw.pop("scheduler", {})
-    return ClusterConfig(engine=engine_config(ckpt, **sched), pools=PoolConfig(mode=mode, **kw), runtime="threads")
 
 
 def test_unified_two_replicas_match_the_single_process_engine(ckpt, want):
