@@ -31,6 +31,7 @@ args=(serve
   --host 0.0.0.0
   --port "${MESHSERVE_PORT}"
   --metrics-port "${MESHSERVE_METRICS_PORT}"
+  --metrics-host 0.0.0.0
   --ray-address "${POD_IP}:${RAY_PORT}"
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"
