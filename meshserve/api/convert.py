@@ -178,14 +178,31 @@ def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None)
     return out
 
 
-def embed_inputs_of(request: pb.EmbedRequest) -> list[str | list[int]]:
-    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges)."""
+def embed_inputs_of(request: pb.EmbedRequest, *, card: ModelCard, limits: ApiLimits) -> list[str | list[int]]:
+    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges), texts
+    within the character cap (see capped_embed_inputs)."""
     check(len(request.inputs) >= 1, "inputs", [], "at least one input (text or token_ids)")
     out: list[str | list[int]] = []
     for i, item in enumerate(request.inputs):
         which = item.WhichOneof("input")
         check(which is not None, f"inputs[{i}]", None, "set: one of text or token_ids")
         out.append(item.text if which == "text" else list(item.token_ids.ids))
+    return capped_embed_inputs(out, card=card, limits=limits, field="inputs", truncate=request.truncate)
+
+
+def capped_embed_inputs(inputs: Sequence[str | list[int]], *, card: ModelCard, limits: ApiLimits, field: str,
+                        truncate: bool) -> list[str | list[int]]:
+    """Embedding inputs within the character cap, before any is tokenized: a longer text is
+    refused, or with `truncate` cut to the cap (it still holds more than max_model_len tokens,
+    which the embedder then cuts exactly)."""
+    limit = card.max_model_len * limits.max_chars_per_token
+    out = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, str) and len(x) > limit:
+            if not truncate:
+                check_text_size(x, max_model_len=card.max_model_len, limits=limits, field=f"{field}[{i}]")
+            x = x[:limit]
+        out.append(x)
     return out
 
 

@@ -145,8 +145,8 @@ class InferenceServicer:
     async def Embed(self, request: pb.EmbedRequest | Malformed, context) -> pb.EmbedResponse:
         """Every input checked, then one call to the service (it runs the model off the loop)."""
         try:
-            self._model(self._parsed(request).model)
-            inputs = convert.embed_inputs_of(request)
+            card = self._model(self._parsed(request).model)
+            inputs = convert.embed_inputs_of(request, card=card, limits=self.limits)
             return convert.embed_response_of(await self.service.embed(inputs, truncate=request.truncate))
         except MeshserveError as exc:
             await self._fail(context, exc)

@@ -238,7 +238,8 @@ class OpenAIFrontend:
         card = convert.find_model(self.service.models(), body.model)
         check(card.task == "embed", "model", card.name,
               f"an embed model for /v1/embeddings; this model's task is {card.task!r} (use /v1/completions)")
-        inputs = body.inputs()
+        inputs = convert.capped_embed_inputs(body.inputs(), card=card, limits=self.limits, field="input",
+                                             truncate=False)
         try:
             outputs = await until_disconnect(request, self.service.embed(inputs))
         except ClientGone:
