@@ -138,7 +138,8 @@ def main() -> None:
               f"{r['median_gap_s'] * 1e3:.0f} ms | {', '.join(r['codes'])} |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prompt_flood.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
+    summary = [{k: v for k, v in r.items() if k != "gaps"} for r in results]  # every gap is in the PNG
+    (out / "prompt_flood.json").write_text(json.dumps({"args": vars(args), "results": summary}, indent=1))
     plot(results, out / "prompt_flood.png")
 
 
