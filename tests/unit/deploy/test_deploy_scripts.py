@@ -93,7 +93,8 @@ def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
                      "--attention-backend", "FLASHINFER", "--block-size", "16", "--max-model-len", "131072",
                      "--max-queue", "4096", "--tls-cert", "/etc/meshserve/tls/tls.crt",
                      "--tls-key", "/etc/meshserve/tls/tls.key",
-                     "--auth-token-file", "/etc/meshserve/auth/token"]
+                     "--auth-token-file", "/etc/meshserve/auth/token",
+                     "--metrics-token-file", "/etc/meshserve/metrics-auth/token"]
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == "secret-from-meshserve-ray-token"
 
 
