@@ -105,7 +105,7 @@ class InferenceServicer:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
-            if isinstance(exc, ConfigError) and exc.field == "request_id" and exc.value == scoped:
+            if scoped is not None and isinstance(exc, ConfigError) and (exc.field, exc.value) == ("request_id", scoped):
                 exc = ConfigError("request_id", request_id, exc.allowed)  # the caller's id, not the scoped one
             code, message = status_of(exc)
             await context.abort(code, message)
