@@ -176,6 +176,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int = 9400
+    metrics_host: str = field(default="127.0.0.1", metadata={"help": "bind address of the Prometheus endpoint"})
+    metrics_token_file: str | None = field(default=None, metadata={
+        "help": "file whose first line is the bearer token a scrape must send (default: metrics open)"})
     tls_cert: str | None = None
     tls_key: str | None = None
     auth_token_file: str | None = None
@@ -190,7 +193,7 @@ class ServerConfig:
             check(isinstance(value, int) and 0 <= value <= 65535, name, value, "an integer in [0, 65535]")
         check((self.tls_cert is None) == (self.tls_key is None), "tls_key", self.tls_key,
               "set together with tls_cert (both or neither)")
-        for name in ("tls_cert", "tls_key", "auth_token_file", "chat_template"):
+        for name in ("tls_cert", "tls_key", "auth_token_file", "metrics_token_file", "chat_template"):
             path = getattr(self, name)
             if path is not None:
                 check(Path(path).is_file(), name, path, "an existing readable file")

@@ -22,7 +22,7 @@ from meshserve.errors import ConfigError, NotFoundError, check
 from meshserve.v1 import inference_pb2 as pb
 
 # Texts longer than this are tokenized in a thread so that the event loop keeps serving.
-_INLINE_TOKENIZE_CHARS = 1 << 16
+_INLINE_TOKENIZE_CHARS = 1 << 12
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -39,6 +39,10 @@ class ApiLimits:
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 64
     max_request_id_chars: int = 128
+    # A text longer than max_model_len * this many characters cannot fit the context whatever
+    # the tokenizer does (no real vocabulary averages 32 characters a token): it is refused
+    # before tokenizing, so that a huge prompt costs neither tokenizer time nor memory.
+    max_chars_per_token: int = 32
 
     def to_proto(self, *, max_message_bytes: int, max_queue: int) -> pb.Limits:
         return pb.Limits(max_message_bytes=max_message_bytes, max_queue=max_queue,
@@ -83,8 +87,22 @@ def find_model(models: Sequence[ModelCard], name: str) -> ModelCard:
     raise NotFoundError(f"model={name!r} is not served here; models: {[c.name for c in models]}")
 
 
-async def tokenize(service: InferenceService, text: str) -> list[int]:
-    """The service's tokenization of `text`; long texts in a thread so that the event loop keeps serving."""
+def check_text_size(text: str, *, max_model_len: int, limits: ApiLimits, field: str) -> None:
+    """Refuse a text that cannot fit max_model_len tokens, by its length alone (before tokenizing)."""
+    limit = max_model_len * limits.max_chars_per_token
+    check(len(text) <= limit, field, f"<{len(text)} characters>",
+          f"at most {limit} characters (max_model_len={max_model_len} tokens x "
+          f"{limits.max_chars_per_token} characters per token)")
+
+
+async def tokenize(service: InferenceService, text: str, *, card: ModelCard, limits: ApiLimits,
+                   field: str) -> list[int]:
+    """The service's tokenization of `text`, for every front-end (gRPC and HTTP).
+
+    A text over the character cap (check_text_size) is refused before the tokenizer sees it;
+    texts over a few KiB are tokenized in a thread. The service's tokenizer releases the GIL
+    while it works (tokenizers' encode_batch), so the event loop keeps serving meanwhile."""
+    check_text_size(text, max_model_len=card.max_model_len, limits=limits, field=field)
     if len(text) <= _INLINE_TOKENIZE_CHARS:
         return service.tokenize(text)
     return await asyncio.to_thread(service.tokenize, text)
@@ -160,14 +178,31 @@ def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None)
     return out
 
 
-def embed_inputs_of(request: pb.EmbedRequest) -> list[str | list[int]]:
-    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges)."""
+def embed_inputs_of(request: pb.EmbedRequest, *, card: ModelCard, limits: ApiLimits) -> list[str | list[int]]:
+    """The inputs as texts or token-id lists (the embedder checks lengths and id ranges), texts
+    within the character cap (see capped_embed_inputs)."""
     check(len(request.inputs) >= 1, "inputs", [], "at least one input (text or token_ids)")
     out: list[str | list[int]] = []
     for i, item in enumerate(request.inputs):
         which = item.WhichOneof("input")
         check(which is not None, f"inputs[{i}]", None, "set: one of text or token_ids")
         out.append(item.text if which == "text" else list(item.token_ids.ids))
+    return capped_embed_inputs(out, card=card, limits=limits, field="inputs", truncate=request.truncate)
+
+
+def capped_embed_inputs(inputs: Sequence[str | list[int]], *, card: ModelCard, limits: ApiLimits, field: str,
+                        truncate: bool) -> list[str | list[int]]:
+    """Embedding inputs within the character cap, before any is tokenized: a longer text is
+    refused, or with `truncate` cut to the cap (it still holds more than max_model_len tokens,
+    which the embedder then cuts exactly)."""
+    limit = card.max_model_len * limits.max_chars_per_token
+    out = []
+    for i, x in enumerate(inputs):
+        if isinstance(x, str) and len(x) > limit:
+            if not truncate:
+                check_text_size(x, max_model_len=card.max_model_len, limits=limits, field=f"{field}[{i}]")
+            x = x[:limit]
+        out.append(x)
     return out
 
 

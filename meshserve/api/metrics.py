@@ -8,13 +8,18 @@ are listed in docs/api.md; `METRICS` below is that list, checked by a test.
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
+from meshserve.api.auth import bearer_of, is_known
 from meshserve.cluster.service import InferenceService
 
 PREFIX = "meshserve_"
@@ -128,9 +133,15 @@ class ServerMetrics:
     def timer(self) -> RequestTimer:
         return RequestTimer(self)
 
-    def serve_http(self, host: str, port: int) -> int:
-        """Serve /metrics on host:port (0 = a free port) in a daemon thread; returns the port."""
-        self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+    def serve_http(self, host: str, port: int, *, token: str | None = None) -> int:
+        """Serve /metrics on host:port (0 = a free port) in a daemon thread; returns the port.
+        With a token, a scrape without `Authorization: Bearer <token>` gets 401."""
+        app = make_wsgi_app(self.registry)
+        if token is not None:
+            app = _bearer_only(app, token)
+        server_class = _MetricsServer6 if ":" in host else ThreadingWSGIServer
+        self._http = make_server(host, port, app, server_class, handler_class=_QuietHandler)
+        threading.Thread(target=self._http.serve_forever, name="metrics-http", daemon=True).start()
         return self._http.server_port
 
     def stop_http(self) -> None:
@@ -138,3 +149,27 @@ class ServerMetrics:
             self._http.shutdown()
             self._http.server_close()
             self._http = None
+
+
+class _MetricsServer6(ThreadingWSGIServer):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # scrapes are not news
+        pass
+
+
+def _bearer_only(app, token: str):
+    """A WSGI app that answers 401 unless the request carries `Authorization: Bearer <token>`."""
+    expected = (token.encode(),)
+
+    def guarded(environ, start_response):
+        header = environ.get("HTTP_AUTHORIZATION")
+        if is_known(bearer_of([("authorization", header)] if header is not None else []), expected):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("Content-Type", "text/plain; charset=utf-8"),
+                                            ("WWW-Authenticate", "Bearer")])
+        return [b"missing or wrong bearer token: send the header 'Authorization: Bearer <token>'\n"]
+
+    return guarded

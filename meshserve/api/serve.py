@@ -83,11 +83,17 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
     s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any free port)")
+    s.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint, apart from --host (0.0.0.0 for every interface)")
+    s.add_argument("--metrics-token-file", default=None,
+                   help="file holding the bearer token a metrics scrape must send (default: no token)")
     s.add_argument("--http-host", default="127.0.0.1", help="address of the OpenAI-compatible HTTP API")
     s.add_argument("--http-port", type=int, default=8000, help="its port (0 = no HTTP API)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
     s.add_argument("--tls-key", default=None, help="PEM private key")
-    s.add_argument("--auth-token-file", default=None, help="file holding the bearer token clients must send")
+    s.add_argument("--auth-token-file", default=None,
+                   help="file of bearer tokens, one per line; a client must send one, and its request ids are "
+                        "its own")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message either way")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
@@ -123,7 +129,9 @@ def configs_of(args: argparse.Namespace):
     )
     pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address)
-    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, tls_cert=args.tls_cert,
+    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+                          metrics_host=args.metrics_host, metrics_token_file=args.metrics_token_file,
+                          tls_cert=args.tls_cert,
                           tls_key=args.tls_key, auth_token_file=args.auth_token_file,
                           max_message_bytes=args.max_message_bytes, http_host=args.http_host,
                           http_port=args.http_port, chat_template=args.chat_template)
@@ -212,7 +220,7 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     try:
         if server_config.http_port != 0:  # bound first: a busy port fails before gRPC starts
             http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
-                              metrics=server.metrics, token=server.token, chat_template=chat_template,
+                              metrics=server.metrics, tokens=server.tokens, chat_template=chat_template,
                               max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
                               tls_key=server_config.tls_key)
             await http.start()
@@ -223,8 +231,7 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
         await service.shutdown(drain=False)
         raise
     model = service.models()[0].name
-    announce(f"meshserve: serving {model} on {server.address}, metrics on "
-             f"http://{server_config.host}:{server.metrics_port}/metrics")
+    announce(f"meshserve: serving {model} on {server.address}, metrics on {server.metrics_url}")
     if http is not None:
         announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
     stop = asyncio.Event()

@@ -20,7 +20,7 @@ import logging
 import grpc
 from grpc_reflection.v1alpha import reflection
 
-from meshserve.api.auth import BearerTokenInterceptor, read_token, server_credentials
+from meshserve.api.auth import BearerTokenInterceptor, read_token, read_tokens, server_credentials
 from meshserve.api.convert import ApiLimits
 from meshserve.api.health import INFERENCE_SERVICE, HealthReporter
 from meshserve.api.metrics import ServerMetrics
@@ -41,12 +41,14 @@ class ApiServer:
                  limits: ApiLimits = ApiLimits(), metrics: bool = True, health_interval: float = 0.2) -> None:
         self.service = service
         self.config = config
-        self.token = read_token(config.auth_token_file) if config.auth_token_file else None
+        self.tokens = read_tokens(config.auth_token_file) if config.auth_token_file else ()
+        self.metrics_token = (read_token(config.metrics_token_file, field="metrics_token_file")
+                              if config.metrics_token_file else None)
         self.tls = config.tls_cert is not None
         self.metrics = ServerMetrics(service)
         self.servicer = InferenceServicer(service, metrics=self.metrics, limits=limits,
                                           max_message_bytes=config.max_message_bytes, max_queue=max_queue,
-                                          auth_required=self.token is not None, tls=self.tls)
+                                          auth_required=bool(self.tokens), tls=self.tls)
         self.health = HealthReporter(service, interval=health_interval)
         self._serve_metrics = metrics
         self._server: grpc.aio.Server | None = None
@@ -60,7 +62,7 @@ class ApiServer:
             ("grpc.max_send_message_length", cfg.max_message_bytes),
             ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
         ]
-        interceptors = [BearerTokenInterceptor(self.token)] if self.token is not None else []
+        interceptors = [BearerTokenInterceptor(self.tokens)] if self.tokens else []
         server = grpc.aio.server(options=options, interceptors=interceptors)
         server.add_generic_rpc_handlers([method_handlers(self.servicer)])
         from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -81,18 +83,24 @@ class ApiServer:
             raise ConfigError("port", cfg.port, f"a free port on {cfg.host}")
         if self._serve_metrics:  # before anything runs: a busy port leaves nothing to clean up
             try:
-                self.metrics_port = self.metrics.serve_http(cfg.host, cfg.metrics_port)
+                self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port,
+                                                            token=self.metrics_token)
             except OSError as exc:
-                raise ConfigError("metrics_port", cfg.metrics_port, f"a free port on {cfg.host} ({exc})") from None
+                raise ConfigError("metrics_port", cfg.metrics_port,
+                                  f"a free port on {cfg.metrics_host} ({exc})") from None
         await self.health.start()
         await server.start()
         self._server, self.port = server, port
-        log.info("serving %s on %s (tls=%s, auth=%s)", INFERENCE_SERVICE, _address(cfg.host, port), self.tls,
-                 self.token is not None)
+        log.info("serving %s on %s (tls=%s, auth=%s tokens)", INFERENCE_SERVICE, _address(cfg.host, port), self.tls,
+                 len(self.tokens))
 
     @property
     def address(self) -> str:
         return _address(self.config.host, self.port)
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{_address(self.config.metrics_host, self.metrics_port)}/metrics"
 
     async def stop(self, grace: float | None = 30.0) -> None:
         """Health NOT_SERVING, refuse new calls, give calls in flight `grace` seconds, then cancel."""

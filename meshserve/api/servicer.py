@@ -7,6 +7,11 @@ write one response per delta. When the client cancels, or its deadline passes, g
 this coroutine; closing the service's stream then aborts the request and frees its KV blocks
 at once. The handler writes with `context.write` (not by yielding) so that the closing happens
 here, deterministically, whatever gRPC was doing when the cancellation came.
+
+Request ids are the caller's: the service sees `<scope>:<id>`, where the scope is a digest of
+the caller's bearer token (auth.scope_of), so Abort finds only the caller's own requests
+(another caller's id is NOT_FOUND, as an unknown one) and a duplicate id is one of the
+caller's own running requests. Every method parses its body strictly (INVALID_ARGUMENT).
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from importlib.metadata import PackageNotFoundError, version
 import grpc
 
 from meshserve.api import convert
+from meshserve.api.auth import scope_of
 from meshserve.api.convert import ApiLimits, Malformed
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
@@ -48,8 +54,20 @@ class InferenceServicer:
     def _model(self, name: str) -> ModelCard:
         return convert.find_model(self.service.models(), name)
 
-    async def _tokenize(self, text: str) -> list[int]:
-        return await convert.tokenize(self.service, text)
+    async def _tokenize(self, text: str, card: ModelCard) -> list[int]:
+        return await convert.tokenize(self.service, text, card=card, limits=self.limits, field="text")
+
+    def _scoped(self, request_id: str, context: grpc.aio.ServicerContext) -> str:
+        """The service's id of the caller's `request_id` (see the module doc)."""
+        scope = scope_of(context.invocation_metadata(), auth_required=self._info["auth_required"])
+        return f"{scope}:{request_id}"
+
+    @staticmethod
+    def _parsed(request):
+        """The request, or INVALID_ARGUMENT for a body that did not parse."""
+        if isinstance(request, Malformed):
+            raise request.error()
+        return request
 
     @staticmethod
     async def _fail(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
@@ -61,16 +79,15 @@ class InferenceServicer:
     async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext) -> None:
         timer = self.metrics.timer()
         code, completed = grpc.StatusCode.OK, False
-        stream = None
+        stream = scoped = None
         try:
-            if isinstance(request, Malformed):
-                raise request.error()
-            card = self._model(request.model)
+            card = self._model(self._parsed(request).model)
             prompt = convert.prompt_of(request, card.vocab_size)
             params = convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
-            ids = await self._tokenize(prompt) if isinstance(prompt, str) else prompt
-            stream = self.service.generate(ids, params, request_id=request_id)
+            ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
+            scoped = self._scoped(request_id, context)
+            stream = self.service.generate(ids, params, request_id=scoped)
             num_tokens = 0
             async for delta in stream:
                 timer.tokens(len(delta.token_ids))
@@ -88,6 +105,8 @@ class InferenceServicer:
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
             raise
         except Exception as exc:
+            if scoped is not None and isinstance(exc, ConfigError) and (exc.field, exc.value) == ("request_id", scoped):
+                exc = ConfigError("request_id", request_id, exc.allowed)  # the caller's id, not the scoped one
             code, message = status_of(exc)
             await context.abort(code, message)
         finally:
@@ -100,25 +119,25 @@ class InferenceServicer:
 
     async def Tokenize(self, request: pb.TokenizeRequest | Malformed, context) -> pb.TokenizeResponse:
         try:
-            if isinstance(request, Malformed):
-                raise request.error()
-            self._model(request.model)
-            return pb.TokenizeResponse(token_ids=await self._tokenize(request.text))
+            card = self._model(self._parsed(request).model)
+            return pb.TokenizeResponse(token_ids=await self._tokenize(request.text, card))
         except MeshserveError as exc:
             await self._fail(context, exc)
 
-    async def ListModels(self, request, context) -> pb.ListModelsResponse:
-        return pb.ListModelsResponse(models=[convert.model_of(c) for c in self.service.models()])
+    async def ListModels(self, request: pb.ListModelsRequest | Malformed, context) -> pb.ListModelsResponse:
+        try:
+            self._parsed(request)
+            return pb.ListModelsResponse(models=[convert.model_of(c) for c in self.service.models()])
+        except MeshserveError as exc:
+            await self._fail(context, exc)
 
     async def Abort(self, request: pb.AbortRequest | Malformed, context) -> pb.AbortResponse:
         try:
-            if isinstance(request, Malformed):
-                raise request.error()
-            request_id = convert.request_id_of(request.request_id, self.limits)
+            request_id = convert.request_id_of(self._parsed(request).request_id, self.limits)
             if request_id == "":
                 raise ConfigError("request_id", "", "the id of a running request")
-            if not await self.service.abort(request_id):
-                raise NotFoundError(f"request_id={request_id!r} is not a running request")
+            if not await self.service.abort(self._scoped(request_id, context)):
+                raise NotFoundError(f"request_id={request_id!r} is not a running request of yours")
             return pb.AbortResponse()
         except MeshserveError as exc:
             await self._fail(context, exc)
@@ -126,15 +145,17 @@ class InferenceServicer:
     async def Embed(self, request: pb.EmbedRequest | Malformed, context) -> pb.EmbedResponse:
         """Every input checked, then one call to the service (it runs the model off the loop)."""
         try:
-            if isinstance(request, Malformed):
-                raise request.error()
-            self._model(request.model)
-            inputs = convert.embed_inputs_of(request)
+            card = self._model(self._parsed(request).model)
+            inputs = convert.embed_inputs_of(request, card=card, limits=self.limits)
             return convert.embed_response_of(await self.service.embed(inputs, truncate=request.truncate))
         except MeshserveError as exc:
             await self._fail(context, exc)
 
-    async def ServerInfo(self, request, context) -> pb.ServerInfoResponse:
+    async def ServerInfo(self, request: pb.ServerInfoRequest | Malformed, context) -> pb.ServerInfoResponse:
+        try:
+            self._parsed(request)
+        except MeshserveError as exc:
+            await self._fail(context, exc)  # raises: the call ends here
         health = self.service.health()
         info = self._info
         return pb.ServerInfoResponse(

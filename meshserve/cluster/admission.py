@@ -16,6 +16,7 @@ from meshserve.cluster.request import Request
 from meshserve.config import SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
+from meshserve.workers.checkpoint import encode_ids
 
 
 def check_prompt_length(num_tokens: int, *, max_model_len: int, scheduler: SchedulerConfig) -> None:
@@ -43,7 +44,7 @@ class RequestValidator:
         if isinstance(prompt, str):
             check(self.tokenizer is not None, "prompt", "text",
                   "token ids: the checkpoint has no tokenizer.json to encode text")
-            return prompt, self.tokenizer.encode(prompt).ids
+            return prompt, encode_ids(self.tokenizer, prompt)
         ids = [int(t) for t in prompt]
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         check(not bad, "prompt", bad[:5], f"token ids in [0, {self.vocab_size})")

@@ -48,7 +48,7 @@ from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
-from meshserve.workers.checkpoint import load_tokenizer
+from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.coordinator")
 
@@ -268,7 +268,7 @@ class Coordinator:
 
     def tokenize(self, text: str) -> list[int]:
         check(self.tokenizer is not None, "text", text[:20], "token ids: the model has no tokenizer.json")
-        return self.validator.encode(text)[1] if self.validator else self.tokenizer.encode(text).ids
+        return self.validator.encode(text)[1] if self.validator else encode_ids(self.tokenizer, text)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         check(self.tokenizer is not None, "token_ids", list(token_ids[:5]), "text: the model has no tokenizer")

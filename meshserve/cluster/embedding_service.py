@@ -18,6 +18,7 @@ from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, QueueFullError, UnavailableError, check
+from meshserve.workers.checkpoint import encode_ids
 from meshserve.workers.embedder import Embedder, EmbeddingOutput
 
 
@@ -46,7 +47,7 @@ class EmbeddingService:
 
     def tokenize(self, text: str) -> list[int]:
         check(self.embedder.tokenizer is not None, "text", "text", "token ids: the checkpoint has no tokenizer.json")
-        return self.embedder.tokenizer.encode(text).ids
+        return encode_ids(self.embedder.tokenizer, text)
 
     def detokenize(self, token_ids: Sequence[int]) -> str:
         check(self.embedder.tokenizer is not None, "token_ids", "ids", "text: the checkpoint has no tokenizer.json")

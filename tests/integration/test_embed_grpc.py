@@ -71,6 +71,16 @@ def test_length_limit_and_truncation(served):
     assert err.code() == INVALID and "inputs[1]" in err.details() and "max_model_len=512" in err.details()
     response = client.embed([too_long], truncate=True)
     assert response.embeddings[0].num_tokens == 512
+    # over 512 x 32 characters: refused before tokenizing, or cut to the cap with truncation; the
+    # first 512 tokens (and so the vector) are those of a text under the cap
+    huge = LONG * (512 * 32 // len(LONG) + 2)
+    assert len(too_long) < 512 * 32 < len(huge)
+    err = rpc_error(client.embed, ["fine", huge])
+    assert err.code() == INVALID and err.details().startswith("inputs[1]='<") and "at most 16384 characters" in \
+        err.details(), err.details()
+    cut = client.embed([huge], truncate=True)
+    assert cut.embeddings[0].num_tokens == 512
+    np.testing.assert_array_equal(values(cut), values(response))
     err = rpc_error(client.embed, [[101, 40000, 102]])
     assert err.code() == INVALID and "inputs[0]" in err.details()
     err = rpc_error(client.embed, [])

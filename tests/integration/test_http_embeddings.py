@@ -61,6 +61,9 @@ def test_refusals_name_the_field(served):
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="minilm", input=LONG * 40)  # past 512 tokens
     assert "512" in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:  # over 512 x 32 characters: refused before tokenizing
+        client.embeddings.create(model="minilm", input=["short", "x" * (512 * 32 + 1)])
+    assert info.value.body["param"] == "input[1]" and "at most 16384 characters" in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
         client.embeddings.create(model="minilm", input="hello", dimensions=128)
     assert info.value.body["param"] == "dimensions" and "384" in info.value.body["message"]

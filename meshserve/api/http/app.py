@@ -15,7 +15,6 @@ before the response starts (see streams.py).
 from __future__ import annotations
 
 import base64
-import hmac
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
@@ -24,6 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from meshserve.api import convert
+from meshserve.api.auth import is_known
 from meshserve.api.convert import ApiLimits
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
@@ -49,9 +49,9 @@ CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; nobo
 class _Guard:
     """ASGI middleware: the bearer token on /v1 routes (401), and the body size limit (413)."""
 
-    def __init__(self, app: ASGIApp, *, token: str | None, max_body_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, *, tokens: Sequence[str], max_body_bytes: int) -> None:
         self.app = app
-        self.expected = f"bearer {token}".encode() if token else None
+        self.expected = tuple(t.encode() for t in tokens) or None
         self.max_body_bytes = max_body_bytes
 
     def _authorized(self, scope: Scope) -> bool:
@@ -59,7 +59,7 @@ class _Guard:
         if len(given) != 1:
             return False
         scheme, _, token = given[0].partition(b" ")
-        return hmac.compare_digest(scheme.lower() + b" " + token.strip(), self.expected)
+        return scheme.lower() == b"bearer" and is_known(token.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -90,7 +90,7 @@ class OpenAIFrontend:
     """The routes, their service and settings. `app` is the ASGI application."""
 
     def __init__(self, service: InferenceService, *, metrics: ServerMetrics | None = None,
-                 limits: ApiLimits = ApiLimits(), token: str | None = None,
+                 limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
                  chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20) -> None:
         self.service = service
         self.metrics = metrics
@@ -104,7 +104,7 @@ class OpenAIFrontend:
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
-        self.app = _Guard(api, token=token, max_body_bytes=max_body_bytes)
+        self.app = _Guard(api, tokens=tokens, max_body_bytes=max_body_bytes)
 
     # -- small routes ------------------------------------------------------------------------------
 
@@ -134,8 +134,9 @@ class OpenAIFrontend:
               f"a generate model for this route; this model's task is {card.task!r} (use /v1/embeddings)")
         return card
 
-    async def _tokenize(self, text: str) -> list[int]:
-        return await convert.tokenize(self.service, text)
+    def _tokenizer(self, card: ModelCard, field: str):
+        """convert.tokenize for this model, the caps of `limits`, errors naming `field`."""
+        return lambda text: convert.tokenize(self.service, text, card=card, limits=self.limits, field=field)
 
     def _jobs(self, request_id: str, prompts: Sequence[list[int]], body, card: ModelCard, *,
               max_tokens: int | None, logprobs: int | None) -> list[Job]:
@@ -179,8 +180,9 @@ class OpenAIFrontend:
         body.check()
         card = self._generate_card(body.model)
         prompts = body.prompts()
-        ids = [await self._tokenize(p) if isinstance(p, str) else convert.token_ids_of(list(p), card.vocab_size,
-                                                                                      field="prompt")
+        tokenize = self._tokenizer(card, "prompt")
+        ids = [await tokenize(p) if isinstance(p, str) else convert.token_ids_of(list(p), card.vocab_size,
+                                                                                field="prompt")
                for p in prompts]
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs)
@@ -212,7 +214,7 @@ class OpenAIFrontend:
                               "--chat-template FILE, or use /v1/completions)")
         text = template.render([m.for_template() for m in body.messages],
                                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
-        ids = await template.prompt_ids(text, self._tokenize)
+        ids = await template.prompt_ids(text, self._tokenizer(card, "messages"))
         request_id = new_id("chatcmpl")
         jobs = self._jobs(request_id, [ids], body, card, max_tokens=body.requested_max_tokens,
                           logprobs=body.num_logprobs)
@@ -236,7 +238,8 @@ class OpenAIFrontend:
         card = convert.find_model(self.service.models(), body.model)
         check(card.task == "embed", "model", card.name,
               f"an embed model for /v1/embeddings; this model's task is {card.task!r} (use /v1/completions)")
-        inputs = body.inputs()
+        inputs = convert.capped_embed_inputs(body.inputs(), card=card, limits=self.limits, field="input",
+                                             truncate=False)
         try:
             outputs = await until_disconnect(request, self.service.embed(inputs))
         except ClientGone:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Sequence
 
 import uvicorn
 
@@ -40,10 +41,10 @@ def bind(host: str, port: int, *, field: str = "http_port") -> socket.socket:
 
 class HttpServer:
     def __init__(self, service: InferenceService, *, host: str = "127.0.0.1", port: int = 8000,
-                 metrics: ServerMetrics | None = None, limits: ApiLimits = ApiLimits(), token: str | None = None,
+                 metrics: ServerMetrics | None = None, limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
                  chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
                  tls_cert: str | None = None, tls_key: str | None = None) -> None:
-        self.frontend = OpenAIFrontend(service, metrics=metrics, limits=limits, token=token,
+        self.frontend = OpenAIFrontend(service, metrics=metrics, limits=limits, tokens=tokens,
                                        chat_template=chat_template, max_body_bytes=max_body_bytes)
         self.host = host
         self.requested_port = port

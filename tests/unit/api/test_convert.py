@@ -7,6 +7,7 @@ import pytest
 from meshserve.api.convert import (
     ApiLimits,
     Malformed,
+    check_text_size,
     lenient_parser,
     prompt_of,
     request_id_of,
@@ -98,3 +99,21 @@ def test_lenient_parser():
     assert isinstance(bad, Malformed) and "UTF-8" in bad.reason
     assert str(bad.error()).startswith("request='<meshserve.v1.GenerateRequest that does not parse>")
 
+
+
+def test_encode_ids_is_the_tokenizers_encoding():
+    """encode_ids (encode_batch, which releases the GIL) gives what Tokenizer.encode gives."""
+    from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.workers.checkpoint import encode_ids, load_tokenizer
+
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    for text in ("Hello, world!", "x" * 5000, "mixed ünïcode and\nnew lines  with  spaces"):
+        assert encode_ids(tokenizer, text) == tokenizer.encode(text).ids
+
+
+def test_text_size_cap_names_the_field_and_the_limit():
+    limits = ApiLimits(max_chars_per_token=4)
+    check_text_size("x" * 40, max_model_len=10, limits=limits, field="prompt")  # at the cap: allowed
+    with pytest.raises(ConfigError, match=r"^prompt='<41 characters>' is not allowed: at most 40 characters "
+                                          r"\(max_model_len=10 tokens x 4 characters per token\)$"):
+        check_text_size("x" * 41, max_model_len=10, limits=limits, field="prompt")

@@ -18,7 +18,8 @@ CONTRACT = ["serve", "--model", "/m", "--dtype", "bfloat16", "--tp", "8", "--dcp
             "--replicas", "3", "--prefill-replicas", "2", "--decode-replicas", "4", "--ray-address", "auto",
             "--host", "0.0.0.0", "--port", "1234", "--metrics-port", "5678", "--tls-cert", "c.pem", "--tls-key",
             "k.pem", "--auth-token-file", "t", "--max-queue", "99", "--http-host", "0.0.0.0", "--http-port", "8080",
-            "--chat-template", "chat.jinja", "--revision", "v2", "--log-format", "json"]
+            "--chat-template", "chat.jinja", "--revision", "v2", "--log-format", "json", "--metrics-host", "10.0.0.5",
+            "--metrics-token-file", "mt"]
 
 
 def test_every_contract_flag_parses():
@@ -31,6 +32,7 @@ def test_every_contract_flag_parses():
             args.max_queue) == ("0.0.0.0", 1234, 5678, "c.pem", "k.pem", "t", 99)
     assert (args.http_host, args.http_port, args.chat_template, args.revision, args.log_format) == (
         "0.0.0.0", 8080, "chat.jinja", "v2", "json")
+    assert (args.metrics_host, args.metrics_token_file) == ("10.0.0.5", "mt")
 
 
 def test_defaults_serve_the_demo_on_loopback():
@@ -38,6 +40,7 @@ def test_defaults_serve_the_demo_on_loopback():
     assert (args.model, args.host, args.port, args.metrics_port, args.pools, args.replicas) == (
         None, "127.0.0.1", 50051, 9400, PoolMode.UNIFIED.value, 1)
     assert (args.http_host, args.http_port, args.log_format) == ("127.0.0.1", 8000, None)
+    assert (args.metrics_host, args.metrics_token_file) == ("127.0.0.1", None)  # not --host: metrics stay local
     client = build_parser().parse_args(["client", "hello"])
     assert (client.address, client.prompt) == ("127.0.0.1:50051", "hello")
 

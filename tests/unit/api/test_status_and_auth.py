@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 import pytest
 
-from meshserve.api.auth import BearerTokenInterceptor, read_token
+from meshserve.api.auth import PUBLIC_SCOPE, BearerTokenInterceptor, read_token, read_tokens, scope_of
 from meshserve.api.status import status_of
 from meshserve.errors import (
     CapacityError,
@@ -38,16 +40,20 @@ def test_anything_else_is_internal_and_named():
 
 def test_token_file(tmp_path):
     path = tmp_path / "token"
-    path.write_text("  abc123  \nsecond line ignored\n")
-    assert read_token(path) == "abc123"
-    for bad in ("", "   \n", "two words\n"):
+    path.write_text("  abc123  \n")
+    assert read_token(path) == "abc123" and read_tokens(path) == ("abc123",)
+    path.write_text("# callers\n abc123\n\n  second-caller \n")  # one token a line; blank and # lines skipped
+    assert read_tokens(path) == ("abc123", "second-caller") and read_token(path) == "abc123"
+    for bad in ("", "   \n", "# only a comment\n", "two words\n", "ok\nsecond line with spaces\n"):
         path.write_text(bad)
         with pytest.raises(ConfigError, match="^auth_token_file="):
-            read_token(path)
+            read_tokens(path)
+    with pytest.raises(ConfigError, match="^metrics_token_file="):
+        read_token(path, field="metrics_token_file")
 
 
 def test_bearer_check():
-    check = BearerTokenInterceptor("abc").authorized
+    check = BearerTokenInterceptor(("abc",)).authorized
     assert check((("authorization", "Bearer abc"),))
     assert check((("x-other", "1"), ("authorization", b"Bearer abc")))
     assert check((("authorization", "bearer abc"),))  # the scheme is case-insensitive (RFC 7235)
@@ -55,3 +61,18 @@ def test_bearer_check():
                      (("authorization", "Bearer abc"), ("authorization", "Bearer abc")),
                      (("authorization", "Basic abc"),), (("authorization", "Bearer  abc"),)):
         assert not check(metadata), metadata
+
+
+def test_every_token_is_accepted_and_is_its_own_scope():
+    check = BearerTokenInterceptor(("abc", "xyz")).authorized
+    assert check((("authorization", "Bearer abc"),)) and check((("authorization", "Bearer xyz"),))
+    assert not check((("authorization", "Bearer abcxyz"),)) and not check((("authorization", "Bearer ab"),))
+    with pytest.raises(ConfigError, match="^tokens="):
+        BearerTokenInterceptor(())
+
+    def scope(token, auth=True):
+        return scope_of((("authorization", f"Bearer {token}"),), auth_required=auth)
+
+    assert scope("abc") == scope("abc") != scope("xyz")
+    assert scope("abc") == hashlib.sha256(b"abc").hexdigest()[:16]  # a digest: the token is not in the ids
+    assert scope("abc", auth=False) == scope("xyz", auth=False) == scope_of((), auth_required=False) == PUBLIC_SCOPE

@@ -140,6 +140,9 @@ def test_tls_switches_probes_to_the_tls_health_script(rendered):
                 "--token-file=/etc/meshserve/auth/token", "--port=50051"} <= set(cmd)
     mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
     assert mounts["tls"] == "/etc/meshserve/tls" and mounts["auth"] == "/etc/meshserve/auth"
+    assert mounts["metrics-auth"] == "/etc/meshserve/metrics-auth"
+    volumes = {v["name"]: v for v in head["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["metrics-auth"]["secret"]["secretName"] == "meshserve-metrics-token"
     assert _env(c)["RAY_AUTH_MODE"] == "token"
 
 
@@ -156,6 +159,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
         "MESHSERVE_REPLICAS": "2", "MESHSERVE_TLS_CERT": "/etc/meshserve/tls/tls.crt",
         "MESHSERVE_TLS_KEY": "/etc/meshserve/tls/tls.key",
         "MESHSERVE_AUTH_TOKEN_FILE": "/etc/meshserve/auth/token",
+        "MESHSERVE_METRICS_TOKEN_FILE": "/etc/meshserve/metrics-auth/token",
         "RAY_HEAD_HOST": "ms-meshserve-ray.llm.svc", "RAY_PORT": "6379",
     }
     assert {k: data[k] for k in expected} == expected
@@ -288,3 +292,12 @@ def test_chart_creates_the_ray_token_and_every_pod_joins_with_it():
     for owner, template in pod_templates(render({})):
         env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
         assert env["RAY_AUTH_MODE"]["value"] == "disabled" and "RAY_AUTH_TOKEN" not in env, owner
+
+
+def test_service_monitor_sends_the_metrics_token_when_metrics_want_one(rendered):
+    sm = one(rendered["gpu-tp8-dcp2"], "ServiceMonitor", "ms-meshserve")
+    assert sm["spec"]["endpoints"][0]["authorization"] == {
+        "type": "Bearer", "credentials": {"name": "meshserve-metrics-token", "key": "token"}}
+    open_metrics = one(rendered["kuberay"], "ServiceMonitor", "ms-meshserve")  # no metricsAuth: no token
+    assert "authorization" not in open_metrics["spec"]["endpoints"][0]
+    assert one(rendered["kuberay"], "ConfigMap", "ms-meshserve-config")["data"]["MESHSERVE_METRICS_TOKEN_FILE"] == ""

@@ -130,5 +130,7 @@ def test_sends_the_bearer_token(tmp_path, capsys):
         token = tmp_path / "token"
         token.write_text("s3cret\n")  # secrets often end in a newline
         assert healthcheck.main([f"--port={port}", f"--token-file={token}"]) == 0
+        token.write_text("# one token per caller\n\ns3cret\nother-caller\n")  # the server's multi-token file
+        assert healthcheck.main([f"--port={port}", f"--token-file={token}"]) == 0
     finally:
         server.stop(None)

@@ -31,6 +31,7 @@ args=(serve
   --host 0.0.0.0
   --port "${MESHSERVE_PORT}"
   --metrics-port "${MESHSERVE_METRICS_PORT}"
+  --metrics-host 0.0.0.0
   --ray-address "${POD_IP}:${RAY_PORT}"
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"
@@ -60,6 +61,7 @@ optional --max-queue "${MESHSERVE_MAX_QUEUE:-}"
 optional --tls-cert "${MESHSERVE_TLS_CERT:-}"
 optional --tls-key "${MESHSERVE_TLS_KEY:-}"
 optional --auth-token-file "${MESHSERVE_AUTH_TOKEN_FILE:-}"
+optional --metrics-token-file "${MESHSERVE_METRICS_TOKEN_FILE:-}"
 if [[ -n "${MESHSERVE_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<< "${MESHSERVE_EXTRA_ARGS}"
   args+=("${extra[@]}")

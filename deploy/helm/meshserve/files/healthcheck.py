@@ -53,7 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     metadata = None
     if args.token_file is not None:
-        metadata = [("authorization", f"Bearer {args.token_file.read_text().strip()}")]
+        # the file's first token: one per line, blank and # lines skipped (as the server reads it)
+        lines = [line.strip() for line in args.token_file.read_text().splitlines()]
+        token = next((line for line in lines if line and not line.startswith("#")), "")
+        metadata = [("authorization", f"Bearer {token}")]
     try:
         with open_channel(args) as channel:
             stub = health_pb2_grpc.HealthStub(channel)

@@ -204,6 +204,11 @@ containers:
         mountPath: /etc/meshserve/auth
         readOnly: true
       {{- end }}
+      {{- if $v.metricsAuth.existingSecret }}
+      - name: metrics-auth
+        mountPath: /etc/meshserve/metrics-auth
+        readOnly: true
+      {{- end }}
 volumes:
   {{- include "meshserve.commonVolumes" (dict "root" . "shm" $v.head.shmSize "scratch" $v.head.scratchSize) | nindent 2 }}
   {{- if $v.tls.existingSecret }}
@@ -219,6 +224,15 @@ volumes:
       defaultMode: 0440
       items:
         - key: {{ $v.auth.key }}
+          path: token
+  {{- end }}
+  {{- if $v.metricsAuth.existingSecret }}
+  - name: metrics-auth
+    secret:
+      secretName: {{ $v.metricsAuth.existingSecret }}
+      defaultMode: 0440
+      items:
+        - key: {{ $v.metricsAuth.key }}
           path: token
   {{- end }}
 {{- end -}}
