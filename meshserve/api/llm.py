@@ -195,7 +195,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--attention-backend", default=None, help="TORCH, TRITON, FLASHINFER (default: automatic)")
+    p.add_argument("--attention-backend", default=None, help="CPU_SDPA, TORCH, TRITON, FLASHINFER (default: automatic)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)

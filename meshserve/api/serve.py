@@ -53,7 +53,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for MoE models (divides tp and the number of experts)")
-    m.add_argument("--attention-backend", default=None, help="TORCH, TRITON or FLASHINFER (default: automatic)")
+    m.add_argument("--attention-backend", default=None,
+                   help="CPU_SDPA, TORCH, TRITON or FLASHINFER (default: automatic; `meshserve backends` says why)")
     m.add_argument("--block-size", type=int, default=None,
                    help="KV block size in tokens, a power of two (default 16; embedding models: the naive layout)")
     m.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
