@@ -89,7 +89,7 @@ def test_a_unified_service_exports_no_hand_over_series(ckpt):
     assert not any(name.startswith("meshserve_kv_") and "cache" not in name for name, _ in s), sorted(s)
 
 
-def test_no_free_blocks_is_its_own_reason():
+def test_handover_stats_buckets_reasons_and_retired_totals():
     from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 
     h = HandoverStats()
