@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.registry import Collector
 
 from meshserve.api.auth import bearer_of, is_known
-from meshserve.cluster.service import InferenceService
+from meshserve.cluster.service import InferenceService, ServiceStats
 
 PREFIX = "meshserve_"
 METRICS = {
@@ -37,6 +37,16 @@ METRICS = {
     "meshserve_replicas": "gauge: replicas configured",
     "meshserve_moe_expert_tokens": "gauge: rows routed to each expert since its replica started (labels layer, "
                                    "expert; MoE models)",
+    "meshserve_kv_handovers_total": "counter: KV hand-overs: on a prefill replica the requests it handed over, on a "
+                                    "decode replica those it adopted (labels pool, replica; disaggregated pools)",
+    "meshserve_kv_imported_bytes_total": "counter: KV cache bytes a decode replica's ranks pulled, imports that "
+                                         "succeeded (labels pool, replica; disaggregated pools)",
+    "meshserve_kv_transfer_seconds": "histogram: one request's KV pull on the importing replica, imports that "
+                                     "succeeded (labels pool, replica; disaggregated pools)",
+    "meshserve_kv_recomputes_total": "counter: adopted requests whose prompt was recomputed instead of imported "
+                                     "(labels pool, replica, reason; disaggregated pools)",
+    "meshserve_kv_transport_info": "gauge: 1 for the KV transport between the pools (label transport; "
+                                   "disaggregated pools)",
     "meshserve_requests_total": "counter: finished Generate calls by gRPC status code (label code)",
     "meshserve_time_to_first_token_seconds": "histogram: arrival to first token",
     "meshserve_time_per_output_token_seconds": "histogram: (last token - first token) / (tokens - 1), per request",
@@ -83,6 +93,36 @@ class _ServiceCollector(Collector):
                 for expert, rows in enumerate(row):
                     experts.add_metric([str(layer), str(expert)], rows)
             yield experts
+        if s.kv_transport:
+            transport = GaugeMetricFamily("meshserve_kv_transport_info", doc["meshserve_kv_transport_info"],
+                                          labels=["transport"])
+            transport.add_metric([s.kv_transport], 1)
+            yield transport
+        yield from _handover_families(s, doc)
+
+
+def _handover_families(s: ServiceStats, doc: dict[str, str]) -> Iterator:
+    """Per pool and replica: hand-overs, bytes, pull seconds, recomputes by reason."""
+    if not s.handovers:
+        return
+    labels = ["pool", "replica"]
+    handovers = CounterMetricFamily("meshserve_kv_handovers", doc["meshserve_kv_handovers_total"], labels=labels)
+    imported = CounterMetricFamily("meshserve_kv_imported_bytes", doc["meshserve_kv_imported_bytes_total"],
+                                   labels=labels)
+    seconds = HistogramMetricFamily("meshserve_kv_transfer_seconds", doc["meshserve_kv_transfer_seconds"],
+                                    labels=labels)
+    recomputes = CounterMetricFamily("meshserve_kv_recomputes", doc["meshserve_kv_recomputes_total"],
+                                     labels=[*labels, "reason"])
+    for row in s.handovers:
+        key, h = [row.pool, row.replica], row.stats
+        handovers.add_metric(key, h.handovers)
+        if row.pool == "prefill":
+            continue  # the importing end has the rest
+        imported.add_metric(key, h.kv_bytes)
+        seconds.add_metric(key, h.cumulative_buckets(), h.transfer_seconds)
+        for reason, n in h.recomputes.items():
+            recomputes.add_metric([*key, reason], n)
+    yield from (handovers, imported, seconds, recomputes)
 
 
 class RequestTimer:

@@ -38,6 +38,7 @@ from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import sum_expert_load
 from meshserve.cluster.handover import Handoff
+from meshserve.cluster.handover_stats import KV_TRANSPORT, HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
@@ -169,6 +170,8 @@ class Coordinator:
                                           max_model_len=info.max_model_len, scheduler=cfg.engine.scheduler)
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
+        if self.disaggregated:
+            log.info("KV hand-over transport: %s", KV_TRANSPORT)
         return self
 
     async def __aenter__(self) -> Coordinator:
@@ -338,7 +341,9 @@ class Coordinator:
             prompt_tokens=sum(s.prompt_tokens for s in rows if s.role != "decode"),
             num_preemptions=sum(s.num_preemptions for s in rows),
             generated_tokens=sum(s.generated_tokens for s in rows),
-            expert_tokens=sum_expert_load([s.expert_tokens for s in rows]))
+            expert_tokens=sum_expert_load([s.expert_tokens for s in rows]),
+            handovers=[HandoverRow(s.role, s.name, s.handover) for s in rows] if self.disaggregated else [],
+            kv_transport=KV_TRANSPORT if self.disaggregated else "")
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:

@@ -11,7 +11,9 @@ with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
 kvstore/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
 the two pools' blocks cover different token counts, i.e. their dcp differs) and continues from
 the first token. If anything about the transfer fails it returns 0 and the prompt is recomputed.
-Either way the prefill replica is then told to release its pin (`release_sources`).
+Either way the prefill replica is then told to release its pin (`release_sources`). Each end
+counts what happened in its `handover` totals (handover_stats.py: hand-overs, bytes, pull
+seconds, recomputes by reason), which the metrics export per pool and replica.
 
 Functions of either end (`HandoverEnd`: what they use of a replica), kept apart so replica.py
 stays the replica's life cycle and loop; replica.py imports this module, never the reverse.
@@ -20,10 +22,12 @@ stays the replica's life cycle and loop; replica.py imports this module, never t
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from meshserve.cluster.executor import Executor, RankError
+from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Ticket
 from meshserve.kvstore.pins import HandoverBlocks, KVPins
@@ -51,6 +55,7 @@ class HandoverEnd(Protocol):
     core: EngineCore
     pins: KVPins  # the driver side of hand-overs, over core.kv
     executor: Executor
+    handover: HandoverStats  # this end's totals
 
     def release(self, pin_id: tuple) -> None:
         """(Prefill end) the decode end is done with the offer pinned as `pin_id`."""
@@ -94,6 +99,7 @@ def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
             "model_id": self.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
             "fault": self.faults.pop(0) if self.faults else None}
     offer, reason = None, ""
+    self.handover.handovers += 1
     try:
         addresses = self.executor.call("kv_offer", [args] * self.world)
         offer = KVOffer(addresses, pin.blocks, pin.pin_id, self.model_id, self.world, self.config.parallel.dcp,
@@ -110,7 +116,7 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
     """(Decode replica, step thread) Pull the offered KV into fresh blocks; the tokens now cached,
     or 0 when the prompt must be recomputed."""
     rid, offer, kv = h.ticket.request_id, h.offer, self.core.kv
-    why = h.reason or "no KV was offered"
+    why, reason = h.reason or "no KV was offered", "offer_failed"
     if offer is not None:
         dcp = self.config.parallel.dcp
         sent = offer.blocks
@@ -126,6 +132,7 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
         blocks = self.pins.reserve(rid, sent.num_tokens, positions, extra_keys=sent.extra_keys) if fits else None
         why = "no free blocks" if fits else (
             "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
+        reason = "no_free_blocks" if fits else "layout"
         if blocks is not None:
             args = [{"capability": offer.capability, "addresses": offer.addresses, "src_tp": offer.tp,
                      "src_dcp": offer.dcp,
@@ -134,11 +141,14 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
                      "dst_positions": [list(p) for p in positions], "blocks": list(blocks),
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
                      "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
+            start = time.perf_counter()
             try:
                 results = self.executor.call("kv_pull", args)
             except RankError as exc:
                 results = [{"ok": False, "error": str(exc)}]
+            seconds = time.perf_counter() - start
             if all(r["ok"] for r in results):
+                self.handover.imported(sum(r["bytes"] for r in results), seconds)
                 hashes = sent.block_hashes if same_blocks else kv.hashes_of(
                     h.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
                 self.pins.commit(rid, hashes)
@@ -146,8 +156,10 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
                 return sent.num_tokens
             self.pins.abort(rid)
             why = "; ".join(r["error"] for r in results if not r["ok"])
-    log.info("replica %s recomputes %s: %s", self.name, rid, why)
-    request_event(rid, "recompute", replica=self.name, why=why)
+            reason = pull_reason(next(r.get("reason") for r in results if not r["ok"]))
+    self.handover.recompute(reason)
+    log.info("replica %s recomputes %s (%s): %s", self.name, rid, reason, why)
+    request_event(rid, "recompute", replica=self.name, reason=reason, why=why)
     return 0
 
 

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import fields
 
 from meshserve.cluster.handover import Handoff
+from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats
 from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
@@ -203,6 +204,7 @@ class ReplicaPool:
         for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
                   "num_kv_imports", "num_recomputes"):
             setattr(self._retired, f, getattr(self._retired, f) + getattr(s, f))
+        self._retired.handover.add(s.handover)
 
     def stats(self) -> list[ReplicaStats]:
         """One record per live replica, plus one named '<role>-retired' for counters of replaced ones."""
@@ -227,4 +229,5 @@ def _describe_error(exc: BaseException) -> str:
 
 def _zero_stats(role: str) -> ReplicaStats:
     zero = {f.name: 0 for f in fields(ReplicaStats)}
-    return ReplicaStats(**{**zero, "name": f"{role}-retired", "role": role, "state": "retired", "kv_usage": 0.0})
+    return ReplicaStats(**{**zero, "name": f"{role}-retired", "role": role, "state": "retired", "kv_usage": 0.0,
+                           "handover": HandoverStats(), "expert_tokens": []})

@@ -146,33 +146,37 @@ class RankHost:
         sender's tables held `src_positions` (logical blocks of `src_block_size` tokens) of
         `num_tokens` tokens.
 
-        Returns {"ok": True} or {"ok": False, "reason": ..., "error": ...}; on failure the blocks
-        hold garbage and the driver frees them without caching.
+        Returns {"ok": True, "bytes": cache bytes pulled} or {"ok": False, "reason": ..., "error":
+        ...}; on failure the blocks hold garbage and the driver frees them without caching.
         """
         from meshserve.kvstore.zmq_transport import pull_kv
 
         io = self._kv(block_size, dcp_size, model_id)
         try:
             if (src_tp, src_dcp) == (self.tp, self.dcp):
-                pull_kv(io.into(blocks), addresses[self.rank], capability, secret=self.secret, timeout_s=timeout_s)
+                target = io.into(blocks)
+                pull_kv(target, addresses[self.rank], capability, secret=self.secret, timeout_s=timeout_s)
+                num_bytes = target.num_bytes
             else:
                 sender = _Sender(src_tp, src_dcp, src_block_size or block_size, src_positions or [], num_tokens)
-                self._pull_resharded(io, capability, addresses, sender, blocks, dst_positions or [], timeout_s)
-            return {"ok": True}
+                num_bytes = self._pull_resharded(io, capability, addresses, sender, blocks, dst_positions or [],
+                                                 timeout_s)
+            return {"ok": True, "bytes": num_bytes}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
     def _pull_resharded(self, io: KVRankIO, capability: str, addresses: list[str], sender: _Sender,
-                        blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> None:
+                        blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> int:
         """Pull every source `sources_of` names into a staging cache shaped like its shard (the
         sender's layout and blocks, in the sent order), then copy the tokens and heads we keep
-        into our blocks, group by group."""
+        into our blocks, group by group. Returns the bytes pulled."""
         from meshserve.kvstore.zmq_transport import pull_kv
 
         caches = self.worker.runner.kv_caches
         src, dst = self._layout(sender.tp, sender.dcp), self._layout(self.tp, self.dcp)
         check(len(dst_positions) == len(blocks) == len(sender.positions), "dst_positions", len(dst_positions),
               f"one list per KV layer group ({len(blocks)})")
+        num_bytes = 0
         staged, first = [], 1  # staging blocks 1..n, in the sent order (group after group)
         for positions in sender.positions:
             staged.append(dict(zip(positions, range(first, first + len(positions)))))
@@ -184,13 +188,16 @@ class RankHost:
             staging = staging_caches(caches, heads, first - 1)
             stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender.block_size,
                              dcp_size=layout.dcp_size, retentions=io.retentions)
-            pull_kv(stage.into([list(g.values()) for g in staged]), addresses[piece.src_rank],
-                    pull_key(capability, self.rank), secret=self.secret, timeout_s=timeout_s)
+            target = stage.into([list(g.values()) for g in staged])
+            pull_kv(target, addresses[piece.src_rank], pull_key(capability, self.rank), secret=self.secret,
+                    timeout_s=timeout_s)
+            num_bytes += target.num_bytes
             for src_blocks, dst_blocks in zip(staged, ours):
                 moves = token_moves(sender.num_tokens, page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),
                                     src_blocks=src_blocks, dst_dcp=dst.dcp, dst_res=dst.residue(self.rank),
                                     dst_blocks=dst_blocks)
                 copy_tokens(caches, staging, moves, piece)
+        return num_bytes
 
     def _layout(self, tp: int, dcp: int) -> Layout:
         """A pool's layout as kvstore/reshard.py takes it: each rank's KV heads (parallel/transform.py)."""

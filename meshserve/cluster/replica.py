@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor, sum_expert_load
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
+from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, RequestStatus, Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
@@ -58,9 +59,10 @@ class ReplicaStats:
     prompt_tokens: int
     generated_tokens: int
     num_preemptions: int
-    num_handoffs: int = 0
+    num_handoffs: int = 0  # prefill: requests handed over; decode: adopted (imported or recomputed)
     num_kv_imports: int = 0
     num_recomputes: int = 0
+    handover: HandoverStats = field(default_factory=HandoverStats)  # the same, in detail (a copy)
     expert_tokens: list[list[int]] = field(default_factory=list)  # [MoE layer][expert] rows since start
 
 
@@ -68,9 +70,6 @@ class ReplicaStats:
 class _Counters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    handoffs: int = 0
-    kv_imports: int = 0
-    recomputes: int = 0
     expert_tokens: list[list[int]] = field(default_factory=list)
     steps: int = 0
 
@@ -119,6 +118,7 @@ class Replica:
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
         self.counters = _Counters()
+        self.handover = HandoverStats()  # hand-overs at either end (handover.py counts them)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -248,7 +248,8 @@ class Replica:
             prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
-            num_handoffs=c.handoffs, num_kv_imports=c.kv_imports, num_recomputes=c.recomputes,
+            num_handoffs=self.handover.handovers, num_kv_imports=self.handover.kv_imports,
+            num_recomputes=self.handover.num_recomputes, handover=self.handover.copy(),
             expert_tokens=c.expert_tokens)
 
     def _read_expert_load(self) -> None:
@@ -345,7 +346,6 @@ class Replica:
             ticket = self._held.get(d.request_id)
             if ticket is not None and ticket.prefill_only and not d.finished:
                 handoffs.append(offer_kv(self, ticket))
-                self.counters.handoffs += 1
         return deltas, handoffs
 
     def _import_all(self, adoptions: list[Handoff]) -> None:
@@ -354,10 +354,6 @@ class Replica:
                 continue  # aborted before it arrived
             computed = import_kv(self, h)
             self.core.adopt(h.ticket.request, num_computed_tokens=computed)
-            if computed:
-                self.counters.kv_imports += 1
-            else:
-                self.counters.recomputes += 1
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 
@@ -59,6 +60,10 @@ class ServiceStats:
     generated_tokens: int
     # MoE models: rows routed to each expert since start, [MoE layer][expert] (load balance).
     expert_tokens: list[list[int]] = field(default_factory=list)
+    # Disaggregated pools: each replica's KV hand-overs (live ones, and '<pool>-retired' for the
+    # replicas a pool replaced), and the KV transport between the pools ("" when unified).
+    handovers: list[HandoverRow] = field(default_factory=list)
+    kv_transport: str = ""
 
 
 class InferenceService(Protocol):

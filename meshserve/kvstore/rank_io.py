@@ -162,17 +162,21 @@ class KVRankIO:
 
 @dataclass
 class ReservedBlocks:
-    """`ImportTarget` of a rank whose driver reserved the blocks already."""
+    """`ImportTarget` of a rank whose driver reserved the blocks already. num_bytes: the cache
+    bytes of the imports begun into them (their headers' nbytes; what a pull moves)."""
 
     io: KVRankIO
     blocks: Sequence[Sequence[int]]
+    num_bytes: int = 0
 
     @property
     def device(self) -> torch.device:
         return self.io.device
 
     def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession:
-        return self.io.begin_import(header, self.blocks)
+        session = self.io.begin_import(header, self.blocks)
+        self.num_bytes += session.header.nbytes
+        return session
 
 
 class ImportSession:

@@ -8,6 +8,7 @@ from prometheus_client import generate_latest
 
 from meshserve.api import metrics as metrics_module
 from meshserve.api.metrics import METRICS, ServerMetrics
+from meshserve.cluster.handover_stats import HandoverRow, HandoverStats
 from meshserve.cluster.service import ServiceHealth, ServiceStats
 
 
@@ -66,6 +67,49 @@ def test_service_snapshot_is_exported():
     assert s['meshserve_moe_expert_tokens{expert="2",layer="0"}'] == 7
     assert s['meshserve_moe_expert_tokens{expert="0",layer="1"}'] == 1
     assert sum(v for k, v in s.items() if k.startswith("meshserve_moe_expert_tokens")) == 22
+
+
+class DisaggregatedService(FakeService):
+    """Two prefill replicas and one decode replica that imported twice and recomputed once."""
+
+    def stats(self) -> ServiceStats:
+        decode = HandoverStats()
+        decode.imported(4096, 0.004)  # the 0.005 bucket
+        decode.imported(1024, 0.2)  # the 0.25 bucket
+        decode.recompute("timeout")
+        offered = HandoverStats(handovers=2)
+        rows = [HandoverRow("prefill", "prefill-0", offered), HandoverRow("prefill", "prefill-1", HandoverStats()),
+                HandoverRow("decode", "decode-0", decode), HandoverRow("decode", "decode-retired", HandoverStats())]
+        return ServiceStats(num_waiting=0, num_running=0, kv_usage=0.0, num_free_kv_blocks=1, prefix_hit_tokens=0,
+                            prompt_tokens=0, num_preemptions=0, generated_tokens=0, handovers=rows,
+                            kv_transport="zmq")
+
+
+def test_hand_overs_are_exported_per_pool_and_replica():
+    s = samples(ServerMetrics(DisaggregatedService()))
+    d = 'pool="decode",replica="decode-0"'
+    assert s['meshserve_kv_transport_info{transport="zmq"}'] == 1
+    assert s['meshserve_kv_handovers_total{pool="prefill",replica="prefill-0"}'] == 2
+    assert s['meshserve_kv_handovers_total{pool="prefill",replica="prefill-1"}'] == 0
+    assert s[f"meshserve_kv_handovers_total{{{d}}}"] == 3
+    assert s['meshserve_kv_handovers_total{pool="decode",replica="decode-retired"}'] == 0
+    assert s[f"meshserve_kv_imported_bytes_total{{{d}}}"] == 5120
+    assert s[f"meshserve_kv_transfer_seconds_count{{{d}}}"] == 2
+    assert abs(s[f"meshserve_kv_transfer_seconds_sum{{{d}}}"] - 0.204) < 1e-12
+    buckets = {k.split('le="')[1].split('"')[0]: v for k, v in s.items()
+               if k.startswith("meshserve_kv_transfer_seconds_bucket") and "decode-0" in k}
+    assert (buckets["0.0025"], buckets["0.005"], buckets["0.1"], buckets["0.25"], buckets["+Inf"]) == (0, 1, 1, 2, 2)
+    # (the exposition sorts label names)
+    assert s['meshserve_kv_recomputes_total{pool="decode",reason="timeout",replica="decode-0"}'] == 1
+    assert s['meshserve_kv_recomputes_total{pool="decode",reason="auth",replica="decode-0"}'] == 0
+    assert sum(v for k, v in s.items() if k.startswith("meshserve_kv_recomputes_total")) == 1
+    assert not any("prefill" in k for k in s if k.startswith(("meshserve_kv_recomputes", "meshserve_kv_imported",
+                                                              "meshserve_kv_transfer")))
+
+
+def test_a_unified_service_has_no_hand_over_series():
+    assert not any(k.startswith(("meshserve_kv_handovers", "meshserve_kv_transport", "meshserve_kv_transfer"))
+                   for k in samples(ServerMetrics(FakeService())))
 
 
 def test_replica_expert_load_sums_its_ranks():
