@@ -43,10 +43,11 @@ class HealthReporter:
 
     async def start(self) -> None:
         await self.servicer.set("", SERVING)
-        await self._update()
+        await self.update()
         self._task = asyncio.get_running_loop().create_task(self._poll())
 
-    async def _update(self) -> None:
+    async def update(self) -> None:
+        """Read the service's health now and set both statuses (the poll does it every `interval`)."""
         state = self.service.health()
         live = state.unserving_s is None or state.unserving_s <= self.unhealthy_liveness_s
         if live != self._live:
@@ -68,7 +69,7 @@ class HealthReporter:
     async def _poll(self) -> None:
         while True:
             await asyncio.sleep(self.interval)
-            await self._update()
+            await self.update()
 
     async def stop(self) -> None:
         """Every service NOT_SERVING from now on (draining)."""

@@ -241,13 +241,16 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
             await http.stop(grace=0)
         await server.stop(grace=0)
         raise
-    announce(f"meshserve: health on {server.address}, metrics on {server.metrics_url}; starting the service")
+    # a log line, not stdout: the first stdout line stays "meshserve: serving ..." (scripts wait for it)
+    log.info("health on %s (readiness NOT_SERVING until the replicas are up), metrics on %s; starting the service",
+             server.address, server.metrics_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
         if await _start_or_stop(service, stop):
+            await server.health.update()  # readiness flips now, not at the next poll
             for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray may have replaced them
                 loop.add_signal_handler(sig, stop.set)
             model = service.models()[0].name

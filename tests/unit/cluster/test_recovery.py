@@ -96,7 +96,7 @@ def test_liveness_holds_while_starting_and_fails_only_after_the_window():
 
         async def observe(state: ServiceHealth) -> None:
             service.state = state
-            await reporter._update()
+            await reporter.update()
             states.append((await _status(reporter, ""), await _status(reporter, INFERENCE_SERVICE)))
 
         await observe(ServiceHealth(False, 0, 1, "starting", unserving_s=None, degraded_s=None))  # never served
