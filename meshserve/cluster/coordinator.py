@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -144,6 +145,9 @@ class Coordinator:
         # monotonic times health() last saw the service serving / every replica healthy (None: never)
         self._serving_at: float | None = None
         self._all_healthy_at: float | None = None
+        # Set on stop: ends waits in replica-building threads that stop() cannot reach yet
+        # (a Ray placement pending while its replica starts has no executor to shut down).
+        self._stopping = threading.Event()
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> Coordinator:
@@ -218,7 +222,8 @@ class Coordinator:
             from meshserve.cluster.ray_executor import RayExecutor
 
             return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class,
-                               secret=self.secret, placement_timeout_s=cfg.pools.placement_timeout_s)
+                               secret=self.secret, placement_timeout_s=cfg.pools.placement_timeout_s,
+                               cancel=self._stopping)
         if cfg.runtime is Runtime.PROCESSES:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
@@ -240,6 +245,7 @@ class Coordinator:
         await self._stop_all()
 
     async def _stop_all(self) -> None:
+        self._stopping.set()
         await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
         if self._owns_ray:
             import ray

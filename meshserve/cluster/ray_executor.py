@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -132,12 +133,14 @@ def wait_placed(poll: Callable[[float], bool], *, timeout_s: float | None, what:
 class RayRanks:
     """The ranks of one replica as WorkerActors in a placement group.
 
-    placement_timeout_s: how long launch() waits for the placement group (None: forever)."""
+    placement_timeout_s: how long launch() waits for the placement group (None: forever);
+    cancel: when set (the coordinator stops), that wait ends with UnavailableError."""
 
     def __init__(self, spec: WorkerSpec, *, role: str = "unified", name: str = "replica",
-                 placement_timeout_s: float | None = None) -> None:
+                 placement_timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
         self.spec = spec
         self.placement_timeout_s = placement_timeout_s
+        self.cancel = cancel
         self.world = spec.parallel.tp
         self.role = role
         self.name = name
@@ -178,7 +181,7 @@ class RayRanks:
         log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)
 
     def _placed(self, pg_ready, seconds: float) -> bool:
-        if self._stopping:
+        if self._stopping or (self.cancel is not None and self.cancel.is_set()):
             raise UnavailableError(f"{self.name}: stopped while waiting for Ray to place its ranks")
         return bool(ray.wait([pg_ready], timeout=seconds)[0])
 
@@ -242,10 +245,11 @@ class RayExecutor(ChannelExecutor):
     """An executor for `config` (an EngineConfig) whose tp ranks are Ray actors."""
 
     def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
-                 worker_class: str | None = None, secret=None, placement_timeout_s: float | None = None) -> None:
+                 worker_class: str | None = None, secret=None, placement_timeout_s: float | None = None,
+                 cancel: threading.Event | None = None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
-        ranks = RayRanks(spec, role=role, name=name, placement_timeout_s=placement_timeout_s)
+        ranks = RayRanks(spec, role=role, name=name, placement_timeout_s=placement_timeout_s, cancel=cancel)
         super().__init__(ranks, name=name, secret=secret)
 
     def check_health(self) -> list[dict[str, Any]]:
