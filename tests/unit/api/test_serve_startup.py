@@ -103,6 +103,26 @@ def test_health_answers_not_serving_while_the_service_starts_then_serving():
     assert lines[-1] == "meshserve: stopped" and service.shut_down
 
 
+def test_status_calls_answer_while_starting_and_generate_is_unavailable():
+    from meshserve.v1 import inference_pb2 as pb
+    from meshserve.v1 import inference_pb2_grpc as pb_grpc
+
+    service = SlowStartService()
+
+    async def body(address, announced):
+        await _check(address, INFERENCE_SERVICE)  # listening
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.InferenceStub(channel)
+            info = await stub.ServerInfo(pb.ServerInfoRequest(), timeout=10)
+            assert (info.serving, list(info.models), info.health_detail) == (False, [], "unified-0: starting")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ListModels(pb.ListModelsRequest(), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert "the service is starting" in refused.value.details()
+
+    _run(service, body)
+
+
 def test_a_failed_start_stops_the_server_and_raises():
     service = SlowStartService(fail=UnavailableError("unified-0: gave up after --placement-timeout=5 s"))
 
