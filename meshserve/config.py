@@ -40,6 +40,14 @@ class DcpComm(StrEnum):
     A2A = "a2a"  # all-to-all outputs and LSEs, then a local merge
 
 
+MAX_WAIT_S = 7 * 24 * 3600.0  # a week: longer waits are a typo (ms for s), not a policy
+
+
+def _seconds(name: str, value: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and 1 <= value <= MAX_WAIT_S
+    check(ok, name, value, f"a number of seconds in [1, {MAX_WAIT_S:.0f}]")
+
+
 def _positive(name: str, value: int, *, upper: int | None = None) -> None:
     allowed = "an integer >= 1" if upper is None else f"an integer in [1, {upper}]"
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -164,11 +172,16 @@ class PoolConfig:
     prefill_replicas: int = 1
     decode_replicas: int = 1
     ray_address: str | None = field(default=None, metadata={"help": "join this Ray cluster; None = local"})
+    placement_timeout_s: float | None = field(default=None, metadata={
+        "help": "seconds a replica's ranks may wait for Ray to place them before start-up fails; "
+                "None = wait forever (health NOT_SERVING meanwhile, progress logged)"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", as_enum(PoolMode, "pools", self.mode))
         for name in ("replicas", "prefill_replicas", "decode_replicas"):
             _positive(name, getattr(self, name), upper=4096)
+        if self.placement_timeout_s is not None:
+            _seconds("placement_timeout", self.placement_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,9 @@ class ServerConfig:
     http_host: str = field(default="127.0.0.1", metadata={"help": "bind address of the OpenAI-compatible HTTP API"})
     http_port: int = field(default=8000, metadata={"help": "its port; 0 = no HTTP API"})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja2 file replacing the model's template"})
+    unhealthy_liveness_s: float = field(default=300.0, metadata={
+        "help": "liveness (grpc health service '') turns NOT_SERVING once the service, after it first served, "
+                "has not served (a ready replica in every pool) for this long"})
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -198,3 +214,4 @@ class ServerConfig:
             if path is not None:
                 check(Path(path).is_file(), name, path, "an existing readable file")
         _positive("max_message_bytes", self.max_message_bytes, upper=1 << 31)
+        _seconds("unhealthy_liveness_seconds", self.unhealthy_liveness_s)

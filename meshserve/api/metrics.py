@@ -35,6 +35,12 @@ METRICS = {
     "meshserve_preemptions_total": "counter: requests preempted (KV freed, recomputed later)",
     "meshserve_replicas_healthy": "gauge: replicas able to serve",
     "meshserve_replicas": "gauge: replicas configured",
+    "meshserve_unserving_seconds": "gauge: seconds since the service last served (a ready replica in every pool); "
+                                   "0 while it does, absent until it first has",
+    "meshserve_degraded_seconds": "gauge: seconds since every replica was last healthy; 0 while all are, absent "
+                                  "until they first were",
+    "meshserve_replica_rebuilds_total": "counter: failed replicas rebuilt and serving again",
+    "meshserve_replica_rebuild_failures_total": "counter: rebuild attempts that failed (retried with backoff)",
     "meshserve_moe_expert_tokens": "gauge: rows routed to each expert since its replica started (labels layer, "
                                    "expert; MoE models)",
     "meshserve_kv_handovers_total": "counter: KV hand-overs: on a prefill replica the requests it handed over, on a "
@@ -86,6 +92,12 @@ class _ServiceCollector(Collector):
         yield counter("meshserve_preemptions_total", s.num_preemptions)
         yield gauge("meshserve_replicas_healthy", h.healthy_replicas)
         yield gauge("meshserve_replicas", h.total_replicas)
+        if h.unserving_s is not None:
+            yield gauge("meshserve_unserving_seconds", h.unserving_s)
+        if h.degraded_s is not None:
+            yield gauge("meshserve_degraded_seconds", h.degraded_s)
+        yield counter("meshserve_replica_rebuilds_total", h.num_rebuilds)
+        yield counter("meshserve_replica_rebuild_failures_total", h.num_rebuild_failures)
         if s.expert_tokens:
             experts = GaugeMetricFamily("meshserve_moe_expert_tokens", doc["meshserve_moe_expert_tokens"],
                                         labels=["layer", "expert"])

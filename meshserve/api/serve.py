@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -80,6 +81,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         c.add_argument(f"--{role}-dcp", type=int, default=None,
                        help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
+    c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
+                   help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
+                        "as long as it takes, health NOT_SERVING and progress logged every 30 s)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
@@ -97,6 +101,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "its own")
     s.add_argument("--max-queue", type=int, default=1024, help="waiting requests before RESOURCE_EXHAUSTED")
     s.add_argument("--max-message-bytes", type=int, default=16 << 20, help="largest gRPC message either way")
+    s.add_argument("--unhealthy-liveness-seconds", type=float, default=300.0, metavar="SECONDS",
+                   help="liveness (grpc health service '') fails once the service, after serving, has had no ready "
+                        "replica in some pool for this long (default 300)")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
@@ -129,13 +136,15 @@ def configs_of(args: argparse.Namespace):
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )
     pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
-                       decode_replicas=args.decode_replicas, ray_address=args.ray_address)
+                       decode_replicas=args.decode_replicas, ray_address=args.ray_address,
+                       placement_timeout_s=args.placement_timeout)
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                           metrics_host=args.metrics_host, metrics_token_file=args.metrics_token_file,
                           tls_cert=args.tls_cert,
                           tls_key=args.tls_key, auth_token_file=args.auth_token_file,
                           max_message_bytes=args.max_message_bytes, http_host=args.http_host,
-                          http_port=args.http_port, chat_template=args.chat_template)
+                          http_port=args.http_port, chat_template=args.chat_template,
+                          unhealthy_liveness_s=args.unhealthy_liveness_seconds)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
     return engine, pools, server
 
@@ -210,12 +219,14 @@ def default_model_name(args: argparse.Namespace) -> str | None:
 
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
                      announce=print, chat_template=None) -> None:
-    """Serve until SIGINT or SIGTERM, then drain and shut the service down."""
+    """Serve until SIGINT or SIGTERM, then drain and shut the service down.
+
+    The front-ends bind first (a busy port fails before any model loads), then the service
+    starts behind them: meanwhile health answers, readiness NOT_SERVING and requests
+    UNAVAILABLE. A service that fails to start (e.g. --placement-timeout passed) stops them all."""
     from meshserve.api.http.server import HttpServer
     from meshserve.api.server import ApiServer
 
-    if hasattr(service, "start"):  # the coordinator starts its replicas on the event loop
-        await service.start()
     server = ApiServer(service, server_config, max_queue=max_queue)
     http = None
     try:
@@ -226,29 +237,59 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
                               tls_key=server_config.tls_key)
             await http.start()
         await server.start()
-    except BaseException:  # a busy port: neither the other front-end nor the replicas outlive the refusal
+    except BaseException:  # a busy port: the other front-end does not outlive the refusal
         if http is not None:
             await http.stop(grace=0)
-        await service.shutdown(drain=False)
+        await server.stop(grace=0)
         raise
-    model = service.models()[0].name
-    announce(f"meshserve: serving {model} on {server.address}, metrics on {server.metrics_url}")
-    if http is not None:
-        announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
+    # a log line, not stdout: the first stdout line stays "meshserve: serving ..." (scripts wait for it)
+    log.info("health on %s (readiness NOT_SERVING until the replicas are up), metrics on %s; starting the service",
+             server.address, server.metrics_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        await stop.wait()
+        if await _start_or_stop(service, stop):
+            await server.health.update()  # readiness flips now, not at the next poll
+            for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray may have replaced them
+                loop.add_signal_handler(sig, stop.set)
+            model = service.models()[0].name
+            announce(f"meshserve: serving {model} on {server.address}, metrics on {server.metrics_url}")
+            if http is not None:
+                announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
+            await stop.wait()
         announce(f"meshserve: draining (up to {drain_seconds:g} s)")
         await asyncio.gather(server.stop(grace=drain_seconds),
                              *([http.stop(grace=drain_seconds)] if http is not None else []))
         await service.shutdown(drain=False)
+    except BaseException:
+        await asyncio.gather(server.stop(grace=0), *([http.stop(grace=0)] if http is not None else []),
+                             return_exceptions=True)
+        await service.shutdown(drain=False)
+        raise
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(sig)
     announce("meshserve: stopped")
+
+
+async def _start_or_stop(service, stop: asyncio.Event) -> bool:
+    """Start the service (when it has a start) unless `stop` is set first: True once started,
+    False when stopped while starting; a failed start raises."""
+    if not hasattr(service, "start"):
+        return True
+    starting = asyncio.create_task(service.start())
+    stopping = asyncio.create_task(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if starting.done():
+        starting.result()  # raises the start's error
+        return True
+    starting.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await starting
+    return False
 
 
 def serve_main(args: argparse.Namespace) -> int:

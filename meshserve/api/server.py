@@ -49,7 +49,8 @@ class ApiServer:
         self.servicer = InferenceServicer(service, metrics=self.metrics, limits=limits,
                                           max_message_bytes=config.max_message_bytes, max_queue=max_queue,
                                           auth_required=bool(self.tokens), tls=self.tls)
-        self.health = HealthReporter(service, interval=health_interval)
+        self.health = HealthReporter(service, interval=health_interval,
+                                     unhealthy_liveness_s=config.unhealthy_liveness_s)
         self._serve_metrics = metrics
         self._server: grpc.aio.Server | None = None
         self.port: int | None = None

@@ -29,7 +29,7 @@ from meshserve.api.convert import ApiLimits, Malformed
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
 from meshserve.cluster.service import InferenceService, ModelCard
-from meshserve.errors import ConfigError, MeshserveError, NotFoundError
+from meshserve.errors import ConfigError, MeshserveError, NotFoundError, UnavailableError
 from meshserve.v1 import inference_pb2 as pb
 
 
@@ -158,8 +158,12 @@ class InferenceServicer:
             await self._fail(context, exc)  # raises: the call ends here
         health = self.service.health()
         info = self._info
+        try:
+            models = [convert.model_of(c) for c in self.service.models()]
+        except UnavailableError:  # still starting: the status call answers, with no model yet
+            models = []
         return pb.ServerInfoResponse(
-            version=_version(), models=[convert.model_of(c) for c in self.service.models()],
+            version=_version(), models=models,
             serving=health.serving, healthy_replicas=health.healthy_replicas,
             total_replicas=health.total_replicas, health_detail=health.detail,
             stats=convert.stats_of(self.service.stats()),

@@ -29,6 +29,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import threading
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -141,6 +143,12 @@ class Coordinator:
         self._owns_ray = False
         self._closing = False
         self._started = False
+        # monotonic times health() last saw the service serving / every replica healthy (None: never)
+        self._serving_at: float | None = None
+        self._all_healthy_at: float | None = None
+        # Set on stop: ends waits in replica-building threads that stop() cannot reach yet
+        # (a Ray placement pending while its replica starts has no executor to shut down).
+        self._stopping = threading.Event()
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> Coordinator:
@@ -217,7 +225,8 @@ class Coordinator:
             from meshserve.cluster.ray_executor import RayExecutor
 
             return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class,
-                               secret=self.secret)
+                               secret=self.secret, placement_timeout_s=cfg.pools.placement_timeout_s,
+                               cancel=self._stopping)
         if cfg.runtime is Runtime.PROCESSES:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
@@ -239,6 +248,7 @@ class Coordinator:
         await self._stop_all()
 
     async def _stop_all(self) -> None:
+        self._stopping.set()
         await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
         if self._owns_ray:
             import ray
@@ -267,6 +277,8 @@ class Coordinator:
         return "meshserve-demo" if path == DEMO_MODEL_DIR else path.name
 
     def models(self) -> list[ModelCard]:
+        if not self._started:
+            raise UnavailableError("the service is starting: the model is not loaded yet")
         return [ModelCard(self.model_name, self._max_model_len, self._vocab_size)]
 
     def tokenize(self, text: str) -> list[int]:
@@ -323,12 +335,24 @@ class Coordinator:
         any(pool.abort(ticket) for pool in self.pools.values())
 
     def health(self) -> ServiceHealth:
-        """detail: empty while every replica serves; otherwise what is not, and why."""
+        """detail: empty while every replica serves; otherwise what is not, and why.
+
+        The times since the service last served / was fully healthy are as of the last call
+        that saw it so: the server's health reporter calls this every 0.2 s."""
+        now = time.monotonic()
         replicas = [r for p in self.pools.values() for r in p.replicas]
         healthy = [r for r in replicas if r.accepting]
         serving = self._started and not self._closing and all(p.ready for p in self.pools.values())
+        if serving:
+            self._serving_at = now
+            if len(healthy) == len(replicas):
+                self._all_healthy_at = now
         detail = "; ".join(d for p in self.pools.values() if (d := p.describe(problems_only=True)))
-        return ServiceHealth(serving, len(healthy), len(replicas), detail)
+        since = lambda t: None if t is None else now - t  # noqa: E731
+        return ServiceHealth(serving, len(healthy), len(replicas), detail, unserving_s=since(self._serving_at),
+                             degraded_s=since(self._all_healthy_at),
+                             num_rebuilds=sum(p.num_rebuilds for p in self.pools.values()),
+                             num_rebuild_failures=sum(p.num_rebuild_failures for p in self.pools.values()))
 
     def stats(self) -> ServiceStats:
         rows = [s for p in self.pools.values() for s in p.stats()]

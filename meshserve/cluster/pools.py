@@ -13,7 +13,9 @@ wait for a model to reload. Hand-overs are never refused: their first token has 
 streamed.
 
 Repair. A replica that fails is rebuilt in its slot (fresh ranks, fresh KV), with capped
-backoff, until it serves again (or `max_rebuilds` attempts in a row, when given). Requests it
+backoff (1, 2, 5, 10, 10, ... s, each scaled by a random factor in [0.5, 1] so that replicas that
+failed together do not retry in lock-step), until it serves again (or `max_rebuilds` attempts in
+a row, when given). `num_rebuilds` and `num_rebuild_failures` count successes and failed attempts. Requests it
 held that had not streamed anything come back to the pool and are routed again; meanwhile they
 wait in the pool's queue.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections.abc import Callable
 from dataclasses import fields
 
@@ -35,7 +38,13 @@ from meshserve.errors import MeshserveError, QueueFullError, ReplicaFailedError,
 
 log = logging.getLogger("meshserve.pool")
 
-REBUILD_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)
+REBUILD_BACKOFF_S = (0.0, 1.0, 2.0, 5.0, 10.0)  # before attempt n (the last one repeats: the cap)
+
+
+def rebuild_delay(attempt: int, *, rng: random.Random | None = None) -> float:
+    """Seconds to wait before rebuild attempt `attempt` (0-based): capped backoff with jitter."""
+    jitter = (rng or random).uniform(0.5, 1.0)
+    return REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)] * jitter
 
 
 class ReplicaPool:
@@ -57,6 +66,7 @@ class ReplicaPool:
         self._failures: dict[int, str] = {}  # slot -> why its last replica failed, until rebuilt
         self._retired = _zero_stats(role)  # counters of replicas that were replaced
         self.num_rebuilds = 0
+        self.num_rebuild_failures = 0
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -161,7 +171,7 @@ class ReplicaPool:
         attempt = 0
         try:
             while self.max_rebuilds is None or attempt < self.max_rebuilds:
-                await asyncio.sleep(REBUILD_BACKOFF_S[min(attempt, len(REBUILD_BACKOFF_S) - 1)])
+                await asyncio.sleep(rebuild_delay(attempt))
                 attempt += 1
                 new = self.build(slot)
                 self.replicas[slot] = new
@@ -169,6 +179,7 @@ class ReplicaPool:
                     await new.start()
                 except Exception as exc:
                     self._failures[slot] = f"rebuilding {new.name} failed: {_describe_error(exc)}"
+                    self.num_rebuild_failures += 1
                     log.warning("rebuilding %s failed (attempt %d): %r", new.name, attempt, exc)
                     continue
                 self._failures.pop(slot, None)

@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import ray
@@ -29,7 +32,7 @@ from meshserve.errors import UnavailableError
 log = logging.getLogger("meshserve.ray")
 
 CPU_PER_RANK = 0.01  # without pool resources: ranks are placed, not CPU-limited
-PLACEMENT_TIMEOUT_S = 120.0
+PLACEMENT_LOG_PERIOD_S = 30.0  # how often a replica still waiting for placement says so
 
 
 def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
@@ -104,11 +107,40 @@ def rank_bundle(role: str, *, device: str | None) -> dict[str, float]:
     return bundle or {"CPU": CPU_PER_RANK}
 
 
-class RayRanks:
-    """The ranks of one replica as WorkerActors in a placement group."""
+def wait_placed(poll: Callable[[float], bool], *, timeout_s: float | None, what: Callable[[], str],
+                period_s: float = PLACEMENT_LOG_PERIOD_S, clock: Callable[[], float] = time.monotonic) -> None:
+    """Call poll(seconds) (True once placed; it blocks up to `seconds`, at most 1 s so that a stop
+    is noticed) until it is True.
 
-    def __init__(self, spec: WorkerSpec, *, role: str = "unified", name: str = "replica") -> None:
+    timeout_s None: wait forever (the autoscaler may still add the nodes), logging what() every
+    period_s; otherwise UnavailableError naming --placement-timeout once timeout_s have passed."""
+    start = clock()
+    next_log = start + period_s
+    while True:
+        now = clock()
+        left = None if timeout_s is None else start + timeout_s - now
+        if left is not None and left <= 0:
+            raise UnavailableError(f"{what()}; gave up after --placement-timeout={timeout_s:g} s (raise it, or "
+                                   "leave it unset to wait for nodes as long as it takes)")
+        if poll(1.0 if left is None else min(1.0, left)):
+            return
+        if clock() >= next_log:
+            next_log += period_s
+            log.warning("%s; waiting %.0f s so far%s", what(), clock() - start,
+                        "" if timeout_s is None else f" of --placement-timeout={timeout_s:g} s")
+
+
+class RayRanks:
+    """The ranks of one replica as WorkerActors in a placement group.
+
+    placement_timeout_s: how long launch() waits for the placement group (None: forever);
+    cancel: when set (the coordinator stops), that wait ends with UnavailableError."""
+
+    def __init__(self, spec: WorkerSpec, *, role: str = "unified", name: str = "replica",
+                 placement_timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
         self.spec = spec
+        self.placement_timeout_s = placement_timeout_s
+        self.cancel = cancel
         self.world = spec.parallel.tp
         self.role = role
         self.name = name
@@ -125,12 +157,16 @@ class RayRanks:
         # Named for `ray list placement-groups`; the suffix keeps names unique across coordinators.
         self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK",
                                   name=f"meshserve-{self.name}-{uuid.uuid4().hex[:8]}")
-        ready, _ = ray.wait([self.pg.ready()], timeout=PLACEMENT_TIMEOUT_S)
-        if not ready:
+        pg_ready = self.pg.ready()
+        try:
+            wait_placed(lambda seconds: self._placed(pg_ready, seconds),
+                        timeout_s=self.placement_timeout_s,
+                        what=lambda: (f"{self.name}: no Ray node can host {self.world} rank(s) of {bundle} yet "
+                                      f"(cluster has {ray.cluster_resources()}, free {ray.available_resources()})"))
+        except BaseException:
             remove_placement_group(self.pg)
             self.pg = None
-            raise UnavailableError(f"{self.name}: no Ray node can host {self.world} rank(s) of {bundle} "
-                                   f"within {PLACEMENT_TIMEOUT_S:.0f} s (cluster has {ray.cluster_resources()})")
+            raise
         spec = self.spec.to_msgpack()
         extra = {}
         if "MESHSERVE_LOG" in os.environ:  # nodes of an existing cluster do not have the driver's environment
@@ -143,6 +179,11 @@ class RayRanks:
         start = auth.to_msgpack()  # in the call's arguments (Ray's token-authenticated channel), not its env
         self.serving = [actor.serve.remote(address, start) for actor in self.actors]
         log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)
+
+    def _placed(self, pg_ready, seconds: float) -> bool:
+        if self._stopping or (self.cancel is not None and self.cancel.is_set()):
+            raise UnavailableError(f"{self.name}: stopped while waiting for Ray to place its ranks")
+        return bool(ray.wait([pg_ready], timeout=seconds)[0])
 
     def check(self) -> None:
         if not self.serving or self._stopping:
@@ -204,10 +245,12 @@ class RayExecutor(ChannelExecutor):
     """An executor for `config` (an EngineConfig) whose tp ranks are Ray actors."""
 
     def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
-                 worker_class: str | None = None, secret=None) -> None:
+                 worker_class: str | None = None, secret=None, placement_timeout_s: float | None = None,
+                 cancel: threading.Event | None = None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
-        super().__init__(RayRanks(spec, role=role, name=name), name=name, secret=secret)
+        ranks = RayRanks(spec, role=role, name=name, placement_timeout_s=placement_timeout_s, cancel=cancel)
+        super().__init__(ranks, name=name, secret=secret)
 
     def check_health(self) -> list[dict[str, Any]]:
         return self.ranks.health()

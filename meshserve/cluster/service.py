@@ -44,6 +44,12 @@ class ServiceHealth:
     healthy_replicas: int
     total_replicas: int
     detail: str = ""
+    # Seconds since the service last served (0 while it does); None: it has not served yet (starting).
+    unserving_s: float | None = 0.0
+    # Seconds since every replica was last healthy (0 while all are); None: never yet.
+    degraded_s: float | None = 0.0
+    num_rebuilds: int = 0  # replicas rebuilt after a failure, since start
+    num_rebuild_failures: int = 0  # rebuild attempts that failed, since start
 
 
 @dataclass(frozen=True)

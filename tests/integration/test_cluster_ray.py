@@ -17,7 +17,7 @@ import pytest
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.errors import ReplicaFailedError
+from meshserve.errors import ReplicaFailedError, UnavailableError
 from tests.integration.ray_cluster import embedded_ray
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
@@ -142,3 +142,25 @@ def test_a_killed_worker_actor_fails_its_requests_fast_and_is_rebuilt(coordinato
     assert c.replicas()[0] is not victim and c.pools["unified"].num_rebuilds == 1
     assert_same(after, {rid: want[rid] for rid, _, _ in mixed_requests()[:6]})
     assert_no_held_blocks(c)
+
+
+def test_a_placement_that_cannot_happen_times_out_or_waits_until_stopped(coordinators, ckpt, loop):
+    """device cuda on a cluster without GPUs: the placement group can never be satisfied."""
+    engine = engine_config(ckpt)
+    bounded = Coordinator(ClusterConfig(engine=engine, pools=PoolConfig(placement_timeout_s=2), device="cuda"))
+    with pytest.raises(UnavailableError, match=r"unified-0: no Ray node can host 1 rank\(s\) of \{'GPU': 1.0\} yet "
+                                               r".*gave up after --placement-timeout=2 s"):
+        loop.run_until_complete(asyncio.wait_for(bounded.start(), 60))
+
+    forever = Coordinator(ClusterConfig(engine=engine, device="cuda"))  # the default: wait as long as it takes
+
+    async def body():
+        starting = asyncio.ensure_future(forever.start())
+        await wait_until(lambda: bool(forever.replicas()), "the replica to start", timeout_s=30)
+        health = forever.health()
+        assert not health.serving and health.unserving_s is None and not starting.done()
+        await forever.shutdown(drain=False)  # ends the wait within a second
+        with pytest.raises(UnavailableError, match="stopped while waiting for Ray to place its ranks"):
+            await asyncio.wait_for(starting, 30)
+
+    loop.run_until_complete(body())

@@ -19,7 +19,7 @@ class FakeService:
                             expert_tokens=[[4, 0, 7], [1, 2, 8]])
 
     def health(self) -> ServiceHealth:
-        return ServiceHealth(True, 1, 2)
+        return ServiceHealth(True, 1, 2, unserving_s=0.0, degraded_s=12.5, num_rebuilds=3, num_rebuild_failures=4)
 
 
 def samples(m: ServerMetrics) -> dict[str, float]:
@@ -64,6 +64,8 @@ def test_service_snapshot_is_exported():
     assert (s["meshserve_prefix_cache_hit_tokens_total"], s["meshserve_prompt_tokens_total"]) == (30, 120)
     assert (s["meshserve_preemptions_total"], s["meshserve_generation_tokens_total"]) == (2, 999)
     assert (s["meshserve_replicas_healthy"], s["meshserve_replicas"]) == (1, 2)
+    assert (s["meshserve_unserving_seconds"], s["meshserve_degraded_seconds"]) == (0.0, 12.5)
+    assert (s["meshserve_replica_rebuilds_total"], s["meshserve_replica_rebuild_failures_total"]) == (3, 4)
     assert s['meshserve_moe_expert_tokens{expert="2",layer="0"}'] == 7
     assert s['meshserve_moe_expert_tokens{expert="0",layer="1"}'] == 1
     assert sum(v for k, v in s.items() if k.startswith("meshserve_moe_expert_tokens")) == 22

@@ -41,6 +41,7 @@ def test_defaults_serve_the_demo_on_loopback():
         None, "127.0.0.1", 50051, 9400, PoolMode.UNIFIED.value, 1)
     assert (args.http_host, args.http_port, args.log_format) == ("127.0.0.1", 8000, None)
     assert (args.metrics_host, args.metrics_token_file) == ("127.0.0.1", None)  # not --host: metrics stay local
+    assert (args.placement_timeout, args.unhealthy_liveness_seconds) == (None, 300.0)  # wait forever; 5 min
     client = build_parser().parse_args(["client", "hello"])
     assert (client.address, client.prompt) == ("127.0.0.1:50051", "hello")
 
@@ -67,6 +68,10 @@ def test_defaults_serve_the_demo_on_loopback():
      "prefill_dcp=2 is not allowed: a divisor of prefill_tp=1: one of [1]"),
     (["--pools", "disaggregated", "--prefill-tp", "0"], "prefill_tp=0 is not allowed: an integer in [1, 1024]"),
     (["--pools", "disaggregated", "--decode-dcp", "0"], "decode_dcp=0 is not allowed"),
+    (["--placement-timeout", "0"], "placement_timeout=0.0 is not allowed: a number of seconds in [1, 604800]"),
+    (["--placement-timeout", "1e9"], "placement_timeout=1000000000.0 is not allowed"),
+    (["--unhealthy-liveness-seconds", "-5"],
+     "unhealthy_liveness_seconds=-5.0 is not allowed: a number of seconds in [1, 604800]"),
 ])
 def test_refusals_name_the_flag_before_loading_anything(flags, message, capsys):
     assert main(["serve", *flags]) == 2

@@ -87,14 +87,16 @@ def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
                    "--node-manager-port=8076", "--object-manager-port=8077", "--num-cpus=0",
                    "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]
     assert serve == ["meshserve", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
-                     "--metrics-host", "0.0.0.0", "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
+                     "--metrics-host", "0.0.0.0", "--http-host", "0.0.0.0", "--http-port", "8000",
+                     "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
                      "--tp", "8", "--dcp", "2", "--ep", "1",
                      "--pools", "unified", "--replicas", "2", "--model", "/models",
                      "--attention-backend", "FLASHINFER", "--block-size", "16", "--max-model-len", "131072",
                      "--max-queue", "4096", "--tls-cert", "/etc/meshserve/tls/tls.crt",
                      "--tls-key", "/etc/meshserve/tls/tls.key",
                      "--auth-token-file", "/etc/meshserve/auth/token",
-                     "--metrics-token-file", "/etc/meshserve/metrics-auth/token"]
+                     "--metrics-token-file", "/etc/meshserve/metrics-auth/token",
+                     "--unhealthy-liveness-seconds", "300"]
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == "secret-from-meshserve-ray-token"
 
 
@@ -107,10 +109,12 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
     assert done.returncode == 0, done.stderr
     serve = stubs()[-1]
     assert serve == ["meshserve", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
-                     "--metrics-host", "0.0.0.0", "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
+                     "--metrics-host", "0.0.0.0", "--http-host", "0.0.0.0", "--http-port", "8000",
+                     "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
                      "--tp", "8", "--dcp", "1", "--ep", "1",
                      "--pools", "disaggregated", "--prefill-replicas", "2", "--decode-replicas", "4",
-                     "--prefill-tp", "4", "--decode-dcp", "2", "--model", "/models/Qwen3-32B", "--seed", "7"]
+                     "--prefill-tp", "4", "--decode-dcp", "2", "--model", "/models/Qwen3-32B",
+                     "--unhealthy-liveness-seconds", "300", "--seed", "7"]
 
 
 def test_head_flags_parse_with_the_real_cli(tmp_path, stubs):

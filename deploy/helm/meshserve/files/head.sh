@@ -32,6 +32,8 @@ args=(serve
   --port "${MESHSERVE_PORT}"
   --metrics-port "${MESHSERVE_METRICS_PORT}"
   --metrics-host 0.0.0.0
+  --http-host 0.0.0.0
+  --http-port "${MESHSERVE_HTTP_PORT}"
   --ray-address "${POD_IP}:${RAY_PORT}"
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"
@@ -62,6 +64,8 @@ optional --tls-cert "${MESHSERVE_TLS_CERT:-}"
 optional --tls-key "${MESHSERVE_TLS_KEY:-}"
 optional --auth-token-file "${MESHSERVE_AUTH_TOKEN_FILE:-}"
 optional --metrics-token-file "${MESHSERVE_METRICS_TOKEN_FILE:-}"
+optional --placement-timeout "${MESHSERVE_PLACEMENT_TIMEOUT:-}"
+optional --unhealthy-liveness-seconds "${MESHSERVE_UNHEALTHY_LIVENESS_SECONDS:-}"
 if [[ -n "${MESHSERVE_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<< "${MESHSERVE_EXTRA_ARGS}"
   args+=("${extra[@]}")

@@ -166,6 +166,11 @@ containers:
       - name: metrics
         containerPort: {{ int $v.service.metricsPort }}
         protocol: TCP
+      {{- if $v.service.httpPort }}
+      - name: http
+        containerPort: {{ int $v.service.httpPort }}
+        protocol: TCP
+      {{- end }}
       - name: gcs
         containerPort: {{ int $v.ray.port }}
         protocol: TCP
