@@ -17,11 +17,10 @@ request goes to the prefill pool (longest cached prefix, then least load) and ru
 first token; the decode pool (most free KV, then least load) takes it over with its KV (or by
 recomputing the prompt when the hand-over fails). The client sees one stream either way.
 
-Errors follow the service conventions: ConfigError for bad input (nothing queued; admission.py:
-a prompt plus max_tokens beyond max_model_len is bad input), CapacityError when
-prompt + max_tokens can never fit a replica's KV cache, QueueFullError when
-the entry pool's queue is full, UnavailableError when no replica can take it, and
-ReplicaFailedError (raised by the stream) when the replica serving it dies.
+Errors: ConfigError for bad input (nothing queued; admission.py), CapacityError when prompt +
+max_tokens can never fit a replica's KV cache, QueueFullError when the entry pool's queue is full,
+UnavailableError when no replica can take it, ReplicaFailedError (raised by the stream) when the
+replica serving it dies.
 """
 
 from __future__ import annotations
