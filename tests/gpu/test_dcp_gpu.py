@@ -2,18 +2,20 @@
 
 Each scenario's cache is split as DCP ranks hold it (global position p on rank p % dcp, local
 slot p // dcp, shuffled blocks with noise around them); every rank's (out, lse) over its shard,
-merged by LSE, must equal the float64 oracle over the whole sequence (bf16 / fp16 tolerance).
+merged by LSE, must equal the same backend's unsharded result (bf16 / fp16 tolerance). The
+unsharded result is itself checked against the float64 oracle in test_backends_gpu.py; the
+oracle's per-query Python loop over these long scenarios would take minutes per case here.
 Which backend runs which scenario is its own validate_configuration's answer for the DCP problem.
 """
 
-from functools import lru_cache
+from functools import cache
 
 import pytest
 import torch
 
 from meshserve.attention.registry import load_backend
 from tests.gpu.test_backends_gpu import GPU_SCENARIOS
-from tests.unit.attention.scenarios import assert_matches, make_case, oracle
+from tests.unit.attention.scenarios import assert_matches, make_case
 from tests.unit.attention.test_dcp_reference import merge_shards, shard_run
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,11 +23,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@lru_cache(maxsize=4)
-def _case_and_truth(scenario, dtype: str):
-    """One case and its float64 oracle per (scenario, dtype), shared by both backends and dcp sizes."""
-    case = make_case(scenario, dtype=DTYPES[dtype])  # on the CPU; shard_run moves the shards
-    return case, oracle(case)
+@cache
+def _case(scenario, dtype: str):
+    """One case per (scenario, dtype), shared by both backends and dcp sizes (built on the CPU;
+    shard_run moves the shards)."""
+    return make_case(scenario, dtype=DTYPES[dtype])
 
 
 @pytest.mark.parametrize("name", ["TRITON", "FLASHINFER"])
@@ -39,8 +41,9 @@ def test_dcp_shards_merge_to_the_unsharded_result(name, dtype, dcp, scenario):
     reasons = backend_cls.validate_configuration(problem)
     if reasons:
         pytest.skip("; ".join(reasons))
-    case, (ref_out, ref_lse) = _case_and_truth(scenario, dtype)
+    case = _case(scenario, dtype)
     gen = torch.Generator().manual_seed(dcp)
+    ref_out, ref_lse = merge_shards([shard_run(case, 1, 0, gen, backend_cls, dtype=dtype, device="cuda")])
     merged, lse = merge_shards([shard_run(case, dcp, r, gen, backend_cls, dtype=dtype, device="cuda")
                                 for r in range(dcp)])
     assert_matches(merged, lse, ref_out, ref_lse, DTYPES[dtype])
