@@ -35,12 +35,14 @@ def shard_run(case, dcp: int, rank: int, gen: torch.Generator, backend_cls=Torch
     k_scale, v_scale = src.k_scale.cpu(), src.v_scale.cpu()
     cache = KVCache(data, k_scale, v_scale)
     for s, ctx in enumerate(sc.context_lens):  # earlier context, by plain indexing
-        for pos in range(rank, ctx, dcp):
-            lp = pos // dcp
-            stored = torch.stack([case.keys64[s][pos], case.values64[s][pos]])
-            if cache.is_fp8:
-                stored = stored / torch.stack([k_scale, v_scale]).double()[:, None, None]
-            cache.data[tables[s][lp // bs], :, lp % bs] = stored.to(data.dtype)
+        if ctx <= rank:
+            continue
+        pos = torch.arange(rank, ctx, dcp)
+        lp = pos // dcp
+        stored = torch.stack([case.keys64[s][pos], case.values64[s][pos]], dim=1)  # [n, 2, Hkv, D]
+        if cache.is_fp8:
+            stored = stored / torch.stack([k_scale, v_scale]).double()[None, :, None, None]
+        cache.data[torch.tensor(tables[s])[lp // bs], :, lp % bs] = stored.to(data.dtype)
     # Built on the CPU (fast element writes), then moved.
     cache = KVCache(data.to(device), k_scale.to(device), v_scale.to(device))
     layer = LayerParams(*(None if t is None else t.to(device) for t in (case.layer.sinks, case.layer.alibi_slopes)))
