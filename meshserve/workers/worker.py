@@ -86,6 +86,7 @@ class Worker:
         self.rank = rank
         self.init_method = init_method
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self._load_copy: tuple[torch.Tensor, torch.cuda.Event] | None = None  # expert counts on their way
         self.progress = progress
         self.runner: ModelRunner | None = None
         self.ctx = ParallelContext()
@@ -243,13 +244,30 @@ class Worker:
         if not layers or self.ctx.expert_tp_rank != 0:
             return [[0] * routed_experts(self.runner.model.arch) for _ in layers]
         out = []
-        for m in layers:
+        for m, local in zip(layers, self._expert_counts(layers)):
             shard = m.expert_shard
-            counts = [0] * (m.expert_load.numel() if shard is None else shard.num_experts)
+            counts = [0] * (len(local) if shard is None else shard.num_experts)
             first = 0 if shard is None else shard.first
-            counts[first : first + m.expert_load.numel()] = m.expert_load.tolist()
+            counts[first : first + len(local)] = local
             out.append(counts)
         return out
+
+    def _expert_counts(self, layers: list[torch.nn.Module]) -> list[list[int]]:
+        """Each layer's local counts, read without making the host wait for the device: on CUDA
+        this call starts a copy into pinned memory and returns the previous call's (one reporting
+        period old, long finished), so the step stream never drains for a metric."""
+        now = torch.stack([m.expert_load for m in layers])
+        if not now.is_cuda:
+            return now.tolist()
+        host = torch.empty(now.shape, dtype=now.dtype, pin_memory=True)
+        host.copy_(now, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        previous, self._load_copy = self._load_copy, (host, event)
+        if previous is None:
+            return torch.zeros(now.shape, dtype=now.dtype).tolist()
+        previous[1].synchronize()
+        return previous[0].tolist()
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,
