@@ -22,6 +22,7 @@ from pathlib import Path
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
+from meshserve.cluster.request import Request
 from meshserve.config import (
     QUANTIZATION_HELP,
     AttentionConfig,
@@ -30,7 +31,7 @@ from meshserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from meshserve.core.outputs import CompletionDelta, RequestOutput
+from meshserve.core.outputs import ChoiceAccumulator, CompletionDelta, CompletionOutput, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
@@ -133,11 +134,19 @@ class LLM:
         check(len(set(ids)) == len(ids), "request_id", ids, "distinct ids")
         for req in requests:
             self.core.add(req)
-        texts = {r.request_id: [] for r in requests}
+        choices = {r.request_id: ChoiceAccumulator() for r in requests}
         while self.core.has_unfinished():
             for delta in self.core.step():
-                texts[delta.request_id].append(delta.text)
-        return [self.core.output_of(r, "".join(texts[r.request_id])) for r in requests]
+                choices[delta.request_id].add(delta)
+        return [self._output(r, choices[r.request_id].outputs()) for r in requests]
+
+    def _output(self, req: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+        if req.params.num_samples == 1:
+            return self.core.output_of(req, outputs[0].text if outputs else "")
+        first = outputs[0]
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+                             token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+                             stop_reason=first.stop_reason, logprobs=first.logprobs, outputs=outputs)
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:

@@ -57,6 +57,9 @@ class RequestValidator:
         params = params or SamplingParams()
         check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         params.check_vocab(self.vocab_size)
+        limit = self.scheduler.max_num_seqs
+        check(params.num_samples <= limit, "best_of" if params.best_of is not None else "n", params.num_samples,
+              f"at most max_num_seqs={limit} (the samples of a request run side by side)")
         text, ids = self.encode(prompt)
         check_prompt_length(len(ids), max_model_len=self.max_model_len, scheduler=self.scheduler)
         if fit_max_tokens:

@@ -42,6 +42,12 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
+    # Owned by a search (beam search): after each token it waits, unscheduled, until its owner
+    # has chosen what it continues with (replace_last_output, a fork, or an abort).
+    held: bool = False
+    # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
+    # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
+    fork_into: list[Request] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
@@ -49,6 +55,11 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def replace_last_output(self, token_id: int) -> None:
+        """Continue with another last token (one whose K/V no step has computed yet)."""
+        self.output_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
 
     @property
     def num_tokens(self) -> int:
