@@ -20,6 +20,7 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
+from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.request import Request
@@ -31,7 +32,8 @@ from meshserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from meshserve.core.outputs import ChoiceAccumulator, CompletionDelta, CompletionOutput, RequestOutput
+from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.outputs import BeamSearchOutput, ChoiceAccumulator, CompletionDelta, CompletionOutput, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
@@ -120,9 +122,7 @@ class LLM:
         All prompts are validated before any is queued: one bad prompt refuses the whole call.
         """
         self._require("generate", "generate")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         check(len(params) == len(prompts), "params", len(params), f"one SamplingParams or {len(prompts)}")
@@ -147,6 +147,20 @@ class LLM:
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
                              stop_reason=first.stop_reason, logprobs=first.logprobs, outputs=outputs)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (text, or token ids), as HF transformers' generate(num_beams=
+        beam_width, do_sample=False) ranks beams; one output per prompt, its `.sequences` best
+        first. The beams of all prompts are batched together; they share their prompt's blocks
+        and fork copy-on-write (cluster/beam_search.py). Every prompt is validated first."""
+        self._require("generate", "beam_search")
+        check(isinstance(params, BeamSearchParams), "params", type(params).__name__, "a BeamSearchParams")
+        prompts = _prompt_list(prompts)
+        check(not self.core.has_unfinished(), "beam_search", "busy", "no requests in flight (one call at a time)")
+        search = BeamSearch(self.core, params)
+        requests = [self.core.make_request(prompt) for prompt in prompts]
+        search.requests_for(requests)  # every prompt checked before any runs
+        return search.run(requests)
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
@@ -180,6 +194,13 @@ class LLM:
     def shutdown(self) -> None:
         if self.core is not None:
             self.core.shutdown()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 # -- `meshserve generate` -------------------------------------------------------------------------
