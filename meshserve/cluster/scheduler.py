@@ -189,6 +189,8 @@ class Scheduler:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids, prefix=hit):
+                if self._preempt_held():
+                    continue  # a held request's blocks go to one that can run
                 break  # the head waits for blocks; nobody overtakes it
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
@@ -232,6 +234,14 @@ class Scheduler:
                 for child in req.fork_into:
                     self.fork(req, child)
                 self._finish(req, FinishReason.STOP)
+
+    def _preempt_held(self) -> bool:
+        """Preempt the newest held running request (it waits for its search's choice, so it
+        would keep blocks idle); False if there is none."""
+        held = next((r for r in reversed(self.running) if r.held), None)
+        if held is not None:
+            self._preempt(held)
+        return held is not None
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, requeue by arrival (ahead of younger requests)."""
