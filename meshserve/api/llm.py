@@ -20,7 +20,6 @@ import sys
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
-from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.request import Request
@@ -33,7 +32,14 @@ from meshserve.config import (
     SchedulerConfig,
 )
 from meshserve.core.beam_params import BeamSearchParams
-from meshserve.core.outputs import BeamSearchOutput, ChoiceAccumulator, CompletionDelta, CompletionOutput, RequestOutput
+from meshserve.core.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    ChoiceAccumulator,
+    CompletionDelta,
+    CompletionOutput,
+    RequestOutput,
+)
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
@@ -157,10 +163,18 @@ class LLM:
         check(isinstance(params, BeamSearchParams), "params", type(params).__name__, "a BeamSearchParams")
         prompts = _prompt_list(prompts)
         check(not self.core.has_unfinished(), "beam_search", "busy", "no requests in flight (one call at a time)")
-        search = BeamSearch(self.core, params)
-        requests = [self.core.make_request(prompt) for prompt in prompts]
-        search.requests_for(requests)  # every prompt checked before any runs
-        return search.run(requests)
+        requests = [self.core.make_request(prompt, beam=params) for prompt in prompts]
+        for req in requests:
+            self.core.add(req)
+        choices = {r.request_id: ChoiceAccumulator() for r in requests}
+        while self.core.has_unfinished():
+            for delta in self.core.step():
+                choices[delta.request_id].add(delta)
+        penalty = params.length_penalty
+        return [BeamSearchOutput(r.prompt, r.prompt_ids, [
+            BeamSequence(c.token_ids, c.cumulative_logprob, c.cumulative_logprob / len(c.token_ids) ** penalty,
+                         c.text, c.finish_reason) for c in choices[r.request_id].outputs()])
+            for r in requests]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:

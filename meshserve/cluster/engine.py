@@ -14,11 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshserve.cluster.admission import RequestValidator
+from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
 from meshserve.cluster.request import Request
 from meshserve.cluster.sample_group import SampleGroup
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, CompletionOutput, FinishReason, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
@@ -116,6 +118,8 @@ class EngineCore:
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, SampleGroup] = {}  # n / best_of requests by client id
         self._group_of: dict[str, SampleGroup] = {}  # ... by the ids of their unfinished samples
+        self._searches: dict[str, BeamSearch] = {}  # beam searches by client id
+        self._search_of: dict[str, BeamSearch] = {}  # ... by the ids of their live beams
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         # Overlap scheduling: the next step is planned and submitted while this one runs, with
@@ -127,17 +131,31 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                     request_id: str | None = None) -> Request:
-        """Tokenize and validate (admission.py); nothing is queued (errors leave no state behind)."""
+                     request_id: str | None = None, beam: BeamSearchParams | None = None) -> Request:
+        """Tokenize and validate (admission.py); nothing is queued (errors leave no state behind).
+        beam: a beam search (params None), checked against this model too."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = self.validator.make(prompt, params, request_id=rid, arrival=next(self._arrivals))
+        req = self.validator.make(prompt, params, request_id=rid, arrival=next(self._arrivals), beam=beam)
         self.scheduler.check_request(req)
+        if beam is not None:
+            self._search_for(req)  # its checks only: nothing is queued
         return req
+
+    def _search_for(self, request: Request) -> BeamSearch:
+        return BeamSearch(request, scheduler=self.scheduler, owners=self._search_of,
+                          eos_token_ids=self.info.eos_token_ids, vocab_size=self.info.vocab_size,
+                          max_model_len=self.info.max_model_len, tokenizer=self.tokenizer)
 
     def add(self, request: Request, *, bounded: bool = True) -> None:
         """Queue a request made by `make_request`; bounded=False: its caller bounds the queue.
         n / best_of > 1: its samples share the prompt's blocks (sample_group.py); deltas carry
         the request's id and the sample's index."""
+        if request.beam is not None:
+            check(request.request_id not in self._searches, "request_id", request.request_id, "an id not in use")
+            search = self._search_for(request)
+            search.start(bounded=bounded)
+            self._searches[request.request_id] = search
+            return
         if request.params.num_samples > 1:
             self._add_group(SampleGroup(request), bounded=bounded)
             return
@@ -171,6 +189,10 @@ class EngineCore:
         return req
 
     def abort(self, request_id: str) -> CompletionDelta | None:
+        search = self._searches.pop(request_id, None)
+        if search is not None:
+            search.abort()
+            return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
         group = self._groups.pop(request_id, None)
         if group is not None:
             for rid in group.request_ids:
@@ -190,8 +212,8 @@ class EngineCore:
     def detach(self, request_id: str) -> Request:
         """Take a request off this replica without finishing it (hand-over); its blocks are freed
         here (pin them first to keep its KV). No delta is produced."""
-        check(request_id not in self._groups, "request_id", request_id,
-              "a request with n = best_of = 1 (the samples of a group stay on their replica)")
+        check(request_id not in self._groups and request_id not in self._searches, "request_id", request_id,
+              "a request with n = best_of = 1 and no beam search (those stay on their replica)")
         self.drain()
         self._tracked.pop(request_id, None)
         return self.scheduler.detach(request_id)
@@ -244,6 +266,13 @@ class EngineCore:
     def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
         deltas = []
         for req in self.scheduler.update(step, output):
+            if req.chosen_by_search:  # a beam (one its search pruned in this loop is skipped)
+                search = self._search_of.get(req.request_id)
+                if search is not None:
+                    deltas += search.on_token(req)
+                    if search.done:
+                        self._searches.pop(search.request_id, None)
+                continue
             delta = self._delta(req)
             group = self._group_of.get(req.request_id)
             if group is None:

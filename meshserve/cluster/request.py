@@ -8,6 +8,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import FinishReason, TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
 
@@ -42,9 +43,11 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
-    # Owned by a search (beam search): after each token it waits, unscheduled, until its owner
-    # has chosen what it continues with (replace_last_output, a fork, or an abort).
+    # A beam: its search chooses its tokens, so from each step that samples it until the
+    # search has chosen (replace_last_output, a fork, or an abort) it is `held`: not scheduled.
+    chosen_by_search: bool = False
     held: bool = False
+    beam: BeamSearchParams | None = None  # set: the request is searched (cluster/beam_search.py)
     # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
     # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
     fork_into: list[Request] | None = None

@@ -274,6 +274,7 @@ class Scheduler:
             ))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
+            req.held |= sample and req.chosen_by_search
         self.stats.num_steps += bool(seqs)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())

@@ -111,11 +111,12 @@ def test_beam_search_equals_hf(llm, model, params):
 
 
 def test_beam_search_under_preemption(model):
-    """A pool far smaller than the beams need: beams are preempted and recomputed, results unchanged."""
+    """A pool far smaller than the beams need: beams (held ones too) are preempted and recomputed,
+    results unchanged."""
     path, hf, eos, batch = model
     params = BeamSearchParams(beam_width=4, max_tokens=NEW, length_penalty=0.5)
     small = LLM(path, attention_backend="TORCH", block_size=16, num_kv_blocks=6, max_model_len=MAX_LEN,
-                progress=False)
+                async_scheduling=False, progress=False)  # the synchronous engine here, overlap elsewhere
     try:
         free = small.core.kv.num_free_blocks
         outs = small.beam_search(batch, params)
