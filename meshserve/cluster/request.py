@@ -65,6 +65,11 @@ class Request:
         self.all_token_ids[-1] = token_id
 
     @property
+    def runs_whole(self) -> bool:
+        """n / best_of > 1 or beam search: one replica runs it from prompt to end (no hand-over)."""
+        return self.beam is not None or self.params.num_samples > 1
+
+    @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
