@@ -138,13 +138,17 @@ class LLM:
             requests.append(self.core.make_request(prompt, p))
         ids = [r.request_id for r in requests]
         check(len(set(ids)) == len(ids), "request_id", ids, "distinct ids")
+        return [self._output(r, outputs) for r, outputs in zip(requests, self._run_all(requests))]
+
+    def _run_all(self, requests: Sequence[Request]) -> list[list[CompletionOutput]]:
+        """Queue checked requests, step the engine until all are done: each one's completions."""
         for req in requests:
             self.core.add(req)
         choices = {r.request_id: ChoiceAccumulator() for r in requests}
         while self.core.has_unfinished():
             for delta in self.core.step():
                 choices[delta.request_id].add(delta)
-        return [self._output(r, choices[r.request_id].outputs()) for r in requests]
+        return [choices[r.request_id].outputs() for r in requests]
 
     def _output(self, req: Request, outputs: list[CompletionOutput]) -> RequestOutput:
         if req.params.num_samples == 1:
@@ -164,17 +168,11 @@ class LLM:
         prompts = _prompt_list(prompts)
         check(not self.core.has_unfinished(), "beam_search", "busy", "no requests in flight (one call at a time)")
         requests = [self.core.make_request(prompt, beam=params) for prompt in prompts]
-        for req in requests:
-            self.core.add(req)
-        choices = {r.request_id: ChoiceAccumulator() for r in requests}
-        while self.core.has_unfinished():
-            for delta in self.core.step():
-                choices[delta.request_id].add(delta)
         penalty = params.length_penalty
         return [BeamSearchOutput(r.prompt, r.prompt_ids, [
             BeamSequence(c.token_ids, c.cumulative_logprob, c.cumulative_logprob / len(c.token_ids) ** penalty,
-                         c.text, c.finish_reason) for c in choices[r.request_id].outputs()])
-            for r in requests]
+                         c.text, c.finish_reason) for c in outputs])
+            for r, outputs in zip(requests, self._run_all(requests))]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
