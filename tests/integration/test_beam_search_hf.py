@@ -129,6 +129,22 @@ def test_beam_search_under_preemption(model):
         assert [s.token_ids for s in out.sequences] == _hf_beams(hf, prompt, eos, params)[0]
 
 
+def test_beam_search_with_triton_paged_attention(model):
+    """The paged TRITON kernels (Triton interpreter on CPU) read the forked, copied blocks right."""
+    path, hf, eos, batch = model
+    params = BeamSearchParams(beam_width=3, max_tokens=8, length_penalty=0.5)
+    triton = LLM(path, attention_backend="TRITON", block_size=16, num_kv_blocks=32, max_model_len=MAX_LEN,
+                 progress=False)
+    try:
+        assert triton.core.info.backend == "TRITON"
+        outs = triton.beam_search(batch[1:], params)
+        assert triton.core.kv.stats.cow_copies > 0 and triton.core.kv.num_requests == 0
+    finally:
+        triton.shutdown()
+    for prompt, out in zip(batch[1:], outs):
+        assert [s.token_ids for s in out.sequences] == _hf_beams(hf, prompt, eos, params)[0]
+
+
 def test_beam_search_text_and_ignore_eos(llm, model):
     _, _, eos, batch = model
     out = llm.beam_search("Hello world", BeamSearchParams(beam_width=2, max_tokens=5, ignore_eos=True))[0]
