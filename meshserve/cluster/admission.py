@@ -61,6 +61,8 @@ class RequestValidator:
             check(isinstance(beam, BeamSearchParams), "beam", type(beam).__name__, "a BeamSearchParams")
             check(params is None, "params", params, "None with beam search (BeamSearchParams holds its settings)")
             params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True)
+            check(beam.beam_width <= self.scheduler.max_num_seqs, "beam_width", beam.beam_width,
+                  f"at most max_num_seqs={self.scheduler.max_num_seqs} (the beams run side by side)")
         params = params or SamplingParams()
         check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         params.check_vocab(self.vocab_size)

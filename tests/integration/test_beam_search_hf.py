@@ -251,12 +251,14 @@ def test_bad_n_best_of(kwargs, field):
     assert e.value.field == field
 
 
-def test_n_above_max_num_seqs_is_refused(model):
+def test_n_and_beam_width_above_max_num_seqs_are_refused(model):
     small = LLM(model[0], attention_backend="TORCH", block_size=16, num_kv_blocks=16, max_model_len=MAX_LEN,
                 max_num_seqs=4, progress=False)
     try:
         with pytest.raises(ConfigError, match="best_of.*max_num_seqs=4"):
             small.generate([[1, 2, 3]], SamplingParams(n=2, best_of=5))
+        with pytest.raises(ConfigError, match="beam_width=5.*max_num_seqs=4"):
+            small.beam_search([[1, 2, 3]], BeamSearchParams(beam_width=5))
         assert not small.core.scheduler.requests
     finally:
         small.shutdown()
