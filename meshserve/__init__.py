@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 _PUBLIC = {
     "LLM": "meshserve.api.llm",
     "SamplingParams": "meshserve.core.sampling_params",
+    "BeamSearchParams": "meshserve.core.beam_params",
+    "BeamSearchOutput": "meshserve.core.outputs",
     "RequestOutput": "meshserve.core.outputs",
     "CompletionDelta": "meshserve.core.outputs",
     "EmbeddingOutput": "meshserve.workers.embedder",
@@ -17,7 +19,8 @@ _PUBLIC = {
 
 if TYPE_CHECKING:
     from meshserve.api.llm import LLM
-    from meshserve.core.outputs import CompletionDelta, RequestOutput
+    from meshserve.core.beam_params import BeamSearchParams
+    from meshserve.core.outputs import BeamSearchOutput, CompletionDelta, RequestOutput
     from meshserve.core.sampling_params import SamplingParams
     from meshserve.workers.embedder import EmbeddingOutput
 
@@ -30,4 +33,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'meshserve' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionDelta", "EmbeddingOutput"]
+__all__ = ["LLM", "SamplingParams", "BeamSearchParams", "BeamSearchOutput", "RequestOutput", "CompletionDelta",
+           "EmbeddingOutput"]

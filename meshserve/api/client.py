@@ -121,7 +121,8 @@ def typed(cls, message):
 
 @dataclass
 class Completion:
-    """A whole Generate call: joined text and tokens, and the last response's fields."""
+    """A whole Generate call: joined text and tokens of completion 0, its last response's fields,
+    and every completion by index in `choices` (n > 1, beam search; one entry otherwise)."""
 
     request_id: str = ""
     text: str = ""
@@ -130,22 +131,34 @@ class Completion:
     finish_reason: str = ""
     stop_reason: str | int | None = None
     usage: pb.Usage = field(default_factory=pb.Usage)
+    cumulative_logprob: float | None = None
+    choices: dict[int, Completion] = field(default_factory=dict)
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.request_id = r.request_id
-        self.text += r.text
-        self.token_ids += r.token_ids
-        self.logprobs += r.logprobs
-        if r.finish_reason:
-            self.finish_reason = FINISH_NAMES[r.finish_reason]
-            which = r.WhichOneof("stop_reason")
-            self.stop_reason = getattr(r, which) if which else None
+        if r.HasField("usage"):
             self.usage = r.usage
+        choice = self.choices.setdefault(r.index, Completion(request_id=r.request_id))
+        for out in (choice, self) if r.index == 0 else (choice,):
+            out.text += r.text
+            out.token_ids += r.token_ids
+            out.logprobs += r.logprobs
+            if r.HasField("cumulative_logprob"):
+                out.cumulative_logprob = r.cumulative_logprob
+            if r.finish_reason:
+                out.finish_reason = FINISH_NAMES[r.finish_reason]
+                which = r.WhichOneof("stop_reason")
+                out.stop_reason = getattr(r, which) if which else None
 
 
 def generate_request(prompt: str | Sequence[int], *, model: str = "", request_id: str = "",
-                     **sampling) -> pb.GenerateRequest:
-    req = pb.GenerateRequest(model=model, request_id=request_id, sampling=pb.SamplingParams(**sampling))
+                     beam_search: dict | None = None, **sampling) -> pb.GenerateRequest:
+    """beam_search: BeamSearchParams fields (beam_width=..., ...) instead of sampling settings."""
+    req = pb.GenerateRequest(model=model, request_id=request_id)
+    if beam_search is not None:
+        req.beam_search.CopyFrom(pb.BeamSearchParams(**beam_search))
+    if sampling or beam_search is None:
+        req.sampling.CopyFrom(pb.SamplingParams(**sampling))
     if isinstance(prompt, str):
         req.text = prompt
     else:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError, Message
 
 from meshserve.cluster.service import InferenceService, ModelCard, ServiceStats
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.errors import ConfigError, NotFoundError, check
@@ -28,7 +29,8 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REAS
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 # Optional scalar fields copied to SamplingParams unchanged when set.
 _PLAIN = ("temperature", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "max_tokens", "logprobs", "skip_special_tokens")
+          "max_tokens", "logprobs", "skip_special_tokens", "n", "best_of")
+_EARLY_STOPPING = {pb.EARLY_STOPPING_HEURISTIC: False, pb.EARLY_STOPPING_ON: True, pb.EARLY_STOPPING_NEVER: "never"}
 
 
 @dataclass(frozen=True)
@@ -148,6 +150,20 @@ def sampling_params_of(msg: pb.SamplingParams, vocab_size: int, limits: ApiLimit
                           include_stop_str_in_output=msg.include_stop_str_in_output, **kw)
 
 
+def beam_params_of(request: pb.GenerateRequest) -> BeamSearchParams | None:
+    """The request's beam search settings (None: it samples); `sampling` must then be unset."""
+    if not request.HasField("beam_search"):
+        return None
+    check(not request.HasField("sampling"), "sampling", "set", "unset when beam_search is set")
+    msg = request.beam_search
+    kw: dict[str, object] = {name: getattr(msg, name) for name in ("max_tokens", "length_penalty")
+                             if msg.HasField(name)}
+    check(msg.early_stopping in _EARLY_STOPPING, "early_stopping", msg.early_stopping,
+          "EARLY_STOPPING_HEURISTIC, EARLY_STOPPING_ON or EARLY_STOPPING_NEVER")
+    return BeamSearchParams(beam_width=msg.beam_width, early_stopping=_EARLY_STOPPING[msg.early_stopping],
+                            ignore_eos=msg.ignore_eos, **kw)
+
+
 def check_stops(stop: list[str], stop_token_ids: list[int], vocab_size: int,
                 limits: ApiLimits) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """Stop strings and stop token ids within a public endpoint's limits (gRPC and HTTP alike)."""
@@ -165,7 +181,9 @@ def check_stops(stop: list[str], stop_token_ids: list[int], vocab_size: int,
 
 def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None) -> pb.GenerateResponse:
     out = pb.GenerateResponse(request_id=request_id, token_ids=delta.token_ids, text=delta.text,
-                              finish_reason=_FINISH[delta.finish_reason] if delta.finished else 0)
+                              finish_reason=_FINISH[delta.finish_reason], index=delta.index)
+    if delta.cumulative_logprob is not None:
+        out.cumulative_logprob = delta.cumulative_logprob
     for lp in delta.logprobs:
         out.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.engine import EngineConfig, EngineCore
+from meshserve.cluster.request import Request
 from meshserve.config import (
     QUANTIZATION_HELP,
     AttentionConfig,
@@ -30,7 +31,15 @@ from meshserve.config import (
     ParallelConfig,
     SchedulerConfig,
 )
-from meshserve.core.outputs import CompletionDelta, RequestOutput
+from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.outputs import (
+    BeamSearchOutput,
+    BeamSequence,
+    ChoiceAccumulator,
+    CompletionDelta,
+    CompletionOutput,
+    RequestOutput,
+)
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
@@ -119,9 +128,7 @@ class LLM:
         All prompts are validated before any is queued: one bad prompt refuses the whole call.
         """
         self._require("generate", "generate")
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if params is None or isinstance(params, SamplingParams):
             params = [params or SamplingParams()] * len(prompts)
         check(len(params) == len(prompts), "params", len(params), f"one SamplingParams or {len(prompts)}")
@@ -131,13 +138,41 @@ class LLM:
             requests.append(self.core.make_request(prompt, p))
         ids = [r.request_id for r in requests]
         check(len(set(ids)) == len(ids), "request_id", ids, "distinct ids")
+        return [self._output(r, outputs) for r, outputs in zip(requests, self._run_all(requests))]
+
+    def _run_all(self, requests: Sequence[Request]) -> list[list[CompletionOutput]]:
+        """Queue checked requests, step the engine until all are done: each one's completions."""
         for req in requests:
             self.core.add(req)
-        texts = {r.request_id: [] for r in requests}
+        choices = {r.request_id: ChoiceAccumulator() for r in requests}
         while self.core.has_unfinished():
             for delta in self.core.step():
-                texts[delta.request_id].append(delta.text)
-        return [self.core.output_of(r, "".join(texts[r.request_id])) for r in requests]
+                choices[delta.request_id].add(delta)
+        return [choices[r.request_id].outputs() for r in requests]
+
+    def _output(self, req: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+        if req.params.num_samples == 1:
+            return self.core.output_of(req, outputs[0].text if outputs else "")
+        first = outputs[0]
+        return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
+                             token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
+                             stop_reason=first.stop_reason, logprobs=first.logprobs, outputs=outputs)
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search for every prompt (text, or token ids), as HF transformers' generate(num_beams=
+        beam_width, do_sample=False) ranks beams; one output per prompt, its `.sequences` best
+        first. The beams of all prompts are batched together; they share their prompt's blocks
+        and fork copy-on-write (cluster/beam_search.py). Every prompt is validated first."""
+        self._require("generate", "beam_search")
+        check(isinstance(params, BeamSearchParams), "params", type(params).__name__, "a BeamSearchParams")
+        prompts = _prompt_list(prompts)
+        check(not self.core.has_unfinished(), "beam_search", "busy", "no requests in flight (one call at a time)")
+        requests = [self.core.make_request(prompt, beam=params) for prompt in prompts]
+        penalty = params.length_penalty
+        return [BeamSearchOutput(r.prompt, r.prompt_ids, [
+            BeamSequence(c.token_ids, c.cumulative_logprob, c.cumulative_logprob / len(c.token_ids) ** penalty,
+                         c.text, c.finish_reason) for c in outputs])
+            for r, outputs in zip(requests, self._run_all(requests))]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:
@@ -171,6 +206,13 @@ class LLM:
     def shutdown(self) -> None:
         if self.core is not None:
             self.core.shutdown()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (text, or token ids) or several, as a list of prompts."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        return [prompts]
+    return list(prompts)
 
 
 # -- `meshserve generate` -------------------------------------------------------------------------

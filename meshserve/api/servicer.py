@@ -83,16 +83,17 @@ class InferenceServicer:
         try:
             card = self._model(self._parsed(request).model)
             prompt = convert.prompt_of(request, card.vocab_size)
-            params = convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
+            beam = convert.beam_params_of(request)
+            params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
             scoped = self._scoped(request_id, context)
-            stream = self.service.generate(ids, params, request_id=scoped)
+            stream = self.service.generate(ids, params, request_id=scoped, beam=beam)
             num_tokens = 0
             async for delta in stream:
                 timer.tokens(len(delta.token_ids))
                 num_tokens += len(delta.token_ids)
-                if not delta.token_ids and not delta.finished:
+                if not delta.token_ids and delta.finish_reason is None:
                     continue
                 usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens) if delta.finished else None
                 await context.write(convert.response_of(delta, request_id, usage))

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 from meshserve.cluster.request import Request
 from meshserve.config import SchedulerConfig
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.workers.checkpoint import encode_ids
@@ -51,12 +52,23 @@ class RequestValidator:
         return None, ids
 
     def make(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: str, arrival: int,
-             fit_max_tokens: bool = False) -> Request:
+             fit_max_tokens: bool = False, beam: BeamSearchParams | None = None) -> Request:
         """A checked Request. fit_max_tokens: refuse a max_tokens the context cannot hold (a
-        server refuses what it would cut short; the offline engine stops at max_model_len)."""
+        server refuses what it would cut short; the offline engine stops at max_model_len).
+        beam: search instead of sampling (params must be None; the engine checks what depends
+        on the model's EOS ids)."""
+        if beam is not None:
+            check(isinstance(beam, BeamSearchParams), "beam", type(beam).__name__, "a BeamSearchParams")
+            check(params is None, "params", params, "None with beam search (BeamSearchParams holds its settings)")
+            params = SamplingParams(temperature=0, max_tokens=beam.max_tokens, ignore_eos=True)
+            check(beam.beam_width <= self.scheduler.max_num_seqs, "beam_width", beam.beam_width,
+                  f"at most max_num_seqs={self.scheduler.max_num_seqs} (the beams run side by side)")
         params = params or SamplingParams()
         check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         params.check_vocab(self.vocab_size)
+        limit = self.scheduler.max_num_seqs
+        check(params.num_samples <= limit, "best_of" if params.best_of is not None else "n", params.num_samples,
+              f"at most max_num_seqs={limit} (the samples of a request run side by side)")
         text, ids = self.encode(prompt)
         check_prompt_length(len(ids), max_model_len=self.max_model_len, scheduler=self.scheduler)
         if fit_max_tokens:
@@ -64,4 +76,4 @@ class RequestValidator:
             check(params.max_tokens <= room, "max_tokens", params.max_tokens,
                   f"an integer in [1, {room}]: max_model_len={self.max_model_len} minus the prompt's "
                   f"{len(ids)} tokens")
-        return Request(request_id, ids, params, arrival=arrival, prompt=text)
+        return Request(request_id, ids, params, arrival=arrival, prompt=text, beam=beam)

@@ -14,8 +14,8 @@ where the ranks run.
 
 Unified mode: one pool; any replica runs a request from prompt to end. Disaggregated: a new
 request goes to the prefill pool (longest cached prefix, then least load) and runs until its
-first token; the decode pool (most free KV, then least load) takes it over with its KV (or by
-recomputing the prompt when the hand-over fails). The client sees one stream either way.
+first token (n / best_of > 1 and beam search: to its end); the decode pool (most free KV, then
+least load) takes it over with its KV (or recomputes). The client sees one stream either way.
 
 Errors: ConfigError for bad input (nothing queued; admission.py), CapacityError when prompt +
 max_tokens can never fit a replica's KV cache, QueueFullError when the entry pool's queue is full,
@@ -46,6 +46,7 @@ from meshserve.cluster.replica import Replica
 from meshserve.cluster.request import Request, Ticket
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
@@ -289,12 +290,11 @@ class Coordinator:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str) -> AsyncIterator[CompletionDelta]:
+                       request_id: str, beam: BeamSearchParams | None = None) -> AsyncIterator[CompletionDelta]:
         """Deltas of one request until its finished one. Refusals raise before anything is queued."""
-        request = self._make_request(prompt, params, request_id)
-        pool = self.pools[self._entry]
-        pool.admit()
-        ticket = Ticket(request_id, request, prefill_only=self.disaggregated)
+        request = self._make_request(prompt, params, request_id, beam)
+        (pool := self.pools[self._entry]).admit()
+        ticket = Ticket(request_id, request, prefill_only=self.disaggregated and not request.runs_whole)
         self._live[request_id] = ticket
         request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
         pool.submit(ticket)
@@ -369,13 +369,13 @@ class Coordinator:
             kv_transport=KV_TRANSPORT if self.disaggregated else "")
 
     # -- internals ------------------------------------------------------------------------------
-    def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:
+    def _make_request(self, prompt, params: SamplingParams | None, request_id: str, beam=None) -> Request:
         if self._closing or not self._started:
             raise UnavailableError("the service is shutting down" if self._closing else "the service is starting")
         check(isinstance(request_id, str) and request_id != "", "request_id", request_id, "a non-empty string")
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
         request = self.validator.make(prompt, params, request_id=f"{next(self._serial)}:{request_id}",
-                                      arrival=next(self._arrivals), fit_max_tokens=True)
+                                      arrival=next(self._arrivals), fit_max_tokens=True, beam=beam)
         need = len(request.prompt_ids) + request.params.max_tokens
         capacity = min((r.core.kv.capacity_tokens for p in self.pools.values() for r in p.replicas
                         if r.core is not None), default=need)

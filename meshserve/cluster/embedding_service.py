@@ -53,8 +53,8 @@ class EmbeddingService:
         check(self.embedder.tokenizer is not None, "token_ids", "ids", "text: the checkpoint has no tokenizer.json")
         return self.embedder.tokenizer.decode(list(token_ids))
 
-    async def generate(self, prompt: str | Sequence[int], params: SamplingParams, *,
-                       request_id: str) -> AsyncIterator[CompletionDelta]:
+    async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: str,
+                       beam=None) -> AsyncIterator[CompletionDelta]:
         raise ConfigError("model", self.model_name, "a generate model for Generate; this model's task is 'embed' "
                           "(use Embed)")
         yield  # an async generator, like every other service's generate

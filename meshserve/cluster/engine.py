@@ -14,11 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from meshserve.cluster.admission import RequestValidator
+from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
 from meshserve.cluster.request import Request
+from meshserve.cluster.sample_group import SampleGroup
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from meshserve.core.outputs import CompletionDelta, FinishReason, RequestOutput
+from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.outputs import CompletionDelta, CompletionOutput, FinishReason, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.manager import KVCacheManager
@@ -113,6 +116,10 @@ class EngineCore:
         self.validator = RequestValidator(self.tokenizer, vocab_size=self.info.vocab_size,
                                           max_model_len=self.info.max_model_len, scheduler=config.scheduler)
         self._tracked: dict[str, _Tracked] = {}
+        self._groups: dict[str, SampleGroup] = {}  # n / best_of requests by client id
+        self._group_of: dict[str, SampleGroup] = {}  # ... by the ids of their unfinished samples
+        self._searches: dict[str, BeamSearch] = {}  # beam searches by client id
+        self._search_of: dict[str, BeamSearch] = {}  # ... by the ids of their live beams
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         # Overlap scheduling: the next step is planned and submitted while this one runs, with
@@ -124,17 +131,48 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
 
     def make_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                     request_id: str | None = None) -> Request:
-        """Tokenize and validate (admission.py); nothing is queued (errors leave no state behind)."""
+                     request_id: str | None = None, beam: BeamSearchParams | None = None) -> Request:
+        """Tokenize and validate (admission.py); nothing is queued (errors leave no state behind).
+        beam: a beam search (params None), checked against this model too."""
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        req = self.validator.make(prompt, params, request_id=rid, arrival=next(self._arrivals))
+        req = self.validator.make(prompt, params, request_id=rid, arrival=next(self._arrivals), beam=beam)
         self.scheduler.check_request(req)
+        if beam is not None:
+            self._search_for(req)  # its checks only: nothing is queued
         return req
 
+    def _search_for(self, request: Request) -> BeamSearch:
+        return BeamSearch(request, scheduler=self.scheduler, owners=self._search_of,
+                          eos_token_ids=self.info.eos_token_ids, vocab_size=self.info.vocab_size,
+                          max_model_len=self.info.max_model_len, tokenizer=self.tokenizer)
+
     def add(self, request: Request, *, bounded: bool = True) -> None:
-        """Queue a request made by `make_request`; bounded=False: its caller bounds the queue."""
+        """Queue a request made by `make_request`; bounded=False: its caller bounds the queue.
+        n / best_of > 1: its samples share the prompt's blocks (sample_group.py); deltas carry
+        the request's id and the sample's index."""
+        if request.beam is not None:
+            check(request.request_id not in self._searches, "request_id", request.request_id, "an id not in use")
+            search = self._search_for(request)
+            search.start(bounded=bounded)
+            self._searches[request.request_id] = search
+            return
+        if request.params.num_samples > 1:
+            self._add_group(SampleGroup(request), bounded=bounded)
+            return
         self.scheduler.add_request(request, bounded=bounded)
         self._tracked[request.request_id] = _Tracked(request, self._detokenizer(request))
+
+    def _add_group(self, group: SampleGroup, *, bounded: bool) -> None:
+        check(group.request_id not in self._groups, "request_id", group.request_id, "an id not in use")
+        for rid in group.request_ids:
+            check(rid not in self.scheduler.requests, "request_id", rid, "an id not in use")
+        queued = [group.root] if group.root is not None else group.samples  # a root forks the samples
+        for i, req in enumerate(queued):
+            self.scheduler.add_request(req, bounded=bounded and i == 0)  # the group counts once in the queue
+        for sample in group.samples:
+            self._tracked[sample.request_id] = _Tracked(sample, self._detokenizer(sample))
+            self._group_of[sample.request_id] = group
+        self._groups[group.request_id] = group
 
     def _detokenizer(self, request: Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
@@ -151,6 +189,17 @@ class EngineCore:
         return req
 
     def abort(self, request_id: str) -> CompletionDelta | None:
+        search = self._searches.pop(request_id, None)
+        if search is not None:
+            search.abort()
+            return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
+        group = self._groups.pop(request_id, None)
+        if group is not None:
+            for rid in group.request_ids:
+                self.scheduler.abort(rid)
+                self._tracked.pop(rid, None)
+                self._group_of.pop(rid, None)
+            return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
         req = self.scheduler.abort(request_id)
         if req is None:
             return None
@@ -163,6 +212,8 @@ class EngineCore:
     def detach(self, request_id: str) -> Request:
         """Take a request off this replica without finishing it (hand-over); its blocks are freed
         here (pin them first to keep its KV). No delta is produced."""
+        check(request_id not in self._groups and request_id not in self._searches, "request_id", request_id,
+              "a request with n = best_of = 1 and no beam search (those stay on their replica)")
         self.drain()
         self._tracked.pop(request_id, None)
         return self.scheduler.detach(request_id)
@@ -213,7 +264,26 @@ class EngineCore:
         return deltas
 
     def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
-        return [self._delta(req) for req in self.scheduler.update(step, output)]
+        deltas = []
+        for req in self.scheduler.update(step, output):
+            if req.chosen_by_search:  # a beam (one its search pruned in this loop is skipped)
+                search = self._search_of.get(req.request_id)
+                if search is not None:
+                    deltas += search.on_token(req)
+                    if search.done:
+                        self._searches.pop(search.request_id, None)
+                continue
+            delta = self._delta(req)
+            group = self._group_of.get(req.request_id)
+            if group is None:
+                deltas.append(delta)
+                continue
+            deltas += group.on_delta(delta)
+            if delta.finished:
+                del self._group_of[req.request_id]
+            if group.done:
+                del self._groups[group.request_id]
+        return deltas
 
     def _delta(self, req: Request) -> CompletionDelta:
         tracked = self._tracked[req.request_id]
@@ -238,12 +308,16 @@ class EngineCore:
                                req.stop_reason, new_logprobs)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:
+        """The finished output of a request with n = 1 (for n > 1: RequestOutput.of_choices)."""
+        logprobs = list(req.output_logprobs) if req.params.logprobs is not None else None
+        cumulative = sum(lp.logprob for lp in logprobs) if logprobs is not None else None
+        only = CompletionOutput(0, list(req.output_ids), text, req.finish_reason, req.stop_reason, logprobs,
+                                cumulative)
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
-            token_ids=list(req.output_ids), text=text, finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
-            num_cached_tokens=req.num_cached_tokens,
+            token_ids=only.token_ids, text=text, finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=req.num_cached_tokens,
+            outputs=[only],
         )
 
     def shutdown(self) -> None:

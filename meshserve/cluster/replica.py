@@ -363,13 +363,14 @@ class Replica:
         orphans = []
         for rid, ticket in self._held.items():
             req = ticket.request
+            # (n > 1 and beam requests run as other requests in the scheduler: once queued, counted as run)
             never_ran = rid in self._inbox or (req.status is RequestStatus.WAITING and not req.output_ids
-                                               and req.num_preemptions == 0)
+                                               and req.num_preemptions == 0 and not req.runs_whole)
             if not never_ran:  # it was in flight: it may be what killed the replica, so no retry
                 ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
                 request_event(rid, "failed", replica=self.name)
             else:
-                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt)
+                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt, beam=req.beam)
                 ticket.holder = None
                 orphans.append(ticket)
         self._held.clear()

@@ -8,6 +8,7 @@ import asyncio
 import enum
 from dataclasses import dataclass, field
 
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import FinishReason, TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
 
@@ -42,6 +43,14 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
+    # A beam: its search chooses its tokens, so from each step that samples it until the
+    # search has chosen (replace_last_output, a fork, or an abort) it is `held`: not scheduled.
+    chosen_by_search: bool = False
+    held: bool = False
+    beam: BeamSearchParams | None = None  # set: the request is searched (cluster/beam_search.py)
+    # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
+    # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
+    fork_into: list[Request] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
@@ -49,6 +58,16 @@ class Request:
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def replace_last_output(self, token_id: int) -> None:
+        """Continue with another last token (one whose K/V no step has computed yet)."""
+        self.output_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+
+    @property
+    def runs_whole(self) -> bool:
+        """n / best_of > 1 or beam search: one replica runs it from prompt to end (no hand-over)."""
+        return self.beam is not None or self.params.num_samples > 1
 
     @property
     def num_tokens(self) -> int:

@@ -155,8 +155,8 @@ class Scheduler:
         for req in list(self.running):
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if req.status is not RequestStatus.RUNNING or req.held:
+                continue  # preempted earlier in this loop, or waiting for its search's choice
             if req.ends_with_pending or req.num_tokens + req.num_pending_outputs >= self.max_model_len:
                 continue  # the token still being drawn finishes it (overlap scheduling)
             n = min(req.num_uncomputed_tokens, budget)
@@ -171,13 +171,17 @@ class Scheduler:
                 budget -= n
         if not preempted:
             budget = self._admit(budget, scheduled)
-        return ScheduledStep(self._plan(scheduled), scheduled, preempted)
+        plan = self._plan(scheduled)
+        self._fork_groups(scheduled)
+        return ScheduledStep(plan, scheduled, preempted)
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if req.num_pending_outputs:
-                break  # preempted while a token of it was being drawn: resumes once that token is known
+            req = next((r for r in self.waiting if not r.held), None)  # held ones wait for their search
+            if req is None or req.num_pending_outputs:
+                break  # (pending: preempted while a token of it was drawn; resumes once that token is known)
+            if req.fork_into and self.running and len(self.running) + len(req.fork_into) > self.config.max_num_seqs:
+                break  # an n / best_of group's sequences run side by side
             hit = self.kv.lookup_prefix(req.all_token_ids)
             cached = hit.num_tokens
             n = req.num_tokens - cached
@@ -185,8 +189,10 @@ class Scheduler:
                 break
             n = min(n, budget)
             if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids, prefix=hit):
+                if self._preempt_held():
+                    continue  # a held request's blocks go to one that can run
                 break  # the head waits for blocks; nobody overtakes it
-            self.waiting.pop(0)
+            self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
             req.sent_table_lens = None  # new blocks: the workers get the tables whole
@@ -197,6 +203,45 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         return budget
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Add `child`, which continues `parent`'s computed tokens with tokens of its own (a sample
+        of an n group, a beam): running on parent's blocks, shared copy-on-write, when parent
+        holds them; otherwise waiting, to be computed from its tokens like a preempted request."""
+        check(child.request_id not in self.requests, "request_id", child.request_id, "an id not in use")
+        check(child.all_token_ids[:parent.num_computed_tokens] == parent.all_token_ids[:parent.num_computed_tokens],
+              "child", child.request_id, f"a continuation of {parent.request_id}'s computed tokens")
+        self.requests[child.request_id] = child
+        child.sent_table_lens = None
+        if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens > 0:
+            check(self.kv.num_tokens(parent.request_id) == parent.num_computed_tokens, "parent",
+                  parent.request_id, "a request whose every allocated slot is scheduled")
+            self.kv.fork(parent.request_id, child.request_id)
+            child.status = RequestStatus.RUNNING
+            child.num_computed_tokens = parent.num_computed_tokens
+            bisect.insort(self.running, child, key=lambda r: r.arrival)
+        else:
+            child.status = RequestStatus.WAITING
+            child.num_computed_tokens = 0
+            bisect.insort(self.waiting, child, key=lambda r: r.arrival)
+
+    def _fork_groups(self, scheduled: Sequence[tuple[Request, int]]) -> None:
+        """Roots of n / best_of groups whose prompt is now scheduled hand their blocks to their
+        samples and leave: each sample computes the prompt's last token itself (its first write
+        copies the shared partial block) and draws its own first token from it."""
+        for req, _ in scheduled:
+            if req.fork_into is not None and req.num_computed_tokens == req.num_tokens and not req.is_finished:
+                for child in req.fork_into:
+                    self.fork(req, child)
+                self._finish(req, FinishReason.STOP)
+
+    def _preempt_held(self) -> bool:
+        """Preempt the newest held running request (it waits for its search's choice, so it
+        would keep blocks idle); False if there is none."""
+        held = next((r for r in reversed(self.running) if r.held), None)
+        if held is not None:
+            self._preempt(held)
+        return held is not None
 
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, requeue by arrival (ahead of younger requests)."""
@@ -216,7 +261,7 @@ class Scheduler:
                 self._announced.add(req.request_id)
                 new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
             start, known = req.num_computed_tokens, req.num_tokens
-            sample = start + n == known + req.num_pending_outputs
+            sample = start + n == known + req.num_pending_outputs and req.fork_into is None
             tables, offsets = self._table_changes(req)
             seqs.append(ScheduledSeq(
                 request_id=req.request_id,
@@ -229,6 +274,7 @@ class Scheduler:
             ))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
+            req.held |= sample and req.chosen_by_search
         self.stats.num_steps += bool(seqs)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())

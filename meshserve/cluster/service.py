@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 from meshserve.cluster.handover_stats import HandoverRow
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 
@@ -79,8 +80,11 @@ class InferenceService(Protocol):
 
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
-    def generate(self, prompt: str | Sequence[int], params: SamplingParams, *,
-                 request_id: str) -> AsyncIterator[CompletionDelta]: ...
+    def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: str,
+                 beam: BeamSearchParams | None = None) -> AsyncIterator[CompletionDelta]:
+        """Deltas until the finished one; n > 1 and beam search carry each completion's index.
+        beam: search instead of sampling (params None)."""
+        ...
 
     async def abort(self, request_id: str) -> bool: ...
 

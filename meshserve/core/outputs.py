@@ -31,6 +31,10 @@ class CompletionDelta:
 
     finished is True on a request's last delta; finish_reason says why; stop_reason is the stop
     string or stop token id that ended it (None for EOS, length or abort).
+    index: which completion of the request (n > 1: 0..n-1, best first when best_of > n). With
+    n > 1 a completion ends at its delta with a finish_reason, and `finished` marks the request's
+    last delta (all completions ended). cumulative_logprob: the completion's sum of token
+    logprobs, on its last delta, when logprobs were computed (logprobs asked, or best_of > n).
     """
 
     request_id: str
@@ -40,6 +44,21 @@ class CompletionDelta:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    index: int = 0
+    cumulative_logprob: float | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's n completions (RequestOutput.outputs[index])."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprobs] | None = None
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -49,6 +68,8 @@ class RequestOutput:
     token_ids: every generated token (a final EOS or stop token id included); text: their
     decoded text, cut before a stop string (unless include_stop_str_in_output).
     num_cached_tokens: prompt tokens served from the prefix cache.
+    outputs: every completion (n of them, index order); token_ids, text, finish_reason,
+    stop_reason and logprobs above are those of outputs[0].
     """
 
     request_id: str
@@ -60,7 +81,51 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class ChoiceAccumulator:
+    """A request's deltas gathered into its completions, by index (n >= 1)."""
+
+    def __init__(self) -> None:
+        self._by_index: dict[int, CompletionOutput] = {}
+
+    def add(self, delta: CompletionDelta) -> None:
+        out = self._by_index.setdefault(delta.index, CompletionOutput(delta.index, [], "", None))
+        out.token_ids += delta.token_ids
+        out.text += delta.text
+        if delta.logprobs:
+            out.logprobs = (out.logprobs or []) + delta.logprobs
+        if delta.finish_reason is not None:
+            out.finish_reason, out.stop_reason = delta.finish_reason, delta.stop_reason
+        if delta.cumulative_logprob is not None:
+            out.cumulative_logprob = delta.cumulative_logprob
+
+    def outputs(self) -> list[CompletionOutput]:
+        return [self._by_index[i] for i in sorted(self._by_index)]
+
+
+@dataclass
+class BeamSequence:
+    """One beam-search hypothesis: generated token ids (a final EOS included), their text,
+    cum_logprob (sum of token logprobs) and score (cum_logprob / len(token_ids) ** length_penalty,
+    what beams are ranked by)."""
+
+    token_ids: list[int]
+    cum_logprob: float
+    score: float
+    text: str
+    finish_reason: FinishReason
+
+
+@dataclass
+class BeamSearchOutput:
+    """LLM.beam_search's result for one prompt: `sequences` best first (beam_width of them)."""
+
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]

@@ -15,6 +15,7 @@ from typing import Any
 from meshserve.errors import check
 
 MAX_LOGPROBS = 20
+MAX_SAMPLES = 256  # n / best_of: sequences of one request (also bounded by max_num_seqs)
 
 
 def _is_int(value: object) -> bool:
@@ -42,6 +43,10 @@ class SamplingParams:
     stop_token_ids     token ids that end the output (included in token_ids, not in text)
     ignore_eos         keep going past the model's EOS tokens
     logprobs           None, or 0..20: also return the sampled token's logprob and the top-n
+    n                  1..MAX_SAMPLES: completions returned for the prompt (indexes 0..n-1)
+    best_of            None (= n) or an integer in [n, MAX_SAMPLES]: sequences sampled; the n with the
+                       highest cumulative logprob are returned. The sequences share the prompt's KV
+                       blocks; with a seed, sequence i draws with seed + i (reproducible).
     """
 
     temperature: float = 1.0
@@ -59,6 +64,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -85,10 +92,18 @@ class SamplingParams:
               "integers >= 0")
         check(self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
               "logprobs", self.logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", self.n, f"an integer in [1, {MAX_SAMPLES}]")
+        check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES), "best_of",
+              self.best_of, f"None (= n) or an integer in [n={self.n}, {MAX_SAMPLES}]")
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences sampled for the request: best_of, or n."""
+        return self.best_of or self.n
 
     @property
     def has_penalties(self) -> bool:

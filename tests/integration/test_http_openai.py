@@ -199,9 +199,44 @@ def test_sampling_settings_and_logprobs_equal_grpc(server):
     assert all(len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob >= c.top_logprobs[1].logprob for c in content)
 
 
+def test_n_choices_streamed_by_index_and_beam_search(server):
+    http, grpc_client = server["http"], server["grpc"]
+    greedy = [grpc_client.generate(p, max_tokens=10, temperature=0) for p in PROMPTS[:2]]
+    batch = http.completions.create(model=MODEL, prompt=PROMPTS[:2], max_tokens=10, temperature=0, n=3)
+    assert [c.index for c in sorted(batch.choices, key=lambda c: c.index)] == list(range(6))
+    for c in batch.choices:  # prompt i's choices are i * n + 0..2
+        assert c.text == greedy[c.index // 3].text
+    assert batch.usage.completion_tokens == 3 * sum(len(g.token_ids) for g in greedy)
+    seeded = dict(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=1.0, seed=7, n=2)
+    whole = http.completions.create(**seeded)
+    streamed = {0: "", 1: ""}
+    for chunk in http.completions.create(**seeded, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == {c.index: c.text for c in whole.choices} and streamed[0] != streamed[1]
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    chat = http.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9, seed=1, n=2)
+    parts, roles = {0: "", 1: ""}, []
+    for chunk in http.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0.9, seed=1,
+                                              n=2, stream=True):
+        for c in chunk.choices:
+            parts[c.index] += c.delta.content or ""
+            roles += [c.index] if c.delta.role else []
+    assert roles == [0, 1] and parts == {c.index: c.message.content for c in chat.choices}
+    beams = http.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, n=3,
+                                    extra_body={"use_beam_search": True, "length_penalty": 0.5})
+    want = grpc_client.generate(PROMPTS[1], beam_search=dict(beam_width=3, max_tokens=10, length_penalty=0.5))
+    assert [c.text for c in sorted(beams.choices, key=lambda c: c.index)] == [
+        want.choices[i].text for i in range(3)]
+    wait_idle(grpc_client, server["free"])
+
+
 @pytest.mark.parametrize("kwargs,param,message", [
     (dict(temperature=-1), "temperature", "temperature=-1.0 is not allowed: a finite number >= 0"),
-    (dict(n=2), "n", "n=2 is not allowed"),
+    (dict(n=0), "n", "n=0 is not allowed: an integer in [1, 256]"),
+    (dict(n=3, best_of=2), "best_of", "best_of=2 is not allowed"),
+    (dict(n=2, extra_body={"use_beam_search": True, "top_k": 3}), "top_k", "unset with use_beam_search"),
+    (dict(n=11, extra_body={"use_beam_search": True}), "beam_width", "beam_width=11 is not allowed"),
     (dict(max_tokens=0), "max_tokens", "max_tokens=0 is not allowed: an integer >= 1"),
     (dict(extra_body={"top_k": -5}), "top_k", "top_k=-5 is not allowed"),
     (dict(extra_body={"bogus": 1}), "bogus", "Extra inputs are not permitted"),

@@ -143,9 +143,10 @@ class OpenAIFrontend:
         jobs = []
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, card.max_model_len - len(ids))
-            params = body.sampling_params(max_tokens=n, logprobs=logprobs, vocab_size=card.vocab_size,
-                                          limits=self.limits)
-            jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params))
+            beam = body.beam_params(max_tokens=n)
+            params = None if beam else body.sampling_params(max_tokens=n, logprobs=logprobs,
+                                                            vocab_size=card.vocab_size, limits=self.limits)
+            jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, beam))
         return jobs
 
     async def _respond(self, request: Request, jobs: list[Job], whole, events) -> Response:
@@ -194,12 +195,13 @@ class OpenAIFrontend:
                                                                                want_logprobs=want_logprobs), None)
 
         async def chunks() -> AsyncIterator[dict]:
-            offsets = [0] * len(jobs)
+            offsets = [0] * sum(job.n for job in jobs)  # per choice
             async for job, delta in merged(jobs):
-                if delta.text or delta.finished or delta.logprobs:
-                    yield shaper.completion_chunk(job, delta, offset=offsets[job.index], want_logprobs=want_logprobs,
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                    i = job.choice_index(delta)
+                    yield shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
                                                   usage=body.include_usage)
-                    offsets[job.index] += len(delta.text)
+                    offsets[i] += len(delta.text)
 
         return await self._respond(request, jobs, None, lambda: self._events(
             chunks(), jobs, shaper, "text_completion", body.include_usage))
@@ -223,10 +225,10 @@ class OpenAIFrontend:
             return await self._respond(request, jobs, lambda: shaper.chat(jobs, want_logprobs=body.logprobs), None)
 
         async def chunks() -> AsyncIterator[dict]:
-            for job in jobs:
-                yield shaper.chat_chunk(job, None, usage=body.include_usage)
+            for i in range(jobs[0].n):
+                yield shaper.chat_chunk(None, None, index=i, usage=body.include_usage)
             async for job, delta in merged(jobs):
-                if delta.text or delta.finished or delta.logprobs:
+                if delta.text or delta.finish_reason is not None or delta.logprobs:
                     yield shaper.chat_chunk(job, delta, want_logprobs=body.logprobs, usage=body.include_usage)
 
         return await self._respond(request, jobs, None, lambda: self._events(

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.api import convert
 from meshserve.api.convert import ApiLimits
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.errors import check
 
@@ -66,9 +67,11 @@ class _Sampling(_Body):
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    use_beam_search: bool = False  # beam search with beam_width = n (vLLM's extra)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def check_common(self) -> None:
-        check(self.n == 1, "n", self.n, "1 (one choice per request; send several requests for more)")
         check(not self.logit_bias, "logit_bias", self.logit_bias, "unset or empty (logit bias is not supported)")
         check(self.stream or self.stream_options is None, "stream_options", self.stream_options,
               "unset unless stream is true")
@@ -76,6 +79,17 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def beam_params(self, *, max_tokens: int) -> BeamSearchParams | None:
+        """use_beam_search: the search's settings (beam_width = n); sampling fields then stay unset."""
+        if not self.use_beam_search:
+            return None
+        sampled = sorted(name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "best_of")
+                         if getattr(self, name, None) is not None)
+        check(not sampled, sampled[0] if sampled else "", "set", "unset with use_beam_search")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
+                                early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
+                                skip_special_tokens=self.skip_special_tokens)
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                         limits: ApiLimits) -> SamplingParams:
@@ -85,7 +99,8 @@ class _Sampling(_Body):
         kw: dict[str, Any] = {name: getattr(self, name) for name in (
             "temperature", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty")
             if getattr(self, name) is not None}
-        return SamplingParams(**kw, top_k=self.top_k if self.top_k and self.top_k >= 1 else None,
+        return SamplingParams(**kw, n=self.n, best_of=getattr(self, "best_of", None),
+                              top_k=self.top_k if self.top_k and self.top_k >= 1 else None,
                               max_tokens=max_tokens, stop=stop, stop_token_ids=stop_ids, ignore_eos=self.ignore_eos,
                               logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
                               skip_special_tokens=self.skip_special_tokens)
@@ -101,7 +116,6 @@ class CompletionRequest(_Sampling):
 
     def check(self) -> None:
         self.check_common()
-        check(self.best_of in (None, 1), "best_of", self.best_of, "unset or 1")
         check(self.suffix is None, "suffix", self.suffix, "unset (suffix is not supported)")
         check(self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
               f"unset or an integer in [0, {MAX_LOGPROBS}]")

@@ -32,11 +32,12 @@ def usage_of(jobs: Sequence[Job]) -> dict:
 
 
 def finish_of(delta: CompletionDelta) -> str | None:
-    return str(delta.finish_reason) if delta.finished and delta.finish_reason is not None else None
+    """Set on a choice's last delta (with n > 1 a choice may end before the request)."""
+    return str(delta.finish_reason) if delta.finish_reason is not None else None
 
 
 def stop_reason_of(delta: CompletionDelta) -> str | int | None:
-    return delta.stop_reason if delta.finished else None
+    return delta.stop_reason if delta.finish_reason is not None else None
 
 
 class Shaper:
@@ -78,24 +79,24 @@ class Shaper:
 
     def completion(self, jobs: Sequence[Job], *, echo: Sequence[str] | None, want_logprobs: bool) -> dict:
         choices = []
-        for job in jobs:
+        for job, pieces in ((j, p) for j in jobs for p in j.choices()):
             prefix = echo[job.index] if echo else ""
-            last = job.pieces[-1]
-            lps = [lp for d in job.pieces for lp in d.logprobs]
+            last = pieces[-1]
+            lps = [lp for d in pieces for lp in d.logprobs]
             choices.append({
-                "index": job.index, "text": prefix + "".join(d.text for d in job.pieces),
+                "index": job.choice_index(last), "text": prefix + "".join(d.text for d in pieces),
                 "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
         return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
 
     def chat(self, jobs: Sequence[Job], *, want_logprobs: bool) -> dict:
         choices = []
-        for job in jobs:
-            last = job.pieces[-1]
-            lps = [lp for d in job.pieces for lp in d.logprobs]
+        for pieces in (pieces for job in jobs for pieces in job.choices()):
+            last = pieces[-1]
+            lps = [lp for d in pieces for lp in d.logprobs]
             choices.append({
-                "index": job.index,
-                "message": {"role": "assistant", "content": "".join(d.text for d in job.pieces)},
+                "index": jobs[0].choice_index(last),
+                "message": {"role": "assistant", "content": "".join(d.text for d in pieces)},
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
         return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
@@ -104,7 +105,7 @@ class Shaper:
 
     def completion_chunk(self, job: Job, delta: CompletionDelta, *, offset: int, want_logprobs: bool,
                          usage: bool) -> dict:
-        choice = {"index": job.index, "text": delta.text,
+        choice = {"index": job.choice_index(delta), "text": delta.text,
                   "logprobs": self.completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
                   "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
         out = {**self._head("text_completion"), "choices": [choice]}
@@ -112,13 +113,13 @@ class Shaper:
             out["usage"] = None
         return out
 
-    def chat_chunk(self, job: Job | None, delta: CompletionDelta | None, *,
+    def chat_chunk(self, job: Job | None, delta: CompletionDelta | None, *, index: int = 0,
                    want_logprobs: bool = False, usage: bool = False) -> dict:
-        if delta is None:  # the opening chunk of a choice: the role
-            choice = {"index": job.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        if delta is None:  # the opening chunk of choice `index`: the role
+            choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}
         else:
-            choice = {"index": job.index, "delta": {"content": delta.text} if delta.text else {},
+            choice = {"index": job.choice_index(delta), "delta": {"content": delta.text} if delta.text else {},
                       "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
                       "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
         out = {**self._head("chat.completion.chunk"), "choices": [choice]}

@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from meshserve.api.metrics import RequestTimer, ServerMetrics
 from meshserve.api.status import outcome_of
 from meshserve.cluster.service import InferenceService
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 
@@ -41,7 +42,8 @@ class Job:
     index: int
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | None  # None: beam search
+    beam: BeamSearchParams | None = None
     timer: RequestTimer | None = None
     first: CompletionDelta | None = None
     stream: AsyncIterator[CompletionDelta] | None = None
@@ -49,6 +51,22 @@ class Job:
     completed: bool = False
     code: str = "CANCELLED"  # until the job ends otherwise
     pieces: list[CompletionDelta] = field(default_factory=list)
+
+    @property
+    def n(self) -> int:
+        """Choices of this prompt."""
+        return self.beam.beam_width if self.beam is not None else self.params.n
+
+    def choice_index(self, delta: CompletionDelta) -> int:
+        """OpenAI's choice index: prompt index * n + the completion's index."""
+        return self.index * self.n + delta.index
+
+    def choices(self) -> list[list[CompletionDelta]]:
+        """job.pieces by completion, in index order (the finished request's whole output)."""
+        by_index: dict[int, list[CompletionDelta]] = {}
+        for delta in self.pieces:
+            by_index.setdefault(delta.index, []).append(delta)
+        return [by_index[i] for i in sorted(by_index)]
 
     def count(self, delta: CompletionDelta) -> None:
         self.num_tokens += len(delta.token_ids)
@@ -59,7 +77,7 @@ class Job:
 
 
 async def _first(service: InferenceService, job: Job) -> None:
-    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id)
+    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id, beam=job.beam)
     try:
         job.first = await anext(job.stream)
     except StopAsyncIteration:  # a stream that ends without a last delta is the service's bug
