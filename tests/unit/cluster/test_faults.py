@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import threading
 import time
 from dataclasses import replace
 
@@ -201,3 +202,24 @@ def test_step_deadline_grows_with_the_step_and_bad_settings_name_the_field():
                                   ("max_migrations", 101, r"\[0, 100\]")):
         with pytest.raises(ConfigError, match=allowed):
             PoolConfig(**{field: value})
+
+
+def test_the_progress_watchdog_fails_a_step_thread_that_never_returns(tmp_path):
+    """The backstop for executors without their own deadline (the in-process rank)."""
+    from meshserve.cluster.replica import Replica
+
+    replica = Replica("unified-0", "unified", engine_config(tmp_path), lambda: None,
+                      deadline=StepDeadline(0.1, 0.0))
+    release = threading.Event()
+
+    async def main():
+        assert await replica._in_thread(lambda x: x + 1, 6) == 7
+        with pytest.raises(WorkerHungError, match=r"no progress for 1.2 s \(the progress watchdog\)") as caught:
+            await replica._in_thread(release.wait)  # longest step 0.1 s + a call's 0.1 s + the 1 s margin
+        release.set()
+        return caught.value.waited_s
+
+    try:
+        assert asyncio.run(main()) == pytest.approx(1.2)
+    finally:
+        release.set()
