@@ -237,14 +237,11 @@ def plot(r: dict, path: Path) -> None:
                       "after the last", fontsize=9)
     axes[1].set_xlabel("seconds")
     if r.get("flood"):
+        from bench.prompt_flood import plot_gaps
+
         f = r["flood"]
-        for s, e in f["spans"]:
-            axes[2].axvspan(s, e, color="tab:red", alpha=0.12)
-        axes[2].plot([t for t, _ in f["gaps"]], [g * 1e3 for _, g in f["gaps"]], ".", ms=3)
-        axes[2].set_title(f"a running stream's inter-token gaps, a 15 MiB prompt in flight shaded: max "
-                          f"{f['max_gap_s'] * 1e3:.0f} ms", fontsize=9)
-        axes[2].set_ylabel("gap, ms")
-        axes[2].set_xlabel("seconds since the stream's first token")
+        plot_gaps(axes[2], f, f"a running stream's inter-token gaps, a {f['prompt_chars'] / 2**20:.0f} MiB prompt "
+                              f"in flight shaded: max {f['max_gap_s'] * 1e3:.0f} ms")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", flush=True)

@@ -28,7 +28,6 @@ from meshserve.cluster.request import Request, RequestStatus, Ticket
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, ReplicaFailedError
-from tests.tiny_models import write_checkpoint
 from tests.unit.cluster import fault_workers
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
@@ -100,18 +99,11 @@ def test_a_stopped_rank_is_declared_hung_killed_and_its_streams_migrate(tmp_path
     serve(faulty_config(tmp_path / "null", tp=2, replicas=1, step_timeout_base_s=1.5), body)
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("faults") / "llama"
-    write_checkpoint(path, "llama", seed=4)
-    return path
-
-
-def test_a_killed_decode_rank_migrates_greedy_seeded_and_stop_string_streams_token_identical(ckpt):
+def test_a_killed_decode_rank_migrates_greedy_seeded_and_stop_string_streams_token_identical(tiny_llama):
     """Disaggregated: the streams were handed over (KV imported) to two decode replicas; the one
     killed gives its streams to the other, which recomputes their KV."""
     picked = [r for r in mixed_requests() if r[0] in ("text-0", "seeded", "stop-str", "ids-9", "shared-1")]
-    want = reference(ckpt, picked)
+    want = reference(tiny_llama, picked)
 
     async def body(c):
         tasks = await start_streams(c, picked)
@@ -128,7 +120,7 @@ def test_a_killed_decode_rank_migrates_greedy_seeded_and_stop_string_streams_tok
                          state=c.health)
         return got
 
-    got = serve(faulty_config(ckpt, worker="PacedWorker", mode="disaggregated", decode_replicas=2,
+    got = serve(faulty_config(tiny_llama, worker="PacedWorker", mode="disaggregated", decode_replicas=2,
                                     step_timeout_base_s=5.0), body)
     for rid, _, _ in picked:
         g, w = got[rid], want[rid]
