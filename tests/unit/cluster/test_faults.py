@@ -20,7 +20,7 @@ from dataclasses import replace
 import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig
-from meshserve.cluster.executor import StepDeadline, WorkerHungError
+from meshserve.cluster.executor import StepDeadline, WorkerDiedError, WorkerHungError
 from meshserve.cluster.migration import continued, plan_failover
 from meshserve.cluster.null_worker import POISON_TOKEN
 from meshserve.cluster.replica import ReplicaState
@@ -99,29 +99,57 @@ def test_a_stopped_rank_is_declared_hung_killed_and_its_streams_migrate(tmp_path
     serve(faulty_config(tmp_path / "null", tp=2, replicas=1, step_timeout_base_s=1.5), body)
 
 
-def test_a_killed_decode_rank_migrates_greedy_seeded_and_stop_string_streams_token_identical(tiny_llama):
-    """Disaggregated: the streams were handed over (KV imported) to two decode replicas; the one
-    killed gives its streams to the other, which recomputes their KV."""
+def test_a_killed_rank_process_is_reported_and_its_streams_migrate_at_once(tmp_path):
+    """Two replicas of one rank process each; SIGKILL on the busier one's rank: no deadline
+    involved (its launcher reports it), the streams move to the other replica."""
+    requests = [(f"k{i}", [i + 7, 8, 9], LONG) for i in range(4)]
+
+    async def body(c):
+        tasks = await start_streams(c, requests)
+        victim = busiest(c)
+        held = victim.load  # streams that cannot finish now: a killed rank takes no further step
+        (rank0,) = victim.executor.ranks.procs
+        os.kill(rank0.pid, signal.SIGKILL)
+        results = {rid: await t for rid, t in tasks.items()}
+        for rid, prompt, _ in requests:
+            assert (results[rid].token_ids, results[rid].finish_reason) == (null_tokens(prompt, 100), "length")
+        assert f"rank 0 process (pid {rank0.pid}) died: killed by SIGKILL" in str(victim.error)
+        s = c.stats()
+        assert (s.num_migrations, s.num_hung_replicas) == (held, 0) and held >= 1
+        await wait_until(lambda: c.health().healthy_replicas == 2, "the slot to be rebuilt", timeout_s=60,
+                         state=c.health)
+        assert_no_held_blocks(c)
+
+    (tmp_path / "null").mkdir()
+    serve(faulty_config(tmp_path / "null", step_timeout_base_s=5.0), body)
+
+
+def test_a_dead_decode_rank_s_greedy_seeded_and_stop_string_streams_continue_token_identical(tiny_llama):
+    """The real model, disaggregated (ranks on threads): the streams were handed over with their
+    KV to two decode replicas; the rank of the one holding `seeded` dies, and its streams continue
+    on the other decode replica, which recomputes their KV. Tokens, text and finish reasons equal
+    the single-process engine's."""
     picked = [r for r in mixed_requests() if r[0] in ("text-0", "seeded", "stop-str", "ids-9", "shared-1")]
     want = reference(tiny_llama, picked)
 
     async def body(c):
         tasks = await start_streams(c, picked)
-        await wait_until(lambda: sum(r.load for r in c.replicas("decode")) == len(picked) or any(
-            t.done() for t in tasks.values()), "every stream to reach a decode replica", timeout_s=60)
-        victim = max(c.replicas("decode"), key=lambda r: r.load)
-        held = victim.load  # streams that cannot finish now: a killed rank takes no further step
-        (rank0,) = victim.executor.ranks.procs
-        os.kill(rank0.pid, signal.SIGKILL)
+        await wait_until(lambda: any(t.client_id == "seeded" for r in c.replicas("decode") for t in r._held.values())
+                         or tasks["seeded"].done(), "`seeded` to reach a decode replica", timeout_s=60)
+        (victim,) = [r for r in c.replicas("decode") if any(t.client_id == "seeded" for t in r._held.values())]
+        fault_workers.DyingWorker.doomed = "seeded"
         got = {rid: await t for rid, t in tasks.items()}
-        assert 1 <= c.stats().num_migrations <= held  # streams moved mid-way
-        assert "killed by SIGKILL" in str(victim.error)
+        assert isinstance(victim.error, WorkerDiedError) and "rank 0 thread ended" in str(victim.error)
+        assert c.stats().num_migrations >= 1  # `seeded` at least moved mid-way
         await wait_until(lambda: c.health().healthy_replicas == 3, "the decode slot to be rebuilt", timeout_s=60,
                          state=c.health)
         return got
 
-    got = serve(faulty_config(tiny_llama, worker="PacedWorker", mode="disaggregated", decode_replicas=2,
-                                    step_timeout_base_s=5.0), body)
+    try:
+        got = serve(faulty_config(tiny_llama, runtime="threads", worker="DyingWorker", mode="disaggregated",
+                                  decode_replicas=2, step_timeout_base_s=5.0), body)
+    finally:
+        fault_workers.DyingWorker.doomed = None
     for rid, _, _ in picked:
         g, w = got[rid], want[rid]
         assert (g.token_ids, g.text, g.finish_reason) == (w.token_ids, w.text, w.finish_reason), rid
