@@ -311,7 +311,8 @@ class Replica:
                 del self._held[rid]
                 ticket.sink.put_nowait(exc)
                 continue
-            self.counters.prompt_tokens += len(ticket.request.prompt_ids)
+            if not ticket.migrations:  # a moved request's prompt was counted where it arrived
+                self.counters.prompt_tokens += len(ticket.request.prompt_ids)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
