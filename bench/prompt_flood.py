@@ -108,15 +108,20 @@ def plot(results: list[dict], path: Path) -> None:
         return
     fig, axes = plt.subplots(len(results), 1, figsize=(8, 2.6 * len(results)), squeeze=False)
     for ax, r in zip(axes[:, 0], results):
-        for s, e in r["spans"]:
-            ax.axvspan(s, e, color="tab:red", alpha=0.12)
-        ax.plot([t for t, _ in r["gaps"]], [g * 1e3 for _, g in r["gaps"]], ".", ms=3)
-        ax.set_title(f"{r['case']}: max gap {r['max_gap_s'] * 1e3:.0f} ms (shaded: a huge prompt in flight)")
-        ax.set_ylabel("inter-token gap, ms")
-    axes[-1, 0].set_xlabel("seconds since the stream's first token")
+        plot_gaps(ax, r, f"{r['case']}: max gap {r['max_gap_s'] * 1e3:.0f} ms (shaded: a huge prompt in flight)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print(f"plot: {path}", flush=True)
+
+
+def plot_gaps(ax, r: dict, title: str) -> None:
+    """One case's inter-token gaps over time, the huge prompts' spans shaded (bench/chaos.py too)."""
+    for s, e in r["spans"]:
+        ax.axvspan(s, e, color="tab:red", alpha=0.12)
+    ax.plot([t for t, _ in r["gaps"]], [g * 1e3 for _, g in r["gaps"]], ".", ms=3)
+    ax.set_title(title, fontsize=9)
+    ax.set_ylabel("inter-token gap, ms")
+    ax.set_xlabel("seconds since the stream's first token")
 
 
 def main() -> None:

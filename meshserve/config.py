@@ -48,6 +48,11 @@ def _seconds(name: str, value: float) -> None:
     check(ok, name, value, f"a number of seconds in [1, {MAX_WAIT_S:.0f}]")
 
 
+def _number(name: str, value: float, low: float, high: float) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and low <= value <= high
+    check(ok, name, value, f"a number of seconds in [{low:g}, {high:g}]")
+
+
 def _positive(name: str, value: int, *, upper: int | None = None) -> None:
     allowed = "an integer >= 1" if upper is None else f"an integer in [1, {upper}]"
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= 1
@@ -175,6 +180,14 @@ class PoolConfig:
     placement_timeout_s: float | None = field(default=None, metadata={
         "help": "seconds a replica's ranks may wait for Ray to place them before start-up fails; "
                 "None = wait forever (health NOT_SERVING meanwhile, progress logged)"})
+    step_timeout_base_s: float = field(default=60.0, metadata={
+        "help": "a step (or rank call) unanswered for this long plus --step-timeout-per-token x its tokens "
+                "means a hung rank: the replica is failed, killed and rebuilt, its requests migrate"})
+    step_timeout_per_token_s: float = field(default=0.005, metadata={
+        "help": "seconds added to a step's deadline per token it computes (long prefills get longer)"})
+    max_migrations: int = field(default=2, metadata={
+        "help": "times a request may move to another replica after its replica died or hung; "
+                "then its stream fails with UNAVAILABLE (0 = never move)"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", as_enum(PoolMode, "pools", self.mode))
@@ -182,6 +195,11 @@ class PoolConfig:
             _positive(name, getattr(self, name), upper=4096)
         if self.placement_timeout_s is not None:
             _seconds("placement_timeout", self.placement_timeout_s)
+        _number("step_timeout_base", self.step_timeout_base_s, 0.1, MAX_WAIT_S)
+        _number("step_timeout_per_token", self.step_timeout_per_token_s, 0.0, 10.0)
+        m = self.max_migrations
+        check(isinstance(m, int) and not isinstance(m, bool) and 0 <= m <= 100, "max_migrations", m,
+              "an integer in [0, 100]")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,13 @@ METRICS = {
                                   "until they first were",
     "meshserve_replica_rebuilds_total": "counter: failed replicas rebuilt and serving again",
     "meshserve_replica_rebuild_failures_total": "counter: rebuild attempts that failed (retried with backoff)",
+    "meshserve_migrations_total": "counter: requests that moved on to another replica, from the tokens already "
+                                  "streamed, when theirs died or hung",
+    "meshserve_migrations_refused_total": "counter: requests that failed instead (UNAVAILABLE): already moved "
+                                          "--max-migrations times",
+    "meshserve_hung_replicas_total": "counter: replicas declared hung (a step past its deadline) and killed",
+    "meshserve_hung_detection_seconds_total": "counter: seconds the hung steps had run when declared (divide by "
+                                              "meshserve_hung_replicas_total for the mean time to detect)",
     "meshserve_moe_expert_tokens": "gauge: rows routed to each expert since its replica started (labels layer, "
                                    "expert; MoE models)",
     "meshserve_kv_handovers_total": "counter: KV hand-overs: on a prefill replica the requests it handed over, on a "
@@ -98,6 +105,10 @@ class _ServiceCollector(Collector):
             yield gauge("meshserve_degraded_seconds", h.degraded_s)
         yield counter("meshserve_replica_rebuilds_total", h.num_rebuilds)
         yield counter("meshserve_replica_rebuild_failures_total", h.num_rebuild_failures)
+        yield counter("meshserve_migrations_total", s.num_migrations)
+        yield counter("meshserve_migrations_refused_total", s.num_migrations_refused)
+        yield counter("meshserve_hung_replicas_total", s.num_hung_replicas)
+        yield counter("meshserve_hung_detection_seconds_total", s.hung_detection_s)
         if s.expert_tokens:
             experts = GaugeMetricFamily("meshserve_moe_expert_tokens", doc["meshserve_moe_expert_tokens"],
                                         labels=["layer", "expert"])

@@ -84,6 +84,14 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
                         "as long as it takes, health NOT_SERVING and progress logged every 30 s)")
+    c.add_argument("--step-timeout-base", type=float, default=60.0, metavar="SECONDS",
+                   help="a step unanswered for this long (+ --step-timeout-per-token x its tokens) means a hung "
+                        "rank: the replica is killed and rebuilt, its streams move on (default 60)")
+    c.add_argument("--step-timeout-per-token", type=float, default=0.005, metavar="SECONDS",
+                   help="seconds a step's deadline grows per token it computes (default 0.005)")
+    c.add_argument("--max-migrations", type=int, default=2,
+                   help="times a stream may move to another replica after its replica died or hung, continuing "
+                        "from the tokens already sent; then UNAVAILABLE (default 2; 0 = never)")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
     s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
@@ -137,7 +145,8 @@ def configs_of(args: argparse.Namespace):
     )
     pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address,
-                       placement_timeout_s=args.placement_timeout)
+                       placement_timeout_s=args.placement_timeout, step_timeout_base_s=args.step_timeout_base,
+                       step_timeout_per_token_s=args.step_timeout_per_token, max_migrations=args.max_migrations)
     server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
                           metrics_host=args.metrics_host, metrics_token_file=args.metrics_token_file,
                           tls_cert=args.tls_cert,

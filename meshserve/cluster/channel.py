@@ -22,7 +22,9 @@ Frames that do not verify, from unknown peers, malformed, or replayed (a rank ta
 above the last it took) are dropped and counted (`rejected`), never raised.
 
 While the driver waits it wakes every POLL_MS to ask the launcher whether a rank died, so a dead
-actor or process surfaces as WorkerDiedError within a fraction of a second.
+actor or process surfaces as WorkerDiedError within a fraction of a second; a step or call given
+`timeout_s` that gets no answer in that time raises WorkerHungError (a stopped process or a hung
+GPU looks alive to the launcher: the deadline is what catches it).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 import msgpack
 import zmq
 
-from meshserve.cluster.executor import RankError, WorkerDiedError
+from meshserve.cluster.executor import RankError, WorkerDiedError, WorkerHungError
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 
 log = logging.getLogger("meshserve.channel")
@@ -109,21 +111,29 @@ class DriverChannel:
         while len(self._routes) < self.world:
             self._recv(check, deadline)
 
-    def step(self, plan: bytes, check: Callable[[], None]) -> bytes:
-        """Send a msgpack StepPlan to every rank; rank 0's msgpack StepOutput."""
+    def step(self, plan: bytes, check: Callable[[], None], *, timeout_s: float | None = None,
+             what: str = "step") -> bytes:
+        """Send a msgpack StepPlan to every rank; rank 0's msgpack StepOutput. No answer within
+        timeout_s: WorkerHungError (any rank may be the hung one: rank 0 waits for the others
+        in the step's collectives)."""
         seq = self._send_all(STEP, [plan] * self.world, check)
+        hung = _Hung(timeout_s, lambda: f"{what} got no answer from rank 0")
         while True:
-            rank, kind, rseq, payload = self._recv(check)
+            rank, kind, rseq, payload = self._recv(check, hung=hung)
             if kind == OUT and rseq == seq and rank == 0:
                 return payload
 
-    def call(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None]) -> list[Any]:
-        """Run an allow-listed method on every rank (args[r] for rank r); results by rank."""
+    def call(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None], *,
+             timeout_s: float | None = None) -> list[Any]:
+        """Run an allow-listed method on every rank (args[r] for rank r); results by rank. Not
+        every rank answered within timeout_s: WorkerHungError naming the silent ones."""
         payloads = [msgpack.packb({"method": method, "args": a}) for a in args]
         seq = self._send_all(CALL, payloads, check)
         results: dict[int, Any] = {}
+        hung = _Hung(timeout_s, lambda: f"call {method!r}: rank(s) "
+                     f"{sorted(set(range(self.world)) - set(results))} did not answer")
         while len(results) < self.world:
-            rank, kind, rseq, payload = self._recv(check)
+            rank, kind, rseq, payload = self._recv(check, hung=hung)
             if kind == RET and rseq == seq:
                 results[rank] = msgpack.unpackb(payload)
         return [results[r] for r in range(self.world)]
@@ -153,13 +163,16 @@ class DriverChannel:
                 raise WorkerDiedError(f"rank {rank} is not connected to the channel ({exc!r})") from exc
         return seq
 
-    def _recv(self, check: Callable[[], None], deadline: float | None = None) -> tuple[int, bytes, int, bytes]:
+    def _recv(self, check: Callable[[], None], deadline: float | None = None, *,
+              hung: _Hung | None = None) -> tuple[int, bytes, int, bytes]:
         """The next authenticated frame as (rank, kind, seq, payload); others are dropped."""
         while True:
             while not self._sock.poll(POLL_MS, zmq.POLLIN):
                 check()
                 if deadline is not None and time.monotonic() > deadline:
                     raise WorkerDiedError("ranks did not connect to the channel in time")
+                if hung is not None:
+                    hung.check()
             frame = self._accept(self._sock.recv_multipart())
             if frame is None:
                 continue
@@ -192,6 +205,21 @@ class DriverChannel:
             self.rejected.add("unknown peer" if rank is None else "bad tag")
             return None
         return rank, kind, struct.unpack("<Q", seq)[0], payload
+
+
+class _Hung:
+    """The deadline of one step or call: check() raises WorkerHungError once it has passed."""
+
+    def __init__(self, timeout_s: float | None, what: Callable[[], str]) -> None:
+        self.start = time.monotonic()
+        self.timeout_s = timeout_s
+        self.what = what
+
+    def check(self) -> None:
+        waited = time.monotonic() - self.start
+        if self.timeout_s is not None and waited > self.timeout_s:
+            raise WorkerHungError(f"{self.what()} within {self.timeout_s:.1f} s (the step deadline): "
+                                  "a rank is hung", waited_s=waited)
 
 
 def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: Callable[[], bool] | None = None,

@@ -7,13 +7,14 @@ the ranks (threads here, subprocesses in multiproc.py, Ray actors in ray_executo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 from meshserve.cluster.channel import ChannelAuth, DriverChannel, serve_rank
-from meshserve.cluster.executor import WorkerDiedError, WorkerSpec, info_from_dict
+from meshserve.cluster.executor import StepDeadline, WorkerDiedError, WorkerHungError, WorkerSpec, info_from_dict
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import check
 from meshserve.workers.step import StepOutput, StepPlan
@@ -30,7 +31,8 @@ class RankGroup(Protocol):
         `auth` (the cluster secret and the channel's session) goes with each rank's start-up
         config (stdin, actor arguments), never on a command line or in a log.
     check(): raise WorkerDiedError naming the rank and the cause if a rank is gone.
-    stop(): end every rank (after the channel said stop, or forcibly).
+    stop(now=False): end every rank (after the channel said stop, or forcibly); now: a rank is
+        hung and cannot hear a stop, so kill at once instead of giving the loops a grace period.
     """
 
     world: int
@@ -40,7 +42,7 @@ class RankGroup(Protocol):
 
     def check(self) -> None: ...
 
-    def stop(self) -> None: ...
+    def stop(self, *, now: bool = False) -> None: ...
 
 
 class ChannelExecutor:
@@ -48,11 +50,15 @@ class ChannelExecutor:
 
     secret: the cluster's (the coordinator hands one to every replica, so that their ranks can
     exchange KV); default `ClusterSecret.resolve()`.
+    deadline: how long a step (by its token count) or a rank call may go unanswered once the
+    ranks have started; then WorkerHungError, and `shutdown` kills the ranks at once.
     """
 
     def __init__(self, ranks: RankGroup, *, name: str = "replica", start_timeout_s: float = 600.0,
-                 secret: ClusterSecret | None = None) -> None:  # fmt: skip
+                 secret: ClusterSecret | None = None, deadline: StepDeadline | None = None) -> None:  # fmt: skip
         self.ranks = ranks
+        self.deadline = deadline or StepDeadline()
+        self.hung = False
         self.secret = secret if secret is not None else ClusterSecret.resolve()
         self.name = name
         self.start_timeout_s = start_timeout_s
@@ -72,20 +78,36 @@ class ChannelExecutor:
         return self.info
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        return StepOutput.from_msgpack(self.channel.step(plan.to_msgpack(), self.ranks.check))
+        tokens = sum(s.num_new_tokens for s in plan.seqs)
+        with self._watch():
+            return StepOutput.from_msgpack(self.channel.step(
+                plan.to_msgpack(), self.ranks.check, timeout_s=self.deadline.seconds(tokens),
+                what=f"step {plan.step_id} ({tokens} tokens)"))
 
     def call(self, method: str, args: Sequence[dict[str, Any]]) -> list[Any]:
-        return self.channel.call(method, args, self.ranks.check)
+        with self._watch():
+            return self.channel.call(method, args, self.ranks.check, timeout_s=self.deadline.seconds())
+
+    @contextlib.contextmanager
+    def _watch(self):
+        try:
+            yield
+        except WorkerHungError:
+            self.hung = True
+            raise
 
     def check_health(self) -> list[dict[str, Any]]:
+        """Every rank alive (its launcher says) and answering over the channel within the deadline
+        (a stopped process looks alive to its launcher)."""
         self.ranks.check()
-        return [{"rank": r, "alive": True} for r in range(self.ranks.world)]
+        answers = self.call("check_health", [{}] * self.ranks.world)
+        return [{**a, "rank": r, "alive": True} for r, a in enumerate(answers)]
 
     def shutdown(self) -> None:
         if self.channel is not None:
             self.channel.close()
             self.channel = None
-        self.ranks.stop()
+        self.ranks.stop(now=self.hung)
 
 
 class ThreadRanks:
@@ -121,7 +143,7 @@ class ThreadRanks:
         if self._thread is not None and not self._thread.is_alive():
             raise WorkerDiedError(f"rank 0 thread ended: {self._error!r}")
 
-    def stop(self) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+    def stop(self, *, now: bool = False) -> None:
+        if self._thread is not None:  # a hung thread cannot be killed: it is left behind (a daemon)
+            self._thread.join(timeout=0 if now else 10)
             self._thread = None

@@ -20,7 +20,7 @@ least load) takes it over with its KV (or recomputes). The client sees one strea
 Errors: ConfigError for bad input (nothing queued; admission.py), CapacityError when prompt +
 max_tokens can never fit a replica's KV cache, QueueFullError when the entry pool's queue is full,
 UnavailableError when no replica can take it, ReplicaFailedError (raised by the stream) when the
-replica serving it dies.
+replica serving it fails and the request cannot move on (migration.py).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from pathlib import Path
 
 from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import sum_expert_load
+from meshserve.cluster.executor import StepDeadline, sum_expert_load
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.handover_stats import KV_TRANSPORT, HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
@@ -134,6 +134,7 @@ class Coordinator:
         # One secret for every replica's internal sockets (their ranks exchange KV): the
         # operator's (MESHSERVE_CLUSTER_SECRET[_FILE]) or a fresh one; never logged.
         self.secret = ClusterSecret.resolve()
+        self.deadline = StepDeadline(config.pools.step_timeout_base_s, config.pools.step_timeout_per_token_s)
         # client request id -> its ticket. Replicas know a request by a fresh internal id: a client
         # may reuse an id as soon as its stream ends, before the abort of the old request has
         # reached its replica.
@@ -195,11 +196,11 @@ class Coordinator:
 
         def build(slot: int) -> Replica:
             name = f"{role}-{slot}"
-            pool = self.pools[role]
             return Replica(name, role, engine, lambda: self._make_core(engine, role, name),
-                           on_handoff=self._on_handoff, on_failed=pool.on_failed,
+                           on_handoff=self._on_handoff, on_failed=self.pools[role].on_failed,
                            handoff_tp=decode and decode.tp, handoff_dcp=decode and decode.dcp,
-                           health_period_s=cfg.health_period_s, handover_timeout_s=cfg.handover_timeout_s)
+                           health_period_s=cfg.health_period_s, handover_timeout_s=cfg.handover_timeout_s,
+                           deadline=self.deadline, max_migrations=cfg.pools.max_migrations)
         return build
 
     def _make_core(self, engine: EngineConfig, role: str, name: str) -> EngineCore:
@@ -226,18 +227,18 @@ class Coordinator:
 
             return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class,
                                secret=self.secret, placement_timeout_s=cfg.pools.placement_timeout_s,
-                               cancel=self._stopping)
+                               cancel=self._stopping, deadline=self.deadline)
         if cfg.runtime is Runtime.PROCESSES:
             from meshserve.cluster.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name,
-                                     secret=self.secret)
+                                     secret=self.secret, deadline=self.deadline)
         from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
         from meshserve.cluster.executor import WorkerSpec
 
         spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
                           **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))
-        return ChannelExecutor(ThreadRanks(spec), name=name, secret=self.secret)
+        return ChannelExecutor(ThreadRanks(spec), name=name, secret=self.secret, deadline=self.deadline)
 
     async def shutdown(self, *, drain: bool = True) -> None:
         """Refuse new requests; with drain, let running ones finish (up to drain_timeout_s)."""
@@ -355,18 +356,17 @@ class Coordinator:
 
     def stats(self) -> ServiceStats:
         rows = [s for p in self.pools.values() for s in p.stats()]
-        total = sum(s.num_total_kv_blocks for s in rows)
-        free = sum(s.num_free_kv_blocks for s in rows)
+        total, free = (sum(getattr(s, f) for s in rows) for f in ("num_total_kv_blocks", "num_free_kv_blocks"))
+        summed = {f: sum(getattr(s, f) for s in rows) for f in (
+            "num_waiting", "num_running", "prefix_hit_tokens", "num_preemptions", "generated_tokens")}
         return ServiceStats(
-            num_waiting=sum(s.num_waiting for s in rows), num_running=sum(s.num_running for s in rows),
-            kv_usage=(total - free) / total if total else 0.0, num_free_kv_blocks=free,
-            prefix_hit_tokens=sum(s.prefix_hit_tokens for s in rows),
+            **summed, kv_usage=(total - free) / total if total else 0.0, num_free_kv_blocks=free,
             prompt_tokens=sum(s.prompt_tokens for s in rows if s.role != "decode"),
-            num_preemptions=sum(s.num_preemptions for s in rows),
-            generated_tokens=sum(s.generated_tokens for s in rows),
             expert_tokens=sum_expert_load([s.expert_tokens for s in rows]),
             handovers=[HandoverRow(s.role, s.name, s.handover) for s in rows] if self.disaggregated else [],
-            kv_transport=KV_TRANSPORT if self.disaggregated else "")
+            kv_transport=KV_TRANSPORT if self.disaggregated else "", num_migrations=sum(s.num_migrated for s in rows),
+            num_migrations_refused=sum(s.num_migrations_refused for s in rows),
+            num_hung_replicas=sum(s.num_hung for s in rows), hung_detection_s=sum(s.hung_detect_s for s in rows))
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str, beam=None) -> Request:

@@ -42,6 +42,27 @@ class WorkerDiedError(MeshserveError):
     """A rank of the replica is gone (process or actor died, loop crashed); the message says why."""
 
 
+class WorkerHungError(WorkerDiedError):
+    """A rank did not answer within its step's deadline (a hung GPU, a stopped process): the
+    replica counts it dead. waited_s: how long the step had run when it was declared hung."""
+
+    def __init__(self, message: str, *, waited_s: float) -> None:
+        super().__init__(message)
+        self.waited_s = waited_s
+
+
+@dataclass(frozen=True)
+class StepDeadline:
+    """How long one step (or rank call) may take before its replica counts as hung:
+    base_s + per_token_s x the step's tokens, generous so that a long prefill is never cut."""
+
+    base_s: float = 60.0
+    per_token_s: float = 0.005
+
+    def seconds(self, num_tokens: int = 0) -> float:
+        return self.base_s + self.per_token_s * num_tokens
+
+
 class RankError(MeshserveError):
     """A rank raised while handling a message; the message carries the rank and the error."""
 

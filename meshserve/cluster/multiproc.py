@@ -55,10 +55,10 @@ class ProcessRanks:
                 cause = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit code {code}"
                 raise WorkerDiedError(f"rank {rank} process (pid {proc.pid}) died: {cause}")
 
-    def stop(self) -> None:
+    def stop(self, *, now: bool = False) -> None:
         for proc in self.procs:
             try:
-                proc.wait(timeout=STOP_GRACE_S)
+                proc.wait(timeout=0 if now else STOP_GRACE_S)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
@@ -69,10 +69,10 @@ class MultiprocExecutor(ChannelExecutor):
     """An executor for `config` (an EngineConfig) with one subprocess per TP rank."""
 
     def __init__(self, config, *, device: str | None = None, worker_class: str | None = None,
-                 name: str = "replica", secret=None) -> None:
+                 name: str = "replica", secret=None, deadline=None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
-        super().__init__(ProcessRanks(spec), name=name, secret=secret)
+        super().__init__(ProcessRanks(spec), name=name, secret=secret, deadline=deadline)
 
 
 def _main(argv: list[str]) -> int:

@@ -16,8 +16,9 @@ Repair. A replica that fails is rebuilt in its slot (fresh ranks, fresh KV), wit
 backoff (1, 2, 5, 10, 10, ... s, each scaled by a random factor in [0.5, 1] so that replicas that
 failed together do not retry in lock-step), until it serves again (or `max_rebuilds` attempts in
 a row, when given). `num_rebuilds` and `num_rebuild_failures` count successes and failed attempts. Requests it
-held that had not streamed anything come back to the pool and are routed again; meanwhile they
-wait in the pool's queue.
+held that are to run again (migration.py: those that never ran, and those that migrate with the
+tokens they streamed) come back to the pool and are routed again, a migrant by its prompt and
+output so far (the replica caching most of it recomputes least); meanwhile they wait in the pool's queue.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ from dataclasses import fields
 
 from meshserve.cluster.handover import Handoff
 from meshserve.cluster.handover_stats import HandoverStats
-from meshserve.cluster.replica import Replica, ReplicaState, ReplicaStats
+from meshserve.cluster.replica import Replica, ReplicaState
+from meshserve.cluster.replica_stats import ReplicaStats
 from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, QueueFullError, ReplicaFailedError, UnavailableError
@@ -110,7 +112,7 @@ class ReplicaPool:
                                  f"max_queue={self.max_queue} requests waiting)")
 
     def submit(self, ticket: Ticket) -> None:
-        replica = self._pick_for_prompt(ticket.request.prompt_ids)
+        replica = self._pick_for_prompt(ticket.request.all_token_ids)
         if replica is None:
             self._waiting.append(ticket)
         else:
@@ -154,7 +156,7 @@ class ReplicaPool:
 
     # -- repair ---------------------------------------------------------------------------------
     def on_failed(self, replica: Replica, error: BaseException, orphans: list[Ticket]) -> None:
-        """A replica died: route its untouched requests again and rebuild its slot."""
+        """A replica died: route the requests it gave back again and rebuild its slot."""
         self._waiting += orphans
         slot = self.replicas.index(replica) if replica in self.replicas else None
         if slot is not None:
@@ -213,7 +215,8 @@ class ReplicaPool:
 
     def _retire(self, s: ReplicaStats) -> None:
         for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
-                  "num_kv_imports", "num_recomputes"):
+                  "num_kv_imports", "num_recomputes", "num_migrated", "num_migrations_refused", "num_hung",
+                  "hung_detect_s"):
             setattr(self._retired, f, getattr(self._retired, f) + getattr(s, f))
         self._retired.handover.add(s.handover)
 

@@ -213,9 +213,9 @@ class RayRanks:
                                   f"check within {timeout_s} s")
         return ray.get(refs)
 
-    def stop(self) -> None:
+    def stop(self, *, now: bool = False) -> None:
         self._stopping = True
-        if self.serving:  # the channel said stop; give the loops a moment to end cleanly
+        if self.serving and not now:  # the channel said stop; give the loops a moment to end cleanly
             ray.wait(self.serving, num_returns=len(self.serving), timeout=5.0)
         for actor in self.actors:
             ray.kill(actor)
@@ -246,11 +246,11 @@ class RayExecutor(ChannelExecutor):
 
     def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
                  worker_class: str | None = None, secret=None, placement_timeout_s: float | None = None,
-                 cancel: threading.Event | None = None) -> None:
+                 cancel: threading.Event | None = None, deadline=None) -> None:
         spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
                           **({"worker_class": worker_class} if worker_class else {}))
         ranks = RayRanks(spec, role=role, name=name, placement_timeout_s=placement_timeout_s, cancel=cancel)
-        super().__init__(ranks, name=name, secret=secret)
+        super().__init__(ranks, name=name, secret=secret, deadline=deadline)
 
     def check_health(self) -> list[dict[str, Any]]:
         return self.ranks.health()

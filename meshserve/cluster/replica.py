@@ -9,10 +9,12 @@ then offers its KV and hands a `Handoff` to the coordinator; a decode replica `a
 pulling the KV (or recomputing the prompt when that fails); then the prefill replica is told to
 `release` its pin.
 
-Failure: when the executor reports a dead rank (or any step fails) the replica fails. Requests
-in flight (scheduled at least once, or adopted) end with ReplicaFailedError naming the cause:
-one of them may be what killed it, so they are not retried. Requests that never ran lose
-nothing: they go back to the pool (`on_failed`), which also rebuilds the replica.
+Failure: when the executor reports a dead or hung rank (or any step fails) the replica fails;
+migration.py decides, per request, between running it again elsewhere (from scratch, or from the
+tokens already streamed) and ending its stream with ReplicaFailedError. Those to run again go
+back to the pool (`on_failed`), which also rebuilds the replica. A hung rank is caught by the
+executor's step deadline; the replica's own progress watchdog (`_in_thread`) backs it up, for
+executors without one (the in-process rank), with the longest step's deadline plus a margin.
 """
 
 from __future__ import annotations
@@ -22,14 +24,15 @@ import contextlib
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import Executor, sum_expert_load
+from meshserve.cluster.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
 from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
 from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.request import Request, RequestStatus, Ticket
+from meshserve.cluster.migration import plan_failover
+from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
+from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.errors import MeshserveError, ReplicaFailedError
 from meshserve.kvstore.pins import KVPins
@@ -45,37 +48,10 @@ class ReplicaState(enum.Enum):
     STOPPED = "stopped"
 
 
-@dataclass
-class ReplicaStats:
-    name: str
-    role: str
-    state: str
-    num_waiting: int
-    num_running: int
-    num_free_kv_blocks: int
-    num_total_kv_blocks: int
-    kv_usage: float
-    prefix_hit_tokens: int
-    prompt_tokens: int
-    generated_tokens: int
-    num_preemptions: int
-    num_handoffs: int = 0  # prefill: requests handed over; decode: adopted (imported or recomputed)
-    num_kv_imports: int = 0
-    num_recomputes: int = 0
-    handover: HandoverStats = field(default_factory=HandoverStats)  # the same, in detail (a copy)
-    expert_tokens: list[list[int]] = field(default_factory=list)  # [MoE layer][expert] rows since start
-
-
-@dataclass
-class _Counters:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    expert_tokens: list[list[int]] = field(default_factory=list)
-    steps: int = 0
-
-
 # Steps between two reads of the ranks' expert load counters (and at every idle health check).
 EXPERT_LOAD_PERIOD = 64
+WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
+STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
 
 
 class Replica:
@@ -86,14 +62,17 @@ class Replica:
     it shuts its ranks down itself if it raises). The runtime (ranks in this process, on
     threads, in subprocesses or Ray actors) is its choice.
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
-    the replica died; orphans are the tickets that streamed nothing yet, reset to run afresh.
+    the replica died; orphans are the tickets to run again elsewhere (migration.py).
+    deadline: the step deadline its executor enforces (the watchdog's is derived from it);
+    max_migrations: how often one request may move on after a failure.
     """
 
     def __init__(self, name: str, role: str, config: EngineConfig, make_core: Callable[[], EngineCore], *,
                  on_handoff: Callable[[Handoff], None] | None = None,
                  on_failed: Callable[[Replica, BaseException, list], None] | None = None,
                  handoff_tp: int | None = None, handoff_dcp: int | None = None, health_period_s: float = 2.0,
-                 handover_timeout_s: float = 5.0) -> None:
+                 handover_timeout_s: float = 5.0, deadline: StepDeadline | None = None,
+                 max_migrations: int = 2) -> None:
         self.name = name
         self.role = role
         self.config = config
@@ -102,6 +81,8 @@ class Replica:
         self.on_failed = on_failed
         self.health_period_s = health_period_s
         self.handover_timeout_s = handover_timeout_s
+        self.deadline = deadline or StepDeadline()
+        self.max_migrations = max_migrations
         self.model_id = str(config.model.model)
         self.world = config.parallel.tp
         self.handoff_tp = handoff_tp or self.world  # the decode pool's tp (prefill role)
@@ -117,7 +98,7 @@ class Replica:
         self._adoptions: list[Handoff] = []
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
-        self.counters = _Counters()
+        self.counters = ReplicaCounters()
         self.handover = HandoverStats()  # hand-overs at either end (handover.py counts them)
         self._wakeup = asyncio.Event()
         self._idle = asyncio.Event()
@@ -162,8 +143,11 @@ class Replica:
         for ticket in self._held.values():
             ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
         self._held.clear()
-        if self.executor is not None:
-            await asyncio.to_thread(self.executor.shutdown)
+        if self.executor is not None:  # bounded: an in-process rank that hung cannot be stopped
+            try:
+                await asyncio.wait_for(asyncio.to_thread(self.executor.shutdown), STOP_TIMEOUT_S)
+            except TimeoutError:
+                log.error("replica %s: its ranks did not stop within %g s; left behind", self.name, STOP_TIMEOUT_S)
             self.executor = None
         if self.state is not ReplicaState.FAILED:
             self.state = ReplicaState.STOPPED
@@ -249,7 +233,9 @@ class Replica:
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
             num_handoffs=self.handover.handovers, num_kv_imports=self.handover.kv_imports,
-            num_recomputes=self.handover.num_recomputes, handover=self.handover.copy(),
+            num_recomputes=self.handover.num_recomputes, num_migrated=c.migrated,
+            num_migrations_refused=c.migrations_refused, num_hung=int(c.hung_detect_s is not None),
+            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.copy(),
             expert_tokens=c.expert_tokens)
 
     def _read_expert_load(self) -> None:
@@ -281,11 +267,11 @@ class Replica:
                     try:
                         await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
-                        await asyncio.to_thread(self.executor.check_health)
-                        await asyncio.to_thread(self._read_expert_load)
+                        await self._in_thread(self.executor.check_health)
+                        await self._in_thread(self._read_expert_load)
                     continue
                 self._idle.clear()
-                deltas, handoffs = await asyncio.to_thread(self._step)
+                deltas, handoffs = await self._in_thread(self._step)
                 self._deliver(deltas)
                 for h in handoffs:
                     self._held.pop(h.ticket.request_id)
@@ -317,12 +303,16 @@ class Replica:
         for rid in inbox:
             ticket = self._held[rid]
             try:
-                core.add(ticket.request, bounded=False)  # the pool bounds the queue (pools.py)
+                if ticket.request.output_ids:  # migrated: continue after what was streamed
+                    core.adopt(ticket.request)
+                else:
+                    core.add(ticket.request, bounded=False)  # the pool bounds the queue (pools.py)
             except MeshserveError as exc:
                 del self._held[rid]
                 ticket.sink.put_nowait(exc)
                 continue
-            self.counters.prompt_tokens += len(ticket.request.prompt_ids)
+            if not ticket.migrations:  # a moved request's prompt was counted where it arrived
+                self.counters.prompt_tokens += len(ticket.request.prompt_ids)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
@@ -330,10 +320,24 @@ class Replica:
             if ticket is None:
                 continue
             self.counters.generated_tokens += len(delta.token_ids)
+            ticket.num_streamed += len(delta.token_ids)
             ticket.sink.put_nowait(delta)
             if delta.finished:
                 del self._held[delta.request_id]
                 request_event(delta.request_id, "finished", replica=self.name, reason=delta.finish_reason)
+
+    async def _in_thread(self, fn: Callable, *args):
+        """fn(*args) in a worker thread, under the progress watchdog: no answer within the longest
+        step's deadline (plus a rank call's, plus a margin: the executor's own deadline fires
+        first where it has one) means a hung rank. The stuck thread is left behind."""
+        limit = (self.deadline.seconds(self.config.scheduler.max_num_batched_tokens) + self.deadline.seconds()
+                 + WATCHDOG_MARGIN_S)
+        call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        done, _ = await asyncio.wait({call}, timeout=limit)
+        if not done:
+            raise WorkerHungError(f"replica {self.name} made no progress for {limit:.1f} s (the progress "
+                                  "watchdog): a rank is hung", waited_s=limit)
+        return call.result()
 
     # -- step thread ----------------------------------------------------------------------------
     def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
@@ -360,23 +364,23 @@ class Replica:
         self.state, self.error = ReplicaState.FAILED, exc
         cause = f"{type(exc).__name__}: {exc}" if not isinstance(exc, MeshserveError) else str(exc)
         log.warning("replica %s failed: %s", self.name, cause)
-        orphans = []
-        for rid, ticket in self._held.items():
-            req = ticket.request
-            # (n > 1 and beam requests run as other requests in the scheduler: once queued, counted as run)
-            never_ran = rid in self._inbox or (req.status is RequestStatus.WAITING and not req.output_ids
-                                               and req.num_preemptions == 0 and not req.runs_whole)
-            if not never_ran:  # it was in flight: it may be what killed the replica, so no retry
-                ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
-                request_event(rid, "failed", replica=self.name)
-            else:
-                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt, beam=req.beam)
-                ticket.holder = None
-                orphans.append(ticket)
+        if isinstance(exc, WorkerHungError):
+            self.counters.hung_detect_s = exc.waited_s
+        out = plan_failover(self.name, self._held, set(self._inbox), exc, cause, max_migrations=self.max_migrations)
+        self.counters.migrated += out.num_migrated
+        self.counters.migrations_refused += out.num_refused
+        for ticket, error in out.failed:
+            ticket.sink.put_nowait(error)
+            request_event(ticket.request_id, "failed", replica=self.name)
+        for ticket in out.rerun:
+            ticket.holder = None
+            if ticket.request.output_ids:
+                request_event(ticket.request_id, "migrating", replica=self.name, streamed=ticket.num_streamed,
+                              migrations=ticket.migrations)
         self._held.clear()
         self._inbox.clear()
         release_sources(self._adoptions)
         self._adoptions.clear()
         self._idle.set()
         if self.on_failed is not None:
-            self.on_failed(self, exc, orphans)
+            self.on_failed(self, exc, out.rerun)

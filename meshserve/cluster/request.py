@@ -105,6 +105,8 @@ class Ticket:
     prefill_only: (disaggregated) run until the first token, then hand over
     holder:       the name of the replica holding it; None while its pool holds it
     cancelled:    aborted, or the client left: a hand-over in flight is dropped
+    num_streamed: output tokens its stream has delivered (a migration continues after them)
+    migrations:   times it moved to another replica after its replica failed (migration.py)
     """
 
     client_id: str
@@ -113,6 +115,8 @@ class Ticket:
     prefill_only: bool = False
     holder: str | None = None
     cancelled: bool = False
+    num_streamed: int = 0
+    migrations: int = 0
 
     @property
     def request_id(self) -> str:

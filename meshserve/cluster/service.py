@@ -71,6 +71,12 @@ class ServiceStats:
     # replicas a pool replaced), and the KV transport between the pools ("" when unified).
     handovers: list[HandoverRow] = field(default_factory=list)
     kv_transport: str = ""
+    # Faults (cluster/migration.py): requests moved on from a failed replica, those refused at
+    # --max-migrations, replicas declared hung, and the seconds their hung steps ran until then.
+    num_migrations: int = 0
+    num_migrations_refused: int = 0
+    num_hung_replicas: int = 0
+    hung_detection_s: float = 0.0
 
 
 class InferenceService(Protocol):

@@ -1,7 +1,7 @@
 """The cluster on a local Ray: unified and disaggregated pools against the single-process engine,
-KV hand-over failures and a killed worker actor. The disaggregated coordinator runs prefill at
-tp=1 and decode at tp=2: its decode replica is two gang-scheduled actors, and every hand-over
-re-shards KV heads between the pools.
+KV hand-over failures and a killed worker actor (its streams migrate to the other replica). The
+disaggregated coordinator runs prefill at tp=1 and decode at tp=2: its decode replica is two
+gang-scheduled actors, and every hand-over re-shards KV heads between the pools.
 
 One Ray session and one coordinator per mode serve the whole module (actors load in seconds
 each on two busy cores). The oracle is the single-process engine on the same tiny checkpoint.
@@ -10,14 +10,13 @@ each on two busy cores). The oracle is the single-process engine on the same tin
 import asyncio
 import os
 import signal
-import time
 
 import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.errors import ReplicaFailedError, UnavailableError
+from meshserve.errors import UnavailableError
 from tests.integration.ray_cluster import embedded_ray
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
@@ -110,35 +109,31 @@ def test_failed_hand_overs_on_ray_are_recomputed_with_identical_tokens(coordinat
     assert_no_held_blocks(c)
 
 
-def test_a_killed_worker_actor_fails_its_requests_fast_and_is_rebuilt(coordinators, want, loop):
+def test_a_killed_worker_actor_s_streams_migrate_token_identical_and_it_is_rebuilt(coordinators, want, loop):
     c = coordinators["unified"]
     victim = c.replicas()[0]
     pid = victim.executor.ranks.nodes()[0]["pid"]
+    before = c.stats().num_migrations
 
     async def scenario():
         streams = {rid: asyncio.ensure_future(collect(c, rid, p, sp)) for rid, p, sp in LONG_REQUESTS}
         await wait_until(lambda: victim.stats().num_running > 0 and victim.stats().generated_tokens >= 8,
                          "requests mid-generation on the victim replica", timeout_s=120, state=victim.stats)
+        moving = victim.load  # the killed actor takes no further step: every one of them must move
         os.kill(pid, signal.SIGKILL)
-        killed = time.monotonic()
         done = await asyncio.gather(*streams.values(), return_exceptions=True)
-        failed_at = time.monotonic()
         await wait_until(lambda: c.health().serving and c.health().healthy_replicas == 2,
                          "the pool to rebuild the killed replica (2 healthy replicas)", timeout_s=240,
                          state=c.health, poll_s=0.1)
         after = await run_all(c, mixed_requests()[:6])
-        return dict(zip(streams, done)), failed_at - killed, after
+        return dict(zip(streams, done)), moving, after
 
-    done, latency, after = loop.run_until_complete(scenario())
-    failures = {rid: r for rid, r in done.items() if isinstance(r, BaseException)}
-    assert failures, "no request was on the killed replica"
-    for exc in failures.values():
-        assert isinstance(exc, ReplicaFailedError), exc
-        assert "unified-0 failed" in str(exc) and "actor" in str(exc) and "died" in str(exc), str(exc)
-    for rid, r in done.items():
-        if rid not in failures:
-            assert isinstance(r, Result) and r.token_ids == want[rid].token_ids
-    assert latency < 5.0  # the requirement: in-flight requests learn within 5 s
+    done, moving, after = loop.run_until_complete(scenario())
+    assert moving >= 1, "no request was on the killed replica"
+    for rid, r in done.items():  # the client saw a pause, not an error
+        assert isinstance(r, Result) and r.token_ids == want[rid].token_ids, (rid, r)
+    assert "actor" in str(victim.error) and "died" in str(victim.error), str(victim.error)
+    assert c.stats().num_migrations - before == moving
     assert c.replicas()[0] is not victim and c.pools["unified"].num_rebuilds == 1
     assert_same(after, {rid: want[rid] for rid, _, _ in mixed_requests()[:6]})
     assert_no_held_blocks(c)

@@ -16,7 +16,8 @@ class FakeService:
     def stats(self) -> ServiceStats:
         return ServiceStats(num_waiting=3, num_running=5, kv_usage=0.25, num_free_kv_blocks=77,
                             prefix_hit_tokens=30, prompt_tokens=120, num_preemptions=2, generated_tokens=999,
-                            expert_tokens=[[4, 0, 7], [1, 2, 8]])
+                            expert_tokens=[[4, 0, 7], [1, 2, 8]], num_migrations=6, num_migrations_refused=1,
+                            num_hung_replicas=2, hung_detection_s=3.25)
 
     def health(self) -> ServiceHealth:
         return ServiceHealth(True, 1, 2, unserving_s=0.0, degraded_s=12.5, num_rebuilds=3, num_rebuild_failures=4)
@@ -126,3 +127,9 @@ def test_docs_list_every_metric():
     doc = (Path(__file__).resolve().parents[3] / "docs" / "api.md").read_text()
     for name in METRICS:
         assert f"`{name}" in doc, name
+
+
+def test_fault_counters_are_exported():
+    s = samples(ServerMetrics(FakeService()))
+    assert (s["meshserve_migrations_total"], s["meshserve_migrations_refused_total"]) == (6, 1)
+    assert (s["meshserve_hung_replicas_total"], s["meshserve_hung_detection_seconds_total"]) == (2, 3.25)

@@ -42,6 +42,7 @@ def test_defaults_serve_the_demo_on_loopback():
     assert (args.http_host, args.http_port, args.log_format) == ("127.0.0.1", 8000, None)
     assert (args.metrics_host, args.metrics_token_file) == ("127.0.0.1", None)  # not --host: metrics stay local
     assert (args.placement_timeout, args.unhealthy_liveness_seconds) == (None, 300.0)  # wait forever; 5 min
+    assert (args.step_timeout_base, args.step_timeout_per_token, args.max_migrations) == (60.0, 0.005, 2)
     client = build_parser().parse_args(["client", "hello"])
     assert (client.address, client.prompt) == ("127.0.0.1:50051", "hello")
 
@@ -70,6 +71,9 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--pools", "disaggregated", "--decode-dcp", "0"], "decode_dcp=0 is not allowed"),
     (["--placement-timeout", "0"], "placement_timeout=0.0 is not allowed: a number of seconds in [1, 604800]"),
     (["--placement-timeout", "1e9"], "placement_timeout=1000000000.0 is not allowed"),
+    (["--step-timeout-base", "0"], "step_timeout_base=0.0 is not allowed: a number of seconds in [0.1, 604800]"),
+    (["--step-timeout-per-token", "-1"], "step_timeout_per_token=-1.0 is not allowed: a number of seconds in [0, 10]"),
+    (["--max-migrations", "-1"], "max_migrations=-1 is not allowed: an integer in [0, 100]"),
     (["--unhealthy-liveness-seconds", "-5"],
      "unhealthy_liveness_seconds=-5.0 is not allowed: a number of seconds in [1, 604800]"),
 ])

@@ -13,7 +13,6 @@ from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
-from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
@@ -32,10 +31,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cluster") / "llama"
-    write_checkpoint(path, "llama", seed=4)
-    return path
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ from meshserve.cluster.rank import RankHost
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.kvstore.zmq_transport import new_capability, pull_kv
-from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
@@ -35,10 +34,8 @@ VICTIMS = [mixed_requests()[i] for i in (3, 7, 9, 10, 14)]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("auth") / "llama"
-    write_checkpoint(path, "llama", seed=4)
-    return path
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,12 @@ from meshserve.api.serve import add_serve_parser, build_service, configs_of
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.config import PoolConfig
 from meshserve.errors import ConfigError
-from tests.tiny_models import write_checkpoint
 from tests.unit.cluster import cases
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("one-stack") / "llama"
-    write_checkpoint(path, "llama", seed=4)  # the checkpoint of test_coordinator.py
-    return path
+def ckpt(tiny_llama):
+    return tiny_llama
 
 
 def test_in_process_pool_of_two_overlapping_replicas_matches_the_engine(ckpt):

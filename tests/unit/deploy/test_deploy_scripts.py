@@ -96,7 +96,8 @@ def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
                      "--tls-key", "/etc/meshserve/tls/tls.key",
                      "--auth-token-file", "/etc/meshserve/auth/token",
                      "--metrics-token-file", "/etc/meshserve/metrics-auth/token",
-                     "--unhealthy-liveness-seconds", "300"]
+                     "--unhealthy-liveness-seconds", "300", "--step-timeout-base", "60",
+                     "--step-timeout-per-token", "0.005", "--max-migrations", "2"]
     assert env["RAY_AUTH_MODE"] == "token" and env["RAY_AUTH_TOKEN"] == "secret-from-meshserve-ray-token"
 
 
@@ -114,7 +115,8 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
                      "--tp", "8", "--dcp", "1", "--ep", "1",
                      "--pools", "disaggregated", "--prefill-replicas", "2", "--decode-replicas", "4",
                      "--prefill-tp", "4", "--decode-dcp", "2", "--model", "/models/Qwen3-32B",
-                     "--unhealthy-liveness-seconds", "300", "--seed", "7"]
+                     "--unhealthy-liveness-seconds", "300", "--step-timeout-base", "60",
+                     "--step-timeout-per-token", "0.005", "--max-migrations", "2", "--seed", "7"]
 
 
 def test_head_flags_parse_with_the_real_cli(tmp_path, stubs):

@@ -66,6 +66,9 @@ optional --auth-token-file "${MESHSERVE_AUTH_TOKEN_FILE:-}"
 optional --metrics-token-file "${MESHSERVE_METRICS_TOKEN_FILE:-}"
 optional --placement-timeout "${MESHSERVE_PLACEMENT_TIMEOUT:-}"
 optional --unhealthy-liveness-seconds "${MESHSERVE_UNHEALTHY_LIVENESS_SECONDS:-}"
+optional --step-timeout-base "${MESHSERVE_STEP_TIMEOUT_BASE:-}"
+optional --step-timeout-per-token "${MESHSERVE_STEP_TIMEOUT_PER_TOKEN:-}"
+optional --max-migrations "${MESHSERVE_MAX_MIGRATIONS:-}"
 if [[ -n "${MESHSERVE_EXTRA_ARGS:-}" ]]; then
   read -r -a extra <<< "${MESHSERVE_EXTRA_ARGS}"
   args+=("${extra[@]}")

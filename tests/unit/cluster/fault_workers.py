@@ -1,0 +1,54 @@
+"""Worker stand-ins for the fault tests (cluster/migration.py), loaded by rank processes and threads
+by their "module:Class" name.
+
+PacedNullWorker / PacedWorker: a step takes at least STEP_S, as a real model's does, so that a
+stream runs long enough to be interrupted by a fault. FlakyNullWorker: start() fails while
+`start_failures` > 0. DyingWorker (the real model, paced): the first step that carries the
+request `DyingWorker.doomed` (a client id) ends its rank's thread, as a process that dies ends
+its rank: the launcher reports the rank gone. Ranks on threads share these classes, so a test
+sets the class attributes.
+"""
+
+from __future__ import annotations
+
+import time
+
+from meshserve.cluster.null_worker import NullWorker
+from meshserve.workers.step import StepPlan
+from meshserve.workers.worker import Worker
+
+STEP_S = 0.02
+
+
+class PacedNullWorker(NullWorker):
+    def execute_step(self, plan_bytes: bytes) -> bytes:
+        time.sleep(STEP_S)
+        return super().execute_step(plan_bytes)
+
+
+class PacedWorker(Worker):
+    def execute_step(self, plan_bytes: bytes) -> bytes:
+        time.sleep(STEP_S)
+        return super().execute_step(plan_bytes)
+
+
+class FlakyNullWorker(NullWorker):
+    start_failures = 0
+
+    def start(self):
+        if FlakyNullWorker.start_failures > 0:
+            FlakyNullWorker.start_failures -= 1
+            raise RuntimeError("injected start failure")
+        return super().start()
+
+
+class DyingWorker(PacedWorker):
+    doomed: str | None = None
+
+    def execute_step(self, plan_bytes: bytes) -> bytes:
+        target = DyingWorker.doomed
+        if target is not None and any(s.request_id.endswith(f":{target}")
+                                      for s in StepPlan.from_msgpack(plan_bytes).seqs):
+            DyingWorker.doomed = None  # once: the replica it moves to lives
+            raise SystemExit(f"rank died under {target}")  # not an Exception: the rank loop ends
+        return super().execute_step(plan_bytes)
