@@ -26,6 +26,7 @@ from meshserve.cluster.null_worker import POISON_TOKEN
 from meshserve.cluster.replica import ReplicaState
 from meshserve.cluster.request import Request, RequestStatus, Ticket
 from meshserve.config import ParallelConfig, PoolConfig
+from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, ReplicaFailedError
 from tests.unit.cluster import fault_workers
@@ -204,6 +205,20 @@ def test_failover_policy_reruns_untouched_migrates_streamed_and_fails_step_error
     assert [t.client_id for t in out.rerun] == ["new"]
     assert sorted(t.client_id for t, _ in out.failed) == ["mid", "spent"]
     assert continued(_ticket("x", [1], [2, 3], streamed=0)).output_ids == []
+
+
+def test_failover_fails_queued_or_running_n_and_beam_requests_and_reruns_them_only_before_the_engine_had_them():
+    group = _ticket("group", [1, 2], [], streamed=0, status=RequestStatus.WAITING)
+    group.request.params = SamplingParams(max_tokens=9, n=2)
+    beam = _ticket("beam", [1, 2], [5], streamed=1)
+    beam.request.beam = BeamSearchParams(beam_width=2, max_tokens=9)
+    inbox = _ticket("inbox", [1], [], streamed=0, status=RequestStatus.WAITING)
+    inbox.request.beam = BeamSearchParams(beam_width=3, max_tokens=4)
+    died = WorkerDiedError("rank 0 exited")
+    out = plan_failover("unified-0", {"group": group, "beam": beam, "inbox": inbox}, {"inbox"}, died, str(died),
+                        max_migrations=2)
+    assert [t.client_id for t in out.rerun] == ["inbox"] and out.rerun[0].request.beam.beam_width == 3
+    assert sorted(t.client_id for t, _ in out.failed) == ["beam", "group"] and out.num_migrated == 0
 
 
 def test_step_deadline_grows_with_the_step_and_bad_settings_name_the_field():
