@@ -7,10 +7,9 @@
         ...
     await coord.shutdown(drain=True)
 
-This is the one serving stack: `meshserve serve` with no flags, and `LLM.stream`, run a
-one-replica unified pool whose ranks live in this process (runtime "in-process": no Ray, no
-channel; the step overlap of EngineCore applies); Ray, subprocesses and threads only change
-where the ranks run.
+One serving stack: `meshserve serve` with no flags, and `LLM.stream`, run a one-replica unified
+pool whose ranks live in this process (runtime "in-process": no Ray, no channel; the step overlap
+of EngineCore applies); Ray, subprocesses and threads only change where the ranks run.
 
 Unified mode: one pool; any replica runs a request from prompt to end. Disaggregated: a new
 request goes to the prefill pool (longest cached prefix, then least load) and runs until its
@@ -38,8 +37,8 @@ from pathlib import Path
 from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import sum_expert_load
-from meshserve.cluster.handover import Handoff
-from meshserve.cluster.handover_stats import KV_TRANSPORT, HandoverRow
+from meshserve.cluster.handover import Handoff, release_sources
+from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
@@ -50,6 +49,7 @@ from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
+from meshserve.kvstore.transport import default_device, describe_setting
 from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.coordinator")
@@ -126,6 +126,8 @@ class Coordinator:
                   "None unless the pool is one unified in-process replica")
         self.config = config
         self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
+        self.kv_transport = describe_setting(config.engine.cache.kv_transport, config.device or default_device(),
+                                             one_host=config.runtime is not Runtime.RAY)
         self.pools: dict[str, ReplicaPool] = {}
         self.tokenizer = None
         self.validator: RequestValidator | None = None
@@ -133,9 +135,8 @@ class Coordinator:
         # One secret for every replica's internal sockets (their ranks exchange KV): the
         # operator's (MESHSERVE_CLUSTER_SECRET[_FILE]) or a fresh one; never logged.
         self.secret = ClusterSecret.resolve()
-        # client request id -> its ticket. Replicas know a request by a fresh internal id: a client
-        # may reuse an id as soon as its stream ends, before the abort of the old request has
-        # reached its replica.
+        # client request id -> its ticket. Replicas know a request by a fresh internal id: a client may
+        # reuse an id as soon as its stream ends, before the old request's abort reached its replica.
         self._live: dict[str, Ticket] = {}
         self._arrivals = itertools.count()
         self._serial = itertools.count()
@@ -178,7 +179,7 @@ class Coordinator:
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
         if self.disaggregated:
-            log.info("KV hand-over transport: %s", KV_TRANSPORT)
+            log.info("KV hand-over transport: %s (kv_transport=%s)", self.kv_transport, cfg.engine.cache.kv_transport)
         return self
 
     async def __aenter__(self) -> Coordinator:
@@ -366,7 +367,7 @@ class Coordinator:
             generated_tokens=sum(s.generated_tokens for s in rows),
             expert_tokens=sum_expert_load([s.expert_tokens for s in rows]),
             handovers=[HandoverRow(s.role, s.name, s.handover) for s in rows] if self.disaggregated else [],
-            kv_transport=KV_TRANSPORT if self.disaggregated else "")
+            kv_transport=self.kv_transport if self.disaggregated else "")
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt: str | Sequence[int], params: SamplingParams | None, request_id: str) -> Request:
@@ -387,8 +388,7 @@ class Coordinator:
     def _on_handoff(self, handoff: Handoff) -> None:
         ticket = handoff.ticket
         if ticket.cancelled:  # aborted, or the client left, while it was being prefilled
-            if handoff.offer is not None:
-                handoff.source.release(handoff.offer.pin_id)
+            release_sources([handoff])
             ticket.sink.put_nowait(CompletionDelta(ticket.request_id, [], "", True, FinishReason.ABORT))
             return
         request_event(ticket.request_id, "handoff", source=handoff.source.name, kv=handoff.offer is not None)

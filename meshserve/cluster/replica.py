@@ -5,9 +5,10 @@ new requests, aborts, hand-overs and releases arriving meanwhile wait in lists a
 between steps, so the scheduler and KV manager are only ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
-then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it,
-pulling the KV (or recomputing the prompt when that fails); then the prefill replica is told to
-`release` its pin.
+then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it: its
+ranks pull the KV in the background while it keeps stepping (`Imports`), and the request joins
+the running batch once the KV is in (or recomputes its prompt when the pull fails); then the
+prefill replica is told to `release` its pin.
 
 Failure: when the executor reports a dead rank (or any step fails) the replica fails. Requests
 in flight (scheduled at least once, or adopted) end with ReplicaFailedError naming the cause:
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor, sum_expert_load
-from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
+from meshserve.cluster.handover import Handoff, Imports, offer_kv, release_sources
 from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.request import Request, RequestStatus, Ticket
@@ -76,6 +77,7 @@ class _Counters:
 
 # Steps between two reads of the ranks' expert load counters (and at every idle health check).
 EXPERT_LOAD_PERIOD = 64
+IMPORT_POLL_S = 0.002  # how often an otherwise idle replica asks its ranks about KV pulls in flight
 
 
 class Replica:
@@ -114,7 +116,8 @@ class Replica:
         self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
         self._held: dict[str, Ticket] = {}  # internal request id -> the ticket of every request held
         self._inbox: list[str] = []
-        self._adoptions: list[Handoff] = []
+        self._adoptions: list[Handoff] = []  # handed over, import not started yet
+        self.imports = Imports(self)  # KV pulls in flight (started in the step thread)
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
         self.counters = _Counters()
@@ -163,8 +166,10 @@ class Replica:
             ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
         self._held.clear()
         if self.executor is not None:
-            await asyncio.to_thread(self.executor.shutdown)
+            await asyncio.to_thread(self.executor.shutdown)  # the ranks stop their pulls first
             self.executor = None
+        release_sources(self._adoptions + self.imports.close())
+        self._adoptions.clear()
         if self.state is not ReplicaState.FAILED:
             self.state = ReplicaState.STOPPED
 
@@ -223,7 +228,7 @@ class Replica:
     @property
     def num_waiting(self) -> int:
         sched = 0 if self.core is None else len(self.core.scheduler.waiting)
-        return len(self._inbox) + len(self._adoptions) + sched
+        return len(self._inbox) + len(self._adoptions) + len(self.imports) + sched
 
     @property
     def num_free_blocks(self) -> int:
@@ -265,24 +270,27 @@ class Replica:
         try:
             while True:
                 self._apply()
-                if self._adoptions:
+                if self._adoptions or self.imports:
                     adoptions, self._adoptions = self._adoptions, []
                     try:
-                        await asyncio.to_thread(self._import_all, adoptions)
-                    finally:  # pulled, refused or failed: the source may free its pin
-                        release_sources(adoptions)
-                    continue
+                        settled = await asyncio.to_thread(self._handover_tick, adoptions)
+                    except BaseException:  # the replica fails: what was not started goes back
+                        self._adoptions[:0] = [h for h in adoptions if not self.imports.knows(h)]
+                        raise
+                    release_sources(settled)  # pulled, refused or failed: the source may free its pin
                 if not self.core.has_unfinished():
                     if not self._held:
                         self._idle.set()
                     self._wakeup.clear()
-                    if self._inbox or self._aborts or self._releases:
+                    if self._inbox or self._aborts or self._releases or self._adoptions:
                         continue
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                        await asyncio.wait_for(self._wakeup.wait(),
+                                               IMPORT_POLL_S if self.imports else self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
-                        await asyncio.to_thread(self.executor.check_health)
-                        await asyncio.to_thread(self._read_expert_load)
+                        if not self.imports:
+                            await asyncio.to_thread(self.executor.check_health)
+                            await asyncio.to_thread(self._read_expert_load)
                     continue
                 self._idle.clear()
                 deltas, handoffs = await asyncio.to_thread(self._step)
@@ -309,6 +317,8 @@ class Replica:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
+            elif rid in self.imports:  # its blocks are freed once the ranks' pulls ended
+                self.imports.abort(rid)
             else:
                 core.abort(rid)
             ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
@@ -348,12 +358,16 @@ class Replica:
                 handoffs.append(offer_kv(self, ticket))
         return deltas, handoffs
 
-    def _import_all(self, adoptions: list[Handoff]) -> None:
-        for h in adoptions:
-            if h.ticket.request_id not in self._held:
-                continue  # aborted before it arrived
-            computed = import_kv(self, h)
-            self.core.adopt(h.ticket.request, num_computed_tokens=computed)
+    def _handover_tick(self, adoptions: list[Handoff]) -> list[Handoff]:
+        """Start the imports of new hand-overs, adopt those whose KV arrived (or that recompute);
+        returns the hand-overs whose sources may release their pins."""
+        gone = [h for h in adoptions if h.ticket.request_id not in self._held]  # aborted before it arrived
+        self.imports.tick([h for h in adoptions if h.ticket.request_id in self._held])
+        settled = self.imports.take_settled()
+        for h, computed in settled:
+            if computed is not None:
+                self.core.adopt(h.ticket.request, num_computed_tokens=computed)
+        return gone + [h for h, _ in settled]
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -374,7 +388,7 @@ class Replica:
                 orphans.append(ticket)
         self._held.clear()
         self._inbox.clear()
-        release_sources(self._adoptions)
+        release_sources(self._adoptions + self.imports.close())
         self._adoptions.clear()
         self._idle.set()
         if self.on_failed is not None:

@@ -14,7 +14,9 @@ found by its request id, and a capability is good for one pull.
 Messages, each with a last part `tag` (HMAC-SHA256 of the cluster secret, core/secret.py): the
 receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the answer is
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
-then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. Answer tags cover
+then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
+"ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -33,8 +35,10 @@ from __future__ import annotations
 
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
@@ -43,6 +47,9 @@ from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
 from meshserve.kvstore.rank_io import ImportSession, ImportTarget, KVExport
 from meshserve.kvstore.wire import KVTransferError
+
+if TYPE_CHECKING:
+    from meshserve.kvstore.cuda_ipc import IpcImporter
 
 Release = Callable[[KVExport], None]
 
@@ -69,6 +76,7 @@ class KVExportServer:
         self._offers: dict[str, tuple[KVExport, float, Release | None]] = {}  # by capability
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
+        self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
@@ -108,7 +116,8 @@ class KVExportServer:
 
     def _answer(self, ident: bytes, body: bytes) -> None:
         try:
-            cap = msgpack.unpackb(body, raw=False)["capability"]
+            request = msgpack.unpackb(body, raw=False)
+            cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -121,6 +130,9 @@ class KVExportServer:
         sock, sign = self._sock, self._secret.sign
         sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
                                                                         export.header_bytes)])
+        if wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames):
+            self._answer_ipc(ident, cap, export, release)
+            return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
             host = tensor if tensor.device.type == "cpu" else tensor.cpu()
@@ -131,6 +143,19 @@ class KVExportServer:
         end = len(export.frames) + 1
         sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
         self._sending.append((export, trackers, release))
+
+    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> None:
+        """The frames as CUDA IPC handles: the puller copies them device to device."""
+        from meshserve.kvstore.cuda_ipc import IpcExporter
+
+        if self._ipc is None:
+            self._ipc = IpcExporter()
+        body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _IPC, body, sign(_ANSWER, cap, _index(1), _IPC, body)])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        # The blocks stay pinned by the driver until the puller's replica reports the copy done.
+        _let_go(export, release)
 
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
@@ -179,11 +204,16 @@ def pull_kv(
     secret: ClusterSecret,
     timeout_s: float = 30.0,
     context: zmq.Context | None = None,
+    cancel: threading.Event | None = None,
+    ipc: IpcImporter | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
     Returns the blocks, per group (with a KVConnector the request now holds them in its
     manager); raises KVTransferError when refused, after the target let go of its blocks.
+    cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
+    ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
+    sends bytes anyway when its frames are not on CUDA).
     """
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -191,9 +221,9 @@ def pull_kv(
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
     deadline = time.monotonic() + timeout_s
-    answers = _Answers(sock, secret, capability, deadline, address)
+    answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability})
+        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -201,12 +231,17 @@ def pull_kv(
         if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
         with target.begin_import(answers.part(tag)) as session:
+            tag = answers.next_tag() if session.num_frames else _END
+            if tag == _IPC and ipc is not None:
+                ipc.copy_into(session, msgpack.unpackb(answers.part(tag), raw=False))
+                answers.part(answers.expect(_END))
+                return session.blocks
             for i in range(session.num_frames):
-                tag = answers.next_tag()
+                tag = tag if i == 0 else answers.next_tag()
                 if tag != _FRAME:
                     raise KVTransferError("truncated", f"{i} of {session.num_frames} frames arrived")
                 _receive_frame(answers, session, i)
-            tag = answers.next_tag()
+            tag = answers.next_tag() if session.num_frames else tag
             if tag != _END:
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
             answers.part(tag)
@@ -216,7 +251,8 @@ def pull_kv(
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END = b"H", b"X", b"F", b"E"
+_HEADER, _ERROR, _FRAME, _END, _IPC = b"H", b"X", b"F", b"E", b"I"
+_CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER = b"kv-pull", b"kv-answer"
 
 
@@ -228,15 +264,22 @@ class _Answers:
     """The receiver's view of one pull's answers: each message's tag, payload and MAC, in order."""
 
     def __init__(self, sock: zmq.Socket, secret: ClusterSecret, capability: str, deadline: float,
-                 address: str) -> None:  # fmt: skip
+                 address: str, cancel: threading.Event | None = None) -> None:  # fmt: skip
         self.sock, self.secret, self.cap = sock, secret, capability.encode()
-        self.deadline, self.address = deadline, address
+        self.deadline, self.address, self.cancel = deadline, address, cancel
         self.index = 0
 
     def next_tag(self) -> bytes:
         """The tag part of the next message, waiting until the deadline at most."""
-        if not self.sock.poll(max(0, int((self.deadline - time.monotonic()) * 1000)), zmq.POLLIN):
-            raise KVTransferError("timeout", f"no complete answer from {self.address} in time")
+        while True:
+            left_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+            wait_ms = left_ms if self.cancel is None else min(left_ms, _CANCEL_POLL_MS)
+            if self.sock.poll(wait_ms, zmq.POLLIN):
+                break
+            if self.cancel is not None and self.cancel.is_set():
+                raise KVTransferError("cancelled", f"the pull from {self.address} was cancelled")
+            if wait_ms >= left_ms:
+                raise KVTransferError("timeout", f"no complete answer from {self.address} in time")
         tag = self.sock.recv()
         if not self.sock.getsockopt(zmq.RCVMORE):
             raise KVTransferError("bad_header", f"a {tag!r} message without its payload and MAC")
@@ -249,6 +292,13 @@ class _Answers:
         self.index += 1
         if not ok:
             raise KVTransferError("auth", f"answer {self.index - 1} from {self.address} fails authentication")
+
+    def expect(self, tag: bytes) -> bytes:
+        """The next message's tag, which must be `tag` (else the stream is refused as truncated)."""
+        got = self.next_tag()
+        if got != tag:
+            raise KVTransferError("truncated", f"expected a {tag!r} message, got {got!r}")
+        return got
 
     def part(self, tag: bytes) -> bytes:
         """The payload of a message whose tag was read, verified."""

@@ -1,0 +1,146 @@
+"""CUDA IPC for KV hand-overs between two processes of one host (same or another GPU).
+
+    exporter (KVExportServer, answering a pull that asks for IPC):
+        desc = IpcExporter().describe(export.frames)   # msgpack-able: handles + byte ranges
+    importer (pull_kv with ipc=IpcImporter()):
+        importer.copy_into(session, desc)              # device to device, checksum verified
+
+`describe` shares the CUDA allocation behind each frame's cache tensor (torch's
+`UntypedStorage._share_cuda_`: cudaIpcGetMemHandle plus torch's producer-side reference counter
+and a CUDA event that orders the copy after the exporter's last write) and lists, per frame,
+(storage index, byte offset, byte count). No bytes leave the GPU and nothing is pickled: the
+description is a msgpack map that travels in one MACed message of the zmq export protocol.
+
+`copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
+frame on a side stream of the importer: one copy per frame (a run of consecutive blocks of one
+layer) straight into the destination blocks when they form one run too, else one index_copy_
+(ImportSession.accept). The checksum is computed on the device and compared before the import
+counts. Mappings stay open for later hand-overs from the same exporter (opening one costs far
+more than a small copy; the exporter's caches live as long as its rank), least recently used
+first out beyond MAX_OPEN; dropping a mapping closes the handle and releases torch's reference
+counter, so the exporter can free that memory when its rank stops. The blocks themselves stay
+pinned by the prefill replica's driver until the decode replica reports the import finished.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from meshserve.kvstore.rank_io import ImportSession
+from meshserve.kvstore.wire import KVTransferError
+
+MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per exporting rank)
+# Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
+PROCESS_TOKEN = secrets.token_hex(8)
+
+
+class IpcExporter:
+    """Describes frames (uint8 views of CUDA caches) as CUDA IPC handles and byte ranges."""
+
+    def __init__(self) -> None:
+        self.process = PROCESS_TOKEN
+
+    def describe(self, frames: list[torch.Tensor]) -> dict[str, Any]:
+        index: dict[int, int] = {}
+        storages, ranges = [], []
+        for frame in frames:
+            if frame.device.type != "cuda":
+                raise KVTransferError("ipc", f"a frame on {frame.device} cannot be shared by CUDA IPC")
+            storage = frame.untyped_storage()
+            key = storage.data_ptr()
+            if key not in index:  # a fresh share per answer: torch counts one consumer per share
+                index[key] = len(storages)
+                device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+                storages.append([int(device), bytes(handle), int(size), int(offset), bytes(rc_handle),
+                                 int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync)])
+            ranges.append([index[key], frame.storage_offset() * frame.element_size(),
+                           frame.numel() * frame.element_size()])
+        return {"process": self.process, "storages": storages, "frames": ranges}
+
+
+class IpcImporter:
+    """Maps exporters' allocations (kept, LRU) and copies described frames into an ImportSession.
+    Safe to share between pull threads."""
+
+    def __init__(self, *, max_open: int = MAX_OPEN) -> None:
+        self.max_open = max_open
+        self._opened: OrderedDict[tuple, torch.UntypedStorage] = OrderedDict()
+        self._lock = threading.Lock()
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._opened)
+
+    def copy_into(self, session: ImportSession, desc: dict[str, Any]) -> None:
+        """Copy every frame `desc` lists into the session's blocks and verify the checksum
+        (KVTransferError "ipc" when a handle cannot be opened, "truncated"/"checksum" as any
+        transport). The copies are complete when this returns."""
+        try:
+            process, storages, ranges = str(desc["process"]), desc["storages"], desc["frames"]
+            sources = [self._open(process, entry) for entry in storages]
+            views = [(sources[int(s)], int(off), int(n)) for s, off, n in ranges]
+        except KVTransferError:
+            session.abort()
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            session.abort()
+            raise KVTransferError("bad_header", f"undecodable CUDA IPC description: {exc!r}") from exc
+        if len(views) != session.num_frames:
+            session.abort()
+            raise KVTransferError("truncated", f"{len(views)} frames described, header lists {session.num_frames}")
+        device = session.io.device
+        stream = self._stream(device)
+        with torch.cuda.stream(stream):
+            for i, (source, offset, nbytes) in enumerate(views):
+                if offset < 0 or offset + nbytes > source.numel():
+                    session.abort()
+                    raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
+                src = source[offset : offset + nbytes]
+                dst = session.destination(i)
+                if dst is not None and dst.numel() == nbytes:
+                    dst.copy_(src, non_blocking=True)
+                    session.accept(i)
+                else:
+                    session.accept(i, src)  # scattered blocks (or a size mismatch it refuses)
+            stream.synchronize()
+        session.finish()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index not in self._streams:
+                self._streams[index] = torch.cuda.Stream(device=index)
+            return self._streams[index]
+
+    def _open(self, process: str, entry: list) -> torch.Tensor:
+        device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = entry
+        key = (process, bytes(handle), int(offset))
+        with self._lock:
+            storage = self._opened.get(key)
+            try:
+                if storage is None:
+                    torch.cuda._lazy_init()
+                    storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, rc_handle,
+                                                                     rc_offset, ev_handle, ev_sync)
+                    self._opened[key] = storage
+                    while len(self._opened) > self.max_open:
+                        self._opened.popitem(last=False)  # closes the mapping once no copy uses it
+                else:  # mapped already: give back the reference the exporter counted for this share
+                    torch.UntypedStorage._release_ipc_counter(rc_handle, rc_offset, device=device)
+                    self._opened.move_to_end(key)
+            except RuntimeError as exc:
+                raise KVTransferError("ipc", f"cannot open the exporter's CUDA IPC handle: {exc}") from exc
+        out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def forget(self, process: str) -> None:
+        """Drop every mapping of an exporter process (it failed or went away)."""
+        with self._lock:
+            for key in [k for k in self._opened if k[0] == process]:
+                del self._opened[key]
