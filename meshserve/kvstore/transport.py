@@ -141,7 +141,7 @@ def puller_for(name: str) -> KVPuller:
     try:
         return getattr(importlib.import_module(module), cls)()
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"kv_transport={name!r}: cannot load it: {exc}") from exc
+        raise ConfigError("kv_transport", name, f"a loadable puller class (cannot load it: {exc})") from exc
 
 
 def describe_setting(requested: str, device: str, *, one_host: bool) -> str:
