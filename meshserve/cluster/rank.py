@@ -37,7 +37,7 @@ from meshserve.attention.backend import KVCache
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.errors import check
 from meshserve.kvstore.pins import HandoverBlocks
-from meshserve.kvstore.rank_io import ImportTarget, KVExport, KVRankIO
+from meshserve.kvstore.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
 from meshserve.kvstore.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
 from meshserve.kvstore.transfers import BackgroundPulls
 from meshserve.kvstore.transport import CUDA_IPC, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
@@ -138,7 +138,7 @@ class RankHost:
         io = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
             self._server = KVExportServer(self.secret, address=f"tcp://{_reachable_host()}")
-        export = io.export(HandoverBlocks.from_wire(blocks))
+        export = io.export(HandoverBlocks.from_wire(blocks), max_frame_bytes=frame_bytes_for(io.device))
         if (dst_tp, dst_dcp) == (self.tp, self.dcp):
             keys = [capability]  # decode rank r pulls from prefill rank r
         else:

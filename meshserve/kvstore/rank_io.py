@@ -31,6 +31,14 @@ from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
 
 DEFAULT_FRAME_BYTES = 1 << 20  # small enough to pipeline sender and receiver copies
+# Caches on a GPU: a frame per run of blocks up to this size. Per frame the device transports
+# launch a copy and the checksum's few kernels, which cost more than moving a MiB at device speed.
+DEVICE_FRAME_BYTES = 256 << 20
+
+
+def frame_bytes_for(device: torch.device) -> int:
+    """The export frame size for caches on `device`."""
+    return DEVICE_FRAME_BYTES if device.type == "cuda" else DEFAULT_FRAME_BYTES
 
 
 @dataclass
