@@ -17,9 +17,11 @@ layer) straight into the destination blocks when they form one run too, else one
 (ImportSession.accept). The checksum is computed on the device and compared before the import
 counts. Mappings stay open for later hand-overs from the same exporter (opening one costs far
 more than a small copy; the exporter's caches live as long as its rank), least recently used
-first out beyond MAX_OPEN; dropping a mapping closes the handle and releases torch's reference
-counter, so the exporter can free that memory when its rank stops. The blocks themselves stay
-pinned by the prefill replica's driver until the decode replica reports the import finished.
+first out beyond MAX_OPEN; dropping a mapping closes the handle. The blocks themselves stay
+pinned by the prefill replica's driver until the decode replica reports the import finished,
+so the exporter never reuses them while a copy may read them. The KV was written by steps the
+exporter synchronised before offering it (its first token was read back), so the copy needs no
+wait on the exporter's stream beyond the one torch does when a mapping is opened.
 """
 
 from __future__ import annotations
@@ -40,27 +42,38 @@ PROCESS_TOKEN = secrets.token_hex(8)
 
 
 class IpcExporter:
-    """Describes frames (uint8 views of CUDA caches) as CUDA IPC handles and byte ranges."""
+    """Describes frames (uint8 views of CUDA caches) as CUDA IPC handles and byte ranges.
+
+    Each cache tensor is shared once (the first time one of its frames is described) and the
+    description reused: a share wraps the storage in torch's IPC bookkeeping (a CUDA event and
+    a reference-counter slot), which must not grow with every hand-over. Importers map each
+    share once per process and keep it (IpcImporter)."""
 
     def __init__(self) -> None:
         self.process = PROCESS_TOKEN
+        self._shares: dict[tuple[int, int], list] = {}  # (data_ptr, nbytes) of a storage -> its share
 
     def describe(self, frames: list[torch.Tensor]) -> dict[str, Any]:
-        index: dict[int, int] = {}
+        index: dict[tuple[int, int], int] = {}
         storages, ranges = [], []
         for frame in frames:
             if frame.device.type != "cuda":
                 raise KVTransferError("ipc", f"a frame on {frame.device} cannot be shared by CUDA IPC")
             storage = frame.untyped_storage()
-            key = storage.data_ptr()
-            if key not in index:  # a fresh share per answer: torch counts one consumer per share
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in index:
                 index[key] = len(storages)
-                device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
-                storages.append([int(device), bytes(handle), int(size), int(offset), bytes(rc_handle),
-                                 int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync)])
+                storages.append(self._share(key, storage))
             ranges.append([index[key], frame.storage_offset() * frame.element_size(),
                            frame.numel() * frame.element_size()])
         return {"process": self.process, "storages": storages, "frames": ranges}
+
+    def _share(self, key: tuple[int, int], storage: torch.UntypedStorage) -> list:
+        if key not in self._shares:
+            device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+            self._shares[key] = [int(device), bytes(handle), int(size), int(offset), bytes(rc_handle),
+                                 int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync)]
+        return self._shares[key]
 
 
 class IpcImporter:
@@ -131,8 +144,7 @@ class IpcImporter:
                     self._opened[key] = storage
                     while len(self._opened) > self.max_open:
                         self._opened.popitem(last=False)  # closes the mapping once no copy uses it
-                else:  # mapped already: give back the reference the exporter counted for this share
-                    torch.UntypedStorage._release_ipc_counter(rc_handle, rc_offset, device=device)
+                else:  # mapped already (the exporter shares each tensor once: nothing to count)
                     self._opened.move_to_end(key)
             except RuntimeError as exc:
                 raise KVTransferError("ipc", f"cannot open the exporter's CUDA IPC handle: {exc}") from exc

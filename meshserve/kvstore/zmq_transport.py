@@ -33,6 +33,7 @@ exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing
 
 from __future__ import annotations
 
+import logging
 import secrets
 import struct
 import threading
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
     from meshserve.kvstore.cuda_ipc import IpcImporter
 
 Release = Callable[[KVExport], None]
+log = logging.getLogger("meshserve.kvstore")
 
 
 class KVExportServer:
@@ -130,8 +132,8 @@ class KVExportServer:
         sock, sign = self._sock, self._secret.sign
         sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
                                                                         export.header_bytes)])
-        if wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames):
-            self._answer_ipc(ident, cap, export, release)
+        if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
+                and self._answer_ipc(ident, cap, export, release)):
             return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
@@ -144,18 +146,23 @@ class KVExportServer:
         sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
         self._sending.append((export, trackers, release))
 
-    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> None:
+    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> bool:
         """The frames as CUDA IPC handles: the puller copies them device to device."""
         from meshserve.kvstore.cuda_ipc import IpcExporter
 
         if self._ipc is None:
             self._ipc = IpcExporter()
-        body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
+        try:
+            body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
+        except (RuntimeError, KVTransferError) as exc:  # cannot share: the bytes go over the socket instead
+            log.warning("KV export server %s: CUDA IPC share failed, sending bytes: %s", self.address, exc)
+            return False
         sign = self._secret.sign
         self._sock.send_multipart([ident, _IPC, body, sign(_ANSWER, cap, _index(1), _IPC, body)])
         self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
         # The blocks stay pinned by the driver until the puller's replica reports the copy done.
         _let_go(export, release)
+        return True
 
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
