@@ -78,7 +78,7 @@ def exporter() -> None:
             for i in range(cfg["reps"] + 1):
                 server.offer(KVExport(export.header, export.frames), capability=capability(transport, size, i),
                              ttl_s=3600)
-    print(json.dumps({"endpoint": Endpoint.local(server.address, torch.device(device).type).to_wire(),
+    print(json.dumps({"endpoint": Endpoint.local(server.address, torch.device(device)).to_wire(),
                       "export_ms": export_ms}), flush=True)
     while True:
         server.poll(20)

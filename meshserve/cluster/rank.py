@@ -36,6 +36,7 @@ from typing import Any
 from meshserve.attention.backend import KVCache
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.errors import check
+from meshserve.kvstore.cuda_ipc import local_gpus
 from meshserve.kvstore.pins import HandoverBlocks
 from meshserve.kvstore.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
 from meshserve.kvstore.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
@@ -150,7 +151,7 @@ class RankHost:
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
         for key in keys if fault != "withdraw" else []:  # the driver's pin keeps the blocks
             self._server.offer(KVExport(export.header, frames), capability=key, ttl_s=OFFER_TTL_S)
-        return Endpoint.local(self._server.address, io.device.type).to_wire()
+        return Endpoint.local(self._server.address, io.device).to_wire()
 
     def kv_pull(self, capability: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0, src_dcp: int = 1,
@@ -200,7 +201,8 @@ class RankHost:
         """Pull one offer by the transport chosen for this pair of ends; returns its name."""
         theirs = Endpoint.from_wire(endpoint)
         requested = self.spec.cache.kv_transport
-        name, why = choose_transport(requested, Endpoint.local("", self._io.device.type), theirs)
+        name, why = choose_transport(requested, Endpoint.local("", self._io.device), theirs,
+                                     visible_gpus=local_gpus() if self._io.device.type == "cuda" else ())
         if name == CUDA_IPC and theirs.host in self._no_ipc_hosts:
             name, why = ZMQ, "a CUDA IPC open from that host failed before"
         if why and requested != "auto":

@@ -26,6 +26,7 @@ wait on the exporter's stream beyond the one torch does when a mapping is opened
 
 from __future__ import annotations
 
+import functools
 import secrets
 import threading
 from collections import OrderedDict
@@ -39,6 +40,22 @@ from meshserve.kvstore.wire import KVTransferError
 MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per exporting rank)
 # Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
 PROCESS_TOKEN = secrets.token_hex(8)
+
+
+@functools.cache
+def local_gpus() -> dict[str, int]:
+    """The GPUs this process sees: UUID -> its device index here (CUDA_VISIBLE_DEVICES renumbers
+    them, so an exporter's index means nothing to an importer; its GPU's UUID does)."""
+    if not torch.cuda.is_available():
+        return {}
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of a CUDA device of this process ("" for any other device)."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
 
 
 class IpcExporter:
@@ -71,7 +88,7 @@ class IpcExporter:
     def _share(self, key: tuple[int, int], storage: torch.UntypedStorage) -> list:
         if key not in self._shares:
             device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
-            self._shares[key] = [int(device), bytes(handle), int(size), int(offset), bytes(rc_handle),
+            self._shares[key] = [gpu_uuid(storage.device), bytes(handle), int(size), int(offset), bytes(rc_handle),
                                  int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync)]
         return self._shares[key]
 
@@ -132,8 +149,11 @@ class IpcImporter:
             return self._streams[index]
 
     def _open(self, process: str, entry: list) -> torch.Tensor:
-        device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = entry
+        uuid, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = entry
         key = (process, bytes(handle), int(offset))
+        device = local_gpus().get(str(uuid))
+        if device is None:
+            raise KVTransferError("ipc", f"the exporter's GPU {uuid} is not visible to this process")
         with self._lock:
             storage = self._opened.get(key)
             try:

@@ -8,9 +8,10 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
   zmq       pyzmq over TCP (zmq_transport.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
-            GPU). The importer maps the exporter's cache memory and copies device to device into
-            its own blocks; the handle metadata travels over the zmq export channel (msgpack,
-            MACed), never pickle.
+            GPU), the exporter's GPU visible to the importer (not so for Ray actors, which each
+            see only their own GPU). The importer maps the exporter's cache memory and copies
+            device to device into its own blocks; the handle metadata travels over the zmq
+            export channel (msgpack, MACed), never pickle.
   auto      cuda_ipc where it applies, else zmq (the default).
   "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
             built without arguments with this module's `pull` signature.
@@ -27,13 +28,16 @@ import importlib
 import os
 import socket
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any, Protocol
+
+import torch
 
 from meshserve.config import KVTransport, check_kv_transport
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
-from meshserve.kvstore.cuda_ipc import PROCESS_TOKEN
+from meshserve.kvstore.cuda_ipc import PROCESS_TOKEN, gpu_uuid
 from meshserve.kvstore.rank_io import ImportTarget
 
 AUTO, ZMQ, CUDA_IPC = KVTransport.AUTO.value, KVTransport.ZMQ.value, KVTransport.CUDA_IPC.value
@@ -57,38 +61,45 @@ class Endpoint:
     host: str  # host_identity()
     device: str  # the caches' device type: "cuda" or "cpu"
     process: str  # PROCESS_TOKEN of its process
+    gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
 
     @classmethod
-    def local(cls, address: str, device: str) -> Endpoint:
-        return cls(address, host_identity(), device, PROCESS_TOKEN)
+    def local(cls, address: str, device: torch.device) -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device))
 
     def to_wire(self) -> dict[str, str]:
-        return {"address": self.address, "host": self.host, "device": self.device, "process": self.process}
+        return {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
+                "gpu": self.gpu}
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
         if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
             return cls(obj, "", "cpu", "")
-        return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]))
+        return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
+                   str(obj.get("gpu", "")))
 
 
-def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint) -> str | None:
-    """Why CUDA IPC cannot join the two ends, or None when it can."""
+def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection[str]) -> str | None:
+    """Why CUDA IPC cannot join the two ends, or None when it can. visible_gpus: the UUIDs of the
+    GPUs the importer's process sees (cuda_ipc.local_gpus)."""
     if (mine.device, theirs.device) != ("cuda", "cuda"):
         return f"caches on {theirs.device} (exporter) and {mine.device} (importer), CUDA IPC needs both on CUDA"
     if mine.host != theirs.host or not mine.host:
         return "the two ends are on different hosts"
     if mine.process == theirs.process:
         return "both ends are in one process (CUDA IPC handles cannot be opened by their own process)"
+    if theirs.gpu not in visible_gpus:
+        return "the exporter's GPU is not visible to the importer (CUDA_VISIBLE_DEVICES, e.g. per Ray actor)"
     return None
 
 
-def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint) -> tuple[str, str]:
+def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
+                     visible_gpus: Collection[str] = ()) -> tuple[str, str]:  # fmt: skip
     """(transport, why) for one hand-over: `requested` as configured; auto and cuda_ipc fall back
     to zmq (why says the reason) where CUDA IPC cannot join the ends."""
     if requested not in (AUTO, CUDA_IPC):
         return requested, ""
-    why = cuda_ipc_possible(mine, theirs)
+    why = cuda_ipc_possible(mine, theirs, visible_gpus)
     return (CUDA_IPC, "") if why is None else (ZMQ, why)
 
 

@@ -62,7 +62,7 @@ def serve_zmq(device: str = "cpu") -> None:
                      capability=capabilities[rid], release=rep.connector.release)
     for rid in rep.kv.request_ids():
         rep.kv.free(rid)  # the exports keep what they need
-    endpoint = Endpoint.local(server.address, device).to_wire()
+    endpoint = Endpoint.local(server.address, torch.device(device)).to_wire()
     print(json.dumps({"address": server.address, "capabilities": capabilities, "endpoint": endpoint}), flush=True)
     while True:
         server.poll(50)

@@ -30,8 +30,8 @@ SECRET = ClusterSecret(b"test secret of the kv transport tests")
 HOST = "node-a/boot-1"
 
 
-def end(device="cuda", host=HOST, process="p1") -> Endpoint:
-    return Endpoint("tcp://127.0.0.1:1", host, device, process)
+def end(device="cuda", host=HOST, process="p1", gpu="GPU-0") -> Endpoint:
+    return Endpoint("tcp://127.0.0.1:1", host, device, process, gpu if device == "cuda" else "")
 
 
 @pytest.mark.parametrize(("requested", "theirs", "want", "why"), [
@@ -40,11 +40,12 @@ def end(device="cuda", host=HOST, process="p1") -> Endpoint:
     ("auto", end("cpu", process="p2"), ZMQ, "CUDA IPC needs both on CUDA"),
     ("auto", end(host="node-b/boot-7", process="p2"), ZMQ, "different hosts"),
     ("cuda_ipc", end(), ZMQ, "one process"),  # the same process cannot open its own handles
+    ("auto", end(process="p2", gpu="GPU-9"), ZMQ, "not visible"),  # another Ray actor's GPU
     ("zmq", end(process="p2"), ZMQ, ""),
     ("pkg.mod:Puller", end("cpu"), "pkg.mod:Puller", ""),
 ])
 def test_choose_transport(requested, theirs, want, why):
-    name, reason = choose_transport(requested, end(), theirs)
+    name, reason = choose_transport(requested, end(), theirs, visible_gpus={"GPU-0", "GPU-1"})
     assert name == want and why in reason and bool(reason) == bool(why)
 
 
