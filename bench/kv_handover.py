@@ -109,6 +109,18 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def make_puller(transport: str):
+    """A transport's puller; "cuda_ipc-noverify": cuda_ipc without the importer's checksum."""
+    if transport != "cuda_ipc-noverify":
+        return puller_for(transport)
+    from meshserve.kvstore.cuda_ipc import IpcImporter
+    from meshserve.kvstore.transport import CudaIpcPuller
+
+    puller = CudaIpcPuller()
+    puller.importer = IpcImporter(verify=False)
+    return puller
+
+
 def run(args) -> list[dict]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
@@ -124,7 +136,7 @@ def run(args) -> list[dict]:
             nbytes = size * TOKEN_BYTES
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
-                puller, times = puller_for(transport), []
+                puller, times = make_puller(transport), []
                 for i in range(args.reps + 1):
                     t0 = time.perf_counter()
                     puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
@@ -169,7 +181,8 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", default=None, help="request sizes in tokens (default: 1024,8192,32768 on CUDA, "
                         "1024,8192 on CPU)")
-    parser.add_argument("--transports", default=None, help="default: zmq,cuda_ipc on CUDA, zmq on CPU")
+    parser.add_argument("--transports", default=None, help="default: zmq,cuda_ipc,cuda_ipc-noverify on CUDA (the "
+                        "last without the importer's checksum), zmq on CPU")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--exporter", action="store_true", help=argparse.SUPPRESS)
@@ -178,14 +191,14 @@ def main() -> None:
         return exporter()
     cuda = args.device == "cuda"
     args.sizes = [int(s) for s in (args.sizes or ("1024,8192,32768" if cuda else "1024,8192")).split(",")]
-    args.transports = (args.transports or ("zmq,cuda_ipc" if cuda else "zmq")).split(",")
+    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-noverify" if cuda else "zmq")).split(",")
     rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"KV hand-over, Llama-3-8B shape (32 layers, 8 KV heads x 128, bf16, block 16) on {where}")
-    print(f"{'tokens':>7} {'MiB':>7} {'transport':>9} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
+    print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
           f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
     for r in rows:
-        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>9} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
+        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
               f"{r['pull_gb_s']:>7.1f} {r['copy_gb_s']:>9.1f} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kv_handover-{args.device}")

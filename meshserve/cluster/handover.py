@@ -5,12 +5,12 @@ pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manag
 rank to offer its KV shard of them under a fresh unguessable capability (`kv_offer`: each rank's
 KVExportServer, msgpack header + raw frames, every message MACed with the cluster secret) and
 detaches the request, which the coordinator hands to a decode replica as a `Handoff` (the
-capability travels in it, nowhere else). The decode replica's `import_kv` reserves blocks in
-every KV layer group, has every rank pull its shard by that capability into them (`kv_pull`;
+capability travels in it, nowhere else). The decode replica reserves blocks in every KV layer
+group, has every rank pull its shard by that capability into them (`kv_pull_start`;
 with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
 kvstore/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
 the two pools' blocks cover different token counts, i.e. their dcp differs) and continues from
-the first token. If anything about the transfer fails it returns 0 and the prompt is recomputed.
+the first token. If anything about the transfer fails the prompt is recomputed instead.
 Either way the prefill replica is then told to release its pin (`release_sources`).
 
 The import is asynchronous (`Imports`): `start_import` reserves the blocks and has every rank

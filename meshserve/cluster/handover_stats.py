@@ -1,7 +1,7 @@
 """What a replica counts of its KV hand-overs, for the metrics (api/metrics.py) and the tests.
 
 Recomputes are counted by a small fixed set of reasons (`RECOMPUTE_REASONS`), the normalised
-form of the `why` handover.import_kv logs; every reason is listed from the start (zeros
+form of the `why` cluster/handover.py logs; every reason is listed from the start (zeros
 included) so that a dashboard's rate() sees each series before its first increment. The
 transfer histogram keeps fixed bucket counts here and is exposed at scrape time, like every
 other engine metric (nothing observed in the API process).

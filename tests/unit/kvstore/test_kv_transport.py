@@ -160,3 +160,29 @@ def test_background_pulls_report_results_errors_and_cancel():
     assert (done["b"]["ok"], done["b"]["reason"]) == (False, "cancelled")
     assert done["c"]["ok"] is False and done["c"]["reason"] is None and "ZeroDivisionError" in done["c"]["error"]
     assert pulls.take_done() == {} and pulls.num_running == 0
+
+
+def test_trusted_frames_skip_only_the_checksum():
+    src = Replica("gqa", seed=1)
+    src.add_request("r", list(range(100, 137)))
+    export = src.connector.export("r")
+    frames = [f.clone() for f in export.frames]
+    frames[0][3] ^= 0x11  # corrupted in "transit"
+    checked = Replica("gqa", seed=2)
+    with pytest.raises(KVTransferError) as info:
+        checked.connector.import_(export.header, frames)
+    assert info.value.reason == "checksum" and checked.kv.num_requests == 0
+    trusting = Replica("gqa", seed=2)
+    with trusting.connector.begin_import(export.header) as session:
+        session.trust_frames()
+        with pytest.raises(KVTransferError) as info:  # sizes are still checked
+            session.accept(0, frames[0][:-1])
+    assert info.value.reason == "truncated" and trusting.kv.num_requests == 0
+    with trusting.connector.begin_import(export.header) as session:
+        session.trust_frames()
+        for i, frame in enumerate(frames):
+            session.accept(i, frame)
+        session.finish()
+    got = trusting.request_bytes("r")
+    assert not torch.equal(got[0], src.request_bytes("r")[0])  # what was sent, unverified
+    assert all(torch.equal(a, b) for a, b in zip(got[1:], src.request_bytes("r")[1:]))
