@@ -210,14 +210,14 @@ class RankHost:
         if name not in self._pullers:
             self._pullers[name] = puller_for(name)
         try:
-            self._pullers[name].pull(target, theirs, capability, secret=self.secret, timeout_s=timeout_s,
-                                     cancel=cancel)
+            used = self._pullers[name].pull(target, theirs, capability, secret=self.secret, timeout_s=timeout_s,
+                                            cancel=cancel)
         except KVTransferError as exc:
             if exc.reason == "ipc":
                 log.warning("rank %d: CUDA IPC from %s failed, zmq from now on: %s", self.rank, theirs.host, exc)
                 self._no_ipc_hosts.add(theirs.host)
             raise
-        return name
+        return used or name
 
     def _pull_resharded(self, io: KVRankIO, capability: str, addresses: list, sender: _Sender,
                         blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float,

@@ -105,22 +105,24 @@ def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
 
 class KVPuller(Protocol):
     """Pulls one offer into an import target (rank_io.ImportTarget); KVTransferError if refused.
-    cancel: set when the pull should stop early (abort, shutdown); the pull then raises."""
+    cancel: set when the pull should stop early (abort, shutdown); the pull then raises. Returns
+    the transport that moved the bytes (None: the puller's name)."""
 
     name: str
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> None: ...  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None: ...  # fmt: skip
 
 
 class ZmqPuller:
     name = ZMQ
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
         from meshserve.kvstore.zmq_transport import pull_kv
 
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel)
+        return ZMQ
 
 
 class CudaIpcPuller:
@@ -134,11 +136,24 @@ class CudaIpcPuller:
         self.importer = IpcImporter()
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
         from meshserve.kvstore.zmq_transport import pull_kv
 
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
-                ipc=self.importer)
+        used = _Used(self.importer)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used)
+        return CUDA_IPC if used.copied else ZMQ  # the exporter sends bytes when it cannot share
+
+
+class _Used:
+    """An importer that notes whether this pull copied by CUDA IPC (the exporter may answer with
+    bytes instead)."""
+
+    def __init__(self, importer: Any) -> None:
+        self.importer, self.copied = importer, False
+
+    def copy_into(self, session: Any, desc: dict[str, Any]) -> None:
+        self.copied = True
+        self.importer.copy_into(session, desc)
 
 
 _PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller}

@@ -59,8 +59,8 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
 
     dst = Replica("gqa", seed=2, device="cuda")
     dst.fragment(4)  # scattered receiving blocks: direct copies and index_copy_ both run
-    puller.pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=60)
-    assert puller.importer.num_open >= 1  # the bytes came by CUDA IPC, not over the socket
+    used = puller.pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=60)
+    assert used == CUDA_IPC and puller.importer.num_open >= 1  # by CUDA IPC, not over the socket
     got = dst.request_bytes("ok")
     assert len(got) == len(expected) >= 2
     for ours, theirs in zip(got, expected, strict=True):  # every cached layer, every block
@@ -76,6 +76,7 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     assert bad.kv.num_free_blocks == free
     bad.kv.check_invariants()
 
+    puller.importer.forget(endpoint.process)  # close the mappings while the exporter lives
     proc.stdin.close()
     summary = json.loads(proc.stdout.readline())
     assert summary["pending"] == 0 and summary["rejected"] == 0

@@ -10,7 +10,6 @@ import torch
 from meshserve.config import CacheConfig
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
-from meshserve.kvstore.cuda_ipc import IpcImporter
 from meshserve.kvstore.transfers import BackgroundPulls
 from meshserve.kvstore.transport import (
     CUDA_IPC,
@@ -110,8 +109,10 @@ def test_an_ipc_request_for_cpu_frames_gets_the_bytes():
     try:
         dst = Replica("gqa", seed=2)
         dst.fragment(3)  # scattered receiving blocks
-        blocks = pull_kv(dst.connector, server.address, cap, secret=SECRET, timeout_s=30, ipc=IpcImporter())
-        assert dst.kv.block_tables("r") == blocks
+        endpoint = Endpoint(server.address, HOST, "cuda", "p2", "GPU-0")  # as if it could share
+        used = CudaIpcPuller().pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30)
+        assert used == ZMQ  # the exporter's frames are on the CPU: it sent their bytes
+        assert dst.kv.block_tables("r")[0]
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
     finally:
         done.set()
