@@ -12,9 +12,9 @@ and a CUDA event that orders the copy after the exporter's last write) and lists
 description is a msgpack map that travels in one MACed message of the zmq export protocol.
 
 `copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
-frame on a side stream of the importer: one copy per frame (a run of consecutive blocks of one
-layer) straight into the destination blocks when they form one run too, else one index_copy_
-(ImportSession.accept). The checksum is computed on the device and compared before the import
+frame (a run of consecutive blocks of one layer) on a side stream of the importer: straight into
+the destination blocks where they form one run too, all such frames in one batched copy
+(`torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is computed on the device and compared before the import
 counts. Mappings stay open for later hand-overs from the same exporter (opening one costs far
 more than a small copy; the exporter's caches live as long as its rank), least recently used
 first out beyond MAX_OPEN; dropping a mapping closes the handle. The blocks themselves stay
@@ -129,15 +129,19 @@ class IpcImporter:
             session.trust_frames()
         device = session.io.device
         stream = self._stream(device)
+        srcs = []
+        for i, (source, offset, nbytes) in enumerate(views):
+            if offset < 0 or offset + nbytes > source.numel():
+                session.abort()
+                raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
+            srcs.append(source[offset : offset + nbytes])
+        dsts = [session.destination(i) for i in range(len(srcs))]
+        direct = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if d is not None and d.numel() == s.numel()]
         with torch.cuda.stream(stream):
-            for i, (source, offset, nbytes) in enumerate(views):
-                if offset < 0 or offset + nbytes > source.numel():
-                    session.abort()
-                    raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
-                src = source[offset : offset + nbytes]
-                dst = session.destination(i)
-                if dst is not None and dst.numel() == nbytes:
-                    dst.copy_(src, non_blocking=True)
+            _copy_all([dsts[i] for i in direct], [srcs[i] for i in direct])  # one launch for many frames
+            fast = set(direct)
+            for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
+                if i in fast:
                     session.accept(i)
                 else:
                     session.accept(i, src)  # scattered blocks (or a size mismatch it refuses)
@@ -179,3 +183,18 @@ class IpcImporter:
         with self._lock:
             for key in [k for k in self._opened if k[0] == process]:
                 del self._opened[key]
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for every pair, batched into as few launches as torch can (same-device
+    pairs); pair by pair where the batched copy does not apply."""
+    if not dsts:
+        return
+    if all(d.device == s.device for d, s in zip(dsts, srcs)):
+        try:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            return
+        except (RuntimeError, TypeError):  # an unsupported combination: copy one by one
+            pass
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
