@@ -14,14 +14,18 @@ description is a msgpack map that travels in one MACed message of the zmq export
 `copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
 frame (a run of consecutive blocks of one layer) on a side stream of the importer: straight into
 the destination blocks where they form one run too, all such frames in one batched copy
-(`torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is computed on the device and compared before the import
-counts. Mappings stay open for later hand-overs from the same exporter (opening one costs far
-more than a small copy; the exporter's caches live as long as its rank), least recently used
-first out beyond MAX_OPEN; dropping a mapping closes the handle. The blocks themselves stay
-pinned by the prefill replica's driver until the decode replica reports the import finished,
-so the exporter never reuses them while a copy may read them. The KV was written by steps the
-exporter synchronised before offering it (its first token was read back), so the copy needs no
-wait on the exporter's stream beyond the one torch does when a mapping is opened.
+(`torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is
+computed on the device and compared before the import counts.
+
+Mappings stay open for later hand-overs from the same exporter (opening one costs far more than a
+small copy; the exporter's caches live as long as its rank), least recently used first out
+beyond MAX_OPEN; every mapping of an exporter process unused for MAPPING_IDLE_S is closed at the
+next pull (torch keeps a shared allocation alive until its last mapping closes: a stopped or
+rebuilt exporter's cache must not stay held by importers). The blocks themselves stay pinned by
+the prefill replica's driver until the decode replica reports the import finished, so the
+exporter never reuses them while a copy may read them. The KV was written by steps the exporter
+synchronised before offering it (its first token was read back), so the copy needs no wait on
+the exporter's stream beyond the one torch does when a mapping is opened.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import functools
 import secrets
 import threading
+import time
 from collections import OrderedDict
 from typing import Any
 
@@ -38,6 +43,7 @@ from meshserve.kvstore.rank_io import ImportSession
 from meshserve.kvstore.wire import KVTransferError
 
 MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per exporting rank)
+MAPPING_IDLE_S = 60.0  # an exporter process's mappings are closed after this long without a pull
 # Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
 PROCESS_TOKEN = secrets.token_hex(8)
 
@@ -101,6 +107,7 @@ class IpcImporter:
         self.max_open = max_open
         self.verify = verify  # False: no checksum over the copied bytes (ImportSession.trust_frames)
         self._opened: OrderedDict[tuple, torch.UntypedStorage] = OrderedDict()
+        self._last_use: dict[str, float] = {}  # exporter process -> monotonic time of its last pull
         self._lock = threading.Lock()
         self._streams: dict[int, torch.cuda.Stream] = {}
 
@@ -114,6 +121,7 @@ class IpcImporter:
         transport). The copies are complete when this returns."""
         try:
             process, storages, ranges = str(desc["process"]), desc["storages"], desc["frames"]
+            self._close_idle(process)
             sources = [self._open(process, entry) for entry in storages]
             views = [(sources[int(s)], int(off), int(n)) for s, off, n in ranges]
         except KVTransferError:
@@ -178,11 +186,20 @@ class IpcImporter:
         out = torch.empty(0, dtype=torch.uint8, device=storage.device)
         return out.set_(storage, 0, (storage.nbytes(),), (1,))
 
+    def _close_idle(self, current: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._last_use[current] = now
+            idle = [p for p, t in self._last_use.items() if now - t > MAPPING_IDLE_S]
+        for process in idle:
+            self.forget(process)
+
     def forget(self, process: str) -> None:
         """Drop every mapping of an exporter process (it failed or went away)."""
         with self._lock:
             for key in [k for k in self._opened if k[0] == process]:
                 del self._opened[key]
+            self._last_use.pop(process, None)
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:

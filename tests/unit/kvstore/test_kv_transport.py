@@ -3,6 +3,7 @@ parts the device transports lean on: an IPC request of CPU frames gets the bytes
 pull stops, and the background pulls of a rank."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -187,3 +188,17 @@ def test_trusted_frames_skip_only_the_checksum():
     got = trusting.request_bytes("r")
     assert not torch.equal(got[0], src.request_bytes("r")[0])  # what was sent, unverified
     assert all(torch.equal(a, b) for a, b in zip(got[1:], src.request_bytes("r")[1:]))
+
+
+def test_mappings_of_an_idle_exporter_are_closed_at_the_next_pull():
+    from meshserve.kvstore.cuda_ipc import MAPPING_IDLE_S, IpcImporter
+
+    importer = IpcImporter()
+    now = time.monotonic()
+    for process, age in (("stopped", MAPPING_IDLE_S + 1), ("live", 1.0)):
+        importer._opened[(process, b"handle", 0)] = torch.empty(0, dtype=torch.uint8)  # stands for a mapping
+        importer._last_use[process] = now - age
+    importer._close_idle("another")
+    assert list(importer._opened) == [("live", b"handle", 0)] and importer.num_open == 1
+    importer.forget("live")
+    assert importer.num_open == 0
