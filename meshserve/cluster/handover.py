@@ -200,7 +200,9 @@ def _recompute(self: HandoverEnd, rid: str, reason: str, why: str) -> None:
 class Imports:
     """A decode replica's hand-overs whose KV is on its way (the replica's step thread, or its
     loop while no step runs). The replica keeps stepping its running requests meanwhile; each
-    tick starts the pulls of new hand-overs and collects the ranks' finished ones."""
+    tick starts the pulls of new hand-overs and collects the ranks' finished ones, adopting their
+    requests into the engine. Settled hand-overs wait in `take_settled` for their sources to be
+    told (on the loop), and `close` returns them too if the loop never got to it."""
 
     def __init__(self, end: HandoverEnd) -> None:
         self.end = end
@@ -208,7 +210,7 @@ class Imports:
         self._by_transfer: dict[str, PendingImport] = {}
         self._ids = itertools.count()
         self._cancels: list[str] = []
-        self._settled: list[tuple[Handoff, int | None]] = []
+        self._settled: list[Handoff] = []
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.pending
@@ -217,22 +219,32 @@ class Imports:
         return len(self.pending)
 
     def knows(self, h: Handoff) -> bool:
-        """Started here: in flight, or settled and not yet taken."""
-        return h.ticket.request_id in self.pending or any(s is h for s, _ in self._settled)
+        """Started or dropped here: in flight, or settled and not yet taken."""
+        return h.ticket.request_id in self.pending or any(s is h for s in self._settled)
 
-    def take_settled(self) -> list[tuple[Handoff, int | None]]:
-        """The hand-overs settled since the last call, with the tokens cached (0: recompute the
-        prompt; None: aborted meanwhile, not to be adopted). Their sources may release their pins."""
+    def take_settled(self) -> list[Handoff]:
+        """The hand-overs settled since the last call: their sources may release their pins."""
         out, self._settled = self._settled, []
         return out
 
+    def drop(self, handoffs: list[Handoff]) -> None:
+        """Hand-overs whose requests were aborted before their import started."""
+        self._settled += handoffs
+
+    def _settle(self, h: Handoff, computed: int | None) -> None:
+        """Adopt the request with `computed` tokens cached (0: recompute its prompt; None: it was
+        aborted meanwhile and is not adopted)."""
+        if computed is not None:
+            self.end.core.adopt(h.ticket.request, num_computed_tokens=computed)
+        self._settled.append(h)
+
     def tick(self, handoffs: list[Handoff]) -> None:
-        """Start importing `handoffs`; collect the pulls that finished (take_settled)."""
-        end, settled = self.end, self._settled
+        """Start importing `handoffs`; adopt the requests whose pulls finished (take_settled)."""
+        end = self.end
         for h in handoffs:
             p = start_import(end, h, f"{end.name}/{next(self._ids)}")
             if p is None:
-                settled.append((h, 0))
+                self._settle(h, 0)
             else:
                 self.pending[h.ticket.request_id] = p
                 self._by_transfer[p.transfer_id] = p
@@ -249,7 +261,7 @@ class Imports:
         for p in [p for p in self.pending.values() if len(p.results) == end.world]:
             del self.pending[p.handoff.ticket.request_id], self._by_transfer[p.transfer_id]
             computed = finish_import(end, p)
-            settled.append((p.handoff, None if p.aborted else computed))
+            self._settle(p.handoff, None if p.aborted else computed)
 
     def abort(self, request_id: str) -> None:
         """The request was aborted: its pulls are cancelled, its blocks freed once they ended."""
@@ -260,7 +272,7 @@ class Imports:
     def close(self) -> list[Handoff]:
         """(Replica stopped or failed; its ranks are stopping) Free every reservation; returns the
         hand-overs whose sources may now release their pins."""
-        out = [h for h, _ in self.take_settled()]
+        out = self.take_settled()
         for p in self.pending.values():
             self.end.pins.abort(p.handoff.ticket.request_id)
             out.append(p.handoff)

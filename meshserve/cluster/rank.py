@@ -63,7 +63,8 @@ class RankHost:
         self._server = None
         self._pulls = BackgroundPulls()
         self._pullers: dict[str, KVPuller] = {}
-        self._no_ipc_hosts: set[str] = set()  # hosts where a CUDA IPC open failed: zmq from then on
+        # hosts where a CUDA IPC open failed (zmq from then on), and fallback reasons logged already
+        self._no_ipc_hosts: set[str] = set()
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -205,7 +206,8 @@ class RankHost:
                                      visible_gpus=local_gpus() if self._io.device.type == "cuda" else ())
         if name == CUDA_IPC and theirs.host in self._no_ipc_hosts:
             name, why = ZMQ, "a CUDA IPC open from that host failed before"
-        if why and requested != "auto":
+        if why and requested != "auto" and why not in self._no_ipc_hosts:  # logged once per reason
+            self._no_ipc_hosts.add(why)
             log.info("rank %d: kv_transport %s falls back to zmq: %s", self.rank, requested, why)
         if name not in self._pullers:
             self._pullers[name] = puller_for(name)

@@ -1,14 +1,14 @@
 """One replica inside the cluster: an EngineCore driven by its own asyncio task.
 
-The task owns the core. Model steps and channel calls run in a worker thread (one at a time);
-new requests, aborts, hand-overs and releases arriving meanwhile wait in lists and are applied
-between steps, so the scheduler and KV manager are only ever touched by one thread at a time.
+The task owns the core. Model steps and channel calls run in a worker thread (one at a time;
+`stop` waits for the one in flight); new requests, aborts, hand-overs and releases arriving
+meanwhile wait in lists and are applied between steps, so the scheduler and KV manager are only
+ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
 then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it: its
-ranks pull the KV in the background while it keeps stepping (`Imports`), and the request joins
-the running batch once the KV is in (or recomputes its prompt when the pull fails); then the
-prefill replica is told to `release` its pin.
+ranks pull the KV in the background while it keeps stepping (`Imports`); the request joins the
+running batch once the KV is in (or recomputes its prompt); the prefill replica then `release`s.
 
 Failure: when the executor reports a dead rank (or any step fails) the replica fails. Requests
 in flight (scheduled at least once, or adopted) end with ReplicaFailedError naming the cause:
@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -75,8 +76,7 @@ class _Counters:
     steps: int = 0
 
 
-# Steps between two reads of the ranks' expert load counters (and at every idle health check).
-EXPERT_LOAD_PERIOD = 64
+EXPERT_LOAD_PERIOD = 64  # steps between two reads of the ranks' expert load (and every idle health check)
 IMPORT_POLL_S = 0.002  # how often an otherwise idle replica asks its ranks about KV pulls in flight
 
 
@@ -84,9 +84,8 @@ class Replica:
     """name: unique in the cluster; role: unified, prefill or decode; handoff_tp, handoff_dcp: the
     layout of the replicas that take this one's hand-overs (prefill role).
 
-    make_core(): the replica's engine over freshly started ranks (blocking: called in a thread;
-    it shuts its ranks down itself if it raises). The runtime (ranks in this process, on
-    threads, in subprocesses or Ray actors) is its choice.
+    make_core(): the replica's engine over freshly started ranks (blocking: called in a thread; it
+    shuts its ranks down itself if it raises); it chooses the runtime (threads, processes, Ray).
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
     the replica died; orphans are the tickets that streamed nothing yet, reset to run afresh.
     """
@@ -96,9 +95,7 @@ class Replica:
                  on_failed: Callable[[Replica, BaseException, list], None] | None = None,
                  handoff_tp: int | None = None, handoff_dcp: int | None = None, health_period_s: float = 2.0,
                  handover_timeout_s: float = 5.0) -> None:
-        self.name = name
-        self.role = role
-        self.config = config
+        self.name, self.role, self.config = name, role, config
         self.make_core = make_core
         self.on_handoff = on_handoff
         self.on_failed = on_failed
@@ -123,6 +120,7 @@ class Replica:
         self.counters = _Counters()
         self.handover = HandoverStats()  # hand-overs at either end (handover.py counts them)
         self._wakeup = asyncio.Event()
+        self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -162,6 +160,9 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+            busy = self._thread_busy  # a cancelled task leaves its thread running: wait for it (bounded)
+            if await asyncio.to_thread(busy.acquire, timeout=60.0):
+                busy.release()
         for ticket in self._held.values():
             ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
         self._held.clear()
@@ -251,11 +252,10 @@ class Replica:
             num_total_kv_blocks=0 if kv is None else kv.num_total_blocks,
             kv_usage=0.0 if kv is None else kv.usage,
             prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
-            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, expert_tokens=c.expert_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
             num_handoffs=self.handover.handovers, num_kv_imports=self.handover.kv_imports,
-            num_recomputes=self.handover.num_recomputes, handover=self.handover.copy(),
-            expert_tokens=c.expert_tokens)
+            num_recomputes=self.handover.num_recomputes, handover=self.handover.copy())
 
     def _read_expert_load(self) -> None:
         """Between steps (the ranks' channel is free): refresh the per-expert row counts."""
@@ -273,11 +273,11 @@ class Replica:
                 if self._adoptions or self.imports:
                     adoptions, self._adoptions = self._adoptions, []
                     try:
-                        settled = await asyncio.to_thread(self._handover_tick, adoptions)
-                    except BaseException:  # the replica fails: what was not started goes back
+                        await asyncio.to_thread(self._in_thread, self._handover_tick, adoptions)
+                    except BaseException:  # the replica fails or stops: what was not started goes back
                         self._adoptions[:0] = [h for h in adoptions if not self.imports.knows(h)]
                         raise
-                    release_sources(settled)  # pulled, refused or failed: the source may free its pin
+                    release_sources(self.imports.take_settled())  # pulled, refused or failed alike
                 if not self.core.has_unfinished():
                     if not self._held:
                         self._idle.set()
@@ -289,11 +289,11 @@ class Replica:
                                                IMPORT_POLL_S if self.imports else self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
                         if not self.imports:
-                            await asyncio.to_thread(self.executor.check_health)
-                            await asyncio.to_thread(self._read_expert_load)
+                            await asyncio.to_thread(self._in_thread, self.executor.check_health)
+                            await asyncio.to_thread(self._in_thread, self._read_expert_load)
                     continue
                 self._idle.clear()
-                deltas, handoffs = await asyncio.to_thread(self._step)
+                deltas, handoffs = await asyncio.to_thread(self._in_thread, self._step)
                 self._deliver(deltas)
                 for h in handoffs:
                     self._held.pop(h.ticket.request_id)
@@ -346,6 +346,10 @@ class Replica:
                 request_event(delta.request_id, "finished", replica=self.name, reason=delta.finish_reason)
 
     # -- step thread ----------------------------------------------------------------------------
+    def _in_thread(self, fn, *args):
+        with self._thread_busy:  # held while a step or channel call runs: stop() waits for it
+            return fn(*args)
+
     def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
         deltas = self.core.step()
         self.counters.steps += 1
@@ -358,16 +362,10 @@ class Replica:
                 handoffs.append(offer_kv(self, ticket))
         return deltas, handoffs
 
-    def _handover_tick(self, adoptions: list[Handoff]) -> list[Handoff]:
-        """Start the imports of new hand-overs, adopt those whose KV arrived (or that recompute);
-        returns the hand-overs whose sources may release their pins."""
-        gone = [h for h in adoptions if h.ticket.request_id not in self._held]  # aborted before it arrived
+    def _handover_tick(self, adoptions: list[Handoff]) -> None:
+        """Start the imports of new hand-overs; adopt those whose KV arrived (or that recompute)."""
+        self.imports.drop([h for h in adoptions if h.ticket.request_id not in self._held])  # aborted meanwhile
         self.imports.tick([h for h in adoptions if h.ticket.request_id in self._held])
-        settled = self.imports.take_settled()
-        for h, computed in settled:
-            if computed is not None:
-                self.core.adopt(h.ticket.request, num_computed_tokens=computed)
-        return gone + [h for h, _ in settled]
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:

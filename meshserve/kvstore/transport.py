@@ -24,6 +24,7 @@ host where a cuda_ipc open failed is pulled from over zmq afterwards (`CudaIpcPu
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import socket
@@ -43,6 +44,7 @@ from meshserve.kvstore.rank_io import ImportTarget
 AUTO, ZMQ, CUDA_IPC = KVTransport.AUTO.value, KVTransport.ZMQ.value, KVTransport.CUDA_IPC.value
 
 
+@functools.cache
 def host_identity() -> str:
     """This machine as CUDA IPC sees it: host name and boot id (two containers of one pod share both)."""
     try:
