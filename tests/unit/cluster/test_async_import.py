@@ -1,8 +1,8 @@
 """Asynchronous KV import on the decode replica (ranks on threads, real Workers, tiny checkpoint).
 
 A puller the test holds (gated_puller.py) proves the decode replica keeps stepping its running
-requests while a hand-over's KV is on its way, and that abort, replica shutdown and timeout
-during a transfer leave no block held on either side. The oracle is the single-process engine.
+requests while a hand-over's KV is on its way, and that abort, replica shutdown, replica failure
+and timeout during a transfer leave no block held (and no offer pinned) on either side. The oracle is the single-process engine.
 """
 
 import asyncio
@@ -142,3 +142,26 @@ def test_an_import_past_the_timeout_is_recomputed_with_identical_tokens(ckpt, wa
         return seen
 
     assert serve(gated(ckpt, handover_timeout_s=0.5), body) == want["held"].token_ids
+
+
+def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkeypatch):
+    from meshserve.cluster.rank import RankHost
+
+    def broken(self):
+        raise RuntimeError("injected: the rank lost track of its pulls")
+
+    async def body(c):
+        (prefill,), (decode,) = c.replicas("prefill"), c.replicas("decode")
+        GATE.holding.set()
+        task = asyncio.ensure_future(stream(c, HELD, []))
+        await held_pull_arrived()
+        monkeypatch.setattr(RankHost, "kv_pull_done", broken)  # the next poll fails the replica
+        with pytest.raises(ReplicaFailedError, match="injected"):
+            await asyncio.wait_for(task, WAIT_S)
+        monkeypatch.undo()
+        assert decode.state.value == "failed" and not decode.imports
+        await wait_until(lambda: prefill.pins.num_pinned == 0 and prefill.core.kv.num_requests == 0,
+                         "the prefill replica to release the offer's pin", timeout_s=WAIT_S)
+        prefill.core.kv.check_invariants()
+
+    serve(gated(ckpt), body)
