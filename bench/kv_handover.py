@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -70,7 +71,7 @@ def exporter() -> None:
     server = KVExportServer(SECRET)
     export_ms = {}
     for size in sizes:
-        kv.allocate_slots(f"r{size}", size, [7] * size)
+        kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
         export = conn.export(f"r{size}", max_frame_bytes=frame_bytes_for(torch.device(device)))
         export_ms[size] = (time.perf_counter() - t0) * 1e3  # pin + checksum: the prefill side's cost
@@ -82,8 +83,6 @@ def exporter() -> None:
                       "export_ms": export_ms}), flush=True)
     while True:
         server.poll(20)
-        import select
-
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
             break
     server.close()
@@ -167,13 +166,17 @@ def plot(rows: list[dict], path: str, title: str) -> None:
         vals = [next(r["copy_gb_s"] if name == "device copy" else r["pull_gb_s"] for r in rows
                      if r["tokens"] == s and (name == "device copy" or r["transport"] == name)) for s in sizes]
         ax.bar([i + k * width for i in range(len(sizes))], vals, width, label=name)
-    ax.set_xticks([i + width * len(transports) / 2 for i in range(len(sizes))], [f"{s // 1024}k tokens" for s in sizes])
+    ax.set_xticks([i + width * len(transports) / 2 for i in range(len(sizes))], [_tokens(s) for s in sizes])
     ax.set_ylabel("GB/s (KV bytes / time)")
     ax.set_yscale("log")
     ax.set_title(title)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def _tokens(n: int) -> str:
+    return f"{n // 1024}k tokens" if n % 1024 == 0 else f"{n} tokens"
 
 
 def main() -> None:
@@ -199,7 +202,7 @@ def main() -> None:
           f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
-              f"{r['pull_gb_s']:>7.1f} {r['copy_gb_s']:>9.1f} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
+              f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kv_handover-{args.device}")
     with open(stem + ".json", "w") as f:
