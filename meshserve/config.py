@@ -41,6 +41,7 @@ class KVTransport(StrEnum):
     AUTO = "auto"  # cuda_ipc where both ends are CUDA processes of one host, else zmq
     ZMQ = "zmq"  # pyzmq over TCP: any two ends (host-staged from GPU caches); the fallback
     CUDA_IPC = "cuda_ipc"  # device to device within one host (falls back to zmq elsewhere)
+    NCCL = "nccl"  # torch.distributed send/recv, a group per pull (gloo between CPU caches)
 
 
 def check_kv_transport(value: object) -> str:
@@ -103,7 +104,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV budget per rank in bytes"})
     enable_prefix_caching: bool = True
     kv_transport: str = field(default="auto", metadata={
-        "help": "KV hand-over between pools: auto (cuda_ipc within a host, else zmq), zmq or cuda_ipc"})
+        "help": "KV hand-over between pools: auto (cuda_ipc within a host, else zmq), zmq, cuda_ipc or nccl"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", as_enum(KVCacheDtype, "kv_cache_dtype", self.kv_cache_dtype))

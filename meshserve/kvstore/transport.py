@@ -12,11 +12,13 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
             see only their own GPU). The importer maps the exporter's cache memory and copies
             device to device into its own blocks; the handle metadata travels over the zmq
             export channel (msgpack, MACed), never pickle.
-  auto      cuda_ipc where it applies, else zmq (the default).
+  nccl      torch.distributed send/recv (p2p_transport.py): NCCL between CUDA caches (GPUs of any
+            hosts), gloo between CPU caches, over a two-rank group made for each pull (a
+            communicator set-up per pull: for large requests between hosts). Both ends' caches
+            must be on the same kind of device, else zmq.
+  auto      cuda_ipc where it applies, else zmq (the default; nccl is never chosen by itself).
   "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
             built without arguments with this module's `pull` signature.
-The NCCL point-to-point code (dist_transport.py) is not selectable yet: it needs a process group
-between the two pools' ranks, which the pools do not build (docs/cluster.md says what is missing).
 
 A request whose transfer fails (a refused or failed cuda_ipc open included) is recomputed; a
 host where a cuda_ipc open failed is pulled from over zmq afterwards (`CudaIpcPuller`).
@@ -41,7 +43,8 @@ from meshserve.errors import ConfigError
 from meshserve.kvstore.cuda_ipc import PROCESS_TOKEN, gpu_uuid
 from meshserve.kvstore.rank_io import ImportTarget
 
-AUTO, ZMQ, CUDA_IPC = KVTransport.AUTO.value, KVTransport.ZMQ.value, KVTransport.CUDA_IPC.value
+AUTO, ZMQ, CUDA_IPC, NCCL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
+                                               KVTransport.NCCL))
 
 
 @functools.cache
@@ -99,6 +102,8 @@ def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
                      visible_gpus: Collection[str] = ()) -> tuple[str, str]:  # fmt: skip
     """(transport, why) for one hand-over: `requested` as configured; auto and cuda_ipc fall back
     to zmq (why says the reason) where CUDA IPC cannot join the ends."""
+    if requested == NCCL and mine.device != theirs.device:
+        return ZMQ, f"caches on {theirs.device} (exporter) and {mine.device} (importer): nccl needs one kind"
     if requested not in (AUTO, CUDA_IPC):
         return requested, ""
     why = cuda_ipc_possible(mine, theirs, visible_gpus)
@@ -158,7 +163,23 @@ class _Used:
         self.importer.copy_into(session, desc)
 
 
-_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller}
+class P2PPuller:
+    """Receives the frames by torch.distributed send/recv (p2p_transport.py)."""
+
+    name = NCCL
+
+    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvstore.p2p_transport import P2PReceiver
+        from meshserve.kvstore.zmq_transport import pull_kv
+
+        receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
+                p2p=receiver)
+        return NCCL
+
+
+_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller}
 
 
 def puller_for(name: str) -> KVPuller:

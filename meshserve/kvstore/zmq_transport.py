@@ -16,7 +16,9 @@ receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the an
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
 then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
 "ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
-frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]. Answer tags cover
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]; a pull that names a
+"p2p" rendezvous (p2p_transport.py) gets one [b"P", b"", tag] and the frames by torch.distributed
+send/recv, sent from a thread of the server. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -51,6 +53,7 @@ from meshserve.kvstore.wire import KVTransferError
 
 if TYPE_CHECKING:
     from meshserve.kvstore.cuda_ipc import IpcImporter
+    from meshserve.kvstore.p2p_transport import P2PReceiver
 
 Release = Callable[[KVExport], None]
 log = logging.getLogger("meshserve.kvstore")
@@ -79,6 +82,7 @@ class KVExportServer:
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
         self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
+        self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
@@ -120,6 +124,7 @@ class KVExportServer:
         try:
             request = msgpack.unpackb(body, raw=False)
             cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
+            rendezvous = request.get("p2p")
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -134,6 +139,9 @@ class KVExportServer:
                                                                         export.header_bytes)])
         if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
                 and self._answer_ipc(ident, cap, export, release)):
+            return
+        if isinstance(rendezvous, str) and export.frames:
+            self._answer_p2p(ident, cap, export, release, rendezvous)
             return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
@@ -164,6 +172,19 @@ class KVExportServer:
         _let_go(export, release)
         return True
 
+    def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
+                    rendezvous: str) -> None:  # fmt: skip
+        """The frames by torch.distributed send, from a thread: the puller receives them."""
+        from meshserve.kvstore.p2p_transport import send_frames
+
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _P2P, b"", sign(_ANSWER, cap, _index(1), _P2P, b"")])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        thread = threading.Thread(target=send_frames, args=(rendezvous, export.frames, self.p2p_timeout_s),
+                                  name="meshserve-kv-p2p-send", daemon=True)
+        thread.start()
+        self._sending.append((export, [_ThreadDone(thread)], release))
+
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
         self._sock.send_multipart([ident, _ERROR, body, self._secret.sign(_ANSWER, cap, _index(0), _ERROR, body)])
@@ -193,6 +214,17 @@ class KVExportServer:
         self._sending.clear()
 
 
+class _ThreadDone:
+    """A p2p send thread, seen as the zmq trackers of the frames it sends."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
 def _let_go(export: KVExport, release: Release | None) -> None:
     if release is not None:
         release(export)
@@ -213,6 +245,7 @@ def pull_kv(
     context: zmq.Context | None = None,
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
+    p2p: P2PReceiver | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
@@ -221,6 +254,8 @@ def pull_kv(
     cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
     ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
     sends bytes anyway when its frames are not on CUDA).
+    p2p: receive the frames by torch.distributed from the exporter, which joins this receiver's
+    rendezvous (p2p_transport.py).
     """
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -230,7 +265,8 @@ def pull_kv(
     deadline = time.monotonic() + timeout_s
     answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
+        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None,
+                              "p2p": None if p2p is None else p2p.rendezvous})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -242,6 +278,11 @@ def pull_kv(
             if tag == _IPC and ipc is not None:
                 ipc.copy_into(session, msgpack.unpackb(answers.part(tag), raw=False))
                 answers.part(answers.expect(_END))
+                return session.blocks
+            if tag == _P2P and p2p is not None:
+                answers.part(tag)
+                answers.part(answers.expect(_END))
+                p2p.receive(session)
                 return session.blocks
             for i in range(session.num_frames):
                 tag = tag if i == 0 else answers.next_tag()
@@ -258,7 +299,7 @@ def pull_kv(
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END, _IPC = b"H", b"X", b"F", b"E", b"I"
+_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P = b"H", b"X", b"F", b"E", b"I", b"P"
 _CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER = b"kv-pull", b"kv-answer"
 

@@ -2,7 +2,8 @@
 
 A puller the test holds (gated_puller.py) proves the decode replica keeps stepping its running
 requests while a hand-over's KV is on its way, and that abort, replica shutdown, replica failure
-and timeout during a transfer leave no block held (and no offer pinned) on either side. The oracle is the single-process engine.
+and timeout during a transfer leave no block held (and no offer pinned) on either side. The
+oracle is the single-process engine.
 """
 
 import asyncio
@@ -43,9 +44,9 @@ def gate():
     GATE.reset()
 
 
-def gated(ckpt, **cluster):
+def gated(ckpt, transport=GATED, **cluster):
     cfg = threads(ckpt, "disaggregated")
-    engine = replace(cfg.engine, cache=replace(cfg.engine.cache, kv_transport=GATED))
+    engine = replace(cfg.engine, cache=replace(cfg.engine.cache, kv_transport=transport))
     return replace(cfg, engine=engine, **cluster)
 
 
@@ -165,3 +166,19 @@ def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkey
         prefill.core.kv.check_invariants()
 
     serve(gated(ckpt), body)
+
+
+def test_the_nccl_transport_over_gloo_matches_the_single_process_engine(ckpt, want):
+    async def body(c):
+        (decode,) = c.replicas("decode")
+        got = {}
+        for request in (HELD, LONG):
+            got[request[0]] = []
+            await stream(c, request, got[request[0]])
+        stats = decode.stats()
+        assert (stats.num_kv_imports, stats.num_recomputes, stats.handover.transports) == (2, 0, {"nccl": 2})
+        await wait_until(lambda: holds_no_blocks(c), "every block to be freed", timeout_s=WAIT_S)
+        return got
+
+    got = serve(gated(ckpt, "nccl"), body)
+    assert got == {rid: want[rid].token_ids for rid in ("held", "long")}

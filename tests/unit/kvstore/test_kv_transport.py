@@ -14,9 +14,11 @@ from meshserve.errors import ConfigError
 from meshserve.kvstore.transfers import BackgroundPulls
 from meshserve.kvstore.transport import (
     CUDA_IPC,
+    NCCL,
     ZMQ,
     CudaIpcPuller,
     Endpoint,
+    P2PPuller,
     ZmqPuller,
     choose_transport,
     describe_setting,
@@ -64,10 +66,12 @@ def test_kv_transport_setting_is_validated_naming_the_field():
             CacheConfig(kv_transport=bad)
 
 
-@pytest.mark.xfail(strict=True, reason="NCCL hand-over between pools is not wired yet: the pools build no "
-                   "process group between prefill and decode ranks (kvstore/dist_transport.py; docs/cluster.md)")
-def test_nccl_is_selectable():
-    assert CacheConfig(kv_transport="nccl").kv_transport == "nccl"
+def test_nccl_is_selectable_and_needs_one_kind_of_device():
+    assert CacheConfig(kv_transport="nccl").kv_transport == NCCL
+    assert choose_transport("nccl", end("cpu"), end("cpu", process="p2")) == (NCCL, "")
+    name, why = choose_transport("nccl", end("cpu"), end("cuda", process="p2"))
+    assert name == ZMQ and "one kind" in why
+    assert isinstance(puller_for("nccl"), P2PPuller)
 
 
 def test_pullers_by_name():
@@ -202,3 +206,24 @@ def test_mappings_of_an_idle_exporter_are_closed_at_the_next_pull():
     assert list(importer._opened) == [("live", b"handle", 0)] and importer.num_open == 1
     importer.forget("live")
     assert importer.num_open == 0
+
+
+def test_a_p2p_pull_moves_the_bytes_by_torch_distributed():
+    server, cap, expected = offered()
+    done = threading.Event()
+    thread = serve_until(server, done)
+    try:
+        dst = Replica("gqa", seed=2)
+        dst.fragment(3)  # scattered receiving blocks: received into scratch, then index_copy_
+        used = P2PPuller().pull(dst.connector, Endpoint.from_wire(server.address), cap, secret=SECRET, timeout_s=60)
+        assert used == NCCL
+        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
+        dst.kv.check_invariants()
+        deadline = time.monotonic() + 60
+        while server.num_pending and time.monotonic() < deadline:  # the send thread lets go of the export
+            time.sleep(0.01)
+        assert server.num_pending == 0
+    finally:
+        done.set()
+        thread.join(10)
+        server.close()
