@@ -1,7 +1,8 @@
 """KV hand-over bandwidth per transport vs a copy of the same bytes, measured in the same run.
 
-    python bench/kv_handover.py                    # CUDA when present (zmq and cuda_ipc), else CPU (zmq)
+    python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc), else CPU (zmq, nccl/gloo)
     python bench/kv_handover.py --device cpu --sizes 1024,8192
+    python bench/kv_handover.py --exporter-gpu 1 --transports nccl,cuda_ipc,zmq   # two GPUs
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
@@ -123,7 +124,8 @@ def make_puller(transport: str):
 def run(args) -> list[dict]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-    proc.stdin.write(json.dumps({"device": args.device, "sizes": args.sizes, "reps": args.reps,
+    where = f"cuda:{args.exporter_gpu}" if args.device == "cuda" else "cpu"
+    proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps,
                                  "transports": args.transports}) + "\n")
     proc.stdin.flush()
     info = json.loads(proc.stdout.readline())
@@ -185,8 +187,10 @@ def main() -> None:
     parser.add_argument("--sizes", default=None, help="request sizes in tokens (default: 1024,8192,32768 on CUDA, "
                         "1024,8192 on CPU)")
     parser.add_argument("--transports", default=None, help="default: zmq,cuda_ipc,cuda_ipc-noverify on CUDA (the "
-                        "last without the importer's checksum), zmq on CPU")
+                        "last without the importer's checksum), zmq,nccl on CPU (nccl runs over gloo there)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (nccl needs another one "
+                        "than this process's cuda:0: --exporter-gpu 1 --transports nccl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--exporter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -194,7 +198,7 @@ def main() -> None:
         return exporter()
     cuda = args.device == "cuda"
     args.sizes = [int(s) for s in (args.sizes or ("1024,8192,32768" if cuda else "1024,8192")).split(",")]
-    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-noverify" if cuda else "zmq")).split(",")
+    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-noverify" if cuda else "zmq,nccl")).split(",")
     rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"KV hand-over, Llama-3-8B shape (32 layers, 8 KV heads x 128, bf16, block 16) on {where}")
