@@ -2,6 +2,7 @@
 parts the device transports lean on: an IPC request of CPU frames gets the bytes, a cancelled
 pull stops, and the background pulls of a rank."""
 
+import contextlib
 import threading
 import time
 
@@ -98,31 +99,33 @@ def offered(rid="r", tokens=37):
     return server, cap, src.request_bytes(rid)
 
 
-def serve_until(server, done: threading.Event) -> threading.Thread:
+@contextlib.contextmanager
+def served():
+    """An offer (offered()) whose server a thread polls until the block ends: (server, cap, bytes)."""
+    server, cap, expected = offered()
+    done = threading.Event()
+
     def loop():
         while not done.is_set():
             server.poll(5)
     thread = threading.Thread(target=loop, daemon=True)
     thread.start()
-    return thread
+    try:
+        yield server, cap, expected
+    finally:
+        done.set()
+        thread.join(10)
+        server.close()
 
 
 def test_an_ipc_request_for_cpu_frames_gets_the_bytes():
-    server, cap, expected = offered()
-    done = threading.Event()
-    thread = serve_until(server, done)
-    try:
+    with served() as (server, cap, expected):
         dst = Replica("gqa", seed=2)
         dst.fragment(3)  # scattered receiving blocks
         endpoint = Endpoint(server.address, HOST, "cuda", "p2", "GPU-0")  # as if it could share
         used = CudaIpcPuller().pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30)
         assert used == ZMQ  # the exporter's frames are on the CPU: it sent their bytes
-        assert dst.kv.block_tables("r")[0]
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
-    finally:
-        done.set()
-        thread.join(10)
-        server.close()
 
 
 def test_a_cancelled_pull_stops_and_frees_what_it_reserved():
@@ -209,21 +212,14 @@ def test_mappings_of_an_idle_exporter_are_closed_at_the_next_pull():
 
 
 def test_a_p2p_pull_moves_the_bytes_by_torch_distributed():
-    server, cap, expected = offered()
-    done = threading.Event()
-    thread = serve_until(server, done)
-    try:
+    with served() as (server, cap, expected):
         dst = Replica("gqa", seed=2)
         dst.fragment(3)  # scattered receiving blocks: received into scratch, then index_copy_
         used = P2PPuller().pull(dst.connector, Endpoint.from_wire(server.address), cap, secret=SECRET, timeout_s=60)
         assert used == NCCL
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
         dst.kv.check_invariants()
-        deadline = time.monotonic() + 60
-        while server.num_pending and time.monotonic() < deadline:  # the send thread lets go of the export
+        deadline = time.monotonic() + 60  # the poll thread lets go of the export once the send ended
+        while server.num_pending and time.monotonic() < deadline:
             time.sleep(0.01)
         assert server.num_pending == 0
-    finally:
-        done.set()
-        thread.join(10)
-        server.close()
