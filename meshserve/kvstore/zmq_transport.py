@@ -89,7 +89,9 @@ class KVExportServer:
         """Offer an export for one pull by `capability` within `ttl_s`; returns the address to
         pull from. release(export) is called once zmq has let go of its frames or the offer
         expired (e.g. KVConnector.release, which drops the pin); without it the owner keeps the
-        blocks alive."""
+        blocks alive. A CUDA IPC answer releases when it is sent, before the importer copies: an
+        owner that must not reuse the blocks until then keeps them itself (a rank's driver pin
+        does, until the decode replica reports the import done)."""
         check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
         check(isinstance(capability, str) and len(capability) >= MIN_CAPABILITY_CHARS, "capability",
               "<hidden>", f"an unguessable token of at least {MIN_CAPABILITY_CHARS} characters (new_capability())")
