@@ -35,6 +35,24 @@ class PoolMode(StrEnum):
     DISAGGREGATED = "disaggregated"
 
 
+class KVTransport(StrEnum):
+    """How KV moves between the pools (kvstore/transport.py)."""
+
+    AUTO = "auto"  # cuda_ipc where both ends are CUDA processes of one host, else zmq
+    ZMQ = "zmq"  # pyzmq over TCP: any two ends (host-staged from GPU caches); the fallback
+    CUDA_IPC = "cuda_ipc"  # device to device within one host (falls back to zmq elsewhere)
+    NCCL = "nccl"  # torch.distributed send/recv, a group per pull (gloo between CPU caches)
+
+
+def check_kv_transport(value: object) -> str:
+    """A `kv_transport` value: a KVTransport name, or "package.module:Class" of a puller of one's own."""
+    module, sep, name = str(value).partition(":")
+    ok = isinstance(value, str) and (value in {t.value for t in KVTransport} or (
+        bool(sep) and all(p.isidentifier() for p in module.split(".")) and name.isidentifier()))
+    check(ok, "kv_transport", value, f"one of {[t.value for t in KVTransport]} or 'package.module:Class' of a puller")
+    return str(value)
+
+
 class DcpComm(StrEnum):
     AG_RS = "ag_rs"  # all-gather LSE, rescale, reduce-scatter outputs
     A2A = "a2a"  # all-to-all outputs and LSEs, then a local merge
@@ -90,9 +108,12 @@ class CacheConfig:
     num_kv_blocks: int | None = field(default=None, metadata={"help": "fixed block count; overrides memory"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV budget per rank in bytes"})
     enable_prefix_caching: bool = True
+    kv_transport: str = field(default="auto", metadata={
+        "help": "KV hand-over between pools: auto (cuda_ipc within a host, else zmq), zmq, cuda_ipc or nccl"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", as_enum(KVCacheDtype, "kv_cache_dtype", self.kv_cache_dtype))
+        object.__setattr__(self, "kv_transport", check_kv_transport(self.kv_transport))
         bs = self.block_size
         check(
             isinstance(bs, int) and 1 <= bs <= 1 << 20 and bs & (bs - 1) == 0,

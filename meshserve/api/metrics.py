@@ -58,8 +58,11 @@ METRICS = {
                                      "succeeded (labels pool, replica; disaggregated pools)",
     "meshserve_kv_recomputes_total": "counter: adopted requests whose prompt was recomputed instead of imported "
                                      "(labels pool, replica, reason; disaggregated pools)",
-    "meshserve_kv_transport_info": "gauge: 1 for the KV transport between the pools (label transport; "
-                                   "disaggregated pools)",
+    "meshserve_kv_transport_info": "gauge: 1 for the KV transport between the pools as configured and resolved at "
+                                   "start: zmq, cuda_ipc, or cuda_ipc|zmq when chosen per hand-over (label "
+                                   "transport; disaggregated pools)",
+    "meshserve_kv_imports_total": "counter: KV imports that succeeded, by the transport that moved them (labels "
+                                  "pool, replica, transport; disaggregated pools)",
     "meshserve_requests_total": "counter: finished Generate calls by gRPC status code (label code)",
     "meshserve_time_to_first_token_seconds": "histogram: arrival to first token",
     "meshserve_time_per_output_token_seconds": "histogram: (last token - first token) / (tokens - 1), per request",
@@ -136,6 +139,8 @@ def _handover_families(s: ServiceStats, doc: dict[str, str]) -> Iterator:
                                     labels=labels)
     recomputes = CounterMetricFamily("meshserve_kv_recomputes", doc["meshserve_kv_recomputes_total"],
                                      labels=[*labels, "reason"])
+    by_transport = CounterMetricFamily("meshserve_kv_imports", doc["meshserve_kv_imports_total"],
+                                       labels=[*labels, "transport"])
     for row in s.handovers:
         key, h = [row.pool, row.replica], row.stats
         handovers.add_metric(key, h.handovers)
@@ -145,7 +150,9 @@ def _handover_families(s: ServiceStats, doc: dict[str, str]) -> Iterator:
         seconds.add_metric(key, h.cumulative_buckets(), h.transfer_seconds)
         for reason, n in h.recomputes.items():
             recomputes.add_metric([*key, reason], n)
-    yield from (handovers, imported, seconds, recomputes)
+        for transport, n in sorted(h.transports.items()):
+            by_transport.add_metric([*key, transport], n)
+    yield from (handovers, imported, seconds, recomputes, by_transport)
 
 
 class RequestTimer:

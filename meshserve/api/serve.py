@@ -25,6 +25,7 @@ from meshserve.config import (
     AttentionConfig,
     CacheConfig,
     Dtype,
+    KVTransport,
     ModelConfig,
     ParallelConfig,
     PoolConfig,
@@ -80,6 +81,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"tensor-parallel ranks per {role} replica (disaggregated; default --tp)")
         c.add_argument(f"--{role}-dcp", type=int, default=None,
                        help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
+    c.add_argument("--kv-transport", default="auto", choices=[t.value for t in KVTransport],
+                   help="KV hand-over between the pools: auto (cuda_ipc when both ends are CUDA processes of one "
+                        "host, else zmq), zmq, cuda_ipc (falls back to zmq where it cannot apply), or nccl "
+                        "(torch.distributed send/recv, a communicator per hand-over)")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
@@ -137,7 +142,7 @@ def configs_of(args: argparse.Namespace):
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          enable_prefix_caching=not args.no_prefix_caching),
+                          enable_prefix_caching=not args.no_prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),

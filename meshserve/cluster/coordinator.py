@@ -7,10 +7,8 @@
         ...
     await coord.shutdown(drain=True)
 
-This is the one serving stack: `meshserve serve` with no flags, and `LLM.stream`, run a
-one-replica unified pool whose ranks live in this process (runtime "in-process": no Ray, no
-channel; the step overlap of EngineCore applies); Ray, subprocesses and threads only change
-where the ranks run.
+One serving stack: `meshserve serve` with no flags, and `LLM.stream`, run one unified replica with
+its ranks in this process (runtime "in-process"); Ray, subprocesses and threads only move the ranks.
 
 Unified mode: one pool; any replica runs a request from prompt to end. Disaggregated: a new
 request goes to the prefill pool (longest cached prefix, then least load) and runs until its
@@ -38,8 +36,8 @@ from pathlib import Path
 from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import StepDeadline, sum_expert_load
-from meshserve.cluster.handover import Handoff
-from meshserve.cluster.handover_stats import KV_TRANSPORT, HandoverRow
+from meshserve.cluster.handover import Handoff, release_sources
+from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
@@ -51,6 +49,7 @@ from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
+from meshserve.kvstore.transport import default_device, describe_setting
 from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.coordinator")
@@ -127,6 +126,8 @@ class Coordinator:
                   "None unless the pool is one unified in-process replica")
         self.config = config
         self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
+        self.kv_transport = describe_setting(config.engine.cache.kv_transport, config.device or default_device(),
+                                             one_host=config.runtime is not Runtime.RAY)
         self.pools: dict[str, ReplicaPool] = {}
         self.tokenizer = None
         self.validator: RequestValidator | None = None
@@ -135,9 +136,8 @@ class Coordinator:
         # operator's (MESHSERVE_CLUSTER_SECRET[_FILE]) or a fresh one; never logged.
         self.secret = ClusterSecret.resolve()
         self.deadline = StepDeadline(config.pools.step_timeout_base_s, config.pools.step_timeout_per_token_s)
-        # client request id -> its ticket. Replicas know a request by a fresh internal id: a client
-        # may reuse an id as soon as its stream ends, before the abort of the old request has
-        # reached its replica.
+        # client request id -> its ticket. Replicas know a request by a fresh internal id: a client may
+        # reuse an id as soon as its stream ends, before the old request's abort reached its replica.
         self._live: dict[str, Ticket] = {}
         self._arrivals = itertools.count()
         self._serial = itertools.count()
@@ -180,7 +180,7 @@ class Coordinator:
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
         if self.disaggregated:
-            log.info("KV hand-over transport: %s", KV_TRANSPORT)
+            log.info("KV hand-over transport: %s (kv_transport=%s)", self.kv_transport, cfg.engine.cache.kv_transport)
         return self
 
     async def __aenter__(self) -> Coordinator:
@@ -359,14 +359,15 @@ class Coordinator:
         total, free = (sum(getattr(s, f) for s in rows) for f in ("num_total_kv_blocks", "num_free_kv_blocks"))
         summed = {f: sum(getattr(s, f) for s in rows) for f in (
             "num_waiting", "num_running", "prefix_hit_tokens", "num_preemptions", "generated_tokens")}
+        moved, kept, hung = (sum(getattr(s, f) for s in rows) for f in ("num_migrated", "num_migrations_refused",
+                                                                         "num_hung"))
         return ServiceStats(
             **summed, kv_usage=(total - free) / total if total else 0.0, num_free_kv_blocks=free,
             prompt_tokens=sum(s.prompt_tokens for s in rows if s.role != "decode"),
             expert_tokens=sum_expert_load([s.expert_tokens for s in rows]),
             handovers=[HandoverRow(s.role, s.name, s.handover) for s in rows] if self.disaggregated else [],
-            kv_transport=KV_TRANSPORT if self.disaggregated else "", num_migrations=sum(s.num_migrated for s in rows),
-            num_migrations_refused=sum(s.num_migrations_refused for s in rows),
-            num_hung_replicas=sum(s.num_hung for s in rows), hung_detection_s=sum(s.hung_detect_s for s in rows))
+            kv_transport=self.kv_transport if self.disaggregated else "", num_migrations=moved,
+            num_migrations_refused=kept, num_hung_replicas=hung, hung_detection_s=sum(s.hung_detect_s for s in rows))
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str, beam=None) -> Request:
@@ -387,8 +388,7 @@ class Coordinator:
     def _on_handoff(self, handoff: Handoff) -> None:
         ticket = handoff.ticket
         if ticket.cancelled:  # aborted, or the client left, while it was being prefilled
-            if handoff.offer is not None:
-                handoff.source.release(handoff.offer.pin_id)
+            release_sources([handoff])
             ticket.sink.put_nowait(CompletionDelta(ticket.request_id, [], "", True, FinishReason.ABORT))
             return
         request_event(ticket.request_id, "handoff", source=handoff.source.name, kv=handoff.offer is not None)

@@ -28,7 +28,8 @@ from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import WorkerInfo
 
 # What a driver may ask a rank to do (besides steps). Anything else is refused by the rank.
-RANK_METHODS = frozenset({"rendezvous", "start", "check_health", "kv_offer", "kv_pull", "expert_load"})
+RANK_METHODS = frozenset({"rendezvous", "start", "check_health", "kv_offer", "kv_pull", "kv_pull_start",
+                          "kv_pull_done", "kv_pull_cancel", "expert_load"})
 
 
 def sum_expert_load(per_rank: Sequence[list[list[int]]]) -> list[list[int]]:

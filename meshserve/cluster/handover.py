@@ -5,13 +5,20 @@ pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manag
 rank to offer its KV shard of them under a fresh unguessable capability (`kv_offer`: each rank's
 KVExportServer, msgpack header + raw frames, every message MACed with the cluster secret) and
 detaches the request, which the coordinator hands to a decode replica as a `Handoff` (the
-capability travels in it, nowhere else). The decode replica's `import_kv` reserves blocks in
-every KV layer group, has every rank pull its shard by that capability into them (`kv_pull`;
+capability travels in it, nowhere else). The decode replica reserves blocks in every KV layer
+group, has every rank pull its shard by that capability into them (`kv_pull_start`;
 with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
 kvstore/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
 the two pools' blocks cover different token counts, i.e. their dcp differs) and continues from
-the first token. If anything about the transfer fails it returns 0 and the prompt is recomputed.
-Either way the prefill replica is then told to release its pin (`release_sources`). Each end
+the first token. If anything about the transfer fails the prompt is recomputed instead.
+Either way the prefill replica is then told to release its pin (`release_sources`).
+
+The import is asynchronous (`Imports`): `start_import` reserves the blocks and has every rank
+start its pull on a background thread (rank.kv_pull_start); the decode replica keeps stepping its
+running requests, collects finished pulls between steps (kv_pull_done) and only then adopts the
+request (`finish_import`: commit, or free and recompute). An abort meanwhile cancels the pulls
+and frees the blocks once every rank's pull has ended (never while a rank may still write them);
+a replica that stops or fails frees its reservations after its ranks stopped pulling. Each end
 counts what happened in its `handover` totals (handover_stats.py: hand-overs, bytes, pull
 seconds, recomputes by reason), which the metrics export per pool and replica.
 
@@ -21,8 +28,8 @@ stays the replica's life cycle and loop; replica.py imports this module, never t
 
 from __future__ import annotations
 
+import itertools
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -65,7 +72,7 @@ class HandoverEnd(Protocol):
 class KVOffer:
     """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
 
-    addresses: list[str]  # per rank: its export server
+    addresses: list[dict]  # per rank: its export endpoint (kvstore/transport.py Endpoint.to_wire)
     blocks: HandoverBlocks  # what was pinned: tokens, per KV layer group tables and hashes
     pin_id: tuple
     model_id: str
@@ -112,9 +119,20 @@ def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
     return Handoff(ticket, self, offer, reason)
 
 
-def import_kv(self: HandoverEnd, h: Handoff) -> int:
-    """(Decode replica, step thread) Pull the offered KV into fresh blocks; the tokens now cached,
-    or 0 when the prompt must be recomputed."""
+@dataclass
+class PendingImport:
+    """A hand-over whose KV is on its way: blocks reserved, every rank pulling in the background."""
+
+    handoff: Handoff
+    transfer_id: str
+    same_blocks: bool  # the two pools' table entries cover as many tokens (else hashes are recomputed)
+    results: dict[int, dict] = field(default_factory=dict)  # per rank, once its pull finished
+    aborted: bool = False  # the request was aborted meanwhile: free the blocks when the pulls end
+
+
+def start_import(self: HandoverEnd, h: Handoff, transfer_id: str) -> PendingImport | None:
+    """(Decode replica, step thread) Reserve blocks for the offered KV and start every rank's pull
+    in the background (rank.kv_pull_start); None when the prompt must be recomputed (counted)."""
     rid, offer, kv = h.ticket.request_id, h.offer, self.core.kv
     why, reason = h.reason or "no KV was offered", "offer_failed"
     if offer is not None:
@@ -134,33 +152,133 @@ def import_kv(self: HandoverEnd, h: Handoff) -> int:
             "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
         reason = "no_free_blocks" if fits else "layout"
         if blocks is not None:
-            args = [{"capability": offer.capability, "addresses": offer.addresses, "src_tp": offer.tp,
-                     "src_dcp": offer.dcp,
+            args = [{"transfer_id": transfer_id, "capability": offer.capability, "addresses": offer.addresses,
+                     "src_tp": offer.tp, "src_dcp": offer.dcp,
                      "src_block_size": offer.block_size, "num_tokens": sent.num_tokens,
                      "src_positions": [list(p) for p in sent.block_positions],
                      "dst_positions": [list(p) for p in positions], "blocks": list(blocks),
                      "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
                      "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
-            start = time.perf_counter()
-            try:
-                results = self.executor.call("kv_pull", args)
-            except RankError as exc:
-                results = [{"ok": False, "error": str(exc)}]
-            seconds = time.perf_counter() - start
-            if all(r["ok"] for r in results):
-                self.handover.imported(sum(r["bytes"] for r in results), seconds)
-                hashes = sent.block_hashes if same_blocks else kv.hashes_of(
-                    h.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
-                self.pins.commit(rid, hashes)
-                request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens)
-                return sent.num_tokens
-            self.pins.abort(rid)
-            why = "; ".join(r["error"] for r in results if not r["ok"])
-            reason = pull_reason(next(r.get("reason") for r in results if not r["ok"]))
+            # A rank that cannot even start a pull has diverged: this raises and fails the replica
+            # (the others may be writing into the reserved blocks, which die with it).
+            self.executor.call("kv_pull_start", args)
+            request_event(rid, "kv_import_started", replica=self.name, tokens=sent.num_tokens)
+            return PendingImport(h, transfer_id, same_blocks)
+    _recompute(self, rid, reason, why)
+    return None
+
+
+def finish_import(self: HandoverEnd, p: PendingImport) -> int:
+    """(Decode replica, step thread) Every rank's pull ended: commit the blocks and return the
+    tokens now cached, or free them and return 0 (the prompt is recomputed; aborted: dropped)."""
+    rid, sent = p.handoff.ticket.request_id, p.handoff.offer.blocks
+    results = [p.results[r] for r in sorted(p.results)]
+    if p.aborted:
+        self.pins.abort(rid)
+        request_event(rid, "kv_import_dropped", replica=self.name)
+        return 0
+    if all(r["ok"] for r in results):
+        transport = "+".join(sorted({r.get("transport") or "zmq" for r in results}))
+        self.handover.imported(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), transport)
+        hashes = sent.block_hashes if p.same_blocks else self.core.kv.hashes_of(
+            p.handoff.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
+        self.pins.commit(rid, hashes)
+        request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens, transport=transport)
+        return sent.num_tokens
+    self.pins.abort(rid)
+    failed = [r for r in results if not r["ok"]]
+    _recompute(self, rid, pull_reason(failed[0].get("reason")), "; ".join(r["error"] for r in failed))
+    return 0
+
+
+def _recompute(self: HandoverEnd, rid: str, reason: str, why: str) -> None:
     self.handover.recompute(reason)
     log.info("replica %s recomputes %s (%s): %s", self.name, rid, reason, why)
     request_event(rid, "recompute", replica=self.name, reason=reason, why=why)
-    return 0
+
+
+class Imports:
+    """A decode replica's hand-overs whose KV is on its way (the replica's step thread, or its
+    loop while no step runs). The replica keeps stepping its running requests meanwhile; each
+    tick starts the pulls of new hand-overs and collects the ranks' finished ones, adopting their
+    requests into the engine. Settled hand-overs wait in `take_settled` for their sources to be
+    told (on the loop), and `close` returns them too if the loop never got to it."""
+
+    def __init__(self, end: HandoverEnd) -> None:
+        self.end = end
+        self.pending: dict[str, PendingImport] = {}  # by request id
+        self._by_transfer: dict[str, PendingImport] = {}
+        self._ids = itertools.count()
+        self._cancels: list[str] = []
+        self._settled: list[Handoff] = []
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.pending
+
+    def __len__(self) -> int:
+        return len(self.pending)
+
+    def knows(self, h: Handoff) -> bool:
+        """Started or dropped here: in flight, or settled and not yet taken."""
+        return h.ticket.request_id in self.pending or any(s is h for s in self._settled)
+
+    def take_settled(self) -> list[Handoff]:
+        """The hand-overs settled since the last call: their sources may release their pins."""
+        out, self._settled = self._settled, []
+        return out
+
+    def drop(self, handoffs: list[Handoff]) -> None:
+        """Hand-overs whose requests were aborted before their import started."""
+        self._settled += handoffs
+
+    def _settle(self, h: Handoff, computed: int | None) -> None:
+        """Adopt the request with `computed` tokens cached (0: recompute its prompt; None: it was
+        aborted meanwhile and is not adopted)."""
+        if computed is not None:
+            self.end.core.adopt(h.ticket.request, num_computed_tokens=computed)
+        self._settled.append(h)
+
+    def tick(self, handoffs: list[Handoff]) -> None:
+        """Start importing `handoffs`; adopt the requests whose pulls finished (take_settled)."""
+        end = self.end
+        for h in handoffs:
+            p = start_import(end, h, f"{end.name}/{next(self._ids)}")
+            if p is None:
+                self._settle(h, 0)
+            else:
+                self.pending[h.ticket.request_id] = p
+                self._by_transfer[p.transfer_id] = p
+        if not self.pending:
+            return
+        cancels, self._cancels = self._cancels, []
+        for transfer_id in cancels:
+            end.executor.call("kv_pull_cancel", [{"transfer_id": transfer_id}] * end.world)
+        for rank, done in enumerate(end.executor.call("kv_pull_done", [{}] * end.world)):
+            for transfer_id, result in done.items():
+                p = self._by_transfer.get(transfer_id)
+                if p is not None:
+                    p.results[rank] = result
+        for p in [p for p in self.pending.values() if len(p.results) == end.world]:
+            del self.pending[p.handoff.ticket.request_id], self._by_transfer[p.transfer_id]
+            computed = finish_import(end, p)
+            self._settle(p.handoff, None if p.aborted else computed)
+
+    def abort(self, request_id: str) -> None:
+        """The request was aborted: its pulls are cancelled, its blocks freed once they ended."""
+        p = self.pending[request_id]
+        p.aborted = True
+        self._cancels.append(p.transfer_id)
+
+    def close(self) -> list[Handoff]:
+        """(Replica stopped or failed; its ranks are stopping) Free every reservation; returns the
+        hand-overs whose sources may now release their pins."""
+        out = self.take_settled()
+        for p in self.pending.values():
+            self.end.pins.abort(p.handoff.ticket.request_id)
+            out.append(p.handoff)
+        self.pending.clear()
+        self._by_transfer.clear()
+        return out
 
 
 def release_sources(adoptions: list[Handoff]) -> None:

@@ -1,7 +1,7 @@
 """What a replica counts of its KV hand-overs, for the metrics (api/metrics.py) and the tests.
 
 Recomputes are counted by a small fixed set of reasons (`RECOMPUTE_REASONS`), the normalised
-form of the `why` handover.import_kv logs; every reason is listed from the start (zeros
+form of the `why` cluster/handover.py logs; every reason is listed from the start (zeros
 included) so that a dashboard's rate() sees each series before its first increment. The
 transfer histogram keeps fixed bucket counts here and is exposed at scrape time, like every
 other engine metric (nothing observed in the API process).
@@ -12,16 +12,13 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-# The transport kv_offer/kv_pull use (cluster/rank.py, kvstore/zmq_transport.py): the one today.
-KV_TRANSPORT = "zmq"
-
 RECOMPUTE_REASONS = (
     "offer_failed",  # the prefill ranks could not offer the KV (kv_offer raised)
     "no_free_blocks",  # the decode replica could not reserve blocks for it
     "layout",  # the two pools' KV layouts cannot exchange it (model, block size, groups, layout offered for)
     "timeout",  # no complete answer within the replica's handover_timeout_s
     "auth",  # an answer failed its MAC (wrong cluster secret or a forged frame)
-    "transfer_failed",  # any other refused pull: truncated, checksum, unknown offer, a rank error
+    "transfer_failed",  # any other refused pull: truncated, checksum, unknown offer, CUDA IPC open, a rank error
 )
 
 # From KVTransferError.reason (kvstore/wire.py) to the reasons above; the rest are transfer_failed.
@@ -49,6 +46,7 @@ class HandoverStats:
     # Successful pulls: counts per TRANSFER_BUCKETS bucket (not cumulative; the last is +Inf), sum.
     transfer_buckets: list[int] = field(default_factory=lambda: [0] * (len(TRANSFER_BUCKETS) + 1))
     transfer_seconds: float = 0.0
+    transports: dict[str, int] = field(default_factory=dict)  # successful imports by the transport used
 
     @property
     def num_recomputes(self) -> int:
@@ -60,7 +58,8 @@ class HandoverStats:
         self.handovers += 1
         self.recomputes[reason] += 1
 
-    def imported(self, num_bytes: int, seconds: float) -> None:
+    def imported(self, num_bytes: int, seconds: float, transport: str = "zmq") -> None:
+        self.transports[transport] = self.transports.get(transport, 0) + 1
         self.handovers += 1
         self.kv_imports += 1
         self.kv_bytes += num_bytes
@@ -84,6 +83,8 @@ class HandoverStats:
             self.recomputes[reason] += n
         self.transfer_buckets = [a + b for a, b in zip(self.transfer_buckets, other.transfer_buckets)]
         self.transfer_seconds += other.transfer_seconds
+        for name, n in other.transports.items():
+            self.transports[name] = self.transports.get(name, 0) + n
 
     def copy(self) -> HandoverStats:
         out = HandoverStats()

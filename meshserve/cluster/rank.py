@@ -6,10 +6,17 @@
     check_health()                  the worker's health dict
     expert_load()                   rows routed to each expert per MoE layer (Worker.expert_load)
     kv_offer(...)                   offer a request's blocks to pullers under the coordinator's
-                                    capability; returns the export address
+                                    capability; returns the export endpoint (kvstore/transport.py)
     kv_pull(...)                    pull a request's blocks (by capability) from the prefill ranks
                                     into given blocks
                                     (re-sharding when the pools' (tp, dcp) differ: kvstore/reshard.py)
+    kv_pull_start(transfer_id, ...) the same pull on a background thread (kvstore/transfers.py):
+                                    returns at once; the rank keeps running steps meanwhile
+    kv_pull_done()                  {transfer_id: kv_pull's result} of the pulls finished since
+    kv_pull_cancel(transfer_id)     stop a pull early (its result then comes as a failure)
+
+The transport of each pull is chosen here, per hand-over, from the configured `kv_transport`
+and what the two ends share (kvstore/transport.py: cuda_ipc within a host, else zmq).
 
 The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
 kvstore/pins.py); a rank owns only the cache tensors and moves bytes between them and the wire
@@ -22,15 +29,19 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import threading
 from dataclasses import asdict
 from typing import Any
 
 from meshserve.attention.backend import KVCache
 from meshserve.cluster.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.errors import check
+from meshserve.kvstore.cuda_ipc import local_gpus
 from meshserve.kvstore.pins import HandoverBlocks
-from meshserve.kvstore.rank_io import KVExport, KVRankIO
+from meshserve.kvstore.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
 from meshserve.kvstore.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
+from meshserve.kvstore.transfers import BackgroundPulls
+from meshserve.kvstore.transport import CUDA_IPC, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.checkpoint import read_arch
@@ -50,6 +61,10 @@ class RankHost:
         self.worker = None
         self._io: KVRankIO | None = None
         self._server = None
+        self._pulls = BackgroundPulls()
+        self._pullers: dict[str, KVPuller] = {}
+        # hosts where a CUDA IPC open failed (zmq from then on), and fallback reasons logged already
+        self._no_ipc_hosts: set[str] = set()
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -81,6 +96,8 @@ class RankHost:
         return [] if self.worker is None else self.worker.expert_load()
 
     def shutdown(self) -> None:
+        if not self._pulls.close():
+            log.warning("rank %d: a KV pull did not stop within its bound at shutdown", self.rank)
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -107,12 +124,13 @@ class RankHost:
         return self._io
 
     def kv_offer(self, blocks: dict[str, Any], capability: str, block_size: int, dcp_size: int, model_id: str,
-                 dst_tp: int, dst_dcp: int = 1, fault: str | None = None) -> str:  # fmt: skip
+                 dst_tp: int, dst_dcp: int = 1, fault: str | None = None) -> dict[str, str]:  # fmt: skip
         """Offer this rank's shard of a request's blocks (`HandoverBlocks.to_wire()`: tables and
         hashes per KV layer group, pinned by the driver until the decode side is done) to the
         decode ranks of (`dst_tp`, `dst_dcp`) that need it, under `capability` (the coordinator's
-        unguessable token; one per puller when re-sharding: `pull_key`). Returns the address.
-        The export server binds this node's IP (where the peers are), never 0.0.0.0.
+        unguessable token; one per puller when re-sharding: `pull_key`). Returns the endpoint
+        (Endpoint.to_wire: address, host, device, process), from which the puller chooses the
+        transport. The export server binds this node's IP (where the peers are), never 0.0.0.0.
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
@@ -122,7 +140,7 @@ class RankHost:
         io = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
             self._server = KVExportServer(self.secret, address=f"tcp://{_reachable_host()}")
-        export = io.export(HandoverBlocks.from_wire(blocks))
+        export = io.export(HandoverBlocks.from_wire(blocks), max_frame_bytes=frame_bytes_for(io.device))
         if (dst_tp, dst_dcp) == (self.tp, self.dcp):
             keys = [capability]  # decode rank r pulls from prefill rank r
         else:
@@ -134,44 +152,81 @@ class RankHost:
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
         for key in keys if fault != "withdraw" else []:  # the driver's pin keeps the blocks
             self._server.offer(KVExport(export.header, frames), capability=key, ttl_s=OFFER_TTL_S)
-        return self._server.address
+        return Endpoint.local(self._server.address, io.device).to_wire()
 
     def kv_pull(self, capability: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0, src_dcp: int = 1,
                 src_block_size: int | None = None, num_tokens: int = 0, src_positions: list[list[int]] | None = None,
-                dst_positions: list[list[int]] | None = None) -> dict[str, Any]:  # fmt: skip
+                dst_positions: list[list[int]] | None = None,
+                cancel: threading.Event | None = None) -> dict[str, Any]:  # fmt: skip
         """Pull this rank's share of the request's KV offered under `capability` from the prefill
-        ranks (`addresses`, by rank) into `blocks` (reserved by the driver, per KV layer group, at table positions
-        `dst_positions`); from another (tp, dcp) layout, re-sharded (kvstore/reshard.py): the
-        sender's tables held `src_positions` (logical blocks of `src_block_size` tokens) of
-        `num_tokens` tokens.
+        ranks (`addresses`: their endpoints, by rank) into `blocks` (reserved by the driver, per KV
+        layer group, at table positions `dst_positions`); from another (tp, dcp) layout, re-sharded
+        (kvstore/reshard.py): the sender's tables held `src_positions` (logical blocks of
+        `src_block_size` tokens) of `num_tokens` tokens.
 
-        Returns {"ok": True, "bytes": cache bytes pulled} or {"ok": False, "reason": ..., "error":
-        ...}; on failure the blocks hold garbage and the driver frees them without caching.
+        Returns {"ok": True, "bytes": cache bytes pulled, "transport": the one used} or {"ok":
+        False, "reason": ..., "error": ...}; on failure the blocks hold garbage and the driver frees
+        them without caching. cancel: stops the pull early (kv_pull_cancel, shutdown).
         """
-        from meshserve.kvstore.zmq_transport import pull_kv
-
         io = self._kv(block_size, dcp_size, model_id)
+        used: set[str] = set()
         try:
             if (src_tp, src_dcp) == (self.tp, self.dcp):
                 target = io.into(blocks)
-                pull_kv(target, addresses[self.rank], capability, secret=self.secret, timeout_s=timeout_s)
+                used.add(self._pull_one(target, addresses[self.rank], capability, timeout_s, cancel))
                 num_bytes = target.num_bytes
             else:
                 sender = _Sender(src_tp, src_dcp, src_block_size or block_size, src_positions or [], num_tokens)
                 num_bytes = self._pull_resharded(io, capability, addresses, sender, blocks, dst_positions or [],
-                                                 timeout_s)
-            return {"ok": True, "bytes": num_bytes}
+                                                 timeout_s, cancel, used)
+            return {"ok": True, "bytes": num_bytes, "transport": "+".join(sorted(used))}
         except KVTransferError as exc:
             return {"ok": False, "reason": exc.reason, "error": str(exc)}
 
-    def _pull_resharded(self, io: KVRankIO, capability: str, addresses: list[str], sender: _Sender,
-                        blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float) -> int:
+    def kv_pull_start(self, transfer_id: str, **pull: Any) -> bool:
+        """Start `kv_pull(**pull)` on a background thread; its result comes from kv_pull_done."""
+        self._kv(pull["block_size"], pull["dcp_size"], pull["model_id"])  # refuse a bad call here, not later
+        self._pulls.start(transfer_id, lambda cancel: self.kv_pull(**pull, cancel=cancel))
+        return True
+
+    def kv_pull_done(self) -> dict[str, dict[str, Any]]:
+        return self._pulls.take_done()
+
+    def kv_pull_cancel(self, transfer_id: str) -> bool:
+        self._pulls.cancel(transfer_id)
+        return True
+
+    def _pull_one(self, target: ImportTarget, endpoint: dict[str, Any] | str, capability: str, timeout_s: float,
+                  cancel: threading.Event | None) -> str:  # fmt: skip
+        """Pull one offer by the transport chosen for this pair of ends; returns its name."""
+        theirs = Endpoint.from_wire(endpoint)
+        requested = self.spec.cache.kv_transport
+        name, why = choose_transport(requested, Endpoint.local("", self._io.device), theirs,
+                                     visible_gpus=local_gpus() if self._io.device.type == "cuda" else ())
+        if name == CUDA_IPC and theirs.host in self._no_ipc_hosts:
+            name, why = ZMQ, "a CUDA IPC open from that host failed before"
+        if why and requested != "auto" and why not in self._no_ipc_hosts:  # logged once per reason
+            self._no_ipc_hosts.add(why)
+            log.info("rank %d: kv_transport %s falls back to zmq: %s", self.rank, requested, why)
+        if name not in self._pullers:
+            self._pullers[name] = puller_for(name)
+        try:
+            used = self._pullers[name].pull(target, theirs, capability, secret=self.secret, timeout_s=timeout_s,
+                                            cancel=cancel)
+        except KVTransferError as exc:
+            if exc.reason == "ipc":
+                log.warning("rank %d: CUDA IPC from %s failed, zmq from now on: %s", self.rank, theirs.host, exc)
+                self._no_ipc_hosts.add(theirs.host)
+            raise
+        return used or name
+
+    def _pull_resharded(self, io: KVRankIO, capability: str, addresses: list, sender: _Sender,
+                        blocks: list[list[int]], dst_positions: list[list[int]], timeout_s: float,
+                        cancel: threading.Event | None, used: set[str]) -> int:  # fmt: skip
         """Pull every source `sources_of` names into a staging cache shaped like its shard (the
         sender's layout and blocks, in the sent order), then copy the tokens and heads we keep
         into our blocks, group by group. Returns the bytes pulled."""
-        from meshserve.kvstore.zmq_transport import pull_kv
-
         caches = self.worker.runner.kv_caches
         src, dst = self._layout(sender.tp, sender.dcp), self._layout(self.tp, self.dcp)
         check(len(dst_positions) == len(blocks) == len(sender.positions), "dst_positions", len(dst_positions),
@@ -189,8 +244,8 @@ class RankHost:
             stage = KVRankIO(staging, model_id=layout.model_id, block_size=sender.block_size,
                              dcp_size=layout.dcp_size, retentions=io.retentions)
             target = stage.into([list(g.values()) for g in staged])
-            pull_kv(target, addresses[piece.src_rank], pull_key(capability, self.rank), secret=self.secret,
-                    timeout_s=timeout_s)
+            used.add(self._pull_one(target, addresses[piece.src_rank], pull_key(capability, self.rank), timeout_s,
+                                    cancel))
             num_bytes += target.num_bytes
             for src_blocks, dst_blocks in zip(staged, ours):
                 moves = token_moves(sender.num_tokens, page, src_dcp=src.dcp, src_res=src.residue(piece.src_rank),

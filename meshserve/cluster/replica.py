@@ -1,13 +1,14 @@
 """One replica inside the cluster: an EngineCore driven by its own asyncio task.
 
-The task owns the core. Model steps and channel calls run in a worker thread (one at a time);
-new requests, aborts, hand-overs and releases arriving meanwhile wait in lists and are applied
-between steps, so the scheduler and KV manager are only ever touched by one thread at a time.
+The task owns the core. Model steps and channel calls run in a worker thread (one at a time;
+`stop` waits for the one in flight); new requests, aborts, hand-overs and releases arriving
+meanwhile wait in lists and are applied between steps, so the scheduler and KV manager are only
+ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
-then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it,
-pulling the KV (or recomputing the prompt when that fails); then the prefill replica is told to
-`release` its pin.
+then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it: its
+ranks pull the KV in the background while it keeps stepping (`Imports`); the request joins the
+running batch once the KV is in (or recomputes its prompt); the prefill replica then `release`s.
 
 Failure: when the executor reports a dead or hung rank (or any step fails) the replica fails;
 migration.py decides, per request, between running it again elsewhere (from scratch, or from the
@@ -23,11 +24,12 @@ import asyncio
 import contextlib
 import enum
 import logging
+import threading
 from collections.abc import Callable
 
 from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
-from meshserve.cluster.handover import Handoff, import_kv, offer_kv, release_sources
+from meshserve.cluster.handover import Handoff, Imports, offer_kv, release_sources
 from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.migration import plan_failover
@@ -52,15 +54,15 @@ class ReplicaState(enum.Enum):
 EXPERT_LOAD_PERIOD = 64
 WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
 STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
+IMPORT_POLL_S = 0.002  # how often an otherwise idle replica asks its ranks about KV pulls in flight
 
 
 class Replica:
     """name: unique in the cluster; role: unified, prefill or decode; handoff_tp, handoff_dcp: the
     layout of the replicas that take this one's hand-overs (prefill role).
 
-    make_core(): the replica's engine over freshly started ranks (blocking: called in a thread;
-    it shuts its ranks down itself if it raises). The runtime (ranks in this process, on
-    threads, in subprocesses or Ray actors) is its choice.
+    make_core(): the replica's engine over freshly started ranks (blocking: called in a thread; it
+    shuts its ranks down itself if it raises); it chooses the runtime (threads, processes, Ray).
     on_handoff(handoff): a prefill finished (prefill role); on_failed(replica, error, orphans):
     the replica died; orphans are the tickets to run again elsewhere (migration.py).
     deadline: the step deadline its executor enforces (the watchdog's is derived from it);
@@ -73,9 +75,7 @@ class Replica:
                  handoff_tp: int | None = None, handoff_dcp: int | None = None, health_period_s: float = 2.0,
                  handover_timeout_s: float = 5.0, deadline: StepDeadline | None = None,
                  max_migrations: int = 2) -> None:
-        self.name = name
-        self.role = role
-        self.config = config
+        self.name, self.role, self.config = name, role, config
         self.make_core = make_core
         self.on_handoff = on_handoff
         self.on_failed = on_failed
@@ -95,12 +95,14 @@ class Replica:
         self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
         self._held: dict[str, Ticket] = {}  # internal request id -> the ticket of every request held
         self._inbox: list[str] = []
-        self._adoptions: list[Handoff] = []
+        self._adoptions: list[Handoff] = []  # handed over, import not started yet
+        self.imports = Imports(self)  # KV pulls in flight (started in the step thread)
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
         self.counters = ReplicaCounters()
         self.handover = HandoverStats()  # hand-overs at either end (handover.py counts them)
         self._wakeup = asyncio.Event()
+        self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
 
@@ -140,15 +142,20 @@ class Replica:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+            hung = isinstance(self.error, WorkerHungError)  # its thread never returns: not waited for
+            if not hung and await asyncio.to_thread(self._thread_busy.acquire, timeout=STOP_TIMEOUT_S):
+                self._thread_busy.release()  # (a cancelled task leaves its thread running)
         for ticket in self._held.values():
             ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} was shut down"))
         self._held.clear()
-        if self.executor is not None:  # bounded: an in-process rank that hung cannot be stopped
+        if self.executor is not None:  # ranks stop their KV pulls first; bounded (a hung in-process rank can't stop)
             try:
                 await asyncio.wait_for(asyncio.to_thread(self.executor.shutdown), STOP_TIMEOUT_S)
             except TimeoutError:
                 log.error("replica %s: its ranks did not stop within %g s; left behind", self.name, STOP_TIMEOUT_S)
             self.executor = None
+        release_sources(self._adoptions + self.imports.close())
+        self._adoptions.clear()
         if self.state is not ReplicaState.FAILED:
             self.state = ReplicaState.STOPPED
 
@@ -207,7 +214,7 @@ class Replica:
     @property
     def num_waiting(self) -> int:
         sched = 0 if self.core is None else len(self.core.scheduler.waiting)
-        return len(self._inbox) + len(self._adoptions) + sched
+        return len(self._inbox) + len(self._adoptions) + len(self.imports) + sched
 
     @property
     def num_free_blocks(self) -> int:
@@ -230,13 +237,12 @@ class Replica:
             num_total_kv_blocks=0 if kv is None else kv.num_total_blocks,
             kv_usage=0.0 if kv is None else kv.usage,
             prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
-            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens,
+            prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, expert_tokens=c.expert_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
             num_handoffs=self.handover.handovers, num_kv_imports=self.handover.kv_imports,
             num_recomputes=self.handover.num_recomputes, num_migrated=c.migrated,
             num_migrations_refused=c.migrations_refused, num_hung=int(c.hung_detect_s is not None),
-            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.copy(),
-            expert_tokens=c.expert_tokens)
+            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.copy())
 
     def _read_expert_load(self) -> None:
         """Between steps (the ranks' channel is free): refresh the per-expert row counts."""
@@ -251,24 +257,27 @@ class Replica:
         try:
             while True:
                 self._apply()
-                if self._adoptions:
+                if self._adoptions or self.imports:
                     adoptions, self._adoptions = self._adoptions, []
                     try:
-                        await asyncio.to_thread(self._import_all, adoptions)
-                    finally:  # pulled, refused or failed: the source may free its pin
-                        release_sources(adoptions)
-                    continue
+                        await self._in_thread(self._handover_tick, adoptions)
+                    except BaseException:  # the replica fails or stops: what was not started goes back
+                        self._adoptions[:0] = [h for h in adoptions if not self.imports.knows(h)]
+                        raise
+                    release_sources(self.imports.take_settled())  # pulled, refused or failed alike
                 if not self.core.has_unfinished():
                     if not self._held:
                         self._idle.set()
                     self._wakeup.clear()
-                    if self._inbox or self._aborts or self._releases:
+                    if self._inbox or self._aborts or self._releases or self._adoptions:
                         continue
                     try:
-                        await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                        await asyncio.wait_for(self._wakeup.wait(),
+                                               IMPORT_POLL_S if self.imports else self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
-                        await self._in_thread(self.executor.check_health)
-                        await self._in_thread(self._read_expert_load)
+                        if not self.imports:
+                            await self._in_thread(self.executor.check_health)
+                            await self._in_thread(self._read_expert_load)
                     continue
                 self._idle.clear()
                 deltas, handoffs = await self._in_thread(self._step)
@@ -295,6 +304,8 @@ class Replica:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
+            elif rid in self.imports:  # its blocks are freed once the ranks' pulls ended
+                self.imports.abort(rid)
             else:
                 core.abort(rid)
             ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
@@ -332,7 +343,7 @@ class Replica:
         first where it has one) means a hung rank. The stuck thread is left behind."""
         limit = (self.deadline.seconds(self.config.scheduler.max_num_batched_tokens) + self.deadline.seconds()
                  + WATCHDOG_MARGIN_S)
-        call = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        call = asyncio.ensure_future(asyncio.to_thread(self._locked, fn, *args))
         done, _ = await asyncio.wait({call}, timeout=limit)
         if not done:
             raise WorkerHungError(f"replica {self.name} made no progress for {limit:.1f} s (the progress "
@@ -340,6 +351,10 @@ class Replica:
         return call.result()
 
     # -- step thread ----------------------------------------------------------------------------
+    def _locked(self, fn, *args):
+        with self._thread_busy:  # held while a step or channel call runs: stop() waits for it
+            return fn(*args)
+
     def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
         deltas = self.core.step()
         self.counters.steps += 1
@@ -352,12 +367,10 @@ class Replica:
                 handoffs.append(offer_kv(self, ticket))
         return deltas, handoffs
 
-    def _import_all(self, adoptions: list[Handoff]) -> None:
-        for h in adoptions:
-            if h.ticket.request_id not in self._held:
-                continue  # aborted before it arrived
-            computed = import_kv(self, h)
-            self.core.adopt(h.ticket.request, num_computed_tokens=computed)
+    def _handover_tick(self, adoptions: list[Handoff]) -> None:
+        """Start the imports of new hand-overs; adopt those whose KV arrived (or that recompute)."""
+        self.imports.drop([h for h in adoptions if h.ticket.request_id not in self._held])  # aborted meanwhile
+        self.imports.tick([h for h in adoptions if h.ticket.request_id in self._held])
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -379,7 +392,7 @@ class Replica:
                               migrations=ticket.migrations)
         self._held.clear()
         self._inbox.clear()
-        release_sources(self._adoptions)
+        release_sources(self._adoptions + self.imports.close())
         self._adoptions.clear()
         self._idle.set()
         if self.on_failed is not None:

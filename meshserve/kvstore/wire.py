@@ -35,10 +35,12 @@ _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 
 class KVTransferError(MeshserveError):
     """A KV hand-over was refused. `reason` is one of: layout, capacity, truncated, checksum,
-    bad_header, unknown_request, timeout, auth (an answer's MAC did not verify). The receiver
-    has freed everything it allocated."""
+    bad_header, unknown_request, timeout, auth (an answer's MAC did not verify), cancelled (the
+    importer stopped it: abort, shutdown), ipc (a CUDA IPC handle could not be opened). The
+    receiver has freed everything it allocated."""
 
-    REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout", "auth")
+    REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout", "auth",
+               "cancelled", "ipc")
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason

@@ -14,7 +14,11 @@ found by its request id, and a capability is good for one pull.
 Messages, each with a last part `tag` (HMAC-SHA256 of the cluster secret, core/secret.py): the
 receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the answer is
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
-then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. Answer tags cover
+then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
+"ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]; a pull that names a
+"p2p" rendezvous (p2p_transport.py) gets one [b"P", b"", tag] and the frames by torch.distributed
+send/recv, sent from a thread of the server. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -31,10 +35,13 @@ exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing
 
 from __future__ import annotations
 
+import logging
 import secrets
 import struct
+import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
@@ -44,7 +51,12 @@ from meshserve.errors import check
 from meshserve.kvstore.rank_io import ImportSession, ImportTarget, KVExport
 from meshserve.kvstore.wire import KVTransferError
 
+if TYPE_CHECKING:
+    from meshserve.kvstore.cuda_ipc import IpcImporter
+    from meshserve.kvstore.p2p_transport import P2PReceiver
+
 Release = Callable[[KVExport], None]
+log = logging.getLogger("meshserve.kvstore")
 
 
 class KVExportServer:
@@ -69,13 +81,17 @@ class KVExportServer:
         self._offers: dict[str, tuple[KVExport, float, Release | None]] = {}  # by capability
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
+        self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
+        self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
         """Offer an export for one pull by `capability` within `ttl_s`; returns the address to
         pull from. release(export) is called once zmq has let go of its frames or the offer
         expired (e.g. KVConnector.release, which drops the pin); without it the owner keeps the
-        blocks alive."""
+        blocks alive. A CUDA IPC answer releases when it is sent, before the importer copies: an
+        owner that must not reuse the blocks until then keeps them itself (a rank's driver pin
+        does, until the decode replica reports the import done)."""
         check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
         check(isinstance(capability, str) and len(capability) >= MIN_CAPABILITY_CHARS, "capability",
               "<hidden>", f"an unguessable token of at least {MIN_CAPABILITY_CHARS} characters (new_capability())")
@@ -108,7 +124,9 @@ class KVExportServer:
 
     def _answer(self, ident: bytes, body: bytes) -> None:
         try:
-            cap = msgpack.unpackb(body, raw=False)["capability"]
+            request = msgpack.unpackb(body, raw=False)
+            cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
+            rendezvous = request.get("p2p")
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -121,6 +139,12 @@ class KVExportServer:
         sock, sign = self._sock, self._secret.sign
         sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
                                                                         export.header_bytes)])
+        if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
+                and self._answer_ipc(ident, cap, export, release)):
+            return
+        if isinstance(rendezvous, str) and export.frames:
+            self._answer_p2p(ident, cap, export, release, rendezvous)
+            return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
             host = tensor if tensor.device.type == "cpu" else tensor.cpu()
@@ -131,6 +155,37 @@ class KVExportServer:
         end = len(export.frames) + 1
         sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
         self._sending.append((export, trackers, release))
+
+    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> bool:
+        """The frames as CUDA IPC handles: the puller copies them device to device."""
+        from meshserve.kvstore.cuda_ipc import IpcExporter
+
+        if self._ipc is None:
+            self._ipc = IpcExporter()
+        try:
+            body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
+        except (RuntimeError, KVTransferError) as exc:  # cannot share: the bytes go over the socket instead
+            log.warning("KV export server %s: CUDA IPC share failed, sending bytes: %s", self.address, exc)
+            return False
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _IPC, body, sign(_ANSWER, cap, _index(1), _IPC, body)])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        # The blocks stay pinned by the driver until the puller's replica reports the copy done.
+        _let_go(export, release)
+        return True
+
+    def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
+                    rendezvous: str) -> None:  # fmt: skip
+        """The frames by torch.distributed send, from a thread: the puller receives them."""
+        from meshserve.kvstore.p2p_transport import send_frames
+
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _P2P, b"", sign(_ANSWER, cap, _index(1), _P2P, b"")])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        thread = threading.Thread(target=send_frames, args=(rendezvous, export.frames, self.p2p_timeout_s),
+                                  name="meshserve-kv-p2p-send", daemon=True)
+        thread.start()
+        self._sending.append((export, [_ThreadDone(thread)], release))
 
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
@@ -161,6 +216,17 @@ class KVExportServer:
         self._sending.clear()
 
 
+class _ThreadDone:
+    """A p2p send thread, seen as the zmq trackers of the frames it sends."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
 def _let_go(export: KVExport, release: Release | None) -> None:
     if release is not None:
         release(export)
@@ -179,11 +245,19 @@ def pull_kv(
     secret: ClusterSecret,
     timeout_s: float = 30.0,
     context: zmq.Context | None = None,
+    cancel: threading.Event | None = None,
+    ipc: IpcImporter | None = None,
+    p2p: P2PReceiver | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
     Returns the blocks, per group (with a KVConnector the request now holds them in its
     manager); raises KVTransferError when refused, after the target let go of its blocks.
+    cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
+    ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
+    sends bytes anyway when its frames are not on CUDA).
+    p2p: receive the frames by torch.distributed from the exporter, which joins this receiver's
+    rendezvous (p2p_transport.py).
     """
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
@@ -191,9 +265,10 @@ def pull_kv(
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(address)
     deadline = time.monotonic() + timeout_s
-    answers = _Answers(sock, secret, capability, deadline, address)
+    answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability})
+        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None,
+                              "p2p": None if p2p is None else p2p.rendezvous})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -201,12 +276,22 @@ def pull_kv(
         if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
         with target.begin_import(answers.part(tag)) as session:
+            tag = answers.next_tag() if session.num_frames else _END
+            if tag == _IPC and ipc is not None:
+                ipc.copy_into(session, msgpack.unpackb(answers.part(tag), raw=False))
+                answers.part(answers.expect(_END))
+                return session.blocks
+            if tag == _P2P and p2p is not None:
+                answers.part(tag)
+                answers.part(answers.expect(_END))
+                p2p.receive(session)
+                return session.blocks
             for i in range(session.num_frames):
-                tag = answers.next_tag()
+                tag = tag if i == 0 else answers.next_tag()
                 if tag != _FRAME:
                     raise KVTransferError("truncated", f"{i} of {session.num_frames} frames arrived")
                 _receive_frame(answers, session, i)
-            tag = answers.next_tag()
+            tag = answers.next_tag() if session.num_frames else tag
             if tag != _END:
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
             answers.part(tag)
@@ -216,7 +301,8 @@ def pull_kv(
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END = b"H", b"X", b"F", b"E"
+_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P = b"H", b"X", b"F", b"E", b"I", b"P"
+_CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER = b"kv-pull", b"kv-answer"
 
 
@@ -228,15 +314,22 @@ class _Answers:
     """The receiver's view of one pull's answers: each message's tag, payload and MAC, in order."""
 
     def __init__(self, sock: zmq.Socket, secret: ClusterSecret, capability: str, deadline: float,
-                 address: str) -> None:  # fmt: skip
+                 address: str, cancel: threading.Event | None = None) -> None:  # fmt: skip
         self.sock, self.secret, self.cap = sock, secret, capability.encode()
-        self.deadline, self.address = deadline, address
+        self.deadline, self.address, self.cancel = deadline, address, cancel
         self.index = 0
 
     def next_tag(self) -> bytes:
         """The tag part of the next message, waiting until the deadline at most."""
-        if not self.sock.poll(max(0, int((self.deadline - time.monotonic()) * 1000)), zmq.POLLIN):
-            raise KVTransferError("timeout", f"no complete answer from {self.address} in time")
+        while True:
+            left_ms = max(0, int((self.deadline - time.monotonic()) * 1000))
+            wait_ms = left_ms if self.cancel is None else min(left_ms, _CANCEL_POLL_MS)
+            if self.sock.poll(wait_ms, zmq.POLLIN):
+                break
+            if self.cancel is not None and self.cancel.is_set():
+                raise KVTransferError("cancelled", f"the pull from {self.address} was cancelled")
+            if wait_ms >= left_ms:
+                raise KVTransferError("timeout", f"no complete answer from {self.address} in time")
         tag = self.sock.recv()
         if not self.sock.getsockopt(zmq.RCVMORE):
             raise KVTransferError("bad_header", f"a {tag!r} message without its payload and MAC")
@@ -249,6 +342,13 @@ class _Answers:
         self.index += 1
         if not ok:
             raise KVTransferError("auth", f"answer {self.index - 1} from {self.address} fails authentication")
+
+    def expect(self, tag: bytes) -> bytes:
+        """The next message's tag, which must be `tag` (else the stream is refused as truncated)."""
+        got = self.next_tag()
+        if got != tag:
+            raise KVTransferError("truncated", f"expected a {tag!r} message, got {got!r}")
+        return got
 
     def part(self, tag: bytes) -> bytes:
         """The payload of a message whose tag was read, verified."""

@@ -4,6 +4,8 @@ zmq:  serve a sender replica's exports (some of them broken on purpose; the clus
       MESHSERVE_CLUSTER_SECRET, each export under a fresh capability, printed with the address)
       until stdin closes, then print a JSON line with what is still pinned and how many pulls
       were dropped for failing authentication.
+ipc:  as zmq, with the sender's caches on CUDA (the CUDA IPC transport, tests/gpu/test_kv_transport_gpu.py):
+      "ok" and a corrupted copy "checksum"; the line also carries the export endpoint.
 dist: one rank of a gloo pair; rank 1 sends exports, rank 0 receives them and prints results.
 Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
 """
@@ -24,9 +26,9 @@ TOKENS = list(range(100, 137))
 SENDER_SEED = 1
 
 
-def sender_replica() -> Replica:
+def sender_replica(device: str = "cpu") -> Replica:
     """The sender's state, rebuilt identically by the checking side."""
-    rep = Replica("gqa", seed=SENDER_SEED)
+    rep = Replica("gqa", seed=SENDER_SEED, device=device)
     rep.fragment(3)
     for rid in ("ok", "layout", "capacity", "truncated", "checksum"):
         rep.add_request(rid, TOKENS)
@@ -44,21 +46,24 @@ def broken(export: KVExport, how: str) -> KVExport:
     )
 
 
-def serve_zmq() -> None:
+def serve_zmq(device: str = "cpu") -> None:
     from meshserve.core.secret import ClusterSecret
+    from meshserve.kvstore.transport import Endpoint
     from meshserve.kvstore.zmq_transport import KVExportServer, new_capability
 
-    rep = sender_replica()
+    rep = sender_replica(device)
     server = KVExportServer(ClusterSecret.resolve())
     capabilities = {}
-    for rid in ("ok", "layout", "capacity", "truncated", "checksum"):
+    offered = ("ok", "layout", "capacity", "truncated", "checksum") if device == "cpu" else ("ok", "checksum")
+    for rid in offered:
         export = rep.connector.export(rid, max_frame_bytes=4096)
         capabilities[rid] = new_capability()
         server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export,
                      capability=capabilities[rid], release=rep.connector.release)
     for rid in rep.kv.request_ids():
         rep.kv.free(rid)  # the exports keep what they need
-    print(json.dumps({"address": server.address, "capabilities": capabilities}), flush=True)
+    endpoint = Endpoint.local(server.address, torch.device(device)).to_wire()
+    print(json.dumps({"address": server.address, "capabilities": capabilities, "endpoint": endpoint}), flush=True)
     while True:
         server.poll(50)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
@@ -114,13 +119,13 @@ def run_dist(rank: int, port: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("mode", choices=["zmq", "dist"])
+    parser.add_argument("mode", choices=["zmq", "ipc", "dist"])
     parser.add_argument("--rank", type=int, default=0)
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    if args.mode == "zmq":
-        serve_zmq()
+    if args.mode in ("zmq", "ipc"):
+        serve_zmq("cuda" if args.mode == "ipc" else "cpu")
     else:
         run_dist(args.rank, args.port)
 

@@ -63,6 +63,7 @@ def test_counters_after_a_hand_over_and_after_forced_recomputes(ckpt):
     assert sample(first, "meshserve_kv_handovers_total", **d) == 1
     assert sample(first, "meshserve_kv_imported_bytes_total", **d) == kv_bytes(config, len(prompt))
     assert sample(first, "meshserve_kv_transfer_seconds_count", **d) == 1
+    assert sample(first, "meshserve_kv_imports_total", transport="zmq", **d) == 1  # CPU caches: zmq
     assert 0 < sample(first, "meshserve_kv_transfer_seconds_sum", **d) < 30
     assert sample(first, "meshserve_kv_transfer_seconds_bucket", le="+Inf", **d) == 1
     assert [sample(first, "meshserve_kv_recomputes_total", reason=r, **d) for r in RECOMPUTE_REASONS] == [0] * 6

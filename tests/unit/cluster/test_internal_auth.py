@@ -17,6 +17,7 @@ from meshserve.cluster.channel import ERR, HELLO, OUT, ChannelAuth, DriverChanne
 from meshserve.cluster.executor import WorkerDiedError
 from meshserve.cluster.rank import RankHost
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvstore.transport import Endpoint
 from meshserve.kvstore.wire import KVTransferError
 from meshserve.kvstore.zmq_transport import new_capability, pull_kv
 from tests.unit.cluster.cases import (
@@ -103,7 +104,7 @@ def test_kv_pulls_without_the_capability_are_refused_and_the_victim_is_untouched
                     (ClusterSecret(b"an outsider without the secret"), capability, "timeout")]
         for secret, cap, reason in attempts:
             try:
-                pull_kv(Thief(), addresses[0], cap, secret=secret, timeout_s=0.5)
+                pull_kv(Thief(), Endpoint.from_wire(addresses[0]).address, cap, secret=secret, timeout_s=0.5)
             except KVTransferError as exc:
                 refusals.append((reason, exc.reason))
         return real_pull(self, capability, addresses, *args, **kw)

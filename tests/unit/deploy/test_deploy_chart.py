@@ -174,6 +174,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     split = one(rendered["disaggregated"], "ConfigMap", "ms-meshserve-config")["data"]
     assert {k: split[f"MESHSERVE_{k}"] for k in ("PREFILL_TP", "PREFILL_DCP", "DECODE_TP", "DECODE_DCP")} == {
         "PREFILL_TP": "4", "PREFILL_DCP": "", "DECODE_TP": "", "DECODE_DCP": "2"}
+    assert split["MESHSERVE_KV_TRANSPORT"] == demo["MESHSERVE_KV_TRANSPORT"] == "auto"  # pools.kvTransport
 
 
 def test_cpu_demo_gets_the_cpu_default_backend():

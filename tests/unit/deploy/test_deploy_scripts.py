@@ -114,7 +114,8 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
                      "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
                      "--tp", "8", "--dcp", "1", "--ep", "1",
                      "--pools", "disaggregated", "--prefill-replicas", "2", "--decode-replicas", "4",
-                     "--prefill-tp", "4", "--decode-dcp", "2", "--model", "/models/Qwen3-32B",
+                     "--prefill-tp", "4", "--decode-dcp", "2", "--kv-transport", "auto",
+                     "--model", "/models/Qwen3-32B",
                      "--unhealthy-liveness-seconds", "300", "--step-timeout-base", "60",
                      "--step-timeout-per-token", "0.005", "--max-migrations", "2", "--seed", "7"]
 

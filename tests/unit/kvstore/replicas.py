@@ -43,17 +43,18 @@ class Replica:
         dtype: str = "bfloat16",
         model_id: str = "tiny",
         seed: int = 0,
+        device: str = "cpu",
     ) -> None:
         specs = SPECS[kind]
         self.layout = KVGroupLayout.from_specs(specs)
         self.kv = KVCacheManager(num_blocks, block_size, retentions=self.layout.retentions)
         self.caches = allocate_caches(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
-                                      layer_slots=self.layout.layer_slots(len(specs)))
+                                      device=device, layer_slots=self.layout.layer_slots(len(specs)))
         gen = torch.Generator().manual_seed(seed)
         for cache in {id(c.data): c for c in self.caches if c is not None}.values():
             if cache is not None:
                 raw = cache.data.view(torch.uint8)
-                raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))
+                raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))  # CPU bytes: any device
         self.connector = KVConnector(self.kv, self.caches, model_id=model_id)
 
     def add_request(self, rid: str, tokens: list[int], *, step: int = 0) -> None:
@@ -81,7 +82,7 @@ class Replica:
         out = []
         for table in self.kv.block_tables(rid):
             held = [b for b in table if b != NULL_BLOCK]
-            out += [c.data.view(torch.uint8)[held].clone() for c in self.caches if c is not None]
+            out += [c.data.view(torch.uint8)[held].cpu() for c in self.caches if c is not None]
         return out
 
     def held_positions(self, rid: str) -> list[list[int]]:

@@ -54,6 +54,7 @@ else
   optional --prefill-dcp "${MESHSERVE_PREFILL_DCP:-}"
   optional --decode-tp "${MESHSERVE_DECODE_TP:-}"
   optional --decode-dcp "${MESHSERVE_DECODE_DCP:-}"
+  optional --kv-transport "${MESHSERVE_KV_TRANSPORT:-}"
 fi
 optional --model "${MESHSERVE_MODEL:-}"
 optional --attention-backend "${MESHSERVE_ATTENTION_BACKEND:-}"

@@ -1,0 +1,217 @@
+"""CUDA IPC for KV hand-overs between two processes of one host (same or another GPU).
+
+    exporter (KVExportServer, answering a pull that asks for IPC):
+        desc = IpcExporter().describe(export.frames)   # msgpack-able: handles + byte ranges
+    importer (pull_kv with ipc=IpcImporter()):
+        importer.copy_into(session, desc)              # device to device, checksum verified
+
+`describe` shares the CUDA allocation behind each frame's cache tensor (torch's
+`UntypedStorage._share_cuda_`: cudaIpcGetMemHandle plus torch's producer-side reference counter
+and a CUDA event that orders the copy after the exporter's last write) and lists, per frame,
+(storage index, byte offset, byte count). No bytes leave the GPU and nothing is pickled: the
+description is a msgpack map that travels in one MACed message of the zmq export protocol.
+
+`copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
+frame (a run of consecutive blocks of one layer) on a side stream of the importer: straight into
+the destination blocks where they form one run too, all such frames in one batched copy
+(`torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is
+computed on the device and compared before the import counts.
+
+Mappings stay open for later hand-overs from the same exporter (opening one costs far more than a
+small copy; the exporter's caches live as long as its rank), least recently used first out
+beyond MAX_OPEN; every mapping of an exporter process unused for MAPPING_IDLE_S is closed at the
+next pull (torch keeps a shared allocation alive until its last mapping closes: a stopped or
+rebuilt exporter's cache must not stay held by importers). The blocks themselves stay pinned by
+the prefill replica's driver until the decode replica reports the import finished, so the
+exporter never reuses them while a copy may read them. The KV was written by steps the exporter
+synchronised before offering it (its first token was read back), so the copy needs no wait on
+the exporter's stream beyond the one torch does when a mapping is opened.
+"""
+
+from __future__ import annotations
+
+import functools
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from meshserve.kvstore.rank_io import ImportSession
+from meshserve.kvstore.wire import KVTransferError
+
+MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per exporting rank)
+MAPPING_IDLE_S = 60.0  # an exporter process's mappings are closed after this long without a pull
+# Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
+PROCESS_TOKEN = secrets.token_hex(8)
+
+
+@functools.cache
+def local_gpus() -> dict[str, int]:
+    """The GPUs this process sees: UUID -> its device index here (CUDA_VISIBLE_DEVICES renumbers
+    them, so an exporter's index means nothing to an importer; its GPU's UUID does)."""
+    if not torch.cuda.is_available():
+        return {}
+    return {str(torch.cuda.get_device_properties(i).uuid): i for i in range(torch.cuda.device_count())}
+
+
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of a CUDA device of this process ("" for any other device)."""
+    if device.type != "cuda":
+        return ""
+    return str(torch.cuda.get_device_properties(device.index or 0).uuid)
+
+
+class IpcExporter:
+    """Describes frames (uint8 views of CUDA caches) as CUDA IPC handles and byte ranges.
+
+    Each cache tensor is shared once (the first time one of its frames is described) and the
+    description reused: a share wraps the storage in torch's IPC bookkeeping (a CUDA event and
+    a reference-counter slot), which must not grow with every hand-over. Importers map each
+    share once per process and keep it (IpcImporter)."""
+
+    def __init__(self) -> None:
+        self.process = PROCESS_TOKEN
+        self._shares: dict[tuple[int, int], list] = {}  # (data_ptr, nbytes) of a storage -> its share
+
+    def describe(self, frames: list[torch.Tensor]) -> dict[str, Any]:
+        index: dict[tuple[int, int], int] = {}
+        storages, ranges = [], []
+        for frame in frames:
+            if frame.device.type != "cuda":
+                raise KVTransferError("ipc", f"a frame on {frame.device} cannot be shared by CUDA IPC")
+            storage = frame.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+            if key not in index:
+                index[key] = len(storages)
+                storages.append(self._share(key, storage))
+            ranges.append([index[key], frame.storage_offset() * frame.element_size(),
+                           frame.numel() * frame.element_size()])
+        return {"process": self.process, "storages": storages, "frames": ranges}
+
+    def _share(self, key: tuple[int, int], storage: torch.UntypedStorage) -> list:
+        if key not in self._shares:
+            device, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = storage._share_cuda_()
+            self._shares[key] = [gpu_uuid(storage.device), bytes(handle), int(size), int(offset), bytes(rc_handle),
+                                 int(rc_offset), None if ev_handle is None else bytes(ev_handle), bool(ev_sync)]
+        return self._shares[key]
+
+
+class IpcImporter:
+    """Maps exporters' allocations (kept, LRU) and copies described frames into an ImportSession.
+    Safe to share between pull threads."""
+
+    def __init__(self, *, max_open: int = MAX_OPEN, verify: bool = True) -> None:
+        self.max_open = max_open
+        self.verify = verify  # False: no checksum over the copied bytes (ImportSession.trust_frames)
+        self._opened: OrderedDict[tuple, torch.UntypedStorage] = OrderedDict()
+        self._last_use: dict[str, float] = {}  # exporter process -> monotonic time of its last pull
+        self._lock = threading.Lock()
+        self._streams: dict[int, torch.cuda.Stream] = {}
+
+    @property
+    def num_open(self) -> int:
+        return len(self._opened)
+
+    def copy_into(self, session: ImportSession, desc: dict[str, Any]) -> None:
+        """Copy every frame `desc` lists into the session's blocks and verify the checksum
+        (KVTransferError "ipc" when a handle cannot be opened, "truncated"/"checksum" as any
+        transport). The copies are complete when this returns."""
+        try:
+            process, storages, ranges = str(desc["process"]), desc["storages"], desc["frames"]
+            self._close_idle(process)
+            sources = [self._open(process, entry) for entry in storages]
+            views = [(sources[int(s)], int(off), int(n)) for s, off, n in ranges]
+        except KVTransferError:
+            session.abort()
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            session.abort()
+            raise KVTransferError("bad_header", f"undecodable CUDA IPC description: {exc!r}") from exc
+        if len(views) != session.num_frames:
+            session.abort()
+            raise KVTransferError("truncated", f"{len(views)} frames described, header lists {session.num_frames}")
+        if not self.verify:
+            session.trust_frames()
+        device = session.io.device
+        stream = self._stream(device)
+        srcs = []
+        for i, (source, offset, nbytes) in enumerate(views):
+            if offset < 0 or offset + nbytes > source.numel():
+                session.abort()
+                raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
+            srcs.append(source[offset : offset + nbytes])
+        dsts = [session.destination(i) for i in range(len(srcs))]
+        direct = [i for i, (d, s) in enumerate(zip(dsts, srcs)) if d is not None and d.numel() == s.numel()]
+        with torch.cuda.stream(stream):
+            _copy_all([dsts[i] for i in direct], [srcs[i] for i in direct])  # one launch for many frames
+            fast = set(direct)
+            for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
+                if i in fast:
+                    session.accept(i)
+                else:
+                    session.accept(i, src)  # scattered blocks (or a size mismatch it refuses)
+            stream.synchronize()
+        session.finish()
+
+    def _stream(self, device: torch.device) -> torch.cuda.Stream:
+        with self._lock:
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            if index not in self._streams:
+                self._streams[index] = torch.cuda.Stream(device=index)
+            return self._streams[index]
+
+    def _open(self, process: str, entry: list) -> torch.Tensor:
+        uuid, handle, size, offset, rc_handle, rc_offset, ev_handle, ev_sync = entry
+        key = (process, bytes(handle), int(offset))
+        device = local_gpus().get(str(uuid))
+        if device is None:
+            raise KVTransferError("ipc", f"the exporter's GPU {uuid} is not visible to this process")
+        with self._lock:
+            storage = self._opened.get(key)
+            try:
+                if storage is None:
+                    torch.cuda._lazy_init()
+                    storage = torch.UntypedStorage._new_shared_cuda(device, handle, size, offset, rc_handle,
+                                                                     rc_offset, ev_handle, ev_sync)
+                    self._opened[key] = storage
+                    while len(self._opened) > self.max_open:
+                        self._opened.popitem(last=False)  # closes the mapping once no copy uses it
+                else:  # mapped already (the exporter shares each tensor once: nothing to count)
+                    self._opened.move_to_end(key)
+            except RuntimeError as exc:
+                raise KVTransferError("ipc", f"cannot open the exporter's CUDA IPC handle: {exc}") from exc
+        out = torch.empty(0, dtype=torch.uint8, device=storage.device)
+        return out.set_(storage, 0, (storage.nbytes(),), (1,))
+
+    def _close_idle(self, current: str) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._last_use[current] = now
+            idle = [p for p, t in self._last_use.items() if now - t > MAPPING_IDLE_S]
+        for process in idle:
+            self.forget(process)
+
+    def forget(self, process: str) -> None:
+        """Drop every mapping of an exporter process (it failed or went away)."""
+        with self._lock:
+            for key in [k for k in self._opened if k[0] == process]:
+                del self._opened[key]
+            self._last_use.pop(process, None)
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """dst.copy_(src) for every pair, batched into as few launches as torch can (same-device
+    pairs); pair by pair where the batched copy does not apply."""
+    if not dsts:
+        return
+    if all(d.device == s.device for d, s in zip(dsts, srcs)):
+        try:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            return
+        except (RuntimeError, TypeError):  # an unsupported combination: copy one by one
+            pass
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)

@@ -1,0 +1,141 @@
+"""The CUDA IPC KV transport on one GPU, two processes; skipped without CUDA.
+
+1. A peer process (tests/integration/kv_handover_peer.py ipc) offers a request whose blocks lie
+   in its CUDA caches; this process pulls it by CUDA IPC into scattered blocks of its own CUDA
+   caches and compares the bytes of every layer's blocks with the sender's (rebuilt here from
+   the same seed). A corrupted copy is refused by its checksum and leaves nothing reserved.
+2. (Two GPUs only) the same by the nccl transport, GPU 0 to GPU 1.
+3. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
+   kv_transport cuda_ipc: greedy tokens identical to a unified replica on the same GPU, every
+   hand-over imported by cuda_ipc (none recomputed), no block left held.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+import torch
+
+from meshserve.core.secret import ENV_SECRET, ClusterSecret
+from meshserve.kvstore.transport import CUDA_IPC, CudaIpcPuller, Endpoint
+from meshserve.kvstore.wire import KVTransferError
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SECRET = ClusterSecret(b"test secret of the cuda ipc peer")
+
+
+@pytest.fixture
+def peer():
+    proc = subprocess.Popen([sys.executable, "-m", "tests.integration.kv_handover_peer", "ipc"], cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, ENV_SECRET: SECRET.key.decode()})
+    try:
+        line = proc.stdout.readline()
+        assert line, "the peer process did not start"
+        yield proc, json.loads(line)
+    finally:
+        if proc.poll() is None:
+            proc.stdin.close()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+
+
+def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
+    from tests.integration.kv_handover_peer import sender_replica
+    from tests.unit.kvstore.replicas import Replica
+
+    proc, started = peer
+    endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
+    assert endpoint.device == "cuda"
+    expected = sender_replica().request_bytes("ok")  # the same seed on the CPU: the same bytes
+    puller = CudaIpcPuller()
+
+    dst = Replica("gqa", seed=2, device="cuda")
+    dst.fragment(4)  # scattered receiving blocks: direct copies and index_copy_ both run
+    used = puller.pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=60)
+    assert used == CUDA_IPC and puller.importer.num_open >= 1  # by CUDA IPC, not over the socket
+    got = dst.request_bytes("ok")
+    assert len(got) == len(expected) >= 2
+    for ours, theirs in zip(got, expected, strict=True):  # every cached layer, every block
+        assert torch.equal(ours, theirs)
+    assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36  # the sender's hashes committed
+    dst.kv.check_invariants()
+
+    bad = Replica("gqa", seed=3, device="cuda")
+    free = bad.kv.num_free_blocks
+    with pytest.raises(KVTransferError) as info:
+        puller.pull(bad.connector, endpoint, caps["checksum"], secret=SECRET, timeout_s=60)
+    assert info.value.reason == "checksum"
+    assert bad.kv.num_free_blocks == free
+    bad.kv.check_invariants()
+
+    puller.importer.forget(endpoint.process)  # close the mappings while the exporter lives
+    proc.stdin.close()
+    summary = json.loads(proc.stdout.readline())
+    assert summary["pending"] == 0 and summary["rejected"] == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs its two ranks on two GPUs")
+def test_nccl_moves_a_requests_kv_between_two_gpus_bit_exactly(peer):
+    from meshserve.kvstore.transport import NCCL, P2PPuller
+    from tests.integration.kv_handover_peer import sender_replica
+    from tests.unit.kvstore.replicas import Replica
+
+    proc, started = peer  # its caches are on cuda:0
+    endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
+    dst = Replica("gqa", seed=2, device="cuda:1")
+    dst.fragment(4)
+    assert P2PPuller().pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=120) == NCCL
+    for ours, theirs in zip(dst.request_bytes("ok"), sender_replica().request_bytes("ok"), strict=True):
+        assert torch.equal(ours, theirs)
+    bad = Replica("gqa", seed=3, device="cuda:1")
+    with pytest.raises(KVTransferError) as info:
+        P2PPuller().pull(bad.connector, endpoint, caps["checksum"], secret=SECRET, timeout_s=120)
+    assert info.value.reason == "checksum" and bad.kv.num_requests == 0
+
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def test_disaggregated_on_one_gpu_matches_unified(tmp_path):
+    from meshserve.cluster.coordinator import ClusterConfig
+    from meshserve.config import PoolConfig
+    from meshserve.core.sampling_params import SamplingParams
+    from tests.tiny_models import prompts, write_checkpoint
+    from tests.unit.cluster.cases import collect, engine_config, holds_no_blocks, serve, wait_until
+
+    write_checkpoint(tmp_path / "llama", "llama", seed=4)
+    engine = engine_config(tmp_path / "llama")
+    engine = replace(engine, model=replace(engine.model, enforce_eager=True),
+                     cache=replace(engine.cache, kv_transport=CUDA_IPC))
+    requests = [(f"r{i}", p, SamplingParams(max_tokens=12, **GREEDY))
+                for i, p in enumerate(prompts(4, seed=31, min_len=5, max_len=90))]
+
+    async def one_at_a_time(c):  # the same batch shapes in both runs
+        return {rid: (await collect(c, rid, p, sp)).token_ids for rid, p, sp in requests}
+
+    async def disaggregated(c):
+        got = await one_at_a_time(c)
+        (decode,) = c.replicas("decode")
+        stats = decode.stats()
+        assert (stats.num_kv_imports, stats.num_recomputes) == (len(requests), 0), stats.handover
+        assert stats.handover.transports == {CUDA_IPC: len(requests)}
+        assert c.stats().kv_transport == CUDA_IPC
+        await wait_until(lambda: holds_no_blocks(c), "every block to be freed", timeout_s=30)
+        return got
+
+    def config(mode):
+        return ClusterConfig(engine=engine, pools=PoolConfig(mode=mode), runtime="processes", device="cuda")
+
+    unified = serve(config("unified"), one_at_a_time)
+    split = serve(config("disaggregated"), disaggregated)
+    assert split == unified
+    assert all(len(t) == 12 for t in unified.values())
