@@ -76,6 +76,9 @@ class KVRankIO:
         self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
         self.caches = list({id(c.data): c for c in self.layer_caches}.values())  # one per tensor
         check(bool(self.caches), "caches", len(caches), "at least one layer cache")
+        # Not yet: the frames would carry the latent but not sparse MLA's indexer keys (issue 26).
+        check(not any(isinstance(c, MLACache) and c.index_keys is not None for c in self.caches), "caches",
+              "sparse MLA (indexer key cache)", "caches without an indexer: KV hand-over of sparse MLA is not built")
         self.retentions = tuple(retentions)
         self.tokens_per_block = block_size * dcp_size
         self.layout = KVLayout.from_caches(self.caches, model_id=model_id, block_size=block_size, dcp_size=dcp_size,
