@@ -110,3 +110,20 @@ def test_kv_pool_counts_the_index_keys(case):
     assert all(isinstance(c, MLACache) and c.index_keys.shape[1:] == (BLOCK, dims.indexer.head_dim) for c in caches)
     specs = llm.core.executor.worker.runner.model.attention_specs()
     assert block_bytes(specs, BLOCK, torch.float32) == per_block
+
+
+@pytest.mark.parametrize(("dcp", "backend"), [(2, "TORCH"), (2, "TRITON"), (1, "TORCH")])
+def test_tp2_dcp_matches_hf(case, tmp_path, dcp, backend):
+    """tp=2 over gloo, blocks of 4 tokens, prefill chunks of 12: with dcp=2 each rank stores every
+    other token's latent and index key, scores its own, and the merged top-k equals the single-rank one."""
+    from tests.integration.distributed import run_ranks
+    from tests.integration.test_deepseek_dcp import NEW_TOKENS as RANK_TOKENS
+    from tests.integration.test_deepseek_dcp import rank_main
+
+    path, batch, want = case
+    if backend == "TRITON":
+        batch, want = batch[:2], want[:2]  # the Triton interpreter is slow on two busy cores
+    out_file = tmp_path / "out.json"
+    run_ranks(rank_main, 2, str(path), dcp, "ag_rs", backend, batch, str(out_file))
+    got = json.loads(out_file.read_text())
+    assert got == [w[:RANK_TOKENS] for w in want], f"tp=2 dcp={dcp} {backend}: {got} != HF {want}"
