@@ -48,6 +48,7 @@ def _rows(caps: BackendCapabilities) -> dict[str, str]:
         "ALiBi": _yes(caps.alibi),
         "logit soft-cap": _yes(caps.soft_cap),
         "MLA": _yes(caps.mla),
+        "sparse MLA (indexer top-k)": _yes(caps.sparse_mla),
         "returns LSE": _yes(caps.returns_lse),
         "DCP-sharded cache": _yes(caps.dcp),
         "CUDA graphs": _yes(caps.cuda_graphs),

@@ -20,9 +20,12 @@ from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.errors import ConfigError, check
 
+Output = torch.Tensor | tuple[torch.Tensor, torch.Tensor]  # o, or (o, lse) with return_lse
+
 
 def sparse_reasons(problem: AttentionProblem) -> list[str]:
-    """Why `problem` is not a sparse MLA layer (empty when it is)."""
+    """Why `problem` is not a sparse MLA layer (empty when it is); a dense MLA backend's capability
+    record refuses sparse layers itself (`sparse_mla`)."""
     mla = problem.spec.mla
     if mla is None or mla.indexer is None:
         return ["not a sparse MLA layer (spec.mla.indexer is None): dense MLA layers use the MLA tables"]
@@ -65,19 +68,20 @@ class SparseMLABackend(MLABackend):
         *,
         rows: torch.Tensor | None = None,
         return_lse: bool = False,
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    ) -> Output:
         """query [T, H, nope + rope], rows [T, k] int32 -> o [T, H, v_head_dim] (and LSE [T, H] f32)."""
         if not isinstance(plan, SparsePlan):
             raise ConfigError("plan", type(plan).__name__, "the SparsePlan returned by this backend's plan")
         tokens = plan.metadata.num_tokens
         self._check_inputs(query, weights, tokens)
-        check(rows is not None and rows.dim() == 2 and rows.shape[0] == tokens, "rows",
-              None if rows is None else tuple(rows.shape), f"[{tokens}, k] int32 chosen cache rows per token")  # fmt: skip
+        shape = None if rows is None else tuple(rows.shape)
+        check(shape is not None and len(shape) == 2 and shape[0] == tokens, "rows", shape,
+              f"[{tokens}, k] int32 chosen cache rows per token")  # fmt: skip
         return self.attend_rows(query, cache, plan, weights, rows, return_lse=return_lse)
 
     @abstractmethod
     def attend_rows(self, query: torch.Tensor, cache: LatentCache, plan: SparsePlan, weights: MLAWeights,
-                    rows: torch.Tensor, *, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+                    rows: torch.Tensor, *, return_lse: bool) -> Output:
         """The backend's computation; inputs already checked."""
 
 

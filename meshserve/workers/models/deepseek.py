@@ -84,7 +84,8 @@ class MLAttention(nn.Module):
         return layer.backend.forward(q, layer.kv_cache, layer.plan, weights)
 
     def attend_sparse(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
-                      index: tuple[torch.Tensor, torch.Tensor, torch.Tensor], layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+                      index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      layer: LayerAttention) -> torch.Tensor:  # fmt: skip
         """Sparse MLA: write the latent rows and index keys, choose each token's top-k rows, attend to them."""
         layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
         rows = layer.backend.index(*index, layer.kv_cache, layer.plan)  # [T, k] this rank's chosen rows

@@ -21,8 +21,8 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backends.torch_ref import TorchMLABackend
 from meshserve.attention.mla.cache import LatentCache, write_latent_kv
 from meshserve.attention.mla.indexer import hadamard, index_candidates, merge_candidates, write_index_keys
-from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import IndexerDims
 from meshserve.errors import ConfigError, NoBackendError
 from tests.unit.attention.mla_cases import MLA_BY_NAME, make_mla_case, mla_oracle

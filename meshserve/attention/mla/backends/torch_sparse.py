@@ -12,7 +12,7 @@ import torch
 from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.backends.torch_ref import MLA_REFERENCE_CAPABILITIES
 from meshserve.attention.mla.cache import LatentCache
-from meshserve.attention.mla.sparse import SparseMLABackend, SparsePlan, row_slots
+from meshserve.attention.mla.sparse import Output, SparseMLABackend, SparsePlan, row_slots
 
 TOKENS_PER_CHUNK = 64
 
@@ -21,11 +21,12 @@ class TorchSparseMLABackend(SparseMLABackend):
     name = "TORCH"
     capabilities = dataclasses.replace(
         MLA_REFERENCE_CAPABILITIES,
+        sparse_mla=True,
         notes="reference: gathers each token's chosen latent rows, expands them per head (as HF), float32",
     )
 
     def attend_rows(self, query: torch.Tensor, cache: LatentCache, plan: SparsePlan, weights: MLAWeights,
-                    rows: torch.Tensor, *, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    rows: torch.Tensor, *, return_lse: bool) -> Output:  # fmt: skip
         dims, heads = self.dims, self.spec.num_heads
         dn, r = dims.qk_nope_head_dim, dims.kv_lora_rank
         w_uk, w_uv = weights.w_uk.float(), weights.w_uv.float()

@@ -7,21 +7,23 @@ go through the same kernel: each query token has its own index list and no causa
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from meshserve.attention.backend import AttentionProblem
 from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.backends.triton_common import decode_config, pow2, triton_reasons, with_notes
 from meshserve.attention.mla.cache import LatentCache
-from meshserve.attention.mla.sparse import SparseMLABackend, SparsePlan
+from meshserve.attention.mla.sparse import Output, SparseMLABackend, SparsePlan
 
 
 class TritonSparseMLABackend(SparseMLABackend):
     name = "TRITON"
-    capabilities = with_notes(
+    capabilities = dataclasses.replace(with_notes(
         "prefill and decode: absorbed W_UK, each token's chosen latent rows gathered through the block "
         "table and attended by all heads of a block at once (online softmax), then W_UV"
-    )
+    ), sparse_mla=True)
 
     @classmethod
     def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
@@ -32,7 +34,7 @@ class TritonSparseMLABackend(SparseMLABackend):
         self.config = decode_config(self.spec.num_heads, problem.dtype, problem.device)
 
     def attend_rows(self, query: torch.Tensor, cache: LatentCache, plan: SparsePlan, weights: MLAWeights,
-                    rows: torch.Tensor, *, return_lse: bool) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                    rows: torch.Tensor, *, return_lse: bool) -> Output:  # fmt: skip
         from meshserve.attention.kernels.mla_sparse import mla_sparse_kernel
 
         dn = self.dims.qk_nope_head_dim
