@@ -28,6 +28,7 @@ from meshserve.attention.mla.cache import LatentCache
 from meshserve.errors import check
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
+SCORE_BUDGET = 1 << 26  # float32 per-head logits materialised at once (256 MiB): long prefills go in chunks
 
 
 @dataclass(frozen=True)
@@ -135,9 +136,13 @@ def index_candidates(q: torch.Tensor, weights: torch.Tensor, cache: LatentCache,
             continue
         keys = gather_index_keys(cache, meta.block_table[s], n)
         key_pos = torch.arange(n, device=device) * meta.dcp_size + meta.dcp_rank
-        q_pos = torch.arange(seq_len - (q1 - q0), seq_len, device=device)
-        part = index_scores(q[q0:q1], weights[q0:q1], keys)
-        part = part.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
-        top = topk_ordered(part, key_pos.expand(q1 - q0, n), k)
-        scores[q0:q1], positions[q0:q1] = top.scores, top.positions
+        first = seq_len - (q1 - q0)  # position of the sequence's first new token
+        step = max(1, SCORE_BUDGET // (q.shape[1] * n))  # queries per chunk: [step, Hi, n] logits at most
+        for c0 in range(q0, q1, step):
+            c1 = min(c0 + step, q1)
+            q_pos = torch.arange(first + c0 - q0, first + c1 - q0, device=device)
+            part = index_scores(q[c0:c1], weights[c0:c1], keys)
+            part = part.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
+            top = topk_ordered(part, key_pos.expand(c1 - c0, n), k)
+            scores[c0:c1], positions[c0:c1] = top.scores, top.positions
     return TopK(scores, positions)

@@ -49,7 +49,8 @@ def test_every_row_chosen_equals_dense_mla(name, backend):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_few_rows_match_float64_oracle_over_the_same_rows(name):
+def test_few_rows_match_float64_oracle_over_the_same_rows(name, monkeypatch):
+    monkeypatch.setattr("meshserve.attention.mla.backends.torch_sparse.EXPANDED_BUDGET", 1000)  # chunks of tokens
     case, cache = sparse_case(name, seed=3)
     rows = chosen_rows(case.metadata, 5, seed=1)
     ref_out, ref_lse = sparse_oracle(case, rows)
@@ -94,9 +95,12 @@ def float64_choice(case, keys, q, w, k: int) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("budget", [None, 1], ids=["one_pass", "one_query_at_a_time"])
 @pytest.mark.parametrize("k", [1, 6, 64])
 @pytest.mark.parametrize("name", ["chunked_prefill", "mixed", "small_page_decode"])
-def test_indexer_top_k_matches_float64_selection(name, k):
+def test_indexer_top_k_matches_float64_selection(name, k, budget, monkeypatch):
+    if budget is not None:  # long prefills score their queries in chunks
+        monkeypatch.setattr("meshserve.attention.mla.indexer.SCORE_BUDGET", budget)
     case, cache = sparse_case(name)
     keys, q, w = index_inputs(case)
     store_keys(case, cache, keys)

@@ -1,6 +1,7 @@
 """TORCH sparse MLA: the reference. Gathers each token's chosen latent rows, expands them per head
 (as HF does for dense MLA), and attends in float32. The oracle TRITON's sparse kernel is tested
-against; it serves any device, in chunks of tokens so that the expanded rows stay bounded.
+against; it serves any device, in chunks of tokens so that the expanded rows stay bounded
+(EXPANDED_BUDGET).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from meshserve.attention.mla.backends.torch_ref import MLA_REFERENCE_CAPABILITIE
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.mla.sparse import Output, SparseMLABackend, SparsePlan, row_slots
 
-TOKENS_PER_CHUNK = 64
+EXPANDED_BUDGET = 1 << 26  # float32 values of expanded K (and of V) held at once: 256 MiB each
 
 
 class TorchSparseMLABackend(SparseMLABackend):
@@ -34,8 +35,9 @@ class TorchSparseMLABackend(SparseMLABackend):
         slots, used = row_slots(plan, rows, cache.block_size)
         out = torch.zeros(query.shape[0], heads, dims.v_head_dim, dtype=torch.float32, device=query.device)
         lse = torch.full((query.shape[0], heads), float("-inf"), dtype=torch.float32, device=query.device)
-        for t0 in range(0, query.shape[0], TOKENS_PER_CHUNK):
-            t1 = min(t0 + TOKENS_PER_CHUNK, query.shape[0])
+        step = max(1, EXPANDED_BUDGET // (rows.shape[1] * heads * max(dn, dims.v_head_dim)))
+        for t0 in range(0, query.shape[0], step):
+            t1 = min(t0 + step, query.shape[0])
             chosen = flat[slots[t0:t1]].float()  # [t, k, R + P]
             if cache.is_fp8:
                 chosen = chosen * cache.scale.float()
