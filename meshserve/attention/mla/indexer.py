@@ -78,19 +78,21 @@ def write_index_keys(keys: torch.Tensor, cache: LatentCache, slot_mapping: torch
     cache.index_scale.view(-1)[slots] = scale
 
 
-def gather_index_keys(cache: LatentCache, block_row: torch.Tensor, length: int) -> torch.Tensor:
-    """One sequence's first `length` stored index keys [length, D], float32 (still rotated if FP8)."""
-    bs = cache.block_size
-    blocks = block_row[: -(-length // bs)].long()
-    keys = cache.index_keys[blocks].reshape(-1, cache.index_keys.shape[2])[:length].float()
+def gather_index_keys(cache: LatentCache, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """Every sequence's first `length` cached index keys: block_table [S, max_blocks] ->
+    [S, length, D], in the storage dtype (FP8: dequantised to float32, still rotated). Rows past a
+    sequence's end hold whatever its table points at; callers mask them by position."""
+    bs, width = cache.block_size, cache.index_keys.shape[2]
+    blocks = block_table[:, : -(-length // bs)].long()  # [S, nb]
+    keys = cache.index_keys[blocks].reshape(blocks.shape[0], -1, width)[:, :length]
     if cache.index_scale is not None:
-        keys = keys * cache.index_scale[blocks].reshape(-1)[:length, None]
+        keys = keys.float() * cache.index_scale[blocks].reshape(blocks.shape[0], -1)[:, :length, None]
     return keys
 
 
 def index_scores(q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """q [Tq, Hi, D], weights [Tq, Hi], keys [N, D] -> scores [Tq, N] float32."""
-    logits = torch.einsum("thd,nd->thn", q.float(), keys.float()) * q.shape[-1] ** -0.5
+    """q [T, Hi, D], weights [T, Hi], each token's keys [T, N, D] -> scores [T, N] float32."""
+    logits = torch.einsum("thd,tnd->thn", q.float(), keys.float()) * q.shape[-1] ** -0.5
     return torch.einsum("thn,th->tn", torch.relu(logits), weights.float())
 
 
@@ -121,28 +123,33 @@ def index_candidates(q: torch.Tensor, weights: torch.Tensor, cache: LatentCache,
 
     q [T, Hi, D] (rope applied), weights [T, Hi] (head weights, any constant factors folded in).
     On a DCP rank the result is a candidate list for `merge_candidates`, not the choice.
+    The whole batch is scored at once (a few kernels per chunk of query tokens, no host sync):
+    each token against its sequence's keys, padded to the longest; keys past a token's position
+    (its sequence's end included) are masked.
     """
-    check(q.shape[0] == meta.num_tokens, "q", tuple(q.shape), f"[{meta.num_tokens}, heads, dim] (one per new token)")
+    tokens = meta.num_tokens
+    check(q.shape[0] == tokens, "q", tuple(q.shape), f"[{tokens}, heads, dim] (one per new token)")
     if cache.index_scale is not None:
         q = hadamard(q)  # the keys were rotated before FP8 quantisation
     device = q.device
-    scores = torch.full((q.shape[0], k), float("-inf"), device=device)
-    positions = torch.full((q.shape[0], k), -1, dtype=torch.int64, device=device)
-    starts = meta.query_start_loc.tolist()
-    for s, seq_len in enumerate(meta.seq_lens_host):
-        q0, q1 = starts[s], starts[s + 1]
-        n = meta.local_len(seq_len)
-        if q1 == q0 or n == 0:
-            continue
-        keys = gather_index_keys(cache, meta.block_table[s], n)
-        key_pos = torch.arange(n, device=device) * meta.dcp_size + meta.dcp_rank
-        first = seq_len - (q1 - q0)  # position of the sequence's first new token
-        step = max(1, SCORE_BUDGET // (q.shape[1] * n))  # queries per chunk: [step, Hi, n] logits at most
-        for c0 in range(q0, q1, step):
-            c1 = min(c0 + step, q1)
-            q_pos = torch.arange(first + c0 - q0, first + c1 - q0, device=device)
-            part = index_scores(q[c0:c1], weights[c0:c1], keys)
-            part = part.masked_fill(key_pos[None, :] > q_pos[:, None], float("-inf"))
-            top = topk_ordered(part, key_pos.expand(c1 - c0, n), k)
-            scores[c0:c1], positions[c0:c1] = top.scores, top.positions
+    scores = torch.full((tokens, k), float("-inf"), device=device)
+    positions = torch.full((tokens, k), -1, dtype=torch.int64, device=device)
+    n = max((meta.local_len(s) for s in meta.seq_lens_host), default=0)
+    if tokens == 0 or n == 0:
+        return TopK(scores, positions)
+    keys = gather_index_keys(cache, meta.block_table, n)  # [S, n, D]
+    query_lens = torch.tensor(meta.query_lens_host, device=device)
+    token_seq = torch.repeat_interleave(torch.arange(len(meta.query_lens_host), device=device), query_lens,
+                                        output_size=tokens)  # fmt: skip
+    # a token's position: its sequence's first new position plus its index among the new tokens
+    first = meta.seq_lens.long() - query_lens - meta.query_start_loc[:-1].long()
+    q_pos = first[token_seq] + torch.arange(tokens, device=device)
+    key_pos = torch.arange(n, device=device) * meta.dcp_size + meta.dcp_rank
+    step = max(1, SCORE_BUDGET // (n * (q.shape[1] + q.shape[2])))  # per-chunk logits and gathered keys
+    for c0 in range(0, tokens, step):
+        c1 = min(c0 + step, tokens)
+        part = index_scores(q[c0:c1], weights[c0:c1], keys[token_seq[c0:c1]])
+        part = part.masked_fill(key_pos[None, :] > q_pos[c0:c1, None], float("-inf"))
+        top = topk_ordered(part, key_pos.expand(c1 - c0, n), k)
+        scores[c0:c1], positions[c0:c1] = top.scores, top.positions
     return TopK(scores, positions)

@@ -67,7 +67,7 @@ def test_indexer_chooses_what_hf_chooses(topk):
         want = attn.indexer(x, q_resid, cos_sin, causal, positions[None])[0]  # [S, topk]
         rotary = YarnRotary(arch.deepseek.rope, arch.deepseek.mla.qk_rope_head_dim, 64)
         q, w, k = ours(x[0], q_resid[0], rotary(positions, x.dtype), rotary)
-        scores = index_scores(q, w, k).masked_fill(~causal[0], float("-inf"))
+        scores = index_scores(q, w, k.expand(seq, seq, -1)).masked_fill(~causal[0], float("-inf"))
         got = topk_ordered(scores, positions.expand(seq, seq), topk).positions
     for t in range(seq):
         hf_rows = {p for p in want[t].tolist() if p <= t}  # HF pads early rows with masked picks
