@@ -39,11 +39,12 @@ class SparseMLAAttention:
 
     @classmethod
     def named(cls, problem: AttentionProblem, name: str | None) -> SparseMLAAttention:
-        """One engine-wide backend name: taken when the sparse table has it, else chosen by priority
-        (e.g. FLASHINFER, which serves dense MLA decode only)."""
-        from meshserve.attention.registry import MLA_SPARSE_BACKENDS
+        """One engine-wide backend name: taken when the sparse table has it; a dense-MLA-only name
+        (FLASHINFER) leaves the choice to priority; any other name fails listing the sparse table."""
+        from meshserve.attention.registry import MLA_DECODE_BACKENDS, MLA_SPARSE_BACKENDS
 
-        return cls(problem, backend=name if name is None or name.upper() in MLA_SPARSE_BACKENDS else None)
+        dense_only = name is not None and name.upper() in set(MLA_DECODE_BACKENDS) - set(MLA_SPARSE_BACKENDS)
+        return cls(problem, backend=None if dense_only else name)
 
     @property
     def name(self) -> str:

@@ -114,3 +114,13 @@ def test_registry_keeps_dense_and_sparse_mla_apart():
     dense = AttentionProblem(spec=replace(sparse_spec(), mla=replace(sparse_spec().mla, indexer=None)))
     verdicts = {v.name: v.reasons for v in explain(dense, BackendKind.MLA_SPARSE)}
     assert all(any("spec.mla.indexer is None" in r for r in rs) for rs in verdicts.values())
+
+
+def test_engine_wide_backend_names_for_sparse_layers():
+    from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+
+    problem = AttentionProblem(spec=sparse_spec(), needs_lse=True)
+    assert SparseMLAAttention.named(problem, "torch").backend.name == "TORCH"
+    assert SparseMLAAttention.named(problem, "FLASHINFER").backend.name == "TORCH"  # dense MLA decode only
+    with pytest.raises(ConfigError, match="mla_sparse_backend"):
+        SparseMLAAttention.named(problem, "CPU_SDPA")
