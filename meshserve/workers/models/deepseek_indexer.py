@@ -42,5 +42,6 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x))[:, None]  # [T, 1, D]
         q = torch.cat((rotary.apply(q[..., :d], *rope, interleaved=False), q[..., d:]), dim=-1)
         k = torch.cat((rotary.apply(k[..., :d], *rope, interleaved=False), k[..., d:]), dim=-1)[:, 0]
-        weights = self.weights_proj(x).float() * self.num_heads**-0.5
+        # float32, as HF keeps weights_proj (its weight is loaded in the model dtype here: upcast)
+        weights = nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
         return q, weights, k
