@@ -27,14 +27,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import bench.attention_mla as dense_bench  # noqa: E402
 from meshserve.attention.backend import AttentionProblem  # noqa: E402
-from meshserve.attention.metadata import AttentionMetadata  # noqa: E402
 from meshserve.attention.mla.backends.triton_decode import TritonMLADecodeBackend  # noqa: E402
 from meshserve.attention.mla.backends.triton_sparse import TritonSparseMLABackend  # noqa: E402
 from meshserve.attention.mla.cache import LatentCache  # noqa: E402
 from meshserve.attention.mla.indexer import index_candidates  # noqa: E402
 from meshserve.attention.mla.spec import mla_spec  # noqa: E402
-from meshserve.attention.spec import IndexerDims, MLADims  # noqa: E402
+from meshserve.attention.spec import IndexerDims, KVCacheDtype, MLADims  # noqa: E402
 
 HEADS, PAGE, TOPK = 128, 64, 2048
 V32 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -51,25 +51,17 @@ def problem(sparse: bool) -> AttentionProblem:
 
 
 def make_inputs(batch: int, seq_len: int, seed: int = 0) -> dict:
-    dev = DEVICE
-    gen = torch.Generator(device=dev).manual_seed(seed)
-    pages = -(-seq_len // PAGE)
-    num_blocks = batch * pages + 8
-    cache = LatentCache.allocate(num_blocks, PAGE, V32, dtype=DTYPE, device=dev)
-    cache.data.copy_(torch.randn(cache.data.shape, generator=gen, device=dev, dtype=DTYPE))
-    cache.index_keys.copy_(torch.randn(cache.index_keys.shape, generator=gen, device=dev, dtype=DTYPE))
-    perm = torch.randperm(num_blocks, generator=gen, device=dev)[: batch * pages].view(batch, pages)
-    meta = AttentionMetadata.build(query_lens=[1] * batch, seq_lens=[seq_len] * batch,
-                                   block_tables=perm.int().cpu().tolist(), block_size=PAGE, device=dev)  # fmt: skip
+    """The dense bench's inputs (bench/attention_mla.py: random latent cache, shuffled pages, one
+    decode query per sequence) plus random index keys, index queries and 2048 chosen rows each."""
+    inp = dense_bench.make_inputs(batch, seq_len, seed)
+    cache = LatentCache.over(inp["cache"].data, V32, kv_cache_dtype=KVCacheDtype.AUTO, scale=inp["cache"].scale)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed + 1)
+    cache.index_keys.copy_(torch.randn(cache.index_keys.shape, generator=gen, device=DEVICE, dtype=DTYPE))
     k = min(TOPK, seq_len)
-    rows = torch.stack([torch.randperm(seq_len, generator=gen, device=dev)[:k] for _ in range(batch)]).int()
-    return dict(
-        cache=cache, meta=meta, rows=rows, batch=batch, seq_len=seq_len,
-        q_lat=torch.randn(batch, HEADS, V32.kv_lora_rank, generator=gen, device=dev, dtype=DTYPE) * 0.05,
-        q_pe=torch.randn(batch, HEADS, V32.qk_rope_head_dim, generator=gen, device=dev, dtype=DTYPE),
-        q_idx=torch.randn(batch, 64, 128, generator=gen, device=dev, dtype=DTYPE),
-        w_idx=torch.randn(batch, 64, generator=gen, device=dev),
-    )  # fmt: skip
+    rows = torch.stack([torch.randperm(seq_len, generator=gen, device=DEVICE)[:k] for _ in range(batch)]).int()
+    return dict(inp, cache=cache, rows=rows,
+                q_idx=torch.randn(batch, 64, 128, generator=gen, device=DEVICE, dtype=DTYPE),
+                w_idx=torch.randn(batch, 64, generator=gen, device=DEVICE))  # fmt: skip
 
 
 def time_us(fn) -> float:
@@ -157,6 +149,7 @@ def main() -> None:
     if args.dry_run:
         DEVICE, DTYPE, HEADS = "cpu", torch.float32, 16
         args.shapes = "2x200"
+    dense_bench.DEVICE, dense_bench.DTYPE, dense_bench.HEADS = DEVICE, DTYPE, HEADS  # the inputs are built there
     results: dict = dict(device=torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", shapes={})
     for shape in args.shapes.split(","):
         batch, seq_len = (int(v) for v in shape.split("x"))

@@ -48,21 +48,12 @@ class DcpMLAAttention:
         return merge_outputs(out, lse, self.ctx, self.comm)
 
 
-class DcpSparseMLAAttention:
+class DcpSparseMLAAttention(DcpMLAAttention):
     """Sparse MLA over this rank's token shard: the ranks' top-k candidates merge exactly into the
-    group's top-k (every rank then attends to the chosen rows it stores), then outputs merge by LSE."""
+    group's top-k (every rank then attends to the chosen rows it stores), then outputs merge by LSE.
+    Same plan and write_kv as the wrapped SparseMLAAttention."""
 
-    def __init__(self, attention: SparseMLAAttention, ctx: ParallelContext, comm: DcpComm) -> None:
-        self.inner = attention
-        self.ctx = ctx
-        self.comm = comm
-        self.name = attention.name
-
-    def plan(self, metadata):
-        return self.inner.plan(metadata)
-
-    def write_kv(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan) -> None:
-        self.inner.write_kv(latent, k_pe, cache, plan)
+    inner: SparseMLAAttention
 
     def index(self, q: torch.Tensor, weights: torch.Tensor, keys: torch.Tensor, cache: LatentCache,
               plan) -> torch.Tensor:  # fmt: skip

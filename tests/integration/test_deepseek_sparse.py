@@ -11,15 +11,15 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from meshserve import LLM, SamplingParams
+from meshserve import SamplingParams
 from meshserve.attention.mla.sparse_layer import SparseMLAAttention
 from meshserve.kvstore.cache_tensors import MLACache, block_bytes
 from meshserve.workers.checkpoint import read_arch
 from tests.deepseek_models import hf_deepseek_v32, write_deepseek_v32
+from tests.integration.test_deepseek_hf import BLOCK, _check, _llm
 from tests.tiny_models import hf_greedy, prompts
 
 NEW_TOKENS = 12
-BLOCK = 16
 TOPK = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 
@@ -31,16 +31,6 @@ def case(tmp_path_factory):
     hf = write_deepseek_v32(path, index_topk=TOPK)
     batch = prompts(3, seed=21, min_len=12, max_len=40)
     return path, batch, [hf_greedy(hf, p, NEW_TOKENS) for p in batch]
-
-
-def _llm(path, backend="TORCH", **kw):
-    kw = {"num_kv_blocks": 64, "max_model_len": 128, **kw}
-    return LLM(path, attention_backend=backend, block_size=BLOCK, progress=False, **kw)
-
-
-def _check(outputs, want):
-    for i, (out, ref) in enumerate(zip(outputs, want)):
-        assert out.token_ids == ref, f"prompt {i}: meshserve {out.token_ids} != HF {ref}"
 
 
 def test_the_indexer_choice_changes_the_output(case):

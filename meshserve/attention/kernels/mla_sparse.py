@@ -19,7 +19,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from meshserve.attention.kernels.mla_tiles import LN2, LOG2E, load_rows, store_rows
+from meshserve.attention.kernels.mla_tiles import LOG2E, latent_result, latent_tile, load_rows, store_rows
 
 
 @triton.jit
@@ -66,24 +66,11 @@ def mla_sparse_kernel(
         row = tl.where(ok, row, 0)
         blk = tl.load(bt_row + row // PAGE, mask=ok, other=0).to(tl.int64)
         at = blk * stride_cb + (row % PAGE).to(tl.int64) * stride_ct
-        lat = load_rows(cache_ptr + at[:, None] + r[None, :], ok, r, R, BLOCK_R).to(q_lat.dtype)
-        pe = load_rows(cache_ptr + at[:, None] + R + p[None, :], ok, p, P, BLOCK_P).to(q_pe.dtype)
-        qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=DOT_PRECISION)
-        s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a tile of -1 rows adds nothing
-        alpha = tl.exp2(m_i - m_safe)
-        prob = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = latent_tile(q_lat, q_pe, cache_ptr, at, ok, r, p, m_i, l_i, acc, qk_scale,
+                                    R, P, BLOCK_R, BLOCK_P, DOT_PRECISION)  # fmt: skip
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (kv_scale / l_safe)[:, None]
+    out, lse = latent_result(m_i, l_i, acc, kv_scale)
     store_rows(out_ptr + t * stride_ot + heads[:, None] * stride_oh + r[None, :], out.to(out_ptr.dtype.element_ty),
                head_mask, r, R, BLOCK_R)  # fmt: skip
     if WRITE_LSE:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_mask)
