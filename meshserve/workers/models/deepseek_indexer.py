@@ -41,7 +41,15 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(t, self.num_heads, self.head_dim)
         k = self.k_norm(self.wk(x))[:, None]  # [T, 1, D]
         q = torch.cat((rotary.apply(q[..., :d], *rope, interleaved=False), q[..., d:]), dim=-1)
-        k = torch.cat((rotary.apply(k[..., :d], *rope, interleaved=False), k[..., d:]), dim=-1)[:, 0]
-        # float32, as HF keeps weights_proj (its weight is loaded in the model dtype here: upcast)
-        weights = nn.functional.linear(x.float(), self.weights_proj.weight.float()) * self.num_heads**-0.5
-        return q, weights, k
+        k = torch.cat((rotary.apply(k[..., :d], *rope, interleaved=False), k[..., d:]), dim=-1)
+        return q, self.head_weights(x), k[:, 0]
+
+    def head_weights(self, x: torch.Tensor) -> torch.Tensor:
+        """weights_proj(x) / sqrt(Hi) [T, Hi] float32: computed in float32 as HF does (it keeps this
+        projection out of FP8 and in float32); a quantized checkpoint's projection computes itself."""
+        proj = self.weights_proj
+        if type(proj) is nn.Linear:
+            out = nn.functional.linear(x.float(), proj.weight.float())
+        else:
+            out = proj(x).float()
+        return out * self.num_heads**-0.5
