@@ -117,3 +117,39 @@ def test_tp2_dcp_matches_hf(case, tmp_path, dcp, backend):
     run_ranks(rank_main, 2, str(path), dcp, "ag_rs", backend, batch, str(out_file))
     got = json.loads(out_file.read_text())
     assert got == [w[:RANK_TOKENS] for w in want], f"tp=2 dcp={dcp} {backend}: {got} != HF {want}"
+
+
+@pytest.mark.parametrize("decode_parallel", [None, (2, 2)], ids=["same_layout", "decode_tp2_dcp2"])
+def test_disaggregated_hand_over_carries_the_index_keys(case, decode_parallel):
+    """Prefill replica -> decode replica through the coordinator (ranks on threads; processes for the
+    tp=2 decode pool): the latent and the index keys cross the transport (re-sharded to every other
+    token per rank for dcp=2), the decode replica recomputes nothing, and its tokens equal HF's."""
+    import asyncio
+    import dataclasses
+
+    from meshserve.cluster.coordinator import ClusterConfig, Coordinator
+    from meshserve.config import ParallelConfig, PoolConfig
+    from tests.unit.cluster.cases import assert_no_held_blocks, collect, engine_config
+
+    path, batch, want = case
+    params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    engine = engine_config(path)
+    engine = dataclasses.replace(engine, scheduler=dataclasses.replace(engine.scheduler, max_num_batched_tokens=16))
+    tp_dcp = None if decode_parallel is None else ParallelConfig(tp=decode_parallel[0], dcp=decode_parallel[1])
+    config = ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated"),
+                           runtime="threads" if tp_dcp is None else "processes", decode_parallel=tp_dcp)
+
+    async def main():
+        coord = await Coordinator(config).start()
+        try:
+            got = await asyncio.gather(*(collect(coord, f"r{i}", p, params) for i, p in enumerate(batch)))
+            (decode,) = coord.replicas("decode")
+            assert decode.stats().num_kv_imports == len(batch) and decode.stats().num_recomputes == 0
+            assert_no_held_blocks(coord)
+            return got
+        finally:
+            await coord.shutdown(drain=False)
+
+    got = asyncio.run(main())
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.token_ids == w, f"prompt {i}: meshserve {g.token_ids} != HF {w}"

@@ -1,6 +1,6 @@
 """DeepSeek-V3.2's parts: its config switch, and the lightning indexer against HF transformers' own
 DeepseekV32Indexer (same weights, same tokens: the same top-k per query); the index key cache
-in the KV pool (sizes, copy-on-write, hand-over refusal); the registry's sparse table."""
+in the KV pool (sizes, copy-on-write, hand-over layout); the registry's sparse table."""
 
 from dataclasses import replace
 
@@ -98,12 +98,15 @@ def test_pool_blocks_carry_index_keys(kv_dtype, key_bytes):
         assert torch.equal(cache.index_scale[3], before_scale[1])
 
 
-def test_kv_hand_over_refuses_sparse_caches():
+@pytest.mark.parametrize(("kv_dtype", "tensors"), [("auto", 2), ("fp8_e4m3", 3)])
+def test_kv_hand_over_moves_the_index_keys_too(kv_dtype, tensors):
+    """Each layer's latent, index keys (and FP8 key scales) are tensors of the hand-over layout."""
     from meshserve.kvstore.rank_io import KVRankIO
 
-    caches = allocate_caches([sparse_spec()], num_blocks=3, block_size=4, dtype=torch.float32)
-    with pytest.raises(ConfigError, match="sparse MLA"):
-        KVRankIO(caches, model_id="m", block_size=4)
+    caches = allocate_caches([sparse_spec(kv_dtype)] * 2, num_blocks=3, block_size=4, dtype=torch.float32)
+    io = KVRankIO(caches, model_id="m", block_size=4)
+    assert len(io.caches) == len(io.layout.layers) == 2 * tensors
+    assert io.layout.layers[1] == (str(caches[0].index_keys.dtype).removeprefix("torch."), (4, 16))
 
 
 def test_registry_keeps_dense_and_sparse_mla_apart():
