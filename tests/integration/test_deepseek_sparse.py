@@ -1,9 +1,12 @@
 """DeepSeek-V3.2 (sparse MLA: the lightning indexer picks index_topk tokens per query) through
 `meshserve.LLM` equals HF transformers' own DeepseekV32ForCausalLM greedy `generate`, token for
 token, with the TORCH and TRITON sparse backends; also with chunked prefill, preemption and
-prefix-cache hits, and under tp=2 with dcp=2 (gloo): each rank scores the tokens it stores and the
-ranks' top-k lists merge. index_topk=8 is below most prompt lengths, so the choice matters (checked)."""
+prefix-cache hits, under tp=2 with dcp=2 (gloo): each rank scores the tokens it stores and the
+ranks' top-k lists merge, and after a disaggregated KV hand-over (index keys included).
+index_topk=8 is below most prompt lengths, so the choice matters (checked)."""
 
+import asyncio
+import dataclasses
 import json
 import shutil
 
@@ -13,11 +16,14 @@ from safetensors.torch import load_file, save_file
 
 from meshserve import SamplingParams
 from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+from meshserve.cluster.coordinator import ClusterConfig
+from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.kvstore.cache_tensors import MLACache, block_bytes
 from meshserve.workers.checkpoint import read_arch
 from tests.deepseek_models import hf_deepseek_v32, write_deepseek_v32
 from tests.integration.test_deepseek_hf import BLOCK, _check, _llm
 from tests.tiny_models import hf_greedy, prompts
+from tests.unit.cluster.cases import assert_no_held_blocks, collect, engine_config, serve
 
 NEW_TOKENS = 12
 TOPK = 8
@@ -124,13 +130,6 @@ def test_disaggregated_hand_over_carries_the_index_keys(case, decode_parallel):
     """Prefill replica -> decode replica through the coordinator (ranks on threads; processes for the
     tp=2 decode pool): the latent and the index keys cross the transport (re-sharded to every other
     token per rank for dcp=2), the decode replica recomputes nothing, and its tokens equal HF's."""
-    import asyncio
-    import dataclasses
-
-    from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-    from meshserve.config import ParallelConfig, PoolConfig
-    from tests.unit.cluster.cases import assert_no_held_blocks, collect, engine_config
-
     path, batch, want = case
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
     engine = engine_config(path)
@@ -139,17 +138,12 @@ def test_disaggregated_hand_over_carries_the_index_keys(case, decode_parallel):
     config = ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated"),
                            runtime="threads" if tp_dcp is None else "processes", decode_parallel=tp_dcp)
 
-    async def main():
-        coord = await Coordinator(config).start()
-        try:
-            got = await asyncio.gather(*(collect(coord, f"r{i}", p, params) for i, p in enumerate(batch)))
-            (decode,) = coord.replicas("decode")
-            assert decode.stats().num_kv_imports == len(batch) and decode.stats().num_recomputes == 0
-            assert_no_held_blocks(coord)
-            return got
-        finally:
-            await coord.shutdown(drain=False)
+    async def body(coord):
+        got = await asyncio.gather(*(collect(coord, f"r{i}", p, params) for i, p in enumerate(batch)))
+        (decode,) = coord.replicas("decode")
+        assert decode.stats().num_kv_imports == len(batch) and decode.stats().num_recomputes == 0
+        assert_no_held_blocks(coord)
+        return got
 
-    got = asyncio.run(main())
-    for i, (g, w) in enumerate(zip(got, want)):
+    for i, (g, w) in enumerate(zip(serve(config, body), want)):
         assert g.token_ids == w, f"prompt {i}: meshserve {g.token_ids} != HF {w}"
