@@ -57,3 +57,32 @@ def write_deepseek(path: Path, name: str, *, seed: int = 0):
     model.save_pretrained(path)
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
     return model
+
+
+# DeepSeek-V3.2 (sparse MLA): V3 plus the lightning indexer; `index_topk` below most prompt lengths
+# so that the indexer's choice matters. Many index heads keep index scores away from exact ties.
+V32 = dict(DEEPSEEK["deepseek_v3"][1], index_n_heads=16, index_head_dim=16, index_topk=8)
+V32.pop("rope_interleave")  # V3.2 always rotates MLA's rope by pairs (and the indexer's by halves)
+
+
+def hf_deepseek_v32(*, seed: int = 0, **overrides):
+    """A fresh random HF DeepseekV32ForCausalLM (float32, eval, eager); overrides e.g. index_topk."""
+    import transformers
+
+    config = transformers.DeepseekV32Config(**{**COMMON, **V32, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            bias = getattr(getattr(layer.mlp, "gate", None), "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randn(bias.shape) * 0.3)
+    return model
+
+
+def write_deepseek_v32(path: Path, *, seed: int = 0, **overrides):
+    """Save a tiny DeepSeek-V3.2 with the tiny tokenizer to `path`; returns the HF model (oracle)."""
+    model = hf_deepseek_v32(seed=seed, **overrides)
+    model.save_pretrained(path)
+    tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
+    return model

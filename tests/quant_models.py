@@ -25,7 +25,9 @@ from safetensors.torch import load_file, save_file
 
 FP8_MAX = 448.0
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
-QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*(proj|proj_with_mqa)\.weight$")
+# DeepSeek-V3.2's indexer as released: wq_b and wk in FP8, weights_proj kept in high precision.
+QUANTIZED = re.compile(r"model\.layers\.\d+\.(self_attn|mlp)\..*"
+                       r"((?<!weights_)proj|proj_with_mqa|indexer\.wq_b|indexer\.wk)\.weight$")
 
 
 def fp8_block(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -71,6 +71,7 @@ class BackendCapabilities:
     required_packages: tuple[str, ...] = ()
     cuda_graphs: bool = False
     dcp: bool = False  # reads DCP-sharded caches with global positions (metadata.dcp_size/dcp_rank)
+    sparse_mla: bool = False  # attends to per-token chosen rows (DeepSeek-V3.2 indexer top-k)
     notes: str = ""
 
     def reasons(self, problem: AttentionProblem) -> list[str]:
@@ -110,6 +111,7 @@ class BackendCapabilities:
             (spec.use_alibi, self.alibi, "ALiBi"),
             (spec.logits_soft_cap is not None, self.soft_cap, "logit soft-cap"),
             (spec.mla is not None, self.mla, "multi-head latent attention"),
+            (spec.mla is not None and spec.mla.indexer is not None, self.sparse_mla, "sparse MLA (indexer top-k)"),
             (problem.needs_lse or problem.dcp_size > 1, self.returns_lse, "returning the LSE (needed by DCP)"),
             (problem.dcp_size > 1, self.dcp, "DCP-sharded KV cache"),
         ]

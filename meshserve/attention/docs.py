@@ -15,6 +15,7 @@ SECTIONS = (
     (BackendKind.ATTENTION, "Standard attention"),
     (BackendKind.MLA_DECODE, "Multi-head latent attention: decode"),
     (BackendKind.MLA_PREFILL, "Multi-head latent attention: prefill"),
+    (BackendKind.MLA_SPARSE, "Sparse multi-head latent attention (DeepSeek-V3.2 indexer top-k): prefill and decode"),
 )
 
 
@@ -47,6 +48,7 @@ def _rows(caps: BackendCapabilities) -> dict[str, str]:
         "ALiBi": _yes(caps.alibi),
         "logit soft-cap": _yes(caps.soft_cap),
         "MLA": _yes(caps.mla),
+        "sparse MLA (indexer top-k)": _yes(caps.sparse_mla),
         "returns LSE": _yes(caps.returns_lse),
         "DCP-sharded cache": _yes(caps.dcp),
         "CUDA graphs": _yes(caps.cuda_graphs),
@@ -74,7 +76,7 @@ def kind_table(kind: BackendKind = BackendKind.ATTENTION) -> str:
 
 
 def feature_table() -> str:
-    """Every kind's table under its own heading: standard attention, then MLA decode and prefill."""
+    """Every kind's table under its own heading: standard attention, then MLA decode, prefill, sparse."""
     return "\n\n".join(f"### {title}\n\n{kind_table(kind)}" for kind, title in SECTIONS)
 
 

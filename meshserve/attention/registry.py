@@ -4,9 +4,10 @@ Automatic selection takes the first backend in the platform's priority list that
 Explicit selection validates the named backend and fails with its reasons. When nothing is
 valid the error lists every backend with every reason. An ImportError is a reason too.
 
-Three tables, one selection logic (`kind`): standard attention, and multi-head latent attention
+Four tables, one selection logic (`kind`): standard attention, multi-head latent attention
 whose decode and prefill backends are chosen separately (as vLLM does): decode attends in the
-latent space, prefill over expanded K/V, and the fastest of each differs.
+latent space, prefill over expanded K/V, and the fastest of each differs; and sparse MLA
+(DeepSeek-V3.2's indexer top-k), one backend for both phases.
 """
 
 from __future__ import annotations
@@ -60,12 +61,25 @@ MLA_PREFILL_PRIORITIES: dict[str, tuple[str, ...]] = {
     "cuda": ("TRITON", "TORCH"),
     "cpu": ("TORCH", "TRITON"),
 }
+# Sparse MLA (DeepSeek-V3.2): one backend for both phases; each query token attends to the rows
+# its lightning indexer chose (attention/mla/sparse.py).
+MLA_SPARSE_BACKENDS: dict[str, str] = {
+    "TORCH": "meshserve.attention.mla.backends.torch_sparse:TorchSparseMLABackend",
+    "TRITON": "meshserve.attention.mla.backends.triton_sparse:TritonSparseMLABackend",
+}
+MLA_SPARSE_PRIORITIES: dict[str, tuple[str, ...]] = {
+    "cuda_sm90": ("TRITON", "TORCH"),
+    "cuda_sm100": ("TRITON", "TORCH"),
+    "cuda": ("TRITON", "TORCH"),
+    "cpu": ("TORCH", "TRITON"),
+}
 
 
 class BackendKind(StrEnum):
     ATTENTION = "attention"  # standard layers: AttentionBackend
     MLA_DECODE = "mla_decode"  # MLA layers, decode sequences: MLABackend
     MLA_PREFILL = "mla_prefill"  # MLA layers, prefill sequences: MLABackend
+    MLA_SPARSE = "mla_sparse"  # sparse MLA layers (indexer top-k), every token: SparseMLABackend
 
 
 def tables(kind: BackendKind | str = BackendKind.ATTENTION) -> tuple[dict[str, str], dict[str, tuple[str, ...]]]:
@@ -75,6 +89,8 @@ def tables(kind: BackendKind | str = BackendKind.ATTENTION) -> tuple[dict[str, s
         return MLA_DECODE_BACKENDS, MLA_DECODE_PRIORITIES
     if kind is BackendKind.MLA_PREFILL:
         return MLA_PREFILL_BACKENDS, MLA_PREFILL_PRIORITIES
+    if kind is BackendKind.MLA_SPARSE:
+        return MLA_SPARSE_BACKENDS, MLA_SPARSE_PRIORITIES
     return BACKENDS, PRIORITIES
 
 

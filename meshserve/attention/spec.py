@@ -31,14 +31,34 @@ class AttentionType(StrEnum):
 
 
 @dataclass(frozen=True)
+class IndexerDims:
+    """DeepSeek-V3.2's lightning indexer: sparse MLA attends to the `topk` best-scored earlier tokens.
+
+    Each token caches one indexer key [head_dim] beside its latent (the indexer key cache); a
+    query scores key t as sum_h w[h] * relu(q[h] . k_t / sqrt(head_dim)) over `num_heads` index heads.
+    """
+
+    num_heads: int  # index_n_heads
+    head_dim: int  # index_head_dim (its first qk_rope_head_dim values are rope-rotated)
+    topk: int  # index_topk: keys each query attends to (all of them when fewer are visible)
+
+    def __post_init__(self) -> None:
+        for name, config_key in (("num_heads", "index_n_heads"), ("head_dim", "index_head_dim"),
+                                 ("topk", "index_topk")):  # fmt: skip
+            value = getattr(self, name)
+            check(isinstance(value, int) and value >= 1, config_key, value, "an integer >= 1")
+
+
+@dataclass(frozen=True)
 class MLADims:
-    """Multi-head latent attention dimensions (DeepSeek-V2/V3)."""
+    """Multi-head latent attention dimensions (DeepSeek-V2/V3); `indexer` set: sparse MLA (V3.2)."""
 
     kv_lora_rank: int
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
     q_lora_rank: int | None = None
+    indexer: IndexerDims | None = None
 
     def __post_init__(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
@@ -46,6 +66,9 @@ class MLADims:
             check(isinstance(value, int) and value >= 1, name, value, "an integer >= 1")
         if self.q_lora_rank is not None:
             check(self.q_lora_rank >= 1, "q_lora_rank", self.q_lora_rank, "an integer >= 1 or None")
+        if self.indexer is not None:
+            check(self.indexer.head_dim >= self.qk_rope_head_dim, "index_head_dim", self.indexer.head_dim,
+                  f"an integer >= qk_rope_head_dim={self.qk_rope_head_dim} (its first values are rope-rotated)")
 
     @property
     def qk_head_dim(self) -> int:

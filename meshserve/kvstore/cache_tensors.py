@@ -64,12 +64,15 @@ def block_shape(spec: AttentionSpec, block_size: int, *, tp_size: int = 1) -> tu
 def block_bytes(
     specs: Sequence[AttentionSpec], block_size: int, model_dtype: str | torch.dtype, *, tp_size: int = 1
 ) -> int:
-    """Bytes one block id costs across all layers of one rank."""
+    """Bytes one block id costs across all layers of one rank (sparse MLA: with its index keys)."""
     total = 0
     for spec in specs:
         shape = block_shape(spec, block_size, tp_size=tp_size)
         if shape is not None:
             total += torch.Size(shape).numel() * cache_dtype(spec, model_dtype).itemsize
+        if spec.mla is not None and spec.mla.indexer is not None:  # FP8 keys keep a float32 scale per token
+            fp8 = spec.kv_cache_dtype.is_fp8
+            total += block_size * (spec.mla.indexer.head_dim * cache_dtype(spec, model_dtype).itemsize + 4 * fp8)
     return total
 
 
@@ -129,7 +132,8 @@ def allocate_caches(
               "slots shared only by layers of one page shape and cache dtype")
         one = torch.tensor(1.0, dtype=torch.float32, device=device)
         if spec.mla is not None:
-            out.append(MLACache(data=data, kv_lora_rank=spec.mla.kv_lora_rank, scale=one))
+            out.append(MLACache.over(data, spec.mla, kv_cache_dtype=spec.kv_cache_dtype, scale=one,
+                                     dtype=DTYPES[dtype] if isinstance(dtype, str) else dtype))
         else:
             out.append(KVCache(data=data, k_scale=one, v_scale=one.clone()))
     return out
@@ -159,11 +163,22 @@ def copy_blocks(caches: Sequence[LayerCache | None], pairs: Sequence[tuple[int, 
         return
     seen: set[int] = set()
     for cache in caches:
-        if cache is None or id(cache.data) in seen:
+        if cache is None:
             continue
-        seen.add(id(cache.data))
-        data = cache.data.view(torch.uint8)  # byte view: index ops exist for every storage dtype
-        src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=data.device)
-        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=data.device)
-        # all sources are read before any write, so chains (a->b, b->c) stay correct
-        data.index_copy_(0, dst, data.index_select(0, src))
+        for tensor in block_tensors(cache):
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            data = tensor.view(torch.uint8)  # byte view: index ops exist for every storage dtype
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.long, device=data.device)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.long, device=data.device)
+            # all sources are read before any write, so chains (a->b, b->c) stay correct
+            data.index_copy_(0, dst, data.index_select(0, src))
+
+
+def block_tensors(cache: LayerCache) -> list[torch.Tensor]:
+    """Every tensor of a layer's cache indexed by block id (dim 0): the data, and sparse MLA's
+    indexer keys and their FP8 scales."""
+    if not isinstance(cache, MLACache):
+        return [cache.data]
+    return [t for t in (cache.data, cache.index_keys, cache.index_scale) if t is not None]

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from meshserve.errors import ConfigError, check
-from meshserve.kvstore.cache_tensors import LayerCache, MLACache
+from meshserve.kvstore.cache_tensors import LayerCache, MLACache, block_tensors
 from meshserve.kvstore.pins import HandoverBlocks
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvstore.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
@@ -71,6 +71,13 @@ def _scales(cache: LayerCache) -> tuple[float, ...]:
     return (float(cache.k_scale), float(cache.v_scale))
 
 
+@dataclass(frozen=True)
+class BlockTensor:
+    """One tensor indexed by block id (dim 0) that a hand-over moves: [num_blocks, ...]."""
+
+    data: torch.Tensor
+
+
 class KVRankIO:
     """One rank's caches as hand-over frames.
 
@@ -82,7 +89,10 @@ class KVRankIO:
     def __init__(self, caches: Sequence[LayerCache | None], *, model_id: str, block_size: int, dcp_size: int = 1,
                  retentions: Sequence[RetentionPolicy] = (RetentionPolicy(),)) -> None:  # fmt: skip
         self.layer_caches = [c for c in caches if c is not None]  # scales are per layer
-        self.caches = list({id(c.data): c for c in self.layer_caches}.values())  # one per tensor
+        # One entry per block-indexed tensor: a layer's data, and sparse MLA's index keys and their
+        # FP8 scales (kvstore/cache_tensors.block_tensors); each is a "layer" of the frames and layout.
+        tensors = {id(t): t for c in self.layer_caches for t in block_tensors(c)}
+        self.caches = [BlockTensor(t) for t in tensors.values()]
         check(bool(self.caches), "caches", len(caches), "at least one layer cache")
         self.retentions = tuple(retentions)
         self.tokens_per_block = block_size * dcp_size

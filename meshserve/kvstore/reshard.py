@@ -27,6 +27,7 @@ from math import gcd
 import torch
 
 from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import MLACache, block_tensors
 
 
 @dataclass(frozen=True)
@@ -141,10 +142,11 @@ def copy_tokens(caches: Sequence[object | None], staging: Sequence[object | None
         done.add(id(cache.data))
         dev = cache.data.device
         sb, so, db, do = (t.to(dev) for t in (moves.src_block, moves.src_offset, moves.dst_block, moves.dst_offset))
-        src = stage.data.to(dev)
-        if piece.src_heads is None:  # latent: one row per token
-            cache.data[db, do] = src[sb, so]
+        if piece.src_heads is None:  # latent: one row per token (sparse MLA: and its index key)
+            for mine, staged in zip(block_tensors(cache), block_tensors(stage)):
+                mine[db, do] = staged.to(dev)[sb, so]
         else:
+            src = stage.data.to(dev)
             (slo, shi), (dlo, dhi) = piece.src_heads, piece.dst_heads
             # advanced indices on dims 0 and 2 go first: rows [n, 2, heads, head_size]
             cache.data[db, :, do, dlo:dhi] = src[sb, :, so, slo:shi]
@@ -168,5 +170,9 @@ def staging_caches(caches: Sequence[object | None], src_heads: int | None, num_b
             if src_heads is not None:
                 shape[3] = src_heads  # [blocks, 2, block_size, heads, head_size]
             data = shared[id(cache.data)] = torch.empty(shape, dtype=cache.data.dtype, device=cache.data.device)
-        out.append(dataclasses.replace(cache, data=data))
+        extra = {}
+        if isinstance(cache, MLACache):  # sparse MLA's index key cache (and FP8 scales), blocks like the latent
+            extra = {name: torch.empty((num_blocks + 1, *t.shape[1:]), dtype=t.dtype, device=t.device)
+                     for name in ("index_keys", "index_scale") if (t := getattr(cache, name)) is not None}
+        out.append(dataclasses.replace(cache, data=data, **extra))
     return out

@@ -38,7 +38,8 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
 
     The backend class is chosen once (by name, or the first by priority that serves every
     layer's problem); otherwise the registry's error lists the reasons per layer kind. MLA layers get
-    an MLAAttention instead (its decode and prefill backends are chosen from their own tables).
+    an MLAAttention instead (its decode and prefill backends are chosen from their own tables),
+    sparse MLA layers a SparseMLAAttention (one backend from the MLA_SPARSE table).
     """
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
 
@@ -55,7 +56,11 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
         chosen = select_backend_for_layers([problem(spec) for spec in standard], name)
         instances.update({spec: chosen(problem(spec)) for spec in standard})
     for spec in distinct:
-        if spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table
+        if spec.mla is not None and spec.mla.indexer is not None:  # sparse MLA: one backend, both phases
+            from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+
+            instances[spec] = SparseMLAAttention.named(problem(spec), name)
+        elif spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table
             from meshserve.attention.mla.layer import MLAAttention
 
             instances[spec] = MLAAttention.named(problem(spec), name)

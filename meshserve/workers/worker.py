@@ -15,13 +15,14 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.attention.mla.layer import MLAAttention
+from meshserve.attention.mla.sparse_layer import SparseMLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.groups import KVGroupLayout
 from meshserve.parallel.dcp import DcpAttention
-from meshserve.parallel.dcp_mla import DcpMLAAttention
+from meshserve.parallel.dcp_mla import DcpMLAAttention, DcpSparseMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
@@ -66,6 +67,13 @@ def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
     check(model.max_model_len <= limit, "max_model_len", model.max_model_len,
           f"an integer in [1, {limit}] (the model's max_position_embeddings)")
     return model.max_model_len
+
+
+def _dcp_wrapper(backend: object) -> type:
+    """The DCP version of a layer's attention: sparse MLA, MLA or standard."""
+    if isinstance(backend, SparseMLAAttention):
+        return DcpSparseMLAAttention
+    return DcpMLAAttention if isinstance(backend, MLAAttention) else DcpAttention
 
 
 class Worker:
@@ -120,8 +128,7 @@ class Worker:
         backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,
                                  max_model_len=max(capacity, bs), device=self.device, dcp_size=par.dcp)
         if par.dcp > 1:
-            backends = [DcpMLAAttention(b, ctx, par.dcp_comm) if isinstance(b, MLAAttention)
-                        else DcpAttention(b, ctx, par.dcp_comm) for b in backends]  # fmt: skip
+            backends = [_dcp_wrapper(b)(b, ctx, par.dcp_comm) for b in backends]
         # A block id holds one group's worth of layers (kvstore/groups.py: the groups share tensors).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
         paged = [specs[i] for i in layout.groups[0]]

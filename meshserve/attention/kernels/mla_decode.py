@@ -21,7 +21,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from meshserve.attention.kernels.mla_tiles import LN2, LOG2E, load_rows, store_rows
+from meshserve.attention.kernels.mla_tiles import LOG2E, latent_result, latent_tile, load_rows, store_rows
 
 
 @triton.jit
@@ -78,27 +78,13 @@ def mla_decode_kernel(
         else:
             blk = tl.load(bt_row + kp // PAGE, mask=tok_mask, other=0).to(tl.int64)
             rows = blk * stride_cb + (kp % PAGE).to(tl.int64) * stride_ct
-        lat = load_rows(cache_ptr + rows[:, None] + r[None, :], tok_mask, r, R, BLOCK_R)
-        pe = load_rows(cache_ptr + rows[:, None] + R + p[None, :], tok_mask, p, P, BLOCK_P)
-        lat = lat.to(q_lat.dtype)
-        qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
-        qk = tl.dot(q_pe, tl.trans(pe.to(q_pe.dtype)), qk, input_precision=DOT_PRECISION)
-        # Every tile holds at least one visible key (start_n < end), so m_new is finite.
-        s = tl.where(tok_mask[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        prob = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = latent_tile(q_lat, q_pe, cache_ptr, rows, tok_mask, r, p, m_i, l_i, acc, qk_scale,
+                                    R, P, BLOCK_R, BLOCK_P, DOT_PRECISION)  # fmt: skip
 
-    empty = l_i == 0.0
-    l_safe = tl.where(empty, 1.0, l_i)
-    out = acc * (kv_scale / l_safe)[:, None]
+    out, lse = latent_result(m_i, l_i, acc, kv_scale)
     o_ptrs = out_ptr + split * stride_on + i.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + r[None, :]
     store_rows(o_ptrs, out.to(out_ptr.dtype.element_ty), head_mask, r, R, BLOCK_R)
     if WRITE_LSE:
-        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(lse_ptr + split * stride_ln + i.to(tl.int64) * stride_lt + heads * stride_lh, lse, mask=head_mask)
 
 

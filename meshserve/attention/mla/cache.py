@@ -26,11 +26,16 @@ class LatentCache:
 
     data:  [num_blocks, block_size, kv_lora_rank + rope_dim], model dtype or float8
     scale: [] float32 dequantisation scale (real = stored * scale); 1 for non-FP8 caches
+    index_keys:  [num_blocks, block_size, index_head_dim] sparse MLA's indexer key cache (same
+                 block ids as `data`), model dtype or float8_e4m3fn; None without an indexer
+    index_scale: [num_blocks, block_size] float32 per-token scale of FP8 index keys, else None
     """
 
     data: torch.Tensor
     kv_lora_rank: int
     scale: torch.Tensor = field(default_factory=lambda: torch.tensor(1.0))
+    index_keys: torch.Tensor | None = None
+    index_scale: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         check(self.data.dim() == 3, "data", tuple(self.data.shape), "a [num_blocks, block_size, width] tensor")
@@ -58,7 +63,22 @@ class LatentCache:
         check(block_size >= 1, "block_size", block_size, "an integer >= 1")
         store = FP8_DTYPES[kv_cache_dtype] if kv_cache_dtype.is_fp8 else dtype
         data = torch.zeros(num_blocks, block_size, dims.latent_size, dtype=store, device=device)
-        return cls(data, dims.kv_lora_rank, torch.tensor(float(scale), device=device))
+        return cls.over(data, dims, kv_cache_dtype=kv_cache_dtype, scale=torch.tensor(float(scale), device=device))
+
+    @classmethod
+    def over(cls, data: torch.Tensor, dims: MLADims, *, kv_cache_dtype: KVCacheDtype, dtype: torch.dtype | None = None,
+             scale: torch.Tensor) -> LatentCache:  # fmt: skip
+        """A cache over latent rows `data`, plus a zeroed indexer key cache when `dims.indexer` is set
+        (FP8 with per-token scales when the KV cache is FP8; else `dtype`, default data's dtype)."""
+        keys = key_scale = None
+        if dims.indexer is not None:
+            shape = (*data.shape[:2], dims.indexer.head_dim)
+            if kv_cache_dtype.is_fp8:
+                keys = torch.zeros(shape, dtype=torch.float8_e4m3fn, device=data.device)
+                key_scale = torch.ones(shape[:2], dtype=torch.float32, device=data.device)
+            else:
+                keys = torch.zeros(shape, dtype=dtype or data.dtype, device=data.device)
+        return cls(data, dims.kv_lora_rank, scale, keys, key_scale)
 
     @property
     def block_size(self) -> int:
@@ -84,9 +104,12 @@ class LatentCache:
 
 
 def latent_bytes_per_token(dims: MLADims, dtype: torch.dtype, kv_cache_dtype: KVCacheDtype) -> int:
-    """Bytes one token occupies in one layer's latent cache."""
+    """Bytes one token occupies in one layer's latent cache (and indexer key cache, if any)."""
     itemsize = 1 if kv_cache_dtype.is_fp8 else torch.empty((), dtype=dtype).element_size()
-    return dims.latent_size * itemsize
+    total = dims.latent_size * itemsize
+    if dims.indexer is not None:  # FP8 index keys carry a float32 scale per token
+        total += dims.indexer.head_dim * itemsize + (4 if kv_cache_dtype.is_fp8 else 0)
+    return total
 
 
 def write_latent_kv(

@@ -12,6 +12,7 @@ from meshserve.workers.models.transformer import CausalLM, ForwardContext, Layer
 MODEL_CLASSES: dict[str, str] = {
     "DeepseekV2ForCausalLM": "meshserve.workers.models.deepseek:DeepseekForCausalLM",
     "DeepseekV3ForCausalLM": "meshserve.workers.models.deepseek:DeepseekForCausalLM",
+    "DeepseekV32ForCausalLM": "meshserve.workers.models.deepseek:DeepseekForCausalLM",
 }
 
 

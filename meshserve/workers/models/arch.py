@@ -331,6 +331,13 @@ def _deepseek_v3(cfg: dict[str, Any]) -> ModelArch:
     return _deepseek(cfg, "DeepseekV3ForCausalLM", v3=True)
 
 
+def _deepseek_v32(cfg: dict[str, Any]) -> ModelArch:
+    """DeepSeek-V3.2: V3 plus the lightning indexer of sparse MLA (index_topk, index_n_heads, index_head_dim)."""
+    check(cfg.get("index_topk") is not None, "config.json:index_topk", None,
+          "an integer >= 1 for DeepseekV32ForCausalLM (the sparse MLA top-k)")  # fmt: skip
+    return _deepseek(cfg, "DeepseekV32ForCausalLM", v3=True)
+
+
 # `architectures[0]` in config.json -> parser. The transformer is the same for the first four;
 # DeepSeek (MLA attention, MoE) is built by models/deepseek.py (see models.model_class).
 ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArch]] = {
@@ -343,6 +350,7 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ModelArch]] = {
     "GptOssForCausalLM": _gpt_oss,
     "DeepseekV2ForCausalLM": _deepseek_v2,
     "DeepseekV3ForCausalLM": _deepseek_v3,
+    "DeepseekV32ForCausalLM": _deepseek_v32,
 }
 
 

@@ -1,4 +1,4 @@
-"""DeepseekV2ForCausalLM / DeepseekV3ForCausalLM: multi-head latent attention, MoE, dense first layers.
+"""DeepseekV2/V3/V32ForCausalLM: multi-head latent attention (V3.2: sparse, indexer top-k), MoE.
 
 The same interface as transformer.CausalLM (packed [T, hidden] tokens, one ForwardContext per
 step, `attention_specs`, `compute_logits`), and HF's parameter names, one checkpoint tensor
@@ -11,7 +11,9 @@ per parameter. Attention per token (DeepSeek-V2 paper, section 2.1):
     out          = o_proj(o)
 
 The cache write and the attention go through the layer's MLAAttention (decode and prefill
-backends chosen separately); this module never sees the latent layout or the kernels.
+backends chosen separately); this module never sees the latent layout or the kernels. V3.2
+layers also run the lightning indexer (deepseek_indexer.py) and attend through a
+SparseMLAAttention to the top-k tokens it scores best.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.deepseek_indexer import Indexer
 from meshserve.workers.models.moe import GatedMLP, MoE, experts_graph_safe
 from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
@@ -50,21 +53,28 @@ class MLAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * dims.v_head_dim, hidden, bias=bias)
+        # DeepSeek-V3.2: the lightning indexer picks the tokens each query attends to (sparse MLA).
+        self.indexer = Indexer(hidden, dims) if dims.indexer is not None else None
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
         T, H, dims = x.shape[0], self.num_heads, self.dims
         dn, r = dims.qk_nope_head_dim, dims.kv_lora_rank
         if dims.q_lora_rank is None:
-            q = self.q_proj(x)
+            q, q_resid = self.q_proj(x), None
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q = self.q_b_proj(q_resid)
         q = q.view(T, H, dims.qk_head_dim)
         compressed = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
         latent = self.kv_a_layernorm(compressed[:, :r])
         k_pe = rotary.apply(compressed[:, None, r:], *rope)[:, 0]  # [T, rope], shared by every head
         q = torch.cat((q[..., :dn], rotary.apply(q[..., dn:], *rope)), dim=-1)
-        o = self.attend(q, latent, k_pe, ctx.layers[self.layer_idx])  # [T, H, v]
+        layer = ctx.layers[self.layer_idx]
+        if self.indexer is None:
+            o = self.attend(q, latent, k_pe, layer)  # [T, H, v]
+        else:
+            o = self.attend_sparse(q, latent, k_pe, self.indexer(x, q_resid, rope, rotary), layer)
         return self.o_proj(o.reshape(T, H * dims.v_head_dim))
 
     def attend(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor, layer: LayerAttention) -> torch.Tensor:
@@ -72,6 +82,15 @@ class MLAttention(nn.Module):
         layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
         weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.attn_heads, self.dims)
         return layer.backend.forward(q, layer.kv_cache, layer.plan, weights)
+
+    def attend_sparse(self, q: torch.Tensor, latent: torch.Tensor, k_pe: torch.Tensor,
+                      index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      layer: LayerAttention) -> torch.Tensor:  # fmt: skip
+        """Sparse MLA: write the latent rows and index keys, choose each token's top-k rows, attend to them."""
+        layer.backend.write_kv(latent, k_pe, layer.kv_cache, layer.plan)
+        rows = layer.backend.index(*index, layer.kv_cache, layer.plan)  # [T, k] this rank's chosen rows
+        weights = MLAWeights.from_kv_b_proj(self.kv_b_proj.weight, self.attn_heads, self.dims)
+        return layer.backend.forward(q, layer.kv_cache, layer.plan, weights, rows=rows)
 
 
 class DeepseekDecoderLayer(nn.Module):

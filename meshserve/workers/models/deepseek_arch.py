@@ -1,4 +1,5 @@
-"""DeepSeek-V2 / V3 as architecture data: MLA dimensions, YaRN rope, MoE routing, dense first layers.
+"""DeepSeek-V2 / V3 / V3.2 as architecture data: MLA dimensions (V3.2: its lightning indexer), YaRN
+rope, MoE routing, dense first layers.
 
 `parse_deepseek` turns an HF config.json into the `DeepseekArch` record that a `ModelArch`'s
 `deepseek` field carries (what the generic record has no place for); arch.py builds the generic
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshserve.attention.mla.spec import deepseek_softmax_scale
-from meshserve.attention.spec import MLADims
+from meshserve.attention.spec import IndexerDims, MLADims
 from meshserve.errors import ConfigError, check
 
 
@@ -129,7 +130,19 @@ def _dims(cfg: dict[str, Any]) -> MLADims:
 
     return MLADims(kv_lora_rank=need("kv_lora_rank"), qk_nope_head_dim=need("qk_nope_head_dim"),
                    qk_rope_head_dim=need("qk_rope_head_dim"), v_head_dim=need("v_head_dim"),
-                   q_lora_rank=cfg.get("q_lora_rank"))  # fmt: skip
+                   q_lora_rank=cfg.get("q_lora_rank"), indexer=_indexer(cfg))  # fmt: skip
+
+
+def _indexer(cfg: dict[str, Any]) -> IndexerDims | None:
+    """DeepSeek-V3.2's lightning indexer, switched on by `index_topk` (sparse MLA); None: dense MLA."""
+    if cfg.get("index_topk") is None:
+        return None
+    for key in ("index_n_heads", "index_head_dim"):
+        if cfg.get(key) is None:
+            raise ConfigError(f"config.json:{key}", None, "an integer >= 1 when index_topk is set (sparse MLA)")
+    check(cfg.get("q_lora_rank") is not None, "config.json:q_lora_rank", None,
+          "an integer >= 1 when index_topk is set: the indexer's queries come from the q LoRA")  # fmt: skip
+    return IndexerDims(num_heads=cfg["index_n_heads"], head_dim=cfg["index_head_dim"], topk=cfg["index_topk"])
 
 
 def _moe(cfg: dict[str, Any], *, v3: bool) -> MoEConfig:

@@ -31,9 +31,11 @@ class YarnRotary(torch.nn.Module):
         """cos, sin for `positions` [T]: each [T, 1, dim / 2] in `dtype`, shared by every layer."""
         return self.cos[positions][:, None].to(dtype), self.sin[positions][:, None].to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate x [T, heads, dim] by the step's tables."""
-        if self.rope.interleaved:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
+              interleaved: bool | None = None) -> torch.Tensor:  # fmt: skip
+        """Rotate x [T, heads, dim] by the step's tables; interleaved None: the model's layout
+        (DeepSeek-V3.2's indexer rotates halves whatever its MLA does)."""
+        if self.rope.interleaved if interleaved is None else interleaved:
             x1, x2 = x[..., 0::2], x[..., 1::2]
         else:
             half = x.shape[-1] // 2

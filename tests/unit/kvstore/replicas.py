@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import torch
 
-from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype, MLADims
+from meshserve.attention.spec import AttentionSpec, AttentionType, IndexerDims, KVCacheDtype, MLADims
 from meshserve.kvstore.block_pool import NULL_BLOCK
-from meshserve.kvstore.cache_tensors import allocate_caches
+from meshserve.kvstore.cache_tensors import allocate_caches, block_tensors
 from meshserve.kvstore.connector import KVConnector
 from meshserve.kvstore.groups import KVGroupLayout
 from meshserve.kvstore.manager import KVCacheManager
 
 _GQA = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8)
+SPARSE = MLADims(16, 8, 4, 8, indexer=IndexerDims(num_heads=2, head_dim=8, topk=4))
 SPECS = {
     "gqa": [
         _GQA,
@@ -24,6 +25,10 @@ SPECS = {
     "fp8": [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, kv_cache_dtype=KVCacheDtype.FP8_E4M3)]
     * 2,
     "mla": [AttentionSpec(num_heads=4, num_kv_heads=4, head_size=12, mla=MLADims(16, 8, 4, 8))] * 2,
+    # sparse MLA (DeepSeek-V3.2): an index key cache beside each latent cache; FP8 keys carry scales
+    "sparse_mla": [AttentionSpec(num_heads=4, num_kv_heads=1, head_size=12, mla=SPARSE)] * 2,
+    "sparse_mla_fp8": [AttentionSpec(num_heads=4, num_kv_heads=1, head_size=12, mla=SPARSE,
+                                     kv_cache_dtype=KVCacheDtype.FP8_E4M3)] * 2,
     "window": [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8, sliding_window=8, num_sink_tokens=2)]
     * 2,
     # windowed and full layers of one page shape: a hybrid layout of 2 groups of 2 layers
@@ -51,10 +56,9 @@ class Replica:
         self.caches = allocate_caches(specs, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
                                       device=device, layer_slots=self.layout.layer_slots(len(specs)))
         gen = torch.Generator().manual_seed(seed)
-        for cache in {id(c.data): c for c in self.caches if c is not None}.values():
-            if cache is not None:
-                raw = cache.data.view(torch.uint8)
-                raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))  # CPU bytes: any device
+        for tensor in {id(t): t for c in self.caches if c is not None for t in block_tensors(c)}.values():
+            raw = tensor.view(torch.uint8)
+            raw.copy_(torch.randint(0, 256, raw.shape, generator=gen, dtype=torch.uint8))  # CPU bytes: any device
         self.connector = KVConnector(self.kv, self.caches, model_id=model_id)
 
     def add_request(self, rid: str, tokens: list[int], *, step: int = 0) -> None:
@@ -82,7 +86,7 @@ class Replica:
         out = []
         for table in self.kv.block_tables(rid):
             held = [b for b in table if b != NULL_BLOCK]
-            out += [c.data.view(torch.uint8)[held].cpu() for c in self.caches if c is not None]
+            out += [t.view(torch.uint8)[held].cpu() for c in self.caches if c is not None for t in block_tensors(c)]
         return out
 
     def held_positions(self, rid: str) -> list[list[int]]:

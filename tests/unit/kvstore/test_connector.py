@@ -12,7 +12,7 @@ from tests.unit.kvstore.replicas import Replica
 TOKENS = list(range(100, 137))  # 37 tokens: 9 full blocks of 4 and one partial
 
 
-@pytest.mark.parametrize("kind", ["gqa", "fp8", "mla"])
+@pytest.mark.parametrize("kind", ["gqa", "fp8", "mla", "sparse_mla", "sparse_mla_fp8"])
 @pytest.mark.parametrize("fragmented", [False, True])
 def test_round_trip_copies_every_layer_byte_for_byte(kind, fragmented):
     src = Replica(kind, seed=1)
@@ -280,3 +280,13 @@ def test_a_rank_refuses_frames_for_blocks_its_driver_did_not_reserve():
     with pytest.raises(KVTransferError, match="blocks per group") as info:
         io.into(short).begin_import(export.header_bytes)
     assert info.value.reason == "bad_header"
+
+
+def test_sparse_and_dense_mla_replicas_do_not_exchange():
+    """The index key cache is part of the layout: a dense MLA receiver refuses a sparse sender."""
+    src, dst = Replica("sparse_mla", seed=1), Replica("mla", seed=2)
+    src.add_request("r", TOKENS)
+    export = src.connector.export("r")
+    with pytest.raises(KVTransferError, match="layout"):
+        dst.connector.import_(export.header_bytes, [bytes(f.numpy()) for f in export.frames])
+    dst.kv.check_invariants()

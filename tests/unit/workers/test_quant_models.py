@@ -19,7 +19,7 @@ from meshserve.workers.quant.formats import WeightFormat
 from meshserve.workers.quant.layers import Fp8Linear
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
-from tests.deepseek_models import write_deepseek
+from tests.deepseek_models import write_deepseek, write_deepseek_v32
 from tests.quant_models import online_fp8_twin, quantize_checkpoint
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 
@@ -64,6 +64,7 @@ CASES = {
     "llama_fp8_32": lambda p: (write_checkpoint(p, "llama"), "fp8", (32, 32)),
     "qwen3_fp8_128": lambda p: (write_checkpoint(p, "qwen3", overrides=QWEN3_128), "fp8", (128, 128)),
     "deepseek_v3_fp8_128": lambda p: (write_deepseek(p, "deepseek_v3"), "fp8", (128, 128)),
+    "deepseek_v32_fp8_128": lambda p: (write_deepseek_v32(p), "fp8", (128, 128)),  # indexer projections too
     "gpt_oss_mxfp4": lambda p: (write_checkpoint(p, "gpt_oss"), "mxfp4", None),
 }
 
@@ -90,6 +91,10 @@ def test_quantized_checkpoint_matches_dequantized_oracle(tmp_path, case):
             layer = model.model.layers[1]
             assert isinstance(layer.mlp.experts[0].down_proj, Fp8Linear)
             assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+            if "v32" in case:  # the indexer's query and key projections are FP8, its head weights not
+                indexer = layer.self_attn.indexer
+                assert isinstance(indexer.wq_b, Fp8Linear) and isinstance(indexer.wk, Fp8Linear)
+                assert not isinstance(indexer.weights_proj, Fp8Linear)
             # On CUDA finish_loading packs the experts for the fused kernels: FP8 experts must arrive
             # there dequantized (scales applied), equal to the float twin's experts.
             twin = ref_model.model.layers[1].mlp.experts
