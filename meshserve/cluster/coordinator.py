@@ -173,8 +173,7 @@ class Coordinator:
             raise
         info = self.pools[self._entry].replicas[0].core.info
         self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
-        self.validator = RequestValidator(self.tokenizer, vocab_size=info.vocab_size,
-                                          max_model_len=info.max_model_len, scheduler=cfg.engine.scheduler)
+        self.validator = RequestValidator.of_model(self.tokenizer, info, cfg.engine.scheduler)
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
         if self.disaggregated:

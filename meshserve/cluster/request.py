@@ -42,6 +42,10 @@ class Request:
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
+    # Encoder-decoder models: the encoder's input (the user's prompt; prompt_ids are then the
+    # decoder's start tokens) and, while running, the blocks of its cross-attention K/V.
+    encoder_ids: list[int] | None = None
+    encoder_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
