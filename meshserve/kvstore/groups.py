@@ -144,10 +144,13 @@ class KVGroupLayout:
         return out
 
     def to_wire(self) -> list:
-        return [[list(g), [r.sliding_window, r.num_sink_tokens]] for g, r in zip(self.groups, self.retentions)]
+        """Per group [layers, [window, sinks]], and a third entry True for the encoder group."""
+        return [[list(g), [r.sliding_window, r.num_sink_tokens], *([True] if i == self.encoder_group else [])]
+                for i, (g, r) in enumerate(zip(self.groups, self.retentions))]
 
     @classmethod
     def from_wire(cls, obj: Sequence) -> KVGroupLayout:
-        groups = tuple(tuple(int(i) for i in g) for g, _ in obj)
-        retentions = tuple(RetentionPolicy(None if w is None else int(w), int(s)) for _, (w, s) in obj)
-        return cls(groups, retentions)
+        groups = tuple(tuple(int(i) for i in entry[0]) for entry in obj)
+        retentions = tuple(RetentionPolicy(None if w is None else int(w), int(s)) for _, (w, s), *_ in obj)
+        encoder = [i for i, entry in enumerate(obj) if len(entry) > 2 and entry[2]]
+        return cls(groups, retentions, encoder_group=encoder[0] if encoder else None)

@@ -31,7 +31,7 @@ from torch import nn
 from meshserve.attention.spec import AttentionSpec, AttentionType
 from meshserve.errors import ConfigError, check
 from meshserve.workers.checkpoint import Checkpoint, read_json
-from meshserve.workers.models.transformer import EncoderStep, ForwardContext
+from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
 
 ENCODER_DECODER_ARCHITECTURES = ("BartForConditionalGeneration",)
 POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding: ids 0, 1 of the table are never used
@@ -181,7 +181,14 @@ class Block(nn.Module):
         self.final_layer_norm = nn.LayerNorm(d_model)
         self.act = _ACT[act]
 
-    def mlp(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, own: LayerAttention, cross: LayerAttention | None = None) -> torch.Tensor:
+        """own: this layer's self-attention (an encoder layer's has no cache); cross: a decoder
+        layer's cross-attention, over the K/V already in its cache."""
+        x = self.self_attn_layer_norm(x + self.self_attn.attend(x, own.backend, own.plan, own.kv_cache,
+                                                                own.slot_mapping))
+        if cross is not None:
+            o = self.encoder_attn.attend(x, cross.backend, cross.plan, cross.kv_cache, with_kv=False)
+            x = self.encoder_attn_layer_norm(x + o)
         return self.final_layer_norm(x + self.fc2(self.act(self.fc1(x))))
 
 
@@ -245,9 +252,9 @@ class BartForConditionalGeneration(nn.Module):
         """Packed encoder inputs -> encoder output [Te, d_model]."""
         enc = self.model.encoder
         x = enc.embed(self._embed(step.input_ids), step.positions)
+        own = LayerAttention(step.backend, step.plan, kv_cache=None, slot_mapping=None)  # no cache
         for layer in enc.layers:
-            x = layer.self_attn_layer_norm(x + layer.self_attn.attend(x, step.backend, step.plan))
-            x = layer.mlp(x)
+            x = layer(x, own)
         return x
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -262,12 +269,7 @@ class BartForConditionalGeneration(nn.Module):
                 layer.encoder_attn.write_cross_kv(enc, cross.backend, cross.kv_cache, ctx.encoder.slot_mapping)
         x = dec.embed(self._embed(input_ids), positions)
         for i, layer in enumerate(dec.layers):
-            own, cross = ctx.layers[i], ctx.layers[n + i]
-            x = layer.self_attn_layer_norm(x + layer.self_attn.attend(x, own.backend, own.plan, own.kv_cache,
-                                                                      own.slot_mapping))
-            x = layer.encoder_attn_layer_norm(x + layer.encoder_attn.attend(x, cross.backend, cross.plan,
-                                                                            cross.kv_cache, with_kv=False))
-            x = layer.mlp(x)
+            x = layer(x, ctx.layers[i], ctx.layers[n + i])
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -35,12 +35,13 @@ class LayerAttention:
 
     slot_mapping: [T] int64 cache slot of each new token (-1: do not write); from the block
     tables of the layer's KV group (layers of a hybrid model's groups have different ones).
+    Both None for a layer without a cache (an encoder's self-attention).
     """
 
     backend: AttentionBackend
     plan: object
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor
+    kv_cache: KVCache | None
+    slot_mapping: torch.Tensor | None
 
 
 @dataclass
