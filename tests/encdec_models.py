@@ -45,3 +45,10 @@ def hf_greedy_encdec(hf, prompt: list[int], max_new_tokens: int) -> list[int]:
                           max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=1)
     assert out[0, 0].item() == START
     return out[0, 1:].tolist()
+
+
+def bart_case(path: Path, lengths=(1, 7, 23, 40), *, max_new_tokens: int):
+    """(HF model, encoder prompts, HF's greedy tokens per prompt) of a tiny BART saved to `path`."""
+    hf = write_bart(path)
+    prompts = encoder_prompts(lengths)
+    return hf, prompts, [hf_greedy_encdec(hf, p, max_new_tokens) for p in prompts]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
-from tests.encdec_models import encoder_prompts, hf_greedy_encdec, write_bart
+from tests.encdec_models import bart_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -21,9 +21,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 @pytest.fixture(scope="module")
 def bart(tmp_path_factory):
     path = tmp_path_factory.mktemp("bart_gpu")
-    hf = write_bart(path)
-    prompts = encoder_prompts((1, 5, 17, 33, 48, 64))
-    return path, prompts, [hf_greedy_encdec(hf, p, NEW_TOKENS) for p in prompts]
+    _, prompts, want = bart_case(path, (1, 5, 17, 33, 48, 64), max_new_tokens=NEW_TOKENS)
+    return path, prompts, want
 
 
 def _llm(path, dtype, backend=None):

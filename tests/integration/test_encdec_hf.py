@@ -16,7 +16,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.errors import ConfigError
-from tests.encdec_models import MAX_POS, START, encoder_prompts, hf_greedy_encdec, write_bart
+from tests.encdec_models import MAX_POS, START, bart_case, hf_greedy_encdec
 from tests.tiny_models import EOS, VOCAB, tiny_tokenizer
 
 NEW_TOKENS = 12
@@ -27,9 +27,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
 def bart(tmp_path_factory):
     """(checkpoint dir, HF model, prompts, HF's greedy tokens per prompt)."""
     path = tmp_path_factory.mktemp("bart")
-    hf = write_bart(path)
-    prompts = encoder_prompts()
-    return path, hf, prompts, [hf_greedy_encdec(hf, p, NEW_TOKENS) for p in prompts]
+    return path, *bart_case(path, max_new_tokens=NEW_TOKENS)
 
 
 def _used_blocks_match_holdings(core) -> None:
