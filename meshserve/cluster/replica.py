@@ -322,7 +322,7 @@ class Replica:
                 del self._held[rid]
                 ticket.sink.put_nowait(exc)
                 continue
-            self.counters.prompt_tokens += len(ticket.request.prompt_ids)
+            self.counters.prompt_tokens += ticket.request.num_input_tokens
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
@@ -369,7 +369,8 @@ class Replica:
                 ticket.sink.put_nowait(ReplicaFailedError(f"replica {self.name} failed: {cause}"))
                 request_event(rid, "failed", replica=self.name)
             else:
-                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt)
+                ticket.request = Request(rid, req.prompt_ids, req.params, req.arrival, prompt=req.prompt,
+                                         encoder_ids=req.encoder_ids)
                 ticket.holder = None
                 orphans.append(ticket)
         self._held.clear()

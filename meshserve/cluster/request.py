@@ -59,6 +59,11 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def num_input_tokens(self) -> int:
+        """The tokens the request came with: its prompt, and an encoder-decoder's encoder input."""
+        return len(self.prompt_ids) + len(self.encoder_ids or ())
+
+    @property
     def num_uncomputed_tokens(self) -> int:
         """Tokens whose K/V no step computes yet, a token still being drawn counted."""
         return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens

@@ -146,13 +146,16 @@ def test_stream_serves_the_same_tokens(bart):
     path, _, prompts, want = bart
     llm = LLM(path, num_kv_blocks=64, progress=False)
 
-    async def run() -> list[int]:
+    async def run(params: SamplingParams) -> list[int]:
         tokens: list[int] = []
-        async for delta in llm.stream(prompts[1], GREEDY):
+        async for delta in llm.stream(prompts[1], params):
             tokens += delta.token_ids
         return tokens
 
     try:
-        assert asyncio.run(run()) == want[1]
+        assert asyncio.run(run(GREEDY)) == want[1]
+        # A server refuses a max_tokens the decoder cannot hold: max_model_len minus the start token.
+        with pytest.raises(ConfigError, match=rf"max_tokens.*\[1, {MAX_POS - 1}\].*decoder start"):
+            asyncio.run(run(SamplingParams(max_tokens=MAX_POS)))
     finally:
         llm.shutdown()
