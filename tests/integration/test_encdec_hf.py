@@ -10,6 +10,7 @@ aborts and finishes leave no block held; bad prompts are refused naming the fiel
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -128,6 +129,26 @@ def test_bad_prompts_are_refused_naming_the_field(bart):
         llm.generate([[3, VOCAB]], GREEDY)
     assert not llm.core.has_unfinished() and llm.core.kv.pool.num_used_blocks == 0
     assert llm.generate(prompts[1], GREEDY)[0].finish_reason is not None  # still serves
+
+
+def test_forced_bos_token_starts_the_decoder_as_hf_forces_it(bart, tmp_path):
+    """generation_config.json's forced_bos_token_id: HF forces it as the first generated token;
+    here it follows the start token in the decoder's prompt, so the outputs after it agree."""
+    import shutil
+
+    path, hf, prompts, _ = bart
+    forced = 7
+    shutil.copytree(path, tmp_path / "bos")
+    (tmp_path / "bos" / "generation_config.json").write_text(json.dumps({"forced_bos_token_id": forced}))
+    llm = LLM(tmp_path / "bos", num_kv_blocks=64, progress=False)
+    assert llm.core.info.decoder_prompt == (START, forced)
+    got = [o.token_ids for o in llm.generate(prompts[1:3], GREEDY)]
+    for prompt, tokens in zip(prompts[1:3], got):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW_TOKENS + 1, do_sample=False,
+                              eos_token_id=EOS, pad_token_id=1, forced_bos_token_id=forced)
+        assert out[0, :2].tolist() == [START, forced]
+        assert tokens == out[0, 2:].tolist()
 
 
 def test_generate_command_prints_hf_text(bart, capsys):

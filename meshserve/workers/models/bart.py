@@ -35,6 +35,7 @@ from meshserve.workers.models.transformer import EncoderStep, ForwardContext, La
 
 ENCODER_DECODER_ARCHITECTURES = ("BartForConditionalGeneration",)
 POSITION_OFFSET = 2  # HF's BartLearnedPositionalEmbedding: ids 0, 1 of the table are never used
+_HF_KEYS = {"encoder_heads": "encoder_attention_heads", "decoder_heads": "decoder_attention_heads"}
 _ACT = {"gelu": F.gelu, "relu": F.relu, "gelu_new": lambda x: F.gelu(x, approximate="tanh")}
 
 
@@ -64,9 +65,10 @@ class BartArch:
         for name in ("vocab_size", "d_model", "encoder_layers", "decoder_layers", "encoder_heads", "decoder_heads",
                      "encoder_ffn_dim", "decoder_ffn_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            check(isinstance(value, int) and value >= 1, f"config.json:{name}", value, "an integer >= 1")
+            check(isinstance(value, int) and value >= 1, f"config.json:{_HF_KEYS.get(name, name)}", value,
+                  "an integer >= 1")
         for name in ("encoder_heads", "decoder_heads"):
-            check(self.d_model % getattr(self, name) == 0, f"config.json:{name}", getattr(self, name),
+            check(self.d_model % getattr(self, name) == 0, f"config.json:{_HF_KEYS[name]}", getattr(self, name),
                   f"a divisor of d_model={self.d_model}")
         check(self.activation in _ACT, "config.json:activation_function", self.activation, f"one of {sorted(_ACT)}")
         check(0 <= self.decoder_start_token_id < self.vocab_size, "config.json:decoder_start_token_id",
