@@ -245,6 +245,7 @@ class EngineCore:
             stop_reason=req.stop_reason,
             logprobs=list(req.output_logprobs) if req.params.logprobs is not None else None,
             num_cached_tokens=req.num_cached_tokens,
+            encoder_prompt_token_ids=None if req.encoder_ids is None else list(req.encoder_ids),
         )
 
     def shutdown(self) -> None:

@@ -49,6 +49,8 @@ class RequestOutput:
     token_ids: every generated token (a final EOS or stop token id included); text: their
     decoded text, cut before a stop string (unless include_stop_str_in_output).
     num_cached_tokens: prompt tokens served from the prefix cache.
+    encoder_prompt_token_ids: encoder-decoder models (as vLLM's field): the encoder's input, the
+    prompt given; prompt_token_ids are then the decoder's start tokens. None for decoder-only models.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
+    encoder_prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:

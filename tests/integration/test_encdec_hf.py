@@ -46,6 +46,8 @@ def test_greedy_tokens_equal_hf(bart, backend):
     assert llm.core.info.backend == backend and llm.core.info.is_encoder_decoder
     outs = llm.generate(prompts[-n:], GREEDY)
     assert [o.token_ids for o in outs] == want[-n:]
+    assert [o.encoder_prompt_token_ids for o in outs] == prompts[-n:]
+    assert all(o.prompt_token_ids == [START] for o in outs)
     assert llm.core.kv.pool.num_used_blocks == 0
 
 
