@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from bench.cpu_generate import table
+from bench.cpu_generate import llm_tok_s, table
 from bench.e2e import random_prompts
+from bench.report import pyplot
 
 SHAPES = {
     "tiny": dict(vocab_size=8192, d_model=256, encoder_layers=4, decoder_layers=4, encoder_attention_heads=4,
@@ -43,26 +44,12 @@ def write_checkpoint(path: Path, shape: str):
 
 
 def meshserve_tok_s(path: Path, backend: str, batch_sizes: list[int], args) -> dict[int, float]:
-    from meshserve import LLM, SamplingParams
+    from meshserve import LLM
 
     llm = LLM(path, dtype=args.dtype, attention_backend=backend, device=args.device,
               max_num_seqs=max(batch_sizes), max_num_batched_tokens=max(8192, max(batch_sizes) * (args.prompt_len + 2)),
               max_model_len=args.output_len + 8, progress=False)
-    params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    llm.generate(random_prompts(2, args.prompt_len, args.vocab, 0), params)  # warm-up
-    out = {}
-    for bs in batch_sizes:
-        prompts = random_prompts(bs, args.prompt_len, args.vocab, bs)
-        best = float("inf")
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            best = min(best, time.perf_counter() - t0)
-            assert all(len(o.token_ids) == args.output_len for o in outs)
-        out[bs] = bs * args.output_len / best
-        print(f"meshserve {backend:<8} bs={bs:<4} {out[bs]:9.0f} tok/s", flush=True)
-    llm.shutdown()
-    return out
+    return llm_tok_s(llm, backend, batch_sizes, args)
 
 
 def hf_tok_s(path: Path, batch_sizes: list[int], args) -> dict[int, float]:
@@ -90,13 +77,8 @@ def hf_tok_s(path: Path, batch_sizes: list[int], args) -> dict[int, float]:
 
 
 def plot(results: dict[str, dict[int, float]], batch_sizes: list[int], title: str, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for name, row in results.items():
