@@ -21,11 +21,19 @@ from bench.e2e import random_prompts
 
 
 def meshserve_tok_s(backend: str | None, batch_sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
-    from meshserve import LLM, SamplingParams
+    from meshserve import LLM
     from meshserve.demo_model import DEMO_MODEL_DIR
 
     llm = LLM(DEMO_MODEL_DIR, dtype="float32", attention_backend=backend, device="cpu",
               max_num_seqs=max(batch_sizes), max_model_len=512, progress=False)
+    return llm_tok_s(llm, backend or "auto", batch_sizes, args)
+
+
+def llm_tok_s(llm, label: str, batch_sizes: list[int], args: argparse.Namespace) -> dict[int, float]:
+    """Output tok/s of `llm.generate` per batch size (args: prompt_len, output_len, vocab, repeats);
+    best of args.repeats after one warm-up call; shuts `llm` down."""
+    from meshserve import SamplingParams
+
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(random_prompts(2, args.prompt_len, args.vocab, 0), params)  # warm-up
     out = {}
@@ -38,7 +46,7 @@ def meshserve_tok_s(backend: str | None, batch_sizes: list[int], args: argparse.
             best = min(best, time.perf_counter() - t0)
             assert all(len(o.token_ids) == args.output_len for o in outs)
         out[bs] = bs * args.output_len / best
-        print(f"meshserve {backend or 'auto':<8} bs={bs:<3} {out[bs]:8.0f} tok/s", flush=True)
+        print(f"meshserve {label:<8} bs={bs:<3} {out[bs]:8.0f} tok/s", flush=True)
     llm.shutdown()
     return out
 

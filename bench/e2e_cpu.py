@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_generate import hf_tok_s, meshserve_tok_s
-from bench.report import write_section
+from bench.report import pyplot, write_section
 
 BEGIN, END = "<!-- bench/e2e.py --device cpu:begin -->", "<!-- bench/e2e.py --device cpu:end -->"
 DEMO_VOCAB = 4096  # the demo model's vocabulary (random prompt tokens are drawn below it)
@@ -72,13 +72,8 @@ def table(res: dict, batch_sizes: list[int]) -> str:
 
 
 def plot(res: dict, batch_sizes: list[int], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     names = [n for n in ("meshserve", "hf") if n in res["best"]]

@@ -1,4 +1,5 @@
-"""Writing a benchmark's own section of a Markdown file (docs/performance.md), leaving the rest alone."""
+"""Writing a benchmark's own section of a Markdown file (docs/performance.md), leaving the rest alone,
+and the plotting module benchmarks draw their PNGs with."""
 
 from __future__ import annotations
 
@@ -15,3 +16,16 @@ def write_section(path: Path, block: str, begin: str, end: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (files only), or None (said once) when not installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return None
+    return plt

@@ -290,9 +290,10 @@ def _params(args: argparse.Namespace) -> SamplingParams:
 
 
 def _stream(core: EngineCore, args: argparse.Namespace, *, echo: bool) -> None:
-    """Run one request to the end; with echo, print the prompt, the text as it comes and the reason."""
+    """Run one request to the end; with echo, print the prompt (decoder-only models), the text as it
+    comes and the reason."""
     core.add_request(args.prompt, _params(args))
-    if echo:
+    if echo and not core.info.is_encoder_decoder:  # an encoder-decoder's output does not continue its input
         sys.stdout.write(args.prompt)
     reason = None
     while core.has_unfinished():

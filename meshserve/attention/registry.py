@@ -208,7 +208,9 @@ def select_backend_for_layers(
 
 def _describe(problem: AttentionProblem) -> str:
     spec = problem.spec
-    parts = [f"window {spec.sliding_window}" if spec.sliding_window else "full attention"]
+    kind = {"cross": "cross attention", "encoder_only": "encoder attention (no cache)"}.get(spec.attn_type.value,
+                                                                                             "full attention")
+    parts = [f"window {spec.sliding_window}" if spec.sliding_window else kind]
     if spec.has_sinks:
         parts.append("learned sinks")
     if spec.logits_soft_cap is not None:

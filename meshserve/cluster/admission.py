@@ -11,6 +11,7 @@ over from another replica.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from meshserve.cluster.request import Request
 from meshserve.config import SchedulerConfig
@@ -18,6 +19,9 @@ from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.workers.checkpoint import encode_ids
+
+if TYPE_CHECKING:
+    from meshserve.workers.worker import WorkerInfo
 
 
 def check_prompt_length(num_tokens: int, *, max_model_len: int, scheduler: SchedulerConfig) -> None:
@@ -34,11 +38,22 @@ class RequestValidator:
     """The admission checks of one model: its tokenizer (None: token-id prompts only), vocabulary
     size, context length and scheduler settings."""
 
-    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, scheduler: SchedulerConfig) -> None:
+    def __init__(self, tokenizer, *, vocab_size: int, max_model_len: int, scheduler: SchedulerConfig,
+                 decoder_prompt: Sequence[int] = (), max_encoder_len: int = 0) -> None:
+        """decoder_prompt, max_encoder_len: an encoder-decoder model's (WorkerInfo): the prompt is
+        then the encoder's input and the decoder starts from decoder_prompt."""
+        self.decoder_prompt = list(decoder_prompt)
+        self.max_encoder_len = max_encoder_len
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.scheduler = scheduler
+
+    @classmethod
+    def of_model(cls, tokenizer, info: WorkerInfo, scheduler: SchedulerConfig) -> RequestValidator:
+        """The checks of the model a replica's workers serve (their WorkerInfo)."""
+        return cls(tokenizer, vocab_size=info.vocab_size, max_model_len=info.max_model_len, scheduler=scheduler,
+                   decoder_prompt=info.decoder_prompt, max_encoder_len=info.max_encoder_len)
 
     def encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         """(the text or None, the token ids) of a prompt; token ids must be in the vocabulary."""
@@ -70,6 +85,10 @@ class RequestValidator:
         check(params.num_samples <= limit, "best_of" if params.best_of is not None else "n", params.num_samples,
               f"at most max_num_seqs={limit} (the samples of a request run side by side)")
         text, ids = self.encode(prompt)
+        if self.decoder_prompt:  # (its samples and beams would need the encoder's blocks forked too)
+            check(beam is None, "beam", beam, "None: beam search is not built for encoder-decoder models")
+            check(params.num_samples == 1, "n", params.num_samples, "1 for encoder-decoder models (best_of too)")
+            return self._encoder_decoder(text, ids, params, request_id, arrival, fit_max_tokens)
         check_prompt_length(len(ids), max_model_len=self.max_model_len, scheduler=self.scheduler)
         if fit_max_tokens:
             room = self.max_model_len - len(ids)
@@ -77,3 +96,22 @@ class RequestValidator:
                   f"an integer in [1, {room}]: max_model_len={self.max_model_len} minus the prompt's "
                   f"{len(ids)} tokens")
         return Request(request_id, ids, params, arrival=arrival, prompt=text, beam=beam)
+
+    def _encoder_decoder(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str,
+                         arrival: int, fit_max_tokens: bool) -> Request:
+        """The prompt is the encoder's input: it runs whole in the request's first step, beside the
+        decoder's start tokens (encoder inputs are not chunked)."""
+        start = len(self.decoder_prompt)
+        limit = min(self.max_encoder_len, self.scheduler.max_num_batched_tokens - start)
+        check(1 <= len(ids) <= limit, "prompt", f"{len(ids)} tokens",
+              f"1..{limit} tokens: an encoder input runs whole in one step (the encoder's "
+              f"max_position_embeddings={self.max_encoder_len}; max_num_batched_tokens="
+              f"{self.scheduler.max_num_batched_tokens} minus {start} decoder start token(s))")
+        check(start < self.max_model_len, "max_model_len", self.max_model_len,
+              f"more than the {start} decoder start token(s)")
+        if fit_max_tokens:
+            room = self.max_model_len - start
+            check(params.max_tokens <= room, "max_tokens", params.max_tokens,
+                  f"an integer in [1, {room}]: max_model_len={self.max_model_len} (the decoder's length) minus "
+                  f"{start} decoder start token(s)")
+        return Request(request_id, list(self.decoder_prompt), params, arrival=arrival, prompt=text, encoder_ids=ids)

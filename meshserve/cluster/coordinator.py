@@ -175,8 +175,7 @@ class Coordinator:
             raise
         info = self.pools[self._entry].replicas[0].core.info
         self._max_model_len, self._vocab_size = info.max_model_len, info.vocab_size
-        self.validator = RequestValidator(self.tokenizer, vocab_size=info.vocab_size,
-                                          max_model_len=info.max_model_len, scheduler=cfg.engine.scheduler)
+        self.validator = RequestValidator.of_model(self.tokenizer, info, cfg.engine.scheduler)
         self._started = True
         log.info("coordinator ready: %s", ", ".join(f"{r} x{p.size}" for r, p in self.pools.items()))
         if self.disaggregated:
@@ -297,7 +296,7 @@ class Coordinator:
         (pool := self.pools[self._entry]).admit()
         ticket = Ticket(request_id, request, prefill_only=self.disaggregated and not request.runs_whole)
         self._live[request_id] = ticket
-        request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=len(request.prompt_ids))
+        request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
         pool.submit(ticket)
         finished = False
         try:
@@ -377,11 +376,11 @@ class Coordinator:
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
         request = self.validator.make(prompt, params, request_id=f"{next(self._serial)}:{request_id}",
                                       arrival=next(self._arrivals), fit_max_tokens=True, beam=beam)
-        need = len(request.prompt_ids) + request.params.max_tokens
+        need = request.num_input_tokens + request.params.max_tokens  # encoder blocks come from the same pool
         capacity = min((r.core.kv.capacity_tokens for p in self.pools.values() for r in p.replicas
                         if r.core is not None), default=need)
         if need > capacity:
-            raise CapacityError(f"prompt ({len(request.prompt_ids)} tokens) + max_tokens "
+            raise CapacityError(f"prompt ({request.num_input_tokens} tokens) + max_tokens "
                                 f"({request.params.max_tokens}) needs {need} KV slots; a replica holds {capacity}")
         return request
 

@@ -87,8 +87,10 @@ def kv_manager_for(info: WorkerInfo, *, enable_prefix_caching: bool) -> KVCacheM
     """The block bookkeeping for a replica's workers: one block table per request and KV layer
     group of the workers' layout (info.kv_groups)."""
     retentions = [RetentionPolicy(w, s) for w, s in info.kv_groups]
+    # Encoder-decoder models: a decoder block's K/V depend on the encoder input, which its hash
+    # does not cover; their requests never look up, so hashing would only keep dead blocks cached.
     return KVCacheManager(info.num_kv_blocks, info.block_size, retentions=retentions,
-                          enable_prefix_caching=enable_prefix_caching)
+                          enable_prefix_caching=enable_prefix_caching and not info.is_encoder_decoder)
 
 
 @dataclass
@@ -113,8 +115,7 @@ class EngineCore:
         self.kv = kv or kv_manager_for(self.info, enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)
-        self.validator = RequestValidator(self.tokenizer, vocab_size=self.info.vocab_size,
-                                          max_model_len=self.info.max_model_len, scheduler=config.scheduler)
+        self.validator = RequestValidator.of_model(self.tokenizer, self.info, config.scheduler)
         self._tracked: dict[str, _Tracked] = {}
         self._groups: dict[str, SampleGroup] = {}  # n / best_of requests by client id
         self._group_of: dict[str, SampleGroup] = {}  # ... by the ids of their unfinished samples
@@ -318,6 +319,7 @@ class EngineCore:
             token_ids=only.token_ids, text=text, finish_reason=req.finish_reason,
             stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=req.num_cached_tokens,
             outputs=[only],
+            encoder_prompt_token_ids=None if req.encoder_ids is None else list(req.encoder_ids),
         )
 
     def shutdown(self) -> None:

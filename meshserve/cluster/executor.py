@@ -111,7 +111,8 @@ class WorkerSpec:
 
 def info_from_dict(d: dict[str, Any]) -> WorkerInfo:
     groups = tuple((w, s) for w, s in d.get("kv_groups", ()))
-    return WorkerInfo(**{**d, "eos_token_ids": tuple(d["eos_token_ids"]), "kv_groups": groups})
+    return WorkerInfo(**{**d, "eos_token_ids": tuple(d["eos_token_ids"]), "kv_groups": groups,
+                         "decoder_prompt": tuple(d.get("decoder_prompt", ()))})
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -99,6 +99,10 @@ def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
     """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
     detach the request."""
     rid, kv = ticket.request_id, self.core.kv
+    if self.core.info.is_encoder_decoder:  # the cross-attention K/V are not in the offered tables
+        request_event(rid, "prefilled", replica=self.name, kv_tokens=0, offered=False)
+        self.core.detach(rid)
+        return Handoff(ticket, self, None, "encoder-decoder model: the decode replica re-runs the encoder")
     pin = self.pins.pin(rid)
     capability = new_capability()  # handed to the decode replica with the Handoff, nowhere else
     args = {"blocks": pin.blocks.to_wire(), "capability": capability, "block_size": kv.block_size,

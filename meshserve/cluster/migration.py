@@ -75,4 +75,5 @@ def continued(ticket: Ticket) -> Request:
     for a request that streamed nothing: it starts over)."""
     req, n = ticket.request, ticket.num_streamed
     return Request(req.request_id, req.prompt_ids, req.params, req.arrival, prompt=req.prompt, beam=req.beam,
-                   output_ids=list(req.output_ids[:n]), output_logprobs=list(req.output_logprobs[:n]))
+                   encoder_ids=req.encoder_ids, output_ids=list(req.output_ids[:n]),
+                   output_logprobs=list(req.output_logprobs[:n]))

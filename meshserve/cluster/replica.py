@@ -323,7 +323,7 @@ class Replica:
                 ticket.sink.put_nowait(exc)
                 continue
             if not ticket.migrations:  # a moved request's prompt was counted where it arrived
-                self.counters.prompt_tokens += len(ticket.request.prompt_ids)
+                self.counters.prompt_tokens += ticket.request.num_input_tokens
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:

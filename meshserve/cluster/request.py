@@ -51,6 +51,10 @@ class Request:
     # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
     # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
     fork_into: list[Request] | None = None
+    # Encoder-decoder models: the encoder's input (the user's prompt; prompt_ids are then the
+    # decoder's start tokens) and, while running, the blocks of its cross-attention K/V.
+    encoder_ids: list[int] | None = None
+    encoder_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
@@ -72,6 +76,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The tokens the request came with: its prompt, and an encoder-decoder's encoder input."""
+        return len(self.prompt_ids) + len(self.encoder_ids or ())
 
     @property
     def num_uncomputed_tokens(self) -> int:

@@ -103,7 +103,7 @@ class Scheduler:
         req = self.requests.pop(request_id)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(req.request_id)
+            self._free_blocks(req)
         else:
             self.waiting.remove(req)
         req.status = RequestStatus.WAITING
@@ -130,7 +130,7 @@ class Scheduler:
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None = None) -> None:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
-            self.kv.free(req.request_id)
+            self._free_blocks(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
         req.finish(reason, stop_reason)
@@ -138,6 +138,13 @@ class Scheduler:
         if req.request_id in self._announced:
             self._announced.discard(req.request_id)
             self._to_forget.append(req.request_id)
+
+    def _free_blocks(self, req: Request) -> None:
+        """Every block of a request leaving the running set: its tables and its encoder blocks."""
+        self.kv.free(req.request_id)
+        if req.encoder_blocks:
+            self.kv.pool.free(req.encoder_blocks)
+            req.encoder_blocks = []
 
     @property
     def num_unfinished(self) -> int:
@@ -182,16 +189,22 @@ class Scheduler:
                 break  # (pending: preempted while a token of it was drawn; resumes once that token is known)
             if req.fork_into and self.running and len(self.running) + len(req.fork_into) > self.config.max_num_seqs:
                 break  # an n / best_of group's sequences run side by side
-            hit = self.kv.lookup_prefix(req.all_token_ids)
-            cached = hit.num_tokens
-            n = req.num_tokens - cached
-            if n > budget and not self.config.enable_chunked_prefill:
-                break
-            n = min(n, budget)
-            if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids, prefix=hit):
-                if self._preempt_held():
-                    continue  # a held request's blocks go to one that can run
-                break  # the head waits for blocks; nobody overtakes it
+            if req.encoder_ids is not None:  # encoder-decoder: see _admit_encoder_decoder
+                hit, n = None, self._admit_encoder_decoder(req, budget)
+                if n == 0:
+                    break
+                cached, budget = 0, budget - len(req.encoder_ids)
+            else:
+                hit = self.kv.lookup_prefix(req.all_token_ids)
+                cached = hit.num_tokens
+                n = req.num_tokens - cached
+                if n > budget and not self.config.enable_chunked_prefill:
+                    break
+                n = min(n, budget)
+                if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids, prefix=hit):
+                    if self._preempt_held():
+                        continue  # a held request's blocks go to one that can run
+                    break  # the head waits for blocks; nobody overtakes it
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
@@ -243,10 +256,32 @@ class Scheduler:
             self._preempt(held)
         return held is not None
 
+    def _admit_encoder_decoder(self, req: Request, budget: int) -> int:
+        """Blocks for an encoder-decoder request's first step, which runs its whole encoder input
+        (never chunked: admission refuses one that leaves no room in a step's budget) and as many
+        of its decoder tokens as fit beside it (the start tokens; after a preemption also the
+        outputs to recompute, whose rest follow as chunks). No prefix lookup: the decoder's
+        tokens mean nothing without the encoder's (the same start token begins every request),
+        and the cross K/V are the request's own. Returns the decoder tokens scheduled, 0 when
+        the step's budget or the pool cannot take it now (nothing is held then)."""
+        n = min(req.num_tokens, budget - len(req.encoder_ids))
+        if n < 1:
+            return 0
+        pool = self.kv.pool
+        num_encoder_blocks = -(-len(req.encoder_ids) // self.kv.tokens_per_block)
+        if not pool.can_allocate(num_encoder_blocks + self.kv.blocks_needed(req.request_id, n)):
+            return 0
+        req.encoder_blocks = pool.allocate(num_encoder_blocks)
+        if not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
+            pool.free(req.encoder_blocks)  # not expected after the check above; hold nothing
+            req.encoder_blocks = []
+            return 0
+        return n
+
     def _preempt(self, req: Request) -> None:
         """Recompute later: free the blocks, requeue by arrival (ahead of younger requests)."""
         self.running.remove(req)
-        self.kv.free(req.request_id)
+        self._free_blocks(req)
         req.sent_table_lens = None
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
@@ -259,7 +294,8 @@ class Scheduler:
         for req, n in scheduled:
             if req.request_id not in self._announced:
                 self._announced.add(req.request_id)
-                new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
+                new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+                                      list(req.encoder_ids or ())))
             start, known = req.num_computed_tokens, req.num_tokens
             sample = start + n == known + req.num_pending_outputs and req.fork_into is None
             tables, offsets = self._table_changes(req)
@@ -271,6 +307,7 @@ class Scheduler:
                 sample=sample,
                 from_last_step=start + n > known,  # the token the step in flight draws for it
                 table_offsets=offsets,
+                encoder_table=list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None,
             ))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample

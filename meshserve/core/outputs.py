@@ -70,6 +70,8 @@ class RequestOutput:
     num_cached_tokens: prompt tokens served from the prefix cache.
     outputs: every completion (n of them, index order); token_ids, text, finish_reason,
     stop_reason and logprobs above are those of outputs[0].
+    encoder_prompt_token_ids: encoder-decoder models (as vLLM's field): the encoder's input, the
+    prompt given; prompt_token_ids are then the decoder's start tokens. None for decoder-only models.
     """
 
     request_id: str
@@ -82,6 +84,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] | None = None
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
+    encoder_prompt_token_ids: list[int] | None = None
 
     @property
     def finished(self) -> bool:

@@ -25,7 +25,7 @@ from meshserve.core.tensors import to_device
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
-from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
+from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
 from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan, apply_table_changes
 
@@ -73,6 +73,8 @@ class _Request:
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     tables: list[list[int]] = field(default_factory=list)  # its block tables, per KV layer group
+    encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
+    encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
 
 
 @dataclass
@@ -96,21 +98,23 @@ class ModelRunner:
 
     def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
-                 dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None) -> None:
+                 dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None,
+                 encoder_backend: AttentionBackend | None = None) -> None:
         """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
         block tables in step plans are logical (block_size * dcp_size tokens per block) and this
         rank stores positions dcp_rank, dcp_rank + dcp_size, ...
         layer_groups: per layer, the KV group whose block tables it reads (KVGroupLayout.group_of_layer);
-        default: one group."""
-        num_layers = len(model.model.layers)
-        check(len(backends) == len(kv_caches) == num_layers, "kv_caches", len(kv_caches),
-              f"one per layer ({num_layers})")
+        default: one group.
+        encoder_backend: encoder-decoder models: the backend of the encoder's self-attention."""
+        num_layers = len(backends)  # one per cached attention layer (the model's attention_specs)
+        check(len(kv_caches) == num_layers, "kv_caches", len(kv_caches), f"one per attention layer ({num_layers})")
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
         check(len(self.layer_groups) == num_layers, "layer_groups", len(self.layer_groups),
               f"one per layer ({num_layers})")
         self.num_groups = max(self.layer_groups) + 1
         self.model = model
         self.backends = list(backends)
+        self.encoder_backend = encoder_backend
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
@@ -136,7 +140,8 @@ class ModelRunner:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
             self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
-                                                     list(new.prompt_ids), list(new.output_ids))
+                                                     list(new.prompt_ids), list(new.output_ids),
+                                                     encoder_ids=list(new.encoder_ids))
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         flight = _InFlight(plan.step_id)
         if plan.seqs:
@@ -174,6 +179,8 @@ class ModelRunner:
             check(not s.from_last_step or s.request_id in last_rows, "from_last_step", s.request_id,
                   "set only for a request that drew a token in the previous step on this (driver) rank")
             req.tables = apply_table_changes(req.tables, s)
+            if s.encoder_table is not None:
+                req.encoder_table = list(s.encoder_table)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         order = sorted(seqs, key=lambda s: s.is_decode)
         batch = _PackedBatch.of(order)
@@ -206,10 +213,18 @@ class ModelRunner:
     def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[list[list[int]]], batch: _PackedBatch,
                    to_sample: list[int], fill) -> torch.Tensor | None:
         """tables: per sequence of `order`, its block tables (one per KV layer group)."""
+        encoder = None
+        cross: dict = {}  # encoder-decoder: group 0's metadata carries the encoder tables too
+        if self.encoder_backend is not None:
+            reqs = [self.requests[s.request_id] for s in order]
+            cross = dict(encoder_seq_lens=[len(r.encoder_ids) for r in reqs],
+                         encoder_block_tables=[r.encoder_table for r in reqs])
+            encoder = self._encoder_step([r for s, r in zip(order, reqs) if s.context_len == 0])
         metas = [
             AttentionMetadata.build(query_lens=batch.query_lens, seq_lens=batch.seq_lens,
                                     block_tables=[t[g] for t in tables], block_size=self.block_size,
-                                    device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g)
+                                    device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g,
+                                    **(cross if g == 0 else {}))
             for g in range(self.num_groups)
         ]  # fmt: skip
         # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
@@ -223,13 +238,28 @@ class ModelRunner:
             if plan is None:
                 plan = plans[id(b), g] = b.plan(metas[g])
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
-        ctx = ForwardContext(layers=layers)
+        ctx = ForwardContext(layers=layers, encoder=encoder)
         hidden = self.model(input_ids, to_device(torch.from_numpy(batch.positions), self.device), ctx)  # [T, hidden]
         if not to_sample:
             return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
         rows = to_device(torch.from_numpy(batch.ends[to_sample]), self.device)
         return self.model.compute_logits(hidden[rows])  # [N, V] float32
+
+    def _encoder_step(self, reqs: Sequence[_Request]) -> EncoderStep | None:
+        """The packed encoder inputs of requests starting (or restarting) their decoder this step;
+        the metadata's slot mapping is where each encoder token's cross K/V go."""
+        if not reqs:
+            return None
+        lens = [len(r.encoder_ids) for r in reqs]
+        meta = AttentionMetadata.build(query_lens=lens, seq_lens=lens, block_tables=[r.encoder_table for r in reqs],
+                                       block_size=self.block_size, device=self.device)
+        ids = np.fromiter(chain.from_iterable(r.encoder_ids for r in reqs), np.int64, sum(lens))
+        positions = np.concatenate([np.arange(n) for n in lens])
+        return EncoderStep(input_ids=to_device(torch.from_numpy(ids), self.device),
+                           positions=to_device(torch.from_numpy(positions), self.device),
+                           backend=self.encoder_backend, plan=self.encoder_backend.plan(meta),
+                           slot_mapping=meta.slot_mapping)
 
     def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
         """Draw the next token of each request from its row of logits, on the device."""

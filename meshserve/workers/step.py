@@ -21,12 +21,15 @@ class NewRequest:
     """A request the workers have not seen: its prompt and settings (SamplingParams.to_dict()).
 
     output_ids: tokens already generated elsewhere (a hand-over); empty for a fresh request.
+    encoder_ids: an encoder-decoder model's encoder input (the user's prompt; prompt_ids are then
+                 the decoder's start tokens); empty for decoder-only models.
     """
 
     request_id: str
     prompt_ids: list[int]
     sampling: dict[str, Any]
     output_ids: list[int] = field(default_factory=list)
+    encoder_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -46,6 +49,9 @@ class ScheduledSeq:
     table_offsets: None when block_tables are the request's whole tables; else, per group,
                  the index in the table the workers hold from which block_tables replace it
                  (a plan carries what changed: new blocks and a copied last block)
+    encoder_table: encoder-decoder models: the request's encoder block table (cross-attention
+                 K/V), sent with the whole tables (table_offsets None); a step whose
+                 context_len is 0 runs the encoder and fills it
     """
 
     request_id: str
@@ -55,6 +61,7 @@ class ScheduledSeq:
     sample: bool = True
     from_last_step: bool = False
     table_offsets: list[int] | None = None
+    encoder_table: list[int] | None = None
 
     @property
     def num_new_tokens(self) -> int:
@@ -104,8 +111,8 @@ class StepPlan:
         return msgpack.packb({
             "step_id": self.step_id,
             "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step,
-                      s.table_offsets] for s in self.seqs],
-            "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
+                      s.table_offsets, s.encoder_table] for s in self.seqs],
+            "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids, r.encoder_ids] for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
         })

@@ -30,6 +30,7 @@ from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.bart import BartArch, is_encoder_decoder_dir, load_bart, read_bart_arch
 from meshserve.workers.runner import ModelRunner, make_backends
 from meshserve.workers.sharding import routed_experts
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
@@ -58,9 +59,17 @@ class WorkerInfo:
     backend: str
     dtype: str
     kv_groups: tuple[tuple[int | None, int], ...] = ((None, 0),)
+    # Encoder-decoder models (the prompt is the encoder's input): the decoder's first tokens and
+    # the longest encoder input; () and 0 for decoder-only models.
+    decoder_prompt: tuple[int, ...] = ()
+    max_encoder_len: int = 0
+
+    @property
+    def is_encoder_decoder(self) -> bool:
+        return bool(self.decoder_prompt)
 
 
-def resolve_max_model_len(model: ModelConfig, arch: ModelArch) -> int:
+def resolve_max_model_len(model: ModelConfig, arch: ModelArch | BartArch) -> int:
     limit = arch.max_position_embeddings
     if model.max_model_len is None:
         return limit
@@ -105,6 +114,8 @@ class Worker:
         """Load weights, choose the attention backend, allocate the KV cache. Idempotent."""
         if self.info is not None:
             return self.info
+        if is_encoder_decoder_dir(self.model_config.model):
+            return self._start_encoder_decoder()
         t0 = time.perf_counter()
         arch = read_arch(self.model_config.model)
         par = self.parallel
@@ -170,6 +181,43 @@ class Worker:
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
 
+    def _start_encoder_decoder(self) -> WorkerInfo:
+        """BART: its own loader; decoder self- and cross-attention layers in two KV groups sharing
+        the pool (kvstore/groups.py), the encoder's backend beside them; one rank, eager."""
+        t0 = time.perf_counter()
+        check(self.parallel.tp == 1, "tp", self.parallel.tp, "1 (encoder-decoder models run on one rank)")
+        arch = read_bart_arch(self.model_config.model)
+        max_model_len = resolve_max_model_len(self.model_config, arch)
+        dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
+        model = load_bart(self.model_config.model, arch, dtype=dtype, device=self.device)
+        specs = model.attention_specs()
+        bs = self.cache_config.block_size
+        longest = max(max_model_len, arch.max_encoder_len)
+        *backends, encoder_backend = make_backends([*specs, model.encoder_spec()], name=self.attention_config.backend,
+                                                   dtype=dtype, block_size=bs, max_model_len=max(longest, bs),
+                                                   device=self.device)
+        self.kv_layout = layout = KVGroupLayout.from_specs(specs)
+        num_blocks = self._num_blocks(block_bytes([specs[i] for i in layout.groups[0]], bs, dtype))
+        needed = -(-max_model_len // bs) + -(-arch.max_encoder_len // bs) + 1
+        check(num_blocks >= needed, "num_kv_blocks", num_blocks,
+              f">= {needed} blocks of {bs} tokens (the null block, one max_model_len={max_model_len} decoder "
+              f"sequence and one {arch.max_encoder_len}-token encoder input); give more KV memory")
+        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
+                                 layer_slots=layout.layer_slots(len(specs)))
+        self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
+                                  seed=self.model_config.seed, layer_groups=layout.group_of_layer(len(specs)),
+                                  encoder_backend=encoder_backend)
+        self._graph_refusals(backends, model)  # logs why the steps stay eager on CUDA
+        self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs, max_model_len=max_model_len,
+                               vocab_size=arch.vocab_size, eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
+                               dtype=str(dtype).removeprefix("torch."),
+                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens)
+                                               for r in layout.decoder_retentions),
+                               decoder_prompt=tuple(arch.decoder_prompt), max_encoder_len=arch.max_encoder_len)
+        log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks (decoder and encoder groups)", self.rank,
+                 time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
+        return self.info
+
     def _graph_refusals(self, backends, model) -> list[str]:
         """Why decode steps cannot replay CUDA graphs here (empty: they do); logged once."""
         why = []
@@ -183,7 +231,9 @@ class Worker:
             caps = getattr(type(b), "capabilities", None)
             if caps is None or not caps.cuda_graphs:
                 why.append(f"attention backend {b.name} declares no CUDA-graph support")
-        if not getattr(model, "cuda_graph_safe", False):
+        if getattr(model, "is_encoder_decoder", False):
+            why.append("encoder-decoder model: the graph buffers carry no encoder tables yet")
+        elif not getattr(model, "cuda_graph_safe", False):
             why.append(f"{type(model).__name__} syncs with the host in its forward pass (MoE routing)")
         if why and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", "; ".join(why))

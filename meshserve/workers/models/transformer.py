@@ -35,11 +35,29 @@ class LayerAttention:
 
     slot_mapping: [T] int64 cache slot of each new token (-1: do not write); from the block
     tables of the layer's KV group (layers of a hybrid model's groups have different ones).
+    Both None for a layer without a cache (an encoder's self-attention).
     """
 
     backend: AttentionBackend
     plan: object
-    kv_cache: KVCache
+    kv_cache: KVCache | None
+    slot_mapping: torch.Tensor | None
+
+
+@dataclass
+class EncoderStep:
+    """The encoder inputs of the sequences whose first decoder token this step computes.
+
+    input_ids, positions: [Te] int64, packed like the decoder's tokens (positions from 0 per input)
+    backend, plan: the ENCODER_ONLY backend and its plan over the packed inputs
+    slot_mapping: [Te] int64 cache slot of each encoder token in the cross-attention layers'
+                  caches (through the request's encoder block table)
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    backend: AttentionBackend
+    plan: object
     slot_mapping: torch.Tensor
 
 
@@ -47,10 +65,12 @@ class LayerAttention:
 class ForwardContext:
     """One step's attention state, passed explicitly to every layer.
 
-    layers: one LayerAttention per decoder layer.
+    layers: one LayerAttention per cached attention layer (the model's attention_specs order).
+    encoder: encoder-decoder models only: the encoder inputs this step runs (None: none).
     """
 
     layers: Sequence[LayerAttention]
+    encoder: EncoderStep | None = None
 
 
 class RMSNorm(nn.Module):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from meshserve.attention.spec import AttentionSpec, KVCacheDtype
+from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
 from meshserve.errors import ConfigError
 from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import allocate_caches, copy_blocks
@@ -218,3 +218,20 @@ def test_import_allocates_every_group_or_nothing():
     assert blocks is not None and [len(b) for b in blocks] == [1, 3]
     assert kv.block_tables("y") == ([NULL_BLOCK, NULL_BLOCK, blocks[0][0]], blocks[1])
     kv.check_invariants()
+
+
+def test_encoder_decoder_layout_keeps_cross_layers_in_their_own_group():
+    """BART's specs: 3 decoder self-attention layers, then their 3 cross-attention layers."""
+    cross = AttentionSpec(num_heads=4, num_kv_heads=4, head_size=16, attn_type=AttentionType.CROSS)
+    own = AttentionSpec(num_heads=4, num_kv_heads=4, head_size=16)
+    layout = KVGroupLayout.from_specs([own] * 3 + [cross] * 3)
+    assert layout.groups == ((0, 1, 2), (3, 4, 5)) and layout.encoder_group == 1
+    assert layout.decoder_retentions == (RetentionPolicy(),)  # the KV manager's one group
+    assert layout.layer_slots(6) == [0, 1, 2, 0, 1, 2]  # self layer j and cross layer j share tensor j
+    assert layout.group_of_layer(6) == [0] * 6  # cross layers read group 0's metadata (encoder tables)
+    assert KVGroupLayout.from_wire(layout.to_wire()) == layout
+    with pytest.raises(ConfigError, match="attention_specs"):  # page shapes differ
+        KVGroupLayout.from_specs([own] * 2 + [AttentionSpec(num_heads=4, num_kv_heads=2, head_size=16,
+                                                            attn_type=AttentionType.CROSS)] * 2)
+    with pytest.raises(ConfigError, match="encoder_group"):
+        KVGroupLayout(((0,), (1,)), (RetentionPolicy(),) * 2, encoder_group=0)
