@@ -90,7 +90,7 @@ def _stub_backend_class():
         capabilities = TritonBackend.capabilities  # any CPU-valid record that declares cuda_graphs
 
         def plan(self, metadata):
-            tables = metadata.block_tables_host or metadata.block_table.numpy()
+            tables = metadata.block_tables_host if metadata.block_tables_host is not None else metadata.block_table.numpy()
             _page_lists(tables, metadata.seq_lens_host, metadata.block_size)
             return metadata
 
