@@ -9,8 +9,9 @@ host's work is left, all of them in this file only:
   nothing else (no kernel runs: the stand-in model calls no attention);
 - the executor: the plan goes through msgpack both ways, as remote ranks get it.
 Per batch size, `bs` requests with long prompts (--prompt tokens, so the block tables are
---prompt/16 blocks wide) are prefilled, then --steps decode steps are timed (perf_counter,
-median over steps of each stage), after --warmup steps.
+--prompt/16 blocks wide) are prefilled, then --steps decode steps are timed (process CPU time,
+median over steps of each stage), after --warmup steps. Times are CPU seconds of this
+process (`time.process_time`), which other jobs on a shared machine disturb far less than wall time.
 
 Stages (per step):
   schedule       Scheduler.schedule (admission, slots, the plan's table changes)
@@ -45,7 +46,7 @@ BLOCK = 16
 
 
 class _Timers:
-    """Seconds per stage within the current step; wraps methods with perf_counter."""
+    """Seconds per stage within the current step; wraps methods with process_time."""
 
     def __init__(self) -> None:
         self.now: dict[str, float] = defaultdict(float)
@@ -54,11 +55,11 @@ class _Timers:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.process_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.now[stage] += time.perf_counter() - t0
+                self.now[stage] += time.process_time() - t0
 
         setattr(owner, name, timed)
 
@@ -90,7 +91,9 @@ def _stub_backend_class():
         capabilities = TritonBackend.capabilities  # any CPU-valid record that declares cuda_graphs
 
         def plan(self, metadata):
-            tables = metadata.block_tables_host if metadata.block_tables_host is not None else metadata.block_table.numpy()
+            tables = metadata.block_tables_host
+            if tables is None:  # an older tree's metadata
+                tables = metadata.block_table.tolist()
             _page_lists(tables, metadata.seq_lens_host, metadata.block_size)
             return metadata
 
@@ -255,7 +258,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=1024, help="prompt tokens per request (table width x 16)")
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--vocab", type=int, default=4096, help="logit columns of the stand-in model")
+    ap.add_argument("--vocab", type=int, default=256,
+                    help="logit columns of the stand-in model (small: its argmax is device work on a GPU)")
     ap.add_argument("--out", default="bench/results", help="folder for host-step.json and host-step.png")
     args = ap.parse_args()
     torch.set_num_threads(1)

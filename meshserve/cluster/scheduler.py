@@ -239,15 +239,27 @@ class Scheduler:
     def _table_changes(self, req: Request) -> tuple[list[list[int]], list[int] | None]:
         """What a plan carries of the request's block tables: whole the first time (offsets None),
         afterwards per group the blocks from the last one the workers hold on (a copy-on-write
-        replaces only a table's last block; new blocks are appended). Entries the window released
-        are not resent: the workers' stale ids there are never read (outside every window)."""
+        replaces only a table's last block; new blocks are appended), or nothing at the table's
+        end when neither happened (most decode steps). Entries the window released are not
+        resent: the workers' stale ids there are never read (outside every window)."""
         tables = self.kv.block_tables(req.request_id)
-        sent = req.sent_table_lens
-        req.sent_table_lens = [len(t) for t in tables]
+        sent, tails = req.sent_table_lens, req.sent_table_tails
         if sent is None:
+            req.sent_table_lens = [len(t) for t in tables]
+            req.sent_table_tails = [t[-1] if t else -1 for t in tables]
             return [list(t) for t in tables], None
-        offsets = [max(n - 1, 0) for n in sent]
-        return [list(t[o:]) for t, o in zip(tables, offsets)], offsets
+        changes, offsets = [], []
+        for g, t in enumerate(tables):
+            n = len(t)
+            if n == sent[g] and (not n or t[-1] == tails[g]):
+                changes.append([])
+                offsets.append(n)
+                continue
+            o = max(sent[g] - 1, 0)
+            changes.append(t[o:])
+            offsets.append(o)
+            sent[g], tails[g] = n, t[-1] if n else -1
+        return changes, offsets
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).

@@ -72,6 +72,23 @@ class RequestTables:
             self.lens[g, row] = end  # after any growth: _grow replaces the arrays
         return row
 
+    def apply_all(self, seqs: Sequence[ScheduledSeq]) -> None:
+        """`apply` for a step's sequences. Most decode steps bring no new block: such a sequence
+        (offsets at its rows' ends, nothing to write) is checked in one array comparison."""
+        quiet = []
+        for s in seqs:
+            if s.table_offsets is None or any(s.block_tables) or len(s.table_offsets) != self.num_groups:
+                self.apply(s)
+            else:
+                quiet.append(s)
+        if not quiet:
+            return
+        rows = np.fromiter((self.row_of[s.request_id] for s in quiet), np.int64, len(quiet))
+        offsets = np.array([s.table_offsets for s in quiet], np.int64).reshape(len(quiet), self.num_groups)
+        moved = (offsets != self.lens[:, rows].T).any(axis=1)  # a cut (or a bad offset): the general path
+        for i in np.flatnonzero(moved).tolist():
+            self.apply(quiet[i])
+
     def gather(self, rows: np.ndarray, group: int) -> np.ndarray:
         """[len(rows), w] int32: the rows' tables of one group, w = the longest of them (>= 1)."""
         width = max(int(self.lens[group, rows].max(initial=1)), 1)

@@ -166,10 +166,11 @@ class ModelRunner:
     def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
         requests, last_rows, tables = self.requests, self._last_rows, self.tables
         for s in seqs:
-            check(s.request_id in requests, "request_id", s.request_id, "a request announced in new_requests")
-            check(not s.from_last_step or s.request_id in last_rows, "from_last_step", s.request_id,
-                  "set only for a request that drew a token in the previous step on this (driver) rank")
-            tables.apply(s)
+            if s.request_id not in requests or (s.from_last_step and s.request_id not in last_rows):
+                check(s.request_id in requests, "request_id", s.request_id, "a request announced in new_requests")
+                check(False, "from_last_step", s.request_id,
+                      "set only for a request that drew a token in the previous step on this (driver) rank")
+        tables.apply_all(seqs)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         cols = _Columns.of(seqs, tables.row_of)
         order = seqs
