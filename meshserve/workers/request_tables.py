@@ -59,11 +59,12 @@ class RequestTables:
         else:
             check(len(offsets) == self.num_groups, "table_offsets", offsets,
                   f"one offset per KV layer group ({self.num_groups})")
-        for g, (offset, blocks) in enumerate(zip(offsets, changes)):
-            held = int(self.lens[g, row])
-            if seq.table_offsets is not None:
+        if seq.table_offsets is not None:  # every group checked before any is written
+            for g, offset in enumerate(offsets):
+                held = int(self.lens[g, row])
                 check(0 <= offset <= held, "table_offsets", offset,
                       f"an index in [0, {held}] (the blocks held for {seq.request_id})")
+        for g, (offset, blocks) in enumerate(zip(offsets, changes)):
             end = offset + len(blocks)
             if blocks:
                 if end > self.table.shape[2]:
