@@ -206,6 +206,12 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
     for _ in range(args.warmup):
         core.step()
     rows: dict[str, list[float]] = defaultdict(list)
+    prof = None
+    if args.profile:
+        import cProfile
+
+        prof = cProfile.Profile(time.process_time)
+        prof.enable()
     for _ in range(args.steps):
         timers.now.clear()
         core.step()
@@ -225,6 +231,12 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         stage["total"] = t["step"] - t.get("device stub", 0.0)
         for k, v in stage.items():
             rows[k].append(v * 1e3)
+    if prof is not None:
+        import pstats
+
+        prof.disable()
+        print(f"--- bs {bs}: cProfile of {args.steps} steps (the profiler inflates the timings above)")
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     core.shutdown()
     return {k: statistics.median(v) for k, v in rows.items()}
 
@@ -260,6 +272,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--vocab", type=int, default=256,
                     help="logit columns of the stand-in model (small: its argmax is device work on a GPU)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="also print the N costliest functions of the timed steps (cProfile)")
     ap.add_argument("--out", default="bench/results", help="folder for host-step.json and host-step.png")
     args = ap.parse_args()
     torch.set_num_threads(1)

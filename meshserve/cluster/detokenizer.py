@@ -1,12 +1,10 @@
 """Incremental detokenization and stop strings.
 
 Text is produced as tokens arrive, without re-decoding the whole output each step: a short
-window of earlier tokens is decoded with and without the new tokens and the difference is the
-new text. Decoding from the same starting token on both sides keeps tokenizer quirks (a
-SentencePiece leading space, a byte-level character split over two tokens) out of the delta;
-text ending in U+FFFD (an incomplete UTF-8 character) is held back until it completes. The
-window's start stays put for up to MAX_WINDOW tokens, so that one step's "with" text is the next
-step's "without" text: one decode per step instead of two (a step is one token per request).
+window of earlier tokens is decoded twice (with and without the new tokens) and the difference
+is the new text. Decoding from the same starting token on both sides keeps tokenizer quirks
+(a SentencePiece leading space, a byte-level character split over two tokens) out of the
+delta; text ending in U+FFFD (an incomplete UTF-8 character) is held back until it completes.
 
 Stop strings: the output is cut where a stop string first appears. While streaming, the last
 (longest stop string - 1) characters are held back, so a stop string is never half-sent.
@@ -17,7 +15,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 WINDOW = 6  # tokens of earlier context decoded with each delta
-MAX_WINDOW = 4 * WINDOW  # the window's start moves up once it spans more tokens than this
 
 
 class IncrementalDetokenizer:
@@ -36,27 +33,21 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_on: str | None = None
-        self._before: str | None = None  # decode(ids[prefix_offset:read_offset]) when known
 
-    def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+    def _decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: Sequence[int]) -> None:
         """Add tokens; detects stop strings (see `stopped_on`)."""
         if self.stopped_on is not None:
             return
         self.ids.extend(token_ids)
-        before = self._before
-        if before is None:
-            before = self._before = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # nothing complete yet
         delta = after[len(before):]
-        if len(self.ids) - self.prefix_offset <= MAX_WINDOW:
-            self.read_offset, self._before = len(self.ids), after  # same start: `after` is the next `before`
-        else:
-            self.prefix_offset, self.read_offset, self._before = self.read_offset, len(self.ids), None
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         start = max(len(self.text) - self.hold, 0)  # a stop string may straddle old and new text
         self.text += delta
         self._find_stop(start)
@@ -68,7 +59,7 @@ class IncrementalDetokenizer:
             after = self._decode(self.ids[self.prefix_offset:])
             start = max(len(self.text) - self.hold, 0)
             self.text += after[len(before):]
-            self.prefix_offset, self.read_offset, self._before = self.read_offset, len(self.ids), None
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
             self._find_stop(start)
 
     def _find_stop(self, start: int) -> None:

@@ -152,14 +152,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        for req in list(self.running):
+        max_len, running = self.max_model_len, RequestStatus.RUNNING
+        for req in list(self.running):  # per running request every step: kept lean
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
+            if req.status is not running:
                 continue  # preempted earlier in this loop
-            if req.ends_with_pending or req.num_tokens + req.num_pending_outputs >= self.max_model_len:
+            pending = req.num_pending_outputs
+            num_tokens = len(req.all_token_ids)  # = req.num_tokens
+            if (pending and req.ends_with_pending) or num_tokens + pending >= max_len:
                 continue  # the token still being drawn finishes it (overlap scheduling)
-            n = min(req.num_uncomputed_tokens, budget)
+            n = min(num_tokens + pending - req.num_computed_tokens, budget)  # its uncomputed tokens
             while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -210,23 +213,19 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
-        seqs, new = [], []
-        for req, n in scheduled:
-            if req.request_id not in self._announced:
-                self._announced.add(req.request_id)
-                new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
-            start, known = req.num_computed_tokens, req.num_tokens
+        seqs, new, announced = [], [], self._announced
+        for req, n in scheduled:  # per running request every step: kept lean
+            rid = req.request_id
+            if rid not in announced:
+                announced.add(rid)
+                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids)))
+            start, known = req.num_computed_tokens, len(req.all_token_ids)  # = req.num_tokens
             sample = start + n == known + req.num_pending_outputs
             tables, offsets = self._table_changes(req)
-            seqs.append(ScheduledSeq(
-                request_id=req.request_id,
-                token_ids=req.all_token_ids[start:min(start + n, known)],
-                context_len=start,
-                block_tables=tables,
-                sample=sample,
-                from_last_step=start + n > known,  # the token the step in flight draws for it
-                table_offsets=offsets,
-            ))
+            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets);
+            # from_last_step: the token the step in flight draws for it
+            seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables, sample,
+                                     start + n > known, offsets))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
         self.stats.num_steps += bool(seqs)
@@ -248,6 +247,11 @@ class Scheduler:
             req.sent_table_lens = [len(t) for t in tables]
             req.sent_table_tails = [t[-1] if t else -1 for t in tables]
             return [list(t) for t in tables], None
+        if len(tables) == 1:  # most models: one group, the decode step's common case without a loop
+            t = tables[0]
+            n = len(t)
+            if n == sent[0] and (not n or t[-1] == tails[0]):
+                return [[]], [n]
         changes, offsets = [], []
         for g, t in enumerate(tables):
             n = len(t)

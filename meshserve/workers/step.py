@@ -2,7 +2,10 @@
 
 Both travel as msgpack (never pickle). A request's prompt and sampling settings are sent once,
 when it first appears (`new_requests`); afterwards each step carries only the new tokens,
-where they start and the block tables (one per KV layer group: kvstore/groups.py).
+where they start and what changed in its block tables (one per KV layer group:
+kvstore/groups.py). Long id lists (a prompt, a prompt chunk, a whole block table) travel as
+little-endian int32 bytes, which msgpack copies in one piece and the receiver turns back into
+a list in C; short ones (a decode step's one token, its block changes) stay msgpack lists.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.errors import check
@@ -29,7 +33,19 @@ class NewRequest:
     output_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+PACKED_IDS_MIN = 32  # id lists at least this long travel as int32 bytes
+
+
+def pack_ids(ids: list[int]) -> list[int] | bytes:
+    """An id list as it goes into a msgpack message (see the module docstring)."""
+    return np.asarray(ids, "<i4").tobytes() if len(ids) >= PACKED_IDS_MIN else ids
+
+
+def unpack_ids(ids: list[int] | bytes) -> list[int]:
+    return np.frombuffer(ids, "<i4").tolist() if isinstance(ids, bytes) else ids
+
+
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step.
 
@@ -101,11 +117,19 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     def to_msgpack(self) -> bytes:
+        seqs = []
+        for s in self.seqs:  # per sequence every step: kept lean (a decode packs nothing)
+            tok, tables = s.token_ids, s.block_tables
+            if len(tok) >= PACKED_IDS_MIN:
+                tok = pack_ids(tok)
+            if s.table_offsets is None or sum(map(len, tables)) >= PACKED_IDS_MIN:
+                tables = [np.asarray(t, "<i4").tobytes() for t in tables]  # every group's, even short ones
+            seqs.append([s.request_id, tok, s.context_len, tables, s.sample, s.from_last_step, s.table_offsets])
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step,
-                      s.table_offsets] for s in self.seqs],
-            "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids] for r in self.new_requests],
+            "seqs": seqs,
+            "new": [[r.request_id, pack_ids(r.prompt_ids), r.sampling, pack_ids(r.output_ids)]
+                    for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
         })
@@ -115,8 +139,12 @@ class StepPlan:
         d = msgpack.unpackb(data)
         return cls(
             step_id=d["step_id"],
-            seqs=[ScheduledSeq(*s) for s in d["seqs"]],
-            new_requests=[NewRequest(*r) for r in d["new"]],
+            seqs=[ScheduledSeq(rid, tok if type(tok) is list else unpack_ids(tok), ctx,
+                               tables if not tables or type(tables[0]) is list else [unpack_ids(t) for t in tables],
+                               sample, last, offsets)
+                  for rid, tok, ctx, tables, sample, last, offsets in d["seqs"]],
+            new_requests=[NewRequest(rid, unpack_ids(prompt), sampling, unpack_ids(out))
+                          for rid, prompt, sampling, out in d["new"]],
             finished=d["finished"],
             copies=[tuple(c) for c in d["copies"]],
         )

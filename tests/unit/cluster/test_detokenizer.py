@@ -35,20 +35,6 @@ def test_incremental_text_equals_full_decode(tok, step):
     assert all("\ufffd" not in p for p in pieces)  # never half a character
 
 
-@pytest.mark.parametrize("step", [1, 3])
-def test_long_outputs_move_the_window_and_still_equal_the_full_decode(tok, step):
-    """Outputs far longer than MAX_WINDOW: the window's start moves up many times (each decode
-    reuses the previous step's text until it does)."""
-    from meshserve.cluster.detokenizer import MAX_WINDOW
-
-    ids = tok.encode(" ".join([TEXT] * 6)).ids
-    assert len(ids) > 5 * MAX_WINDOW
-    detok = IncrementalDetokenizer(tok, tok.encode("Once").ids)
-    pieces = _stream(detok, ids, step)
-    assert "".join(pieces) == tok.decode(ids)
-    assert all("\ufffd" not in p for p in pieces)
-
-
 def test_stop_string_cuts_text_and_is_never_half_sent(tok):
     ids = tok.encode(TEXT).ids
     detok = IncrementalDetokenizer(tok, [], stop=("jumps", "nowhere"))
