@@ -95,7 +95,6 @@ class _Tracked:
     request: Request
     detok: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
-    text: str = ""
 
 
 class EngineCore:
@@ -187,7 +186,7 @@ class EngineCore:
         tracked = _Tracked(request, self._detokenizer(request), num_sent_tokens=len(request.output_ids))
         if tracked.detok is not None:  # replay what the client already has, so text continues seamlessly
             tracked.detok.push(request.output_ids)
-            tracked.text = tracked.detok.take()
+            tracked.detok.take()
         self._tracked[request.request_id] = tracked
 
     # -- stepping --------------------------------------------------------------------------
@@ -231,7 +230,6 @@ class EngineCore:
             if req.is_finished:
                 detok.flush()
             text = detok.take(final=req.is_finished)
-            tracked.text += text
         if req.is_finished:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, req.is_finished, req.finish_reason,
