@@ -34,6 +34,7 @@ Stages (per step):
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
@@ -216,6 +217,8 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         core.step()
     for _ in range(args.warmup):
         core.step()
+    gc.collect()
+    gc.freeze()  # as the worker does on CUDA after start-up (workers/worker.py)
     rows: dict[str, list[float]] = defaultdict(list)
     prof = None
     if args.profile:
@@ -249,6 +252,7 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         print(f"--- bs {bs}: cProfile of {args.steps} steps (the profiler inflates the timings above)")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     core.shutdown()
+    gc.unfreeze()
     return {k: statistics.median(v) for k, v in rows.items()}
 
 

@@ -117,14 +117,14 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     def to_msgpack(self) -> bytes:
-        seqs = []
-        for s in self.seqs:  # per sequence every step: kept lean (a decode packs nothing)
-            tok, tables = s.token_ids, s.block_tables
-            if len(tok) >= PACKED_IDS_MIN:
-                tok = pack_ids(tok)
-            if s.table_offsets is None or sum(map(len, tables)) >= PACKED_IDS_MIN:
-                tables = [np.asarray(t, "<i4").tobytes() for t in tables]  # every group's, even short ones
-            seqs.append([s.request_id, tok, s.context_len, tables, s.sample, s.from_last_step, s.table_offsets])
+        short = PACKED_IDS_MIN
+        seqs = [  # per sequence every step: one comprehension, a decode packs nothing
+            [s.request_id, s.token_ids if len(s.token_ids) < short else pack_ids(s.token_ids), s.context_len,
+             s.block_tables if s.table_offsets is not None and sum(map(len, s.block_tables)) < short
+             else [np.asarray(t, "<i4").tobytes() for t in s.block_tables],  # every group's, even short ones
+             s.sample, s.from_last_step, s.table_offsets]
+            for s in self.seqs
+        ]  # fmt: skip
         return msgpack.packb({
             "step_id": self.step_id,
             "seqs": seqs,
@@ -139,8 +139,8 @@ class StepPlan:
         d = msgpack.unpackb(data)
         return cls(
             step_id=d["step_id"],
-            seqs=[ScheduledSeq(rid, tok if type(tok) is list else unpack_ids(tok), ctx,
-                               tables if not tables or type(tables[0]) is list else [unpack_ids(t) for t in tables],
+            seqs=[ScheduledSeq(rid, tok if tok.__class__ is list else unpack_ids(tok), ctx,
+                               tables if not tables or tables[0].__class__ is list else list(map(unpack_ids, tables)),
                                sample, last, offsets)
                   for rid, tok, ctx, tables, sample, last, offsets in d["seqs"]],
             new_requests=[NewRequest(rid, unpack_ids(prompt), sampling, unpack_ids(out))
