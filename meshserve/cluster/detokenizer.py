@@ -45,11 +45,11 @@ class IncrementalDetokenizer:
 
     def push(self, token_ids: Sequence[int]) -> None:
         """Add tokens; detects stop strings (see `stopped_on`)."""
-        if self.stopped_on is not None:
+        if self.stopped_on is not None or not token_ids:
             return
         self.ids.extend(token_ids)
         if self._stream is not None:
-            delta = self._stream.step(self.tokenizer, list(token_ids)) if token_ids else None
+            delta = self._stream.step(self.tokenizer, token_ids if token_ids.__class__ is list else list(token_ids))
             if not delta:
                 return  # nothing complete yet
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # for flush

@@ -216,23 +216,26 @@ class EngineCore:
 
     def _delta(self, req: Request) -> CompletionDelta:
         tracked = self._tracked[req.request_id]
-        new_tokens = req.output_ids[tracked.num_sent_tokens:]
-        new_logprobs = req.output_logprobs[tracked.num_sent_tokens:]
+        sent = tracked.num_sent_tokens
+        new_tokens = req.output_ids[sent:]
+        new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
         tracked.num_sent_tokens = len(req.output_ids)
+        finished = req.is_finished
         text = ""
         if tracked.detok is not None:
             detok = tracked.detok
             # EOS and stop token ids end the output; their text is not part of it.
-            ends_on_token = req.is_finished and req.finish_reason is FinishReason.STOP
+            ends_on_token = finished and req.finish_reason is FinishReason.STOP
             detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
-            if detok.stopped_on is not None and not req.is_finished:
+            if detok.stopped_on is not None and not finished:
                 self.scheduler.finish(req, FinishReason.STOP, detok.stopped_on)
-            if req.is_finished:
+                finished = True
+            if finished:
                 detok.flush()
-            text = detok.take(final=req.is_finished)
-        if req.is_finished:
+            text = detok.take(final=finished)
+        if finished:
             del self._tracked[req.request_id]
-        return CompletionDelta(req.request_id, new_tokens, text, req.is_finished, req.finish_reason,
+        return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,
                                req.stop_reason, new_logprobs)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:
