@@ -88,7 +88,8 @@ class ScheduledSeq:
 
 def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list[int]]:
     """The request's block tables after `seq`'s changes (`tables`: the ones held so far; updated
-    in place where they are kept)."""
+    in place where they are kept). The definition on lists; workers keep their tables as arrays
+    and apply the same changes there (workers/request_tables.py; its tests compare with this)."""
     if seq.table_offsets is None:
         return [list(t) for t in seq.block_tables]
     check(len(seq.table_offsets) == len(tables) == len(seq.block_tables), "table_offsets",
