@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import importlib.util
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from meshserve.attention.metadata import AttentionMetadata
@@ -233,10 +233,11 @@ class AttentionBackend(ABC):
 
         raise ConfigError("attention_backend", self.name, "a backend whose capabilities declare cuda_graphs")
 
-    def prepare_replay(self, plan: object, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
-        """Host work before replaying a graph captured with `plan`, for this step's lengths and
-        tables (one row per graph row, padding included). Default: nothing (the kernels read
-        the static buffers directly)."""
+    def prepare_replay(self, plan: object, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        """Host work before replaying a graph captured with `plan`, for this step's lengths
+        ([b] int32) and tables ([b, W] int32 host array, one row per graph row, padding
+        included; entries past a row's blocks are never read). Default: nothing (the kernels
+        read the static buffers directly)."""
         return None
 
     @abstractmethod

@@ -36,8 +36,9 @@ class AttentionMetadata:
       kv_group: the KV layer group whose block tables these are (hybrid models build one
                 metadata per group; backends with per-plan state keep it per group)
     Host copies of the lengths (`query_lens_host`, `seq_lens_host`) and of the block tables
-    (`block_tables_host`, when built from host lists) are kept for backends whose planning
-    happens on the host: reading the device tensors back would wait for the device.
+    (`block_tables_host`: [S, max_blocks] int32 numpy, the host twin of block_table, when built
+    on the host) are kept for backends whose planning happens on the host: reading the device
+    tensors back would wait for the device.
     Decode context parallelism (dcp_size > 1): seq_lens, context_lens and query positions stay
     global; only storage is sharded. The token at global position p lives on DCP rank
     p % dcp_size at local position p // dcp_size, so block_table rows index local storage and
@@ -61,7 +62,7 @@ class AttentionMetadata:
     block_size: int
     query_lens_host: tuple[int, ...]
     seq_lens_host: tuple[int, ...]
-    block_tables_host: tuple[Sequence[int], ...] | None = None
+    block_tables_host: np.ndarray | None = None
     encoder_seq_lens_host: tuple[int, ...] | None = None
     encoder_block_table: torch.Tensor | None = None
     dcp_size: int = 1
@@ -90,7 +91,7 @@ class AttentionMetadata:
         *,
         query_lens: Sequence[int],
         seq_lens: Sequence[int],
-        block_tables: Sequence[Sequence[int]],
+        block_tables: Sequence[Sequence[int]] | np.ndarray,
         block_size: int,
         device: torch.device | str = "cpu",
         write_kv: bool = True,
@@ -102,8 +103,10 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Build metadata from host lists; slot_mapping follows the block tables.
 
-        A sequence counts as a decode when it adds exactly one token after a non-empty cached
-        context; every decode must come after every prefill.
+        block_tables: one list of block ids per sequence, or an [S, W] int32 array whose rows
+        are the sequences' tables (entries past a sequence's blocks are never read; every row
+        counts as W blocks long). A sequence counts as a decode when it adds exactly one token
+        after a non-empty cached context; every decode must come after every prefill.
         """
         num_seqs = len(query_lens)
         check(len(seq_lens) == num_seqs, "seq_lens", len(seq_lens), f"one entry per sequence ({num_seqs})")
@@ -121,7 +124,12 @@ class AttentionMetadata:
         # these few elements and some (repeat_interleave) wait for a busy core.
         q = np.fromiter(query_lens, np.int64, num_seqs)  # [S]
         s = np.fromiter(seq_lens, np.int64, num_seqs)  # [S]
-        widths = np.fromiter(map(len, block_tables), np.int64, num_seqs)  # [S]
+        padded = isinstance(block_tables, np.ndarray)
+        if padded:
+            check(block_tables.ndim == 2, "block_tables", block_tables.shape, "an [S, W] array")
+            widths = np.full(num_seqs, block_tables.shape[1], np.int64)
+        else:
+            widths = np.fromiter(map(len, block_tables), np.int64, num_seqs)  # [S]
         _check_lengths(q, s, widths, block_size, dcp_size, dcp_rank)
         is_decode = (q == 1) & (s > 1)
         num_prefills = int(is_decode.argmax()) if is_decode.any() else num_seqs
@@ -131,7 +139,8 @@ class AttentionMetadata:
             list(query_lens),
             "prefill sequences first, then decode sequences (one new token each)",
         )
-        table = _pad_table(block_tables, widths)
+        table = (np.ascontiguousarray(block_tables, np.int32) if padded and num_seqs and block_tables.shape[1]
+                 else pad_table(block_tables, widths))
         encoder_table = None
         if encoder_seq_lens is not None:
             check(
@@ -142,11 +151,11 @@ class AttentionMetadata:
                 None if encoder_block_tables is None else len(encoder_block_tables),
                 f"one row per sequence ({num_seqs}) with encoder_seq_lens",
             )
-            encoder_table = to_device(torch.from_numpy(_pad_table(encoder_block_tables)), device)
+            encoder_table = to_device(torch.from_numpy(pad_table(encoder_block_tables)), device)
         qsl = np.zeros(num_seqs + 1, np.int32)
         np.cumsum(q, out=qsl[1:])
         context = s - q
-        slots = _slot_mapping(table, qsl, context, block_size, dcp_size, dcp_rank, write_kv)
+        slots = token_slots(table, qsl, context, block_size, dcp_size, dcp_rank, write_kv)
         return cls(  # stream-ordered copies: building never waits for the device (core/tensors.py)
             query_start_loc=to_device(torch.from_numpy(qsl), device),
             seq_lens=to_device(torch.from_numpy(s.astype(np.int32)), device),
@@ -161,7 +170,7 @@ class AttentionMetadata:
             block_size=block_size,
             query_lens_host=tuple(query_lens),
             seq_lens_host=tuple(seq_lens),
-            block_tables_host=tuple(block_tables),
+            block_tables_host=table,
             encoder_seq_lens_host=None if encoder_seq_lens is None else tuple(encoder_seq_lens),
             encoder_block_table=encoder_table,
             dcp_size=dcp_size,
@@ -185,8 +194,8 @@ def _check_lengths(q: np.ndarray, s: np.ndarray, widths: np.ndarray, block_size:
           f">= {int(needed[i])} blocks for seq_len {si} at block_size {block_size} (dcp {dcp_rank}/{dcp_size})")
 
 
-def _slot_mapping(table: np.ndarray, qsl: np.ndarray, context: np.ndarray, block_size: int, dcp_size: int,
-                  dcp_rank: int, write_kv: bool) -> np.ndarray:
+def token_slots(table: np.ndarray, qsl: np.ndarray, context: np.ndarray, block_size: int, dcp_size: int,
+                dcp_rank: int, write_kv: bool) -> np.ndarray:
     """[T] int64 cache slot of each new token, -1 where this rank does not write it."""
     num_tokens = int(qsl[-1])
     if not write_kv:
@@ -202,7 +211,7 @@ def _slot_mapping(table: np.ndarray, qsl: np.ndarray, context: np.ndarray, block
     return np.where(mine, slots, -1)
 
 
-def _pad_table(rows: Sequence[Sequence[int]], widths: np.ndarray | None = None) -> np.ndarray:
+def pad_table(rows: Sequence[Sequence[int]], widths: np.ndarray | None = None) -> np.ndarray:
     """[len(rows), max_len] int32, rows padded with block 0 (never read past a sequence's end)."""
     num_rows = len(rows)
     if widths is None:

@@ -5,6 +5,10 @@ window of earlier tokens is decoded twice (with and without the new tokens) and 
 is the new text. Decoding from the same starting token on both sides keeps tokenizer quirks
 (a SentencePiece leading space, a byte-level character split over two tokens) out of the
 delta; text ending in U+FFFD (an incomplete UTF-8 character) is held back until it completes.
+With a `tokenizers.Tokenizer`, the library's own `DecodeStream` does the same windowed
+decoding in one native call per step instead of two (this is on every step's path: about a
+fifth of the time of a decode step at batch 256); it is primed with a prompt suffix that
+decodes to complete characters, so none of the prompt's text leaks into the output.
 
 Stop strings: the output is cut where a stop string first appears. While streaming, the last
 (longest stop string - 1) characters are held back, so a stop string is never half-sent.
@@ -27,55 +31,91 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids)
         self.prefix_offset = max(len(self.ids) - WINDOW, 0)
         self.read_offset = len(self.ids)
-        self.text = ""  # full output text so far (after any stop-string cut)
-        self.sent = 0  # characters of `text` already handed out
+        # Output text not handed out yet (after any stop-string cut); what was handed out is
+        # dropped, so a step's work does not grow with the length of the output.
+        self.pending = ""
         self.stop = tuple(stop)
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_on: str | None = None
+        self._stream = _decode_stream(tokenizer, self.ids, skip_special_tokens)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
     def push(self, token_ids: Sequence[int]) -> None:
         """Add tokens; detects stop strings (see `stopped_on`)."""
-        if self.stopped_on is not None:
+        if self.stopped_on is not None or not token_ids:
             return
         self.ids.extend(token_ids)
+        if self._stream is not None:
+            delta = self._stream.step(self.tokenizer, token_ids if token_ids.__class__ is list else list(token_ids))
+            if not delta:
+                return  # nothing complete yet
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # for flush
+            self._add(delta)
+            return
         before = self._decode(self.ids[self.prefix_offset:self.read_offset])
         after = self._decode(self.ids[self.prefix_offset:])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # nothing complete yet
         delta = after[len(before):]
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        start = max(len(self.text) - self.hold, 0)  # a stop string may straddle old and new text
-        self.text += delta
-        self._find_stop(start)
+        self._add(delta)
 
     def flush(self) -> None:
         """At the end: decode held-back tokens even when their last character is incomplete."""
         if self.stopped_on is None and self.read_offset < len(self.ids):
             before = self._decode(self.ids[self.prefix_offset:self.read_offset])
             after = self._decode(self.ids[self.prefix_offset:])
-            start = max(len(self.text) - self.hold, 0)
-            self.text += after[len(before):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._find_stop(start)
+            self._add(after[len(before):])
 
-    def _find_stop(self, start: int) -> None:
+    def _add(self, delta: str) -> None:
+        """Append new text and cut it at the first stop string. A stop string may straddle old
+        and new text; the last `hold` characters are never handed out, so it lies in `pending`."""
+        start = max(len(self.pending) - self.hold, 0)
+        self.pending += delta
+        if not self.stop:
+            return
         best: tuple[int, str] | None = None
         for s in self.stop:
-            i = self.text.find(s, start)
+            i = self.pending.find(s, start)
             if i >= 0 and (best is None or i < best[0]):
                 best = (i, s)
         if best is not None:
             i, s = best
-            self.text = self.text[: i + len(s)] if self.include_stop else self.text[:i]
+            self.pending = self.pending[: i + len(s)] if self.include_stop else self.pending[:i]
             self.stopped_on = s
 
     def take(self, *, final: bool = False) -> str:
         """Text not yet handed out; all of it when `final` (or once a stop string ended it)."""
-        end = len(self.text) if final or self.stopped_on is not None else max(len(self.text) - self.hold, 0)
-        end = max(end, self.sent)
-        out, self.sent = self.text[self.sent:end], end
-        return out
+        pending = self.pending
+        n = len(pending) if final or self.stopped_on is not None else max(len(pending) - self.hold, 0)
+        self.pending = pending[n:]
+        return pending[:n]
+
+
+def _decode_stream(tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+    """A `tokenizers.decoders.DecodeStream` primed with the prompt's last tokens, or None when the
+    tokenizer is not a `tokenizers.Tokenizer`. The suffix is the shortest of WINDOW..4*WINDOW (or all)
+    tokens whose text has no incomplete character, so the priming step leaves nothing pending that the
+    first output token would release."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    if not isinstance(tokenizer, Tokenizer):
+        return None
+    stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if not prompt_ids:
+        return stream
+    for n in range(min(len(prompt_ids), WINDOW), min(len(prompt_ids), 4 * WINDOW) + 1):
+        suffix = prompt_ids[-n:]
+        if not tokenizer.decode(suffix, skip_special_tokens=skip_special_tokens).endswith("\ufffd"):
+            break
+    else:
+        return None  # no clean suffix (binary-like prompt): the windowed decoding above handles it
+    stream.step(tokenizer, suffix)
+    return stream

@@ -100,7 +100,6 @@ class _Tracked:
     request: Request
     detok: IncrementalDetokenizer | None
     num_sent_tokens: int = 0
-    text: str = ""
 
 
 class EngineCore:
@@ -239,7 +238,7 @@ class EngineCore:
         tracked = _Tracked(request, self._detokenizer(request), num_sent_tokens=len(request.output_ids))
         if tracked.detok is not None:  # replay what the client already has, so text continues seamlessly
             tracked.detok.push(request.output_ids)
-            tracked.text = tracked.detok.take()
+            tracked.detok.take()
         self._tracked[request.request_id] = tracked
 
     # -- stepping --------------------------------------------------------------------------
@@ -288,24 +287,26 @@ class EngineCore:
 
     def _delta(self, req: Request) -> CompletionDelta:
         tracked = self._tracked[req.request_id]
-        new_tokens = req.output_ids[tracked.num_sent_tokens:]
-        new_logprobs = req.output_logprobs[tracked.num_sent_tokens:]
+        sent = tracked.num_sent_tokens
+        new_tokens = req.output_ids[sent:]
+        new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
         tracked.num_sent_tokens = len(req.output_ids)
+        finished = req.is_finished
         text = ""
         if tracked.detok is not None:
             detok = tracked.detok
             # EOS and stop token ids end the output; their text is not part of it.
-            ends_on_token = req.is_finished and req.finish_reason is FinishReason.STOP
+            ends_on_token = finished and req.finish_reason is FinishReason.STOP
             detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
-            if detok.stopped_on is not None and not req.is_finished:
+            if detok.stopped_on is not None and not finished:
                 self.scheduler.finish(req, FinishReason.STOP, detok.stopped_on)
-            if req.is_finished:
+                finished = True
+            if finished:
                 detok.flush()
-            text = detok.take(final=req.is_finished)
-            tracked.text += text
-        if req.is_finished:
+            text = detok.take(final=finished)
+        if finished:
             del self._tracked[req.request_id]
-        return CompletionDelta(req.request_id, new_tokens, text, req.is_finished, req.finish_reason,
+        return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,
                                req.stop_reason, new_logprobs)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:

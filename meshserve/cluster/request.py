@@ -38,6 +38,7 @@ class Request:
     # Per KV layer group, how many blocks of the request's tables its workers hold (None: they
     # hold none, so the next plan carries the tables whole). Step plans carry only what changed.
     sent_table_lens: list[int] | None = None
+    sent_table_tails: list[int] = field(default_factory=list)  # per group, the last block id sent (-1: none)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

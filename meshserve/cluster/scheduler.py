@@ -159,14 +159,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        for req in list(self.running):
+        max_len, running = self.max_model_len, RequestStatus.RUNNING
+        for req in list(self.running):  # per running request every step: kept lean
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING or req.held:
+            if req.status is not running or req.held:
                 continue  # preempted earlier in this loop, or waiting for its search's choice
-            if req.ends_with_pending or req.num_tokens + req.num_pending_outputs >= self.max_model_len:
+            pending = req.num_pending_outputs
+            num_tokens = len(req.all_token_ids)  # = req.num_tokens
+            if (pending and req.ends_with_pending) or num_tokens + pending >= max_len:
                 continue  # the token still being drawn finishes it (overlap scheduling)
-            n = min(req.num_uncomputed_tokens, budget)
+            n = min(num_tokens + pending - req.num_computed_tokens, budget)  # its uncomputed tokens
             while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -290,25 +293,21 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
-        seqs, new = [], []
-        for req, n in scheduled:
-            if req.request_id not in self._announced:
-                self._announced.add(req.request_id)
-                new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+        seqs, new, announced = [], [], self._announced
+        for req, n in scheduled:  # per running request every step: kept lean
+            rid = req.request_id
+            if rid not in announced:
+                announced.add(rid)
+                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
                                       list(req.encoder_ids or ())))
-            start, known = req.num_computed_tokens, req.num_tokens
+            start, known = req.num_computed_tokens, len(req.all_token_ids)  # = req.num_tokens
             sample = start + n == known + req.num_pending_outputs and req.fork_into is None
             tables, offsets = self._table_changes(req)
-            seqs.append(ScheduledSeq(
-                request_id=req.request_id,
-                token_ids=req.all_token_ids[start:min(start + n, known)],
-                context_len=start,
-                block_tables=tables,
-                sample=sample,
-                from_last_step=start + n > known,  # the token the step in flight draws for it
-                table_offsets=offsets,
-                encoder_table=list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None,
-            ))
+            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
+            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets,
+            # encoder_table); from_last_step: the token the step in flight draws for it
+            seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables, sample,
+                                     start + n > known, offsets, encoder))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
             req.held |= sample and req.chosen_by_search
@@ -322,15 +321,32 @@ class Scheduler:
     def _table_changes(self, req: Request) -> tuple[list[list[int]], list[int] | None]:
         """What a plan carries of the request's block tables: whole the first time (offsets None),
         afterwards per group the blocks from the last one the workers hold on (a copy-on-write
-        replaces only a table's last block; new blocks are appended). Entries the window released
-        are not resent: the workers' stale ids there are never read (outside every window)."""
+        replaces only a table's last block; new blocks are appended), or nothing at the table's
+        end when neither happened (most decode steps). Entries the window released are not
+        resent: the workers' stale ids there are never read (outside every window)."""
         tables = self.kv.block_tables(req.request_id)
-        sent = req.sent_table_lens
-        req.sent_table_lens = [len(t) for t in tables]
+        sent, tails = req.sent_table_lens, req.sent_table_tails
         if sent is None:
+            req.sent_table_lens = [len(t) for t in tables]
+            req.sent_table_tails = [t[-1] if t else -1 for t in tables]
             return [list(t) for t in tables], None
-        offsets = [max(n - 1, 0) for n in sent]
-        return [list(t[o:]) for t, o in zip(tables, offsets)], offsets
+        if len(tables) == 1:  # most models: one group, the decode step's common case without a loop
+            t = tables[0]
+            n = len(t)
+            if n == sent[0] and (not n or t[-1] == tails[0]):
+                return [[]], [n]
+        changes, offsets = [], []
+        for g, t in enumerate(tables):
+            n = len(t)
+            if n == sent[g] and (not n or t[-1] == tails[g]):
+                changes.append([])
+                offsets.append(n)
+                continue
+            o = max(sent[g] - 1, 0)
+            changes.append(t[o:])
+            offsets.append(o)
+            sent[g], tails[g] = n, t[-1] if n else -1
+        return changes, offsets
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).

@@ -27,6 +27,14 @@ def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype
     return host.pin_memory().to(device, non_blocking=True)
 
 
+def copy_into(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Copy a host tensor into `dst` (same shape) in place; on CUDA from pinned memory, stream-
+    ordered (a static buffer a CUDA graph reads is filled this way: no temporary on the device)."""
+    if dst.is_cuda:
+        host = host.pin_memory()
+    dst.copy_(host, non_blocking=True)
+
+
 @lru_cache(maxsize=8)
 def _multiprocessors(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count

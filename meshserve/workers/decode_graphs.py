@@ -24,10 +24,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 
 from meshserve.attention.backend import AttentionBackend, KVCache
-from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.metadata import AttentionMetadata, pad_table, token_slots
+from meshserve.core.tensors import copy_into
 from meshserve.errors import check
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 from meshserve.workers.step import ScheduledSeq
@@ -67,14 +69,18 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch)
         b, width = self.sizes[-1], -(-max_local_len // block_size)
         # Device buffers, written in place before every replay (their addresses are in the graphs).
-        self.input_ids = torch.zeros(b, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(b, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(b, dtype=torch.int32, device=device)
-        self.context_lens = torch.zeros(b, dtype=torch.int32, device=device)
+        # The per-row inputs are rows of two slabs, so that one host-to-device copy per dtype
+        # fills them all: int64 [input_ids, positions, slot mapping per group], int32 [seq_lens,
+        # context_lens]; block tables have one buffer per group.
+        self._slab64 = torch.zeros(2 + self.num_groups, b, dtype=torch.int64, device=device)
+        self._slab32 = torch.zeros(2, b, dtype=torch.int32, device=device)
+        self.input_ids, self.positions = self._slab64[0], self._slab64[1]
+        self.slot_mappings = [self._slab64[2 + g] for g in range(self.num_groups)]  # NULL_SLOT when unused
+        self.seq_lens, self.context_lens = self._slab32[0], self._slab32[1]
+        self.seq_lens.fill_(1)
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per row
         self.block_tables = [torch.zeros(b, width, dtype=torch.int32, device=device) for _ in range(self.num_groups)]
-        self.slot_mappings = [torch.full((b,), NULL_SLOT, dtype=torch.int64, device=device)
-                              for _ in range(self.num_groups)]  # fmt: skip
+        self._decode_qsl = np.arange(b + 1)  # one new token per row
         self._contexts: dict[int, ForwardContext] = {}
         self._plans: dict[int, list[tuple[AttentionBackend, int, object]]] = {}  # (backend, group, plan)
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -164,35 +170,59 @@ class DecodeGraphs:
 
     # ------------------------------------------------------------------------------- a step
     @torch.inference_mode()
-    def run(self, seqs: Sequence[ScheduledSeq], tables: Sequence[Sequence[Sequence[int]]] | None = None, *,
+    def run(self, seqs: Sequence[ScheduledSeq], tables: Sequence[np.ndarray] | None = None, *,
             fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Logits [len(seqs), V] float32 of one decode step, rows in the order of `seqs`.
 
-        tables: per sequence, its whole block tables (one per KV layer group); default: the
-        seqs' own block_tables (plans that carry whole tables).
+        tables: per KV layer group, the seqs' block tables as an [n, W] int32 host array (row i
+        for seqs[i]; entries past a row's blocks are never read); default: from the seqs' own
+        block_tables (plans that carry whole tables).
         fill: writes the tokens the host does not know yet (`from_last_step`) into the token-id
         buffer, on the device, before the replay."""
         check(self.serves(seqs), "seqs", len(seqs), f"1..{self.max_batch} decodes that sample")
-        n = len(seqs)
+        token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in seqs), np.int64, len(seqs))
+        context_lens = np.fromiter((s.context_len for s in seqs), np.int64, len(seqs))
+        if tables is None:
+            tables = [pad_table([s.block_tables[g] for s in seqs]) for g in range(self.num_groups)]
+        return self.run_arrays(token_ids, context_lens, tables, fill=fill)
+
+    @torch.inference_mode()
+    def run_arrays(self, token_ids: np.ndarray, context_lens: np.ndarray, tables: Sequence[np.ndarray], *,
+                   fill: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """`run` for a step given as host arrays: token_ids [n] int64 (any value where `fill`
+        writes the token), context_lens [n] int64 (each row's position), tables per group
+        [n, W] int32. Every buffer is filled by array ops and one host-to-device copy."""
+        n = len(token_ids)
+        check(1 <= n <= self.max_batch, "num_seqs", n, f"an integer in [1, {self.max_batch}]")
         b = self.bucket(n)
-        pad = b - n
-        lens = [s.seq_len for s in seqs] + [1] * pad
-        self._write(self.input_ids, [s.token_ids[0] if s.token_ids else 0 for s in seqs] + [0] * pad)
+        slab64 = np.zeros((2 + self.num_groups, self.max_batch), np.int64)  # padding: token 0, position 0, NULL_SLOT
+        slab64[0, :n] = token_ids
+        slab64[1, :n] = context_lens
+        slab32 = np.zeros((2, self.max_batch), np.int32)
+        slab32[0] = 1  # padding rows: one key (the null slot)
+        slab32[0, :n] = context_lens + 1
+        slab32[1, :n] = context_lens
+        seq_lens = slab32[0, :b]
+        padded = []
+        for g in range(self.num_groups):
+            table = tables[g]
+            check(table.shape[0] == n and table.shape[1] <= self.block_tables[g].shape[1], "block_tables",
+                  tuple(table.shape), f"{n} rows of at most {self.block_tables[g].shape[1]} blocks (max_model_len)")
+            rows = np.zeros((b, max(table.shape[1], 1)), np.int32)  # padding rows: block 0
+            rows[:n, : table.shape[1]] = table
+            slab64[2 + g, :n] = token_slots(rows, self._decode_qsl[: n + 1], context_lens, self.block_size,
+                                            self.dcp_size, self.dcp_rank, True)
+            padded.append(rows)
+        copy_into(self._slab64, torch.from_numpy(slab64))
+        copy_into(self._slab32, torch.from_numpy(slab32))
         if fill is not None:
             fill(self.input_ids)
-        self._write(self.positions, [s.context_len for s in seqs] + [0] * pad)
-        self._write(self.seq_lens, lens)
-        self._write(self.context_lens, [length - 1 for length in lens])
-        if tables is None:
-            tables = [s.block_tables for s in seqs]
-        for g in range(self.num_groups):
-            rows = [t[g] for t in tables] + [[0]] * pad
-            self._write_table(self.block_tables[g], rows)
-            self._write(self.slot_mappings[g], [self._slot(t[g], s.context_len) for s, t in zip(seqs, tables)]
-                        + [NULL_SLOT] * pad)  # fmt: skip
+        for g, rows in enumerate(padded):
+            # Columns right of the step's widest row stay stale: never read (lengths bound every read).
+            copy_into(self.block_tables[g][:b, : rows.shape[1]], torch.from_numpy(rows))
             for backend, group, plan in self._plans.get(b, ()):
                 if group == g:
-                    backend.prepare_replay(plan, lens, rows)
+                    backend.prepare_replay(plan, seq_lens, rows)
         self.num_steps += 1
         if self.capture:
             if b not in self._graphs:
@@ -200,29 +230,3 @@ class DecodeGraphs:
             self._graphs[b].replay()
             return self._logits_out[:n]
         return self._forward(b)[:n]
-
-    def _slot(self, table: Sequence[int], pos: int) -> int:
-        if pos % self.dcp_size != self.dcp_rank:
-            return -1  # another DCP rank stores this token
-        local = pos // self.dcp_size
-        return table[local // self.block_size] * self.block_size + local % self.block_size
-
-    def _write(self, dst: torch.Tensor, values: list[int]) -> None:
-        src = torch.tensor(values, dtype=dst.dtype)
-        if dst.is_cuda:
-            src = src.pin_memory()
-        dst[: len(values)].copy_(src, non_blocking=True)
-
-    def _write_table(self, dst: torch.Tensor, rows: list[Sequence[int]]) -> None:
-        """Rows' block ids into the left of dst's rows; entries right of a row's end stay stale
-        (never read: sequence lengths bound every read)."""
-        width = max(len(r) for r in rows)
-        check(width <= dst.shape[1], "block_tables", width, f"at most {dst.shape[1]} blocks (max_model_len)")
-        host = torch.zeros(len(rows), width, dtype=torch.int32)
-        lengths = torch.tensor([len(r) for r in rows])
-        flat = torch.tensor([x for r in rows for x in r], dtype=torch.int32)
-        cols = torch.arange(width).expand(len(rows), width) < lengths[:, None]
-        host[cols] = flat
-        if dst.is_cuda:
-            host = host.pin_memory()
-        dst[: len(rows), :width].copy_(host, non_blocking=True)

@@ -26,8 +26,9 @@ from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
+from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan, apply_table_changes
+from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -72,7 +73,6 @@ class _Request:
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)  # its block tables, per KV layer group
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
 
@@ -122,6 +122,7 @@ class ModelRunner:
         self.is_driver = is_driver
         self.sampler = Sampler(seed=seed, device=self.device) if is_driver else None
         self.requests: dict[str, _Request] = {}
+        self.tables = RequestTables(self.num_groups)  # every known request's block tables, one row each
         # Set by the worker when decode steps replay CUDA graphs (workers/decode_graphs.py).
         self.decode_graphs: DecodeGraphs | None = None
         self._in_flight: deque[_InFlight] = deque()
@@ -142,6 +143,8 @@ class ModelRunner:
             self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
                                                      list(new.prompt_ids), list(new.output_ids),
                                                      encoder_ids=list(new.encoder_ids))
+            self.tables.remove(new.request_id)  # announced again (after a detach): its tables start over
+            self.tables.add(new.request_id)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         flight = _InFlight(plan.step_id)
         if plan.seqs:
@@ -149,6 +152,7 @@ class ModelRunner:
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self.tables.remove(rid)
 
     def collect(self) -> StepOutput:
         """The tokens of the oldest submitted step not yet collected."""
@@ -170,49 +174,55 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
-        requests, last_rows = self.requests, self._last_rows
+        requests, last_rows, tables = self.requests, self._last_rows, self.tables
         for s in seqs:
-            req = requests.get(s.request_id)
-            check(req is not None, "request_id", s.request_id, "a request announced in new_requests")
-            check(len(s.block_tables) == self.num_groups, "block_tables", len(s.block_tables),
-                  f"one table per KV layer group ({self.num_groups})")
-            check(not s.from_last_step or s.request_id in last_rows, "from_last_step", s.request_id,
-                  "set only for a request that drew a token in the previous step on this (driver) rank")
-            req.tables = apply_table_changes(req.tables, s)
+            if s.request_id not in requests or (s.from_last_step and s.request_id not in last_rows):
+                check(s.request_id in requests, "request_id", s.request_id, "a request announced in new_requests")
+                check(False, "from_last_step", s.request_id,
+                      "set only for a request that drew a token in the previous step on this (driver) rank")
             if s.encoder_table is not None:
-                req.encoder_table = list(s.encoder_table)
+                requests[s.request_id].encoder_table = list(s.encoder_table)
+        tables.apply_all(seqs)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
-        order = sorted(seqs, key=lambda s: s.is_decode)
-        batch = _PackedBatch.of(order)
-        fill = self._from_last_step(order, batch.ends)
-        tables = [requests[s.request_id].tables for s in order]
-        if self.decode_graphs is not None and self.decode_graphs.serves(order):
-            logits = self.decode_graphs.run(order, tables, fill=fill)  # [N, V]: every row samples
+        cols = _Columns.of(seqs, tables.row_of)
+        order = seqs
+        if not cols.decodes_last():
+            perm = np.argsort(cols.is_decode, kind="stable")
+            order, cols = [seqs[i] for i in perm], cols.take(perm)
+        batch = _PackedBatch.of(cols)
+        local = (cols.seq_lens - self.dcp_rank + self.dcp_size - 1) // self.dcp_size  # [S] tokens stored here
+        tables.check_cover(cols.rows, local, self.block_size, [s.request_id for s in order])
+        rows = [tables.gather(cols.rows, g) for g in range(self.num_groups)]  # per group [S, W] int32
+        fill = self._from_last_step(order, cols, batch.ends)
+        graphs = self.decode_graphs
+        if graphs is not None and 0 < len(order) <= graphs.max_batch and cols.all_sampled_decodes():
+            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in order), np.int64, len(order))
+            logits = graphs.run_arrays(token_ids, cols.context_lens, rows, fill=fill)  # [N, V]: every row samples
             to_sample = list(range(len(order)))
         else:
-            to_sample = [i for i, s in enumerate(order) if s.sample]
-            logits = self._run_eager(order, tables, batch, to_sample, fill)
+            to_sample = np.flatnonzero(cols.sample).tolist()
+            logits = self._run_eager(order, rows, batch, to_sample, fill)
         if to_sample and self.is_driver:
             self._draw([order[i].request_id for i in to_sample], logits, flight)
 
-    def _from_last_step(self, order: Sequence[ScheduledSeq], ends: np.ndarray):
+    def _from_last_step(self, order: Sequence[ScheduledSeq], cols: _Columns, ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
         tensor (on the device, in stream order: no wait), or None when no sequence needs one."""
-        rows = [(int(ends[i]), self._last_rows[s.request_id]) for i, s in enumerate(order) if s.from_last_step]
-        if not rows:
+        which = np.flatnonzero(cols.from_last_step)
+        if not len(which):
             return None
         tokens = self._last.draw.tokens
-        dst = to_device([d for d, _ in rows], self.device, torch.int64)
-        src = to_device([r for _, r in rows], self.device, torch.int64)
+        dst = to_device(torch.from_numpy(ends[which]), self.device)
+        src = to_device([self._last_rows[order[i].request_id] for i in which.tolist()], self.device, torch.int64)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
         return fill
 
-    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[list[list[int]]], batch: _PackedBatch,
+    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[np.ndarray], batch: _PackedBatch,
                    to_sample: list[int], fill) -> torch.Tensor | None:
-        """tables: per sequence of `order`, its block tables (one per KV layer group)."""
+        """tables: per KV layer group, the block tables of `order` ([S, W] int32, row s for order[s])."""
         encoder = None
         cross: dict = {}  # encoder-decoder: group 0's metadata carries the encoder tables too
         if self.encoder_backend is not None:
@@ -222,7 +232,7 @@ class ModelRunner:
             encoder = self._encoder_step([r for s, r in zip(order, reqs) if s.context_len == 0])
         metas = [
             AttentionMetadata.build(query_lens=batch.query_lens, seq_lens=batch.seq_lens,
-                                    block_tables=[t[g] for t in tables], block_size=self.block_size,
+                                    block_tables=tables[g], block_size=self.block_size,
                                     device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g,
                                     **(cross if g == 0 else {}))
             for g in range(self.num_groups)
@@ -275,6 +285,47 @@ class ModelRunner:
 
 
 @dataclass(frozen=True)
+class _Columns:
+    """A step's sequences as host arrays (one entry per sequence, in the step's order)."""
+
+    rows: np.ndarray  # [S] int64 each request's row in the RequestTables
+    context_lens: np.ndarray  # [S] int64 tokens already cached (the first new token's position)
+    query_lens: np.ndarray  # [S] int64 new tokens, the one drawn by the previous step included
+    from_last_step: np.ndarray  # [S] bool
+    sample: np.ndarray  # [S] bool
+
+    @classmethod
+    def of(cls, seqs: Sequence[ScheduledSeq], row_of: dict[str, int]) -> _Columns:
+        n = len(seqs)
+        last = np.fromiter((s.from_last_step for s in seqs), bool, n)
+        known = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, n)
+        return cls(rows=np.fromiter((row_of[s.request_id] for s in seqs), np.int64, n),
+                   context_lens=np.fromiter((s.context_len for s in seqs), np.int64, n),
+                   query_lens=known + last, from_last_step=last,
+                   sample=np.fromiter((s.sample for s in seqs), bool, n))
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.context_lens + self.query_lens
+
+    @property
+    def is_decode(self) -> np.ndarray:
+        """The metadata's notion: exactly one new token after a non-empty cached context."""
+        return (self.query_lens == 1) & (self.context_lens > 0)
+
+    def decodes_last(self) -> bool:
+        dec = self.is_decode
+        return bool((dec[1:] >= dec[:-1]).all())  # no prefill after a decode
+
+    def all_sampled_decodes(self) -> bool:
+        return bool(self.is_decode.all() and self.sample.all())
+
+    def take(self, perm: np.ndarray) -> _Columns:
+        return _Columns(self.rows[perm], self.context_lens[perm], self.query_lens[perm], self.from_last_step[perm],
+                        self.sample[perm])
+
+
+@dataclass(frozen=True)
 class _PackedBatch:
     """Host arrays of a step's sequences in packed order, built without a loop over tokens.
 
@@ -289,9 +340,8 @@ class _PackedBatch:
     positions: np.ndarray
 
     @classmethod
-    def of(cls, order: Sequence[ScheduledSeq]) -> _PackedBatch:
-        context = np.fromiter([s.context_len for s in order], np.int64, len(order))
-        q = np.fromiter([len(s.token_ids) + s.from_last_step for s in order], np.int64, len(order))
+    def of(cls, cols: _Columns) -> _PackedBatch:
+        context, q = cols.context_lens, cols.query_lens
         ends = np.cumsum(q) - 1
         starts = ends + 1 - q
         positions = np.arange(int(q.sum())) + np.repeat(context - starts, q)

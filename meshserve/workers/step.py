@@ -2,7 +2,10 @@
 
 Both travel as msgpack (never pickle). A request's prompt and sampling settings are sent once,
 when it first appears (`new_requests`); afterwards each step carries only the new tokens,
-where they start and the block tables (one per KV layer group: kvstore/groups.py).
+where they start and what changed in its block tables (one per KV layer group:
+kvstore/groups.py). Long id lists (a prompt, a prompt chunk, a whole block table) travel as
+little-endian int32 bytes, which msgpack copies in one piece and the receiver turns back into
+a list in C; short ones (a decode step's one token, its block changes) stay msgpack lists.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.errors import check
@@ -32,7 +36,19 @@ class NewRequest:
     encoder_ids: list[int] = field(default_factory=list)
 
 
-@dataclass
+PACKED_IDS_MIN = 32  # id lists at least this long travel as int32 bytes
+
+
+def pack_ids(ids: list[int]) -> list[int] | bytes:
+    """An id list as it goes into a msgpack message (see the module docstring)."""
+    return np.asarray(ids, "<i4").tobytes() if len(ids) >= PACKED_IDS_MIN else ids
+
+
+def unpack_ids(ids: list[int] | bytes) -> list[int]:
+    return np.frombuffer(ids, "<i4").tolist() if isinstance(ids, bytes) else ids
+
+
+@dataclass(slots=True)
 class ScheduledSeq:
     """One sequence's work in a step.
 
@@ -79,7 +95,8 @@ class ScheduledSeq:
 
 def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list[int]]:
     """The request's block tables after `seq`'s changes (`tables`: the ones held so far; updated
-    in place where they are kept)."""
+    in place where they are kept). The definition on lists; workers keep their tables as arrays
+    and apply the same changes there (workers/request_tables.py; its tests compare with this)."""
     if seq.table_offsets is None:
         return [list(t) for t in seq.block_tables]
     check(len(seq.table_offsets) == len(tables) == len(seq.block_tables), "table_offsets",
@@ -108,11 +125,20 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)
 
     def to_msgpack(self) -> bytes:
+        short = PACKED_IDS_MIN
+        seqs = [  # per sequence every step: one comprehension, a decode packs nothing
+            [s.request_id, s.token_ids if len(s.token_ids) < short else pack_ids(s.token_ids), s.context_len,
+             s.block_tables if s.table_offsets is not None and sum(map(len, s.block_tables)) < short
+             else [np.asarray(t, "<i4").tobytes() for t in s.block_tables],  # every group's, even short ones
+             s.sample, s.from_last_step, s.table_offsets,
+             None if s.encoder_table is None else pack_ids(s.encoder_table)]
+            for s in self.seqs
+        ]  # fmt: skip
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": [[s.request_id, s.token_ids, s.context_len, s.block_tables, s.sample, s.from_last_step,
-                      s.table_offsets, s.encoder_table] for s in self.seqs],
-            "new": [[r.request_id, r.prompt_ids, r.sampling, r.output_ids, r.encoder_ids] for r in self.new_requests],
+            "seqs": seqs,
+            "new": [[r.request_id, pack_ids(r.prompt_ids), r.sampling, pack_ids(r.output_ids), pack_ids(r.encoder_ids)]
+                    for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
         })
@@ -122,8 +148,12 @@ class StepPlan:
         d = msgpack.unpackb(data)
         return cls(
             step_id=d["step_id"],
-            seqs=[ScheduledSeq(*s) for s in d["seqs"]],
-            new_requests=[NewRequest(*r) for r in d["new"]],
+            seqs=[ScheduledSeq(rid, tok if tok.__class__ is list else unpack_ids(tok), ctx,
+                               tables if not tables or tables[0].__class__ is list else list(map(unpack_ids, tables)),
+                               sample, last, offsets, None if enc is None else unpack_ids(enc))
+                  for rid, tok, ctx, tables, sample, last, offsets, enc in d["seqs"]],
+            new_requests=[NewRequest(rid, unpack_ids(prompt), sampling, unpack_ids(out), unpack_ids(enc))
+                          for rid, prompt, sampling, out, enc in d["new"]],
             finished=d["finished"],
             copies=[tuple(c) for c in d["copies"]],
         )

@@ -22,6 +22,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from meshserve.attention.backend import (
@@ -32,7 +33,7 @@ from meshserve.attention.backend import (
     LayerParams,
 )
 from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows, local_len
-from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.metadata import AttentionMetadata, pad_table
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
@@ -56,22 +57,24 @@ class FlashInferPlan:
 
 
 def _page_lists(
-    rows: Sequence[Sequence[int]], kv_lens: Sequence[int], page: int
+    table: np.ndarray | Sequence[Sequence[int]], kv_lens: Sequence[int] | np.ndarray, page: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """FlashInfer's CSR page lists (indptr, indices, last_page_len), host int32, for host block-table
-    rows. FlashInfer reads indptr and last_page_len on the host and copies them up itself."""
-    counts = [-(-n // page) for n in kv_lens]
-    indptr = [0]
-    indices: list[int] = []
-    for row, c in zip(rows, counts):
-        indptr.append(indptr[-1] + c)
-        indices.extend(row[:c])
-    last = [n - (c - 1) * page for n, c in zip(kv_lens, counts)]
-    return (
-        torch.tensor(indptr, dtype=torch.int32),
-        torch.tensor(indices, dtype=torch.int32),
-        torch.tensor(last, dtype=torch.int32),
-    )
+    """FlashInfer's CSR page lists (indptr [n+1], indices, last_page_len [n]), host int32, for the
+    block-table rows `table` ([n, W] int32, or n lists) and each row's KV length: row i pages
+    over its first ceil(kv_lens[i] / page) blocks. Array ops only (no loop over rows).
+    FlashInfer reads indptr and last_page_len on the host and copies them up itself."""
+    table = table if isinstance(table, np.ndarray) else pad_table(table)
+    lens = np.asarray(kv_lens, np.int64)  # [n]
+    n = len(lens)
+    counts = -(-lens // page)  # [n] pages per row
+    check(n == table.shape[0] and (n == 0 or int(counts.max()) <= table.shape[1]), "block_tables",
+          tuple(table.shape), f"{n} rows of at least {int(counts.max(initial=0))} blocks (the KV lengths)")
+    indptr = np.zeros(n + 1, np.int32)
+    np.cumsum(counts, out=indptr[1:])
+    used = np.arange(table.shape[1])[None, :] < counts[:, None]  # [n, W]
+    indices = table[used]  # row-major: each row's pages in order
+    last = (lens - (counts - 1) * page).astype(np.int32)
+    return torch.from_numpy(indptr), torch.from_numpy(np.ascontiguousarray(indices, np.int32)), torch.from_numpy(last)
 
 
 class FlashInferBackend(AttentionBackend):
@@ -161,10 +164,12 @@ class FlashInferBackend(AttentionBackend):
                 metadata.encoder_seq_lens_host,
                 "set (with encoder_block_table) for cross attention",
             )
-            kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table.tolist()
+            kv_lens, table = metadata.encoder_seq_lens_host, metadata.encoder_block_table.cpu().numpy()
         else:
             kv_lens = metadata.seq_lens_host
-            table = metadata.block_tables_host or metadata.block_table.tolist()
+            table = metadata.block_tables_host
+            if table is None:
+                table = metadata.block_table.cpu().numpy()
         common = self._plan_args()
         page = metadata.block_size
         num_p = metadata.num_prefills
@@ -242,10 +247,11 @@ class FlashInferBackend(AttentionBackend):
             paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=device),
         )  # fmt: skip
         plan = FlashInferPlan(metadata, 0, False, True, None, wrapper)
-        self.prepare_replay(plan, [1] * b, [[0]] * b)  # a valid plan to capture with: the padding rows'
+        # A valid plan to capture with: every row a padding row (one key in the null block).
+        self.prepare_replay(plan, np.ones(b, np.int32), np.zeros((b, 1), np.int32))
         return plan
 
-    def prepare_replay(self, plan: object, seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]]) -> None:
+    def prepare_replay(self, plan: object, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
         spec = self.spec
         indptr, indices, last = _page_lists(block_tables, seq_lens, plan.metadata.block_size)
         device = plan.metadata.seq_lens.device

@@ -21,6 +21,7 @@ import random
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 
@@ -29,6 +30,7 @@ from meshserve.attention.backends import flashinfer as fi_backend
 from meshserve.attention.backends.flashinfer import FlashInferBackend, FlashInferPlan
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
+from meshserve.errors import ConfigError
 
 PAGE = 16
 LSE2 = 3.0  # what the fake returns as the base-2 LSE
@@ -61,12 +63,15 @@ class FakePrefill(FakeWrapper):
 
 
 class FakeDecode(FakeWrapper):
-    def __init__(self, float_workspace_buffer, kv_layout="NHD", *, use_tensor_cores=False) -> None:
-        super().__init__("decode", float_workspace_buffer, kv_layout, use_tensor_cores=use_tensor_cores)
+    def __init__(self, float_workspace_buffer, kv_layout="NHD", *, use_tensor_cores=False, use_cuda_graph=False,
+                 paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
+                 paged_kv_last_page_len_buffer=None) -> None:
+        graph = {"use_cuda_graph": True} if use_cuda_graph else {}
+        super().__init__("decode", float_workspace_buffer, kv_layout, use_tensor_cores=use_tensor_cores, **graph)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
-             kv_data_type=None, sm_scale=None):
+             kv_data_type=None, sm_scale=None, non_blocking=True):
         self.plans.append(dict(locals(), self=None))
 
 
@@ -318,3 +323,48 @@ def test_dcp_rows_that_see_no_key_of_the_shard_come_out_zero_with_lse_minus_inf(
     assert torch.equal(out[kept], q[kept]) and torch.allclose(lse[kept], torch.full((3, 8), LSE2 * math.log(2.0)))
     (d,) = fake_flashinfer.built[1].plans
     assert ints(d["last_page_len"]) == [1, 2]  # an empty request pages one slot (zeroed above)
+
+
+def _page_lists_per_row(rows, kv_lens, page):
+    """The page lists' definition, row by row (the loop the array version replaced)."""
+    counts = [-(-n // page) for n in kv_lens]
+    indptr, indices = [0], []
+    for row, c in zip(rows, counts):
+        indptr.append(indptr[-1] + c)
+        indices.extend(row[:c])
+    return indptr, indices, [n - (c - 1) * page for n, c in zip(kv_lens, counts)]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_page_lists_equal_the_per_row_definition(seed):
+    rng = random.Random(seed)
+    page = rng.choice([16, 32, 64])
+    n = rng.randrange(1, 40)
+    kv_lens = [rng.randrange(1, 12 * page) for _ in range(n)]
+    rows = [[rng.randrange(1, 5000) for _ in range(-(-k // page) + rng.randrange(0, 3))] for k in kv_lens]
+    want = _page_lists_per_row(rows, kv_lens, page)
+    width = max(map(len, rows))
+    padded = np.array([r + [rng.randrange(1, 5000)] * (width - len(r)) for r in rows], np.int32)  # stale tails
+    for table in (rows, padded):
+        got = fi_backend._page_lists(table, kv_lens, page)
+        assert all(t.dtype == torch.int32 for t in got)
+        assert [t.tolist() for t in got] == [list(w) for w in want]
+    with pytest.raises(ConfigError, match="block_tables"):  # a row shorter than its KV length
+        fi_backend._page_lists(padded[:, :1], [2 * page] * n, page)
+
+
+def test_graph_replay_plans_page_lists_from_the_static_rows(fake_flashinfer):
+    """plan_for_graph builds a graph-mode decode wrapper; prepare_replay re-plans it from the
+    step's host arrays (padded [b, W] rows with stale tails, as DecodeGraphs hands them over)."""
+    be = backend()
+    md = batch((1, 1, 1), (21, 46, 5))
+    plan = be.plan_for_graph(md)
+    wrapper = fake_flashinfer.built[-1]
+    assert wrapper.kwargs.get("use_cuda_graph") and wrapper.plans  # planned once (padding rows) to capture with
+    seq_lens = np.array([33, 2, 17], np.int32)
+    table = np.array([[9, 8, 7, 6], [5, 99, 99, 99], [4, 3, 99, 99]], np.int32)  # 99: stale, never paged
+    be.prepare_replay(plan, seq_lens, table)
+    p = wrapper.plans[-1]
+    want = expected_pages(torch.from_numpy(table), seq_lens.tolist())
+    assert (ints(p["indptr"]), ints(p["indices"]), ints(p["last_page_len"])) == want
+    assert 99 not in ints(p["indices"])

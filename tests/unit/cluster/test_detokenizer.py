@@ -1,5 +1,7 @@
 """Incremental detokenization equals decoding everything at once; stop strings cut and hold back."""
 
+import random
+
 import pytest
 
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
@@ -51,3 +53,38 @@ def test_earliest_stop_string_wins(tok):
     detok = IncrementalDetokenizer(tok, [], stop=("lazy", "quick"))
     assert "".join(_stream(detok, ids, 4)) == TEXT[: TEXT.index("quick")]
     assert detok.stopped_on == "quick"
+
+
+class _PlainTokenizer:
+    """Only `decode`: the detokenizer falls back to its own windowed decoding (the oracle here)."""
+
+    def __init__(self, tok) -> None:
+        self.tok = tok
+
+    def decode(self, ids, skip_special_tokens=True):
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_decode_stream_path_equals_windowed_decoding(tok, seed):
+    """The native DecodeStream path against the two-decode window on the same tokens: random
+    ids (incomplete characters, byte tokens), prompts of every length, several tokens per push,
+    stop strings; piece by piece, not only the whole text."""
+    rng = random.Random(seed)
+    vocab = tok.get_vocab_size()
+    text_ids = tok.encode(TEXT * 3).ids
+    used = 0
+    for trial in range(60):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 30))]
+        if trial % 2:  # a prompt of real text (random ones often end inside a character: no stream)
+            prompt = text_ids[: rng.randrange(0, 40)]
+        ids = text_ids if trial % 3 == 0 else [rng.randrange(vocab) for _ in range(rng.randrange(1, 80))]
+        stop = ("fox", "zz") if trial % 4 == 1 else ()
+        step = rng.choice([1, 1, 2, 5])
+        fast = IncrementalDetokenizer(tok, prompt, stop=stop)
+        slow = IncrementalDetokenizer(_PlainTokenizer(tok), prompt, stop=stop)
+        assert slow._stream is None
+        used += fast._stream is not None
+        assert _stream(fast, ids, step) == _stream(slow, ids, step)
+        assert fast.stopped_on == slow.stopped_on
+    assert used >= 30

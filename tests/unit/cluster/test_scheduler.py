@@ -247,6 +247,8 @@ def test_plans_carry_table_changes_not_whole_tables():
         assert plans[0][0] is None  # the first plan: its tables whole
         decodes = [n for offsets, n, new in plans if offsets is not None and new == 1]
         assert decodes and max(decodes) <= 2  # the held last block and at most one new one
+        # A decode step that neither opens a block nor copies one carries no block at all.
+        assert decodes.count(0) >= len(decodes) // 2  # blocks of BS=4 tokens: 3 steps in 4
     restarts = sum(offsets is None for plans in carried.values() for offsets, _, _ in plans)
     assert restarts > len(reqs)  # a re-admitted request got its (new) tables whole
     assert kv.num_free_blocks == 23
