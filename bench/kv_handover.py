@@ -123,7 +123,8 @@ def make_puller(transport: str):
 
 def run(args) -> list[dict]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+                                filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})  # keep the caller's path
     where = f"cuda:{args.exporter_gpu}" if args.device == "cuda" else "cpu"
     proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps,
                                  "transports": args.transports}) + "\n")
