@@ -111,7 +111,8 @@ class CpuSdpaBackend(AttentionBackend):
         devices=frozenset({"cpu"}),
         notes="whole batch at once: prefills and decodes each one padded group (one K/V gather from the "
         "paged cache, GQA without K/V copies) through scaled_dot_product_attention, or explicit matmuls "
-        "when the LSE, a soft-cap or learned sinks are needed; float32 math; CPU only",
+        "when the LSE, a soft-cap or learned sinks are needed; large float32 decode groups gather K "
+        "only and sum V in place (embedding_bag); float32 math; CPU only",
     )
 
     @classmethod
