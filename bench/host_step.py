@@ -49,20 +49,21 @@ BLOCK = 16
 
 
 class _Timers:
-    """Seconds per stage within the current step; wraps methods with process_time."""
+    """Seconds per stage within the current step; wraps methods with `clock` (CPU time by default)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock=time.process_time) -> None:
         self.now: dict[str, float] = defaultdict(float)
+        self.clock = clock
 
     def wrap(self, owner, name: str, stage: str) -> None:
         inner = getattr(owner, name)
 
         def timed(*args, **kwargs):
-            t0 = time.process_time()
+            t0 = self.clock()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.now[stage] += time.process_time() - t0
+                self.now[stage] += self.clock() - t0
 
         setattr(owner, name, timed)
 

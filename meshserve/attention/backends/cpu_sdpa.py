@@ -12,6 +12,10 @@ tensor ops per layer:
   (when neither the LSE, a soft-cap nor learned sinks are asked for) or explicit matmuls with
   the query viewed as [S, Hkv, G * Lq, D] against the shared K/V: no repeat_interleave copies.
   Whole prompts skip the gather: SDPA per sequence on the step's own K/V with is_causal.
+- decodes over a float32 cache with neither the LSE, a soft-cap, sinks nor ALiBi gather K only:
+  scores by one matmul, softmax, then `embedding_bag` sums the V rows weighted by the
+  probabilities straight from the cache (`decode_bags`): V is never copied. On a CPU a decode
+  step's attention is memory-bound and the gather was half of it (docs/performance.md).
 
 Padded key slots point at a real key of the same sequence (never at unwritten cache memory)
 and are masked with -inf; padded query rows see key 0 and are dropped on the way out.
@@ -67,12 +71,20 @@ class GroupPlan:
     rel: torch.Tensor | None
     fresh: bool = False
     starts: tuple[int, ...] = ()  # token offsets of each sequence in the packed batch (fresh groups)
+    v_bags: torch.Tensor | None = None  # [S * H, L] int64 V row of each key for each query head
+    # (cached decode groups of >= BAGS_MIN_KEYS padded keys: embedding_bag's bags; head h reads KV head h // G)
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     groups: tuple[GroupPlan, ...]  # prefills first, then decodes; empty groups left out
     with_sinks: bool  # learned sinks join on DCP rank 0 only
+
+
+# Below this many padded keys in a decode group one SDPA call beats decode_bags' four ops
+# (demo shapes, 1 thread: 28 against 48 us at 1 x 128 keys, level at 4 x 128, 388 against 332
+# at 16 x 128, 1358 against 1002 at 64 x 128).
+BAGS_MIN_KEYS = 512
 
 
 class CpuSdpaBackend(AttentionBackend):
@@ -99,7 +111,8 @@ class CpuSdpaBackend(AttentionBackend):
         devices=frozenset({"cpu"}),
         notes="whole batch at once: prefills and decodes each one padded group (one K/V gather from the "
         "paged cache, GQA without K/V copies) through scaled_dot_product_attention, or explicit matmuls "
-        "when the LSE, a soft-cap or learned sinks are needed; float32 math; CPU only",
+        "when the LSE, a soft-cap or learned sinks are needed; large float32 decode groups gather K "
+        "only and sum V in place (embedding_bag); float32 math; CPU only",
     )
 
     @classmethod
@@ -156,6 +169,9 @@ class CpuSdpaBackend(AttentionBackend):
             plain = not return_lse and spec.logits_soft_cap is None and not use_sinks
             if g.fresh and plain:
                 outs.append(_sdpa_per_sequence(spec, query, key, value, g))
+                continue
+            if g.v_bags is not None and plain and not spec.use_alibi and kv_cache.data.dtype == torch.float32:
+                outs.append(decode_bags(spec, query[t0:t1], kv_cache.data, g))
                 continue
             k, v = self._gather_kv(g, key, value, kv_cache)  # [S, Hkv, L, D] float32 each
             q = _padded_query(query[t0:t1], g, spec)  # [S, H, Lq, D] float32
@@ -240,6 +256,11 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
     bias = np.where(visible, np.float32(0), np.float32(-np.inf))
     rel = torch.from_numpy((kp - qp).astype(np.float32))[:, None, None] if spec.use_alibi else None
 
+    v_bags = None
+    if lq == 1 and spec.uses_kv_cache and num_seqs * L >= BAGS_MIN_KEYS:
+        # V rows (second half of kv_index), repeated for the query heads of each KV head
+        v_rows = kv_index[kv_index.size // 2 :].reshape(num_seqs, Hkv, L)
+        v_bags = torch.from_numpy(np.repeat(v_rows, H // Hkv, axis=1).reshape(num_seqs * H, L))
     q_index = out_rows = None
     if lq > 1:
         tok = (np.asarray(starts[s0:s1], np.int64) - starts[s0])[:, None] + np.minimum(
@@ -267,6 +288,7 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         rel=rel,
         fresh=fresh,
         starts=tuple(starts[s0 : s1 + 1]),
+        v_bags=v_bags,
     )
 
 
@@ -293,6 +315,23 @@ def _sdpa(
     if spec.use_alibi:
         mask = mask + layer.alibi_slopes.float()[None, :, None, None] * g.rel[:, 0]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.softmax_scale, enable_gqa=True)
+
+
+def decode_bags(spec: AttentionSpec, query: torch.Tensor, cache: torch.Tensor, g: GroupPlan) -> torch.Tensor:
+    """One query per sequence against a float32 paged cache, V read in place: [S, H, D] float32.
+
+    query [S, H, D]; cache [N, 2, bs, Hkv, D] float32. K is gathered ([S, Hkv, L, D], half the
+    bytes of the K/V gather), the query heads of each KV head score it in one matmul, and
+    `embedding_bag` (mode sum, per-sample weights) adds the V rows scaled by their probabilities
+    without copying them out. Masked key slots get probability 0 (their rows are real, finite keys).
+    """
+    S, H, D, Hkv, L = g.num_seqs, spec.num_heads, spec.head_size, spec.num_kv_heads, g.max_kv_len
+    rows = cache.view(-1, D)  # [N * 2 * bs * Hkv, D]
+    k = rows.index_select(0, g.kv_index[: S * Hkv * L]).view(S, Hkv, L, D)
+    q = query.float().view(S, Hkv, H // Hkv, D) * spec.softmax_scale  # [S, Hkv, G, D]
+    probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + g.bias.view(S, 1, 1, L), dim=-1)  # [S, Hkv, G, L]
+    o = F.embedding_bag(g.v_bags, rows, per_sample_weights=probs.view(S * H, L), mode="sum")  # [S * H, D]
+    return o.view(S, H, D)
 
 
 def _sdpa_per_sequence(
@@ -343,4 +382,4 @@ def _explicit(
     return o.view(S, H, lq, -1), lse.view(S, H, lq)
 
 
-__all__ = ["CpuSdpaBackend", "CpuPlan", "GroupPlan"]
+__all__ = ["CpuSdpaBackend", "CpuPlan", "GroupPlan", "decode_bags"]

@@ -35,13 +35,17 @@ def test_scenario(scenario, return_lse):
         out, lse = run_backend(CpuSdpaBackend, case)
         assert out.dtype == torch.float32 and lse.dtype == torch.float32
         assert_matches(out, lse, ref_out, ref_lse, torch.float32)
-    else:  # the SDPA path for prefills (no LSE asked for)
-        backend = CpuSdpaBackend(scenario.problem())
-        plan = backend.plan(case.metadata)
-        if case.kv_cache is not None and case.key is not None:
-            backend.write_kv(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
-        out = backend.forward(case.query, case.key, case.value, case.kv_cache, plan, layer=case.layer)
+    else:  # the SDPA path for prefills, decode_bags for decodes (no LSE asked for)
+        out, _ = _forward_without_lse(scenario, case)
         assert_matches(out, ref_lse.float(), ref_out, ref_lse, torch.float32)
+
+
+def _forward_without_lse(scenario: Scenario, case) -> tuple[torch.Tensor, object]:
+    backend = CpuSdpaBackend(scenario.problem())
+    plan = backend.plan(case.metadata)
+    if case.kv_cache is not None and case.key is not None:
+        backend.write_kv(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    return backend.forward(case.query, case.key, case.value, case.kv_cache, plan, layer=case.layer), plan
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=lambda s: s.name)
@@ -81,6 +85,44 @@ def test_decode_heavy_batches(scenario, seed):
     ref_out, ref_lse = oracle(case)
     out, lse = run_backend(CpuSdpaBackend, case)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
+
+
+@pytest.mark.parametrize("scenario", DECODE_HEAVY, ids=lambda s: s.name)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_decode_heavy_batches_without_lse(scenario, seed, monkeypatch):
+    """Decodes without the LSE read V in place (decode_bags) unless a soft-cap, sinks or ALiBi
+    need the explicit path; either way the float64 oracle and the TORCH reference agree."""
+    from meshserve.attention.backends import cpu_sdpa
+    from meshserve.attention.backends.torch_ref import TorchBackend
+
+    _skip_unless_valid(scenario)
+    calls = []
+    real = cpu_sdpa.decode_bags
+    monkeypatch.setattr(cpu_sdpa, "decode_bags", lambda *a: calls.append(1) or real(*a))
+    case = make_case(scenario, seed=seed)
+    ref_out, ref_lse = oracle(case)
+    out, plan = _forward_without_lse(scenario, case)
+    assert_matches(out, ref_lse.float(), ref_out, ref_lse, torch.float32)
+    torch_out, _ = run_backend(TorchBackend, make_case(scenario, seed=seed))
+    torch.testing.assert_close(out, torch_out.float(), rtol=1e-5, atol=1e-5)
+    decodes = plan.groups[-1]
+    assert decodes.max_query_len == 1 and decodes.v_bags is not None
+    spec = scenario.problem().spec
+    special = spec.has_sinks or spec.logits_soft_cap is not None or spec.use_alibi
+    assert len(calls) == (0 if special else 1), (scenario.name, calls)
+
+
+def test_small_decode_groups_keep_one_sdpa_call():
+    """Under BAGS_MIN_KEYS padded keys the plan leaves decode_bags out (SDPA is faster there)."""
+    from meshserve.attention.backends.cpu_sdpa import BAGS_MIN_KEYS
+
+    scenario = Scenario("small_decode", (1, 1), (9, 30), spec=dict(num_heads=4, num_kv_heads=2))
+    case = make_case(scenario)
+    ref_out, ref_lse = oracle(case)
+    out, plan = _forward_without_lse(scenario, case)
+    assert_matches(out, ref_lse.float(), ref_out, ref_lse, torch.float32)
+    g = plan.groups[-1]
+    assert g.num_seqs * g.max_kv_len < BAGS_MIN_KEYS and g.v_bags is None
 
 
 @pytest.mark.parametrize("name", DCP_SCENARIOS)

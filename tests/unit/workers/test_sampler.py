@@ -100,6 +100,23 @@ def test_greedy_is_argmax_and_top_k_1_is_greedy():
     assert Sampler()(logits, _rows(SamplingParams(temperature=2.0, top_k=1), 6))[0] == want
 
 
+def test_greedy_ties_and_nan_pick_what_argmax_picks():
+    """first_max_index replaces argmax (faster on CPU): the first of tied maxima, NaN as the largest.
+    Oracle: a Python scan of each row."""
+    logits = torch.randn(64, 4096, generator=torch.Generator().manual_seed(5))
+    logits[3, [17, 900, 4000]] = 50.0  # three tied maxima: the first wins
+    logits[7, :] = 1.0  # a constant row: index 0
+    logits[9, [5, 30]] = float("nan")  # NaN counts as the largest: the first NaN
+    logits[11, -1] = float("inf")
+    want = []
+    for row in logits.tolist():
+        nan = [i for i, x in enumerate(row) if math.isnan(x)]
+        want.append(nan[0] if nan else row.index(max(row)))
+    assert want[3] == 17 and want[7] == 0 and want[9] == 5 and want[11] == 4095
+    assert Sampler()(logits, _rows(SamplingParams(temperature=0), 64))[0] == want
+    assert logits.argmax(-1).tolist() == want
+
+
 def test_seeded_rows_reproduce_whatever_the_batch():
     logits = torch.randn(1, 400, generator=torch.Generator().manual_seed(4))
     seeded = SamplingRow(SamplingParams(seed=123), [1, 2], [5, 6, 7])
