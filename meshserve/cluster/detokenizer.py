@@ -63,6 +63,15 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._add(delta)
 
+    def replay(self, token_ids: Sequence[int]) -> None:
+        """Become the detokenizer of a stream that was sent these tokens one step at a time and
+        whose text was handed out (a migrated request: the client has it). One push per token,
+        as the stream had them: a push of all at once would hold every token's text back when
+        the last one ends inside a character, and hand it out again later."""
+        for t in token_ids:
+            self.push([t])
+            self.take()
+
     def flush(self) -> None:
         """At the end: decode held-back tokens even when their last character is incomplete."""
         if self.stopped_on is None and self.read_offset < len(self.ids):

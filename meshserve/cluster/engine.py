@@ -237,8 +237,7 @@ class EngineCore:
             self.scheduler.add_request(request, bounded=False)
         tracked = _Tracked(request, self._detokenizer(request), num_sent_tokens=len(request.output_ids))
         if tracked.detok is not None:  # replay what the client already has, so text continues seamlessly
-            tracked.detok.push(request.output_ids)
-            tracked.detok.take()
+            tracked.detok.replay(request.output_ids)
         self._tracked[request.request_id] = tracked
 
     # -- stepping --------------------------------------------------------------------------

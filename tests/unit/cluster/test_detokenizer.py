@@ -88,3 +88,28 @@ def test_decode_stream_path_equals_windowed_decoding(tok, seed):
         assert _stream(fast, ids, step) == _stream(slow, ids, step)
         assert fast.stopped_on == slow.stopped_on
     assert used >= 30
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_replayed_detokenizer_continues_exactly_where_the_stream_stopped(tok, seed):
+    """A migrated request (EngineCore.adopt): a fresh detokenizer replays the tokens the client
+    already has; the text it hands out afterwards is exactly the rest of the original stream's,
+    also when the replayed tokens end inside a character (random ids: byte tokens)."""
+    rng = random.Random(seed)
+    vocab = tok.get_vocab_size()
+    text_ids = tok.encode(TEXT).ids
+    checked = 0
+    for trial in range(40):
+        prompt = text_ids[: rng.randrange(0, 20)]
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
+        stop = ("zz", "e ") if trial % 3 == 0 else ()
+        k = rng.randrange(1, len(ids))
+        whole = IncrementalDetokenizer(tok, prompt, stop=stop)
+        pieces = _stream(whole, ids)
+        if len(pieces) <= k:
+            continue  # a stop string ended it within the first k tokens: nothing to continue
+        moved = IncrementalDetokenizer(tok, prompt, stop=stop)
+        moved.replay(ids[:k])
+        assert "".join(pieces[:k]) + "".join(_stream(moved, ids[k:])) == "".join(pieces)
+        checked += 1
+    assert checked >= 25
