@@ -9,7 +9,7 @@ same tokens whatever else shares its batch, and again after it is preempted and 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -41,10 +41,15 @@ class SamplingRow:
 
 @dataclass
 class Draw:
-    """One step's draw, still on the device: `to_host` is the step's one device->host copy.
+    """One step's draw, still on the device; its one device->host copy starts when it is made.
 
     tokens: [N] int64; chosen [W] float32 logprob of each logprobs row's token; top_values /
     top_ids [W, K] its K most likely (K = the largest n asked for); wants: (row, n) per logprobs row.
+
+    On CUDA the copy into pinned host memory is queued right behind the draw, with an event after
+    it: `to_host` waits for that event, i.e. for this step only. (Copying at `to_host` time would
+    queue the copy behind whatever the host submitted since — under overlap scheduling the whole
+    next step — and the host would wait for that too, leaving the device idle while it plans.)
     """
 
     tokens: torch.Tensor
@@ -52,13 +57,31 @@ class Draw:
     chosen: torch.Tensor | None = None
     top_values: torch.Tensor | None = None
     top_ids: torch.Tensor | None = None
+    _host: tuple[torch.Tensor | None, ...] = field(default=(), init=False, repr=False)
+    _copied: torch.cuda.Event | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        parts = (self.tokens, self.chosen, self.top_values, self.top_ids)
+        if not self.tokens.is_cuda:
+            self._host = parts
+            return
+        self._host = tuple(None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                           for t in parts)
+        for host, dev in zip(self._host, parts):
+            if dev is not None:
+                host.copy_(dev, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
 
     def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
-        token_list = self.tokens.tolist()
+        if self._copied is not None:
+            self._copied.synchronize()
+        tokens, chosen, top_values, top_ids = self._host
+        token_list = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(token_list)
         if self.wants:
-            chosen = self.chosen.tolist()
-            values, ids = self.top_values.tolist(), self.top_ids.tolist()
+            chosen = chosen.tolist()
+            values, ids = top_values.tolist(), top_ids.tolist()
             for j, (i, n) in enumerate(self.wants):
                 top = tuple(zip(ids[j][:n], values[j][:n]))
                 logprobs[i] = TokenLogprobs(token_id=token_list[i], logprob=chosen[j], top=top)
