@@ -18,8 +18,10 @@ Prints a table, writes a PNG and a JSON (bench/results/).
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import select
 import statistics
 import subprocess
@@ -140,9 +142,17 @@ def run(args) -> list[dict]:
             for transport in args.transports:
                 puller, times = make_puller(transport), []
                 for i in range(args.reps + 1):
+                    profiled = args.profile and i == args.reps and size == min(args.sizes)
+                    profiler = cProfile.Profile() if profiled else None
                     t0 = time.perf_counter()
+                    if profiler is not None:
+                        profiler.enable()
                     puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
                     times.append(time.perf_counter() - t0)
+                    if profiler is not None:
+                        profiler.disable()
+                        print(f"--- profile of one {size}-token pull over {transport} ---")
+                        pstats.Stats(profiler).sort_stats("cumulative").print_stats(14)
                     kv.free(f"r{size}", keep_cache=False)
                 pull_s = statistics.median(times[1:])
                 rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "cold_ms": times[0] * 1e3,
@@ -190,6 +200,8 @@ def main() -> None:
     parser.add_argument("--transports", default=None, help="default: zmq,cuda_ipc,cuda_ipc-noverify on CUDA (the "
                         "last without the importer's checksum), zmq,nccl on CPU (nccl runs over gloo there)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="cProfile the last pull of the smallest size per "
+                        "transport (the profiled pull is timed too: its row is slower)")
     parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (nccl needs another one "
                         "than this process's cuda:0: --exporter-gpu 1 --transports nccl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))

@@ -13,8 +13,8 @@ description is a msgpack map that travels in one MACed message of the zmq export
 
 `copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
 frame (a run of consecutive blocks of one layer) on a side stream of the importer: straight into
-the destination blocks where they form one run too, all such frames in one batched copy
-(`torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is
+the destination blocks where they form one run too (a memcpy per frame of a MiB or more, smaller
+ones in one batched `torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept). The checksum is
 computed on the device and compared before the import counts.
 
 Mappings stay open for later hand-overs from the same exporter (opening one costs far more than a
@@ -46,6 +46,7 @@ MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per
 MAPPING_IDLE_S = 60.0  # an exporter process's mappings are closed after this long without a pull
 # Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
 PROCESS_TOKEN = secrets.token_hex(8)
+MEMCPY_FRAME_BYTES = 1 << 20  # frames this large (on average) are copied one memcpy each
 
 
 @functools.cache
@@ -203,11 +204,14 @@ class IpcImporter:
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dst.copy_(src) for every pair, batched into as few launches as torch can (same-device
-    pairs); pair by pair where the batched copy does not apply."""
+    """dst.copy_(src) for every pair. Frames of a MiB or more go one by one: each is a plain
+    device-to-device memcpy, at the copy engine's full speed (torch's batched `_foreach_copy_`
+    runs an elementwise kernel, a byte per element for these uint8 views); many small frames go
+    in one batched launch."""
     if not dsts:
         return
-    if all(d.device == s.device for d, s in zip(dsts, srcs)):
+    large = sum(d.numel() for d in dsts) >= len(dsts) * MEMCPY_FRAME_BYTES
+    if not large and all(d.device == s.device for d, s in zip(dsts, srcs)):
         try:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             return
