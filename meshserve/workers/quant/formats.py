@@ -24,6 +24,14 @@ from typing import Any
 
 from meshserve.errors import ConfigError, check
 
+# Rows (tokens) up to which a linear runs the weight-streaming kernel (small_m.py) on CUDA rather
+# than a tiled GEMM: FP8 weights always (W8A16), bf16/fp16 weights when ModelConfig.small_m_gemm
+# says so. At M = 16 the FP8 weight read is 1 byte per 32 FLOPs, still below the H200's ~40
+# FLOP/byte balance point (memory-bound: the kernel's time is the weight read), and tl.dot's
+# smallest row tile is 16, so rows 1..16 cost the same MMA shape and activation traffic; from 17
+# rows on, a second row tile doubles the activation traffic while the tiled GEMMs start to pay.
+SMALL_M_MAX = 16
+
 
 class QuantMethod(StrEnum):
     FP8 = "fp8"
