@@ -64,7 +64,7 @@ class LLM:
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True,
-                 revision: str | None = None, quantization: str = "none") -> None:
+                 revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto") -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -90,7 +90,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
-                              quantization=quantization),
+                              quantization=quantization, small_m_gemm=small_m_gemm),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
