@@ -119,19 +119,23 @@ def _interpreting() -> bool:
 
 
 def plan_stream(n: int, k: int, *, weight_bytes: int, scale_k: int | None, num_sms: int) -> StreamPlan:
-    """The default cut for an [N, K] weight on a GPU of `num_sms` SMs.
+    """The default cut for an [N, K] weight on a GPU of `num_sms` SMs (not tuned on the H200 yet:
+    `bench/quant_gemm.py --sweep` times the alternatives).
 
-    BLOCK_K: 512 bytes of each weight row per step (one 16-byte vector per thread and row), cut
-    to the scale block along K. BLOCK_N: the widest of 64/32/16 that still gives two programs
-    per SM (two resident programs keep ~2 x 4 stages of tiles in flight per SM: the ~30 GB/s
-    per SM that 4 TB/s needs at ~1 us of latency is ~30 KB in flight); narrower slabs also
-    spread the weight over more SMs. Fewer than num_sms programs even at 16 columns: split K."""
-    block_k = 512 // weight_bytes
+    BLOCK_N: the widest of 64/32/16 that still gives two programs per SM (two resident programs
+    keep several tiles in flight per SM: 4 TB/s over 132 SMs is ~30 GB/s each, ~30 KB in flight at
+    ~1 us of latency), else 16 so that the weight spreads over as many SMs as it can. BLOCK_K: up
+    to 512 bytes of each weight row per step, at most 8192 weights per tile (64 per thread at 4
+    warps: no spills), cut to the scale block along K. Stages: as many as ~96 KB of shared
+    memory holds (2..6), two programs per SM. Fewer than num_sms programs even at 16 columns:
+    split K so that ~2 programs per SM run."""
+    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * num_sms), 16)
+    block_k = min(512 // weight_bytes, 8192 // block_n)
     if scale_k is not None:
         block_k = min(block_k, scale_k)
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * num_sms), 16)
+    stage_bytes = block_n * block_k * weight_bytes + SMALL_M_MAX * block_k * 2
+    stages = max(2, min(6, (96 << 10) // stage_bytes))
     tiles = triton.cdiv(n, block_n)
-    stages = 4 if block_k * weight_bytes >= 256 else 6
     if tiles >= num_sms:
         return StreamPlan(block_n, block_k, num_stages=stages)
     unit = max(block_k, scale_k or 0)  # a split starts on a scale block
