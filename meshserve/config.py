@@ -34,6 +34,8 @@ class SmallMGemm(StrEnum):
     OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs
 
 
+SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (FP8 weights only, "
+                     "the default), on (bf16/fp16 decoder projections too), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
                      "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
 
@@ -96,9 +98,7 @@ class ModelConfig:
         "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
     quantization: Quantization = field(default=Quantization.NONE, metadata={
         "help": "fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 at load (per-channel scales)"})
-    small_m_gemm: SmallMGemm = field(default=SmallMGemm.AUTO, metadata={
-        "help": "decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (FP8 weights only), "
-                "on (bf16/fp16 weights too), off (never)"})
+    small_m_gemm: SmallMGemm = field(default=SmallMGemm.AUTO, metadata={"help": SMALL_M_GEMM_HELP})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))

@@ -22,6 +22,7 @@ import sys
 
 from meshserve.config import (
     QUANTIZATION_HELP,
+    SMALL_M_GEMM_HELP,
     AttentionConfig,
     CacheConfig,
     Dtype,
@@ -52,9 +53,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
-    m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm],
-                   help="decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (FP8 weights), "
-                        "on (bf16/fp16 too), off")
+    m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--ep", type=int, default=1,
