@@ -161,4 +161,31 @@ def sweep(shapes, device: str) -> list[dict]:
                              "best_plan": str(best_plan)})
                 print(f"sweep M={m:>2} {proj:>8} {fmt:>12}: default {default:7.1f} us, best {best:7.1f} us "
                       f"({best_plan})", flush=True)
+        rows.append(_sweep_block_gemm(proj, w, 64 if device == "cpu" else 4096, bench))
     return rows
+
+
+# (BM, BN, warps, stages) for the large-M block GEMM; the first is what _tiles picks at M >= 128.
+BLOCK_TILES = ((128, 128, 8, 3), (128, 128, 4, 3), (64, 128, 4, 3), (64, 128, 4, 4), (128, 256, 8, 3),
+               (256, 128, 8, 3), (128, 64, 4, 4))
+
+
+def _sweep_block_gemm(proj: str, w: torch.Tensor, m: int, bench) -> dict:
+    """The Triton block GEMM at prefill M over BLOCK_TILES (activations pre-quantized)."""
+    from meshserve.workers.quant.fp8 import quantize_fp8_block, quantize_per_token_group
+    from meshserve.workers.quant.fp8_triton import block_gemm
+
+    wq, ws = quantize_fp8_block(w, (128, 128))
+    xq, xs = quantize_per_token_group(torch.randn(m, w.shape[1], device=w.device).to(w.dtype), 128)
+    times = {}
+    for tiles in BLOCK_TILES[:2] if w.device.type == "cpu" else BLOCK_TILES:
+        try:
+            times[str(tiles)] = bench(lambda tiles=tiles: block_gemm(xq, xs, wq, ws, (128, 128), w.dtype, tiles=tiles))
+        except Exception as exc:  # e.g. out of shared memory
+            print(f"sweep: block GEMM tiles {tiles} failed: {str(exc).splitlines()[0][:100]}")
+    best = min(times, key=times.get)
+    flops = 2.0 * m * w.shape[0] * w.shape[1]
+    print(f"sweep M={m} {proj:>8} block_gemm: default {times[str(BLOCK_TILES[0])]:7.1f} us, best {times[best]:7.1f} us "
+          f"{best} ({flops / times[best] / 1e6:.0f} TFLOP/s)", flush=True)
+    return {"m": m, "proj": proj, "format": "block_gemm", "default_us": times[str(BLOCK_TILES[0])],
+            "best_us": times[best], "best_plan": best, "all_us": times}

@@ -147,17 +147,22 @@ def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+               block: tuple[int, int], out_dtype: torch.dtype, *,
+               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """xq fp8 [M, K], x_scale [M, ceil(K / bk)], weight fp8 [N, K], w_scale [ceil(N / bn), ceil(K / bk)]
-    -> [M, N] in out_dtype."""
+    -> [M, N] in out_dtype. `tiles` (BM, BN, warps, stages): None = `_tiles`' choice (the bench's
+    --sweep times others)."""
     m, k = xq.shape
     n = weight.shape[0]
     bn_scale, bk = block
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    bm, bn, warps, stages = _tiles(m, n)
-    bn = min(bn, bn_scale) if bn_scale >= 16 else bn  # a tile inside one scale row where it can be
+    if tiles is None:
+        bm, bn, warps, stages = _tiles(m, n)
+        bn = min(bn, bn_scale) if bn_scale >= 16 else bn  # a tile inside one scale row where it can be
+    else:
+        bm, bn, warps, stages = tiles
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _block_gemm[grid](xq, x_scale, weight, w_scale, out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0),
                       x_scale.shape[1], w_scale.shape[1], SCALE_N=bn_scale, BM=bm, BN=bn, BK=bk, GROUP_M=8,
