@@ -112,7 +112,7 @@ def _plans(k: int, weight_bytes: int, scale_k: int | None):
     for block_n in (16, 32, 64):
         for row_bytes in (128, 256, 512):
             block_k = row_bytes // weight_bytes
-            if scale_k is not None and scale_k % block_k or block_n * block_k > 16384:
+            if block_n * block_k > 16384:
                 continue
             unit = max(block_k, scale_k or 0)
             for splits in (1, 2):

@@ -11,8 +11,9 @@ Weight formats (one kernel, chosen by constexprs):
 - float8_e4m3fn with block scales [ceil(N / bn), ceil(K / bk)] (DeepSeek-V3 / Qwen3-FP8) or one
   scale per output channel [N] (online FP8). W8A16: activations are NOT quantized; FP8 values
   are converted in registers and products accumulate in float32. Block scales multiply each
-  BLOCK_K-wide partial product (BLOCK_K <= bk, so a tile never straddles two scale blocks);
-  per-channel scales multiply the finished sum once.
+  partial product of one scale block (a BLOCK_K step wider than bk is unrolled into bk-wide
+  sub-steps, so no product straddles two scale blocks); per-channel scales multiply the
+  finished sum once.
 - bf16 / fp16 (dense models): the same streaming loop without scales, so that decode GEMMs need
   no cuBLAS split-K reduction kernel.
 Dot operands: FP8 weights go to fp16 (every e4m3 value is exact in fp16, and Hopper converts
@@ -63,12 +64,15 @@ class StreamPlan:
 def _stream_gemm(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_w, stride_out, stride_split,
                  s_row_stride, k_per_split, SCALE: tl.constexpr, SCALE_N: tl.constexpr, SCALE_K: tl.constexpr,
                  HAS_BIAS: tl.constexpr, DOT: tl.constexpr, X_SCALE: tl.constexpr,
-                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+                 BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr):  # fmt: skip
+    # Each step of BK columns is SUBS unrolled sub-steps of BK // SUBS (= the scale block along K
+    # when a step spans several): loads of every sub-step are in flight together, and each
+    # partial product meets exactly one block scale.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     rm = tl.arange(0, BM)
     rn = pid_n * BN + tl.arange(0, BN)
-    rk = tl.arange(0, BK)
+    rk = tl.arange(0, BK // SUBS)
     m_ok, n_ok = rm < M, rn < N
     k0 = split * k_per_split
     k1 = tl.minimum(k0 + k_per_split, K)
@@ -77,14 +81,16 @@ def _stream_gemm(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_
     s_rows = s_ptr + (rn // SCALE_N) * s_row_stride  # block scales of these columns (SCALE == _BLOCK)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k in range(k0, k1, BK):
-        k_ok = rk < k1 - k
-        x = tl.load(x_ptrs, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        part = tl.dot((x.to(tl.float32) * X_SCALE).to(DOT), tl.trans(w.to(DOT)))
-        if SCALE == 2:
-            acc += part * tl.load(s_rows + k // SCALE_K, mask=n_ok, other=0.0)[None, :]
-        else:
-            acc += part
+        for j in tl.static_range(SUBS):
+            kj = k + j * (BK // SUBS)
+            k_ok = rk < k1 - kj
+            x = tl.load(x_ptrs + j * (BK // SUBS), mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs + j * (BK // SUBS), mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            part = tl.dot((x.to(tl.float32) * X_SCALE).to(DOT), tl.trans(w.to(DOT)))
+            if SCALE == 2:
+                acc += part * tl.load(s_rows + kj // SCALE_K, mask=n_ok, other=0.0)[None, :]
+            else:
+                acc += part
         x_ptrs += BK
         w_ptrs += BK
     if SCALE == 1:
@@ -126,13 +132,11 @@ def plan_stream(n: int, k: int, *, weight_bytes: int, scale_k: int | None, num_s
     keep several tiles in flight per SM: 4 TB/s over 132 SMs is ~30 GB/s each, ~30 KB in flight at
     ~1 us of latency), else 16 so that the weight spreads over as many SMs as it can. BLOCK_K: up
     to 512 bytes of each weight row per step, at most 8192 weights per tile (64 per thread at 4
-    warps: no spills), cut to the scale block along K. Stages: as many as ~96 KB of shared
-    memory holds (2..6), two programs per SM. Fewer than num_sms programs even at 16 columns:
-    split K so that ~2 programs per SM run."""
+    warps: no spills); a step wider than the scale block runs as unrolled scale-block sub-steps.
+    Stages: as many as ~96 KB of shared memory holds (2..6), two programs per SM. Fewer than
+    num_sms programs even at 16 columns: split K so that ~2 programs per SM run."""
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * num_sms), 16)
     block_k = min(512 // weight_bytes, 8192 // block_n)
-    if scale_k is not None:
-        block_k = min(block_k, scale_k)
     stage_bytes = block_n * block_k * weight_bytes + SMALL_M_MAX * block_k * 2
     stages = max(2, min(6, (96 << 10) // stage_bytes))
     tiles = triton.cdiv(n, block_n)
@@ -180,9 +184,16 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
     if plan is None:
         sms = 8 if _interpreting() else _num_sms(x.device.index or 0)
         plan = plan_stream(n, k, weight_bytes=weight.element_size(), scale_k=scale_k, num_sms=sms)
-    if scale_k is not None and scale_k % plan.block_k:
-        raise ValueError(f"plan.block_k={plan.block_k} must divide the scale block along K ({scale_k})")
+    subs = 1
+    if scale_k is not None:
+        if scale_k % plan.block_k and plan.block_k % scale_k:
+            raise ValueError(f"plan.block_k={plan.block_k} must divide or be a multiple of the scale block "
+                             f"along K ({scale_k})")
+        subs = max(1, plan.block_k // scale_k)
     split = plan.splits > 1
+    if split and plan.k_per_split % max(plan.block_k, scale_k or 1):
+        raise ValueError(f"plan.k_per_split={plan.k_per_split} must be a multiple of block_k ({plan.block_k}) "
+                         f"and of the scale block along K ({scale_k})")
     dest = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if split else out
     dot, x_scale = _dot_dtype(x, weight)
     dummy = out  # never read: the pointer behind a constexpr-disabled operand
@@ -191,7 +202,7 @@ def stream_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | N
         m, n, k, x.stride(0), weight.stride(0), n, m * n, scale.stride(0) if kind == _BLOCK else 0,
         plan.k_per_split if split else k, SCALE=kind, SCALE_N=scale_n, SCALE_K=scale_k or 1,
         HAS_BIAS=bias is not None and not split, DOT=dot, X_SCALE=x_scale, BM=16, BN=plan.block_n,
-        BK=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
+        BK=plan.block_k, SUBS=subs, num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
         block_sum = 256
         _sum_splits[(triton.cdiv(m * n, block_sum),)](dest, dummy if bias is None else bias, out, m * n, n,

@@ -46,7 +46,9 @@ def _weights(fmt, n=N, k=K, seed=1):
     return wb, None, None, wb.double()
 
 
-PLANS = {"default": None, "narrow": StreamPlan(16, 32), "split_k": StreamPlan(32, 64, splits=3, k_per_split=128)}
+# split_k: 3 splits of 128 columns; wide: 128-column steps over 64-wide scale blocks (2 sub-steps).
+PLANS = {"default": None, "narrow": StreamPlan(16, 32), "split_k": StreamPlan(32, 64, splits=3, k_per_split=128),
+         "wide": StreamPlan(16, 128, splits=2, k_per_split=256)}
 
 
 @pytest.mark.parametrize("plan", list(PLANS), ids=str)
@@ -106,8 +108,10 @@ def test_stream_linear_refuses_bad_input():
         stream_linear(_x(2, k=K + 1), wq, scale, block)
     with pytest.raises(ValueError, match="scale must be given"):
         stream_linear(_x(2), wq, None, block)
-    with pytest.raises(ValueError, match="block_k=128 must divide"):
-        stream_linear(_x(2), wq, scale, block, plan=StreamPlan(16, 128))
+    with pytest.raises(ValueError, match="block_k=48 must divide or be a multiple"):
+        stream_linear(_x(2), wq, scale, block, plan=StreamPlan(16, 48))
+    with pytest.raises(ValueError, match="k_per_split=96 must be a multiple"):
+        stream_linear(_x(2), wq, scale, block, plan=StreamPlan(16, 32, splits=4, k_per_split=96))
     assert stream_linear(_x(0), wq, scale, block).shape == (0, N)
 
 
@@ -116,7 +120,7 @@ def test_plan_fills_the_gpu_and_splits_only_narrow_weights():
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:  # Llama-3-8B, tp = 1
         plan = plan_stream(n, k, weight_bytes=1, scale_k=128, num_sms=sms)
         assert plan.splits == 1 and -(-n // plan.block_n) >= sms, (n, plan)
-        assert plan.block_k == 128  # never across a scale block
+        assert plan.block_k % 128 == 0  # whole scale blocks per step (unrolled sub-steps)
     plan = plan_stream(768, 4096, weight_bytes=2, scale_k=None, num_sms=sms)  # qkv at tp = 8
     programs = -(-768 // plan.block_n) * plan.splits
     assert plan.splits > 1 and programs >= sms and plan.k_per_split % plan.block_k == 0
