@@ -106,7 +106,7 @@ def decode_graphs(shapes, *, layers: int, device: str) -> list[dict]:
 
 def _plans(k: int, weight_bytes: int, scale_k: int | None):
     """Small-M tilings to try: 16/32/64 columns, 128..512 bytes per row and step, 1 or 2 splits,
-    4 warps, 4 stages (<= 18 variants per weight format: about a minute of compiles on the H200)."""
+    4 warps (and 2 at 16 columns), 4 stages (<= 24 variants per weight format)."""
     from meshserve.workers.quant.small_m import StreamPlan
 
     for block_n in (16, 32, 64):
@@ -118,7 +118,10 @@ def _plans(k: int, weight_bytes: int, scale_k: int | None):
             for splits in (1, 2):
                 per = -(-k // splits)
                 per = -(-per // unit) * unit
-                yield StreamPlan(block_n, block_k, -(-k // per), per, num_warps=4, num_stages=4)
+                # 16-column tiles: 4 warps replicate the activation tile's conversion (SASS,
+                # bench/kernel_report_gemm.py); 2 warps may stream as well with half the work.
+                for warps in (2, 4) if block_n == 16 else (4,):
+                    yield StreamPlan(block_n, block_k, -(-k // per), per, num_warps=warps, num_stages=4)
 
 
 def sweep(shapes, device: str) -> list[dict]:
