@@ -139,13 +139,16 @@ def plan_stream(n: int, k: int, *, weight_bytes: int, scale_k: int | None, num_s
     block_k = min(512 // weight_bytes, 8192 // block_n)
     stage_bytes = block_n * block_k * weight_bytes + SMALL_M_MAX * block_k * 2
     stages = max(2, min(6, (96 << 10) // stage_bytes))
+    # One warp per 8 output columns (mma's n8), at most 4: more warps on a 16 x 16 output would
+    # repeat the same products and activation conversions (seen in the sm_90 SASS).
+    warps = min(4, block_n // 8)
     tiles = triton.cdiv(n, block_n)
     if tiles >= num_sms:
-        return StreamPlan(block_n, block_k, num_stages=stages)
+        return StreamPlan(block_n, block_k, num_warps=warps, num_stages=stages)
     unit = max(block_k, scale_k or 0)  # a split starts on a scale block
     splits = max(1, min(triton.cdiv(2 * num_sms, tiles), triton.cdiv(k, unit)))
     k_per_split = triton.cdiv(triton.cdiv(k, splits), unit) * unit
-    return StreamPlan(block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, num_stages=stages)
+    return StreamPlan(block_n, block_k, triton.cdiv(k, k_per_split), k_per_split, warps, stages)
 
 
 def _dot_dtype(x: torch.Tensor, weight: torch.Tensor) -> tuple[tl.dtype, float]:
