@@ -137,6 +137,8 @@ def plan_stream(n: int, k: int, *, weight_bytes: int, scale_k: int | None, num_s
     num_sms programs even at 16 columns: split K so that ~2 programs per SM run."""
     block_n = next((b for b in (64, 32) if triton.cdiv(n, b) >= 2 * num_sms), 16)
     block_k = min(512 // weight_bytes, 8192 // block_n)
+    if scale_k is not None:  # at most two unrolled scale-block sub-steps: four spilled at 2 warps (sm_90)
+        block_k = min(block_k, 2 * scale_k)
     stage_bytes = block_n * block_k * weight_bytes + SMALL_M_MAX * block_k * 2
     stages = max(2, min(6, (96 << 10) // stage_bytes))
     # One warp per 8 output columns (mma's n8), at most 4: more warps on a 16 x 16 output would
