@@ -182,17 +182,18 @@ def test_row_quant_kernel_is_bit_identical_to_torch(dtype, m):
     assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
 
 
-def test_fp8_linear_module_bias_and_3d_input():
+@pytest.mark.parametrize("lead", [(2, 9), (1, 3)], ids=["tiled_18_rows", "streamed_3_rows_bias_fused"])
+def test_fp8_linear_module_bias_and_3d_input(lead):
     _skip_unless(WeightFormat.FP8_BLOCK)
     layer = Fp8Linear(4096, 6144, bias=True, block=(128, 128)).cuda()
     wq, ws = quantize_fp8_block(_randn(6144, 4096, scale=0.02, seed=4), (128, 128))
     layer.weight.data.copy_(wq)
     layer.weight_scale_inv.copy_(ws)
     layer.bias.data = _randn(6144, seed=5, dtype=torch.bfloat16)
-    x = _randn(2, 9, 4096, seed=6)
+    x = _randn(*lead, 4096, seed=6)
     ref = x.double() @ dequantize_fp8_block(wq, ws, (128, 128), torch.float64).T + layer.bias.double()
     y = layer(x)
-    assert y.shape == (2, 9, 6144)
+    assert y.shape == (*lead, 6144)
     assert ((y.double() - ref).norm() / ref.norm()).item() < 0.04
 
 

@@ -48,15 +48,16 @@ def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               *, small_m: bool = True) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its `scale`
-    (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
+               *, small_m: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias [N]) -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its
+    `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
     On CUDA, up to SMALL_M_MAX rows (decode) run the weight-streaming W8A16 kernel (small_m.py)
     unless `small_m` is False; more rows quantize the activations (block: per token per bk
     features; per-channel: per token) and run the FP8 tensor-core GEMMs."""
     if not _fast_path(x) or x.dtype == torch.float32:
-        return fp8_linear_reference(x, weight, scale, block)
+        y = fp8_linear_reference(x, weight, scale, block)
+        return y if bias is None else y + bias
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
@@ -64,14 +65,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     if small_m and x2.shape[0] <= SMALL_M_MAX:
         from meshserve.workers.quant.small_m import stream_linear
 
-        y = stream_linear(x2, weight, scale, block)
-    elif block is None:
+        return stream_linear(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
+    if block is None:
         y = _scaled_mm_per_channel(x2, weight, scale)
     else:
         from meshserve.workers.quant.fp8_triton import fp8_block_linear
 
         y = fp8_block_linear(x2, weight, scale, block)
-    return y.view(*lead, weight.shape[0])
+    y = y.view(*lead, weight.shape[0])
+    return y if bias is None else y + bias
 
 
 class Fp8Linear(nn.Module):
@@ -96,9 +98,9 @@ class Fp8Linear(nn.Module):
         return self.weight_scale if self.block is None else self.weight_scale_inv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight, self.scale, self.block, small_m=self.small_m)
-        if self.ctx is not None:
-            y = all_reduce(y, self.ctx)
+        if self.ctx is None:  # the bias joins the GEMM where the kernel can add it
+            return fp8_linear(x, self.weight, self.scale, self.block, small_m=self.small_m, bias=self.bias)
+        y = all_reduce(fp8_linear(x, self.weight, self.scale, self.block, small_m=self.small_m), self.ctx)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
