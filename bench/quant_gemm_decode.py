@@ -37,7 +37,8 @@ def _kernels_per_replay(graph) -> int | str:
             graph.replay()
             torch.cuda.synchronize()
         names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return sum(1 for name in names if not name.lower().startswith(("memcpy", "memset")))
+        count = sum(1 for name in names if not name.lower().startswith(("memcpy", "memset")))
+        return count or "?"  # zero: this CUPTI does not trace graph nodes
     except Exception as exc:  # profiler without CUPTI graph support
         print(f"kernel count unavailable: {str(exc).splitlines()[0][:120]}")
         return "?"

@@ -22,7 +22,7 @@ activations are scaled by 2**-8 on the way (exact; undone on the float32 sum) so
 up to 2**24 fits fp16: elements with |x| >= 2**-6 stay exact, smaller ones keep an absolute error
 below 2**-17 (for |x| >= 2**-7 that is within bf16's own rounding). bf16/fp16 weights use their
 own dtype. Under TRITON_INTERPRET (CPU tests) bf16 dots run in float32, because the
-interpreter's bf16 dot is wrong (docs PLATFORM notes); fp16 dots run as on the GPU.
+interpreter's bf16 dot is wrong (a known interpreter bug); fp16 dots run as on the GPU.
 
 Determinism: no atomics. A program owns its output columns outright, so results are bitwise
 identical run to run (CUDA-graph replay equals eager). Where ceil(N / 16) programs cannot fill
