@@ -149,3 +149,26 @@ def test_group_quant_many_rows_per_program_is_bit_identical():
 def test_oracle_helper_agrees_with_the_library_dequantization():
     wq, scale, block, w64 = _weights("block")
     torch.testing.assert_close(dequantize_fp8_block(wq, scale, block, torch.float64), w64, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("m", "small_m", "fmt", "bound"), [
+    (3, True, "block", 2**-7), (3, True, "channel", 2**-7), (16, True, "block", 2**-7),
+    (17, True, "block", 0.05), (3, False, "block", 0.05)])  # fmt: skip
+def test_fp8_linear_dispatch_on_the_fast_path(monkeypatch, m, small_m, fmt, bound):
+    """fp8_linear as it runs on CUDA (the device check forced, kernels interpreted): up to
+    SMALL_M_MAX rows and small_m on -> the W8A16 kernel (bf16 rounding only, bias fused); else the
+    quantized-activation block path (e4m3 activations: a few % on random data)."""
+    from meshserve.workers.quant import layers
+
+    monkeypatch.setattr(layers, "_fast_path", lambda x: True)
+    wq, scale, block, w64 = _weights(fmt)
+    x = _x(m).bfloat16().view(1, m, K)
+    bias = torch.randn(N, generator=torch.Generator().manual_seed(9)).bfloat16()
+    y = layers.fp8_linear(x, wq, scale, block, small_m=small_m, bias=bias)
+    ref = x.double() @ w64.T + bias.double()
+    assert y.shape == (1, m, N) and y.dtype == torch.bfloat16
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < bound, rel
+    if bound < 0.01:  # the streamed result is not the quantized-activation one
+        quantized = layers.fp8_linear(x, wq, scale, block, small_m=False, bias=bias) if fmt == "block" else None
+        assert quantized is None or ((quantized.double() - ref).norm() / ref.norm()).item() > 2 * rel
