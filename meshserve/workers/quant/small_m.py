@@ -1,7 +1,7 @@
 """Weight-streaming GEMMs for decode-sized batches: y [M, N] = x [M, K] @ W^T (+ bias), M <= SMALL_M_MAX.
 
 At a few rows a linear layer is a read of its weight matrix: 2 * M FLOPs per weight against
-~40 FLOPs per byte of balance on an H200, so the kernel's only job is to stream W from HBM at
+~165 FLOPs per byte of balance on an H200, so the kernel's only job is to stream W from HBM at
 full bandwidth, in one launch, with nothing in front of it. Each program owns a slab of
 BLOCK_N output columns and walks K, BLOCK_K at a time, loading a [BLOCK_N, BLOCK_K] weight tile
 and the matching [16, BLOCK_K] activation tile (rows >= M are masked: they read nothing), and
