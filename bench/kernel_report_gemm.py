@@ -10,15 +10,11 @@ errors, spills and shared-memory overflows at the Llama-3-8B shapes before any G
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime.jit import JITFunction
 
-from bench.kernel_report import Recorder
+from bench.kernel_report import compile_report
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
           "qkv_tp8": (768, 4096), "kv_a_mla": (576, 7168)}
@@ -51,26 +47,7 @@ def launches() -> Iterator[tuple[str, Callable[[], object]]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--arch", type=int, default=90)
-    ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
-    args = ap.parse_args()
-    if args.sass:
-        args.sass.mkdir(parents=True, exist_ok=True)
-    recorder = Recorder(GPUTarget("cuda", args.arch, 32), args.sass)
-    original = JITFunction.run
-    JITFunction.run = lambda self, *a, grid, warmup, **kw: recorder(self, *a, grid=grid, warmup=warmup, **kw)
-    try:
-        for label, launch in launches():
-            before = len(recorder.rows)
-            launch()
-            for name, options, _, rep in recorder.rows[before:]:
-                print(f"{label:80s} {name:14s} {options} {rep}", flush=True)
-    finally:
-        JITFunction.run = original
-    spilled = [r for r in recorder.rows if r[3]["stack"] > 0]
-    print(f"{len(recorder.rows)} kernel variants compiled for sm_{args.arch}; {len(spilled)} with a stack frame")
-    return 0
+    return compile_report(launches(), __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":
