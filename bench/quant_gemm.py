@@ -12,6 +12,8 @@ Methods (one linear each; "layer" rows sum the four projections of one decoder l
 - block           per-token-group activation quantization + block GEMM (FP8 checkpoints, M > 16)
 - online_channel  per-token activation quantization (one Triton kernel) + _scaled_mm row-wise
                   (online FP8, M > 16)
+- torch_blockwise torch's own 1x128 x 128x128 block-scaled F.scaled_mm, activations pre-quantized
+                  (the peer of block_gemm; M >= 64, where this torch/GPU has it)
 Per cell: median microseconds (triton.testing.do_bench: warm-up, L2 flushed, random data) and
 weight-read TB/s; speed-ups against bf16. Then a CUDA graph of 32 layers x 4 projections at M = 1
 (bench/quant_gemm_decode.py): the decode step's GEMM time per weight format and kernels per
@@ -42,7 +44,7 @@ SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (6
 MS = (1, 16, 64, 4096)
 SMOKE_MS = (1, 16, 64)
 METHODS = ("bf16", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel", "scaled_mm_tensor", "block_gemm",
-           "block", "online_channel")
+           "block", "online_channel", "torch_blockwise")
 SMALL_ONLY = {"bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel"}
 _SAID: set[str] = set()
 
@@ -92,6 +94,9 @@ def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torc
         "block": lambda: fp8_block_linear(x, wq_b, ws_b, (128, 128)),
         "online_channel": lambda: _scaled_mm_per_channel(x, wq_c, ws_c),
     }
+    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b) if device == "cuda" and m >= 64 else None
+    if blockwise is not None:
+        fns["torch_blockwise"] = blockwise
     if m <= SMALL_M_MAX:
         fns["bf16_small_m"] = lambda: stream_linear(x, w)
         fns["fp8_small_m_block"] = lambda: stream_linear(x, wq_b, ws_b, (128, 128))
@@ -105,6 +110,33 @@ def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torc
     kind = {"bf16": "bf16", "bf16_small_m": "bf16", "scaled_mm_tensor": "tensor", "online_channel": "channel",
             "fp8_small_m_channel": "channel"}
     return {name: (fn, refs[kind.get(name, "block")]) for name, fn in fns.items()}
+
+
+def _torch_blockwise(xq, xs, wq, ws):
+    """torch's own block-scaled FP8 GEMM (F.scaled_mm: 1x128 activation scales, 128x128 weight
+    scales; cuBLAS on sm90, CUDA 12.9+), or None (said once) where this torch/GPU refuses it.
+    Layouts as torch's own benchmark passes them: activation scales outer-dim-major (stride
+    (1, M)); weight scales [N/128, K/128] padded along K/128 to a multiple of 4, then transposed.
+    Its numbers are checked against the oracle like every other method's."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None)
+    if not hasattr(F, "scaled_mm") or kinds is None:
+        say_once("torch_blockwise: this torch has no F.scaled_mm")
+        return None
+    sa = xs.t().contiguous().t()
+    pad = -ws.shape[1] % 4
+    sb = torch.nn.functional.pad(ws, (0, pad)).t() if pad else ws.t()
+
+    def run():
+        return F.scaled_mm(xq, wq.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
+                           scale_recipe_b=kinds.BlockWise128x128, output_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except Exception as exc:  # an unsupported layout / build raises
+        say_once(f"torch_blockwise unavailable: {str(exc).splitlines()[0][:160]}")
+        return None
+    return run
 
 
 def time_us(fn, reps: int, device: str) -> float:
