@@ -254,7 +254,7 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
               max_model_len=-(-longest // 256) * 256, kv_cache_memory_bytes=args.kv_bytes,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max([8192, *args.ttft_lens]),
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, progress=False,
-              quantization=args.quantization)
+              quantization=args.quantization, small_m_gemm=args.small_m_gemm)
     start_s = time.perf_counter() - t0
     graphs = llm.core.executor.worker.runner.decode_graphs
     out = {"backend": llm.core.info.backend, "start_s": start_s, "graphs": graphs is not None,
@@ -318,7 +318,8 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
         BEGIN,
         "## End-to-end decode (bench/e2e.py)",
         "",
-        f"{shape_name} with random {args.dtype} weights on {device}; torch {torch.__version__}; attention "
+        f"{shape_name} with random {args.dtype} weights on {device} (quantization {args.quantization}, "
+        f"small_m_gemm {args.small_m_gemm}); torch {torch.__version__}; attention "
         f"backend {ours['backend']}, decode steps {mode} (start-up {ours['start_s']:.1f} s, of which graph "
         f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
         "random tokens, already prefilled; one engine step = schedule, run, sample, update. Roofline = "
@@ -399,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default="none",
                     help="fp8: meshserve with online FP8 weights (docs/quantization.md)")
+    ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"],
+                    help="meshserve's decode GEMMs on the weight-streaming kernel (docs/engine.md)")
     ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")
     ap.add_argument("--no-async-scheduling", action="store_true", help="meshserve without overlap scheduling")
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")

@@ -97,10 +97,36 @@ def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
             for label, spec, dt in out]  # fmt: skip
 
 
-def main() -> int:
+def attention_launches():
+    """(label, launch) for each benchmark problem: the backend's KV write and forward."""
+    from meshserve.attention.backend import LayerParams
     from meshserve.attention.backends.triton_paged import TritonBackend
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for label, prob, qlens, slens in problems():
+        spec = prob.spec
+        dt = getattr(torch, prob.dtype)
+        kv_dt = torch.float8_e4m3fn if spec.kv_cache_dtype.is_fp8 else dt
+        blocks = [list(range(i * 3000, i * 3000 + -(-s // 16))) for i, s in enumerate(slens)]
+        meta = AttentionMetadata.build(query_lens=qlens, seq_lens=slens, block_tables=blocks, block_size=16)
+        backend = TritonBackend(prob, num_sms=132)
+        plan = backend.plan(meta)
+        cache = KVCache(torch.empty(9000, 2, 16, spec.num_kv_heads, spec.head_size, dtype=kv_dt))
+        n = sum(qlens)
+        q = torch.empty(n, spec.num_heads, spec.head_size, dtype=dt)
+        k = torch.empty(n, spec.num_kv_heads, spec.head_size, dtype=dt)
+        layer = LayerParams(sinks=torch.zeros(spec.num_heads), alibi_slopes=torch.zeros(spec.num_heads))
+
+        def launch(backend=backend, k=k, cache=cache, meta=meta, q=q, plan=plan, layer=layer):
+            backend.write_kv(k, k, cache, meta.slot_mapping)
+            backend.forward(q, k, k, cache, plan, layer=layer, return_lse=True)
+
+        yield label, launch
+
+
+def compile_report(launches, description: str) -> int:
+    """Parse --arch/--sass, run each (label, launch) with every kernel launch compiled for that
+    target instead of run, and print each new variant's resources and a spill summary."""
+    ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
     args = ap.parse_args()
@@ -110,24 +136,9 @@ def main() -> int:
     original = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: recorder(self, *a, grid=grid, warmup=warmup, **kw)
     try:
-        for label, prob, qlens, slens in problems():
-            spec = prob.spec
-            dt = getattr(torch, prob.dtype)
-            kv_dt = torch.float8_e4m3fn if spec.kv_cache_dtype.is_fp8 else dt
-            blocks = [list(range(i * 3000, i * 3000 + -(-s // 16))) for i, s in enumerate(slens)]
-            meta = AttentionMetadata.build(query_lens=qlens, seq_lens=slens, block_tables=blocks, block_size=16)
-            backend = TritonBackend(prob, num_sms=132)
-            plan = backend.plan(meta)
-            cache = KVCache(torch.empty(9000, 2, 16, spec.num_kv_heads, spec.head_size, dtype=kv_dt))
-            n = sum(qlens)
-            q = torch.empty(n, spec.num_heads, spec.head_size, dtype=dt)
-            k = torch.empty(n, spec.num_kv_heads, spec.head_size, dtype=dt)
-            from meshserve.attention.backend import LayerParams
-
-            layer = LayerParams(sinks=torch.zeros(spec.num_heads), alibi_slopes=torch.zeros(spec.num_heads))
+        for label, launch in launches:
             before = len(recorder.rows)
-            backend.write_kv(k, k, cache, meta.slot_mapping)
-            backend.forward(q, k, k, cache, plan, layer=layer, return_lse=True)
+            launch()
             for name, options, _, rep in recorder.rows[before:]:
                 print(f"{label:32s} {name:18s} {options} {rep}", flush=True)
     finally:
@@ -135,6 +146,10 @@ def main() -> int:
     spilled = [r for r in recorder.rows if r[3]["stack"] > 0]
     print(f"{len(recorder.rows)} kernel variants compiled for sm_{args.arch}; {len(spilled)} with a stack frame")
     return 0
+
+
+def main() -> int:
+    return compile_report(attention_launches(), __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -1,152 +1,237 @@
-"""FP8 GEMMs on the GPU at Llama-3-8B's projection shapes: the block-scaled Triton GEMM (what
-DeepSeek-V3 / Qwen3-FP8 checkpoints run), online FP8 (per-channel, torch._scaled_mm row-wise),
-torch._scaled_mm per-tensor FP8 (the peer the issue names), and bf16 torch.matmul, in one run.
+"""Decode and prefill GEMMs at Llama-3-8B's projection shapes, bf16 against every FP8 path, in one run:
 
-    python bench/quant_gemm.py [--out bench/results] [--reps 50]
+    PYTHONPATH=$PWD python3 bench/quant_gemm.py [--out bench/results] [--reps 20] [--sweep] [--smoke]
 
-Per (M, N, K): median microseconds (triton.testing.do_bench: warm-up, L2 flushed between runs,
-random data), TFLOP/s and weight-read TB/s. "block" includes the activation quantization
-kernel, "block_gemm" is the GEMM alone on pre-quantized activations (the like-for-like peer of
-per-tensor _scaled_mm, whose activations are pre-quantized too). The "layer" rows sum one
-decoder layer's four GEMMs: at M = 1 the decode step's linear time. Prints a table, writes JSON
-and a PNG.
+Methods (one linear each; "layer" rows sum the four projections of one decoder layer):
+- bf16            torch.matmul (cuBLAS; at M <= 16 with its split-K reduction kernel where it picks one)
+- bf16_small_m    the weight-streaming kernel on bf16 weights (quant/small_m.py), M <= 16
+- fp8_small_m_block / fp8_small_m_channel   the same kernel on FP8 weights, W8A16 (what FP8
+                  checkpoints / online FP8 run at M <= 16), M <= 16
+- scaled_mm_tensor  torch._scaled_mm per-tensor FP8, activations pre-quantized (the issue's peer)
+- block_gemm      the Triton block GEMM alone, activations pre-quantized
+- block           per-token-group activation quantization + block GEMM (FP8 checkpoints, M > 16)
+- online_channel  per-token activation quantization (one Triton kernel) + _scaled_mm row-wise
+                  (online FP8, M > 16)
+- torch_blockwise torch's own 1x128 x 128x128 block-scaled F.scaled_mm, activations pre-quantized
+                  (the peer of block_gemm; M >= 64, where this torch/GPU has it)
+Per cell: median microseconds (triton.testing.do_bench: warm-up, L2 flushed, random data) and
+weight-read TB/s; speed-ups against bf16. Then a CUDA graph of 32 layers x 4 projections at M = 1
+(bench/quant_gemm_decode.py): the decode step's GEMM time per weight format and kernels per
+step. `--sweep` also times alternative small-M tilings (which plan_stream should pick). Writes
+quant_gemm.json and quant_gemm.png to --out; prints one short summary table last. `--smoke`:
+tiny shapes on CPU (TRITON_INTERPRET), checks that every method runs and agrees; times mean nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import torch
-import triton
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
 
-from meshserve.workers.quant.fp8 import quantize_fp8_block, quantize_fp8_per_channel, quantize_per_token_group
-from meshserve.workers.quant.fp8_triton import block_gemm, fp8_block_linear
-from meshserve.workers.quant.layers import fp8_linear
+import torch
+
+from bench.report import pyplot
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (64, 160)}
 MS = (1, 16, 64, 4096)
-METHODS = ("bf16", "scaled_mm_tensor", "block_gemm", "block", "online_channel")
-
-
-def _cases(m: int, n: int, k: int) -> dict[str, callable]:
-    g = torch.Generator(device="cuda").manual_seed(m * 7 + n + k)
-    x = torch.randn(m, k, device="cuda", generator=g).bfloat16()
-    w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
-    wq_b, ws_b = quantize_fp8_block(w, (128, 128))
-    xq_g, xs_g = quantize_per_token_group(x, 128)
-    wq_c, ws_c = quantize_fp8_per_channel(w)
-    x_amax, w_amax = x.float().abs().max() / 448, w.float().abs().max() / 448
-    xq_t = (x.float() / x_amax).to(torch.float8_e4m3fn)
-    wq_t = (w.float() / w_amax).to(torch.float8_e4m3fn)
-    one_a, one_b = x_amax.reshape(()).float(), w_amax.reshape(()).float()
-    cases = {
-        "bf16": lambda: torch.matmul(x, w.t()),
-        "scaled_mm_tensor": lambda: torch._scaled_mm(xq_t, wq_t.t(), scale_a=one_a, scale_b=one_b,
-                                                     out_dtype=torch.bfloat16),
-        "block_gemm": lambda: block_gemm(xq_g, xs_g, wq_b, ws_b, (128, 128), torch.bfloat16),
-        "block": lambda: fp8_block_linear(x, wq_b, ws_b, (128, 128)),
-        "online_channel": lambda: fp8_linear(x, wq_c, ws_c, None),
-    }
-    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b, cases["block_gemm"]())
-    if blockwise is not None:
-        cases["torch_blockwise"] = blockwise
-    return cases
-
-
-def _torch_blockwise(xq, xs, wq, ws, expected):
-    """torch's own block-scaled FP8 GEMM (F.scaled_mm, 1x128 activations x 128x128 weights; cuBLAS
-    on sm90), when this torch has it and it agrees with the Triton GEMM; else None (said once)."""
-    F = torch.nn.functional
-    kinds = getattr(F, "ScalingType", None) or getattr(F, "_ScalingType", None)
-    if not hasattr(F, "scaled_mm") or kinds is None:
-        _say_once("torch_blockwise: this torch has no F.scaled_mm")
-        return None
-    # Scale layouts to try: torch's tests keep block scales outer-dim-major (M-major for 1x128).
-    act = getattr(kinds, "BlockWise1x128", None) or getattr(kinds, "Blockwise_1x128", None)
-    wgt = getattr(kinds, "BlockWise128x128", None) or getattr(kinds, "Blockwise_128x128", None)
-    layouts = [(xs.t().contiguous().t(), ws.t()), (xs, ws.t()), (xs.t().contiguous().t(), ws)]
-    errors = []
-    for sa, sb in layouts:
-        def run(sa=sa, sb=sb):
-            return F.scaled_mm(xq, wq.t(), sa, act, sb, wgt, output_dtype=torch.bfloat16)
-        try:
-            out = run()
-            rel = ((out.float() - expected.float()).norm() / expected.float().norm()).item()
-        except Exception as exc:  # an unsupported layout / build raises; try the next
-            errors.append(str(exc).splitlines()[0][:120])
-            continue
-        if rel < 1e-2:
-            return run
-        errors.append(f"wrong result (rel. error {rel:.3f})")
-    _say_once("torch_blockwise unavailable: " + " | ".join(errors))
-    return None
-
-
+SMOKE_MS = (1, 16, 64)
+METHODS = ("bf16", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel", "scaled_mm_tensor", "block_gemm",
+           "block", "online_channel", "torch_blockwise")
+SMALL_ONLY = {"bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel"}
 _SAID: set[str] = set()
 
 
-def _say_once(text: str) -> None:
+def say_once(text: str) -> None:
     if text not in _SAID:
         _SAID.add(text)
-        print(text)
+        print(text, flush=True)
 
 
-def measure(reps: int) -> list[dict]:
+def weight_bytes(method: str, n: int, k: int) -> float:
+    """Bytes of weights (and scales) one call reads."""
+    if method.startswith("bf16"):
+        return 2.0 * n * k
+    if "block" in method:
+        return n * k + 4.0 * -(-n // 128) * -(-k // 128)
+    return n * k + 4.0 * n
+
+
+def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torch.Tensor]]:
+    """method -> (callable, its float32 reference output) for one shape; x and W random."""
+    from meshserve.workers.quant.fp8 import (
+        dequantize_fp8_block,
+        quantize_fp8_block,
+        quantize_fp8_per_channel,
+        quantize_per_token_group,
+    )
+    from meshserve.workers.quant.fp8_triton import block_gemm, fp8_block_linear
+    from meshserve.workers.quant.layers import _scaled_mm_per_channel
+    from meshserve.workers.quant.small_m import SMALL_M_MAX, stream_linear
+
+    g = torch.Generator(device=device).manual_seed(m * 7 + n + k)
+    x = torch.randn(m, k, device=device, generator=g).bfloat16()
+    w = (torch.randn(n, k, device=device, generator=g) * 0.02).bfloat16()
+    if device == "cpu":  # the interpreter: float32 activations/weights where bf16 math would be wrong
+        x, w = x.float(), w.float()
+    wq_b, ws_b = quantize_fp8_block(w, (128, 128))
+    wq_c, ws_c = quantize_fp8_per_channel(w)
+    xq_g, xs_g = quantize_per_token_group(x, 128)
+    x_amax, w_amax = x.float().abs().max() / 448, w.float().abs().max() / 448
+    xq_t, wq_t = (x.float() / x_amax).to(torch.float8_e4m3fn), (w.float() / w_amax).to(torch.float8_e4m3fn)
+    fns = {
+        "bf16": lambda: torch.matmul(x, w.t()),
+        "scaled_mm_tensor": lambda: torch._scaled_mm(xq_t, wq_t.t(), scale_a=x_amax.float(), scale_b=w_amax.float(),
+                                                     out_dtype=torch.bfloat16),
+        "block_gemm": lambda: block_gemm(xq_g, xs_g, wq_b, ws_b, (128, 128), x.dtype),
+        "block": lambda: fp8_block_linear(x, wq_b, ws_b, (128, 128)),
+        "online_channel": lambda: _scaled_mm_per_channel(x, wq_c, ws_c),
+    }
+    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b) if device == "cuda" and m >= 64 else None
+    if blockwise is not None:
+        fns["torch_blockwise"] = blockwise
+    if m <= SMALL_M_MAX:
+        fns["bf16_small_m"] = lambda: stream_linear(x, w)
+        fns["fp8_small_m_block"] = lambda: stream_linear(x, wq_b, ws_b, (128, 128))
+        fns["fp8_small_m_channel"] = lambda: stream_linear(x, wq_c, ws_c)
+    # Each method against x @ W^T with the weights it reads, dequantized (float32): what is left
+    # is its own arithmetic (and, for W8A8 paths, the activation quantization).
+    xf = x.float()
+    deq_block = dequantize_fp8_block(wq_b, ws_b, (128, 128))
+    refs = {"bf16": xf @ w.float().t(), "block": xf @ deq_block.t(), "tensor": xf @ (wq_t.float() * w_amax).t(),
+            "channel": xf @ (wq_c.float() * ws_c[:, None]).t()}
+    kind = {"bf16": "bf16", "bf16_small_m": "bf16", "scaled_mm_tensor": "tensor", "online_channel": "channel",
+            "fp8_small_m_channel": "channel"}
+    return {name: (fn, refs[kind.get(name, "block")]) for name, fn in fns.items()}
+
+
+def _torch_blockwise(xq, xs, wq, ws):
+    """torch's own block-scaled FP8 GEMM (F.scaled_mm: 1x128 activation scales, 128x128 weight
+    scales; cuBLAS on sm90, CUDA 12.9+), or None (said once) where this torch/GPU refuses it.
+    Layouts as torch's own benchmark passes them: activation scales outer-dim-major (stride
+    (1, M)); weight scales [N/128, K/128] padded along K/128 to a multiple of 4, then transposed.
+    Its numbers are checked against the oracle like every other method's."""
+    F = torch.nn.functional
+    kinds = getattr(F, "ScalingType", None)
+    if not hasattr(F, "scaled_mm") or kinds is None:
+        say_once("torch_blockwise: this torch has no F.scaled_mm")
+        return None
+    sa = xs.t().contiguous().t()
+    pad = -ws.shape[1] % 4
+    sb = torch.nn.functional.pad(ws, (0, pad)).t() if pad else ws.t()
+
+    def run():
+        return F.scaled_mm(xq, wq.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
+                           scale_recipe_b=kinds.BlockWise128x128, output_dtype=torch.bfloat16)
+
+    try:
+        run()
+    except Exception as exc:  # an unsupported layout / build raises
+        say_once(f"torch_blockwise unavailable: {str(exc).splitlines()[0][:160]}")
+        return None
+    return run
+
+
+def time_us(fn, reps: int, device: str) -> float:
+    if device == "cpu":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    import triton
+
+    times = [triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") for _ in range(3)]
+    return statistics.median(times) * 1e3
+
+
+def measure(ms, shapes, reps: int, device: str) -> list[dict]:
     rows = []
-    for m in MS:
-        for name, (n, k) in SHAPES.items():
-            row = {"m": m, "proj": name, "n": n, "k": k}
-            for method, fn in _cases(m, n, k).items():
-                fn()
-                times = [triton.testing.do_bench(fn, warmup=10, rep=reps, return_mode="median") for _ in range(3)]
-                row[method] = statistics.median(times) * 1e3  # microseconds
+    for m in ms:
+        for proj, (n, k) in shapes.items():
+            row = {"m": m, "proj": proj, "n": n, "k": k, "us": {}, "rel_err": {}}
+            for method, (fn, ref) in cases(m, n, k, device).items():
+                try:
+                    out = fn()
+                except Exception as exc:  # a path this torch/GPU does not have: said once, left out
+                    say_once(f"{method} unavailable: {str(exc).splitlines()[0][:140]}")
+                    continue
+                row["rel_err"][method] = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+                row["us"][method] = time_us(fn, reps, device)
             rows.append(row)
-        layer = {"m": m, "proj": "layer", "n": 0, "k": 0}
-        for method in rows[-1]:
-            if method not in layer:
-                layer[method] = sum(r.get(method, float("nan")) for r in rows if r["m"] == m and r["proj"] != "layer")
+        layer = {"m": m, "proj": "layer", "n": 0, "k": 0, "us": {}, "rel_err": {}}
+        mine = [r for r in rows if r["m"] == m and r["proj"] != "layer"]
+        for method in METHODS:
+            if all(method in r["us"] for r in mine):
+                layer["us"][method] = sum(r["us"][method] for r in mine)
         rows.append(layer)
     return rows
 
 
-def table(rows: list[dict]) -> str:
-    methods = [m for m in (*METHODS, "torch_blockwise") if m in rows[0]]
-    head = (f"{'M':>5} {'proj':>8} {'N':>6} {'K':>6} | " + " ".join(f"{m:>16}" for m in methods)
-            + " | block/tensor  block/bf16  online/bf16  TFLOP/s(block_gemm)  TB/s(block, weights)")
+def tbs(row: dict, method: str, shapes) -> float:
+    """Weight-read TB/s of one cell (the layer row: all four projections' weights)."""
+    projs = shapes.items() if row["proj"] == "layer" else [(row["proj"], (row["n"], row["k"]))]
+    return sum(weight_bytes(method, n, k) for _, (n, k) in projs) / row["us"][method] / 1e6
+
+
+def table(rows: list[dict], shapes) -> str:
+    methods = [m for m in METHODS if any(m in r["us"] for r in rows)]
+    head = f"{'M':>5} {'proj':>8} | " + " | ".join(f"{m:>22}" for m in methods) + " | worst rel. err"
     lines = [head, "-" * len(head)]
     for r in rows:
-        flops = 2 * r["m"] * r["n"] * r["k"]
-        tflops = f"{flops / r['block_gemm'] / 1e6:19.1f}" if flops else " " * 19
-        tbs = f"{r['n'] * r['k'] / r['block'] / 1e6:21.2f}" if flops else " " * 21
-        lines.append(f"{r['m']:>5} {r['proj']:>8} {r['n'] or '':>6} {r['k'] or '':>6} | "
-                     + " ".join(f"{r.get(m, float('nan')):>14.1f}us" for m in methods)
-                     + f" | {r['scaled_mm_tensor'] / r['block_gemm']:12.2f}x {r['bf16'] / r['block']:10.2f}x"
-                     f" {r['bf16'] / r['online_channel']:11.2f}x {tflops} {tbs}")
+        cells = []
+        for m in methods:
+            if m in r["us"]:
+                cells.append(f"{r['us'][m]:8.1f}us {tbs(r, m, shapes):4.2f}TB/s {r['us']['bf16'] / r['us'][m]:4.2f}x")
+            else:
+                cells.append(f"{'-':>22}")
+        err = max(r["rel_err"].values(), default=float("nan"))
+        lines.append(f"{r['m']:>5} {r['proj']:>8} | " + " | ".join(cells) + (f" | {err:.4f}" if r["rel_err"] else " |"))
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def summary(rows: list[dict], graphs: list[dict]) -> str:
+    """The short table printed last: per M, one decoder layer per method (us and x bf16), then the
+    32-layer decode graphs."""
+    lines = ["summary: one decoder layer (4 projections), us (speed-up over bf16 cuBLAS)"]
+    for r in rows:
+        if r["proj"] != "layer":
+            continue
+        base = r["us"]["bf16"]
+        cells = ", ".join(f"{m} {v:.1f} ({base / v:.2f}x)" for m, v in r["us"].items())
+        lines.append(f"  M={r['m']:>4}: {cells}")
+    if graphs:
+        base = graphs[0]["ms"]
+        lines.append("decode proxy: CUDA graph of 32 layers x 4 projections, M = 1")
+        for g in graphs:
+            lines.append(f"  {g['method']:>20}: {g['ms']:.3f} ms  {g['tbs']:.2f} TB/s  {base / g['ms']:.2f}x  "
+                         f"{g.get('kernels', '?')} kernels")
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(MS), figsize=(5 * len(MS), 4), sharey=False)
-    for ax, m in zip(axes, MS):
+def plot(rows: list[dict], ms, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, len(ms), figsize=(5 * len(ms), 4))
+    for ax, m in zip(axes, ms):
         sel = [r for r in rows if r["m"] == m]
-        xs = range(len(sel))
-        width = 0.8 / len(METHODS)
-        for i, method in enumerate(METHODS):
-            ax.bar([x + i * width for x in xs], [r["bf16"] / r[method] for r in sel], width, label=method)
-        ax.set_xticks([x + 0.4 - width / 2 for x in xs], [r["proj"] for r in sel])
+        methods = [x for x in METHODS if all(x in r["us"] for r in sel)]
+        width = 0.8 / max(len(methods), 1)
+        for i, method in enumerate(methods):
+            ax.bar([j + i * width for j in range(len(sel))], [r["us"]["bf16"] / r["us"][method] for r in sel], width,
+                   label=method)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sel))], [r["proj"] for r in sel])
         ax.axhline(1.0, color="gray", lw=0.8)
-        ax.set_title(f"M = {m}: speed-up over bf16")
+        ax.set_title(f"M = {m}: speed-up over bf16 cuBLAS")
     axes[0].legend(fontsize=7)
-    fig.suptitle(f"FP8 GEMMs on {torch.cuda.get_device_name()} (Llama-3-8B shapes)")
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU (smoke)"
+    fig.suptitle(f"FP8 and small-M GEMMs on {name} (Llama-3-8B shapes)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -154,16 +239,35 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
-    parser.add_argument("--reps", type=int, default=50, help="milliseconds of timed runs per do_bench call")
+    parser.add_argument("--reps", type=int, default=20, help="milliseconds of timed runs per do_bench call")
+    parser.add_argument("--sweep", action="store_true", help="also time alternative small-M tilings")
+    parser.add_argument("--no-graph", action="store_true", help="skip the 32-layer decode graph")
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: every method runs and agrees")
     args = parser.parse_args()
+    from bench.quant_gemm_decode import decode_graphs, sweep
+
+    device = "cpu" if args.smoke else "cuda"
+    shapes, ms = (SMOKE_SHAPES, SMOKE_MS) if args.smoke else (SHAPES, MS)
     t0 = time.perf_counter()
-    rows = measure(args.reps)
-    print(table(rows))
+    rows = measure(ms, shapes, args.reps, device)
+    print(table(rows, shapes), flush=True)
+    swept = sweep(shapes, device) if args.sweep else []
+    graphs = [] if args.no_graph else decode_graphs(shapes, layers=2 if args.smoke else 32, device=device)
     args.out.mkdir(parents=True, exist_ok=True)
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__}
-    (args.out / "quant_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, args.out / "quant_gemm.png")
-    print(f"\nwrote {args.out}/quant_gemm.json and .png in {time.perf_counter() - t0:.0f} s")
+    meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+            "smoke": args.smoke}
+    (args.out / "quant_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows, "decode_graphs": graphs,
+                                                          "sweep": swept}, indent=1))
+    plot(rows, ms, args.out / "quant_gemm.png")
+    print(f"\nwrote {args.out}/quant_gemm.json and .png in {time.perf_counter() - t0:.0f} s\n")
+    print(summary(rows, graphs))
+    # Against each method's own weights: W8A16 / bf16 kernels leave bf16 rounding only; paths that
+    # quantize activations add e4m3's ~3% on random data. A wrong scale or column is >> 10%.
+    bad = [(r["m"], r["proj"], k, v) for r in rows for k, v in r["rel_err"].items()
+           if v > (0.01 if k in SMALL_ONLY else 0.08)]
+    if bad:
+        print(f"DISAGREE with the dequantized-weight matmul: {bad}")
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,16 @@ class Quantization(StrEnum):
     FP8 = "fp8"  # online FP8: a float checkpoint's linears quantized at load, one scale per channel
 
 
+class SmallMGemm(StrEnum):
+    """Which linears run the weight-streaming kernel for decode-sized inputs (<= 16 rows, CUDA)."""
+
+    AUTO = "auto"  # FP8 weights (W8A16); bf16/fp16 weights stay on cuBLAS until measured on the H200
+    ON = "on"  # bf16/fp16 decoder-layer projections too (no cuBLAS split-K reduction kernel)
+    OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs
+
+
+SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (FP8 weights only, "
+                     "the default), on (bf16/fp16 decoder projections too), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
                      "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
 
@@ -88,10 +98,12 @@ class ModelConfig:
         "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
     quantization: Quantization = field(default=Quantization.NONE, metadata={
         "help": "fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 at load (per-channel scales)"})
+    small_m_gemm: SmallMGemm = field(default=SmallMGemm.AUTO, metadata={"help": SMALL_M_GEMM_HELP})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))
         object.__setattr__(self, "quantization", as_enum(Quantization, "quantization", self.quantization or "none"))
+        object.__setattr__(self, "small_m_gemm", as_enum(SmallMGemm, "small_m_gemm", self.small_m_gemm))
         check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "true or false")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)
         if self.model is not None:

@@ -25,11 +25,13 @@ from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.cluster.request import Request
 from meshserve.config import (
     QUANTIZATION_HELP,
+    SMALL_M_GEMM_HELP,
     AttentionConfig,
     CacheConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SmallMGemm,
 )
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import (
@@ -64,7 +66,7 @@ class LLM:
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True,
-                 revision: str | None = None, quantization: str = "none") -> None:
+                 revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto") -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -90,7 +92,7 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
-                              quantization=quantization),
+                              quantization=quantization, small_m_gemm=small_m_gemm),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
@@ -236,6 +238,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
+    p.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--attention-backend", default=None, help="CPU_SDPA, TORCH, TRITON, FLASHINFER (default: automatic)")
     p.add_argument("--block-size", type=int, default=16)
@@ -275,7 +278,8 @@ def generate_main(args: argparse.Namespace) -> int:
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization)
+              device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization,
+              small_m_gemm=args.small_m_gemm)
     try:
         _stream(llm.core, args, echo=True)
     finally:
@@ -318,7 +322,8 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> Non
         args.model = str(DEMO_MODEL_DIR)
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
-                          enforce_eager=args.enforce_eager, quantization=args.quantization),
+                          enforce_eager=args.enforce_eager, quantization=args.quantization,
+                          small_m_gemm=args.small_m_gemm),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),

@@ -22,6 +22,7 @@ import sys
 
 from meshserve.config import (
     QUANTIZATION_HELP,
+    SMALL_M_GEMM_HELP,
     AttentionConfig,
     CacheConfig,
     Dtype,
@@ -32,6 +33,7 @@ from meshserve.config import (
     PoolMode,
     SchedulerConfig,
     ServerConfig,
+    SmallMGemm,
 )
 from meshserve.errors import check
 
@@ -51,6 +53,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
+    m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
     m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--ep", type=int, default=1,
@@ -139,6 +142,7 @@ def configs_of(args: argparse.Namespace):
     engine = EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
+                          small_m_gemm=args.small_m_gemm,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

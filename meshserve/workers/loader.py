@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from meshserve.config import Dtype
+from meshserve.config import Dtype, SmallMGemm
 from meshserve.errors import ConfigError, MeshserveError, as_enum, check
 from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
 from meshserve.workers.models import model_class
@@ -36,7 +36,7 @@ from meshserve.workers.quant.formats import (
     WeightQuant,
     resolve_quantization,
 )
-from meshserve.workers.quant.layers import convert_linears, linear_names
+from meshserve.workers.quant.layers import convert_linears, linear_names, stream_dense_linears
 from meshserve.workers.quant.support import refusals
 from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
 
@@ -266,13 +266,16 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
                device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1, ep: int = 1,
                max_positions: int | None = None, progress: bool = True,
                transform: Callable[[CausalLM], None] | None = None,
-               quantization: str | None = None) -> CausalLM:
+               quantization: str | None = None, small_m_gemm: str | SmallMGemm = SmallMGemm.AUTO) -> CausalLM:
     """Load the HF checkpoint in `model_dir` as rank `rank` of a `world`-way tensor-parallel group.
 
     `transform` reshapes the meta-device model before weights arrive (tensor parallelism); a
     plain model takes world == 1. `quantization`: None/"none", or "fp8" to quantize a float
     checkpoint's linears at load (quantized checkpoints load as published either way).
+    `small_m_gemm` (ModelConfig.small_m_gemm): which linears take the weight-streaming kernel for
+    decode-sized inputs on CUDA - auto: FP8 ones; on: bf16/fp16 decoder projections too; off: none.
     """
+    streaming = as_enum(SmallMGemm, "small_m_gemm", small_m_gemm)
     arch = read_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch, str(torch.device(device)))
     quant = resolve_quantization(read_json(Path(model_dir) / "config.json", "model"), quantization)
@@ -281,15 +284,18 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
         check(ep == 1, "ep", ep, "1 with quantized weights (expert parallelism over FP8/MXFP4 experts is not "
               "implemented yet)")
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
-        convert = None
-        if quant is not None and quant.method is QuantMethod.FP8:
-            names = set(ckpt.names())
+        fp8 = quant is not None and quant.method is QuantMethod.FP8
+        names = set(ckpt.names()) if fp8 else set()
 
-            def convert(model: CausalLM) -> None:
-                convert_linears(model, fp8_modules(model, quant, names), quant.block)
+        def convert(model: CausalLM) -> None:
+            if fp8:
+                convert_linears(model, fp8_modules(model, quant, names), quant.block,
+                                small_m=streaming is not SmallMGemm.OFF)
+            if streaming is SmallMGemm.ON:
+                stream_dense_linears(model)
 
         model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
-                            transform=transform, quantize=convert)
+                            transform=transform, quantize=convert if fp8 or streaming is SmallMGemm.ON else None)
         load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, ep=ep, progress=progress, quant=quant)
         # Modules that want a say once their weights are in (MoE layers: expert layouts, counters).
         for module in [m for m in model.modules() if hasattr(m, "finish_loading")]:

@@ -133,7 +133,8 @@ class Worker:
         model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
                            world=par.tp, dcp=par.dcp, ep=par.ep, max_positions=max_model_len, progress=self.progress,
                            transform=transform if par.tp > 1 else None,
-                           quantization=self.model_config.quantization.value)
+                           quantization=self.model_config.quantization.value,
+                           small_m_gemm=self.model_config.small_m_gemm.value)
         specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
         capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
         backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,

@@ -1,12 +1,14 @@
 """FP8 kernels on CUDA (sm89+) at model shapes, bf16 included (the interpreter's CPU tests cannot
-cover bf16): the Triton per-token-group quantization and block GEMM against float64 oracles, the
-online per-channel path, Fp8Linear, and MXFP4 dequantization on the GPU. Skipped without CUDA;
-FP8 cases skip where quant/support.py says the GPU cannot serve them."""
+cover bf16): the Triton per-token-group and per-token quantization and block GEMM against
+float64 oracles, the weight-streaming small-M kernel (FP8 W8A16 and bf16/fp16, incl. split-K and
+CUDA-graph replay), every fp8_linear path at M = 1, 16, 64, 4096 and its determinism, the online
+per-channel path, Fp8Linear / StreamedLinear, and MXFP4 dequantization on the GPU. Skipped
+without CUDA; FP8 cases skip where quant/support.py says the GPU cannot serve them."""
 
 import pytest
 import torch
 
-from meshserve.workers.quant.formats import WeightFormat
+from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import dequantize_fp8_block, quantize_fp8_block, quantize_per_token_group
 from meshserve.workers.quant.layers import Fp8Linear, fp8_linear
 from meshserve.workers.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
@@ -62,39 +64,136 @@ def test_block_gemm_matches_float64(m, n, k):
     torch.testing.assert_close(out.double(), ref, rtol=1e-2, atol=2e-3 * ref.abs().max().item())
 
 
-@pytest.mark.parametrize(("n", "k"), SHAPES[:2] + SHAPES[3:], ids=str)
-@pytest.mark.parametrize("m", MS)
-@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "per_channel"])
-def test_fp8_linear_against_dequantized_matmul(m, n, k, block):
-    """bf16 activations quantized on the fly: within e4m3's activation error of x @ dequant(W)^T."""
-    _skip_unless(WeightFormat.FP8_BLOCK if block else WeightFormat.FP8_CHANNEL)
-    w = _randn(n, k, scale=0.02, seed=2)
+def _fp8_weight(n, k, block, seed=2):
+    """(fp8 weight, its scale, float64 dequantized [n, k]) in one of the two scale layouts."""
+    w = _randn(n, k, scale=0.02, seed=seed)
     if block is None:
         scale = (w.float().abs().amax(1) / 448.0).clamp(min=1e-12)
         wq = (w.float() / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
-        w64 = wq.double() * scale.double()[:, None]
-    else:
-        wq, scale = quantize_fp8_block(w, block)
-        w64 = dequantize_fp8_block(wq, scale, block, torch.float64)
+        return wq, scale, wq.double() * scale.double()[:, None]
+    wq, scale = quantize_fp8_block(w, block)
+    return wq, scale, dequantize_fp8_block(wq, scale, block, torch.float64)
+
+
+PATH_MS = [1, 16, 64, 4096]  # small-M streaming (1, 16), then the FP8 tensor-core paths (64, 4096)
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES[:2] + SHAPES[3:], ids=str)
+@pytest.mark.parametrize("m", PATH_MS)
+@pytest.mark.parametrize("small_m", [True, False], ids=["small_m_on", "small_m_off"])
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "per_channel"])
+def test_fp8_linear_against_dequantized_matmul(m, n, k, block, small_m):
+    """Every fp8_linear path against x @ dequant(W)^T in float64. W8A16 rows (M <= 16, small_m on)
+    leave the activations unquantized: only bf16 output rounding remains (< 0.5%). The others
+    quantize them to e4m3 on the fly: ~2.5% on random data; a wrong scale is >> 10%."""
+    _skip_unless(WeightFormat.FP8_BLOCK if block else WeightFormat.FP8_CHANNEL)
+    wq, scale, w64 = _fp8_weight(n, k, block)
     x = _randn(m, k, seed=3)
-    y = fp8_linear(x, wq, scale, block)
+    y = fp8_linear(x, wq, scale, block, small_m=small_m)
     ref = x.double() @ w64.T
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     rel = ((y.double() - ref).norm() / ref.norm()).item()
-    assert rel < 0.04, rel  # e4m3 activations: ~2.5% on random data; a wrong scale is >> 10%
+    assert rel < (0.005 if small_m and m <= SMALL_M_MAX else 0.04), rel
+    again = fp8_linear(x, wq, scale, block, small_m=small_m)
+    assert torch.equal(y.view(torch.int16), again.view(torch.int16))  # deterministic: the same bits
 
 
-def test_fp8_linear_module_bias_and_3d_input():
+# qkv at tp = 8 (768 rows) and a ragged DeepSeek shape: fewer 16-column slabs than SMs -> split-K.
+STREAM_SHAPES = [(6144, 4096), (4096, 14336), (768, 4096), (576, 7168), (28672, 4096)]
+
+
+@pytest.mark.parametrize(("n", "k"), STREAM_SHAPES, ids=str)
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("fmt", ["block", "per_channel", "bf16", "fp16", "fp8_fp16_act"])
+def test_stream_linear_matches_float64(fmt, m, n, k):
+    """The small-M kernel on the GPU's own dtypes (bf16 dots, fp16 dots of e4m3, the 2**-8
+    activation pre-scale) against float64, with a bias; two calls give identical bits."""
+    from meshserve.workers.quant.small_m import plan_stream, stream_linear
+
+    act = torch.float16 if fmt in ("fp16", "fp8_fp16_act") else torch.bfloat16
+    if fmt in ("bf16", "fp16"):
+        wq, scale, block = _randn(n, k, scale=0.02, seed=2, dtype=act), None, None
+        w64 = wq.double()
+    else:
+        _skip_unless(WeightFormat.FP8_BLOCK if fmt == "block" else WeightFormat.FP8_CHANNEL)
+        block = (128, 128) if fmt == "block" else None
+        wq, scale, w64 = _fp8_weight(n, k, block)
+    x, bias = _randn(m, k, seed=3, dtype=act), _randn(n, seed=4, dtype=act, scale=0.1)
+    y = stream_linear(x, wq, scale, block, bias)
+    ref = x.double() @ w64.T + bias.double()
+    assert y.dtype == act and y.shape == (m, n)
+    # float32 sums of exact products; the output's own rounding (bf16: 2**-9 relative) dominates
+    eps = 2**-8 if act == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(y.double(), ref, rtol=eps, atol=1e-3 * ref.abs().max().item())
+    assert torch.equal(y, stream_linear(x, wq, scale, block, bias))
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    plan = plan_stream(n, k, weight_bytes=wq.element_size(), scale_k=block and block[1], num_sms=sms)
+    if n <= 768:
+        assert plan.splits > 1, plan  # the split-K path is what these shapes test
+
+
+def test_stream_linear_under_cuda_graph_replays_the_eager_bits():
+    """Decode steps replay CUDA graphs and are compared token for token with eager runs: the
+    kernel (split-K included: 768 rows) must give the same bits captured and eager."""
+    _skip_unless(WeightFormat.FP8_BLOCK)
+    from meshserve.workers.quant.small_m import stream_linear
+
+    cases = [(_fp8_weight(768, 4096, (128, 128)), (128, 128)), (_fp8_weight(4096, 4096, None), None)]
+    x = _randn(4, 4096, seed=5)
+    for (wq, scale, _), block in cases:
+        eager = stream_linear(x, wq, scale, block)
+        stream_linear(x, wq, scale, block)  # warm-up (compile) outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = stream_linear(x, wq, scale, block)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+
+
+@pytest.mark.parametrize("m", PATH_MS)
+@pytest.mark.parametrize("row_parallel", [False, True], ids=["plain", "row_parallel"])
+def test_streamed_linear_module_matches_float64(m, row_parallel):
+    """The bf16 switch's layer: small-M rows on the kernel, larger ones on F.linear; the bias once."""
+    from meshserve.parallel.groups import ParallelContext
+    from meshserve.workers.quant.layers import StreamedLinear
+
+    w = torch.nn.Parameter(_randn(6144, 4096, scale=0.02, seed=6), requires_grad=False)
+    b = torch.nn.Parameter(_randn(6144, seed=7), requires_grad=False)
+    layer = StreamedLinear(w, b, ParallelContext() if row_parallel else None)
+    x = _randn(1, m, 4096, seed=8)
+    y = layer(x)
+    ref = x.double() @ w.double().T + b.double()
+    assert y.shape == (1, m, 6144) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=2**-7, atol=1e-3 * ref.abs().max().item())
+    assert torch.equal(y, layer(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("m", [1, 64, 4096])
+def test_row_quant_kernel_is_bit_identical_to_torch(dtype, m):
+    _skip_unless(WeightFormat.FP8_CHANNEL)
+    from meshserve.workers.quant.fp8_triton import quantize_rows
+
+    x = _randn(m, 14336, dtype=dtype, scale=3.0)
+    q, s = quantize_rows(x)
+    ref_q, ref_s = quantize_per_token_group(x.cpu(), 14336)  # CPU: IEEE division, as the kernel's div_rn
+    torch.testing.assert_close(s.cpu(), ref_s, rtol=0, atol=0)
+    assert torch.equal(q.cpu().view(torch.uint8), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("lead", [(2, 9), (1, 3)], ids=["tiled_18_rows", "streamed_3_rows_bias_fused"])
+def test_fp8_linear_module_bias_and_3d_input(lead):
     _skip_unless(WeightFormat.FP8_BLOCK)
     layer = Fp8Linear(4096, 6144, bias=True, block=(128, 128)).cuda()
     wq, ws = quantize_fp8_block(_randn(6144, 4096, scale=0.02, seed=4), (128, 128))
     layer.weight.data.copy_(wq)
     layer.weight_scale_inv.copy_(ws)
     layer.bias.data = _randn(6144, seed=5, dtype=torch.bfloat16)
-    x = _randn(2, 9, 4096, seed=6)
+    x = _randn(*lead, 4096, seed=6)
     ref = x.double() @ dequantize_fp8_block(wq, ws, (128, 128), torch.float64).T + layer.bias.double()
     y = layer(x)
-    assert y.shape == (2, 9, 6144)
+    assert y.shape == (*lead, 6144)
     assert ((y.double() - ref).norm() / ref.norm()).item() < 0.04
 
 
@@ -115,14 +214,15 @@ def test_mxfp4_dequantizes_alike_on_gpu():
 LOGITS_REL_BOUND = 0.3
 
 
-def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none"):
+def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none", small_m_gemm="auto"):
     """Logits [len(tokens) - n_prompt + 1, V] (float32) of a prefill of tokens[:n_prompt], then one
     decode step per further token (teacher-forced), through a Worker on `device`."""
     from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
     from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
     from meshserve.workers.worker import Worker
 
-    w = Worker(ModelConfig(model=str(path), max_model_len=128, dtype=dtype, quantization=quantization),
+    w = Worker(ModelConfig(model=str(path), max_model_len=128, dtype=dtype, quantization=quantization,
+                           small_m_gemm=small_m_gemm),
                CacheConfig(block_size=16, num_kv_blocks=32),
                AttentionConfig(backend="TORCH" if device == "cpu" else None), device=device, progress=False)
     w.start()
@@ -165,3 +265,25 @@ def test_fp8_model_on_cuda_tracks_the_exact_reference(tmp_path, case):
     assert got.shape == ref.shape == (11, 320)
     rel = ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
     assert rel < LOGITS_REL_BOUND, rel
+
+
+def test_bf16_model_with_streamed_linears_tracks_cublas_and_the_reference(tmp_path):
+    """small_m_gemm="on": the decode steps (CUDA graphs, M = 1) run every decoder projection on the
+    streaming kernel. Logits stay as close to the float32 CPU reference as cuBLAS's are (both
+    are bf16 models: ~1% on this tiny random model; a wrong column or scale is ~100%)."""
+    from tests.tiny_models import prompts, write_checkpoint
+
+    write_checkpoint(tmp_path / "model", "llama", overrides={"head_dim": 64})
+    prompt = prompts(1, seed=5, min_len=20, max_len=20)[0]
+    tokens = prompt + prompts(1, seed=6, min_len=10, max_len=10)[0]
+    ref = _forced_logits(tmp_path / "model", tokens, len(prompt), device="cpu", dtype="float32")
+    cublas = _forced_logits(tmp_path / "model", tokens, len(prompt), device="cuda", dtype="bfloat16")
+    streamed = _forced_logits(tmp_path / "model", tokens, len(prompt), device="cuda", dtype="bfloat16",
+                              small_m_gemm="on")
+    assert streamed.shape == ref.shape == (11, 320)
+
+    def rel(a, b):
+        return ((a - b).norm(dim=1) / b.norm(dim=1)).max().item()
+
+    assert rel(cublas, ref) < 0.05 and rel(streamed, ref) < 0.05, (rel(cublas, ref), rel(streamed, ref))
+    assert rel(streamed, cublas) < 0.05

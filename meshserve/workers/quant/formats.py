@@ -24,6 +24,17 @@ from typing import Any
 
 from meshserve.errors import ConfigError, check
 
+# Rows (tokens) up to which a linear runs the weight-streaming kernel (small_m.py) on CUDA rather
+# than a tiled GEMM: FP8 weights always (W8A16), bf16/fp16 weights when ModelConfig.small_m_gemm
+# says so. M rows cost 2 * M FLOPs per weight: at M = 16, 32 FLOPs per FP8 byte (16 per bf16
+# byte), far below the H200's balance (~165 FLOP/byte for 790 TFLOP/s over 4.8 TB/s), so the
+# time is the weight read. tl.dot's smallest row tile is 16, so rows 1..16 cost the same
+# instructions and activation traffic; a 17th row needs a second row tile (twice the activation
+# loads and conversions per weight), where the W8A8 tensor-core paths start to repay their
+# activation quantization. 17..64 rows stay on the tiled paths until measured (the bench times
+# both at M = 16 and 64).
+SMALL_M_MAX = 16
+
 
 class QuantMethod(StrEnum):
     FP8 = "fp8"

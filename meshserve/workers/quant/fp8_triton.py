@@ -3,7 +3,9 @@
 y = x @ W^T with W float8_e4m3fn [N, K] and one float32 scale per [block_n, block_k] block,
 x quantized on the fly: one scale per token per block_k features ("per-token-group", the
 scheme the checkpoints were trained for). Two launches:
-1. `quantize_groups`: x [M, K] -> fp8 [M, K] + scales [M, ceil(K / group)] (amax / 448).
+1. `quantize_groups`: x [M, K] -> fp8 [M, K] + scales [M, ceil(K / group)] (amax / 448), one
+   kernel writing both (`quantize_rows` is its one-scale-per-token sibling, for online FP8's
+   torch._scaled_mm with row-wise scales).
 2. `_block_gemm`: each program owns a [BM, BN] output tile and walks K one block_k at a time:
    acc += dot(xq, wq^T) * x_scale[m, kb] * w_scale[n // block_n, kb]   (float32 accumulator),
    so every partial product is rescaled exactly once, with its own two scales.
@@ -36,29 +38,66 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _group_quant(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, num_groups,
-                 GROUP: tl.constexpr, FMAX: tl.constexpr):  # fmt: skip
-    m = tl.program_id(0)
+def _group_quant(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_groups,
+                 ROWS: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr):  # fmt: skip
+    # One program quantizes ROWS tokens x one group: [ROWS, GROUP] values, one scale per row.
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
-    x = tl.load(x_ptr + m * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+    ok = (rows < M)[:, None] & (cols < K)[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     # IEEE divisions (div_rn): `/` on fp32 compiles to an approximate divide on NVIDIA GPUs, and
     # the values must equal torch's x / (amax / 448) to the bit.
-    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=0), FMAX), 1e-12)
-    q = _round_e4m3(tl.clamp(tl.div_rn(x, scale), -FMAX, FMAX))
-    tl.store(q_ptr + m * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
-    tl.store(s_ptr + m * num_groups + g, scale)
+    scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FMAX), 1e-12)
+    q = _round_e4m3(tl.clamp(tl.div_rn(x, scale[:, None]), -FMAX, FMAX))
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
+    tl.store(s_ptr + rows * num_groups + g, scale, mask=rows < M)
 
 
 def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (fp32/fp16/bf16) -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)])."""
+    """x [M, K] (fp32/fp16/bf16) -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]).
+    One launch; each program takes up to 16 tokens of one group (2048 values at group 128)."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
-        _group_quant[(m, groups)](x, q, s, k, x.stride(0), q.stride(0), groups, GROUP=group, FMAX=FP8_MAX,
-                                  num_warps=1 if group <= 128 else 4)
+        rows = min(16, triton.next_power_of_2(m))
+        _group_quant[(triton.cdiv(m, rows), groups)](x, q, s, m, k, x.stride(0), q.stride(0), groups, ROWS=rows,
+                                                     GROUP=group, FMAX=FP8_MAX,
+                                                     num_warps=4 if rows * group >= 1024 else 1)
+    return q, s
+
+
+@triton.jit
+def _row_quant(x_ptr, q_ptr, s_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr, FMAX: tl.constexpr):
+    # One program per token: a pass for the row's amax, a second (from L1/L2) to quantize.
+    row = tl.program_id(0)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for k in range(0, K, BLOCK):
+        cols = k + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FMAX), 1e-12)
+    for k in range(0, K, BLOCK):
+        cols = k + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=cols < K, other=0.0).to(tl.float32)
+        q = _round_e4m3(tl.clamp(tl.div_rn(x, scale), -FMAX, FMAX))
+        tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=cols < K)
+    tl.store(s_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token dynamic quantization in one launch: x [M, K] -> (float8_e4m3fn [M, K], float32
+    scales [M, 1]), the operands of torch._scaled_mm's row-wise scaling. Bit-identical to
+    `quantize_per_token_group(x, K)` (CPU torch)."""
+    m, k = x.shape
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, triton.next_power_of_2(k))
+        _row_quant[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, FMAX=FP8_MAX,
+                         num_warps=8 if block >= 2048 else 4)
     return q, s
 
 
@@ -108,17 +147,22 @@ def _tiles(m: int, n: int) -> tuple[int, int, int, int]:
 
 
 def block_gemm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, w_scale: torch.Tensor,
-               block: tuple[int, int], out_dtype: torch.dtype) -> torch.Tensor:
+               block: tuple[int, int], out_dtype: torch.dtype, *,
+               tiles: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """xq fp8 [M, K], x_scale [M, ceil(K / bk)], weight fp8 [N, K], w_scale [ceil(N / bn), ceil(K / bk)]
-    -> [M, N] in out_dtype."""
+    -> [M, N] in out_dtype. `tiles` (BM, BN, warps, stages): None = `_tiles`' choice (the bench's
+    --sweep times others)."""
     m, k = xq.shape
     n = weight.shape[0]
     bn_scale, bk = block
     out = torch.empty((m, n), dtype=out_dtype, device=xq.device)
     if m == 0:
         return out
-    bm, bn, warps, stages = _tiles(m, n)
-    bn = min(bn, bn_scale) if bn_scale >= 16 else bn  # a tile inside one scale row where it can be
+    if tiles is None:
+        bm, bn, warps, stages = _tiles(m, n)
+        bn = min(bn, bn_scale) if bn_scale >= 16 else bn  # a tile inside one scale row where it can be
+    else:
+        bm, bn, warps, stages = tiles
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn),)
     _block_gemm[grid](xq, x_scale, weight, w_scale, out, m, n, k, xq.stride(0), weight.stride(0), out.stride(0),
                       x_scale.shape[1], w_scale.shape[1], SCALE_N=bn_scale, BM=bm, BN=bn, BK=bk, GROUP_M=8,

@@ -3,11 +3,15 @@
 `Fp8Linear` holds weight float8_e4m3fn [out, in] and a float32 scale buffer: per block
 (`weight_scale_inv` [ceil(out / bn), ceil(in / bk)], checkpoints) or per output channel
 (`weight_scale` [out], online FP8). Its compute, by device:
-- CUDA sm89+: block scales -> the Triton block GEMM with per-token-group activation
+- CUDA sm89+, at most SMALL_M_MAX rows (decode): the weight-streaming W8A16 kernel
+  (small_m.py; activations stay bf16/fp16), unless ModelConfig.small_m_gemm is "off".
+- CUDA sm89+, more rows: block scales -> the Triton block GEMM with per-token-group activation
   quantization (fp8_triton.py); per-channel (sm90+, support.py) -> torch._scaled_mm with
-  per-token activation scales (row-wise scaling).
+  per-token activation scales (row-wise scaling), quantized by one Triton kernel.
 - elsewhere (CPU): the exact reference, which dequantizes the weight every call (slow).
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.
+`StreamedLinear` is the bf16/fp16 sibling: the same small-M kernel for dense weights, swapped
+in by `stream_dense_linears` when ModelConfig.small_m_gemm is "on" (off by default until measured).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from torch import nn
 
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.parallel.layers import RowParallelLinear
-from meshserve.workers.quant.formats import FP8_MAX, WeightFormat
+from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, dequantize_fp8_block, fp8_linear_reference
 
 
@@ -33,36 +37,53 @@ def _fast_path(x: torch.Tensor) -> bool:
 
 
 def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] bf16/fp16, weight fp8 [N, K], scale [N] -> [M, N]: per-token dynamic activation scales."""
-    x_scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp(min=1e-12)  # [M, 1]
-    xq = (x.float() / x_scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+    """x [M, K] bf16/fp16, weight fp8 [N, K], scale [N] -> [M, N]: per-token dynamic activation
+    scales from one Triton launch, then torch._scaled_mm with row-wise scales (two launches)."""
+    from meshserve.workers.quant.fp8_triton import quantize_rows
+
+    xq, x_scale = quantize_rows(x)  # [M, K] fp8, [M, 1] float32
     # Row-wise scaling writes bf16 only (torch's rule); fp16 models take one cast.
-    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1).float(),
-                         out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor,
-               block: tuple[int, int] | None) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its `scale`
-    (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N])."""
-    if not _fast_path(x) or x.dtype == torch.float32:
-        return fp8_linear_reference(x, weight, scale, block)
-    if block is None:
-        lead = x.shape[:-1]
-        return _scaled_mm_per_channel(x.reshape(-1, x.shape[-1]), weight, scale).view(*lead, weight.shape[0])
-    from meshserve.workers.quant.fp8_triton import fp8_block_linear
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+               *, small_m: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ W^T (+ bias [N]) -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its
+    `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
-    return fp8_block_linear(x, weight, scale, block)
+    On CUDA, up to SMALL_M_MAX rows (decode) run the weight-streaming W8A16 kernel (small_m.py)
+    unless `small_m` is False; more rows quantize the activations (block: per token per bk
+    features; per-channel: per token) and run the FP8 tensor-core GEMMs."""
+    if not _fast_path(x) or x.dtype == torch.float32:
+        y = fp8_linear_reference(x, weight, scale, block)
+        return y if bias is None else y + bias
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    if small_m and x2.shape[0] <= SMALL_M_MAX:
+        from meshserve.workers.quant.small_m import stream_linear
+
+        return stream_linear(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
+    if block is None:
+        y = _scaled_mm_per_channel(x2, weight, scale)
+    else:
+        from meshserve.workers.quant.fp8_triton import fp8_block_linear
+
+        y = fp8_block_linear(x2, weight, scale, block)
+    y = y.view(*lead, weight.shape[0])
+    return y if bias is None else y + bias
 
 
 class Fp8Linear(nn.Module):
     """y = x @ dequant(W)^T (+ bias); ctx given: row-parallel (all-reduce, then the bias once)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, block: tuple[int, int] | None,
-                 ctx: ParallelContext | None = None) -> None:
+                 ctx: ParallelContext | None = None, small_m: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block, self.ctx = in_features, out_features, block, ctx
+        self.small_m = small_m  # decode-sized inputs take the weight-streaming kernel (CUDA)
         self.weight_format = WeightFormat.FP8_CHANNEL if block is None else WeightFormat.FP8_BLOCK
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=FP8), requires_grad=False)
         if block is None:
@@ -77,9 +98,9 @@ class Fp8Linear(nn.Module):
         return self.weight_scale if self.block is None else self.weight_scale_inv
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = fp8_linear(x, self.weight, self.scale, self.block)
-        if self.ctx is not None:
-            y = all_reduce(y, self.ctx)
+        if self.ctx is None:  # the bias joins the GEMM where the kernel can add it
+            return fp8_linear(x, self.weight, self.scale, self.block, small_m=self.small_m, bias=self.bias)
+        y = all_reduce(fp8_linear(x, self.weight, self.scale, self.block, small_m=self.small_m), self.ctx)
         return y if self.bias is None else y + self.bias
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
@@ -93,7 +114,62 @@ class Fp8Linear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, format={self.weight_format}, block={self.block}"
 
 
-def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | None) -> None:
+class StreamedLinear(nn.Module):
+    """A bf16/fp16 linear (row-parallel when `ctx` is given) whose decode-sized inputs (at most
+    SMALL_M_MAX rows, on CUDA) run the weight-streaming kernel (small_m.py): one launch, no
+    cuBLAS split-K reduction kernel. Larger inputs and other devices run F.linear. Parameters
+    keep nn.Linear's names and shapes (weight [out, in], bias [out]), so loading is unchanged."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: ParallelContext | None) -> None:
+        super().__init__()
+        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local_bias = self.bias if self.ctx is None else None  # row-parallel: the bias once, after the sum
+        rows = x.numel() // max(x.shape[-1], 1)
+        if x.is_cuda and rows <= SMALL_M_MAX and x.dtype in (torch.bfloat16, torch.float16) \
+                and x.dtype == self.weight.dtype:
+            from meshserve.workers.quant.small_m import stream_linear
+
+            y = stream_linear(x.reshape(rows, x.shape[-1]), self.weight, bias=local_bias)
+            y = y.view(*x.shape[:-1], self.out_features)
+        else:
+            y = nn.functional.linear(x, self.weight, local_bias)
+        if self.ctx is not None:
+            y = all_reduce(y, self.ctx)
+            y = y if self.bias is None else y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, small_m<={SMALL_M_MAX}"
+
+
+# The decoder-layer projections the bf16 switch streams (fused and unfused names); experts are
+# left to the fused MoE, which reads their weights as banks.
+STREAMED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "q_proj", "k_proj",
+            "v_proj")
+
+
+def stream_dense_linears(model: nn.Module) -> list[str]:
+    """Swap the decoder layers' plain nn.Linear / RowParallelLinear projections of the built
+    (meta-device, dtype-cast) `model` for StreamedLinear, keeping their parameters; returns the
+    names swapped. FP8 layers (Fp8Linear) already stream at small M and are left alone."""
+    modules = dict(model.named_modules())
+    swapped = []
+    for name, old in modules.items():
+        parent, _, child = name.rpartition(".")
+        dense = type(old) is nn.Linear or isinstance(old, RowParallelLinear)
+        if child not in STREAMED or "experts" in name or not dense:
+            continue
+        new = StreamedLinear(old.weight, old.bias, old.ctx if isinstance(old, RowParallelLinear) else None)
+        setattr(modules[parent] if parent else model, child, new)
+        swapped.append(name)
+    return swapped
+
+
+def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | None, *,
+                    small_m: bool = True) -> None:
     """Swap each named nn.Linear / RowParallelLinear of the (meta-device, already dtype-cast)
     `model` for an Fp8Linear of the same shape; the bias keeps the model dtype."""
     modules = dict(model.named_modules())
@@ -101,9 +177,10 @@ def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | 
         old = modules[name]
         if isinstance(old, RowParallelLinear):
             out_f, in_f = old.weight.shape
-            new = Fp8Linear(in_f, out_f, bias=old.bias is not None, block=block, ctx=old.ctx)
+            new = Fp8Linear(in_f, out_f, bias=old.bias is not None, block=block, ctx=old.ctx, small_m=small_m)
         elif isinstance(old, nn.Linear):
-            new = Fp8Linear(old.in_features, old.out_features, bias=old.bias is not None, block=block)
+            new = Fp8Linear(old.in_features, old.out_features, bias=old.bias is not None, block=block,
+                            small_m=small_m)
         else:
             raise TypeError(f"module '{name}' is a {type(old).__name__}, not a linear layer")
         if new.bias is not None:

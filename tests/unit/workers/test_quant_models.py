@@ -16,7 +16,7 @@ import torch
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.errors import ConfigError
 from meshserve.workers.quant.formats import WeightFormat
-from meshserve.workers.quant.layers import Fp8Linear
+from meshserve.workers.quant.layers import Fp8Linear, StreamedLinear
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek, write_deepseek_v32
@@ -29,9 +29,9 @@ QWEN3_128 = dict(hidden_size=256, head_dim=128, num_attention_heads=2, num_key_v
                  intermediate_size=384)
 
 
-def _run(path, prompt, quantization="none"):
+def _run(path, prompt, quantization="none", small_m_gemm="auto"):
     """Greedy-decode NEW_TOKENS tokens of one prompt: (logits of each step [NEW_TOKENS, V], tokens, model)."""
-    w = Worker(ModelConfig(model=str(path), max_model_len=64, quantization=quantization),
+    w = Worker(ModelConfig(model=str(path), max_model_len=64, quantization=quantization, small_m_gemm=small_m_gemm),
                CacheConfig(block_size=4, num_kv_blocks=64), AttentionConfig(backend="TORCH"), device="cpu",
                progress=False)
     w.start()
@@ -143,3 +143,24 @@ def test_cli_quantization_flag(tmp_path, capsys):
     assert main(["generate", "Hello", "--model", str(tmp_path), "--quantization", "fp8", "--device", "cpu",
                  "--max-tokens", "3", "--ignore-eos"]) == 0
     assert "[finished: length]" in capsys.readouterr().err
+
+
+def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
+    """"on": the bf16/fp16 decoder projections become StreamedLinear (the LM head does not), load
+    the same weights and compute the same logits (on CPU they run F.linear; the kernel's own
+    numerics are tests/unit/workers/test_quant_small_m.py and tests/gpu). "off" turns FP8's off."""
+    write_checkpoint(tmp_path / "float", "llama")
+    prompt = prompts(1, min_len=9, max_len=9)[0]
+    logits, tokens, model = _run(tmp_path / "float", prompt, small_m_gemm="on")
+    ref_logits, ref_tokens, plain = _run(tmp_path / "float", prompt)
+    streamed = {n for n, m in model.named_modules() if isinstance(m, StreamedLinear)}
+    assert streamed == {f"model.layers.{i}.{p}" for i in range(2)
+                        for p in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")}
+    assert not any(isinstance(m, StreamedLinear) for m in plain.modules())  # auto: bf16 stays on cuBLAS
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
+    _, _, fp8_off = _run(tmp_path / "float", prompt, quantization="fp8", small_m_gemm="off")
+    layers = [m for m in fp8_off.modules() if isinstance(m, Fp8Linear)]
+    assert layers and not any(m.small_m for m in layers)
+    with pytest.raises(ConfigError, match="small_m_gemm.*one of"):
+        ModelConfig(small_m_gemm="maybe")
