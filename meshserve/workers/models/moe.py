@@ -29,6 +29,7 @@ from meshserve.workers.models.fused_moe import (
     runs_fused,
     tile_config,
 )
+from meshserve.workers.models.moe_routing import RoutingSpec, select_experts
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -133,43 +134,21 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
         super().__init__()
-        self.moe = moe
+        self.spec = RoutingSpec(
+            num_experts=moe.num_experts, top_k=moe.top_k, scoring=moe.scoring, group_by=moe.group_by,
+            num_groups=moe.num_groups, topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor)  # fmt: skip
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-        moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
-        if moe.group_by != "none":
-            choice = self._keep_best_groups(choice)
-        if moe.scoring == "softmax":
-            # V2: the masked scores themselves are the weights (masked experts score 0).
-            weights, ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)
-        else:
-            ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
-
-    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """Mask every expert outside the topk_groups best groups (0 for softmax scores, -inf else)."""
-        moe = self.moe
-        tokens = choice.shape[0]
-        grouped = choice.view(tokens, moe.num_groups, moe.num_experts // moe.num_groups)
-        if moe.group_by == "max":
-            group_scores = grouped.max(dim=-1).values
-        else:  # "top2_sum"
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        best = torch.topk(group_scores, moe.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        keep = keep[:, :, None].expand_as(grouped).reshape(tokens, moe.num_experts)
-        return choice.masked_fill(~keep, 0.0 if moe.scoring == "softmax" else float("-inf"))
+        """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
+        routing itself is moe_routing's (one Triton launch on CUDA)."""
+        bias = self.e_score_correction_bias
+        return select_experts(F.linear(x.float(), self.weight.float()), self.spec,
+                              None if bias is None else bias.float())  # fmt: skip
 
 
 class MoE(nn.Module):
