@@ -24,10 +24,8 @@ from meshserve.workers.models.fused_moe import (
     ACT_SILU,
     ExpertActivation,
     ExpertWeights,
-    align_rows,
     fused_moe,
     runs_fused,
-    tile_config,
 )
 from meshserve.workers.models.moe_routing import RoutingSpec, select_experts
 
@@ -61,10 +59,7 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
     num = module.expert_load.numel()
     fused: ExpertWeights | None = module.fused
     if fused is not None:
-        cfg = tile_config(ids.numel(), num)
-        align = align_rows(ids, num, cfg.block_m)
-        module.expert_load += align.tokens_per_expert
-        return fused_moe(x, weights, ids, fused, config=cfg, alignment=align, may_drop=may_drop)
+        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load)
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < num), flat, num)
     module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
