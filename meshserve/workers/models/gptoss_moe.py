@@ -26,8 +26,8 @@ from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
-from meshserve.workers.models.moe import reset_expert_load, run_moe
-from meshserve.workers.models.moe_routing import RoutingSpec, select_experts
+from meshserve.workers.models.moe import reset_expert_load, run_moe, select_experts
+from meshserve.workers.models.moe_routing import RoutingSpec
 
 
 class SwigluExpertBank(nn.Module):

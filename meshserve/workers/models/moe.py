@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.errors import check
 from meshserve.workers.models.deepseek_arch import MoEConfig
 from meshserve.workers.models.fused_moe import (
     ACT_SILU,
@@ -27,7 +28,8 @@ from meshserve.workers.models.fused_moe import (
     fused_moe,
     runs_fused,
 )
-from meshserve.workers.models.moe_routing import RoutingSpec, select_experts
+from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
+from meshserve.workers.models.routing_kernel import route_triton
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -49,6 +51,17 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, r
         y = run_expert(expert, x[token]) * weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
+
+
+def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
+                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Router logits [T, E] -> (weights, ids) [T, k] as moe_routing.route_torch computes them; on
+    CUDA (use_triton None) in one Triton launch (routing_kernel.py)."""
+    check(logits.dim() == 2 and logits.shape[1] == spec.num_experts, "logits", tuple(logits.shape),
+          f"[T, {spec.num_experts}]")  # fmt: skip
+    if use_triton if use_triton is not None else logits.is_cuda:
+        return route_triton(logits, spec, bias)
+    return route_torch(logits, spec, bias)
 
 
 def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

@@ -14,7 +14,8 @@
 Ties: an expert (or a group) with a lower index wins a tie, and the k ids come out by
 descending choice. `route_torch` gets that from a stable descending sort; the Triton kernel
 (routing_kernel.py, CUDA) picks the k best one at a time, the lowest index among equal maxima.
-`route_torch` is the CPU path and the oracle the kernel is tested against.
+`route_torch` is the CPU path and the oracle the kernel is tested against; moe.select_experts
+chooses between them.
 """
 
 from __future__ import annotations
@@ -104,15 +105,3 @@ def _keep_best_groups(choice: torch.Tensor, spec: RoutingSpec) -> torch.Tensor:
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
     keep = keep[:, :, None].expand_as(grouped).reshape(tokens, spec.num_experts)
     return choice.masked_fill(~keep, 0.0 if spec.scoring == "softmax" else float("-inf"))
-
-
-def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
-                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """route_torch's result; on CUDA (use_triton None) from one Triton launch (routing_kernel.py)."""
-    check(logits.dim() == 2 and logits.shape[1] == spec.num_experts, "logits", tuple(logits.shape),
-          f"[T, {spec.num_experts}]")  # fmt: skip
-    if use_triton if use_triton is not None else logits.is_cuda:
-        from meshserve.workers.models.routing_kernel import route_triton
-
-        return route_triton(logits, spec, bias)
-    return route_torch(logits, spec, bias)

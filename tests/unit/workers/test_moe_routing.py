@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from meshserve.errors import ConfigError
-from meshserve.workers.models.moe_routing import RoutingSpec, route_torch, select_experts
+from meshserve.workers.models.moe import select_experts
+from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
 
 SPECS = {
     "gpt_oss": RoutingSpec(32, 4, scoring="topk_softmax"),
