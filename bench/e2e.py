@@ -82,10 +82,25 @@ TINY = dict(
 BEGIN, END = "<!-- bench/e2e.py:begin -->", "<!-- bench/e2e.py:end -->"
 
 
-def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
-    """Random Llama weights as per-layer safetensors shards + index + config.json; returns bytes."""
+def save_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:
+    """Each dict as one safetensors shard, plus the index; returns the bytes written."""
     from safetensors.torch import save_file
 
+    weight_map, total = {}, 0
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        for t_name, t in tensors.items():
+            weight_map[t_name] = name
+            total += t.numel() * t.element_size()
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return total
+
+
+def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
+    """Random Llama weights as per-layer safetensors shards + index + config.json; returns bytes."""
     g = torch.Generator(device).manual_seed(seed)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = h // shape["num_attention_heads"]
@@ -111,16 +126,7 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             }
         )
     shards.append({"model.norm.weight": torch.ones(h, dtype=dtype), "lm_head.weight": rand(v, h)})
-    weight_map, total = {}, 0
-    for k, tensors in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        for t_name, t in tensors.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
+    total = save_shards(path, shards)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",

@@ -54,7 +54,7 @@ def layer_types(shape: dict) -> list[str]:
 
 def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
     """Random GPT-OSS weights (HF names and layouts), one safetensors shard per layer; returns bytes."""
-    from safetensors.torch import save_file
+    from bench.e2e import save_shards
 
     g = torch.Generator(device).manual_seed(seed)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -82,15 +82,7 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=dtype),
         })  # fmt: skip
     shards.append({"model.norm.weight": torch.ones(h, dtype=dtype), "lm_head.weight": rand(v, h)})
-    weight_map, total = {}, 0
-    for k, tensors in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        for t_name, t in tensors.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    total = save_shards(path, shards)
     config = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "torch_dtype": str(dtype)[6:],
               "hidden_act": "silu", "tie_word_embeddings": False, "attention_bias": True, "bos_token_id": 1,
               "eos_token_id": 2, "layer_types": layer_types(shape), **shape}  # fmt: skip
