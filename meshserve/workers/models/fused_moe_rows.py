@@ -17,14 +17,12 @@ The gate_up kernel also counts each expert's rows (load statistics) when given a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
-if TYPE_CHECKING:
-    from meshserve.workers.models.fused_moe import ExpertWeights, GemmTiles
+from meshserve.workers.models.expert_weights import ExpertWeights, GemmTiles
 
 
 @triton.jit
