@@ -65,17 +65,20 @@ def _route_kernel(
             if GROUP_BY == 2:  # the sum of the group's best two (a tied best counts twice)
                 best += tl.max(tl.where(e[None, :] == at[:, None], float("-inf"), vals), axis=1)
             group_score = tl.where(g == i, best[:, None], group_score)
-        kept = tl.zeros([BLOCK_T, G_POW2], dtype=tl.int1)
+        kept = tl.zeros([BLOCK_T, G_POW2], dtype=tl.int32) != 0
         for _ in tl.static_range(TOPK_GROUPS):
             _, at = _pick(group_score, kept, g, g < NUM_GROUPS, G_POW2)
             kept = kept | (g == at[:, None])
-        keep = tl.zeros([BLOCK_T, E_POW2], dtype=tl.int1)
+        keep = tl.zeros([BLOCK_T, E_POW2], dtype=tl.int32) != 0
         for i in tl.static_range(NUM_GROUPS):
             chosen = tl.max(tl.where(g == i, kept.to(tl.int32), 0), axis=1) > 0  # [BT]
             keep = keep | ((gid == i) & chosen[:, None])
-        choice = tl.where(keep | ~e_ok, choice, 0.0 if SCORING == 0 else float("-inf"))
+        if SCORING == 0:  # masked softmax scores are 0 (they stay eligible, as in torch)
+            choice = tl.where(keep | ~e_ok, choice, 0.0)
+        else:
+            choice = tl.where(keep | ~e_ok, choice, float("-inf"))
     k = tl.arange(0, K_POW2)[None, :]
-    taken = tl.zeros([BLOCK_T, E_POW2], dtype=tl.int1)
+    taken = tl.zeros([BLOCK_T, E_POW2], dtype=tl.int32) != 0
     weight = tl.zeros([BLOCK_T, K_POW2], dtype=tl.float32)
     ids = tl.zeros([BLOCK_T, K_POW2], dtype=tl.int64)
     for j in tl.static_range(TOP_K):
@@ -118,6 +121,6 @@ def route_triton(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | N
         TOPK_GROUPS=spec.topk_groups if grouped else 1, RENORM=spec.norm_topk_prob, E_POW2=e_pow2,
         G_POW2=triton.next_power_of_2(spec.num_groups if grouped else 1),
         K_POW2=triton.next_power_of_2(spec.top_k), BLOCK_T=block_t,
-        num_warps=max(1, min(4, block_t * e_pow2 // 256)),
+        num_warps=max(1, min(8, block_t * e_pow2 // 512)),  # about 16 registers per [BLOCK_T, E] tensor
     )  # fmt: skip
     return weights, ids
