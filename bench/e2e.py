@@ -20,6 +20,13 @@ for long prompts, with MFU against the measured bf16 matmul peak. Table + PNG.
     python -m bench.e2e --device cpu --tiny --no-baseline   # smoke run of the GPU bench on a CPU
     python -m bench.e2e --device cpu --out bench/results    # demo model against HF, batch 1/16/64
     python -m bench.e2e --write docs/performance.md --out bench/results
+    python -m bench.e2e --model gpt-oss-20b [--layers 24]   # GPT-OSS-20B shape (bench/e2e_gptoss.py)
+    python -m bench.e2e --model gpt-oss-20b --device cpu --tiny --no-baseline   # its CPU smoke run
+
+With --model gpt-oss-20b there is no compiled baseline (bench/baseline_llama.py is a Llama), the
+roofline counts the experts a step touches and sliding layers' KV up to their window; the
+kernel list printed for the smallest batch shows the MoE kernels (_route_kernel,
+_gate_up_rows_kernel, _down_rows_kernel) among the rest.
 """
 
 from __future__ import annotations
@@ -75,10 +82,25 @@ TINY = dict(
 BEGIN, END = "<!-- bench/e2e.py:begin -->", "<!-- bench/e2e.py:end -->"
 
 
-def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
-    """Random Llama weights as per-layer safetensors shards + index + config.json; returns bytes."""
+def save_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:
+    """Each dict as one safetensors shard, plus the index; returns the bytes written."""
     from safetensors.torch import save_file
 
+    weight_map, total = {}, 0
+    for k, tensors in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(tensors, str(path / name), metadata={"format": "pt"})
+        for t_name, t in tensors.items():
+            weight_map[t_name] = name
+            total += t.numel() * t.element_size()
+    (path / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
+    return total
+
+
+def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
+    """Random Llama weights as per-layer safetensors shards + index + config.json; returns bytes."""
     g = torch.Generator(device).manual_seed(seed)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     hd = h // shape["num_attention_heads"]
@@ -104,16 +126,7 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             }
         )
     shards.append({"model.norm.weight": torch.ones(h, dtype=dtype), "lm_head.weight": rand(v, h)})
-    weight_map, total = {}, 0
-    for k, tensors in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        for t_name, t in tensors.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
+    total = save_shards(path, shards)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -130,6 +143,24 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
         del config["rope_scaling"]
     (path / "config.json").write_text(json.dumps(config, indent=1))
     return total
+
+
+def step_roofline_bytes(args: argparse.Namespace, shape: dict, itemsize: int, bs: int, context: float) -> float:
+    """Bytes one decode step of bs sequences at `context` tokens must move: weights + KV."""
+    if args.model == "gpt-oss-20b":
+        from bench import e2e_gptoss
+
+        return e2e_gptoss.decode_weight_bytes(shape, itemsize, bs) + bs * e2e_gptoss.kv_read_bytes(
+            shape, itemsize, context)
+    return decode_weight_bytes(shape, itemsize) + bs * context * kv_bytes_per_token(shape, itemsize)
+
+
+def model_prefill_flops(args: argparse.Namespace, shape: dict, tokens: int) -> float:
+    if args.model == "gpt-oss-20b":
+        from bench import e2e_gptoss
+
+        return e2e_gptoss.prefill_flops(shape, tokens)
+    return prefill_flops(shape, tokens)
 
 
 def decode_weight_bytes(shape: dict, itemsize: int) -> int:
@@ -311,8 +342,7 @@ def bench_baseline(path: Path, args: argparse.Namespace, contexts: dict[int, flo
 def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, base: dict) -> tuple[str, list]:
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    weights = decode_weight_bytes(shape, itemsize)
-    per_token = kv_bytes_per_token(shape, itemsize)
+    weights = step_roofline_bytes(args, shape, itemsize, 1, 0)
     mode = ("CUDA graphs" if ours["graphs"] else "eager") + (", overlap scheduling" if ours["overlap"] else "")
     lines = [
         BEGIN,
@@ -323,9 +353,10 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
         f"backend {ours['backend']}, decode steps {mode} (start-up {ours['start_s']:.1f} s, of which graph "
         f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
         "random tokens, already prefilled; one engine step = schedule, run, sample, update. Roofline = "
-        f"weights ({weights / 1e9:.2f} GB) + the step's KV bytes at {BANDWIDTH / 1e12:.2f} TB/s. Baseline: "
-        "bench/baseline_llama.py, a static-cache Llama under torch.compile(mode=\"reduce-overhead\") on the same "
-        "checkpoint, in the same run.",
+        f"weights ({weights / 1e9:.2f} GB at batch 1) + the step's KV bytes at {BANDWIDTH / 1e12:.2f} TB/s"
+        + (" (MoE: the experts the batch touches; sliding layers' KV up to the window)."
+           if args.model == "gpt-oss-20b" else ". Baseline: bench/baseline_llama.py, a static-cache Llama under "
+           "torch.compile(mode=\"reduce-overhead\") on the same checkpoint, in the same run."),
         "",
         "| batch | context | wall ms/step | GPU-busy ms | busy % | kernels/step | roofline ms | roofline / wall "
         "| baseline ms | speed vs baseline |",
@@ -334,7 +365,7 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
     rows = []
     for bs in args.batch_sizes:
         r = ours["steps"][bs]
-        roof = (weights + bs * r["context"] * per_token) / BANDWIDTH
+        roof = step_roofline_bytes(args, shape, itemsize, bs, r["context"]) / BANDWIDTH
         b = base.get(bs, (math.nan, math.nan))[1]
         rows.append((bs, r["wall_s"], r["busy_s"], roof, b))
         lines.append(
@@ -350,7 +381,7 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
         lines.append(f"- `generate`, batch {bs}, {args.prompt_len} in / {args.output_len} out: {tok_s:,.0f} "
                      "output tok/s.")
     for length, t in ours["ttft"].items():
-        flops = prefill_flops(shape, length)
+        flops = model_prefill_flops(args, shape, length)
         lines.append(f"- Time to first token, one {length}-token prompt: {t * 1e3:.1f} ms "
                      f"({flops / t / 1e12:.0f} TFLOP/s effective, {flops / t / MATMUL_PEAK:.0%} MFU).")
     lines.append(END)
@@ -390,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (CPU smoke run)")
+    ap.add_argument("--model", default="llama3-8b", choices=["llama3-8b", "gpt-oss-20b"], help="the shape")
+    ap.add_argument("--layers", type=int, default=None, help="keep this many layers (default: the model's)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--batch-sizes", default=None, help="decode batches (default 1,16,64,256; tiny: 1,4)")
     ap.add_argument("--throughput-sizes", default=None, help="generate() batches (default 64; tiny: 4)")
@@ -418,7 +451,16 @@ def main(argv: list[str] | None = None) -> int:
 
         args.batch_sizes = _ints(args.batch_sizes or "1,16,64")
         return e2e_cpu.main(args)
-    shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
+    if args.model == "gpt-oss-20b":
+        from bench import e2e_gptoss
+
+        shape = e2e_gptoss.with_layers(e2e_gptoss.TINY_GPT_OSS if args.tiny else e2e_gptoss.GPT_OSS_20B, args.layers)
+        shape_name = ("A tiny GPT-OSS" if args.tiny else "GPT-OSS-20B-shaped model") + (
+            f" ({shape['num_hidden_layers']} layers)" if args.layers else "")
+        args.no_baseline, writer = True, e2e_gptoss.write_checkpoint
+    else:
+        shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
+        shape, writer = ({**shape, "num_hidden_layers": args.layers} if args.layers else shape), write_checkpoint
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))
     args.throughput_sizes = _ints(args.throughput_sizes or ("4" if args.tiny else "64"))
@@ -430,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = Path(tempfile.mkdtemp(prefix="meshserve_e2e_", dir=args.workdir))
     try:
         t0 = time.perf_counter()
-        size = write_checkpoint(workdir, shape, getattr(torch, args.dtype), args.device)
+        size = writer(workdir, shape, getattr(torch, args.dtype), args.device)
         print(f"checkpoint: {size / 1e9:.2f} GB written in {time.perf_counter() - t0:.1f} s", flush=True)
         ours = bench_meshserve(workdir, args, shape)
         contexts = {bs: r["context"] for bs, r in ours["steps"].items()}

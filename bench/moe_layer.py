@@ -1,8 +1,10 @@
 """One MoE layer's experts on one GPU, side by side: the torch reference loop (what ran before),
-the fused Triton MoE, a torch `_grouped_mm` MoE, and FlashInfer's CUTLASS fused MoE.
+the fused Triton MoE (row path and sorted path), a torch `_grouped_mm` MoE, FlashInfer's CUTLASS
+fused MoE, the routing kernel against torch routing, and the whole layer in a CUDA graph.
 
-    python -m bench.moe_layer [--out DIR]        # the H200 run (< 4 minutes)
+    python -m bench.moe_layer [--out DIR]        # the H200 run (< 4 minutes, + FlashInfer's build)
     python -m bench.moe_layer --smoke [--out DIR]  # tiny shapes on CPU (Triton interpreter)
+    python -m bench.moe_layer --sweep --sweep-tokens 4096 [--out DIR]   # tile sweep (bench/moe_sweep.py)
 
 Shapes (issue 27): GPT-OSS-20B (hidden 2880, 32 experts x 2880, top-4, clamped SwiGLU with
 biases) and DeepSeek-V2-Lite (hidden 2048, 64 experts x 1408, top-6, SiLU; its 2 shared
@@ -11,6 +13,13 @@ random routing from the model's own router. Every variant gets the same (weights
 Roofline: every touched expert's weights read once at 4.18 TB/s (the issue's definition);
 matmul peak 793 TFLOP/s. Variants are checked against the reference (max error relative to
 the output's largest value) before they are timed; one that disagrees is reported, not timed.
+Rows: "fused" is the default dispatch (row path up to ROWS_MAX_TOKENS tokens), "fused sorted"
+forces the sorted path there; "... graph" replays it from a CUDA graph (as decode steps run);
+"routing" / "torch routing" time the router's top-k alone (graph replay; roofline: the router
+weights); "layer graph" is the module's forward (router matmul + routing kernel + experts
+(+ DeepSeek's shared experts)) in a graph, roofline = touched experts + shared experts + router.
+FlashInfer JIT-builds CUTLASS kernels on its first call: that build runs in a child process
+time-boxed by --flashinfer-timeout-s (what it built stays cached; a rerun is fast).
 Prints a table and writes moe_layer.json and moe_layer.png under --out.
 """
 
@@ -21,7 +30,9 @@ import copy
 import datetime
 import json
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -160,6 +171,39 @@ def flashinfer_fn(ew, gate_first: bool) -> Callable:
     return run
 
 
+def flashinfer_warm(shape_name: str) -> None:
+    """Child process of `flashinfer_ready`: one FlashInfer call per gate/up order builds the kernels."""
+    shape = next(s for s in SHAPES if s.name == shape_name)
+    ew, _ = packed_of(build_layer(shape, "cuda", torch.bfloat16))
+    x = torch.randn(1, shape.hidden, device="cuda", dtype=torch.bfloat16)
+    ids = torch.arange(shape.top_k, device="cuda")[None, :]
+    for gate_first in (False, True):
+        flashinfer_fn(ew, gate_first)(x, torch.full(ids.shape, 1.0 / shape.top_k, device="cuda"), ids)
+    torch.cuda.synchronize()
+
+
+def flashinfer_ready(shape: Shape, timeout_s: float) -> str | None:
+    """None when FlashInfer's fused MoE is importable and built for this shape, else why not.
+    The JIT build runs in a child process group, killed whole after timeout_s."""
+    try:
+        import flashinfer.fused_moe  # noqa: F401
+    except Exception as exc:  # not installed, or it cannot load here
+        return f"skipped: {type(exc).__name__} {exc}"[:100]
+    t0 = time.perf_counter()
+    child = subprocess.Popen([sys.executable, "-m", "bench.moe_layer", "--flashinfer-warm", shape.name],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        log, _ = child.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        child.communicate()
+        return f"skipped: FlashInfer's JIT build took over {timeout_s:.0f} s (cached so far; rerun to go on)"
+    if child.returncode != 0:
+        return f"failed to build: {(log.strip().splitlines() or ['?'])[-1][:80]}"
+    print(f"  FlashInfer ready for {shape.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return None
+
+
 def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     """fn captured in a CUDA graph (as decode steps run it): replaying costs no launch overhead."""
     side = torch.cuda.Stream()
@@ -198,25 +242,38 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
 
 
+def router_parts(layer: torch.nn.Module, x: torch.Tensor):
+    """(logits, RoutingSpec, correction bias) of the layer's router on x, as its forward makes them."""
+    if hasattr(layer, "route"):
+        return layer.router(x), layer.routing, None
+    bias = layer.gate.e_score_correction_bias
+    logits = torch.nn.functional.linear(x.float(), layer.gate.weight.float())
+    return logits, layer.gate.spec, None if bias is None else bias.float()
+
+
+def layer_roofline_us(shape: Shape, touched: int, itemsize: int) -> float:
+    """Touched routed experts + shared experts + the router's weights, read once."""
+    weights = (touched + shape.shared) * 3 * shape.hidden * shape.inter + shape.experts * shape.hidden
+    return weights * itemsize / COPY_BPS * 1e6
+
+
 def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch.dtype, *,
-                flashinfer: bool = True) -> list[Row]:
-    from meshserve.workers.models.fused_moe import fused_moe
+                flashinfer: bool = True, flashinfer_timeout_s: float = 300.0) -> list[Row]:
+    from meshserve.workers.models.fused_moe import ROWS_MAX_TOKENS, fused_moe, tile_config
 
     layer = build_layer(shape, device, dtype)
     ew, packed = packed_of(layer)
     variants: dict[str, Callable | str] = {"reference": reference_fn(layer),
-                                           "fused": lambda x, w, ids: fused_moe(x, w, ids, ew)}
+                                           "fused": lambda x, w, ids: fused_moe(x, w, ids, ew),
+                                           "fused sorted": lambda x, w, ids: fused_moe(
+                                               x, w, ids, ew, config=tile_config(ids.numel(), ew.num_experts))}
     variants["grouped_mm"] = grouped_mm_fn(ew) if hasattr(torch, "_grouped_mm") else "torch has no _grouped_mm"
-    try:
-        if not flashinfer:
-            raise RuntimeError("--skip-flashinfer")
-        import flashinfer.fused_moe  # noqa: F401
-
-        variants["flashinfer"] = flashinfer_fn(ew, gate_first=False)
-    except Exception as exc:  # not installed, or it cannot load here
-        variants["flashinfer"] = f"skipped: {type(exc).__name__} {exc}"[:100]
+    why_not = "skipped: --skip-flashinfer" if not flashinfer else (
+        "skipped: needs CUDA" if device != "cuda" else flashinfer_ready(shape, flashinfer_timeout_s))
+    variants["flashinfer"] = why_not or flashinfer_fn(ew, gate_first=False)
     rows = []
-    expert_bytes = 3 * shape.hidden * shape.inter * torch.finfo(dtype).bits // 8
+    itemsize = torch.finfo(dtype).bits // 8
+    expert_bytes = 3 * shape.hidden * shape.inter * itemsize
     for T in tokens:
         gen = torch.Generator(device=device).manual_seed(T)
         x = torch.randn(T, shape.hidden, generator=gen, device=device).to(dtype)
@@ -228,6 +285,8 @@ def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch
             want = variants["reference"](x, w, ids)
             iters = 5 if T >= 1024 or device != "cuda" else 20
             for name, fn in variants.items():
+                if name == "fused sorted" and T > ROWS_MAX_TOKENS:
+                    continue  # the default path already
                 if name == "flashinfer" and not isinstance(fn, str):
                     fn = _flashinfer_checked(ew, fn, x, w, ids, want)
                     variants[name] = fn
@@ -245,14 +304,44 @@ def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch
                     continue
                 us = time_us(lambda fn=fn, x=x, w=w, ids=ids: fn(x, w, ids), device, iters)
                 rows.append(Row(shape.name, T, name, us, roof, us / roof, flops / us / 1e6, err))
-            us = time_us(lambda x=x: packed(x), device, iters)  # routing + fused experts (+ shared experts)
-            rows.append(Row(shape.name, T, "fused layer", us, roof, us / roof, flops / us / 1e6, None,
-                            "router + experts" + (" + shared experts" if shape.shared else "")))
-            if device == "cuda":  # as decode steps run it: inside a CUDA graph
-                us = time_us(graphed(lambda x=x, w=w, ids=ids, f=variants["fused"]: f(x, w, ids)), device, iters)
-                rows.append(Row(shape.name, T, "fused graph", us, roof, us / roof, flops / us / 1e6, None,
-                                "experts, replayed from a CUDA graph"))
+                if device == "cuda" and name.startswith("fused"):  # as decode steps run it: in a CUDA graph
+                    us = time_us(graphed(lambda fn=fn, x=x, w=w, ids=ids: fn(x, w, ids)), device, iters)
+                    rows.append(Row(shape.name, T, f"{name} graph", us, roof, us / roof, flops / us / 1e6, None,
+                                    "experts, replayed from a CUDA graph"))
+            rows += _routing_and_layer_rows(shape, layer, packed, x, touched, device, iters, flops)
         print(f"  {shape.name} T={T} done", file=sys.stderr, flush=True)
+    return rows
+
+
+def _routing_and_layer_rows(shape: Shape, layer, packed, x, touched: int, device: str, iters: int,
+                            flops: float) -> list[Row]:  # fmt: skip
+    """The routing kernel against torch routing on the same logits, and the whole layer."""
+    from meshserve.workers.models.moe import select_experts
+    from meshserve.workers.models.moe_routing import route_torch
+
+    T, itemsize = x.shape[0], x.element_size()
+    logits, spec, bias = router_parts(layer, x)
+    router_roof = shape.experts * shape.hidden * itemsize / COPY_BPS * 1e6
+    rows = []
+    want_w, want_ids = route_torch(logits, spec, bias)
+    got_w, got_ids = select_experts(logits, spec, bias, use_triton=True)
+    same = torch.equal(got_ids, want_ids)
+    err = rel_err(got_w, want_w)
+    wrap = graphed if device == "cuda" else (lambda f: f)
+    for name, fn in (("routing", lambda: select_experts(logits, spec, bias, use_triton=True)),
+                     ("torch routing", lambda: route_torch(logits, spec, bias))):
+        us = time_us(wrap(fn), device, iters)
+        rows.append(Row(shape.name, T, name, us, router_roof, us / router_roof, None, err if name == "routing"
+                        else None, ("graph replay; " if device == "cuda" else "") +
+                        ("" if name != "routing" else "ids equal torch's" if same else "IDS DIFFER from torch's")))
+    layer_roof = layer_roofline_us(shape, touched, itemsize)
+    what = "router + routing kernel + experts" + (" + shared experts" if shape.shared else "")
+    us = time_us(lambda: packed(x), device, iters)
+    rows.append(Row(shape.name, T, "layer", us, layer_roof, us / layer_roof, flops / us / 1e6, None, what + ", eager"))
+    if device == "cuda":
+        us = time_us(graphed(lambda: packed(x)), device, iters)
+        rows.append(Row(shape.name, T, "layer graph", us, layer_roof, us / layer_roof, flops / us / 1e6, None,
+                        what + ", graph replay"))
     return rows
 
 
@@ -268,14 +357,14 @@ def _flashinfer_checked(ew, fn: Callable, x, w, ids, want) -> Callable | str:
 
 
 def print_table(rows: list[Row]) -> None:
-    print(f"{'shape':18} {'T':>5} {'variant':12} {'us':>10} {'roofline us':>11} {'ratio':>7} {'TFLOP/s':>8} "
+    print(f"{'shape':18} {'T':>5} {'variant':18} {'us':>10} {'roofline us':>11} {'ratio':>7} {'TFLOP/s':>8} "
           f"{'err':>8}  note")  # fmt: skip
     for r in rows:
         us = f"{r.us:10.1f}" if r.us is not None else f"{'-':>10}"
         ratio = f"{r.ratio:7.2f}" if r.ratio is not None else f"{'-':>7}"
         tf = f"{r.tflops:8.1f}" if r.tflops is not None else f"{'-':>8}"
         err = f"{r.err:8.1e}" if r.err is not None else f"{'-':>8}"
-        print(f"{r.shape:18} {r.tokens:5d} {r.variant:12} {us} {r.roofline_us:11.2f} {ratio} {tf} {err}  {r.note}")
+        print(f"{r.shape:18} {r.tokens:5d} {r.variant:18} {us} {r.roofline_us:11.2f} {ratio} {tf} {err}  {r.note}")
 
 
 def plot(rows: list[Row], path: Path) -> None:
@@ -303,13 +392,40 @@ def plot(rows: list[Row], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def bench_sweep(shapes: tuple[Shape, ...], tokens: tuple[int, ...], device: str, dtype: torch.dtype,
+                budget_s: float) -> list:
+    """bench/moe_sweep.py over each shape and T, the budget split evenly between them."""
+    from bench.moe_sweep import sweep_tokens
+
+    rows = []
+    for shape in shapes:
+        layer = build_layer(shape, device, dtype)
+        ew, _ = packed_of(layer)
+        for T in tokens:
+            with torch.no_grad():
+                rows += sweep_tokens(shape, ew, lambda x, layer=layer: route(layer, x), T,
+                                     budget_s / (len(shapes) * len(tokens)))  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     ap.add_argument("--out", default=".", help="folder for moe_layer.json and moe_layer.png")
-    ap.add_argument("--skip-flashinfer", action="store_true",
-                    help="leave FlashInfer out (its first call JIT-builds CUTLASS kernels unless cached)")
+    ap.add_argument("--skip-flashinfer", action="store_true", help="leave FlashInfer's fused MoE out")
+    ap.add_argument("--flashinfer-timeout-s", type=float, default=300.0,
+                    help="time box of FlashInfer's first-call JIT build, per shape (default 300)")
+    ap.add_argument("--sweep", action="store_true", help="tile sweep of the fused GEMMs instead (moe_sweep.json/png)")
+    ap.add_argument("--sweep-tokens", default="4096,64", help="token counts to sweep (default 4096,64; "
+                    "T <= 16 sweeps the row path)")
+    ap.add_argument("--sweep-shapes", default=None, help="comma-separated shape names (default: all)")
+    ap.add_argument("--sweep-budget-s", type=float, default=480.0,
+                    help="the sweep's time budget, split evenly over (shape, T) (default 480)")
+    ap.add_argument("--flashinfer-warm", default=None, help=argparse.SUPPRESS)  # the build's child process
     args = ap.parse_args(argv)
+    if args.flashinfer_warm:
+        flashinfer_warm(args.flashinfer_warm)
+        return 0
     if args.smoke:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel module is imported
         device, dtype, shapes, tokens = "cpu", torch.float32, SMOKE_SHAPES, SMOKE_TOKENS
@@ -319,14 +435,29 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         device, dtype, shapes, tokens = "cuda", torch.bfloat16, SHAPES, TOKENS
     t0 = time.perf_counter()
-    rows = [r for shape in shapes for r in bench_shape(shape, tokens, device, dtype,
-                                                        flashinfer=not args.skip_flashinfer)]
-    print_table(rows)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device":
             torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
-            "dtype": str(dtype), "seconds": round(time.perf_counter() - t0, 1)}  # fmt: skip
+            "dtype": str(dtype)}  # fmt: skip
+    if args.sweep:
+        from bench.moe_sweep import as_json, plot_sweep, print_sweep
+
+        if args.sweep_shapes:
+            shapes = tuple(s for s in shapes if s.name in args.sweep_shapes.split(","))
+        rows = bench_sweep(shapes, tuple(int(t) for t in args.sweep_tokens.split(",")), device, dtype,
+                           args.sweep_budget_s)  # fmt: skip
+        print_sweep(rows)
+        meta["seconds"] = round(time.perf_counter() - t0, 1)
+        (out / "moe_sweep.json").write_text(json.dumps({"meta": meta, "rows": as_json(rows)}, indent=1))
+        plot_sweep(rows, out / "moe_sweep.png")
+        print(f"wrote {out / 'moe_sweep.json'} and {out / 'moe_sweep.png'} in {meta['seconds']} s")
+        return 0
+    rows = [r for shape in shapes for r in bench_shape(shape, tokens, device, dtype, flashinfer=not
+                                                        args.skip_flashinfer,
+                                                        flashinfer_timeout_s=args.flashinfer_timeout_s)]  # fmt: skip
+    print_table(rows)
+    meta["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "moe_layer.json").write_text(json.dumps({"meta": meta, "rows": [asdict(r) for r in rows]}, indent=1))
     plot(rows, out / "moe_layer.png")
     print(f"wrote {out / 'moe_layer.json'} and {out / 'moe_layer.png'} in {meta['seconds']} s")

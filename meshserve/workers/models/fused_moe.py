@@ -1,6 +1,8 @@
 """Fused mixture-of-experts for CUDA: tokens sorted by expert, two grouped-GEMM Triton launches.
 
-For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is:
+For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is (for more
+than ROWS_MAX_TOKENS tokens; decode batches take the row path of fused_moe_rows.py instead:
+no alignment, no combine, two launches):
 
     align   (torch ops on the device)  the T*k (token, slot) rows sorted by expert, each expert's
             run padded to a multiple of the tile height BLOCK_M; one expert id per tile
@@ -29,50 +31,14 @@ import triton
 import triton.language as tl
 
 from meshserve.errors import check
-
-ACT_SILU, ACT_SWIGLU_CLAMP = 0, 1
-
-
-@dataclass(frozen=True)
-class ExpertActivation:
-    """SILU: silu(g) * u (DeepSeek). SWIGLU_CLAMP (GPT-OSS): g = min(g, limit),
-    u = clamp(u, -limit, limit), (u + 1) * g * sigmoid(alpha * g)."""
-
-    kind: int = ACT_SILU
-    alpha: float = 1.702
-    limit: float = 7.0
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One layer's experts in the kernels' layout (E experts, hidden H, intermediate I).
-
-    w13: [E, 2I, H] gate rows then up rows; b13: [E, 2I] or None; w2: [E, H, I]; b2: [E, H] or
-    None. All in the activation dtype, contiguous.
-    """
-
-    w13: torch.Tensor
-    w2: torch.Tensor
-    b13: torch.Tensor | None
-    b2: torch.Tensor | None
-    activation: ExpertActivation
-
-    def __post_init__(self) -> None:
-        e, two_i, h = self.w13.shape
-        check(two_i % 2 == 0, "w13", tuple(self.w13.shape), "[E, 2I, H] (gate rows, then up rows)")
-        check(tuple(self.w2.shape) == (e, h, two_i // 2), "w2", tuple(self.w2.shape), f"[{e}, {h}, {two_i // 2}]")
-        check(self.b13 is None or tuple(self.b13.shape) == (e, two_i), "b13", None if self.b13 is None
-              else tuple(self.b13.shape), f"None or [{e}, {two_i}]")  # fmt: skip
-        check(self.b2 is None or tuple(self.b2.shape) == (e, h), "b2", None if self.b2 is None
-              else tuple(self.b2.shape), f"None or [{e}, {h}]")  # fmt: skip
-
-    @property
-    def num_experts(self) -> int:
-        return self.w13.shape[0]
-
-    @property
-    def intermediate(self) -> int:
-        return self.w13.shape[1] // 2
+from meshserve.workers.models.expert_weights import (  # noqa: F401 (re-exported: the kernels' interface)
+    ACT_SILU,
+    ACT_SWIGLU_CLAMP,
+    ExpertActivation,
+    ExpertWeights,
+    GemmTiles,
+)
+from meshserve.workers.models.fused_moe_rows import RowsConfig, activate, fused_moe_rows
 
 
 @dataclass(frozen=True)
@@ -218,13 +184,7 @@ def _gate_up_kernel(
     if HAS_BIAS:
         acc_g += tl.load(b_ptr + expert * 2 * inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptr + expert * 2 * inter + inter + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
-    if ACT == 0:  # silu(g) * u, exp of -|g| only so that nothing overflows
-        e = tl.exp(-tl.abs(acc_g))
-        h = acc_g * tl.where(acc_g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * acc_u
-    else:  # GPT-OSS: clamped SwiGLU
-        g = tl.minimum(acc_g, limit)
-        u = tl.minimum(tl.maximum(acc_u, -limit), limit)
-        h = (u + 1.0) * g * tl.sigmoid(alpha * g)
+    h = activate(acc_g, acc_u, alpha, limit, ACT)
     tl.store(h_ptr + rows[:, None] * inter + cols[None, :], h.to(h_ptr.dtype.element_ty),
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
@@ -258,46 +218,57 @@ def _down_kernel(
 
 @dataclass(frozen=True)
 class TileConfig:
-    """block_n: gate_up's output columns per tile, each of gate and up (two accumulators, so the
-    tile is 2 * block_n wide); the down kernel takes tiles of 2 * block_n columns."""
+    """The sorted path's tiles: block_m rows per tile (the alignment pads to it), then each GEMM's."""
 
     block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
+    gate_up: GemmTiles
+    down: GemmTiles
+
+
+# The tile choices, in one place (`python -m bench.moe_layer --sweep` prints a replacement).
+# Sorted path, by rows per expert (T * k / E): decode-like sizes stream weights through narrow
+# tiles, GEMV-like, many programs in flight; prefill takes tall tiles so that each weight tile
+# serves many rows (gate_up holds 2 * block_m * block_n float32 accumulators per program).
+TILE_TABLE: tuple[tuple[float, TileConfig], ...] = (
+    (16, TileConfig(16, GemmTiles(32, 128), GemmTiles(64, 128))),
+    (64, TileConfig(32, GemmTiles(64, 64), GemmTiles(128, 64))),
+    (float("inf"), TileConfig(64, GemmTiles(64, 64, 8), GemmTiles(128, 64, 8))),
+)
+# Row path (fused_moe_rows.py: no sorting, one row per program) for batches up to this many tokens.
+ROWS_MAX_TOKENS = 16
+ROWS_CONFIG = RowsConfig(gate_up=GemmTiles(32, 128), down=GemmTiles(16, 256))
 
 
 def tile_config(num_rows: int, num_experts: int) -> TileConfig:
-    """Tiles by rows per expert: decode (a few rows per expert) streams weights through narrow
-    tiles, GEMV-like, many programs in flight; prefill takes tall tiles so each weight tile is
-    reused by many rows (accumulators: 2 * block_m * block_n floats per program)."""
+    """The sorted path's tiles for num_rows = T * k rows over num_experts experts (TILE_TABLE)."""
     per_expert = num_rows / max(num_experts, 1)
-    if per_expert <= 16:
-        return TileConfig(16, 32, 128, 4, 3)
-    if per_expert <= 64:
-        return TileConfig(32, 64, 64, 4, 3)
-    return TileConfig(64, 64, 64, 8, 3)
+    return next(cfg for limit, cfg in TILE_TABLE if per_expert <= limit)
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
-              config: TileConfig | None = None, alignment: Alignment | None = None,
-              may_drop: bool = False) -> torch.Tensor:
+              config: TileConfig | RowsConfig | None = None, alignment: Alignment | None = None,
+              may_drop: bool = False, expert_load: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
 
     x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
     [0, E), or anything else for a slot to drop when may_drop (expert parallelism: the expert
-    lives on another rank). Returns [T, H] in x's dtype. `alignment` (from align_rows with
-    config.block_m) may be passed when the caller also wants its load statistics.
+    lives on another rank). Returns [T, H] in x's dtype. Up to ROWS_MAX_TOKENS tokens (or with
+    a RowsConfig) the row path runs (fused_moe_rows.py, no sorting); else rows are sorted by
+    expert (`alignment`, from align_rows with config.block_m, may be passed). expert_load [E]
+    int64, when given, gets each expert's row count added (load statistics).
     """
     T, k = ids.shape
     H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
     check(tuple(weights.shape) == (T, k), "weights", tuple(weights.shape), f"[{T}, {k}] like ids")
     check(x.shape[0] == T and experts.w13.shape[2] == H, "x", tuple(x.shape), f"[{T}, {experts.w13.shape[2]}]")
     check(experts.w13.dtype == x.dtype, "x", x.dtype, f"the experts' dtype {experts.w13.dtype}")
+    if isinstance(config, RowsConfig) or (config is None and alignment is None and T <= ROWS_MAX_TOKENS):
+        return fused_moe_rows(x, weights, ids, experts, config or ROWS_CONFIG, expert_load=expert_load)
     cfg = config or tile_config(T * k, E)
     align = alignment or align_rows(ids, E, cfg.block_m)
     check(align.block_m == cfg.block_m, "alignment", align.block_m, f"block_m={cfg.block_m} of the tile config")
+    if expert_load is not None:
+        expert_load += align.tokens_per_expert
     n = T * k
     out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if n == 0:
@@ -308,22 +279,23 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     tiles = align.block_expert.numel()
     w13, w2 = experts.w13, experts.w2
     act = experts.activation
-    _gate_up_kernel[(tiles, triton.cdiv(inter, cfg.block_n))](
+    gu, dn = cfg.gate_up, cfg.down
+    _gate_up_kernel[(tiles, triton.cdiv(inter, gu.block_n))](
         x, w13, experts.b13 if experts.b13 is not None else w13, h, align.sorted_rows, align.block_expert,
         n, H, inter, x.stride(0), w13.stride(0), w13.stride(1), act.alpha, act.limit,
         TOP_K=k, HAS_BIAS=experts.b13 is not None, ACT=act.kind, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k,
+        num_warps=gu.num_warps, num_stages=gu.num_stages,
     )  # fmt: skip
     # Rows of dropped slots are never written: zeros, so that the sum ignores them.
     y = (torch.zeros if may_drop else torch.empty)((n, H), dtype=x.dtype, device=x.device)
     route = weights.reshape(-1).contiguous()
-    _down_kernel[(tiles, triton.cdiv(H, 2 * cfg.block_n))](
+    _down_kernel[(tiles, triton.cdiv(H, dn.block_n))](
         h, w2, experts.b2 if experts.b2 is not None else w2, route, y, align.sorted_rows, align.block_expert,
         n, H, inter, w2.stride(0), w2.stride(1),
         HAS_BIAS=experts.b2 is not None, PRECISION=precision,
-        BLOCK_M=cfg.block_m, BLOCK_N=2 * cfg.block_n, BLOCK_K=cfg.block_k,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        BLOCK_M=cfg.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
     torch.sum(y.view(T, k, H), dim=1, out=out)
     return out

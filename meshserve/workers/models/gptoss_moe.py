@@ -26,7 +26,8 @@ from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
-from meshserve.workers.models.moe import reset_expert_load, run_moe
+from meshserve.workers.models.moe import reset_expert_load, run_moe, select_experts
+from meshserve.workers.models.moe_routing import RoutingSpec
 
 
 class SwigluExpertBank(nn.Module):
@@ -74,6 +75,7 @@ class SwigluMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.top_k
         self.num_experts = cfg.num_experts
+        self.routing = RoutingSpec(cfg.num_experts, cfg.top_k, scoring="topk_softmax")
         self.router = nn.Linear(hidden, cfg.num_experts, bias=True)
         self.experts: SwigluExpertBank | None = SwigluExpertBank(hidden, intermediate, cfg)
         self.fused: ExpertWeights | None = None  # set by pack_experts (CUDA)
@@ -83,8 +85,7 @@ class SwigluMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        top, ids = torch.topk(self.router(x), self.top_k, dim=-1)
-        return top.softmax(dim=-1), ids
+        return select_experts(self.router(x), self.routing)
 
     def finish_loading(self, device: torch.device | str) -> None:
         reset_expert_load(self, device)

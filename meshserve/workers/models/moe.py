@@ -19,16 +19,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.errors import check
 from meshserve.workers.models.deepseek_arch import MoEConfig
 from meshserve.workers.models.fused_moe import (
     ACT_SILU,
     ExpertActivation,
     ExpertWeights,
-    align_rows,
     fused_moe,
     runs_fused,
-    tile_config,
 )
+from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
+from meshserve.workers.models.routing_kernel import route_triton
 
 ExpertFn = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -52,6 +53,17 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, r
     return out
 
 
+def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
+                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Router logits [T, E] -> (weights, ids) [T, k] as moe_routing.route_torch computes them; on
+    CUDA (use_triton None) in one Triton launch (routing_kernel.py)."""
+    check(logits.dim() == 2 and logits.shape[1] == spec.num_experts, "logits", tuple(logits.shape),
+          f"[T, {spec.num_experts}]")  # fmt: skip
+    if use_triton if use_triton is not None else logits.is_cuda:
+        return route_triton(logits, spec, bias)
+    return route_torch(logits, spec, bias)
+
+
 def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   run_expert: ExpertFn | None, *, may_drop: bool = False) -> torch.Tensor:
     """The experts this rank holds on x [T, hidden] routed by (weights, ids) [T, k], fused when
@@ -60,10 +72,7 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
     num = module.expert_load.numel()
     fused: ExpertWeights | None = module.fused
     if fused is not None:
-        cfg = tile_config(ids.numel(), num)
-        align = align_rows(ids, num, cfg.block_m)
-        module.expert_load += align.tokens_per_expert
-        return fused_moe(x, weights, ids, fused, config=cfg, alignment=align, may_drop=may_drop)
+        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load)
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < num), flat, num)
     module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -133,43 +142,21 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
         super().__init__()
-        self.moe = moe
+        self.spec = RoutingSpec(
+            num_experts=moe.num_experts, top_k=moe.top_k, scoring=moe.scoring, group_by=moe.group_by,
+            num_groups=moe.num_groups, topk_groups=moe.topk_groups, norm_topk_prob=moe.norm_topk_prob,
+            routed_scaling_factor=moe.routed_scaling_factor)  # fmt: skip
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden), requires_grad=False)
         self.e_score_correction_bias = (
             nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64)."""
-        moe = self.moe
-        logits = F.linear(x.float(), self.weight.float())  # [T, E]
-        scores = logits.softmax(dim=-1) if moe.scoring == "softmax" else logits.sigmoid()
-        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias.float()
-        if moe.group_by != "none":
-            choice = self._keep_best_groups(choice)
-        if moe.scoring == "softmax":
-            # V2: the masked scores themselves are the weights (masked experts score 0).
-            weights, ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)
-        else:
-            ids = torch.topk(choice, moe.top_k, dim=-1, sorted=False)[1]
-            weights = scores.gather(1, ids)
-        if moe.norm_topk_prob:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return weights * moe.routed_scaling_factor, ids
-
-    def _keep_best_groups(self, choice: torch.Tensor) -> torch.Tensor:
-        """Mask every expert outside the topk_groups best groups (0 for softmax scores, -inf else)."""
-        moe = self.moe
-        tokens = choice.shape[0]
-        grouped = choice.view(tokens, moe.num_groups, moe.num_experts // moe.num_groups)
-        if moe.group_by == "max":
-            group_scores = grouped.max(dim=-1).values
-        else:  # "top2_sum"
-            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
-        best = torch.topk(group_scores, moe.topk_groups, dim=-1, sorted=False)[1]  # [T, topk_groups]
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
-        keep = keep[:, :, None].expand_as(grouped).reshape(tokens, moe.num_experts)
-        return choice.masked_fill(~keep, 0.0 if moe.scoring == "softmax" else float("-inf"))
+        """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
+        routing itself is moe_routing's (one Triton launch on CUDA)."""
+        bias = self.e_score_correction_bias
+        return select_experts(F.linear(x.float(), self.weight.float()), self.spec,
+                              None if bias is None else bias.float())  # fmt: skip
 
 
 class MoE(nn.Module):

@@ -16,6 +16,8 @@ from meshserve.workers.models.fused_moe import (
     ACT_SWIGLU_CLAMP,
     ExpertActivation,
     ExpertWeights,
+    GemmTiles,
+    RowsConfig,
     TileConfig,
     align_rows,
     fused_moe,
@@ -25,7 +27,8 @@ from meshserve.workers.models.gptoss_moe import SwigluMoE
 from meshserve.workers.models.moe import MoE
 
 E, H, INTER, TOP_K = 6, 40, 24, 2
-SMALL = TileConfig(16, 16, 16, 4, 1)  # several tiles in every dimension at these sizes
+SMALL = TileConfig(16, GemmTiles(16, 16, 4, 1), GemmTiles(32, 16, 4, 1))  # several tiles in every dimension
+ROWS = RowsConfig(GemmTiles(16, 16, 4, 1), GemmTiles(16, 16, 4, 1))  # the row path, several tiles too
 ORACLE_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
@@ -121,19 +124,38 @@ def test_align_kernel_matches_torch_at_other_expert_counts(num_experts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", [ACT_SILU, ACT_SWIGLU_CLAMP])
 @pytest.mark.parametrize("kind", ["random", "sparse", "one_expert", "dropped"])
-@pytest.mark.parametrize("T", [1, 5, 33])
-def test_fused_moe_matches_float64(dtype, act, kind, T):
+@pytest.mark.parametrize("T, path", [(1, "sorted"), (5, "sorted"), (33, "sorted"), (1, "rows"), (6, "rows")])
+def test_fused_moe_matches_float64(dtype, act, kind, T, path):
     gen = torch.Generator().manual_seed(11 * T + act)
     ew = _experts(act, dtype, gen, bias=act == ACT_SWIGLU_CLAMP)
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = _routing(kind, T, gen)
     weights = torch.rand(T, TOP_K, generator=gen)
-    got = fused_moe(x, weights, ids, ew, config=SMALL, may_drop=kind == "dropped")
+    load = torch.zeros(E, dtype=torch.int64)
+    got = fused_moe(x, weights, ids, ew, config=SMALL if path == "sorted" else ROWS, may_drop=kind == "dropped",
+                    expert_load=load)  # fmt: skip
     assert got.dtype == dtype and got.shape == (T, H)
     torch.testing.assert_close(got.double(), _oracle(x, weights, ids, ew), **ORACLE_TOL[dtype])
+    flat = ids.reshape(-1)
+    assert torch.equal(load, torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E))  # load statistics
 
 
-@pytest.mark.parametrize("T", [4, 70, 300])  # each of tile_config's three choices
+def test_small_batches_take_the_row_path_by_default(monkeypatch):
+    """Up to ROWS_MAX_TOKENS tokens no alignment runs (two launches); above it, the sorted path."""
+    import meshserve.workers.models.fused_moe as fm
+
+    gen = torch.Generator().manual_seed(12)
+    ew = _experts(ACT_SWIGLU_CLAMP, torch.float32, gen, bias=True)
+    calls = []
+    monkeypatch.setattr(fm, "align_rows", lambda *a, **kw: calls.append(a) or align_rows(*a, **kw))
+    for T in (fm.ROWS_MAX_TOKENS, fm.ROWS_MAX_TOKENS + 1):
+        x, ids, weights = torch.randn(T, H, generator=gen), _routing("random", T, gen), torch.rand(T, TOP_K)
+        torch.testing.assert_close(fused_moe(x, weights, ids, ew).double(), _oracle(x, weights, ids, ew),
+                                   **ORACLE_TOL[torch.float32])  # fmt: skip
+        assert len(calls) == (T > fm.ROWS_MAX_TOKENS), T
+
+
+@pytest.mark.parametrize("T", [4, 70, 300])  # each of tile_config's three choices (T = 4: the row path)
 def test_fused_moe_default_tiles_and_no_tokens(T):
     gen = torch.Generator().manual_seed(3)
     ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
