@@ -290,7 +290,7 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
         def convert(model: CausalLM) -> None:
             if fp8:
                 convert_linears(model, fp8_modules(model, quant, names), quant.block,
-                                small_m=streaming is not SmallMGemm.OFF)
+                                small_m=streaming is SmallMGemm.ON)
             if streaming is SmallMGemm.ON:
                 stream_dense_linears(model)
 

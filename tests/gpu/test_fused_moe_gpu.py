@@ -1,6 +1,6 @@
 """The fused MoE on CUDA in bf16 against each model's torch MoE code, T from 1 to 8192, at the
-real layer shapes of GPT-OSS-20B and DeepSeek-V2-Lite (row path up to 16 tokens, sorted path
-above, both forced at small T); the routing kernel against the torch routing for both families
+real layer shapes of GPT-OSS-20B and DeepSeek-V2-Lite (the default dispatch, and the sorted and
+row paths forced at small T); the routing kernel against the torch routing for both families
 (GPT-OSS, V2-Lite, V2 with groups, V3 with bias and top-2-sum groups); CUDA-graph capture of MoE
 layers (routing kernel + experts) and of MoE decode steps. Skipped without CUDA.
 
@@ -17,7 +17,7 @@ import torch
 from meshserve import LLM, SamplingParams
 from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.deepseek_arch import MoEConfig
-from meshserve.workers.models.fused_moe import ROWS_MAX_TOKENS, fused_moe, tile_config
+from meshserve.workers.models.fused_moe import ROWS_CONFIG, fused_moe, tile_config
 from meshserve.workers.models.gptoss_moe import SwigluMoE
 from meshserve.workers.models.moe import MoE, combine_experts, select_experts
 from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
@@ -54,10 +54,10 @@ def deepseek_layer():
     return moe
 
 
-def _check(x, weights, ids, run16, run32, packed, *, sorted_path=False):
+def _check(x, weights, ids, run16, run32, packed, *, sorted_path=False, row_path=False):
     want16 = combine_experts(x, weights, ids, run16).float()
     want32 = combine_experts(x.float(), weights.float(), ids, run32)
-    config = tile_config(ids.numel(), packed.num_experts) if sorted_path else None
+    config = tile_config(ids.numel(), packed.num_experts) if sorted_path else ROWS_CONFIG if row_path else None
     got = fused_moe(x, weights, ids, packed, config=config)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     err_ref = (want16 - want32).abs().max().item()
@@ -82,18 +82,20 @@ def _deepseek_case(moe, x):
     return weights, ids, lambda e, xe: moe.experts[e](xe), lambda e, xe: experts32[e](xe), packed.fused
 
 
-@pytest.mark.parametrize("T, sorted_path", [(T, False) for T in TOKENS] + [(1, True), (8, True), (16, True)])
+@pytest.mark.parametrize("T, sorted_path, row_path", [(T, False, False) for T in TOKENS]
+                         + [(T, True, False) for T in (1, 8, 16)] + [(T, False, True) for T in (1, 8, 16)])
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek"])
-def test_layer_matches_torch_reference(request, family, T, sorted_path):
-    """Default dispatch (the row path up to ROWS_MAX_TOKENS), and the sorted path forced at small T."""
+def test_layer_matches_torch_reference(request, family, T, sorted_path, row_path):
+    """Default dispatch (the row path up to ROWS_MAX_TOKENS, 0 by default), the sorted path and
+    the row path forced at small T."""
     moe = request.getfixturevalue(f"{family}_layer")
     hidden = 2880 if family == "gpt_oss" else 2048
     x = torch.randn(T, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).bfloat16()
     case = _gpt_oss_case if family == "gpt_oss" else _deepseek_case
-    _check(x, *case(moe, x), sorted_path=sorted_path)
+    _check(x, *case(moe, x), sorted_path=sorted_path, row_path=row_path)
 
 
-@pytest.mark.parametrize("T", [5, 4096])  # row path, sorted path
+@pytest.mark.parametrize("T", [5, 4096])  # small (the smallest tiles), large
 @pytest.mark.parametrize("routing", ["one_expert", "dropped"])
 def test_skewed_and_dropped_routings(gpt_oss_layer, routing, T):
     moe = gpt_oss_layer
@@ -147,7 +149,7 @@ def test_routing_kernel_matches_torch_routing(name, T):
     torch.testing.assert_close(got_w[~differ].float(), want_w[~differ].float(), **tol)
 
 
-@pytest.mark.parametrize("T", [1, ROWS_MAX_TOKENS, 64])
+@pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek"])
 def test_moe_layer_with_routing_kernel_replays_in_a_cuda_graph(request, family, T):
     """Router matmul, routing kernel, experts (row or sorted path), load counters (+ shared

@@ -1,8 +1,8 @@
 """Fused mixture-of-experts for CUDA: tokens sorted by expert, two grouped-GEMM Triton launches.
 
 For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is (for more
-than ROWS_MAX_TOKENS tokens; decode batches take the row path of fused_moe_rows.py instead:
-no alignment, no combine, two launches):
+than ROWS_MAX_TOKENS tokens, 0 by default; smaller batches take the row path of
+fused_moe_rows.py: no alignment, no combine, two launches):
 
     align   (torch ops on the device)  the T*k (token, slot) rows sorted by expert, each expert's
             run padded to a multiple of the tile height BLOCK_M; one expert id per tile
@@ -235,7 +235,10 @@ TILE_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (float("inf"), TileConfig(64, GemmTiles(64, 64, 8), GemmTiles(128, 64, 8))),
 )
 # Row path (fused_moe_rows.py: no sorting, one row per program) for batches up to this many tokens.
-ROWS_MAX_TOKENS = 16
+# 0: never by default. On the H200 (2026-12-02, graph replay) it lost to the sorted path at every
+# small T: GPT-OSS T = 1 / 8: 151 / 436 us against 67 / 288; DeepSeek-V2-Lite 101 / 227 against
+# 45 / 145 (docs/performance.md, "MoE layer"). Kept, tested and benched for tuning.
+ROWS_MAX_TOKENS = 0
 ROWS_CONFIG = RowsConfig(gate_up=GemmTiles(32, 128), down=GemmTiles(16, 256))
 
 

@@ -4,9 +4,9 @@
 (`weight_scale_inv` [ceil(out / bn), ceil(in / bk)], checkpoints) or per output channel
 (`weight_scale` [out], online FP8). Its compute, by device:
 - CUDA sm89+, at most SMALL_M_MAX rows (decode): the weight-streaming W8A16 kernel
-  (small_m.py; activations stay bf16/fp16), unless ModelConfig.small_m_gemm is "off".
-- CUDA sm89+, more rows: block scales -> the Triton block GEMM with per-token-group activation
-  quantization (fp8_triton.py); per-channel (sm90+, support.py) -> torch._scaled_mm with
+  (small_m.py; activations stay bf16/fp16) when ModelConfig.small_m_gemm is "on" (docs/engine.md).
+- CUDA sm89+, more rows (or small_m_gemm not "on"): block scales -> the Triton block GEMM
+  with per-token-group activation quantization (fp8_triton.py); per-channel (sm90+, support.py) -> torch._scaled_mm with
   per-token activation scales (row-wise scaling), quantized by one Triton kernel.
 - elsewhere (CPU): the exact reference, which dequantizes the weight every call (slow).
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.

@@ -28,14 +28,16 @@ class FormatSupport:
 
 
 SUPPORT: tuple[FormatSupport, ...] = (
-    FormatSupport(WeightFormat.FP8_BLOCK, "cuda", "<= 16 rows: weight-streaming W8A16 kernel (small_m.py); more: "
-                  "Triton block GEMM, activations quantized per token per block_k features (fp8_triton.py)",
+    FormatSupport(WeightFormat.FP8_BLOCK, "cuda", "Triton block GEMM, activations quantized per token per block_k "
+                  "features (fp8_triton.py); <= 16 rows with --small-m-gemm on: weight-streaming W8A16 kernel "
+                  "(small_m.py)",
                   "1 + 4 / (bn * bk)", (8, 9), min_block_k=16,
                   notes="bf16/fp16 activations; fp32 activations take the reference path"),
     FormatSupport(WeightFormat.FP8_BLOCK, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / (bn * bk)"),
-    FormatSupport(WeightFormat.FP8_CHANNEL, "cuda", "<= 16 rows: weight-streaming W8A16 kernel (small_m.py); "
-                  "more: torch._scaled_mm, row-wise scales, activations quantized per token (one Triton kernel)",
+    FormatSupport(WeightFormat.FP8_CHANNEL, "cuda", "torch._scaled_mm, row-wise scales, activations quantized "
+                  "per token (one Triton kernel); <= 16 rows with --small-m-gemm on: weight-streaming W8A16 "
+                  "kernel (small_m.py)",
                   "1 + 4 / in_features", (9, 0), notes="row-wise _scaled_mm needs sm90"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / in_features"),
