@@ -285,8 +285,13 @@ class TritonBackend(AttentionBackend):
         tensors = (unused if sinks is None else sinks, unused if slopes is None else slopes, k_scale, v_scale)
 
         if plan.tile_seq.numel():
+            kv_desc = spec.uses_kv_cache and not self.prefill_descriptor_reasons(plan.prefill, kv_cache)
+            if kv_desc:
+                from meshserve.attention.kernels.kv_pages import kv_page_descriptors
+
+                k_src, v_src = kv_page_descriptors(kv_cache.data, plan.prefill.block_n, common["BLOCK_D"])
             self._prefill(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
-                          tensors, scalars, common)  # fmt: skip
+                          tensors, scalars, dict(common, KV_DESC=kv_desc))  # fmt: skip
         if plan.num_splits:
             self._decode(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                          tensors, scalars, common)  # fmt: skip
@@ -306,9 +311,20 @@ class TritonBackend(AttentionBackend):
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             *k_strides, *v_strides, plan.block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
-            CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse,
+            CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse, WARP_SPEC=cfg.warp_specialize,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
         )  # fmt: skip
+
+    def prefill_descriptor_reasons(self, cfg: PrefillConfig, kv_cache: KVCache) -> list[str]:
+        """Why the prefill kernel reads K/V by pointer gathers, not page descriptors (empty: it
+        uses descriptors): not asked for by `cfg`, or the cache or device does not allow them."""
+        if not cfg.kv_desc:
+            return ["the prefill config does not ask for descriptors (kv_desc=False)"]
+        from meshserve.attention.kernels.kv_pages import descriptor_reasons
+
+        block_d = _pow2(self.spec.head_size, 16)
+        return descriptor_reasons(kv_cache.data, self.spec.head_size, block_d, cfg.block_n,
+                                  self.problem.compute_capability)  # fmt: skip
 
     def _decode(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                 tensors, scalars, common) -> None:  # fmt: skip
