@@ -20,7 +20,8 @@ class PrefillConfig:
     # K/V pages through tensor descriptors (TMA) instead of pointer gathers (kernels/kv_pages.py);
     # used where the cache allows it (sm_90+, contiguous, aligned), else the gather path runs.
     kv_desc: bool = False
-    warp_specialize: bool = False  # tl.range(warp_specialize=True) on the key loops
+    max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
+    pipeline_qk: bool = False  # next tile's QK^T issued before this tile's softmax (unmasked tiles)
 
 
 # The switch for the descriptor K/V path in the CUDA defaults below. Off until the H200 sweep
