@@ -16,6 +16,7 @@ code here, install that wheel beside the venv's Triton and put it first on the p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -105,6 +106,12 @@ def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
             for label, spec, dt in out]  # fmt: skip
 
 
+def _literal(text: str):
+    import ast
+
+    return ast.literal_eval(text)
+
+
 def prefill_sweep(recorder: Recorder) -> None:
     """Compile bench/prefill_sweep.py's TRITON variants at the bench's shapes (bf16, GQA 32/8,
     head 128) and print one line each: the machine code the H200 sweep will run."""
@@ -148,12 +155,15 @@ def main() -> int:
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
     ap.add_argument("--prefill-sweep", action="store_true", help="compile bench/prefill_sweep.py's variants only")
+    ap.add_argument("--prefill", default="", help="PrefillConfig fields for every problem's default prefill "
+                    "tiles, e.g. 'kv_desc=True,pipeline_qk=True'")  # fmt: skip
     args = ap.parse_args()
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(GPUTarget("cuda", args.arch, 32), args.sass)
     original = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: recorder(self, *a, grid=grid, warmup=warmup, **kw)
+    overrides = {k: _literal(v) for k, v in (kv.split("=") for kv in args.prefill.split(",") if kv)}
     if args.prefill_sweep:
         try:
             prefill_sweep(recorder)
@@ -168,6 +178,9 @@ def main() -> int:
             blocks = [list(range(i * 3000, i * 3000 + -(-s // 16))) for i, s in enumerate(slens)]
             meta = AttentionMetadata.build(query_lens=qlens, seq_lens=slens, block_tables=blocks, block_size=16)
             backend = TritonBackend(prob, num_sms=132)
+            if overrides:
+                cfg = dataclasses.replace(backend.prefill_cfg, **overrides)
+                backend = TritonBackend(prob, num_sms=132, prefill_config=cfg)
             plan = backend.plan(meta)
             cache = KVCache(torch.empty(9000, 2, 16, spec.num_kv_heads, spec.head_size, dtype=kv_dt))
             n = sum(qlens)

@@ -116,6 +116,8 @@ def run_case(
 ) -> list[Row]:  # fmt: skip
     """One row per variant; warm_only: run each variant once (compiles it), check and time nothing.
     device "cpu" (TRITON_INTERPRET=1, float16, small cases): checks the bench itself, times nothing."""
+    if not variants:
+        return []
     from bench.attention import rel_err, shuffled_tables, time_us
     from meshserve.attention.backend import KVCache
     from meshserve.attention.backends.flashinfer import FlashInferBackend

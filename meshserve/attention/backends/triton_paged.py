@@ -285,7 +285,7 @@ class TritonBackend(AttentionBackend):
         tensors = (unused if sinks is None else sinks, unused if slopes is None else slopes, k_scale, v_scale)
 
         if plan.tile_seq.numel():
-            kv_desc = spec.uses_kv_cache and not self.prefill_descriptor_reasons(plan.prefill, kv_cache)
+            kv_desc = not self.prefill_descriptor_reasons(plan.prefill, kv_cache if spec.uses_kv_cache else None)
             k_in, v_in = k_src, v_src  # the decode kernel below reads k_src, v_src
             if kv_desc:
                 from meshserve.attention.kernels.kv_pages import kv_page_descriptors
@@ -317,9 +317,11 @@ class TritonBackend(AttentionBackend):
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **launch,
         )  # fmt: skip
 
-    def prefill_descriptor_reasons(self, cfg: PrefillConfig, kv_cache: KVCache) -> list[str]:
+    def prefill_descriptor_reasons(self, cfg: PrefillConfig, kv_cache: KVCache | None) -> list[str]:
         """Why the prefill kernel reads K/V by pointer gathers, not page descriptors (empty: it
-        uses descriptors): not asked for by `cfg`, or the cache or device does not allow them."""
+        uses descriptors): not asked for by `cfg`, no cache, or the cache or device forbids them."""
+        if kv_cache is None:
+            return ["no KV cache (encoder-only attention reads the new tokens' K/V)"]
         if not cfg.kv_desc:
             return ["the prefill config does not ask for descriptors (kv_desc=False)"]
         from meshserve.attention.kernels.kv_pages import descriptor_reasons

@@ -13,7 +13,15 @@ from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.kernels.config import PrefillConfig
 from meshserve.attention.kernels.kv_pages import descriptor_reasons
 from meshserve.attention.spec import KVCacheDtype
-from tests.unit.attention.scenarios import SCENARIO_BY_NAME, Scenario, assert_matches, make_case, oracle, run_backend
+from tests.unit.attention.scenarios import (
+    SCENARIO_BY_NAME,
+    Scenario,
+    assert_matches,
+    make_case,
+    oracle,
+    poison_unowned_slots,
+    run_backend,
+)
 
 
 def _cfg(m, n, *, pipe=False):
@@ -30,29 +38,13 @@ PAGED_TILES = (
 )
 # Long enough for several unmasked tiles per query tile, ragged ends, chunks with cached context.
 LONG = Scenario("long_chunks", (70, 33, 5, 1), (45, 100, 0, 60), spec=dict(num_heads=4, num_kv_heads=2))
-FEATURES = ("chunked_prefill", "sliding_window", "streaming_sinks", "sinks", "alibi", "softcap", "fp8_e4m3")
-
-
-def _poison_unwritten(case) -> None:
-    """NaN in every cache slot no sequence owns a token in: a tile that reads past a sequence's
-    end then shows up as NaN unless the kernel discards those rows."""
-    data, bs = case.kv_cache.data, case.scenario.block_size
-    owned = torch.zeros(data.shape[0] * bs, dtype=torch.bool)
-    table = case.metadata.block_table
-    for s, n in enumerate(case.metadata.seq_lens.tolist()):
-        pos = torch.arange(n)
-        owned[table[s, pos // bs].long() * bs + pos % bs] = True
-    flat = data.view(data.shape[0], 2, bs, -1).transpose(1, 2).reshape(data.shape[0] * bs, 2, -1)
-    unowned = ~owned
-    if data.dtype.is_floating_point and data.element_size() > 1:
-        poisoned = flat.clone()
-        poisoned[unowned] = float("nan")
-        data.copy_(poisoned.reshape(data.shape[0], bs, 2, -1).transpose(1, 2).reshape(data.shape))
+FEATURES = ("chunked_prefill", "sliding_window", "streaming_sinks", "sinks", "alibi", "softcap", "fp8_e4m3",
+            "encoder", "cross", "naive_layout")  # fmt: skip
 
 
 def check(scenario, cfg, dtype=torch.float32):
     case = make_case(scenario, dtype=dtype, seed=4)
-    _poison_unwritten(case)
+    poison_unowned_slots(case)
     ref_out, ref_lse = oracle(case)
     backend = TritonBackend(scenario.problem(str(dtype).removeprefix("torch.")), prefill_config=cfg)
     assert backend.prefill_descriptor_reasons(cfg, case.kv_cache) == []  # the descriptor path runs
@@ -108,6 +100,7 @@ def test_caches_descriptors_cannot_read_fall_back_with_reasons():
     assert descriptor_reasons(torch.zeros(4, 2, 16, 2, 32), 32, 32, 64, None) == []
     off = TritonBackend(odd.problem(), prefill_config=dataclasses.replace(cfg, kv_desc=False))
     assert "kv_desc=False" in off.prefill_descriptor_reasons(off.prefill_cfg, case.kv_cache)[0]
+    assert "no KV cache" in off.prefill_descriptor_reasons(cfg, None)[0]
 
 
 def test_defaults_keep_the_gather_path():
