@@ -22,6 +22,7 @@ class PrefillConfig:
     kv_desc: bool = False
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
     pipeline_qk: bool = False  # next tile's QK^T issued before this tile's softmax (unmasked tiles)
+    lazy_rescale: bool = False  # FA4's conditional rescaling (attn_common.online_softmax_step)
 
 
 # The switch for the descriptor K/V path in the CUDA defaults below. Off until the H200 sweep

@@ -58,14 +58,14 @@ def _fold(
     qk, v, start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank,
     BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, and their values, into (m, l, acc)."""
     kp = start_n + tl.arange(0, BLOCK_N)
     s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
                     global_pos(kv_len, dcp_rank, DCP), window,
                     num_sink_tokens, USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
-    return online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION)
+    return online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY)
 
 
 @triton.jit
@@ -77,7 +77,7 @@ def _key_range(
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
-    KV_DESC: tl.constexpr, PIPE_QK: tl.constexpr,
+    KV_DESC: tl.constexpr, PIPE_QK: tl.constexpr, LAZY: tl.constexpr,
 ):
     # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
     if PIPE_QK and not MASKED:
@@ -95,13 +95,13 @@ def _key_range(
                           HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
                 m_i, l_i, acc = _fold(qk, v.to(q.dtype), start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp,
                                       kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                      USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP)
+                                      USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
                 qk = qk_next
             v = _tile(v_ptr, bt_row, end - BLOCK_N, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
                       HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
             m_i, l_i, acc = _fold(qk, v.to(q.dtype), end - BLOCK_N, m_i, l_i, acc, qk_scale, softcap, slope, qp,
                                   kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP)
+                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
     else:
         for start_n in range(start, end, BLOCK_N):
             k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
@@ -111,7 +111,7 @@ def _key_range(
                       HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
             m_i, l_i, acc = _fold(qk, v.to(q.dtype), start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp,
                                   kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP)
+                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
     return m_i, l_i, acc
 
 
@@ -135,6 +135,7 @@ def prefill_kernel(
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
     KV_DESC: tl.constexpr = False,  # k_ptr, v_ptr are page-row descriptors (kernels/kv_pages.py)
     PIPE_QK: tl.constexpr = False,  # issue the next tile's QK^T before this tile's softmax (unmasked tiles)
+    LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows (attn_common)
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -210,6 +211,7 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            LAZY_RESCALE,
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
@@ -218,20 +220,21 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            LAZY_RESCALE,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)
