@@ -61,11 +61,16 @@ def _fold(
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
     """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, and their values, into (m, l, acc)."""
-    kp = start_n + tl.arange(0, BLOCK_N)
-    s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
-                    global_pos(kv_len, dcp_rank, DCP), window,
-                    num_sink_tokens, USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
-    return online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY)
+    if LAZY and not (MASKED or USE_SOFTCAP or USE_ALIBI):  # plain scaled scores: scale inside exp2's FMA
+        m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY, qk_scale * LOG2E,
+                                            True)  # fmt: skip
+    else:
+        kp = start_n + tl.arange(0, BLOCK_N)
+        s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
+                        global_pos(kv_len, dcp_rank, DCP), window, num_sink_tokens,
+                        USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY)
+    return m_i, l_i, acc
 
 
 @triton.jit
