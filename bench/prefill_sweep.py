@@ -222,13 +222,10 @@ def table(rows: list[Row]) -> str:
 
 
 def plot(rows: list[Row], path: Path) -> None:
-    try:
-        import matplotlib
+    from bench.report import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     cases = list(dict.fromkeys(r.case for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 7), sharey=True, squeeze=False)

@@ -15,6 +15,11 @@ that can hold an invisible key pay for a mask:
 Programs come from a host-built tile list (sequence, first query) ordered longest-first, so the
 expensive causal tiles start early and the grid needs no per-sequence padding. The grid is
 (head, tile): the heads of one tile run side by side and share their K/V tiles through L2.
+
+Opt-in variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis):
+KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of pointer
+gathers; PIPE_QK issues the next tile's QK^T before this tile's softmax in unmasked ranges;
+LAZY_RESCALE rescales the accumulator only when a row max grows (attn_common).
 """
 
 from __future__ import annotations
@@ -54,13 +59,17 @@ def _tile(
 
 
 @triton.jit
-def _fold(
-    qk, v, start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+def _fold_tile(
+    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh,
+    m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, LAZY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, KV_DESC: tl.constexpr, LAZY: tl.constexpr,
 ):  # fmt: skip
-    """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, and their values, into (m, l, acc)."""
+    """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, with their values, into (m, l, acc)."""
+    v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
+              HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC).to(q.dtype)  # fmt: skip
     if LAZY and not (MASKED or USE_SOFTCAP or USE_ALIBI):  # plain scaled scores: scale inside exp2's FMA
         m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY, qk_scale * LOG2E,
                                             True)  # fmt: skip
@@ -88,35 +97,39 @@ def _key_range(
     if PIPE_QK and not MASKED:
         # Software-pipelined: the product for the next tile is issued before this tile's softmax,
         # so the matrix unit can work while the softmax runs (FA3's intra-warpgroup overlap).
-        if start < end:
+        last = end - BLOCK_N
+        if start <= last:
             k = _tile(k_ptr, bt_row, start, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
                       HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            for start_n in range(start, end - BLOCK_N, BLOCK_N):
+            for start_n in range(start, last, BLOCK_N):
                 k = _tile(k_ptr, bt_row, start_n + BLOCK_N, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
                           HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
                 qk_next = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
-                          HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-                m_i, l_i, acc = _fold(qk, v.to(q.dtype), start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp,
-                                      kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                      USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
+                m_i, l_i, acc = _fold_tile(
+                    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc,
+                    qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV,
+                    BLOCK_N, PAGE, PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP,
+                    DOT_PRECISION, DCP, KV_DESC, LAZY,
+                )  # fmt: skip
                 qk = qk_next
-            v = _tile(v_ptr, bt_row, end - BLOCK_N, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
-                      HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-            m_i, l_i, acc = _fold(qk, v.to(q.dtype), end - BLOCK_N, m_i, l_i, acc, qk_scale, softcap, slope, qp,
-                                  kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
+            m_i, l_i, acc = _fold_tile(
+                qk, q, v_ptr, bt_row, last, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
+                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+                KV_DESC, LAZY,
+            )  # fmt: skip
     else:
         for start_n in range(start, end, BLOCK_N):
             k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
                       HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
             qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
-                      HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-            m_i, l_i, acc = _fold(qk, v.to(q.dtype), start_n, m_i, l_i, acc, qk_scale, softcap, slope, qp,
-                                  kv_len, window, num_sink_tokens, dcp_rank, BLOCK_N, MASKED, CAUSAL,
-                                  USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, LAZY)
+            m_i, l_i, acc = _fold_tile(
+                qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
+                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+                KV_DESC, LAZY,
+            )  # fmt: skip
     return m_i, l_i, acc
 
 
