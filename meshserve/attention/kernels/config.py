@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.errors import check
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -23,6 +25,15 @@ class PrefillConfig:
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
     pipeline_qk: bool = False  # next tile's QK^T issued before this tile's softmax (unmasked tiles)
     lazy_rescale: bool = False  # FA4's conditional rescaling (attn_common.online_softmax_step)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            n = getattr(self, name)
+            check(n >= 16 and n & (n - 1) == 0, name, n, "a power of two >= 16 (a tl.dot tile side)")
+        check(self.num_warps in (1, 2, 4, 8, 16), "num_warps", self.num_warps, "1, 2, 4, 8 or 16")
+        check(self.num_stages >= 1, "num_stages", self.num_stages, "an integer >= 1")
+        regs = self.max_registers
+        check(regs is None or 24 <= regs <= 255, "max_registers", regs, "None or 24..255 registers per thread")
 
 
 # The switch for the descriptor K/V path in the CUDA defaults below. Off until the H200 sweep

@@ -13,6 +13,7 @@ from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.kernels.config import PrefillConfig
 from meshserve.attention.kernels.kv_pages import descriptor_reasons
 from meshserve.attention.spec import KVCacheDtype
+from meshserve.errors import ConfigError
 from tests.unit.attention.scenarios import (
     SCENARIO_BY_NAME,
     Scenario,
@@ -133,3 +134,13 @@ def test_lazy_rescale_matches_oracle(gain, kv_desc):
     poison_unowned_slots(case)
     out, lse = run_backend(functools.partial(TritonBackend, prefill_config=cfg), case)
     assert_matches(out, lse, *oracle(case), torch.float32)
+
+
+@pytest.mark.parametrize(
+    "field,kwargs",
+    [("block_m", dict(block_m=24)), ("block_n", dict(block_n=8)), ("num_warps", dict(num_warps=3)),
+     ("num_stages", dict(num_stages=0)), ("max_registers", dict(max_registers=300))],
+)  # fmt: skip
+def test_bad_prefill_config_names_the_field(field, kwargs):
+    with pytest.raises(ConfigError, match=field):
+        PrefillConfig(**(dict(block_m=16, block_n=16, num_warps=4, num_stages=1) | kwargs))
