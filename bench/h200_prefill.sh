@@ -7,14 +7,7 @@ set -u
 WHEELS=${1:?wheel dir}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/tcache
-if [ -f "$WHEELS/fi_aot.tgz" ]; then
-    mkdir -p /tmp/site/flashinfer/data/aot && tar -xzf "$WHEELS/fi_aot.tgz" -C /tmp/site/flashinfer/data/aot
-fi
+source "$(dirname "$0")/h200_env.sh"
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 SECONDS=0
 timeout "${BENCH_TIMEOUT:-240}" python3 -m bench.prefill_sweep --out "$OUT" ${SWEEP_FLAGS:-} > "$OUT/prefill_sweep.log" 2>&1
