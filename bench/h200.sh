@@ -9,14 +9,7 @@ WHEELS=${1:?wheel dir}
 SWEEP=${2:-}  # bench/attention.py flags, e.g. "--sweep --no-prefill-sweep"
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "$WHEELS"/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
-export FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws TRITON_CACHE_DIR=/tmp/tcache
-if [ -f "$WHEELS/fi_aot.tgz" ]; then
-    mkdir -p /tmp/site/flashinfer/data/aot && tar -xzf "$WHEELS/fi_aot.tgz" -C /tmp/site/flashinfer/data/aot
-fi
+source "$(dirname "$0")/h200_env.sh"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu,power.draw --format=csv
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
 pack() {  # compiled FlashInfer modules, as <name>/<name>.so

@@ -1,17 +1,22 @@
 """Compile the TRITON backend's kernels for a GPU target on a machine without one, and report them.
 
-    python -m bench.kernel_report [--arch 90] [--sass DIR]
+    python -m bench.kernel_report [--arch 90] [--sass DIR] [--prefill-sweep]
 
 Runs the backend's real launch path on CPU tensors with the kernel launch intercepted: every
 launch is compiled with `triton.compile` for sm_<arch> instead of run, and cuobjdump reports the
 registers, stack frame (spills) and shared memory of each variant. This catches compile errors and register
 spills before any GPU time is spent; with --sass it also writes each kernel's SASS (to check
-for wgmma/HGMMA in prefill and 16-byte loads in decode).
+for wgmma/HGMMA in prefill and 16-byte loads in decode). --prefill-sweep compiles the TRITON
+variants of bench/prefill_sweep.py instead and prints their registers, spills, shared memory,
+resident CTAs per SM and TMA / cp.async load counts. The H200 has Triton 3.6: to read its machine
+code here, install that wheel beside the venv's Triton and put it first on the path:
+`pip install --no-deps --target /tmp/t36 triton==3.6.0; PYTHONPATH=/tmp/t36:. python -m bench.kernel_report`.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import subprocess
 import tempfile
@@ -37,6 +42,7 @@ class Recorder:
 
     def __init__(self, target: GPUTarget, sass_dir: Path | None) -> None:
         self.target, self.sass_dir, self.rows, self.seen = target, sass_dir, [], set()
+        self.label = ""  # names the SASS files of the next launches (else they are numbered)
 
     def __call__(self, fn: JITFunction, *args, grid, warmup, **kwargs):
         # The same binding and specialisation (16-byte alignment, divisibility by 16) as a launch.
@@ -62,9 +68,10 @@ class Recorder:
             f.write(compiled.asm["cubin"])
             f.flush()
             sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
-        path = self.sass_dir / f"{name}_{len(self.rows)}.sass"
+        path = self.sass_dir / f"{name}_{self.label or len(self.rows)}.sass"
         path.write_text(sass)
-        ops = {op: len(re.findall(op, sass)) for op in ("HGMMA", "HMMA", "LDGSTS", "LDG.E.128", "LDL", "STL")}
+        ops = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL", "SETMAXNREG", "MUFU.EX2")
+        ops = {op: len(re.findall(op, sass)) for op in ops}
         self.rows[-1][3]["sass"] = ops
 
 
@@ -75,7 +82,9 @@ def _resource_report(compiled) -> dict:
         f.flush()
         text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
     grab = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else -1  # noqa: E731
-    return dict(registers=grab(r"REG:(\d+)"), stack=grab(r"STACK:(\d+)"), shared=compiled.metadata.shared)
+    # num_warps after compilation: warp specialisation adds producer warps to the ones asked for.
+    return dict(registers=grab(r"REG:(\d+)"), stack=grab(r"STACK:(\d+)"), shared=compiled.metadata.shared,
+                warps=compiled.metadata.num_warps)  # fmt: skip
 
 
 def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
@@ -97,8 +106,51 @@ def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
             for label, spec, dt in out]  # fmt: skip
 
 
-def attention_launches():
-    """(label, launch) for each benchmark problem: the backend's KV write and forward."""
+def _literal(text: str):
+    import ast
+
+    return ast.literal_eval(text)
+
+
+def prefill_sweep(recorder: Recorder) -> None:
+    """Compile bench/prefill_sweep.py's TRITON variants at the bench's shapes (bf16, GQA 32/8,
+    head 128) and print one line each: the machine code the H200 sweep will run."""
+    from bench.prefill_sweep import VARIANTS
+    from meshserve.attention.backends.triton_paged import TritonBackend
+
+    print("| variant | registers | stack | shared KB | warps | CTAs/SM (regs, smem) | UTMALDG | LDGSTS | LDL+STL |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for var in (v for v in VARIANTS if v.config is not None):
+        spec = AttentionSpec(32, 8, 128)
+        prob = AttentionProblem(spec, dtype="bfloat16", block_size=var.page, max_model_len=65536, device="cuda",
+                                compute_capability=(9, 0))  # fmt: skip
+        per_seq = 4096 // var.page
+        meta = AttentionMetadata.build(query_lens=[4096], seq_lens=[4096], block_tables=[list(range(per_seq))],
+                                       block_size=var.page)  # fmt: skip
+        backend = TritonBackend(prob, prefill_config=var.config)
+        cache = KVCache(torch.empty(per_seq + 8, 2, var.page, 8, 128, dtype=torch.bfloat16))
+        q = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
+        recorder.label = var.label.replace(" ", "_")
+        before = len(recorder.rows)
+        try:
+            backend.forward(q, None, None, cache, backend.plan(meta))
+        except Exception as exc:  # a variant that does not compile is a finding, not the end
+            print(f"| {var.label} | FAILED: {type(exc).__name__}: {str(exc)[:200]} |")
+            continue
+        for *_, rep in recorder.rows[before:]:
+            threads = 32 * rep["warps"]
+            by_regs = 65536 // (threads * max(rep["registers"], 1))
+            by_smem = (227 * 1024) // max(rep["shared"], 1)
+            sass = rep.get("sass", {})
+            spills = sass.get("LDL", 0) + sass.get("STL", 0) if sass else "-"
+            print(f"| {var.label} | {rep['registers']} | {rep['stack']} | {rep['shared'] / 1024:.0f} | "
+                  f"{rep['warps']} | {min(by_regs, by_smem)} ({by_regs}, {by_smem}) | {sass.get('UTMALDG', '-')} | "
+                  f"{sass.get('LDGSTS', '-')} | {spills} |", flush=True)  # fmt: skip
+
+
+def attention_launches(overrides: dict | None = None):
+    """(label, launch) for each benchmark problem: the backend's KV write and forward.
+    overrides: PrefillConfig fields replacing each problem's default prefill tiles."""
     from meshserve.attention.backend import LayerParams
     from meshserve.attention.backends.triton_paged import TritonBackend
 
@@ -109,6 +161,9 @@ def attention_launches():
         blocks = [list(range(i * 3000, i * 3000 + -(-s // 16))) for i, s in enumerate(slens)]
         meta = AttentionMetadata.build(query_lens=qlens, seq_lens=slens, block_tables=blocks, block_size=16)
         backend = TritonBackend(prob, num_sms=132)
+        if overrides:
+            cfg = dataclasses.replace(backend.prefill_cfg, **overrides)
+            backend = TritonBackend(prob, num_sms=132, prefill_config=cfg)
         plan = backend.plan(meta)
         cache = KVCache(torch.empty(9000, 2, 16, spec.num_kv_heads, spec.head_size, dtype=kv_dt))
         n = sum(qlens)
@@ -123,19 +178,27 @@ def attention_launches():
         yield label, launch
 
 
-def compile_report(launches, description: str) -> int:
-    """Parse --arch/--sass, run each (label, launch) with every kernel launch compiled for that
-    target instead of run, and print each new variant's resources and a spill summary."""
+def report_parser(description: str) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=description)
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", type=Path, default=None, help="write each kernel's SASS here")
-    args = ap.parse_args()
+    return ap
+
+
+def compile_report(launches, description: str, args: argparse.Namespace | None = None) -> int:
+    """Parse --arch/--sass (unless `args` are given), run each (label, launch) with every kernel
+    launch compiled for that target instead of run, and print each new variant's resources and
+    a spill summary. `launches` may be a function of the Recorder instead (it prints its own)."""
+    args = args or report_parser(description).parse_args()
     if args.sass:
         args.sass.mkdir(parents=True, exist_ok=True)
     recorder = Recorder(GPUTarget("cuda", args.arch, 32), args.sass)
     original = JITFunction.run
     JITFunction.run = lambda self, *a, grid, warmup, **kw: recorder(self, *a, grid=grid, warmup=warmup, **kw)
     try:
+        if callable(launches):
+            launches(recorder)
+            return 0
         for label, launch in launches:
             before = len(recorder.rows)
             launch()
@@ -149,7 +212,15 @@ def compile_report(launches, description: str) -> int:
 
 
 def main() -> int:
-    return compile_report(attention_launches(), __doc__.splitlines()[0])
+    ap = report_parser(__doc__.splitlines()[0])
+    ap.add_argument("--prefill-sweep", action="store_true", help="compile bench/prefill_sweep.py's variants only")
+    ap.add_argument("--prefill", default="", help="PrefillConfig fields for every problem's default prefill "
+                    "tiles, e.g. 'kv_desc=True,pipeline_qk=True'")  # fmt: skip
+    args = ap.parse_args()
+    if args.prefill_sweep:
+        return compile_report(prefill_sweep, "", args)
+    overrides = {k: _literal(v) for k, v in (kv.split("=") for kv in args.prefill.split(",") if kv)}
+    return compile_report(attention_launches(overrides), "", args)
 
 
 if __name__ == "__main__":

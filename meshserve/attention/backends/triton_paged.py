@@ -285,8 +285,14 @@ class TritonBackend(AttentionBackend):
         tensors = (unused if sinks is None else sinks, unused if slopes is None else slopes, k_scale, v_scale)
 
         if plan.tile_seq.numel():
-            self._prefill(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
-                          tensors, scalars, common)  # fmt: skip
+            kv_desc = not self.prefill_descriptor_reasons(plan.prefill, kv_cache if spec.uses_kv_cache else None)
+            k_in, v_in = k_src, v_src  # the decode kernel below reads k_src, v_src
+            if kv_desc:
+                from meshserve.attention.kernels.kv_pages import kv_page_descriptors
+
+                k_in, v_in = kv_page_descriptors(kv_cache.data, plan.prefill.block_n, common["BLOCK_D"])
+            self._prefill(plan, query, k_in, v_in, k_strides, v_strides, out, lse, return_lse,
+                          tensors, scalars, dict(common, KV_DESC=kv_desc))  # fmt: skip
         if plan.num_splits:
             self._decode(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                          tensors, scalars, common)  # fmt: skip
@@ -299,6 +305,7 @@ class TritonBackend(AttentionBackend):
         cfg = plan.prefill
         # Heads vary fastest: the query heads of one tile run together and share K/V through L2.
         grid = (self.spec.num_heads, plan.tile_seq.numel())
+        launch = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
         prefill_kernel[grid](
             query, k_src, v_src, out, lse, plan.tile_seq, plan.tile_q0,
             plan.metadata.query_start_loc, plan.kv_lens, plan.positions, plan.block_table, *tensors, *scalars,
@@ -306,9 +313,23 @@ class TritonBackend(AttentionBackend):
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             *k_strides, *v_strides, plan.block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
-            CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common,
+            CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse, PIPE_QK=cfg.pipeline_qk,
+            LAZY_RESCALE=cfg.lazy_rescale,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **launch,
         )  # fmt: skip
+
+    def prefill_descriptor_reasons(self, cfg: PrefillConfig, kv_cache: KVCache | None) -> list[str]:
+        """Why the prefill kernel reads K/V by pointer gathers, not page descriptors (empty: it
+        uses descriptors): not asked for by `cfg`, no cache, or the cache or device forbids them."""
+        if kv_cache is None:
+            return ["no KV cache (encoder-only attention reads the new tokens' K/V)"]
+        if not cfg.kv_desc:
+            return ["the prefill config does not ask for descriptors (kv_desc=False)"]
+        from meshserve.attention.kernels.kv_pages import descriptor_reasons
+
+        block_d = _pow2(self.spec.head_size, 16)
+        return descriptor_reasons(kv_cache.data, self.spec.head_size, block_d, cfg.block_n,
+                                  self.problem.compute_capability)  # fmt: skip
 
     def _decode(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                 tensors, scalars, common) -> None:  # fmt: skip

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from meshserve.errors import check
+
 
 @dataclass(frozen=True)
 class PrefillConfig:
@@ -17,6 +19,26 @@ class PrefillConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    # K/V pages through tensor descriptors (TMA) instead of pointer gathers (kernels/kv_pages.py);
+    # used where the cache allows it (sm_90+, contiguous, aligned), else the gather path runs.
+    kv_desc: bool = False
+    max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
+    pipeline_qk: bool = False  # next tile's QK^T issued before this tile's softmax (unmasked tiles)
+    lazy_rescale: bool = False  # FA4's conditional rescaling (attn_common.online_softmax_step)
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n"):
+            n = getattr(self, name)
+            check(n >= 16 and n & (n - 1) == 0, name, n, "a power of two >= 16 (a tl.dot tile side)")
+        check(self.num_warps in (1, 2, 4, 8, 16), "num_warps", self.num_warps, "1, 2, 4, 8 or 16")
+        check(self.num_stages >= 1, "num_stages", self.num_stages, "an integer >= 1")
+        regs = self.max_registers
+        check(regs is None or 24 <= regs <= 255, "max_registers", regs, "None or 24..255 registers per thread")
+
+
+# The switch for the descriptor K/V path in the CUDA defaults below. Off until the H200 sweep
+# (`python -m bench.prefill_sweep`, docs/performance.md) shows it faster than the gather path.
+PREFILL_KV_DESCRIPTORS = False
 
 
 @dataclass(frozen=True)
@@ -35,7 +57,7 @@ def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool
     if dtype == "float32":  # IEEE fp32 products run on FMA units; these tiles spill least
         return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
     if block_d <= 128:  # H200 sweep: one warpgroup per 128 queries beat two (docs/performance.md)
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=PREFILL_KV_DESCRIPTORS)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -58,7 +80,7 @@ def long_prefill_config(
         return None
     if compute_capability is None or compute_capability < (9, 0):
         return None
-    return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
+    return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3, kv_desc=PREFILL_KV_DESCRIPTORS)
 
 
 def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:

@@ -15,6 +15,11 @@ that can hold an invisible key pay for a mask:
 Programs come from a host-built tile list (sequence, first query) ordered longest-first, so the
 expensive causal tiles start early and the grid needs no per-sequence padding. The grid is
 (head, tile): the heads of one tile run side by side and share their K/V tiles through L2.
+
+Opt-in variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis):
+KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of pointer
+gathers; PIPE_QK issues the next tile's QK^T before this tile's softmax in unmasked ranges;
+LAZY_RESCALE rescales the accumulator only when a row max grows (attn_common).
 """
 
 from __future__ import annotations
@@ -31,6 +36,50 @@ from meshserve.attention.kernels.attn_common import (
     online_softmax_step,
     scores_log2,
 )
+from meshserve.attention.kernels.kv_pages import load_kv_pages
+
+
+@triton.jit
+def _tile(
+    ptr, bt_row, start_n, kv_len, kv_head, offs, stride_b, stride_t, stride_h,
+    HEAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
+    MASKED: tl.constexpr, KV_DESC: tl.constexpr,
+):
+    """[BLOCK_N, BLOCK] keys or values [start_n, start_n + BLOCK_N) in the cache's storage dtype."""
+    kp = start_n + tl.arange(0, BLOCK_N)
+    tok_mask = kp < kv_len
+    if KV_DESC:  # ptr is a tensor descriptor (kernels/kv_pages.py)
+        x = load_kv_pages(ptr, bt_row, start_n, kv_len, kv_head * stride_h, stride_b // stride_t, BLOCK_N, PAGE)
+        if MASKED:  # rows past the end may hold anything, and 0 * NaN is NaN
+            x = tl.where(tok_mask[:, None], x, 0.0)
+    else:
+        x = load_kv_tile(ptr, bt_row, kp, kv_head, offs, tok_mask, stride_b, stride_t, stride_h,
+                         HEAD, BLOCK, PAGE, PAGED, MASKED)  # fmt: skip
+    return x
+
+
+@triton.jit
+def _fold_tile(
+    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh,
+    m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank,
+    HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
+    PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
+    USE_SINK_TOKENS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, KV_DESC: tl.constexpr, LAZY: tl.constexpr,
+):  # fmt: skip
+    """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, with their values, into (m, l, acc)."""
+    v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
+              HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC).to(q.dtype)  # fmt: skip
+    if LAZY and not (MASKED or USE_SOFTCAP or USE_ALIBI):  # plain scaled scores: scale inside exp2's FMA
+        m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY, qk_scale * LOG2E,
+                                            True)  # fmt: skip
+    else:
+        kp = start_n + tl.arange(0, BLOCK_N)
+        s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
+                        global_pos(kv_len, dcp_rank, DCP), window, num_sink_tokens,
+                        USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
+        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -42,20 +91,45 @@ def _key_range(
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
+    KV_DESC: tl.constexpr, PIPE_QK: tl.constexpr, LAZY: tl.constexpr,
 ):
     # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
-    for start_n in range(start, end, BLOCK_N):
-        kp = start_n + tl.arange(0, BLOCK_N)
-        tok_mask = kp < kv_len
-        k = load_kv_tile(k_ptr, bt_row, kp, kv_head, d, tok_mask, stride_kb, stride_kt, stride_kh,
-                         HEAD_D, BLOCK_D, PAGE, PAGED, MASKED)
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-        s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
-                        global_pos(kv_len, dcp_rank, DCP), window,
-                        num_sink_tokens, USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)
-        v = load_kv_tile(v_ptr, bt_row, kp, kv_head, dv, tok_mask, stride_vb, stride_vt, stride_vh,
-                         HEAD_DV, BLOCK_DV, PAGE, PAGED, MASKED)
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v.to(q.dtype), MASKED, DOT_PRECISION)
+    if PIPE_QK and not MASKED:
+        # Software-pipelined: the product for the next tile is issued before this tile's softmax,
+        # so the matrix unit can work while the softmax runs (FA3's intra-warpgroup overlap).
+        last = end - BLOCK_N
+        if start <= last:
+            k = _tile(k_ptr, bt_row, start, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
+                      HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            for start_n in range(start, last, BLOCK_N):
+                k = _tile(k_ptr, bt_row, start_n + BLOCK_N, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
+                          HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
+                qk_next = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+                m_i, l_i, acc = _fold_tile(
+                    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc,
+                    qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV,
+                    BLOCK_N, PAGE, PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP,
+                    DOT_PRECISION, DCP, KV_DESC, LAZY,
+                )  # fmt: skip
+                qk = qk_next
+            m_i, l_i, acc = _fold_tile(
+                qk, q, v_ptr, bt_row, last, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
+                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+                KV_DESC, LAZY,
+            )  # fmt: skip
+    else:
+        for start_n in range(start, end, BLOCK_N):
+            k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
+                      HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
+            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+            m_i, l_i, acc = _fold_tile(
+                qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
+                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+                KV_DESC, LAZY,
+            )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -77,6 +151,9 @@ def prefill_kernel(
     USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
+    KV_DESC: tl.constexpr = False,  # k_ptr, v_ptr are page-row descriptors (kernels/kv_pages.py)
+    PIPE_QK: tl.constexpr = False,  # issue the next tile's QK^T before this tile's softmax (unmasked tiles)
+    LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows (attn_common)
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -151,7 +228,8 @@ def prefill_kernel(
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            LAZY_RESCALE,
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
@@ -159,21 +237,22 @@ def prefill_kernel(
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            LAZY_RESCALE,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

@@ -195,6 +195,26 @@ def make_case(
     )
 
 
+def poison_unowned_slots(case: Case) -> None:
+    """NaN in every cache slot no sequence owns a token in: a tile that reads past a sequence's
+    end then shows up as NaN unless the kernel discards those rows. 16/32-bit caches only (FP8
+    caches are left as they are)."""
+    data, bs = case.kv_cache.data, case.scenario.block_size
+    if data.element_size() == 1:
+        return
+    owned = torch.zeros(data.shape[0] * bs, dtype=torch.bool, device=data.device)
+    meta = case.metadata
+    cross = meta.encoder_block_table is not None  # the cache holds the encoder's tokens
+    table = (meta.encoder_block_table if cross else meta.block_table).to(data.device)
+    for s, n in enumerate(meta.encoder_seq_lens_host if cross else meta.seq_lens.tolist()):
+        pos = torch.arange(n, device=data.device)
+        owned[table[s, pos // bs].long() * bs + pos % bs] = True
+    flat = data.view(data.shape[0], 2, bs, -1).transpose(1, 2).reshape(data.shape[0] * bs, 2, -1)
+    poisoned = flat.clone()
+    poisoned[~owned] = float("nan")
+    data.copy_(poisoned.reshape(data.shape[0], bs, 2, -1).transpose(1, 2).reshape(data.shape))
+
+
 def visible(spec: AttentionSpec, qp: int, kp: int) -> bool:
     """The masking rules of AttentionSpec, one (query, key) pair at a time."""
     if not spec.is_causal:
