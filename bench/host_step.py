@@ -20,11 +20,11 @@ Stages (per step):
                  DecodeGraphs' static-buffer fill)
   page lists     the attention backend's host plan (FlashInfer's page lists)
   sample         the runner's draw (greedy, on the fixed logits) and reading the tokens back,
-                 less the argmax (device work on a GPU: timed alone on the same logits and
+                 less the greedy pick (device work on a GPU: timed alone on the same logits and
                  moved to "device stub")
   update         Scheduler.update (tokens, stop rules)
   deltas         the engine's per-request deltas and incremental detokenisation
-  device stub    the stand-in forward and the argmax (not host work of the engine)
+  device stub    the stand-in forward and the greedy pick (not host work of the engine)
   total          EngineCore.step less the device stub
 
     python -m bench.host_step                      # bs 1, 16, 64, 256
@@ -197,10 +197,15 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
     timers.wrap(runner, "collect", "collect")
     timers.wrap(runner.decode_graphs, "_forward", "forward")
     real_draw = runner.sampler.draw
+    try:  # the sampler's own greedy pick (on CPU max(dim).indices, cheaper than argmax)
+        from meshserve.workers.sampler import first_max_index
+    except ImportError:  # an older tree: argmax
+        def first_max_index(x):
+            return x.argmax(dim=-1)
 
-    def draw(logits, rows):  # the argmax alone, once more: device work on a GPU, subtracted below
+    def draw(logits, rows):  # the greedy pick alone, once more: device work on a GPU, subtracted below
         t0 = time.process_time()
-        logits.argmax(dim=-1)
+        first_max_index(logits)
         timers.now["argmax"] += time.process_time() - t0
         return real_draw(logits, rows)
 
