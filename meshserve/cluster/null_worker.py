@@ -63,7 +63,7 @@ class NullWorker:
         for new in plan.new_requests:
             self._seqs[new.request_id] = list(new.prompt_ids) + list(new.output_ids)
         drawn = []
-        for seq in plan.seqs:
+        for seq in plan.all_seqs():
             if POISON_TOKEN in seq.token_ids:
                 raise RuntimeError(f"poisoned request {seq.request_id} on rank {self.rank}")
             known = self._seqs[seq.request_id]

@@ -20,12 +20,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from meshserve.cluster.admission import check_prompt_length
 from meshserve.cluster.request import Request, RequestStatus
 from meshserve.config import SchedulerConfig
 from meshserve.core.outputs import FinishReason
 from meshserve.errors import check
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import DecodeRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from meshserve.kvstore.manager import KVCacheManager
@@ -294,6 +296,8 @@ class Scheduler:
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
         seqs, new, announced = [], [], self._announced
+        # Decode rows that just continue (workers/step.py DecodeRows), column by column
+        ids, tokens, contexts, lasts, lens = [], [], [], [], []
         for req, n in scheduled:  # per running request every step: kept lean
             rid = req.request_id
             if rid not in announced:
@@ -303,17 +307,29 @@ class Scheduler:
             start, known = req.num_computed_tokens, len(req.all_token_ids)  # = req.num_tokens
             sample = start + n == known + req.num_pending_outputs and req.fork_into is None
             tables, offsets = self._table_changes(req)
-            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets,
-            # encoder_table); from_last_step: the token the step in flight draws for it
-            seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables, sample,
-                                     start + n > known, offsets, encoder))
+            if n == 1 and sample and start and offsets is not None and not any(tables):
+                ids.append(rid)
+                last = start >= known  # from_last_step: the token the step in flight draws for it
+                tokens.append(0 if last else req.all_token_ids[start])
+                contexts.append(start)
+                lasts.append(last)
+                lens.append(offsets)
+            else:
+                encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
+                # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets,
+                # encoder_table)
+                seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables,
+                                         sample, start + n > known, offsets, encoder))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
             req.held |= sample and req.chosen_by_search
-        self.stats.num_steps += bool(seqs)
+        decodes = None
+        if ids:
+            decodes = DecodeRows(ids, np.array(tokens, np.int64), np.array(contexts, np.int64),
+                                 np.array(lasts, bool), np.array(lens, np.int64).reshape(len(ids), -1))
+        self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())
+        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=decodes)
         self._to_forget = []
         self._step_id += 1
         return plan

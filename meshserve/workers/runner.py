@@ -28,7 +28,7 @@ from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import DecodeRows, SampledToken, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -147,8 +147,8 @@ class ModelRunner:
             self.tables.add(new.request_id)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         flight = _InFlight(plan.step_id)
-        if plan.seqs:
-            self._run(plan.seqs, flight)
+        if plan.seqs or plan.decodes is not None:
+            self._run(plan.seqs, plan.decodes, flight)
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
@@ -173,7 +173,7 @@ class ModelRunner:
         return flight.result
 
     @torch.inference_mode()
-    def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
+    def _run(self, seqs: Sequence[ScheduledSeq], decodes: DecodeRows | None, flight: _InFlight) -> None:
         requests, last_rows, tables = self.requests, self._last_rows, self.tables
         for s in seqs:
             if s.request_id not in requests or (s.from_last_step and s.request_id not in last_rows):
@@ -182,38 +182,62 @@ class ModelRunner:
                       "set only for a request that drew a token in the previous step on this (driver) rank")
             if s.encoder_table is not None:
                 requests[s.request_id].encoder_table = list(s.encoder_table)
+        decode_rows = None if decodes is None else self._decode_rows(decodes)  # checked before any change
         tables.apply_all(seqs)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         cols = _Columns.of(seqs, tables.row_of)
-        order = seqs
         if not cols.decodes_last():
             perm = np.argsort(cols.is_decode, kind="stable")
-            order, cols = [seqs[i] for i in perm], cols.take(perm)
+            seqs, cols = [seqs[i] for i in perm], cols.take(perm)
+        ids = [s.request_id for s in seqs]  # the request of each row, in the step's order
+        if decodes is not None:  # decode rows come last already
+            dec = _Columns(decode_rows, decodes.context_lens, np.ones(len(decodes), np.int64), decodes.from_last_step,
+                           np.ones(len(decodes), bool))
+            cols = cols.concat(dec) if seqs else dec
+            ids += decodes.request_ids
         batch = _PackedBatch.of(cols)
         local = (cols.seq_lens - self.dcp_rank + self.dcp_size - 1) // self.dcp_size  # [S] tokens stored here
-        tables.check_cover(cols.rows, local, self.block_size, [s.request_id for s in order])
+        tables.check_cover(cols.rows, local, self.block_size, ids)
         rows = [tables.gather(cols.rows, g) for g in range(self.num_groups)]  # per group [S, W] int32
-        fill = self._from_last_step(order, cols, batch.ends)
+        fill = self._from_last_step(ids, cols, batch.ends)
         graphs = self.decode_graphs
-        if graphs is not None and 0 < len(order) <= graphs.max_batch and cols.all_sampled_decodes():
-            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in order), np.int64, len(order))
+        if graphs is not None and 0 < len(ids) <= graphs.max_batch and cols.all_sampled_decodes():
+            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in seqs), np.int64, len(seqs))
+            if decodes is not None:
+                token_ids = np.concatenate([token_ids, decodes.token_ids]) if seqs else decodes.token_ids
             logits = graphs.run_arrays(token_ids, cols.context_lens, rows, fill=fill)  # [N, V]: every row samples
-            to_sample = list(range(len(order)))
+            sample_ids = ids
         else:
+            order = list(seqs) if decodes is None else [*seqs, *decodes.seqs()]
             to_sample = np.flatnonzero(cols.sample).tolist()
             logits = self._run_eager(order, rows, batch, to_sample, fill)
-        if to_sample and self.is_driver:
-            self._draw([order[i].request_id for i in to_sample], logits, flight)
+            sample_ids = [ids[i] for i in to_sample]
+        if sample_ids and self.is_driver:
+            self._draw(sample_ids, logits, flight)
 
-    def _from_last_step(self, order: Sequence[ScheduledSeq], cols: _Columns, ends: np.ndarray):
+    def _decode_rows(self, decodes: DecodeRows) -> np.ndarray:
+        """[n] the RequestTables rows of a plan's DecodeRows, after checking that the runner knows each
+        request, holds the tables the plan says it does, and (from_last_step) drew its last token."""
+        requests, last_rows = self.requests, self._last_rows
+        unknown = [rid for rid in decodes.request_ids if rid not in requests]
+        check(not unknown, "request_id", unknown[0] if unknown else None, "a request announced in new_requests")
+        undrawn = [rid for rid, last in zip(decodes.request_ids, decodes.from_last_step.tolist())
+                   if last and rid not in last_rows]
+        check(not undrawn, "from_last_step", undrawn[0] if undrawn else None,
+              "set only for a request that drew a token in the previous step on this (driver) rank")
+        return self.tables.rows_holding(decodes.request_ids, decodes.table_lens)
+
+    def _from_last_step(self, ids: Sequence[str], cols: _Columns, ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
-        tensor (on the device, in stream order: no wait), or None when no sequence needs one."""
+        tensor (on the device, in stream order: no wait), or None when no sequence needs one.
+        ids: the request of each row."""
         which = np.flatnonzero(cols.from_last_step)
         if not len(which):
             return None
         tokens = self._last.draw.tokens
+        last_rows = self._last_rows
         dst = to_device(torch.from_numpy(ends[which]), self.device)
-        src = to_device([self._last_rows[order[i].request_id] for i in which.tolist()], self.device, torch.int64)
+        src = to_device([last_rows[ids[i]] for i in which.tolist()], self.device, torch.int64)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
@@ -323,6 +347,12 @@ class _Columns:
     def take(self, perm: np.ndarray) -> _Columns:
         return _Columns(self.rows[perm], self.context_lens[perm], self.query_lens[perm], self.from_last_step[perm],
                         self.sample[perm])
+
+    def concat(self, other: _Columns) -> _Columns:
+        return _Columns(np.concatenate([self.rows, other.rows]), np.concatenate([self.context_lens, other.context_lens]),
+                        np.concatenate([self.query_lens, other.query_lens]),
+                        np.concatenate([self.from_last_step, other.from_last_step]),
+                        np.concatenate([self.sample, other.sample]))
 
 
 @dataclass(frozen=True)

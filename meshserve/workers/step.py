@@ -110,9 +110,58 @@ def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list
 
 
 @dataclass
+class DecodeRows:
+    """Decode rows that just continue, as columns (most rows of most steps): one new token each
+    (known, or the one the step in flight draws: `from_last_step`), a token sampled after it,
+    and no change to the request's block tables. As a ScheduledSeq each would be a message of
+    its own; here a step's rows are five arrays, which travel as bytes and which the runner
+    reads as they are.
+
+    request_ids:    [n] ids of requests the workers know
+    token_ids:      [n] int64 the new token; 0 where from_last_step (the device holds it)
+    context_lens:   [n] int64 tokens already cached (the new token's position)
+    from_last_step: [n] bool
+    table_lens:     [n, G] int64 per KV layer group, the blocks the workers hold for the request
+                    (unchanged by this step: the runner checks that its tables agree)
+    """
+
+    request_ids: list[str]
+    token_ids: np.ndarray
+    context_lens: np.ndarray
+    from_last_step: np.ndarray
+    table_lens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def seqs(self) -> list[ScheduledSeq]:
+        """The same rows as ScheduledSeqs (the eager path, tools and tests)."""
+        groups = self.table_lens.shape[1]
+        return [ScheduledSeq(rid, [] if last else [tok], ctx, [[] for _ in range(groups)], True, last, lens)
+                for rid, tok, ctx, last, lens in zip(self.request_ids, self.token_ids.tolist(),
+                                                     self.context_lens.tolist(), self.from_last_step.tolist(),
+                                                     self.table_lens.tolist())]  # fmt: skip
+
+    def to_wire(self) -> list:
+        return [self.request_ids, np.asarray(self.token_ids, "<i4").tobytes(),
+                np.asarray(self.context_lens, "<i4").tobytes(), np.asarray(self.from_last_step, "u1").tobytes(),
+                self.table_lens.shape[1], np.asarray(self.table_lens, "<i4").tobytes()]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> DecodeRows:
+        ids, tokens, context, last, groups, lens = wire
+        n = len(ids)
+        return cls(ids, np.frombuffer(tokens, "<i4").astype(np.int64), np.frombuffer(context, "<i4").astype(np.int64),
+                   np.frombuffer(last, "u1").astype(bool), np.frombuffer(lens, "<i4").astype(np.int64).reshape(n, groups))
+
+
+@dataclass
 class StepPlan:
     """Everything every worker needs for one forward step.
 
+    seqs:     the step's sequences, except
+    decodes:  the decode rows that just continue, as columns (None: no such rows); they run after
+              `seqs` (whose order is the scheduler's: running requests by arrival, then admitted ones)
     finished: request ids the workers may forget (after this step).
     copies:   (src, dst) block pairs to copy in every cache tensor before any K/V is written
               (copy-on-write of a shared partial block; ids are unique across layer groups).
@@ -123,6 +172,15 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    decodes: DecodeRows | None = None
+
+    def all_seqs(self) -> list[ScheduledSeq]:
+        """Every sequence of the step as a ScheduledSeq: `seqs`, then `decodes`."""
+        return self.seqs if self.decodes is None else self.seqs + self.decodes.seqs()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs) + (0 if self.decodes is None else len(self.decodes))
 
     def to_msgpack(self) -> bytes:
         short = PACKED_IDS_MIN
@@ -141,6 +199,7 @@ class StepPlan:
                     for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
+            "decodes": None if self.decodes is None else self.decodes.to_wire(),
         })
 
     @classmethod
@@ -156,6 +215,7 @@ class StepPlan:
                           for rid, prompt, sampling, out, enc in d["new"]],
             finished=d["finished"],
             copies=[tuple(c) for c in d["copies"]],
+            decodes=None if d["decodes"] is None else DecodeRows.from_wire(d["decodes"]),
         )
 
 

@@ -37,7 +37,7 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepOutput:
         plan = StepPlan.from_msgpack(plan.to_msgpack())
         self.known |= {r.request_id for r in plan.new_requests}
-        out = [tok for s in plan.seqs if (tok := self.compute(s, list(s.token_ids))) is not None]
+        out = [tok for s in plan.all_seqs() if (tok := self.compute(s, list(s.token_ids))) is not None]
         self.known -= set(plan.finished)
         return StepOutput(plan.step_id, out)
 
@@ -96,13 +96,13 @@ def test_continuous_batching_respects_budget_and_max_seqs():
     worker = FakeWorker()
 
     def check(step):
-        assert sum(len(s.token_ids) for s in step.plan.seqs) <= 16
+        assert sum(len(s.token_ids) for s in step.plan.all_seqs()) <= 16
         assert len(sched.running) <= 3
         # chunks that do not end the known tokens do not sample (a step advances num_computed_tokens
         # as it is scheduled)
         for r, _ in step.requests:
             assert (r.num_computed_tokens == r.num_tokens) == next(
-                s.sample for s in step.plan.seqs if s.request_id == r.request_id)
+                s.sample for s in step.plan.all_seqs() if s.request_id == r.request_id)
 
     run(sched, worker, on_step=check)
     for r, p in zip(reqs, PROMPTS):
@@ -116,7 +116,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     r = req(0, list(range(3, 40)), max_tokens=3)
     sched.add_request(r)
     chunks = []
-    run(sched, FakeWorker(), on_step=lambda s: chunks.append([len(x.token_ids) for x in s.plan.seqs]))
+    run(sched, FakeWorker(), on_step=lambda s: chunks.append([len(x.token_ids) for x in s.plan.all_seqs()]))
     assert chunks[:5] == [[8], [8], [8], [8], [5]]
     assert r.output_ids == reference(list(range(3, 40)), 3)
 
@@ -193,7 +193,7 @@ def test_abort_frees_blocks_and_tells_workers():
     assert sched.abort("r0") is a and a.finish_reason is FinishReason.ABORT
     assert sched.abort("r0") is None
     step = sched.schedule()
-    assert "r0" in step.plan.finished and all(s.request_id != "r0" for s in step.plan.seqs)
+    assert "r0" in step.plan.finished and all(s.request_id != "r0" for s in step.plan.all_seqs())
     sched.update(step, worker.execute(step.plan))
     run(sched, worker)
     assert kv.num_free_blocks == 63 and "r0" not in worker.known
@@ -236,7 +236,7 @@ def test_plans_carry_table_changes_not_whole_tables():
     carried: dict[str, list[tuple[list[int] | None, int, int]]] = {r.request_id: [] for r in reqs}
 
     def record(step):
-        for s in step.plan.seqs:
+        for s in step.plan.all_seqs():
             carried[s.request_id].append((s.table_offsets, len(s.block_tables[0]), s.num_new_tokens))
 
     run(sched, FakeWorker(), on_step=record)
