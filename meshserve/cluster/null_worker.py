@@ -77,7 +77,7 @@ class NullWorker:
             sampled.append(SampledToken(rid, tok))
         for rid in plan.finished:
             self._seqs.pop(rid, None)
-        return StepOutput(plan.step_id, sampled if self.rank == 0 else []).to_msgpack()
+        return StepOutput.of(plan.step_id, sampled if self.rank == 0 else []).to_msgpack()
 
     def _agree(self, tokens: list[int]) -> None:
         import torch

@@ -369,20 +369,26 @@ class Scheduler:
 
         With overlap scheduling the next step is already planned: a request finished here may
         be in it, and its token there is dropped (the request is finished by then)."""
-        tokens = {s.request_id: s for s in output.sampled}
+        row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
+        tokens, logprobs = output.token_ids, output.logprobs
+        eos, max_len, finished = self.eos_token_ids, self.max_model_len, RequestStatus.FINISHED
         touched = []
-        for req, _ in step.requests:
-            if req.is_finished:
+        for req, _ in step.requests:  # per running request every step: kept lean
+            if req.status is finished:
                 continue  # aborted or stopped while the step ran
-            sampled = tokens.get(req.request_id)
-            if sampled is None:
+            i = row_of.get(req.request_id)
+            if i is None:
                 continue  # a prompt chunk that is not the last
+            token = tokens[i]
             req.num_pending_outputs -= 1
-            req.append_output(sampled.token_id)
-            if sampled.logprobs is not None:
-                req.output_logprobs.append(sampled.logprobs)
+            req.append_output(token)
+            if logprobs and i in logprobs:
+                req.output_logprobs.append(logprobs[i])
             touched.append(req)
-            self._check_stop(req, sampled.token_id)
+            p = req.params
+            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids or len(req.output_ids) >= p.max_tokens \
+                    or len(req.all_token_ids) >= max_len:
+                self._check_stop(req, token)
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:

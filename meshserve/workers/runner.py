@@ -28,7 +28,7 @@ from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import DecodeRows, SampledToken, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import DecodeRows, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -161,15 +161,16 @@ class ModelRunner:
 
     def _read(self, flight: _InFlight) -> StepOutput:
         if flight.result is None:
-            sampled = []
+            result = flight.result = StepOutput(flight.step_id)
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
-                for rid, tok, lp in zip(flight.request_ids, tokens, logprobs):
-                    req = self.requests.get(rid)
+                requests = self.requests
+                for rid, tok in zip(flight.request_ids, tokens):
+                    req = requests.get(rid)
                     if req is not None:  # else: forgotten meanwhile (finished, aborted)
                         req.output_ids.append(tok)
-                    sampled.append(SampledToken(rid, tok, lp))
-            flight.result = StepOutput(step_id=flight.step_id, sampled=sampled)
+                result.request_ids, result.token_ids = flight.request_ids, tokens
+                result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
         return flight.result
 
     @torch.inference_mode()

@@ -10,6 +10,7 @@ a list in C; short ones (a decode step's one token, its block changes) stay msgp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -228,24 +229,33 @@ class SampledToken:
 
 @dataclass
 class StepOutput:
-    """Tokens drawn this step (rank 0 only; other ranks return an empty list)."""
+    """Tokens drawn this step (rank 0 only; other ranks return none), as columns: row i is
+    request_ids[i]'s token token_ids[i], with logprobs[i] when the request asked for them.
+    (A list of per-row messages would cost a Python object per request per step twice over.)"""
 
     step_id: int
-    sampled: list[SampledToken]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its logprobs
+
+    @classmethod
+    def of(cls, step_id: int, sampled: Sequence[SampledToken]) -> StepOutput:
+        return cls(step_id, [s.request_id for s in sampled], [s.token_id for s in sampled],
+                   {i: s.logprobs for i, s in enumerate(sampled) if s.logprobs is not None})
+
+    @property
+    def sampled(self) -> list[SampledToken]:
+        """The rows as SampledTokens."""
+        lps = self.logprobs
+        return [SampledToken(rid, tok, lps.get(i)) for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids))]
 
     def to_msgpack(self) -> bytes:
-        rows = []
-        for s in self.sampled:
-            lp = s.logprobs
-            rows.append([s.request_id, s.token_id,
-                         None if lp is None else [lp.logprob, [list(p) for p in lp.top]]])
-        return msgpack.packb({"step_id": self.step_id, "sampled": rows})
+        lps = [[i, lp.logprob, [list(p) for p in lp.top]] for i, lp in self.logprobs.items()]
+        return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids, "logprobs": lps})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
         d = msgpack.unpackb(data)
-        sampled = []
-        for rid, tok, lp in d["sampled"]:
-            logprobs = None if lp is None else TokenLogprobs(tok, lp[0], tuple((int(t), v) for t, v in lp[1]))
-            sampled.append(SampledToken(rid, tok, logprobs))
-        return cls(step_id=d["step_id"], sampled=sampled)
+        tokens = d["tokens"]
+        lps = {i: TokenLogprobs(tokens[i], lp, tuple((int(t), v) for t, v in top)) for i, lp, top in d["logprobs"]}
+        return cls(d["step_id"], d["ids"], tokens, lps)

@@ -38,7 +38,7 @@ class OverlapWorker(FakeWorker):
                 drawn.append(tok)
         self.last.update((d.request_id, d.token_id) for d in drawn)
         self.known -= set(plan.finished)
-        self.out.append(StepOutput(plan.step_id, drawn))
+        self.out.append(StepOutput.of(plan.step_id, drawn))
 
     def collect(self) -> StepOutput:
         return self.out.popleft()

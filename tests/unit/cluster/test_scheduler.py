@@ -39,7 +39,7 @@ class FakeWorker:
         self.known |= {r.request_id for r in plan.new_requests}
         out = [tok for s in plan.all_seqs() if (tok := self.compute(s, list(s.token_ids))) is not None]
         self.known -= set(plan.finished)
-        return StepOutput(plan.step_id, out)
+        return StepOutput.of(plan.step_id, out)
 
     def compute(self, s, tokens: list[int]) -> SampledToken | None:
         """Store the seq's new `tokens` through its tables; its next token when it samples."""
