@@ -70,6 +70,8 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
 
 @dataclass
 class _Request:
+    """A request as the runner knows it; the sampler reads it as its SamplingRow (same fields)."""
+
     params: SamplingParams
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
@@ -128,6 +130,7 @@ class ModelRunner:
         self._in_flight: deque[_InFlight] = deque()
         self._last: _InFlight | None = None  # the latest submitted step that drew tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
+        self._reads_history: set[str] = set()  # requests with penalties or a seed (they read their tokens)
 
     @property
     def num_active_requests(self) -> int:
@@ -140,9 +143,13 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> None:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
-            self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
-                                                     list(new.prompt_ids), list(new.output_ids),
-                                                     encoder_ids=list(new.encoder_ids))
+            req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
+                                                           list(new.prompt_ids), list(new.output_ids),
+                                                           encoder_ids=list(new.encoder_ids))
+            if req.params.has_penalties or req.params.seed is not None:
+                self._reads_history.add(new.request_id)
+            else:
+                self._reads_history.discard(new.request_id)  # (announced again after a detach)
             self.tables.remove(new.request_id)  # announced again (after a detach): its tables start over
             self.tables.add(new.request_id)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
@@ -152,6 +159,7 @@ class ModelRunner:
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self._reads_history.discard(rid)
             self.tables.remove(rid)
 
     def collect(self) -> StepOutput:
@@ -298,11 +306,12 @@ class ModelRunner:
 
     def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
         """Draw the next token of each request from its row of logits, on the device."""
-        reqs = [self.requests[rid] for rid in request_ids]
-        if any(r.params.has_penalties or r.params.seed is not None for r in reqs):
+        requests = self.requests
+        if self._reads_history and not self._reads_history.isdisjoint(request_ids):
             for earlier in self._in_flight:  # penalties and seeds read every token drawn so far
                 self._read(earlier)
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids) for r in reqs]
+        # A _Request has a SamplingRow's fields (params, prompt_ids, output_ids): no row object per request.
+        rows: list[SamplingRow] = [requests[rid] for rid in request_ids]  # type: ignore[misc]
         flight.draw = self.sampler.draw(logits, rows)
         flight.request_ids = request_ids
         self._last = flight
