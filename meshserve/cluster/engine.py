@@ -19,6 +19,7 @@ from meshserve.cluster.detokenizer import IncrementalDetokenizer
 from meshserve.cluster.request import Request
 from meshserve.cluster.sample_group import SampleGroup
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
+from meshserve.cluster.token_bytes import TokenBytes
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, CompletionOutput, FinishReason, RequestOutput
@@ -111,6 +112,7 @@ class EngineCore:
         self.executor = executor or InProcessExecutor(config, device=device, progress=progress)
         self.info = self.executor.start()
         self.tokenizer = load_tokenizer(config.model.model)
+        self.token_bytes = TokenBytes.of(self.tokenizer)  # streaming text without DecodeStream (byte-level BPE)
         self.kv = kv or kv_manager_for(self.info, enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)
@@ -180,7 +182,8 @@ class EngineCore:
         p = request.params
         return IncrementalDetokenizer(self.tokenizer, request.prompt_ids, stop=p.stop,
                                       skip_special_tokens=p.skip_special_tokens,
-                                      include_stop_str_in_output=p.include_stop_str_in_output)
+                                      include_stop_str_in_output=p.include_stop_str_in_output,
+                                      token_bytes=self.token_bytes)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> Request:
