@@ -295,41 +295,48 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
-        seqs, new, announced = [], [], self._announced
-        # Decode rows that just continue (workers/step.py DecodeRows), column by column
-        ids, tokens, contexts, lasts, lens = [], [], [], [], []
+        seqs, new, announced, tables_of = [], [], self._announced, self.kv.block_tables
+        decodes = []  # rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step)
+        decode_lens = []  # ... and per group the blocks the workers hold
         for req, n in scheduled:  # per running request every step: kept lean
             rid = req.request_id
             if rid not in announced:
                 announced.add(rid)
                 new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
                                       list(req.encoder_ids or ())))
-            start, known = req.num_computed_tokens, len(req.all_token_ids)  # = req.num_tokens
+            start, all_ids = req.num_computed_tokens, req.all_token_ids
+            known = len(all_ids)  # = req.num_tokens
             sample = start + n == known + req.num_pending_outputs and req.fork_into is None
-            tables, offsets = self._table_changes(req)
-            if n == 1 and sample and start and offsets is not None and not any(tables):
-                ids.append(rid)
-                last = start >= known  # from_last_step: the token the step in flight draws for it
-                tokens.append(0 if last else req.all_token_ids[start])
-                contexts.append(start)
-                lasts.append(last)
-                lens.append(offsets)
-            else:
-                encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-                # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets,
-                # encoder_table)
-                seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables,
-                                         sample, start + n > known, offsets, encoder))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
             req.held |= sample and req.chosen_by_search
-        decodes = None
-        if ids:
-            decodes = DecodeRows(ids, np.array(tokens, np.int64), np.array(contexts, np.int64),
-                                 np.array(lasts, bool), np.array(lens, np.int64).reshape(len(ids), -1))
+            sent, tables = req.sent_table_lens, None
+            if n == 1 and sample and start and sent is not None:  # a decode: does it just continue?
+                if len(sent) == 1:  # one KV group (most models): no new block, no copied last block
+                    table, held = tables_of(rid)[0], sent[0]
+                    quiet = len(table) == held and (not held or table[-1] == req.sent_table_tails[0])
+                else:
+                    tables, offsets = self._table_changes(req)
+                    quiet = not any(tables)
+                if quiet:
+                    last = start >= known  # from_last_step: the token the step in flight draws for it
+                    decodes.append((rid, 0 if last else all_ids[start], start, last))
+                    decode_lens.append(sent)  # = the tables' lengths
+                    continue
+            if tables is None:
+                tables, offsets = self._table_changes(req)
+            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
+            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets, encoder_table)
+            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample, start + n > known,
+                                     offsets, encoder))
+        rows = None
+        if decodes:
+            ids, tokens, contexts, lasts = zip(*decodes)
+            rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64), np.array(lasts, bool),
+                              np.array(decode_lens, np.int64).reshape(len(ids), -1))
         self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=decodes)
+        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=rows)
         self._to_forget = []
         self._step_id += 1
         return plan
@@ -346,11 +353,6 @@ class Scheduler:
             req.sent_table_lens = [len(t) for t in tables]
             req.sent_table_tails = [t[-1] if t else -1 for t in tables]
             return [list(t) for t in tables], None
-        if len(tables) == 1:  # most models: one group, the decode step's common case without a loop
-            t = tables[0]
-            n = len(t)
-            if n == sent[0] and (not n or t[-1] == tails[0]):
-                return [[]], [n]
         changes, offsets = [], []
         for g, t in enumerate(tables):
             n = len(t)
