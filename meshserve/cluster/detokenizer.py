@@ -68,6 +68,22 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._add(delta)
 
+    def step(self, token_ids: list[int]) -> str:
+        """`push(token_ids)` then `take()`: a streaming step's new text, in one call on the path
+        every decode step takes (a stream and no stop strings: nothing is held back)."""
+        stream = self._stream
+        if stream is None or self.stop or not token_ids:
+            self.push(token_ids)
+            return self.take()
+        self.ids.extend(token_ids)
+        delta = stream.step(self.tokenizer, token_ids)
+        if not delta:
+            return ""  # nothing complete yet
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # for flush
+        if self.pending:
+            delta, self.pending = self.pending + delta, ""
+        return delta
+
     def replay(self, token_ids: Sequence[int]) -> None:
         """Become the detokenizer of a stream that was sent these tokens one step at a time and
         whose text was handed out (a migrated request: the client has it). One push per token,

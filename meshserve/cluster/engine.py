@@ -289,23 +289,26 @@ class EngineCore:
 
     def _delta(self, req: Request) -> CompletionDelta:
         tracked = self._tracked[req.request_id]
-        sent = tracked.num_sent_tokens
-        new_tokens = req.output_ids[sent:]
+        sent, output_ids = tracked.num_sent_tokens, req.output_ids
+        new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
-        tracked.num_sent_tokens = len(req.output_ids)
+        tracked.num_sent_tokens = len(output_ids)
         finished = req.is_finished
         text = ""
-        if tracked.detok is not None:
-            detok = tracked.detok
-            # EOS and stop token ids end the output; their text is not part of it.
-            ends_on_token = finished and req.finish_reason is FinishReason.STOP
-            detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
-            if detok.stopped_on is not None and not finished:
+        detok = tracked.detok
+        if detok is not None and not finished:
+            text = detok.step(new_tokens)  # (every decode step of every request: kept lean)
+            if detok.stopped_on is not None:
                 self.scheduler.finish(req, FinishReason.STOP, detok.stopped_on)
                 finished = True
-            if finished:
                 detok.flush()
-            text = detok.take(final=finished)
+                text += detok.take(final=True)
+        elif detok is not None:
+            # EOS and stop token ids end the output; their text is not part of it.
+            ends_on_token = req.finish_reason is FinishReason.STOP
+            detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
+            detok.flush()
+            text = detok.take(final=True)
         if finished:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,

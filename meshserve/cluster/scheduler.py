@@ -161,24 +161,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        max_len, running = self.max_model_len, RequestStatus.RUNNING
+        max_len, running, allocate = self.max_model_len, RequestStatus.RUNNING, self.kv.allocate_slots
         for req in list(self.running):  # per running request every step: kept lean
             if budget == 0:
                 break
             if req.status is not running or req.held:
                 continue  # preempted earlier in this loop, or waiting for its search's choice
-            pending = req.num_pending_outputs
-            num_tokens = len(req.all_token_ids)  # = req.num_tokens
+            pending, all_ids = req.num_pending_outputs, req.all_token_ids
+            num_tokens = len(all_ids)  # = req.num_tokens
             if (pending and req.ends_with_pending) or num_tokens + pending >= max_len:
                 continue  # the token still being drawn finishes it (overlap scheduling)
-            n = min(num_tokens + pending - req.num_computed_tokens, budget)  # its uncomputed tokens
-            while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
+            n = num_tokens + pending - req.num_computed_tokens  # its uncomputed tokens
+            if n > budget:
+                n = budget
+            while not allocate(req.request_id, n, all_ids):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is running:
                 scheduled.append((req, n))
                 budget -= n
         if not preempted:

@@ -178,7 +178,8 @@ class ModelRunner:
                     if req is not None:  # else: forgotten meanwhile (finished, aborted)
                         req.output_ids.append(tok)
                 result.request_ids, result.token_ids = flight.request_ids, tokens
-                result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
+                if logprobs.count(None) < len(logprobs):
+                    result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
         return flight.result
 
     @torch.inference_mode()

@@ -67,8 +67,8 @@ def test_byte_stream_equals_decode_stream_piece_by_piece(tok, seed, skip):
 
 @pytest.mark.parametrize("seed", range(3))
 def test_detokenizer_on_the_byte_table_equals_the_decode_stream_one(tok, seed):
-    """IncrementalDetokenizer with the replica's table (as EngineCore builds it) against the same
-    without (DecodeStream): prompts of every length, stop strings, flush at the end."""
+    """IncrementalDetokenizer with the replica's table, stepped as EngineCore steps it, against the
+    same without (DecodeStream, push then take): prompts of every length, stop strings, flush."""
     rng = random.Random(seed)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     text_ids = tok.encode(TEXT * 2).ids
@@ -84,9 +84,8 @@ def test_detokenizer_on_the_byte_table_equals_the_decode_stream_one(tok, seed):
         streamed += isinstance(fast._stream, ByteStream)
         pieces = []
         for t in ids:
-            fast.push([t])
             slow.push([t])
-            pieces.append((fast.take(), slow.take()))
+            pieces.append((fast.step([t]), slow.take()))  # step: push + take in one call (EngineCore's)
         fast.flush()
         slow.flush()
         pieces.append((fast.take(final=True), slow.take(final=True)))
