@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, compress
 
 import numpy as np
 import torch
@@ -228,14 +228,14 @@ class ModelRunner:
     def _decode_rows(self, decodes: DecodeRows) -> np.ndarray:
         """[n] the RequestTables rows of a plan's DecodeRows, after checking that the runner knows each
         request, holds the tables the plan says it does, and (from_last_step) drew its last token."""
-        requests, last_rows = self.requests, self._last_rows
-        unknown = [rid for rid in decodes.request_ids if rid not in requests]
-        check(not unknown, "request_id", unknown[0] if unknown else None, "a request announced in new_requests")
-        undrawn = [rid for rid, last in zip(decodes.request_ids, decodes.from_last_step.tolist())
-                   if last and rid not in last_rows]
-        check(not undrawn, "from_last_step", undrawn[0] if undrawn else None,
-              "set only for a request that drew a token in the previous step on this (driver) rank")
-        return self.tables.rows_holding(decodes.request_ids, decodes.table_lens)
+        ids, requests, last_rows = decodes.request_ids, self.requests, self._last_rows
+        if not all(map(requests.__contains__, ids)):  # (the common case in C; the error names the first)
+            check(False, "request_id", next(r for r in ids if r not in requests), "a request announced in new_requests")
+        drawn = list(compress(ids, decodes.from_last_step.tolist()))
+        if not all(map(last_rows.__contains__, drawn)):
+            check(False, "from_last_step", next(r for r in drawn if r not in last_rows),
+                  "set only for a request that drew a token in the previous step on this (driver) rank")
+        return self.tables.rows_holding(ids, decodes.table_lens)
 
     def _from_last_step(self, ids: Sequence[str], cols: _Columns, ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
@@ -247,7 +247,8 @@ class ModelRunner:
         tokens = self._last.draw.tokens
         last_rows = self._last_rows
         dst = to_device(torch.from_numpy(ends[which]), self.device)
-        src = to_device([last_rows[ids[i]] for i in which.tolist()], self.device, torch.int64)
+        src = np.fromiter(map(last_rows.__getitem__, map(ids.__getitem__, which.tolist())), np.int64, len(which))
+        src = to_device(torch.from_numpy(src), self.device)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
