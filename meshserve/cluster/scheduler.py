@@ -298,8 +298,8 @@ class Scheduler:
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
         seqs, new, announced, tables_of = [], [], self._announced, self.kv.block_tables
-        decodes = []  # rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step)
-        decode_lens = []  # ... and per group the blocks the workers hold
+        # Rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step); table lens
+        decodes, decode_lens = [], []
         for req, n in scheduled:  # per running request every step: kept lean
             rid = req.request_id
             if rid not in announced:
@@ -328,14 +328,13 @@ class Scheduler:
             if tables is None:
                 tables, offsets = self._table_changes(req)
             encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets, encoder_table)
-            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample, start + n > known,
-                                     offsets, encoder))
+            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample,
+                                     start + n > known, offsets, encoder))
         rows = None
         if decodes:
             ids, tokens, contexts, lasts = zip(*decodes)
-            rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64), np.array(lasts, bool),
-                              np.array(decode_lens, np.int64).reshape(len(ids), -1))
+            rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64),
+                              np.array(lasts, bool), np.array(decode_lens, np.int64).reshape(len(ids), -1))
         self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=rows)
@@ -375,8 +374,7 @@ class Scheduler:
         be in it, and its token there is dropped (the request is finished by then)."""
         row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
         tokens, logprobs = output.token_ids, output.logprobs
-        eos, max_len, finished = self.eos_token_ids, self.max_model_len, RequestStatus.FINISHED
-        touched = []
+        touched, finished = [], RequestStatus.FINISHED
         for req, _ in step.requests:  # per running request every step: kept lean
             if req.status is finished:
                 continue  # aborted or stopped while the step ran
@@ -389,10 +387,7 @@ class Scheduler:
             if logprobs and i in logprobs:
                 req.output_logprobs.append(logprobs[i])
             touched.append(req)
-            p = req.params
-            if (token in eos and not p.ignore_eos) or token in p.stop_token_ids or len(req.output_ids) >= p.max_tokens \
-                    or len(req.all_token_ids) >= max_len:
-                self._check_stop(req, token)
+            self._check_stop(req, token)
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from itertools import chain, compress
 
 import numpy as np
@@ -201,8 +201,8 @@ class ModelRunner:
             seqs, cols = [seqs[i] for i in perm], cols.take(perm)
         ids = [s.request_id for s in seqs]  # the request of each row, in the step's order
         if decodes is not None:  # decode rows come last already
-            dec = _Columns(decode_rows, decodes.context_lens, np.ones(len(decodes), np.int64), decodes.from_last_step,
-                           np.ones(len(decodes), bool))
+            ones = np.ones(len(decodes), np.int64)
+            dec = _Columns(decode_rows, decodes.context_lens, ones, decodes.from_last_step, ones.astype(bool))
             cols = cols.concat(dec) if seqs else dec
             ids += decodes.request_ids
         batch = _PackedBatch.of(cols)
@@ -361,10 +361,7 @@ class _Columns:
                         self.sample[perm])
 
     def concat(self, other: _Columns) -> _Columns:
-        return _Columns(np.concatenate([self.rows, other.rows]), np.concatenate([self.context_lens, other.context_lens]),
-                        np.concatenate([self.query_lens, other.query_lens]),
-                        np.concatenate([self.from_last_step, other.from_last_step]),
-                        np.concatenate([self.sample, other.sample]))
+        return _Columns(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
 
 
 @dataclass(frozen=True)

@@ -151,9 +151,11 @@ class DecodeRows:
     @classmethod
     def from_wire(cls, wire: list) -> DecodeRows:
         ids, tokens, context, last, groups, lens = wire
-        n = len(ids)
-        return cls(ids, np.frombuffer(tokens, "<i4").astype(np.int64), np.frombuffer(context, "<i4").astype(np.int64),
-                   np.frombuffer(last, "u1").astype(bool), np.frombuffer(lens, "<i4").astype(np.int64).reshape(n, groups))
+        def int64(data: bytes) -> np.ndarray:
+            return np.frombuffer(data, "<i4").astype(np.int64)
+
+        return cls(ids, int64(tokens), int64(context), np.frombuffer(last, "u1").astype(bool),
+                   int64(lens).reshape(len(ids), groups))
 
 
 @dataclass
@@ -247,11 +249,13 @@ class StepOutput:
     def sampled(self) -> list[SampledToken]:
         """The rows as SampledTokens."""
         lps = self.logprobs
-        return [SampledToken(rid, tok, lps.get(i)) for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids))]
+        return [SampledToken(rid, tok, lps.get(i))
+                for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids))]
 
     def to_msgpack(self) -> bytes:
         lps = [[i, lp.logprob, [list(p) for p in lp.top]] for i, lp in self.logprobs.items()]
-        return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids, "logprobs": lps})
+        return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids,
+                              "logprobs": lps})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
