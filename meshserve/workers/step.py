@@ -110,7 +110,7 @@ def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list
     return tables
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeRows:
     """Decode rows that just continue, as columns (most rows of most steps): one new token each
     (known, or the one the step in flight draws: `from_last_step`), a token sampled after it,
@@ -134,6 +134,13 @@ class DecodeRows:
 
     def __len__(self) -> int:
         return len(self.request_ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DecodeRows) and self.request_ids == other.request_ids and all(
+            np.array_equal(a, b) for a, b in zip(self._arrays(), other._arrays()))
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.token_ids, self.context_lens, self.from_last_step, self.table_lens
 
     def seqs(self) -> list[ScheduledSeq]:
         """The same rows as ScheduledSeqs (the eager path, tools and tests)."""

@@ -252,3 +252,33 @@ def test_plans_carry_table_changes_not_whole_tables():
     restarts = sum(offsets is None for plans in carried.values() for offsets, _, _ in plans)
     assert restarts > len(reqs)  # a re-admitted request got its (new) tables whole
     assert kv.num_free_blocks == 23
+
+
+def test_decode_rows_that_just_continue_travel_as_columns():
+    """A decode whose tables did not change rides in the plan's DecodeRows; the step that gives it a
+    new block (every BS tokens) sends it as a ScheduledSeq with that block; tokens stay exact."""
+    sched, _ = make()
+    worker = FakeWorker()
+    reqs = [req(i, PROMPTS[i], max_tokens=12) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    kinds = []
+
+    def record(step):
+        rows = step.plan.decodes
+        kinds.append(({s.request_id: s.context_len for s in step.plan.seqs},
+                      {} if rows is None else dict(zip(rows.request_ids, rows.context_lens.tolist()))))
+        if rows is not None:
+            assert not rows.from_last_step.any()  # no overlap here: every token is known
+            assert all(sched.requests[r].all_token_ids[c] == t
+                       for r, c, t in zip(rows.request_ids, rows.context_lens.tolist(), rows.token_ids.tolist()))
+
+    run(sched, worker, on_step=record)
+    first, later = kinds[0], kinds[1:]
+    assert set(first[0]) == {"r0", "r1"} and not first[1]  # prompts: whole tables, as seqs
+    for general, columnar in later:
+        assert all(ctx % BS == 0 for ctx in general.values())  # a new block: the row carries it
+        assert all(ctx % BS != 0 for ctx in columnar.values())  # else columns
+    assert sum(len(c) for _, c in later) > sum(len(g) for g, _ in later) > 0
+    # tokens as one request at a time would get them (the fake worker reads them through the tables)
+    assert all(r.output_ids == reference(r.prompt_ids, 12) for r in reqs)
