@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
-from meshserve.cluster.request import Request
+from meshserve.cluster.request import Request, RequestStatus
 from meshserve.cluster.sample_group import SampleGroup
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
 from meshserve.cluster.token_bytes import TokenBytes
@@ -293,7 +293,7 @@ class EngineCore:
         new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
         tracked.num_sent_tokens = len(output_ids)
-        finished = req.is_finished
+        finished = req.status is RequestStatus.FINISHED
         text = ""
         detok = tracked.detok
         if detok is not None and not finished:

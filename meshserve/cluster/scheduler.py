@@ -169,8 +169,8 @@ class Scheduler:
                 continue  # preempted earlier in this loop, or waiting for its search's choice
             pending, all_ids = req.num_pending_outputs, req.all_token_ids
             num_tokens = len(all_ids)  # = req.num_tokens
-            if (pending and req.ends_with_pending) or num_tokens + pending >= max_len:
-                continue  # the token still being drawn finishes it (overlap scheduling)
+            if (pending and len(req.output_ids) + pending >= req.params.max_tokens) or num_tokens + pending >= max_len:
+                continue  # the token being drawn surely finishes it (max_tokens, max_model_len): not past it
             n = num_tokens + pending - req.num_computed_tokens  # its uncomputed tokens
             if n > budget:
                 n = budget
@@ -396,5 +396,5 @@ class Scheduler:
             self._finish(req, FinishReason.STOP)
         elif token in p.stop_token_ids:
             self._finish(req, FinishReason.STOP, token)
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif len(req.output_ids) >= p.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH)
