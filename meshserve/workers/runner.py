@@ -74,7 +74,7 @@ class _Request:
 
     params: SamplingParams
     prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # kept for the requests that read it (penalties, seeds)
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
 
@@ -172,11 +172,11 @@ class ModelRunner:
             result = flight.result = StepOutput(flight.step_id)
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
-                requests = self.requests
-                for rid, tok in zip(flight.request_ids, tokens):
-                    req = requests.get(rid)
-                    if req is not None:  # else: forgotten meanwhile (finished, aborted)
-                        req.output_ids.append(tok)
+                history = self._reads_history  # (requests forgotten meanwhile are not in it)
+                if history:
+                    for rid, tok in zip(flight.request_ids, tokens):
+                        if rid in history:
+                            self.requests[rid].output_ids.append(tok)
                 result.request_ids, result.token_ids = flight.request_ids, tokens
                 if logprobs.count(None) < len(logprobs):
                     result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
@@ -317,7 +317,7 @@ class ModelRunner:
         flight.draw = self.sampler.draw(logits, rows)
         flight.request_ids = request_ids
         self._last = flight
-        self._last_rows = {rid: j for j, rid in enumerate(request_ids)}
+        self._last_rows = dict(zip(request_ids, range(len(request_ids))))
 
 
 @dataclass(frozen=True)
