@@ -266,8 +266,11 @@ class EngineCore:
         return deltas
 
     def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
+        touched = self.scheduler.update(step, output)
+        if not self._group_of and not self._search_of:  # no n > 1 groups, no live beams: one delta each
+            return [self._delta(req) for req in touched if not req.chosen_by_search]
         deltas = []
-        for req in self.scheduler.update(step, output):
+        for req in touched:
             if req.chosen_by_search:  # a beam (one its search pruned in this loop is skipped)
                 search = self._search_of.get(req.request_id)
                 if search is not None:
