@@ -20,12 +20,14 @@ Stages (per step):
                  DecodeGraphs' static-buffer fill)
   page lists     the attention backend's host plan (FlashInfer's page lists)
   sample         the runner's draw (greedy, on the fixed logits) and reading the tokens back,
-                 less the argmax (device work on a GPU: timed alone on the same logits and
+                 less the greedy pick (device work on a GPU: timed alone on the same logits and
                  moved to "device stub")
   update         Scheduler.update (tokens, stop rules)
   deltas         the engine's per-request deltas and incremental detokenisation
-  device stub    the stand-in forward and the argmax (not host work of the engine)
+  device stub    the stand-in forward and the greedy pick (not host work of the engine)
   total          EngineCore.step less the device stub
+  gc             of the total, the garbage collector's passes (counted in whichever stage they fall)
+Medians over steps, and the means of total and gc (a collection falls in some steps only).
 
     python -m bench.host_step                      # bs 1, 16, 64, 256
     python -m bench.host_step --batch-sizes 256 --steps 50 --out /tmp/hs
@@ -197,10 +199,15 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
     timers.wrap(runner, "collect", "collect")
     timers.wrap(runner.decode_graphs, "_forward", "forward")
     real_draw = runner.sampler.draw
+    try:  # the sampler's own greedy pick (on CPU max(dim).indices, cheaper than argmax)
+        from meshserve.workers.sampler import first_max_index
+    except ImportError:  # an older tree: argmax
+        def first_max_index(x):
+            return x.argmax(dim=-1)
 
-    def draw(logits, rows):  # the argmax alone, once more: device work on a GPU, subtracted below
+    def draw(logits, rows):  # the greedy pick alone, once more: device work on a GPU, subtracted below
         t0 = time.process_time()
-        logits.argmax(dim=-1)
+        first_max_index(logits)
         timers.now["argmax"] += time.process_time() - t0
         return real_draw(logits, rows)
 
@@ -220,6 +227,15 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         core.step()
     gc.collect()
     gc.freeze()  # as the worker does on CUDA after start-up (workers/worker.py)
+    gc_started = [0.0]
+
+    def gc_pass(phase: str, info: dict) -> None:  # the collector's time, whichever stage it interrupts
+        if phase == "start":
+            gc_started[0] = time.process_time()
+        else:
+            timers.now["gc"] += time.process_time() - gc_started[0]
+
+    gc.callbacks.append(gc_pass)
     rows: dict[str, list[float]] = defaultdict(list)
     prof = None
     if args.profile:
@@ -240,6 +256,7 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
             "update": t.get("update", 0.0),
             "deltas": t.get("apply", 0.0) - t.get("update", 0.0),
             "device stub": forward + argmax,
+            "gc": t.get("gc", 0.0),
             # submit holds the page lists, the stand-in forward and the draw
             "worker inputs": t["submit"] - t.get("page lists", 0.0) - forward - t.get("draw", 0.0),
             "total": t["step"] - forward - 2 * argmax,
@@ -253,8 +270,11 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         print(f"--- bs {bs}: cProfile of {args.steps} steps (the profiler inflates the timings above)")
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.profile)
     core.shutdown()
+    gc.callbacks.remove(gc_pass)
     gc.unfreeze()
-    return {k: statistics.median(v) for k, v in rows.items()}
+    out = {k: statistics.median(v) for k, v in rows.items()}
+    out["total mean"], out["gc mean"] = statistics.fmean(rows["total"]), statistics.fmean(rows["gc"])
+    return out
 
 
 def plot(results: dict[int, dict[str, float]], path: Path) -> None:
@@ -297,12 +317,12 @@ def main() -> None:
     results = {}
     for bs in [int(b) for b in args.batch_sizes.split(",")]:
         results[bs] = measure(bs, args)
-    cols = (*STAGES, "total", "device stub")
+    cols = (*STAGES, "total", "total mean", "gc mean", "device stub")
     print("| bs | " + " | ".join(cols) + " |")
     print("| ---: | " + " | ".join("---:" for _ in cols) + " |")
     for bs, r in results.items():
         print(f"| {bs} | " + " | ".join(f"{r[c]:.3f}" for c in cols) + " |")
-    print("(host ms per decode step, median over steps)")
+    print("(host ms per decode step: medians over steps, and the means of total and gc)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "host-step.json").write_text(json.dumps({"args": vars(args), "ms": results}, indent=1))

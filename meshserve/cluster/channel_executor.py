@@ -78,7 +78,7 @@ class ChannelExecutor:
         return self.info
 
     def execute_step(self, plan: StepPlan) -> StepOutput:
-        tokens = sum(s.num_new_tokens for s in plan.seqs)
+        tokens = plan.num_new_tokens
         with self._watch():
             return StepOutput.from_msgpack(self.channel.step(
                 plan.to_msgpack(), self.ranks.check, timeout_s=self.deadline.seconds(tokens),

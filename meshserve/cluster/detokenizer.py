@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from meshserve.cluster.token_bytes import ByteStream, TokenBytes
+
 WINDOW = 6  # tokens of earlier context decoded with each delta
 
 
@@ -25,7 +27,10 @@ class IncrementalDetokenizer:
     """One request's text. `push(token_ids)` returns the newly visible text."""
 
     def __init__(self, tokenizer, prompt_ids: Sequence[int], *, skip_special_tokens: bool = True,
-                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False) -> None:
+                 stop: Sequence[str] = (), include_stop_str_in_output: bool = False,
+                 token_bytes: TokenBytes | None = None) -> None:
+        """token_bytes: the tokenizer's byte table when it is byte-level (token_bytes.py), shared
+        by the requests of a replica: the stream then runs on it instead of a DecodeStream."""
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = list(prompt_ids)
@@ -38,7 +43,7 @@ class IncrementalDetokenizer:
         self.include_stop = include_stop_str_in_output
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.stopped_on: str | None = None
-        self._stream = _decode_stream(tokenizer, self.ids, skip_special_tokens)
+        self._stream = _decode_stream(tokenizer, self.ids, skip_special_tokens, token_bytes)
 
     def _decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
@@ -63,6 +68,22 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         self._add(delta)
 
+    def step(self, token_ids: list[int]) -> str:
+        """`push(token_ids)` then `take()`: a streaming step's new text, in one call on the path
+        every decode step takes (a stream and no stop strings: nothing is held back)."""
+        stream = self._stream
+        if stream is None or self.stop or not token_ids:
+            self.push(token_ids)
+            return self.take()
+        self.ids.extend(token_ids)
+        delta = stream.step(self.tokenizer, token_ids)
+        if not delta:
+            return ""  # nothing complete yet
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)  # for flush
+        if self.pending:
+            delta, self.pending = self.pending + delta, ""
+        return delta
+
     def replay(self, token_ids: Sequence[int]) -> None:
         """Become the detokenizer of a stream that was sent these tokens one step at a time and
         whose text was handed out (a migrated request: the client has it). One push per token,
@@ -83,10 +104,11 @@ class IncrementalDetokenizer:
     def _add(self, delta: str) -> None:
         """Append new text and cut it at the first stop string. A stop string may straddle old
         and new text; the last `hold` characters are never handed out, so it lies in `pending`."""
+        if not self.stop:
+            self.pending += delta
+            return
         start = max(len(self.pending) - self.hold, 0)
         self.pending += delta
-        if not self.stop:
-            return
         best: tuple[int, str] | None = None
         for s in self.stop:
             i = self.pending.find(s, start)
@@ -105,11 +127,12 @@ class IncrementalDetokenizer:
         return pending[:n]
 
 
-def _decode_stream(tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
+def _decode_stream(tokenizer, prompt_ids: list[int], skip_special_tokens: bool, token_bytes: TokenBytes | None):
     """A `tokenizers.decoders.DecodeStream` primed with the prompt's last tokens, or None when the
     tokenizer is not a `tokenizers.Tokenizer`. The suffix is the shortest of WINDOW..4*WINDOW (or all)
     tokens whose text has no incomplete character, so the priming step leaves nothing pending that the
-    first output token would release."""
+    first output token would release. With `token_bytes`, a ByteStream instead, under the same
+    condition (which is what lets it start with nothing held)."""
     try:
         from tokenizers import Tokenizer
         from tokenizers.decoders import DecodeStream
@@ -118,6 +141,8 @@ def _decode_stream(tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
     if not isinstance(tokenizer, Tokenizer):
         return None
     stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+    if token_bytes is not None:
+        stream = ByteStream(token_bytes, skip_special_tokens=skip_special_tokens)
     if not prompt_ids:
         return stream
     for n in range(min(len(prompt_ids), WINDOW), min(len(prompt_ids), 4 * WINDOW) + 1):
@@ -126,5 +151,6 @@ def _decode_stream(tokenizer, prompt_ids: list[int], skip_special_tokens: bool):
             break
     else:
         return None  # no clean suffix (binary-like prompt): the windowed decoding above handles it
-    stream.step(tokenizer, suffix)
+    if token_bytes is None:
+        stream.step(tokenizer, suffix)
     return stream

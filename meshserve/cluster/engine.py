@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from meshserve.cluster.admission import RequestValidator
 from meshserve.cluster.beam_search import BeamSearch
 from meshserve.cluster.detokenizer import IncrementalDetokenizer
-from meshserve.cluster.request import Request
+from meshserve.cluster.request import Request, RequestStatus
 from meshserve.cluster.sample_group import SampleGroup
 from meshserve.cluster.scheduler import ScheduledStep, Scheduler
+from meshserve.cluster.token_bytes import TokenBytes
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, CompletionOutput, FinishReason, RequestOutput
@@ -111,6 +112,7 @@ class EngineCore:
         self.executor = executor or InProcessExecutor(config, device=device, progress=progress)
         self.info = self.executor.start()
         self.tokenizer = load_tokenizer(config.model.model)
+        self.token_bytes = TokenBytes.of(self.tokenizer)  # streaming text without DecodeStream (byte-level BPE)
         self.kv = kv or kv_manager_for(self.info, enable_prefix_caching=config.cache.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler, self.kv, max_model_len=self.info.max_model_len,
                                    eos_token_ids=self.info.eos_token_ids)
@@ -180,7 +182,8 @@ class EngineCore:
         p = request.params
         return IncrementalDetokenizer(self.tokenizer, request.prompt_ids, stop=p.stop,
                                       skip_special_tokens=p.skip_special_tokens,
-                                      include_stop_str_in_output=p.include_stop_str_in_output)
+                                      include_stop_str_in_output=p.include_stop_str_in_output,
+                                      token_bytes=self.token_bytes)
 
     def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                     request_id: str | None = None) -> Request:
@@ -263,8 +266,11 @@ class EngineCore:
         return deltas
 
     def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
+        touched = self.scheduler.update(step, output)
+        if not self._group_of and not self._search_of:  # no n > 1 groups, no live beams: one delta each
+            return [self._delta(req) for req in touched if not req.chosen_by_search]
         deltas = []
-        for req in self.scheduler.update(step, output):
+        for req in touched:
             if req.chosen_by_search:  # a beam (one its search pruned in this loop is skipped)
                 search = self._search_of.get(req.request_id)
                 if search is not None:
@@ -286,23 +292,26 @@ class EngineCore:
 
     def _delta(self, req: Request) -> CompletionDelta:
         tracked = self._tracked[req.request_id]
-        sent = tracked.num_sent_tokens
-        new_tokens = req.output_ids[sent:]
+        sent, output_ids = tracked.num_sent_tokens, req.output_ids
+        new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
-        tracked.num_sent_tokens = len(req.output_ids)
-        finished = req.is_finished
+        tracked.num_sent_tokens = len(output_ids)
+        finished = req.status is RequestStatus.FINISHED
         text = ""
-        if tracked.detok is not None:
-            detok = tracked.detok
-            # EOS and stop token ids end the output; their text is not part of it.
-            ends_on_token = finished and req.finish_reason is FinishReason.STOP
-            detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
-            if detok.stopped_on is not None and not finished:
+        detok = tracked.detok
+        if detok is not None and not finished:
+            text = detok.step(new_tokens)  # (every decode step of every request: kept lean)
+            if detok.stopped_on is not None:
                 self.scheduler.finish(req, FinishReason.STOP, detok.stopped_on)
                 finished = True
-            if finished:
                 detok.flush()
-            text = detok.take(final=finished)
+                text += detok.take(final=True)
+        elif detok is not None:
+            # EOS and stop token ids end the output; their text is not part of it.
+            ends_on_token = req.finish_reason is FinishReason.STOP
+            detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
+            detok.flush()
+            text = detok.take(final=True)
         if finished:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,

@@ -63,7 +63,7 @@ class NullWorker:
         for new in plan.new_requests:
             self._seqs[new.request_id] = list(new.prompt_ids) + list(new.output_ids)
         drawn = []
-        for seq in plan.seqs:
+        for seq in plan.all_seqs():
             if POISON_TOKEN in seq.token_ids:
                 raise RuntimeError(f"poisoned request {seq.request_id} on rank {self.rank}")
             known = self._seqs[seq.request_id]
@@ -77,7 +77,7 @@ class NullWorker:
             sampled.append(SampledToken(rid, tok))
         for rid in plan.finished:
             self._seqs.pop(rid, None)
-        return StepOutput(plan.step_id, sampled if self.rank == 0 else []).to_msgpack()
+        return StepOutput.of(plan.step_id, sampled if self.rank == 0 else []).to_msgpack()
 
     def _agree(self, tokens: list[int]) -> None:
         import torch

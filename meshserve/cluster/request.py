@@ -89,14 +89,6 @@ class Request:
         return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens
 
     @property
-    def ends_with_pending(self) -> bool:
-        """Whether the token being drawn is certain to finish the request (max_tokens or
-        max_model_len), so that scheduling past it would only compute a token to throw away."""
-        if not self.num_pending_outputs:
-            return False
-        return len(self.output_ids) + self.num_pending_outputs >= self.params.max_tokens
-
-    @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 

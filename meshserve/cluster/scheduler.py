@@ -20,12 +20,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from meshserve.cluster.admission import check_prompt_length
 from meshserve.cluster.request import Request, RequestStatus
 from meshserve.config import SchedulerConfig
 from meshserve.core.outputs import FinishReason
 from meshserve.errors import check
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import DecodeRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from meshserve.kvstore.manager import KVCacheManager
@@ -159,24 +161,26 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
         preempted: list[Request] = []
-        max_len, running = self.max_model_len, RequestStatus.RUNNING
+        max_len, running, allocate = self.max_model_len, RequestStatus.RUNNING, self.kv.allocate_slots
         for req in list(self.running):  # per running request every step: kept lean
             if budget == 0:
                 break
             if req.status is not running or req.held:
                 continue  # preempted earlier in this loop, or waiting for its search's choice
-            pending = req.num_pending_outputs
-            num_tokens = len(req.all_token_ids)  # = req.num_tokens
-            if (pending and req.ends_with_pending) or num_tokens + pending >= max_len:
-                continue  # the token still being drawn finishes it (overlap scheduling)
-            n = min(num_tokens + pending - req.num_computed_tokens, budget)  # its uncomputed tokens
-            while not self.kv.allocate_slots(req.request_id, n, req.all_token_ids):
+            pending, all_ids = req.num_pending_outputs, req.all_token_ids
+            num_tokens = len(all_ids)  # = req.num_tokens
+            if (pending and len(req.output_ids) + pending >= req.params.max_tokens) or num_tokens + pending >= max_len:
+                continue  # the token being drawn surely finishes it (max_tokens, max_model_len): not past it
+            n = num_tokens + pending - req.num_computed_tokens  # its uncomputed tokens
+            if n > budget:
+                n = budget
+            while not allocate(req.request_id, n, all_ids):
                 victim = self.running[-1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is running:
                 scheduled.append((req, n))
                 budget -= n
         if not preempted:
@@ -293,27 +297,47 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
-        seqs, new, announced = [], [], self._announced
+        seqs, new, announced, tables_of = [], [], self._announced, self.kv.block_tables
+        # Rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step); table lens
+        decodes, decode_lens = [], []
         for req, n in scheduled:  # per running request every step: kept lean
             rid = req.request_id
             if rid not in announced:
                 announced.add(rid)
                 new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
                                       list(req.encoder_ids or ())))
-            start, known = req.num_computed_tokens, len(req.all_token_ids)  # = req.num_tokens
+            start, all_ids = req.num_computed_tokens, req.all_token_ids
+            known = len(all_ids)  # = req.num_tokens
             sample = start + n == known + req.num_pending_outputs and req.fork_into is None
-            tables, offsets = self._table_changes(req)
-            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-            # (request_id, token_ids, context_len, block_tables, sample, from_last_step, table_offsets,
-            # encoder_table); from_last_step: the token the step in flight draws for it
-            seqs.append(ScheduledSeq(rid, req.all_token_ids[start:min(start + n, known)], start, tables, sample,
-                                     start + n > known, offsets, encoder))
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
             req.held |= sample and req.chosen_by_search
-        self.stats.num_steps += bool(seqs)
+            sent, tables = req.sent_table_lens, None
+            if n == 1 and sample and start and sent is not None:  # a decode: does it just continue?
+                if len(sent) == 1:  # one KV group (most models): no new block, no copied last block
+                    table, held = tables_of(rid)[0], sent[0]
+                    quiet = len(table) == held and (not held or table[-1] == req.sent_table_tails[0])
+                else:
+                    tables, offsets = self._table_changes(req)
+                    quiet = not any(tables)
+                if quiet:
+                    last = start >= known  # from_last_step: the token the step in flight draws for it
+                    decodes.append((rid, 0 if last else all_ids[start], start, last))
+                    decode_lens.append(sent)  # = the tables' lengths
+                    continue
+            if tables is None:
+                tables, offsets = self._table_changes(req)
+            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
+            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample,
+                                     start + n > known, offsets, encoder))
+        rows = None
+        if decodes:
+            ids, tokens, contexts, lasts = zip(*decodes)
+            rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64),
+                              np.array(lasts, bool), np.array(decode_lens, np.int64).reshape(len(ids), -1))
+        self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies())
+        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=rows)
         self._to_forget = []
         self._step_id += 1
         return plan
@@ -330,11 +354,6 @@ class Scheduler:
             req.sent_table_lens = [len(t) for t in tables]
             req.sent_table_tails = [t[-1] if t else -1 for t in tables]
             return [list(t) for t in tables], None
-        if len(tables) == 1:  # most models: one group, the decode step's common case without a loop
-            t = tables[0]
-            n = len(t)
-            if n == sent[0] and (not n or t[-1] == tails[0]):
-                return [[]], [n]
         changes, offsets = [], []
         for g, t in enumerate(tables):
             n = len(t)
@@ -353,20 +372,22 @@ class Scheduler:
 
         With overlap scheduling the next step is already planned: a request finished here may
         be in it, and its token there is dropped (the request is finished by then)."""
-        tokens = {s.request_id: s for s in output.sampled}
-        touched = []
-        for req, _ in step.requests:
-            if req.is_finished:
+        row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
+        tokens, logprobs = output.token_ids, output.logprobs
+        touched, finished = [], RequestStatus.FINISHED
+        for req, _ in step.requests:  # per running request every step: kept lean
+            if req.status is finished:
                 continue  # aborted or stopped while the step ran
-            sampled = tokens.get(req.request_id)
-            if sampled is None:
+            i = row_of.get(req.request_id)
+            if i is None:
                 continue  # a prompt chunk that is not the last
+            token = tokens[i]
             req.num_pending_outputs -= 1
-            req.append_output(sampled.token_id)
-            if sampled.logprobs is not None:
-                req.output_logprobs.append(sampled.logprobs)
+            req.append_output(token)
+            if logprobs and i in logprobs:
+                req.output_logprobs.append(logprobs[i])
             touched.append(req)
-            self._check_stop(req, sampled.token_id)
+            self._check_stop(req, token)
         return touched
 
     def _check_stop(self, req: Request, token: int) -> None:
@@ -375,5 +396,5 @@ class Scheduler:
             self._finish(req, FinishReason.STOP)
         elif token in p.stop_token_ids:
             self._finish(req, FinishReason.STOP, token)
-        elif len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+        elif len(req.output_ids) >= p.max_tokens or len(req.all_token_ids) >= self.max_model_len:
             self._finish(req, FinishReason.LENGTH)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
+from functools import cached_property
 from typing import Any
 
 from meshserve.errors import check
@@ -96,7 +97,7 @@ class SamplingParams:
         check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES), "best_of",
               self.best_of, f"None (= n) or an integer in [n={self.n}, {MAX_SAMPLES}]")
 
-    @property
+    @cached_property  # (read per request per step by the sampler: computed once)
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
@@ -105,7 +106,7 @@ class SamplingParams:
         """Sequences sampled for the request: best_of, or n."""
         return self.best_of or self.n
 
-    @property
+    @cached_property
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 

@@ -90,6 +90,18 @@ class RequestTables:
         for i in np.flatnonzero(moved).tolist():
             self.apply(quiet[i])
 
+    def rows_holding(self, request_ids: Sequence[str], held: np.ndarray) -> np.ndarray:
+        """[n] int64 the rows of requests whose tables a step leaves as they are, after checking
+        that each row holds `held` [n, G] blocks per group (the scheduler's count); nothing changes."""
+        row_of = self.row_of
+        rows = np.fromiter(map(row_of.__getitem__, request_ids), np.int64, len(request_ids))
+        wrong = (held != self.lens[:, rows].T).any(axis=1)
+        if wrong.any():
+            i = int(wrong.argmax())
+            check(False, "table_lens", held[i].tolist(),
+                  f"the blocks held for {request_ids[i]} ({self.lens[:, rows[i]].tolist()} per group)")
+        return rows
+
     def gather(self, rows: np.ndarray, group: int) -> np.ndarray:
         """[len(rows), w] int32: the rows' tables of one group, w = the longest of them (>= 1)."""
         width = max(int(self.lens[group, rows].max(initial=1)), 1)

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from itertools import chain
+from dataclasses import dataclass, field, fields
+from itertools import chain, compress
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import SampledToken, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import DecodeRows, ScheduledSeq, StepOutput, StepPlan
 
 DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -70,9 +70,11 @@ def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: to
 
 @dataclass
 class _Request:
+    """A request as the runner knows it; the sampler reads it as its SamplingRow (same fields)."""
+
     params: SamplingParams
     prompt_ids: list[int]
-    output_ids: list[int] = field(default_factory=list)
+    output_ids: list[int] = field(default_factory=list)  # kept for the requests that read it (penalties, seeds)
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
 
@@ -128,6 +130,7 @@ class ModelRunner:
         self._in_flight: deque[_InFlight] = deque()
         self._last: _InFlight | None = None  # the latest submitted step that drew tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
+        self._reads_history: set[str] = set()  # requests with penalties or a seed (they read their tokens)
 
     @property
     def num_active_requests(self) -> int:
@@ -140,18 +143,23 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> None:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
-            self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
-                                                     list(new.prompt_ids), list(new.output_ids),
-                                                     encoder_ids=list(new.encoder_ids))
+            req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
+                                                           list(new.prompt_ids), list(new.output_ids),
+                                                           encoder_ids=list(new.encoder_ids))
+            if req.params.has_penalties or req.params.seed is not None:
+                self._reads_history.add(new.request_id)
+            else:
+                self._reads_history.discard(new.request_id)  # (announced again after a detach)
             self.tables.remove(new.request_id)  # announced again (after a detach): its tables start over
             self.tables.add(new.request_id)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         flight = _InFlight(plan.step_id)
-        if plan.seqs:
-            self._run(plan.seqs, flight)
+        if plan.seqs or plan.decodes is not None:
+            self._run(plan.seqs, plan.decodes, flight)
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
+            self._reads_history.discard(rid)
             self.tables.remove(rid)
 
     def collect(self) -> StepOutput:
@@ -161,19 +169,21 @@ class ModelRunner:
 
     def _read(self, flight: _InFlight) -> StepOutput:
         if flight.result is None:
-            sampled = []
+            result = flight.result = StepOutput(flight.step_id)
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
-                for rid, tok, lp in zip(flight.request_ids, tokens, logprobs):
-                    req = self.requests.get(rid)
-                    if req is not None:  # else: forgotten meanwhile (finished, aborted)
-                        req.output_ids.append(tok)
-                    sampled.append(SampledToken(rid, tok, lp))
-            flight.result = StepOutput(step_id=flight.step_id, sampled=sampled)
+                history = self._reads_history  # (requests forgotten meanwhile are not in it)
+                if history:
+                    for rid, tok in zip(flight.request_ids, tokens):
+                        if rid in history:
+                            self.requests[rid].output_ids.append(tok)
+                result.request_ids, result.token_ids = flight.request_ids, tokens
+                if logprobs.count(None) < len(logprobs):
+                    result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
         return flight.result
 
     @torch.inference_mode()
-    def _run(self, seqs: Sequence[ScheduledSeq], flight: _InFlight) -> None:
+    def _run(self, seqs: Sequence[ScheduledSeq], decodes: DecodeRows | None, flight: _InFlight) -> None:
         requests, last_rows, tables = self.requests, self._last_rows, self.tables
         for s in seqs:
             if s.request_id not in requests or (s.from_last_step and s.request_id not in last_rows):
@@ -182,38 +192,63 @@ class ModelRunner:
                       "set only for a request that drew a token in the previous step on this (driver) rank")
             if s.encoder_table is not None:
                 requests[s.request_id].encoder_table = list(s.encoder_table)
+        decode_rows = None if decodes is None else self._decode_rows(decodes)  # checked before any change
         tables.apply_all(seqs)
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
         cols = _Columns.of(seqs, tables.row_of)
-        order = seqs
         if not cols.decodes_last():
             perm = np.argsort(cols.is_decode, kind="stable")
-            order, cols = [seqs[i] for i in perm], cols.take(perm)
+            seqs, cols = [seqs[i] for i in perm], cols.take(perm)
+        ids = [s.request_id for s in seqs]  # the request of each row, in the step's order
+        if decodes is not None:  # decode rows come last already
+            ones = np.ones(len(decodes), np.int64)
+            dec = _Columns(decode_rows, decodes.context_lens, ones, decodes.from_last_step, ones.astype(bool))
+            cols = cols.concat(dec) if seqs else dec
+            ids += decodes.request_ids
         batch = _PackedBatch.of(cols)
         local = (cols.seq_lens - self.dcp_rank + self.dcp_size - 1) // self.dcp_size  # [S] tokens stored here
-        tables.check_cover(cols.rows, local, self.block_size, [s.request_id for s in order])
+        tables.check_cover(cols.rows, local, self.block_size, ids)
         rows = [tables.gather(cols.rows, g) for g in range(self.num_groups)]  # per group [S, W] int32
-        fill = self._from_last_step(order, cols, batch.ends)
+        fill = self._from_last_step(ids, cols, batch.ends)
         graphs = self.decode_graphs
-        if graphs is not None and 0 < len(order) <= graphs.max_batch and cols.all_sampled_decodes():
-            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in order), np.int64, len(order))
+        if graphs is not None and 0 < len(ids) <= graphs.max_batch and cols.all_sampled_decodes():
+            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in seqs), np.int64, len(seqs))
+            if decodes is not None:
+                token_ids = np.concatenate([token_ids, decodes.token_ids]) if seqs else decodes.token_ids
             logits = graphs.run_arrays(token_ids, cols.context_lens, rows, fill=fill)  # [N, V]: every row samples
-            to_sample = list(range(len(order)))
+            sample_ids = ids
         else:
+            order = list(seqs) if decodes is None else [*seqs, *decodes.seqs()]
             to_sample = np.flatnonzero(cols.sample).tolist()
             logits = self._run_eager(order, rows, batch, to_sample, fill)
-        if to_sample and self.is_driver:
-            self._draw([order[i].request_id for i in to_sample], logits, flight)
+            sample_ids = [ids[i] for i in to_sample]
+        if sample_ids and self.is_driver:
+            self._draw(sample_ids, logits, flight)
 
-    def _from_last_step(self, order: Sequence[ScheduledSeq], cols: _Columns, ends: np.ndarray):
+    def _decode_rows(self, decodes: DecodeRows) -> np.ndarray:
+        """[n] the RequestTables rows of a plan's DecodeRows, after checking that the runner knows each
+        request, holds the tables the plan says it does, and (from_last_step) drew its last token."""
+        ids, requests, last_rows = decodes.request_ids, self.requests, self._last_rows
+        if not all(map(requests.__contains__, ids)):  # (the common case in C; the error names the first)
+            check(False, "request_id", next(r for r in ids if r not in requests), "a request announced in new_requests")
+        drawn = list(compress(ids, decodes.from_last_step.tolist()))
+        if not all(map(last_rows.__contains__, drawn)):
+            check(False, "from_last_step", next(r for r in drawn if r not in last_rows),
+                  "set only for a request that drew a token in the previous step on this (driver) rank")
+        return self.tables.rows_holding(ids, decodes.table_lens)
+
+    def _from_last_step(self, ids: Sequence[str], cols: _Columns, ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
-        tensor (on the device, in stream order: no wait), or None when no sequence needs one."""
+        tensor (on the device, in stream order: no wait), or None when no sequence needs one.
+        ids: the request of each row."""
         which = np.flatnonzero(cols.from_last_step)
         if not len(which):
             return None
         tokens = self._last.draw.tokens
+        last_rows = self._last_rows
         dst = to_device(torch.from_numpy(ends[which]), self.device)
-        src = to_device([self._last_rows[order[i].request_id] for i in which.tolist()], self.device, torch.int64)
+        src = np.fromiter(map(last_rows.__getitem__, map(ids.__getitem__, which.tolist())), np.int64, len(which))
+        src = to_device(torch.from_numpy(src), self.device)
 
         def fill(input_ids: torch.Tensor) -> None:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
@@ -273,15 +308,16 @@ class ModelRunner:
 
     def _draw(self, request_ids: list[str], logits: torch.Tensor, flight: _InFlight) -> None:
         """Draw the next token of each request from its row of logits, on the device."""
-        reqs = [self.requests[rid] for rid in request_ids]
-        if any(r.params.has_penalties or r.params.seed is not None for r in reqs):
+        requests = self.requests
+        if self._reads_history and not self._reads_history.isdisjoint(request_ids):
             for earlier in self._in_flight:  # penalties and seeds read every token drawn so far
                 self._read(earlier)
-        rows = [SamplingRow(r.params, r.prompt_ids, r.output_ids) for r in reqs]
+        # A _Request has a SamplingRow's fields (params, prompt_ids, output_ids): no row object per request.
+        rows: list[SamplingRow] = [requests[rid] for rid in request_ids]  # type: ignore[misc]
         flight.draw = self.sampler.draw(logits, rows)
         flight.request_ids = request_ids
         self._last = flight
-        self._last_rows = {rid: j for j, rid in enumerate(request_ids)}
+        self._last_rows = dict(zip(request_ids, range(len(request_ids))))
 
 
 @dataclass(frozen=True)
@@ -323,6 +359,9 @@ class _Columns:
     def take(self, perm: np.ndarray) -> _Columns:
         return _Columns(self.rows[perm], self.context_lens[perm], self.query_lens[perm], self.from_last_step[perm],
                         self.sample[perm])
+
+    def concat(self, other: _Columns) -> _Columns:
+        return _Columns(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
 
 
 @dataclass(frozen=True)

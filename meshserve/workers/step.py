@@ -10,6 +10,7 @@ a list in C; short ones (a decode step's one token, its block changes) stay msgp
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,10 +110,68 @@ def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list
     return tables
 
 
+@dataclass(eq=False)
+class DecodeRows:
+    """Decode rows that just continue, as columns (most rows of most steps): one new token each
+    (known, or the one the step in flight draws: `from_last_step`), a token sampled after it,
+    and no change to the request's block tables. As a ScheduledSeq each would be a message of
+    its own; here a step's rows are five arrays, which travel as bytes and which the runner
+    reads as they are.
+
+    request_ids:    [n] ids of requests the workers know
+    token_ids:      [n] int64 the new token; 0 where from_last_step (the device holds it)
+    context_lens:   [n] int64 tokens already cached (the new token's position)
+    from_last_step: [n] bool
+    table_lens:     [n, G] int64 per KV layer group, the blocks the workers hold for the request
+                    (unchanged by this step: the runner checks that its tables agree)
+    """
+
+    request_ids: list[str]
+    token_ids: np.ndarray
+    context_lens: np.ndarray
+    from_last_step: np.ndarray
+    table_lens: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, DecodeRows) and self.request_ids == other.request_ids and all(
+            np.array_equal(a, b) for a, b in zip(self._arrays(), other._arrays()))
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.token_ids, self.context_lens, self.from_last_step, self.table_lens
+
+    def seqs(self) -> list[ScheduledSeq]:
+        """The same rows as ScheduledSeqs (the eager path, tools and tests)."""
+        groups = self.table_lens.shape[1]
+        return [ScheduledSeq(rid, [] if last else [tok], ctx, [[] for _ in range(groups)], True, last, lens)
+                for rid, tok, ctx, last, lens in zip(self.request_ids, self.token_ids.tolist(),
+                                                     self.context_lens.tolist(), self.from_last_step.tolist(),
+                                                     self.table_lens.tolist())]  # fmt: skip
+
+    def to_wire(self) -> list:
+        return [self.request_ids, np.asarray(self.token_ids, "<i4").tobytes(),
+                np.asarray(self.context_lens, "<i4").tobytes(), np.asarray(self.from_last_step, "u1").tobytes(),
+                self.table_lens.shape[1], np.asarray(self.table_lens, "<i4").tobytes()]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> DecodeRows:
+        ids, tokens, context, last, groups, lens = wire
+        def int64(data: bytes) -> np.ndarray:
+            return np.frombuffer(data, "<i4").astype(np.int64)
+
+        return cls(ids, int64(tokens), int64(context), np.frombuffer(last, "u1").astype(bool),
+                   int64(lens).reshape(len(ids), groups))
+
+
 @dataclass
 class StepPlan:
     """Everything every worker needs for one forward step.
 
+    seqs:     the step's sequences, except
+    decodes:  the decode rows that just continue, as columns (None: no such rows); they run after
+              `seqs` (whose order is the scheduler's: running requests by arrival, then admitted ones)
     finished: request ids the workers may forget (after this step).
     copies:   (src, dst) block pairs to copy in every cache tensor before any K/V is written
               (copy-on-write of a shared partial block; ids are unique across layer groups).
@@ -123,6 +182,15 @@ class StepPlan:
     new_requests: list[NewRequest] = field(default_factory=list)
     finished: list[str] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
+    decodes: DecodeRows | None = None
+
+    def all_seqs(self) -> list[ScheduledSeq]:
+        """Every sequence of the step as a ScheduledSeq: `seqs`, then `decodes`."""
+        return self.seqs if self.decodes is None else self.seqs + self.decodes.seqs()
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.seqs) + (0 if self.decodes is None else len(self.decodes))
 
     def to_msgpack(self) -> bytes:
         short = PACKED_IDS_MIN
@@ -141,6 +209,7 @@ class StepPlan:
                     for r in self.new_requests],
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
+            "decodes": None if self.decodes is None else self.decodes.to_wire(),
         })
 
     @classmethod
@@ -156,6 +225,7 @@ class StepPlan:
                           for rid, prompt, sampling, out, enc in d["new"]],
             finished=d["finished"],
             copies=[tuple(c) for c in d["copies"]],
+            decodes=None if d["decodes"] is None else DecodeRows.from_wire(d["decodes"]),
         )
 
 
@@ -168,24 +238,35 @@ class SampledToken:
 
 @dataclass
 class StepOutput:
-    """Tokens drawn this step (rank 0 only; other ranks return an empty list)."""
+    """Tokens drawn this step (rank 0 only; other ranks return none), as columns: row i is
+    request_ids[i]'s token token_ids[i], with logprobs[i] when the request asked for them.
+    (A list of per-row messages would cost a Python object per request per step twice over.)"""
 
     step_id: int
-    sampled: list[SampledToken]
+    request_ids: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its logprobs
+
+    @classmethod
+    def of(cls, step_id: int, sampled: Sequence[SampledToken]) -> StepOutput:
+        return cls(step_id, [s.request_id for s in sampled], [s.token_id for s in sampled],
+                   {i: s.logprobs for i, s in enumerate(sampled) if s.logprobs is not None})
+
+    @property
+    def sampled(self) -> list[SampledToken]:
+        """The rows as SampledTokens."""
+        lps = self.logprobs
+        return [SampledToken(rid, tok, lps.get(i))
+                for i, (rid, tok) in enumerate(zip(self.request_ids, self.token_ids))]
 
     def to_msgpack(self) -> bytes:
-        rows = []
-        for s in self.sampled:
-            lp = s.logprobs
-            rows.append([s.request_id, s.token_id,
-                         None if lp is None else [lp.logprob, [list(p) for p in lp.top]]])
-        return msgpack.packb({"step_id": self.step_id, "sampled": rows})
+        lps = [[i, lp.logprob, [list(p) for p in lp.top]] for i, lp in self.logprobs.items()]
+        return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids,
+                              "logprobs": lps})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
         d = msgpack.unpackb(data)
-        sampled = []
-        for rid, tok, lp in d["sampled"]:
-            logprobs = None if lp is None else TokenLogprobs(tok, lp[0], tuple((int(t), v) for t, v in lp[1]))
-            sampled.append(SampledToken(rid, tok, logprobs))
-        return cls(step_id=d["step_id"], sampled=sampled)
+        tokens = d["tokens"]
+        lps = {i: TokenLogprobs(tokens[i], lp, tuple((int(t), v) for t, v in top)) for i, lp, top in d["logprobs"]}
+        return cls(d["step_id"], d["ids"], tokens, lps)

@@ -48,7 +48,7 @@ class DyingWorker(PacedWorker):
     def execute_step(self, plan_bytes: bytes) -> bytes:
         target = DyingWorker.doomed
         if target is not None and any(s.request_id.endswith(f":{target}")
-                                      for s in StepPlan.from_msgpack(plan_bytes).seqs):
+                                      for s in StepPlan.from_msgpack(plan_bytes).all_seqs()):
             DyingWorker.doomed = None  # once: the replica it moves to lives
             raise SystemExit(f"rank died under {target}")  # not an Exception: the rank loop ends
         return super().execute_step(plan_bytes)

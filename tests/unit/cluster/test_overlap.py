@@ -29,7 +29,7 @@ class OverlapWorker(FakeWorker):
         plan = StepPlan.from_msgpack(plan.to_msgpack())  # the flag travels
         self.known |= {r.request_id for r in plan.new_requests}
         drawn = []
-        for s in plan.seqs:
+        for s in plan.all_seqs():
             tokens = list(s.token_ids)
             if s.from_last_step:
                 tokens.append(self.last[s.request_id])
@@ -38,7 +38,7 @@ class OverlapWorker(FakeWorker):
                 drawn.append(tok)
         self.last.update((d.request_id, d.token_id) for d in drawn)
         self.known -= set(plan.finished)
-        self.out.append(StepOutput(plan.step_id, drawn))
+        self.out.append(StepOutput.of(plan.step_id, drawn))
 
     def collect(self) -> StepOutput:
         return self.out.popleft()
@@ -119,7 +119,7 @@ def test_abort_while_a_step_is_in_flight():
     first = sched.schedule()
     worker.submit(first.plan)
     second = sched.schedule()  # planned while the first runs: both decode the tokens it draws
-    assert all(s.from_last_step and not s.token_ids for s in second.plan.seqs)
+    assert all(s.from_last_step and not s.token_ids for s in second.plan.all_seqs())
     worker.submit(second.plan)
     sched.update(first, worker.collect())
     assert sched.abort(a.request_id) is a

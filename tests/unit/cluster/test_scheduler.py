@@ -37,9 +37,9 @@ class FakeWorker:
     def execute(self, plan: StepPlan) -> StepOutput:
         plan = StepPlan.from_msgpack(plan.to_msgpack())
         self.known |= {r.request_id for r in plan.new_requests}
-        out = [tok for s in plan.seqs if (tok := self.compute(s, list(s.token_ids))) is not None]
+        out = [tok for s in plan.all_seqs() if (tok := self.compute(s, list(s.token_ids))) is not None]
         self.known -= set(plan.finished)
-        return StepOutput(plan.step_id, out)
+        return StepOutput.of(plan.step_id, out)
 
     def compute(self, s, tokens: list[int]) -> SampledToken | None:
         """Store the seq's new `tokens` through its tables; its next token when it samples."""
@@ -96,13 +96,13 @@ def test_continuous_batching_respects_budget_and_max_seqs():
     worker = FakeWorker()
 
     def check(step):
-        assert sum(len(s.token_ids) for s in step.plan.seqs) <= 16
+        assert sum(len(s.token_ids) for s in step.plan.all_seqs()) <= 16
         assert len(sched.running) <= 3
         # chunks that do not end the known tokens do not sample (a step advances num_computed_tokens
         # as it is scheduled)
         for r, _ in step.requests:
             assert (r.num_computed_tokens == r.num_tokens) == next(
-                s.sample for s in step.plan.seqs if s.request_id == r.request_id)
+                s.sample for s in step.plan.all_seqs() if s.request_id == r.request_id)
 
     run(sched, worker, on_step=check)
     for r, p in zip(reqs, PROMPTS):
@@ -116,7 +116,7 @@ def test_chunked_prefill_splits_a_long_prompt():
     r = req(0, list(range(3, 40)), max_tokens=3)
     sched.add_request(r)
     chunks = []
-    run(sched, FakeWorker(), on_step=lambda s: chunks.append([len(x.token_ids) for x in s.plan.seqs]))
+    run(sched, FakeWorker(), on_step=lambda s: chunks.append([len(x.token_ids) for x in s.plan.all_seqs()]))
     assert chunks[:5] == [[8], [8], [8], [8], [5]]
     assert r.output_ids == reference(list(range(3, 40)), 3)
 
@@ -193,7 +193,7 @@ def test_abort_frees_blocks_and_tells_workers():
     assert sched.abort("r0") is a and a.finish_reason is FinishReason.ABORT
     assert sched.abort("r0") is None
     step = sched.schedule()
-    assert "r0" in step.plan.finished and all(s.request_id != "r0" for s in step.plan.seqs)
+    assert "r0" in step.plan.finished and all(s.request_id != "r0" for s in step.plan.all_seqs())
     sched.update(step, worker.execute(step.plan))
     run(sched, worker)
     assert kv.num_free_blocks == 63 and "r0" not in worker.known
@@ -236,7 +236,7 @@ def test_plans_carry_table_changes_not_whole_tables():
     carried: dict[str, list[tuple[list[int] | None, int, int]]] = {r.request_id: [] for r in reqs}
 
     def record(step):
-        for s in step.plan.seqs:
+        for s in step.plan.all_seqs():
             carried[s.request_id].append((s.table_offsets, len(s.block_tables[0]), s.num_new_tokens))
 
     run(sched, FakeWorker(), on_step=record)
@@ -252,3 +252,33 @@ def test_plans_carry_table_changes_not_whole_tables():
     restarts = sum(offsets is None for plans in carried.values() for offsets, _, _ in plans)
     assert restarts > len(reqs)  # a re-admitted request got its (new) tables whole
     assert kv.num_free_blocks == 23
+
+
+def test_decode_rows_that_just_continue_travel_as_columns():
+    """A decode whose tables did not change rides in the plan's DecodeRows; the step that gives it a
+    new block (every BS tokens) sends it as a ScheduledSeq with that block; tokens stay exact."""
+    sched, _ = make()
+    worker = FakeWorker()
+    reqs = [req(i, PROMPTS[i], max_tokens=12) for i in range(2)]
+    for r in reqs:
+        sched.add_request(r)
+    kinds = []
+
+    def record(step):
+        rows = step.plan.decodes
+        kinds.append(({s.request_id: s.context_len for s in step.plan.seqs},
+                      {} if rows is None else dict(zip(rows.request_ids, rows.context_lens.tolist()))))
+        if rows is not None:
+            assert not rows.from_last_step.any()  # no overlap here: every token is known
+            assert all(sched.requests[r].all_token_ids[c] == t
+                       for r, c, t in zip(rows.request_ids, rows.context_lens.tolist(), rows.token_ids.tolist()))
+
+    run(sched, worker, on_step=record)
+    first, later = kinds[0], kinds[1:]
+    assert set(first[0]) == {"r0", "r1"} and not first[1]  # prompts: whole tables, as seqs
+    for general, columnar in later:
+        assert all(ctx % BS == 0 for ctx in general.values())  # a new block: the row carries it
+        assert all(ctx % BS != 0 for ctx in columnar.values())  # else columns
+    assert sum(len(c) for _, c in later) > sum(len(g) for g, _ in later) > 0
+    # tokens as one request at a time would get them (the fake worker reads them through the tables)
+    assert all(r.output_ids == reference(r.prompt_ids, 12) for r in reqs)

@@ -35,7 +35,7 @@ def test_group_root_forks_samples_that_each_equal_a_lone_run():
     sched.add_request(root)
     worker = CowWorker()
     step, _ = _step(sched, worker, kv)
-    assert not any(s.sample for s in step.plan.seqs)  # the root samples nothing
+    assert not any(s.sample for s in step.plan.all_seqs())  # the root samples nothing
     assert root.is_finished and all(s.status is RequestStatus.RUNNING for s in samples)
     assert len({tuple(kv.block_tables(s.request_id)[0][:-1]) for s in samples}) == 1  # shared prompt blocks
     while sched.has_unfinished():

@@ -88,3 +88,17 @@ def test_bad_changes_name_the_field_and_change_nothing():
     with pytest.raises(ConfigError, match="block_tables"):  # too short for 40 tokens at 16 per block
         tables.check_cover(np.array([tables.row_of["a"]]), np.array([40]), 16, ["a"])
     tables.check_cover(np.array([tables.row_of["a"]]), np.array([16]), 16, ["a"])
+
+
+def test_rows_holding_checks_the_held_lengths_and_changes_nothing():
+    """The rows of a plan's DecodeRows: their row indices when every group holds the plan's count;
+    otherwise an error naming table_lens and the request, and the tables as they were."""
+    tables = RequestTables(2)
+    for rid, t in (("a", [[4, 5], [6]]), ("b", [[7], [8, 9, 10]])):
+        tables.add(rid)
+        tables.apply(ScheduledSeq(rid, [1], 0, t))
+    rows = tables.rows_holding(["b", "a"], np.array([[1, 3], [2, 1]]))
+    assert rows.tolist() == [tables.row_of["b"], tables.row_of["a"]]
+    with pytest.raises(ConfigError, match=r"table_lens.*\[2, 2\].*blocks held for a \(\[2, 1\]"):
+        tables.rows_holding(["b", "a"], np.array([[1, 3], [2, 2]]))
+    assert tables.table_of("a") == [[4, 5], [6]] and tables.table_of("b") == [[7], [8, 9, 10]]

@@ -168,7 +168,7 @@ def test_step_messages_round_trip_through_msgpack():
     plan = StepPlan(7, seqs,
                     [NewRequest("a", [1, 2, 3], SamplingParams(seed=1).to_dict())], ["z"])
     assert StepPlan.from_msgpack(plan.to_msgpack()) == plan
-    out = StepOutput(7, [SampledToken("a", 5, TokenLogprobs(5, -0.5, ((5, -0.5), (2, -1.5)))),
+    out = StepOutput.of(7, [SampledToken("a", 5, TokenLogprobs(5, -0.5, ((5, -0.5), (2, -1.5)))),
                          SampledToken("b", 1)])
     assert StepOutput.from_msgpack(out.to_msgpack()) == out
 
