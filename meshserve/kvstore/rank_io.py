@@ -65,10 +65,15 @@ class ImportTarget(Protocol):
     def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession: ...
 
 
-def _scales(cache: LayerCache) -> tuple[float, ...]:
-    if isinstance(cache, MLACache):
-        return (float(cache.scale),)
-    return (float(cache.k_scale), float(cache.v_scale))
+def _scales(caches: Sequence[LayerCache]) -> tuple[tuple[float, ...], ...]:
+    """Each layer's dequantisation scales ((scale,) for MLA, (k, v) otherwise) as floats, read in
+    one device-to-host copy (a float() per 0-d device tensor would wait for the device each time:
+    64 waits for a 32-layer cache, on every hand-over)."""
+    parts = [(c.scale,) if isinstance(c, MLACache) else (c.k_scale, c.v_scale) for c in caches]
+    tensors = [t for p in parts for t in p if isinstance(t, torch.Tensor)]
+    if tensors:
+        values = iter(torch.stack([t.reshape(()).float().to(tensors[0].device) for t in tensors]).tolist())
+    return tuple(tuple(next(values) if isinstance(t, torch.Tensor) else float(t) for t in p) for p in parts)
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ class KVRankIO:
             block_positions=blocks.block_positions,
             block_hashes=blocks.block_hashes,
             extra_keys=blocks.extra_keys,
-            scales=tuple(_scales(c) for c in self.layer_caches),
+            scales=_scales(self.layer_caches),
             frames=tuple(plan),
             nbytes=sum(f.numel() for f in frames),
             checksum=digest.value,
@@ -138,7 +143,7 @@ class KVRankIO:
             raise KVTransferError(
                 "layout", f"fingerprint {header.fingerprint} != {ours.fingerprint}; {ours.difference(header.layout)}"
             )
-        mine = tuple(_scales(c) for c in self.layer_caches)
+        mine = _scales(self.layer_caches)
         if header.scales != mine:
             raise KVTransferError("layout", f"cache scales differ: receiver {mine}, sender {header.scales}")
         if len(header.block_positions) != len(ours.groups) or len(header.block_hashes) != len(ours.groups):
