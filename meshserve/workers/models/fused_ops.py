@@ -83,8 +83,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     if not _on_triton(use_triton, x):
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return _rms_norm_float32(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _launch_norm(x, None, weight, eps, unit_offset)[0]
+
+
+def _rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm for float32, the same math in 6 dispatches instead of its 13 (pow, mean as sum
+    and div_, two scalar tensors, add_, rsqrt, two muls, type_as): x * rsqrt(mean(x * x) + eps) * w.
+    On the CPU every dispatch between two GEMVs pays for cold caches (about 36 against 8 us
+    warm for one F.rms_norm of [1, 256] on the 2-core machine); 13 norms run per decode step."""
+    mean_square = torch.linalg.vecdot(x, x).unsqueeze_(-1).div_(x.shape[-1])  # [..., 1]
+    return x * mean_square.add_(eps).rsqrt_() * weight
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,

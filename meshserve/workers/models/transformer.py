@@ -113,7 +113,7 @@ class Attention(nn.Module):
                                                kv_cache=layer.kv_cache, slot_mapping=layer.slot_mapping)
         else:
             q, k, v = self._rotate(qkv, rope)
-            layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping)
+            layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping, plan=layer.plan)
         params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, H * D))
