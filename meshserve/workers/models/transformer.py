@@ -251,6 +251,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped when the arch says so)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
         cap = self.arch.final_soft_cap
         return logits if cap is None else cap * torch.tanh(logits / cap)

@@ -102,6 +102,21 @@ def test_float32_torch_norm_is_f_rms_norm(shape):
                                    atol=0, rtol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_apply_rotary_is_hf_rotate_half_bit_for_bit(dtype, tokens):
+    """apply_rotary's roll and in-place negation give exactly HF's x * cos + rotate_half(x) * sin
+    (cat of -x2 and x1), on contiguous heads and on a strided view of a qkv tensor."""
+    g = _gen(tokens)
+    qkv = (torch.randn(tokens, 9, 64, generator=g) * 4).to(dtype)
+    cos, sin = (torch.randn(tokens, 1, 64, generator=g).to(dtype) for _ in range(2))
+    before = qkv.clone()
+    for x in (qkv[:, :6].contiguous(), qkv[:, :6]):
+        rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+        assert torch.equal(apply_rotary(x, cos, sin), x * cos + rotate_half * sin)
+    assert torch.equal(qkv, before)  # the in-place negation works on the rolled copy, not the input
+
+
 def _oracle_act(name: str, gate: torch.Tensor) -> torch.Tensor:
     if name == "silu":
         return gate * torch.sigmoid(gate)
