@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from meshserve.workers.cpu_weights import input_major_linears
+from meshserve.workers.cpu_weights import InputMajorLinear, input_major_linears
 
 
 class _Tiny(nn.Module):
@@ -36,8 +36,10 @@ def test_weights_keep_their_values_and_shape_in_input_major_storage():
     for name, p in model.named_parameters(remove_duplicate=False):
         assert torch.equal(p, before[name]), name  # same values, same [out, in] shape
     for linear in (model.up, model.down, model.lm_head):
-        assert linear.weight.t().is_contiguous() and not linear.weight.is_contiguous()
+        assert isinstance(linear, InputMajorLinear)
+        assert linear.weight_t.is_contiguous() and linear.weight_t.data_ptr() == linear.weight.data_ptr()
         assert not linear.weight.requires_grad
+    assert model.up.bias is not None and model.down.bias is None
     assert model.bf16.weight.is_contiguous()  # bfloat16: left as it was
     assert model.embed.weight.is_contiguous()  # the embedding keeps its rows
     assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()  # a tied head gets its own copy
@@ -54,3 +56,17 @@ def test_outputs_match_the_float64_oracle_and_the_row_major_model():
         after = model(ids)
     torch.testing.assert_close(after.double(), _float64_forward(model, ids), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_of_any_rank_take_the_same_product():
+    """2-D inputs go through torch.mm / addmm on the [in, out] tensor, others through F.linear:
+    both are F.linear's result on the original layer, bit for bit."""
+    torch.manual_seed(2)
+    for bias in (True, False):
+        plain = nn.Linear(24, 40, bias=bias)
+        swapped = InputMajorLinear(plain)
+        for shape in ((7, 24), (3, 5, 24), (24,)):
+            x = torch.randn(*shape)
+            with torch.inference_mode():
+                assert torch.equal(swapped(x), nn.functional.linear(x, plain.weight.t().contiguous().t(), plain.bias))
+                torch.testing.assert_close(swapped(x), plain(x), atol=1e-6, rtol=1e-6)
