@@ -182,7 +182,7 @@ class CpuSdpaBackend(AttentionBackend):
             use_sinks = spec.has_sinks and plan.with_sinks
             plain = not return_lse and spec.logits_soft_cap is None and not use_sinks
             if g.fresh and plain:
-                outs.append(sdpa_per_sequence(spec, query, key, value, g))
+                outs.append(sdpa_per_sequence(spec, query, key, value, g.starts))
                 continue
             if g.v_bags is not None and plain and not spec.use_alibi and kv_cache.data.dtype == torch.float32:
                 outs.append(decode_bags(spec, query[t0:t1], kv_cache.data, g))
@@ -192,7 +192,7 @@ class CpuSdpaBackend(AttentionBackend):
             if plain:  # one fused kernel: 19 vs 80 us at 1 decode, 207 vs 284 us at 16 (demo shapes)
                 o, lse = _sdpa(spec, q, k, v, g, layer), None
             else:
-                o, lse = explicit_attention(spec, q, k, v, g, layer, use_sinks)
+                o, lse = explicit_attention(spec, q, k, v, g.bias, g.rel, layer, use_sinks)
             outs.append(_unpad(o, g))  # [tokens, H, Dv]
             if return_lse:
                 lses.append(_unpad(lse[..., None], g)[..., 0])  # [tokens, H]
