@@ -441,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline (CPU: HF transformers)")
     ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating meshserve / HF rounds (best is kept)")
     ap.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads (default: torch's)")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
+                    help="CPU: time generate by wall seconds, or by this process's CPU seconds (steadier on a "
+                         "shared machine with one thread; it leaves out time spent waiting for a core)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile a few steps per batch (into --out)")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--write", default=None, help="put the results section into this markdown file")

@@ -4,11 +4,13 @@ Both engines run in the same process, in alternating rounds (meshserve, HF, mesh
 so that a burst of load from other jobs on a shared machine hits both; each engine's figure per
 batch size is its best round. The measurement itself is bench/cpu_generate.py's (one warm-up per
 engine and round, then `generate` of --output-len greedy tokens after --prompt-len random
-tokens, EOS ignored, float32; tok/s = output tokens / wall seconds, prefill included). The load
-average is read before and after each round and reported beside the numbers. Table + JSON + PNG.
+tokens, EOS ignored, float32; tok/s = output tokens / wall seconds, or CPU seconds with --clock
+cpu, prefill included). The load average is read before and after each round and reported beside
+the numbers. Table + JSON + PNG.
 
     python -m bench.e2e --device cpu                                   # batch 1, 16, 64; 3 rounds
     python -m bench.e2e --device cpu --rounds 5 --out bench/results --write docs/performance.md
+    python -m bench.e2e --device cpu --threads 1 --clock cpu    # steadier on a shared machine
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ def run(args: argparse.Namespace) -> dict:
             for name in ("meshserve", "hf") if rounds[0][name]}
     return {"backend": backend, "best": best, "rounds": rounds, "threads": torch.get_num_threads(),
             "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-            "torch": torch.__version__, "prompt_len": args.prompt_len, "output_len": args.output_len}
+            "torch": torch.__version__, "prompt_len": args.prompt_len, "output_len": args.output_len,
+            "clock": args.clock}
 
 
 def table(res: dict, batch_sizes: list[int]) -> str:
@@ -53,7 +56,8 @@ def table(res: dict, batch_sizes: list[int]) -> str:
     lines = [
         BEGIN,
         f"Demo model, float32, {res['prompt_len']} in / {res['output_len']} out, greedy; {res['machine']}, "
-        f"{res['threads']} torch threads, torch {res['torch']}; meshserve backend {res['backend']}; best of "
+        f"{res['threads']} torch threads, torch {res['torch']}; meshserve backend {res['backend']}; "
+        f"{'CPU' if res.get('clock') == 'cpu' else 'wall'} seconds; best of "
         f"{len(res['rounds'])} alternating rounds; load average {min(loads):.1f} to {max(loads):.1f} "
         f"({res['date']}).",
         "",

@@ -109,7 +109,7 @@ def _stub_backend_class():
         def prepare_replay(self, plan, seq_lens, block_tables):
             _page_lists(block_tables, seq_lens, plan.block_size)  # FlashInfer's host work before a replay
 
-        def write_kv(self, key, value, kv_cache, slot_mapping):
+        def write_kv(self, key, value, kv_cache, slot_mapping, *, plan=None):
             raise NotImplementedError("bench stand-in: no K/V is written")
 
         def forward(self, *args, **kwargs):

@@ -242,9 +242,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor, *,
+        plan: object | None = None,
     ) -> None:
-        """Store new tokens' K/V ([T, num_kv_heads, head_size]) at `slot_mapping` ([T]; -1 skips)."""
+        """Store new tokens' K/V ([T, num_kv_heads, head_size]) at `slot_mapping` ([T]; -1 skips).
+
+        plan: this step's `plan()` of the metadata `slot_mapping` belongs to, when the caller has
+        it (the model's layers pass it): a backend may take write positions it computed there
+        once per step instead of once per layer. Without it the result is the same."""
 
     @abstractmethod
     def forward(

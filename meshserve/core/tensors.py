@@ -22,8 +22,8 @@ def to_device(values: Sequence | torch.Tensor, device: torch.device | str, dtype
     if dtype is not None and host.dtype != dtype:
         host = host.to(dtype)
     device = torch.device(device)
-    if device.type != "cuda":
-        return host.to(device)
+    if device.type != "cuda":  # no call when it is there already: a CPU step makes ~10 of these
+        return host if host.device == device else host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
 
 

@@ -78,8 +78,8 @@ class DcpAttention:
     def plan(self, metadata):
         return self.inner.plan(metadata)
 
-    def write_kv(self, key, value, kv_cache, slot_mapping) -> None:
-        self.inner.write_kv(key, value, kv_cache, slot_mapping)
+    def write_kv(self, key, value, kv_cache, slot_mapping, *, plan=None) -> None:
+        self.inner.write_kv(key, value, kv_cache, slot_mapping, plan=plan)  # the plan is the inner one
 
     def forward(self, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None, kv_cache,
                 plan: object, *, layer: LayerParams | None = None, return_lse: bool = False) -> torch.Tensor:

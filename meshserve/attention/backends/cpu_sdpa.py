@@ -36,6 +36,7 @@ from meshserve.attention.backend import (
     KVCache,
     LayerParams,
 )
+from meshserve.attention.backends.cpu_sdpa_math import explicit_attention, sdpa_per_sequence
 from meshserve.attention.backends.torch_ref import scatter_kv
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
@@ -71,14 +72,20 @@ class GroupPlan:
     rel: torch.Tensor | None
     fresh: bool = False
     starts: tuple[int, ...] = ()  # token offsets of each sequence in the packed batch (fresh groups)
-    v_bags: torch.Tensor | None = None  # [S * H, L] int64 V row of each key for each query head
+    v_bags: torch.Tensor | None = None  # [S * H * L] int64 V row of each key for each query head
     # (cached decode groups of >= BAGS_MIN_KEYS padded keys: embedding_bag's bags; head h reads KV head h // G)
+    bag_offsets: torch.Tensor | None = None  # [S * H] int64 first entry of each bag in v_bags (0, L, 2L, ...)
 
 
 @dataclass(frozen=True)
 class CpuPlan:
     groups: tuple[GroupPlan, ...]  # prefills first, then decodes; empty groups left out
     with_sinks: bool  # learned sinks join on DCP rank 0 only
+    # ([T], [T]) int64 K and V rows of the new tokens in a contiguous cache viewed as [-1, Hkv, D],
+    # when every token of the step is written (no -1 slot); else None. Built once per step: per
+    # layer they cost the write five more ops (26 against 5 us, batch 1, demo shapes).
+    write_rows: tuple[torch.Tensor, torch.Tensor] | None = None
+    write_block_size: int = 0  # the block size write_rows assume (the metadata's)
 
 
 # Below this many padded keys in a decode group one SDPA call beats decode_bags' four ops
@@ -124,20 +131,24 @@ class CpuSdpaBackend(AttentionBackend):
         return []
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor, *,
+        plan: object | None = None,
     ) -> None:
         """The shared torch scatter, with a fast path for the common step (every slot written, no
-        FP8): two index_copy_ calls instead of boolean selection (90 us of a 6 ms batch-1 step
-        per layer went to scatter_kv's masking, 1 thread, demo model)."""
+        FP8): two index_copy_ calls at the rows this step's plan computed once (`write_rows`)
+        instead of boolean selection (90 us of a 6 ms batch-1 step per layer went to
+        scatter_kv's masking, 1 thread, demo model)."""
         data = kv_cache.data
-        if kv_cache.is_fp8 or not data.is_contiguous() or not bool((slot_mapping >= 0).all()):
+        bs = data.shape[2]
+        rows = plan.write_rows if isinstance(plan, CpuPlan) and plan.write_block_size == bs else None
+        if rows is None and slot_mapping.numel():
+            rows = _write_rows(slot_mapping.cpu().numpy(), bs)
+        if rows is None or kv_cache.is_fp8 or not data.is_contiguous():
             scatter_kv(key, value, kv_cache, slot_mapping)
             return
-        bs = data.shape[2]
-        rows = slot_mapping + slot_mapping // bs * bs  # K row of slot s in data viewed [N * 2 * bs, Hkv, D]
         flat = data.view(-1, *data.shape[3:])
-        flat.index_copy_(0, rows, key.to(data.dtype))
-        flat.index_copy_(0, rows + bs, value.to(data.dtype))
+        flat.index_copy_(0, rows[0], _as(key, data.dtype))
+        flat.index_copy_(0, rows[1], _as(value, data.dtype))
 
     def plan(self, metadata: AttentionMetadata) -> CpuPlan:
         meta = metadata
@@ -146,7 +157,10 @@ class CpuSdpaBackend(AttentionBackend):
             starts.append(starts[-1] + q)
         splits = ((0, meta.num_prefills), (meta.num_prefills, meta.num_seqs))
         groups = tuple(_plan_group(self.spec, meta, s0, s1, starts) for s0, s1 in splits if s1 > s0)
-        return CpuPlan(groups, with_sinks=meta.dcp_rank == 0)
+        rows = None
+        if self.spec.uses_kv_cache and meta.slot_mapping.numel():
+            rows = _write_rows(meta.slot_mapping.numpy(), meta.block_size)
+        return CpuPlan(groups, with_sinks=meta.dcp_rank == 0, write_rows=rows, write_block_size=meta.block_size)
 
     def forward(
         self,
@@ -168,7 +182,7 @@ class CpuSdpaBackend(AttentionBackend):
             use_sinks = spec.has_sinks and plan.with_sinks
             plain = not return_lse and spec.logits_soft_cap is None and not use_sinks
             if g.fresh and plain:
-                outs.append(_sdpa_per_sequence(spec, query, key, value, g))
+                outs.append(sdpa_per_sequence(spec, query, key, value, g.starts))
                 continue
             if g.v_bags is not None and plain and not spec.use_alibi and kv_cache.data.dtype == torch.float32:
                 outs.append(decode_bags(spec, query[t0:t1], kv_cache.data, g))
@@ -178,11 +192,11 @@ class CpuSdpaBackend(AttentionBackend):
             if plain:  # one fused kernel: 19 vs 80 us at 1 decode, 207 vs 284 us at 16 (demo shapes)
                 o, lse = _sdpa(spec, q, k, v, g, layer), None
             else:
-                o, lse = _explicit(spec, q, k, v, g, layer, use_sinks)
+                o, lse = explicit_attention(spec, q, k, v, g.bias, g.rel, layer, use_sinks)
             outs.append(_unpad(o, g))  # [tokens, H, Dv]
             if return_lse:
                 lses.append(_unpad(lse[..., None], g)[..., 0])  # [tokens, H]
-        out = (outs[0] if len(outs) == 1 else torch.cat(outs)).to(query.dtype)
+        out = _as(outs[0] if len(outs) == 1 else torch.cat(outs), query.dtype)
         if not return_lse:
             return out
         return out, lses[0] if len(lses) == 1 else torch.cat(lses)
@@ -198,11 +212,20 @@ class CpuSdpaBackend(AttentionBackend):
             v = value[t0:t1].reshape(-1, spec.v_size).index_select(0, g.kv_index)
             return k.view(*shape, -1).float(), v.view(*shape, -1).float()
         data = kv_cache.data
-        kv = data.view(-1, data.shape[-1]).index_select(0, g.kv_index).view(2, *shape, -1)
-        k, v = kv[0], kv[1]
+        k, v = data.view(-1, data.shape[-1]).index_select(0, g.kv_index).view(2, *shape, -1).unbind()
         if kv_cache.is_fp8:
             return k.float() * kv_cache.k_scale.float(), v.float() * kv_cache.v_scale.float()
-        return k.float(), v.float()
+        return _as(k, torch.float32), _as(v, torch.float32)
+
+
+def _write_rows(slots: np.ndarray, block_size: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """[T] int64 K and V rows of each slot in a cache [N, 2, block_size, Hkv, D] viewed as
+    [-1, Hkv, D] (slot s = block * block_size + offset: K at block * 2 * block_size + offset, V
+    block_size further); None when a slot is -1 (not written on this rank): the masked scatter."""
+    if not (slots >= 0).all():
+        return None
+    k_rows = slots.astype(np.int64) + slots // block_size * block_size
+    return torch.from_numpy(k_rows), torch.from_numpy(k_rows + block_size)
 
 
 def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, starts: list[int]) -> GroupPlan:
@@ -256,11 +279,13 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
     bias = np.where(visible, np.float32(0), np.float32(-np.inf))
     rel = torch.from_numpy((kp - qp).astype(np.float32))[:, None, None] if spec.use_alibi else None
 
-    v_bags = None
+    v_bags = bag_offsets = None
     if lq == 1 and spec.uses_kv_cache and num_seqs * L >= BAGS_MIN_KEYS:
         # V rows (second half of kv_index), repeated for the query heads of each KV head
         v_rows = kv_index[kv_index.size // 2 :].reshape(num_seqs, Hkv, L)
-        v_bags = torch.from_numpy(np.repeat(v_rows, H // Hkv, axis=1).reshape(num_seqs * H, L))
+        # flat, with the bags' offsets below: F.embedding_bag would build them (three more ops) per layer
+        v_bags = torch.from_numpy(np.repeat(v_rows, H // Hkv, axis=1).reshape(-1))
+        bag_offsets = torch.from_numpy(np.arange(0, num_seqs * H * L, L, dtype=np.int64))
     q_index = out_rows = None
     if lq > 1:
         tok = (np.asarray(starts[s0:s1], np.int64) - starts[s0])[:, None] + np.minimum(
@@ -289,13 +314,20 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         fresh=fresh,
         starts=tuple(starts[s0 : s1 + 1]),
         v_bags=v_bags,
+        bag_offsets=bag_offsets,
     )
+
+
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`; no dispatch when it already is (a no-op `.to` still costs an op call, and
+    a CPU decode step made about 50 of them: docs/performance.md)."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _padded_query(query: torch.Tensor, g: GroupPlan, spec: AttentionSpec) -> torch.Tensor:
     """[S, H, Lq, D] float32 from the group's packed rows [tokens, H, D]."""
     if g.q_index is None:
-        return query.float().reshape(g.num_seqs, spec.num_heads, 1, spec.head_size)
+        return _as(query, torch.float32).reshape(g.num_seqs, spec.num_heads, 1, spec.head_size)
     q = query.reshape(-1, spec.head_size).index_select(0, g.q_index)
     return q.view(g.num_seqs, spec.num_heads, g.max_query_len, spec.head_size).float()
 
@@ -330,56 +362,8 @@ def decode_bags(spec: AttentionSpec, query: torch.Tensor, cache: torch.Tensor, g
     k = rows.index_select(0, g.kv_index[: S * Hkv * L]).view(S, Hkv, L, D)
     q = query.float().view(S, Hkv, H // Hkv, D) * spec.softmax_scale  # [S, Hkv, G, D]
     probs = torch.softmax(torch.matmul(q, k.transpose(-1, -2)) + g.bias.view(S, 1, 1, L), dim=-1)  # [S, Hkv, G, L]
-    o = F.embedding_bag(g.v_bags, rows, per_sample_weights=probs.view(S * H, L), mode="sum")  # [S * H, D]
+    o = F.embedding_bag(g.v_bags, rows, g.bag_offsets, per_sample_weights=probs.view(-1), mode="sum")  # [S * H, D]
     return o.view(S, H, D)
-
-
-def _sdpa_per_sequence(
-    spec: AttentionSpec, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, g: GroupPlan
-) -> torch.Tensor:
-    """Whole prompts: SDPA on each sequence's own new K/V, [tokens, H, Dv] float32.
-
-    Measured on the demo model's shapes (1 thread, 16 prompts of 10..300 tokens): 5.7 ms against
-    21 ms for one padded SDPA with a mask over the gathered cache (64-token prompts: 1.6 vs 2.3).
-    """
-    outs = []
-    for a, b in zip(g.starts, g.starts[1:]):
-        q, k, v = (x[a:b].float().transpose(0, 1)[None] for x in (query, key, value))  # [1, H(kv), L, D]
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.softmax_scale,
-                                           enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
-    return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def _explicit(
-    spec: AttentionSpec,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: GroupPlan,
-    layer: LayerParams,
-    use_sinks: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Materialised scores with the query heads of one KV head stacked as rows: no K/V copies.
-
-    q [S, H, Lq, D], k/v [S, Hkv, L, D]. Returns o [S, H, Lq, Dv], lse [S, H, Lq].
-    """
-    S, H, lq, D = q.shape
-    Hkv, G = spec.num_kv_heads, spec.num_queries_per_kv
-    qg = (q * spec.softmax_scale).view(S, Hkv, G * lq, D)
-    scores = torch.matmul(qg, k.transpose(-1, -2)).view(S, Hkv, G, lq, -1)  # [S, Hkv, G, Lq, L]
-    if spec.logits_soft_cap is not None:
-        cap = spec.logits_soft_cap
-        scores = torch.tanh(scores / cap) * cap
-    if spec.use_alibi:
-        scores = scores + layer.alibi_slopes.float().view(1, Hkv, G, 1, 1) * g.rel
-    scores = scores + g.bias
-    lse = torch.logsumexp(scores, dim=-1, keepdim=True)  # -inf where nothing is visible
-    if use_sinks:
-        lse = torch.logaddexp(lse, layer.sinks.float().view(1, Hkv, G, 1, 1))  # the sink joins the denominator
-    probs = torch.exp(scores - lse.clamp(min=torch.finfo(torch.float32).min))  # 0, not NaN, for empty rows
-    o = torch.matmul(probs.view(S, Hkv, G * lq, -1), v)  # [S, Hkv, G * Lq, Dv]
-    return o.view(S, H, lq, -1), lse.view(S, H, lq)
 
 
 __all__ = ["CpuSdpaBackend", "CpuPlan", "GroupPlan", "decode_bags"]

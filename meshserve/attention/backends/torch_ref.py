@@ -136,7 +136,8 @@ class TorchBackend(AttentionBackend):
     )
 
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor, *,
+        plan: object | None = None,
     ) -> None:
         scatter_kv(key, value, kv_cache, slot_mapping)
 

@@ -206,7 +206,8 @@ class TritonBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------------- write_kv
     def write_kv(
-        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor
+        self, key: torch.Tensor, value: torch.Tensor, kv_cache: KVCache, slot_mapping: torch.Tensor, *,
+        plan: object | None = None,
     ) -> None:
         from meshserve.attention.kernels.write_kv import write_kv
 

@@ -18,6 +18,8 @@ when they store.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -83,8 +85,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     if not _on_triton(use_triton, x):
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
+        if x.dtype == torch.float32 and weight.dtype == torch.float32:
+            return _rms_norm_float32(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return _launch_norm(x, None, weight, eps, unit_offset)[0]
+
+
+def _rms_norm_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm for float32, the same math in 6 top-level ops and 14 dispatches instead of its
+    31 (pow, mean as sum and div_, Python scalars wrapped and copied to tensors, add_, rsqrt,
+    two muls, type_as): x * rsqrt(mean(x * x) + eps) * w, with N and eps as cached float32
+    0-dim tensors. On the CPU every dispatch between two GEMVs pays for cold caches (about 36
+    against 8 us warm for one F.rms_norm of [1, 256] on the 2-core machine); 13 norms run per
+    decode step."""
+    n, eps_t = _norm_constants(x.shape[-1], eps, x.device)
+    mean_square = torch.linalg.vecdot(x, x).unsqueeze_(-1).div_(n)  # [..., 1]
+    return x * mean_square.add_(eps_t).rsqrt_() * weight
+
+
+@functools.lru_cache(maxsize=64)
+def _norm_constants(n: int, eps: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """N and eps as float32 0-dim tensors (exactly what the Python numbers become in float32
+    math), made outside inference mode so that autograd-enabled callers may use them too."""
+    with torch.inference_mode(False):
+        return (torch.tensor(float(n), dtype=torch.float32, device=device),
+                torch.tensor(eps, dtype=torch.float32, device=device))
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,

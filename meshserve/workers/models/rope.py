@@ -132,5 +132,6 @@ class RotaryEmbedding(torch.nn.Module):
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [T, heads, D] rotated by cos, sin [T, 1, D]: x * cos + rotate_half(x) * sin."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotated = x.roll(half, -1)  # (x2, x1): one op where slicing, negating and cat took four
+    rotated[..., :half].neg_()  # rotate_half(x) = (-x2, x1), bit for bit
     return x * cos + rotated * sin

@@ -113,7 +113,7 @@ class Attention(nn.Module):
                                                kv_cache=layer.kv_cache, slot_mapping=layer.slot_mapping)
         else:
             q, k, v = self._rotate(qkv, rope)
-            layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping)
+            layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping, plan=layer.plan)
         params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, H * D))
@@ -251,6 +251,7 @@ class CausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32 (soft-capped when the arch says so)."""
-        logits = self.lm_head(hidden).float()
+        logits = self.lm_head(hidden)
+        logits = logits if logits.dtype == torch.float32 else logits.float()
         cap = self.arch.final_soft_cap
         return logits if cap is None else cap * torch.tanh(logits / cap)

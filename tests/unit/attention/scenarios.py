@@ -275,8 +275,8 @@ def run_backend(
         case.scenario.problem(dtype, device=device, needs_lse=True, compute_capability=_cc(device))
     )
     plan = backend.plan(case.metadata)
-    if case.kv_cache is not None and case.key is not None:
-        backend.write_kv(case.key, case.value, case.kv_cache, case.metadata.slot_mapping)
+    if case.kv_cache is not None and case.key is not None:  # as the model's layers call it: with the plan
+        backend.write_kv(case.key, case.value, case.kv_cache, case.metadata.slot_mapping, plan=plan)
     return backend.forward(
         case.query, case.key, case.value, case.kv_cache, plan, layer=case.layer, return_lse=True
     )

@@ -177,3 +177,28 @@ def test_write_kv_matches_the_shared_scatter(skip):
     CpuSdpaBackend(SCENARIO_BY_NAME["small_decode"].problem()).write_kv(key, value, ours, slots)
     scatter_kv(key, value, ref, slots)
     assert torch.equal(ours.data, ref.data)
+
+
+@pytest.mark.parametrize("name", ["small_decode", "mixed_prefill_decode", "chunked_prefill", "gqa"])
+@pytest.mark.parametrize("dcp_rank", [None, 1])
+def test_write_kv_with_the_steps_plan_matches_the_shared_scatter(name, dcp_rank):
+    """The plan's precomputed write rows (once per step) store exactly what the masked scatter
+    stores, on the shared scenarios' shuffled block tables; under DCP (slots of other ranks are
+    -1) the plan has no rows and the scatter runs."""
+    from meshserve.attention.backend import KVCache
+    from meshserve.attention.backends.torch_ref import scatter_kv
+
+    case = make_case(SCENARIO_BY_NAME[name])
+    meta = case.metadata
+    if dcp_rank is not None:  # the same step seen from rank 1 of 2: every other token is not stored here
+        slots = meta.slot_mapping.clone()
+        slots[dcp_rank::2] = -1
+        meta = dataclasses.replace(meta, slot_mapping=slots)
+    backend = CpuSdpaBackend(case.scenario.problem())
+    plan = backend.plan(meta)
+    assert (plan.write_rows is None) == (dcp_rank is not None)
+    ours, ref = KVCache(case.kv_cache.data.clone()), KVCache(case.kv_cache.data.clone())
+    backend.write_kv(case.key, case.value, ours, meta.slot_mapping, plan=plan)
+    scatter_kv(case.key, case.value, ref, meta.slot_mapping)
+    assert torch.equal(ours.data, ref.data)
+    assert not torch.equal(ours.data, case.kv_cache.data)  # something was written

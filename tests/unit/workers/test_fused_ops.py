@@ -86,6 +86,37 @@ def test_rms_norm_of_heads_read_in_place_from_a_strided_qkv_view(dtype):
         torch.testing.assert_close(out.double(), _oracle_norm(x, weight, 1e-6, False), **ORACLE_TOL[dtype])
 
 
+@pytest.mark.parametrize("shape", [(1, 256), (16, 200), (64, 4096), (5, 3, 24)], ids=str)
+def test_float32_torch_norm_is_f_rms_norm(shape):
+    """The CPU float32 path (6 dispatches instead of F.rms_norm's 13) against the float64 oracle
+    and against F.rms_norm itself (the op the model ran before, HF's math), on contiguous rows
+    and on a strided q/k-norm view of a qkv tensor."""
+    g = _gen(len(shape))
+    base = torch.randn(*shape[:-1], 2 * shape[-1], generator=g) * 3
+    for x in (base[..., : shape[-1]].contiguous(), base[..., : shape[-1]]):  # contiguous, then strided
+        weight = torch.randn(shape[-1], generator=g)
+        out = rms_norm(x, weight, 1e-6, use_triton=False)
+        assert out.shape == x.shape and out.dtype == torch.float32
+        torch.testing.assert_close(out.double(), _oracle_norm(x, weight, 1e-6, False), **ORACLE_TOL[torch.float32])
+        torch.testing.assert_close(out, torch.nn.functional.rms_norm(x, (shape[-1],), weight, 1e-6),
+                                   atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_apply_rotary_is_hf_rotate_half_bit_for_bit(dtype, tokens):
+    """apply_rotary's roll and in-place negation give exactly HF's x * cos + rotate_half(x) * sin
+    (cat of -x2 and x1), on contiguous heads and on a strided view of a qkv tensor."""
+    g = _gen(tokens)
+    qkv = (torch.randn(tokens, 9, 64, generator=g) * 4).to(dtype)
+    cos, sin = (torch.randn(tokens, 1, 64, generator=g).to(dtype) for _ in range(2))
+    before = qkv.clone()
+    for x in (qkv[:, :6].contiguous(), qkv[:, :6]):
+        rotate_half = torch.cat((-x[..., 32:], x[..., :32]), dim=-1)
+        assert torch.equal(apply_rotary(x, cos, sin), x * cos + rotate_half * sin)
+    assert torch.equal(qkv, before)  # the in-place negation works on the rolled copy, not the input
+
+
 def _oracle_act(name: str, gate: torch.Tensor) -> torch.Tensor:
     if name == "silu":
         return gate * torch.sigmoid(gate)
