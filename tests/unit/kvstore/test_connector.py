@@ -290,3 +290,37 @@ def test_sparse_and_dense_mla_replicas_do_not_exchange():
     with pytest.raises(KVTransferError, match="layout"):
         dst.connector.import_(export.header_bytes, [bytes(f.numpy()) for f in export.frames])
     dst.kv.check_invariants()
+
+
+def _digest_one_frame_at_a_time(frames) -> int:
+    """The digest as first written (every frame's total and weighted sum reduced on its own):
+    the values the batched FrameDigest must keep, so that both ends of a hand-over agree
+    whichever version computed them."""
+    chunk, mask, value = 4096, (1 << 64) - 1, 0
+    for frame in frames:
+        n = frame.numel()
+        n8 = n - n % 8
+        words = frame[:n8].clone().view(torch.int64)
+        m = words.numel() // chunk
+        total = int(words.sum())
+        sums = words[: m * chunk].view(m, chunk).sum(1)
+        weighted = int((sums * torch.arange(1, m + 1)).sum()) + (m + 1) * int(words[m * chunk :].sum())
+        tail = int.from_bytes(bytes(frame[n8:].tolist()), "little")
+        total, weighted = (total + tail) & mask, (weighted + (m + 1) * tail) & mask
+        value = ((value * 0x100000001B3) ^ total ^ (weighted * 0x9E3779B97F4A7C15) ^ n) & mask
+    return value
+
+
+@pytest.mark.parametrize("sizes", [[0], [7], [8], [4096 * 8], [4096 * 8 + 3, 5, 4096 * 24 + 17, 1 << 20],
+                                   [3, 4096 * 8 * 2, 100_003, 8]])
+def test_batched_digest_keeps_the_frame_by_frame_values(sizes):
+    gen = torch.Generator().manual_seed(len(sizes) + sum(sizes))
+    data = torch.randint(0, 256, (sum(sizes) + 1,), dtype=torch.uint8, generator=gen)
+    frames, at = [], 1  # offset by one byte: unaligned frames are copied before their int64 view
+    for size in sizes:
+        frames.append(data[at : at + size])
+        at += size
+    d = FrameDigest()
+    for f in frames:
+        d.update(f)
+    assert d.value == _digest_one_frame_at_a_time(frames)
