@@ -46,8 +46,23 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
         kwargs.update(include_dashboard=False, num_cpus=num_cpus, _temp_dir=temp_dir)
     if address is not None or os.environ.get("RAY_ADDRESS"):
         probe_cluster(address or os.environ["RAY_ADDRESS"])
-    ray.init(address=address, **kwargs)
+        ray.init(address=address, **kwargs)
+        return True
+    for _ in range(EMBEDDED_START_ATTEMPTS - 1):
+        try:
+            ray.init(**kwargs)
+            return True
+        except Exception as exc:  # Ray raises a bare Exception when its raylet or GCS start too slowly
+            if STARTUP_TIMEOUT not in str(exc):
+                raise
+            log.warning("the embedded Ray cluster did not start in time (%s); starting it again", exc)
+            ray.shutdown()  # whatever the failed start left running
+    ray.init(**kwargs)
     return True
+
+
+EMBEDDED_START_ATTEMPTS = 2  # a loaded 2-core machine now and then misses Ray's node start-up deadline
+STARTUP_TIMEOUT = "timed out during startup"  # what Ray's message says then
 
 
 PROBE_TIMEOUT_S = 4.0  # a join that cannot work fails within this (ray.init itself retries for ~20 s)
