@@ -48,12 +48,12 @@ def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               *, small_m: bool = True, bias: torch.Tensor | None = None) -> torch.Tensor:
+               *, small_m: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias [N]) -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its
     `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
-    On CUDA, up to SMALL_M_MAX rows (decode) run the weight-streaming W8A16 kernel (small_m.py)
-    unless `small_m` is False; more rows quantize the activations (block: per token per bk
+    On CUDA with `small_m` (ModelConfig.small_m_gemm "on"), up to SMALL_M_MAX rows (decode) run the
+    weight-streaming W8A16 kernel (small_m.py); other rows quantize the activations (block: per token per bk
     features; per-channel: per token) and run the FP8 tensor-core GEMMs."""
     if not _fast_path(x) or x.dtype == torch.float32:
         y = fp8_linear_reference(x, weight, scale, block)
@@ -80,7 +80,7 @@ class Fp8Linear(nn.Module):
     """y = x @ dequant(W)^T (+ bias); ctx given: row-parallel (all-reduce, then the bias once)."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, block: tuple[int, int] | None,
-                 ctx: ParallelContext | None = None, small_m: bool = True) -> None:
+                 ctx: ParallelContext | None = None, small_m: bool = False) -> None:
         super().__init__()
         self.in_features, self.out_features, self.block, self.ctx = in_features, out_features, block, ctx
         self.small_m = small_m  # decode-sized inputs take the weight-streaming kernel (CUDA)
@@ -169,7 +169,7 @@ def stream_dense_linears(model: nn.Module) -> list[str]:
 
 
 def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | None, *,
-                    small_m: bool = True) -> None:
+                    small_m: bool = False) -> None:
     """Swap each named nn.Linear / RowParallelLinear of the (meta-device, already dtype-cast)
     `model` for an Fp8Linear of the same shape; the bias keeps the model dtype."""
     modules = dict(model.named_modules())
