@@ -129,10 +129,10 @@ class TritonBackend(AttentionBackend):
             check(decode_partition >= 1, "decode_partition", decode_partition, "an integer >= 1 or None")
         self.decode_partition = decode_partition
         self.num_sms = num_sms
-        fp8 = self.spec.kv_cache_dtype.is_fp8
-        args = (self.spec.head_size, problem.dtype, problem.device, fp8)
-        self.prefill_cfg = prefill_config or default_prefill_config(*args)
-        self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, problem.compute_capability)
+        args = (self.spec.head_size, problem.dtype, problem.device, self.spec.kv_cache_dtype.is_fp8)
+        cc, page = problem.compute_capability, problem.block_size
+        self.prefill_cfg = prefill_config or default_prefill_config(*args, page=page, compute_capability=cc)
+        self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, cc, page=page)
         self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan

@@ -36,9 +36,23 @@ class PrefillConfig:
         check(regs is None or 24 <= regs <= 255, "max_registers", regs, "None or 24..255 registers per thread")
 
 
-# The switch for the descriptor K/V path in the CUDA defaults below. Off until the H200 sweep
-# (`python -m bench.prefill_sweep`, docs/performance.md) shows it faster than the gather path.
-PREFILL_KV_DESCRIPTORS = False
+# The descriptor K/V path (TMA) in the CUDA defaults: from this page size on, one page holds a
+# whole 64-key tile, so a tile is one descriptor load. H200 sweep (bench/prefill_sweep.py,
+# docs/performance.md): at pages of 64 it beats the gather path by 1.19-1.34x (410 against 324
+# TFLOP/s at 4 x 4096, 468 against 378 at 1 x 16384); at pages of 16 (four loads per tile) it
+# is 3-4x slower, so smaller pages keep the gather path.
+PREFILL_DESCRIPTOR_MIN_PAGE = 64
+
+
+def _descriptor_tiles(block_d: int, dtype: str, kv_fp8: bool, page: int | None,
+                      compute_capability: tuple[int, int] | None) -> PrefillConfig | None:
+    """The measured descriptor tiles where they apply (Hopper or later, 16-bit, head <= 128, whole
+    pages per tile), else None. FP8 caches were not measured on this path: they keep the gather."""
+    if page is None or page < PREFILL_DESCRIPTOR_MIN_PAGE or kv_fp8 or block_d > 128:
+        return None
+    if dtype not in ("bfloat16", "float16") or compute_capability is None or compute_capability < (9, 0):
+        return None
+    return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True)
 
 
 @dataclass(frozen=True)
@@ -50,14 +64,19 @@ class DecodeConfig:
     programs_per_sm: int = 8  # splits are added until the grid has about this many programs per SM
 
 
-def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> PrefillConfig:
+def default_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool, *, page: int | None = None,
+                           compute_capability: tuple[int, int] | None = None) -> PrefillConfig:
+    """page: the cache's block size (None: unknown, no descriptor path)."""
     if device != "cuda":
         return PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     block_d = max(16, 1 << (head_size - 1).bit_length())
     if dtype == "float32":  # IEEE fp32 products run on FMA units; these tiles spill least
         return PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)
+    desc = _descriptor_tiles(block_d, dtype, kv_fp8, page, compute_capability)
+    if desc is not None:
+        return desc
     if block_d <= 128:  # H200 sweep: one warpgroup per 128 queries beat two (docs/performance.md)
-        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=PREFILL_KV_DESCRIPTORS)
+        return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3)
     return PrefillConfig(block_m=64, block_n=32, num_warps=4, num_stages=2)
 
 
@@ -66,21 +85,25 @@ LONG_PREFILL_QUERIES = 8192
 
 
 def long_prefill_config(
-    head_size: int, dtype: str, device: str, kv_fp8: bool, compute_capability: tuple[int, int] | None
+    head_size: int, dtype: str, device: str, kv_fp8: bool, compute_capability: tuple[int, int] | None, *,
+    page: int | None = None,
 ) -> PrefillConfig | None:
     """Tiles for steps whose longest prefill has >= LONG_PREFILL_QUERIES queries, or None (the default).
 
     Two warpgroups of 128 queries each share every K/V tile: H200, bf16, head 128, causal
     (docs/performance.md): 380 against 353 TFLOP/s at 1 x 16384, 325 against 320 at 4 x 4096.
     Hopper and later only: measured there, and the tiles take 128 KB of shared memory (more than
-    sm_89 GPUs give; untried on sm_80).
+    sm_89 GPUs give; untried on sm_80). None too where the default tiles read K/V through
+    descriptors (pages >= PREFILL_DESCRIPTOR_MIN_PAGE): those beat these tiles at 1 x 16384.
     """
     block_d = max(16, 1 << (head_size - 1).bit_length())
     if device != "cuda" or dtype not in ("bfloat16", "float16") or kv_fp8 or block_d > 128:
         return None
     if compute_capability is None or compute_capability < (9, 0):
         return None
-    return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3, kv_desc=PREFILL_KV_DESCRIPTORS)
+    if _descriptor_tiles(block_d, dtype, kv_fp8, page, compute_capability) is not None:
+        return None
+    return PrefillConfig(block_m=256, block_n=64, num_warps=8, num_stages=3)
 
 
 def default_decode_config(head_size: int, dtype: str, device: str, kv_fp8: bool) -> DecodeConfig:

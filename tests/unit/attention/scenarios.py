@@ -198,7 +198,9 @@ def make_case(
 def poison_unowned_slots(case: Case) -> None:
     """NaN in every cache slot no sequence owns a token in: a tile that reads past a sequence's
     end then shows up as NaN unless the kernel discards those rows. 16/32-bit caches only (FP8
-    caches are left as they are)."""
+    caches are left as they are; encoder-only attention has no cache)."""
+    if case.kv_cache is None:
+        return
     data, bs = case.kv_cache.data, case.scenario.block_size
     if data.element_size() == 1:
         return

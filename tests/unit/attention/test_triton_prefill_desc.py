@@ -105,13 +105,25 @@ def test_caches_descriptors_cannot_read_fall_back_with_reasons():
     assert "no KV cache" in off.prefill_descriptor_reasons(cfg, None)[0]
 
 
-def test_defaults_keep_the_gather_path():
-    """The switch in kernels/config.py is off until the H200 sweep says otherwise."""
+def test_defaults_use_descriptors_only_for_whole_page_tiles_on_hopper():
+    """The H200 sweep's rule (kernels/config.py): descriptors where a 64-key tile is one page."""
     from meshserve.attention.kernels import config
 
-    assert config.PREFILL_KV_DESCRIPTORS is False
-    assert not config.default_prefill_config(128, "bfloat16", "cuda", False).kv_desc
-    assert not config.long_prefill_config(128, "bfloat16", "cuda", False, (9, 0)).kv_desc
+    hopper, ampere = (9, 0), (8, 0)
+    desc = config.default_prefill_config(128, "bfloat16", "cuda", False, page=64, compute_capability=hopper)
+    assert desc.kv_desc and (desc.block_m, desc.block_n, desc.num_warps) == (128, 64, 4)
+    assert config.long_prefill_config(128, "bfloat16", "cuda", False, hopper, page=64) is None
+    for page, cc, fp8, head, dtype in [(16, hopper, False, 128, "bfloat16"), (32, hopper, False, 128, "float16"),
+                                       (64, ampere, False, 128, "bfloat16"), (64, hopper, True, 128, "bfloat16"),
+                                       (64, hopper, False, 256, "bfloat16"), (64, hopper, False, 128, "float32"),
+                                       (128, None, False, 128, "bfloat16")]:  # fmt: skip
+        assert not config.default_prefill_config(head, dtype, "cuda", fp8, page=page, compute_capability=cc).kv_desc
+    assert not config.default_prefill_config(128, "bfloat16", "cpu", False, page=64, compute_capability=None).kv_desc
+    long = config.long_prefill_config(128, "bfloat16", "cuda", False, hopper, page=16)
+    assert (long.block_m, long.kv_desc) == (256, False)
+    problem = dataclasses.replace(LONG.problem(), device="cuda", dtype="bfloat16", compute_capability=hopper,
+                                  block_size=64)  # fmt: skip
+    assert TritonBackend(problem).prefill_cfg.kv_desc
 
 
 def test_fp8_cache_through_descriptors():
