@@ -196,8 +196,10 @@ def test_mla_graph_refusals_name_the_backend(tmp_path):
 
     path = tmp_path / "deepseek_v3"
     write_deepseek(path, "deepseek_v3")
-    ref = _worker(path, backend="TORCH")
+    ref, tri = _worker(path, backend="TORCH"), _worker(path)
     assert graph_refusal(ref.runner.backends[0]) == "MLA decode backend TORCH declares no CUDA-graph support"
+    why = " ".join(tri._graph_refusals(tri.runner.backends, tri.runner.model))
+    assert "MLA" not in why and "MoE routing" in why  # on CPU the experts sync; TRITON MLA would capture
     with pytest.raises(ConfigError, match="cuda_graphs"):
         _graphs(ref, max_batch=2)
     sparse = SparseMLAAttention(sparse_problem(MLA_BY_NAME["small_decode"]), backend="TORCH")
