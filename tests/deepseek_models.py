@@ -35,12 +35,13 @@ DEEPSEEK: dict[str, tuple[str, dict]] = {
 }  # fmt: skip
 
 
-def hf_deepseek(name: str, *, seed: int = 0):
-    """A fresh random HF DeepSeek model (float32, eval mode, eager attention)."""
+def hf_deepseek(name: str, *, seed: int = 0, **overrides):
+    """A fresh random HF DeepSeek model (float32, eval mode, eager attention); overrides: config
+    fields, e.g. DeepSeek's real latent shape (kv_lora_rank=512, qk_rope_head_dim=64)."""
     import transformers
 
     cls_name, extra = DEEPSEEK[name]
-    config = getattr(transformers, cls_name)(**COMMON, **extra)
+    config = getattr(transformers, cls_name)(**{**COMMON, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").eval()
     with torch.no_grad():
@@ -51,9 +52,9 @@ def hf_deepseek(name: str, *, seed: int = 0):
     return model
 
 
-def write_deepseek(path: Path, name: str, *, seed: int = 0):
+def write_deepseek(path: Path, name: str, *, seed: int = 0, **overrides):
     """Save DeepSeek variant `name` with the tiny tokenizer to `path`; returns the HF model (oracle)."""
-    model = hf_deepseek(name, seed=seed)
+    model = hf_deepseek(name, seed=seed, **overrides)
     model.save_pretrained(path)
     tiny_tokenizer().save(str(Path(path) / "tokenizer.json"))
     return model

@@ -6,7 +6,9 @@ static buffers that every graph reads (token ids, positions, sequence lengths, b
 and slot mappings per KV layer group), so a replay launches the whole forward pass — every
 layer and the LM head — as one graph. Rows n..b-1 are padding: token 0 at position 0 with one
 key, block table row [0] and slot 0, i.e. they read and write only the null block 0 that the
-KV store never hands out, and their logits are never sampled.
+KV store never hands out, and their logits are never sampled. MLA layers (DeepSeek) take part
+through their MLAAttention, whose decode backend plans for the graph; their one latent row per
+token goes to the same null slot.
 
 The same static path runs without capture (`capture=False`): that is how the CPU tests check
 its contract (buffers keep their addresses, padded rows reach neither the sampler nor a real
@@ -48,6 +50,19 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def graph_refusal(backend: object) -> str | None:
+    """Why a layer's attention cannot run in decode graphs (None: it can). A standard backend
+    answers by its declared capabilities; a layer object that composes backends (MLAAttention:
+    its decode backend's record) answers through its own `graph_refusal()`."""
+    own = getattr(backend, "graph_refusal", None)
+    if own is not None:
+        return own()
+    caps = getattr(type(backend), "capabilities", None)
+    if caps is None or not caps.cuda_graphs:
+        return f"attention backend {backend.name} declares no CUDA-graph support"
+    return None
+
+
 class DecodeGraphs:
     """Static buffers, per-bucket plans and (on CUDA) graphs for the decode steps of one rank."""
 
@@ -57,7 +72,7 @@ class DecodeGraphs:
         """max_local_len: tokens of the longest sequence this rank stores (a max_model_len sequence
         under its DCP share); it sizes the block tables and the plans' split counts."""
         for b in dict.fromkeys(backends):
-            check(type(b).capabilities.cuda_graphs, "attention_backend", b.name,
+            check(graph_refusal(b) is None, "attention_backend", b.name,
                   "a backend whose capabilities declare cuda_graphs (or enforce_eager)")
         check(not capture or device.type == "cuda", "device", device.type, "cuda to capture CUDA graphs")
         self.model, self.backends, self.kv_caches = model, list(backends), list(kv_caches)

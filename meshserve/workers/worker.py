@@ -26,7 +26,7 @@ from meshserve.parallel.dcp_mla import DcpMLAAttention, DcpSparseMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
-from meshserve.workers.decode_graphs import DecodeGraphs
+from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
@@ -228,10 +228,7 @@ class Worker:
             why.append("enforce_eager is set")
         if self.parallel.tp > 1:
             why.append(f"tp={self.parallel.tp}: collectives inside graphs are not captured yet")
-        for b in dict.fromkeys(backends):
-            caps = getattr(type(b), "capabilities", None)
-            if caps is None or not caps.cuda_graphs:
-                why.append(f"attention backend {b.name} declares no CUDA-graph support")
+        why += [r for r in map(graph_refusal, dict.fromkeys(backends)) if r is not None]
         if getattr(model, "is_encoder_decoder", False):
             why.append("encoder-decoder model: the graph buffers carry no encoder tables yet")
         elif not getattr(model, "cuda_graph_safe", False):

@@ -5,6 +5,10 @@ budget smaller than a prompt (chunked prefill) and a KV pool too small for every
 once (preemption and recompute), so graph steps alternate with eager prefill steps and the
 decode batch moves between buckets. float32 TRITON must give HF transformers' greedy tokens
 exactly, graphs or not; bf16 graph runs must give the eager run's tokens.
+
+DeepSeek-V3 (MLA attention + fused MoE) runs the same mix with DeepSeek's real latent shape
+(kv_lora_rank 512, rope 64, 16 heads: what FlashInfer's MLA kernels take) on a tiny model, through
+the TRITON and FLASHINFER MLA decode backends.
 """
 
 import pytest
@@ -12,15 +16,17 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from meshserve.attention.backend import AttentionProblem
-from meshserve.attention.registry import load_backend
-from meshserve.attention.spec import AttentionSpec
+from meshserve.attention.mla.spec import mla_spec
+from meshserve.attention.registry import BackendKind, load_backend
+from meshserve.attention.spec import AttentionSpec, MLADims
+from tests.deepseek_models import write_deepseek
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 NEW_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
-ARCHS = ("llama", "gemma2")
+ARCHS = ("llama", "gemma2")  # written by tiny_models; DeepSeek by deepseek_models (in `cases` too)
 
 
 @pytest.fixture(scope="module")
@@ -28,24 +34,29 @@ def cases(tmp_path_factory):
     root = tmp_path_factory.mktemp("graphs_gpu")
     shared = prompts(1, seed=9, min_len=40, max_len=40)[0]
     batch = [shared + p for p in prompts(10, seed=3, min_len=4, max_len=50)]  # a common 40-token prefix
+    assert max(map(len, batch)) > MAX_BATCHED_TOKENS  # some prompts are prefilled in chunks
     out = {}
     for name in ARCHS:
         hf = write_checkpoint(root / name, name, overrides={"head_dim": 64})
         out[name] = (root / name, batch, hf)
+    hf = write_deepseek(root / "deepseek_v3", "deepseek_v3", **DEEPSEEK_SHAPE)
+    out["deepseek_v3"] = (root / "deepseek_v3", batch, hf)
     return out
 
 
 # KV blocks of 16 tokens: enough for one max_model_len=128 sequence in each KV layer group (gemma2 has
 # three) plus a little, far fewer than the batch needs at once, so requests are preempted.
-NUM_BLOCKS = {"llama": 14, "gemma2": 30}
+NUM_BLOCKS = {"llama": 14, "gemma2": 30, "deepseek_v3": 14}
+MAX_BATCHED_TOKENS = 64
+DEEPSEEK_SHAPE = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+DEEPSEEK_DIMS = MLADims(kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16)
 
 
 def _llm(path, backend, dtype, *, enforce_eager):
     arch = path.name
     return LLM(path, attention_backend=backend, dtype=dtype, device="cuda", block_size=16,
-               num_kv_blocks=NUM_BLOCKS[arch],
-               max_model_len=128, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=enforce_eager,
-               progress=False)
+               num_kv_blocks=NUM_BLOCKS[arch], max_model_len=128, max_num_batched_tokens=MAX_BATCHED_TOKENS,
+               max_num_seqs=16, enforce_eager=enforce_eager, progress=False)
 
 
 def _run(llm, batch, params=GREEDY):
@@ -55,22 +66,25 @@ def _run(llm, batch, params=GREEDY):
     return outs, graphs, core.scheduler.stats
 
 
-def _skip_unless_served(backend, dtype):
-    spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64)
+def _skip_unless_served(backend, dtype, arch="llama"):
+    if arch == "deepseek_v3":  # the MLA decode table, asked about the checkpoint's MLA layer
+        spec, kind = mla_spec(DEEPSEEK_SHAPE["num_attention_heads"], DEEPSEEK_DIMS), BackendKind.MLA_DECODE
+    else:
+        spec, kind = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64), BackendKind.ATTENTION
     problem = AttentionProblem(spec, dtype=dtype, block_size=16, max_model_len=128, device="cuda",
                                compute_capability=torch.cuda.get_device_capability())
     try:
-        reasons = load_backend(backend).validate_configuration(problem)
+        reasons = load_backend(backend, kind).validate_configuration(problem)
     except ImportError as exc:
         reasons = [str(exc)]
     if reasons:
         pytest.skip("; ".join(reasons))
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3"])
 def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
     path, batch, hf = cases[arch]
-    _skip_unless_served("TRITON", "float32")
+    _skip_unless_served("TRITON", "float32", arch)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)  # stops at EOS, as HF's generate
     got, graphs, stats = _run(_llm(path, "TRITON", "float32", enforce_eager=False), batch, params)
     eager, no_graphs, _ = _run(_llm(path, "TRITON", "float32", enforce_eager=True), batch, params)
@@ -83,12 +97,16 @@ def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3"])
 def test_bf16_graphs_equal_eager(cases, arch, backend):
     path, batch, _ = cases[arch]
-    _skip_unless_served(backend, "bfloat16")
-    got, graphs, stats = _run(_llm(path, backend, "bfloat16", enforce_eager=False), batch)
+    _skip_unless_served(backend, "bfloat16", arch)
+    llm = _llm(path, backend, "bfloat16", enforce_eager=False)
+    if arch == "deepseek_v3":  # the MLA decode backend asked for, and MoE experts that run fused
+        runner = llm.core.executor.worker.runner
+        assert runner.backends[0].decode.name == backend and runner.model.cuda_graph_safe
+    got, graphs, stats = _run(llm, batch)
     eager, _, _ = _run(_llm(path, backend, "bfloat16", enforce_eager=True), batch)
     assert graphs is not None and graphs.num_steps > 0
-    assert stats.num_preemptions > 0
+    assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
     assert got == eager

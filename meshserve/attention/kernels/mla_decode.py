@@ -11,7 +11,9 @@ dot products and reads each cache row once for all of them: the latent tile is t
 scores and the value for the output. Grid (head block, decode sequence, split), head blocks
 fastest so that the programs reading the same rows run together and share them through L2.
 Each split writes a partial (o_lat, lse) that the LSE merge combines; with one split the
-program writes the final o_lat directly.
+program writes the final o_lat directly. `partition` is the keys per split, or 0: each sequence
+cut into as many equal whole-tile parts as there are splits (the form a CUDA graph replays at
+any length); a split past a sequence's keys writes o = 0, LSE = -inf, which the merge ignores.
 
 Scores are in base 2 (exp2); the LSE goes out in natural log.
 """
@@ -61,6 +63,10 @@ def mla_decode_kernel(
         kv_scale = tl.load(scale_ptr)
     qk_scale = sm_scale * kv_scale * LOG2E
     kv_len = tl.load(kv_len_ptr + i)
+    if partition <= 0:
+        # A graph's plan (partition 0): this sequence's keys in as many equal whole-tile parts as
+        # there are splits, so a graph captured for max_model_len spreads any length over them.
+        partition = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * partition
     end = tl.minimum(start + partition, kv_len)
     bt_row = bt_ptr + i.to(tl.int64) * stride_bt

@@ -19,6 +19,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from meshserve.attention.backend import AttentionProblem, BackendCapabilities
@@ -26,7 +27,7 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.mla.spec import mla_reasons
 from meshserve.attention.spec import MLADims
-from meshserve.errors import NoBackendError, check
+from meshserve.errors import ConfigError, NoBackendError, check
 
 
 @dataclass(frozen=True)
@@ -107,6 +108,18 @@ class MLABackend(ABC):
     def plan(self, metadata: AttentionMetadata) -> object:
         """Per-step state shared by all layers; the returned object goes to forward."""
         return metadata
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> object:
+        """A decode plan to capture in a CUDA graph (backends declaring `cuda_graphs`), with the
+        contract of AttentionBackend.plan_for_graph: static device tensors in `metadata`, host
+        lengths the longest the graph will see, no device value read on the host in forward."""
+        raise ConfigError("mla_decode_backend", self.name, "an MLA decode backend whose capabilities declare "
+                          "cuda_graphs (TRITON, FLASHINFER)")
+
+    def prepare_replay(self, plan: object, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        """Host work before replaying a graph captured with `plan`: this step's lengths ([b] int32)
+        and tables ([b, W] int32 host array, padding rows included). Default: nothing."""
+        return None
 
     @abstractmethod
     def forward(

@@ -4,13 +4,16 @@ The decode and prefill backends are chosen separately from their own registry ta
 packed batch (prefills first, then decodes) is cut in two: the prefill sequences go to the
 prefill backend, the decode sequences to the decode backend, and the outputs are concatenated
 in batch order. A model holds one MLAAttention per distinct MLA spec and calls
-`plan` once per step and `write_kv` + `forward` per layer.
+`plan` once per step and `write_kv` + `forward` per layer. Decode steps captured in CUDA graphs
+(workers/decode_graphs.py) plan with `plan_for_graph` over static buffers and `prepare_replay`
+before each replay; only the decode backend takes part.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 
 from meshserve.attention.backend import AttentionProblem
@@ -113,6 +116,19 @@ class MLAAttention:
             None if prefill is None else self.prefill.plan(prefill),
             None if decode is None else self.decode.plan(decode),
         )
+
+    def graph_refusal(self) -> str | None:
+        """Why this layer's decode steps cannot be captured in CUDA graphs (None: they can)."""
+        if not self.decode.capabilities.cuda_graphs:
+            return f"MLA decode backend {self.decode.name} declares no CUDA-graph support"
+        return None
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> MLAPlan:
+        """A decode-only plan over a graph's static buffers (see MLABackend.plan_for_graph)."""
+        return MLAPlan(metadata, None, self.decode.plan_for_graph(metadata))
+
+    def prepare_replay(self, plan: MLAPlan, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        self.decode.prepare_replay(plan.decode_plan, seq_lens, block_tables)
 
     def write_kv(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: LatentCache, plan: MLAPlan) -> None:
         """Store the step's new tokens: latent [T, kv_lora_rank] (normalised), k_pe [T, rope] (rotated)."""

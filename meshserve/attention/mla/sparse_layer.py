@@ -50,6 +50,13 @@ class SparseMLAAttention:
     def name(self) -> str:
         return f"SparseMLA({self.backend.name}, top-{self.topk})"
 
+    def graph_refusal(self) -> str | None:
+        """Why decode steps stay eager (never None yet): the indexer scores a step's keys up to its
+        longest sequence, which a graph would fix at max_model_len for every row (a cost that grows
+        with max_model_len, not with the lengths served), and its plan copies host lists."""
+        return ("sparse MLA (DeepSeek-V3.2 indexer) captures no CUDA graphs: its top-k scoring is sized "
+                "by the step's longest sequence on the host")
+
     def plan(self, metadata) -> SparsePlan:
         return self.backend.plan(metadata)
 

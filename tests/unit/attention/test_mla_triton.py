@@ -4,6 +4,8 @@ The TORCH reference expands the latent to per-head K/V (as HF does); the decode 
 does, so agreement checks the absorption, the latent-space split-KV attention and the merge.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -52,6 +54,34 @@ def test_absorbed_decode_matches_expanded_reference(name, partition):
     assert_matches(out, lse, ref_out[npt:].double(), ref_lse[npt:].double(), torch.float32)
     no_lse = backend.forward(query, case.cache, plan, case.weights)
     torch.testing.assert_close(no_lse, out, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["small_decode", "long_decode", "many_heads_decode", "small_page_decode",
+                                  "fp8_e4m3"])
+def test_graph_plan_serves_any_length_written_into_its_buffers(name):
+    """plan_for_graph plans once for max_model_len over static buffers; the same plan then serves
+    the case's shorter lengths and tables written into those buffers in place (what a CUDA-graph
+    replay sees): every row cut over the fixed splits by its own length; a short row's splits past
+    its keys are empty (small_decode: 5 keys over 3 splits) and the merge ignores them."""
+    sc = MLA_BY_NAME[name]
+    case = make_mla_case(sc, seed=3)
+    write_latent_kv_torch(case.latent, case.k_pe, case.cache, case.metadata.slot_mapping)
+    ref_out, ref_lse = reference(case)
+    meta, query = decode_part(case)
+    n, longest = meta.num_decodes, sc.max_model_len
+    seq_lens = torch.ones(n, dtype=torch.int32)  # the static buffers: padding-like values at plan time
+    table = torch.zeros(n, longest // sc.block_size, dtype=torch.int32)
+    static = replace(meta, seq_lens=seq_lens, block_table=table, seq_lens_host=(longest,) * n, max_seq_len=longest)
+    backend = TritonMLADecodeBackend(sc.problem())
+    plan = backend.plan_for_graph(static)
+    assert plan.partition == 0 and plan.num_splits > 1
+    seq_lens.copy_(meta.seq_lens)
+    table[:, : meta.block_table.shape[1]] = meta.block_table
+    out, lse = backend.forward(query, case.cache, plan, case.weights, return_lse=True)
+    npt = case.metadata.num_prefill_tokens
+    assert_matches(out, lse, ref_out[npt:].double(), ref_lse[npt:].double(), torch.float32)
+    with pytest.raises(ConfigError, match="num_prefills"):
+        backend.plan_for_graph(case.metadata if case.metadata.num_prefills else replace(static, num_prefills=1))
 
 
 @pytest.mark.parametrize("name", PREFILL)

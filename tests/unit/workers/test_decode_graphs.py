@@ -1,7 +1,8 @@
 """The static decode path (workers/decode_graphs.py) on CPU, without capture: buckets, padding,
 static buffers, and tokens equal to the eager path's (the graphs replay exactly this path on CUDA).
 
-Oracle: the eager ModelRunner on the same checkpoint, fed the same step plans.
+Oracle: the eager ModelRunner on the same checkpoint, fed the same step plans (for DeepSeek also
+the eager TORCH MLA reference).
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import random
 import pytest
 import torch
 
+from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
-from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes
+from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes, graph_refusal
 from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
+from tests.deepseek_models import write_deepseek
 from tests.tiny_models import write_checkpoint
 
 BLOCK = 16
@@ -89,8 +92,10 @@ class _Driver:
         return toks
 
 
-def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int) -> tuple[list[tuple[int, int]], set[int]]:
-    """Drive both runners; return (batch, bucket) of every static step and the blocks handed out."""
+def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
+              others=()) -> tuple[list[tuple[int, int]], set[int]]:  # fmt: skip
+    """Drive both runners (and `others`, more eager oracles); return (batch, bucket) of every static
+    step and the blocks handed out."""
     drv = _Driver(num_groups)
     sampled_rows: list[int] = []
     real_draw = static.sampler.draw
@@ -110,6 +115,9 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int) -> tuple[lis
         assert sampled_rows == [len(plan.seqs)]  # padded rows never reach the sampler
         ta, tb = drv.record(a), {s.request_id: s.token_id for s in b.sampled}
         assert ta == tb, f"step {plan.step_id}: eager {ta} != static {tb}"
+        for other in others:
+            tc = {s.request_id: s.token_id for s in other.execute(plan).sampled}
+            assert tc == tb, f"step {plan.step_id}: oracle {tc} != static {tb}"
         if graphs.serves(plan.seqs):
             seen.append((len(plan.seqs), graphs.bucket(len(plan.seqs))))
 
@@ -130,29 +138,73 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int) -> tuple[lis
     return seen, used
 
 
+def _buffers(graphs: DecodeGraphs) -> list[torch.Tensor]:
+    return [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens, *graphs.block_tables,
+            *graphs.slot_mappings]  # fmt: skip
+
+
+def _check_contract(eager, static, graphs: DecodeGraphs, seen, used, ptrs) -> None:
+    assert {bucket for _, bucket in seen} == {1, 2, 4}  # the batch moved between buckets
+    assert (3, 4) in seen  # a padded step ran
+    assert [t.data_ptr() for t in _buffers(graphs)] == ptrs  # the addresses a graph holds never change
+    # Padded rows wrote only into the null block: every block no request owns is untouched.
+    for cache in static.kv_caches:
+        untouched = [b for b in range(1, NUM_BLOCKS) if b not in used]
+        assert torch.count_nonzero(cache.data[untouched]) == 0
+    # The K/V the requests wrote agree with the eager run's (attention partitions differ: rounding only).
+    for a, b in zip(eager.kv_caches, static.kv_caches):
+        torch.testing.assert_close(a.data[1:], b.data[1:], rtol=1e-5, atol=1e-5)
+    # Padded rows' slot mapping points at the null slot.
+    assert graphs.slot_mappings[0][3].item() == NULL_SLOT
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_static_decode_equals_eager_and_keeps_its_contract(tmp_path, arch):
     write_checkpoint(tmp_path / arch, arch)
     eager_w, static_w = _worker(tmp_path / arch), _worker(tmp_path / arch)
     static = static_w.runner
     graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
-    buffers = [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens,
-               *graphs.block_tables, *graphs.slot_mappings]  # fmt: skip
-    ptrs = [t.data_ptr() for t in buffers]
+    ptrs = [t.data_ptr() for t in _buffers(graphs)]
     seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups)
+    _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
 
-    assert {bucket for _, bucket in seen} == {1, 2, 4}  # the batch moved between buckets
-    assert (3, 4) in seen  # a padded step ran
-    assert [t.data_ptr() for t in buffers] == ptrs  # the addresses a graph holds never change
-    # Padded rows wrote only into the null block: every block no request owns is untouched.
-    for cache in static.kv_caches:
-        untouched = [b for b in range(1, NUM_BLOCKS) if b not in used]
-        assert torch.count_nonzero(cache.data[untouched]) == 0
-    # The K/V the requests wrote agree with the eager run's (attention partitions differ: rounding only).
-    for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):
-        torch.testing.assert_close(a.data[1:], b.data[1:], rtol=1e-5, atol=1e-5)
-    # Padded rows' slot mapping points at the null slot.
-    assert graphs.slot_mappings[0][3].item() == NULL_SLOT
+
+def test_deepseek_static_decode_equals_eager_and_the_torch_mla_reference(tmp_path):
+    """DeepSeek-V3 (MLA + MoE): the static path through TRITON MLA decode (interpreter) gives the
+    eager TRITON run's and the TORCH MLA reference's greedy tokens, and keeps the contract."""
+    path = tmp_path / "deepseek_v3"
+    write_deepseek(path, "deepseek_v3")
+    eager_w, static_w, ref_w = _worker(path), _worker(path), _worker(path, backend="TORCH")
+    static = static_w.runner
+    mla = static.backends[0]
+    assert isinstance(mla, MLAAttention) and mla.decode.name == "TRITON" and graph_refusal(mla) is None
+    graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
+    ptrs = [t.data_ptr() for t in _buffers(graphs)]
+    seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups, others=[ref_w.runner])
+    _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
+    # The graph plans read the lengths from the static buffer and cut each row by its own length
+    # over splits fixed for max_model_len (more than one here, so empty splits and the merge ran).
+    (_, _, plan), = graphs._plans[4]
+    assert plan.decode_plan.kv_lens.data_ptr() == graphs.seq_lens.data_ptr()
+    assert plan.decode_plan.partition == 0 and plan.decode_plan.num_splits > 1
+
+
+def test_mla_graph_refusals_name_the_backend(tmp_path):
+    from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+    from tests.unit.attention.mla_cases import MLA_BY_NAME
+    from tests.unit.attention.sparse_cases import sparse_problem
+
+    path = tmp_path / "deepseek_v3"
+    write_deepseek(path, "deepseek_v3")
+    ref, tri = _worker(path, backend="TORCH"), _worker(path)
+    assert graph_refusal(ref.runner.backends[0]) == "MLA decode backend TORCH declares no CUDA-graph support"
+    why = " ".join(tri._graph_refusals(tri.runner.backends, tri.runner.model))
+    assert "MLA" not in why and "MoE routing" in why  # on CPU the experts sync; TRITON MLA would capture
+    with pytest.raises(ConfigError, match="cuda_graphs"):
+        _graphs(ref, max_batch=2)
+    sparse = SparseMLAAttention(sparse_problem(MLA_BY_NAME["small_decode"]), backend="TORCH")
+    assert "sparse MLA" in graph_refusal(sparse)
+
 
 
 def test_static_decode_refuses_what_it_cannot_serve(tmp_path):

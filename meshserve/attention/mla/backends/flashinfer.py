@@ -9,19 +9,25 @@ What it does not do, declared below: FP8 latent caches (not wired: FlashInfer's 
 dequantisation scale), shapes other than DeepSeek's kv_lora_rank 512 + rope 64 (the sizes its
 kernels are built and tested for), float32, CPU. It serves decode only here: its causal mode
 assumes contiguous key positions, which DCP-sharded prefill does not have.
+
+CUDA graphs: each bucket gets a wrapper of its own in FlashInfer's graph mode (index lists in
+fixed device buffers), planned before every replay from the step's host lengths and tables;
+the float workspace is shared (one stream runs every wrapper). No DCP graphs (tp > 1 is eager).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from meshserve.attention.backend import AttentionProblem, BackendCapabilities
+from meshserve.attention.backend import DTYPES, AttentionProblem, BackendCapabilities
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
 
 WORKSPACE_BYTES = 128 * 1024 * 1024  # FlashInfer's recommended float workspace
@@ -30,7 +36,11 @@ KV_LORA_RANK, ROPE_DIM = 512, 64
 
 @dataclass(frozen=True)
 class FlashInferMLAPlan:
+    """metadata: the decode part of the step; wrapper: the BatchMLAPagedAttentionWrapper planned
+    for it (the backend's eager one, or a CUDA-graph bucket's own)."""
+
     metadata: AttentionMetadata
+    wrapper: object
 
 
 class FlashInferMLADecodeBackend(MLABackend):
@@ -57,8 +67,10 @@ class FlashInferMLADecodeBackend(MLABackend):
         devices=frozenset({"cuda"}),
         min_compute_capability=(8, 0),
         required_packages=("flashinfer",),
+        cuda_graphs=True,
         notes="decode: FlashInfer 0.5.3 BatchMLAPagedAttentionWrapper (FA3 on sm90), absorbed weights; "
-        "kv_lora_rank 512 + rope 64 only, no FP8 latent cache",
+        "kv_lora_rank 512 + rope 64 only, no FP8 latent cache; CUDA graphs: a wrapper per bucket in "
+        "FlashInfer's graph mode (fixed index buffers), re-planned before each replay",
     )
 
     @classmethod
@@ -74,14 +86,39 @@ class FlashInferMLADecodeBackend(MLABackend):
     def __init__(self, problem: AttentionProblem) -> None:
         super().__init__(problem)
         self._wrapper = None
+        self._workspace: torch.Tensor | None = None  # one float workspace: every wrapper runs on one stream
+        self._plan_event: torch.cuda.Event | None = None
+
+    def _float_workspace(self, device: torch.device) -> torch.Tensor:
+        if self._workspace is None:
+            self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        return self._workspace
 
     def _get_wrapper(self, device: torch.device):
         if self._wrapper is None:
             import flashinfer
 
-            workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-            self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(workspace, backend="auto")
+            self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._float_workspace(device), backend="auto")
         return self._wrapper
+
+    def _plan_wrapper(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                      kv_lens: torch.Tensor, page: int) -> None:  # fmt: skip
+        """One FlashInfer plan: host int32 indptrs and lengths, page ids (device, or host on CPU)."""
+        dtype = DTYPES[self.problem.dtype]
+        # The wrapper copies its host lists to the device from one pinned buffer without waiting;
+        # under overlap scheduling the previous step's copy may still be queued: wait for it.
+        if self._plan_event is not None:
+            self._plan_event.synchronize()
+        wrapper.plan(
+            qo_indptr, kv_indptr, kv_indices, kv_lens, self.spec.num_heads, self.dims.kv_lora_rank,
+            self.dims.qk_rope_head_dim, page,
+            False,  # one decode query sees every cached row (on every DCP rank too)
+            self.spec.softmax_scale, dtype, dtype,
+        )  # fmt: skip
+        if kv_indices.is_cuda:
+            if self._plan_event is None:
+                self._plan_event = torch.cuda.Event()
+            self._plan_event.record()
 
     def plan(self, metadata: AttentionMetadata) -> FlashInferMLAPlan:
         check(
@@ -99,23 +136,53 @@ class FlashInferMLADecodeBackend(MLABackend):
             indptr.append(indptr[-1] + c)
         pages = [metadata.block_table[i, :c] for i, c in enumerate(counts)]
         kv_indices = torch.cat(pages).to(torch.int32) if pages else torch.zeros(0, dtype=torch.int32, device=device)
-        num = metadata.num_decodes
-        dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[self.problem.dtype]
-        self._get_wrapper(device).plan(
-            torch.arange(num + 1, dtype=torch.int32),
-            torch.tensor(indptr, dtype=torch.int32),
-            kv_indices,
-            torch.tensor(kv_lens, dtype=torch.int32),
-            self.spec.num_heads,
-            self.dims.kv_lora_rank,
-            self.dims.qk_rope_head_dim,
-            page,
-            False,  # one decode query sees every cached row (on every DCP rank too)
-            self.spec.softmax_scale,
-            dtype,
-            dtype,
-        )
-        return FlashInferMLAPlan(metadata)
+        wrapper = self._get_wrapper(device)
+        qo_indptr = torch.arange(metadata.num_decodes + 1, dtype=torch.int32)
+        self._plan_wrapper(wrapper, qo_indptr, torch.tensor(indptr, dtype=torch.int32), kv_indices,
+                           torch.tensor(kv_lens, dtype=torch.int32), page)
+        return FlashInferMLAPlan(metadata, wrapper)
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> FlashInferMLAPlan:
+        """A wrapper of its own in FlashInfer's CUDA-graph mode: its index lists live in fixed
+        device buffers sized for the bucket and the longest table, and `prepare_replay` re-plans
+        into them before each replay (FlashInfer's work schedule is re-made there too)."""
+        import flashinfer
+
+        check(metadata.num_prefills == 0, "metadata.num_prefills", metadata.num_prefills,
+              "0 (CUDA graphs capture decode steps only)")
+        check(metadata.dcp_size == 1, "metadata.dcp_size", metadata.dcp_size,
+              "1 (FLASHINFER MLA captures no DCP graphs)")  # fmt: skip
+        device, b = metadata.seq_lens.device, metadata.num_decodes
+        max_pages = metadata.block_table.shape[1]
+        wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(
+            self._float_workspace(device), use_cuda_graph=True,
+            qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=device),
+            kv_indptr=torch.zeros(b + 1, dtype=torch.int32, device=device),
+            kv_indices=torch.zeros(b * max_pages, dtype=torch.int32, device=device),
+            kv_len_arr=torch.ones(b, dtype=torch.int32, device=device), backend="auto",
+        )  # fmt: skip
+        plan = FlashInferMLAPlan(metadata, wrapper)
+        # A valid plan to capture with: every row a padding row (one key in the null block).
+        self.prepare_replay(plan, np.ones(b, np.int32), np.zeros((b, 1), np.int32))
+        return plan
+
+    def prepare_replay(self, plan: object, seq_lens: np.ndarray, block_tables: np.ndarray) -> None:
+        if not isinstance(plan, FlashInferMLAPlan):
+            raise ConfigError("plan", type(plan).__name__, "the FlashInferMLAPlan returned by plan_for_graph")
+        page = plan.metadata.block_size
+        lens = np.asarray(seq_lens, np.int64)  # [b]; no DCP in graphs: every key is local
+        counts = -(-lens // page)
+        check(int(counts.max(initial=0)) <= block_tables.shape[1], "block_tables", tuple(block_tables.shape),
+              f"{len(lens)} rows of at least {int(counts.max(initial=0))} blocks (the KV lengths)")
+        indptr = np.zeros(len(lens) + 1, np.int32)
+        np.cumsum(counts, out=indptr[1:])
+        used = np.arange(block_tables.shape[1])[None, :] < counts[:, None]  # [b, W]
+        indices = np.ascontiguousarray(block_tables[used], np.int32)  # each row's pages in order
+        device = plan.metadata.seq_lens.device
+        # Page ids go up by a stream-ordered copy (from host memory FlashInfer would copy synchronously).
+        self._plan_wrapper(plan.wrapper, _pinned(torch.arange(len(lens) + 1, dtype=torch.int32)),
+                           _pinned(torch.from_numpy(indptr)), to_device(torch.from_numpy(indices), device),
+                           _pinned(torch.from_numpy(lens.astype(np.int32))), page)  # fmt: skip
 
     def forward(
         self,
@@ -131,8 +198,13 @@ class FlashInferMLADecodeBackend(MLABackend):
         self._check_inputs(query, weights, plan.metadata.num_tokens)
         dn = self.dims.qk_nope_head_dim
         q_lat = weights.absorb(query[..., :dn]).contiguous()  # the output is allocated like q_lat
-        o_lat, lse = self._get_wrapper(query.device).run(
+        o_lat, lse = plan.wrapper.run(
             q_lat, query[..., dn:], cache.latent, cache.rope, return_lse=True, return_lse_base_on_e=True
         )
         out = weights.up_project(o_lat, query.dtype)
         return (out, lse) if return_lse else out
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """A host tensor FlashInfer both reads on the host and copies to the device without waiting."""
+    return t.pin_memory() if torch.cuda.is_available() else t

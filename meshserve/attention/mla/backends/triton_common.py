@@ -39,8 +39,8 @@ TRITON_MLA_CAPABILITIES = BackendCapabilities(
 )
 
 
-def with_notes(notes: str) -> BackendCapabilities:
-    return dataclasses.replace(TRITON_MLA_CAPABILITIES, notes=notes)
+def with_notes(notes: str, **changes: object) -> BackendCapabilities:
+    return dataclasses.replace(TRITON_MLA_CAPABILITIES, notes=notes, **changes)
 
 
 def triton_reasons(problem: AttentionProblem) -> list[str]:

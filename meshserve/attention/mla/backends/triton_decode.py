@@ -9,6 +9,7 @@ reads no device value on the host.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -49,7 +50,9 @@ class TritonMLADecodeBackend(MLABackend):
     name = "TRITON"
     capabilities = with_notes(
         "decode: absorbed W_UK, split-KV over the latent cache with all heads of a block sharing "
-        "each row load, LSE merge, then W_UV"
+        "each row load, LSE merge, then W_UV; CUDA graphs: splits fixed for max_model_len, each "
+        "sequence's partition from its own length in the kernel",
+        cuda_graphs=True,
     )
 
     @classmethod
@@ -100,6 +103,20 @@ class TritonMLADecodeBackend(MLABackend):
             partial_o = torch.empty(*shape, self.dims.kv_lora_rank, dtype=torch.float32, device=device)
             partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
         return MLADecodePlan(metadata, kv_lens, cfg, partition, splits, partial_o, partial_lse)
+
+    def plan_for_graph(self, metadata: AttentionMetadata) -> MLADecodePlan:
+        """The plan for the longest lengths, its split count fixed, each sequence's partition
+        derived in the kernel from its own length (partition 0), and the key counts read straight
+        from the static seq_lens buffer, so that a replay sees the lengths written before it."""
+        check(metadata.num_prefills == 0, "metadata.num_prefills", metadata.num_prefills,
+              "0 (CUDA graphs capture decode steps only)")
+        # Under DCP the local key counts are computed from seq_lens at plan time (a copy a graph
+        # would not refresh); tp > 1, which DCP needs, runs eagerly anyway.
+        check(metadata.dcp_size == 1, "metadata.dcp_size", metadata.dcp_size, "1 (TRITON MLA captures no DCP graphs)")
+        check(metadata.seq_lens.dtype == torch.int32, "metadata.seq_lens.dtype", metadata.seq_lens.dtype,
+              "torch.int32 (the kernel reads the graph's buffer directly)")  # fmt: skip
+        plan = self.plan(metadata)
+        return dataclasses.replace(plan, kv_lens=metadata.seq_lens, partition=0)
 
     def _sm_count(self, device: torch.device) -> int:
         return self.num_sms if self.num_sms is not None else sm_count(device)

@@ -1,0 +1,135 @@
+"""DeepSeek decode steps, eager against CUDA graphs, per MLA decode backend, in the same run.
+
+A DeepSeek-V2-Lite-shaped checkpoint with random bf16 weights (hidden 2048, 16 heads, latent
+512 + rope 64, nope 128, v 128; 64 routed experts of 1408, top-6, 2 shared; the first layer
+dense) is written with HF's parameter names, `--layers` of them (default 4: one dense, three
+MoE). Per MLA decode
+backend (TRITON, FLASHINFER) and per batch size, the engine's decode steps are timed eagerly
+(`enforce_eager=True`) and with decode graphs, one engine after the other on the same
+checkpoint: wall ms per step (the engine's whole step), GPU-busy ms and kernels per step (torch
+profiler), and whether greedy tokens of a few prompts are identical between the two.
+
+    python -m bench.deepseek_graphs                              # on the H200: TRITON and FLASHINFER, bs 1/16/64
+    python -m bench.deepseek_graphs --backends FLASHINFER --batch-sizes 1,64
+    python -m bench.deepseek_graphs --device cpu --tiny          # CPU smoke run (eager only there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from bench.e2e import _ints, decode_steps, random_prompts, save_shards
+
+V2_LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
+               num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
+               q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+               n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, first_k_dense_replace=1,
+               routed_scaling_factor=1.0, topk_method="greedy", max_position_embeddings=4096, rms_norm_eps=1e-6,
+               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+TINY = {**V2_LITE, **dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=4, vocab_size=512, n_routed_experts=8,
+                          n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, qk_nope_head_dim=16,
+                          qk_rope_head_dim=8, v_head_dim=16)}  # fmt: skip
+
+
+def write_checkpoint(path: Path, shape: dict, device: str, seed: int = 0) -> int:
+    """Random weights under the checkpoint names meshserve's DeepSeek model loads (HF's as released:
+    one tensor per expert projection), one shard per layer; config.json from transformers."""
+    import transformers
+
+    from meshserve.workers.checkpoint import read_arch
+    from meshserve.workers.models.deepseek import DeepseekForCausalLM
+
+    transformers.DeepseekV2Config(**shape, architectures=["DeepseekV2ForCausalLM"]).save_pretrained(path)
+    with torch.device("meta"):
+        model = DeepseekForCausalLM(read_arch(path))
+    names = {n: tuple(t.shape) for n, t in model.named_parameters()}
+    g = torch.Generator(device).manual_seed(seed)
+    shards: dict[str, dict[str, torch.Tensor]] = {}
+    for name, size in names.items():
+        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
+        if "norm" in name:
+            t = torch.ones(size, dtype=torch.bfloat16)
+        else:
+            t = (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
+        shards.setdefault(key, {})[name] = t
+    return save_shards(path, list(shards.values()))
+
+
+def run_engine(path: Path, args: argparse.Namespace, backend: str, *, eager: bool, vocab: int) -> dict:
+    from meshserve import LLM, SamplingParams
+
+    llm = LLM(path, dtype=args.dtype, attention_backend=backend, device=args.device, max_model_len=1024,
+              kv_cache_memory_bytes=args.kv_bytes, max_num_seqs=max(args.batch_sizes), enforce_eager=eager,
+              progress=False)  # fmt: skip
+    runner = llm.core.executor.worker.runner
+    graphs = runner.decode_graphs
+    out = {"graphs": graphs is not None, "decode": runner.backends[0].decode.name, "steps": {}}
+    greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    out["tokens"] = [o.token_ids for o in llm.generate(random_prompts(4, 40, vocab, 7), greedy)]
+    for bs in args.batch_sizes:
+        out["steps"][bs] = r = decode_steps(llm, bs, args, vocab)
+        print(f"{backend:10s} {'graphs' if graphs is not None else 'eager ':6s} bs={bs:<3} "
+              f"{r['wall_s'] * 1e3:7.2f} ms/step  busy {r['busy_s'] * 1e3:6.2f} ms  {r['kernels']:.0f} kernels",
+              flush=True)  # fmt: skip
+    if graphs is not None:
+        out["capture_s"], out["capture_mib"] = graphs.capture_seconds, graphs.capture_bytes / 2**20
+    llm.shutdown()
+    del llm
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (CPU smoke run)")
+    ap.add_argument("--layers", type=int, default=None, help="layers written (default 4; tiny: 2)")
+    ap.add_argument("--backends", default="TRITON,FLASHINFER", help="MLA decode backends, comma-separated")
+    ap.add_argument("--batch-sizes", default=None, help="default 1,16,64 (tiny: 1,4)")
+    ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--kv-bytes", type=int, default=8 << 30)
+    ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    args = ap.parse_args(argv)
+    shape = dict(TINY if args.tiny else V2_LITE)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64"))
+    args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    args.host_profile = False
+    if args.tiny:
+        args.kv_bytes, args.prompt_len = 64 << 20, 16
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deepseek_graphs_"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    total = write_checkpoint(workdir, shape, args.device)
+    print(f"checkpoint: {total / 1e9:.2f} GB, {shape['num_hidden_layers']} layers, in {workdir}", flush=True)
+    results = {}
+    for backend in args.backends.split(","):
+        eager = run_engine(workdir, args, backend, eager=True, vocab=shape["vocab_size"])
+        graphs = run_engine(workdir, args, backend, eager=False, vocab=shape["vocab_size"])
+        same = eager["tokens"] == graphs["tokens"]
+        print(f"{backend}: decode backend {graphs['decode']}, graphs captured: {graphs['graphs']} "
+              f"({graphs.get('capture_s', 0):.1f} s, {graphs.get('capture_mib', 0):.0f} MiB); "
+              f"greedy tokens graphs == eager: {same}", flush=True)  # fmt: skip
+        for bs in args.batch_sizes:
+            e, g = eager["steps"][bs]["wall_s"], graphs["steps"][bs]["wall_s"]
+            print(f"| {backend} | {bs} | {e * 1e3:.2f} | {g * 1e3:.2f} | {e / g:.2f}x |", flush=True)
+        results[backend] = {"eager": eager, "graphs": graphs, "tokens_equal": same}
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    if args.workdir is None:
+        shutil.rmtree(workdir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
