@@ -23,7 +23,7 @@ for i in $(seq 0 $((SHARDS - 1))); do
     awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$OUT/test_ids.txt" > "$OUT/shard$i.txt"
     [ -s "$OUT/shard$i.txt" ] || { echo "shard $i: no tests" > "$OUT/tests$i.log"; continue; }
     # shellcheck disable=SC2046
-    timeout "${TEST_TIMEOUT:-330}" python3 -m pytest -q -p no:cacheprovider -rfEs $(cat "$OUT/shard$i.txt") \
+    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs $(cat "$OUT/shard$i.txt") \
         > "$OUT/tests$i.log" 2>&1 &
 done
 wait

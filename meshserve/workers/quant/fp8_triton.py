@@ -142,11 +142,12 @@ def rank1_rescale(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tenso
                          f"w_scale {w_scale.numel()} for {n} columns (raw.shape[1])")
     out = torch.empty((m, n), dtype=out_dtype, device=raw.device)
     if m and n:
+        # Decode rows: narrow tiles, so that a few hundred KB still spread over ~100 programs.
         bm = min(16, triton.next_power_of_2(m))
-        bn = max(128, 2048 // bm)
+        bn = 256 if m <= 4 else max(128, 2048 // bm)
         _rank1_rescale[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             raw, x_scale, w_scale, out if bias is None else bias, out, m, n, raw.stride(0), out.stride(0),
-            HAS_BIAS=bias is not None, BM=bm, BN=bn, num_warps=4)
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, num_warps=4 if bm * bn >= 2048 else 2)
     return out
 
 
