@@ -8,7 +8,7 @@
 #   BENCH_TIMEOUT=420 TEST_TIMEOUT=1 bash bench/h200_gemm.sh --sweep   (the sweep alone adds ~3 min)
 set -u
 OUT=${OUT:-/tmp/out}
-SHARDS=${SHARDS:-4}
+SHARDS=${SHARDS:-8}
 mkdir -p "$OUT"
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HF_HUB_OFFLINE=1 TRITON_CACHE_DIR=/tmp/tcache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
