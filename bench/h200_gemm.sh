@@ -23,7 +23,7 @@ for i in $(seq 0 $((SHARDS - 1))); do
     awk -v n="$SHARDS" -v i="$i" 'NR % n == i' "$OUT/test_ids.txt" > "$OUT/shard$i.txt"
     [ -s "$OUT/shard$i.txt" ] || { echo "shard $i: no tests" > "$OUT/tests$i.log"; continue; }
     # shellcheck disable=SC2046
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rfEs $(cat "$OUT/shard$i.txt") \
+    timeout "${TEST_TIMEOUT:-270}" python3 -m pytest -q -p no:cacheprovider -rfEs $(cat "$OUT/shard$i.txt") \
         > "$OUT/tests$i.log" 2>&1 &
 done
 wait
@@ -32,7 +32,7 @@ for i in $(seq 0 $((SHARDS - 1))); do
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests$i.log" | cut -c1-240 | head -12
     echo "shard $i: $(tail -1 "$OUT/tests$i.log" | cut -c1-200)"
 done
-timeout "${BENCH_TIMEOUT:-150}" python3 bench/quant_gemm.py --out "$OUT" --reps 20 "$@" > "$OUT/bench.log" 2>&1
+timeout "${BENCH_TIMEOUT:-170}" python3 bench/quant_gemm.py --out "$OUT" --reps 20 "$@" > "$OUT/bench.log" 2>&1
 echo "bench exit $? after ${SECONDS}s"
 grep -E "unavailable|DISAGREE|failed|Error|blockwise probe" "$OUT/bench.log" | cut -c1-240 | head -14
 sed -n '/^summary:/,$p' "$OUT/bench.log"
