@@ -35,4 +35,4 @@ done
 timeout "${BENCH_TIMEOUT:-170}" python3 bench/quant_gemm.py --out "$OUT" --reps 20 "$@" > "$OUT/bench.log" 2>&1
 echo "bench exit $? after ${SECONDS}s"
 grep -E "unavailable|DISAGREE|failed|Error|blockwise probe" "$OUT/bench.log" | cut -c1-240 | head -14
-sed -n '/^summary:/,$p' "$OUT/bench.log"
+sed -n '/^summary/,$p' "$OUT/bench.log" | grep -v '^blockwise probe'

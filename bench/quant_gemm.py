@@ -298,6 +298,7 @@ def main() -> None:
 
     for (n, k, dtype, dev), verdict in probe_results().items():
         print(f"blockwise probe N={n} K={k} {dtype} {dev}: {verdict or 'serves'}", flush=True)
+    print("summary (GEMMs; in case the decode graphs do not finish):\n" + summary(rows, []), flush=True)
     swept = sweep(shapes, device) if args.sweep else []
     graphs = [] if args.no_graph else decode_graphs(shapes, layers=2 if args.smoke else 32, device=device)
     args.out.mkdir(parents=True, exist_ok=True)
