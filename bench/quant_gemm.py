@@ -13,7 +13,13 @@ Methods (one linear each; "layer" rows sum the four projections of one decoder l
 - online_channel  per-token activation quantization (one Triton kernel) + _scaled_mm row-wise
                   (online FP8, M > 16)
 - torch_blockwise torch's own 1x128 x 128x128 block-scaled F.scaled_mm, activations pre-quantized
-                  (the peer of block_gemm; M >= 64, where this torch/GPU has it)
+                  (the peer of block_gemm), where this torch/GPU has it
+- block_cublas    per-token-group quantization into torch's scale layout + torch_blockwise
+                  (fp8_cublas.block_linear_cublas, probe included)
+- channel_rescale / channel_rescale_bf16raw   online FP8 as per-token quantization + per-tensor
+                  _scaled_mm with unit scales (raw product in float32 / bf16) + the rank-1 rescale
+- block_wired / channel_wired   fp8_linear as the layers call it (gemm_table.DEFAULT_TABLE, small-M
+                  kernel off): what a served FP8 model runs at this M
 Per cell: median microseconds (triton.testing.do_bench: warm-up, L2 flushed, random data) and
 weight-read TB/s; speed-ups against bf16. Then a CUDA graph of 32 layers x 4 projections at M = 1
 (bench/quant_gemm_decode.py): the decode step's GEMM time per weight format and kernels per
@@ -44,7 +50,8 @@ SMOKE_SHAPES = {"qkv": (96, 64), "o": (64, 64), "gate_up": (160, 64), "down": (6
 MS = (1, 16, 64, 4096)
 SMOKE_MS = (1, 16, 64)
 METHODS = ("bf16", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel", "scaled_mm_tensor", "block_gemm",
-           "block", "online_channel", "torch_blockwise")
+           "block", "online_channel", "torch_blockwise", "block_cublas", "channel_rescale", "channel_rescale_bf16raw",
+           "block_wired", "channel_wired")
 SMALL_ONLY = {"bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel"}
 _SAID: set[str] = set()
 
@@ -72,8 +79,9 @@ def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torc
         quantize_fp8_per_channel,
         quantize_per_token_group,
     )
+    from meshserve.workers.quant.fp8_cublas import block_linear_cublas, channel_rescale_linear
     from meshserve.workers.quant.fp8_triton import block_gemm, fp8_block_linear
-    from meshserve.workers.quant.layers import _scaled_mm_per_channel
+    from meshserve.workers.quant.layers import _scaled_mm_per_channel, fp8_linear
     from meshserve.workers.quant.small_m import SMALL_M_MAX, stream_linear
 
     g = torch.Generator(device=device).manual_seed(m * 7 + n + k)
@@ -93,10 +101,16 @@ def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torc
         "block_gemm": lambda: block_gemm(xq_g, xs_g, wq_b, ws_b, (128, 128), x.dtype),
         "block": lambda: fp8_block_linear(x, wq_b, ws_b, (128, 128)),
         "online_channel": lambda: _scaled_mm_per_channel(x, wq_c, ws_c),
+        "channel_rescale": lambda: channel_rescale_linear(x, wq_c, ws_c),
+        "channel_rescale_bf16raw": lambda: channel_rescale_linear(x, wq_c, ws_c, raw_dtype=torch.bfloat16),
+        "block_wired": lambda: fp8_linear(x, wq_b, ws_b, (128, 128)),
+        "channel_wired": lambda: fp8_linear(x, wq_c, ws_c, None),
     }
-    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b) if device == "cuda" and m >= 64 else None
+    blockwise = _torch_blockwise(xq_g, xs_g, wq_b, ws_b) if device == "cuda" else None
     if blockwise is not None:
         fns["torch_blockwise"] = blockwise
+        if block_linear_cublas(x, wq_b, ws_b, (128, 128)) is not None:  # probes once per shape
+            fns["block_cublas"] = lambda: block_linear_cublas(x, wq_b, ws_b, (128, 128))
     if m <= SMALL_M_MAX:
         fns["bf16_small_m"] = lambda: stream_linear(x, w)
         fns["fp8_small_m_block"] = lambda: stream_linear(x, wq_b, ws_b, (128, 128))
@@ -108,28 +122,27 @@ def cases(m: int, n: int, k: int, device: str) -> dict[str, tuple[callable, torc
     refs = {"bf16": xf @ w.float().t(), "block": xf @ deq_block.t(), "tensor": xf @ (wq_t.float() * w_amax).t(),
             "channel": xf @ (wq_c.float() * ws_c[:, None]).t()}
     kind = {"bf16": "bf16", "bf16_small_m": "bf16", "scaled_mm_tensor": "tensor", "online_channel": "channel",
-            "fp8_small_m_channel": "channel"}
+            "fp8_small_m_channel": "channel", "channel_rescale": "channel", "channel_rescale_bf16raw": "channel",
+            "channel_wired": "channel"}
     return {name: (fn, refs[kind.get(name, "block")]) for name, fn in fns.items()}
 
 
 def _torch_blockwise(xq, xs, wq, ws):
     """torch's own block-scaled FP8 GEMM (F.scaled_mm: 1x128 activation scales, 128x128 weight
-    scales; cuBLAS on sm90, CUDA 12.9+), or None (said once) where this torch/GPU refuses it.
-    Layouts as torch's own benchmark passes them: activation scales outer-dim-major (stride
-    (1, M)); weight scales [N/128, K/128] padded along K/128 to a multiple of 4, then transposed.
-    Its numbers are checked against the oracle like every other method's."""
-    F = torch.nn.functional
-    kinds = getattr(F, "ScalingType", None)
-    if not hasattr(F, "scaled_mm") or kinds is None:
-        say_once("torch_blockwise: this torch has no F.scaled_mm")
-        return None
-    sa = xs.t().contiguous().t()
-    pad = -ws.shape[1] % 4
-    sb = torch.nn.functional.pad(ws, (0, pad)).t() if pad else ws.t()
+    scales; cuBLASLt on sm90, CUDA 12.9+) on pre-quantized operands in the layouts
+    fp8_cublas.py passes (activation rows padded to 4, scales token-fastest; weight scales padded
+    along K / 128 to a multiple of 4, transposed), or None (said once) where this torch/GPU
+    refuses it. Its numbers are checked against the oracle like every other method's."""
+    from meshserve.workers.quant.fp8_cublas import SCALE_ROW_ALIGN, blockwise_scaled_mm, torch_weight_scales
+
+    m = xq.shape[0]
+    pad = -m % SCALE_ROW_ALIGN
+    xq_p = torch.nn.functional.pad(xq.view(torch.uint8), (0, 0, 0, pad)).view(xq.dtype)
+    sa = torch.nn.functional.pad(xs, (0, 0, 0, pad), value=1.0).t().contiguous().t()
+    sb = torch_weight_scales(ws)
 
     def run():
-        return F.scaled_mm(xq, wq.t(), scale_a=sa, scale_recipe_a=kinds.BlockWise1x128, scale_b=sb,
-                           scale_recipe_b=kinds.BlockWise128x128, output_dtype=torch.bfloat16)
+        return blockwise_scaled_mm(xq_p, sa, wq, sb, torch.bfloat16)[:m]
 
     try:
         run()
@@ -195,16 +208,46 @@ def table(rows: list[dict], shapes) -> str:
     return "\n".join(lines)
 
 
+SUMMARY = (("bf16", "bf16"), ("scaled_mm_tensor", "per-tensor"), ("torch_blockwise", "blockwise torch"),
+           ("block_cublas", "block cuBLAS+q"), ("block", "block Triton+q"), ("block_wired", "block as wired"),
+           ("online_channel", "channel rowwise"), ("channel_rescale", "channel rescale"),
+           ("channel_wired", "channel as wired"))
+
+
+def suggest_table(rows: list[dict]) -> str:
+    """gemm_table.Fp8GemmTable values these numbers argue for (the measured Ms only)."""
+    layers = sorted((r for r in rows if r["proj"] == "layer"), key=lambda r: r["m"])
+
+    def wins(r, a, b):
+        return a in r["us"] and b in r["us"] and r["us"][a] < r["us"][b]
+
+    cublas_from = next((r["m"] for r in layers if all(wins(q, "block_cublas", "block") for q in layers
+                                                      if q["m"] >= r["m"])), None)
+    rescale_upto = 0
+    for r in layers:
+        if not wins(r, "channel_rescale", "online_channel"):
+            break
+        rescale_upto = r["m"]
+    raw = "float32" if all(not wins(r, "channel_rescale_bf16raw", "channel_rescale") for r in layers) else "bfloat16?"
+    cublas = "never (keep the Triton block GEMM)" if cublas_from is None else f"{cublas_from} (measured Ms only)"
+    return (f"suggested gemm_table: block_cublas_min_rows = {cublas}; channel_rescale_max_rows = {rescale_upto} "
+            f"(largest measured M where the rescale beats row-wise at every M up to it); rescale_raw_dtype = {raw}")
+
+
 def summary(rows: list[dict], graphs: list[dict]) -> str:
-    """The short table printed last: per M, one decoder layer per method (us and x bf16), then the
-    32-layer decode graphs."""
-    lines = ["summary: one decoder layer (4 projections), us (speed-up over bf16 cuBLAS)"]
+    """The short table printed last: per M, one decoder layer per method (us and x bf16), the
+    dispatch table the numbers suggest, then the 32-layer decode graphs."""
+    head = f"{'M':>5} | " + " | ".join(f"{label:>16}" for _, label in SUMMARY)
+    lines = ["summary: one decoder layer (4 projections), us (speed-up over bf16 cuBLAS); '+q' = activation "
+             "quantization included", head, "-" * len(head)]
     for r in rows:
         if r["proj"] != "layer":
             continue
         base = r["us"]["bf16"]
-        cells = ", ".join(f"{m} {v:.1f} ({base / v:.2f}x)" for m, v in r["us"].items())
-        lines.append(f"  M={r['m']:>4}: {cells}")
+        cells = [f"{r['us'][m]:8.1f} ({base / r['us'][m]:4.2f}x)" if m in r["us"] else f"{'-':>16}"
+                 for m, _ in SUMMARY]
+        lines.append(f"{r['m']:>5} | " + " | ".join(cells))
+    lines.append(suggest_table(rows))
     if graphs:
         base = graphs[0]["ms"]
         lines.append("decode proxy: CUDA graph of 32 layers x 4 projections, M = 1")
@@ -251,13 +294,19 @@ def main() -> None:
     t0 = time.perf_counter()
     rows = measure(ms, shapes, args.reps, device)
     print(table(rows, shapes), flush=True)
+    from meshserve.workers.quant.fp8_cublas import probe_results
+
+    for (n, k, dtype, dev), verdict in probe_results().items():
+        print(f"blockwise probe N={n} K={k} {dtype} {dev}: {verdict or 'serves'}", flush=True)
+    print("summary (GEMMs; in case the decode graphs do not finish):\n" + summary(rows, []), flush=True)
     swept = sweep(shapes, device) if args.sweep else []
     graphs = [] if args.no_graph else decode_graphs(shapes, layers=2 if args.smoke else 32, device=device)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
             "smoke": args.smoke}
+    probes = {f"{n}x{k} {dtype}": verdict for (n, k, dtype, _), verdict in probe_results().items()}
     (args.out / "quant_gemm.json").write_text(json.dumps({"meta": meta, "rows": rows, "decode_graphs": graphs,
-                                                          "sweep": swept}, indent=1))
+                                                          "sweep": swept, "probes": probes}, indent=1))
     plot(rows, ms, args.out / "quant_gemm.png")
     print(f"\nwrote {args.out}/quant_gemm.json and .png in {time.perf_counter() - t0:.0f} s\n")
     print(summary(rows, graphs))

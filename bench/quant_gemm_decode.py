@@ -1,6 +1,9 @@
 """The decode-step parts of bench/quant_gemm.py: a CUDA graph of 32 layers x 4 projections at M = 1
-per weight format (the decode step's GEMM time: the proxy for issue 24's "online FP8 bs-1 decode
-step >= 1.7x bf16" and issue 18's kernels per step), and a sweep of small-M tilings."""
+per weight format and formulation (the decode step's GEMM time: the proxy for issue 24's "online
+FP8 bs-1 decode step >= 1.7x bf16" and issue 18's kernels per step), and a sweep of small-M tilings.
+Formulations: the small-M streaming kernel, fp8_linear as wired (gemm_table.DEFAULT_TABLE), and
+fp8_linear with the cuBLASLt formulations forced (blockwise for block scales, unit-scale
+_scaled_mm + rank-1 rescale for per-channel ones)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,10 @@ import time
 
 import torch
 
-GRAPH_METHODS = ("bf16_cublas", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel")
+GRAPH_METHODS = ("bf16_cublas", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel", "fp8_block_wired",
+                 "fp8_block_cublas", "fp8_channel_wired", "fp8_channel_rescale")
+_BLOCK_METHODS = ("fp8_small_m_block", "fp8_block_wired", "fp8_block_cublas")
+_CHANNEL_METHODS = ("fp8_small_m_channel", "fp8_channel_wired", "fp8_channel_rescale")
 
 
 def _layer_weights(shapes, device: str, seed: int) -> dict[str, list]:
@@ -23,8 +29,11 @@ def _layer_weights(shapes, device: str, seed: int) -> dict[str, list]:
         w = (torch.randn(n, k, device=device, generator=g, dtype=torch.float32) * 0.02).to(dtype)
         out["bf16_cublas"].append((w,))
         out["bf16_small_m"].append((w,))
-        out["fp8_small_m_block"].append((*quantize_fp8_block(w, (128, 128)), (128, 128)))
-        out["fp8_small_m_channel"].append(quantize_fp8_per_channel(w))
+        block, channel = (*quantize_fp8_block(w, (128, 128)), (128, 128)), quantize_fp8_per_channel(w)
+        for method in _BLOCK_METHODS:
+            out[method].append(block)  # one copy of the FP8 weights per format, shared by its methods
+        for method in _CHANNEL_METHODS:
+            out[method].append(channel)
     return out
 
 
@@ -47,8 +56,11 @@ def _kernels_per_replay(graph) -> int | str:
 def decode_graphs(shapes, *, layers: int, device: str) -> list[dict]:
     """One CUDA graph per method: `layers` x the four projections at M = 1, distinct random weights
     per layer (15 GB of bf16 for 32 layers: nothing stays in L2). Median ms of 20 replays."""
+    from meshserve.workers.quant.gemm_table import Fp8GemmTable
+    from meshserve.workers.quant.layers import fp8_linear
     from meshserve.workers.quant.small_m import stream_linear
 
+    cublas, rescale = Fp8GemmTable(block_cublas_min_rows=1), Fp8GemmTable(channel_rescale_max_rows=16)
     t0 = time.perf_counter()
     weights = {m: [] for m in GRAPH_METHODS}
     for layer in range(layers):
@@ -61,6 +73,10 @@ def decode_graphs(shapes, *, layers: int, device: str) -> list[dict]:
         "bf16_small_m": lambda x, w: stream_linear(x, w),
         "fp8_small_m_block": lambda x, w, s, b: stream_linear(x, w, s, b),
         "fp8_small_m_channel": lambda x, w, s: stream_linear(x, w, s),
+        "fp8_block_wired": lambda x, w, s, b: fp8_linear(x, w, s, b),  # gemm_table.DEFAULT_TABLE, small-M off
+        "fp8_block_cublas": lambda x, w, s, b: fp8_linear(x, w, s, b, table=cublas),
+        "fp8_channel_wired": lambda x, w, s: fp8_linear(x, w, s, None),
+        "fp8_channel_rescale": lambda x, w, s: fp8_linear(x, w, s, None, table=rescale),
     }
     results = []
     for method in GRAPH_METHODS:

@@ -5,11 +5,14 @@ CUDA-graph replay), every fp8_linear path at M = 1, 16, 64, 4096 and its determi
 per-channel path, Fp8Linear / StreamedLinear, and MXFP4 dequantization on the GPU. Skipped
 without CUDA; FP8 cases skip where quant/support.py says the GPU cannot serve them."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import dequantize_fp8_block, quantize_fp8_block, quantize_per_token_group
+from meshserve.workers.quant.gemm_table import Fp8GemmTable
 from meshserve.workers.quant.layers import Fp8Linear, fp8_linear
 from meshserve.workers.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from meshserve.workers.quant.support import refusals
@@ -96,6 +99,150 @@ def test_fp8_linear_against_dequantized_matmul(m, n, k, block, small_m):
     assert rel < (0.005 if small_m and m <= SMALL_M_MAX else 0.04), rel
     again = fp8_linear(x, wq, scale, block, small_m=small_m)
     assert torch.equal(y.view(torch.int16), again.view(torch.int16))  # deterministic: the same bits
+
+
+# The cuBLASLt paths (fp8_cublas.py) and the dispatch table: the table with both new formulations
+# on everywhere they can run, against the same float64 oracle as the default one.
+FLIPPED = Fp8GemmTable(block_cublas_min_rows=1, channel_rescale_max_rows=1 << 30)
+
+
+@pytest.fixture
+def fresh_probes(monkeypatch):
+    from meshserve.workers.quant import fp8_cublas
+
+    monkeypatch.setattr(fp8_cublas, "_PROBES", {})
+    return fp8_cublas
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES + [(1024, 1408)], ids=str)  # K / 128 = 11: scale_b padded
+@pytest.mark.parametrize("m", [1, 4, 33, 4096])  # 1 and 33 pad the activation rows to 4 and 36
+def test_blockwise_cublas_matches_float64(fresh_probes, m, n, k):
+    """torch's blockwise scaled_mm as the block-scaled layers call it: the probe must pass on sm90
+    (its reason is the failure message), and the output equals the float64 product of the same
+    quantized operands up to float32 sums and bf16 output rounding; twice the same bits."""
+    _skip_unless(WeightFormat.FP8_BLOCK)
+    wq, ws = quantize_fp8_block(_randn(n, k, scale=0.02, seed=1), (128, 128))
+    x = _randn(m, k, seed=3)
+    y = fresh_probes.block_linear_cublas(x, wq, ws, (128, 128))
+    verdict = fresh_probes.probe_results()[(n, k, torch.bfloat16, str(x.device))]
+    assert verdict is None and y is not None, verdict
+    xq, xs = quantize_per_token_group(x.cpu(), 128)  # CPU: IEEE division, as the kernel's div_rn
+    ref = dequantize_fp8_block(xq, xs, (1, 128), torch.float64).cuda() @ dequantize_fp8_block(
+        wq, ws, (128, 128), torch.float64).T
+    assert y.shape == (m, n) and y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), ref, rtol=1e-2, atol=2e-3 * ref.abs().max().item())
+    assert torch.equal(y, fresh_probes.block_linear_cublas(x, wq, ws, (128, 128)))  # probed: the direct call
+
+
+@pytest.mark.parametrize("raw", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(("n", "k"), [(6144, 4096), (4096, 14336)], ids=str)
+@pytest.mark.parametrize("m", PATH_MS)
+def test_channel_rescale_matches_float64(m, n, k, raw):
+    """Online FP8's rank-1 formulation (unit-scale per-tensor _scaled_mm, then s_x[m] s_w[n] and the
+    bias in one kernel) against the float64 product of the same quantized operands: one bf16
+    output rounding with a float32 raw product, one more with a bf16 one."""
+    _skip_unless(WeightFormat.FP8_CHANNEL)
+    from meshserve.workers.quant.fp8_cublas import channel_rescale_linear
+
+    wq, scale, w64 = _fp8_weight(n, k, None)
+    x, bias = _randn(m, k, seed=3), _randn(n, seed=4, scale=0.1)
+    y = channel_rescale_linear(x, wq, scale, bias=bias, raw_dtype=raw)
+    xq, sx = quantize_per_token_group(x.cpu(), k)  # CPU: IEEE division, as the kernel's div_rn
+    ref = (xq.double() * sx.double()).cuda() @ w64.T
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    step = 2**-8 if raw == torch.float32 else 2**-7
+    torch.testing.assert_close(y.double() - bias.double(), ref, rtol=step, atol=step * ref.abs().max().item() / 8)
+    assert torch.equal(y, channel_rescale_linear(x, wq, scale, bias=bias, raw_dtype=raw))
+
+
+@pytest.mark.parametrize(("n", "k"), SHAPES[:2] + SHAPES[3:], ids=str)
+@pytest.mark.parametrize("m", PATH_MS)
+@pytest.mark.parametrize("block", [(128, 128), None], ids=["block", "per_channel"])
+def test_fp8_linear_flipped_table_against_dequantized_matmul(fresh_probes, m, n, k, block):
+    """fp8_linear with both new formulations on at every M (what the table is flipped to once
+    measured): blockwise cuBLASLt for block scales, the rank-1 rescale for per-channel ones."""
+    _skip_unless(WeightFormat.FP8_BLOCK if block else WeightFormat.FP8_CHANNEL)
+    wq, scale, w64 = _fp8_weight(n, k, block)
+    x = _randn(m, k, seed=3)
+    y = fp8_linear(x, wq, scale, block, table=FLIPPED)
+    ref = x.double() @ w64.T
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n) and rel < 0.04, rel
+    if block:
+        assert fresh_probes.probe_results() == {(n, k, torch.bfloat16, str(x.device)): None}
+
+
+def test_blockwise_path_under_cuda_graph_replays_the_eager_bits(fresh_probes):
+    """Decode buckets above the small-M rows replay graphs: a probed shape is captured on cuBLASLt
+    (eager's values); an unprobed one under capture takes the Triton GEMM (no probe, no sync)."""
+    _skip_unless(WeightFormat.FP8_BLOCK)
+    wq, ws = quantize_fp8_block(_randn(4096, 4096, scale=0.02, seed=1), (128, 128))
+    wq2, ws2 = quantize_fp8_block(_randn(1024, 4096, scale=0.02, seed=2), (128, 128))
+    x = _randn(32, 4096, seed=5)
+    eager = fp8_linear(x, wq, ws, (128, 128))  # probes (4096, 4096)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fp8_linear(x, wq, ws, (128, 128))
+        from meshserve.workers.quant.fp8_triton import fp8_block_linear
+
+        fp8_block_linear(x, wq2, ws2, (128, 128))  # compile the fallback's kernels outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fp8_linear(x, wq, ws, (128, 128))
+        unprobed = fp8_linear(x, wq2, ws2, (128, 128))
+    graph.replay()
+    torch.cuda.synchronize()
+    # cuBLASLt may pick another algorithm on the capture stream (workspace): the same values to
+    # bf16 rounding, not necessarily the same bits; the Triton fallback's bits are fixed.
+    torch.testing.assert_close(captured, eager, rtol=2**-7, atol=2**-7 * eager.abs().max().item())
+    assert (1024, 4096, torch.bfloat16, str(x.device)) not in fresh_probes.probe_results()
+    assert torch.equal(unprobed, fp8_block_linear(x, wq2, ws2, (128, 128)))
+
+
+_COLD_POISONED = """
+import torch
+from meshserve.workers.quant.fp8 import quantize_fp8_block
+from meshserve.workers.quant.fp8 import dequantize_fp8_block
+from meshserve.workers.quant.layers import fp8_linear
+
+# Every block the caching allocator hands out from here on held NaN: an output element or scratch
+# value a kernel forgets to write, or a read past a tensor, shows as NaN.
+junk = [torch.full((s,), float("nan"), device="cuda") for s in [1 << 12] * 64 + [1 << 18] * 32 + [1 << 26] * 8]
+del junk
+for n, k in [(6144, 4096), (4096, 4096), (4096, 14336), (576, 7168)]:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    wq, ws = quantize_fp8_block((torch.randn(n, k, generator=g, device="cuda") * 0.02).bfloat16(), (128, 128))
+    w64 = dequantize_fp8_block(wq, ws, (128, 128), torch.float64)
+    for m in (1, 16):
+        x = torch.randn(m, k, generator=torch.Generator(device="cuda").manual_seed(3), device="cuda").bfloat16()
+        ys = [fp8_linear(x, wq, ws, (128, 128), small_m=True) for _ in range(3)]
+        ref = x.double() @ w64.T
+        rel = ((ys[0].double() - ref).norm() / ref.norm()).item()
+        same = all(torch.equal(ys[0].view(torch.int16), y.view(torch.int16)) for y in ys)
+        print(f"case {n}-{k} m={m} rel={rel:.5f} finite={bool(torch.isfinite(ys[0]).all())} same={same}")
+"""
+
+
+def test_small_m_block_on_a_cold_cache_and_poisoned_memory(tmp_path):
+    """The sixth session's three cold-cache failures (block, small_m on, M = 1), re-created: a fresh
+    process with an empty Triton cache, the allocator's memory pre-filled with NaN."""
+    import os
+    import subprocess
+    import sys
+
+    _skip_unless(WeightFormat.FP8_BLOCK)
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path / "triton"),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", _COLD_POISONED], env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("case ")]
+    assert len(lines) == 8, run.stdout
+    bad = [line for line in lines if "finite=True same=True" not in line or float(line.split("rel=")[1][:7]) >= 0.005]
+    assert not bad, bad
 
 
 # qkv at tp = 8 (768 rows) and a ragged DeepSeek shape: fewer 16-column slabs than SMs -> split-K.

@@ -4,12 +4,14 @@ y = x @ W^T with W float8_e4m3fn [N, K] and one float32 scale per [block_n, bloc
 x quantized on the fly: one scale per token per block_k features ("per-token-group", the
 scheme the checkpoints were trained for). Two launches:
 1. `quantize_groups`: x [M, K] -> fp8 [M, K] + scales [M, ceil(K / group)] (amax / 448), one
-   kernel writing both (`quantize_rows` is its one-scale-per-token sibling, for online FP8's
-   torch._scaled_mm with row-wise scales).
+   kernel writing both, row-major or in the outer-dim-major layout torch's blockwise scaled_mm
+   reads (`quantize_rows` is its one-scale-per-token sibling, for online FP8's torch._scaled_mm).
 2. `_block_gemm`: each program owns a [BM, BN] output tile and walks K one block_k at a time:
    acc += dot(xq, wq^T) * x_scale[m, kb] * w_scale[n // block_n, kb]   (float32 accumulator),
    so every partial product is rescaled exactly once, with its own two scales.
-On CPU the same kernels run under TRITON_INTERPRET=1 (tests, small shapes).
+`rank1_rescale` is online FP8's other epilogue: a unit-scale per-tensor GEMM's raw product times
+s_x[m] * s_w[n] (fp8_cublas.py). On CPU the same kernels run under TRITON_INTERPRET=1 (tests,
+small shapes).
 """
 
 from __future__ import annotations
@@ -38,9 +40,10 @@ def _round_e4m3(v):
 
 
 @triton.jit
-def _group_quant(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_groups,
+def _group_quant(x_ptr, q_ptr, s_ptr, M, M_OUT, K, stride_x, stride_q, stride_sm, stride_sg,
                  ROWS: tl.constexpr, GROUP: tl.constexpr, FMAX: tl.constexpr):  # fmt: skip
     # One program quantizes ROWS tokens x one group: [ROWS, GROUP] values, one scale per row.
+    # Rows M..M_OUT-1 are padding (the layout cuBLAS reads): q = 0 there, scale = the floor.
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     g = tl.program_id(1)
     cols = g * GROUP + tl.arange(0, GROUP)
@@ -50,22 +53,33 @@ def _group_quant(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, num_groups,
     # the values must equal torch's x / (amax / 448) to the bit.
     scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), FMAX), 1e-12)
     q = _round_e4m3(tl.clamp(tl.div_rn(x, scale[:, None]), -FMAX, FMAX))
-    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=ok)
-    tl.store(s_ptr + rows * num_groups + g, scale, mask=rows < M)
+    out_ok = (rows < M_OUT)[:, None] & (cols < K)[None, :]
+    tl.store(q_ptr + rows[:, None] * stride_q + cols[None, :], q.to(q_ptr.dtype.element_ty), mask=out_ok)
+    tl.store(s_ptr + rows * stride_sm + g * stride_sg, scale, mask=rows < M_OUT)
 
 
-def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] (fp32/fp16/bf16) -> (float8_e4m3fn [M, K], float32 scales [M, ceil(K / group)]).
-    One launch; each program takes up to 16 tokens of one group (2048 values at group 128)."""
+def quantize_groups(x: torch.Tensor, group: int, *, outer_major: bool = False,
+                    row_align: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] (fp32/fp16/bf16) -> (float8_e4m3fn [M', K], float32 scales [M', ceil(K / group)]).
+    One launch; each program takes up to 16 tokens of one group (2048 values at group 128).
+
+    Default: M' = M, scales row-major. `outer_major`: the scales are written token-fastest
+    (strides (1, M'): the "outer-dim-major" 1x128 layout of torch's blockwise scaled_mm, so that
+    no transpose kernel runs) and M' = M rounded up to `row_align`, the extra rows zeros (their
+    scales the 1e-12 floor) for a GEMM that needs aligned scale columns; slice its output [:M]."""
     m, k = x.shape
     groups = triton.cdiv(k, group)
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    if m:
-        rows = min(16, triton.next_power_of_2(m))
-        _group_quant[(triton.cdiv(m, rows), groups)](x, q, s, m, k, x.stride(0), q.stride(0), groups, ROWS=rows,
-                                                     GROUP=group, FMAX=FP8_MAX,
-                                                     num_warps=4 if rows * group >= 1024 else 1)
+    m_out = triton.cdiv(m, row_align) * row_align
+    q = torch.empty((m_out, k), dtype=torch.float8_e4m3fn, device=x.device)
+    if outer_major:
+        s = torch.empty((groups, m_out), dtype=torch.float32, device=x.device).t()  # [M', G], strides (1, M')
+    else:
+        s = torch.empty((m_out, groups), dtype=torch.float32, device=x.device)
+    if m_out:
+        rows = min(16, triton.next_power_of_2(m_out))
+        _group_quant[(triton.cdiv(m_out, rows), groups)](x, q, s, m, m_out, k, x.stride(0), q.stride(0), s.stride(0),
+                                                         s.stride(1), ROWS=rows, GROUP=group, FMAX=FP8_MAX,
+                                                         num_warps=4 if rows * group >= 1024 else 1)
     return q, s
 
 
@@ -99,6 +113,42 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _row_quant[(m,)](x, q, s, k, x.stride(0), q.stride(0), BLOCK=block, FMAX=FP8_MAX,
                          num_warps=8 if block >= 2048 else 4)
     return q, s
+
+
+@triton.jit
+def _rank1_rescale(raw_ptr, sx_ptr, sw_ptr, b_ptr, out_ptr, M, N, stride_raw, stride_out,
+                   HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):  # fmt: skip
+    rm = tl.program_id(0) * BM + tl.arange(0, BM)
+    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    m_ok, n_ok = rm < M, rn < N
+    ok = m_ok[:, None] & n_ok[None, :]
+    v = tl.load(raw_ptr + rm[:, None] * stride_raw + rn[None, :], mask=ok, other=0.0).to(tl.float32)
+    sx = tl.load(sx_ptr + rm, mask=m_ok, other=0.0)
+    sw = tl.load(sw_ptr + rn, mask=n_ok, other=0.0)
+    y = (v * sx[:, None]) * sw[None, :]
+    if HAS_BIAS:
+        y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + rm[:, None] * stride_out + rn[None, :], y.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def rank1_rescale(raw: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor, out_dtype: torch.dtype,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out [M, N] = raw [M, N] * x_scale[m] * w_scale[n] (+ bias [N]), in float32, one rounding to
+    out_dtype: the epilogue of a per-channel FP8 GEMM run as a unit-scale per-tensor GEMM.
+    x_scale [M] or [M, 1] and w_scale [N] float32, contiguous; raw's rows may be strided."""
+    m, n = raw.shape
+    if x_scale.numel() != m or w_scale.numel() != n:
+        raise ValueError(f"rank1_rescale: x_scale has {x_scale.numel()} values for {m} rows (raw.shape[0]) and "
+                         f"w_scale {w_scale.numel()} for {n} columns (raw.shape[1])")
+    out = torch.empty((m, n), dtype=out_dtype, device=raw.device)
+    if m and n:
+        # Decode rows: narrow tiles, so that a few hundred KB still spread over ~100 programs.
+        bm = min(16, triton.next_power_of_2(m))
+        bn = 256 if m <= 4 else max(128, 2048 // bm)
+        _rank1_rescale[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            raw, x_scale, w_scale, out if bias is None else bias, out, m, n, raw.stride(0), out.stride(0),
+            HAS_BIAS=bias is not None, BM=bm, BN=bn, num_warps=4 if bm * bn >= 2048 else 2)
+    return out
 
 
 @triton.jit

@@ -5,9 +5,11 @@
 (`weight_scale` [out], online FP8). Its compute, by device:
 - CUDA sm89+, at most SMALL_M_MAX rows (decode): the weight-streaming W8A16 kernel
   (small_m.py; activations stay bf16/fp16) when ModelConfig.small_m_gemm is "on" (docs/engine.md).
-- CUDA sm89+, more rows (or small_m_gemm not "on"): block scales -> the Triton block GEMM
-  with per-token-group activation quantization (fp8_triton.py); per-channel (sm90+, support.py) -> torch._scaled_mm with
-  per-token activation scales (row-wise scaling), quantized by one Triton kernel.
+- CUDA sm89+, more rows (or small_m_gemm not "on"), by gemm_table.py's table: block scales ->
+  per-token-group activation quantization, then torch's blockwise scaled_mm (cuBLASLt, sm90,
+  probed once per shape: fp8_cublas.py) or the Triton block GEMM (fp8_triton.py); per-channel
+  (sm90+, support.py) -> per-token quantization (one Triton kernel), then torch._scaled_mm with
+  row-wise scales, or per-tensor with unit scales followed by the rank-1 rescale kernel.
 - elsewhere (CPU): the exact reference, which dequantizes the weight every call (slow).
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.
 `StreamedLinear` is the bf16/fp16 sibling: the same small-M kernel for dense weights, swapped
@@ -23,8 +25,10 @@ from torch import nn
 
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.parallel.layers import RowParallelLinear
+from meshserve.workers.quant import gemm_table
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, dequantize_fp8_block, fp8_linear_reference
+from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable, choose
 
 
 @functools.cache
@@ -48,13 +52,16 @@ def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-               *, small_m: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
+               *, small_m: bool = False, bias: torch.Tensor | None = None,
+               table: Fp8GemmTable | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias [N]) -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its
     `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
-    On CUDA with `small_m` (ModelConfig.small_m_gemm "on"), up to SMALL_M_MAX rows (decode) run the
-    weight-streaming W8A16 kernel (small_m.py); other rows quantize the activations (block: per token per bk
-    features; per-channel: per token) and run the FP8 tensor-core GEMMs."""
+    On CUDA the formulation follows `table` (None: gemm_table.DEFAULT_TABLE) by rows: with
+    `small_m` (ModelConfig.small_m_gemm "on") up to SMALL_M_MAX rows run the weight-streaming W8A16
+    kernel (small_m.py); other rows quantize the activations (block: per token per bk features,
+    then torch's blockwise scaled_mm where its probe passed, else the Triton block GEMM;
+    per-channel: per token, then `_scaled_mm` row-wise or unit-scale + rank-1 rescale)."""
     if not _fast_path(x) or x.dtype == torch.float32:
         y = fp8_linear_reference(x, weight, scale, block)
         return y if bias is None else y + bias
@@ -62,13 +69,25 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    if small_m and x2.shape[0] <= SMALL_M_MAX:
+    table = gemm_table.DEFAULT_TABLE if table is None else table
+    way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
+    if way is Fp8Gemm.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 
         return stream_linear(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
-    if block is None:
+    if way is Fp8Gemm.CHANNEL_RESCALE:
+        from meshserve.workers.quant.fp8_cublas import channel_rescale_linear
+
+        y = channel_rescale_linear(x2, weight, scale, bias=bias, raw_dtype=table.rescale_raw_dtype)
+        return y.view(*lead, weight.shape[0])  # bias fused
+    y = None
+    if way is Fp8Gemm.CHANNEL_ROWWISE:
         y = _scaled_mm_per_channel(x2, weight, scale)
-    else:
+    elif way is Fp8Gemm.CUBLAS_BLOCKWISE:
+        from meshserve.workers.quant.fp8_cublas import block_linear_cublas
+
+        y = block_linear_cublas(x2, weight, scale, block)  # None: not served here (probe), Triton below
+    if y is None:
         from meshserve.workers.quant.fp8_triton import fp8_block_linear
 
         y = fp8_block_linear(x2, weight, scale, block)

@@ -87,8 +87,8 @@ def _stream_gemm(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, M, N, K, stride_x, stride_
             x = tl.load(x_ptrs + j * (BK // SUBS), mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs + j * (BK // SUBS), mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             part = tl.dot((x.to(tl.float32) * X_SCALE).to(DOT), tl.trans(w.to(DOT)))
-            if SCALE == 2:
-                acc += part * tl.load(s_rows + kj // SCALE_K, mask=n_ok, other=0.0)[None, :]
+            if SCALE == 2:  # a sub-step past K (its part is 0) reads the row's last scale, not past it
+                acc += part * tl.load(s_rows + tl.minimum(kj, k1 - 1) // SCALE_K, mask=n_ok, other=0.0)[None, :]
             else:
                 acc += part
         x_ptrs += BK

@@ -172,3 +172,18 @@ def test_fp8_linear_dispatch_on_the_fast_path(monkeypatch, m, small_m, fmt, boun
     if bound < 0.01:  # the streamed result is not the quantized-activation one
         quantized = layers.fp8_linear(x, wq, scale, block, small_m=False, bias=bias) if fmt == "block" else None
         assert quantized is None or ((quantized.double() - ref).norm() / ref.norm()).item() > 2 * rel
+
+
+@pytest.mark.parametrize("plan", ["wide", "default"])
+def test_block_scales_past_k_are_never_read(plan):
+    """A step wider than the scale block, over a K that ends inside it (K = 300: the last 128-wide
+    step's second 64-wide sub-step starts at 320 > K), must not read the scale after the row's
+    last one: here the scales sit in a NaN-padded buffer, so any such read shows as NaN."""
+    wq, scale, block, w64 = _weights("block")
+    padded = torch.full((scale.shape[0], scale.shape[1] + 3), float("nan"))
+    padded[:, :scale.shape[1]] = scale
+    view = padded[:, :scale.shape[1]]  # row stride 8, 3 NaNs after each row's 5 scales
+    x = _x(3)
+    y = stream_linear(x, wq, view, block, plan=PLANS[plan] or StreamPlan(16, 128))
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y.double(), x.double() @ w64.T, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,74 @@
+"""Which FP8 GEMM formulation an FP8 linear runs on CUDA, by rows (M): one table, flipped after
+an H200 measurement (`bash bench/h200_gemm.sh` prints the table its numbers suggest).
+
+Formulations (fp8_linear in layers.py dispatches; fp8_cublas.py / fp8_triton.py / small_m.py run):
+- STREAM             W8A16 weight-streaming kernel, activations unquantized (small_m.py); only
+                     with ModelConfig.small_m_gemm "on" and M <= SMALL_M_MAX.
+- CUBLAS_BLOCKWISE   block scales: per-token-group activation quantization straight into the
+                     outer-dim-major scale layout, then torch's 1x128 x 128x128 blockwise
+                     scaled_mm (cuBLASLt, sm90); gated by a one-time probe per weight shape that
+                     falls back (logged) to TRITON_BLOCK.
+- TRITON_BLOCK       block scales: the same activation quantization, then the Triton block GEMM.
+- CHANNEL_RESCALE    per-channel scales: per-token quantization, a per-tensor `_scaled_mm` with
+                     unit scales (the raw product xq @ wq^T), then one kernel applying
+                     s_x[m] * s_w[n] (and the bias).
+- CHANNEL_ROWWISE    per-channel scales: per-token quantization, then `_scaled_mm` with row-wise
+                     scales (the scales applied inside cuBLASLt's epilogue).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+import torch
+
+from meshserve.workers.quant.formats import SMALL_M_MAX
+
+
+class Fp8Gemm(StrEnum):
+    STREAM = "stream"
+    CUBLAS_BLOCKWISE = "cublas_blockwise"
+    TRITON_BLOCK = "triton_block"
+    CHANNEL_RESCALE = "channel_rescale"
+    CHANNEL_ROWWISE = "channel_rowwise"
+
+
+@dataclass(frozen=True)
+class Fp8GemmTable:
+    """block_cublas_min_rows: block-scaled linears with at least this many rows try torch's
+    blockwise scaled_mm (fewer: the Triton block GEMM). channel_rescale_max_rows: per-channel
+    linears with at most this many rows run the unit-scale `_scaled_mm` + rank-1 rescale (more:
+    row-wise `_scaled_mm`; 0 = never). rescale_raw_dtype: the raw product's dtype in the rescale
+    formulation (float32: one rounding, to the output; bfloat16: two, half the bytes)."""
+
+    block_cublas_min_rows: int = SMALL_M_MAX + 1
+    channel_rescale_max_rows: int = 0
+    rescale_raw_dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        if self.block_cublas_min_rows < 1:
+            raise ValueError(f"block_cublas_min_rows must be >= 1, not {self.block_cublas_min_rows}")
+        if self.channel_rescale_max_rows < 0:
+            raise ValueError(f"channel_rescale_max_rows must be >= 0, not {self.channel_rescale_max_rows}")
+        if self.rescale_raw_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"rescale_raw_dtype must be torch.float32 or torch.bfloat16, not {self.rescale_raw_dtype}")
+
+
+# The defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
+# blockwise scaled_mm measured 1.25x bf16 at M = 64 and 1.50x at M = 4096, so block-scaled layers
+# take it above the small-M rows. The per-channel rescale formulation is NOT measured yet: off
+# (0) until `bench/h200_gemm.sh` shows it ahead of the row-wise path; then set
+# channel_rescale_max_rows to the largest M where it wins (and block_cublas_min_rows to 1 if
+# the blockwise column beats the Triton block path at M = 1 and 16).
+DEFAULT_TABLE = Fp8GemmTable()
+
+
+def choose(table: Fp8GemmTable, *, block: bool, rows: int, small_m: bool) -> Fp8Gemm:
+    """The formulation an FP8 linear of `rows` rows runs on CUDA (before the blockwise probe,
+    which may still send CUBLAS_BLOCKWISE to TRITON_BLOCK)."""
+    if small_m and rows <= SMALL_M_MAX:
+        return Fp8Gemm.STREAM
+    if block:
+        return Fp8Gemm.CUBLAS_BLOCKWISE if rows >= table.block_cublas_min_rows else Fp8Gemm.TRITON_BLOCK
+    return Fp8Gemm.CHANNEL_RESCALE if rows <= table.channel_rescale_max_rows else Fp8Gemm.CHANNEL_ROWWISE
