@@ -20,6 +20,8 @@ Checksum: `FrameDigest` over the frames in order: 64-bit word sums per 32 KiB ch
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,10 +94,8 @@ class KVLayout:
             tuple((None if w is None else int(w), int(s)) for w, s in groups),
         )
 
-    @property
-    def fingerprint(self) -> str:
-        import hashlib
-
+    @functools.cached_property
+    def fingerprint(self) -> str:  # computed once per layout object (every import checks it twice)
         return hashlib.sha256(msgpack.packb(self.to_wire())).hexdigest()[:32]
 
     def block_nbytes(self) -> list[int]:
@@ -168,10 +168,11 @@ class KVHeader:
                 request_id=obj["request_id"],
                 layout=KVLayout.from_wire(obj["layout"]),
                 num_tokens=int(obj["num_tokens"]),
-                block_positions=tuple(tuple(int(p) for p in g) for g in obj["block_positions"]),
-                block_hashes=tuple(tuple(bytes(h) for h in g) for g in obj["block_hashes"]),
+                # map() over builtins: a 32k-token header lists 2048 positions and hashes per group
+                block_positions=tuple(tuple(map(int, g)) for g in obj["block_positions"]),
+                block_hashes=tuple(tuple(map(bytes, g)) for g in obj["block_hashes"]),
                 extra_keys=_tuplify(obj["extra_keys"]),
-                scales=tuple(tuple(float(x) for x in s) for s in obj["scales"]),
+                scales=tuple(tuple(map(float, s)) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
                 nbytes=int(obj["nbytes"]),
                 checksum=int(obj["checksum"]),
