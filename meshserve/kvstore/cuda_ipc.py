@@ -24,7 +24,7 @@ never leave device memory (no socket, no host buffer), so what a checksum guards
 every byte again would cost about a third of the copy. What is still checked: the layout
 fingerprint, scales, frame sizes and order against the header, and that every frame lies inside
 its shared allocation. `IpcImporter(verify=True)` (`CudaIpcPuller(verify=True)`) verifies it all
-the same (docs/kv-handover.md).
+the same (docs/cluster.md, "KV transports").
 
 Mappings stay open for later hand-overs from the same exporter (opening one costs far more than a
 small copy; the exporter's caches live as long as its rank), least recently used first out

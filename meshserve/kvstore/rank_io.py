@@ -250,7 +250,7 @@ class ImportSession:
 
     def trust_frames(self) -> None:
         """Skip the checksum (sizes, order and layout are still checked): for a device-to-device
-        copy whose bytes never leave GPU memory (cuda_ipc.IpcImporter's default; docs/kv-handover.md
+        copy whose bytes never leave GPU memory (cuda_ipc.IpcImporter's default; docs/cluster.md, "KV transports"
         says why)."""
         self._verify = False
 
