@@ -141,8 +141,7 @@ class KVRankIO:
         plan = plan_frames(sent, self._block_nbytes, max_frame_bytes)
         frames = [as_bytes(self.caches[layer].data[sent[first] : sent[first] + n]) for layer, first, n in plan]
         digest = FrameDigest()
-        for frame in frames:
-            digest.update(frame)
+        digest.update_many(frames)  # one kernel over every frame on a GPU
         header = KVHeader(
             request_id=blocks.request_id,
             layout=self.layout,
@@ -246,6 +245,7 @@ class ImportSession:
         self._digest = FrameDigest()
         self._verify = True
         self._destinations: list[torch.Tensor | None] | None = None
+        self._written: list[torch.Tensor] = []  # frames written into our blocks, not digested yet
         self._rows: dict[tuple[int, int], torch.Tensor] = {}  # (first, n) -> our block ids, on the device
 
     def trust_frames(self) -> None:
@@ -297,11 +297,21 @@ class ImportSession:
         if frame.numel() != expected:
             self._fail("truncated", f"frame {index} has {frame.numel()} bytes, expected {expected}")
         if self._verify:
-            self._digest.update(frame)
+            if data is None:  # our own blocks: they stay as they are, digested together at finish
+                self._written.append(frame)
+            else:  # a buffer of the transport's: digested now (the digest keeps the frames in order)
+                self._digest_written()
+                self._digest.update(frame)
         if data is not None:
             rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)
             rows.index_copy_(0, self._block_rows(first, n, cache.device), frame.to(cache.device).view(n, -1))
         self._next += 1
+
+    def _digest_written(self) -> None:
+        """Digest the frames written into our blocks so far (one kernel for them all on a GPU)."""
+        if self._written:
+            self._digest.update_many(self._written)
+            self._written = []
 
     def _block_rows(self, first: int, n: int, device: torch.device) -> torch.Tensor:
         """Our blocks for sent blocks first..first+n-1, as an index tensor on `device`: made once
@@ -309,7 +319,9 @@ class ImportSession:
         host-to-device copy per run, not one per frame)."""
         rows = self._rows.get((first, n))
         if rows is None or rows.device != device:
-            rows = torch.tensor(self._flat[first : first + n], dtype=torch.long, device=device)
+            rows = torch.tensor(self._flat[first : first + n], dtype=torch.long)
+            # from pinned memory on a GPU: a copy from pageable memory waits for the stream's work
+            rows = rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
             self._rows[(first, n)] = rows
         return rows
 
@@ -317,6 +329,7 @@ class ImportSession:
         """Verify the checksum; the blocks now hold the request's KV. Returns them, per group."""
         if self._next != self.num_frames:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
+        self._digest_written()
         if self._verify and self._digest.value != self.header.checksum:
             self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
         if self._on_finish is not None:

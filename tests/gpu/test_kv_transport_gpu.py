@@ -10,6 +10,8 @@
 3. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
    kv_transport cuda_ipc: greedy tokens identical to a unified replica on the same GPU, every
    hand-over imported by cuda_ipc (none recomputed), no block left held.
+4. The checksum's one-kernel digest over many frames (kvstore/digest_kernel.py, what exports on
+   a GPU use) gives the frame-by-frame values on the GPU.
 """
 
 import json
@@ -146,3 +148,23 @@ def test_disaggregated_on_one_gpu_matches_unified(tmp_path):
     split = serve(config("disaggregated"), disaggregated)
     assert split == unified
     assert all(len(t) == 12 for t in unified.values())
+
+
+def test_one_kernel_digest_on_the_gpu_equals_the_frame_by_frame_one():
+    from meshserve.kvstore import digest_kernel
+    from meshserve.kvstore.wire import FrameDigest
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    sizes = [4 << 20] * 8 + [4096 * 8 * 3 + 40, 12, 0, (1 << 20) + 5]  # layers' runs, odd sizes, a tail
+    frames = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen) for n in sizes]
+    assert digest_kernel.applies(frames, 4096)
+    one, each = FrameDigest(), FrameDigest()
+    one.update_many(frames)  # on CUDA: one launch
+    for f in frames:
+        each.update(f)
+    assert not digest_kernel._FAILED, digest_kernel._FAILED  # the kernel built and ran
+    assert one.value == each.value
+    frames[3][12345] ^= 0x10
+    again = FrameDigest()
+    again.update_many(frames)
+    assert again.value != one.value
