@@ -215,12 +215,14 @@ class IpcImporter:
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
     """dst.copy_(src) for every pair. Frames of a MiB or more go one by one: each is a plain
     device-to-device memcpy, at the copy engine's full speed (torch's batched `_foreach_copy_`
-    runs an elementwise kernel, a byte per element for these uint8 views); many small frames go
-    in one batched launch."""
+    runs an elementwise kernel); many small frames go in one batched launch, as 8-byte words where
+    every frame allows it (an element per byte would move a byte per thread)."""
     if not dsts:
         return
     large = sum(d.numel() for d in dsts) >= len(dsts) * MEMCPY_FRAME_BYTES
     if not large and all(d.device == s.device for d, s in zip(dsts, srcs)):
+        if all(t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 for t in (*dsts, *srcs)):
+            dsts, srcs = [d.view(torch.int64) for d in dsts], [s.view(torch.int64) for s in srcs]
         try:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
             return
