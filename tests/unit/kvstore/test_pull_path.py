@@ -4,6 +4,7 @@ destinations and index rows made once per import. Each keeps what the pull check
 bytes, refusals, and no block left held."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -76,6 +77,18 @@ def test_pull_sockets_keep_at_most_max_idle():
     pool.give_back("tcp://127.0.0.1:1", a)
     pool.close()
     assert a.closed and pool.num_idle("tcp://127.0.0.1:1") == 0
+
+
+def test_idle_sockets_of_an_exporter_that_went_away_are_closed():
+    pool = PullSockets(idle_s=0.05)
+    gone, live = pool.take("tcp://127.0.0.1:1"), pool.take("tcp://127.0.0.1:2")
+    pool.give_back("tcp://127.0.0.1:1", gone)
+    time.sleep(0.1)
+    pool.give_back("tcp://127.0.0.1:2", live)  # prunes what idled past idle_s
+    assert gone.closed and pool.num_idle("tcp://127.0.0.1:1") == 0
+    assert not live.closed and pool.take("tcp://127.0.0.1:2") is live
+    pool.give_back("tcp://127.0.0.1:2", live)
+    pool.close()
 
 
 def test_a_changed_scale_is_seen_by_the_next_import():
