@@ -152,15 +152,18 @@ class IpcImporter:
             if offset < 0 or offset + nbytes > source.numel():
                 session.abort()
                 raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
+            if nbytes != session.frame_nbytes[i]:  # refused before any copy is queued (none writes freed blocks)
+                session.abort()
+                raise KVTransferError("truncated", f"frame {i} has {nbytes} bytes, expected {session.frame_nbytes[i]}")
             srcs.append(source[offset : offset + nbytes])
         dsts = session.destinations()
-        direct = [d is not None and d.numel() == s.numel() for d, s in zip(dsts, srcs)]
+        direct = [d is not None for d in dsts]
         copied = torch.cuda.Event()
         with torch.cuda.stream(stream):
             # one launch for many small frames, a memcpy per large one
             _copy_all([d for d, ok in zip(dsts, direct) if ok], [s for s, ok in zip(srcs, direct) if ok])
             for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
-                session.accept(i, None if direct[i] else src)  # scattered blocks (or a size it refuses)
+                session.accept(i, None if direct[i] else src)  # scattered blocks: one index_copy_ each
             copied.record(stream)
         copied.synchronize()  # this pull's copies only (other pulls' later ones share the stream)
         session.finish()
