@@ -1,18 +1,28 @@
 """KV hand-over bandwidth per transport vs a copy of the same bytes, measured in the same run.
 
-    python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc), else CPU (zmq, nccl/gloo)
+    python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc, cuda_ipc-verify), else CPU
     python bench/kv_handover.py --device cpu --sizes 1024,8192
     python bench/kv_handover.py --exporter-gpu 1 --transports nccl,cuda_ipc,zmq   # two GPUs
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
 offers it under a fresh capability per pull. This process pulls each offer into fresh blocks of
-its own cache of the same shape, as a decode rank does (transport.puller_for: header, checksum
-over every frame, reservation and commit included; the request is freed after each pull) and
-copies the same number of bytes within its device (torch copy_, CUDA events on a GPU). Reported:
-medians over --reps pulls after one warm-up pull (the first pull's time, which opens the CUDA IPC
-mappings, is listed as cold_ms), GB/s = KV bytes / time, and the ratio to the copy (target >= 0.5).
-Prints a table, writes a PNG and a JSON (bench/results/).
+its own cache of the same shape, as a decode rank does (transport.puller_for: header, layout
+check, reservation and commit included; the request is freed after each pull) and copies the
+same number of bytes within its device (torch copy_, CUDA events on a GPU).
+
+Two measurements, side by side:
+  single     one pull at a time: medians over --reps pulls after one warm-up pull (the first
+             pull's time, which opens the CUDA IPC mappings, is listed as cold_ms).
+  pipelined  a burst of N requests handed over back to back, as a decode replica receiving a
+             burst does it: one thread per pull started together (kvstore/transfers.py's
+             BackgroundPulls), into blocks reserved beforehand (as the driver reserves them);
+             wall time from the first start to the last finish, median of --burst-reps bursts
+             after a warm-up burst. N = --burst, fewer where N requests would pass
+             --burst-gib of receiving cache (the size is shown).
+GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
+zmq, cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
+checksum over the copied bytes), nccl. Prints both tables, writes a PNG and a JSON (bench/results/).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import select
 import statistics
 import subprocess
 import sys
+import threading
 import time
 
 import torch
@@ -63,8 +74,15 @@ def capability(transport: str, size: int, i: int) -> str:
     return f"kv-bench-{transport}-{size}-{i:03d}"  # both processes are this script
 
 
+def burst_sizes(args) -> dict[int, int]:
+    """Requests per burst for each size: --burst, fewer where they would pass --burst-gib."""
+    cap = int(args.burst_gib * 2**30)
+    return {s: max(1, min(args.burst, cap // (s * TOKEN_BYTES))) for s in args.sizes}
+
+
 def exporter() -> None:
-    """Offer one request per size, once per (transport, pull), until stdin closes."""
+    """Offer one request per size, once per (transport, pull) and per (burst transport, burst,
+    request of the burst), until stdin closes."""
     from meshserve.kvstore.rank_io import KVExport
     from meshserve.kvstore.zmq_transport import KVExportServer
 
@@ -78,10 +96,11 @@ def exporter() -> None:
         t0 = time.perf_counter()
         export = conn.export(f"r{size}", max_frame_bytes=frame_bytes_for(torch.device(device)))
         export_ms[size] = (time.perf_counter() - t0) * 1e3  # pin + checksum: the prefill side's cost
-        for transport in cfg["transports"]:
-            for i in range(cfg["reps"] + 1):
-                server.offer(KVExport(export.header, export.frames), capability=capability(transport, size, i),
-                             ttl_s=3600)
+        caps = [capability(t, size, i) for t in cfg["transports"] for i in range(cfg["reps"] + 1)]
+        caps += [capability(f"{t}-burst", size, i) for t in cfg["burst_transports"]
+                 for i in range((cfg["burst_reps"] + 1) * cfg["burst"][str(size)])]
+        for cap in caps:
+            server.offer(KVExport(export.header, export.frames), capability=cap, ttl_s=3600)
     print(json.dumps({"endpoint": Endpoint.local(server.address, torch.device(device)).to_wire(),
                       "export_ms": export_ms}), flush=True)
     while True:
@@ -112,57 +131,107 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
 
 
 def make_puller(transport: str):
-    """A transport's puller; "cuda_ipc-noverify": cuda_ipc without the importer's checksum."""
-    if transport != "cuda_ipc-noverify":
-        return puller_for(transport)
-    from meshserve.kvstore.cuda_ipc import IpcImporter
+    """A transport's puller: "cuda_ipc" as the pools use it (no checksum over device-to-device
+    copies), "cuda_ipc-verify" with the checksum ("cuda_ipc-noverify": the older name of cuda_ipc)."""
     from meshserve.kvstore.transport import CudaIpcPuller
 
-    puller = CudaIpcPuller()
-    puller.importer = IpcImporter(verify=False)
-    return puller
+    if transport in ("cuda_ipc", "cuda_ipc-noverify"):
+        return CudaIpcPuller()
+    if transport == "cuda_ipc-verify":
+        return CudaIpcPuller(verify=True)
+    return puller_for(transport)
 
 
-def run(args) -> list[dict]:
+def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[float]:
+    """Seconds of each pull (the first one cold), one at a time."""
+    puller, times = make_puller(transport), []
+    for i in range(args.reps + 1):
+        profiled = args.profile and i == args.reps and size == min(args.sizes)
+        profiler = cProfile.Profile() if profiled else None
+        t0 = time.perf_counter()
+        if profiler is not None:
+            profiler.enable()
+        puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
+        times.append(time.perf_counter() - t0)
+        if profiler is not None:
+            profiler.disable()
+            print(f"--- profile of one {size}-token pull over {transport} ---")
+            pstats.Stats(profiler).sort_stats("cumulative").print_stats(14)
+        kv.free(f"r{size}", keep_cache=False)
+    return times
+
+
+def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list[float]:
+    """Wall seconds of each burst of `n` concurrent pulls (the first one a warm-up)."""
+    puller, times = make_puller(transport), []
+    positions = (tuple(range(-(-size // BLOCK))),)
+    for b in range(args.burst_reps + 1):
+        rids = [f"burst-{size}-{b}-{j}" for j in range(n)]
+        targets = []
+        for rid in rids:  # the driver reserves before the rank pulls (cluster/handover.py)
+            blocks = conn.pins.reserve(rid, size, positions)
+            assert blocks is not None, "the receiving cache is too small for the burst"
+            targets.append(conn.io.into(blocks))
+        errors: list[BaseException] = []
+
+        def pull(target, cap, errors=errors):
+            try:
+                puller.pull(target, endpoint, cap, secret=SECRET, timeout_s=600)
+            except BaseException as exc:  # reported below, after every thread is done
+                errors.append(exc)
+
+        threads = [threading.Thread(target=pull, args=(t, capability(f"{transport}-burst", size, b * n + j)))
+                   for j, t in enumerate(targets)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        times.append(time.perf_counter() - t0)
+        for rid in rids:
+            conn.pins.abort(rid)
+        if errors:
+            raise errors[0]
+    return times
+
+
+def run(args) -> tuple[list[dict], list[dict]]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
                                 filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})  # keep the caller's path
     where = f"cuda:{args.exporter_gpu}" if args.device == "cuda" else "cpu"
+    bursts = burst_sizes(args)
     proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps,
-                                 "transports": args.transports}) + "\n")
+                                 "transports": args.transports, "burst_transports": args.burst_transports,
+                                 "burst_reps": args.burst_reps, "burst": bursts}) + "\n")
     proc.stdin.flush()
     info = json.loads(proc.stdout.readline())
     endpoint = Endpoint.from_wire(info["endpoint"])
-    rows = []
+    rows, burst_rows = [], []
     try:
-        kv, conn = replica(max(args.sizes), args.device, seed=2)
+        room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])
+        kv, conn = replica(room, args.device, seed=2)
         for size in args.sizes:
             nbytes = size * TOKEN_BYTES
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
-                puller, times = make_puller(transport), []
-                for i in range(args.reps + 1):
-                    profiled = args.profile and i == args.reps and size == min(args.sizes)
-                    profiler = cProfile.Profile() if profiled else None
-                    t0 = time.perf_counter()
-                    if profiler is not None:
-                        profiler.enable()
-                    puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
-                    times.append(time.perf_counter() - t0)
-                    if profiler is not None:
-                        profiler.disable()
-                        print(f"--- profile of one {size}-token pull over {transport} ---")
-                        pstats.Stats(profiler).sort_stats("cumulative").print_stats(14)
-                    kv.free(f"r{size}", keep_cache=False)
+                times = single_pulls(args, conn, kv, endpoint, size, transport)
                 pull_s = statistics.median(times[1:])
                 rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "cold_ms": times[0] * 1e3,
                              "pull_ms": pull_s * 1e3, "pull_gb_s": nbytes / pull_s / 1e9, "copy_ms": copy_s * 1e3,
                              "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / pull_s,
                              "export_ms": info["export_ms"][str(size)]})
+            for transport in args.burst_transports:
+                n = bursts[size]
+                wall = statistics.median(burst_pulls(args, conn, endpoint, size, transport, n)[1:])
+                burst_rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "requests": n,
+                                   "burst_ms": wall * 1e3, "per_request_ms": wall / n * 1e3,
+                                   "gb_s": n * nbytes / wall / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
+                                   "ratio": n * copy_s / wall})
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
-    return rows
+    return rows, burst_rows
 
 
 def plot(rows: list[dict], path: str, title: str) -> None:
@@ -197,9 +266,15 @@ def main() -> None:
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--sizes", default=None, help="request sizes in tokens (default: 1024,8192,32768 on CUDA, "
                         "1024,8192 on CPU)")
-    parser.add_argument("--transports", default=None, help="default: zmq,cuda_ipc,cuda_ipc-noverify on CUDA (the "
-                        "last without the importer's checksum), zmq,nccl on CPU (nccl runs over gloo there)")
+    parser.add_argument("--transports", default=None, help="single pulls; default: zmq,cuda_ipc,cuda_ipc-verify on "
+                        "CUDA (the last with the checksum over the copied bytes), zmq,nccl on CPU (gloo there)")
+    parser.add_argument("--burst-transports", default=None, help="pipelined bursts; default: cuda_ipc,"
+                        "cuda_ipc-verify on CUDA, zmq on CPU; 'none' for no bursts")
+    parser.add_argument("--burst", type=int, default=8, help="requests per burst (default 8)")
+    parser.add_argument("--burst-gib", type=float, default=16.0, help="at most this much receiving cache per "
+                        "burst: fewer requests per burst for large sizes (default 16)")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--burst-reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the last pull of the smallest size per "
                         "transport (the profiled pull is timed too: its row is slower)")
     parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (nccl needs another one "
@@ -211,19 +286,32 @@ def main() -> None:
         return exporter()
     cuda = args.device == "cuda"
     args.sizes = [int(s) for s in (args.sizes or ("1024,8192,32768" if cuda else "1024,8192")).split(",")]
-    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-noverify" if cuda else "zmq,nccl")).split(",")
-    rows = run(args)
+    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-verify" if cuda else "zmq,nccl")).split(",")
+    bursts = args.burst_transports or ("cuda_ipc,cuda_ipc-verify" if cuda else "zmq")
+    args.burst_transports = [] if bursts == "none" else bursts.split(",")
+    if args.burst < 1 or args.burst_reps < 1 or args.reps < 1:
+        parser.error("--burst, --burst-reps and --reps must be >= 1")
+    rows, burst_rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(f"KV hand-over, Llama-3-8B shape (32 layers, 8 KV heads x 128, bf16, block 16) on {where}")
+    print("single pull (one request at a time; medians):")
     print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
           f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
     for r in rows:
         print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
               f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
+    if burst_rows:
+        print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
+              "a burst; wall time of the whole burst, median):")
+        print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'N':>3} {'burst ms':>9} {'ms/req':>8} {'GB/s':>7} "
+              f"{'copy GB/s':>9} {'ratio':>6}")
+        for r in burst_rows:
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
+                  f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kv_handover-{args.device}")
     with open(stem + ".json", "w") as f:
-        json.dump({"device": where, "rows": rows}, f, indent=1)
+        json.dump({"device": where, "rows": rows, "pipelined": burst_rows}, f, indent=1)
     plot(rows, stem + ".png", f"KV hand-over vs device copy ({where})")
     print(f"wrote {stem}.json and {stem}.png")
 

@@ -101,6 +101,11 @@ class RankHost:
         if self._server is not None:
             self._server.close()
             self._server = None
+        for puller in self._pullers.values():  # their kept sockets (a puller of one's own may keep none)
+            sockets = getattr(puller, "sockets", None)
+            if sockets is not None:
+                sockets.close()
+        self._pullers.clear()
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None

@@ -65,15 +65,39 @@ class ImportTarget(Protocol):
     def begin_import(self, header: KVHeader | bytes | memoryview) -> ImportSession: ...
 
 
+def _scale_tensors(caches: Sequence[LayerCache]) -> list[tuple[object, ...]]:
+    """Each layer's dequantisation scales ((scale,) for MLA, (k, v) otherwise): 0-d tensors or floats."""
+    return [(c.scale,) if isinstance(c, MLACache) else (c.k_scale, c.v_scale) for c in caches]
+
+
 def _scales(caches: Sequence[LayerCache]) -> tuple[tuple[float, ...], ...]:
-    """Each layer's dequantisation scales ((scale,) for MLA, (k, v) otherwise) as floats, read in
-    one device-to-host copy (a float() per 0-d device tensor would wait for the device each time:
-    64 waits for a 32-layer cache, on every hand-over)."""
-    parts = [(c.scale,) if isinstance(c, MLACache) else (c.k_scale, c.v_scale) for c in caches]
+    """Each layer's scales as floats, read in one device-to-host copy (a float() per 0-d device
+    tensor would wait for the device each time: 64 waits for a 32-layer cache)."""
+    parts = _scale_tensors(caches)
     tensors = [t for p in parts for t in p if isinstance(t, torch.Tensor)]
     if tensors:
         values = iter(torch.stack([t.reshape(()).float().to(tensors[0].device) for t in tensors]).tolist())
     return tuple(tuple(next(values) if isinstance(t, torch.Tensor) else float(t) for t in p) for p in parts)
+
+
+class _ScaleMemo:
+    """A rank's scales as floats, read from the device again only when a scale tensor changed:
+    every export and every import compares them, and reading them is a host-device sync (an
+    import's only one besides its copy's). A change shows in the tensors' identity or version
+    counter, which every torch write bumps (KV scales are set by torch ops, at allocation and
+    weight loading; no kernel writes them)."""
+
+    def __init__(self, caches: Sequence[LayerCache]) -> None:
+        self._caches = caches
+        self._key: tuple | None = None
+        self._value: tuple[tuple[float, ...], ...] = ()
+
+    def get(self) -> tuple[tuple[float, ...], ...]:
+        parts = _scale_tensors(self._caches)
+        key = tuple((id(t), t._version) if isinstance(t, torch.Tensor) else t for p in parts for t in p)
+        if key != self._key:
+            self._value, self._key = _scales(self._caches), key
+        return self._value
 
 
 @dataclass(frozen=True)
@@ -105,6 +129,7 @@ class KVRankIO:
                                            groups=[(r.sliding_window, r.num_sink_tokens) for r in self.retentions])
         self.device = self.caches[0].data.device
         self._block_nbytes = self.layout.block_nbytes()
+        self._scales = _ScaleMemo(self.layer_caches)
 
     # ---- sender ---------------------------------------------------------------------------
     def export(self, blocks: HandoverBlocks, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
@@ -116,8 +141,7 @@ class KVRankIO:
         plan = plan_frames(sent, self._block_nbytes, max_frame_bytes)
         frames = [as_bytes(self.caches[layer].data[sent[first] : sent[first] + n]) for layer, first, n in plan]
         digest = FrameDigest()
-        for frame in frames:
-            digest.update(frame)
+        digest.update_many(frames)  # one kernel over every frame on a GPU
         header = KVHeader(
             request_id=blocks.request_id,
             layout=self.layout,
@@ -125,7 +149,7 @@ class KVRankIO:
             block_positions=blocks.block_positions,
             block_hashes=blocks.block_hashes,
             extra_keys=blocks.extra_keys,
-            scales=_scales(self.layer_caches),
+            scales=self._scales.get(),
             frames=tuple(plan),
             nbytes=sum(f.numel() for f in frames),
             checksum=digest.value,
@@ -143,28 +167,25 @@ class KVRankIO:
             raise KVTransferError(
                 "layout", f"fingerprint {header.fingerprint} != {ours.fingerprint}; {ours.difference(header.layout)}"
             )
-        mine = _scales(self.layer_caches)
+        mine = self._scales.get()
         if header.scales != mine:
             raise KVTransferError("layout", f"cache scales differ: receiver {mine}, sender {header.scales}")
         if len(header.block_positions) != len(ours.groups) or len(header.block_hashes) != len(ours.groups):
             raise KVTransferError("bad_header", f"block positions and hashes for {len(ours.groups)} KV layer groups")
         num_blocks = header.num_blocks
-        for layer in range(len(ours.layers)):
-            starts = [0]
-            for lay, first, n in header.frames:
-                if lay != layer:
-                    continue
-                if first != starts[-1] or n < 1:
-                    raise KVTransferError("bad_header", f"frames of layer {layer} do not tile its blocks")
-                starts.append(first + n)
-            if starts[-1] != num_blocks:
-                raise KVTransferError("bad_header",
-                                      f"frames of layer {layer} cover {starts[-1]} of {num_blocks} blocks")
+        covered = [0] * len(ours.layers)  # per layer, the blocks its frames tiled so far (one pass)
+        for lay, first, n in header.frames:
+            if not 0 <= lay < len(covered) or first != covered[lay] or n < 1:
+                raise KVTransferError("bad_header", f"frames of layer {lay} do not tile its blocks")
+            covered[lay] = first + n
+        for layer, end in enumerate(covered):
+            if end != num_blocks:
+                raise KVTransferError("bad_header", f"frames of layer {layer} cover {end} of {num_blocks} blocks")
         if header.nbytes != sum(header.frame_nbytes()):
             raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
         full = header.num_tokens // self.tokens_per_block
         counts = {len(g) for g in header.block_hashes}
-        if len(counts) > 1 or max(counts) > full or any(len(h) != 32 for g in header.block_hashes for h in g):
+        if len(counts) > 1 or max(counts) > full or any(set(map(len, g)) - {32} for g in header.block_hashes):
             raise KVTransferError("bad_header", f"block_hashes: as many in every group, at most {full} of 32 bytes")
 
     def begin_import(self, header: KVHeader | bytes | memoryview, blocks: Sequence[Sequence[int]], *,
@@ -223,24 +244,39 @@ class ImportSession:
         self._next = 0
         self._digest = FrameDigest()
         self._verify = True
+        self._destinations: list[torch.Tensor | None] | None = None
+        self._written: list[torch.Tensor] = []  # frames written into our blocks, not digested yet
+        self._rows: dict[tuple[int, int], torch.Tensor] = {}  # (first, n) -> our block ids, on the device
 
     def trust_frames(self) -> None:
         """Skip the checksum (sizes, order and layout are still checked): for a device-to-device
-        copy whose bytes never leave GPU memory, where reading them again costs a third of the
-        copy (cuda_ipc.IpcImporter(verify=False))."""
+        copy whose bytes never leave GPU memory (cuda_ipc.IpcImporter's default; docs/cluster.md, "KV transports"
+        says why)."""
         self._verify = False
+
+    @property
+    def verifies(self) -> bool:
+        """Whether `finish` compares the frames' checksum with the header's."""
+        return self._verify
 
     @property
     def num_frames(self) -> int:
         return len(self.header.frames)
 
+    def destinations(self) -> list[torch.Tensor | None]:
+        """`destination(i)` of every frame, made once per import (a device transport asks for all
+        of them, and `accept` again)."""
+        if self._destinations is None:
+            out: list[torch.Tensor | None] = []
+            for layer, first, n in self.header.frames:
+                start, end = self._flat[first], self._flat[first + n - 1]
+                out.append(as_bytes(self.io.caches[layer].data[start : start + n]) if end - start == n - 1 else None)
+            self._destinations = out
+        return self._destinations
+
     def destination(self, index: int) -> torch.Tensor | None:
         """Our cache bytes for frame `index` (flat uint8, writable) when its blocks are one run."""
-        layer, first, n = self.header.frames[index]
-        dst = self._flat[first : first + n]
-        if dst[-1] - dst[0] != n - 1:
-            return None
-        return as_bytes(self.io.caches[layer].data[dst[0] : dst[0] + n])
+        return self.destinations()[index]
 
     def accept(self, index: int, data: object | None = None) -> None:
         """Take frame `index`: `data` (bytes-like or uint8 tensor), or None when it was written
@@ -261,17 +297,39 @@ class ImportSession:
         if frame.numel() != expected:
             self._fail("truncated", f"frame {index} has {frame.numel()} bytes, expected {expected}")
         if self._verify:
-            self._digest.update(frame)
+            if data is None:  # our own blocks: they stay as they are, digested together at finish
+                self._written.append(frame)
+            else:  # a buffer of the transport's: digested now (the digest keeps the frames in order)
+                self._digest_written()
+                self._digest.update(frame)
         if data is not None:
-            dst = torch.tensor(self._flat[first : first + n], dtype=torch.long, device=cache.device)
             rows = cache.view(torch.uint8).reshape(cache.shape[0], -1)
-            rows.index_copy_(0, dst, frame.to(cache.device).view(n, -1))
+            rows.index_copy_(0, self._block_rows(first, n, cache.device), frame.to(cache.device).view(n, -1))
         self._next += 1
+
+    def _digest_written(self) -> None:
+        """Digest the frames written into our blocks so far (one kernel for them all on a GPU)."""
+        if self._written:
+            self._digest.update_many(self._written)
+            self._written = []
+
+    def _block_rows(self, first: int, n: int, device: torch.device) -> torch.Tensor:
+        """Our blocks for sent blocks first..first+n-1, as an index tensor on `device`: made once
+        per run of sent blocks (every layer's frame of that run writes the same rows: one
+        host-to-device copy per run, not one per frame)."""
+        rows = self._rows.get((first, n))
+        if rows is None or rows.device != device:
+            rows = torch.tensor(self._flat[first : first + n], dtype=torch.long)
+            # from pinned memory on a GPU: a copy from pageable memory waits for the stream's work
+            rows = rows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else rows.to(device)
+            self._rows[(first, n)] = rows
+        return rows
 
     def finish(self) -> tuple[list[int], ...]:
         """Verify the checksum; the blocks now hold the request's KV. Returns them, per group."""
         if self._next != self.num_frames:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
+        self._digest_written()
         if self._verify and self._digest.value != self.header.checksum:
             self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")
         if self._on_finish is not None:

@@ -124,30 +124,40 @@ class KVPuller(Protocol):
 class ZmqPuller:
     name = ZMQ
 
+    def __init__(self) -> None:
+        from meshserve.kvstore.pull_sockets import PullSockets
+
+        self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
+
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
         from meshserve.kvstore.zmq_transport import pull_kv
 
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
+                sockets=self.sockets)
         return ZMQ
 
 
 class CudaIpcPuller:
-    """Asks the exporter for CUDA IPC handles of its frames instead of their bytes (cuda_ipc.py)."""
+    """Asks the exporter for CUDA IPC handles of its frames instead of their bytes (cuda_ipc.py).
+    verify: checksum the copied bytes (off by default: they never leave device memory)."""
 
     name = CUDA_IPC
 
-    def __init__(self) -> None:
+    def __init__(self, *, verify: bool = False) -> None:
         from meshserve.kvstore.cuda_ipc import IpcImporter
+        from meshserve.kvstore.pull_sockets import PullSockets
 
-        self.importer = IpcImporter()
+        self.importer = IpcImporter(verify=verify)
+        self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
         from meshserve.kvstore.zmq_transport import pull_kv
 
         used = _Used(self.importer)
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
+                sockets=self.sockets)
         return CUDA_IPC if used.copied else ZMQ  # the exporter sends bytes when it cannot share
 
 

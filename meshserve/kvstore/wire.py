@@ -20,6 +20,8 @@ Checksum: `FrameDigest` over the frames in order: 64-bit word sums per 32 KiB ch
 
 from __future__ import annotations
 
+import functools
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,10 +94,8 @@ class KVLayout:
             tuple((None if w is None else int(w), int(s)) for w, s in groups),
         )
 
-    @property
-    def fingerprint(self) -> str:
-        import hashlib
-
+    @functools.cached_property
+    def fingerprint(self) -> str:  # computed once per layout object (every import checks it twice)
         return hashlib.sha256(msgpack.packb(self.to_wire())).hexdigest()[:32]
 
     def block_nbytes(self) -> list[int]:
@@ -168,10 +168,11 @@ class KVHeader:
                 request_id=obj["request_id"],
                 layout=KVLayout.from_wire(obj["layout"]),
                 num_tokens=int(obj["num_tokens"]),
-                block_positions=tuple(tuple(int(p) for p in g) for g in obj["block_positions"]),
-                block_hashes=tuple(tuple(bytes(h) for h in g) for g in obj["block_hashes"]),
+                # map() over builtins: a 32k-token header lists 2048 positions and hashes per group
+                block_positions=tuple(tuple(map(int, g)) for g in obj["block_positions"]),
+                block_hashes=tuple(tuple(map(bytes, g)) for g in obj["block_hashes"]),
                 extra_keys=_tuplify(obj["extra_keys"]),
-                scales=tuple(tuple(float(x) for x in s) for s in obj["scales"]),
+                scales=tuple(tuple(map(float, s)) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
                 nbytes=int(obj["nbytes"]),
                 checksum=int(obj["checksum"]),
@@ -225,8 +226,9 @@ class FrameDigest:
     its last partial chunk one more); `value` then weighs and totals every frame's chunk sums in
     a handful of operations per device and reads them back at once: one synchronisation per
     hand-over, and per frame one or two launches instead of seven (a 32-layer hand-over has 32
-    frames or more). Values: per frame total = sum of words, weighted = sum of (i + 1) * chunk i's
-    sum, both mod 2**64, the trailing bytes as one little-endian word of each."""
+    frames or more; `update_many` takes them all in one launch). Values: per frame total = sum of
+    words, weighted = sum of (i + 1) * chunk i's sum, both mod 2**64, the trailing bytes as one
+    little-endian word of each."""
 
     def __init__(self) -> None:
         self._value = 0
@@ -244,6 +246,35 @@ class FrameDigest:
             sums = torch.cat([sums, words[m * _CHUNK_WORDS :].sum().reshape(1)])
         tail = int.from_bytes(bytes(frame[n8:].cpu().tolist()), "little") if n8 < n else 0
         self._pending.append((sums, tail, n))
+
+    def update_many(self, frames: Sequence[torch.Tensor], *, one_kernel: bool | None = None) -> None:
+        """`update` for each frame in order, with the same values. On CUDA (one_kernel None) or when
+        asked, every frame's chunk sums come from one kernel launch (digest_kernel.py) instead of
+        a reduction per frame (or frame by frame where the kernel does not apply or build)."""
+        from meshserve.kvstore import digest_kernel
+
+        frames = list(frames)
+        if one_kernel is None:
+            one_kernel = len(frames) > 1 and frames[0].device.type == "cuda"
+        if one_kernel and digest_kernel.applies(frames, _CHUNK_WORDS):
+            try:
+                flat, counts = digest_kernel.chunk_sums(frames, _CHUNK_WORDS)
+            except Exception as exc:  # the kernel did not build here: the same values frame by frame
+                digest_kernel.give_up(exc)
+            else:
+                self._add_chunk_sums(frames, flat, counts)
+                return
+        for frame in frames:
+            self.update(frame)
+
+    def _add_chunk_sums(self, frames: Sequence[torch.Tensor], flat: torch.Tensor, counts: Sequence[int]) -> None:
+        at = 0
+        for frame, count in zip(frames, counts):
+            n = frame.numel()
+            n8 = n - n % 8
+            tail = int.from_bytes(bytes(frame[n8:].cpu().tolist()), "little") if n8 < n else 0
+            self._pending.append((flat[at : at + count], tail, n))
+            at += count
 
     def _totals(self) -> list[tuple[int, int]]:
         """(total, weighted) per pending frame, as Python ints (two's complement of the int64s)."""

@@ -3,11 +3,15 @@
 1. A peer process (tests/integration/kv_handover_peer.py ipc) offers a request whose blocks lie
    in its CUDA caches; this process pulls it by CUDA IPC into scattered blocks of its own CUDA
    caches and compares the bytes of every layer's blocks with the sender's (rebuilt here from
-   the same seed). A corrupted copy is refused by its checksum and leaves nothing reserved.
+   the same seed): with the default puller (no checksum over device-to-device copies) and with
+   one that verifies it. A corrupted copy is refused by the verifying puller's checksum, a
+   truncated one by the default puller's frame count; neither leaves anything reserved.
 2. (Two GPUs only) the same by the nccl transport, GPU 0 to GPU 1.
 3. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
    kv_transport cuda_ipc: greedy tokens identical to a unified replica on the same GPU, every
    hand-over imported by cuda_ipc (none recomputed), no block left held.
+4. The checksum's one-kernel digest over many frames (kvstore/digest_kernel.py, what exports on
+   a GPU use) gives the frame-by-frame values on the GPU.
 """
 
 import json
@@ -56,28 +60,33 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
     assert endpoint.device == "cuda"
     expected = sender_replica().request_bytes("ok")  # the same seed on the CPU: the same bytes
-    puller = CudaIpcPuller()
+    puller, verifying = CudaIpcPuller(), CudaIpcPuller(verify=True)
+    assert not puller.importer.verify
 
-    dst = Replica("gqa", seed=2, device="cuda")
-    dst.fragment(4)  # scattered receiving blocks: direct copies and index_copy_ both run
-    used = puller.pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=60)
-    assert used == CUDA_IPC and puller.importer.num_open >= 1  # by CUDA IPC, not over the socket
-    got = dst.request_bytes("ok")
-    assert len(got) == len(expected) >= 2
-    for ours, theirs in zip(got, expected, strict=True):  # every cached layer, every block
-        assert torch.equal(ours, theirs)
-    assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36  # the sender's hashes committed
-    dst.kv.check_invariants()
+    for seed, pull_with, cap in ((2, puller, "ok"), (5, verifying, "ok_verified")):
+        dst = Replica("gqa", seed=seed, device="cuda")
+        dst.fragment(4)  # scattered receiving blocks: direct copies and index_copy_ both run
+        used = pull_with.pull(dst.connector, endpoint, caps[cap], secret=SECRET, timeout_s=60)
+        assert used == CUDA_IPC and pull_with.importer.num_open >= 1  # by CUDA IPC, not over the socket
+        got = dst.request_bytes("ok")
+        assert len(got) == len(expected) >= 2
+        for ours, theirs in zip(got, expected, strict=True):  # every cached layer, every block
+            assert torch.equal(ours, theirs)
+        assert dst.kv.lookup_prefix(list(range(100, 137))).num_tokens == 36  # the sender's hashes committed
+        dst.kv.check_invariants()
 
-    bad = Replica("gqa", seed=3, device="cuda")
-    free = bad.kv.num_free_blocks
-    with pytest.raises(KVTransferError) as info:
-        puller.pull(bad.connector, endpoint, caps["checksum"], secret=SECRET, timeout_s=60)
-    assert info.value.reason == "checksum"
-    assert bad.kv.num_free_blocks == free
-    bad.kv.check_invariants()
+    for pull_with, cap in ((verifying, "checksum"), (puller, "truncated")):
+        bad = Replica("gqa", seed=3, device="cuda")
+        free = bad.kv.num_free_blocks
+        with pytest.raises(KVTransferError) as info:
+            pull_with.pull(bad.connector, endpoint, caps[cap], secret=SECRET, timeout_s=60)
+        assert info.value.reason == cap
+        assert bad.kv.num_free_blocks == free and bad.kv.num_requests == 0
+        bad.kv.check_invariants()
+    assert puller.sockets.num_created == 1  # the second pull of this puller reused the first one's socket
 
-    puller.importer.forget(endpoint.process)  # close the mappings while the exporter lives
+    for pull_with in (puller, verifying):
+        pull_with.importer.forget(endpoint.process)  # close the mappings while the exporter lives
     proc.stdin.close()
     summary = json.loads(proc.stdout.readline())
     assert summary["pending"] == 0 and summary["rejected"] == 0
@@ -139,3 +148,23 @@ def test_disaggregated_on_one_gpu_matches_unified(tmp_path):
     split = serve(config("disaggregated"), disaggregated)
     assert split == unified
     assert all(len(t) == 12 for t in unified.values())
+
+
+def test_one_kernel_digest_on_the_gpu_equals_the_frame_by_frame_one():
+    from meshserve.kvstore import digest_kernel
+    from meshserve.kvstore.wire import FrameDigest
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    sizes = [4 << 20] * 8 + [4096 * 8 * 3 + 40, 12, 0, (1 << 20) + 5]  # layers' runs, odd sizes, a tail
+    frames = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen) for n in sizes]
+    assert digest_kernel.applies(frames, 4096)
+    one, each = FrameDigest(), FrameDigest()
+    one.update_many(frames)  # on CUDA: one launch
+    for f in frames:
+        each.update(f)
+    assert not digest_kernel._FAILED, digest_kernel._FAILED  # the kernel built and ran
+    assert one.value == each.value
+    frames[3][12345] ^= 0x10
+    again = FrameDigest()
+    again.update_many(frames)
+    assert again.value != one.value

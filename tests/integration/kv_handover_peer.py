@@ -5,7 +5,8 @@ zmq:  serve a sender replica's exports (some of them broken on purpose; the clus
       until stdin closes, then print a JSON line with what is still pinned and how many pulls
       were dropped for failing authentication.
 ipc:  as zmq, with the sender's caches on CUDA (the CUDA IPC transport, tests/gpu/test_kv_transport_gpu.py):
-      "ok" and a corrupted copy "checksum"; the line also carries the export endpoint.
+      "ok" (and the same export again as "ok_verified"), a corrupted copy "checksum" and a
+      "truncated" one; the line also carries the export endpoint.
 dist: one rank of a gloo pair; rank 1 sends exports, rank 0 receives them and prints results.
 Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
 """
@@ -54,9 +55,10 @@ def serve_zmq(device: str = "cpu") -> None:
     rep = sender_replica(device)
     server = KVExportServer(ClusterSecret.resolve())
     capabilities = {}
-    offered = ("ok", "layout", "capacity", "truncated", "checksum") if device == "cpu" else ("ok", "checksum")
+    offered = (("ok", "layout", "capacity", "truncated", "checksum") if device == "cpu"
+               else ("ok", "ok_verified", "checksum", "truncated"))
     for rid in offered:
-        export = rep.connector.export(rid, max_frame_bytes=4096)
+        export = rep.connector.export("ok" if rid == "ok_verified" else rid, max_frame_bytes=4096)
         capabilities[rid] = new_capability()
         server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export,
                      capability=capabilities[rid], release=rep.connector.release)

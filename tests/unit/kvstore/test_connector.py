@@ -324,3 +324,38 @@ def test_batched_digest_keeps_the_frame_by_frame_values(sizes):
     for f in frames:
         d.update(f)
     assert d.value == _digest_one_frame_at_a_time(frames)
+
+
+@pytest.mark.parametrize("sizes", [[0], [7], [4096 * 8], [4096 * 8 + 3, 5, 4096 * 24 + 17, 1 << 18],
+                                   [3, 4096 * 8 * 2, 100_003, 8, 0]])
+def test_one_kernel_digest_keeps_the_frame_by_frame_values(sizes):
+    """FrameDigest.update_many's one launch over every frame (digest_kernel.py, on the CPU through
+    the Triton interpreter here) gives the values of the frame-by-frame computation."""
+    from meshserve.kvstore import digest_kernel
+
+    gen = torch.Generator().manual_seed(len(sizes) + sum(sizes))
+    frames = []
+    for size in sizes:  # each in its own allocation, as a cache's layers are
+        frames.append(torch.randint(0, 256, (size,), dtype=torch.uint8, generator=gen))
+    assert digest_kernel.applies(frames, 4096)
+    batched = FrameDigest()
+    batched.update_many(frames, one_kernel=True)
+    assert batched.value == _digest_one_frame_at_a_time(frames)
+    flipped = [f.clone() for f in frames]
+    big = max(range(len(sizes)), key=lambda i: sizes[i])
+    if sizes[big] >= 8:
+        flipped[big][sizes[big] // 2] ^= 0x04
+        other = FrameDigest()
+        other.update_many(flipped, one_kernel=True)
+        assert other.value != batched.value
+
+
+def test_unaligned_frames_take_the_frame_by_frame_digest():
+    from meshserve.kvstore import digest_kernel
+
+    data = torch.randint(0, 256, (4096 * 8 + 9,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    frames = [data[1:4097], data[4097:]]  # not 8-byte aligned: no int64 view in place
+    assert not digest_kernel.applies(frames, 4096)
+    d = FrameDigest()
+    d.update_many(frames, one_kernel=True)  # falls back
+    assert d.value == _digest_one_frame_at_a_time(frames)
