@@ -38,8 +38,8 @@ SUPPORT: tuple[FormatSupport, ...] = (
                   "1 + 4 / (bn * bk)"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cuda", "activations quantized per token (one Triton kernel), then "
                   "torch._scaled_mm with row-wise scales, or per-tensor with unit scales + a rank-1 rescale "
-                  "kernel, by rows (gemm_table.py); <= 16 rows with --small-m-gemm on: weight-streaming W8A16 "
-                  "kernel (small_m.py)",
+                  "kernel, by rows (gemm_table.py); <= 16 rows (--small-m-gemm auto or on): weight-streaming "
+                  "W8A16 kernel (small_m.py)",
                   "1 + 4 / in_features", (9, 0), notes="row-wise _scaled_mm needs sm90"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / in_features"),

@@ -148,7 +148,8 @@ def test_cli_quantization_flag(tmp_path, capsys):
 def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
     """"on": the bf16/fp16 decoder projections become StreamedLinear (the LM head does not), load
     the same weights and compute the same logits (on CPU they run F.linear; the kernel's own
-    numerics are tests/unit/workers/test_quant_small_m.py and tests/gpu). FP8 layers take it only with "on"."""
+    numerics are tests/unit/workers/test_quant_small_m.py and tests/gpu). Per-channel FP8 layers
+    (online FP8) take it with "auto" and "on", block-scaled ones only with "on"."""
     write_checkpoint(tmp_path / "float", "llama")
     prompt = prompts(1, min_len=9, max_len=9)[0]
     logits, tokens, model = _run(tmp_path / "float", prompt, small_m_gemm="on")
@@ -159,11 +160,15 @@ def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
     assert not any(isinstance(m, StreamedLinear) for m in plain.modules())  # auto: bf16 stays on cuBLAS
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, rtol=0, atol=0)
-    for setting in ("off", "auto"):  # auto: not used until the kernel is validated on the H200
+    for setting, want in (("off", False), ("auto", True), ("on", True)):  # online FP8: per-channel scales
         _, _, fp8_model = _run(tmp_path / "float", prompt, quantization="fp8", small_m_gemm=setting)
         layers = [m for m in fp8_model.modules() if isinstance(m, Fp8Linear)]
-        assert layers and not any(m.small_m for m in layers)
-    _, _, fp8_on = _run(tmp_path / "float", prompt, quantization="fp8", small_m_gemm="on")
-    assert all(m.small_m for m in fp8_on.modules() if isinstance(m, Fp8Linear))
+        assert layers and all(m.block is None and m.small_m is want for m in layers), setting
+    _, fmt, block = CASES["llama_fp8_32"](tmp_path / "src")
+    quantize_checkpoint(tmp_path / "src", tmp_path / "block", fmt, block=block)
+    for setting, want in (("auto", False), ("on", True)):  # block-scaled: the tiled GEMM unless "on"
+        _, _, block_model = _run(tmp_path / "block", prompt, small_m_gemm=setting)
+        layers = [m for m in block_model.modules() if isinstance(m, Fp8Linear)]
+        assert layers and all(m.block == block and m.small_m is want for m in layers), setting
     with pytest.raises(ConfigError, match="small_m_gemm.*one of"):
         ModelConfig(small_m_gemm="maybe")
