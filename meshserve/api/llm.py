@@ -43,7 +43,7 @@ from meshserve.core.outputs import (
     RequestOutput,
 )
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.errors import ConfigError, check
+from meshserve.errors import ConfigError, MeshserveError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
 
 Prompt = str | Sequence[int]
@@ -255,6 +255,9 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+REFUSED_EXIT = 2  # the CLI's exit status for a refused configuration (cli.main)
+
+
 def generate_main(args: argparse.Namespace) -> int:
     """Stream the continuation of `args.prompt` to stdout; the reason it ended goes to stderr.
 
@@ -272,8 +275,20 @@ def generate_main(args: argparse.Namespace) -> int:
 
         # Refuse bad layouts before spawning.
         ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep)
-        mp.start_processes(_generate_rank, args=(args, local_rendezvous()), nprocs=args.tp, join=True,
-                           start_method="spawn")
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="meshserve-generate-") as errors:
+            try:
+                mp.start_processes(_generate_rank, args=(args, local_rendezvous(), errors), nprocs=args.tp,
+                                   join=True, start_method="spawn")
+            except mp.ProcessExitedException as exc:
+                if exc.exit_code != REFUSED_EXIT:
+                    raise
+                # Every rank that refused wrote why; the same reason from several ranks prints once.
+                reasons = [f.read_text() for f in sorted(Path(errors).glob("rank*.txt"))]
+                for reason in dict.fromkeys(reasons):
+                    print(f"meshserve: error: {reason}", file=sys.stderr)
+                return REFUSED_EXIT
         return 0
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
               enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
@@ -312,7 +327,9 @@ def _stream(core: EngineCore, args: argparse.Namespace, *, echo: bool) -> None:
         print(f"[finished: {reason}]", file=sys.stderr)
 
 
-def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
+def _generate_rank(rank: int, args: argparse.Namespace, init_method: str, errors: str) -> None:
+    """One rank of `generate --tp N`; a refused configuration exits REFUSED_EXIT with its reason in
+    errors/rank<rank>.txt (the parent prints it once, not a traceback per rank)."""
     from meshserve.cluster.spmd import SpmdExecutor
     from meshserve.workers.worker import Worker
 
@@ -328,9 +345,13 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str) -> Non
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),
     )
-    worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device=args.device,
-                    progress=False, init_method=init_method)
-    core = EngineCore(config, executor=SpmdExecutor(worker))
+    try:
+        worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank,
+                        device=args.device, progress=False, init_method=init_method)
+        core = EngineCore(config, executor=SpmdExecutor(worker))
+    except MeshserveError as exc:
+        Path(errors, f"rank{rank:05d}.txt").write_text(str(exc))
+        sys.exit(REFUSED_EXIT)
     try:
         _stream(core, args, echo=rank == 0)
     finally:

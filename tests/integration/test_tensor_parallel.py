@@ -88,3 +88,16 @@ def test_generate_command_tp2_dcp2_prints_the_single_rank_text():
     single = run()
     assert len(single) > len("The for statement is used to") + 20
     assert run("--tp", "2", "--dcp", "2") == single
+
+
+def test_generate_command_with_ranks_prints_a_refusal_once_without_tracebacks():
+    """A configuration every rank refuses: exit status 2 and the reason once, as with one rank."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "meshserve.cli", "generate", "--max-tokens", "4", "--device", "cpu", "--tp", "2",
+           "--attention-backend", "FLASHINFER", "Hello"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("meshserve: error: attention backend FLASHINFER cannot serve this configuration") == 1
+    assert "Traceback" not in done.stderr and done.stdout == ""
