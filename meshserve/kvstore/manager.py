@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Hashable, Sequence
+from itertools import islice
+from operator import lt
 
 from meshserve.errors import ConfigError, check
 from meshserve.kvstore.block_hash import BlockHash, hash_blocks
@@ -316,15 +318,18 @@ class KVCacheManager:
         check(len(block_positions) == self.num_groups, "block_positions", len(block_positions),
               f"one list per KV layer group ({self.num_groups})")
         num_table = -(-num_tokens // self.tokens_per_block)
-        for positions in block_positions:
-            p = list(positions)
-            check(all(0 <= i < num_table for i in p) and all(a < b for a, b in zip(p, p[1:])), "block_positions",
-                  p if len(p) < 16 else f"{len(p)} positions", f"strictly increasing table indices in [0, {num_table})")
-        req = self._tables.for_import(num_tokens, block_positions, tuple(extra_keys))
-        if req is None:
+        positions = tuple(map(list, block_positions))
+        for p in positions:
+            # strictly increasing (compared pairwise in C) and its ends in range: every index is
+            ok = all(map(lt, p, islice(p, 1, None))) and (not p or (0 <= p[0] and p[-1] < num_table))
+            check(ok, "block_positions", p if len(p) < 16 else f"{len(p)} positions",
+                  f"strictly increasing table indices in [0, {num_table})")
+        made = self._tables.for_import(num_tokens, positions, tuple(extra_keys))
+        if made is None:
             return None
+        req, blocks = made
         self._requests[request_id] = req
-        return tuple([b for b in table if b != NULL_BLOCK] for table in req.tables)
+        return blocks
 
     def hashes_of(self, token_ids: Sequence[int], *, extra_keys: Sequence[object] = ()) -> tuple[list[BlockHash], ...]:
         """Per group, the prefix hashes of the full blocks of `token_ids` with this manager's block

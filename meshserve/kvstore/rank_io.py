@@ -20,6 +20,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Protocol
 
 import torch
@@ -239,7 +240,7 @@ class ImportSession:
         if reserved != [len(p) for p in header.block_positions]:
             self._fail("bad_header", f"blocks per group: header {[len(p) for p in header.block_positions]}, "
                        f"reserved {reserved}")  # fmt: skip
-        self._flat = [b for group in self.blocks for b in group]  # the sent order
+        self._flat = list(chain.from_iterable(self.blocks))  # the sent order
         self.frame_nbytes = header.frame_nbytes()
         self._next = 0
         self._digest = FrameDigest()

@@ -11,6 +11,9 @@ for all groups before the record is handed back.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import chain, compress
+
+import numpy as np
 
 from meshserve.errors import MeshserveError
 from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, group_salt, hash_block
@@ -104,28 +107,37 @@ class BlockTables:
             list(parent.first_held),
         )
         child.num_registered = n
-        self.pool.touch([b for table in child.tables for b in table if b != NULL_BLOCK])
+        self.pool.touch(list(filter(None, chain.from_iterable(child.tables))))  # NULL_BLOCK is 0
         self.refresh(parent)
         self.refresh(child)
         return child
 
     def for_import(self, num_tokens: int, block_positions: Sequence[Sequence[int]], extra_keys: tuple
-                   ) -> RequestBlocks | None:  # fmt: skip
+                   ) -> tuple[RequestBlocks, tuple[list[int], ...]] | None:  # fmt: skip
         """Fresh blocks at the given table positions of each group (one allocation, so they are
-        ascending runs); None if the pool cannot hold them all."""
+        ascending runs) and the new blocks per group; None if the pool cannot hold them all.
+        No Python per block: a group whose positions are its whole table takes a slice of the
+        allocation, others a scatter through an array."""
         count = sum(len(p) for p in block_positions)
         if not self.pool.can_allocate(count):
             return None
-        blocks = iter(self.pool.allocate(count))
+        fresh = self.pool.allocate(count)
         num_table = -(-num_tokens // self.tpb)
-        tables = tuple([NULL_BLOCK] * num_table for _ in block_positions)
-        for table, positions in zip(tables, block_positions):
-            for p in positions:
-                table[p] = next(blocks)
-        req = RequestBlocks(tables, num_tokens, tuple([[] for _ in tables]), extra_keys, self.extras(extra_keys),
-                            list(self.sink_blocks))  # fmt: skip
+        tables, blocks, at = [], [], 0
+        for positions in block_positions:
+            mine = fresh[at : at + len(positions)]
+            at += len(positions)
+            blocks.append(mine)
+            if len(positions) == num_table:  # strictly increasing in [0, num_table): every index
+                tables.append(list(mine))
+            else:
+                table = np.zeros(num_table, np.int64)  # NULL_BLOCK where the sender released blocks
+                table[np.asarray(positions, np.int64)] = mine
+                tables.append(table.tolist())
+        req = RequestBlocks(tuple(tables), num_tokens, tuple([[] for _ in tables]), extra_keys,
+                            self.extras(extra_keys), list(self.sink_blocks))  # fmt: skip
         self.refresh(req)
-        return req
+        return req, tuple(blocks)
 
     # ---- running records ------------------------------------------------------------------
     def growth_need(self, req: RequestBlocks, num_new_tokens: int) -> tuple[int, int]:
@@ -206,9 +218,11 @@ class BlockTables:
         """Register known hashes of the first full blocks of every group (an import succeeded)."""
         for table, hashes, given in zip(req.tables, req.hashes, block_hashes):
             hashes[:] = given
-            for i, h in enumerate(hashes):
-                if table[i] != NULL_BLOCK:
-                    self.pool.cache_block(table[i], h)
+            held = table[: len(hashes)]
+            if all(held):  # no NULL_BLOCK (0) among them: every block takes its hash
+                self.pool.cache_blocks(held, hashes)
+            else:
+                self.pool.cache_blocks(list(filter(None, held)), list(compress(hashes, held)))
         req.num_registered = len(req.hashes[0])
         self.refresh(req)
 
@@ -240,7 +254,7 @@ class BlockTables:
     def free(self, req: RequestBlocks, *, keep_cache: bool) -> None:
         """Drop the record's references: groups last to first, each table tail first (so tails
         are evicted before the heads that more requests share)."""
-        held = [b for table in reversed(req.tables) for b in reversed(table) if b != NULL_BLOCK]
+        held = list(filter(None, chain.from_iterable(map(reversed, reversed(req.tables)))))  # NULL_BLOCK is 0
         if not keep_cache:
             for b in held:
                 if self.pool.ref_counts[b] == 1:

@@ -170,7 +170,7 @@ class KVHeader:
                 num_tokens=int(obj["num_tokens"]),
                 # map() over builtins: a 32k-token header lists 2048 positions and hashes per group
                 block_positions=tuple(tuple(map(int, g)) for g in obj["block_positions"]),
-                block_hashes=tuple(tuple(map(bytes, g)) for g in obj["block_hashes"]),
+                block_hashes=tuple(_bytes_items(g) for g in obj["block_hashes"]),
                 extra_keys=_tuplify(obj["extra_keys"]),
                 scales=tuple(tuple(map(float, s)) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
@@ -194,24 +194,46 @@ class KVHeader:
         return [per_block[layer] * count for layer, _, count in self.frames]
 
 
+def _bytes_items(items: list) -> tuple[bytes, ...]:
+    """msgpack's bin items as a tuple, checked by their types in one pass (bytes(item) for each
+    is Python per block for a 32k-token header's 2048 hashes per group)."""
+    if not set(map(type, items)) <= {bytes}:
+        raise TypeError(f"block hashes must be bytes, got {sorted({type(i).__name__ for i in items})}")
+    return tuple(items)
+
+
 def _tuplify(obj: object) -> object:
     return tuple(_tuplify(x) for x in obj) if isinstance(obj, list) else obj
 
 
 def plan_frames(blocks: Sequence[int], block_nbytes: Sequence[int], max_frame_bytes: int) -> list[tuple[int, int, int]]:
     """(layer, first, count) frames: runs of consecutive block ids, at most max_frame_bytes each
-    (but at least one block)."""
+    (but at least one block). Array passes over the block ids (a 32k-token request sends 2048
+    blocks in each of 32 layers): the runs are found once, split once per distinct frame cap."""
+    if not len(blocks):
+        return []
+    ids = np.fromiter(blocks, np.int64, len(blocks))
+    starts = np.flatnonzero(np.diff(ids) != 1) + 1
+    run_first = np.concatenate(([0], starts))
+    run_len = np.diff(np.append(run_first, len(ids)))
+    splits: dict[int, list[tuple[int, int]]] = {}
     frames = []
     for layer, per_block in enumerate(block_nbytes):
         cap = max(1, max_frame_bytes // per_block)
-        i = 0
-        while i < len(blocks):
-            j = i + 1
-            while j < len(blocks) and j - i < cap and blocks[j] == blocks[j - 1] + 1:
-                j += 1
-            frames.append((layer, i, j - i))
-            i = j
+        if cap not in splits:
+            splits[cap] = _split_runs(run_first, run_len, cap)
+        frames += [(layer, first, count) for first, count in splits[cap]]
     return frames
+
+
+def _split_runs(run_first: np.ndarray, run_len: np.ndarray, cap: int) -> list[tuple[int, int]]:
+    """(first, count) pieces of at most `cap` blocks of each run, in order."""
+    pieces = -(-run_len // cap)  # per run
+    run = np.repeat(np.arange(len(run_len)), pieces)  # per piece, its run
+    k = np.arange(len(run)) - np.repeat(np.cumsum(pieces) - pieces, pieces)  # piece index within its run
+    first = run_first[run] + k * cap
+    count = np.minimum(cap, run_len[run] - k * cap)
+    return list(zip(first.tolist(), count.tolist()))
 
 
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
