@@ -19,7 +19,7 @@ from itertools import chain, compress, count
 from typing import Any
 
 from meshserve.errors import check
-from meshserve.kvstore.block_hash import BlockHash
+from meshserve.kvstore.block_hash import BlockHash, as_hashes
 from meshserve.kvstore.manager import KVCacheManager, RequestId
 
 
@@ -59,7 +59,7 @@ class HandoverBlocks:
     def from_wire(cls, obj: dict[str, Any]) -> HandoverBlocks:
         return cls(obj["request_id"], int(obj["num_tokens"]),
                    tuple(tuple(map(int, t)) for t in obj["block_tables"]),
-                   tuple(tuple(map(bytes, g)) for g in obj["block_hashes"]), tuple(obj["extra_keys"]))
+                   tuple(map(as_hashes, obj["block_hashes"])), tuple(obj["extra_keys"]))
 
 
 @dataclass(frozen=True)

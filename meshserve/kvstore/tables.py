@@ -218,11 +218,8 @@ class BlockTables:
         """Register known hashes of the first full blocks of every group (an import succeeded)."""
         for table, hashes, given in zip(req.tables, req.hashes, block_hashes):
             hashes[:] = given
-            held = table[: len(hashes)]
-            if all(held):  # no NULL_BLOCK (0) among them: every block takes its hash
-                self.pool.cache_blocks(held, hashes)
-            else:
-                self.pool.cache_blocks(list(filter(None, held)), list(compress(hashes, held)))
+            held = table[: len(hashes)]  # NULL_BLOCK (0) where released: those take no hash
+            self.pool.cache_blocks(compress(held, held), compress(hashes, held))
         req.num_registered = len(req.hashes[0])
         self.refresh(req)
 

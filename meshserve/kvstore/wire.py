@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from meshserve.errors import MeshserveError
+from meshserve.kvstore.block_hash import as_hashes
 
 WIRE_VERSION = 2  # 2: KV layer groups (per-group positions and hashes)
 _MASK = (1 << 64) - 1
@@ -170,7 +171,7 @@ class KVHeader:
                 num_tokens=int(obj["num_tokens"]),
                 # map() over builtins: a 32k-token header lists 2048 positions and hashes per group
                 block_positions=tuple(tuple(map(int, g)) for g in obj["block_positions"]),
-                block_hashes=tuple(_bytes_items(g) for g in obj["block_hashes"]),
+                block_hashes=tuple(map(as_hashes, obj["block_hashes"])),
                 extra_keys=_tuplify(obj["extra_keys"]),
                 scales=tuple(tuple(map(float, s)) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
@@ -192,14 +193,6 @@ class KVHeader:
         """Byte size of each frame, from the sender's layout."""
         per_block = self.layout.block_nbytes()
         return [per_block[layer] * count for layer, _, count in self.frames]
-
-
-def _bytes_items(items: list) -> tuple[bytes, ...]:
-    """msgpack's bin items as a tuple, checked by their types in one pass (bytes(item) for each
-    is Python per block for a 32k-token header's 2048 hashes per group)."""
-    if not set(map(type, items)) <= {bytes}:
-        raise TypeError(f"block hashes must be bytes, got {sorted({type(i).__name__ for i in items})}")
-    return tuple(items)
 
 
 def _tuplify(obj: object) -> object:

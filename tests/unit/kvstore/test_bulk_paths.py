@@ -1,6 +1,6 @@
-"""The hand-over's bulk paths (issue 19: no Python per block) against the per-block code they
-replaced, kept here as the oracle: frame plans, chained hashes, the pool's touch / free / hash
-adoption, reservation for an import, and the sent blocks of a pin. Random cases, exact state."""
+"""The hand-over's host paths without Python per block (issue 19) against the per-block code they
+replaced, kept here as the oracle: frame plans, chained hashes, the pool's hash adoption,
+reservation for an import, and the sent blocks of a pin. Random cases, exact state."""
 
 import random
 
@@ -8,7 +8,7 @@ import pytest
 
 from meshserve.errors import ConfigError, MeshserveError
 from meshserve.kvstore.block_hash import hash_block, hash_blocks
-from meshserve.kvstore.block_pool import BULK_BLOCKS, NULL_BLOCK, BlockPool
+from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.pins import HandoverBlocks
 from meshserve.kvstore.retention import RetentionPolicy
@@ -41,28 +41,7 @@ def hash_blocks_per_block(token_ids, tpb, extra=b"", num_blocks=None):
 
 
 class PerBlockPool(BlockPool):
-    """BlockPool with the one-by-one touch, free and hash adoption."""
-
-    def touch(self, block_ids):
-        for block in block_ids:
-            if self.ref_counts[block] == 0:
-                if block not in self._cached:
-                    raise MeshserveError(f"touch of block {block}, which is free (only held or cached blocks)")
-                del self._cached[block]
-                self.stats.revived += 1
-            self.ref_counts[block] += 1
-
-    def free(self, block_ids):
-        for block in block_ids:
-            count = self.ref_counts[block]
-            if count <= 0 or block == NULL_BLOCK:
-                raise MeshserveError(f"free of block {block}, which holds no reference")
-            self.ref_counts[block] = count - 1
-            if count == 1:
-                if self._hash[block] is None:
-                    self._free.append(block)
-                else:
-                    self._cached[block] = None
+    """BlockPool adopting hashes one `cache_block` call at a time."""
 
     def cache_blocks(self, blocks, block_hashes):
         for block, block_hash in zip(blocks, block_hashes):
@@ -105,10 +84,9 @@ def test_hash_blocks_equals_the_block_by_block_chain():
         assert hash_blocks(tokens, tpb, extra=extra, num_blocks=num) == hash_blocks_per_block(tokens, tpb, extra, num)
 
 
-def test_pool_bulk_paths_equal_the_per_block_pool():
-    """Random fork / free / hash adoption / allocation sequences with long lists (the bulk
-    paths: runs of ids in any order) and short or scattered ones (the loops): same state after
-    every operation, same errors."""
+def test_pool_hash_adoption_equals_the_per_block_pool():
+    """Random fork / free / hash adoption (new hashes, known ones, blocks hashed already) /
+    allocation sequences: same state after every operation, same errors."""
     rng = random.Random(2)
     for _ in range(60):
         size = rng.choice([80, 300])
@@ -151,16 +129,6 @@ def test_pool_bulk_paths_equal_the_per_block_pool():
                 return  # the references of the held lists are now partly gone
             assert state(fast) == state(slow)
             fast.check_invariants()
-
-
-def test_bulk_free_of_a_long_run_caches_hashed_blocks_in_freeing_order():
-    pool = BlockPool(2 * BULK_BLOCKS + 2)
-    blocks = pool.allocate(BULK_BLOCKS * 2)
-    pool.cache_blocks(blocks[::2], [bytes([i % 256, i // 256]) * 16 for i in range(BULK_BLOCKS)])
-    pool.free(list(reversed(blocks)))  # tail first
-    assert list(pool._cached) == list(reversed(blocks[::2]))
-    assert pool._free[-BULK_BLOCKS:] == list(reversed(blocks[1::2]))
-    pool.check_invariants()
 
 
 def test_reservation_for_an_import_equals_the_per_position_tables():
@@ -223,3 +191,18 @@ def test_handover_blocks_lists_held_blocks_and_positions():
     assert sent.blocks == [5, 6, 9, 10, 1, 2, 3, 4]
     wired = HandoverBlocks.from_wire(sent.to_wire())
     assert wired == sent and wired.block_positions == sent.block_positions
+
+
+def test_header_with_a_hash_that_is_not_bytes_is_refused():
+    import msgpack
+
+    from meshserve.kvstore.wire import KVHeader, KVLayout, KVTransferError
+
+    layout = KVLayout("m", 16, 1, (("float32", (2, 16, 1, 8)),))
+    header = KVHeader("r", layout, 40, ((0, 1, 2),), ((b"a" * 32, b"b" * 32),), (), ((1.0, 1.0),),
+                      ((0, 0, 3),), 3 * 1024, 0)
+    assert KVHeader.unpack(header.pack()).block_hashes == ((b"a" * 32, b"b" * 32),)
+    obj = msgpack.unpackb(header.pack(), raw=False)
+    obj["block_hashes"] = [[b"a" * 32, "b" * 32]]
+    with pytest.raises(KVTransferError, match="bad_header"):
+        KVHeader.unpack(msgpack.packb(obj, use_bin_type=True))
