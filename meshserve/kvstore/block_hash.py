@@ -13,8 +13,6 @@ can provoke. Cost is about 1 µs per block, paid once per full block.
 from __future__ import annotations
 
 import struct
-import sys
-from array import array
 from collections.abc import Callable, Sequence
 from hashlib import sha256
 
@@ -80,19 +78,12 @@ def hash_blocks(
     extra: bytes = b"",
     num_blocks: int | None = None,
 ) -> list[BlockHash]:
-    """Chained hashes of the first `num_blocks` full blocks of `token_ids` (default: all full ones).
-
-    The same values as `hash_block` block by block; the tokens are packed as little-endian int64
-    once for all blocks (one C pass), so what is left per block is the sha256 itself."""
+    """Chained hashes of the first `num_blocks` full blocks of `token_ids` (default: all full ones)."""
     full = len(token_ids) // tokens_per_block
-    count = full if num_blocks is None else max(0, min(num_blocks, full))
-    packed = array("q", token_ids[: count * tokens_per_block])
-    if sys.byteorder != "little":
-        packed.byteswap()
-    data, step = packed.tobytes(), 8 * tokens_per_block
+    count = full if num_blocks is None else min(num_blocks, full)
     out: list[BlockHash] = []
-    parent = ROOT_HASH
-    for start in range(0, count * step, step):
-        parent = sha256(parent + data[start : start + step] + extra).digest()
+    parent = None
+    for i in range(count):
+        parent = hash_block(parent, token_ids[i * tokens_per_block : (i + 1) * tokens_per_block], extra)
         out.append(parent)
     return out

@@ -1,5 +1,5 @@
 """The hand-over's host paths without Python per block (issue 19) against the per-block code they
-replaced, kept here as the oracle: frame plans, chained hashes, the pool's hash adoption,
+replaced, kept here as the oracle: frame plans, the pool's hash adoption,
 reservation for an import, and the sent blocks of a pin. Random cases, exact state."""
 
 import random
@@ -7,7 +7,7 @@ import random
 import pytest
 
 from meshserve.errors import ConfigError, MeshserveError
-from meshserve.kvstore.block_hash import hash_block, hash_blocks
+from meshserve.kvstore.block_hash import hash_blocks
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.pins import HandoverBlocks
@@ -28,16 +28,6 @@ def plan_frames_per_block(blocks, block_nbytes, max_frame_bytes):
             frames.append((layer, i, j - i))
             i = j
     return frames
-
-
-def hash_blocks_per_block(token_ids, tpb, extra=b"", num_blocks=None):
-    full = len(token_ids) // tpb
-    count = full if num_blocks is None else min(num_blocks, full)
-    out, parent = [], None
-    for i in range(count):
-        parent = hash_block(parent, token_ids[i * tpb : (i + 1) * tpb], extra)
-        out.append(parent)
-    return out
 
 
 class PerBlockPool(BlockPool):
@@ -72,16 +62,6 @@ def test_plan_frames_equals_the_per_block_plan():
         got = plan_frames(blocks, nbytes, cap)
         assert got == plan_frames_per_block(blocks, nbytes, cap), (blocks, nbytes, cap)
         assert all(type(v) is int for frame in got for v in frame)  # msgpack-able, as before
-
-
-def test_hash_blocks_equals_the_block_by_block_chain():
-    rng = random.Random(1)
-    for _ in range(300):
-        tokens = [rng.randrange(0, 2**40) for _ in range(rng.randrange(0, 120))]
-        tpb = rng.choice([1, 2, 16, 32])
-        extra = rng.choice([b"", b"lora-a\xc1\x01\x00"])
-        num = rng.choice([None, 0, 1, 3, 1000])
-        assert hash_blocks(tokens, tpb, extra=extra, num_blocks=num) == hash_blocks_per_block(tokens, tpb, extra, num)
 
 
 def test_pool_hash_adoption_equals_the_per_block_pool():
