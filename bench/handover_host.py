@@ -20,7 +20,7 @@ phase by phase, as the pools run it (cluster/handover.py, cluster/rank.py, the c
   release   the prefill driver releases its pin; the decode side frees the request at its end
 The caches are tiny (1 KV head of 8, float32): frames are views, never read. Medians of --reps
 runs after a warm-up run, in microseconds; `--compare OLD_ROOT` runs this same script under
-OLD_ROOT's meshserve (e.g. `git worktree add /tmp/base <commit>` or `git archive`) and under this
+OLD_ROOT's meshserve (e.g. `git archive <commit> meshserve | tar -x -C OLD_ROOT`) and under this
 tree's, alternating process by process, and prints both with the spread (min-max of the
 per-process medians).
 """
