@@ -12,6 +12,10 @@ tensor ops per layer:
   (when neither the LSE, a soft-cap nor learned sinks are asked for) or explicit matmuls with
   the query viewed as [S, Hkv, G * Lq, D] against the shared K/V: no repeat_interleave copies.
   Whole prompts skip the gather: SDPA per sequence on the step's own K/V with is_causal.
+- decodes over a float32 cache (no sliding window, no ALiBi, not cross-attention) go through the
+  compiled paged decode kernel (`cpu_paged_decode.py`): it walks each sequence's block table and
+  reads K and V once, in place, with soft-cap, sinks and the LSE. When it cannot be built, the
+  torch ops below serve:
 - decodes over a float32 cache with neither the LSE, a soft-cap, sinks nor ALiBi gather K only:
   scores by one matmul, softmax, then `embedding_bag` sums the V rows weighted by the
   probabilities straight from the cache (`decode_bags`): V is never copied. On a CPU a decode
@@ -36,6 +40,7 @@ from meshserve.attention.backend import (
     KVCache,
     LayerParams,
 )
+from meshserve.attention.backends.cpu_paged_decode import paged_decode_op
 from meshserve.attention.backends.cpu_sdpa_math import explicit_attention, sdpa_per_sequence
 from meshserve.attention.backends.torch_ref import scatter_kv
 from meshserve.attention.metadata import AttentionMetadata
@@ -75,6 +80,9 @@ class GroupPlan:
     v_bags: torch.Tensor | None = None  # [S * H * L] int64 V row of each key for each query head
     # (cached decode groups of >= BAGS_MIN_KEYS padded keys: embedding_bag's bags; head h reads KV head h // G)
     bag_offsets: torch.Tensor | None = None  # [S * H] int64 first entry of each bag in v_bags (0, L, 2L, ...)
+    # Cached decode groups the paged decode kernel can serve (no window, no ALiBi, not cross):
+    table: torch.Tensor | None = None  # [S, W] int32 block table rows of the group
+    kv_lens: torch.Tensor | None = None  # [S] int32 keys this rank stores of each sequence
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class CpuPlan:
     write_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     write_block_size: int = 0  # the block size write_rows assume (the metadata's)
 
+
+_NO_SINKS = torch.empty(0)
 
 # Below this many padded keys in a decode group one SDPA call beats decode_bags' four ops
 # (demo shapes, 1 thread: 28 against 48 us at 1 x 128 keys, level at 4 x 128, 388 against 332
@@ -118,8 +128,9 @@ class CpuSdpaBackend(AttentionBackend):
         devices=frozenset({"cpu"}),
         notes="whole batch at once: prefills and decodes each one padded group (one K/V gather from the "
         "paged cache, GQA without K/V copies) through scaled_dot_product_attention, or explicit matmuls "
-        "when the LSE, a soft-cap or learned sinks are needed; large float32 decode groups gather K "
-        "only and sum V in place (embedding_bag); float32 math; CPU only",
+        "when the LSE, a soft-cap or learned sinks are needed; float32 decodes without window or ALiBi "
+        "through a C++ paged decode kernel compiled on first use (K/V read once, in place; torch ops "
+        "when it cannot be built); float32 math; CPU only",
     )
 
     @classmethod
@@ -184,6 +195,15 @@ class CpuSdpaBackend(AttentionBackend):
             if g.fresh and plain:
                 outs.append(sdpa_per_sequence(spec, query, key, value, g.starts))
                 continue
+            if g.table is not None and kv_cache.data.dtype == torch.float32 and kv_cache.data.is_contiguous():
+                kernel = paged_decode_op()  # None when it cannot be built: the torch paths below
+                if kernel is not None:
+                    o, lse = kernel(_as(query[t0:t1], torch.float32).contiguous(), kv_cache.data, g.table,
+                                    g.kv_lens, spec.softmax_scale, spec.logits_soft_cap or 0.0,
+                                    layer.sinks.float() if use_sinks else _NO_SINKS)
+                    outs.append(o)
+                    lses.append(lse)
+                    continue
             if g.v_bags is not None and plain and not spec.use_alibi and kv_cache.data.dtype == torch.float32:
                 outs.append(decode_bags(spec, query[t0:t1], kv_cache.data, g))
                 continue
@@ -279,7 +299,11 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
     bias = np.where(visible, np.float32(0), np.float32(-np.inf))
     rel = torch.from_numpy((kp - qp).astype(np.float32))[:, None, None] if spec.use_alibi else None
 
-    v_bags = bag_offsets = None
+    v_bags = bag_offsets = kernel_table = kernel_lens = None
+    if lq == 1 and spec.uses_kv_cache and not cross and spec.sliding_window is None and not spec.use_alibi:
+        # the paged decode kernel walks the table itself: every stored key is visible to a decode
+        kernel_table = meta.block_table[s0:s1].contiguous()
+        kernel_lens = torch.from_numpy(kv_lens.astype(np.int32))
     if lq == 1 and spec.uses_kv_cache and num_seqs * L >= BAGS_MIN_KEYS:
         # V rows (second half of kv_index), repeated for the query heads of each KV head
         v_rows = kv_index[kv_index.size // 2 :].reshape(num_seqs, Hkv, L)
@@ -315,6 +339,8 @@ def _plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, 
         starts=tuple(starts[s0 : s1 + 1]),
         v_bags=v_bags,
         bag_offsets=bag_offsets,
+        table=kernel_table,
+        kv_lens=kernel_lens,
     )
 
 
