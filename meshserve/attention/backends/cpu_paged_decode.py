@@ -153,7 +153,18 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor query, torch::Tensor cache
       for (int64_t l0 = 0; l0 < L; l0 += bs) {  // pass 1: K, every query head's score
         const float* k = kv + static_cast<int64_t>(blocks[l0 / bs]) * 2 * half;
         const int64_t n = std::min(bs, L - l0);
-        for (int64_t t = 0; t < n; ++t)
+        // Blocks lie anywhere in the cache, so the hardware prefetcher cannot run ahead of this
+        // loop: ask for the next K block (the next sequence's first one after the last) and this
+        // block's V (read in pass 2) while this block is scored. Without it the kernel waited on
+        // memory: 1.56 against 0.84 ms for the torch ops at 64 x 128 keys with cold caches (with it, 0.52).
+        const int64_t next = l0 + bs < L ? blocks[l0 / bs + 1]
+                             : (s + 1 < s1 && lens[s + 1] > 0 ? tab[(s + 1) * W] : -1);
+        const float* v_here = k + half;
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t c = 0; c < row; c += 16) {
+            if (next >= 0) __builtin_prefetch(kv + next * 2 * half + t * row + c);
+            __builtin_prefetch(v_here + t * row + c);
+          }
           for (int64_t kh = 0; kh < Hkv; ++kh)
             for (int64_t g = 0; g < G; ++g) {
               const int64_t h = kh * G + g;
@@ -161,6 +172,7 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor query, torch::Tensor cache
               if (cap > 0.f) x = cap * std::tanh(x / cap);
               p[h * L + l0 + t] = x;
             }
+        }
       }
       std::vector<float> inv(H);
       for (int64_t h = 0; h < H; ++h) {  // softmax per head; a sink joins the denominator only
