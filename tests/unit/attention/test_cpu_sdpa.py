@@ -121,16 +121,18 @@ def test_decode_heavy_batches_without_lse(scenario, seed, monkeypatch, decode_pa
     torch_out, _ = run_backend(TorchBackend, make_case(scenario, seed=seed))
     torch.testing.assert_close(out, torch_out.float(), rtol=1e-5, atol=1e-5)
     decodes = plan.groups[-1]
-    assert decodes.max_query_len == 1 and decodes.v_bags is not None
+    assert decodes.max_query_len == 1
+    by_kernel = decode_path == "kernel" and decodes.table is not None
+    assert decodes.kernel_only == by_kernel  # with the kernel the torch path's bags are not built
+    assert (decodes.v_bags is not None) == (not by_kernel)
     spec = scenario.problem().spec
     special = spec.has_sinks or spec.logits_soft_cap is not None or spec.use_alibi
-    by_kernel = decode_path == "kernel" and decodes.table is not None
     assert len(calls) == (0 if special or by_kernel else 1), (scenario.name, calls)
 
 
 def test_small_decode_groups_keep_one_sdpa_call():
     """Under BAGS_MIN_KEYS padded keys the plan leaves decode_bags out (SDPA is faster there)."""
-    from meshserve.attention.backends.cpu_sdpa import BAGS_MIN_KEYS
+    from meshserve.attention.backends.cpu_sdpa_plan import BAGS_MIN_KEYS
 
     scenario = Scenario("small_decode", (1, 1), (9, 30), spec=dict(num_heads=4, num_kv_heads=2))
     case = make_case(scenario)
