@@ -70,3 +70,30 @@ def test_inputs_of_any_rank_take_the_same_product():
             with torch.inference_mode():
                 assert torch.equal(swapped(x), nn.functional.linear(x, plain.weight.t().contiguous().t(), plain.bias))
                 torch.testing.assert_close(swapped(x), plain(x), atol=1e-6, rtol=1e-6)
+
+
+def test_from_eight_rows_onednn_takes_the_product(monkeypatch):
+    """Rows >= ONEDNN_MIN_ROWS go to oneDNN on the same [in, out] storage (float64 oracle, 1e-5
+    relative), fewer rows to torch.mm; with onednn=False every size takes torch.mm."""
+    import pytest
+
+    from meshserve.workers import cpu_weights
+
+    if not cpu_weights.onednn_available():
+        pytest.skip("torch built without oneDNN: the MKL path serves every size")
+    calls = []
+    real = cpu_weights.onednn_linear
+    monkeypatch.setattr(cpu_weights, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(4)
+    for bias in (True, False):
+        plain = nn.Linear(96, 136, bias=bias)
+        swapped, mkl_only = InputMajorLinear(plain), InputMajorLinear(plain, onednn=False)
+        w64 = plain.weight.double()
+        for rows in (1, 7, 8, 64, 300):
+            x = torch.randn(rows, 96)
+            ref = x.double() @ w64.T + (plain.bias.double() if bias else 0)
+            with torch.inference_mode():
+                out = swapped(x)
+                assert torch.equal(mkl_only(x), nn.functional.linear(x, swapped.weight, plain.bias))
+            assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5, rows
+    assert calls == [8, 64, 300] * 2
