@@ -225,13 +225,15 @@ def cache_dir() -> Path:
 
 
 def _cpu_model() -> str:
+    """The first core's model name and feature flags: -march=native code built on one CPU may not
+    run on another of the same name (a module built with AVX-512 dies on SIGILL without it)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return "unknown"
+        return "unknown"
+    model = next((x for x in lines if x.startswith("model name")), "")
+    flags = next((x for x in lines if x.startswith("flags")), "")
+    return model + "\n" + flags
 
 
 def build_name() -> str:

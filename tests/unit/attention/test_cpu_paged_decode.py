@@ -115,3 +115,11 @@ def test_built_outside_the_source_tree(kernel):
     build = cpu_paged_decode.cache_dir() / cpu_paged_decode.build_name()
     assert not build.resolve().is_relative_to(repo)
     assert any(build.glob("*.so"))
+
+
+def test_the_build_is_keyed_by_the_cpu(monkeypatch):
+    """-march=native code is only loaded on the CPU (model and flags) it was built for."""
+    monkeypatch.setattr(cpu_paged_decode, "_cpu_model", lambda: "model name: X\nflags: avx2")
+    avx2 = cpu_paged_decode.build_name()
+    monkeypatch.setattr(cpu_paged_decode, "_cpu_model", lambda: "model name: X\nflags: avx2 avx512f")
+    assert cpu_paged_decode.build_name() != avx2
