@@ -8,10 +8,11 @@ per sequence, the scores of all query heads against each K row (the query heads 
 share the row), a softmax per head (with soft-cap and learned sinks), then each V row added into
 every query head's output. It returns the LSE too, so the DCP merge works through it.
 
-Build: `torch.utils.cpp_extension.load_inline` on the first decode that asks for it, into a
-cache directory outside the source tree (`$MESHSERVE_EXT_DIR`, else ~/.cache/meshserve/ext),
-named by a hash of the source, the compiler flags and torch's version, so the compile happens
-once per machine image; later processes load the built module. Any failure (no compiler, no
+Build: `torch.utils.cpp_extension.load_inline` when the first float32 CPU_SDPA backend is made
+(engine start, not a request's first decode), into a cache directory outside the source tree
+(`$MESHSERVE_EXT_DIR`, else ~/.cache/meshserve/ext), named by a hash of the source, the compiler
+flags, torch's version and the CPU (model name and flags), so the compile happens once per
+machine image; later processes load the built module. Any failure (no compiler, no
 ninja, a compile error, a lock held too long) logs one warning and `paged_decode_op()` returns
 None: CPU_SDPA then runs its torch path. `MESHSERVE_CPU_KERNELS=0` turns the kernel off.
 """
@@ -254,6 +255,8 @@ def paged_decode_op() -> PagedDecodeOp | None:
         name = build_name()
         build = cache_dir() / name
         build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):
+            log.info("building the CPU paged decode kernel into %s (once per machine; 30-60 s on 2 cores)", build)
         module = load_inline(name=name, cpp_sources=[_CPP], functions=["paged_decode"], extra_cflags=_FLAGS,
                              build_directory=str(build), verbose=False)
         return module.paged_decode

@@ -77,6 +77,11 @@ class CpuSdpaBackend(AttentionBackend):
         "when it cannot be built); float32 math; CPU only",
     )
 
+    def __init__(self, problem: AttentionProblem) -> None:
+        super().__init__(problem)
+        if problem.dtype == "float32" and self.spec.uses_kv_cache and not self.spec.kv_cache_dtype.is_fp8:
+            paged_decode_op()  # built (once per machine) or loaded here, not in the first request's decode
+
     @classmethod
     def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
         spec = problem.spec

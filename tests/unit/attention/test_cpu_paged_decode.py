@@ -123,3 +123,14 @@ def test_the_build_is_keyed_by_the_cpu(monkeypatch):
     avx2 = cpu_paged_decode.build_name()
     monkeypatch.setattr(cpu_paged_decode, "_cpu_model", lambda: "model name: X\nflags: avx2 avx512f")
     assert cpu_paged_decode.build_name() != avx2
+
+
+def test_a_float32_backend_builds_the_kernel_when_made(monkeypatch):
+    """At engine start (the backend's construction), not in a request's first decode."""
+    calls = []
+    monkeypatch.setattr(cpu_sdpa, "paged_decode_op", lambda: calls.append(1))
+    scenario = DECODE_HEAVY[0]
+    CpuSdpaBackend(scenario.problem("float32"))
+    assert calls == [1]
+    CpuSdpaBackend(scenario.problem("bfloat16"))  # a bf16 cache: the kernel never serves it
+    assert calls == [1]
