@@ -134,3 +134,22 @@ def test_a_float32_backend_builds_the_kernel_when_made(monkeypatch):
     assert calls == [1]
     CpuSdpaBackend(scenario.problem("bfloat16"))  # a bf16 cache: the kernel never serves it
     assert calls == [1]
+
+
+def test_two_threads_give_the_one_thread_result(kernel):
+    """Sequences are split across intra-op threads (at::parallel_for); each row is computed the
+    same way whichever thread takes it."""
+    gen = torch.Generator().manual_seed(9)
+    cache = torch.randn(40, 2, 16, 2, 64, generator=gen)
+    table = torch.randperm(40, generator=gen)[:36].view(12, 3).to(torch.int32)
+    lens = torch.randint(1, 49, (12,), generator=gen, dtype=torch.int32)
+    q = torch.randn(12, 4, 64, generator=gen)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernel(q, cache, table, lens, 0.125, 0.0, torch.empty(0))
+        torch.set_num_threads(2)
+        two = kernel(q, cache, table, lens, 0.125, 0.0, torch.empty(0))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one[0], two[0]) and torch.equal(one[1], two[1])
