@@ -26,6 +26,7 @@ from meshserve.parallel.dcp_mla import DcpMLAAttention, DcpSparseMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.cpu_weights import input_major_linears
 from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
@@ -135,6 +136,8 @@ class Worker:
                            transform=transform if par.tp > 1 else None,
                            quantization=self.model_config.quantization.value,
                            small_m_gemm=self.model_config.small_m_gemm.value)
+        if self.device.type == "cpu":
+            input_major_linears(model)  # the same values, a faster CPU GEMM (workers/cpu_weights.py)
         specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
         capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
         backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,

@@ -34,12 +34,23 @@ def _batch():
     return [shared + p for p in prompts(12, seed=4, min_len=2, max_len=30)]
 
 
-def _outputs(llm):
+def _outputs(llm, *, digits=5):
+    """Per request: tokens, finish reason, (token, logprob rounded to `digits`) per step; digits=None
+    keeps the float32 logprobs as they are."""
     batch = _batch()
     params = [PARAMS[i % len(PARAMS)] for i in range(len(batch))]
     outs = llm.generate(batch, params)
-    return [(o.token_ids, o.finish_reason, [(lp.token_id, round(lp.logprob, 5)) for lp in (o.logprobs or [])])
+    rnd = (lambda v: v) if digits is None else (lambda v: round(v, digits))
+    return [(o.token_ids, o.finish_reason, [(lp.token_id, rnd(lp.logprob)) for lp in (o.logprobs or [])])
             for o in outs]
+
+
+def _assert_same_draws(got, want, *, logprob_atol):
+    """Tokens, finish reasons and logprob tokens equal; logprob values within logprob_atol."""
+    assert [(t, f, [i for i, _ in lps]) for t, f, lps in got] == [(t, f, [i for i, _ in lps]) for t, f, lps in want]
+    for r, ((_, _, a), (_, _, b)) in enumerate(zip(got, want)):
+        diff = max((abs(x - y) for (_, x), (_, y) in zip(a, b)), default=0.0)
+        assert diff <= logprob_atol, f"request {r}: logprobs differ by {diff} > {logprob_atol}"
 
 
 def _llm(ckpt, backend, overlap):
@@ -59,8 +70,15 @@ def test_overlap_gives_the_outputs_of_the_synchronous_engine(ckpt):
 
 def test_overlap_through_the_static_decode_path(ckpt):
     """TRITON (interpreter) with the graph runner's static buffers: tokens drawn in the step in
-    flight are filled into the static token-id buffer on the device."""
-    reference = _outputs(_llm(ckpt, "TRITON", overlap=False))
+    flight are filled into the static token-id buffer on the device.
+
+    The static path runs each decode step padded to its bucket (1, 2, 4, 8 rows), the eager
+    reference at the exact batch; the CPU BLAS (MKL sgemm) picks its kernel by the row count,
+    so a row's float32 result differs in the last bits between 3 and 4 rows, 5 and 8 (both
+    weight layouts; docs/performance.md). Draws are therefore compared exactly and logprobs to
+    1e-5 (the float32 differences seen are <= 2e-6); rounding both to 5 decimals made the test
+    fail whenever a value sat on a rounding boundary."""
+    reference = _outputs(_llm(ckpt, "TRITON", overlap=False), digits=None)
     fast = _llm(ckpt, "TRITON", overlap=True)
     worker = fast.core.executor.worker
     runner = worker.runner
@@ -68,5 +86,5 @@ def test_overlap_through_the_static_decode_path(ckpt):
         runner.model, backends=runner.backends, kv_caches=runner.kv_caches, layer_groups=runner.layer_groups,
         block_size=worker.info.block_size, max_local_len=worker.info.max_model_len, max_batch=8,
         device=torch.device("cpu"), capture=False)  # fmt: skip
-    assert _outputs(fast) == reference
+    _assert_same_draws(_outputs(fast, digits=None), reference, logprob_atol=1e-5)
     assert graphs.num_steps > 0

@@ -1,0 +1,86 @@
+"""Float32 linear weights laid out input-major on a CPU: the same values, a faster GEMM.
+
+`nn.Linear` keeps its weight [out, in] (HF's layout) and computes x @ weight.T. On the CPU
+(torch 2.13, MKL) that product is 1.2-1.7x slower than the same product against a weight
+stored [in, out] contiguously, for every shape of the demo model at 1, 16 and 64 rows (one
+thread, warm caches: e.g. gate_up [1536, 256] at 16 rows 126 against 87 us, the LM head
+[4096, 256] at 64 rows 970 against 808 us; docs/performance.md). `input_major_linears` swaps
+each such layer for an `InputMajorLinear` holding the weight in [in, out] storage: its
+`weight` parameter still reads [out, in] to every other piece of code (loaders, tests), and
+the product runs the faster GEMM. The values do not change: the GEMM is called on the same
+numbers in a different memory order.
+
+A tied LM head (the embedding's matrix) gets its own input-major copy: vocab x hidden more
+floats; the embedding keeps the row layout its lookups want.
+
+From `ONEDNN_MIN_ROWS` rows the product goes through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
+the op inductor's CPU linear fusion calls) on the same [in, out] storage, read as the [out, in]
+view: on the 2-core AMD EPYC machine MKL's sgemm runs these shapes at about half of what
+oneDNN's JIT kernels reach (one thread, us, MKL mm / oneDNN: gate_up [1536, 256] at 8 rows
+124 / 94, 16: 199 / 125, 64: 554 / 282, 4096 rows (a prefill): 36111 / 15526; the LM head at 64
+rows 1558 / 723), while under 8 rows MKL is as fast or faster (1 row: 28 / 46). oneDNN sums in
+its own order: a float32 result within ~1e-6 relative of MKL's (both against float64), not bit
+for bit. Where torch was built without oneDNN the MKL path serves every size. Measured on that
+AMD machine only; on Intel CPUs not measured.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ONEDNN_MIN_ROWS = 8
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] @ weight [out, in].T (+ bias) by oneDNN, float32."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class InputMajorLinear(nn.Linear):
+    """An `nn.Linear` whose weight is stored [in, out]: `weight` is the [out, in] transpose view
+    (what every other piece of code reads), `weight_t` the contiguous [in, out] tensor the GEMM
+    takes. A 2-D input calls `torch.mm` / `torch.addmm` on it directly, the op `F.linear` ends
+    in, without F.linear's transposes and matmul dispatch (five more dispatches per call, 25
+    calls per decode step of the demo model); from `ONEDNN_MIN_ROWS` rows oneDNN takes the
+    product (`onednn`: default, wherever torch has it); other inputs go through `F.linear`."""
+
+    def __init__(self, linear: nn.Linear, *, onednn: bool | None = None) -> None:
+        nn.Module.__init__(self)
+        self.onednn = onednn_available() if onednn is None else onednn
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        with torch.no_grad():
+            self.weight_t = linear.weight.detach().t().contiguous()  # [in, out]
+        self.weight = nn.Parameter(self.weight_t.t(), requires_grad=False)  # [out, in] view
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2:
+            return F.linear(x, self.weight, self.bias)
+        if self.onednn and x.shape[0] >= ONEDNN_MIN_ROWS:
+            return onednn_linear(x, self.weight, self.bias)
+        if self.bias is None:
+            return torch.mm(x, self.weight_t)
+        return torch.addmm(self.bias, x, self.weight_t)
+
+
+def input_major_linears(model: nn.Module) -> int:
+    """Swap every float32 CPU `nn.Linear` of `model` for an InputMajorLinear; returns how many.
+
+    Other dtypes (bfloat16 runs through oneDNN, where this was not measured), other devices
+    and other layer classes (tensor-parallel, quantized, already swapped) are left as they are.
+    """
+    swaps = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            weight = getattr(child, "weight", None)
+            if type(child) is nn.Linear and weight.dtype == torch.float32 and weight.device.type == "cpu":
+                swaps.append((parent, name, child))
+    for parent, name, child in swaps:
+        setattr(parent, name, InputMajorLinear(child))
+    return len(swaps)

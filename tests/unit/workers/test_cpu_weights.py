@@ -1,0 +1,99 @@
+"""workers/cpu_weights.py: float32 CPU linears re-laid input-major keep their values and results."""
+
+import torch
+from torch import nn
+
+from meshserve.workers.cpu_weights import InputMajorLinear, input_major_linears
+
+
+class _Tiny(nn.Module):
+    """An embedding with a tied LM head, two float32 linears (one with a bias), one bfloat16 linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.up = nn.Linear(16, 40)
+        self.down = nn.Linear(40, 16, bias=False)
+        self.bf16 = nn.Linear(16, 16, bias=False).to(torch.bfloat16)
+        self.lm_head = nn.Linear(16, 50, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.down(torch.relu(self.up(self.embed(ids)))))
+
+
+def _float64_forward(model: _Tiny, ids: torch.Tensor) -> torch.Tensor:
+    x = model.embed.weight.double()[ids]
+    x = torch.relu(x @ model.up.weight.double().T + model.up.bias.double())
+    return x @ model.down.weight.double().T @ model.lm_head.weight.double().T
+
+
+def test_weights_keep_their_values_and_shape_in_input_major_storage():
+    torch.manual_seed(0)
+    model = _Tiny()
+    before = {name: p.detach().clone() for name, p in model.named_parameters(remove_duplicate=False)}
+    assert input_major_linears(model) == 3  # up, down, lm_head; not the bfloat16 one
+    for name, p in model.named_parameters(remove_duplicate=False):
+        assert torch.equal(p, before[name]), name  # same values, same [out, in] shape
+    for linear in (model.up, model.down, model.lm_head):
+        assert isinstance(linear, InputMajorLinear)
+        assert linear.weight_t.is_contiguous() and linear.weight_t.data_ptr() == linear.weight.data_ptr()
+        assert not linear.weight.requires_grad
+    assert model.up.bias is not None and model.down.bias is None
+    assert model.bf16.weight.is_contiguous()  # bfloat16: left as it was
+    assert model.embed.weight.is_contiguous()  # the embedding keeps its rows
+    assert model.lm_head.weight.data_ptr() != model.embed.weight.data_ptr()  # a tied head gets its own copy
+    assert input_major_linears(model) == 0  # idempotent
+
+
+def test_outputs_match_the_float64_oracle_and_the_row_major_model():
+    torch.manual_seed(1)
+    model = _Tiny()
+    ids = torch.randint(0, 50, (64,))
+    with torch.inference_mode():
+        before = model(ids)
+        input_major_linears(model)
+        after = model(ids)
+    torch.testing.assert_close(after.double(), _float64_forward(model, ids), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(after, before, atol=1e-5, rtol=1e-5)
+
+
+def test_inputs_of_any_rank_take_the_same_product():
+    """2-D inputs go through torch.mm / addmm on the [in, out] tensor, others through F.linear:
+    both are F.linear's result on the original layer, bit for bit."""
+    torch.manual_seed(2)
+    for bias in (True, False):
+        plain = nn.Linear(24, 40, bias=bias)
+        swapped = InputMajorLinear(plain)
+        for shape in ((7, 24), (3, 5, 24), (24,)):
+            x = torch.randn(*shape)
+            with torch.inference_mode():
+                assert torch.equal(swapped(x), nn.functional.linear(x, plain.weight.t().contiguous().t(), plain.bias))
+                torch.testing.assert_close(swapped(x), plain(x), atol=1e-6, rtol=1e-6)
+
+
+def test_from_eight_rows_onednn_takes_the_product(monkeypatch):
+    """Rows >= ONEDNN_MIN_ROWS go to oneDNN on the same [in, out] storage (float64 oracle, 1e-5
+    relative), fewer rows to torch.mm; with onednn=False every size takes torch.mm."""
+    import pytest
+
+    from meshserve.workers import cpu_weights
+
+    if not cpu_weights.onednn_available():
+        pytest.skip("torch built without oneDNN: the MKL path serves every size")
+    calls = []
+    real = cpu_weights.onednn_linear
+    monkeypatch.setattr(cpu_weights, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+    torch.manual_seed(4)
+    for bias in (True, False):
+        plain = nn.Linear(96, 136, bias=bias)
+        swapped, mkl_only = InputMajorLinear(plain), InputMajorLinear(plain, onednn=False)
+        w64 = plain.weight.double()
+        for rows in (1, 7, 8, 64, 300):
+            x = torch.randn(rows, 96)
+            ref = x.double() @ w64.T + (plain.bias.double() if bias else 0)
+            with torch.inference_mode():
+                out = swapped(x)
+                assert torch.equal(mkl_only(x), nn.functional.linear(x, swapped.weight, plain.bias))
+            assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5, rows
+    assert calls == [8, 64, 300] * 2
