@@ -55,15 +55,21 @@ def torch_weight_scales(w_scale: torch.Tensor) -> torch.Tensor:
     return w_scale.t()
 
 
+def missing_blockwise_api() -> str | None:
+    """Why this torch build has no blockwise scaled_mm (None: it has one; torch >= 2.9)."""
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm") or not hasattr(F, "ScalingType"):
+        return f"torch {torch.__version__} has no torch.nn.functional.scaled_mm"
+    return None
+
+
 def blockwise_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor, scale_b: torch.Tensor,
                         out_dtype: torch.dtype) -> torch.Tensor:
     """xq fp8 [M, K], x_scale [M, ceil(K / 128)] strides (1, M), weight fp8 [N, K], scale_b from
-    `torch_weight_scales` -> [M, N] in out_dtype (torch's blockwise scaled_mm; raises where this
-    torch / GPU does not have it)."""
+    `torch_weight_scales` -> [M, N] in out_dtype (torch's blockwise scaled_mm, where
+    `missing_blockwise_api()` is None; torch raises for a GPU or layout it does not serve)."""
     F = torch.nn.functional
-    kinds = getattr(F, "ScalingType", None)
-    if kinds is None or not hasattr(F, "scaled_mm"):
-        raise NotImplementedError(f"torch {torch.__version__} has no torch.nn.functional.scaled_mm")
+    kinds = F.ScalingType
     return F.scaled_mm(xq, weight.t(), scale_a=x_scale, scale_recipe_a=kinds.BlockWise1x128, scale_b=scale_b,
                        scale_recipe_b=kinds.BlockWise128x128, output_dtype=out_dtype)
 
@@ -71,15 +77,19 @@ def blockwise_scaled_mm(xq: torch.Tensor, x_scale: torch.Tensor, weight: torch.T
 def _probe(key: tuple, xq, xs, weight, w_scale, scale_b, out_dtype, m: int) -> torch.Tensor | None:
     """Run the blockwise GEMM once and check it against the Triton block GEMM on the same
     operands; record the verdict. Returns the blockwise output [M', N] when it serves."""
-    try:
-        got = blockwise_scaled_mm(xq, xs, weight, scale_b, out_dtype)
-    except Exception as exc:  # noqa: BLE001 - any refusal (layout, arch, build) means "not here"
-        reason = f"torch blockwise scaled_mm refused: {str(exc).strip().splitlines()[0][:200]}"
+    reason = missing_blockwise_api()
+    if reason is not None:
+        reason = f"torch blockwise scaled_mm refused: {reason}"
     else:
-        ref = block_gemm(xq[:m], xs[:m].contiguous(), weight, w_scale, BLOCK, out_dtype).float()
-        diff = (got[:m].float() - ref).norm() / ref.norm().clamp(min=1e-30)
-        reason = None if bool(torch.isfinite(got[:m]).all()) and diff.item() < PROBE_REL_TOL else \
-            f"torch blockwise scaled_mm disagrees with the Triton block GEMM (relative error {diff.item():.3g})"
+        try:
+            got = blockwise_scaled_mm(xq, xs, weight, scale_b, out_dtype)
+        except Exception as exc:  # noqa: BLE001 - any refusal (layout, arch, build) means "not here"
+            reason = f"torch blockwise scaled_mm refused: {str(exc).strip().splitlines()[0][:200]}"
+        else:
+            ref = block_gemm(xq[:m], xs[:m].contiguous(), weight, w_scale, BLOCK, out_dtype).float()
+            diff = (got[:m].float() - ref).norm() / ref.norm().clamp(min=1e-30)
+            reason = None if bool(torch.isfinite(got[:m]).all()) and diff.item() < PROBE_REL_TOL else \
+                f"torch blockwise scaled_mm disagrees with the Triton block GEMM (relative error {diff.item():.3g})"
     _PROBES[key] = reason
     n, k = weight.shape
     if reason is None:

@@ -103,6 +103,16 @@ def test_probe_falls_back_when_torch_refuses(caplog):
     assert reason.startswith("torch blockwise scaled_mm refused") and "Triton block GEMM" in caplog.text
 
 
+def test_probe_falls_back_when_torch_has_no_blockwise_api(monkeypatch):
+    """An older torch (no F.scaled_mm): the probe records why without calling anything."""
+    monkeypatch.setattr(fp8_cublas, "missing_blockwise_api", lambda: "torch 2.8 has no torch.nn.functional.scaled_mm")
+    monkeypatch.setattr(fp8_cublas, "blockwise_scaled_mm", lambda *a: pytest.fail("called without the API"))
+    x, wq, ws = _block_case(20)
+    assert fp8_cublas.block_linear_cublas(x, wq, ws, (128, 128)) is None
+    (reason,) = fp8_cublas.probe_results().values()
+    assert reason == "torch blockwise scaled_mm refused: torch 2.8 has no torch.nn.functional.scaled_mm"
+
+
 def test_probe_falls_back_when_torch_disagrees(monkeypatch):
     monkeypatch.setattr(fp8_cublas, "blockwise_scaled_mm", lambda *a: _contract_blockwise(*a) * 1.1)
     x, wq, ws = _block_case(20)
