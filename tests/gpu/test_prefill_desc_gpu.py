@@ -1,6 +1,5 @@
-"""TRITON prefill variants (K/V pages through TMA descriptors, the pipelined-QK loop, lazy
-rescaling, register caps) against the TORCH reference on the GPU, in bf16 and fp16; skipped
-without CUDA.
+"""TRITON prefill variants (K/V pages through TMA descriptors, lazy rescaling, register caps)
+against the TORCH reference on the GPU, in bf16 and fp16; skipped without CUDA.
 
     pytest tests/gpu/test_prefill_desc_gpu.py
 
@@ -35,9 +34,9 @@ VARIANTS = {
     "desc_lazy_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True, lazy_rescale=True),
     "desc_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True),
     "gather_lazy_128x64_w4": _cfg(128, 64, 4, 3, lazy_rescale=True),
-    "desc_lazy_128x64_w8_pipe": _cfg(128, 64, 8, 3, kv_desc=True, pipeline_qk=True, lazy_rescale=True),
+    "desc_lazy_128x64_w8": _cfg(128, 64, 8, 3, kv_desc=True, lazy_rescale=True),
     "desc_64x32_w4_r168": _cfg(64, 32, 4, 3, kv_desc=True, max_registers=168),
-    "gather_128x64_w8_pipe": _cfg(128, 64, 8, 3, pipeline_qk=True),
+    "gather_128x64_w8": _cfg(128, 64, 8, 3),
 }
 HEAD_256 = _cfg(64, 32, 4, 2, kv_desc=True, lazy_rescale=True)
 WITH_PREFILL = tuple(s for s in GPU_SCENARIOS if any(q > 1 for q in s.query_lens)) + (

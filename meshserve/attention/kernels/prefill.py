@@ -16,10 +16,10 @@ Programs come from a host-built tile list (sequence, first query) ordered longes
 expensive causal tiles start early and the grid needs no per-sequence padding. The grid is
 (head, tile): the heads of one tile run side by side and share their K/V tiles through L2.
 
-Opt-in variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis):
-KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of pointer
-gathers; PIPE_QK issues the next tile's QK^T before this tile's softmax in unmasked ranges;
-LAZY_RESCALE rescales the accumulator only when a row max grows (attn_common).
+Variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis and the
+H200 sweep): KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of
+pointer gathers (the default on Hopper for pages of 64 or more); LAZY_RESCALE (opt-in) rescales
+the accumulator only when a row max grows (attn_common).
 """
 
 from __future__ import annotations
@@ -91,45 +91,19 @@ def _key_range(
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
-    KV_DESC: tl.constexpr, PIPE_QK: tl.constexpr, LAZY: tl.constexpr,
+    KV_DESC: tl.constexpr, LAZY: tl.constexpr,
 ):
     # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
-    if PIPE_QK and not MASKED:
-        # Software-pipelined: the product for the next tile is issued before this tile's softmax,
-        # so the matrix unit can work while the softmax runs (FA3's intra-warpgroup overlap).
-        last = end - BLOCK_N
-        if start <= last:
-            k = _tile(k_ptr, bt_row, start, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
-                      HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            for start_n in range(start, last, BLOCK_N):
-                k = _tile(k_ptr, bt_row, start_n + BLOCK_N, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
-                          HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-                qk_next = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-                m_i, l_i, acc = _fold_tile(
-                    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc,
-                    qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV,
-                    BLOCK_N, PAGE, PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP,
-                    DOT_PRECISION, DCP, KV_DESC, LAZY,
-                )  # fmt: skip
-                qk = qk_next
-            m_i, l_i, acc = _fold_tile(
-                qk, q, v_ptr, bt_row, last, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
-                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
-                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
-                KV_DESC, LAZY,
-            )  # fmt: skip
-    else:
-        for start_n in range(start, end, BLOCK_N):
-            k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
-                      HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
-            qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
-            m_i, l_i, acc = _fold_tile(
-                qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
-                softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
-                PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
-                KV_DESC, LAZY,
-            )  # fmt: skip
+    for start_n in range(start, end, BLOCK_N):
+        k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
+                  HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
+        m_i, l_i, acc = _fold_tile(
+            qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+            softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
+            PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
+            KV_DESC, LAZY,
+        )  # fmt: skip
     return m_i, l_i, acc
 
 
@@ -152,7 +126,6 @@ def prefill_kernel(
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
     KV_DESC: tl.constexpr = False,  # k_ptr, v_ptr are page-row descriptors (kernels/kv_pages.py)
-    PIPE_QK: tl.constexpr = False,  # issue the next tile's QK^T before this tile's softmax (unmasked tiles)
     LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows (attn_common)
 ):  # fmt: skip
     head = tl.program_id(0)
@@ -228,7 +201,7 @@ def prefill_kernel(
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
             LAZY_RESCALE,
         )  # fmt: skip
     if USE_WINDOW:
@@ -237,7 +210,7 @@ def prefill_kernel(
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK,
+            CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
             LAZY_RESCALE,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
@@ -245,14 +218,14 @@ def prefill_kernel(
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, LAZY_RESCALE,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, PIPE_QK, LAZY_RESCALE,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, LAZY_RESCALE,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

@@ -1,5 +1,5 @@
 """TRITON prefill with K/V pages read through tensor descriptors (kernels/kv_pages.py), the
-pipelined-QK loop and lazy rescaling, against the float64 oracle. CPU: the Triton interpreter emulates descriptors,
+lazy rescaling, against the float64 oracle. CPU: the Triton interpreter emulates descriptors,
 so these tests run the same kernel code the GPU runs (tests/gpu/test_prefill_desc_gpu.py runs it
 on the hardware in bf16)."""
 
@@ -25,17 +25,16 @@ from tests.unit.attention.scenarios import (
 )
 
 
-def _cfg(m, n, *, pipe=False, lazy=False):
-    return PrefillConfig(block_m=m, block_n=n, num_warps=4, num_stages=1, kv_desc=True, pipeline_qk=pipe,
-                         lazy_rescale=lazy)  # fmt: skip
+def _cfg(m, n, *, lazy=False):
+    return PrefillConfig(block_m=m, block_n=n, num_warps=4, num_stages=1, kv_desc=True, lazy_rescale=lazy)
 
 
 # (page, tile): one page per tile, several pages stacked per tile (2, 4), a tile inside a page.
 PAGED_TILES = (
     (16, _cfg(16, 16)),
     (16, _cfg(16, 32)),
-    (16, _cfg(32, 64, pipe=True)),
-    (64, _cfg(16, 16, pipe=True, lazy=True)),
+    (16, _cfg(32, 64)),
+    (64, _cfg(16, 16, lazy=True)),
     (32, _cfg(16, 32)),
 )
 # Long enough for several unmasked tiles per query tile, ragged ends, chunks with cached context.
@@ -66,19 +65,11 @@ def test_descriptor_pages_match_oracle(page, cfg):
 @pytest.mark.parametrize("name", FEATURES)
 def test_descriptor_pages_with_every_feature(name):
     scenario = SCENARIO_BY_NAME[name]
-    check(scenario, _cfg(16, 32, pipe=True, lazy=True))
+    check(scenario, _cfg(16, 32, lazy=True))
 
 
 def test_descriptor_pages_in_float16():
-    check(dataclasses.replace(LONG, block_size=32), _cfg(32, 16, pipe=True), torch.float16)
-
-
-def test_pipelined_qk_without_descriptors():
-    cfg = dataclasses.replace(_cfg(16, 16, pipe=True), kv_desc=False)
-    case = make_case(LONG, seed=5)
-    ref_out, ref_lse = oracle(case)
-    out, lse = run_backend(functools.partial(TritonBackend, prefill_config=cfg), case)
-    assert_matches(out, lse, ref_out, ref_lse, torch.float32)
+    check(dataclasses.replace(LONG, block_size=32), _cfg(32, 16), torch.float16)
 
 
 def test_caches_descriptors_cannot_read_fall_back_with_reasons():
