@@ -1,5 +1,5 @@
 """One MoE layer's experts on one GPU, side by side: the torch reference loop (what ran before),
-the fused Triton MoE (row path and sorted path), a torch `_grouped_mm` MoE, FlashInfer's CUTLASS
+the fused Triton MoE (sorted path), a torch `_grouped_mm` MoE, FlashInfer's CUTLASS
 fused MoE, the routing kernel against torch routing, and the whole layer in a CUDA graph.
 
     python -m bench.moe_layer [--out DIR]        # the H200 run (< 4 minutes, + FlashInfer's build)
@@ -13,9 +13,8 @@ random routing from the model's own router. Every variant gets the same (weights
 Roofline: every touched expert's weights read once at 4.18 TB/s (the issue's definition);
 matmul peak 793 TFLOP/s. Variants are checked against the reference (max error relative to
 the output's largest value) before they are timed; one that disagrees is reported, not timed.
-Rows: "fused" is the default dispatch (the sorted path; the row path up to ROWS_MAX_TOKENS
-tokens, 0 by default), "fused rows" forces the row path for T <= ROWS_MAX_T (16), "fused
-sorted" the sorted path where the default is the row path; "... graph" replays it from a CUDA
+Rows: "fused" is the default dispatch (the sorted path at every T; the row path that "fused
+rows" timed was removed, docs/performance.md "MoE layer"); "... graph" replays it from a CUDA
 graph (as decode steps run);
 "routing" / "torch routing" time the router's top-k alone (graph replay; roofline: the router
 weights); "layer graph" is the module's forward (router matmul + routing kernel + experts
@@ -44,7 +43,6 @@ from pathlib import Path
 import torch
 
 COPY_BPS, MATMUL_FLOPS = 4.18e12, 793e12
-ROWS_MAX_T = 16  # the "fused rows" variant (the row path forced) runs up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -262,15 +260,14 @@ def layer_roofline_us(shape: Shape, touched: int, itemsize: int) -> float:
 
 def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch.dtype, *,
                 flashinfer: bool = True, flashinfer_timeout_s: float = 300.0) -> list[Row]:
-    from meshserve.workers.models.fused_moe import ROWS_CONFIG, ROWS_MAX_TOKENS, fused_moe, tile_config
+    from meshserve.workers.models.fused_moe import fused_moe
 
     layer = build_layer(shape, device, dtype)
     ew, packed = packed_of(layer)
-    variants: dict[str, Callable | str] = {"reference": reference_fn(layer),
-                                           "fused": lambda x, w, ids: fused_moe(x, w, ids, ew),
-                                           "fused sorted": lambda x, w, ids: fused_moe(
-                                               x, w, ids, ew, config=tile_config(ids.numel(), ew.num_experts)),
-                                           "fused rows": lambda x, w, ids: fused_moe(x, w, ids, ew, config=ROWS_CONFIG)}
+    variants: dict[str, Callable | str] = {
+        "reference": reference_fn(layer),
+        "fused": lambda x, w, ids: fused_moe(x, w, ids, ew),
+    }
     variants["grouped_mm"] = grouped_mm_fn(ew) if hasattr(torch, "_grouped_mm") else "torch has no _grouped_mm"
     why_not = "skipped: --skip-flashinfer" if not flashinfer else (
         "skipped: needs CUDA" if device != "cuda" else flashinfer_ready(shape, flashinfer_timeout_s))
@@ -289,8 +286,6 @@ def bench_shape(shape: Shape, tokens: tuple[int, ...], device: str, dtype: torch
             want = variants["reference"](x, w, ids)
             iters = 5 if T >= 1024 or device != "cuda" else 20
             for name, fn in variants.items():
-                if (name == "fused sorted" and T > ROWS_MAX_TOKENS) or (name == "fused rows" and T > ROWS_MAX_T):
-                    continue  # the default path already / the row path is for decode sizes only
                 if name == "flashinfer" and not isinstance(fn, str):
                     fn = _flashinfer_checked(ew, fn, x, w, ids, want)
                     variants[name] = fn
@@ -420,8 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--flashinfer-timeout-s", type=float, default=300.0,
                     help="time box of FlashInfer's first-call JIT build, per shape (default 300)")
     ap.add_argument("--sweep", action="store_true", help="tile sweep of the fused GEMMs instead (moe_sweep.json/png)")
-    ap.add_argument("--sweep-tokens", default="4096,64", help="token counts to sweep (default 4096,64; "
-                    "T <= fused_moe.ROWS_MAX_TOKENS, 0 by default, sweeps the row path)")
+    ap.add_argument("--sweep-tokens", default="4096,64", help="token counts to sweep (default 4096,64)")
     ap.add_argument("--sweep-shapes", default=None, help="comma-separated shape names (default: all)")
     ap.add_argument("--sweep-budget-s", type=float, default=480.0,
                     help="the sweep's time budget, split evenly over (shape, T) (default 480)")

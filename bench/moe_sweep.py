@@ -1,14 +1,14 @@
 """Tile sweep of the fused MoE GEMMs (`python -m bench.moe_layer --sweep`), for picking the
-defaults in fused_moe.TILE_TABLE / ROWS_CONFIG in one H200 run.
+defaults in fused_moe.TILE_TABLE in one H200 run.
 
 Per (shape, T): for each block_m, every gate_up candidate is timed with the current down tiles
 and every down candidate with the current gate_up tiles (the other GEMM is a constant offset),
-then the best pair is timed together. T <= ROWS_MAX_TOKENS sweeps the row path's two kernels
-the same way. Times: CUDA-event medians, under CUDA-graph replay for T <= 64 (as decode runs),
-eager above. Each candidate is checked against the default configuration's output first; one
-that fails to compile or disagrees is listed, not timed. A time budget (split evenly over the
-(shape, T) groups) keeps one run inside the device's 10-minute command limit: candidates are
-ordered most-promising first and the rest are skipped when a group's budget is spent.
+then the best pair is timed together. Times: CUDA-event medians, under CUDA-graph replay for
+T <= 64 (as decode runs), eager above. Each candidate is checked against the default
+configuration's output first; one that fails to compile or disagrees is listed, not timed. A
+time budget (split evenly over the (shape, T) groups) keeps one run inside the device's
+10-minute command limit: candidates are ordered most-promising first and the rest are skipped
+when a group's budget is spent.
 """
 
 from __future__ import annotations
@@ -30,19 +30,14 @@ class SweepRow:
     note: str = ""
 
 
-def _gemm_candidates(block_m: int, gemm: str, rows: bool):
+def _gemm_candidates(block_m: int, gemm: str):
     """GemmTiles candidates, most promising first; pruned by registers and shared memory."""
     from meshserve.workers.models.fused_moe import GemmTiles
 
-    if rows:
-        ns = (32, 16, 64) if gemm == "gate_up" else (16, 8, 32)
-        ks, warps, stages = ((128, 256) if gemm == "gate_up" else (256, 512)), (4, 2), (3, 2)
-    else:
-        ns = (64, 128, 32) if gemm == "gate_up" else (128, 64, 256)
-        ks, warps, stages = (64, 128), (4, 8), (3, 4)
-    for n, k, w, s in itertools.product(ns, ks, warps, stages):
+    ns = (64, 128, 32) if gemm == "gate_up" else (128, 64, 256)
+    for n, k, w, s in itertools.product(ns, (64, 128), (4, 8), (3, 4)):
         width = 2 * n if gemm == "gate_up" else n  # gate_up keeps two accumulators
-        if not rows and (block_m * width > 16384 or (block_m * k + width * k) * 2 * s > 200 * 1024):
+        if block_m * width > 16384 or (block_m * k + width * k) * 2 * s > 200 * 1024:
             continue
         yield GemmTiles(n, k, w, s)
 
@@ -72,23 +67,22 @@ def _row(shape, T: int, gemm: str, cfg, us: float | str) -> SweepRow:
 
 def sweep_tokens(shape, ew, route, T: int, budget_s: float) -> list[SweepRow]:
     """One (shape, T) group: ew the packed ExpertWeights, route(x) -> (weights, ids)."""
-    from meshserve.workers.models.fused_moe import ROWS_CONFIG, ROWS_MAX_TOKENS, TileConfig, fused_moe, tile_config
+    from meshserve.workers.models.fused_moe import TileConfig, fused_moe, tile_config
 
     t_end = time.perf_counter() + budget_s
     device = ew.w13.device
     gen = torch.Generator(device=device).manual_seed(T)
     x = torch.randn(T, shape.hidden, generator=gen, device=device).to(ew.w13.dtype)
     w, ids = route(x)
-    rows = T <= ROWS_MAX_TOKENS
     want = fused_moe(x, w, ids, ew)
-    default = ROWS_CONFIG if rows else tile_config(T * ids.shape[1], ew.num_experts)
+    default = tile_config(T * ids.shape[1], ew.num_experts)
     out = [_row(shape, T, "default", default, _measure(default, x, w, ids, ew, want))]
-    for block_m in (None,) if rows else ((16, 32, 64) if T <= 256 else (64, 128)):
-        start = default if rows else TileConfig(block_m, default.gate_up, default.down)
+    for block_m in (16, 32, 64) if T <= 256 else (64, 128):
+        start = TileConfig(block_m, default.gate_up, default.down)
         best = {}
         for gemm in ("gate_up", "down"):
             timed = []
-            for tiles in _gemm_candidates(block_m or 1, gemm, rows):
+            for tiles in _gemm_candidates(block_m, gemm):
                 if time.perf_counter() > t_end:
                     out.append(SweepRow(shape.name, T, gemm, f"block_m={block_m}", None,
                                         "budget spent: the rest of this group skipped"))  # fmt: skip
@@ -106,7 +100,7 @@ def sweep_tokens(shape, ew, route, T: int, budget_s: float) -> list[SweepRow]:
 
 def _short(config: str) -> str:
     """TileConfig(block_m=16, gate_up=GemmTiles(block_n=64, ...), ...) -> m16 gate_up 64/64/w4/s3 down ..."""
-    for long, short in (("TileConfig(block_m=", "m"), ("RowsConfig(", "rows "), ("GemmTiles(", ""), ("block_n=", ""),
+    for long, short in (("TileConfig(block_m=", "m"), ("GemmTiles(", ""), ("block_n=", ""),
                         ("block_k=", ""), ("num_warps=", "w"), ("num_stages=", "s"), ("=", " "), (", ", "/"),
                         (")", "")):  # fmt: skip
         config = config.replace(long, short)

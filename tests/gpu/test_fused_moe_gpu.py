@@ -1,6 +1,6 @@
 """The fused MoE on CUDA in bf16 against each model's torch MoE code, T from 1 to 8192, at the
-real layer shapes of GPT-OSS-20B and DeepSeek-V2-Lite (the default dispatch, and the sorted and
-row paths forced at small T); the routing kernel against the torch routing for both families
+real layer shapes of GPT-OSS-20B and DeepSeek-V2-Lite (the default dispatch, and the sorted
+path's tiles passed explicitly at small T); the routing kernel against the torch routing for both families
 (GPT-OSS, V2-Lite, V2 with groups, V3 with bias and top-2-sum groups); CUDA-graph capture of MoE
 layers (routing kernel + experts) and of GPT-OSS and DeepSeek (MLA) decode steps. Skipped without CUDA.
 
@@ -17,7 +17,7 @@ import torch
 from meshserve import LLM, SamplingParams
 from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.deepseek_arch import MoEConfig
-from meshserve.workers.models.fused_moe import ROWS_CONFIG, fused_moe, tile_config
+from meshserve.workers.models.fused_moe import fused_moe, tile_config
 from meshserve.workers.models.gptoss_moe import SwigluMoE
 from meshserve.workers.models.moe import MoE, combine_experts, select_experts
 from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
@@ -54,10 +54,10 @@ def deepseek_layer():
     return moe
 
 
-def _check(x, weights, ids, run16, run32, packed, *, sorted_path=False, row_path=False):
+def _check(x, weights, ids, run16, run32, packed, *, sorted_path=False):
     want16 = combine_experts(x, weights, ids, run16).float()
     want32 = combine_experts(x.float(), weights.float(), ids, run32)
-    config = tile_config(ids.numel(), packed.num_experts) if sorted_path else ROWS_CONFIG if row_path else None
+    config = tile_config(ids.numel(), packed.num_experts) if sorted_path else None
     got = fused_moe(x, weights, ids, packed, config=config)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     err_ref = (want16 - want32).abs().max().item()
@@ -82,17 +82,15 @@ def _deepseek_case(moe, x):
     return weights, ids, lambda e, xe: moe.experts[e](xe), lambda e, xe: experts32[e](xe), packed.fused
 
 
-@pytest.mark.parametrize("T, sorted_path, row_path", [(T, False, False) for T in TOKENS]
-                         + [(T, True, False) for T in (1, 8, 16)] + [(T, False, True) for T in (1, 8, 16)])
+@pytest.mark.parametrize("T, sorted_path", [(T, False) for T in TOKENS] + [(T, True) for T in (1, 8, 16)])
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek"])
-def test_layer_matches_torch_reference(request, family, T, sorted_path, row_path):
-    """Default dispatch (the row path up to ROWS_MAX_TOKENS, 0 by default), the sorted path and
-    the row path forced at small T."""
+def test_layer_matches_torch_reference(request, family, T, sorted_path):
+    """Default dispatch, and the sorted path with its tiles passed explicitly at small T."""
     moe = request.getfixturevalue(f"{family}_layer")
     hidden = 2880 if family == "gpt_oss" else 2048
     x = torch.randn(T, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(T)).bfloat16()
     case = _gpt_oss_case if family == "gpt_oss" else _deepseek_case
-    _check(x, *case(moe, x), sorted_path=sorted_path, row_path=row_path)
+    _check(x, *case(moe, x), sorted_path=sorted_path)
 
 
 @pytest.mark.parametrize("T", [5, 4096])  # small (the smallest tiles), large
@@ -113,7 +111,7 @@ def test_skewed_and_dropped_routings(gpt_oss_layer, routing, T):
     rel = (got.float() - want32).norm() / want32.norm()
     assert rel < 1e-2, rel
     flat = ids.reshape(-1)
-    assert torch.equal(load, torch.bincount(flat[flat >= 0], minlength=32))  # the load statistics (atomics)
+    assert torch.equal(load, torch.bincount(flat[flat >= 0], minlength=32))  # the load statistics (from the alignment)
 
 
 ROUTINGS = {  # (spec, correction bias scale, logits dtype)
@@ -152,7 +150,7 @@ def test_routing_kernel_matches_torch_routing(name, T):
 @pytest.mark.parametrize("T", [1, 16, 64])
 @pytest.mark.parametrize("family", ["gpt_oss", "deepseek"])
 def test_moe_layer_with_routing_kernel_replays_in_a_cuda_graph(request, family, T):
-    """Router matmul, routing kernel, experts (row or sorted path), load counters (+ shared
+    """Router matmul, routing kernel, experts (sorted path), load counters (+ shared
     experts) in one graph: replays over new inputs equal eager runs, and the counters advance by
     T * k per replay."""
     moe = copy.deepcopy(request.getfixturevalue(f"{family}_layer"))

@@ -1,5 +1,5 @@
 """What the fused MoE kernels take: one layer's experts in their layout, the activation, and
-one GEMM's tiles (fused_moe.py for the sorted path, fused_moe_rows.py for the decode path)."""
+one GEMM's tiles (fused_moe.py)."""
 
 from __future__ import annotations
 

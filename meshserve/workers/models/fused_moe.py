@@ -1,8 +1,7 @@
 """Fused mixture-of-experts for CUDA: tokens sorted by expert, two grouped-GEMM Triton launches.
 
-For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is (for more
-than ROWS_MAX_TOKENS tokens, 0 by default; smaller batches take the row path of
-fused_moe_rows.py: no alignment, no combine, two launches):
+For x [T, hidden] routed to k experts per token (ids, weights [T, k]), one layer is (at every T;
+a one-row-per-program decode path lost to it on the H200 and was removed, docs/performance.md):
 
     align   (torch ops on the device)  the T*k (token, slot) rows sorted by expert, each expert's
             run padded to a multiple of the tile height BLOCK_M; one expert id per tile
@@ -38,7 +37,17 @@ from meshserve.workers.models.expert_weights import (  # noqa: F401 (re-exported
     ExpertWeights,
     GemmTiles,
 )
-from meshserve.workers.models.fused_moe_rows import RowsConfig, activate, fused_moe_rows
+
+
+@triton.jit
+def activate(acc_g, acc_u, alpha, limit, ACT: tl.constexpr):
+    """ACT 0: silu(g) * u (exp of -|g| only, so that nothing overflows); 1: GPT-OSS's clamped SwiGLU."""
+    if ACT == 0:
+        e = tl.exp(-tl.abs(acc_g))
+        return acc_g * tl.where(acc_g >= 0, 1.0 / (1.0 + e), e / (1.0 + e)) * acc_u
+    g = tl.minimum(acc_g, limit)
+    u = tl.minimum(tl.maximum(acc_u, -limit), limit)
+    return (u + 1.0) * g * tl.sigmoid(alpha * g)
 
 
 @dataclass(frozen=True)
@@ -234,12 +243,6 @@ TILE_TABLE: tuple[tuple[float, TileConfig], ...] = (
     (64, TileConfig(32, GemmTiles(64, 64), GemmTiles(128, 64))),
     (float("inf"), TileConfig(64, GemmTiles(64, 64, 8), GemmTiles(128, 64, 8))),
 )
-# Row path (fused_moe_rows.py: no sorting, one row per program) for batches up to this many tokens.
-# 0: never by default. On the H200 (2026-12-02, graph replay) it lost to the sorted path at every
-# small T: GPT-OSS T = 1 / 8: 151 / 436 us against 67 / 288; DeepSeek-V2-Lite 101 / 227 against
-# 45 / 145 (docs/performance.md, "MoE layer"). Kept, tested and benched for tuning.
-ROWS_MAX_TOKENS = 0
-ROWS_CONFIG = RowsConfig(gate_up=GemmTiles(32, 128), down=GemmTiles(16, 256))
 
 
 def tile_config(num_rows: int, num_experts: int) -> TileConfig:
@@ -249,24 +252,21 @@ def tile_config(num_rows: int, num_experts: int) -> TileConfig:
 
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
-              config: TileConfig | RowsConfig | None = None, alignment: Alignment | None = None,
+              config: TileConfig | None = None, alignment: Alignment | None = None,
               may_drop: bool = False, expert_load: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
 
     x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
     [0, E), or anything else for a slot to drop when may_drop (expert parallelism: the expert
-    lives on another rank). Returns [T, H] in x's dtype. Up to ROWS_MAX_TOKENS tokens (or with
-    a RowsConfig) the row path runs (fused_moe_rows.py, no sorting); else rows are sorted by
-    expert (`alignment`, from align_rows with config.block_m, may be passed). expert_load [E]
-    int64, when given, gets each expert's row count added (load statistics).
+    lives on another rank). Returns [T, H] in x's dtype. Rows are sorted by expert
+    (`alignment`, from align_rows with config.block_m, may be passed). expert_load [E] int64,
+    when given, gets each expert's row count added (load statistics, from the alignment).
     """
     T, k = ids.shape
     H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
     check(tuple(weights.shape) == (T, k), "weights", tuple(weights.shape), f"[{T}, {k}] like ids")
     check(x.shape[0] == T and experts.w13.shape[2] == H, "x", tuple(x.shape), f"[{T}, {experts.w13.shape[2]}]")
     check(experts.w13.dtype == x.dtype, "x", x.dtype, f"the experts' dtype {experts.w13.dtype}")
-    if isinstance(config, RowsConfig) or (config is None and alignment is None and T <= ROWS_MAX_TOKENS):
-        return fused_moe_rows(x, weights, ids, experts, config or ROWS_CONFIG, expert_load=expert_load)
     cfg = config or tile_config(T * k, E)
     align = alignment or align_rows(ids, E, cfg.block_m)
     check(align.block_m == cfg.block_m, "alignment", align.block_m, f"block_m={cfg.block_m} of the tile config")

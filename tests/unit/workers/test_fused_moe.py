@@ -17,7 +17,6 @@ from meshserve.workers.models.fused_moe import (
     ExpertActivation,
     ExpertWeights,
     GemmTiles,
-    RowsConfig,
     TileConfig,
     align_rows,
     fused_moe,
@@ -28,7 +27,6 @@ from meshserve.workers.models.moe import MoE
 
 E, H, INTER, TOP_K = 6, 40, 24, 2
 SMALL = TileConfig(16, GemmTiles(16, 16, 4, 1), GemmTiles(32, 16, 4, 1))  # several tiles in every dimension
-ROWS = RowsConfig(GemmTiles(16, 16, 4, 1), GemmTiles(16, 16, 4, 1))  # the row path, several tiles too
 ORACLE_TOL = {torch.float32: dict(atol=2e-5, rtol=2e-5), torch.float16: dict(atol=4e-3, rtol=4e-3)}
 
 
@@ -124,52 +122,35 @@ def test_align_kernel_matches_torch_at_other_expert_counts(num_experts):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("act", [ACT_SILU, ACT_SWIGLU_CLAMP])
 @pytest.mark.parametrize("kind", ["random", "sparse", "one_expert", "dropped"])
-@pytest.mark.parametrize("T, path", [(1, "sorted"), (5, "sorted"), (33, "sorted"), (1, "rows"), (6, "rows")])
-def test_fused_moe_matches_float64(dtype, act, kind, T, path):
+@pytest.mark.parametrize("T", [1, 5, 33])
+def test_fused_moe_matches_float64(dtype, act, kind, T):
     gen = torch.Generator().manual_seed(11 * T + act)
     ew = _experts(act, dtype, gen, bias=act == ACT_SWIGLU_CLAMP)
     x = torch.randn(T, H, generator=gen).to(dtype)
     ids = _routing(kind, T, gen)
     weights = torch.rand(T, TOP_K, generator=gen)
     load = torch.zeros(E, dtype=torch.int64)
-    got = fused_moe(x, weights, ids, ew, config=SMALL if path == "sorted" else ROWS, may_drop=kind == "dropped",
-                    expert_load=load)  # fmt: skip
+    got = fused_moe(x, weights, ids, ew, config=SMALL, may_drop=kind == "dropped", expert_load=load)
     assert got.dtype == dtype and got.shape == (T, H)
     torch.testing.assert_close(got.double(), _oracle(x, weights, ids, ew), **ORACLE_TOL[dtype])
     flat = ids.reshape(-1)
     assert torch.equal(load, torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E))  # load statistics
 
 
-def test_the_row_path_threshold_decides_the_dispatch(monkeypatch):
-    """Up to ROWS_MAX_TOKENS tokens no alignment runs (two launches); above it, the sorted path.
-    (0 by default: the sorted path was faster on the H200; a raised threshold is checked too.)"""
-    import meshserve.workers.models.fused_moe as fm
-
-    gen = torch.Generator().manual_seed(12)
-    ew = _experts(ACT_SWIGLU_CLAMP, torch.float32, gen, bias=True)
-    calls = []
-    monkeypatch.setattr(fm, "align_rows", lambda *a, **kw: calls.append(a) or align_rows(*a, **kw))
-    for limit in (fm.ROWS_MAX_TOKENS, 16):
-        monkeypatch.setattr(fm, "ROWS_MAX_TOKENS", limit)
-        for T in (max(limit, 1), limit + 1):
-            calls.clear()
-            x, ids, weights = torch.randn(T, H, generator=gen), _routing("random", T, gen), torch.rand(T, TOP_K)
-            torch.testing.assert_close(fused_moe(x, weights, ids, ew).double(), _oracle(x, weights, ids, ew),
-                                       **ORACLE_TOL[torch.float32])  # fmt: skip
-            assert len(calls) == (T > limit), (limit, T)
-
-
-@pytest.mark.parametrize("T", [4, 70, 300])  # each of tile_config's three choices (T = 4: the smallest tiles)
+@pytest.mark.parametrize("T", [1, 4, 70, 300])  # each of tile_config's three choices (T <= 4: the smallest tiles)
 def test_fused_moe_default_tiles_and_no_tokens(T):
+    """The default dispatch, the sorted path at every T, counts the expert load (none for no tokens)."""
     gen = torch.Generator().manual_seed(3)
     ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
     x = torch.randn(T, H, generator=gen)
     ids, weights = _routing("random", T, gen), torch.rand(T, TOP_K, generator=gen)
-    assert tile_config(ids.numel(), E).block_m == {4: 16, 70: 32, 300: 64}[T]
-    torch.testing.assert_close(fused_moe(x, weights, ids, ew).double(), _oracle(x, weights, ids, ew),
-                               **ORACLE_TOL[torch.float32])  # fmt: skip
-    empty = fused_moe(x[:0], weights[:0], ids[:0], ew)
-    assert empty.shape == (0, H)
+    assert tile_config(ids.numel(), E).block_m == {1: 16, 4: 16, 70: 32, 300: 64}[T]
+    load = torch.zeros(E, dtype=torch.int64)
+    torch.testing.assert_close(fused_moe(x, weights, ids, ew, expert_load=load).double(),
+                               _oracle(x, weights, ids, ew), **ORACLE_TOL[torch.float32])  # fmt: skip
+    assert torch.equal(load, torch.bincount(ids.reshape(-1), minlength=E))
+    empty = fused_moe(x[:0], weights[:0], ids[:0], ew, expert_load=load)
+    assert empty.shape == (0, H) and load.sum() == T * TOP_K
 
 
 def test_fused_moe_refuses_mismatched_inputs():
