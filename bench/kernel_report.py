@@ -215,7 +215,7 @@ def main() -> int:
     ap = report_parser(__doc__.splitlines()[0])
     ap.add_argument("--prefill-sweep", action="store_true", help="compile bench/prefill_sweep.py's variants only")
     ap.add_argument("--prefill", default="", help="PrefillConfig fields for every problem's default prefill "
-                    "tiles, e.g. 'kv_desc=True,lazy_rescale=True'")  # fmt: skip
+                    "tiles, e.g. 'kv_desc=True,max_registers=168'")  # fmt: skip
     args = ap.parse_args()
     if args.prefill_sweep:
         return compile_report(prefill_sweep, "", args)

@@ -6,8 +6,8 @@ Cases: causal prefill 4 x 4096, 1 x 16384 and 8 x 1024 from the paged cache (GQA
 head 128, bf16, random data, shuffled block tables), at pages of 16 and of 64 tokens. Variants
 (VARIANTS below): FlashInfer at each page size; the TRITON kernel with pointer gathers (today's
 path, kernels/config.py's tiles first) and with K/V pages through tensor descriptors (TMA,
-kernels/kv_pages.py), over a handful of tiles, warps, stages, register caps and lazy (FA4-style
-conditional) rescaling. Every output is first checked against a float32
+kernels/kv_pages.py), over a handful of tiles, warps, stages and register caps. Every output is
+first checked against a float32
 reference (torch SDPA on the contiguous K/V, GQA expanded; spare cache slots hold NaN): a variant
 that is wrong is reported and not timed. Compilation runs first in --jobs processes. Then CUDA events around
 each call, L2 flushed before each, median of --iters calls after warm-up. Causal FLOPs =
@@ -48,8 +48,7 @@ class Variant:
             return f"FlashInfer p{self.page}"
         c = self.config
         path = "desc" if c.kv_desc else "gather"
-        extra = " lazy" if c.lazy_rescale else ""
-        extra += f" r{c.max_registers}" if c.max_registers else ""
+        extra = f" r{c.max_registers}" if c.max_registers else ""
         return f"{path} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{extra} p{self.page}"
 
 
@@ -61,23 +60,13 @@ VARIANTS = (
     Variant(16, None),
     Variant(16, _cfg(128, 64, 4, 3), "default (gather)"),
     Variant(16, _cfg(256, 64, 8, 3), "long-prefill default (gather)"),
-    Variant(16, _cfg(128, 64, 4, 3, lazy_rescale=True), "default + lazy rescale"),
-    Variant(16, _cfg(256, 64, 8, 3, lazy_rescale=True)),
     Variant(16, _cfg(128, 64, 8, 3), "two 64-row warpgroups"),
-    Variant(16, _cfg(128, 64, 8, 3, lazy_rescale=True)),
     Variant(16, _cfg(64, 32, 4, 3, max_registers=168), "3 CTAs per SM"),
     Variant(16, _cfg(128, 64, 4, 3, kv_desc=True), "4 page loads per tile"),
-    Variant(16, _cfg(128, 64, 8, 3, kv_desc=True, lazy_rescale=True)),
     Variant(64, None),
     Variant(64, _cfg(128, 64, 4, 3), "default tiles, page 64"),
     Variant(64, _cfg(128, 64, 4, 3, kv_desc=True), "1 page load per tile"),
-    Variant(64, _cfg(128, 64, 4, 3, kv_desc=True, lazy_rescale=True)),
-    Variant(64, _cfg(128, 64, 4, 2, kv_desc=True, lazy_rescale=True)),
     Variant(64, _cfg(128, 64, 8, 3, kv_desc=True)),
-    Variant(64, _cfg(128, 64, 8, 3, kv_desc=True, lazy_rescale=True)),
-    Variant(64, _cfg(256, 64, 8, 3, kv_desc=True, lazy_rescale=True)),
-    Variant(64, _cfg(128, 128, 8, 2, kv_desc=True, lazy_rescale=True), "2 page loads per tile"),
-    Variant(64, _cfg(64, 32, 4, 3, kv_desc=True, max_registers=168, lazy_rescale=True), "3 CTAs per SM"),
 )
 
 

@@ -1,5 +1,5 @@
-"""TRITON prefill variants (K/V pages through TMA descriptors, lazy rescaling, register caps)
-against the TORCH reference on the GPU, in bf16 and fp16; skipped without CUDA.
+"""TRITON prefill variants (K/V pages through TMA descriptors, register caps) against the
+TORCH reference on the GPU, in bf16 and fp16; skipped without CUDA.
 
     pytest tests/gpu/test_prefill_desc_gpu.py
 
@@ -29,16 +29,13 @@ def _cfg(m, n, w, s, **kw) -> PrefillConfig:
 
 
 # Kinds of variant bench/prefill_sweep.py times (head <= 128; head 256 uses HEAD_256). The first
-# (descriptors and lazy rescaling together) runs every scenario, the others SUBSET.
+# (descriptors, the Hopper default at pages of 64) runs every scenario, the others SUBSET.
 VARIANTS = {
-    "desc_lazy_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True, lazy_rescale=True),
     "desc_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True),
-    "gather_lazy_128x64_w4": _cfg(128, 64, 4, 3, lazy_rescale=True),
-    "desc_lazy_128x64_w8": _cfg(128, 64, 8, 3, kv_desc=True, lazy_rescale=True),
     "desc_64x32_w4_r168": _cfg(64, 32, 4, 3, kv_desc=True, max_registers=168),
     "gather_128x64_w8": _cfg(128, 64, 8, 3),
 }
-HEAD_256 = _cfg(64, 32, 4, 2, kv_desc=True, lazy_rescale=True)
+HEAD_256 = _cfg(64, 32, 4, 2, kv_desc=True)
 WITH_PREFILL = tuple(s for s in GPU_SCENARIOS if any(q > 1 for q in s.query_lens)) + (
     # The benchmark's heads at pages of 16 and 64 (one descriptor load per tile at 64).
     Scenario("bench_heads_p16", (2048, 700, 1), (0, 900, 3000), spec=dict(num_heads=32, num_kv_heads=8,
@@ -80,8 +77,8 @@ def _check_path(scenario, cfg, reasons):
 
 
 @pytest.mark.parametrize("scenario", WITH_PREFILL, ids=lambda s: s.name)
-def test_descriptor_lazy_prefill_matches_torch_in_bf16(scenario):
-    cfg = HEAD_256 if scenario.attention_spec().head_size > 128 else VARIANTS["desc_lazy_128x64_w4"]
+def test_descriptor_prefill_matches_torch_in_bf16(scenario):
+    cfg = HEAD_256 if scenario.attention_spec().head_size > 128 else VARIANTS["desc_128x64_w4"]
     _check_path(scenario, cfg, _run(scenario, cfg, torch.bfloat16))
 
 

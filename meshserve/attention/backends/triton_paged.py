@@ -315,7 +315,6 @@ class TritonBackend(AttentionBackend):
             *k_strides, *v_strides, plan.block_table.stride(0),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
             CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse,
-            LAZY_RESCALE=cfg.lazy_rescale,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **launch,
         )  # fmt: skip
 

@@ -116,51 +116,19 @@ def scores_log2(
     return s
 
 
-# Lazy rescaling keeps a row's running max until a score exceeds it by more than this (base 2):
-# the tile's probabilities then stay <= 2**8, exact enough in fp32 sums and bf16 products.
-LAZY_RESCALE_SLACK = tl.constexpr(8.0)
-
-
 @triton.jit
-def online_softmax_step(
-    s, m_i, l_i, acc, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY: tl.constexpr = False,
-    s_scale=1.0, RAW: tl.constexpr = False,
-):  # fmt: skip
-    """Fold one tile of base-2 scores s [R, BLOCK_N] and values v [BLOCK_N, BLOCK_DV] into (m, l, acc).
-
-    LAZY (FA4's conditional rescaling): the running max moves only when some row's max grows by
-    more than LAZY_RESCALE_SLACK, and the accumulator is rescaled only in tiles where one did; in a
-    long causal row that is the first few tiles, so most tiles skip R x BLOCK_DV multiplies.
-    RAW (LAZY only): s holds raw products and the scores are s * s_scale (s_scale > 0); the scale
-    then rides in the exponent's fused multiply-add instead of a multiply per score."""
-    if LAZY:
-        if RAW:
-            m_tile = tl.max(s, 1) * s_scale
-        else:
-            m_tile = tl.max(s, 1)
-        grow = m_tile > m_i + LAZY_RESCALE_SLACK  # -inf + slack is -inf: a first visible key grows
-        m_new = m_i
-        if tl.max(grow.to(tl.int32), 0) > 0:
-            m_new = tl.where(grow, tl.maximum(m_i, m_tile), m_i)
-            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-            l_i = l_i * alpha
-            acc = acc * alpha[:, None]
-    else:
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-    if MAY_BE_EMPTY or LAZY:
+def online_softmax_step(s, m_i, l_i, acc, v, MAY_BE_EMPTY: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of base-2 scores s [R, BLOCK_N] and values v [BLOCK_N, BLOCK_DV] into (m, l, acc)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if MAY_BE_EMPTY:
         # A row with no visible key yet keeps m = -inf; exp2(-inf - 0) = 0 keeps it NaN-free.
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
     else:
         m_use = m_new
-    if not LAZY:
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha
-        acc = acc * alpha[:, None]
-    if RAW:
-        p = tl.exp2(s * s_scale - m_use[:, None])
-    else:
-        p = tl.exp2(s - m_use[:, None])
-    l_i += tl.sum(p, 1)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
     acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 

@@ -23,7 +23,6 @@ class PrefillConfig:
     # used where the cache allows it (sm_90+, contiguous, aligned), else the gather path runs.
     kv_desc: bool = False
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
-    lazy_rescale: bool = False  # FA4's conditional rescaling (attn_common.online_softmax_step)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

@@ -18,8 +18,8 @@ expensive causal tiles start early and the grid needs no per-sequence padding. T
 
 Variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis and the
 H200 sweep): KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of
-pointer gathers (the default on Hopper for pages of 64 or more); LAZY_RESCALE (opt-in) rescales
-the accumulator only when a row max grows (attn_common).
+pointer gathers (the default on Hopper for pages of 64 or more). The pipelined-QK loop and
+lazy (FA4-style) rescaling lost to the plain loop at every case of that sweep and were removed.
 """
 
 from __future__ import annotations
@@ -65,20 +65,16 @@ def _fold_tile(
     HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
     USE_SINK_TOKENS: tl.constexpr, USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, KV_DESC: tl.constexpr, LAZY: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
     """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, with their values, into (m, l, acc)."""
     v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
               HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC).to(q.dtype)  # fmt: skip
-    if LAZY and not (MASKED or USE_SOFTCAP or USE_ALIBI):  # plain scaled scores: scale inside exp2's FMA
-        m_i, l_i, acc = online_softmax_step(qk, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY, qk_scale * LOG2E,
-                                            True)  # fmt: skip
-    else:
-        kp = start_n + tl.arange(0, BLOCK_N)
-        s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
-                        global_pos(kv_len, dcp_rank, DCP), window, num_sink_tokens,
-                        USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
-        m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION, LAZY)
+    kp = start_n + tl.arange(0, BLOCK_N)
+    s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
+                    global_pos(kv_len, dcp_rank, DCP), window, num_sink_tokens,
+                    USE_SOFTCAP, USE_ALIBI, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS)  # fmt: skip
+    m_i, l_i, acc = online_softmax_step(s, m_i, l_i, acc, v, MASKED, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -91,7 +87,7 @@ def _key_range(
     BLOCK_DV: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr, MASKED: tl.constexpr,
     CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr, USE_SINK_TOKENS: tl.constexpr,
     USE_ALIBI: tl.constexpr, USE_SOFTCAP: tl.constexpr, DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
-    KV_DESC: tl.constexpr, LAZY: tl.constexpr,
+    KV_DESC: tl.constexpr,
 ):
     # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
     for start_n in range(start, end, BLOCK_N):
@@ -102,7 +98,7 @@ def _key_range(
             qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
             softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
             PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
-            KV_DESC, LAZY,
+            KV_DESC,
         )  # fmt: skip
     return m_i, l_i, acc
 
@@ -126,7 +122,6 @@ def prefill_kernel(
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
     KV_DESC: tl.constexpr = False,  # k_ptr, v_ptr are page-row descriptors (kernels/kv_pages.py)
-    LAZY_RESCALE: tl.constexpr = False,  # rescale the accumulator only when a row max grows (attn_common)
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -202,7 +197,6 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
-            LAZY_RESCALE,
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
@@ -211,21 +205,20 @@ def prefill_kernel(
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
-            LAZY_RESCALE,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, LAZY_RESCALE,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
         k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
-        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC, LAZY_RESCALE,
+        CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
     )  # fmt: skip
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)

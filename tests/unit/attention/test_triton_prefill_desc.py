@@ -1,5 +1,5 @@
-"""TRITON prefill with K/V pages read through tensor descriptors (kernels/kv_pages.py), the
-lazy rescaling, against the float64 oracle. CPU: the Triton interpreter emulates descriptors,
+"""TRITON prefill with K/V pages read through tensor descriptors (kernels/kv_pages.py) against
+the float64 oracle. CPU: the Triton interpreter emulates descriptors,
 so these tests run the same kernel code the GPU runs (tests/gpu/test_prefill_desc_gpu.py runs it
 on the hardware in bf16)."""
 
@@ -25,8 +25,8 @@ from tests.unit.attention.scenarios import (
 )
 
 
-def _cfg(m, n, *, lazy=False):
-    return PrefillConfig(block_m=m, block_n=n, num_warps=4, num_stages=1, kv_desc=True, lazy_rescale=lazy)
+def _cfg(m, n):
+    return PrefillConfig(block_m=m, block_n=n, num_warps=4, num_stages=1, kv_desc=True)
 
 
 # (page, tile): one page per tile, several pages stacked per tile (2, 4), a tile inside a page.
@@ -34,7 +34,7 @@ PAGED_TILES = (
     (16, _cfg(16, 16)),
     (16, _cfg(16, 32)),
     (16, _cfg(32, 64)),
-    (64, _cfg(16, 16, lazy=True)),
+    (64, _cfg(16, 16)),
     (32, _cfg(16, 32)),
 )
 # Long enough for several unmasked tiles per query tile, ragged ends, chunks with cached context.
@@ -65,7 +65,7 @@ def test_descriptor_pages_match_oracle(page, cfg):
 @pytest.mark.parametrize("name", FEATURES)
 def test_descriptor_pages_with_every_feature(name):
     scenario = SCENARIO_BY_NAME[name]
-    check(scenario, _cfg(16, 32, lazy=True))
+    check(scenario, _cfg(16, 32))
 
 
 def test_descriptor_pages_in_float16():
@@ -122,19 +122,6 @@ def test_fp8_cache_through_descriptors():
     case = make_case(scenario, seed=6)
     cfg = _cfg(16, 32)
     assert TritonBackend(scenario.problem(), prefill_config=cfg).prefill_descriptor_reasons(cfg, case.kv_cache) == []
-    out, lse = run_backend(functools.partial(TritonBackend, prefill_config=cfg), case)
-    assert_matches(out, lse, *oracle(case), torch.float32)
-
-
-# Large logits: a row's max keeps growing by far more than the lazy slack (2**8) from tile to
-# tile, so rescaling must still happen mid-row; small logits: it is skipped after the first tile.
-@pytest.mark.parametrize("gain", [1.0, 40.0])
-@pytest.mark.parametrize("kv_desc", [False, True])
-def test_lazy_rescale_matches_oracle(gain, kv_desc):
-    scenario = dataclasses.replace(LONG, query_gain=gain, name=f"lazy_gain_{gain}")
-    cfg = dataclasses.replace(_cfg(16, 16, lazy=True), kv_desc=kv_desc)
-    case = make_case(scenario, seed=8)
-    poison_unowned_slots(case)
     out, lse = run_backend(functools.partial(TritonBackend, prefill_config=cfg), case)
     assert_matches(out, lse, *oracle(case), torch.float32)
 
