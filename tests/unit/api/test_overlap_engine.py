@@ -29,15 +29,15 @@ def ckpt(tmp_path_factory):
     return path
 
 
-def _batch():
+def _batch(n=12):
     shared = prompts(1, seed=2, min_len=20, max_len=20)[0]
-    return [shared + p for p in prompts(12, seed=4, min_len=2, max_len=30)]
+    return [shared + p for p in prompts(12, seed=4, min_len=2, max_len=30)][:n]
 
 
-def _outputs(llm, *, digits=5):
-    """Per request: tokens, finish reason, (token, logprob rounded to `digits`) per step; digits=None
-    keeps the float32 logprobs as they are."""
-    batch = _batch()
+def _outputs(llm, *, digits=5, n=12):
+    """Per request (the first n of the batch): tokens, finish reason, (token, logprob rounded to
+    `digits`) per step; digits=None keeps the float32 logprobs as they are."""
+    batch = _batch(n)
     params = [PARAMS[i % len(PARAMS)] for i in range(len(batch))]
     outs = llm.generate(batch, params)
     rnd = (lambda v: v) if digits is None else (lambda v: round(v, digits))
@@ -53,9 +53,9 @@ def _assert_same_draws(got, want, *, logprob_atol):
         assert diff <= logprob_atol, f"request {r}: logprobs differ by {diff} > {logprob_atol}"
 
 
-def _llm(ckpt, backend, overlap):
-    return LLM(ckpt, attention_backend=backend, max_model_len=128, num_kv_blocks=16, max_num_batched_tokens=48,
-               async_scheduling=overlap, progress=False)
+def _llm(ckpt, backend, overlap, num_kv_blocks=16):
+    return LLM(ckpt, attention_backend=backend, max_model_len=128, num_kv_blocks=num_kv_blocks,
+               max_num_batched_tokens=48, async_scheduling=overlap, progress=False)
 
 
 def test_overlap_gives_the_outputs_of_the_synchronous_engine(ckpt):
@@ -77,14 +77,20 @@ def test_overlap_through_the_static_decode_path(ckpt):
     so a row's float32 result differs in the last bits between 3 and 4 rows, 5 and 8 (both
     weight layouts; docs/performance.md). Draws are therefore compared exactly and logprobs to
     1e-5 (the float32 differences seen are <= 2e-6); rounding both to 5 decimals made the test
-    fail whenever a value sat on a rounding boundary."""
-    reference = _outputs(_llm(ckpt, "TRITON", overlap=False), digits=None)
-    fast = _llm(ckpt, "TRITON", overlap=True)
+    fail whenever a value sat on a rounding boundary.
+
+    Half the batch (one request per sampling feature) and a pool of 10 blocks, so that it still
+    preempts: the interpreter runs every decode program one by one, and the full batch took a
+    minute of the suite."""
+    reference = _outputs(_llm(ckpt, "TRITON", overlap=False, num_kv_blocks=10), digits=None, n=len(PARAMS))
+    fast = _llm(ckpt, "TRITON", overlap=True, num_kv_blocks=10)
     worker = fast.core.executor.worker
     runner = worker.runner
     runner.decode_graphs = graphs = DecodeGraphs(
         runner.model, backends=runner.backends, kv_caches=runner.kv_caches, layer_groups=runner.layer_groups,
         block_size=worker.info.block_size, max_local_len=worker.info.max_model_len, max_batch=8,
         device=torch.device("cpu"), capture=False)  # fmt: skip
-    _assert_same_draws(_outputs(fast, digits=None), reference, logprob_atol=1e-5)
+    _assert_same_draws(_outputs(fast, digits=None, n=len(PARAMS)), reference, logprob_atol=1e-5)
     assert graphs.num_steps > 0
+    stats = fast.core.scheduler.stats
+    assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
