@@ -64,7 +64,8 @@ def merge_attn_states_n_triton(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """N-way merge with the Triton kernel; `out` [T, H, D] may have another dtype (e.g. fp32 -> bf16).
 
-    os may have any strides whose last dimension is contiguous. Returns (out, lse or None).
+    os may have any strides whose last dimension is contiguous; the output of a part whose LSE is
+    -inf is never read (it may hold anything, NaN included). Returns (out, lse or None).
     """
     from meshserve.attention.kernels.lse_merge import merge_block_sizes, merge_n_kernel
 

@@ -2,7 +2,9 @@
 
 One program merges a [BLOCK_H, BLOCK_D] tile of one token across all parts in a single pass
 (online: running max, rescaled sum), so each partial output is read exactly once. The math is
-in natural log (exp/log), the convention of every LSE meshserve passes around.
+in natural log (exp/log), the convention of every LSE meshserve passes around. The N-way merge
+does not read the output of a part whose LSE is -inf (it weighs 0), so a split-KV kernel may leave
+an empty split's output unwritten.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ def merge_n_kernel(
     for n in range(0, num_parts):
         lse_n = tl.load(lse_ptr + n * stride_ln + t * stride_lt + h * stride_lh, mask=mask_h,
                         other=float("-inf"))
+        # An empty part (LSE -inf) weighs 0: its output is not read (its writer may leave it unset).
         o_n = tl.load(o_ptr + n * stride_on + t * stride_ot + h[:, None] * stride_oh + d[None, :],
-                      mask=mask_hd, other=0.0).to(tl.float32)
+                      mask=mask_hd & (lse_n != float("-inf"))[:, None], other=0.0).to(tl.float32)
         acc, total, m = _merge_step(acc, total, m, o_n, lse_n)
     _merge_finish(out_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :],
                   out_lse_ptr + t * stride_zt + h * stride_zh, acc, total, m, mask_hd, mask_h, WRITE_LSE)

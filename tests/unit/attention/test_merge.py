@@ -87,6 +87,18 @@ def test_large_lse_values_do_not_overflow(impl):
     assert torch.allclose(lse.double(), torch.tensor(1000 + math.log1p(math.exp(-1.0)), dtype=torch.float64))
 
 
+def test_triton_never_reads_the_output_of_an_empty_part():
+    """A split-KV writer leaves an empty split's output unwritten (TRITON MLA decode): NaN there must
+    not reach the result; the parts that hold keys still merge to the whole."""
+    os, lses, whole = split_case(3, 7)
+    assert torch.isneginf(lses[0]).all()  # part 0 is empty for every row
+    os = os.float()
+    os[0] = float("nan")
+    os[:, 0] = float("nan")  # row 0 sees no key in any part
+    o, lse = merge.merge_attn_states_n_triton(os, lses.float())
+    check_close(o, lse, whole, 2e-5)
+
+
 def test_triton_half_precision_output_and_strided_parts():
     os, lses, whole = split_case(5, 4)
     # A strided view: parts interleaved with other data along H, as split-KV workspaces can be.

@@ -4,6 +4,7 @@ The TORCH reference expands the latent to per-head K/V (as HF does); the decode 
 does, so agreement checks the absorption, the latent-space split-KV attention and the merge.
 """
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -77,9 +78,17 @@ def test_graph_plan_serves_any_length_written_into_its_buffers(name):
     assert plan.partition == 0 and plan.num_splits > 1
     seq_lens.copy_(meta.seq_lens)
     table[:, : meta.block_table.shape[1]] = meta.block_table
+    plan.partial_o.fill_(float("nan"))  # empty splits write no output: the merge must not read it
     out, lse = backend.forward(query, case.cache, plan, case.weights, return_lse=True)
     npt = case.metadata.num_prefill_tokens
     assert_matches(out, lse, ref_out[npt:].double(), ref_lse[npt:].double(), torch.float32)
+    # Each row takes the splits its keys fill at >= min_partition keys each; the rest stay empty.
+    used = torch.isfinite(plan.partial_lse).any(-1).sum(0).tolist()
+    bn, ns = backend.config.block_n, plan.num_splits
+    lens = meta.seq_lens.tolist()
+    parts = [max(math.ceil(math.ceil(n / ns) / bn) * bn, plan.min_partition) for n in lens]
+    assert used == [math.ceil(n / p) for n, p in zip(lens, parts)]
+    assert plan.min_partition == backend.config.min_partition
     with pytest.raises(ConfigError, match="num_prefills"):
         backend.plan_for_graph(case.metadata if case.metadata.num_prefills else replace(static, num_prefills=1))
 
