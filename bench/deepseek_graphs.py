@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         shape["num_hidden_layers"] = args.layers
     args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64"))
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
-    args.host_profile = False
+    args.host_profile = args.timeline = False
     if args.tiny:
         args.kv_bytes, args.prompt_len = 64 << 20, 16
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deepseek_graphs_"))

@@ -216,6 +216,27 @@ def gpu_profile(run_steps, steps: int) -> tuple[float, float, list]:
     return busy / steps, len(kernels) / steps, by_name
 
 
+def timeline(run_steps, steps: int, path: Path) -> str:
+    """A torch-profiler trace (CPU with Python stacks, CUDA) of `steps` steps, gzipped to `path`;
+    returns bench/trace_gaps.py's summary of the device's idle gaps in it."""
+    import gzip
+    import shutil
+    import tempfile
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.trace_gaps import device_gaps, load, summarize
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        run_steps(steps)
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as raw:
+        prof.export_chrome_trace(raw.name)
+        with open(raw.name, "rb") as src, gzip.open(path, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return f"timeline: {path}\n" + summarize(device_gaps(load(path)), steps)
+
+
 def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
     """Prefill bs prompts, then time the engine's decode steps one by one."""
     from meshserve import SamplingParams
@@ -253,6 +274,8 @@ def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:
             prof.runcall(run, profiled)
             with open(Path(args.out) / f"host_bs{bs}.txt", "w") as f:
                 pstats.Stats(prof, stream=f).sort_stats("tottime").print_stats(40)
+        if args.timeline and args.out:  # which host work each device idle gap waited for
+            print(f"bs={bs} " + timeline(run, profiled, Path(args.out) / f"timeline_bs{bs}.json.gz"), flush=True)
     while core.has_unfinished():
         core.step()
     return {"wall_s": wall, "busy_s": busy, "kernels": kernels, "context": context, "by_kernel": by_name}
@@ -445,6 +468,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="CPU: time generate by wall seconds, or by this process's CPU seconds (steadier on a "
                          "shared machine with one thread; it leaves out time spent waiting for a core)")
     ap.add_argument("--host-profile", action="store_true", help="cProfile a few steps per batch (into --out)")
+    ap.add_argument("--timeline", action="store_true",
+                    help="CUDA: a profiler trace of a few steps per batch (into --out) and its idle-gap summary")
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--write", default=None, help="put the results section into this markdown file")
     ap.add_argument("--out", default=None, help="folder for the PNG plot and the JSON results")
