@@ -12,9 +12,10 @@ scores and the value for the output. Grid (head block, decode sequence, split), 
 fastest so that the programs reading the same rows run together and share them through L2.
 Each split writes a partial (o_lat, lse) that the LSE merge combines; with one split the
 program writes the final o_lat directly. `partition` is the keys per split, or 0: each sequence
-cut into as many equal whole-tile parts as there are splits, each of at least `min_partition`
-keys (the form a CUDA graph replays at any length). A split past a sequence's keys writes only
-its LSE (-inf): the Triton merge does not read the output of an empty part.
+cut into as many equal whole-tile parts as there are splits (the form a CUDA graph replays at
+any length). A split past a sequence's keys writes only its LSE (-inf): the Triton merge does
+not read the output of an empty part, so a short row in a graph planned for a long
+max_model_len moves no partial outputs ([heads, kv_lora_rank] float32 each) for its empty splits.
 
 Scores are in base 2 (exp2); the LSE goes out in natural log.
 """
@@ -37,7 +38,7 @@ def mla_decode_kernel(
     kv_len_ptr,  # [D] int32 keys this rank holds for each decode sequence
     bt_ptr,  # [D, max_blocks] int32 block table rows of the decode sequences
     scale_ptr,  # [] float32 FP8 dequantisation scale
-    sm_scale, partition, min_partition, num_heads,
+    sm_scale, partition, num_heads,
     stride_qt, stride_qh, stride_pt, stride_ph,
     stride_cb, stride_ct,
     stride_on, stride_ot, stride_oh,
@@ -66,10 +67,8 @@ def mla_decode_kernel(
     kv_len = tl.load(kv_len_ptr + i)
     if partition <= 0:
         # A graph's plan (partition 0): this sequence's keys in as many equal whole-tile parts as
-        # there are splits, so a graph captured for max_model_len spreads any length over them;
-        # parts of at least min_partition keys (a multiple of BLOCK_N), so a short sequence uses
-        # the first few splits only.
-        partition = tl.maximum(tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N, min_partition)
+        # there are splits, so a graph captured for max_model_len spreads any length over them.
+        partition = tl.cdiv(tl.cdiv(kv_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     start = split * partition
     end = tl.minimum(start + partition, kv_len)
     bt_row = bt_ptr + i.to(tl.int64) * stride_bt
@@ -93,7 +92,7 @@ def mla_decode_kernel(
     out, lse = latent_result(m_i, l_i, acc, kv_scale)
     o_ptrs = out_ptr + split * stride_on + i.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + r[None, :]
     # An empty split of several writes its LSE (-inf) only: the merge never reads its output, and
-    # a graph's splits for max_model_len leave most of them empty at short lengths.
+    # a graph's splits for max_model_len leave most of them empty for a short row.
     if (start < kv_len) | (tl.num_programs(2) == 1):
         store_rows(o_ptrs, out.to(out_ptr.dtype.element_ty), head_mask, r, R, BLOCK_R)
     if WRITE_LSE:

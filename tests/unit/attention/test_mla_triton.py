@@ -82,13 +82,11 @@ def test_graph_plan_serves_any_length_written_into_its_buffers(name):
     out, lse = backend.forward(query, case.cache, plan, case.weights, return_lse=True)
     npt = case.metadata.num_prefill_tokens
     assert_matches(out, lse, ref_out[npt:].double(), ref_lse[npt:].double(), torch.float32)
-    # Each row takes the splits its keys fill at >= min_partition keys each; the rest stay empty.
+    # Each row fills the splits its keys reach in equal whole tiles; the splits past them stay empty.
     used = torch.isfinite(plan.partial_lse).any(-1).sum(0).tolist()
     bn, ns = backend.config.block_n, plan.num_splits
     lens = meta.seq_lens.tolist()
-    parts = [max(math.ceil(math.ceil(n / ns) / bn) * bn, plan.min_partition) for n in lens]
-    assert used == [math.ceil(n / p) for n, p in zip(lens, parts)]
-    assert plan.min_partition == backend.config.min_partition
+    assert used == [math.ceil(n / (math.ceil(math.ceil(n / ns) / bn) * bn)) for n in lens]
     with pytest.raises(ConfigError, match="num_prefills"):
         backend.plan_for_graph(case.metadata if case.metadata.num_prefills else replace(static, num_prefills=1))
 

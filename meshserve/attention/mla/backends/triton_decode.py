@@ -44,7 +44,6 @@ class MLADecodePlan:
     num_splits: int
     partial_o: torch.Tensor | None
     partial_lse: torch.Tensor | None
-    min_partition: int = 0  # partition 0: each row's splits hold at least this many keys (whole tiles)
 
 
 class TritonMLADecodeBackend(MLABackend):
@@ -52,7 +51,7 @@ class TritonMLADecodeBackend(MLABackend):
     capabilities = with_notes(
         "decode: absorbed W_UK, split-KV over the latent cache with all heads of a block sharing "
         "each row load, LSE merge, then W_UV; CUDA graphs: splits fixed for max_model_len, each "
-        "sequence's partition from its own length in the kernel (at least min_partition keys)",
+        "sequence's partition from its own length in the kernel",
         cuda_graphs=True,
     )
 
@@ -117,14 +116,7 @@ class TritonMLADecodeBackend(MLABackend):
         check(metadata.seq_lens.dtype == torch.int32, "metadata.seq_lens.dtype", metadata.seq_lens.dtype,
               "torch.int32 (the kernel reads the graph's buffer directly)")  # fmt: skip
         plan = self.plan(metadata)
-        # A row's splits hold at least min_partition keys, as the eager plan's do: a short row
-        # takes a few of the splits planned for max_model_len and leaves the rest empty (they
-        # write only their LSE), instead of cutting its keys into single tiles whose partial
-        # outputs ([heads, kv_lora_rank] float32 each) would outweigh the latent rows read.
-        block_n = self.config.block_n
-        floor = self.partition if self.partition is not None else self.config.min_partition
-        return dataclasses.replace(plan, kv_lens=metadata.seq_lens, partition=0,
-                                   min_partition=-(-floor // block_n) * block_n)
+        return dataclasses.replace(plan, kv_lens=metadata.seq_lens, partition=0)
 
     def _sm_count(self, device: torch.device) -> int:
         return self.num_sms if self.num_sms is not None else sm_count(device)
@@ -171,7 +163,7 @@ class TritonMLADecodeBackend(MLABackend):
         grid = (-(-heads // cfg.block_h), num_decodes, plan.num_splits)
         mla_decode_kernel[grid](
             q_lat, q_pe, data, o_dst, l_dst, plan.kv_lens, meta.block_table, scale,
-            self.spec.softmax_scale, plan.partition, plan.min_partition, heads,
+            self.spec.softmax_scale, plan.partition, heads,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
             data.stride(0), data.stride(1),
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
