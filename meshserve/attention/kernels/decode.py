@@ -132,7 +132,10 @@ def decode_kernel(
 
     out, lse = finish_rows(acc, m_i, l_i, v_scale)
     o_ptrs = out_ptr + split * stride_on + i * stride_ot + heads[:, None] * stride_oh + dv[None, :]
-    tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (dv[None, :] < HEAD_DV))
+    # A split past the sequence's keys (not split 0, which holds the sinks) writes its LSE (-inf)
+    # only: the merge does not read an empty part's output.
+    if (start < end) | (split == 0) | (tl.num_programs(2) == 1):
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (dv[None, :] < HEAD_DV))
     if WRITE_LSE:
         tl.store(lse_ptr + split * stride_ln + i * stride_lt + heads * stride_lh, lse, mask=head_mask)
 
