@@ -232,9 +232,10 @@ def timeline(run_steps, steps: int, path: Path) -> str:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as raw:
         prof.export_chrome_trace(raw.name)
+        gaps = device_gaps(load(raw.name))
         with open(raw.name, "rb") as src, gzip.open(path, "wb") as dst:
             shutil.copyfileobj(src, dst)
-    return f"timeline: {path}\n" + summarize(device_gaps(load(path)), steps)
+    return f"timeline: {path}\n" + summarize(gaps, steps)
 
 
 def decode_steps(llm, bs: int, args: argparse.Namespace, vocab: int) -> dict:

@@ -50,12 +50,13 @@ def _complete(events: list[dict], cats: tuple[str, ...]) -> list[dict]:
     return [e for e in events if e.get("ph") == "X" and e.get("cat") in cats and "ts" in e]
 
 
-def _innermost(host: list[dict], starts: list[float], tid: object, t: float) -> str:
-    """The shortest host event on thread `tid` that spans time t (its name), or "?"."""
+def _innermost(host: list[dict], starts: list[float], t: float) -> str:
+    """The shortest of one thread's host events (sorted by start) that spans time t, or "?"."""
     best, best_dur = "?", float("inf")
-    for e in host[: bisect.bisect_right(starts, t)]:
+    for k in range(bisect.bisect_right(starts, t)):
+        e = host[k]
         dur = float(e.get("dur", 0))
-        if e.get("tid") == tid and float(e["ts"]) <= t <= float(e["ts"]) + dur and dur < best_dur:
+        if t <= float(e["ts"]) + dur and dur < best_dur:
             best, best_dur = e["name"], dur
     return best
 
@@ -65,8 +66,10 @@ def device_gaps(trace: dict, min_gap_us: float = 5.0) -> list[Gap]:
     events = trace.get("traceEvents", [])
     device = sorted(_complete(events, DEVICE_CATS), key=lambda e: float(e["ts"]))
     runtime = {e.get("args", {}).get("correlation"): e for e in _complete(events, ("cuda_runtime", "cuda_driver"))}
-    host = sorted(_complete(events, HOST_CATS), key=lambda e: float(e["ts"]))
-    starts = [float(e["ts"]) for e in host]
+    by_thread: dict[object, list[dict]] = defaultdict(list)  # host events per thread, by start
+    for e in sorted(_complete(events, HOST_CATS), key=lambda e: float(e["ts"])):
+        by_thread[e.get("tid")].append(e)
+    starts = {tid: [float(e["ts"]) for e in evs] for tid, evs in by_thread.items()}
     gaps: list[Gap] = []
     busy_until = None
     for e in device:
@@ -76,7 +79,8 @@ def device_gaps(trace: dict, min_gap_us: float = 5.0) -> list[Gap]:
             if call is None:
                 gaps.append(Gap(busy_until, ts - busy_until, "queued", "?", "?", e["name"]))
             elif float(call["ts"]) + float(call.get("dur", 0)) > busy_until:
-                cause = _innermost(host, starts, call.get("tid"), busy_until)
+                tid = call.get("tid")
+                cause = _innermost(by_thread.get(tid, []), starts.get(tid, []), busy_until)
                 gaps.append(Gap(busy_until, ts - busy_until, "late launch", cause, call["name"], e["name"]))
             else:
                 gaps.append(Gap(busy_until, ts - busy_until, "queued", call["name"], call["name"], e["name"]))
