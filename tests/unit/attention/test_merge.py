@@ -88,7 +88,7 @@ def test_large_lse_values_do_not_overflow(impl):
 
 
 def test_triton_never_reads_the_output_of_an_empty_part():
-    """A split-KV writer leaves an empty split's output unwritten (TRITON MLA decode): NaN there must
+    """A split-KV writer leaves an empty split's output unwritten (the TRITON decode kernels): NaN there must
     not reach the result; the parts that hold keys still merge to the whole."""
     os, lses, whole = split_case(3, 7)
     assert torch.isneginf(lses[0]).all()  # part 0 is empty for every row
