@@ -2,43 +2,65 @@
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed
+# Installs come from a lock (requirements/*.txt, made by `make lock`): a fresh clone gets the versions
+# the suite last passed with, whatever was released since. A machine with a GPU takes the CUDA lock.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+LOCK := requirements/$(if $(HAS_GPU),gpu,cpu).txt
+GPU_EXTRA := $(if $(HAS_GPU),gpu,)
+RUN_STAMP := $(VENV)/.installed-run
+TEST_STAMP := $(VENV)/.installed-test
+comma := ,
+PIP := $(BIN)/python -m pip install --compile --progress-bar on --constraint $(LOCK)
 
-.PHONY: run test lint docs proto image clean
+.PHONY: run test lint lock docs proto image clean
 
-$(STAMP): pyproject.toml
-	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	@$(BIN)/python -m pip install -q --upgrade pip
-	@# The CPU build of torch is pinned where no GPU is present (a plain `torch` pulls CUDA wheels).
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
-	    $(BIN)/python -m pip install -q "torch<=2.14.1"; \
-	else \
-	    $(BIN)/python -m pip install -q torch==2.13.0; \
-	fi
-	@$(BIN)/python -m pip install -q --compile -e ".[test,bench]"
-	@touch $(STAMP)
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# What serving needs, nothing more (torch, Ray, gRPC, the HTTP server; the gpu extra on a GPU machine).
+$(RUN_STAMP): pyproject.toml $(LOCK) | $(BIN)/python
+	$(PIP) -e ".$(if $(GPU_EXTRA),[$(GPU_EXTRA)],)"
+	@touch $@
+
+# The test and benchmark tools on top.
+$(TEST_STAMP): $(RUN_STAMP)
+	$(PIP) -e ".[test,bench$(if $(GPU_EXTRA),$(comma)$(GPU_EXTRA),)]"
+	@touch $@
 
 # The demo model on 127.0.0.1:50051 (gRPC), http://127.0.0.1:8000/v1 (OpenAI API) and :9400 (metrics)
 # until Ctrl-C; try `meshserve client "Python supports"` or the curl lines in README.md.
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/meshserve serve
+
+# ruff and the import layers (api > cluster > engine > workers/kvtransfer > parallel/kvstore/attention > core).
+lint: $(TEST_STAMP)
+	$(BIN)/ruff check meshserve tests $(wildcard bench scripts)
+	$(BIN)/python -m pytest -q -p no:cacheprovider tests/unit/test_import_layers.py
 
 # With a GPU, the CPU suite runs as CI runs it (no visible GPU: Triton kernels in the interpreter,
 # which must be chosen before any kernel is defined), then tests/gpu runs on the GPU.
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(BIN)/ruff check meshserve tests $(wildcard bench scripts)
-	@if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+	@if [ -n "$(HAS_GPU)" ]; then \
 	    CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu && \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/gpu; \
 	else \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests; \
 	fi
 
-docs: $(STAMP)
+# Re-resolve every dependency at today's releases, reinstall from the new lock, run the suite: an
+# upgrade is one deliberate commit (requirements/*.txt) with its test run.
+lock:
+	scripts/lock.sh
+	rm -f $(RUN_STAMP) $(TEST_STAMP)
+	$(MAKE) test
+
+docs: $(TEST_STAMP)
 	$(BIN)/python -m meshserve.attention.docs --write docs/attention-backends.md
 	$(BIN)/python -m meshserve.workers.quant.support --write docs/quantization.md
 
-proto: $(STAMP)
+proto: $(TEST_STAMP)
 	$(BIN)/python -m meshserve.api.protogen
 
 # The serving image (deploy/docker/Dockerfile). IMAGE names it; extra build arguments, e.g.

@@ -1,6 +1,9 @@
 """Suite-wide environment: set before any module that defines Triton kernels is imported."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
@@ -9,6 +12,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Nothing from a hub cache the suite did not build: an empty one of its own, whatever the machine
+# holds under ~/.cache/huggingface (a test that passes only because a cache was warm fails in CI).
+_hub_home = tempfile.mkdtemp(prefix="meshserve-tests-hf-")
+atexit.register(shutil.rmtree, _hub_home, ignore_errors=True)
+for _name in ("HF_HOME", "HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+    os.environ.pop(_name, None)
+os.environ["HF_HOME"] = _hub_home
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 # The suite's tensors are tiny and the CI machine has 2 shared cores: a second intra-op thread

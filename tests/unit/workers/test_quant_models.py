@@ -10,6 +10,9 @@ rows), which is wrong for a partial edge block (40 rows in blocks of 32 become t
 checkpoints here keep every dimension a whole number of blocks or a single block, where it is right.
 """
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -53,8 +56,14 @@ def _run(path, prompt, quantization="none", small_m_gemm="auto"):
 def _hf_logits(hf_dir, prompt, tokens):
     import transformers
 
+    # HF's MXFP4 loader fetches Triton kernels from the hub whenever the `kernels` package imports
+    # (transformers 5.x); nothing can be fetched here, and the oracle must not depend on what a hub
+    # cache holds: dequantize=True takes HF's own CPU dequantization path, with no kernel loading.
+    quant = json.loads((Path(hf_dir) / "config.json").read_text()).get("quantization_config", {})
+    extra = ({"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+             if quant.get("quant_method") == "mxfp4" else {})
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32,
-                                                           attn_implementation="eager").eval()
+                                                           attn_implementation="eager", **extra).eval()
     with torch.no_grad():
         logits = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: len(prompt) - 1 + NEW_TOKENS]
     return logits, hf_greedy(hf, prompt, NEW_TOKENS, eos=-1)
