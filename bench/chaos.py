@@ -31,11 +31,11 @@ import time
 from pathlib import Path
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.engine import EngineConfig
 from meshserve.cluster.replica import ReplicaState
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, PoolConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.demo_model import DEMO_MODEL_DIR
+from meshserve.engine.engine_config import EngineConfig
 
 PROMPTS = [[5, 6, 7, 8 + i] for i in range(6)]
 
@@ -96,7 +96,7 @@ async def fault_trial(c: Coordinator, sig: signal.Signals, want: dict[str, list[
 
 
 def _rank_pids(exclude: set[int]) -> list[int]:
-    """This process's rank subprocesses (meshserve.cluster.multiproc), less `exclude`."""
+    """This process's rank subprocesses (meshserve.cluster.executors.multiproc), less `exclude`."""
     me, out = os.getpid(), []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) in exclude:
@@ -107,7 +107,7 @@ def _rank_pids(exclude: set[int]) -> list[int]:
         except OSError:
             continue
         ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == me and b"meshserve.cluster.multiproc" in cmd:
+        if ppid == me and b"meshserve.cluster.executors.multiproc" in cmd:
             out.append(int(entry))
     return out
 

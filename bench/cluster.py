@@ -88,8 +88,8 @@ class Timed:
 
 
 def engine_config(tp: int, model_dir: str):
-    from meshserve.cluster.engine import EngineConfig
     from meshserve.config import CacheConfig, ModelConfig, ParallelConfig
+    from meshserve.engine.engine_config import EngineConfig
 
     return EngineConfig(model=ModelConfig(model=model_dir), cache=CacheConfig(num_kv_blocks=64),
                         parallel=ParallelConfig(tp=tp))
@@ -98,10 +98,10 @@ def engine_config(tp: int, model_dir: str):
 def measure_overhead(args) -> list[tuple[str, int, float]]:
     """Median step time per executor. All executors run side by side, in interleaved blocks of
     steps, so that background load on a shared machine falls on all of them alike."""
-    from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
-    from meshserve.cluster.executor import WorkerSpec
-    from meshserve.cluster.multiproc import MultiprocExecutor
-    from meshserve.cluster.ray_executor import RayExecutor
+    from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
+    from meshserve.cluster.executors.executor import WorkerSpec
+    from meshserve.cluster.executors.multiproc import MultiprocExecutor
+    from meshserve.cluster.executors.ray_executor import RayExecutor
     from meshserve.workers.step import StepOutput
 
     model_dir = tempfile.mkdtemp(prefix="bench-null-")
@@ -181,10 +181,10 @@ def workload(args):
 
 async def serve_load(mode: str, args) -> dict[str, list[tuple[float, float]]]:
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-    from meshserve.cluster.engine import EngineConfig
     from meshserve.config import CacheConfig, ModelConfig, PoolConfig
     from meshserve.core.sampling_params import SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.engine.engine_config import EngineConfig
 
     engine = EngineConfig(model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32"),
                           cache=CacheConfig(num_kv_blocks=512))
@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(1)
-    from meshserve.cluster.ray_executor import ray_init
+    from meshserve.cluster.executors.ray_executor import ray_init
 
     temp = tempfile.mkdtemp(prefix="msbench-", dir="/tmp")
     ray_init(num_cpus=2, temp_dir=temp)

@@ -23,14 +23,14 @@ import time
 import torch
 
 PARTS = (  # (label, file fragment, function): cumulative time per step
-    ("scheduler.schedule", "cluster/scheduler.py", "schedule"),
+    ("scheduler.schedule", "engine/scheduler.py", "schedule"),
     ("AttentionMetadata.build", "attention/metadata.py", "build"),
     ("backend plan", "attention/backends/", "plan"),
     ("model forward", "workers/models/transformer.py", "forward"),
     ("logits", "workers/models/transformer.py", "compute_logits"),
     ("sampler (runner._draw)", "workers/runner.py", "_draw"),
-    ("scheduler.update", "cluster/scheduler.py", "update"),
-    ("outputs (detokenize, deltas)", "cluster/engine.py", "_apply"),
+    ("scheduler.update", "engine/scheduler.py", "update"),
+    ("outputs (detokenize, deltas)", "engine/engine_core.py", "_apply"),
 )
 
 
@@ -66,7 +66,7 @@ def profile(bs: int, args: argparse.Namespace) -> dict[str, float]:
     def cum(fragment: str, function: str, pick=sum) -> float:
         return pick([v[3] for k, v in stats.items() if fragment in k[0] and k[2] == function] or [0.0]) / args.steps
 
-    out = {"step (unprofiled)": best, "step (profiled)": cum("cluster/engine.py", "step")}
+    out = {"step (unprofiled)": best, "step (profiled)": cum("engine/engine_core.py", "step")}
     for label, fragment, function in PARTS:  # the model's forward: its outermost call (the largest)
         out[label] = cum(fragment, function, max if label == "model forward" else sum)
     # The runner's own work: _run less the forward, the logits and the draw (metadata and plan included).

@@ -5,7 +5,7 @@
     python bench/handover_host.py --compare OLD_ROOT       # alternate OLD_ROOT's code and this one
 
 What a 32-layer request of N blocks (block 16) costs the hosts of both ends besides moving bytes,
-phase by phase, as the pools run it (cluster/handover.py, cluster/rank.py, the cuda_ipc puller):
+phase by phase, as the pools run it (cluster/handover.py, cluster/executors/rank_host.py, the cuda_ipc puller):
   pin       the prefill driver forks the request's tables into a pin (HandoverBlocks)
   offer     HandoverBlocks to and from msgpack (driver -> rank, as the executor sends it)
   export    the rank describes the blocks: frame plan, frame views, header (the checksum's
@@ -49,14 +49,14 @@ def measure(num_blocks: int, reps: int) -> dict[str, float]:
 
     from meshserve.attention.spec import AttentionSpec
     from meshserve.kvstore.cache_tensors import allocate_caches
-    from meshserve.kvstore.connector import KVConnector
     from meshserve.kvstore.manager import KVCacheManager
-    from meshserve.kvstore.pins import HandoverBlocks, KVPins
-    from meshserve.kvstore.wire import KVHeader
+    from meshserve.kvtransfer.connector import KVConnector
+    from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
+    from meshserve.kvtransfer.wire import KVHeader
 
     torch.set_num_threads(1)
     # The export's checksum reads every byte (device work on a GPU, one kernel): not host work.
-    from meshserve.kvstore.wire import FrameDigest
+    from meshserve.kvtransfer.wire import FrameDigest
 
     FrameDigest.update_many = lambda self, frames, **kw: None
     specs = [AttentionSpec(num_heads=1, num_kv_heads=1, head_size=8)] * LAYERS

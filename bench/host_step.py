@@ -75,7 +75,7 @@ TIMERS = _Timers()
 
 def _wrap_classes() -> None:
     """Class-level timers, once per process."""
-    from meshserve.cluster.scheduler import Scheduler
+    from meshserve.engine.scheduler import Scheduler
     from meshserve.workers.step import StepOutput, StepPlan
 
     TIMERS.wrap(Scheduler, "schedule", "schedule")
@@ -167,10 +167,11 @@ class _WireExecutor:
 def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
     from meshserve.attention.backend import AttentionProblem
     from meshserve.attention.spec import AttentionSpec
-    from meshserve.cluster.engine import EngineConfig, EngineCore
     from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig
     from meshserve.core.sampling_params import SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.engine.engine_config import EngineConfig
+    from meshserve.engine.engine_core import EngineCore
     from meshserve.workers.decode_graphs import DecodeGraphs
     from meshserve.workers.runner import ModelRunner
     from meshserve.workers.worker import WorkerInfo

@@ -15,7 +15,7 @@ Two measurements, side by side:
   single     one pull at a time: medians over --reps pulls after one warm-up pull (the first
              pull's time, which opens the CUDA IPC mappings, is listed as cold_ms).
   pipelined  a burst of N requests handed over back to back, as a decode replica receiving a
-             burst does it: one thread per pull started together (kvstore/transfers.py's
+             burst does it: one thread per pull started together (kvtransfer/transfers.py's
              BackgroundPulls), into blocks reserved beforehand (as the driver reserves them);
              wall time from the first start to the last finish, median of --burst-reps bursts
              after a warm-up burst. N = --burst, fewer where N requests would pass
@@ -47,10 +47,10 @@ sys.path.insert(0, ROOT)
 from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.core.secret import ClusterSecret  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
-from meshserve.kvstore.connector import KVConnector  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
-from meshserve.kvstore.rank_io import frame_bytes_for  # noqa: E402
-from meshserve.kvstore.transport import Endpoint, puller_for  # noqa: E402
+from meshserve.kvtransfer.connector import KVConnector  # noqa: E402
+from meshserve.kvtransfer.rank_io import frame_bytes_for  # noqa: E402
+from meshserve.kvtransfer.transport import Endpoint, puller_for  # noqa: E402
 
 LAYERS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
 TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD * 2  # bf16 K and V of every layer
@@ -83,8 +83,8 @@ def burst_sizes(args) -> dict[int, int]:
 def exporter() -> None:
     """Offer one request per size, once per (transport, pull) and per (burst transport, burst,
     request of the burst), until stdin closes."""
-    from meshserve.kvstore.rank_io import KVExport
-    from meshserve.kvstore.zmq_transport import KVExportServer
+    from meshserve.kvtransfer.rank_io import KVExport
+    from meshserve.kvtransfer.zmq_transport import KVExportServer
 
     cfg = json.loads(sys.stdin.readline())
     device, sizes = cfg["device"], cfg["sizes"]
@@ -133,7 +133,7 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
 def make_puller(transport: str):
     """A transport's puller: "cuda_ipc" as the pools use it (no checksum over device-to-device
     copies), "cuda_ipc-verify" with the checksum ("cuda_ipc-noverify": the older name of cuda_ipc)."""
-    from meshserve.kvstore.transport import CudaIpcPuller
+    from meshserve.kvtransfer.transport import CudaIpcPuller
 
     if transport in ("cuda_ipc", "cuda_ipc-noverify"):
         return CudaIpcPuller()

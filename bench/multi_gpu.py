@@ -5,7 +5,7 @@
 equality: a tiny random Llama (tests/tiny_models.py; HF save_pretrained, own tokenizer) generates
   greedily through `meshserve generate` once per layout: tp=1 on one GPU (the reference), then
   tp=2 with dcp=1 and dcp=2 (ag_rs and a2a), and tp=4 with dcp 1/2/4 when four GPUs are there.
-  The ranks are separate processes over NCCL (SPMD lock-step, cluster/spmd.py). Compared: the
+  The ranks are separate processes over NCCL (SPMD lock-step, cluster/executors/spmd.py). Compared: the
   printed continuation, per layout, in float32 and in bfloat16. DCP runs on TORCH (the one
   standard-attention backend that declares DCP); the tp-only layouts also run TRITON.
 handover: rank 1 (GPU 1) holds one request of N MiB of KV blocks (4 layers, bf16, 8 KV heads of
@@ -84,8 +84,8 @@ def bench_equality(gpus: int, device: str, dtypes: list[str], backends: list[str
 def _replica(num_blocks: int, device: str):
     from meshserve.attention.spec import AttentionSpec
     from meshserve.kvstore.cache_tensors import allocate_caches
-    from meshserve.kvstore.connector import KVConnector
     from meshserve.kvstore.manager import KVCacheManager
+    from meshserve.kvtransfer.connector import KVConnector
 
     kv = KVCacheManager(num_blocks, BLOCK)
     spec = AttentionSpec(num_heads=32, num_kv_heads=KV_HEADS, head_size=HEAD)
@@ -97,7 +97,7 @@ def _handover_rank(rank: int, init: str, mib: int, frame_mib: list[int], repeat:
                    out_file: str) -> None:
     import torch.distributed as dist
 
-    from meshserve.kvstore.dist_transport import recv_kv, send_kv
+    from meshserve.kvtransfer.dist_transport import recv_kv, send_kv
 
     backend = "nccl" if device == "cuda" else "gloo"
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")

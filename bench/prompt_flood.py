@@ -29,9 +29,9 @@ from meshserve.api.client import InferenceClient
 from meshserve.api.convert import ApiLimits
 from meshserve.api.server import ApiServer
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.engine import EngineConfig
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from meshserve.demo_model import DEMO_MODEL_DIR
+from meshserve.engine.engine_config import EngineConfig
 
 
 def _service(max_model_len: int) -> Coordinator:

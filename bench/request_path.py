@@ -9,7 +9,7 @@ profile hook, armed only while that request is served, records in every thread:
   down — the replica taking it (`Replica.submit` / `adopt`), the driver sending a step or a
   hand-over call to its ranks (channel.py), every call into attention/ (plan
   and forward, down to the kernel), every call into the rank side of a KV hand-over
-  (kvstore/rank_io.py and its transports). Each stack runs from its thread's root (the gRPC
+  (kvtransfer/rank_io.py and its transports). Each stack runs from its thread's root (the gRPC
   handler's coroutine, a replica's step thread, a rank's loop thread) to the probe.
 - touched: every meshserve file any of whose functions ran for the request (helpers included:
   validation, sampling, detokenizing, conversion to protobuf, stats).
@@ -72,9 +72,9 @@ def measure(layout: str, recorder: PathRecorder, backend: str) -> tuple[list[str
     from meshserve.api.client import InferenceClient
     from meshserve.api.server import ApiServer
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-    from meshserve.cluster.engine import EngineConfig
     from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, PoolConfig, ServerConfig
     from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.engine.engine_config import EngineConfig
 
     engine = EngineConfig(model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32", max_model_len=256),
                           cache=CacheConfig(block_size=16, num_kv_blocks=64),

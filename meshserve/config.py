@@ -50,7 +50,7 @@ class PoolMode(StrEnum):
 
 
 class KVTransport(StrEnum):
-    """How KV moves between the pools (kvstore/transport.py)."""
+    """How KV moves between the pools (kvtransfer/transport.py)."""
 
     AUTO = "auto"  # cuda_ipc where both ends are CUDA processes of one host, else zmq
     ZMQ = "zmq"  # pyzmq over TCP: any two ends (host-staged from GPU caches); the fallback

@@ -21,8 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.request import Request
+from meshserve.cluster.executors.in_process import InProcessExecutor
 from meshserve.config import (
     QUANTIZATION_HELP,
     SMALL_M_GEMM_HELP,
@@ -43,6 +42,9 @@ from meshserve.core.outputs import (
     RequestOutput,
 )
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
+from meshserve.engine.request import Request
 from meshserve.errors import ConfigError, MeshserveError, check
 from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
 
@@ -101,7 +103,7 @@ class LLM:
                                       async_scheduling=async_scheduling),
             attention=AttentionConfig(backend=attention_backend),
         )
-        self.core = EngineCore(config, device=device, progress=progress)
+        self.core = EngineCore(config, executor=InProcessExecutor(config, device=device, progress=progress))
 
     @property
     def tokenizer(self):
@@ -164,7 +166,7 @@ class LLM:
         """Beam search for every prompt (text, or token ids), as HF transformers' generate(num_beams=
         beam_width, do_sample=False) ranks beams; one output per prompt, its `.sequences` best
         first. The beams of all prompts are batched together; they share their prompt's blocks
-        and fork copy-on-write (cluster/beam_search.py). Every prompt is validated first."""
+        and fork copy-on-write (engine/beam_search.py). Every prompt is validated first."""
         self._require("generate", "beam_search")
         check(isinstance(params, BeamSearchParams), "params", type(params).__name__, "a BeamSearchParams")
         prompts = _prompt_list(prompts)
@@ -261,7 +263,7 @@ REFUSED_EXIT = 2  # the CLI's exit status for a refused configuration (cli.main)
 def generate_main(args: argparse.Namespace) -> int:
     """Stream the continuation of `args.prompt` to stdout; the reason it ended goes to stderr.
 
-    With --tp > 1 one process per rank runs the replica in lock-step (cluster/spmd.py); rank 0 prints.
+    With --tp > 1 one process per rank runs the replica in lock-step (cluster/executors/spmd.py); rank 0 prints.
     """
     if args.model is not None:  # a hub id becomes its snapshot folder once, before any rank starts
         from meshserve.api.hub import resolve_model
@@ -330,7 +332,7 @@ def _stream(core: EngineCore, args: argparse.Namespace, *, echo: bool) -> None:
 def _generate_rank(rank: int, args: argparse.Namespace, init_method: str, errors: str) -> None:
     """One rank of `generate --tp N`; a refused configuration exits REFUSED_EXIT with its reason in
     errors/rank<rank>.txt (the parent prints it once, not a traceback per rank)."""
-    from meshserve.cluster.spmd import SpmdExecutor
+    from meshserve.cluster.executors.spmd import SpmdExecutor
     from meshserve.workers.worker import Worker
 
     if args.model is None:

@@ -130,8 +130,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
 def configs_of(args: argparse.Namespace):
     """Every flag into its config dataclass (each validates its fields)."""
     from meshserve.api.hub import resolve_model
-    from meshserve.cluster.engine import EngineConfig
     from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.engine.engine_config import EngineConfig
 
     backend = args.attention_backend
     if args.model is None:

@@ -33,23 +33,24 @@ from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 
-from meshserve.cluster.admission import RequestValidator
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import StepDeadline, sum_expert_load
+from meshserve.cluster.executors.executor import StepDeadline, sum_expert_load
 from meshserve.cluster.handover import Handoff, release_sources
 from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
-from meshserve.cluster.request import Request, Ticket
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
+from meshserve.engine.admission import RequestValidator
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
+from meshserve.engine.request import Request, Ticket
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
-from meshserve.kvstore.transport import default_device, describe_setting
+from meshserve.kvtransfer.transport import default_device, describe_setting
 from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.coordinator")
@@ -67,7 +68,7 @@ class ClusterConfig:
     """engine: the replicas' settings; pools: mode, replica counts, ray_address.
 
     prefill_parallel / decode_parallel: a pool's own tp/dcp (default engine.parallel). KV moves
-    between pools of any two layouts (heads re-split, tokens re-distributed: kvstore/reshard.py);
+    between pools of any two layouts (heads re-split, tokens re-distributed: kvtransfer/reshard.py);
     the per-rank block size (cache block_size) is the one thing both pools must share.
     """
 
@@ -157,7 +158,7 @@ class Coordinator:
         if cfg.runtime is not Runtime.IN_PROCESS:  # embedded, the host program's logging rules
             configure_logging()
         if cfg.runtime is Runtime.RAY:
-            from meshserve.cluster.ray_executor import ray_init
+            from meshserve.cluster.executors.ray_executor import ray_init
 
             # On the calling thread: Ray installs its signal handlers only from the main thread.
             self._owns_ray = ray_init(cfg.pools.ray_address, num_cpus=cfg.ray_num_cpus, temp_dir=cfg.ray_temp_dir)
@@ -218,22 +219,22 @@ class Coordinator:
     def _executor(self, engine: EngineConfig, role: str, name: str):
         cfg = self.config
         if cfg.runtime is Runtime.IN_PROCESS:
-            from meshserve.cluster.engine import InProcessExecutor
+            from meshserve.cluster.executors.in_process import InProcessExecutor
 
             return InProcessExecutor(engine, device=cfg.device, progress=cfg.progress)
         if cfg.runtime is Runtime.RAY:
-            from meshserve.cluster.ray_executor import RayExecutor
+            from meshserve.cluster.executors.ray_executor import RayExecutor
 
             return RayExecutor(engine, role=role, name=name, device=cfg.device, worker_class=cfg.worker_class,
                                secret=self.secret, placement_timeout_s=cfg.pools.placement_timeout_s,
                                cancel=self._stopping, deadline=self.deadline)
         if cfg.runtime is Runtime.PROCESSES:
-            from meshserve.cluster.multiproc import MultiprocExecutor
+            from meshserve.cluster.executors.multiproc import MultiprocExecutor
 
             return MultiprocExecutor(engine, device=cfg.device, worker_class=cfg.worker_class, name=name,
                                      secret=self.secret, deadline=self.deadline)
-        from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
-        from meshserve.cluster.executor import WorkerSpec
+        from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
+        from meshserve.cluster.executors.executor import WorkerSpec
 
         spec = WorkerSpec(engine.model, engine.cache, engine.attention, engine.parallel, cfg.device,
                           **({"worker_class": cfg.worker_class} if cfg.worker_class else {}))

@@ -1,14 +1,14 @@
 """The KV hand-over between a prefill and a decode replica (disaggregated serving).
 
 A prefill replica runs a request until its first token; then, in its step thread, `offer_kv`
-pins the request's blocks (kvstore/pins.py: a fork of its tables in the KV manager), asks every
+pins the request's blocks (kvtransfer/pins.py: a fork of its tables in the KV manager), asks every
 rank to offer its KV shard of them under a fresh unguessable capability (`kv_offer`: each rank's
 KVExportServer, msgpack header + raw frames, every message MACed with the cluster secret) and
 detaches the request, which the coordinator hands to a decode replica as a `Handoff` (the
 capability travels in it, nowhere else). The decode replica reserves blocks in every KV layer
 group, has every rank pull its shard by that capability into them (`kv_pull_start`;
 with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
-kvstore/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
+kvtransfer/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
 the two pools' blocks cover different token counts, i.e. their dcp differs) and continues from
 the first token. If anything about the transfer fails the prompt is recomputed instead.
 Either way the prefill replica is then told to release its pin (`release_sources`).
@@ -33,16 +33,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from meshserve.cluster.executor import Executor, RankError
+from meshserve.cluster.executors.executor import Executor, RankError
 from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 from meshserve.cluster.logs import request_event
-from meshserve.cluster.request import Ticket
-from meshserve.kvstore.pins import HandoverBlocks, KVPins
-from meshserve.kvstore.reshard import receiver_positions
-from meshserve.kvstore.zmq_transport import new_capability
+from meshserve.engine.request import Ticket
+from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
+from meshserve.kvtransfer.reshard import receiver_positions
+from meshserve.kvtransfer.zmq_transport import new_capability
 
 if TYPE_CHECKING:
-    from meshserve.cluster.engine import EngineConfig, EngineCore
+    from meshserve.engine.engine_config import EngineConfig
+    from meshserve.engine.engine_core import EngineCore
 
 log = logging.getLogger("meshserve.replica")
 
@@ -72,7 +73,7 @@ class HandoverEnd(Protocol):
 class KVOffer:
     """A finished prefill's KV, offered by every rank of the source (pinned there until released)."""
 
-    addresses: list[dict]  # per rank: its export endpoint (kvstore/transport.py Endpoint.to_wire)
+    addresses: list[dict]  # per rank: its export endpoint (kvtransfer/transport.py Endpoint.to_wire)
     blocks: HandoverBlocks  # what was pinned: tokens, per KV layer group tables and hashes
     pin_id: tuple
     model_id: str

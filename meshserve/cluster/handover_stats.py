@@ -21,7 +21,7 @@ RECOMPUTE_REASONS = (
     "transfer_failed",  # any other refused pull: truncated, checksum, unknown offer, CUDA IPC open, a rank error
 )
 
-# From KVTransferError.reason (kvstore/wire.py) to the reasons above; the rest are transfer_failed.
+# From KVTransferError.reason (kvtransfer/wire.py) to the reasons above; the rest are transfer_failed.
 _PULL_REASONS = {"timeout": "timeout", "auth": "auth", "layout": "layout"}
 
 # Seconds of one request's pull, 1 ms (a few blocks on one host) to 30 s (past the default timeout).

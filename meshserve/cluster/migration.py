@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from meshserve.cluster.executor import WorkerDiedError
-from meshserve.cluster.request import Request, RequestStatus, Ticket
+from meshserve.cluster.executors.executor import WorkerDiedError
+from meshserve.engine.request import Request, RequestStatus, Ticket
 from meshserve.errors import ReplicaFailedError
 
 

@@ -34,8 +34,8 @@ from meshserve.cluster.handover import Handoff
 from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.replica import Replica, ReplicaState
 from meshserve.cluster.replica_stats import ReplicaStats
-from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
+from meshserve.engine.request import Ticket
 from meshserve.errors import MeshserveError, QueueFullError, ReplicaFailedError, UnavailableError
 
 log = logging.getLogger("meshserve.pool")

@@ -27,17 +27,18 @@ import logging
 import threading
 from collections.abc import Callable
 
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
+from meshserve.cluster.executors.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
 from meshserve.cluster.handover import Handoff, Imports, offer_kv, release_sources
 from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.migration import plan_failover
 from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
-from meshserve.cluster.request import Ticket
 from meshserve.core.outputs import CompletionDelta, FinishReason
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
+from meshserve.engine.request import Ticket
 from meshserve.errors import MeshserveError, ReplicaFailedError
-from meshserve.kvstore.pins import KVPins
+from meshserve.kvtransfer.pins import KVPins
 
 log = logging.getLogger("meshserve.replica")
 

@@ -1,7 +1,7 @@
-"""Paged KV cache: block pool, prefix reuse, window/sink retention, cache tensors, KV hand-over.
+"""Paged KV cache: block pool, prefix reuse, window/sink retention, block tables, cache tensors.
 
-Block logic (block_pool, block_hash, retention, groups, prefix, tables, manager, pins) is plain
-Python; torch appears only in cache_tensors, slots, wire, rank_io and the transports. See
+Block logic (block_pool, block_hash, retention, groups, prefix, tables, manager) is plain Python;
+torch appears only in cache_tensors and slots. Moving KV between replicas is kvtransfer/. See
 docs/kvstore.md.
 """
 

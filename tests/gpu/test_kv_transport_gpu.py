@@ -10,7 +10,7 @@
 3. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
    kv_transport cuda_ipc: greedy tokens identical to a unified replica on the same GPU, every
    hand-over imported by cuda_ipc (none recomputed), no block left held.
-4. The checksum's one-kernel digest over many frames (kvstore/digest_kernel.py, what exports on
+4. The checksum's one-kernel digest over many frames (kvtransfer/digest_kernel.py, what exports on
    a GPU use) gives the frame-by-frame values on the GPU.
 """
 
@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from meshserve.core.secret import ENV_SECRET, ClusterSecret
-from meshserve.kvstore.transport import CUDA_IPC, CudaIpcPuller, Endpoint
-from meshserve.kvstore.wire import KVTransferError
+from meshserve.kvtransfer.transport import CUDA_IPC, CudaIpcPuller, Endpoint
+from meshserve.kvtransfer.wire import KVTransferError
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -54,7 +54,7 @@ def peer():
 
 def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     from tests.integration.kv_handover_peer import sender_replica
-    from tests.unit.kvstore.replicas import Replica
+    from tests.unit.kvtransfer.replicas import Replica
 
     proc, started = peer
     endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
@@ -94,9 +94,9 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs its two ranks on two GPUs")
 def test_nccl_moves_a_requests_kv_between_two_gpus_bit_exactly(peer):
-    from meshserve.kvstore.transport import NCCL, P2PPuller
+    from meshserve.kvtransfer.transport import NCCL, P2PPuller
     from tests.integration.kv_handover_peer import sender_replica
-    from tests.unit.kvstore.replicas import Replica
+    from tests.unit.kvtransfer.replicas import Replica
 
     proc, started = peer  # its caches are on cuda:0
     endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
@@ -151,8 +151,8 @@ def test_disaggregated_on_one_gpu_matches_unified(tmp_path):
 
 
 def test_one_kernel_digest_on_the_gpu_equals_the_frame_by_frame_one():
-    from meshserve.kvstore import digest_kernel
-    from meshserve.kvstore.wire import FrameDigest
+    from meshserve.kvtransfer import digest_kernel
+    from meshserve.kvtransfer.wire import FrameDigest
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     sizes = [4 << 20] * 8 + [4096 * 8 * 3 + 40, 12, 0, (1 << 20) + 5]  # layers' runs, odd sizes, a tail

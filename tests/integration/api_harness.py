@@ -19,9 +19,9 @@ from meshserve.api.client import InferenceClient, ServerStats
 from meshserve.api.convert import ApiLimits
 from meshserve.api.server import ApiServer
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.engine import EngineConfig
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
 from meshserve.demo_model import DEMO_MODEL_DIR
+from meshserve.engine.engine_config import EngineConfig
 from meshserve.v1 import inference_pb2 as pb
 
 

@@ -14,8 +14,8 @@ def run_on_rank(config, rank: int, init_method: str, work, out_file: str) -> Non
 
     import torch
 
-    from meshserve.cluster.engine import EngineCore
-    from meshserve.cluster.spmd import SpmdExecutor
+    from meshserve.cluster.executors.spmd import SpmdExecutor
+    from meshserve.engine.engine_core import EngineCore
     from meshserve.workers.worker import Worker
 
     torch.set_num_threads(1)

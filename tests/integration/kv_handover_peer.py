@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from meshserve.kvstore.connector import KVExport
-from tests.unit.kvstore.replicas import Replica
+from meshserve.kvtransfer.connector import KVExport
+from tests.unit.kvtransfer.replicas import Replica
 
 TOKENS = list(range(100, 137))
 SENDER_SEED = 1
@@ -49,8 +49,8 @@ def broken(export: KVExport, how: str) -> KVExport:
 
 def serve_zmq(device: str = "cpu") -> None:
     from meshserve.core.secret import ClusterSecret
-    from meshserve.kvstore.transport import Endpoint
-    from meshserve.kvstore.zmq_transport import KVExportServer, new_capability
+    from meshserve.kvtransfer.transport import Endpoint
+    from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability
 
     rep = sender_replica(device)
     server = KVExportServer(ClusterSecret.resolve())
@@ -83,8 +83,8 @@ def serve_zmq(device: str = "cpu") -> None:
 def run_dist(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from meshserve.kvstore.dist_transport import recv_kv, send_kv
-    from meshserve.kvstore.wire import KVTransferError
+    from meshserve.kvtransfer.dist_transport import recv_kv, send_kv
+    from meshserve.kvtransfer.wire import KVTransferError
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
     try:

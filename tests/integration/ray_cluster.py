@@ -21,7 +21,7 @@ import sys
 import tempfile
 import time
 
-from meshserve.cluster.executor import free_port
+from meshserve.cluster.executors.executor import free_port
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 START_TIMEOUT_S = 90.0
@@ -44,7 +44,7 @@ def _no_auth():
 def embedded_ray(num_cpus: int = 2):
     import ray
 
-    from meshserve.cluster.ray_executor import ray_init
+    from meshserve.cluster.executors.ray_executor import ray_init
 
     temp = tempfile.mkdtemp(prefix="msray-", dir="/tmp")  # short: Ray's socket paths have a length limit
     with _no_auth():

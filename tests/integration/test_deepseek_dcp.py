@@ -11,10 +11,11 @@ import json
 
 import pytest
 
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.spmd import SpmdExecutor
+from meshserve.cluster.executors.spmd import SpmdExecutor
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
 from tests.integration.distributed import run_ranks

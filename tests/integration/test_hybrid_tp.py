@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from meshserve.cluster.engine import EngineCore
+from meshserve.engine.engine_core import EngineCore
 from tests.integration.distributed import run_ranks
 from tests.integration.test_tensor_parallel import engine_config, generate, rank_main
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint

@@ -8,9 +8,9 @@ from prometheus_client import generate_latest
 
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.engine import EngineConfig
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
 from tests.tiny_models import prompts, write_checkpoint
 
 NEW_TOKENS = 5

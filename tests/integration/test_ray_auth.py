@@ -16,12 +16,12 @@ import time
 
 import pytest
 
-from meshserve.cluster.executor import free_port
-from meshserve.cluster.ray_executor import probe_cluster
+from meshserve.cluster.executors.executor import free_port
+from meshserve.cluster.executors.ray_executor import probe_cluster
 from meshserve.errors import UnavailableError
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-PROBE = "import sys\nfrom meshserve.cluster.ray_executor import probe_cluster\nprobe_cluster(sys.argv[1])"
+PROBE = "import sys\nfrom meshserve.cluster.executors.ray_executor import probe_cluster\nprobe_cluster(sys.argv[1])"
 
 
 def probe(address: str, **env: str) -> subprocess.CompletedProcess:

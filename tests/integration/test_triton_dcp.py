@@ -18,9 +18,10 @@ import json
 
 import pytest
 
-from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
 from tests.integration.distributed import run_on_rank, run_ranks
 from tests.tiny_models import prompts, write_checkpoint
 

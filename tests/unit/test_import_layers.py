@@ -1,7 +1,8 @@
 """The import graph of meshserve points one way (DESIGN.md, Layout) and has no cycles.
 
 Layers, highest first:  entry points (meshserve/__init__, cli, embed_cli)  ->  api  ->  cluster
-->  workers  ->  {parallel, kvstore, attention}  ->  core (core/, config.py, errors.py, demo_model).
+->  engine  ->  {workers, kvtransfer}  ->  {parallel, kvstore, attention}  ->  core (core/, config.py,
+errors.py, demo_model).
 A module may import its own layer or any layer below it, never one above. Every module must
 belong to a layer: a new top-level module fails here until LAYERS names its layer.
 
@@ -30,21 +31,22 @@ import meshserve
 
 PACKAGE_DIR = Path(meshserve.__file__).resolve().parent
 
-ENTRY, API, CLUSTER, WORKERS, LEAF, CORE = 5, 4, 3, 2, 1, 0
-LAYER_NAMES = {ENTRY: "entry points", API: "api", CLUSTER: "cluster", WORKERS: "workers",
+ENTRY, API, CLUSTER, ENGINE, WORKERS, LEAF, CORE = 6, 5, 4, 3, 2, 1, 0
+LAYER_NAMES = {ENTRY: "entry points", API: "api", CLUSTER: "cluster", ENGINE: "engine", WORKERS: "workers/kvtransfer",
                LEAF: "parallel/kvstore/attention", CORE: "core"}
 # The first name under meshserve/ decides a module's layer; `None` is meshserve/__init__ itself.
 LAYERS: dict[str | None, int] = {
     None: ENTRY, "cli": ENTRY, "embed_cli": ENTRY,
     "api": API, "v1": API,  # v1: the generated gRPC stubs, used by api/ only
     "cluster": CLUSTER,
-    "workers": WORKERS,
+    "engine": ENGINE,
+    "workers": WORKERS, "kvtransfer": WORKERS,
     "parallel": LEAF, "kvstore": LEAF, "attention": LEAF,
     "core": CORE, "config": CORE, "errors": CORE, "demo_model": CORE,
 }
 # Third-party packages a layer must not import (at any level).
 FORBIDDEN_PACKAGES = {
-    CORE: {"ray", "grpc"}, LEAF: {"ray", "grpc"}, WORKERS: {"ray", "grpc"},
+    CORE: {"ray", "grpc"}, LEAF: {"ray", "grpc"}, WORKERS: {"ray", "grpc"}, ENGINE: {"ray", "grpc", "zmq"},
 }
 
 
@@ -216,9 +218,10 @@ def test_lower_layers_know_nothing_of_ray_or_grpc():
 
 def test_the_checker_sees_planted_problems():
     """The rules are only as good as the graph: planted edges must show, relative imports resolve."""
-    planted = {"meshserve.workers.worker": {"meshserve.cluster.rank": 7, "meshserve.kvstore.block_pool": 8}}
-    assert upward_imports(planted) == ["meshserve/workers/worker.py:7: meshserve.workers.worker (workers) "
-                                       "imports meshserve.cluster.rank (cluster)"]
+    planted = {"meshserve.workers.worker": {"meshserve.cluster.executors.rank_host": 7,
+                                            "meshserve.kvstore.block_pool": 8}}
+    assert upward_imports(planted) == ["meshserve/workers/worker.py:7: meshserve.workers.worker (workers/kvtransfer) "
+                                       "imports meshserve.cluster.executors.rank_host (cluster)"]
     ring = {"a": {"b": 1}, "b": {"c": 2, "d": 5}, "c": {"a": 3}, "d": {}}
     assert _cycles(ring) == [["a", "b", "c", "a"]]
     relative = ast.parse("from .block_pool import BlockPool\nfrom ..errors import check\nfrom . import manager")

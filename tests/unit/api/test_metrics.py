@@ -116,7 +116,7 @@ def test_a_unified_service_has_no_hand_over_series():
 
 
 def test_replica_expert_load_sums_its_ranks():
-    from meshserve.cluster.executor import sum_expert_load
+    from meshserve.cluster.executors.executor import sum_expert_load
 
     ranks = [[[3, 0, 0, 0], [1, 1, 0, 0]], [[0, 0, 2, 5], [0, 0, 4, 0]], []]  # two ranks' experts, one dense
     assert sum_expert_load(ranks) == [[3, 0, 2, 5], [1, 1, 4, 0]]

@@ -15,9 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from meshserve.cluster.engine import EngineConfig, EngineCore
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
 from tests.tiny_models import prompts
 
 SHARED = prompts(1, seed=11, min_len=48, max_len=48)[0]

@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 import time
 
-from meshserve.kvstore.transport import ZmqPuller
-from meshserve.kvstore.wire import KVTransferError
+from meshserve.kvtransfer.transport import ZmqPuller
+from meshserve.kvtransfer.wire import KVTransferError
 
 GATED = "tests.unit.cluster.gated_puller:GatedPuller"
 

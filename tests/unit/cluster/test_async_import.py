@@ -146,7 +146,7 @@ def test_an_import_past_the_timeout_is_recomputed_with_identical_tokens(ckpt, wa
 
 
 def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkeypatch):
-    from meshserve.cluster.rank import RankHost
+    from meshserve.cluster.executors.rank_host import RankHost
 
     def broken(self):
         raise RuntimeError("injected: the rank lost track of its pulls")

@@ -7,13 +7,14 @@ import time
 
 import pytest
 
-from meshserve.cluster.channel_executor import ChannelExecutor, ThreadRanks
-from meshserve.cluster.engine import EngineConfig, EngineCore
-from meshserve.cluster.executor import RankError, WorkerDiedError, WorkerSpec
-from meshserve.cluster.multiproc import MultiprocExecutor
+from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
+from meshserve.cluster.executors.executor import RankError, WorkerDiedError, WorkerSpec
+from meshserve.cluster.executors.multiproc import MultiprocExecutor
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.engine_core import EngineCore
 from meshserve.errors import ConfigError
 
 NULL = "meshserve.cluster.null_worker:NullWorker"

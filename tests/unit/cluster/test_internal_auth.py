@@ -13,13 +13,13 @@ import msgpack
 import pytest
 import zmq
 
-from meshserve.cluster.channel import ERR, HELLO, OUT, ChannelAuth, DriverChannel, rank_identity, serve_rank
-from meshserve.cluster.executor import WorkerDiedError
-from meshserve.cluster.rank import RankHost
+from meshserve.cluster.executors.channel import ERR, HELLO, OUT, ChannelAuth, DriverChannel, rank_identity, serve_rank
+from meshserve.cluster.executors.executor import WorkerDiedError
+from meshserve.cluster.executors.rank_host import RankHost
 from meshserve.core.secret import ClusterSecret
-from meshserve.kvstore.transport import Endpoint
-from meshserve.kvstore.wire import KVTransferError
-from meshserve.kvstore.zmq_transport import new_capability, pull_kv
+from meshserve.kvtransfer.transport import Endpoint
+from meshserve.kvtransfer.wire import KVTransferError
+from meshserve.kvtransfer.zmq_transport import new_capability, pull_kv
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,

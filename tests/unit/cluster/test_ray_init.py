@@ -3,7 +3,7 @@
 
 import pytest
 
-import meshserve.cluster.ray_executor as rx
+import meshserve.cluster.executors.ray_executor as rx
 
 TIMEOUT = Exception("The current node timed out during startup. This could happen because some of the raylet "
                     "failed to startup or the GCS has become overloaded.")

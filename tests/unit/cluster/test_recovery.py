@@ -21,7 +21,7 @@ from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError, UnavailableError
 from tests.unit.cluster.cases import collect, serve, wait_until
 
-ray_executor = pytest.importorskip("meshserve.cluster.ray_executor")
+ray_executor = pytest.importorskip("meshserve.cluster.executors.ray_executor")
 
 
 class FakeClock:

@@ -10,9 +10,9 @@ from meshserve.errors import ConfigError, MeshserveError
 from meshserve.kvstore.block_hash import hash_blocks
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.kvstore.pins import HandoverBlocks
 from meshserve.kvstore.retention import RetentionPolicy
-from meshserve.kvstore.wire import plan_frames
+from meshserve.kvtransfer.pins import HandoverBlocks
+from meshserve.kvtransfer.wire import plan_frames
 
 
 # ---- the per-block code (before issue 19's host-path work), as the oracle --------------------
@@ -176,7 +176,7 @@ def test_handover_blocks_lists_held_blocks_and_positions():
 def test_header_with_a_hash_that_is_not_bytes_is_refused():
     import msgpack
 
-    from meshserve.kvstore.wire import KVHeader, KVLayout, KVTransferError
+    from meshserve.kvtransfer.wire import KVHeader, KVLayout, KVTransferError
 
     layout = KVLayout("m", 16, 1, (("float32", (2, 16, 1, 8)),))
     header = KVHeader("r", layout, 40, ((0, 1, 2),), ((b"a" * 32, b"b" * 32),), (), ((1.0, 1.0),),

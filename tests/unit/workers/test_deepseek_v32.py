@@ -101,7 +101,7 @@ def test_pool_blocks_carry_index_keys(kv_dtype, key_bytes):
 @pytest.mark.parametrize(("kv_dtype", "tensors"), [("auto", 2), ("fp8_e4m3", 3)])
 def test_kv_hand_over_moves_the_index_keys_too(kv_dtype, tensors):
     """Each layer's latent, index keys (and FP8 key scales) are tensors of the hand-over layout."""
-    from meshserve.kvstore.rank_io import KVRankIO
+    from meshserve.kvtransfer.rank_io import KVRankIO
 
     caches = allocate_caches([sparse_spec(kv_dtype)] * 2, num_blocks=3, block_size=4, dtype=torch.float32)
     io = KVRankIO(caches, model_id="m", block_size=4)

@@ -1,0 +1,279 @@
+"""The persistent step channel between a replica's driver and its ranks (pyzmq, msgpack).
+
+The driver binds one ROUTER socket; every rank connects a DEALER and says hello. Then, per step,
+the driver sends the same msgpack StepPlan to every rank and waits for rank 0's StepOutput
+(other ranks stay silent unless they fail). Control calls (start, KV hand-over) go to every rank
+and every rank answers. No Ray call and no new connection per step: a step costs one small
+message per rank and one reply.
+
+Frames: driver -> rank  [routing id, kind, seq, payload, tag]
+        rank -> driver  [kind, seq, payload, tag]   (the ROUTER prepends the routing id)
+kind: HELLO, STEP, OUT (rank 0's step result), CALL, RET, ERR, STOP; seq: 8-byte counter so a
+late answer to an abandoned request is recognised and dropped. An ERR from any rank fails the
+driver's current request (a rank that failed a step has diverged from the others); the same
+request's ERRs from the other ranks are dropped afterwards.
+
+Authentication (core/secret.py): tag = HMAC-SHA256 of the cluster secret over (direction, this
+channel's random session id, the rank, kind, seq, payload). The session id and the secret reach
+the ranks with their start-up config (`ChannelAuth`), so a frame of another channel (or an
+earlier one of this replica) does not verify here. Routing ids are zmq's own, not chosen by the
+peer: a rank is known by its first authenticated HELLO, and later HELLOs for it are dropped.
+Frames that do not verify, from unknown peers, malformed, or replayed (a rank takes only seqs
+above the last it took) are dropped and counted (`rejected`), never raised.
+
+While the driver waits it wakes every POLL_MS to ask the launcher whether a rank died, so a dead
+actor or process surfaces as WorkerDiedError within a fraction of a second; a step or call given
+`timeout_s` that gets no answer in that time raises WorkerHungError (a stopped process or a hung
+GPU looks alive to the launcher: the deadline is what catches it).
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import struct
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import zmq
+
+from meshserve.cluster.executors.executor import RankError, WorkerDiedError, WorkerHungError
+from meshserve.core.secret import ClusterSecret, RejectedFrames
+
+log = logging.getLogger("meshserve.channel")
+
+HELLO, STEP, OUT, CALL, RET, ERR, STOP = (b"H", b"S", b"O", b"C", b"R", b"E", b"X")
+POLL_MS = 100
+_TO_RANK, _TO_DRIVER = b"step>", b"step<"
+
+
+def rank_identity(rank: int) -> bytes:
+    return f"rank-{rank}".encode()
+
+
+def _seq(n: int) -> bytes:
+    return struct.pack("<Q", n)
+
+
+@dataclass(frozen=True)
+class ChannelAuth:
+    """What a rank needs to talk to its driver: the cluster secret and the channel's session id.
+    Travels with the rank's start-up config (`to_msgpack`), never over the channel itself."""
+
+    secret: ClusterSecret
+    session: bytes
+
+    @classmethod
+    def new(cls, secret: ClusterSecret) -> ChannelAuth:
+        return cls(secret, secrets.token_bytes(16))
+
+    def to_msgpack(self) -> bytes:
+        return msgpack.packb({"key": self.secret.key, "session": self.session})
+
+    @classmethod
+    def from_msgpack(cls, data: bytes) -> ChannelAuth:
+        d = msgpack.unpackb(data)
+        return cls(ClusterSecret(d["key"]), d["session"])
+
+    def sign(self, direction: bytes, rank: bytes, kind: bytes, seq: bytes, payload: bytes) -> bytes:
+        return self.secret.sign(direction, self.session, rank, kind, seq, payload)
+
+    def verify(self, tag: bytes, direction: bytes, rank: bytes, kind: bytes, seq: bytes, payload: bytes) -> bool:
+        return self.secret.verify(tag, direction, self.session, rank, kind, seq, payload)
+
+
+class DriverChannel:
+    """Driver end: broadcast steps and calls to `world` ranks, gather their answers."""
+
+    def __init__(self, world: int, auth: ChannelAuth, *, host: str = "127.0.0.1",
+                 context: zmq.Context | None = None) -> None:  # fmt: skip
+        self.world = world
+        self.auth = auth
+        self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a rank that is not connected raises
+        self._sock.setsockopt(zmq.LINGER, 0)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        self.address = f"tcp://{host}:{port}"
+        self._names = [rank_identity(r) for r in range(world)]
+        self._routes: dict[int, bytes] = {}  # rank -> zmq routing id, from its authenticated HELLO
+        self._ranks: dict[bytes, int] = {}  # routing id -> rank
+        self._next_seq = 1
+        self._reported: set[int] = set()  # requests whose failure was raised already
+        self.rejected = RejectedFrames(f"step channel {self.address}")
+
+    def wait_ready(self, check: Callable[[], None], *, timeout_s: float) -> None:
+        """Wait for every rank's hello."""
+        deadline = time.monotonic() + timeout_s
+        while len(self._routes) < self.world:
+            self._recv(check, deadline)
+
+    def step(self, plan: bytes, check: Callable[[], None], *, timeout_s: float | None = None,
+             what: str = "step") -> bytes:
+        """Send a msgpack StepPlan to every rank; rank 0's msgpack StepOutput. No answer within
+        timeout_s: WorkerHungError (any rank may be the hung one: rank 0 waits for the others
+        in the step's collectives)."""
+        seq = self._send_all(STEP, [plan] * self.world, check)
+        hung = _Hung(timeout_s, lambda: f"{what} got no answer from rank 0")
+        while True:
+            rank, kind, rseq, payload = self._recv(check, hung=hung)
+            if kind == OUT and rseq == seq and rank == 0:
+                return payload
+
+    def call(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None], *,
+             timeout_s: float | None = None) -> list[Any]:
+        """Run an allow-listed method on every rank (args[r] for rank r); results by rank. Not
+        every rank answered within timeout_s: WorkerHungError naming the silent ones."""
+        payloads = [msgpack.packb({"method": method, "args": a}) for a in args]
+        seq = self._send_all(CALL, payloads, check)
+        results: dict[int, Any] = {}
+        hung = _Hung(timeout_s, lambda: f"call {method!r}: rank(s) "
+                     f"{sorted(set(range(self.world)) - set(results))} did not answer")
+        while len(results) < self.world:
+            rank, kind, rseq, payload = self._recv(check, hung=hung)
+            if kind == RET and rseq == seq:
+                results[rank] = msgpack.unpackb(payload)
+        return [results[r] for r in range(self.world)]
+
+    def close(self) -> None:
+        """Tell every rank to stop (ranks already gone are skipped) and close the socket."""
+        s = _seq(self._next_seq)
+        for rank, route in self._routes.items():
+            try:
+                self._sock.send_multipart(self._frame(rank, route, STOP, s, b""), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._sock.close(linger=200)  # let the stops leave
+
+    def _frame(self, rank: int, route: bytes, kind: bytes, seq: bytes, payload: bytes) -> list[bytes]:
+        return [route, kind, seq, payload, self.auth.sign(_TO_RANK, self._names[rank], kind, seq, payload)]
+
+    def _send_all(self, kind: bytes, payloads: Sequence[bytes], check: Callable[[], None]) -> int:
+        seq = self._next_seq
+        self._next_seq += 1
+        s = _seq(seq)
+        for rank, payload in enumerate(payloads):
+            try:
+                self._sock.send_multipart(self._frame(rank, self._routes[rank], kind, s, payload))
+            except (zmq.ZMQError, KeyError) as exc:
+                check()  # the launcher knows why (exit code, Ray's death cause)
+                raise WorkerDiedError(f"rank {rank} is not connected to the channel ({exc!r})") from exc
+        return seq
+
+    def _recv(self, check: Callable[[], None], deadline: float | None = None, *,
+              hung: _Hung | None = None) -> tuple[int, bytes, int, bytes]:
+        """The next authenticated frame as (rank, kind, seq, payload); others are dropped."""
+        while True:
+            while not self._sock.poll(POLL_MS, zmq.POLLIN):
+                check()
+                if deadline is not None and time.monotonic() > deadline:
+                    raise WorkerDiedError("ranks did not connect to the channel in time")
+                if hung is not None:
+                    hung.check()
+            frame = self._accept(self._sock.recv_multipart())
+            if frame is None:
+                continue
+            rank, kind, n, payload = frame
+            if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
+                self._reported.add(n)
+                err = msgpack.unpackb(payload)
+                log.debug("rank error traceback:\n%s", err.get("traceback", ""))
+                raise RankError(f"rank {rank} failed: {err['error']}")
+            return rank, kind, n, payload
+
+    def _accept(self, parts: list[bytes]) -> tuple[int, bytes, int, bytes] | None:
+        """Check one incoming message; None (counted) when it must be dropped."""
+        if len(parts) != 5 or len(parts[2]) != 8:
+            self.rejected.add("malformed")
+            return None
+        route, kind, seq, payload, tag = parts
+        if kind == HELLO:
+            rank = self._names.index(payload) if payload in self._names else -1
+            if rank < 0 or not self.auth.verify(tag, _TO_DRIVER, payload, kind, seq, payload):
+                self.rejected.add("hello that does not verify")
+                return None
+            if rank in self._routes or route in self._ranks:
+                self.rejected.add(f"second hello for rank {rank}")
+                return None
+            self._routes[rank], self._ranks[route] = route, rank
+            return rank, kind, 0, payload
+        rank = self._ranks.get(route)
+        if rank is None or not self.auth.verify(tag, _TO_DRIVER, self._names[rank], kind, seq, payload):
+            self.rejected.add("unknown peer" if rank is None else "bad tag")
+            return None
+        return rank, kind, struct.unpack("<Q", seq)[0], payload
+
+
+class _Hung:
+    """The deadline of one step or call: check() raises WorkerHungError once it has passed."""
+
+    def __init__(self, timeout_s: float | None, what: Callable[[], str]) -> None:
+        self.start = time.monotonic()
+        self.timeout_s = timeout_s
+        self.what = what
+
+    def check(self) -> None:
+        waited = time.monotonic() - self.start
+        if self.timeout_s is not None and waited > self.timeout_s:
+            raise WorkerHungError(f"{self.what()} within {self.timeout_s:.1f} s (the step deadline): "
+                                  "a rank is hung", waited_s=waited)
+
+
+def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: Callable[[], bool] | None = None,
+               context: zmq.Context | None = None) -> None:  # fmt: skip
+    """Rank end: answer the driver at `address` until it says stop (or keep_going() is False).
+
+    host: a RankHost (execute_step, call, poll_exports, has_pending_exports, shutdown); it gets
+    the cluster secret (its KV export server and pulls sign with it). Between messages it serves
+    KV pulls from peers; while an offer is pending it polls every millisecond.
+    """
+    name = rank_identity(rank)
+    host.secret = auth.secret
+    rejected = RejectedFrames(f"rank {rank} of {address}")
+    sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    seq0 = _seq(0)
+    sock.send_multipart([HELLO, seq0, name, auth.sign(_TO_DRIVER, name, HELLO, seq0, name)])
+    last_seq = 0
+    try:
+        while keep_going is None or keep_going():
+            if sock.poll(1 if host.has_pending_exports else POLL_MS, zmq.POLLIN):
+                parts = sock.recv_multipart()
+                if len(parts) != 4 or len(parts[1]) != 8 or not auth.verify(parts[3], _TO_RANK, name, *parts[:3]):
+                    rejected.add("malformed or bad tag")
+                    continue
+                kind, seq, payload, _ = parts
+                n = struct.unpack("<Q", seq)[0]
+                if n <= last_seq:
+                    rejected.add(f"replayed seq {n}")
+                    continue
+                last_seq = n
+                if kind == STOP:
+                    break
+                reply = _handle(host, rank, kind, seq, payload)
+                if reply is not None:
+                    reply.append(auth.sign(_TO_DRIVER, name, *reply))
+                    sock.send_multipart(reply)
+            host.poll_exports()
+    finally:
+        host.shutdown()
+        sock.close(linger=0)
+
+
+def _handle(host, rank: int, kind: bytes, seq: bytes, payload: bytes) -> list[bytes] | None:
+    try:
+        if kind == STEP:
+            out = host.execute_step(payload)
+            return [OUT, seq, out] if rank == 0 else None
+        if kind == CALL:
+            msg = msgpack.unpackb(payload)
+            return [RET, seq, msgpack.packb(host.call(msg["method"], msg["args"]))]
+        raise ValueError(f"unknown message kind {kind!r}")
+    except Exception as exc:  # reported to the driver, which fails the replica
+        log.warning("rank %d failed: %r", rank, exc)
+        return [ERR, seq, msgpack.packb({"rank": rank, "error": f"{type(exc).__name__}: {exc}",
+                                         "traceback": traceback.format_exc()})]

@@ -1,0 +1,27 @@
+"""The in-process executor of a replica: the engine's LocalExecutor plus the rank host, so that
+`call` reaches the same RankHost methods (KV export, pull, digest) that remote ranks answer."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from meshserve.cluster.executors.rank_host import RankHost
+from meshserve.engine.engine_config import EngineConfig
+from meshserve.engine.local_executor import LocalExecutor
+from meshserve.errors import check
+
+
+class InProcessExecutor(LocalExecutor):
+    """Runs the single worker of a tp=1 replica in this process, with KV hand-over."""
+
+    def __init__(self, config: EngineConfig, *, device: str | None = None, progress: bool = True) -> None:
+        super().__init__(config, device=device, progress=progress)
+        self.host = RankHost(None, rank=0)
+        self.host.worker = self.worker
+
+    def call(self, method: str, args: Sequence[dict]) -> list:
+        check(len(args) == 1, "args", len(args), "one argument map (one rank)")
+        return [self.host.call(method, args[0])]
+
+    def shutdown(self) -> None:
+        self.host.shutdown()

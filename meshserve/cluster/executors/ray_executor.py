@@ -1,0 +1,271 @@
+"""Replicas on Ray: tp WorkerActors gang-scheduled in one placement group, steps over the channel.
+
+Placement: one bundle per rank, STRICT_PACK (a replica's ranks share a node: their collectives
+stay on one host). A bundle asks for the pool's resource (`meshserve_unified`, `meshserve_prefill`,
+`meshserve_decode`, one unit per rank, advertised by worker nodes; see docs/deploy.md) when the
+cluster has it, one GPU per rank on CUDA, else a sliver of CPU so that many ranks fit on a
+small machine. The channel binds on the driver's node IP; rank 0 picks the torch.distributed
+rendezvous on its own node.
+
+`ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
+embedded one on this machine; the same code runs on both.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from meshserve.cluster.executors.channel_executor import ChannelExecutor
+from meshserve.cluster.executors.executor import WorkerDiedError, WorkerSpec
+from meshserve.errors import UnavailableError
+
+log = logging.getLogger("meshserve.ray")
+
+CPU_PER_RANK = 0.01  # without pool resources: ranks are placed, not CPU-limited
+PLACEMENT_LOG_PERIOD_S = 30.0  # how often a replica still waiting for placement says so
+
+
+def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
+    """Connect to Ray unless already connected. Returns True when this call connected (the
+    caller then owns the connection and calls ray.shutdown()). address None starts an embedded
+    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
+    if address is None:
+        kwargs.update(include_dashboard=False, num_cpus=num_cpus, _temp_dir=temp_dir)
+    if address is not None or os.environ.get("RAY_ADDRESS"):
+        probe_cluster(address or os.environ["RAY_ADDRESS"])
+        ray.init(address=address, **kwargs)
+        return True
+    for _ in range(EMBEDDED_START_ATTEMPTS - 1):
+        try:
+            ray.init(**kwargs)
+            return True
+        except Exception as exc:  # Ray raises a bare Exception when its raylet or GCS start too slowly
+            if STARTUP_TIMEOUT not in str(exc):
+                raise
+            log.warning("the embedded Ray cluster did not start in time (%s); starting it again", exc)
+            ray.shutdown()  # whatever the failed start left running
+    ray.init(**kwargs)
+    return True
+
+
+EMBEDDED_START_ATTEMPTS = 2  # a loaded 2-core machine now and then misses Ray's node start-up deadline
+STARTUP_TIMEOUT = "timed out during startup"  # what Ray's message says then
+
+
+PROBE_TIMEOUT_S = 4.0  # a join that cannot work fails within this (ray.init itself retries for ~20 s)
+
+
+def probe_cluster(address: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
+    """Ask the cluster's GCS for its id with this process's Ray credentials, before ray.init: a
+    cluster that is not there, or one whose token authentication does not match ours, is one
+    UnavailableError naming the address and RAY_AUTH_MODE instead of a 20 s retry and a traceback."""
+    import grpc
+    from ray._private.authentication.grpc_authentication_client_interceptor import (
+        SyncAuthenticationMetadataClientInterceptor,
+    )
+    from ray._private.services import canonicalize_bootstrap_address
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    from ray.exceptions import AuthenticationError
+
+    mode = os.environ.get("RAY_AUTH_MODE") or "unset (Ray's default)"
+    try:
+        gcs = canonicalize_bootstrap_address(address)
+    except Exception as exc:  # Ray raises plain exceptions for an address it cannot parse or find
+        raise UnavailableError(f"Ray address {address!r} is not usable: {exc}") from None
+    if gcs is None:
+        raise UnavailableError(f"no Ray cluster to join at {address!r}: start one with `ray start --head` "
+                               "or pass --ray-address HOST:PORT")
+    channel = grpc.intercept_channel(grpc.insecure_channel(gcs), SyncAuthenticationMetadataClientInterceptor())
+    try:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout)
+    except AuthenticationError:
+        raise UnavailableError(f"Ray token authentication is on here (RAY_AUTH_MODE={mode}) but no token was found "
+                               f"to join {gcs}: set RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH to the cluster's token "
+                               "(`ray get-auth-token` on its head), or RAY_AUTH_MODE=disabled if the cluster runs "
+                               "without authentication") from None
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            fix = "this token is not the cluster's:" if mode == "token" else "set RAY_AUTH_MODE=token and"
+            raise UnavailableError(f"the Ray cluster at {gcs} runs token authentication and refused this process "
+                                   f"(RAY_AUTH_MODE={mode}): {fix} give its token in RAY_AUTH_TOKEN or "
+                                   "RAY_AUTH_TOKEN_PATH (`ray get-auth-token` on its head prints it)") from None
+        raise UnavailableError(f"cannot reach the Ray cluster at {gcs} ({exc.code().name} within {timeout:.0f} s; "
+                               f"RAY_AUTH_MODE={mode}): is `ray start --head` running there, and the port open?"
+                               ) from None
+    finally:
+        channel.close()
+
+
+def rank_bundle(role: str, *, device: str | None) -> dict[str, float]:
+    """Resources one rank of a `role` replica reserves."""
+    resources = ray.cluster_resources()
+    bundle: dict[str, float] = {}
+    pool_resource = f"meshserve_{role}"
+    if pool_resource in resources:
+        bundle[pool_resource] = 1.0
+    if device == "cuda" or (device is None and resources.get("GPU", 0) > 0):
+        bundle["GPU"] = 1.0
+    return bundle or {"CPU": CPU_PER_RANK}
+
+
+def wait_placed(poll: Callable[[float], bool], *, timeout_s: float | None, what: Callable[[], str],
+                period_s: float = PLACEMENT_LOG_PERIOD_S, clock: Callable[[], float] = time.monotonic) -> None:
+    """Call poll(seconds) (True once placed; it blocks up to `seconds`, at most 1 s so that a stop
+    is noticed) until it is True.
+
+    timeout_s None: wait forever (the autoscaler may still add the nodes), logging what() every
+    period_s; otherwise UnavailableError naming --placement-timeout once timeout_s have passed."""
+    start = clock()
+    next_log = start + period_s
+    while True:
+        now = clock()
+        left = None if timeout_s is None else start + timeout_s - now
+        if left is not None and left <= 0:
+            raise UnavailableError(f"{what()}; gave up after --placement-timeout={timeout_s:g} s (raise it, or "
+                                   "leave it unset to wait for nodes as long as it takes)")
+        if poll(1.0 if left is None else min(1.0, left)):
+            return
+        if clock() >= next_log:
+            next_log += period_s
+            log.warning("%s; waiting %.0f s so far%s", what(), clock() - start,
+                        "" if timeout_s is None else f" of --placement-timeout={timeout_s:g} s")
+
+
+class RayRanks:
+    """The ranks of one replica as WorkerActors in a placement group.
+
+    placement_timeout_s: how long launch() waits for the placement group (None: forever);
+    cancel: when set (the coordinator stops), that wait ends with UnavailableError."""
+
+    def __init__(self, spec: WorkerSpec, *, role: str = "unified", name: str = "replica",
+                 placement_timeout_s: float | None = None, cancel: threading.Event | None = None) -> None:
+        self.spec = spec
+        self.placement_timeout_s = placement_timeout_s
+        self.cancel = cancel
+        self.world = spec.parallel.tp
+        self.role = role
+        self.name = name
+        self.driver_host = ray.util.get_node_ip_address()
+        self.actors: list[Any] = []
+        self.serving: list[Any] = []
+        self.pg = None
+        self._stopping = False
+
+    def launch(self, address: str, auth) -> None:
+        from meshserve.cluster.executors.actors import WorkerActor
+
+        bundle = rank_bundle(self.role, device=self.spec.device)
+        # Named for `ray list placement-groups`; the suffix keeps names unique across coordinators.
+        self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK",
+                                  name=f"meshserve-{self.name}-{uuid.uuid4().hex[:8]}")
+        pg_ready = self.pg.ready()
+        try:
+            wait_placed(lambda seconds: self._placed(pg_ready, seconds),
+                        timeout_s=self.placement_timeout_s,
+                        what=lambda: (f"{self.name}: no Ray node can host {self.world} rank(s) of {bundle} yet "
+                                      f"(cluster has {ray.cluster_resources()}, free {ray.available_resources()})"))
+        except BaseException:
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise
+        spec = self.spec.to_msgpack()
+        extra = {}
+        if "MESHSERVE_LOG" in os.environ:  # nodes of an existing cluster do not have the driver's environment
+            extra["runtime_env"] = {"env_vars": {"MESHSERVE_LOG": os.environ["MESHSERVE_LOG"]}}
+        for rank in range(self.world):
+            strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+            actor = WorkerActor.options(scheduling_strategy=strategy, resources=_non_cpu(bundle),
+                                        num_gpus=bundle.get("GPU", 0), **extra).remote(spec, rank)
+            self.actors.append(actor)
+        start = auth.to_msgpack()  # in the call's arguments (Ray's token-authenticated channel), not its env
+        self.serving = [actor.serve.remote(address, start) for actor in self.actors]
+        log.info("%s: %d actor(s) placed with %s", self.name, self.world, bundle)
+
+    def _placed(self, pg_ready, seconds: float) -> bool:
+        if self._stopping or (self.cancel is not None and self.cancel.is_set()):
+            raise UnavailableError(f"{self.name}: stopped while waiting for Ray to place its ranks")
+        return bool(ray.wait([pg_ready], timeout=seconds)[0])
+
+    def check(self) -> None:
+        if not self.serving or self._stopping:
+            return
+        ready, _ = ray.wait(self.serving, num_returns=len(self.serving), timeout=0)
+        for ref in ready:
+            rank = self.serving.index(ref)
+            try:
+                ray.get(ref)
+                cause = "its channel loop ended"
+            except ray.exceptions.RayActorError as exc:
+                cause = actor_death_cause(exc)
+            except Exception as exc:  # the loop itself raised
+                cause = f"{type(exc).__name__}: {exc}"
+            raise WorkerDiedError(f"rank {rank} actor of {self.name} died: {cause}")
+
+    def nodes(self) -> list[dict[str, Any]]:
+        """Per rank: node id, IP and pid of its actor."""
+        return ray.get([a.node.remote() for a in self.actors])
+
+    def health(self, timeout_s: float = 5.0) -> list[dict[str, Any]]:
+        self.check()
+        refs = [a.check_health.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        if len(ready) < len(refs):
+            raise WorkerDiedError(f"{self.name}: {len(refs) - len(ready)} rank(s) did not answer a health "
+                                  f"check within {timeout_s} s")
+        return ray.get(refs)
+
+    def stop(self, *, now: bool = False) -> None:
+        self._stopping = True
+        if self.serving and not now:  # the channel said stop; give the loops a moment to end cleanly
+            ray.wait(self.serving, num_returns=len(self.serving), timeout=5.0)
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors, self.serving = [], []
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None
+
+
+def _non_cpu(bundle: dict[str, float]) -> dict[str, float]:
+    """The actor takes the bundle's custom resources (its CPU / GPU go through num_cpus/num_gpus)."""
+    return {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+
+
+def actor_death_cause(exc: BaseException) -> str:
+    """The informative part of Ray's actor-death message, on one line."""
+    text = str(exc)
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("The actor is dead because"):
+            return line[:300]
+    first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+    return first[:300]
+
+
+class RayExecutor(ChannelExecutor):
+    """An executor for `config` (an EngineConfig) whose tp ranks are Ray actors."""
+
+    def __init__(self, config, *, role: str = "unified", name: str = "replica", device: str | None = None,
+                 worker_class: str | None = None, secret=None, placement_timeout_s: float | None = None,
+                 cancel: threading.Event | None = None, deadline=None) -> None:
+        spec = WorkerSpec(config.model, config.cache, config.attention, config.parallel, device,
+                          **({"worker_class": worker_class} if worker_class else {}))
+        ranks = RayRanks(spec, role=role, name=name, placement_timeout_s=placement_timeout_s, cancel=cancel)
+        super().__init__(ranks, name=name, secret=secret, deadline=deadline)
+
+    def check_health(self) -> list[dict[str, Any]]:
+        return self.ranks.health()

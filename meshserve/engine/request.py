@@ -1,0 +1,125 @@
+"""A request's life: `Request` (inside one replica: tokens known, tokens computed, status, why it
+finished) and `Ticket` (inside the cluster: the one record the coordinator, its pool and the
+replica holding the request all point at, from admission to the last delta)."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.outputs import FinishReason, TokenLogprobs
+from meshserve.core.sampling_params import SamplingParams
+
+Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request's stream
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued; never run, or preempted (its KV freed, recomputed when resumed)
+    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Scheduler-side state. `num_computed_tokens` of `all_token_ids` have their K/V in the cache."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order: lower = older (FCFS)
+    prompt: str | None = None
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    num_computed_tokens: int = 0  # advanced when a step is scheduled (its K/V is being written)
+    num_pending_outputs: int = 0  # tokens being drawn by scheduled steps whose results are not applied yet
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
+    # Per KV layer group, how many blocks of the request's tables its workers hold (None: they
+    # hold none, so the next plan carries the tables whole). Step plans carry only what changed.
+    sent_table_lens: list[int] | None = None
+    sent_table_tails: list[int] = field(default_factory=list)  # per group, the last block id sent (-1: none)
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    all_token_ids: list[int] = field(default_factory=list)  # prompt + output, grown in place
+    # A beam: its search chooses its tokens, so from each step that samples it until the
+    # search has chosen (replace_last_output, a fork, or an abort) it is `held`: not scheduled.
+    chosen_by_search: bool = False
+    held: bool = False
+    beam: BeamSearchParams | None = None  # set: the request is searched (engine/beam_search.py)
+    # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
+    # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
+    fork_into: list[Request] | None = None
+    # Encoder-decoder models: the encoder's input (the user's prompt; prompt_ids are then the
+    # decoder's start tokens) and, while running, the blocks of its cross-attention K/V.
+    encoder_ids: list[int] | None = None
+    encoder_blocks: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_ids + self.output_ids
+
+    def append_output(self, token_id: int) -> None:
+        self.output_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def replace_last_output(self, token_id: int) -> None:
+        """Continue with another last token (one whose K/V no step has computed yet)."""
+        self.output_ids[-1] = token_id
+        self.all_token_ids[-1] = token_id
+
+    @property
+    def runs_whole(self) -> bool:
+        """n / best_of > 1 or beam search: one replica runs it from prompt to end (no hand-over)."""
+        return self.beam is not None or self.params.num_samples > 1
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_input_tokens(self) -> int:
+        """The tokens the request came with: its prompt, and an encoder-decoder's encoder input."""
+        return len(self.prompt_ids) + len(self.encoder_ids or ())
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens whose K/V no step computes yet, a token still being drawn counted."""
+        return self.num_tokens + self.num_pending_outputs - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def finish(self, reason: FinishReason, stop_reason: str | int | None = None) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
+
+
+@dataclass(eq=False)
+class Ticket:
+    """A request admitted by the coordinator: what it is (`request`, whose id is the internal
+    one replicas know it by), where its deltas go (`sink`), and where it stands.
+
+    client_id:    the id the client gave; free for reuse as soon as the stream ends
+    prefill_only: (disaggregated) run until the first token, then hand over
+    holder:       the name of the replica holding it; None while its pool holds it
+    cancelled:    aborted, or the client left: a hand-over in flight is dropped
+    num_streamed: output tokens its stream has delivered (a migration continues after them)
+    migrations:   times it moved to another replica after its replica failed (migration.py)
+    """
+
+    client_id: str
+    request: Request
+    sink: Sink = field(default_factory=asyncio.Queue)
+    prefill_only: bool = False
+    holder: str | None = None
+    cancelled: bool = False
+    num_streamed: int = 0
+    migrations: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id

@@ -1,0 +1,225 @@
+"""Which transport moves a request's KV from a prefill rank to a decode rank, and the pullers.
+
+    endpoint = Endpoint.local(address, device)          # the exporting rank describes itself (kv_offer)
+    name = choose_transport(requested, mine, endpoint)   # the importing rank decides, per hand-over
+    puller_for(name).pull(target, endpoint, capability, secret=..., timeout_s=..., cancel=...)
+
+Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
+  zmq       pyzmq over TCP (zmq_transport.py): any two ends; host-staged when the caches are on a
+            GPU. The only one between CPU caches, and the fallback.
+  cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
+            GPU), the exporter's GPU visible to the importer (not so for Ray actors, which each
+            see only their own GPU). The importer maps the exporter's cache memory and copies
+            device to device into its own blocks; the handle metadata travels over the zmq
+            export channel (msgpack, MACed), never pickle.
+  nccl      torch.distributed send/recv (p2p_transport.py): NCCL between CUDA caches (GPUs of any
+            hosts), gloo between CPU caches, over a two-rank group made for each pull (a
+            communicator set-up per pull: for large requests between hosts). Both ends' caches
+            must be on the same kind of device, else zmq.
+  auto      cuda_ipc where it applies, else zmq (the default; nccl is never chosen by itself).
+  "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
+            built without arguments with this module's `pull` signature.
+
+A request whose transfer fails (a refused or failed cuda_ipc open included) is recomputed; a
+host where a cuda_ipc open failed is pulled from over zmq afterwards (`CudaIpcPuller`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import os
+import socket
+import threading
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from meshserve.config import KVTransport, check_kv_transport
+from meshserve.core.secret import ClusterSecret
+from meshserve.errors import ConfigError
+from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
+from meshserve.kvtransfer.rank_io import ImportTarget
+
+AUTO, ZMQ, CUDA_IPC, NCCL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
+                                               KVTransport.NCCL))
+
+
+@functools.cache
+def host_identity() -> str:
+    """This machine as CUDA IPC sees it: host name and boot id (two containers of one pod share both)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = ""
+    return f"{socket.gethostname()}/{boot}"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What an exporting rank says about itself with its offer (msgpack-able via to_wire)."""
+
+    address: str  # its KVExportServer
+    host: str  # host_identity()
+    device: str  # the caches' device type: "cuda" or "cpu"
+    process: str  # PROCESS_TOKEN of its process
+    gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
+
+    @classmethod
+    def local(cls, address: str, device: torch.device) -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device))
+
+    def to_wire(self) -> dict[str, str]:
+        return {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
+                "gpu": self.gpu}
+
+    @classmethod
+    def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
+        if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
+            return cls(obj, "", "cpu", "")
+        return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
+                   str(obj.get("gpu", "")))
+
+
+def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection[str]) -> str | None:
+    """Why CUDA IPC cannot join the two ends, or None when it can. visible_gpus: the UUIDs of the
+    GPUs the importer's process sees (cuda_ipc.local_gpus)."""
+    if (mine.device, theirs.device) != ("cuda", "cuda"):
+        return f"caches on {theirs.device} (exporter) and {mine.device} (importer), CUDA IPC needs both on CUDA"
+    if mine.host != theirs.host or not mine.host:
+        return "the two ends are on different hosts"
+    if mine.process == theirs.process:
+        return "both ends are in one process (CUDA IPC handles cannot be opened by their own process)"
+    if theirs.gpu not in visible_gpus:
+        return "the exporter's GPU is not visible to the importer (CUDA_VISIBLE_DEVICES, e.g. per Ray actor)"
+    return None
+
+
+def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
+                     visible_gpus: Collection[str] = ()) -> tuple[str, str]:  # fmt: skip
+    """(transport, why) for one hand-over: `requested` as configured; auto and cuda_ipc fall back
+    to zmq (why says the reason) where CUDA IPC cannot join the ends."""
+    if requested == NCCL and mine.device != theirs.device:
+        return ZMQ, f"caches on {theirs.device} (exporter) and {mine.device} (importer): nccl needs one kind"
+    if requested not in (AUTO, CUDA_IPC):
+        return requested, ""
+    why = cuda_ipc_possible(mine, theirs, visible_gpus)
+    return (CUDA_IPC, "") if why is None else (ZMQ, why)
+
+
+class KVPuller(Protocol):
+    """Pulls one offer into an import target (rank_io.ImportTarget); KVTransferError if refused.
+    cancel: set when the pull should stop early (abort, shutdown); the pull then raises. Returns
+    the transport that moved the bytes (None: the puller's name)."""
+
+    name: str
+
+    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None: ...  # fmt: skip
+
+
+class ZmqPuller:
+    name = ZMQ
+
+    def __init__(self) -> None:
+        from meshserve.kvtransfer.pull_sockets import PullSockets
+
+        self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
+
+    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.zmq_transport import pull_kv
+
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
+                sockets=self.sockets)
+        return ZMQ
+
+
+class CudaIpcPuller:
+    """Asks the exporter for CUDA IPC handles of its frames instead of their bytes (cuda_ipc.py).
+    verify: checksum the copied bytes (off by default: they never leave device memory)."""
+
+    name = CUDA_IPC
+
+    def __init__(self, *, verify: bool = False) -> None:
+        from meshserve.kvtransfer.cuda_ipc import IpcImporter
+        from meshserve.kvtransfer.pull_sockets import PullSockets
+
+        self.importer = IpcImporter(verify=verify)
+        self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
+
+    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.zmq_transport import pull_kv
+
+        used = _Used(self.importer)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
+                sockets=self.sockets)
+        return CUDA_IPC if used.copied else ZMQ  # the exporter sends bytes when it cannot share
+
+
+class _Used:
+    """An importer that notes whether this pull copied by CUDA IPC (the exporter may answer with
+    bytes instead)."""
+
+    def __init__(self, importer: Any) -> None:
+        self.importer, self.copied = importer, False
+
+    def copy_into(self, session: Any, desc: dict[str, Any]) -> None:
+        self.copied = True
+        self.importer.copy_into(session, desc)
+
+
+class P2PPuller:
+    """Receives the frames by torch.distributed send/recv (p2p_transport.py)."""
+
+    name = NCCL
+
+    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
+             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.p2p_transport import P2PReceiver
+        from meshserve.kvtransfer.zmq_transport import pull_kv
+
+        receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
+                p2p=receiver)
+        return NCCL
+
+
+_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller}
+
+
+def puller_for(name: str) -> KVPuller:
+    """A fresh puller of transport `name` (a built-in name or "module:Class")."""
+    if name in _PULLERS:
+        return _PULLERS[name]()
+    module, _, cls = check_kv_transport(name).partition(":")
+    try:
+        return getattr(importlib.import_module(module), cls)()
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError("kv_transport", name, f"a loadable puller class (cannot load it: {exc})") from exc
+
+
+def describe_setting(requested: str, device: str, *, one_host: bool) -> str:
+    """The transport hand-overs will use, as far as the configuration tells (the start-up log and
+    the meshserve_kv_transport_info metric): the actual choice is made per hand-over."""
+    if requested not in (AUTO, CUDA_IPC):
+        return requested
+    if device != "cuda":
+        return ZMQ
+    return CUDA_IPC if one_host else f"{CUDA_IPC}|{ZMQ}"
+
+
+def default_device() -> str:
+    """The device type replicas get when none is configured (cuda when this host has a GPU)."""
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        return "cpu"
+    try:
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"

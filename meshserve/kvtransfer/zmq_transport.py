@@ -1,0 +1,244 @@
+"""KV hand-over over pyzmq, between processes or hosts: the receiver pulls, by capability.
+
+Sender (prefill replica):
+    server = KVExportServer(secret)                   # ROUTER socket, tcp://127.0.0.1 random port
+    server.offer(export, capability=cap, release=...) # hand (server.address, cap) to the puller
+    ... server.poll(timeout_ms) from the owner's own loop: serves pulls, lets go of sent exports
+Receiver (decode replica):
+    blocks = pull_kv(target, address, cap, secret=secret, timeout_s=30)   # or KVTransferError
+target: an ImportTarget (rank_io.py): a KVConnector (driver and rank in one process) or a rank's
+`io.into(blocks)` (blocks the driver reserved). cap: an unguessable token (`new_capability`)
+that the coordinator hands to the importing replica with the hand-over; an export is never
+found by its request id, and a capability is good for one pull.
+
+Messages, each with a last part `tag` (HMAC-SHA256 of the cluster secret, core/secret.py): the
+receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the answer is
+[b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
+then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
+"ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]; a pull that names a
+"p2p" rendezvous (p2p_transport.py) gets one [b"P", b"", tag] and the frames by torch.distributed
+send/recv, sent from a thread of the server. Answer tags cover
+the capability and the message's index, so answers cannot be replayed into another pull or
+reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
+dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
+A receiver that meets a bad answer tag refuses the transfer (reason "auth"; the prompt is
+recomputed). One message per frame (not one multipart message for all) lets the receiver copy
+and check frame i while frame i + 1 is on the wire; the end marker turns a short stream into a
+clear "truncated". Frames leave the sender without a copy (zmq reads the cache memory; the
+export stays pinned until zmq has let go of every frame) and, where the receiver's new blocks
+form one run, go from zmq's buffer straight into the receiving cache (`recv_into`).
+
+The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
+exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing needs locks.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+
+import msgpack
+import zmq
+
+from meshserve.core.secret import ClusterSecret, RejectedFrames
+from meshserve.errors import check
+from meshserve.kvtransfer.rank_io import KVExport
+from meshserve.kvtransfer.wire import KVTransferError
+from meshserve.kvtransfer.zmq_pull import (  # noqa: F401  (the receiving end, re-exported)
+    _ANSWER,
+    _END,
+    _ERROR,
+    _FRAME,
+    _HEADER,
+    _IPC,
+    _P2P,
+    _PULL,
+    MIN_CAPABILITY_CHARS,
+    _index,
+    pull_kv,
+)
+
+Release = Callable[[KVExport], None]
+log = logging.getLogger("meshserve.kvtransfer")
+
+
+class KVExportServer:
+    """Serves offered exports to pulling receivers that hold the cluster `secret`.
+
+    address: a zmq endpoint; "tcp://HOST" without a port binds a random free port. The bound
+    endpoint is `self.address`. Bind it where the pullers are (the node IP), not 0.0.0.0.
+    """
+
+    def __init__(self, secret: ClusterSecret, *, address: str = "tcp://127.0.0.1",
+                 context: zmq.Context | None = None) -> None:  # fmt: skip
+        self._secret = secret
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if address.startswith("tcp://") and address.count(":") == 1:
+            self._sock.bind_to_random_port(address)
+        else:
+            self._sock.bind(address)
+        self.address: str = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._offers: dict[str, tuple[KVExport, float, Release | None]] = {}  # by capability
+        self.rejected = RejectedFrames(f"KV export server {self.address}")
+        self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
+        self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
+        self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
+
+    def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
+              release: Release | None = None) -> str:  # fmt: skip
+        """Offer an export for one pull by `capability` within `ttl_s`; returns the address to
+        pull from. release(export) is called once zmq has let go of its frames or the offer
+        expired (e.g. KVConnector.release, which drops the pin); without it the owner keeps the
+        blocks alive. A CUDA IPC answer releases when it is sent, before the importer copies: an
+        owner that must not reuse the blocks until then keeps them itself (a rank's driver pin
+        does, until the decode replica reports the import done)."""
+        check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
+        check(isinstance(capability, str) and len(capability) >= MIN_CAPABILITY_CHARS, "capability",
+              "<hidden>", f"an unguessable token of at least {MIN_CAPABILITY_CHARS} characters (new_capability())")
+        check(capability not in self._offers, "capability", "<hidden>", "a capability not already on offer")
+        self._offers[capability] = (export, time.monotonic() + ttl_s, release)
+        return self.address
+
+    @property
+    def num_pending(self) -> int:
+        """Exports still pinned: offered and not pulled, or being sent."""
+        return len(self._offers) + len(self._sending)
+
+    def poll(self, timeout_ms: int = 0) -> int:
+        """Serve the pulls that arrived (waiting up to timeout_ms for one); release exports that are
+        sent or expired. Returns the number of pulls answered."""
+        served = 0
+        if self._sock.poll(timeout_ms, zmq.POLLIN):
+            while True:
+                try:
+                    parts = self._sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                if len(parts) != 3 or not self._secret.verify(parts[2], _PULL, parts[1]):
+                    self.rejected.add("malformed" if len(parts) != 3 else "bad tag")
+                    continue
+                self._answer(parts[0], parts[1])
+                served += 1
+        self._reap()
+        return served
+
+    def _answer(self, ident: bytes, body: bytes) -> None:
+        try:
+            request = msgpack.unpackb(body, raw=False)
+            cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
+            rendezvous = request.get("p2p")
+            offer = self._offers.pop(cap, None)
+        except (msgpack.UnpackException, KeyError, TypeError, ValueError):
+            self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
+            return
+        cap = str(cap).encode()
+        if offer is None:  # the capability is not echoed: the asker knows it
+            self._send_error(ident, cap, "unknown_request", f"nothing on offer for that capability at {self.address}")
+            return
+        export, _, release = offer
+        sock, sign = self._sock, self._secret.sign
+        sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
+                                                                        export.header_bytes)])
+        if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
+                and self._answer_ipc(ident, cap, export, release)):
+            return
+        if isinstance(rendezvous, str) and export.frames:
+            self._answer_p2p(ident, cap, export, release, rendezvous)
+            return
+        trackers = []
+        for i, tensor in enumerate(export.frames, 1):
+            host = tensor if tensor.device.type == "cpu" else tensor.cpu()
+            data = host.numpy()
+            frame = zmq.Frame(data, copy=False, track=True)
+            sock.send_multipart([ident, _FRAME, frame, sign(_ANSWER, cap, _index(i), _FRAME, data)], copy=False)
+            trackers.append(frame.tracker)
+        end = len(export.frames) + 1
+        sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
+        self._sending.append((export, trackers, release))
+
+    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> bool:
+        """The frames as CUDA IPC handles: the puller copies them device to device."""
+        from meshserve.kvtransfer.cuda_ipc import IpcExporter
+
+        if self._ipc is None:
+            self._ipc = IpcExporter()
+        try:
+            body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
+        except (RuntimeError, KVTransferError) as exc:  # cannot share: the bytes go over the socket instead
+            log.warning("KV export server %s: CUDA IPC share failed, sending bytes: %s", self.address, exc)
+            return False
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _IPC, body, sign(_ANSWER, cap, _index(1), _IPC, body)])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        # The blocks stay pinned by the driver until the puller's replica reports the copy done.
+        _let_go(export, release)
+        return True
+
+    def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
+                    rendezvous: str) -> None:  # fmt: skip
+        """The frames by torch.distributed send, from a thread: the puller receives them."""
+        from meshserve.kvtransfer.p2p_transport import send_frames
+
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _P2P, b"", sign(_ANSWER, cap, _index(1), _P2P, b"")])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        thread = threading.Thread(target=send_frames, args=(rendezvous, export.frames, self.p2p_timeout_s),
+                                  name="meshserve-kv-p2p-send", daemon=True)
+        thread.start()
+        self._sending.append((export, [_ThreadDone(thread)], release))
+
+    def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
+        body = msgpack.packb({"error": reason, "message": message})
+        self._sock.send_multipart([ident, _ERROR, body, self._secret.sign(_ANSWER, cap, _index(0), _ERROR, body)])
+
+    def _reap(self) -> None:
+        still = []
+        for export, trackers, release in self._sending:
+            if all(t.done for t in trackers):
+                _let_go(export, release)
+            else:
+                still.append((export, trackers, release))
+        self._sending = still
+        now = time.monotonic()
+        for rid, (export, deadline, release) in list(self._offers.items()):
+            if now > deadline:
+                del self._offers[rid]
+                _let_go(export, release)
+
+    def close(self) -> None:
+        """Release every export and close the socket."""
+        for export, _, release in self._offers.values():
+            _let_go(export, release)
+        self._offers.clear()
+        self._sock.close(linger=0)
+        for export, _, release in self._sending:  # zmq dropped the frames with the socket
+            _let_go(export, release)
+        self._sending.clear()
+
+
+class _ThreadDone:
+    """A p2p send thread, seen as the zmq trackers of the frames it sends."""
+
+    def __init__(self, thread: threading.Thread) -> None:
+        self.thread = thread
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+
+def _let_go(export: KVExport, release: Release | None) -> None:
+    if release is not None:
+        release(export)
+
+
+def new_capability() -> str:
+    """An unguessable name for one offer (256 random bits)."""
+    return secrets.token_urlsafe(32)
