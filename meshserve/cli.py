@@ -6,6 +6,8 @@ Strings become enums and configs here; every subcommand is a small function.
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
 import sys
 
 from meshserve.errors import ConfigError, MeshserveError
@@ -163,8 +165,44 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _closest_flags(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> list[str]:
+    """'--tensor-paralel-size (did you mean --tensor-parallel-size?)' for each unknown flag."""
+    sub = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub = action.choices[command]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    out = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("-"):
+            out.append(arg)
+            continue
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        out.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    return out
+
+
+def _prepare_cpu_triton(argv: list[str]) -> None:
+    """`meshserve doctor` on a machine without CUDA runs the Triton kernels in the interpreter,
+    which must be chosen before any kernel module is imported (building the parser imports them)."""
+    if "doctor" not in argv[:1]:
+        return
+    if "cuda" not in argv:
+        import torch
+
+        if "cpu" in argv or not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    _prepare_cpu_triton(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.exit(2, f"meshserve {args.command}: error: unrecognized arguments: "
+                       f"{' '.join(_closest_flags(parser, args.command, unknown))}\n")
     try:
         return args.func(args)
     except MeshserveError as exc:

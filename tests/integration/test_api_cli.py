@@ -34,7 +34,7 @@ def meshserve(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen(meshserve("serve", "--port", "0", "--metrics-port", "0", "--http-port", "0",
+    proc = subprocess.Popen(meshserve("serve", "--grpc-port", "0", "--metrics-port", "0", "--no-http",
                                       "--dtype", "float32",
                                       "--max-model-len", "256", "--num-kv-blocks", "64", "--drain-seconds", "60"),
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import urllib.request
 
 import grpc
@@ -157,7 +158,7 @@ def test_deadline_is_honoured_and_frees_the_request(served):
     stats = wait_idle(client, free_at_start)  # the server stopped the work: nothing runs, every block is back
     assert stats.generated_tokens - before < 480
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{served[1].metrics_port}/metrics", timeout=10).read()
-    assert b'meshserve_requests_total{code="DEADLINE_EXCEEDED"} 1.0' in scrape
+    assert re.search(rb'meshserve_requests_total\{code="DEADLINE_EXCEEDED",model_name="[^"]+"\} 1.0', scrape)
 
 
 async def _cancel_at_random(address: str, rng: random.Random, n: int) -> dict[str, int]:

@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0",
-                             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "256",
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", "0",
+                             "--port", str(_free_port()), "--dtype", "float32", "--max-model-len", "256",
                              "--num-kv-blocks", "64"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     first, second = proc.stdout.readline(), proc.stdout.readline()
     grpc_address = re.match(r"meshserve: serving \S+ on (\S+),", first)[1]
