@@ -77,8 +77,9 @@ def test_client_command_reports_refusals(server):
 
 def test_metrics_answer_over_http(server):
     body = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
-    assert re.search(r"^meshserve_generation_tokens_total \d", body, re.M)
-    assert re.search(r"^meshserve_kv_cache_free_blocks 63\.0$", body, re.M)
+    name = re.escape(server["model"])
+    assert re.search(rf'^meshserve_generation_tokens_total{{model_name="{name}"}} \d', body, re.M)
+    assert re.search(rf'^meshserve_kv_cache_free_blocks{{model_name="{name}"}} 63\.0$', body, re.M)
 
 
 def test_sigterm_drains_streams_then_exits(server):

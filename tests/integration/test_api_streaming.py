@@ -246,8 +246,10 @@ def test_metrics_endpoint_exports_every_documented_metric(served):
     assert samples["meshserve_generation_tokens_total"] == info.generated_tokens
     assert samples["meshserve_prompt_tokens_total"] == info.prompt_tokens
     assert samples["meshserve_kv_cache_free_blocks"] == info.num_free_kv_blocks
-    assert samples['meshserve_requests_total{code="OK"}'] >= 1
-    assert samples["meshserve_time_to_first_token_seconds_count"] >= samples['meshserve_requests_total{code="OK"}']
+    model = client.list_models()[0].name
+    ok = samples[f'meshserve_requests_total{{code="OK",model_name="{model}"}}']
+    assert ok >= 1
+    assert samples[f'meshserve_time_to_first_token_seconds_count{{model_name="{model}"}}'] >= ok
     assert samples["meshserve_replicas_healthy"] == 1
 
 
