@@ -80,3 +80,22 @@ def test_generation_config_fills_only_what_a_request_leaves_unset(tmp_path):
     assert load_sampling_defaults("vllm", tmp_path) == SamplingDefaults()
     assert load_sampling_defaults("auto", tmp_path).temperature == 0.6
     assert load_sampling_defaults("auto", DEMO_MODEL_DIR) == SamplingDefaults(max_tokens=64)
+
+
+def test_gpu_memory_utilization_on_cpu_is_a_share_of_the_hosts_available_memory():
+    """The KV pool's size on a CPU: that fraction of MemAvailable, in whole blocks (default: a fixed 256 MiB)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from meshserve.config import CacheConfig
+    from meshserve.workers.worker import CPU_DEFAULT_KV_BYTES, Worker, available_host_memory
+
+    per_block = 1 << 20
+    sized = SimpleNamespace(cache_config=CacheConfig(memory_utilization=0.25), device=torch.device("cpu"))
+    want = available_host_memory() * 0.25 / per_block
+    assert Worker._num_blocks(sized, per_block) == pytest.approx(want, rel=0.05)  # the host's memory moves a bit
+    default = SimpleNamespace(cache_config=CacheConfig(), device=torch.device("cpu"))
+    assert Worker._num_blocks(default, per_block) == CPU_DEFAULT_KV_BYTES // per_block
+    with pytest.raises(ConfigError, match="gpu_memory_utilization=0.5 is not allowed: unset when"):
+        CacheConfig(memory_utilization=0.5, num_kv_blocks=8)
