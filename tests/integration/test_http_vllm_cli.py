@@ -150,3 +150,29 @@ def test_protocol_errors_come_in_openais_json_shape(server):
     huge = b"GET /version HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"a" * 20_000
     status, body = _raw(server["port"], huge)
     assert status.startswith("HTTP/1.1 431") and body["error"]["code"] == 431
+
+
+def test_a_second_ctrl_c_exits_at_once_while_the_first_drains():
+    port = _free_port()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--port", str(port), "--grpc-port", "0",
+                             "--dtype", "float32", "--drain-seconds", "600"], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().startswith("meshserve: serving ")
+        proc.stdout.readline()
+        body = {"prompt": "Python supports", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        stream = urllib.request.urlopen(request, timeout=60)
+        stream.readline()  # the stream runs: the drain will wait for it (up to 600 s)
+        proc.send_signal(2)
+        assert proc.stdout.readline().startswith("meshserve: draining")
+        proc.send_signal(2)
+        assert proc.wait(30) == 130
+        assert "interrupted again: exiting now" in proc.stderr.read()
+        stream.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
