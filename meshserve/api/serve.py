@@ -118,15 +118,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "from the tokens already sent; then UNAVAILABLE (default 2; 0 = never)")
     s = p.add_argument_group("server (the OpenAI-compatible HTTP API on --host/--port, gRPC on --grpc-host/"
                              "--grpc-port, /metrics on the API port)")
-    s.add_argument("--host", "--http-host", dest="http_host", default="127.0.0.1",
+    s.add_argument("--host", "--http-host", dest="http_host", default="127.0.0.1", metavar="HOST",
                    help="address of the OpenAI-compatible HTTP API (0.0.0.0 for every interface)")
-    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000,
+    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000, metavar="PORT",
                    help="its port (0 = any free port); /v1/..., /tokenize, /metrics, ... live here")
     s.add_argument("--no-http", action="store_true", help="serve gRPC only, no HTTP API (/metrics then on "
                                                           "--metrics-port, default 9400)")
-    s.add_argument("--grpc-host", dest="grpc_host", default="127.0.0.1",
+    s.add_argument("--grpc-host", dest="grpc_host", default="127.0.0.1", metavar="HOST",
                    help="address of the gRPC service meshserve.v1.Inference (0.0.0.0 for every interface)")
-    s.add_argument("--grpc-port", dest="grpc_port", type=int, default=50051, help="its port (0 = any free port)")
+    s.add_argument("--grpc-port", dest="grpc_port", type=int, default=50051, metavar="PORT",
+                   help="its port (0 = any free port)")
     s.add_argument("--metrics-port", type=int, default=None,
                    help="also serve /metrics on a port of its own (0 = any free port; default: only on --port)")
     s.add_argument("--metrics-host", default="127.0.0.1",
@@ -161,7 +162,12 @@ def configs_of(args: argparse.Namespace):
 
     backend = args.attention_backend
     model_flag(args)
-    if args.model is None:
+    if args.model is None:  # `serve --api-key KEY DIR`: the list flag took the model; say so, not serve the demo
+        for flag, values in (("api_key", args.api_key), ("served_model_name", args.served_model_name)):
+            last = (values or [""])[-1]
+            option = "--" + flag.replace("_", "-")
+            check(not os.path.isdir(last), flag, "<hidden>" if flag == "api_key" else values,
+                  f"values without the model folder {last!r}: put MODEL first (meshserve serve MODEL {option} ...)")
         check(args.revision is None, "revision", args.revision, "unset unless --model names a hub model id")
         model = str(DEMO_MODEL_DIR)
     else:

@@ -42,6 +42,9 @@ def test_the_model_is_positional_or_a_flag_and_both_must_agree():
     args = build_parser().parse_args(["serve", str(DEMO_MODEL_DIR), "--served-model-name", "a", "b"])
     engine, _, _ = configs_of(args)
     assert engine.model.model == str(DEMO_MODEL_DIR) and default_model_name(args) == "a"
+    swallowed = build_parser().parse_args(["serve", "--api-key", "k", str(DEMO_MODEL_DIR)])  # nargs="+" took it
+    with pytest.raises(ConfigError, match="api_key='<hidden>' is not allowed: values without the model folder"):
+        configs_of(swallowed)
     both = build_parser().parse_args(["serve", str(DEMO_MODEL_DIR), "--model", "/elsewhere"])
     with pytest.raises(ConfigError, match="model='/elsewhere' is not allowed: unset or"):
         configs_of(both)
