@@ -28,10 +28,20 @@ def _model_config(model_dir: str) -> dict:
     return {**config, **text} if isinstance(text, dict) else config
 
 
+_EXPERT_FIELDS = ("n_routed_experts", "num_local_experts", "num_experts")
+
+
 def check_layout_fits_model(model_dir: str, parallel: ParallelConfig,
                             per_pool: dict[str, ParallelConfig | None] | None = None) -> None:
-    """Refuse a tp that does not divide the model's attention heads or MLP width (ConfigError naming it)."""
+    """Refuse a tp that does not divide the model's attention heads or MLP width, and an ep that does
+    not divide its routed experts (ConfigError naming the flag and the model's number)."""
     config = _model_config(model_dir)
+    if not config:
+        return
+    if parallel.ep > 1:
+        experts = next((config[f] for f in _EXPERT_FIELDS if isinstance(config.get(f), int)), None)
+        check(experts is not None, "ep", parallel.ep, "1 for a model without routed experts (a dense model)")
+        check(experts % parallel.ep == 0, "ep", parallel.ep, f"a divisor of the model's routed experts ({experts})")
     layouts = [("tp", parallel)] + [(f"{role}_tp", p) for role, p in (per_pool or {}).items() if p is not None]
     for flag, layout in layouts:
         if layout.tp == 1:

@@ -57,6 +57,7 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--port", "70000"], "port=70000 is not allowed: an integer in [0, 65535]"),
     (["--grpc-port", "-1"], "grpc_port=-1 is not allowed: an integer in [0, 65535]"),
     (["--tp", "3"], "tp=3 is not allowed: a divisor of the model's num_attention_heads=4"),  # before Ray starts
+    (["--tp", "2", "--ep", "2"], "ep=2 is not allowed: 1 for a model without routed experts"),
     (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 is not allowed: a fraction in (0, 1]"),
     (["--generation-config", "/no/such/dir"], "generation_config='/no/such/dir' is not allowed: auto, vllm, or a "
                                               "directory holding generation_config.json"),
