@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import signal
 import sys
 
 from meshserve.errors import ConfigError, MeshserveError
@@ -208,11 +210,34 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.exit(2, f"meshserve {args.command}: error: unrecognized arguments: "
                        f"{' '.join(_closest_flags(parser, args.command, unknown))}\n")
+    previous = signal.signal(signal.SIGINT, _interrupt_handler())
     try:
         return args.func(args)
     except MeshserveError as exc:
         print(f"meshserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("meshserve: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_handler():
+    """The first Ctrl-C raises KeyboardInterrupt, so clean-up runs (ranks stopped, Ray shut down); a
+    second one during that clean-up ends the process at once. (`serve` handles its own signals
+    on its event loop the same way: the first drains, the second exits.)"""
+    interrupted = False
+
+    def handler(signum, frame) -> None:
+        nonlocal interrupted
+        if interrupted:
+            os.write(2, b"meshserve: interrupted again: exiting now\n")
+            os._exit(130)
+        interrupted = True
+        raise KeyboardInterrupt
+
+    return handler
 
 
 if __name__ == "__main__":
