@@ -388,14 +388,13 @@ async def _start_or_stop(service, stop: asyncio.Event) -> bool:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    from meshserve.api.generation_defaults import load_sampling_defaults
     from meshserve.api.http.chat import ChatTemplate
+    from meshserve.api.preflight import check_layout_fits_model
     from meshserve.cluster.logs import configure_logging
 
     level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
     configure_logging(level, args.log_format)
-    from meshserve.api.generation_defaults import load_sampling_defaults
-    from meshserve.api.preflight import check_layout_fits_model
-
     engine, pools, server = configs_of(args)
     chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
     sampling_defaults = load_sampling_defaults(args.generation_config, engine.model.model)
