@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token written under ~/.ray by a bench run
 
 from bench.report import write_section  # noqa: E402
-from meshserve.cluster.null_worker import NullWorker  # noqa: E402
+from tests.null_worker import NullWorker  # noqa: E402
 
 BEGIN, END = "<!-- bench/cluster.py:begin -->", "<!-- bench/cluster.py:end -->"
 SILENT = "bench.cluster:SilentNullWorker"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from meshserve.config import SchedulerConfig
+from meshserve.core.arith import cdiv
 from meshserve.core.outputs import FinishReason
 from meshserve.engine.admission import check_prompt_length
 from meshserve.engine.request import Request, RequestStatus
@@ -275,7 +276,7 @@ class Scheduler:
         if n < 1:
             return 0
         pool = self.kv.pool
-        num_encoder_blocks = -(-len(req.encoder_ids) // self.kv.tokens_per_block)
+        num_encoder_blocks = cdiv(len(req.encoder_ids), self.kv.tokens_per_block)
         if not pool.can_allocate(num_encoder_blocks + self.kv.blocks_needed(req.request_id, n)):
             return 0
         req.encoder_blocks = pool.allocate(num_encoder_blocks)

@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from meshserve.config import Dtype, SmallMGemm
+from meshserve.core.arith import cdiv
 from meshserve.errors import ConfigError, MeshserveError, as_enum, check
 from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
 from meshserve.workers.models import model_class
@@ -153,7 +154,7 @@ def _store_scale(model_buffers: dict[str, torch.Tensor], target: str, scale: tor
         if offset % per or (rows % per and not is_last):
             raise WeightError(f"'{target}' fuses parts whose rows ({rows} at {offset}) cut a {per}-row FP8 scale "
                               "block; this checkpoint cannot be served fused")
-        dest = dest.narrow(0, offset // per, -(-rows // per))
+        dest = dest.narrow(0, offset // per, cdiv(rows, per))
     if tuple(dest.shape) != tuple(scale.shape):
         raise WeightError(f"scales for '{target}' have shape {tuple(scale.shape)} but the model expects "
                           f"{tuple(dest.shape)} (does weight_block_size match the tensors?)")

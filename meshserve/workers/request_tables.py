@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 from meshserve.workers.step import ScheduledSeq
 
@@ -115,7 +116,7 @@ class RequestTables:
     def check_cover(self, rows: np.ndarray, local_lens: np.ndarray, block_size: int,
                     request_ids: Sequence[str]) -> None:
         """Every row holds blocks for its sequence's `local_lens` tokens, in every group."""
-        needed = -(-local_lens // block_size)  # [n] blocks
+        needed = cdiv(local_lens, block_size)  # [n] blocks
         short = (self.lens[:, rows] < needed[None, :]).any(axis=0)
         if short.any():
             i = int(short.argmax())

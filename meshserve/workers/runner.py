@@ -20,6 +20,7 @@ from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCa
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.registry import select_backend_for_layers
 from meshserve.attention.spec import AttentionSpec
+from meshserve.core.arith import local_len
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
 from meshserve.errors import check
@@ -206,7 +207,7 @@ class ModelRunner:
             cols = cols.concat(dec) if seqs else dec
             ids += decodes.request_ids
         batch = _PackedBatch.of(cols)
-        local = (cols.seq_lens - self.dcp_rank + self.dcp_size - 1) // self.dcp_size  # [S] tokens stored here
+        local = local_len(cols.seq_lens, self.dcp_size, self.dcp_rank)  # [S] tokens stored here
         tables.check_cover(cols.rows, local, self.block_size, ids)
         rows = [tables.gather(cols.rows, g) for g in range(self.num_groups)]  # per group [S, W] int32
         fill = self._from_last_step(ids, cols, batch.ends)

@@ -17,6 +17,7 @@ import torch
 from meshserve.attention.mla.layer import MLAAttention
 from meshserve.attention.mla.sparse_layer import SparseMLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
+from meshserve.core.arith import cdiv
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
@@ -139,7 +140,7 @@ class Worker:
         if self.device.type == "cpu":
             input_major_linears(model)  # the same values, a faster CPU GEMM (workers/cpu_weights.py)
         specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
-        capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
+        capacity = cdiv(max_model_len, logical_bs) * bs  # local tokens of one full-length sequence
         backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,
                                  max_model_len=max(capacity, bs), device=self.device, dcp_size=par.dcp)
         if par.dcp > 1:
@@ -152,7 +153,7 @@ class Worker:
         if use_graphs:  # the graphs' activation pool comes out of the KV budget
             reserve = self._decode_peak_bytes(model, backends, specs, layout, bs, dtype)
         num_blocks = self._num_blocks(block_bytes(paged, bs, dtype), reserve=reserve)
-        needed = layout.num_groups * -(-max_model_len // logical_bs) + 1
+        needed = layout.num_groups * cdiv(max_model_len, logical_bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
               f">= {needed} blocks of {logical_bs} tokens (the null block + one max_model_len={max_model_len} "
               f"sequence in each of {layout.num_groups} KV layer group(s)); give more KV memory or lower "
@@ -202,7 +203,7 @@ class Worker:
                                                    device=self.device)
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
         num_blocks = self._num_blocks(block_bytes([specs[i] for i in layout.groups[0]], bs, dtype))
-        needed = -(-max_model_len // bs) + -(-arch.max_encoder_len // bs) + 1
+        needed = cdiv(max_model_len, bs) + cdiv(arch.max_encoder_len, bs) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
               f">= {needed} blocks of {bs} tokens (the null block, one max_model_len={max_model_len} decoder "
               f"sequence and one {arch.max_encoder_len}-token encoder input); give more KV memory")
