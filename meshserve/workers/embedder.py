@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from meshserve.attention.layer_backends import make_backends
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.config import Dtype
 from meshserve.core.arith import cdiv
@@ -25,7 +26,6 @@ from meshserve.workers.checkpoint import load_tokenizer, read_json
 from meshserve.workers.loader import TORCH_DTYPES
 from meshserve.workers.models.bert import BertArch, bert_arch_from_config, load_bert
 from meshserve.workers.pooling import PoolingConfig, pool, read_pooling_config
-from meshserve.workers.runner import make_backends
 
 EmbedInput = str | Sequence[int]
 
