@@ -9,8 +9,9 @@ carries only what changed:
   from the last one the workers hold (a copy-on-write replaces only a table's last block; new
   blocks are appended); entries a window released are never resent (the workers' stale ids
   there are never read);
-- a decode row that just continues (one token, a sample after it, no table change) goes in the
-  plan's columnar block (workers/step.py DecodeRows); every other row is a ScheduledSeq;
+- a new request's first row goes with its announcement (its tables whole); the rows of every
+  other request go in the plan's columnar block (workers/step.py CachedRows), a decode that
+  neither got a block nor copied one carrying no table change at all;
 - requests that left (finished, detached) are named once in `finished` so workers forget them.
 """
 
@@ -20,10 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from meshserve.engine.request import Request
-from meshserve.workers.step import DecodeRows, NewRequest, ScheduledSeq, StepPlan
+from meshserve.errors import check
+from meshserve.workers.step import CachedRows, NewRequest, StepPlan
 
 if TYPE_CHECKING:
     from meshserve.kvstore.manager import KVCacheManager
@@ -69,42 +69,58 @@ class PlanEncoder:
             self._to_forget.append(request_id)
 
     def encode(self, rows: Sequence[RowDecision]) -> StepPlan:
-        seqs, new, announced, tables_of, sent_of = [], [], self._announced, self.kv.block_tables, self._sent
-        # Rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step); table lens
-        decodes, decode_lens = [], []
+        new, announced, tables_of, sent_of = [], self._announced, self.kv.block_tables, self._sent
+        # The cached rows' columns (workers/step.py CachedRows).
+        ids, num_tokens, tokens, contexts, samples, lasts, offsets, counts, blocks = [], [], [], [], [], [], [], [], []
+        encoder_tables = {}
         for row in rows:  # per running request every step: kept lean
             req, start, n, sample = row.request, row.start, row.num_tokens, row.sample
             rid = req.request_id
-            if rid not in announced:
-                announced.add(rid)
-                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
-                                      list(req.encoder_ids or ())))
             all_ids = req.all_token_ids
             known = len(all_ids)  # = req.num_tokens
-            sent, tables = sent_of.get(rid), None
-            if n == 1 and sample and start and sent is not None:  # a decode: does it just continue?
-                if len(sent.lens) == 1:  # one KV group (most models): no new block, no copied last block
-                    table, held = tables_of(rid)[0], sent.lens[0]
-                    quiet = len(table) == held and (not held or table[-1] == sent.tails[0])
-                else:
-                    tables, offsets = self._table_changes(rid)
-                    quiet = not any(tables)
-                if quiet:
-                    last = start >= known  # from_last_step: the token the step in flight draws for it
-                    decodes.append((rid, 0 if last else all_ids[start], start, last))
-                    decode_lens.append(sent.lens)  # = the tables' lengths
+            end = min(start + n, known)  # the tokens past `known`: the one the step in flight draws
+            if rid not in announced:
+                announced.add(rid)
+                check(end == start + n, "num_tokens", n, f"the tokens {rid} has (a new request's first row "
+                      "needs no token from a step in flight)")
+                tables, _ = self._table_changes(rid)
+                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+                                      list(req.encoder_ids or ()), start, n, sample, tables,
+                                      None if req.encoder_ids is None else list(req.encoder_blocks)))
+                continue
+            sent = sent_of.get(rid)
+            if sent is not None and len(sent.lens) == 1:  # one KV group (most models): does the row
+                table, held = tables_of(rid)[0], sent.lens[0]  # just continue (no new block, no copied one)?
+                if len(table) == held and (not held or table[-1] == sent.tails[0]):
+                    ids.append(rid)
+                    num_tokens.append(end - start)
+                    tokens.extend(all_ids[start:end])
+                    contexts.append(start)
+                    samples.append(sample)
+                    lasts.append(end < start + n)
+                    offsets.append(held)
+                    counts.append(0)
                     continue
-            if tables is None:
-                tables, offsets = self._table_changes(rid)
-            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample,
-                                     start + n > known, offsets, encoder))
-        decode_rows = None
-        if decodes:
-            ids, tokens, contexts, lasts = zip(*decodes)
-            decode_rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64),
-                                     np.array(lasts, bool), np.array(decode_lens, np.int64).reshape(len(ids), -1))
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=decode_rows)
+            changes, row_offsets = self._table_changes(rid)
+            if row_offsets is None:  # resent whole (new blocks after a preemption)
+                row_offsets = [0] * len(changes)
+                if req.encoder_ids is not None:
+                    encoder_tables[rid] = list(req.encoder_blocks)
+            ids.append(rid)
+            num_tokens.append(end - start)
+            tokens.extend(all_ids[start:end])
+            contexts.append(start)
+            samples.append(sample)
+            lasts.append(end < start + n)
+            offsets.extend(row_offsets)
+            for change in changes:
+                counts.append(len(change))
+                blocks.extend(change)
+        cached = None
+        if ids:
+            cached = CachedRows.of(ids, num_tokens, tokens, contexts, samples, lasts, offsets, counts, blocks,
+                                   encoder_tables)
+        plan = StepPlan(self._step_id, new, cached, self._to_forget, copies=self.kv.take_copies())
         self._to_forget = []
         self._step_id += 1
         return plan

@@ -19,7 +19,7 @@ from meshserve.kvstore.cache_tensors import allocate_caches
 from meshserve.kvstore.groups import KVGroupLayout
 from meshserve.workers.models.contract import GenerativeModel
 from meshserve.workers.runner import ModelRunner
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.step import NewRequest, StepPlan
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
@@ -50,9 +50,10 @@ def decode_peak_bytes(model: GenerativeModel, backends: Sequence[AttentionBacken
     probe = ModelRunner(model, backends=backends, kv_caches=scratch, block_size=block_size, device=device,
                         is_driver=False, layer_groups=layout.group_of_layer(len(specs)))
     ids = [f"probe-{i}" for i in range(batch)]
-    plan = StepPlan(step_id=0, seqs=[ScheduledSeq(r, [0], 1, [[1]] * layout.num_groups) for r in ids],
-                    new_requests=[NewRequest(r, [0], SamplingParams(max_tokens=1).to_dict()) for r in ids],
-                    finished=ids)  # fmt: skip
+    params = SamplingParams(max_tokens=1).to_dict()
+    # Decode rows (one token after one cached) of requests it announces.
+    plan = StepPlan(0, [NewRequest(r, [0, 0], params, context_len=1, num_tokens=1,
+                                   block_tables=[[1]] * layout.num_groups) for r in ids], finished=ids)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
