@@ -48,6 +48,9 @@ class _Sent:
     tails: list[int]
 
 
+_NO_CHANGE = ([],)  # one group, no block: a row that just continues
+
+
 class PlanEncoder:
     def __init__(self, kv: KVCacheManager) -> None:
         self.kv = kv
@@ -88,24 +91,17 @@ class PlanEncoder:
                                       list(req.encoder_ids or ()), start, n, sample, tables,
                                       None if req.encoder_ids is None else list(req.encoder_blocks)))
                 continue
-            sent = sent_of.get(rid)
+            sent, changes = sent_of.get(rid), None
             if sent is not None and len(sent.lens) == 1:  # one KV group (most models): does the row
                 table, held = tables_of(rid)[0], sent.lens[0]  # just continue (no new block, no copied one)?
                 if len(table) == held and (not held or table[-1] == sent.tails[0]):
-                    ids.append(rid)
-                    num_tokens.append(end - start)
-                    tokens.extend(all_ids[start:end])
-                    contexts.append(start)
-                    samples.append(sample)
-                    lasts.append(end < start + n)
-                    offsets.append(held)
-                    counts.append(0)
-                    continue
-            changes, row_offsets = self._table_changes(rid)
-            if row_offsets is None:  # resent whole (new blocks after a preemption)
-                row_offsets = [0] * len(changes)
-                if req.encoder_ids is not None:
-                    encoder_tables[rid] = list(req.encoder_blocks)
+                    changes, row_offsets = _NO_CHANGE, (held,)
+            if changes is None:
+                changes, row_offsets = self._table_changes(rid)
+                if row_offsets is None:  # resent whole (new blocks after a preemption)
+                    row_offsets = [0] * len(changes)
+                    if req.encoder_ids is not None:
+                        encoder_tables[rid] = list(req.encoder_blocks)
             ids.append(rid)
             num_tokens.append(end - start)
             tokens.extend(all_ids[start:end])

@@ -18,34 +18,19 @@ def next_power_of_2(n: int) -> int:
 
 
 def choose_partition(
-    max_keys: int, num_decodes: int, num_kv_heads: int, target_programs: int, block_n: int, min_partition: int
+    max_keys: int, num_decodes: int, programs_per_decode: int, target_programs: int, block_n: int,
+    min_partition: int,
 ) -> tuple[int, int]:
-    """(partition size, number of splits) so that the grid has about `target_programs` programs.
+    """(partition size, number of splits) of a split-KV decode so that the grid has about
+    `target_programs` programs; programs_per_decode: a decode's programs per split (its KV heads
+    for the GQA kernel, its blocks of heads for the MLA kernel).
 
     Many short programs balance the waves of equal-length work over the multiprocessors; each
     split costs one partial (o, lse) write and a merge read, small next to its KV reads until a
     split holds fewer than `min_partition` keys. Partitions are whole BLOCK_N tiles.
     """
     max_keys = max(max_keys, 1)
-    pairs = max(num_decodes * num_kv_heads, 1)
-    want = max(1, cdiv(target_programs, pairs))
-    most = max(1, max_keys // max(min_partition, block_n))
-    splits = min(want, most)
-    partition = cdiv(max_keys, splits)
-    partition = cdiv(partition, block_n) * block_n
-    return partition, cdiv(max_keys, partition)
-
-
-def choose_splits(
-    max_keys: int, num_decodes: int, head_blocks: int, target_programs: int, block_n: int, min_partition: int
-) -> tuple[int, int]:
-    """(partition, number of splits): about `target_programs` programs, partitions of whole tiles.
-
-    A split costs one partial write and a merge read of [heads, kv_lora_rank] floats; it pays
-    only while the grid is short of programs and a split still holds `min_partition` keys.
-    """
-    max_keys = max(max_keys, 1)
-    want = max(1, cdiv(target_programs, max(num_decodes * head_blocks, 1)))
+    want = max(1, cdiv(target_programs, max(num_decodes * programs_per_decode, 1)))
     most = max(1, max_keys // max(min_partition, block_n))
     splits = min(want, most)
     partition = cdiv(max_keys, splits)

@@ -25,8 +25,9 @@ from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.deepseek_indexer import Indexer
-from meshserve.workers.models.expert_layer import ExpertLayer, expert_layers, experts_graph_safe
+from meshserve.workers.models.expert_layer import experts_graph_safe
 from meshserve.workers.models.moe import GatedMLP, MoE
 from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
@@ -123,11 +124,10 @@ class DeepseekBody(nn.Module):
         self.rotary = YarnRotary(arch.deepseek.rope, arch.deepseek.mla.qk_rope_head_dim, max_positions)
 
 
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
     """DeepSeek-V2/V3 over a packed batch of new tokens (a contract.GenerativeModel)."""
 
     STACKED: dict[str, tuple[str, int]] = {}  # no fused parameters: every checkpoint tensor loads as is
-    is_encoder_decoder = False
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()
@@ -146,17 +146,6 @@ class DeepseekForCausalLM(nn.Module):
         ds = self.arch.deepseek
         spec = mla_spec(self.arch.num_heads, ds.mla, scale=ds.softmax_scale)  # the whole model's heads
         return [spec] * self.arch.num_layers
-
-    def encoder_spec(self) -> None:
-        return None
-
-    def expert_layers(self) -> list[ExpertLayer]:
-        return expert_layers(self)
-
-    def finish_loading(self, device: torch.device | str) -> None:
-        self.model.rotary.reset_tables(device)
-        for layer in self.expert_layers():
-            layer.finish_loading(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""

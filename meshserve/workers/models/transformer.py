@@ -25,7 +25,8 @@ import meshserve.workers.models.fused_ops as fused
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
-from meshserve.workers.models.expert_layer import ExpertLayer, expert_layers, experts_graph_safe
+from meshserve.workers.models.decoder_only import DecoderOnlyLM
+from meshserve.workers.models.expert_layer import experts_graph_safe
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -216,11 +217,10 @@ STACKED: dict[str, tuple[str, int]] = {
 }
 
 
-class CausalLM(nn.Module):
+class CausalLM(DecoderOnlyLM, nn.Module):
     """Decoder-only language model over a packed batch of new tokens (a contract.GenerativeModel)."""
 
     STACKED = STACKED
-    is_encoder_decoder = False
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()
@@ -246,18 +246,10 @@ class CausalLM(nn.Module):
             for window in a.layer_windows
         ]
 
-    def encoder_spec(self) -> None:
-        return None
-
-    def expert_layers(self) -> list[ExpertLayer]:
-        return expert_layers(self)
-
     def finish_loading(self, device: torch.device | str) -> None:
-        self.model.rotary.reset_tables(device)
+        super().finish_loading(device)
         if self.model.local_rotary is not None:
             self.model.local_rotary.reset_tables(device)
-        for layer in self.expert_layers():
-            layer.finish_loading(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.attention.backend import AttentionProblem
-from meshserve.attention.kernels.host_plans import choose_splits
+from meshserve.attention.kernels.host_plans import choose_partition
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.backends.triton_common import (
@@ -96,7 +96,7 @@ class TritonMLADecodeBackend(MLABackend):
         else:
             head_blocks = cdiv(spec.num_heads, cfg.block_h)
             target = self._sm_count(device) * cfg.programs_per_sm
-            partition, splits = choose_splits(max_keys, num_decodes, head_blocks, target, block_n, cfg.min_partition)
+            partition, splits = choose_partition(max_keys, num_decodes, head_blocks, target, block_n, cfg.min_partition)
         partial_o = partial_lse = None
         if splits > 1:
             shape = (splits, num_decodes, spec.num_heads)
