@@ -87,18 +87,14 @@ def test_generation_config_fills_only_what_a_request_leaves_unset(tmp_path):
 
 def test_gpu_memory_utilization_on_cpu_is_a_share_of_the_hosts_available_memory():
     """The KV pool's size on a CPU: that fraction of MemAvailable, in whole blocks (default: a fixed 256 MiB)."""
-    from types import SimpleNamespace
-
     import torch
 
     from meshserve.config import CacheConfig
-    from meshserve.workers.worker import CPU_DEFAULT_KV_BYTES, Worker, available_host_memory
+    from meshserve.workers.kv_budget import CPU_DEFAULT_KV_BYTES, available_host_memory, num_kv_blocks
 
-    per_block = 1 << 20
-    sized = SimpleNamespace(cache_config=CacheConfig(memory_utilization=0.25), device=torch.device("cpu"))
+    per_block, cpu = 1 << 20, torch.device("cpu")
     want = available_host_memory() * 0.25 / per_block
-    assert Worker._num_blocks(sized, per_block) == pytest.approx(want, rel=0.05)  # the host's memory moves a bit
-    default = SimpleNamespace(cache_config=CacheConfig(), device=torch.device("cpu"))
-    assert Worker._num_blocks(default, per_block) == CPU_DEFAULT_KV_BYTES // per_block
+    assert num_kv_blocks(CacheConfig(memory_utilization=0.25), cpu, per_block) == pytest.approx(want, rel=0.05)
+    assert num_kv_blocks(CacheConfig(), cpu, per_block) == CPU_DEFAULT_KV_BYTES // per_block
     with pytest.raises(ConfigError, match="gpu_memory_utilization=0.5 is not allowed: unset when"):
         CacheConfig(memory_utilization=0.5, num_kv_blocks=8)
