@@ -25,6 +25,7 @@ import grpc
 
 from meshserve.api import convert
 from meshserve.api.auth import scope_of
+from meshserve.api.callers import grpc_caller
 from meshserve.api.convert import ApiLimits, Malformed
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
@@ -86,9 +87,13 @@ class InferenceServicer:
             beam = convert.beam_params_of(request)
             params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
+            width = convert.width_of(params, beam)
+            convert.check_prompt_count(1, width, self.limits)
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
+            convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits)
             scoped = self._scoped(request_id, context)
-            stream = self.service.generate(ids, params, request_id=scoped, beam=beam)
+            caller = grpc_caller(context, auth_required=self._info["auth_required"])
+            stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller)
             num_tokens = 0
             async for delta in stream:
                 timer.tokens(len(delta.token_ids))
@@ -109,7 +114,7 @@ class InferenceServicer:
             if scoped is not None and isinstance(exc, ConfigError) and (exc.field, exc.value) == ("request_id", scoped):
                 exc = ConfigError("request_id", request_id, exc.allowed)  # the caller's id, not the scoped one
             code, message = status_of(exc)
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=_retry_after(exc))
         finally:
             if stream is not None:
                 with contextlib.suppress(Exception):
@@ -170,6 +175,12 @@ class InferenceServicer:
             stats=convert.stats_of(self.service.stats()),
             limits=self.limits.to_proto(max_message_bytes=info["max_message_bytes"], max_queue=info["max_queue"]),
             auth_required=info["auth_required"], tls=info["tls"])
+
+
+def _retry_after(exc: BaseException) -> tuple:
+    """A refusal to retry later carries `retry-after` (seconds) in the trailing metadata, as HTTP's header."""
+    seconds = getattr(exc, "retry_after_s", None)
+    return () if seconds is None else (("retry-after", str(seconds)),)
 
 
 def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:

@@ -34,6 +34,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from meshserve.cluster.executors.executor import StepDeadline, sum_expert_load
+from meshserve.cluster.fair_queue import CallerLedger, queue_key
 from meshserve.cluster.handover import Handoff, release_sources
 from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
@@ -142,6 +143,7 @@ class Coordinator:
         self._live: dict[str, Ticket] = {}
         self._arrivals = itertools.count()
         self._serial = itertools.count()
+        self.callers = CallerLedger(config.engine.scheduler.max_sequences_per_caller)
         self._owns_ray = False
         self._closing = False
         self._started = False
@@ -291,10 +293,20 @@ class Coordinator:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str, beam: BeamSearchParams | None = None) -> AsyncIterator[CompletionDelta]:
-        """Deltas of one request until its finished one. Refusals raise before anything is queued."""
+                       request_id: str, beam: BeamSearchParams | None = None, caller: str = "",
+                       priority: int = 0) -> AsyncIterator[CompletionDelta]:
+        """Deltas of one request until its finished one. Refusals raise before anything is queued.
+        caller: who sent it (fair_queue.py: its place in the queue and its in-flight limit);
+        priority: lower is served first (vLLM's), default 0."""
         request = self._make_request(prompt, params, request_id, beam)
-        (pool := self.pools[self._entry]).admit()
+        sequences = request.beam.beam_width if request.beam is not None else request.params.num_samples
+        load = self.callers.admit(caller, sequences)
+        try:
+            (pool := self.pools[self._entry]).admit()
+        except BaseException:
+            self.callers.release(caller, sequences)
+            raise
+        request.arrival = queue_key(priority=priority, load=load, serial=request.arrival)
         ticket = Ticket(request_id, request, prefill_only=self.disaggregated and not request.runs_whole)
         self._live[request_id] = ticket
         request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
@@ -313,6 +325,7 @@ class Coordinator:
                     return
         finally:
             self._live.pop(request_id, None)
+            self.callers.release(caller, sequences)
             if not finished:  # the caller left early: free its blocks now
                 self._cancel(ticket)
 

@@ -51,6 +51,8 @@ class Job:
     completed: bool = False
     code: str = "CANCELLED"  # until the job ends otherwise
     pieces: list[CompletionDelta] = field(default_factory=list)
+    caller: str = ""  # who sent it (api/callers.py) and its priority: the fair queue's inputs
+    priority: int = 0
 
     @property
     def n(self) -> int:
@@ -77,7 +79,8 @@ class Job:
 
 
 async def _first(service: InferenceService, job: Job) -> None:
-    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id, beam=job.beam)
+    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id, beam=job.beam,
+                                  caller=job.caller, priority=job.priority)
     try:
         job.first = await anext(job.stream)
     except StopAsyncIteration:  # a stream that ends without a last delta is the service's bug
