@@ -136,10 +136,12 @@ def check_prompt_count(num_prompts: int, width: int, limits: ApiLimits) -> None:
           "(prompts x max(n, best_of), or x the beam width)")
 
 
-def check_token_budget(prompt_lens: Sequence[int], width: int, max_tokens: Sequence[int], limits: ApiLimits) -> None:
+def check_token_budget(prompt_lens: Sequence[int], width: int, max_tokens: Sequence[int], limits: ApiLimits, *,
+                       max_model_len: int) -> None:
     """After tokenizing: the request's cost, every sequence's prompt + max_tokens summed, within
-    max_tokens_per_request (each prompt runs `width` sequences)."""
-    cost = sum(width * (p + m) for p, m in zip(prompt_lens, max_tokens, strict=True))
+    max_tokens_per_request (each prompt runs `width` sequences). A sequence counts at most
+    max_model_len tokens: a max_tokens past the context is the engine's error to name."""
+    cost = sum(width * min(p + m, max_model_len) for p, m in zip(prompt_lens, max_tokens, strict=True))
     check(cost <= limits.max_tokens_per_request, "max_tokens", f"<{cost} tokens of prompt + max_tokens>",
           f"at most max_tokens_per_request={limits.max_tokens_per_request} tokens over the request's sequences "
           "(prompts x max(n, best_of) x (prompt tokens + max_tokens)): lower max_tokens, n or the prompts")

@@ -90,7 +90,8 @@ class InferenceServicer:
             width = convert.width_of(params, beam)
             convert.check_prompt_count(1, width, self.limits)
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
-            convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits)
+            convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits,
+                                       max_model_len=card.max_model_len)
             scoped = self._scoped(request_id, context)
             caller = grpc_caller(context, auth_required=self._info["auth_required"])
             stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller)

@@ -155,7 +155,8 @@ class OpenAIFrontend:
             jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, beam,
                             caller=caller, priority=body.priority))
         convert.check_token_budget([len(j.prompt_ids) for j in jobs], body.width,
-                                   [convert.max_tokens_of(j.params, j.beam) for j in jobs], self.limits)
+                                   [convert.max_tokens_of(j.params, j.beam) for j in jobs], self.limits,
+                                   max_model_len=card.max_model_len)
         return jobs
 
     def _shape_limits(self) -> ShapeLimits:
@@ -173,9 +174,10 @@ class OpenAIFrontend:
         """Token ids of every prompt; texts are checked first, then tokenized in one worker thread."""
         out: list[list[int] | None] = []
         for i, p in enumerate(prompts):
-            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            field = "prompt"  # OpenAI's param; the message says which prompt
             if isinstance(p, str):
-                check(p != "", field, "", "a non-empty string (or token ids)")
+                check(p != "", field, "" if len(prompts) == 1 else f"<prompt {i}: empty>",
+                      "a non-empty string (or token ids)")
                 convert.check_text_size(p, max_model_len=card.max_model_len, limits=self.limits, field=field)
                 convert.check_encodable(p, field)
                 out.append(None)
