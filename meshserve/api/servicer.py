@@ -33,6 +33,8 @@ from meshserve.cluster.service import InferenceService, ModelCard
 from meshserve.errors import ConfigError, MeshserveError, NotFoundError, UnavailableError
 from meshserve.v1 import inference_pb2 as pb
 
+DRAINED = "the server is shutting down: the drain time (--drain-seconds) is over; retry on another server"
+
 
 def _version() -> str:
     try:
@@ -49,6 +51,15 @@ class InferenceServicer:
         self.limits = limits
         self._info = dict(max_message_bytes=max_message_bytes, max_queue=max_queue, auth_required=auth_required,
                           tls=tls)
+        self._streams: set[asyncio.Task] = set()  # Generate calls in flight (their handler tasks)
+        self._drained = False
+
+    def expire_streams(self) -> int:
+        """The drain time is over: every Generate still open ends UNAVAILABLE with the reason."""
+        self._drained = True
+        for task in self._streams:
+            task.cancel()
+        return len(self._streams)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -81,7 +92,11 @@ class InferenceServicer:
         timer = self.metrics.timer()
         code, completed = grpc.StatusCode.OK, False
         stream = scoped = None
+        task = asyncio.current_task()
+        self._streams.add(task)
         try:
+            if self._drained:
+                raise UnavailableError(DRAINED)
             card = self._model(self._parsed(request).model)
             prompt = convert.prompt_of(request, card.vocab_size)
             beam = convert.beam_params_of(request)
@@ -107,6 +122,10 @@ class InferenceServicer:
                     completed = True
                     break
         except asyncio.CancelledError:
+            if self._drained and task.cancelling() == 1 and not context.cancelled():  # expire_streams, not the client
+                task.uncancel()
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, DRAINED)
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -117,6 +136,7 @@ class InferenceServicer:
             code, message = status_of(exc)
             await context.abort(code, message, trailing_metadata=_retry_after(exc))
         finally:
+            self._streams.discard(task)
             if stream is not None:
                 with contextlib.suppress(Exception):
                     await stream.aclose()  # aborts the request if it is still running

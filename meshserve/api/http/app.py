@@ -34,6 +34,7 @@ from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest
 from meshserve.api.http.responses import Shaper, sse
 from meshserve.api.http.streams import (
     ClientGone,
+    Drain,
     Job,
     SSEResponse,
     collect,
@@ -100,6 +101,7 @@ class OpenAIFrontend:
         self.limits = limits
         self.chat_template = chat_template
         self.auth_required = bool(tokens)
+        self.drain = Drain()  # expired by HttpServer.stop when the drain time is over
         api = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
         install_handlers(api)
         api.add_api_route("/health", self.health, methods=["GET"])
@@ -192,8 +194,8 @@ class OpenAIFrontend:
     async def _respond(self, request: Request, jobs: list[Job], whole, events) -> Response:
         """Open the jobs (refusals become the status), then stream `events()` or send `whole()`."""
         if events is not None:
-            await open_jobs(self.service, jobs, self.metrics)
-            return SSEResponse(events(), jobs)
+            await self.drain.unless_expired(open_jobs(self.service, jobs, self.metrics))
+            return SSEResponse(events(), jobs, drain=self.drain, error_event=lambda exc: sse(error_of(exc)[1]))
 
         async def run() -> dict:
             await open_jobs(self.service, jobs, self.metrics)
@@ -201,7 +203,7 @@ class OpenAIFrontend:
             return whole()
 
         try:
-            return JSONResponse(await until_disconnect(request, run()))
+            return JSONResponse(await until_disconnect(request, self.drain.unless_expired(run())))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
