@@ -61,7 +61,8 @@ class Server:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0",
-             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "1024", "--num-kv-blocks", str(args.kv_blocks),
+             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "1024",
+             "--num-kv-blocks", str(args.kv_blocks),
              "--max-num-seqs", "64", "--auth-token-file", str(folder / "tokens"), "--drain-seconds",
              str(args.drain_seconds)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
         lines: queue.Queue[str] = queue.Queue()
