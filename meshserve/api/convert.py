@@ -169,21 +169,27 @@ def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
 
-def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
+def prompt_of(request: pb.GenerateRequest, vocab_size: int, *, max_model_len: int | None = None) -> str | list[int]:
     """The prompt as text or token ids; refuses an empty or missing prompt and unknown ids."""
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", None, "set: one of text or token_ids")
     if which == "text":
         check(request.text != "", "text", "", "a non-empty UTF-8 string")
         return request.text
-    return token_ids_of(list(request.token_ids.ids), vocab_size)
+    return token_ids_of(request.token_ids.ids, vocab_size, max_model_len=max_model_len)
 
 
-def token_ids_of(ids: list[int], vocab_size: int, *, field: str = "token_ids") -> list[int]:
-    """A prompt given as token ids: non-empty, every id in the vocabulary."""
+def token_ids_of(ids: Sequence[int], vocab_size: int, *, field: str = "token_ids",
+                 max_model_len: int | None = None) -> list[int]:
+    """A prompt given as token ids: non-empty, shorter than max_model_len (checked first, by its
+    length alone: millions of ids cost nothing more), every id in the vocabulary."""
     check(len(ids) > 0, field, [], "a non-empty list of token ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    check(not bad, field, bad[:5], f"token ids in [0, {vocab_size})")
+    if max_model_len is not None:
+        check(len(ids) < max_model_len, "prompt", f"{len(ids)} tokens", f"fewer than max_model_len={max_model_len}")
+    ids = list(ids)
+    if min(ids) < 0 or max(ids) >= vocab_size:  # at C speed; the list of bad ones only for the message
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        check(not bad, field, bad[:5], f"token ids in [0, {vocab_size})")
     return ids
 
 

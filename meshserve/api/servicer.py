@@ -98,7 +98,7 @@ class InferenceServicer:
             if self._drained:
                 raise UnavailableError(DRAINED)
             card = self._model(self._parsed(request).model)
-            prompt = convert.prompt_of(request, card.vocab_size)
+            prompt = convert.prompt_of(request, card.vocab_size, max_model_len=card.max_model_len)
             beam = convert.beam_params_of(request)
             params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex

@@ -399,11 +399,16 @@ class Coordinator:
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
         request = self.validator.make(prompt, params, request_id=f"{next(self._serial)}:{request_id}",
                                       arrival=next(self._arrivals), fit_max_tokens=True, beam=beam)
-        need = request.num_input_tokens + request.params.max_tokens  # encoder blocks come from the same pool
+        # The samples (n, best_of) or beams of a request run side by side: they share the prompt's
+        # blocks, each needs its own output. A request that cannot fit whole would only preempt
+        # itself (and every other stream) over and over: refused (encoder blocks share the pool).
+        width = request.beam.beam_width if request.beam is not None else request.params.num_samples
+        need = request.num_input_tokens + width * request.params.max_tokens
         capacity = min((r.core.kv.capacity_tokens for p in self.pools.values() for r in p.replicas
                         if r.core is not None), default=need)
         if need > capacity:
-            raise CapacityError(f"prompt ({request.num_input_tokens} tokens) + max_tokens "
+            times = f"{width} x " if width > 1 else ""
+            raise CapacityError(f"prompt ({request.num_input_tokens} tokens) + {times}max_tokens "
                                 f"({request.params.max_tokens}) needs {need} KV slots; a replica holds {capacity}")
         return request
 

@@ -184,7 +184,7 @@ class OpenAIFrontend:
                 convert.check_encodable(p, field)
                 out.append(None)
             else:
-                out.append(convert.token_ids_of(list(p), card.vocab_size, field=field))
+                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len))
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
