@@ -18,7 +18,8 @@ requests also get from their engine's own counter.
 
 Per-caller limit: a caller may have at most `max_sequences` sequences waiting or running;
 beyond it `CallerLimitError` (429 with Retry-After). A caller with nothing in flight is always
-let in: the per-request limits (api/convert.py) bound a single request.
+let in: the per-request limits (api/convert.py) bound a single request. The anonymous caller ""
+(a program embedding the service: `LLM.stream`, tests) is queued the same way but not limited.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ class CallerLedger:
     def admit(self, caller: str, sequences: int) -> int:
         """Count `sequences` more for `caller`; the load it had before. CallerLimitError beyond the limit."""
         before = self._load.get(caller, 0)
-        if before and before + sequences > self.max_sequences:
+        if caller and before and before + sequences > self.max_sequences:
             raise CallerLimitError(f"this caller already has {before} sequences waiting or running; "
                                    f"{sequences} more would pass max_sequences_per_caller={self.max_sequences} "
                                    f"(retry after {CallerLimitError.retry_after_s} s)")

@@ -46,8 +46,10 @@ def test_the_ledger_limits_a_caller_and_forgets_it_when_done():
     with pytest.raises(CallerLimitError):
         ledger.admit("b", 1)
     assert ledger.load("b") == 16  # a refusal counts nothing
+    assert ledger.admit("", 100) == 0 and ledger.admit("", 100) == 100  # the embedding program: not limited
     ledger.release("a", 100)
     ledger.release("b", 16)
+    ledger.release("", 200)
     assert len(ledger) == 0
 
 
