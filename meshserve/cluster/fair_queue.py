@@ -74,5 +74,9 @@ class CallerLedger:
         else:
             self._load.pop(caller, None)
 
+    def busiest(self) -> int:
+        """The largest load of any caller (0 when none has anything in flight)."""
+        return max(self._load.values(), default=0)
+
     def __len__(self) -> int:
         return len(self._load)

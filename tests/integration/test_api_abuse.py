@@ -112,7 +112,7 @@ def test_a_heavy_caller_does_not_starve_a_light_one(env):
     try:
         for sender in senders:
             sender.start()
-        wait_for(lambda: max((ledger.load(c) for c in list(ledger._load)), default=0) == 256, timeout=60,
+        wait_for(lambda: ledger.busiest() == 256, timeout=60,
                  what="caller A's 256 sequences in flight")
         status, body, headers = _post(env, {**heavy, "prompt": "one more"}, token=TOKEN_A)
         assert status == 429 and "max_sequences_per_caller=256" in body["error"]["message"], body
