@@ -48,8 +48,10 @@ class RayReaper:
         children = [p for p in psutil.Process().children(recursive=True) if p.pid not in existing]
         read, write = os.pipe()
         os.set_inheritable(write, False)
+        # Its own session: a ^C to the server's group spares it. Not the server's stdout: a
+        # script reading that to its end must not wait for the watchdog.
         process = subprocess.Popen([sys.executable, "-m", "meshserve.cluster.ray_reaper"], stdin=read,
-                                   start_new_session=True, close_fds=True)  # its own session: a ^C spares it
+                                   stdout=subprocess.DEVNULL, start_new_session=True, close_fds=True)
         os.close(read)
         reaper = cls(process, write)
         reaper.watch(children)
