@@ -44,13 +44,6 @@ from bench.report import pyplot
 from meshserve.api.client import InferenceClient
 
 TOKEN_A, TOKEN_B = "bench-abuser", "bench-bystander"
-def _free_port() -> int:
-    """A port free now (--http-port 0 means no HTTP API)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -60,8 +53,8 @@ class Server:
         (folder / "tokens").write_text(f"{TOKEN_A}\n{TOKEN_B}\n")
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0",
-             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "1024",
+            [sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
+             "--port", "0", "--dtype", "float32", "--max-model-len", "1024",
              "--num-kv-blocks", str(args.kv_blocks),
              "--max-num-seqs", "64", "--auth-token-file", str(folder / "tokens"), "--drain-seconds",
              str(args.drain_seconds)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)

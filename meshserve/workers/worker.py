@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,6 +41,18 @@ log = logging.getLogger("meshserve.worker")
 
 CPU_DEFAULT_KV_BYTES = 256 << 20
 GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
+
+
+def available_host_memory() -> int:
+    """Bytes the host can still hand out without swapping (MemAvailable; free pages where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 @dataclass(frozen=True)
@@ -270,7 +283,9 @@ class Worker:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(max(free - reserve, 0) * GPU_KV_FRACTION)
+            budget = int(max(free - reserve, 0) * (cfg.memory_utilization or GPU_KV_FRACTION))
+        elif cfg.memory_utilization is not None:  # --gpu-memory-utilization on a CPU: of the host's free memory
+            budget = int(available_host_memory() * cfg.memory_utilization)
         else:
             budget = CPU_DEFAULT_KV_BYTES
         return budget // per_block

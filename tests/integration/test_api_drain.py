@@ -14,7 +14,6 @@ import os
 import queue
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,20 +27,13 @@ from meshserve.api.client import InferenceClient
 
 pytestmark = pytest.mark.timeout(300)
 
-def _free_port() -> int:
-    """A port free now (--http-port 0 means no HTTP API)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
 def test_sigterm_ends_every_open_stream_with_an_error_after_the_drain_time():
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0",
-                             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "1024",
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", "0", "--metrics-port", "0",
+                             "--port", "0", "--dtype", "float32", "--max-model-len", "1024",
                              "--num-kv-blocks", "128", "--drain-seconds", "1"],
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue[str] = queue.Queue()

@@ -5,6 +5,9 @@
     POST /v1/completions         text or token-id prompt(s); SSE when stream is true
     POST /v1/chat/completions    messages through the model's chat template; SSE when stream is true
     POST /v1/embeddings          pooled vectors of an embedding model (float lists or base64)
+    /tokenize, /detokenize, /version, /metrics, /openapi.json: vLLM's utility routes (vllm_routes.py)
+
+Every response carries x-request-id (the client's, else a fresh one: request_id.py).
 
 Every /v1 route needs `Authorization: Bearer <token>` when the server has a token (the same
 file as gRPC's); a body over `max_body_bytes` is a 413 before it is read whole. Each prompt of
@@ -27,10 +30,12 @@ from meshserve.api import convert
 from meshserve.api.auth import is_known
 from meshserve.api.callers import http_caller
 from meshserve.api.convert import ApiLimits
+from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.http.body import ShapeLimits, parse_body
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
 from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from meshserve.api.http.request_id import RequestIdMiddleware
 from meshserve.api.http.responses import Shaper, sse
 from meshserve.api.http.streams import (
     ClientGone,
@@ -43,6 +48,7 @@ from meshserve.api.http.streams import (
     open_jobs,
     until_disconnect,
 )
+from meshserve.api.http.vllm_routes import TOKEN_PATHS, add_vllm_routes, version
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.service import InferenceService, ModelCard
 from meshserve.errors import ConfigError, UnavailableError, check
@@ -68,7 +74,9 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.expected is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+        path = scope["path"]
+        guarded = path.startswith("/v1") or path in TOKEN_PATHS
+        if self.expected is not None and guarded and not self._authorized(scope):
             response = error_response(401, "missing or wrong bearer token: send the header "
                                            "'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
@@ -95,14 +103,17 @@ class OpenAIFrontend:
 
     def __init__(self, service: InferenceService, *, metrics: ServerMetrics | None = None,
                  limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
-                 chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20) -> None:
+                 chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
+                 metrics_token: str | None = None, sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.service = service
         self.metrics = metrics
         self.limits = limits
         self.chat_template = chat_template
+        self.sampling_defaults = sampling_defaults
         self.auth_required = bool(tokens)
         self.drain = Drain()  # expired by HttpServer.stop when the drain time is over
-        api = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
+        api = FastAPI(title="meshserve", version=version(), docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json")
         install_handlers(api)
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/models", self.list_models, methods=["GET"])
@@ -110,7 +121,8 @@ class OpenAIFrontend:
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
-        self.app = _Guard(api, tokens=tokens, max_body_bytes=max_body_bytes)
+        add_vllm_routes(api, self, metrics_token=metrics_token)
+        self.app = RequestIdMiddleware(_Guard(api, tokens=tokens, max_body_bytes=max_body_bytes))
 
     # -- small routes ------------------------------------------------------------------------------
 
@@ -222,6 +234,7 @@ class OpenAIFrontend:
     async def completions(self, request: Request) -> Response:
         body = await parse_body(request, CompletionRequest, self._shape_limits())
         body.check()
+        body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
         prompts = body.prompts()
         convert.check_prompt_count(len(prompts), body.width, self.limits)
@@ -251,6 +264,7 @@ class OpenAIFrontend:
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self._shape_limits())
         body.check()
+        body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
         convert.check_prompt_count(1, body.width, self.limits)
         template = self.chat_template
