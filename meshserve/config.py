@@ -208,9 +208,13 @@ class SchedulerConfig:
     max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
     async_scheduling: bool = field(default=True, metadata={
         "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md)"})
+    max_sequences_per_caller: int = field(default=512, metadata={
+        "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
+                "beyond it 429 with Retry-After (a caller's only request is always let in)"})
 
     def __post_init__(self) -> None:
         check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
+        _positive("max_sequences_per_caller", self.max_sequences_per_caller, upper=1 << 24)
         _positive("max_num_seqs", self.max_num_seqs, upper=1 << 16)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 24)
         _positive("max_queue", self.max_queue, upper=1 << 24)
@@ -270,6 +274,12 @@ class ServerConfig:
     unhealthy_liveness_s: float = field(default=300.0, metadata={
         "help": "liveness (grpc health service '') turns NOT_SERVING once the service, after it first served, "
                 "has not served (a ready replica in every pool) for this long"})
+    # What one request may cost (docs/api.md), checked before anything is queued.
+    max_prompts_per_request: int = field(default=64, metadata={"help": "prompts of one HTTP request"})
+    max_sequences_per_request: int = field(default=256, metadata={
+        "help": "prompts x max(n, best_of), or x beam width, of one request"})
+    max_tokens_per_request: int = field(default=1 << 22, metadata={
+        "help": "sum over its sequences of prompt tokens + max_tokens, of one request"})
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
@@ -290,3 +300,6 @@ class ServerConfig:
                 check(Path(path).is_file(), name, path, "an existing readable file")
         _positive("max_message_bytes", self.max_message_bytes, upper=1 << 31)
         _seconds("unhealthy_liveness_seconds", self.unhealthy_liveness_s)
+        _positive("max_prompts_per_request", self.max_prompts_per_request, upper=1 << 20)
+        _positive("max_sequences_per_request", self.max_sequences_per_request, upper=1 << 24)
+        _positive("max_tokens_per_request", self.max_tokens_per_request, upper=1 << 40)

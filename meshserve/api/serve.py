@@ -148,10 +148,24 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="liveness (grpc health service '') fails once the service, after serving, has had no ready "
                         "replica in some pool for this long (default 300)")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
+    add_request_limit_flags(p)
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
     p.set_defaults(func=serve_main)
     return p
+
+
+def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request, and one caller, may cost (docs/api.md: defaults and why)."""
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-prompts-per-request", type=int, default=64, help="prompts of one HTTP request (default 64)")
+    g.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="prompts x max(n, best_of), or x beam width, of one request (default 256)")
+    g.add_argument("--max-tokens-per-request", type=int, default=1 << 22,
+                   help="one request's budget: over its sequences, prompt tokens + max_tokens (default 4194304)")
+    g.add_argument("--max-sequences-per-caller", type=int, default=512,
+                   help="sequences one caller (bearer token, else peer address) may have waiting or running; "
+                        "beyond it 429 with Retry-After (default 512)")
 
 
 def configs_of(args: argparse.Namespace):
@@ -182,7 +196,8 @@ def configs_of(args: argparse.Namespace):
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling),
+                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling,
+                                  max_sequences_per_caller=args.max_sequences_per_caller),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )
@@ -200,7 +215,10 @@ def configs_of(args: argparse.Namespace):
                           tls_key=args.tls_key, auth_token_file=args.auth_token_file,
                           max_message_bytes=args.max_message_bytes, http_host=args.http_host,
                           http_port=None if args.no_http else args.http_port, chat_template=args.chat_template,
-                          unhealthy_liveness_s=args.unhealthy_liveness_seconds, api_keys=api_keys_of(args))
+                          unhealthy_liveness_s=args.unhealthy_liveness_seconds, api_keys=api_keys_of(args),
+                          max_prompts_per_request=args.max_prompts_per_request,
+                          max_sequences_per_request=args.max_sequences_per_request,
+                          max_tokens_per_request=args.max_tokens_per_request)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
     names = args.served_model_name or []
     check(len(names) == len(set(names)) and all(n.strip() for n in names), "served_model_name", names,
@@ -309,16 +327,18 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     The front-ends bind first (a busy port fails before any model loads), then the service
     starts behind them: meanwhile health answers, readiness NOT_SERVING and requests
     UNAVAILABLE. A service that fails to start (e.g. --placement-timeout passed) stops them all."""
+    from meshserve.api.convert import ApiLimits
     from meshserve.api.generation_defaults import SamplingDefaults
     from meshserve.api.http.server import HttpServer
     from meshserve.api.server import ApiServer
 
-    server = ApiServer(service, server_config, max_queue=max_queue)
+    limits = ApiLimits.of(server_config)
+    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits)
     http = None
     try:
         if server_config.http_port is not None:  # bound first: a busy port fails before gRPC starts
             http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
-                              metrics=server.metrics, tokens=server.tokens, chat_template=chat_template,
+                              metrics=server.metrics, tokens=server.tokens, chat_template=chat_template, limits=limits,
                               max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
                               tls_key=server_config.tls_key, metrics_token=server.metrics_token,
                               sampling_defaults=sampling_defaults or SamplingDefaults())

@@ -30,6 +30,7 @@ from meshserve.config import ServerConfig
 from meshserve.errors import ConfigError
 
 log = logging.getLogger("meshserve.api")
+ENDING_S = 1.0  # after the drain time, what calls still open get to send their status
 
 
 def _address(host: str, port: int) -> str:
@@ -108,10 +109,16 @@ class ApiServer:
         return f"http://{_address(self.config.metrics_host, self.metrics_port)}/metrics"
 
     async def stop(self, grace: float | None = 30.0) -> None:
-        """Health NOT_SERVING, refuse new calls, give calls in flight `grace` seconds, then cancel."""
+        """Health NOT_SERVING, refuse new calls, give calls in flight `grace` seconds; then Generate
+        streams still open end UNAVAILABLE with the reason, and ENDING_S later the rest is cancelled."""
         await self.health.stop()
         if self._server is not None:
-            await self._server.stop(grace)
+            grace = grace or 0.0
+            expire = asyncio.get_running_loop().call_later(grace, self.servicer.expire_streams)
+            try:
+                await self._server.stop(grace + ENDING_S)
+            finally:
+                expire.cancel()
             self._server = None
         await asyncio.to_thread(self.metrics.stop_http)  # waits for the HTTP thread's poll to end
 

@@ -26,6 +26,8 @@ from meshserve.cluster.service import InferenceService
 from meshserve.errors import ConfigError
 
 log = logging.getLogger("meshserve.api")
+# After the drain time, what responses still open get to send their error and end.
+ENDING_S = 1.0
 
 
 def bind(host: str, port: int, *, field: str = "http_port") -> socket.socket:
@@ -83,11 +85,18 @@ class HttpServer:
         log.info("serving the OpenAI-compatible API on %s/v1", self.url)
 
     async def stop(self, grace: float | None = 30.0) -> None:
+        """Stop accepting; responses in flight get `grace` seconds, then those still open end with
+        an error (SSE: an error event and [DONE]; whole: 503) and, ENDING_S later, are cancelled."""
         server = self._server
         if server is None:
             return
         self._server = None
-        server.config.timeout_graceful_shutdown = 0.01 if not grace else grace
+        grace = grace or 0.0
+        server.config.timeout_graceful_shutdown = grace + ENDING_S
         server.should_exit = True
         await self._task
-        await server.shutdown(sockets=[self._sock])
+        expire = asyncio.get_running_loop().call_later(grace, self.frontend.drain.expire)
+        try:
+            await server.shutdown(sockets=[self._sock])
+        finally:
+            expire.cancel()
