@@ -24,6 +24,7 @@ from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
+from meshserve.workers.constraints import ConstraintBuilder, RequestConstraints
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.request_tables import RequestTables
@@ -77,6 +78,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)  # kept for the requests that read it (penalties, seeds)
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
+    constraints: RequestConstraints | None = None  # logit_bias, bad words, grammar, ... (workers/constraints.py)
 
 
 @dataclass
@@ -101,13 +103,14 @@ class ModelRunner:
     def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
                  dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None,
-                 encoder_backend: AttentionBackend | None = None) -> None:
+                 encoder_backend: AttentionBackend | None = None, constraints: ConstraintBuilder | None = None) -> None:
         """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
         block tables in step plans are logical (block_size * dcp_size tokens per block) and this
         rank stores positions dcp_rank, dcp_rank + dcp_size, ...
         layer_groups: per layer, the KV group whose block tables it reads (KVGroupLayout.group_of_layer);
         default: one group.
-        encoder_backend: encoder-decoder models: the backend of the encoder's self-attention."""
+        encoder_backend: encoder-decoder models: the backend of the encoder's self-attention.
+        constraints: makes the driver's per-request constraints (None: requests with any are refused)."""
         num_layers = len(backends)  # one per cached attention layer (the model's attention_specs)
         check(len(kv_caches) == num_layers, "kv_caches", len(kv_caches), f"one per attention layer ({num_layers})")
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
@@ -130,7 +133,9 @@ class ModelRunner:
         self._in_flight: deque[_InFlight] = deque()
         self._last: _InFlight | None = None  # the latest submitted step that drew tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
-        self._reads_history: set[str] = set()  # requests with penalties or a seed (they read their tokens)
+        self._reads_history: set[str] = set()  # requests with penalties, a seed or constraints (they read their tokens)
+        self.constraints = constraints
+        self._constrained: set[str] = set()  # requests with constraints (a subset of _reads_history)
 
     @property
     def num_active_requests(self) -> int:
@@ -146,7 +151,14 @@ class ModelRunner:
             req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
                                                            list(new.prompt_ids), list(new.output_ids),
                                                            encoder_ids=list(new.encoder_ids))
-            if req.params.has_penalties or req.params.seed is not None:
+            self._constrained.discard(new.request_id)  # (announced again after a detach)
+            if req.params.has_constraints and self.is_driver:
+                check(self.constraints is not None, "sampling", new.request_id,
+                      "no logit_bias, allowed_token_ids, bad_words, min_tokens or structured_outputs: this "
+                      "worker has no tokenizer to apply them")
+                req.constraints = self.constraints.make(req.params, req.output_ids)
+                self._constrained.add(new.request_id)
+            if req.params.has_penalties or req.params.seed is not None or req.constraints is not None:
                 self._reads_history.add(new.request_id)
             else:
                 self._reads_history.discard(new.request_id)  # (announced again after a detach)
@@ -160,6 +172,7 @@ class ModelRunner:
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self._reads_history.discard(rid)
+            self._constrained.discard(rid)
             self.tables.remove(rid)
 
     def collect(self) -> StepOutput:
@@ -314,7 +327,8 @@ class ModelRunner:
                 self._read(earlier)
         # A _Request has a SamplingRow's fields (params, prompt_ids, output_ids): no row object per request.
         rows: list[SamplingRow] = [requests[rid] for rid in request_ids]  # type: ignore[misc]
-        flight.draw = self.sampler.draw(logits, rows)
+        flight.draw = self.sampler.draw(logits, rows, constrained=bool(self._constrained)
+                                        and not self._constrained.isdisjoint(request_ids))
         flight.request_ids = request_ids
         self._last = flight
         self._last_rows = dict(zip(request_ids, range(len(request_ids))))

@@ -26,6 +26,7 @@ from meshserve.parallel.dcp_mla import DcpMLAAttention, DcpSparseMLAAttention
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.constraints import ConstraintBuilder
 from meshserve.workers.cpu_weights import input_major_linears
 from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
 from meshserve.workers.loader import load_model, resolve_dtype
@@ -161,7 +162,8 @@ class Worker:
                                  layer_slots=layout.layer_slots(len(specs)))
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
-                                  dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)))
+                                  dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)),
+                                  constraints=self._constraint_builder(arch.vocab_size, arch.eos_token_ids))
         if use_graphs:
             graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                   block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,
@@ -210,7 +212,8 @@ class Worker:
                                  layer_slots=layout.layer_slots(len(specs)))
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   seed=self.model_config.seed, layer_groups=layout.group_of_layer(len(specs)),
-                                  encoder_backend=encoder_backend)
+                                  encoder_backend=encoder_backend,
+                                  constraints=self._constraint_builder(arch.vocab_size, arch.eos_token_ids))
         self._graph_refusals(backends, model)  # logs why the steps stay eager on CUDA
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs, max_model_len=max_model_len,
                                vocab_size=arch.vocab_size, eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
@@ -221,6 +224,10 @@ class Worker:
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks (decoder and encoder groups)", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
         return self.info
+
+    def _constraint_builder(self, vocab_size: int, eos_token_ids) -> ConstraintBuilder:
+        """The driver's maker of per-request constraints (grammars, bad words: the checkpoint's tokenizer)."""
+        return ConstraintBuilder(self.model_config.model, vocab_size=vocab_size, eos_token_ids=eos_token_ids)
 
     def _graph_refusals(self, backends, model) -> list[str]:
         """Why decode steps cannot replay CUDA graphs here (empty: they do); logged once."""
@@ -332,6 +339,8 @@ class Worker:
                 "active_requests": 0 if self.runner is None else self.runner.num_active_requests}
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.constraints is not None:
+            self.runner.constraints.shutdown()
         self.runner = None
         self.info = None
         shutdown_parallel(self.ctx)
