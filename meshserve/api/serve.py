@@ -51,6 +51,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--served-model-name", default=None,
                    help="name clients use (default: the model id, or the folder's name)")
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
+    m.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the model's text with tool_choice auto: hermes, llama3_json, "
+                        "deepseek_v3 or openai (default: detected from the chat template)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
@@ -317,7 +320,8 @@ def serve_main(args: argparse.Namespace) -> int:
     level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
     configure_logging(level, args.log_format)
     engine, pools, server = configs_of(args)
-    chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
+    chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template,
+                                      tool_call_parser=args.tool_call_parser)
     # exported once every flag is good, so that rank processes and actors log alike
     os.environ["MESHSERVE_LOG"] = level
     if args.log_format:

@@ -35,6 +35,7 @@ class CompletionDelta:
     n > 1 a completion ends at its delta with a finish_reason, and `finished` marks the request's
     last delta (all completions ended). cumulative_logprob: the completion's sum of token
     logprobs, on its last delta, when logprobs were computed (logprobs asked, or best_of > n).
+    num_cached_tokens: prompt tokens the request found in the prefix cache (on every delta).
     """
 
     request_id: str
@@ -46,6 +47,7 @@ class CompletionDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     index: int = 0
     cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
 
 
 @dataclass

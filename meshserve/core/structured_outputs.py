@@ -13,11 +13,28 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
 from meshserve.errors import ConfigError, check
+
+
+_IMPORT_LOCK = threading.Lock()
+
+
+def load_xgrammar():
+    """The xgrammar module, imported under a lock: it imports transformers, whose lazy attributes
+    are not safe to resolve from two threads at once (the API's event loop checks a schema while
+    a worker's compile thread builds the vocabulary table: seen as an ImportError of
+    PreTrainedTokenizerBase). Imported on first use, not with this module (it takes seconds)."""
+    with _IMPORT_LOCK:
+        import transformers
+        import xgrammar
+
+        transformers.PreTrainedTokenizerFast  # noqa: B018 (resolve the lazy attribute here, under the lock)
+        return xgrammar
 
 
 class GrammarKind(StrEnum):
@@ -91,7 +108,7 @@ class StructuredOutputs:
 
     def grammar(self):
         """The xgrammar.Grammar (tokenizer-free) of this constraint."""
-        import xgrammar as xgr
+        xgr = load_xgrammar()
 
         if self.kind is GrammarKind.JSON:
             return xgr.Grammar.from_json_schema(self.source, any_whitespace=self.whitespace, strict_mode=True)

@@ -263,10 +263,14 @@ class EngineCore:
             detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
             detok.flush()
             text = detok.take(final=True)
+            if detok.stopped_on is not None and req.finish_reason is FinishReason.LENGTH:
+                # The token that completed a stop string was also the last one allowed: the stop
+                # string ended the output (its text is cut), so that is the reason reported.
+                req.finish(FinishReason.STOP, detok.stopped_on)
         if finished:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,
-                               req.stop_reason, new_logprobs)
+                               req.stop_reason, new_logprobs, num_cached_tokens=req.num_cached_tokens)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:
         """The finished output of a request with n = 1 (for n > 1: RequestOutput.of_choices)."""

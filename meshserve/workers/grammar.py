@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from meshserve.core.structured_outputs import StructuredOutputs
+from meshserve.core.structured_outputs import StructuredOutputs, load_xgrammar
 
 log = logging.getLogger("meshserve.workers.grammar")
 
@@ -46,10 +46,10 @@ class GrammarCompiler:
     def _get_compiler(self):
         with self._lock:
             if self._compiler is None:
-                import transformers
-                import xgrammar as xgr
+                xgr = load_xgrammar()
+                from transformers import PreTrainedTokenizerFast
 
-                tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(self.model_dir / "tokenizer.json"))
+                tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(self.model_dir / "tokenizer.json"))
                 info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                           stop_token_ids=self.eos_token_ids or None)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=True)
@@ -78,9 +78,7 @@ class GrammarState:
 
     def _sync(self):
         if self._matcher is None:
-            import xgrammar as xgr
-
-            self._matcher = xgr.GrammarMatcher(self._compiled.result())
+            self._matcher = load_xgrammar().GrammarMatcher(self._compiled.result())
         m, ids = self._matcher, self.output_ids
         while self._num_accepted < len(ids) and not self.failed:
             token = ids[self._num_accepted]

@@ -3,9 +3,13 @@
 Completions (`text_completion`) and chat completions (`chat.completion`, and
 `chat.completion.chunk` while streaming) differ in where text and logprobs go; usage counts
 are prompt tokens (after the chat template), generated tokens (a final EOS or stop token
-included, as the engine counts them) and their sum. A streamed response ends with a chunk of
+included, as the engine counts them), their sum, and `prompt_tokens_details.cached_tokens`
+(prompt tokens found in the prefix cache). A streamed response ends with a chunk of
 empty choices carrying the usage when `stream_options.include_usage` is set, then
-`data: [DONE]`.
+`data: [DONE]`; with `continuous_usage_stats` every chunk carries the usage so far.
+
+Chat choices with tools (api/tools/): the message's `tool_calls` and `content` (None when the
+output was only calls), finish_reason "tool_calls" when the choice ended with calls.
 """
 
 from __future__ import annotations
@@ -15,6 +19,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from meshserve.api.http.streams import Job
+from meshserve.api.tools.choice import ToolRequest
+from meshserve.api.tools.parsers import ToolParser
+from meshserve.api.tools.streaming import split_output
 from meshserve.core.outputs import CompletionDelta, TokenLogprobs
 
 Detokenize = Callable[[Sequence[int]], str]
@@ -28,7 +35,8 @@ def sse(payload: dict | str) -> str:
 def usage_of(jobs: Sequence[Job]) -> dict:
     prompt = sum(len(j.prompt_ids) for j in jobs)
     completion = sum(j.num_tokens for j in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens for j in jobs)}}
 
 
 def finish_of(delta: CompletionDelta) -> str | None:
@@ -89,16 +97,23 @@ class Shaper:
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
         return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
 
-    def chat(self, jobs: Sequence[Job], *, want_logprobs: bool) -> dict:
+    def chat(self, jobs: Sequence[Job], *, want_logprobs: bool, tools: ToolRequest | None = None,
+             parser: ToolParser | None = None) -> dict:
         choices = []
         for pieces in (pieces for job in jobs for pieces in job.choices()):
             last = pieces[-1]
             lps = [lp for d in pieces for lp in d.logprobs]
+            text = "".join(d.text for d in pieces)
+            content, calls = split_output(tools, parser, text) if tools is not None else (text, [])
+            message = {"role": "assistant", "content": content}
+            finish = finish_of(last)
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish
             choices.append({
-                "index": jobs[0].choice_index(last),
-                "message": {"role": "assistant", "content": "".join(d.text for d in pieces)},
+                "index": jobs[0].choice_index(last), "message": message,
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
-                "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
+                "finish_reason": finish, "stop_reason": stop_reason_of(last)})
         return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
 
     # -- stream chunks -----------------------------------------------------------------------------
@@ -114,14 +129,19 @@ class Shaper:
         return out
 
     def chat_chunk(self, job: Job | None, delta: CompletionDelta | None, *, index: int = 0,
-                   want_logprobs: bool = False, usage: bool = False) -> dict:
+                   want_logprobs: bool = False, usage: bool = False, message: dict | None = None,
+                   finish_reason: str | None = None) -> dict:
+        """message: the chunk's `delta` object when not just the delta's text (tool calls);
+        finish_reason: replaces the delta's ("tool_calls")."""
         if delta is None:  # the opening chunk of choice `index`: the role
             choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}
         else:
-            choice = {"index": job.choice_index(delta), "delta": {"content": delta.text} if delta.text else {},
+            if message is None:
+                message = {"content": delta.text} if delta.text else {}
+            choice = {"index": job.choice_index(delta), "delta": message,
                       "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
-                      "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+                      "finish_reason": finish_reason or finish_of(delta), "stop_reason": stop_reason_of(delta)}
         out = {**self._head("chat.completion.chunk"), "choices": [choice]}
         if usage:
             out["usage"] = None
