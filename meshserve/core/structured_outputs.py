@@ -20,7 +20,6 @@ from typing import Any
 
 from meshserve.errors import ConfigError, check
 
-
 _IMPORT_LOCK = threading.Lock()
 
 

@@ -125,7 +125,8 @@ def test_tool_calls_parse_to_valid_arguments(server, tool_choice):
         assert choice.message.tool_calls, choice
         for call in choice.message.tool_calls:
             assert call.type == "function" and call.id
-            jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name]["function"]["parameters"])
+            schema = tools[call.function.name]["function"]["parameters"]
+            jsonschema.validate(json.loads(call.function.arguments), schema)
         if isinstance(tool_choice, dict):
             assert [c.function.name for c in choice.message.tool_calls] == ["get_weather"]
 
@@ -164,8 +165,8 @@ def test_langchain_structured_output_and_bind_tools(server):
         name: str = Field(max_length=10)
         age: int = Field(ge=0, le=150)
 
-    llm = ChatOpenAI(base_url=f"{server['url']}/v1", api_key="none", model="meshserve-demo", temperature=0, max_tokens=60,
-                     max_retries=0)
+    llm = ChatOpenAI(base_url=f"{server['url']}/v1", api_key="none", model="meshserve-demo", temperature=0,
+                     max_tokens=60, max_retries=0)
     for method in ("json_schema", "function_calling"):
         person = llm.with_structured_output(Person, method=method).invoke("The for statement is used to")
         assert isinstance(person, Person), (method, person)

@@ -241,7 +241,8 @@ class ChatCompletionRequest(_Sampling):
     def check(self, *, parses_tools: bool = False) -> None:
         """parses_tools: the server has a tool-call parser for this model (tool_choice auto)."""
         self.check_common()
-        self._tools = tools = ToolRequest.of(self.tools, self.tool_choice, parallel=self.parallel_tool_calls is not False)
+        self._tools = tools = ToolRequest.of(self.tools, self.tool_choice,
+                                             parallel=self.parallel_tool_calls is not False)
         grammar = tools.grammar()
         if grammar is not None:
             check(self._structured is None, "tool_choice", self.tool_choice,
