@@ -87,6 +87,8 @@ class InferenceServicer:
             params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
+            if params is not None and params.truncate_prompt_tokens is not None:
+                ids = ids[-params.truncate_prompt_tokens:]  # (the engine would too: usage counts what runs)
             scoped = self._scoped(request_id, context)
             stream = self.service.generate(ids, params, request_id=scoped, beam=beam)
             num_tokens = 0
@@ -95,7 +97,8 @@ class InferenceServicer:
                 num_tokens += len(delta.token_ids)
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
-                usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens) if delta.finished else None
+                usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens,
+                                 cached_tokens=delta.num_cached_tokens) if delta.finished else None
                 await context.write(convert.response_of(delta, request_id, usage))
                 if delta.finished:
                     completed = True

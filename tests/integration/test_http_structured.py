@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 
+import grpc
 import jsonschema
 import openai
 import pytest
@@ -20,7 +21,9 @@ import pytest
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
 from meshserve.demo_model import DEMO_MODEL_DIR
-from tests.integration.api_harness import ServerLoop, demo_service
+from meshserve.workers.checkpoint import load_tokenizer
+from meshserve.api.client import InferenceClient
+from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -56,7 +59,9 @@ def server():
     http = HttpServer(service, port=0, chat_template=ChatTemplate.load(DEMO_MODEL_DIR))
     loop.run(http.start())
     client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="none", max_retries=0, timeout=120)
-    yield {"client": client, "url": http.url}
+    grpc_client = InferenceClient(loop.serve(service).address)
+    yield {"client": client, "url": http.url, "grpc": grpc_client}
+    grpc_client.close()
     loop.run(http.stop(grace=0))
     loop.close(service)
 
@@ -180,3 +185,48 @@ def test_langchain_structured_output_and_bind_tools(server):
     message = bound.invoke("What time is it?")
     assert [c["name"] for c in message.tool_calls] == ["get_time"]
     jsonschema.validate(message.tool_calls[0]["args"], TIME["function"]["parameters"])
+
+
+def test_grpc_takes_structured_outputs_and_the_new_sampling_fields(server):
+    client = server["grpc"]
+    out = client.generate("An exception", max_tokens=60, temperature=0,
+                          structured_outputs={"json": json.dumps(STATUS)})
+    assert out.finish_reason == "stop"
+    jsonschema.validate(json.loads(out.text), STATUS)
+    out = client.generate("An exception", max_tokens=10, temperature=0, structured_outputs={"choice": {
+        "choices": ["red", "green"]}}, min_tokens=0, logit_bias={5: 1.0}, bad_words=["blue"])
+    assert out.text in ("red", "green")
+    long_prompt = "The for statement is used to " * 8
+    first = client.generate(long_prompt, max_tokens=2, temperature=0, truncate_prompt_tokens=5)
+    assert first.usage.prompt_tokens == 5
+    client.generate(long_prompt, max_tokens=2, temperature=0)
+    again = client.generate(long_prompt, max_tokens=2, temperature=0)
+    assert again.usage.prompt_tokens == 50 and again.usage.cached_tokens >= 32  # the same prompt again: its full blocks come from the prefix cache
+    exc = rpc_error(lambda: client.generate("x", max_tokens=2, structured_outputs={"regex": "(a"}))
+    assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details().startswith("structured_outputs.regex=")
+
+
+def test_http_sampling_fields_usage_and_stop_on_the_last_token(server):
+    client = server["client"]
+    tokenizer = load_tokenizer(DEMO_MODEL_DIR)
+    allowed = tokenizer.encode(" loop body", add_special_tokens=False).ids
+    out = client.completions.create(model="", prompt="Python supports", max_tokens=6, temperature=1.0, seed=1,
+                                    logprobs=0, extra_body={"allowed_token_ids": allowed,
+                                                            "logit_bias": {str(allowed[0]): 100}})
+    assert out.choices[0].logprobs.tokens == [tokenizer.decode([allowed[0]])] * 6  # +100 wins every draw
+    out = client.completions.create(model="", prompt="The for statement is used to " * 4, max_tokens=2,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    assert out.usage.prompt_tokens == 3 and out.usage.prompt_tokens_details.cached_tokens == 0
+    stream = client.completions.create(model="", prompt="An exception is raised when", max_tokens=5, stream=True,
+                                       temperature=0, stream_options={"include_usage": True,
+                                                                      "continuous_usage_stats": True})
+    counts = [c.usage.completion_tokens for c in stream]
+    assert counts == sorted(counts) and counts[-1] == 5 and len(counts) >= 5
+    # A stop string completed by the last token max_tokens allows: "stop", with the stop string as the reason.
+    whole = client.completions.create(model="", prompt="An exception is raised when", max_tokens=6, temperature=0,
+                                      logprobs=0).choices[0]
+    last = whole.logprobs.tokens[-1]
+    assert last.strip() and whole.text.find(last) == len(whole.text) - len(last)
+    cut = client.completions.create(model="", prompt="An exception is raised when", max_tokens=6, temperature=0,
+                                    stop=[last]).choices[0]
+    assert (cut.finish_reason, cut.model_extra["stop_reason"], cut.text) == ("stop", last, whole.text[:-len(last)])
