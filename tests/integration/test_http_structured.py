@@ -18,11 +18,11 @@ import jsonschema
 import openai
 import pytest
 
+from meshserve.api.client import InferenceClient
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.workers.checkpoint import load_tokenizer
-from meshserve.api.client import InferenceClient
 from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
 
 pytestmark = pytest.mark.timeout(240)
@@ -201,7 +201,8 @@ def test_grpc_takes_structured_outputs_and_the_new_sampling_fields(server):
     assert first.usage.prompt_tokens == 5
     client.generate(long_prompt, max_tokens=2, temperature=0)
     again = client.generate(long_prompt, max_tokens=2, temperature=0)
-    assert again.usage.prompt_tokens == 50 and again.usage.cached_tokens >= 32  # the same prompt again: its full blocks come from the prefix cache
+    # the same prompt again: its full blocks come from the prefix cache
+    assert again.usage.prompt_tokens == 50 and again.usage.cached_tokens >= 32
     exc = rpc_error(lambda: client.generate("x", max_tokens=2, structured_outputs={"regex": "(a"}))
     assert exc.code() == grpc.StatusCode.INVALID_ARGUMENT and exc.details().startswith("structured_outputs.regex=")
 
