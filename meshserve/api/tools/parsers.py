@@ -9,7 +9,8 @@
                the answer in <|channel|>final<|message|>TEXT. Parsed on the text: openai-harmony's own
                parser needs its tiktoken vocabulary, which it downloads, and nothing here reaches the network.
 
-Each parser splits a finished output into (content, calls); `start` says where calls begin in
+Each parser splits a finished output into (content, calls) (content: the text itself when it
+holds no calls, except harmony's, whose content is its final channel); `start` says where calls begin in
 text still streaming, so that content before it can be sent while the rest is held back. The
 markers are special tokens in those models' vocabularies: requests parsed here keep special
 tokens in their text (skip_special_tokens=False).
@@ -162,11 +163,9 @@ def _parse_harmony(text: str) -> tuple[str, list[ToolCall]]:
 
 
 def _start_harmony(text: str) -> int | None:
-    m = _TO_FUNCTION.search(text)
-    if m is None:
-        return None
-    i = text.rfind("<|channel|>", 0, m.start())
-    return i if i >= 0 else m.start()
+    """Harmony text is messages on channels (analysis, commentary, final), not content with calls
+    inside: it is held until the end, when the final channel's text becomes the content."""
+    return 0 if text.lstrip()[:2] in ("<|", "") else None
 
 
 PARSERS: dict[str, ToolParser] = {

@@ -23,7 +23,7 @@ def split_output(tools: ToolRequest, parser: ToolParser | None, text: str) -> tu
         return (None, calls) if calls else (text, [])
     if tools.mode is ToolMode.AUTO and parser is not None:
         content, calls = parser.parse(text)
-        return (content or None, calls) if calls else (text, [])
+        return (content or None, calls) if calls else (content, [])
     return text, []
 
 
@@ -82,7 +82,7 @@ class ToolStream:
             return []
         content, calls = split_output(self.tools, self.parser, self.text)
         if not calls:  # not a call after all (or cut short): the rest is content
-            rest, self.sent = self.text[self.sent:], len(self.text)
+            rest, self.sent = (content or "")[self.sent:], len(self.text)
             return [{"content": rest}] if rest else []
         self.num_calls = len(calls)
         out = []
