@@ -60,7 +60,7 @@ def _sync() -> None:
 
 def run_batch(llm: LLM, prompt: list[int], params: SamplingParams, batch: int, fills: FillTimer) -> dict:
     core = llm.core
-    for i in range(batch):
+    for _ in range(batch):
         core.add_request(prompt, params)
     steps, fill_share = [], []
     stats = core.scheduler.stats
