@@ -16,6 +16,7 @@ import re
 import threading
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 from meshserve.errors import ConfigError, check
@@ -122,14 +123,11 @@ class StructuredOutputs:
         return xgr.Grammar.from_ebnf(self.source)
 
     def check(self, field: str) -> None:
-        """Refuse a source the grammar engine cannot parse, naming `field` and its reason."""
-        try:
-            self.grammar()
-        except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            reason = _ENGINE_PREFIX.sub("", reason)  # "[12:00:00] /project/cpp/x.cc:12: " says nothing to a user
-            raise ConfigError(field, _short(self.source or repr(self.choices)),
-                              f"a valid {self.kind.value} ({reason[:300]})") from None
+        """Refuse a source the grammar engine cannot parse, naming `field` and its reason. Checked
+        once per distinct constraint (the front-end and the engine's admission both ask)."""
+        reason = _reason_refused(self)
+        if reason is not None:
+            raise ConfigError(field, _short(self.source or repr(self.choices)), f"a valid {self.kind.value} ({reason})")
 
     @property
     def cache_key(self) -> tuple:
@@ -145,6 +143,16 @@ class StructuredOutputs:
               data, f"a dict with kind one of {[k.value for k in GrammarKind]}")
         return cls(GrammarKind(data["kind"]), data.get("source", ""), tuple(data.get("choices", ())),
                    bool(data.get("whitespace", False)))
+
+
+@lru_cache(maxsize=256)
+def _reason_refused(spec: StructuredOutputs) -> str | None:
+    try:
+        spec.grammar()
+    except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        return _ENGINE_PREFIX.sub("", reason)[:300]  # "[12:00:00] /project/cpp/x.cc:12: " says nothing to a user
+    return None
 
 
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

@@ -81,6 +81,8 @@ class RequestValidator:
         params = params or SamplingParams()
         check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:  # (a constraint made without its constructors; cached check)
+            params.structured_outputs.check("structured_outputs")
         limit = self.scheduler.max_num_seqs
         check(params.num_samples <= limit, "best_of" if params.best_of is not None else "n", params.num_samples,
               f"at most max_num_seqs={limit} (the samples of a request run side by side)")

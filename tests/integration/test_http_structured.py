@@ -231,3 +231,11 @@ def test_http_sampling_fields_usage_and_stop_on_the_last_token(server):
     cut = client.completions.create(model="", prompt="An exception is raised when", max_tokens=6, temperature=0,
                                     stop=[last]).choices[0]
     assert (cut.finish_reason, cut.model_extra["stop_reason"], cut.text) == ("stop", last, whole.text[:-len(last)])
+
+
+@pytest.mark.xfail(strict=True, raises=openai.BadRequestError,
+                   reason="prompt_logprobs is not built: the runner computes logits only for the rows it samples")
+def test_prompt_logprobs(server):
+    out = server["client"].completions.create(model="", prompt="Python supports", max_tokens=1,
+                                              extra_body={"prompt_logprobs": 1})
+    assert len(out.choices[0].model_extra["prompt_logprobs"]) == 3
