@@ -60,8 +60,13 @@ def server():
     loop.run(http.start())
     client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="none", max_retries=0, timeout=120)
     grpc_client = InferenceClient(loop.serve(service).address)
-    yield {"client": client, "url": http.url, "grpc": grpc_client}
+    # The same service behind a server that parses Hermes-style calls (tool_choice auto)
+    hermes = HttpServer(service, port=0, chat_template=ChatTemplate.load(DEMO_MODEL_DIR, tool_call_parser="hermes"))
+    loop.run(hermes.start())
+    hermes_client = openai.OpenAI(base_url=f"{hermes.url}/v1", api_key="none", max_retries=0, timeout=120)
+    yield {"client": client, "url": http.url, "grpc": grpc_client, "hermes": hermes_client}
     grpc_client.close()
+    loop.run(hermes.stop(grace=0))
     loop.run(http.stop(grace=0))
     loop.close(service)
 
@@ -159,6 +164,30 @@ def test_streamed_tool_call_deltas_reassemble_to_the_whole_call(server, tool_cho
     assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == \
         [(c.function.name, json.loads(c.function.arguments)) for c in whole]
     assert all(c["id"] for c in calls.values())
+
+
+def test_auto_tool_calls_are_parsed_from_the_models_text_whole_and_streamed(server):
+    """The demo model writes no tool calls of itself: a regex makes it write a Hermes call after
+    some text, which the server's parser must split into content and a call."""
+    client = server["hermes"]
+    regex = r'Checking\.<tool_call>\{"name": "get_time", "arguments": \{"zone": "(UTC|CET)"\}\}</tool_call>'
+    kw = dict(model="", messages=MESSAGES, tools=[WEATHER, TIME], temperature=0, max_tokens=60,
+              extra_body={"structured_outputs": {"regex": regex}})
+    whole = client.chat.completions.create(**kw).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.message.content == "Checking."
+    (call,) = whole.message.tool_calls
+    assert call.function.name == "get_time" and json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
+    content, calls = "", {}
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for part in delta.tool_calls or ():
+            calls.setdefault(part.index, []).append(part)
+    assert content == "Checking." and len(calls) == 1
+    got = [(p.function.name, p.function.arguments) for p in calls[0]]
+    assert got == [(call.function.name, call.function.arguments)]
+    plain = client.chat.completions.create(model="", messages=MESSAGES, tools=[WEATHER], max_tokens=8, temperature=0)
+    assert plain.choices[0].message.tool_calls is None and plain.choices[0].finish_reason == "length"
 
 
 def test_langchain_structured_output_and_bind_tools(server):
