@@ -30,7 +30,8 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REAS
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 # Optional scalar fields copied to SamplingParams unchanged when set.
 _PLAIN = ("temperature", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "max_tokens", "logprobs", "skip_special_tokens", "n", "best_of", "min_tokens", "truncate_prompt_tokens")
+          "max_tokens", "logprobs", "skip_special_tokens", "n", "best_of", "min_tokens", "truncate_prompt_tokens",
+          "prompt_logprobs")
 _EARLY_STOPPING = {pb.EARLY_STOPPING_HEURISTIC: False, pb.EARLY_STOPPING_ON: True, pb.EARLY_STOPPING_NEVER: "never"}
 
 
@@ -212,6 +213,9 @@ def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None)
     for lp in delta.logprobs:
         out.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    for lp in filter(None, (delta.prompt_logprobs or ())[1:]):
+        out.prompt_logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
     if isinstance(delta.stop_reason, str):
         out.stop_string = delta.stop_reason
     elif isinstance(delta.stop_reason, int):

@@ -61,6 +61,9 @@ class SamplingParams:
                        alone and after a space) gets -inf
     structured_outputs None, or a grammar the output must follow (core/structured_outputs.py)
     truncate_prompt_tokens None, or k >= 1: only the prompt's last k tokens are used
+    prompt_logprobs    None, or 0..20: also return each prompt token's logprob (from the second on)
+                       and the top-n at its position; n = best_of = 1 only. Such a request takes no
+                       prefix-cache hit (every position's logits are computed)
     """
 
     temperature: float = 1.0
@@ -86,6 +89,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     structured_outputs: StructuredOutputs | None = None
     truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.logit_bias, dict):
@@ -140,6 +144,11 @@ class SamplingParams:
         check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
                                                       and self.truncate_prompt_tokens >= 1),
               "truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check(self.prompt_logprobs is None or self.num_samples == 1, "prompt_logprobs", self.prompt_logprobs,
+              "None when n or best_of > 1")
 
     @cached_property  # (read per request per step by the sampler: computed once)
     def is_greedy(self) -> bool:

@@ -27,6 +27,7 @@ from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.constraints import ConstraintBuilder, RequestConstraints
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
+from meshserve.workers.prompt_logprobs import PromptLogprobs, prompt_logprobs, wanted_rows
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
 from meshserve.workers.step import DecodeRows, ScheduledSeq, StepOutput, StepPlan
@@ -88,6 +89,7 @@ class _InFlight:
     step_id: int
     request_ids: list[str] = field(default_factory=list)  # the request of each drawn row
     draw: Draw | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # already on the host
     result: StepOutput | None = None
 
 
@@ -136,6 +138,7 @@ class ModelRunner:
         self._reads_history: set[str] = set()  # requests with penalties, a seed or constraints (they read their tokens)
         self.constraints = constraints
         self._constrained: set[str] = set()  # requests with constraints (a subset of _reads_history)
+        self._wants_prompt_logprobs: set[str] = set()
 
     @property
     def num_active_requests(self) -> int:
@@ -152,6 +155,8 @@ class ModelRunner:
                                                            list(new.prompt_ids), list(new.output_ids),
                                                            encoder_ids=list(new.encoder_ids))
             self._constrained.discard(new.request_id)  # (announced again after a detach)
+            if req.params.prompt_logprobs is not None:
+                self._wants_prompt_logprobs.add(new.request_id)
             if req.params.has_constraints and self.is_driver:
                 check(self.constraints is not None, "sampling", new.request_id,
                       "no logit_bias, allowed_token_ids, bad_words, min_tokens or structured_outputs: this "
@@ -173,6 +178,7 @@ class ModelRunner:
             self.requests.pop(rid, None)
             self._reads_history.discard(rid)
             self._constrained.discard(rid)
+            self._wants_prompt_logprobs.discard(rid)
             self.tables.remove(rid)
 
     def collect(self) -> StepOutput:
@@ -183,6 +189,8 @@ class ModelRunner:
     def _read(self, flight: _InFlight) -> StepOutput:
         if flight.result is None:
             result = flight.result = StepOutput(flight.step_id)
+            if flight.prompt_logprobs and self.is_driver:
+                result.prompt_logprobs = flight.prompt_logprobs
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
                 history = self._reads_history  # (requests forgotten meanwhile are not in it)
@@ -233,7 +241,7 @@ class ModelRunner:
         else:
             order = list(seqs) if decodes is None else [*seqs, *decodes.seqs()]
             to_sample = np.flatnonzero(cols.sample).tolist()
-            logits = self._run_eager(order, rows, batch, to_sample, fill)
+            logits = self._run_eager(order, rows, batch, to_sample, fill, flight)
             sample_ids = [ids[i] for i in to_sample]
         if sample_ids and self.is_driver:
             self._draw(sample_ids, logits, flight)
@@ -269,7 +277,7 @@ class ModelRunner:
         return fill
 
     def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[np.ndarray], batch: _PackedBatch,
-                   to_sample: list[int], fill) -> torch.Tensor | None:
+                   to_sample: list[int], fill, flight: _InFlight | None = None) -> torch.Tensor | None:
         """tables: per KV layer group, the block tables of `order` ([S, W] int32, row s for order[s])."""
         encoder = None
         cross: dict = {}  # encoder-decoder: group 0's metadata carries the encoder tables too
@@ -298,6 +306,10 @@ class ModelRunner:
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
         ctx = ForwardContext(layers=layers, encoder=encoder)
         hidden = self.model(input_ids, to_device(torch.from_numpy(batch.positions), self.device), ctx)  # [T, hidden]
+        if self._wants_prompt_logprobs and flight is not None:  # (workers/prompt_logprobs.py)
+            wanted = wanted_rows(order, batch.query_lens, batch.ends, self.requests)
+            if wanted:
+                flight.prompt_logprobs = prompt_logprobs(self.model.compute_logits, hidden, wanted)
         if not to_sample:
             return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.

@@ -262,9 +262,23 @@ def test_http_sampling_fields_usage_and_stop_on_the_last_token(server):
     assert (cut.finish_reason, cut.model_extra["stop_reason"], cut.text) == ("stop", last, whole.text[:-len(last)])
 
 
-@pytest.mark.xfail(strict=True, raises=openai.BadRequestError,
-                   reason="prompt_logprobs is not built: the runner computes logits only for the rows it samples")
-def test_prompt_logprobs(server):
-    out = server["client"].completions.create(model="", prompt="Python supports", max_tokens=1,
-                                              extra_body={"prompt_logprobs": 1})
-    assert len(out.choices[0].model_extra["prompt_logprobs"]) == 3
+def test_prompt_logprobs_over_http_and_grpc(server):
+    """The engine's values (tested against HF in tests/unit/engine/test_prompt_logprobs.py) in vLLM's
+    shape over HTTP and as TokenLogprobs over gRPC; the same prompt gives the same numbers."""
+    prompt = "Python supports many kinds of"
+    out = server["client"].completions.create(model="", prompt=prompt, max_tokens=1, temperature=0,
+                                              extra_body={"prompt_logprobs": 2})
+    plps = out.choices[0].model_extra["prompt_logprobs"]
+    ids = load_tokenizer(DEMO_MODEL_DIR).encode(prompt).ids
+    assert len(plps) == len(ids) == out.usage.prompt_tokens and plps[0] is None
+    for token, entry in zip(ids[1:], plps[1:]):
+        assert str(token) in entry and sorted(v["rank"] for v in entry.values() if "rank" in v) == [1, 2]
+    streamed = server["client"].completions.create(model="", prompt=prompt, max_tokens=1, temperature=0, stream=True,
+                                                   extra_body={"prompt_logprobs": 2})
+    first = next(c for c in streamed if c.choices)
+    assert first.choices[0].model_extra["prompt_logprobs"] == plps
+    got = server["grpc"].generate(prompt, max_tokens=1, temperature=0, prompt_logprobs=2).prompt_logprobs
+    assert [lp.token_id for lp in got] == ids[1:]
+    for lp, entry in zip(got, plps[1:]):
+        assert abs(lp.logprob - entry[str(lp.token_id)]["logprob"]) < 1e-5
+        assert [t.token_id for t in lp.top] == [int(k) for k, v in entry.items() if "rank" in v]

@@ -200,7 +200,7 @@ class OpenAIFrontend:
         async def chunks() -> AsyncIterator[dict]:
             offsets = [0] * sum(job.n for job in jobs)  # per choice
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                     i = job.choice_index(delta)
                     chunk = shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
                                                     usage=body.include_usage)
@@ -251,7 +251,7 @@ class OpenAIFrontend:
             for i in range(jobs[0].n):
                 yield shaper.chat_chunk(None, None, index=i, usage=body.include_usage)
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                     for chunk in chat_chunks(job, delta):
                         if body.continuous_usage:
                             chunk["usage"] = usage_of(jobs)

@@ -92,8 +92,6 @@ class _Sampling(_Body):
     def check_common(self) -> None:
         check(self.stream or self.stream_options is None, "stream_options", self.stream_options,
               "unset unless stream is true")
-        check(self.prompt_logprobs is None, "prompt_logprobs", self.prompt_logprobs,
-              "unset (prompt logprobs are not computed by this server yet)")
         check(self.guided_decoding_backend in (None, "auto", "xgrammar"), "guided_decoding_backend",
               self.guided_decoding_backend, "unset, 'auto' or 'xgrammar' (the engine this server runs)")
         check(self.truncate_prompt_tokens is None or self.truncate_prompt_tokens >= 1, "truncate_prompt_tokens",
@@ -160,7 +158,8 @@ class _Sampling(_Body):
                               skip_special_tokens=self.skip_special_tokens and not self.keeps_special_tokens,
                               min_tokens=self.min_tokens, logit_bias=self.logit_bias_ids(vocab_size),
                               allowed_token_ids=self.allowed_token_ids, bad_words=tuple(self.bad_words or ()),
-                              structured_outputs=self.constraint(), truncate_prompt_tokens=self.truncate_prompt_tokens)
+                              structured_outputs=self.constraint(), truncate_prompt_tokens=self.truncate_prompt_tokens,
+                              prompt_logprobs=self.prompt_logprobs)
 
     def constraint(self) -> StructuredOutputs | None:
         """What constrains the output (set by check())."""

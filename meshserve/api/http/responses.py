@@ -8,6 +8,11 @@ included, as the engine counts them), their sum, and `prompt_tokens_details.cach
 empty choices carrying the usage when `stream_options.include_usage` is set, then
 `data: [DONE]`; with `continuous_usage_stats` every chunk carries the usage so far.
 
+`prompt_logprobs` (vLLM's shape): per prompt token, None for the first, then
+`{"<token id>": {"logprob", "decoded_token", "rank"}}` for the token itself and the top n at its
+position (rank 1..n for those; the prompt token's rank only when it is among them); per choice
+in completions, at the top of a chat response; streamed with the first chunk.
+
 Chat choices with tools (api/tools/): the message's `tool_calls` and `content` (None when the
 output was only calls), finish_reason "tool_calls" when the choice ended with calls.
 """
@@ -83,6 +88,20 @@ class Shaper:
         return {"content": [{**self._chat_entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top]} for lp in lps]}
 
+    def prompt_logprobs(self, lps: Sequence[TokenLogprobs | None] | None) -> list | None:
+        if lps is None:
+            return None
+        out: list = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": self._token(t)}
+                     for r, (t, v) in enumerate(lp.top, start=1)}
+            entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "decoded_token": self._token(lp.token_id)})
+            out.append(entry)
+        return out
+
     # -- whole responses ---------------------------------------------------------------------------
 
     def completion(self, jobs: Sequence[Job], *, echo: Sequence[str] | None, want_logprobs: bool) -> dict:
@@ -95,6 +114,8 @@ class Shaper:
                 "index": job.choice_index(last), "text": prefix + "".join(d.text for d in pieces),
                 "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
+            if pieces[0].prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(pieces[0].prompt_logprobs)
         return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
 
     def chat(self, jobs: Sequence[Job], *, want_logprobs: bool, tools: ToolRequest | None = None,
@@ -114,7 +135,11 @@ class Shaper:
                 "index": jobs[0].choice_index(last), "message": message,
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
                 "finish_reason": finish, "stop_reason": stop_reason_of(last)})
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
+        out = {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
+        first = jobs[0].pieces[0] if jobs and jobs[0].pieces else None
+        if first is not None and first.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(first.prompt_logprobs)
+        return out
 
     # -- stream chunks -----------------------------------------------------------------------------
 
@@ -123,6 +148,8 @@ class Shaper:
         choice = {"index": job.choice_index(delta), "text": delta.text,
                   "logprobs": self.completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
                   "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+        if delta.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(delta.prompt_logprobs)
         out = {**self._head("text_completion"), "choices": [choice]}
         if usage:
             out["usage"] = None
@@ -143,6 +170,8 @@ class Shaper:
                       "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
                       "finish_reason": finish_reason or finish_of(delta), "stop_reason": stop_reason_of(delta)}
         out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        if delta is not None and delta.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(delta.prompt_logprobs)
         if usage:
             out["usage"] = None
         return out
