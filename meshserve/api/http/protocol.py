@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr
 
 from meshserve.api import convert, structured
 from meshserve.api.convert import ApiLimits
-from meshserve.api.tools.choice import ToolRequest
+from meshserve.api.tools.choice import ToolMode, ToolRequest
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
@@ -41,7 +41,6 @@ def prompt_list(value: Prompt, field: str) -> list[str | list[int]]:
 
 class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    _structured: StructuredOutputs | None = PrivateAttr(default=None)
 
 
 class StreamOptions(_Body):
@@ -88,6 +87,7 @@ class _Sampling(_Body):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    _structured: StructuredOutputs | None = PrivateAttr(default=None)  # set by check_common
 
     def check_common(self) -> None:
         check(self.stream or self.stream_options is None, "stream_options", self.stream_options,
@@ -248,7 +248,7 @@ class ChatCompletionRequest(_Sampling):
                   "'auto' or 'none' when the request also asks for structured output")
             check(not self.use_beam_search, "use_beam_search", True, "false with tool_choice required or named")
             self._structured = grammar
-        self._parses_tools = parses_tools and tools.mode.value == "auto"
+        self._parses_tools = parses_tools and tools.mode is ToolMode.AUTO
         check(self.top_logprobs is None or (self.logprobs and 0 <= self.top_logprobs <= MAX_LOGPROBS),
               "top_logprobs", self.top_logprobs, f"unset, or an integer in [0, {MAX_LOGPROBS}] with logprobs true")
         reserved = sorted(set(self.chat_template_kwargs or ()) & _RESERVED)
