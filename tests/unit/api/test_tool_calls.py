@@ -109,3 +109,47 @@ def test_parser_detection_and_names():
     with pytest.raises(ConfigError) as err:
         parser_named("mistral")
     assert err.value.field == "tool_call_parser" and "hermes" in str(err.value)
+
+
+# Qwen 2.5's way of writing calls and tool results (trimmed): arguments through tojson.
+TOOL_TEMPLATE = """{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}
+<|im_start|>assistant
+{%- for tool_call in message.tool_calls %}
+<tool_call>
+{"name": "{{ tool_call.function.name }}", "arguments": {{ tool_call.function.arguments | tojson }}}
+</tool_call>
+{%- endfor %}<|im_end|>
+{%- elif message.role == "tool" %}
+<|im_start|>user
+<tool_response>
+{{ message.content }}
+</tool_response><|im_end|>
+{%- else %}
+<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{%- endif %}
+{%- endfor %}
+<|im_start|>assistant
+"""
+
+
+def test_tool_messages_render_as_transformers_renders_them(tmp_path):
+    import transformers
+
+    from meshserve.api.http.chat import ChatTemplate
+    from meshserve.api.http.protocol import ChatMessage
+    from tests.unit.api.test_chat_template import _checkpoint
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    openai_messages = [{"role": "user", "content": "Weather in Oslo?"},
+                       {"role": "assistant", "content": None, "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "call_1", "content": "12 C, rain"}]
+    folder = _checkpoint(tmp_path, "qwen_tools", TOOL_TEMPLATE)
+    hf_messages = json.loads(json.dumps(openai_messages))
+    hf_messages[1]["tool_calls"][0]["function"]["arguments"] = {"city": "Oslo"}  # transformers takes objects
+    want = transformers.AutoTokenizer.from_pretrained(folder).apply_chat_template(
+        hf_messages, tools=[WEATHER], tokenize=False)
+    got = ChatTemplate.load(folder).render([ChatMessage(**m).for_template() for m in openai_messages],
+                                           tools=[WEATHER], add_generation_prompt=False)
+    assert got == want and '"arguments": {"city": "Oslo"}' in got and "<tool_response>\n12 C, rain" in got
