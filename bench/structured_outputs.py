@@ -38,16 +38,16 @@ SCHEMA = {"type": "array", "minItems": 200, "items": {
 
 
 class FillTimer:
-    """Wraps GrammarState.fill and the sampler's apply_constraints to add up their host time."""
+    """Wraps the matchers' mask fill and the sampler's apply_constraints to add up their host time."""
 
     def __init__(self) -> None:
         self.seconds = self.apply_seconds = 0.0
-        self._fill = constraints.GrammarState.fill
+        self._fill = constraints.fill_masks
         self._apply = sampler.apply_constraints
 
-        def timed(state, bitmask, row, _fill=self._fill):
+        def timed(states, bitmask, rows, _fill=self._fill):
             t = time.perf_counter()
-            _fill(state, bitmask, row)
+            _fill(states, bitmask, rows)
             self.seconds += time.perf_counter() - t
 
         def timed_apply(logits, rows, _apply=self._apply):
@@ -56,11 +56,11 @@ class FillTimer:
             self.apply_seconds += time.perf_counter() - t
             return out
 
-        constraints.GrammarState.fill = timed
+        constraints.fill_masks = timed
         sampler.apply_constraints = timed_apply
 
     def restore(self) -> None:
-        constraints.GrammarState.fill = self._fill
+        constraints.fill_masks = self._fill
         sampler.apply_constraints = self._apply
 
 

@@ -27,7 +27,7 @@ import torch
 
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
-from meshserve.workers.grammar import GrammarCompiler, GrammarState, bitmask_words
+from meshserve.workers.grammar import GrammarCompiler, GrammarState, bitmask_words, fill_masks
 
 
 @dataclass
@@ -152,11 +152,11 @@ def apply_constraints(logits: torch.Tensor, constraints: Sequence[RequestConstra
     if mask_rows:
         words = bitmask_words(vocab)
         host = torch.empty((len(mask_rows), words), dtype=torch.int32, pin_memory=device.type == "cuda")
+        grammar_rows = [j for j, i in enumerate(mask_rows) if constraints[i].grammar is not None]
+        fill_masks([constraints[mask_rows[j]].grammar for j in grammar_rows], host, grammar_rows)
         for j, i in enumerate(mask_rows):
             c = constraints[i]
-            if c.grammar is not None:
-                c.grammar.fill(host, j)
-            else:
+            if c.grammar is None:
                 host[j].fill_(-1)
             if c.allowed is not None:
                 host[j] &= torch.from_numpy(c.allowed)

@@ -15,6 +15,7 @@ bitmask (int32 words, bit t of word t // 32 set when token t is allowed).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,6 +26,13 @@ import torch
 from meshserve.core.structured_outputs import StructuredOutputs, load_xgrammar
 
 log = logging.getLogger("meshserve.workers.grammar")
+
+# From this many rows, a step's masks are filled by xgrammar's batch matcher: C++ threads that
+# run without the GIL, so a large batch's fill takes a fraction of its serial time. Half the
+# cores at most: on the GPU path the host also plans the next step meanwhile.
+BATCH_FILL_MIN_ROWS = 8
+FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+_batch_matcher = None
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -90,15 +98,36 @@ class GrammarState:
                 self.failed = True
         return m
 
+    def ready(self):
+        """The matcher, caught up with the output, to fill the next mask; None when every token is
+        to be allowed: after the end (a step the scheduler drops, as the request is finished) or
+        once off the grammar (the row's output is not used)."""
+        m = self._sync()
+        return None if self.failed or m.is_terminated() else m
+
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the next token's mask into bitmask[row] (int32 [R, words], on the host)."""
-        m = self._sync()
-        if self.failed or m.is_terminated():
-            # Every token allowed: after the end (a step the scheduler drops, as the request is
-            # finished) or once off the grammar, the row's output is not used.
+        fill_masks([self], bitmask, [row])
+
+
+def fill_masks(states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+    """Write each state's next-token mask into its row of bitmask (int32 [R, words], host)."""
+    matchers, at = [], []
+    for state, row in zip(states, rows):
+        m = state.ready()
+        if m is None:
             bitmask[row].fill_(-1)
         else:
-            m.fill_next_token_bitmask(bitmask, row)
+            matchers.append(m)
+            at.append(row)
+    if len(matchers) >= BATCH_FILL_MIN_ROWS:
+        global _batch_matcher
+        if _batch_matcher is None:
+            _batch_matcher = load_xgrammar().BatchGrammarMatcher(FILL_THREADS)
+        _batch_matcher.batch_fill_next_token_bitmask(matchers, bitmask, at)
+        return
+    for m, row in zip(matchers, at):
+        m.fill_next_token_bitmask(bitmask, row)
 
     @property
     def is_terminated(self) -> bool:

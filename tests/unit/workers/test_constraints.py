@@ -142,3 +142,21 @@ def test_new_fields_are_checked_and_travel_as_plain_types():
     with pytest.raises(ConfigError) as err:
         SamplingParams(logit_bias={V: 1.0}).check_vocab(V)
     assert err.value.field == "logit_bias"
+
+
+def test_batch_fill_writes_the_masks_one_by_one_fill_writes(builder, monkeypatch):
+    from meshserve.workers import grammar
+
+    specs = [StructuredOutputs.choice(["yes", "no"]), StructuredOutputs.regex(r"[a-c]{2}[0-9]"),
+             StructuredOutputs.json_schema({"type": "object", "properties": {"k": {"type": "boolean"}}})]
+    made = [builder.make(SamplingParams(structured_outputs=specs[i % 3]), []) for i in range(12)]
+    for k, c in enumerate(made):  # some rows a token into their output
+        if k >= 6:
+            c.grammar.fill(torch.empty(1, 128, dtype=torch.int32), 0)
+            first = {0: "y", 1: "a", 2: "{"}[k % 3]
+            c.output_ids.append(next(i for i in range(V) if load_tokenizer(DEMO_MODEL_DIR).decode([i]) == first))
+    logits = _logits(len(made), seed=5)
+    batched = apply_constraints(logits, made)  # 12 rows: the batch matcher
+    monkeypatch.setattr(grammar, "BATCH_FILL_MIN_ROWS", 10**6)
+    one_by_one = apply_constraints(logits, made)
+    assert torch.equal(batched, one_by_one) and batched.isinf().any()
