@@ -40,11 +40,12 @@ _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 class KVTransferError(MeshserveError):
     """A KV hand-over was refused. `reason` is one of: layout, capacity, truncated, checksum,
     bad_header, unknown_request, timeout, auth (an answer's MAC did not verify), cancelled (the
-    importer stopped it: abort, shutdown), ipc (a CUDA IPC handle could not be opened). The
+    importer stopped it: abort, shutdown), ipc (a CUDA IPC handle could not be opened), nixl (a
+    NIXL agent, its metadata or a READ failed). The
     receiver has freed everything it allocated."""
 
     REASONS = ("layout", "capacity", "truncated", "checksum", "bad_header", "unknown_request", "timeout", "auth",
-               "cancelled", "ipc")
+               "cancelled", "ipc", "nixl")
 
     def __init__(self, reason: str, message: str) -> None:
         self.reason = reason

@@ -41,7 +41,8 @@ from meshserve.kvtransfer.pins import HandoverBlocks
 from meshserve.kvtransfer.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
 from meshserve.kvtransfer.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
 from meshserve.kvtransfer.transfers import BackgroundPulls
-from meshserve.kvtransfer.transport import CUDA_IPC, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
+from meshserve.kvstore.cache_tensors import block_tensors
+from meshserve.kvtransfer.transport import AUTO, CUDA_IPC, NIXL, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
 from meshserve.kvtransfer.wire import KVTransferError
 from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.checkpoint import read_arch
@@ -65,6 +66,7 @@ class RankHost:
         self._pullers: dict[str, KVPuller] = {}
         # hosts where a CUDA IPC open failed (zmq from then on), and fallback reasons logged already
         self._no_ipc_hosts: set[str] = set()
+        self._nixl = None  # this rank's NixlAgent (its KV caches registered), made at start
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -87,7 +89,28 @@ class RankHost:
         tp = s.parallel.tp
         self.worker = worker_cls(s.model, s.cache, s.attention, s.parallel, rank=self.rank, device=s.device,
                                  progress=False, init_method=init_method if tp > 1 else None)
-        return asdict(self.worker.start())
+        info = asdict(self.worker.start())
+        self._start_nixl()
+        return info
+
+    def _start_nixl(self) -> None:
+        """Register this rank's KV caches with a NIXL agent once, when the setting may use NIXL
+        and a NIXL build imports (kvtransfer/nixl_transport.py); else hand-overs use zmq."""
+        from meshserve.kvtransfer.nixl_transport import NixlAgent, nixl_available
+
+        runner = getattr(self.worker, "runner", None)
+        if self.spec.cache.kv_transport not in (AUTO, NIXL) or not nixl_available() or runner is None:
+            return
+        caches = [c for c in runner.kv_caches if c is not None]
+        if not caches:
+            return
+        try:
+            agent = NixlAgent(host=_reachable_host())
+            agent.register(list({id(t): t for c in caches for t in block_tensors(c)}.values()))
+        except Exception as exc:  # an agent that cannot start (no UCX transport): zmq it is
+            log.warning("rank %d: NIXL unavailable, KV hand-overs use zmq: %s", self.rank, exc)
+            return
+        self._nixl = agent
 
     def check_health(self) -> dict[str, Any]:
         return {} if self.worker is None else self.worker.check_health()
@@ -144,7 +167,7 @@ class RankHost:
         check(self.secret is not None, "rank", self.rank, "given the cluster secret before a KV hand-over")
         io = self._kv(block_size, dcp_size, model_id)
         if self._server is None:
-            self._server = KVExportServer(self.secret, address=f"tcp://{_reachable_host()}")
+            self._server = KVExportServer(self.secret, address=f"tcp://{_reachable_host()}", nixl=self._nixl)
         export = io.export(HandoverBlocks.from_wire(blocks), max_frame_bytes=frame_bytes_for(io.device))
         if (dst_tp, dst_dcp) == (self.tp, self.dcp):
             keys = [capability]  # decode rank r pulls from prefill rank r
@@ -157,7 +180,7 @@ class RankHost:
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact
         for key in keys if fault != "withdraw" else []:  # the driver's pin keeps the blocks
             self._server.offer(KVExport(export.header, frames), capability=key, ttl_s=OFFER_TTL_S)
-        return Endpoint.local(self._server.address, io.device).to_wire()
+        return Endpoint.local(self._server.address, io.device, nixl=self._nixl is not None).to_wire()
 
     def kv_pull(self, capability: str, addresses: list[str], src_tp: int, blocks: list[list[int]], block_size: int,
                 dcp_size: int, model_id: str, timeout_s: float = 5.0, src_dcp: int = 1,
@@ -207,7 +230,8 @@ class RankHost:
         """Pull one offer by the transport chosen for this pair of ends; returns its name."""
         theirs = Endpoint.from_wire(endpoint)
         requested = self.spec.cache.kv_transport
-        name, why = choose_transport(requested, Endpoint.local("", self._io.device), theirs,
+        mine = Endpoint.local("", self._io.device, nixl=self._nixl is not None)
+        name, why = choose_transport(requested, mine, theirs,
                                      visible_gpus=local_gpus() if self._io.device.type == "cuda" else ())
         if name == CUDA_IPC and theirs.host in self._no_ipc_hosts:
             name, why = ZMQ, "a CUDA IPC open from that host failed before"
@@ -215,7 +239,7 @@ class RankHost:
             self._no_ipc_hosts.add(why)
             log.info("rank %d: kv_transport %s falls back to zmq: %s", self.rank, requested, why)
         if name not in self._pullers:
-            self._pullers[name] = puller_for(name)
+            self._pullers[name] = puller_for(name, nixl_agent=self._nixl)
         try:
             used = self._pullers[name].pull(target, theirs, capability, secret=self.secret, timeout_s=timeout_s,
                                             cancel=cancel)
