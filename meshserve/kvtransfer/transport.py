@@ -224,12 +224,13 @@ def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
         raise ConfigError("kv_transport", name, f"a loadable puller class (cannot load it: {exc})") from exc
 
 
-def describe_setting(requested: str, device: str, *, one_host: bool) -> str:
+def describe_setting(requested: str, device: str, *, one_host: bool, nixl: bool | None = None) -> str:
     """The transport hand-overs will use, as far as the configuration tells (the start-up log and
-    the meshserve_kv_transport_info metric): the actual choice is made per hand-over."""
+    the meshserve_kv_transport_info metric): the actual choice is made per hand-over. nixl:
+    whether NIXL is installed (None: look)."""
     from meshserve.kvtransfer.nixl_transport import nixl_available
 
-    if requested in (AUTO, NIXL) and nixl_available():
+    if requested in (AUTO, NIXL) and (nixl_available() if nixl is None else nixl):
         return NIXL
     if requested == NIXL:
         return ZMQ

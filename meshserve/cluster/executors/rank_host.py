@@ -36,12 +36,12 @@ from typing import Any
 from meshserve.attention.backend import KVCache
 from meshserve.cluster.executors.executor import RANK_METHODS, WorkerSpec, free_port
 from meshserve.errors import check
+from meshserve.kvstore.cache_tensors import block_tensors
 from meshserve.kvtransfer.cuda_ipc import local_gpus
 from meshserve.kvtransfer.pins import HandoverBlocks
 from meshserve.kvtransfer.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
 from meshserve.kvtransfer.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
 from meshserve.kvtransfer.transfers import BackgroundPulls
-from meshserve.kvstore.cache_tensors import block_tensors
 from meshserve.kvtransfer.transport import AUTO, CUDA_IPC, NIXL, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
 from meshserve.kvtransfer.wire import KVTransferError
 from meshserve.parallel.transform import kv_head_offset, local_kv_heads

@@ -12,8 +12,8 @@ from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
-from meshserve.kvtransfer.nixl_transport import nixl_available
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
+from meshserve.kvtransfer.nixl_transport import nixl_available
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,

@@ -83,8 +83,11 @@ def test_pullers_by_name():
 
 
 def test_the_setting_as_the_start_up_log_and_metric_say_it():
-    assert describe_setting("auto", "cpu", one_host=True) == ZMQ
-    assert describe_setting("auto", "cuda", one_host=True) == CUDA_IPC
+    assert describe_setting("auto", "cpu", one_host=True, nixl=True) == "nixl"
+    assert describe_setting("nixl", "cuda", one_host=False, nixl=True) == "nixl"
+    assert describe_setting("nixl", "cpu", one_host=True, nixl=False) == ZMQ
+    assert describe_setting("auto", "cpu", one_host=True, nixl=False) == ZMQ
+    assert describe_setting("auto", "cuda", one_host=True, nixl=False) == CUDA_IPC
     assert describe_setting("cuda_ipc", "cuda", one_host=False) == "cuda_ipc|zmq"
     assert describe_setting("zmq", "cuda", one_host=True) == ZMQ
 
