@@ -15,6 +15,7 @@ import pytest
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.kvtransfer.nixl_transport import nixl_available
 from tests.tiny_models import prompts, write_checkpoint
 from tests.unit.cluster.cases import Result, assert_no_held_blocks, assert_same, collect, engine_config, reference
 
@@ -47,6 +48,8 @@ def test_handover_between_layouts_reshards_with_identical_tokens(setup, src, dst
             (decode,) = coord.replicas("decode")
             stats = decode.stats()
             assert (stats.num_kv_imports, stats.num_recomputes) == (len(requests), 0), stats
+            # kv_transport auto: each decode rank READs its heads and tokens by NIXL when installed
+            assert set(stats.handover.transports) == ({"nixl"} if nixl_available() else {"zmq"}), stats
             assert_no_held_blocks(coord)
             return got
         finally:

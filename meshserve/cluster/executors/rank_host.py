@@ -1,7 +1,7 @@
 """The rank side of a channel: one Worker plus its share of KV hand-overs.
 
 `RankHost` answers the allow-listed methods (executor.RANK_METHODS) with msgpack-able values:
-    rendezvous()                    "tcp://<this host>:<free port>" (asked of rank 0)
+    rendezvous()                    "file://<private dir>/store" on this node (asked of rank 0)
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
     expert_load()                   rows routed to each expert per MoE layer (Worker.expert_load)
@@ -29,12 +29,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import os
 import threading
 from dataclasses import asdict
 from typing import Any
 
 from meshserve.attention.backend import KVCache
-from meshserve.cluster.executors.executor import RANK_METHODS, WorkerSpec, free_port
+from meshserve.cluster.executors.executor import RANK_METHODS, WorkerSpec
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import block_tensors
 from meshserve.kvtransfer.cuda_ipc import local_gpus
@@ -44,6 +45,7 @@ from meshserve.kvtransfer.reshard import Layout, copy_tokens, pullers_of, source
 from meshserve.kvtransfer.transfers import BackgroundPulls
 from meshserve.kvtransfer.transport import AUTO, CUDA_IPC, NIXL, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
 from meshserve.kvtransfer.wire import KVTransferError
+from meshserve.parallel.groups import local_rendezvous, remove_rendezvous
 from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.checkpoint import read_arch
 
@@ -67,6 +69,7 @@ class RankHost:
         # hosts where a CUDA IPC open failed (zmq from then on), and fallback reasons logged already
         self._no_ipc_hosts: set[str] = set()
         self._nixl = None  # this rank's NixlAgent (its KV caches registered), made at start
+        self._rendezvous = ""  # the FileStore rendezvous this rank made (rank 0), removed at shutdown
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -79,14 +82,20 @@ class RankHost:
 
     # -- lifecycle ------------------------------------------------------------------------------
     def rendezvous(self) -> str:
-        host = _reachable_host()
-        return f"tcp://{host}:{free_port(host)}"
+        """The replica's torch.distributed rendezvous: a FileStore on this node (a replica's ranks
+        share a node), so nothing listens for it (parallel/groups.local_rendezvous)."""
+        self._rendezvous = local_rendezvous()
+        return self._rendezvous
 
     def start(self, init_method: str | None = None) -> dict[str, Any]:
         module, _, name = self.spec.worker_class.partition(":")
         worker_cls = getattr(importlib.import_module(module), name)
         s = self.spec
         tp = s.parallel.tp
+        if tp > 1 and _is_loopback(_reachable_host()):
+            # gloo's and NCCL's own connections between the ranks: on loopback, like everything else
+            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+                os.environ.setdefault(name, "lo")
         self.worker = worker_cls(s.model, s.cache, s.attention, s.parallel, rank=self.rank, device=s.device,
                                  progress=False, init_method=init_method if tp > 1 else None)
         info = asdict(self.worker.start())
@@ -132,6 +141,9 @@ class RankHost:
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
+        if self._rendezvous:
+            remove_rendezvous(self._rendezvous)
+            self._rendezvous = ""
 
     # -- KV hand-over ---------------------------------------------------------------------------
     @property
@@ -327,6 +339,10 @@ def _page_size(caches) -> int:
     """Tokens per physical block of this rank's caches."""
     data = next(c.data for c in caches if c is not None)
     return data.shape[2] if data.dim() == 5 else data.shape[1]
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("localhost", "::1")
 
 
 def _reachable_host() -> str:
