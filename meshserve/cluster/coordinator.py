@@ -252,9 +252,9 @@ class Coordinator:
         self._stopping.set()
         await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
         if self._owns_ray:
-            import ray
+            from meshserve.cluster.executors.ray_executor import ray_shutdown
 
-            ray.shutdown()
+            ray_shutdown()
             self._owns_ray = False
 
     # -- InferenceService -----------------------------------------------------------------------
