@@ -45,8 +45,8 @@ def start_reaper() -> Reaper:
     """Start a watchdog over this process's descendants (see the module docstring)."""
     read_end, write_end = os.pipe()  # write_end is not inherited: Ray's children do not hold it open
     try:
-        proc = subprocess.Popen([sys.executable, "-c", "from meshserve.cluster.executors.ray_reaper import main; main()",
-                                 str(os.getpid())], stdin=read_end, start_new_session=True)  # fmt: skip
+        code = "from meshserve.cluster.executors.ray_reaper import main; main()"
+        proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=read_end, start_new_session=True)
     finally:
         os.close(read_end)
     return Reaper(proc, write_end)
