@@ -63,7 +63,8 @@ def main(ckpt: str) -> None:
     from tests.unit.cluster.cases import assert_no_held_blocks, engine_config, run_all
 
     resources = [{"meshserve_prefill": 1}, {"meshserve_decode": 1}]
-    with multi_node_ray(resources, node_ips=[PREFILL_IP, PREFILL_IP, DECODE_IP], token=os.environ["RAY_AUTH_TOKEN"]) as at:
+    ips = [PREFILL_IP, PREFILL_IP, DECODE_IP]  # the head, the prefill node, the decode node
+    with multi_node_ray(resources, node_ips=ips, token=os.environ["RAY_AUTH_TOKEN"]) as at:
         async def body():
             config = ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(mode="disaggregated", ray_address=at))
             async with Coordinator(config) as c:
