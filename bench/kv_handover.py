@@ -51,9 +51,9 @@ from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.core.secret import ClusterSecret  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
-from meshserve.kvtransfer.connector import KVConnector  # noqa: E402
 from meshserve.kvtransfer.rank_io import frame_bytes_for  # noqa: E402
 from meshserve.kvtransfer.transport import Endpoint, puller_for  # noqa: E402
+from tests.kv_connector import KVConnector  # noqa: E402
 
 BLOCK = 16
 # (layers, KV heads, head size) of the cache shapes: Llama-3-8B (128 KiB a token) and the bundled
@@ -95,8 +95,8 @@ def burst_sizes(args) -> dict[int, int]:
 def exporter() -> None:
     """Offer one request per size, once per (transport, pull) and per (burst transport, burst,
     request of the burst), until stdin closes."""
+    from meshserve.kvtransfer.export_server import KVExportServer
     from meshserve.kvtransfer.rank_io import KVExport
-    from meshserve.kvtransfer.zmq_transport import KVExportServer
 
     cfg = json.loads(sys.stdin.readline())
     device, sizes = cfg["device"], cfg["sizes"]

@@ -28,7 +28,7 @@ import threading
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "meshserve") + os.sep
 PROBES = (os.path.join(PKG, "attention") + os.sep, os.path.join(PKG, "kvstore", "rank_io.py"),
-          os.path.join(PKG, "kvstore", "zmq_transport.py"))
+          os.path.join(PKG, "kvstore", "export_server.py"))
 _CLUSTER = os.path.join(PKG, "cluster")
 HAND_DOWN = {(os.path.join(_CLUSTER, "replica.py"), "submit"), (os.path.join(_CLUSTER, "replica.py"), "adopt"),
              (os.path.join(_CLUSTER, "channel.py"), "_send_all")}  # the driver's side of the rank channel

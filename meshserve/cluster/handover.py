@@ -38,9 +38,9 @@ from meshserve.cluster.executors.executor import RankError
 from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 from meshserve.cluster.logs import request_event
 from meshserve.engine.request import Ticket
+from meshserve.kvtransfer.export_server import new_capability
 from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
 from meshserve.kvtransfer.reshard import receiver_positions
-from meshserve.kvtransfer.zmq_transport import new_capability
 
 log = logging.getLogger("meshserve.replica")
 

@@ -7,7 +7,7 @@ registered memory (DRAM or VRAM), one READ per pull, polled without blocking the
               description of the export's frames (agent_descriptor) instead of their bytes
     importer: NixlPuller().pull(target, endpoint, capability, ...)  (transport.py)
 
-The control plane stays the HMAC-tagged zmq export protocol (zmq_transport.py): the pull names
+The control plane stays the HMAC-tagged zmq export protocol (export_server.py): the pull names
 the capability (one use, popped at the first pull), the answer carries the header, then one
 [b"N", msgpack description, tag] and [b"E", b"", tag]. The description holds the exporter's agent
 name, its agent metadata (only when the puller does not know that agent yet: sent once per pair
@@ -291,7 +291,7 @@ class NixlPuller:
 
     def pull(self, target, endpoint, capability: str, *, secret, timeout_s: float,
              cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.zmq_pull import pull_kv
+        from meshserve.kvtransfer.pull_client import pull_kv
 
         with self._lock:
             if self.agent is None:

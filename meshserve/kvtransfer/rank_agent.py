@@ -65,7 +65,7 @@ class KVRankAgent:
     def __init__(self, caches: RankCaches, *, rank: int, kv_transport: str, secret: ClusterSecret | None,
                  host: str = "127.0.0.1") -> None:  # fmt: skip
         self.caches, self.rank, self.kv_transport, self.secret, self.host = caches, rank, kv_transport, secret, host
-        self.server = None  # zmq_transport.KVExportServer, made at the first offer
+        self.server = None  # export_server.KVExportServer, made at the first offer
         self._io: KVRankIO | None = None
         self._pulls = BackgroundPulls()
         self._pullers: dict[str, KVPuller] = {}
@@ -128,7 +128,7 @@ class KVRankAgent:
 
         fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
         """
-        from meshserve.kvtransfer.zmq_transport import KVExportServer
+        from meshserve.kvtransfer.export_server import KVExportServer
 
         check(self.secret is not None, "rank", self.rank, "given the cluster secret before a KV hand-over")
         io = self._kv(block_size, dcp_size, model_id)

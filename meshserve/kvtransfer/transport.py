@@ -8,7 +8,7 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
   nixl      a NIXL READ (nixl_transport.py) of the exporter's registered cache memory, DRAM or
             VRAM, on one host or between hosts (UCX: shared memory, TCP, RDMA, CUDA IPC); the
             control exchange (capability, header, descriptors) is the zmq protocol's.
-  zmq       pyzmq over TCP (zmq_transport.py): any two ends; host-staged when the caches are on a
+  zmq       pyzmq over TCP (export_server.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
             GPU), the exporter's GPU visible to the importer (not so for Ray actors, which each
@@ -141,7 +141,7 @@ class ZmqPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.zmq_transport import pull_kv
+        from meshserve.kvtransfer.export_server import pull_kv
 
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
                 sockets=self.sockets)
@@ -163,7 +163,7 @@ class CudaIpcPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.zmq_transport import pull_kv
+        from meshserve.kvtransfer.export_server import pull_kv
 
         used = _Used(self.importer)
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
@@ -190,8 +190,8 @@ class P2PPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.export_server import pull_kv
         from meshserve.kvtransfer.p2p_transport import P2PReceiver
-        from meshserve.kvtransfer.zmq_transport import pull_kv
 
         receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import NIXL, Endpoint
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not nixl_available(), reason="needs NIXL (nixl-cu13)")]

@@ -13,7 +13,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from meshserve.cluster.executors.channel import ChannelAuth, DriverChannel
 from meshserve.core.secret import ClusterSecret
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability, pull_kv
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the forged frame tests")

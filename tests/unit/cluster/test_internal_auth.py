@@ -16,10 +16,10 @@ import zmq
 from meshserve.cluster.executors.channel import ERR, HELLO, OUT, ChannelAuth, DriverChannel, rank_identity, serve_rank
 from meshserve.cluster.executors.executor import WorkerDiedError
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.export_server import new_capability, pull_kv
 from meshserve.kvtransfer.rank_agent import KVRankAgent
 from meshserve.kvtransfer.transport import Endpoint
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import new_capability, pull_kv
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,

@@ -12,6 +12,7 @@ import torch
 from meshserve.config import CacheConfig
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
 from meshserve.kvtransfer.transfers import BackgroundPulls
 from meshserve.kvtransfer.transport import (
     CUDA_IPC,
@@ -26,7 +27,6 @@ from meshserve.kvtransfer.transport import (
     puller_for,
 )
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability, pull_kv
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the kv transport tests")

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import NIXL, ZMQ, Endpoint, choose_transport
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability
 from tests.unit.kvtransfer.replicas import Replica
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")

@@ -47,9 +47,7 @@ import zmq
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlRead
-from meshserve.kvtransfer.rank_io import KVExport
-from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_pull import (  # noqa: F401  (the receiving end, re-exported)
+from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end, re-exported)
     _ANSWER,
     _END,
     _ERROR,
@@ -63,6 +61,8 @@ from meshserve.kvtransfer.zmq_pull import (  # noqa: F401  (the receiving end, r
     _index,
     pull_kv,
 )
+from meshserve.kvtransfer.rank_io import KVExport
+from meshserve.kvtransfer.wire import KVTransferError
 
 Release = Callable[[KVExport], None]
 MAX_PULL_REQUEST_BYTES = 64 << 10  # a pull request's parts (msgpack map, MAC): a few hundred bytes

@@ -1,4 +1,4 @@
-"""The receiving end of the zmq KV export protocol (zmq_transport.py describes the messages):
+"""The receiving end of the zmq KV export protocol (export_server.py describes the messages):
 `pull_kv`, and the message tags both ends use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import zmq
@@ -18,8 +18,17 @@ from meshserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
     from meshserve.kvtransfer.cuda_ipc import IpcImporter
-    from meshserve.kvtransfer.nixl_transport import _Reader as NixlReader
     from meshserve.kvtransfer.p2p_transport import P2PReceiver
+
+
+class DescriptionReader(Protocol):
+    """A transport that moves the frames itself, given the exporter's description of them
+    (nixl_transport.py's reader): what it knows of the exporter, and the move."""
+
+    known_agent: str
+
+    def read_into(self, session: ImportSession, desc: dict[str, Any], *, deadline: float,
+                  cancel: threading.Event | None) -> None: ...  # fmt: skip
 
 
 def pull_kv(
@@ -33,7 +42,7 @@ def pull_kv(
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
     p2p: P2PReceiver | None = None,
-    nixl: NixlReader | None = None,
+    nixl: DescriptionReader | None = None,
     sockets: PullSockets | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
