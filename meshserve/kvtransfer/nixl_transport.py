@@ -148,6 +148,18 @@ class NixlAgent:
                 self._metadata = self._agent.get_agent_metadata()
             return self._metadata
 
+    def close(self) -> None:
+        """Deregister every region and drop the agent (before the registered memory is freed)."""
+        with self._lock:
+            for _, descs in self._registered.values():
+                try:
+                    self._agent.deregister_memory(descs)
+                except Exception as exc:  # shutting down: say it, go on
+                    log.warning("NIXL: deregistering at close failed: %s", exc)
+            self._registered.clear()
+            self._peers.clear()
+            self._agent = None
+
     # -- exporter ---------------------------------------------------------------------------
     @property
     def identity(self) -> str:

@@ -100,7 +100,8 @@ class KVRankAgent:
             self.server.poll(timeout_ms)
 
     def close(self) -> None:
-        if not self._pulls.close():
+        stopped = self._pulls.close()
+        if not stopped:
             log.warning("rank %d: a KV pull did not stop within its bound at shutdown", self.rank)
         if self.server is not None:
             self.server.close()
@@ -110,6 +111,9 @@ class KVRankAgent:
             if sockets is not None:
                 sockets.close()
         self._pullers.clear()
+        if self.nixl is not None and stopped:  # nothing reads or is read now (else it is left to the process)
+            self.nixl.close()
+            self.nixl = None
 
     def _kv(self, block_size: int, dcp_size: int, model_id: str) -> KVRankIO:
         if self._io is None:
