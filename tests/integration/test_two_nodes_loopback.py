@@ -1,7 +1,7 @@
-"""Two Ray nodes for real on one machine, on loopback addresses of their own: the prefill pool on a
-node at 127.0.0.2, the decode pool on a node at 127.0.0.3 (Ray token authentication on). KV
-crosses between them by NIXL (kv_transport auto) and every request's tokens (greedy and seeded)
-equal the single-process engine's.
+"""Two Ray nodes for real on one machine, on loopback addresses of their own: the prefill pool (tp 2:
+both ranks) on a node at 127.0.0.2, the decode pool (tp 1) on a node at 127.0.0.3, Ray token
+authentication on. KV crosses between them by NIXL (kv_transport auto), re-sharded from two ranks
+to one, and every request's tokens (greedy and seeded) equal the single-process engine's.
 
 The cluster runs in a fresh process (`python -m tests.integration.test_two_nodes_loopback CKPT`):
 Ray reads its token once per process, and this pytest process may have used Ray without one.
@@ -51,22 +51,23 @@ def test_prefill_and_decode_nodes_on_two_loopback_addresses_hand_over_by_nixl(tm
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
     got = json.loads(lines[-1])
-    assert got["placed"] == {"prefill": [PREFILL_IP], "decode": [DECODE_IP]}
+    assert got["placed"] == {"prefill": [PREFILL_IP, PREFILL_IP], "decode": [DECODE_IP]}
     assert got["transports"] == {"nixl": got["imports"]} and got["recomputes"] == 0, got
     assert got["tokens"] == want
 
 
 def main(ckpt: str) -> None:
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-    from meshserve.config import PoolConfig
+    from meshserve.config import ParallelConfig, PoolConfig
     from tests.integration.ray_cluster import multi_node_ray
     from tests.unit.cluster.cases import assert_no_held_blocks, engine_config, run_all
 
-    resources = [{"meshserve_prefill": 1}, {"meshserve_decode": 1}]
+    resources = [{"meshserve_prefill": 2}, {"meshserve_decode": 1}]
     ips = [PREFILL_IP, PREFILL_IP, DECODE_IP]  # the head, the prefill node, the decode node
     with multi_node_ray(resources, node_ips=ips, token=os.environ["RAY_AUTH_TOKEN"]) as at:
         async def body():
-            config = ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(mode="disaggregated", ray_address=at))
+            config = ClusterConfig(engine=engine_config(ckpt), pools=PoolConfig(mode="disaggregated", ray_address=at),
+                                   prefill_parallel=ParallelConfig(tp=2))
             async with Coordinator(config) as c:
                 (prefill,), (decode,) = c.replicas("prefill"), c.replicas("decode")
                 placed = {"prefill": [n["ip"] for n in prefill.executor.ranks.nodes()],
