@@ -82,16 +82,24 @@ def _device_id(tensor: torch.Tensor) -> int:
     return tensor.device.index or 0 if tensor.device.type == "cuda" else 0
 
 
-def _is_loopback(host: str) -> bool:
-    return host.startswith("127.") or host in ("localhost", "::1")
+def _interface_of(host: str) -> str:
+    """The network interface that carries `host` ("lo" for loopback; "" when none does)."""
+    if host.startswith("127.") or host in ("localhost", "::1"):
+        return "lo"
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address == host for a in addresses):
+            return name
+    return ""
 
 
 class NixlAgent:
     """One rank's NIXL agent (UCX backend): its registered memory and the peers it knows.
 
-    host: the address the rank's peers reach it at; on loopback, UCX is kept to the loopback
-    device (UCX_NET_DEVICES=lo, unless the environment says otherwise) so its listening sockets
-    bind 127.0.0.1 only. Calls may come from several threads (the export server's loop, background
+    host: the address the rank's peers reach it at; UCX is kept to the interface that carries it
+    (UCX_NET_DEVICES, unless the environment says otherwise: "lo" on loopback) so that its
+    listening sockets bind there only. Calls may come from several threads (the export server's loop, background
     pulls): the agent is made thread-safe (NIXL's strict sync mode) and our own maps take a lock.
     """
 
@@ -99,8 +107,9 @@ class NixlAgent:
         module = nixl_module()
         if module is None:
             raise KVTransferError("nixl", f"no NIXL build is installed (pip install one of {list(_MODULES[:2])})")
-        if _is_loopback(host):
-            os.environ.setdefault("UCX_NET_DEVICES", "lo")
+        device = _interface_of(host)
+        if device:  # UCX's sockets on the rank's own interface only (a deployment may say otherwise)
+            os.environ.setdefault("UCX_NET_DEVICES", device)
         self.name = name or f"meshserve-{os.getpid()}-{secrets.token_hex(6)}"
         sync = module.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         self._agent = module.nixl_agent(self.name, module.nixl_agent_config(backends=["UCX"], sync_mode=sync))
