@@ -323,6 +323,15 @@ class NixlPuller:
         return self.name if reader.used else "zmq"
 
 
+    def known_agent(self, address: str) -> str:
+        """The identity (NixlAgent.identity) we hold metadata of for the exporter at `address`."""
+        identity = self._agents.get(address, "")
+        return identity if identity and self.agent.knows(identity.rpartition("/")[0]) else ""
+
+    def remember(self, address: str, identity: str) -> None:
+        self._agents[address] = identity
+
+
 class _Reader:
     """One pull's NIXL side: which agent it knows behind the address, and the READ itself."""
 
@@ -332,8 +341,7 @@ class _Reader:
     @property
     def known_agent(self) -> str:
         """The identity (NixlAgent.identity) we hold metadata of for this exporter ("" for none)."""
-        identity = self.puller._agents.get(self.address, "")
-        return identity if identity and self.puller.agent.knows(identity.rpartition("/")[0]) else ""
+        return self.puller.known_agent(self.address)
 
     def read_into(self, session, desc: dict[str, Any], *, deadline: float, cancel: threading.Event | None) -> None:
         """READ the described frames into the session's blocks and accept them (ImportSession)."""
@@ -352,7 +360,7 @@ class _Reader:
             raise KVTransferError("bad_header", f"NIXL descriptors of {len(sizes)} frames do not match the header's")
         if metadata or not agent.knows(peer):
             agent.add_peer(peer, metadata)
-        self.puller._agents[self.address] = identity
+        self.puller.remember(self.address, identity)
         local, remote = [], []
         for i, (address, _, device) in enumerate(remote_frames):
             cache = session.cache_of(i)
