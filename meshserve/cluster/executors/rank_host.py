@@ -86,14 +86,14 @@ class RankHost:
         return [] if self.worker is None else self.worker.expert_load()
 
     def shutdown(self) -> None:
+        if self._rendezvous:  # first: a rank process may be killed while its worker shuts down
+            remove_rendezvous(self._rendezvous)
+            self._rendezvous = ""
         if self._kv_agent is not None:
             self._kv_agent.close()
         if self.worker is not None:
             self.worker.shutdown()
             self.worker = None
-        if self._rendezvous:
-            remove_rendezvous(self._rendezvous)
-            self._rendezvous = ""
 
     # -- KV hand-over ---------------------------------------------------------------------------
     @property
