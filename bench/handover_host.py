@@ -50,9 +50,9 @@ def measure(num_blocks: int, reps: int) -> dict[str, float]:
     from meshserve.attention.spec import AttentionSpec
     from meshserve.kvstore.cache_tensors import allocate_caches
     from meshserve.kvstore.manager import KVCacheManager
-    from meshserve.kvtransfer.connector import KVConnector
     from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
     from meshserve.kvtransfer.wire import KVHeader
+    from tests.kv_connector import KVConnector
 
     torch.set_num_threads(1)
     # The export's checksum reads every byte (device work on a GPU, one kernel): not host work.

@@ -21,8 +21,11 @@ Two measurements, side by side:
              after a warm-up burst. N = --burst, fewer where N requests would pass
              --burst-gib of receiving cache (the size is shown).
 GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
-zmq, cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
-checksum over the copied bytes), nccl. Prints both tables, writes a PNG and a JSON (bench/results/).
+zmq, nixl (a NIXL READ of the exporter's registered cache, no checksum: its default), nixl-verify,
+cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
+checksum over the copied bytes), nccl. --shape demo: the bundled demo model's cache (3 KiB a token:
+a 1k-token hand-over is the transport's fixed cost per pull). Prints both tables, writes a PNG
+and a JSON (bench/results/).
 """
 
 from __future__ import annotations
@@ -48,19 +51,28 @@ from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.core.secret import ClusterSecret  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
-from meshserve.kvtransfer.connector import KVConnector  # noqa: E402
 from meshserve.kvtransfer.rank_io import frame_bytes_for  # noqa: E402
 from meshserve.kvtransfer.transport import Endpoint, puller_for  # noqa: E402
+from tests.kv_connector import KVConnector  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD, BLOCK = 32, 8, 128, 16
-TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD * 2  # bf16 K and V of every layer
+BLOCK = 16
+# (layers, KV heads, head size) of the cache shapes: Llama-3-8B (128 KiB a token) and the bundled
+# demo model (meshserve/demo_model: 3 KiB a token, so a 1k-token hand-over is all fixed cost).
+SHAPES = {"llama3-8b": (32, 8, 128), "demo": (6, 2, 64)}
+
+
+def token_bytes(shape: str) -> int:
+    layers, kv_heads, head = SHAPES[shape]
+    return layers * 2 * kv_heads * head * 2  # bf16 K and V of every layer
 SECRET = ClusterSecret(b"the kv hand-over bench's own secret")
+_importer = None  # this process's NixlAgent (made at the first nixl pull)
 
 
-def replica(num_tokens: int, device: str, *, seed: int) -> tuple[KVCacheManager, KVConnector]:
+def replica(num_tokens: int, device: str, *, seed: int, shape: str) -> tuple[KVCacheManager, KVConnector]:
     """A manager and a cache with room for `num_tokens` tokens, random bytes (never zeros)."""
     num_blocks = -(-num_tokens // BLOCK) + 4
-    specs = [AttentionSpec(num_heads=32, num_kv_heads=KV_HEADS, head_size=HEAD)] * LAYERS
+    layers, kv_heads, head = SHAPES[shape]
+    specs = [AttentionSpec(num_heads=4 * kv_heads, num_kv_heads=kv_heads, head_size=head)] * layers
     caches = allocate_caches(specs, num_blocks=num_blocks, block_size=BLOCK, dtype="bfloat16", device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     for c in caches:
@@ -77,19 +89,25 @@ def capability(transport: str, size: int, i: int) -> str:
 def burst_sizes(args) -> dict[int, int]:
     """Requests per burst for each size: --burst, fewer where they would pass --burst-gib."""
     cap = int(args.burst_gib * 2**30)
-    return {s: max(1, min(args.burst, cap // (s * TOKEN_BYTES))) for s in args.sizes}
+    return {s: max(1, min(args.burst, cap // (s * token_bytes(args.shape)))) for s in args.sizes}
 
 
 def exporter() -> None:
     """Offer one request per size, once per (transport, pull) and per (burst transport, burst,
     request of the burst), until stdin closes."""
+    from meshserve.kvtransfer.export_server import KVExportServer
     from meshserve.kvtransfer.rank_io import KVExport
-    from meshserve.kvtransfer.zmq_transport import KVExportServer
 
     cfg = json.loads(sys.stdin.readline())
     device, sizes = cfg["device"], cfg["sizes"]
-    kv, conn = replica(sum(sizes), device, seed=1)
-    server = KVExportServer(SECRET)
+    kv, conn = replica(sum(sizes), device, seed=1, shape=cfg["shape"])
+    agent = None
+    if any(t.startswith("nixl") for t in cfg["transports"] + cfg["burst_transports"]):
+        from meshserve.kvtransfer.nixl_transport import NixlAgent
+
+        agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
+        agent.register([c.data for c in conn.io.caches])
+    server = KVExportServer(SECRET, nixl=agent)
     export_ms = {}
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
@@ -101,7 +119,8 @@ def exporter() -> None:
                  for i in range((cfg["burst_reps"] + 1) * cfg["burst"][str(size)])]
         for cap in caps:
             server.offer(KVExport(export.header, export.frames), capability=cap, ttl_s=3600)
-    print(json.dumps({"endpoint": Endpoint.local(server.address, torch.device(device)).to_wire(),
+    endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
+    print(json.dumps({"endpoint": endpoint.to_wire(),
                       "export_ms": export_ms}), flush=True)
     while True:
         server.poll(20)
@@ -130,11 +149,21 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def make_puller(transport: str):
-    """A transport's puller: "cuda_ipc" as the pools use it (no checksum over device-to-device
-    copies), "cuda_ipc-verify" with the checksum ("cuda_ipc-noverify": the older name of cuda_ipc)."""
+def make_puller(transport: str, conn):
+    """A transport's puller: "cuda_ipc" and "nixl" as the pools use them (no checksum over the
+    transport's copy), "cuda_ipc-verify" and "nixl-verify" with the checksum ("cuda_ipc-noverify":
+    the older name of cuda_ipc). A nixl puller's agent registers the receiving cache first, as a
+    rank does at start-up."""
     from meshserve.kvtransfer.transport import CudaIpcPuller
 
+    if transport in ("nixl", "nixl-verify"):
+        from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller
+
+        global _importer
+        if _importer is None:
+            _importer = NixlAgent("kv-bench-importer")
+            _importer.register([c.data for c in conn.io.caches])
+        return NixlPuller(_importer, verify=transport == "nixl-verify")
     if transport in ("cuda_ipc", "cuda_ipc-noverify"):
         return CudaIpcPuller()
     if transport == "cuda_ipc-verify":
@@ -144,7 +173,7 @@ def make_puller(transport: str):
 
 def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[float]:
     """Seconds of each pull (the first one cold), one at a time."""
-    puller, times = make_puller(transport), []
+    puller, times = make_puller(transport, conn), []
     for i in range(args.reps + 1):
         profiled = args.profile and i == args.reps and size == min(args.sizes)
         profiler = cProfile.Profile() if profiled else None
@@ -163,7 +192,7 @@ def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[fl
 
 def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list[float]:
     """Wall seconds of each burst of `n` concurrent pulls (the first one a warm-up)."""
-    puller, times = make_puller(transport), []
+    puller, times = make_puller(transport, conn), []
     positions = (tuple(range(-(-size // BLOCK))),)
     for b in range(args.burst_reps + 1):
         rids = [f"burst-{size}-{b}-{j}" for j in range(n)]
@@ -201,18 +230,21 @@ def run(args) -> tuple[list[dict], list[dict]]:
                                 filter(None, [ROOT, os.environ.get("PYTHONPATH")]))})  # keep the caller's path
     where = f"cuda:{args.exporter_gpu}" if args.device == "cuda" else "cpu"
     bursts = burst_sizes(args)
-    proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps,
+    proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps, "shape": args.shape,
                                  "transports": args.transports, "burst_transports": args.burst_transports,
                                  "burst_reps": args.burst_reps, "burst": bursts}) + "\n")
     proc.stdin.flush()
-    info = json.loads(proc.stdout.readline())
+    line = proc.stdout.readline()
+    while line and not line.startswith("{"):  # NIXL logs its agent's start on stdout
+        line = proc.stdout.readline()
+    info = json.loads(line)
     endpoint = Endpoint.from_wire(info["endpoint"])
     rows, burst_rows = [], []
     try:
         room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])
-        kv, conn = replica(room, args.device, seed=2)
+        kv, conn = replica(room, args.device, seed=2, shape=args.shape)
         for size in args.sizes:
-            nbytes = size * TOKEN_BYTES
+            nbytes = size * token_bytes(args.shape)
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
                 times = single_pulls(args, conn, kv, endpoint, size, transport)
@@ -264,12 +296,14 @@ def _tokens(n: int) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b", help="the cache's shape "
+                        "(llama3-8b: 128 KiB a token; demo: the bundled demo model, 3 KiB a token)")
     parser.add_argument("--sizes", default=None, help="request sizes in tokens (default: 1024,8192,32768 on CUDA, "
-                        "1024,8192 on CPU)")
-    parser.add_argument("--transports", default=None, help="single pulls; default: zmq,cuda_ipc,cuda_ipc-verify on "
-                        "CUDA (the last with the checksum over the copied bytes), zmq,nccl on CPU (gloo there)")
-    parser.add_argument("--burst-transports", default=None, help="pipelined bursts; default: cuda_ipc,"
-                        "cuda_ipc-verify on CUDA, zmq on CPU; 'none' for no bursts")
+                        "1024,2048 on CPU: 2048 tokens of llama3-8b are 256 MiB)")
+    parser.add_argument("--transports", default=None, help="single pulls; default: zmq,nixl,cuda_ipc,cuda_ipc-verify "
+                        "on CUDA (-verify: with the checksum over the copied bytes), zmq,nixl,nixl-verify on CPU")
+    parser.add_argument("--burst-transports", default=None, help="pipelined bursts; default: nixl,cuda_ipc on CUDA, "
+                        "zmq,nixl on CPU; 'none' for no bursts")
     parser.add_argument("--burst", type=int, default=8, help="requests per burst (default 8)")
     parser.add_argument("--burst-gib", type=float, default=16.0, help="at most this much receiving cache per "
                         "burst: fewer requests per burst for large sizes (default 16)")
@@ -285,15 +319,18 @@ def main() -> None:
     if args.exporter:
         return exporter()
     cuda = args.device == "cuda"
-    args.sizes = [int(s) for s in (args.sizes or ("1024,8192,32768" if cuda else "1024,8192")).split(",")]
-    args.transports = (args.transports or ("zmq,cuda_ipc,cuda_ipc-verify" if cuda else "zmq,nccl")).split(",")
-    bursts = args.burst_transports or ("cuda_ipc,cuda_ipc-verify" if cuda else "zmq")
+    args.sizes = [int(s) for s in (args.sizes or ("1024,8192,32768" if cuda else "1024,2048")).split(",")]
+    default = "zmq,nixl,cuda_ipc,cuda_ipc-verify" if cuda else "zmq,nixl,nixl-verify"
+    args.transports = (args.transports or default).split(",")
+    bursts = args.burst_transports or ("nixl,cuda_ipc" if cuda else "zmq,nixl")
     args.burst_transports = [] if bursts == "none" else bursts.split(",")
     if args.burst < 1 or args.burst_reps < 1 or args.reps < 1:
         parser.error("--burst, --burst-reps and --reps must be >= 1")
     rows, burst_rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    print(f"KV hand-over, Llama-3-8B shape (32 layers, 8 KV heads x 128, bf16, block 16) on {where}")
+    layers, kv_heads, head = SHAPES[args.shape]
+    print(f"KV hand-over, {args.shape} shape ({layers} layers, {kv_heads} KV heads x {head}, bf16, block 16) "
+          f"on {where}")
     print("single pull (one request at a time; medians):")
     print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
           f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
@@ -309,7 +346,7 @@ def main() -> None:
             print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
                   f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"kv_handover-{args.device}")
+    stem = os.path.join(args.out, f"kv_handover-{args.device}-{args.shape}")
     with open(stem + ".json", "w") as f:
         json.dump({"device": where, "rows": rows, "pipelined": burst_rows}, f, indent=1)
     plot(rows, stem + ".png", f"KV hand-over vs device copy ({where})")

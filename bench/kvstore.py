@@ -37,7 +37,7 @@ from meshserve.attention.spec import AttentionSpec  # noqa: E402
 from meshserve.kvstore.cache_tensors import allocate_caches  # noqa: E402
 from meshserve.kvstore.manager import KVCacheManager  # noqa: E402
 from meshserve.kvstore.retention import RetentionPolicy  # noqa: E402
-from meshserve.kvtransfer.connector import KVConnector  # noqa: E402
+from tests.kv_connector import KVConnector  # noqa: E402
 
 SPEC = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
 LAYERS = 4
@@ -148,7 +148,7 @@ def _replica(num_blocks: int) -> tuple[KVCacheManager, list, KVConnector]:
 def serve(mib: int, copies: int, address: str, frame_bytes: int) -> None:
     """The sender process: one request of `mib` MiB, forked into `copies` offers."""
     from meshserve.core.secret import ClusterSecret
-    from meshserve.kvtransfer.zmq_transport import KVExportServer
+    from meshserve.kvtransfer.export_server import KVExportServer
 
     blocks = mib * (1 << 20) // (LAYERS * BLOCK_BYTES)
     kv, caches, conn = _replica(blocks + 1)
@@ -207,7 +207,7 @@ def bench_handover(mib: int, repeat: int, address: str, frame_bytes: int) -> dic
     import zmq
 
     from meshserve.core.secret import ClusterSecret
-    from meshserve.kvtransfer.zmq_transport import pull_kv
+    from meshserve.kvtransfer.export_server import pull_kv
 
     kv_proc, info = _spawn("--serve", mib, repeat, address, frame_bytes)
     raw_proc, raw_info = _spawn("--raw-serve", mib, repeat, address, frame_bytes)

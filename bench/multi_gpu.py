@@ -85,7 +85,7 @@ def _replica(num_blocks: int, device: str):
     from meshserve.attention.spec import AttentionSpec
     from meshserve.kvstore.cache_tensors import allocate_caches
     from meshserve.kvstore.manager import KVCacheManager
-    from meshserve.kvtransfer.connector import KVConnector
+    from tests.kv_connector import KVConnector
 
     kv = KVCacheManager(num_blocks, BLOCK)
     spec = AttentionSpec(num_heads=32, num_kv_heads=KV_HEADS, head_size=HEAD)
@@ -97,7 +97,7 @@ def _handover_rank(rank: int, init: str, mib: int, frame_mib: list[int], repeat:
                    out_file: str) -> None:
     import torch.distributed as dist
 
-    from meshserve.kvtransfer.dist_transport import recv_kv, send_kv
+    from tests.kv_dist_transport import recv_kv, send_kv
 
     backend = "nccl" if device == "cuda" else "gloo"
     dev = torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")

@@ -52,10 +52,11 @@ class PoolMode(StrEnum):
 class KVTransport(StrEnum):
     """How KV moves between the pools (kvtransfer/transport.py)."""
 
-    AUTO = "auto"  # cuda_ipc where both ends are CUDA processes of one host, else zmq
+    AUTO = "auto"  # nixl where both ends have it, else cuda_ipc within one host, else zmq
     ZMQ = "zmq"  # pyzmq over TCP: any two ends (host-staged from GPU caches); the fallback
     CUDA_IPC = "cuda_ipc"  # device to device within one host (falls back to zmq elsewhere)
     NCCL = "nccl"  # torch.distributed send/recv, a group per pull (gloo between CPU caches)
+    NIXL = "nixl"  # a NIXL READ of registered cache memory (DRAM or VRAM; UCX), falls back to zmq
 
 
 def check_kv_transport(value: object) -> str:

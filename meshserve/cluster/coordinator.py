@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -40,7 +39,6 @@ from meshserve.cluster.handover import Handoff, release_sources
 from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
-from meshserve.cluster.ray_reaper import RayReaper
 from meshserve.cluster.replica import Replica
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
@@ -147,7 +145,6 @@ class Coordinator:
         self._serial = itertools.count()
         self.callers = CallerLedger(config.engine.scheduler.max_sequences_per_caller)
         self._owns_ray = False
-        self._reaper: RayReaper | None = None
         self._closing = False
         self._started = False
         # monotonic times health() last saw the service serving / every replica healthy (None: never)
@@ -165,11 +162,8 @@ class Coordinator:
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.executors.ray_executor import ray_init
 
-            before = RayReaper.children()
             # On the calling thread: Ray installs its signal handlers only from the main thread.
             self._owns_ray = ray_init(cfg.pools.ray_address, num_cpus=cfg.ray_num_cpus, temp_dir=cfg.ray_temp_dir)
-            if self._owns_ray and cfg.pools.ray_address is None and not os.environ.get("RAY_ADDRESS"):
-                self._reaper = RayReaper.start(existing=before)  # Ray's processes end with us, SIGKILL included
         self.tokenizer = load_tokenizer(cfg.engine.model.model)
         sizes = ({"unified": cfg.pools.replicas} if not self.disaggregated
                  else {"prefill": cfg.pools.prefill_replicas, "decode": cfg.pools.decode_replicas})
@@ -260,13 +254,10 @@ class Coordinator:
         self._stopping.set()
         await asyncio.gather(*(p.stop() for p in self.pools.values()), return_exceptions=True)
         if self._owns_ray:
-            import ray
+            from meshserve.cluster.executors.ray_executor import ray_shutdown
 
-            ray.shutdown()
+            ray_shutdown()
             self._owns_ray = False
-        if self._reaper is not None:  # sweeps what ray.shutdown left running
-            reaper, self._reaper = self._reaper, None
-            await asyncio.to_thread(reaper.close)
 
     # -- InferenceService -----------------------------------------------------------------------
     @property

@@ -22,8 +22,9 @@ a replica that stops or fails frees its reservations after its ranks stopped pul
 counts what happened in its `handover` totals (handover_stats.py: hand-overs, bytes, pull
 seconds, recomputes by reason), which the metrics export per pool and replica.
 
-Functions of either end (`HandoverEnd`: what they use of a replica), kept apart so replica.py
-stays the replica's life cycle and loop; replica.py imports this module, never the reverse.
+A replica's hand-over state is a `ReplicaHandover` it owns (`replica.handover`): the pins of its
+offers, its imports in flight, its totals, the decode layout it offers for, its injected faults.
+replica.py imports this module, never the reverse.
 """
 
 from __future__ import annotations
@@ -31,42 +32,26 @@ from __future__ import annotations
 import itertools
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
-from meshserve.cluster.executors.executor import Executor, RankError
+from meshserve.cluster.executors.executor import RankError
 from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 from meshserve.cluster.logs import request_event
 from meshserve.engine.request import Ticket
+from meshserve.kvtransfer.export_server import new_capability
 from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
 from meshserve.kvtransfer.reshard import receiver_positions
-from meshserve.kvtransfer.zmq_transport import new_capability
-
-if TYPE_CHECKING:
-    from meshserve.engine.engine_config import EngineConfig
-    from meshserve.engine.engine_core import EngineCore
 
 log = logging.getLogger("meshserve.replica")
 
 
-class HandoverEnd(Protocol):
-    """One end of a hand-over, the prefill replica that offers or the decode replica that pulls
-    (replica.Replica): its engine and ranks, and what both ends must agree on."""
+class Source(Protocol):
+    """The replica a hand-over came from, as its Handoff names it (replica.Replica)."""
 
     name: str
-    model_id: str
-    world: int  # its tp
-    handoff_tp: int  # (prefill end) the tp of the decode replicas it offers to
-    handoff_dcp: int  # (prefill end) and their dcp
-    handover_timeout_s: float
-    faults: list[str]  # injected offer faults (tests)
-    config: EngineConfig
-    core: EngineCore
-    pins: KVPins  # the driver side of hand-overs, over core.kv
-    executor: Executor
-    handover: HandoverStats  # this end's totals
 
     def release(self, pin_id: tuple) -> None:
-        """(Prefill end) the decode end is done with the offer pinned as `pin_id`."""
+        """The decode end is done with the offer pinned as `pin_id` (queued to the source's loop)."""
 
 
 @dataclass
@@ -91,37 +76,9 @@ class Handoff:
     """A request leaving a prefill replica after its first token (already streamed)."""
 
     ticket: Ticket  # its request is detached from the source's engine
-    source: HandoverEnd
+    source: Source
     offer: KVOffer | None  # None: no KV to pull (offer failed); the decode side recomputes
     reason: str = ""
-
-
-def offer_kv(self: HandoverEnd, ticket: Ticket) -> Handoff:
-    """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
-    detach the request."""
-    rid, kv = ticket.request_id, self.core.kv
-    if self.core.info.is_encoder_decoder:  # the cross-attention K/V are not in the offered tables
-        request_event(rid, "prefilled", replica=self.name, kv_tokens=0, offered=False)
-        self.core.detach(rid)
-        return Handoff(ticket, self, None, "encoder-decoder model: the decode replica re-runs the encoder")
-    pin = self.pins.pin(rid)
-    capability = new_capability()  # handed to the decode replica with the Handoff, nowhere else
-    args = {"blocks": pin.blocks.to_wire(), "capability": capability, "block_size": kv.block_size,
-            "dcp_size": kv.dcp_size,
-            "model_id": self.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
-            "fault": self.faults.pop(0) if self.faults else None}
-    offer, reason = None, ""
-    self.handover.handovers += 1
-    try:
-        addresses = self.executor.call("kv_offer", [args] * self.world)
-        offer = KVOffer(addresses, pin.blocks, pin.pin_id, self.model_id, self.world, self.config.parallel.dcp,
-                        self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp, capability)
-    except RankError as exc:
-        self.pins.release(pin.pin_id)
-        reason = str(exc)
-    request_event(rid, "prefilled", replica=self.name, kv_tokens=pin.blocks.num_tokens, offered=offer is not None)
-    self.core.detach(rid)
-    return Handoff(ticket, self, offer, reason)
 
 
 @dataclass
@@ -135,71 +92,122 @@ class PendingImport:
     aborted: bool = False  # the request was aborted meanwhile: free the blocks when the pulls end
 
 
-def start_import(self: HandoverEnd, h: Handoff, transfer_id: str) -> PendingImport | None:
-    """(Decode replica, step thread) Reserve blocks for the offered KV and start every rank's pull
-    in the background (rank.kv_pull_start); None when the prompt must be recomputed (counted)."""
-    rid, offer, kv = h.ticket.request_id, h.offer, self.core.kv
-    why, reason = h.reason or "no KV was offered", "offer_failed"
-    if offer is not None:
-        dcp = self.config.parallel.dcp
-        sent = offer.blocks
-        # Any (tp, dcp) pair re-shards; the per-rank block size (a block-table entry covers it on
-        # each DCP rank) and what the offer was made for must agree.
-        fits = ((offer.model_id, offer.block_size // offer.dcp, offer.dcp_size, len(sent.block_tables),
-                 offer.dst_tp, offer.dst_dcp) == (
-            self.model_id, kv.block_size // dcp, kv.dcp_size, kv.num_groups, self.world, dcp))
-        same_blocks = offer.block_size == kv.block_size  # one table entry covers as many tokens
-        positions = sent.block_positions if same_blocks else tuple(
-            receiver_positions(sent.num_tokens, p, offer.block_size * offer.dcp_size, kv.tokens_per_block)
-            for p in sent.block_positions)
-        blocks = self.pins.reserve(rid, sent.num_tokens, positions, extra_keys=sent.extra_keys) if fits else None
-        why = "no free blocks" if fits else (
-            "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
-        reason = "no_free_blocks" if fits else "layout"
-        if blocks is not None:
-            args = [{"transfer_id": transfer_id, "capability": offer.capability, "addresses": offer.addresses,
-                     "src_tp": offer.tp, "src_dcp": offer.dcp,
-                     "src_block_size": offer.block_size, "num_tokens": sent.num_tokens,
-                     "src_positions": [list(p) for p in sent.block_positions],
-                     "dst_positions": [list(p) for p in positions], "blocks": list(blocks),
-                     "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": self.model_id,
-                     "timeout_s": self.handover_timeout_s} for _ in range(self.world)]
-            # A rank that cannot even start a pull has diverged: this raises and fails the replica
-            # (the others may be writing into the reserved blocks, which die with it).
-            self.executor.call("kv_pull_start", args)
-            request_event(rid, "kv_import_started", replica=self.name, tokens=sent.num_tokens)
-            return PendingImport(h, transfer_id, same_blocks)
-    _recompute(self, rid, reason, why)
-    return None
+class ReplicaHandover:
+    """A replica's side of hand-overs, either end (the prefill replica that offers, the decode
+    replica that pulls), owned by the replica (`replica.handover`). It reads the replica's name,
+    model id, tp, config, engine and executor when it acts (they change when the replica is
+    rebuilt). handoff_tp, handoff_dcp: the decode layout this replica offers for (prefill end);
+    timeout_s: how long a pull may take before the prompt is recomputed (decode end)."""
+
+    def __init__(self, replica, *, handoff_tp: int, handoff_dcp: int, timeout_s: float) -> None:
+        self.replica = replica  # replica.Replica (not imported: it imports this module)
+        self.handoff_tp, self.handoff_dcp, self.timeout_s = handoff_tp, handoff_dcp, timeout_s
+        self.faults: list[str] = []  # injected offer faults (tests): "checksum", "withdraw"
+        self.pins: KVPins | None = None  # the driver side of hand-overs, over core.kv (attach)
+        self.stats = HandoverStats()  # this end's totals
+        self.imports = Imports(self)  # KV pulls in flight (started in the step thread)
+
+    def attach(self, kv) -> None:
+        """The replica's engine started: pins over its KV manager."""
+        self.pins = KVPins(kv)
+
+    def offer(self, ticket: Ticket) -> Handoff:
+        """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
+        detach the request."""
+        r = self.replica
+        rid, kv = ticket.request_id, r.core.kv
+        if r.core.info.is_encoder_decoder:  # the cross-attention K/V are not in the offered tables
+            request_event(rid, "prefilled", replica=r.name, kv_tokens=0, offered=False)
+            r.core.detach(rid)
+            return Handoff(ticket, r, None, "encoder-decoder model: the decode replica re-runs the encoder")
+        pin = self.pins.pin(rid)
+        capability = new_capability()  # handed to the decode replica with the Handoff, nowhere else
+        args = {"blocks": pin.blocks.to_wire(), "capability": capability, "block_size": kv.block_size,
+                "dcp_size": kv.dcp_size,
+                "model_id": r.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
+                "fault": self.faults.pop(0) if self.faults else None}
+        offer, reason = None, ""
+        self.stats.handovers += 1
+        try:
+            addresses = r.executor.call("kv_offer", [args] * r.world)
+            offer = KVOffer(addresses, pin.blocks, pin.pin_id, r.model_id, r.world, r.config.parallel.dcp,
+                            self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp, capability)
+        except RankError as exc:
+            self.pins.release(pin.pin_id)
+            reason = str(exc)
+        request_event(rid, "prefilled", replica=r.name, kv_tokens=pin.blocks.num_tokens, offered=offer is not None)
+        r.core.detach(rid)
+        return Handoff(ticket, r, offer, reason)
 
 
-def finish_import(self: HandoverEnd, p: PendingImport) -> int:
-    """(Decode replica, step thread) Every rank's pull ended: commit the blocks and return the
-    tokens now cached, or free them and return 0 (the prompt is recomputed; aborted: dropped)."""
-    rid, sent = p.handoff.ticket.request_id, p.handoff.offer.blocks
-    results = [p.results[r] for r in sorted(p.results)]
-    if p.aborted:
+    def start_import(self, h: Handoff, transfer_id: str) -> PendingImport | None:
+        """(Decode replica, step thread) Reserve blocks for the offered KV and start every rank's pull
+        in the background (rank.kv_pull_start); None when the prompt must be recomputed (counted)."""
+        r = self.replica
+        rid, offer, kv = h.ticket.request_id, h.offer, r.core.kv
+        why, reason = h.reason or "no KV was offered", "offer_failed"
+        if offer is not None:
+            dcp = r.config.parallel.dcp
+            sent = offer.blocks
+            # Any (tp, dcp) pair re-shards; the per-rank block size (a block-table entry covers it on
+            # each DCP rank) and what the offer was made for must agree.
+            fits = ((offer.model_id, offer.block_size // offer.dcp, offer.dcp_size, len(sent.block_tables),
+                     offer.dst_tp, offer.dst_dcp) == (
+                r.model_id, kv.block_size // dcp, kv.dcp_size, kv.num_groups, r.world, dcp))
+            same_blocks = offer.block_size == kv.block_size  # one table entry covers as many tokens
+            positions = sent.block_positions if same_blocks else tuple(
+                receiver_positions(sent.num_tokens, p, offer.block_size * offer.dcp_size, kv.tokens_per_block)
+                for p in sent.block_positions)
+            blocks = self.pins.reserve(rid, sent.num_tokens, positions, extra_keys=sent.extra_keys) if fits else None
+            why = "no free blocks" if fits else (
+                "KV layouts differ (model, per-rank block size, KV layer groups, or the decode layout offered for)")
+            reason = "no_free_blocks" if fits else "layout"
+            if blocks is not None:
+                args = [{"transfer_id": transfer_id, "capability": offer.capability, "addresses": offer.addresses,
+                         "src_tp": offer.tp, "src_dcp": offer.dcp,
+                         "src_block_size": offer.block_size, "num_tokens": sent.num_tokens,
+                         "src_positions": [list(p) for p in sent.block_positions],
+                         "dst_positions": [list(p) for p in positions], "blocks": list(blocks),
+                         "block_size": kv.block_size, "dcp_size": kv.dcp_size, "model_id": r.model_id,
+                         "timeout_s": self.timeout_s} for _ in range(r.world)]
+                # A rank that cannot even start a pull has diverged: this raises and fails the replica
+                # (the others may be writing into the reserved blocks, which die with it).
+                r.executor.call("kv_pull_start", args)
+                request_event(rid, "kv_import_started", replica=r.name, tokens=sent.num_tokens)
+                return PendingImport(h, transfer_id, same_blocks)
+        self._recompute(rid, reason, why)
+        return None
+
+
+    def finish_import(self, p: PendingImport) -> int:
+        """(Decode replica, step thread) Every rank's pull ended: commit the blocks and return the
+        tokens now cached, or free them and return 0 (the prompt is recomputed; aborted: dropped)."""
+        r = self.replica
+        rid, sent = p.handoff.ticket.request_id, p.handoff.offer.blocks
+        results = [p.results[r] for r in sorted(p.results)]
+        if p.aborted:
+            self.pins.abort(rid)
+            request_event(rid, "kv_import_dropped", replica=r.name)
+            return 0
+        if all(r["ok"] for r in results):
+            transport = "+".join(sorted({r.get("transport") or "zmq" for r in results}))
+            self.stats.imported(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), transport)
+            hashes = sent.block_hashes if p.same_blocks else r.core.kv.hashes_of(
+                p.handoff.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
+            self.pins.commit(rid, hashes)
+            request_event(rid, "kv_imported", replica=r.name, tokens=sent.num_tokens, transport=transport)
+            return sent.num_tokens
         self.pins.abort(rid)
-        request_event(rid, "kv_import_dropped", replica=self.name)
+        failed = [r for r in results if not r["ok"]]
+        self._recompute(rid, pull_reason(failed[0].get("reason")), "; ".join(r["error"] for r in failed))
         return 0
-    if all(r["ok"] for r in results):
-        transport = "+".join(sorted({r.get("transport") or "zmq" for r in results}))
-        self.handover.imported(sum(r["bytes"] for r in results), max(r["seconds"] for r in results), transport)
-        hashes = sent.block_hashes if p.same_blocks else self.core.kv.hashes_of(
-            p.handoff.ticket.request.all_token_ids[: sent.num_tokens], extra_keys=sent.extra_keys)
-        self.pins.commit(rid, hashes)
-        request_event(rid, "kv_imported", replica=self.name, tokens=sent.num_tokens, transport=transport)
-        return sent.num_tokens
-    self.pins.abort(rid)
-    failed = [r for r in results if not r["ok"]]
-    _recompute(self, rid, pull_reason(failed[0].get("reason")), "; ".join(r["error"] for r in failed))
-    return 0
 
 
-def _recompute(self: HandoverEnd, rid: str, reason: str, why: str) -> None:
-    self.handover.recompute(reason)
-    log.info("replica %s recomputes %s (%s): %s", self.name, rid, reason, why)
-    request_event(rid, "recompute", replica=self.name, reason=reason, why=why)
+    def _recompute(self, rid: str, reason: str, why: str) -> None:
+        r = self.replica
+        self.stats.recompute(reason)
+        log.info("replica %s recomputes %s (%s): %s", r.name, rid, reason, why)
+        request_event(rid, "recompute", replica=r.name, reason=reason, why=why)
 
 
 class Imports:
@@ -209,7 +217,7 @@ class Imports:
     requests into the engine. Settled hand-overs wait in `take_settled` for their sources to be
     told (on the loop), and `close` returns them too if the loop never got to it."""
 
-    def __init__(self, end: HandoverEnd) -> None:
+    def __init__(self, end: ReplicaHandover) -> None:
         self.end = end
         self.pending: dict[str, PendingImport] = {}  # by request id
         self._by_transfer: dict[str, PendingImport] = {}
@@ -240,14 +248,14 @@ class Imports:
         """Adopt the request with `computed` tokens cached (0: recompute its prompt; None: it was
         aborted meanwhile and is not adopted)."""
         if computed is not None:
-            self.end.core.adopt(h.ticket.request, num_computed_tokens=computed)
+            self.end.replica.core.adopt(h.ticket.request, num_computed_tokens=computed)
         self._settled.append(h)
 
     def tick(self, handoffs: list[Handoff]) -> None:
         """Start importing `handoffs`; adopt the requests whose pulls finished (take_settled)."""
         end = self.end
         for h in handoffs:
-            p = start_import(end, h, f"{end.name}/{next(self._ids)}")
+            p = end.start_import(h, f"{end.replica.name}/{next(self._ids)}")
             if p is None:
                 self._settle(h, 0)
             else:
@@ -257,15 +265,15 @@ class Imports:
             return
         cancels, self._cancels = self._cancels, []
         for transfer_id in cancels:
-            end.executor.call("kv_pull_cancel", [{"transfer_id": transfer_id}] * end.world)
-        for rank, done in enumerate(end.executor.call("kv_pull_done", [{}] * end.world)):
+            end.replica.executor.call("kv_pull_cancel", [{"transfer_id": transfer_id}] * end.replica.world)
+        for rank, done in enumerate(end.replica.executor.call("kv_pull_done", [{}] * end.replica.world)):
             for transfer_id, result in done.items():
                 p = self._by_transfer.get(transfer_id)
                 if p is not None:
                     p.results[rank] = result
-        for p in [p for p in self.pending.values() if len(p.results) == end.world]:
+        for p in [p for p in self.pending.values() if len(p.results) == end.replica.world]:
             del self.pending[p.handoff.ticket.request_id], self._by_transfer[p.transfer_id]
-            computed = finish_import(end, p)
+            computed = end.finish_import(p)
             self._settle(p.handoff, None if p.aborted else computed)
 
     def abort(self, request_id: str) -> None:

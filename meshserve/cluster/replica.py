@@ -28,8 +28,7 @@ import threading
 from collections.abc import Callable
 
 from meshserve.cluster.executors.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
-from meshserve.cluster.handover import Handoff, Imports, offer_kv, release_sources
-from meshserve.cluster.handover_stats import HandoverStats
+from meshserve.cluster.handover import Handoff, ReplicaHandover, release_sources
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.migration import plan_failover
 from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
@@ -38,7 +37,6 @@ from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from meshserve.engine.request import Ticket
 from meshserve.errors import MeshserveError, ReplicaFailedError
-from meshserve.kvtransfer.pins import KVPins
 
 log = logging.getLogger("meshserve.replica")
 
@@ -81,27 +79,24 @@ class Replica:
         self.on_handoff = on_handoff
         self.on_failed = on_failed
         self.health_period_s = health_period_s
-        self.handover_timeout_s = handover_timeout_s
         self.deadline = deadline or StepDeadline()
         self.max_migrations = max_migrations
         self.model_id = str(config.model.model)
         self.world = config.parallel.tp
-        self.handoff_tp = handoff_tp or self.world  # the decode pool's tp (prefill role)
-        self.handoff_dcp = handoff_dcp or config.parallel.dcp  # and its dcp
         self.state = ReplicaState.STARTING
         self.error: BaseException | None = None
         self.core: EngineCore | None = None
-        self.pins: KVPins | None = None  # the driver side of hand-overs (handover.py), over core.kv
         self.executor: Executor | None = None
-        self.faults: list[str] = []  # injected hand-over faults (tests): "checksum", "withdraw"
         self._held: dict[str, Ticket] = {}  # internal request id -> the ticket of every request held
         self._inbox: list[str] = []
         self._adoptions: list[Handoff] = []  # handed over, import not started yet
-        self.imports = Imports(self)  # KV pulls in flight (started in the step thread)
         self._aborts: list[str] = []
         self._releases: list[tuple] = []
         self.counters = ReplicaCounters()
-        self.handover = HandoverStats()  # hand-overs at either end (handover.py counts them)
+        # hand-overs at either end: pins, imports in flight, totals (handover.py); handoff_tp and
+        # handoff_dcp: the decode pool's layout (prefill role)
+        self.handover = ReplicaHandover(self, handoff_tp=handoff_tp or self.world,
+                                        handoff_dcp=handoff_dcp or config.parallel.dcp, timeout_s=handover_timeout_s)
         self._wakeup = asyncio.Event()
         self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
@@ -116,7 +111,7 @@ class Replica:
             self.state, self.error = ReplicaState.FAILED, exc
             raise
         self.executor = self.core.executor
-        self.pins = KVPins(self.core.kv)
+        self.handover.attach(self.core.kv)
         self.state = ReplicaState.READY
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
         log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
@@ -155,7 +150,7 @@ class Replica:
             except TimeoutError:
                 log.error("replica %s: its ranks did not stop within %g s; left behind", self.name, STOP_TIMEOUT_S)
             self.executor = None
-        release_sources(self._adoptions + self.imports.close())
+        release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
         if self.state is not ReplicaState.FAILED:
             self.state = ReplicaState.STOPPED
@@ -205,7 +200,7 @@ class Replica:
 
     def inject_fault(self, kind: str) -> None:
         """Make the next hand-over offer from this replica fail ("checksum" or "withdraw")."""
-        self.faults.append(kind)
+        self.handover.faults.append(kind)
 
     @property
     def load(self) -> int:
@@ -215,7 +210,7 @@ class Replica:
     @property
     def num_waiting(self) -> int:
         sched = 0 if self.core is None else len(self.core.scheduler.waiting)
-        return len(self._inbox) + len(self._adoptions) + len(self.imports) + sched
+        return len(self._inbox) + len(self._adoptions) + len(self.handover.imports) + sched
 
     @property
     def num_free_blocks(self) -> int:
@@ -240,10 +235,10 @@ class Replica:
             prefix_hit_tokens=0 if core is None else core.scheduler.stats.num_prefix_hit_tokens,
             prompt_tokens=c.prompt_tokens, generated_tokens=c.generated_tokens, expert_tokens=c.expert_tokens,
             num_preemptions=0 if core is None else core.scheduler.stats.num_preemptions,
-            num_handoffs=self.handover.handovers, num_kv_imports=self.handover.kv_imports,
-            num_recomputes=self.handover.num_recomputes, num_migrated=c.migrated,
+            num_handoffs=self.handover.stats.handovers, num_kv_imports=self.handover.stats.kv_imports,
+            num_recomputes=self.handover.stats.num_recomputes, num_migrated=c.migrated,
             num_migrations_refused=c.migrations_refused, num_hung=int(c.hung_detect_s is not None),
-            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.copy())
+            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.stats.copy())
 
     def _read_expert_load(self) -> None:
         """Between steps (the ranks' channel is free): refresh the per-expert row counts."""
@@ -258,14 +253,14 @@ class Replica:
         try:
             while True:
                 self._apply()
-                if self._adoptions or self.imports:
+                if self._adoptions or self.handover.imports:
                     adoptions, self._adoptions = self._adoptions, []
                     try:
                         await self._in_thread(self._handover_tick, adoptions)
                     except BaseException:  # the replica fails or stops: what was not started goes back
-                        self._adoptions[:0] = [h for h in adoptions if not self.imports.knows(h)]
+                        self._adoptions[:0] = [h for h in adoptions if not self.handover.imports.knows(h)]
                         raise
-                    release_sources(self.imports.take_settled())  # pulled, refused or failed alike
+                    release_sources(self.handover.imports.take_settled())  # pulled, refused or failed alike
                 if not self.core.has_unfinished():
                     if not self._held:
                         self._idle.set()
@@ -274,9 +269,9 @@ class Replica:
                         continue
                     try:
                         await asyncio.wait_for(self._wakeup.wait(),
-                                               IMPORT_POLL_S if self.imports else self.health_period_s)
+                                               IMPORT_POLL_S if self.handover.imports else self.health_period_s)
                     except TimeoutError:  # idle: make sure the ranks are still there
-                        if not self.imports:
+                        if not self.handover.imports:
                             await self._in_thread(self.executor.check_health)
                             await self._in_thread(self._read_expert_load)
                     continue
@@ -297,7 +292,7 @@ class Replica:
         core = self.core
         releases, self._releases = self._releases, []
         for pin in releases:
-            self.pins.release(pin)
+            self.handover.pins.release(pin)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
             ticket = self._held.pop(rid, None)
@@ -305,8 +300,8 @@ class Replica:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
-            elif rid in self.imports:  # its blocks are freed once the ranks' pulls ended
-                self.imports.abort(rid)
+            elif rid in self.handover.imports:  # its blocks are freed once the ranks' pulls ended
+                self.handover.imports.abort(rid)
             else:
                 core.abort(rid)
             ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
@@ -365,13 +360,13 @@ class Replica:
         for d in deltas:
             ticket = self._held.get(d.request_id)
             if ticket is not None and ticket.prefill_only and not d.finished:
-                handoffs.append(offer_kv(self, ticket))
+                handoffs.append(self.handover.offer(ticket))
         return deltas, handoffs
 
     def _handover_tick(self, adoptions: list[Handoff]) -> None:
         """Start the imports of new hand-overs; adopt those whose KV arrived (or that recompute)."""
-        self.imports.drop([h for h in adoptions if h.ticket.request_id not in self._held])  # aborted meanwhile
-        self.imports.tick([h for h in adoptions if h.ticket.request_id in self._held])
+        self.handover.imports.drop([h for h in adoptions if h.ticket.request_id not in self._held])  # aborted meanwhile
+        self.handover.imports.tick([h for h in adoptions if h.ticket.request_id in self._held])
 
     # -- failure --------------------------------------------------------------------------------
     def _fail(self, exc: BaseException) -> None:
@@ -393,7 +388,7 @@ class Replica:
                               migrations=ticket.migrations)
         self._held.clear()
         self._inbox.clear()
-        release_sources(self._adoptions + self.imports.close())
+        release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
         self._idle.set()
         if self.on_failed is not None:

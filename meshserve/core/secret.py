@@ -8,7 +8,7 @@ The coordinator resolves one secret per cluster at start and hands it to every r
 start-up config (a rank process's stdin, a Ray actor's constructor arguments, a thread's
 arguments), never on a command line, in an environment variable it sets, or in a log: `repr`
 and `str` hide the key. The step channel (cluster/executors/channel.py) and the KV export protocol
-(kvtransfer/zmq_transport.py) append a tag to every message; a message whose tag does not verify is
+(kvtransfer/export_server.py) append a tag to every message; a message whose tag does not verify is
 dropped and counted in `RejectedFrames`, never raised.
 
 Each part is prefixed with its length, so no two different part lists sign the same bytes, and

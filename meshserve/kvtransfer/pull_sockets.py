@@ -20,6 +20,7 @@ import time
 
 import zmq
 
+MAX_ANSWER_PART_BYTES = (256 << 20) + (64 << 10)  # a device-sized frame (rank_io.DEVICE_FRAME_BYTES), a margin
 MAX_IDLE_PER_ADDRESS = 8  # idle sockets kept per exporter (concurrent pulls of a burst each hold one)
 IDLE_S = 60.0  # an idle socket unused this long is closed
 
@@ -48,6 +49,8 @@ class PullSockets:
         sock = self.context.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        # The largest legitimate message part is one export frame (rank_io.DEVICE_FRAME_BYTES).
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_PART_BYTES)
         sock.connect(address)
         return sock
 

@@ -308,6 +308,38 @@ class ImportSession:
             rows.index_copy_(0, self._block_rows(first, n, cache.device), frame.to(cache.device).view(n, -1))
         self._next += 1
 
+    def frame_runs(self, index: int) -> list[tuple[int, int, int]]:
+        """Frame `index` as runs of consecutive blocks of ours: (offset of the run's first block
+        in the frame, our first block, number of blocks). A transport that writes our blocks
+        itself (a NIXL READ) moves one run per descriptor pair."""
+        _, first, n = self.header.frames[index]
+        ours = self._flat[first : first + n]
+        runs: list[tuple[int, int, int]] = []
+        for k, block in enumerate(ours):
+            if runs and runs[-1][1] + runs[-1][2] == block:
+                off, start, count = runs[-1]
+                runs[-1] = (off, start, count + 1)
+            else:
+                runs.append((k, block, 1))
+        return runs
+
+    def cache_of(self, index: int) -> torch.Tensor:
+        """The cache tensor frame `index` goes into ([num_blocks, ...])."""
+        return self.io.caches[self.header.frames[index][0]].data
+
+    def accept_written(self) -> None:
+        """Take every frame at once: the transport wrote them all into our blocks (frame_runs)."""
+        if self._next != 0:
+            self._fail("truncated", f"{self._next} frames were accepted one by one already")
+        if self._verify:
+            for i, (layer, first, n) in enumerate(self.header.frames):
+                frame = self.destination(i)
+                if frame is None:  # our blocks are not one run: gather them in the sent order
+                    cache = self.io.caches[layer].data
+                    frame = as_bytes(cache.index_select(0, self._block_rows(first, n, cache.device)))
+                self._written.append(frame)
+        self._next = self.num_frames
+
     def _digest_written(self) -> None:
         """Digest the frames written into our blocks so far (one kernel for them all on a GPU)."""
         if self._written:

@@ -5,7 +5,10 @@
     puller_for(name).pull(target, endpoint, capability, secret=..., timeout_s=..., cancel=...)
 
 Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
-  zmq       pyzmq over TCP (zmq_transport.py): any two ends; host-staged when the caches are on a
+  nixl      a NIXL READ (nixl_transport.py) of the exporter's registered cache memory, DRAM or
+            VRAM, on one host or between hosts (UCX: shared memory, TCP, RDMA, CUDA IPC); the
+            control exchange (capability, header, descriptors) is the zmq protocol's.
+  zmq       pyzmq over TCP (export_server.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
             GPU), the exporter's GPU visible to the importer (not so for Ray actors, which each
@@ -16,7 +19,8 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
             hosts), gloo between CPU caches, over a two-rank group made for each pull (a
             communicator set-up per pull: for large requests between hosts). Both ends' caches
             must be on the same kind of device, else zmq.
-  auto      cuda_ipc where it applies, else zmq (the default; nccl is never chosen by itself).
+  auto      nixl where both ends have a NIXL agent (the `nixl-cu13` package imports), else cuda_ipc
+            where it applies, else zmq (the default; nccl is never chosen by itself).
   "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
             built without arguments with this module's `pull` signature.
 
@@ -43,8 +47,8 @@ from meshserve.errors import ConfigError
 from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
 from meshserve.kvtransfer.rank_io import ImportTarget
 
-AUTO, ZMQ, CUDA_IPC, NCCL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
-                                               KVTransport.NCCL))
+AUTO, ZMQ, CUDA_IPC, NCCL, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
+                                                     KVTransport.NCCL, KVTransport.NIXL))
 
 
 @functools.cache
@@ -67,21 +71,22 @@ class Endpoint:
     device: str  # the caches' device type: "cuda" or "cpu"
     process: str  # PROCESS_TOKEN of its process
     gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
+    nixl: bool = False  # it answers NIXL pulls (its caches are registered with a NIXL agent)
 
     @classmethod
-    def local(cls, address: str, device: torch.device) -> Endpoint:
-        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device))
+    def local(cls, address: str, device: torch.device, *, nixl: bool = False) -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl)
 
-    def to_wire(self) -> dict[str, str]:
+    def to_wire(self) -> dict[str, str | bool]:
         return {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
-                "gpu": self.gpu}
+                "gpu": self.gpu, "nixl": self.nixl}
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
         if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
             return cls(obj, "", "cpu", "")
         return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
-                   str(obj.get("gpu", "")))
+                   str(obj.get("gpu", "")), obj.get("nixl") is True)
 
 
 def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection[str]) -> str | None:
@@ -100,8 +105,13 @@ def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection
 
 def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
                      visible_gpus: Collection[str] = ()) -> tuple[str, str]:  # fmt: skip
-    """(transport, why) for one hand-over: `requested` as configured; auto and cuda_ipc fall back
-    to zmq (why says the reason) where CUDA IPC cannot join the ends."""
+    """(transport, why) for one hand-over: `requested` as configured; auto takes nixl where both
+    ends have it, nixl falls back to zmq where they do not; auto and cuda_ipc fall back to zmq
+    (why says the reason) where CUDA IPC cannot join the ends."""
+    if requested in (AUTO, NIXL) and mine.nixl and theirs.nixl:
+        return NIXL, ""
+    if requested == NIXL:
+        return ZMQ, f"NIXL at the exporter: {theirs.nixl}, at the importer: {mine.nixl} (both need a NIXL agent)"
     if requested == NCCL and mine.device != theirs.device:
         return ZMQ, f"caches on {theirs.device} (exporter) and {mine.device} (importer): nccl needs one kind"
     if requested not in (AUTO, CUDA_IPC):
@@ -131,7 +141,7 @@ class ZmqPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.zmq_transport import pull_kv
+        from meshserve.kvtransfer.export_server import pull_kv
 
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
                 sockets=self.sockets)
@@ -153,7 +163,7 @@ class CudaIpcPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.zmq_transport import pull_kv
+        from meshserve.kvtransfer.export_server import pull_kv
 
         used = _Used(self.importer)
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
@@ -180,8 +190,8 @@ class P2PPuller:
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
              timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.export_server import pull_kv
         from meshserve.kvtransfer.p2p_transport import P2PReceiver
-        from meshserve.kvtransfer.zmq_transport import pull_kv
 
         receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
@@ -189,11 +199,22 @@ class P2PPuller:
         return NCCL
 
 
-_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller}
+def _nixl_puller() -> KVPuller:
+    from meshserve.kvtransfer.nixl_transport import NixlPuller
+
+    return NixlPuller()
 
 
-def puller_for(name: str) -> KVPuller:
-    """A fresh puller of transport `name` (a built-in name or "module:Class")."""
+_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller, NIXL: _nixl_puller}
+
+
+def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
+    """A fresh puller of transport `name` (a built-in name or "module:Class"); a nixl puller
+    reads with `nixl_agent` (the rank's NixlAgent; one of its own when None)."""
+    if name == NIXL and nixl_agent is not None:
+        from meshserve.kvtransfer.nixl_transport import NixlPuller
+
+        return NixlPuller(nixl_agent)
     if name in _PULLERS:
         return _PULLERS[name]()
     module, _, cls = check_kv_transport(name).partition(":")
@@ -203,9 +224,16 @@ def puller_for(name: str) -> KVPuller:
         raise ConfigError("kv_transport", name, f"a loadable puller class (cannot load it: {exc})") from exc
 
 
-def describe_setting(requested: str, device: str, *, one_host: bool) -> str:
+def describe_setting(requested: str, device: str, *, one_host: bool, nixl: bool | None = None) -> str:
     """The transport hand-overs will use, as far as the configuration tells (the start-up log and
-    the meshserve_kv_transport_info metric): the actual choice is made per hand-over."""
+    the meshserve_kv_transport_info metric): the actual choice is made per hand-over. nixl:
+    whether NIXL is installed (None: look)."""
+    from meshserve.kvtransfer.nixl_transport import nixl_available
+
+    if requested in (AUTO, NIXL) and (nixl_available() if nixl is None else nixl):
+        return NIXL
+    if requested == NIXL:
+        return ZMQ
     if requested not in (AUTO, CUDA_IPC):
         return requested
     if device != "cuda":

@@ -6,7 +6,9 @@ CPU, NCCL on CUDA. A single-rank replica creates no group and every collective i
 
 from __future__ import annotations
 
-import socket
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -71,7 +73,8 @@ def init_parallel(config: ParallelConfig, *, rank: int, init_method: str | None,
                   timeout_s: float = 120.0) -> ParallelContext:
     """Join the replica's process group and build its DCP groups.
 
-    init_method: a torch.distributed rendezvous such as "tcp://10.0.0.5:29517" (None for tp=1).
+    init_method: a torch.distributed rendezvous: local_rendezvous() (a replica's ranks share a
+    node), or "tcp://HOST:PORT" (None for tp=1).
     Every rank must call this with the same config.
     """
     check(0 <= rank < config.tp, "rank", rank, f"an integer in [0, {config.tp - 1}]")
@@ -102,11 +105,18 @@ def _consecutive_group(size: int, world: int, rank: int) -> dist.ProcessGroup | 
     return mine
 
 
-def local_rendezvous(host: str = "127.0.0.1") -> str:
-    """A tcp:// rendezvous on a port that is free on `host` now (for ranks started on this machine)."""
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return f"tcp://{host}:{sock.getsockname()[1]}"
+def local_rendezvous() -> str:
+    """A rendezvous for ranks on this machine: a torch.distributed FileStore in a new directory
+    only this user can enter. Nothing listens (a TCPStore listens on every interface and takes
+    keys from anyone who connects); the file is the store's, torch removes it when the last rank
+    lets go, and `remove_rendezvous` removes the directory."""
+    return "file://" + os.path.join(tempfile.mkdtemp(prefix="meshserve-rendezvous-"), "store")
+
+
+def remove_rendezvous(init_method: str) -> None:
+    """Remove what local_rendezvous made (after every rank has joined)."""
+    if init_method.startswith("file://"):
+        shutil.rmtree(os.path.dirname(init_method.removeprefix("file://")), ignore_errors=True)
 
 
 def shutdown_parallel(ctx: ParallelContext) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.multiprocessing as mp
 
-from meshserve.parallel.groups import local_rendezvous
+from meshserve.parallel.groups import local_rendezvous, remove_rendezvous
 
 
 def run_on_rank(config, rank: int, init_method: str, work, out_file: str) -> None:
@@ -33,4 +33,8 @@ def run_on_rank(config, rank: int, init_method: str, work, out_file: str) -> Non
 
 def run_ranks(fn, world: int, *args) -> None:
     """Start `world` processes running fn(rank, world, init_method, *args); re-raise any failure."""
-    mp.start_processes(fn, args=(world, local_rendezvous(), *args), nprocs=world, join=True, start_method="spawn")
+    init_method = local_rendezvous()
+    try:
+        mp.start_processes(fn, args=(world, init_method, *args), nprocs=world, join=True, start_method="spawn")
+    finally:
+        remove_rendezvous(init_method)

@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-from meshserve.kvtransfer.connector import KVExport
+from tests.kv_connector import KVExport
 from tests.unit.kvtransfer.replicas import Replica
 
 TOKENS = list(range(100, 137))
@@ -49,8 +49,8 @@ def broken(export: KVExport, how: str) -> KVExport:
 
 def serve_zmq(device: str = "cpu") -> None:
     from meshserve.core.secret import ClusterSecret
+    from meshserve.kvtransfer.export_server import KVExportServer, new_capability
     from meshserve.kvtransfer.transport import Endpoint
-    from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability
 
     rep = sender_replica(device)
     server = KVExportServer(ClusterSecret.resolve())
@@ -83,8 +83,8 @@ def serve_zmq(device: str = "cpu") -> None:
 def run_dist(rank: int, port: int) -> None:
     import torch.distributed as dist
 
-    from meshserve.kvtransfer.dist_transport import recv_kv, send_kv
     from meshserve.kvtransfer.wire import KVTransferError
+    from tests.kv_dist_transport import recv_kv, send_kv
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=rank)
     try:

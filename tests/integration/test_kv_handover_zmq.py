@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from meshserve.core.secret import ENV_SECRET, ClusterSecret
+from meshserve.kvtransfer.export_server import new_capability, pull_kv
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import new_capability, pull_kv
 from tests.integration.kv_handover_peer import sender_replica
 from tests.unit.kvtransfer.replicas import Replica
 
@@ -111,7 +111,7 @@ def test_pull_times_out_without_a_sender():
 def test_unpulled_offers_expire_and_close_releases_everything():
     import time
 
-    from meshserve.kvtransfer.zmq_transport import KVExportServer
+    from meshserve.kvtransfer.export_server import KVExportServer
 
     src = Replica(seed=1)
     src.add_request("a", list(range(20)))

@@ -1,6 +1,7 @@
 """Disaggregated pools of different (tp, dcp) layouts hand KV over by re-sharding it (no
 recompute), through the coordinator with ranks in processes (gloo): every request's greedy
-tokens equal the single-process engine's, and the decode replica imported every prompt.
+tokens equal the single-process engine's, the decode replica imported every prompt (by NIXL
+when installed), and every socket of the process tree listens on loopback only.
 
 The pairs cover into and out of DCP and a change of both tp and dcp (the issue's prefill tp1 ->
 decode tp2/dcp2 first). tests/unit/kvstore/test_reshard.py checks the
@@ -15,6 +16,8 @@ import pytest
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.kvtransfer.nixl_transport import nixl_available
+from tests.integration.test_listen_loopback import non_loopback_listeners
 from tests.tiny_models import prompts, write_checkpoint
 from tests.unit.cluster.cases import Result, assert_no_held_blocks, assert_same, collect, engine_config, reference
 
@@ -47,7 +50,11 @@ def test_handover_between_layouts_reshards_with_identical_tokens(setup, src, dst
             (decode,) = coord.replicas("decode")
             stats = decode.stats()
             assert (stats.num_kv_imports, stats.num_recomputes) == (len(requests), 0), stats
+            # kv_transport auto: each decode rank READs its heads and tokens by NIXL when installed
+            assert set(stats.handover.transports) == ({"nixl"} if nixl_available() else {"zmq"}), stats
             assert_no_held_blocks(coord)
+            # every socket the ranks (processes, gloo, export servers, NIXL/UCX) listen on: loopback
+            assert non_loopback_listeners() == []
             return got
         finally:
             await coord.shutdown(drain=False)

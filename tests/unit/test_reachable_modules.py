@@ -16,9 +16,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "meshserve"
 MODULE_NAME = re.compile(r"^meshserve(\.[A-Za-z_]\w*)+(:[A-Za-z_]\w*)?$")
-# Test-only today and on their way out (issue 36: KV transfer helpers serving never reaches);
-# remove an entry once its module is gone or served.
-PENDING = {"meshserve.kvtransfer.connector", "meshserve.kvtransfer.dist_transport"}
 
 
 def _modules() -> dict[str, Path]:
@@ -77,7 +74,7 @@ def test_every_module_is_reached_from_an_entry_point():
     roots = _entry_points()
     assert {"meshserve.cli", "meshserve.api.protogen"} <= roots and roots <= set(mods)
     unreached = set(mods) - _reached(_edges(mods), roots)
-    assert unreached <= PENDING, f"reached only by tests (or nothing): {sorted(unreached - PENDING)}"
+    assert not unreached, f"reached only by tests (or nothing): {sorted(unreached)}"
 
 
 def test_the_walk_follows_lazy_imports_and_module_strings():

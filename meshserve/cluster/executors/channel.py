@@ -48,6 +48,13 @@ log = logging.getLogger("meshserve.channel")
 
 HELLO, STEP, OUT, CALL, RET, ERR, STOP = (b"H", b"S", b"O", b"C", b"R", b"E", b"X")
 POLL_MS = 100
+# Largest message part each end accepts (zmq.MAXMSGSIZE): zmq drops a peer that announces a bigger
+# one before buffering it, so whoever reaches the driver's port cannot make it allocate what it
+# sends ahead of the HMAC check. A rank's answer is a step output (tokens, logprobs; prompt
+# logprobs of a long prompt run to a few MiB) or a call's result; a plan to a rank carries new
+# prompts' token ids (a 128k-token prompt is 0.5 MiB).
+MAX_ANSWER_BYTES = 32 << 20
+MAX_PLAN_BYTES = 64 << 20
 _TO_RANK, _TO_DRIVER = b"step>", b"step<"
 
 
@@ -96,6 +103,7 @@ class DriverChannel:
         self._sock = (context or zmq.Context.instance()).socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # sending to a rank that is not connected raises
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_ANSWER_BYTES)
         port = self._sock.bind_to_random_port(f"tcp://{host}")
         self.address = f"tcp://{host}:{port}"
         self._names = [rank_identity(r) for r in range(world)]
@@ -235,6 +243,7 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
     rejected = RejectedFrames(f"rank {rank} of {address}")
     sock = (context or zmq.Context.instance()).socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_PLAN_BYTES)
     sock.connect(address)
     seq0 = _seq(0)
     sock.send_multipart([HELLO, seq0, name, auth.sign(_TO_DRIVER, name, HELLO, seq0, name)])

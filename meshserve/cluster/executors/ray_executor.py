@@ -37,8 +37,15 @@ PLACEMENT_LOG_PERIOD_S = 30.0  # how often a replica still waiting for placement
 
 def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
     """Connect to Ray unless already connected. Returns True when this call connected (the
-    caller then owns the connection and calls ray.shutdown()). address None starts an embedded
-    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one."""
+    caller then owns the connection and calls ray_shutdown()). address None starts an embedded
+    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one.
+
+    An embedded start that times out (Ray's GCS or raylet slow to come up on a loaded machine;
+    Ray says so in several ways: START_UP_TIMEOUTS) is tried again after a back-off, up to
+    EMBEDDED_START_ATTEMPTS times, then is one UnavailableError naming the cause. Whatever a
+    failed start left running is stopped first. A started cluster gets a watchdog (ray_reaper.py)
+    that stops its processes if this process dies without ray_shutdown()."""
+    global _reaper
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
@@ -48,21 +55,75 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
         probe_cluster(address or os.environ["RAY_ADDRESS"])
         ray.init(address=address, **kwargs)
         return True
-    for _ in range(EMBEDDED_START_ATTEMPTS - 1):
+    for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
+        before = _descendants()
         try:
             ray.init(**kwargs)
-            return True
-        except Exception as exc:  # Ray raises a bare Exception when its raylet or GCS start too slowly
-            if STARTUP_TIMEOUT not in str(exc):
+        except Exception as exc:  # Ray raises bare Exceptions (and TimeoutError) when its GCS or raylet are slow
+            ray.shutdown()  # what the failed start registered
+            _stop_new(before)  # what it started and did not register (a GCS whose port file never came)
+            cause = " ".join(str(exc).split()) or type(exc).__name__
+            if not _is_start_up_timeout(exc):
                 raise
-            log.warning("the embedded Ray cluster did not start in time (%s); starting it again", exc)
-            ray.shutdown()  # whatever the failed start left running
-    ray.init(**kwargs)
-    return True
+            if attempt == EMBEDDED_START_ATTEMPTS:
+                raise UnavailableError(f"the embedded Ray cluster did not start ({attempt} attempts): {cause} "
+                                       "(a loaded machine: try again, or start Ray yourself and pass --ray-address)"
+                                       ) from None
+            delay = START_BACKOFF_S * 2 ** (attempt - 1)
+            log.warning("the embedded Ray cluster did not start in time (%s); trying again in %.0f s", cause, delay)
+            time.sleep(delay)
+            continue
+        from meshserve.cluster.executors.ray_reaper import start_reaper
+
+        _reaper = start_reaper()
+        return True
+    raise AssertionError("unreachable")  # the loop returns or raises
 
 
-EMBEDDED_START_ATTEMPTS = 2  # a loaded 2-core machine now and then misses Ray's node start-up deadline
-STARTUP_TIMEOUT = "timed out during startup"  # what Ray's message says then
+def ray_shutdown() -> None:
+    """Disconnect from Ray (stopping an embedded cluster ray_init started, and its watchdog)."""
+    global _reaper
+    ray.shutdown()
+    if _reaper is not None:
+        _reaper.close()
+        _reaper = None
+
+
+EMBEDDED_START_ATTEMPTS = 3  # a loaded 2-core machine now and then misses Ray's node start-up deadlines
+START_BACKOFF_S = 1.0  # before the second attempt; doubled before each next one
+# What Ray's start-up timeouts say (the raylet's registration, the GCS port file, the GCS connection).
+START_UP_TIMEOUTS = ("timed out", "failed to connect to gcs", "gcs has become overloaded")
+_reaper = None  # ray_reaper.Reaper of the embedded cluster this process started
+
+
+def _is_start_up_timeout(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, TimeoutError) or any(s in text for s in START_UP_TIMEOUTS)
+
+
+def _descendants() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _stop_new(before: set[int]) -> None:
+    """Stop (and reap) the descendants of this process that were not there `before`."""
+    import psutil
+
+    new = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    for p in new:
+        try:
+            p.terminate()
+        except psutil.NoSuchProcess:
+            pass
+    _, still = psutil.wait_procs(new, timeout=3.0)  # waiting reaps our own children: no zombie stays
+    for p in still:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(still, timeout=3.0)
 
 
 PROBE_TIMEOUT_S = 4.0  # a join that cannot work fails within this (ray.init itself retries for ~20 s)

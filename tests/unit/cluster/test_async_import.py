@@ -78,7 +78,7 @@ def test_running_request_keeps_decoding_while_an_import_is_held(ckpt, want):
                          "the long request to go on decoding", timeout_s=WAIT_S)
         # The long request decoded 20 tokens while the other's KV was held on its way.
         assert len(long_seen) >= before + 20 and not GATE.release.is_set()
-        assert len(decode.imports) == 1 and held_seen == want["held"].token_ids[:1]  # the prefill's token only
+        assert len(decode.handover.imports) == 1 and held_seen == want["held"].token_ids[:1]  # the prefill's token only
         GATE.release.set()
         await asyncio.gather(long_task, held_task)
         stats = decode.stats()
@@ -102,7 +102,8 @@ def test_abort_during_an_import_cancels_it_and_frees_every_block(ckpt):
         assert await c.abort("held")
         assert await asyncio.wait_for(task, WAIT_S) == FinishReason.ABORT
         assert await asyncio.to_thread(GATE.cancelled.wait, WAIT_S), "the held pull was not cancelled"
-        await wait_until(lambda: holds_no_blocks(c) and prefill.pins.num_pinned == 0 and not decode.imports,
+        await wait_until(lambda: (holds_no_blocks(c) and prefill.handover.pins.num_pinned == 0
+                                  and not decode.handover.imports),
                          "the aborted import to free its blocks and the offer's pin", timeout_s=WAIT_S)
         assert_no_held_blocks(c)
         stats = decode.stats()
@@ -121,8 +122,8 @@ def test_decode_replica_shutdown_during_an_import_leaves_no_pin(ckpt):
         with pytest.raises(ReplicaFailedError, match="shut down"):
             await asyncio.wait_for(task, WAIT_S)
         assert GATE.cancelled.is_set()  # the rank stopped its pull before it stopped
-        assert decode.core.kv.num_requests == 0 and not decode.imports  # the reservation is freed
-        await wait_until(lambda: prefill.pins.num_pinned == 0 and prefill.core.kv.num_requests == 0,
+        assert decode.core.kv.num_requests == 0 and not decode.handover.imports  # the reservation is freed
+        await wait_until(lambda: prefill.handover.pins.num_pinned == 0 and prefill.core.kv.num_requests == 0,
                          "the prefill replica to release the offer's pin", timeout_s=WAIT_S)
         prefill.core.kv.check_invariants()
         decode.core.kv.check_invariants()
@@ -160,8 +161,8 @@ def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkey
         with pytest.raises(ReplicaFailedError, match="injected"):
             await asyncio.wait_for(task, WAIT_S)
         monkeypatch.undo()
-        assert decode.state.value == "failed" and not decode.imports
-        await wait_until(lambda: prefill.pins.num_pinned == 0 and prefill.core.kv.num_requests == 0,
+        assert decode.state.value == "failed" and not decode.handover.imports
+        await wait_until(lambda: prefill.handover.pins.num_pinned == 0 and prefill.core.kv.num_requests == 0,
                          "the prefill replica to release the offer's pin", timeout_s=WAIT_S)
         prefill.core.kv.check_invariants()
 

@@ -12,6 +12,7 @@ from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
+from meshserve.kvtransfer.nixl_transport import nixl_available
 from tests.null_worker import POISON_TOKEN, next_token
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
@@ -56,6 +57,8 @@ def test_disaggregated_hands_kv_over_and_matches(ckpt, want):
         handed = sum(1 for r in want.values() if len(r.token_ids) > 1)
         assert prefill.stats().num_handoffs == handed
         assert decode.stats().num_kv_imports == handed and decode.stats().num_recomputes == 0
+        # kv_transport auto: NIXL moves every hand-over when it is installed (a regular dependency)
+        assert decode.stats().handover.transports == ({"nixl": handed} if nixl_available() else {"zmq": handed})
         assert_no_held_blocks(c)  # the prefill side released every pin
         return got
     assert_same(serve(threads(ckpt, "disaggregated"), body), want)

@@ -1,16 +1,7 @@
-"""The fair queue's key and the per-caller ledger (cluster/fair_queue.py), and the Ray reaper's
-sweep (cluster/ray_reaper.py) on plain processes standing in for Ray's."""
+"""The fair queue's key and the per-caller ledger (cluster/fair_queue.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import textwrap
-import time
-
-import psutil
 import pytest
 
 from meshserve.cluster.fair_queue import PRIORITY_RANGE, CallerLedger, CallerLimitError, queue_key
@@ -51,38 +42,3 @@ def test_the_ledger_limits_a_caller_and_forgets_it_when_done():
     ledger.release("b", 16)
     ledger.release("", 200)
     assert len(ledger) == 0
-
-
-_DRIVER = textwrap.dedent("""
-    import subprocess, sys, time
-    from meshserve.cluster.ray_reaper import RayReaper
-    before = RayReaper.children()
-    # stand-ins for Ray's gcs_server and raylet, one with a child of its own (a worker)
-    sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-    spawner = [sys.executable, "-c", "import subprocess, sys, time; "
-               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); time.sleep(600)"]
-    procs = [subprocess.Popen(sleeper, start_new_session=True), subprocess.Popen(spawner, start_new_session=True)]
-    time.sleep(0.5)
-    RayReaper.start(existing=before)
-    print(" ".join(str(p.pid) for p in procs), flush=True)
-    time.sleep(600)
-""")
-
-
-def test_the_reaper_ends_every_process_it_watches_when_the_server_is_sigkilled():
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    driver = subprocess.Popen([sys.executable, "-c", _DRIVER], stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        pids = [int(p) for p in driver.stdout.readline().split()]
-        watched = [psutil.Process(p) for p in pids]
-        watched += [c for p in watched for c in p.children(recursive=True)]
-        assert len(watched) == 3
-        os.kill(driver.pid, signal.SIGKILL)
-        driver.wait(10)
-        started = time.monotonic()
-        gone, alive = psutil.wait_procs(watched, timeout=30)  # a hang guard; they end within GRACE_S
-        assert not alive, alive
-        assert time.monotonic() - started < 30
-    finally:
-        if driver.poll() is None:
-            driver.kill()

@@ -11,6 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.handover_stats import RECOMPUTE_REASONS
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.kvtransfer.nixl_transport import nixl_available
 from tests.tiny_models import prompts, write_checkpoint
 from tests.unit.cluster.cases import collect, serve, threads
 
@@ -58,12 +59,13 @@ def test_counters_after_a_hand_over_and_after_forced_recomputes(ckpt):
         return dict(pool="prefill", replica=prefill.name), dict(pool="decode", replica=decode.name), first, scrape(c)
 
     p, d, first, second = serve(threads(path, "disaggregated"), body)
-    assert sample(first, "meshserve_kv_transport_info", transport="zmq") == 1
+    moved_by = "nixl" if nixl_available() else "zmq"  # kv_transport auto between CPU caches
+    assert sample(first, "meshserve_kv_transport_info", transport=moved_by) == 1
     assert sample(first, "meshserve_kv_handovers_total", **p) == 1
     assert sample(first, "meshserve_kv_handovers_total", **d) == 1
     assert sample(first, "meshserve_kv_imported_bytes_total", **d) == kv_bytes(config, len(prompt))
     assert sample(first, "meshserve_kv_transfer_seconds_count", **d) == 1
-    assert sample(first, "meshserve_kv_imports_total", transport="zmq", **d) == 1  # CPU caches: zmq
+    assert sample(first, "meshserve_kv_imports_total", transport=moved_by, **d) == 1
     assert 0 < sample(first, "meshserve_kv_transfer_seconds_sum", **d) < 30
     assert sample(first, "meshserve_kv_transfer_seconds_bucket", le="+Inf", **d) == 1
     assert [sample(first, "meshserve_kv_recomputes_total", reason=r, **d) for r in RECOMPUTE_REASONS] == [0] * 6

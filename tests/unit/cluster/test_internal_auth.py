@@ -15,11 +15,11 @@ import zmq
 
 from meshserve.cluster.executors.channel import ERR, HELLO, OUT, ChannelAuth, DriverChannel, rank_identity, serve_rank
 from meshserve.cluster.executors.executor import WorkerDiedError
-from meshserve.cluster.executors.rank_host import RankHost
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.export_server import new_capability, pull_kv
+from meshserve.kvtransfer.rank_agent import KVRankAgent
 from meshserve.kvtransfer.transport import Endpoint
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import new_capability, pull_kv
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
@@ -84,11 +84,11 @@ def test_forged_step_frames_are_dropped_and_counted_while_victims_finish(ckpt, w
 def test_kv_pulls_without_the_capability_are_refused_and_the_victim_is_untouched(ckpt, want, monkeypatch):
     rid, prompt, params = VICTIMS[1]
     servers, refusals = [], []
-    real_offer, real_pull = RankHost.kv_offer, RankHost.kv_pull
+    real_offer, real_pull = KVRankAgent.offer, KVRankAgent.pull
 
     def offer(self, *args, **kw):
         address = real_offer(self, *args, **kw)
-        servers.append(self._server)
+        servers.append(self.server)
         return address
 
     class Thief:  # an import target that must never see a header
@@ -109,8 +109,8 @@ def test_kv_pulls_without_the_capability_are_refused_and_the_victim_is_untouched
                 refusals.append((reason, exc.reason))
         return real_pull(self, capability, addresses, *args, **kw)
 
-    monkeypatch.setattr(RankHost, "kv_offer", offer)
-    monkeypatch.setattr(RankHost, "kv_pull", pull)
+    monkeypatch.setattr(KVRankAgent, "offer", offer)
+    monkeypatch.setattr(KVRankAgent, "pull", pull)
 
     async def body(c):
         got = await run_all(c, [VICTIMS[1]])

@@ -12,7 +12,7 @@ from meshserve.kvstore.block_pool import NULL_BLOCK
 from meshserve.kvstore.cache_tensors import allocate_caches, block_tensors
 from meshserve.kvstore.groups import KVGroupLayout
 from meshserve.kvstore.manager import KVCacheManager
-from meshserve.kvtransfer.connector import KVConnector
+from tests.kv_connector import KVConnector
 
 _GQA = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=8)
 SPARSE = MLADims(16, 8, 4, 8, indexer=IndexerDims(num_heads=2, head_dim=8, topk=4))

@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshserve.kvtransfer.connector import KVExport
 from meshserve.kvtransfer.wire import FrameDigest, KVHeader, KVTransferError, plan_frames
+from tests.kv_connector import KVExport
 from tests.unit.kvtransfer.replicas import Replica
 
 TOKENS = list(range(100, 137))  # 37 tokens: 9 full blocks of 4 and one partial

@@ -12,6 +12,7 @@ import torch
 from meshserve.config import CacheConfig
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
 from meshserve.kvtransfer.transfers import BackgroundPulls
 from meshserve.kvtransfer.transport import (
     CUDA_IPC,
@@ -26,7 +27,6 @@ from meshserve.kvtransfer.transport import (
     puller_for,
 )
 from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability, pull_kv
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the kv transport tests")
@@ -83,8 +83,11 @@ def test_pullers_by_name():
 
 
 def test_the_setting_as_the_start_up_log_and_metric_say_it():
-    assert describe_setting("auto", "cpu", one_host=True) == ZMQ
-    assert describe_setting("auto", "cuda", one_host=True) == CUDA_IPC
+    assert describe_setting("auto", "cpu", one_host=True, nixl=True) == "nixl"
+    assert describe_setting("nixl", "cuda", one_host=False, nixl=True) == "nixl"
+    assert describe_setting("nixl", "cpu", one_host=True, nixl=False) == ZMQ
+    assert describe_setting("auto", "cpu", one_host=True, nixl=False) == ZMQ
+    assert describe_setting("auto", "cuda", one_host=True, nixl=False) == CUDA_IPC
     assert describe_setting("cuda_ipc", "cuda", one_host=False) == "cuda_ipc|zmq"
     assert describe_setting("zmq", "cuda", one_host=True) == ZMQ
 

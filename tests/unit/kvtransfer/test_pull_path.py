@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability
 from meshserve.kvtransfer.pull_sockets import PullSockets
 from meshserve.kvtransfer.transport import ZMQ, Endpoint, ZmqPuller
 from meshserve.kvtransfer.wire import KVHeader, KVTransferError
-from meshserve.kvtransfer.zmq_transport import KVExportServer, new_capability
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the pull path tests")

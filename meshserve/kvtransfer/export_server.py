@@ -46,23 +46,26 @@ import zmq
 
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
-from meshserve.kvtransfer.rank_io import KVExport
-from meshserve.kvtransfer.wire import KVTransferError
-from meshserve.kvtransfer.zmq_pull import (  # noqa: F401  (the receiving end, re-exported)
+from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlRead
+from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end, re-exported)
     _ANSWER,
     _END,
     _ERROR,
     _FRAME,
     _HEADER,
     _IPC,
+    _NIXL,
     _P2P,
     _PULL,
     MIN_CAPABILITY_CHARS,
     _index,
     pull_kv,
 )
+from meshserve.kvtransfer.rank_io import KVExport
+from meshserve.kvtransfer.wire import KVTransferError
 
 Release = Callable[[KVExport], None]
+MAX_PULL_REQUEST_BYTES = 64 << 10  # a pull request's parts (msgpack map, MAC): a few hundred bytes
 log = logging.getLogger("meshserve.kvtransfer")
 
 
@@ -74,12 +77,16 @@ class KVExportServer:
     """
 
     def __init__(self, secret: ClusterSecret, *, address: str = "tcp://127.0.0.1",
-                 context: zmq.Context | None = None) -> None:  # fmt: skip
+                 context: zmq.Context | None = None, nixl: NixlAgent | None = None) -> None:  # fmt: skip
         self._secret = secret
+        self._nixl = nixl  # answers pulls that ask for NIXL with descriptions of registered memory
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
         self._sock.setsockopt(zmq.LINGER, 0)
+        # A pull request is a small msgpack map: a bigger message is dropped by zmq before it is
+        # buffered (anyone who reaches the port could otherwise make us allocate what it sends).
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_PULL_REQUEST_BYTES)
         if address.startswith("tcp://") and address.count(":") == 1:
             self._sock.bind_to_random_port(address)
         else:
@@ -90,6 +97,7 @@ class KVExportServer:
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
         self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
         self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
+        self.nixl_ttl_s = 120.0  # how long a NIXL answer's memory stays pinned without the puller's notice
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
@@ -134,6 +142,7 @@ class KVExportServer:
             request = msgpack.unpackb(body, raw=False)
             cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
             rendezvous = request.get("p2p")
+            nixl_known = request.get("nixl")
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -148,6 +157,8 @@ class KVExportServer:
                                                                         export.header_bytes)])
         if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
                 and self._answer_ipc(ident, cap, export, release)):
+            return
+        if isinstance(nixl_known, str) and self._answer_nixl(ident, cap, export, release, nixl_known):
             return
         if isinstance(rendezvous, str) and export.frames:
             self._answer_p2p(ident, cap, export, release, rendezvous)
@@ -179,6 +190,22 @@ class KVExportServer:
         self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
         # The blocks stay pinned by the driver until the puller's replica reports the copy done.
         _let_go(export, release)
+        return True
+
+    def _answer_nixl(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
+                     known: str) -> bool:  # fmt: skip
+        """The frames as a NIXL description: the puller READs them from our registered memory and
+        notifies us when it is done (or gave up); the export is let go of then."""
+        if self._nixl is None:
+            return False
+        desc = self._nixl.describe(export.frames, known=known)
+        if desc is None:  # not registered memory (or no frames): the bytes go over the socket
+            return False
+        body = msgpack.packb(desc, use_bin_type=True)
+        sign = self._secret.sign
+        self._sock.send_multipart([ident, _NIXL, body, sign(_ANSWER, cap, _index(1), _NIXL, body)])
+        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
+        self._sending.append((export, [NixlRead(self._nixl, desc["notify"], self.nixl_ttl_s)], release))
         return True
 
     def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,

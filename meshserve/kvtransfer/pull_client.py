@@ -1,4 +1,4 @@
-"""The receiving end of the zmq KV export protocol (zmq_transport.py describes the messages):
+"""The receiving end of the zmq KV export protocol (export_server.py describes the messages):
 `pull_kv`, and the message tags both ends use."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgpack
 import zmq
@@ -21,6 +21,16 @@ if TYPE_CHECKING:
     from meshserve.kvtransfer.p2p_transport import P2PReceiver
 
 
+class DescriptionReader(Protocol):
+    """A transport that moves the frames itself, given the exporter's description of them
+    (nixl_transport.py's reader): what it knows of the exporter, and the move."""
+
+    known_agent: str
+
+    def read_into(self, session: ImportSession, desc: dict[str, Any], *, deadline: float,
+                  cancel: threading.Event | None) -> None: ...  # fmt: skip
+
+
 def pull_kv(
     target: ImportTarget,
     address: str,
@@ -32,6 +42,7 @@ def pull_kv(
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
     p2p: P2PReceiver | None = None,
+    nixl: DescriptionReader | None = None,
     sockets: PullSockets | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
@@ -43,6 +54,8 @@ def pull_kv(
     sends bytes anyway when its frames are not on CUDA).
     p2p: receive the frames by torch.distributed from the exporter, which joins this receiver's
     rendezvous (p2p_transport.py).
+    nixl: ask for a NIXL description of the frames and READ them (nixl_transport.py; the
+    exporter sends bytes when it has no NIXL agent or the frames are not registered memory).
     sockets: take the socket from (and give it back to) this pool of connected sockets
     (pull_sockets.py) instead of connecting one for this pull only.
     """
@@ -54,7 +67,8 @@ def pull_kv(
     answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
         body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None,
-                              "p2p": None if p2p is None else p2p.rendezvous})
+                              "p2p": None if p2p is None else p2p.rendezvous,
+                              "nixl": None if nixl is None else nixl.known_agent})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -69,6 +83,12 @@ def pull_kv(
                 complete = True
                 ipc.copy_into(session, desc)
                 return session.blocks
+            if tag == _NIXL and nixl is not None:
+                desc = msgpack.unpackb(answers.part(tag), raw=False)
+                answers.part(answers.expect(_END))
+                complete = True
+                nixl.read_into(session, desc if isinstance(desc, dict) else {}, deadline=deadline, cancel=cancel)
+                return session.finish()
             if tag == _P2P and p2p is not None:
                 answers.part(tag)
                 answers.part(answers.expect(_END))
@@ -94,7 +114,7 @@ def pull_kv(
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P = b"H", b"X", b"F", b"E", b"I", b"P"
+_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P, _NIXL = b"H", b"X", b"F", b"E", b"I", b"P", b"N"
 _CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER = b"kv-pull", b"kv-answer"
 

@@ -1,0 +1,91 @@
+"""The embedded Ray cluster, started for real, failing and killed (cluster/executors/ray_executor.py,
+ray_reaper.py).
+
+1. `serve --replicas 2` on a machine where Ray's GCS never comes up in time (its port-file wait
+   set to 0 s, what a loaded machine looks like to Ray): after its retries the server prints one
+   `meshserve: error:` line naming the cause, no traceback, exits 2, and leaves no Ray process.
+2. A process that started an embedded cluster is SIGKILLed: its watchdog stops every Ray process
+   (Ray's own agents outlive their driver without it).
+
+Ray processes are recognised by an environment variable the test gives the process it starts
+(children inherit it), so other Ray clusters on the machine do not count.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+MARK = "MESHSERVE_TEST_RAY_MARK"
+GONE_WITHIN_S = 30  # bound of the wait for processes to go; it ends as soon as they are gone
+
+
+@pytest.fixture
+def env():
+    temp = tempfile.mkdtemp(prefix="msray", dir="/tmp")  # short: Ray's socket paths live under it
+    mark = uuid.uuid4().hex
+    yield {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
+           "RAY_TMPDIR": temp, MARK: mark}
+    for p in marked(mark):  # a failing test must not leave Ray running
+        p.kill()
+    shutil.rmtree(temp, ignore_errors=True)
+
+
+def marked(mark: str) -> list[psutil.Process]:
+    """Running processes (zombies excluded) whose environment carries `mark`."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def left_running(mark: str) -> list[str]:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (procs := marked(mark)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return [f"{p.pid} {p.name()}" for p in procs if p.is_running()]
+
+
+def test_a_ray_start_that_times_out_is_one_line_exit_2_and_no_orphan(env):
+    env = {**env, "RAY_gcs_server_port_wait_time_s": "0"}
+    proc = subprocess.run([sys.executable, "-m", "meshserve.cli", "serve", "--replicas", "2", "--port", "0",
+                           "--metrics-port", "0", "--http-port", "0", "--dtype", "float32", "--max-model-len", "128"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=150)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("meshserve: error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(errors) == 1 and "Ray" in errors[0] and "gcs_server_port" in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert left_running(env[MARK]) == []
+
+
+def test_a_killed_server_leaves_no_ray_process(env):
+    code = ("from meshserve.cluster.executors.ray_executor import ray_init; import time; "
+            "ray_init(num_cpus=1); print('up', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        started = {p.name() for p in marked(env[MARK])}
+        assert {"gcs_server", "raylet"} <= started, started
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        assert left_running(env[MARK]) == []
+    finally:
+        if proc.poll() is None:
+            proc.kill()
