@@ -52,7 +52,7 @@ test: $(TEST_STAMP)
 # Re-resolve every dependency at today's releases, reinstall from the new lock, run the suite: an
 # upgrade is one deliberate commit (requirements/*.txt) with its test run.
 lock:
-	scripts/lock.sh
+	UPGRADE=1 scripts/lock.sh
 	rm -f $(RUN_STAMP) $(TEST_STAMP)
 	$(MAKE) test
 
