@@ -9,6 +9,7 @@ generated `inference_pb2_grpc.py` imports `meshserve.v1.inference_pb2` (not a to
 
 from __future__ import annotations
 
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -18,15 +19,19 @@ PROTO = "meshserve/v1/inference.proto"
 GENERATED = ("meshserve/v1/inference_pb2.py", "meshserve/v1/inference_pb2.pyi", "meshserve/v1/inference_pb2_grpc.py")
 
 
+def protoc(*args: str) -> None:
+    """Run grpcio-tools' protoc in a process of its own: its bundled protobuf and abseil clash with
+    NIXL's (nixl-cu13 1.5.1) when both load into one process (a segmentation fault either way round)."""
+    done = subprocess.run([sys.executable, "-m", "grpc_tools.protoc", f"-I{PACKAGE_ROOT}", *args, PROTO],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"protoc failed on {PROTO}: {done.stderr.strip()}")
+
+
 def generate(out_root: Path) -> list[Path]:
     """Compile the proto into `out_root` (mirroring meshserve/v1/); returns the files written."""
-    from grpc_tools import protoc
-
     out_root.mkdir(parents=True, exist_ok=True)
-    args = ["grpc_tools.protoc", f"-I{PACKAGE_ROOT}", f"--python_out={out_root}", f"--pyi_out={out_root}",
-            f"--grpc_python_out={out_root}", PROTO]
-    if protoc.main(args) != 0:
-        raise RuntimeError(f"protoc failed on {PROTO}")
+    protoc(f"--python_out={out_root}", f"--pyi_out={out_root}", f"--grpc_python_out={out_root}")
     return [out_root / name for name in GENERATED]
 
 
