@@ -40,8 +40,15 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshserve.api.bench.loadgen import BenchRequest, GrpcBackend, LoadSpec, OpenAIBackend, Sample, make_requests, \
-    run_load
+from meshserve.api.bench.loadgen import (
+    BenchRequest,
+    GrpcBackend,
+    LoadSpec,
+    OpenAIBackend,
+    Sample,
+    make_requests,
+    run_load,
+)
 from meshserve.api.bench.report import summarize
 
 PATHS = ("offline", "http", "grpc")
