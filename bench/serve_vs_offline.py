@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import platform
@@ -78,6 +79,7 @@ class PathRun:
     summary: dict
     outputs: list = field(default_factory=list)  # token ids (offline, grpc) or text (http), in request order
     texts: list[str] = field(default_factory=list)  # offline: the text too, to compare with http
+    round: int = 0
 
 
 # -- the served paths ----------------------------------------------------------------------------
@@ -298,31 +300,61 @@ def same_work(run: PathRun, offline: PathRun) -> bool:
 
 
 def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[int], paths: tuple[str, ...], *,
-            vocab_size: int, log_dir: Path, profile_server=None) -> list[PathRun]:
-    """Every served path at every concurrency against one server, then the offline engine."""
+            vocab_size: int, log_dir: Path, rounds: int = 1, profile_server=None) -> list[PathRun]:
+    """Every path at every concurrency, `rounds` times.
+
+    One round: the server runs every served path, then exits, then the offline engine loads (on
+    one GPU they would not fit side by side). Several rounds: the server and the offline engine
+    are both up and the paths alternate, their order rotating each round, so that a machine
+    whose load drifts (a shared CPU) weighs on every path alike."""
     runs: list[PathRun] = []
     served = [p for p in paths if p != "offline"]
-    if served:
-        with Server(settings, log_path=log_dir / "server.log") as server:
-            profiler = profile_server(server) if profile_server is not None else None
+    offline = "offline" in paths
+
+    def one(path: str, c: int, r: int, server, llm) -> None:
+        if path == "offline":
+            run = run_offline(llm, workload, c, vocab_size)
+        else:
+            run = run_served(server, path, workload, c, vocab_size)
+        run.round = r
+        runs.append(run)
+        s = run.summary
+        print(f"  round {r} {path:<7} C={c:<4} {s['output_throughput']:8.1f} output tok/s "
+              f"({s['completed']} ok, {s['failed']} failed)", flush=True)
+
+    with contextlib.ExitStack() as stack:
+        server = stack.enter_context(Server(settings, log_path=log_dir / "server.log")) if served else None
+        profiler = profile_server(server) if profile_server is not None and server is not None else None
+        if rounds == 1:
             for c in concurrencies:
                 for path in served:
-                    runs.append(run_served(server, path, workload, c, vocab_size))
-                    print(f"  {path:<7} C={c:<4} {runs[-1].summary['output_throughput']:8.1f} output tok/s "
-                          f"({runs[-1].summary['completed']} ok, {runs[-1].summary['failed']} failed)", flush=True)
+                    one(path, c, 0, server, None)
             if profiler is not None:
                 profiler.stop()
-    if "offline" in paths:
-        from meshserve.api.llm import LLM
+                profiler = None
+            stack.close()  # the server exits before the offline engine loads
+        llm = None
+        if offline:
+            from meshserve.api.llm import LLM
 
-        llm = LLM(settings.model, progress=False, **settings.llm_kwargs())
-        try:
+            llm = LLM(settings.model, progress=False, **settings.llm_kwargs())
+            stack.callback(llm.shutdown)
+        order = list(paths) if rounds > 1 else ["offline"] if offline else []
+        for r in range(rounds):
             for c in concurrencies:
-                runs.append(run_offline(llm, workload, c, vocab_size))
-                print(f"  offline C={c:<4} {runs[-1].summary['output_throughput']:8.1f} output tok/s", flush=True)
-        finally:
-            llm.shutdown()
+                for k in range(len(order)):
+                    one(order[(k + r) % len(order)], c, r, server, llm)
+        if profiler is not None:
+            profiler.stop()
     return runs
+
+
+def medians(runs: list[PathRun]) -> list[PathRun]:
+    """Per path and concurrency, the round whose output throughput is the median (lower middle)."""
+    groups: dict[tuple[str, int], list[PathRun]] = {}
+    for r in runs:
+        groups.setdefault((r.path, r.concurrency), []).append(r)
+    return [sorted(g, key=lambda r: r.summary["output_throughput"])[(len(g) - 1) // 2] for g in groups.values()]
 
 
 def _ms(summary: dict, name: str, q: str) -> str:
@@ -411,10 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default=None, help="default: auto (demo), bfloat16 (llama3-8b)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget of both sides (default 256 MiB CPU, 32 GiB cuda)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="repeat every path, alternating, and show the median (default 3 on CPU; 1 on cuda, where "
+                         "the server exits before the offline engine loads)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both sides (OMP_NUM_THREADS of the server; default: torch's own)")
-    ap.add_argument("--profile-server", default=None, metavar="SVG",
-                    help="record the server process with py-spy while the served paths run")
+    ap.add_argument("--profile-server", default=None, metavar="PATH",
+                    help="record the server process with py-spy while the served paths run (.svg: a flame graph, "
+                         "else collapsed stacks)")
     ap.add_argument("--out", default="bench/results", help="folder for the JSON, PNG and server log")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
@@ -453,25 +489,27 @@ def main(argv: list[str] | None = None) -> int:
         profile = None
         if args.profile_server:
             profile = lambda server: _PySpy(server.pid, Path(args.profile_server))  # noqa: E731
+        rounds = args.rounds or (1 if gpu else 3)
         runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=out,
-                       profile_server=profile)
+                       rounds=rounds, profile_server=profile)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     where = _device_name(args.device)
     title = (f"serve vs offline: {args.shape} on {where}, {workload.input_len} in / {workload.output_len} out, "
-             f"{workload.prompts_per_stream} x C requests")
+             f"{workload.prompts_per_stream} x C requests, median of {rounds} round(s)")
     stamp = time.strftime("%Y-%m-%d")
     stem = f"serve-vs-offline-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
         "title": title, "date": stamp, "device": where, "settings": asdict(settings), "workload": asdict(workload),
-        "command": " ".join(sys.argv), "runs": [{"path": r.path, "concurrency": r.concurrency, "summary": r.summary,
-                                                   "same_tokens": same_work(r, _offline_of(runs, r))
-                                                   if r.path != "offline" and _offline_of(runs, r) else None}
-                                                  for r in runs]}, indent=1, default=str) + "\n")
-    plot(runs, out / f"{stem}.png", title)
+        "command": " ".join(sys.argv),
+        "runs": [{"path": r.path, "concurrency": r.concurrency, "round": r.round, "summary": r.summary,
+                  "same_tokens": same_work(r, _offline_of(runs, r)) if r.path != "offline" and _offline_of(runs, r)
+                  else None} for r in runs]}, indent=1, default=str) + "\n")
+    shown = medians(runs)
+    plot(shown, out / f"{stem}.png", title)
     print(f"\nwrote {out / stem}.json and .png ({time.perf_counter() - started:.0f} s in all)\n")
     print(title)
-    print(table(runs))
+    print(table(shown))
     return 0 if all(r.summary["failed"] == 0 for r in runs) else 1
 
 
@@ -488,11 +526,14 @@ def _device_name(device: str) -> str:
 
 
 class _PySpy:
-    """py-spy record of a process until stop() (a flame graph SVG)."""
+    """py-spy record of a process, every thread, idle samples included, until stop(): a flame
+    graph for an .svg path, else collapsed stacks."""
 
     def __init__(self, pid: int, path: Path) -> None:
-        self.proc = subprocess.Popen(["py-spy", "record", "--pid", str(pid), "--output", str(path), "--rate", "200",
-                                      "--threads", "--nonblocking"], stdout=subprocess.DEVNULL,
+        exe = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+        fmt = "flamegraph" if path.suffix == ".svg" else "raw"  # raw: collapsed stacks, one per line
+        self.proc = subprocess.Popen([exe, "record", "--pid", str(pid), "--output", str(path), "--rate", "200",
+                                      "--threads", "--idle", "--format", fmt], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL)
 
     def stop(self) -> None:
