@@ -80,6 +80,15 @@ class PathRun:
     outputs: list = field(default_factory=list)  # token ids (offline, grpc) or text (http), in request order
     texts: list[str] = field(default_factory=list)  # offline: the text too, to compare with http
     round: int = 0
+    # CPU seconds (all threads) over the run, warm-up included, and the tokens they made: the
+    # engine's process (offline: this one; served: the server) and the client's (served: this one)
+    engine_cpu_s: float = 0.0
+    client_cpu_s: float = 0.0
+    tokens_made: int = 0
+
+    def cpu_us_per_token(self, which: str = "engine") -> float | None:
+        cpu = self.engine_cpu_s if which == "engine" else self.client_cpu_s
+        return 1e6 * cpu / self.tokens_made if self.tokens_made else None
 
 
 # -- the served paths ----------------------------------------------------------------------------
@@ -235,8 +244,22 @@ async def _served(server: Server, path: str, workload: Workload, concurrency: in
 
 
 def run_served(server: Server, path: str, workload: Workload, concurrency: int, vocab_size: int) -> PathRun:
+    server_cpu, client_cpu = process_cpu_seconds(server.pid), time.process_time()
     summary, outputs = asyncio.run(_served(server, path, workload, concurrency, vocab_size))
-    return PathRun(path, concurrency, summary, outputs)
+    server_cpu, client_cpu = process_cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+    return PathRun(path, concurrency, summary, outputs, engine_cpu_s=server_cpu, client_cpu_s=client_cpu,
+                   tokens_made=_tokens_made(workload, concurrency))
+
+
+def _tokens_made(workload: Workload, concurrency: int) -> int:
+    spec = workload.spec(concurrency)
+    return (spec.num_prompts + spec.num_warmups) * spec.output_len
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process `pid`, all its threads (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 # -- the offline path ----------------------------------------------------------------------------
@@ -283,11 +306,13 @@ def _closed_loop(llm, requests: list[BenchRequest], concurrency: int) -> tuple[l
 
 def run_offline(llm, workload: Workload, concurrency: int, vocab_size: int) -> PathRun:
     spec = workload.spec(concurrency)
+    cpu = time.process_time()
     warmups = make_requests(spec, vocab_size=vocab_size, count=spec.num_warmups, seed_offset=7_919)
     _closed_loop(llm, warmups, concurrency)
     requests = make_requests(spec, vocab_size=vocab_size, count=spec.num_prompts)
     samples, wall, tokens, texts = _closed_loop(llm, requests, concurrency)
-    return PathRun("offline", concurrency, summarize(samples, wall), tokens, texts)
+    return PathRun("offline", concurrency, summarize(samples, wall), tokens, texts,
+                   engine_cpu_s=time.process_time() - cpu, tokens_made=_tokens_made(workload, concurrency))
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -363,18 +388,30 @@ def _ms(summary: dict, name: str, q: str) -> str:
 
 
 def table(runs: list[PathRun]) -> str:
+    """engine CPU: CPU time per output token of the process that runs the engine (offline: the
+    engine alone; served: engine + front-ends); its excess over offline is what serving costs."""
     offline = {r.concurrency: r for r in runs if r.path == "offline"}
     lines = ["| streams | path | output tok/s | served/offline | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-             "TPOT p99 ms | ok/failed | same tokens |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "TPOT p99 ms | engine-process CPU µs/token | of which serving | client CPU µs/token | ok/failed | "
+             "same tokens |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+
+    def us(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}"
+
     for r in sorted(runs, key=lambda r: (r.concurrency, PATHS.index(r.path))):
         s, base = r.summary, offline.get(r.concurrency)
-        ratio = f"{s['output_throughput'] / base.summary['output_throughput']:.2f}x" if base else "-"
-        same = "-" if r.path == "offline" or base is None else ("yes" if same_work(r, base) else "NO")
-        lines.append(f"| {r.concurrency} | {r.path} | {s['output_throughput']:.1f} | "
-                     f"{ratio if r.path != 'offline' else '1.00x'} | {_ms(s, 'ttft', 'p50')} | "
-                     f"{_ms(s, 'ttft', 'p99')} | {_ms(s, 'tpot', 'p50')} | {_ms(s, 'tpot', 'p99')} | "
-                     f"{s['completed']}/{s['failed']} | {same} |")
+        served = r.path != "offline"
+        ratio = f"{s['output_throughput'] / base.summary['output_throughput']:.2f}x" if base and served else (
+            "1.00x" if not served else "-")
+        same = "-" if not served or base is None else ("yes" if same_work(r, base) else "NO")
+        cpu, base_cpu = r.cpu_us_per_token(), base.cpu_us_per_token() if base else None
+        extra = us(cpu - base_cpu) if served and cpu is not None and base_cpu is not None else "-"
+        lines.append(f"| {r.concurrency} | {r.path} | {s['output_throughput']:.1f} | {ratio} | "
+                     f"{_ms(s, 'ttft', 'p50')} | {_ms(s, 'ttft', 'p99')} | {_ms(s, 'tpot', 'p50')} | "
+                     f"{_ms(s, 'tpot', 'p99')} | {us(cpu)} | {extra} | "
+                     f"{us(r.cpu_us_per_token('client')) if served else '-'} | {s['completed']}/{s['failed']} | "
+                     f"{same} |")
     return "\n".join(lines)
 
 
@@ -407,18 +444,20 @@ def plot(runs: list[PathRun], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def llama3_8b_checkpoint(root: Path) -> Path:
-    """A random-weight Llama-3-8B-shaped checkpoint (bf16) with a WordLevel tokenizer over its vocabulary."""
+def random_llama_checkpoint(root: Path, shape_name: str) -> Path:
+    """A random-weight Llama checkpoint of `shape_name` (llama3-8b: bf16; tiny-llama, a CPU check of
+    the same path: fp32) with a WordLevel tokenizer over its whole vocabulary."""
     import torch
 
-    from bench.e2e import LLAMA3_8B, write_checkpoint
+    from bench.e2e import LLAMA3_8B, TINY, write_checkpoint
     from bench.wordlevel_tokenizer import write_wordlevel_tokenizer
 
-    path = root / "llama3-8b-random"
+    shape, dtype = (LLAMA3_8B, torch.bfloat16) if shape_name == "llama3-8b" else (TINY, torch.float32)
+    path = root / f"{shape_name}-random"
     path.mkdir()
-    write_checkpoint(path, LLAMA3_8B, torch.bfloat16, "cuda" if torch.cuda.is_available() else "cpu")
+    write_checkpoint(path, shape, dtype, "cuda" if torch.cuda.is_available() else "cpu")
     config = json.loads((path / "config.json").read_text())
-    write_wordlevel_tokenizer(path, LLAMA3_8B["vocab_size"], bos_token_id=config["bos_token_id"],
+    write_wordlevel_tokenizer(path, shape["vocab_size"], bos_token_id=config["bos_token_id"],
                               eos_token_id=config["eos_token_id"])
     return path
 
@@ -430,8 +469,9 @@ def _ints(text: str) -> list[int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--shape", default="demo", choices=["demo", "llama3-8b"],
-                    help="demo: the bundled demo model; llama3-8b: random bf16 weights written to a temp dir")
+    ap.add_argument("--shape", default="demo", choices=["demo", "llama3-8b", "tiny-llama"],
+                    help="demo: the bundled demo model; llama3-8b: random bf16 weights written to a temp dir; "
+                         "tiny-llama: the same path with a tiny shape (a CPU check of the GPU run)")
     ap.add_argument("--concurrency", type=_ints, default=None, help="concurrent streams (default CPU '16 64', "
                                                                       "cuda '16 64 256')")
     ap.add_argument("--input-len", type=int, default=None, help="default 128 (CPU), 512 (cuda)")
@@ -473,17 +513,18 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-serve-vs-offline-"))
     started = time.perf_counter()
     try:
-        if args.shape == "llama3-8b":
+        if args.shape != "demo":
             t = time.perf_counter()
-            model = str(llama3_8b_checkpoint(tmp))
+            model = str(random_llama_checkpoint(tmp, args.shape))
             print(f"checkpoint written in {time.perf_counter() - t:.0f} s", flush=True)
         else:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
             model = str(DEMO_MODEL_DIR)
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        dtype = args.dtype or {"llama3-8b": "bfloat16", "tiny-llama": "float32"}.get(args.shape, "auto")
         settings = EngineSettings(
-            model=model, device=args.device, dtype=args.dtype or ("bfloat16" if args.shape == "llama3-8b" else "auto"),
+            model=model, device=args.device, dtype=dtype,
             max_num_seqs=max(concurrencies), max_model_len=workload.input_len + workload.output_len + 16,
             kv_cache_memory_bytes=args.kv_cache_memory_bytes or ((32 << 30) if gpu else (256 << 20)))
         profile = None
@@ -503,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
         "title": title, "date": stamp, "device": where, "settings": asdict(settings), "workload": asdict(workload),
         "command": " ".join(sys.argv),
         "runs": [{"path": r.path, "concurrency": r.concurrency, "round": r.round, "summary": r.summary,
+                  "engine_cpu_s": r.engine_cpu_s, "client_cpu_s": r.client_cpu_s, "tokens_made": r.tokens_made,
                   "same_tokens": same_work(r, _offline_of(runs, r)) if r.path != "offline" and _offline_of(runs, r)
                   else None} for r in runs]}, indent=1, default=str) + "\n")
     shown = medians(runs)
