@@ -185,7 +185,7 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], jobs: Sequence[Job]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], jobs: Sequence[Job]) -> None:
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.jobs = jobs
 
