@@ -52,6 +52,11 @@ from meshserve.api.bench.loadgen import (
 )
 from meshserve.api.bench.report import summarize
 
+try:
+    import orjson
+except ImportError:  # an older install: the standard parser
+    orjson = json
+
 PATHS = ("offline", "http", "grpc")
 
 
@@ -128,7 +133,7 @@ class GreedyOpenAI(OpenAIBackend):
             async for line in response.content:
                 if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                     continue
-                chunk = json.loads(line[6:])
+                chunk = orjson.loads(line[6:])  # the client shares the machine: parse cheaply
                 if "error" in chunk:
                     raise RuntimeError(chunk["error"].get("message", "error"))
                 if chunk.get("choices") and chunk["choices"][0].get("text"):
@@ -325,8 +330,10 @@ def same_work(run: PathRun, offline: PathRun) -> bool:
 
 
 def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[int], paths: tuple[str, ...], *,
-            vocab_size: int, log_dir: Path, rounds: int = 1, profile_server=None) -> list[PathRun]:
-    """Every path at every concurrency, `rounds` times.
+            vocab_size: int, log_dir: Path, rounds: int = 1, profile_server=None,
+            deadline: float | None = None) -> list[PathRun]:
+    """Every path at every concurrency, `rounds` times (a run that would start after the
+    time.monotonic() `deadline` is skipped).
 
     One round: the server runs every served path, then exits, then the offline engine loads (on
     one GPU they would not fit side by side). Several rounds: the server and the offline engine
@@ -337,6 +344,9 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
     offline = "offline" in paths
 
     def one(path: str, c: int, r: int, server, llm) -> None:
+        if deadline is not None and time.monotonic() > deadline:  # the table still comes out in time
+            print(f"  round {r} {path:<7} C={c:<4} skipped: past --deadline", flush=True)
+            return
         if path == "offline":
             run = run_offline(llm, workload, c, vocab_size)
         else:
@@ -486,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="repeat every path, alternating, and show the median (default 3 on CPU; 1 on cuda, where "
                          "the server exits before the offline engine loads)")
+    ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
+                    help="start no run after this many seconds from the start (default: 420 on cuda, none on "
+                         "CPU): the table of what ran still prints")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both sides (OMP_NUM_THREADS of the server; default: torch's own)")
     ap.add_argument("--profile-server", default=None, metavar="PATH",
@@ -494,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/results", help="folder for the JSON, PNG and server log")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
+    if args.deadline is None and gpu:
+        args.deadline = 420.0
     concurrencies = args.concurrency or ([16, 64, 256] if gpu else [16, 64])
     workload = Workload(input_len=args.input_len or (512 if gpu else 128),
                         output_len=args.output_len or (256 if gpu else 64),
@@ -511,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-serve-vs-offline-"))
-    started = time.perf_counter()
+    started, started_mono = time.perf_counter(), time.monotonic()
     try:
         if args.shape != "demo":
             t = time.perf_counter()
@@ -531,8 +546,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile_server:
             profile = lambda server: _PySpy(server.pid, Path(args.profile_server))  # noqa: E731
         rounds = args.rounds or (1 if gpu else 3)
+        deadline = started_mono + args.deadline if args.deadline else None
         runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=out,
-                       rounds=rounds, profile_server=profile)
+                       rounds=rounds, profile_server=profile, deadline=deadline)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     where = _device_name(args.device)

@@ -118,6 +118,11 @@ async def open_jobs(service: InferenceService, jobs: Sequence[Job], metrics: Ser
 
 async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelta]]:
     """(job, delta) of every opened job as deltas come, first deltas first; closes all at the end."""
+    if len(jobs) == 1:  # the common case reads its one stream directly: no task and queue hop per delta
+        async with contextlib.aclosing(_single(jobs[0])) as items:  # closed (its request aborted) with this one
+            async for item in items:
+                yield item
+        return
     queue: asyncio.Queue[tuple[Job, CompletionDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -152,6 +157,23 @@ async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelt
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
         await close_jobs(jobs)
+
+
+async def _single(job: Job) -> AsyncIterator[tuple[Job, CompletionDelta]]:
+    """merged() of one job."""
+    try:
+        yield job, job.first
+        if not job.first.finished:
+            async for delta in job.stream:
+                job.count(delta)
+                yield job, delta
+                if delta.finished:
+                    break
+    except Exception as exc:
+        job.code = outcome_of(exc)[0].grpc_code.name
+        raise
+    finally:
+        await close_jobs([job])
 
 
 async def collect(jobs: Sequence[Job]) -> None:
