@@ -331,9 +331,10 @@ def same_work(run: PathRun, offline: PathRun) -> bool:
 
 def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[int], paths: tuple[str, ...], *,
             vocab_size: int, log_dir: Path, rounds: int = 1, profile_server=None,
-            deadline: float | None = None) -> list[PathRun]:
+            deadline: float | None = None, llm=None) -> list[PathRun]:
     """Every path at every concurrency, `rounds` times (a run that would start after the
-    time.monotonic() `deadline` is skipped).
+    time.monotonic() `deadline` is skipped). `llm`: an LLM of `settings` to use for the offline path
+    (default: one loaded here, and shut down at the end).
 
     One round: the server runs every served path, then exits, then the offline engine loads (on
     one GPU they would not fit side by side). Several rounds: the server and the offline engine
@@ -368,8 +369,7 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
                 profiler.stop()
                 profiler = None
             stack.close()  # the server exits before the offline engine loads
-        llm = None
-        if offline:
+        if offline and llm is None:
             from meshserve.api.llm import LLM
 
             llm = LLM(settings.model, progress=False, **settings.llm_kwargs())

@@ -17,8 +17,8 @@ from meshserve.core.sampling_params import SamplingParams
 from meshserve.demo_model import DEMO_MODEL_DIR
 
 pytestmark = pytest.mark.timeout(300)
-CONCURRENCY = [2, 4]
-WORKLOAD = svo.Workload(input_len=10, output_len=6, prompts_per_stream=1, num_warmups=1)
+CONCURRENCY = [3]
+WORKLOAD = svo.Workload(input_len=10, output_len=6, prompts_per_stream=2, num_warmups=0)
 VOCAB = json.loads((DEMO_MODEL_DIR / "config.json").read_text())["vocab_size"]
 
 
@@ -30,13 +30,14 @@ def settings():
 
 
 def test_every_path_gives_generates_tokens_and_the_report_counts_every_request(settings, tmp_path):
-    runs = svo.run_all(settings, WORKLOAD, CONCURRENCY, svo.PATHS, vocab_size=VOCAB, log_dir=tmp_path)
-    assert sorted((r.path, r.concurrency) for r in runs) == sorted(
-        (p, c) for p in svo.PATHS for c in CONCURRENCY)
     llm = LLM(settings.model, progress=False, **settings.llm_kwargs())
     try:
+        runs = svo.run_all(settings, WORKLOAD, CONCURRENCY, svo.PATHS, vocab_size=VOCAB, log_dir=tmp_path, llm=llm)
+        assert sorted((r.path, r.concurrency) for r in runs) == sorted(
+            (p, c) for p in svo.PATHS for c in CONCURRENCY)
         for c in CONCURRENCY:
-            prompts = [r.prompt_ids for r in make_requests(WORKLOAD.spec(c), vocab_size=VOCAB, count=c)]
+            n = WORKLOAD.spec(c).num_prompts
+            prompts = [r.prompt_ids for r in make_requests(WORKLOAD.spec(c), vocab_size=VOCAB, count=n)]
             oracle = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
             want_ids = [o.token_ids for o in oracle]
             want_text = [o.text for o in oracle]
@@ -48,7 +49,7 @@ def test_every_path_gives_generates_tokens_and_the_report_counts_every_request(s
             assert got["http"].outputs == want_text
             for run in got.values():
                 s = run.summary
-                assert (s["completed"], s["failed"], s["output_tokens"]) == (c, 0, 6 * c), run.path
+                assert (s["completed"], s["failed"], s["output_tokens"]) == (n, 0, 6 * n), run.path
                 assert 0 < s["ttft_ms"]["p50"] <= s["ttft_ms"]["p99"]
                 assert 0 < s["tpot_ms"]["p50"] <= s["tpot_ms"]["p99"]
                 assert run.path == "offline" or svo.same_work(run, got["offline"])
