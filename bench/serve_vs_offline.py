@@ -65,13 +65,14 @@ class Workload:
     input_len: int
     output_len: int
     prompts_per_stream: int
-    num_warmups: int
+    num_warmups: int | None = None  # None: a wave of C (every batch shape the run meets is warm)
     seed: int = 0
 
     def spec(self, concurrency: int) -> LoadSpec:
         """loadgen's spec for concurrency C: the prompts every path sends (same seed, same ids)."""
+        warmups = concurrency if self.num_warmups is None else self.num_warmups
         return LoadSpec(num_prompts=self.prompts_per_stream * concurrency, input_len=self.input_len,
-                        output_len=self.output_len, max_concurrency=concurrency, num_warmups=self.num_warmups,
+                        output_len=self.output_len, max_concurrency=concurrency, num_warmups=warmups,
                         seed=self.seed)
 
 
@@ -488,7 +489,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output-len", type=int, default=None, help="default 64 (CPU), 256 (cuda)")
     ap.add_argument("--prompts-per-stream", type=int, default=None, help="N = this x concurrency (default 1 CPU, "
                                                                           "2 cuda)")
-    ap.add_argument("--num-warmups", type=int, default=2, help="requests per path and concurrency, not counted")
+    ap.add_argument("--num-warmups", type=int, default=None,
+                    help="requests per path and concurrency sent first and not counted (default: C, one wave: "
+                         "the first batches of a shape pay one-time costs, e.g. oneDNN primitives on CPU)")
     ap.add_argument("--paths", default="offline,http,grpc", help="comma-separated subset of offline, http, grpc")
     ap.add_argument("--dtype", default=None, help="default: auto (demo), bfloat16 (llama3-8b)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
