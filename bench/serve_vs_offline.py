@@ -550,7 +550,7 @@ def main(argv: list[str] | None = None) -> int:
             profile = lambda server: _PySpy(server.pid, Path(args.profile_server))  # noqa: E731
         rounds = args.rounds or (1 if gpu else 3)
         deadline = started_mono + args.deadline if args.deadline else None
-        runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=out,
+        runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=tmp,
                        rounds=rounds, profile_server=profile, deadline=deadline)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
