@@ -18,8 +18,9 @@ token ids on gRPC, text over HTTP, against offline). JSON + PNG go to --out.
     python -m bench.serve_vs_offline                                   # CPU, demo model, C = 16 64
     python -m bench.serve_vs_offline --device cuda --shape llama3-8b   # the H200 run (~8 min)
 
-The server runs first and exits before the offline engine loads (on one GPU the two would not
-fit side by side); both get the same KV budget, batch caps and max_model_len.
+With one round (the GPU default) the offline engine runs first and is released before the server
+loads (on one GPU the two would not fit side by side); both get the same KV budget, batch caps
+and max_model_len.
 """
 
 from __future__ import annotations
@@ -335,12 +336,13 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
             deadline: float | None = None, llm=None) -> list[PathRun]:
     """Every path at every concurrency, `rounds` times (a run that would start after the
     time.monotonic() `deadline` is skipped). `llm`: an LLM of `settings` to use for the offline path
-    (default: one loaded here, and shut down at the end).
+    (default: one loaded here, and shut down when done).
 
-    One round: the server runs every served path, then exits, then the offline engine loads (on
-    one GPU they would not fit side by side). Several rounds: the server and the offline engine
-    are both up and the paths alternate, their order rotating each round, so that a machine
-    whose load drifts (a shared CPU) weighs on every path alike."""
+    One round: the offline engine runs every concurrency first (the baseline is there even if
+    the deadline cuts the served runs short) and is released, then the server starts and runs
+    every served path (on one GPU the two would not fit side by side). Several rounds: the server
+    and the offline engine are both up and the paths alternate, their order rotating each round,
+    so that a machine whose load drifts (a shared CPU) weighs on every path alike."""
     runs: list[PathRun] = []
     served = [p for p in paths if p != "offline"]
     offline = "offline" in paths
@@ -359,30 +361,55 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
         print(f"  round {r} {path:<7} C={c:<4} {s['output_throughput']:8.1f} output tok/s "
               f"({s['completed']} ok, {s['failed']} failed)", flush=True)
 
+    def offline_engine(stack: contextlib.ExitStack):
+        if llm is not None:
+            return llm
+        from meshserve.api.llm import LLM
+
+        own = LLM(settings.model, progress=False, **settings.llm_kwargs())
+        stack.callback(_release, own)
+        return own
+
+    if rounds == 1:
+        if offline:
+            with contextlib.ExitStack() as stack:
+                engine = offline_engine(stack)
+                for c in concurrencies:
+                    one("offline", c, 0, None, engine)
+                del engine
+        if served:
+            with Server(settings, log_path=log_dir / "server.log") as server:
+                profiler = profile_server(server) if profile_server is not None else None
+                for c in concurrencies:
+                    for path in served:
+                        one(path, c, 0, server, None)
+                if profiler is not None:
+                    profiler.stop()
+        return runs
     with contextlib.ExitStack() as stack:
         server = stack.enter_context(Server(settings, log_path=log_dir / "server.log")) if served else None
         profiler = profile_server(server) if profile_server is not None and server is not None else None
-        if rounds == 1:
-            for c in concurrencies:
-                for path in served:
-                    one(path, c, 0, server, None)
-            if profiler is not None:
-                profiler.stop()
-                profiler = None
-            stack.close()  # the server exits before the offline engine loads
-        if offline and llm is None:
-            from meshserve.api.llm import LLM
-
-            llm = LLM(settings.model, progress=False, **settings.llm_kwargs())
-            stack.callback(llm.shutdown)
-        order = list(paths) if rounds > 1 else ["offline"] if offline else []
+        engine = offline_engine(stack) if offline else None
         for r in range(rounds):
             for c in concurrencies:
-                for k in range(len(order)):
-                    one(order[(k + r) % len(order)], c, r, server, llm)
+                for k in range(len(paths)):
+                    one(paths[(k + r) % len(paths)], c, r, server, engine)
         if profiler is not None:
             profiler.stop()
     return runs
+
+
+def _release(llm) -> None:
+    """Shut `llm` down and hand its accelerator memory back before the server loads its own copy."""
+    import gc
+
+    llm.shutdown()
+    llm.core = None
+    gc.collect()
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def medians(runs: list[PathRun]) -> list[PathRun]:
@@ -498,7 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV budget of both sides (default 256 MiB CPU, 32 GiB cuda)")
     ap.add_argument("--rounds", type=int, default=None,
                     help="repeat every path, alternating, and show the median (default 3 on CPU; 1 on cuda, where "
-                         "the server exits before the offline engine loads)")
+                         "the offline engine runs and is released before the server loads)")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
                     help="start no run after this many seconds from the start (default: 420 on cuda, none on "
                          "CPU): the table of what ran still prints")
