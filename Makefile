@@ -28,7 +28,7 @@ $(TEST_STAMP): $(RUN_STAMP)
 	$(PIP) -e ".[test,bench$(if $(GPU_EXTRA),$(comma)$(GPU_EXTRA),)]"
 	@touch $@
 
-# The demo model on 127.0.0.1:50051 (gRPC), http://127.0.0.1:8000/v1 (OpenAI API) and :9400 (metrics)
+# The demo model on http://127.0.0.1:8000/v1 (OpenAI API, /metrics beside it) and 127.0.0.1:50051 (gRPC)
 # until Ctrl-C; try `meshserve client "Python supports"` or the curl lines in README.md.
 run: $(RUN_STAMP)
 	$(BIN)/meshserve serve

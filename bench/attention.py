@@ -18,15 +18,14 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from bench.common import rel_err, shuffled_tables, time_us_l2_flushed
 from meshserve.attention.backend import AttentionProblem, KVCache
 from meshserve.attention.kernels.config import DecodeConfig, PrefillConfig
 from meshserve.attention.metadata import AttentionMetadata
@@ -49,22 +48,6 @@ class Row:
     extra: dict = field(default_factory=dict)
 
 
-def time_us(fn: Callable[[], object], *, warmup: int = 5, iters: int = 30) -> float:
-    """Median of CUDA-event timings of fn(), with L2 flushed (256 MB write) before each call."""
-    flush = torch.empty(256 * 1024 * 1024, dtype=torch.int8, device="cuda")
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1000.0
-
-
 def problem(spec: AttentionSpec, max_len: int) -> AttentionProblem:
     cc = torch.cuda.get_device_capability()
     return AttentionProblem(spec, dtype="bfloat16", block_size=PAGE, max_model_len=max_len, device="cuda",
@@ -77,15 +60,6 @@ def paged_cache(num_blocks: int, fp8: bool, gen: torch.Generator) -> KVCache:
         return KVCache(data, torch.tensor(1.0, device="cuda"), torch.tensor(1.0, device="cuda"))
     scale = torch.tensor(0.25, device="cuda")
     return KVCache((data / scale).to(torch.float8_e4m3fn), scale, scale.clone())
-
-
-def shuffled_tables(batch: int, per_seq: int, gen: torch.Generator) -> list[list[int]]:
-    perm = torch.randperm(batch * per_seq, generator=gen).view(batch, per_seq)
-    return perm.tolist()
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
 
 
 # ------------------------------------------------------------------------------------ decode
@@ -110,7 +84,7 @@ def decode_case(batch: int, seq: int, fp8: bool, sweep: bool) -> list[Row]:
     def add(backend_name, backend, note="", extra=None):
         plan = backend.plan(meta)
         outs[backend_name] = backend.forward(q, None, None, cache, plan)
-        us = time_us(lambda: backend.forward(q, None, None, cache, plan))
+        us = time_us_l2_flushed(lambda: backend.forward(q, None, None, cache, plan))
         rows.append(Row(name, backend_name, us, kv_bytes / us / 1e6, "TB/s", note, extra=extra or {}))
         return us
 
@@ -162,7 +136,7 @@ def prefill_case(batch: int, seq: int, sweep: bool) -> list[Row]:
 
     def add(backend_name, fn, note="", extra=None):
         outs[backend_name] = fn()
-        us = time_us(fn, warmup=3, iters=15)
+        us = time_us_l2_flushed(fn, warmup=3, iters=15)
         rows.append(Row(name, backend_name, us, flops / us / 1e6, "TFLOP/s", note, extra=extra or {}))
 
     tri = TritonBackend(prob)

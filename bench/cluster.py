@@ -36,7 +36,7 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # no token written under ~/.ray by a bench run
 
 from bench.report import write_section  # noqa: E402
-from meshserve.cluster.null_worker import NullWorker  # noqa: E402
+from tests.null_worker import NullWorker  # noqa: E402
 
 BEGIN, END = "<!-- bench/cluster.py:begin -->", "<!-- bench/cluster.py:end -->"
 SILENT = "bench.cluster:SilentNullWorker"
@@ -61,11 +61,11 @@ def decode_plans(num_seqs: int):
 
     ids = [f"req-{i}" for i in range(num_seqs)]
     table = list(range(1, 9))
-    yield StepPlan(0, [ScheduledSeq(r, [1, 2, 3, 4], 0, [table]) for r in ids],
+    yield StepPlan.from_seqs(0, [ScheduledSeq(r, [1, 2, 3, 4], 0, [table]) for r in ids],
                    [NewRequest(r, [1, 2, 3, 4], {"temperature": 0.0, "max_tokens": 10_000}) for r in ids])
     step = 1
     while True:
-        yield StepPlan(step, [ScheduledSeq(r, [5], 20, [table]) for r in ids])
+        yield StepPlan.from_seqs(step, [ScheduledSeq(r, [5], 20, [table]) for r in ids])
         step += 1
 
 

@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from bench.e2e import random_prompts
+from bench.common import random_prompts
 
 
 def meshserve_tok_s(backend: str | None, batch_sizes: list[int], args: argparse.Namespace) -> dict[int, float]:

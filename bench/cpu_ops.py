@@ -23,7 +23,7 @@ from collections import Counter
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.e2e import random_prompts
+from bench.common import random_prompts
 
 DEMO_VOCAB = 4096
 

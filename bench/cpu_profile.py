@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from bench.e2e import random_prompts
+from bench.common import random_prompts
 from bench.host_step import _Timers
 
 DEMO_VOCAB = 4096

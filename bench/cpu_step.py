@@ -35,7 +35,7 @@ PARTS = (  # (label, file fragment, function): cumulative time per step
 
 
 def profile(bs: int, args: argparse.Namespace) -> dict[str, float]:
-    from bench.e2e import random_prompts
+    from bench.common import random_prompts
     from meshserve import LLM, SamplingParams
     from meshserve.demo_model import DEMO_MODEL_DIR
 

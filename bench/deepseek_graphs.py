@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from bench.e2e import _ints, decode_steps, random_prompts, save_shards
+from bench.common import int_list, random_prompts, save_shards
+from bench.e2e import decode_steps
 
 V2_LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
                num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     shape = dict(TINY if args.tiny else V2_LITE)
     if args.layers is not None:
         shape["num_hidden_layers"] = args.layers
-    args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64"))
+    args.batch_sizes = int_list(args.batch_sizes or ("1,4" if args.tiny else "1,16,64"))
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.host_profile = args.timeline = False
     if args.tiny:

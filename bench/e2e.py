@@ -45,6 +45,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import int_list, random_prompts, save_shards, sync
 from bench.report import write_section
 
 BANDWIDTH = 4.18e12  # bytes/s, measured copy bandwidth of the H200 (read + write)
@@ -80,23 +81,6 @@ TINY = dict(
     rope_scaling=None,
 )
 BEGIN, END = "<!-- bench/e2e.py:begin -->", "<!-- bench/e2e.py:end -->"
-
-
-def save_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:
-    """Each dict as one safetensors shard, plus the index; returns the bytes written."""
-    from safetensors.torch import save_file
-
-    weight_map, total = {}, 0
-    for k, tensors in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(tensors, str(path / name), metadata={"format": "pt"})
-        for t_name, t in tensors.items():
-            weight_map[t_name] = name
-            total += t.numel() * t.element_size()
-    (path / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
-    )
-    return total
 
 
 def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
@@ -169,16 +153,6 @@ def decode_weight_bytes(shape: dict, itemsize: int) -> int:
     kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
     layer = h * h * 2 + 2 * kv * h + 3 * h * inter + 2 * h
     return (shape["num_hidden_layers"] * layer + h + v * h) * itemsize
-
-
-def sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n, length), generator=g).tolist()
 
 
 def kv_bytes_per_token(shape: dict, itemsize: int) -> int:
@@ -437,10 +411,6 @@ def plot(rows: list, path: Path, title: str) -> None:
     print(f"plot: {path}", flush=True)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -478,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cpu" and not args.tiny:  # the demo model against HF transformers
         from bench import e2e_cpu
 
-        args.batch_sizes = _ints(args.batch_sizes or "1,16,64")
+        args.batch_sizes = int_list(args.batch_sizes or "1,16,64")
         return e2e_cpu.main(args)
     if args.model == "gpt-oss-20b":
         from bench import e2e_gptoss
@@ -491,9 +461,9 @@ def main(argv: list[str] | None = None) -> int:
         shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
         shape, writer = ({**shape, "num_hidden_layers": args.layers} if args.layers else shape), write_checkpoint
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
-    args.batch_sizes = _ints(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))
-    args.throughput_sizes = _ints(args.throughput_sizes or ("4" if args.tiny else "64"))
-    args.ttft_lens = _ints(args.ttft_lens if args.ttft_lens is not None else ("" if args.tiny else "4096,16384"))
+    args.batch_sizes = int_list(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))
+    args.throughput_sizes = int_list(args.throughput_sizes or ("4" if args.tiny else "64"))
+    args.ttft_lens = int_list(args.ttft_lens if args.ttft_lens is not None else ("" if args.tiny else "4096,16384"))
     args.prompt_len = args.prompt_len or (16 if args.tiny else 128)
     args.output_len = args.output_len or (16 if args.tiny else 256)
     if args.kv_bytes is None and args.device == "cuda":

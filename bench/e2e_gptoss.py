@@ -54,7 +54,7 @@ def layer_types(shape: dict) -> list[str]:
 
 def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, seed: int = 0) -> int:
     """Random GPT-OSS weights (HF names and layouts), one safetensors shard per layer; returns bytes."""
-    from bench.e2e import save_shards
+    from bench.common import save_shards
 
     g = torch.Generator(device).manual_seed(seed)
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import random_prompts
 from bench.cpu_generate import llm_tok_s, table
-from bench.e2e import random_prompts
 from bench.report import pyplot
 
 SHAPES = {

@@ -47,7 +47,7 @@ BLOCK_BYTES = 2 * BLOCK * 8 * 128 * 2  # per layer, bf16
 
 # ---- block bookkeeping -------------------------------------------------------------------
 def bench_bookkeeping(
-    steps: int, *, batched: bool, hybrid: bool = False, running: int = 256, prompt: int = 512, seed: int = 0
+    steps: int, *, hybrid: bool = False, running: int = 256, prompt: int = 512, seed: int = 0
 ) -> dict:
     """Timed: the manager calls of each step (free the finished, one slot per running request,
     admit new requests). Not timed: sampling and the scheduler's own lists."""
@@ -84,14 +84,11 @@ def bench_bookkeeping(
         t0 = clock()
         for i in finished:
             kv.free(reqs[i][0])
-        if batched:
-            ok = kv.append_slots(ids, token_lists)
-        else:
-            ok = 0
-            for rid, tokens in zip(ids, token_lists):
-                if not kv.allocate_slots(rid, 1, tokens):
-                    break
-                ok += 1
+        ok = 0  # the scheduler's decode step: allocate_slots per running request
+        for rid, tokens in zip(ids, token_lists):
+            if not kv.allocate_slots(rid, 1, tokens):
+                break
+            ok += 1
         t1 = clock()
         for i, (rid, tokens, budget) in fresh:
             hit = kv.lookup_prefix(tokens)
@@ -106,8 +103,7 @@ def bench_bookkeeping(
         all_steps.append((t2 - t0) * 1e6)
     kv.check_invariants()
     return {
-        "api": ("append_slots (one call per step)" if batched else "allocate_slots per request")
-        + (", hybrid: 2 layer groups" if hybrid else ""),
+        "api": "allocate_slots per request" + (", hybrid: 2 layer groups" if hybrid else ""),
         "running": running,
         "steps": steps,
         "decode_step_us_median": statistics.median(decode_steps),
@@ -284,9 +280,8 @@ def main() -> None:
         return
     out = {}
     if args.only in (None, "bookkeeping"):
-        out["bookkeeping"] = bench_bookkeeping(args.steps, batched=False)
-        out["bookkeeping_batched"] = bench_bookkeeping(args.steps, batched=True)
-        out["bookkeeping_hybrid"] = bench_bookkeeping(args.steps, batched=True, hybrid=True)
+        out["bookkeeping"] = bench_bookkeeping(args.steps)
+        out["bookkeeping_hybrid"] = bench_bookkeeping(args.steps, hybrid=True)
     if args.only in (None, "lookup"):
         out["lookup"] = bench_lookup()
     if args.only in (None, "handover"):

@@ -32,7 +32,6 @@ import datetime
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import time
@@ -41,6 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+
+from bench.common import graphed, rel_err, time_us
 
 COPY_BPS, MATMUL_FLOPS = 4.18e12, 793e12
 
@@ -203,44 +204,6 @@ def flashinfer_ready(shape: Shape, timeout_s: float) -> str | None:
         return f"failed to build: {(log.strip().splitlines() or ['?'])[-1][:80]}"
     print(f"  FlashInfer ready for {shape.name} in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
     return None
-
-
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (as decode steps run it): replaying costs no launch overhead."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
-def time_us(fn: Callable[[], object], device: str, iters: int) -> float:
-    for _ in range(3):
-        fn()
-    if device != "cuda":
-        t = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            t.append(time.perf_counter() - t0)
-        return statistics.median(t) * 1e6
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1000.0
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp(min=1e-6)).item()
 
 
 def router_parts(layer: torch.nn.Module, x: torch.Tensor):

@@ -44,7 +44,7 @@ def _gemm_candidates(block_m: int, gemm: str):
 
 def _measure(cfg, x, w, ids, ew, want) -> float | str:
     """Microseconds of fused_moe with tiles cfg (graph replay for T <= 64), or why not timed."""
-    from bench.moe_layer import graphed, rel_err, time_us
+    from bench.common import graphed, rel_err, time_us
     from meshserve.workers.models.fused_moe import fused_moe
 
     def fn():

@@ -110,7 +110,8 @@ def run_case(
     device "cpu" (TRITON_INTERPRET=1, float16, small cases): checks the bench itself, times nothing."""
     if not variants:
         return []
-    from bench.attention import rel_err, shuffled_tables, time_us
+    from bench.common import rel_err, shuffled_tables
+    from bench.common import time_us_l2_flushed as time_us
     from meshserve.attention.backend import KVCache
     from meshserve.attention.backends.flashinfer import FlashInferBackend
     from meshserve.attention.backends.triton_paged import TritonBackend

@@ -7,9 +7,9 @@ profile hook, armed only while that request is served, records in every thread:
 
 - on the path: the meshserve files on the Python call stack wherever the request is handed
   down — the replica taking it (`Replica.submit` / `adopt`), the driver sending a step or a
-  hand-over call to its ranks (channel.py), every call into attention/ (plan
-  and forward, down to the kernel), every call into the rank side of a KV hand-over
-  (kvtransfer/rank_io.py and its transports). Each stack runs from its thread's root (the gRPC
+  hand-over call to its ranks (cluster/executors/channel.py), every call into attention/ (plan
+  and forward, down to the kernel), every call into kvtransfer/ (the rank side of a KV
+  hand-over and its transports). Each stack runs from its thread's root (the gRPC
   handler's coroutine, a replica's step thread, a rank's loop thread) to the probe.
 - touched: every meshserve file any of whose functions ran for the request (helpers included:
   validation, sampling, detokenizing, conversion to protobuf, stats).
@@ -27,11 +27,10 @@ import threading
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PKG = os.path.join(ROOT, "meshserve") + os.sep
-PROBES = (os.path.join(PKG, "attention") + os.sep, os.path.join(PKG, "kvstore", "rank_io.py"),
-          os.path.join(PKG, "kvstore", "zmq_transport.py"))
+PROBES = (os.path.join(PKG, "attention") + os.sep, os.path.join(PKG, "kvtransfer") + os.sep)
 _CLUSTER = os.path.join(PKG, "cluster")
 HAND_DOWN = {(os.path.join(_CLUSTER, "replica.py"), "submit"), (os.path.join(_CLUSTER, "replica.py"), "adopt"),
-             (os.path.join(_CLUSTER, "channel.py"), "_send_all")}  # the driver's side of the rank channel
+             (os.path.join(_CLUSTER, "executors", "channel.py"), "_send_all")}  # the driver's side of the rank channel
 CLIENT = os.path.join(PKG, "api", "client.py")  # the test's client, not the server
 
 

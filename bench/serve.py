@@ -152,7 +152,7 @@ def spawn_server(flags: list[str]) -> tuple[subprocess.Popen, str]:
     # One intra-op thread unless told otherwise: on a small shared CPU a second torch thread
     # spin-waits against everything else (measured here: 20x slower steps at load 4 on 2 cores).
     env = {"OMP_NUM_THREADS": "1", **os.environ, "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0", *flags]
+    cmd = [sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", "0", "--port", "0", *flags]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
     line = proc.stdout.readline()
     match = re.match(r"meshserve: serving \S+ on (\S+),", line)

@@ -44,8 +44,8 @@ def start_once(root: str, *, timeout_s: float = 120.0) -> tuple[float, float]:
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # as an installed package: bytecode cached
     t0 = time.monotonic()
     log = tempfile.TemporaryFile()
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--port", str(port),
-                             "--metrics-port", "0"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log)
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", str(port),
+                             "--port", "0"], cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=log)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     stub = health_pb2_grpc.HealthStub(channel)
     try:

@@ -110,7 +110,7 @@ class GreedyGrpc(GrpcBackend):
 
     async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
         tokens = self.outputs.setdefault(request.seed, [])
-        async for r in self.client.stream(request.prompt_ids, model=self.model, max_tokens=request.max_tokens,
+        async for r in self.client.stream(request.prompt, model=self.model, max_tokens=request.max_tokens,
                                           ignore_eos=True, temperature=0.0):
             if r.token_ids:
                 sample.arrivals.append(time.perf_counter() - t0)
@@ -126,7 +126,7 @@ class GreedyOpenAI(OpenAIBackend):
         self.outputs: dict[int, str] = {}
 
     async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
-        body = {"model": self.model, "prompt": request.prompt_ids, "max_tokens": request.max_tokens,
+        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
                 "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
         pieces: list[str] = []
         async with self.session.post(f"{self.base}/v1/completions", json=body) as response:
@@ -154,7 +154,7 @@ def _free_port() -> int:
 
 def server_flags(*, grpc_port: int, http_port: int) -> list[str]:
     """Where `meshserve serve` listens (the one place that knows the port flags' names)."""
-    return ["--port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", "0"]
+    return ["--port", str(http_port), "--grpc-port", str(grpc_port)]
 
 
 @dataclass(frozen=True)
@@ -279,7 +279,7 @@ def _closed_loop(llm, requests: list[BenchRequest], concurrency: int) -> tuple[l
 
     core = llm.core
     pending = deque(enumerate(requests))
-    samples = [Sample(len(r.prompt_ids), r.max_tokens) for r in requests]
+    samples = [Sample(r.num_prompt_tokens, r.max_tokens) for r in requests]
     tokens: list[list[int]] = [[] for _ in requests]
     texts: list[list[str]] = [[] for _ in requests]
     index_of: dict[str, int] = {}
@@ -288,7 +288,7 @@ def _closed_loop(llm, requests: list[BenchRequest], concurrency: int) -> tuple[l
     def admit() -> None:
         while pending and len(index_of) < concurrency:
             i, r = pending.popleft()
-            req = core.make_request(r.prompt_ids, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
+            req = core.make_request(r.prompt, SamplingParams(temperature=0.0, max_tokens=r.max_tokens,
                                                                  ignore_eos=True))
             samples[i].sent = time.perf_counter() - t0
             core.add(req)

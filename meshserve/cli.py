@@ -6,6 +6,9 @@ Strings become enums and configs here; every subcommand is a small function.
 from __future__ import annotations
 
 import argparse
+import difflib
+import os
+import signal
 import sys
 
 from meshserve.errors import ConfigError, MeshserveError
@@ -136,40 +139,105 @@ def _mla_spec(args: argparse.Namespace):
     return mla_spec(args.num_heads, dims, kv_cache_dtype=args.kv_cache_dtype)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="meshserve", description="Distributed LLM inference runtime.")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_backends(sub) -> None:
     p = sub.add_parser("backends", help="attention backend feature table and selection for this machine")
     _add_layer_flags(p)
     p.set_defaults(func=cmd_backends)
+
+
+def _add_doctor(sub) -> None:
     p = sub.add_parser("doctor", help="run one tiny attention step through every backend this machine has "
                        "and say which work (an image's smoke test)")
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     p.add_argument("--require", default=None, help="comma-separated backends that must pass (e.g. TRITON,FLASHINFER)")
     p.set_defaults(func=cmd_doctor)
-    from meshserve.api.client_cli import add_client_parser
-    from meshserve.api.llm import add_generate_parser
-    from meshserve.api.serve import add_serve_parser
 
-    add_generate_parser(sub)
-    from meshserve.embed_cli import add_embed_parser
 
-    add_embed_parser(sub)
-    add_serve_parser(sub)
-    add_client_parser(sub)
-    from meshserve.api.bench.command import add_bench_parser
+def _lazy(module: str, function: str):
+    def add(sub) -> None:
+        import importlib
 
-    add_bench_parser(sub)
+        getattr(importlib.import_module(module), function)(sub)
+
+    return add
+
+
+# Each subcommand's parser, in `meshserve --help` order. Some live in heavy modules (generate's
+# imports the whole engine): a command line naming one subcommand builds only its parser.
+COMMANDS = {
+    "backends": _add_backends,
+    "doctor": _add_doctor,
+    "generate": _lazy("meshserve.api.llm", "add_generate_parser"),
+    "embed": _lazy("meshserve.embed_cli", "add_embed_parser"),
+    "serve": _lazy("meshserve.api.serve", "add_serve_parser"),
+    "client": _lazy("meshserve.api.client_cli", "add_client_parser"),
+    "bench": _lazy("meshserve.api.bench.command", "add_bench_parser"),
+}
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole command line, or only `command`'s subparser when it names one."""
+    parser = argparse.ArgumentParser(prog="meshserve", description="Distributed LLM inference runtime.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, add in COMMANDS.items():
+        if command in (None, name) or command not in COMMANDS:
+            add(sub)
     return parser
 
 
+def _closest_flags(parser: argparse.ArgumentParser, command: str | None, unknown: list[str]) -> list[str]:
+    """'--tensor-paralel-size (did you mean --tensor-parallel-size?)' for each unknown flag."""
+    sub = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            sub = action.choices[command]
+    known = [o for a in sub._actions for o in a.option_strings if o.startswith("--")]
+    out = []
+    for arg in unknown:
+        flag = arg.split("=", 1)[0]
+        if not flag.startswith("-"):
+            out.append(arg)
+            continue
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+        out.append(f"{arg} (did you mean {close[0]}?)" if close else arg)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv[0] if argv else None)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        parser.exit(2, f"meshserve {args.command}: error: unrecognized arguments: "
+                       f"{' '.join(_closest_flags(parser, args.command, unknown))}\n")
+    previous = signal.signal(signal.SIGINT, _interrupt_handler())
     try:
         return args.func(args)
     except MeshserveError as exc:
         print(f"meshserve: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("meshserve: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupt_handler():
+    """The first Ctrl-C raises KeyboardInterrupt, so clean-up runs (ranks stopped, Ray shut down); a
+    second one during that clean-up ends the process at once. (`serve` handles its own signals
+    on its event loop the same way: the first drains, the second exits.)"""
+    interrupted = False
+
+    def handler(signum, frame) -> None:
+        nonlocal interrupted
+        if interrupted:
+            os.write(2, b"meshserve: interrupted again: exiting now\n")
+            os._exit(130)
+        interrupted = True
+        raise KeyboardInterrupt
+
+    return handler
 
 
 if __name__ == "__main__":

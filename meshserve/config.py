@@ -123,6 +123,9 @@ class CacheConfig:
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     num_kv_blocks: int | None = field(default=None, metadata={"help": "fixed block count; overrides memory"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV budget per rank in bytes"})
+    memory_utilization: float | None = field(default=None, metadata={
+        "help": "fraction of the memory still free once weights are loaded that the KV pool takes (CUDA: the "
+                "GPU's free memory, default 0.85; CPU: the host's available memory, default a fixed 256 MiB)"})
     enable_prefix_caching: bool = True
     kv_transport: str = field(default="auto", metadata={
         "help": "KV hand-over between pools: auto (cuda_ipc within a host, else zmq), zmq, cuda_ipc or nccl"})
@@ -141,6 +144,12 @@ class CacheConfig:
             _positive("num_kv_blocks", self.num_kv_blocks)
         if self.kv_cache_memory_bytes is not None:
             _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes)
+        if self.memory_utilization is not None:
+            u = self.memory_utilization
+            check(isinstance(u, float | int) and not isinstance(u, bool) and 0 < u <= 1, "gpu_memory_utilization",
+                  u, "a fraction in (0, 1]")
+            check(self.kv_cache_memory_bytes is None and self.num_kv_blocks is None, "gpu_memory_utilization", u,
+                  "unset when --kv-cache-memory-bytes or --num-kv-blocks fixes the KV pool")
 
 
 @dataclass(frozen=True)
@@ -199,9 +208,13 @@ class SchedulerConfig:
     max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
     async_scheduling: bool = field(default=True, metadata={
         "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md)"})
+    max_sequences_per_caller: int = field(default=512, metadata={
+        "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
+                "beyond it 429 with Retry-After (a caller's only request is always let in)"})
 
     def __post_init__(self) -> None:
         check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
+        _positive("max_sequences_per_caller", self.max_sequences_per_caller, upper=1 << 24)
         _positive("max_num_seqs", self.max_num_seqs, upper=1 << 16)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 24)
         _positive("max_queue", self.max_queue, upper=1 << 24)
@@ -241,9 +254,11 @@ class PoolConfig:
 
 @dataclass(frozen=True)
 class ServerConfig:
+    # gRPC's bind address and port (the CLI's --grpc-host/--grpc-port; --host/--port are the HTTP API's)
     host: str = "127.0.0.1"
     port: int = 50051
-    metrics_port: int = 9400
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "a port of its own for /metrics (0 = any free port); None: /metrics only on the HTTP API's port"})
     metrics_host: str = field(default="127.0.0.1", metadata={"help": "bind address of the Prometheus endpoint"})
     metrics_token_file: str | None = field(default=None, metadata={
         "help": "file whose first line is the bearer token a scrape must send (default: metrics open)"})
@@ -252,16 +267,31 @@ class ServerConfig:
     auth_token_file: str | None = None
     max_message_bytes: int = 16 << 20
     http_host: str = field(default="127.0.0.1", metadata={"help": "bind address of the OpenAI-compatible HTTP API"})
-    http_port: int = field(default=8000, metadata={"help": "its port; 0 = no HTTP API"})
+    http_port: int | None = field(default=8000, metadata={"help": "its port (0 = any free port); None = no HTTP API"})
+    api_keys: tuple[str, ...] = field(default=(), repr=False, metadata={
+        "help": "bearer tokens a client may send (--api-key / VLLM_API_KEY), besides auth_token_file's"})
     chat_template: str | None = field(default=None, metadata={"help": "Jinja2 file replacing the model's template"})
     unhealthy_liveness_s: float = field(default=300.0, metadata={
         "help": "liveness (grpc health service '') turns NOT_SERVING once the service, after it first served, "
                 "has not served (a ready replica in every pool) for this long"})
+    # What one request may cost (docs/api.md), checked before anything is queued.
+    max_prompts_per_request: int = field(default=64, metadata={"help": "prompts of one HTTP request"})
+    max_sequences_per_request: int = field(default=256, metadata={
+        "help": "prompts x max(n, best_of), or x beam width, of one request"})
+    max_tokens_per_request: int = field(default=1 << 22, metadata={
+        "help": "sum over its sequences of prompt tokens + max_tokens, of one request"})
 
     def __post_init__(self) -> None:
         for name in ("port", "metrics_port", "http_port"):
             value = getattr(self, name)
+            if value is None and name != "port":
+                continue
             check(isinstance(value, int) and 0 <= value <= 65535, name, value, "an integer in [0, 65535]")
+        check(self.metrics_port is not None or self.http_port is not None, "metrics_port", None,
+              "a port when the HTTP API is off (/metrics lives on the API port otherwise)")
+        for key in self.api_keys:
+            check(isinstance(key, str) and key.strip() == key and len(key) >= 1 and " " not in key, "api_key",
+                  "<hidden>", "a non-empty token without spaces")
         check((self.tls_cert is None) == (self.tls_key is None), "tls_key", self.tls_key,
               "set together with tls_cert (both or neither)")
         for name in ("tls_cert", "tls_key", "auth_token_file", "metrics_token_file", "chat_template"):
@@ -270,3 +300,6 @@ class ServerConfig:
                 check(Path(path).is_file(), name, path, "an existing readable file")
         _positive("max_message_bytes", self.max_message_bytes, upper=1 << 31)
         _seconds("unhealthy_liveness_seconds", self.unhealthy_liveness_s)
+        _positive("max_prompts_per_request", self.max_prompts_per_request, upper=1 << 20)
+        _positive("max_sequences_per_request", self.max_sequences_per_request, upper=1 << 24)
+        _positive("max_tokens_per_request", self.max_tokens_per_request, upper=1 << 40)

@@ -22,7 +22,21 @@ class ConfigError(MeshserveError, ValueError):
         self.field = field
         self.value = value
         self.allowed = allowed
-        super().__init__(f"{field}={value!r} is not allowed: {allowed}")
+        super().__init__(f"{field}={quote(value)} is not allowed: {allowed}")
+
+
+# Error messages quote at most this many characters of a value: a client's 100 KB model name
+# must not come back as a 100 KB message (which a default gRPC client cannot even receive).
+MAX_QUOTED_CHARS = 200
+
+
+def quote(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """repr(value), cut to about `limit` characters (saying how long the whole was)."""
+    if isinstance(value, (str, bytes, list, tuple, dict)) and len(value) > limit:
+        shown = repr(value[:limit] if not isinstance(value, dict) else dict(list(value.items())[:8]))
+        return f"{shown[:limit]}... ({len(value)} {'characters' if isinstance(value, str) else 'items'})"
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters of repr)"
 
 
 class NoBackendError(MeshserveError):

@@ -16,10 +16,11 @@ from dataclasses import dataclass
 from google.protobuf.message import DecodeError, Message
 
 from meshserve.cluster.service import InferenceService, ModelCard, ServiceStats
+from meshserve.config import ServerConfig
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
-from meshserve.errors import ConfigError, NotFoundError, check
+from meshserve.errors import ConfigError, NotFoundError, check, quote
 from meshserve.v1 import inference_pb2 as pb
 
 # Texts longer than this are tokenized in a thread so that the event loop keeps serving.
@@ -45,6 +46,19 @@ class ApiLimits:
     # the tokenizer does (no real vocabulary averages 32 characters a token): it is refused
     # before tokenizing, so that a huge prompt costs neither tokenizer time nor memory.
     max_chars_per_token: int = 32
+    # What one request may cost (ServerConfig's fields of the same names; docs/api.md).
+    max_prompts_per_request: int = 64
+    max_sequences_per_request: int = 256
+    max_tokens_per_request: int = 1 << 22
+    # JSON strings one HTTP body may hold (keys too); bodies are counted as they arrive (http/body.py).
+    max_json_strings: int = 1 << 16
+
+    @classmethod
+    def of(cls, server: ServerConfig) -> ApiLimits:
+        """The defaults, with the request cost limits of the server's flags."""
+        return cls(max_prompts_per_request=server.max_prompts_per_request,
+                   max_sequences_per_request=server.max_sequences_per_request,
+                   max_tokens_per_request=server.max_tokens_per_request)
 
     def to_proto(self, *, max_message_bytes: int, max_queue: int) -> pb.Limits:
         return pb.Limits(max_message_bytes=max_message_bytes, max_queue=max_queue,
@@ -86,7 +100,7 @@ def find_model(models: Sequence[ModelCard], name: str) -> ModelCard:
     for card in models:
         if card.name == name:
             return card
-    raise NotFoundError(f"model={name!r} is not served here; models: {[c.name for c in models]}")
+    raise NotFoundError(f"model={quote(name)} is not served here; models: {[c.name for c in models]}")
 
 
 def check_text_size(text: str, *, max_model_len: int, limits: ApiLimits, field: str) -> None:
@@ -105,30 +119,77 @@ async def tokenize(service: InferenceService, text: str, *, card: ModelCard, lim
     texts over a few KiB are tokenized in a thread. The service's tokenizer releases the GIL
     while it works (tokenizers' encode_batch), so the event loop keeps serving meanwhile."""
     check_text_size(text, max_model_len=card.max_model_len, limits=limits, field=field)
+    check_encodable(text, field)
     if len(text) <= _INLINE_TOKENIZE_CHARS:
         return service.tokenize(text)
     return await asyncio.to_thread(service.tokenize, text)
+
+
+def check_prompt_count(num_prompts: int, width: int, limits: ApiLimits) -> None:
+    """Before tokenizing: the number of prompts, and of sequences (prompts x `width`: max(n,
+    best_of), or the beam width), within the per-request limits."""
+    check(num_prompts <= limits.max_prompts_per_request, "prompt", f"<{num_prompts} prompts>",
+          f"at most max_prompts_per_request={limits.max_prompts_per_request} prompts in one request")
+    seqs = num_prompts * width
+    check(seqs <= limits.max_sequences_per_request, "n", f"{num_prompts} prompts x {width}",
+          f"at most max_sequences_per_request={limits.max_sequences_per_request} sequences in one request "
+          "(prompts x max(n, best_of), or x the beam width)")
+
+
+def check_token_budget(prompt_lens: Sequence[int], width: int, max_tokens: Sequence[int], limits: ApiLimits, *,
+                       max_model_len: int) -> None:
+    """After tokenizing: the request's cost, every sequence's prompt + max_tokens summed, within
+    max_tokens_per_request (each prompt runs `width` sequences). A sequence counts at most
+    max_model_len tokens: a max_tokens past the context is the engine's error to name."""
+    cost = sum(width * min(p + m, max_model_len) for p, m in zip(prompt_lens, max_tokens, strict=True))
+    check(cost <= limits.max_tokens_per_request, "max_tokens", f"<{cost} tokens of prompt + max_tokens>",
+          f"at most max_tokens_per_request={limits.max_tokens_per_request} tokens over the request's sequences "
+          "(prompts x max(n, best_of) x (prompt tokens + max_tokens)): lower max_tokens, n or the prompts")
+
+
+def width_of(params: SamplingParams | None, beam: BeamSearchParams | None) -> int:
+    """Sequences one prompt runs: the beam width, else max(n, best_of)."""
+    return beam.beam_width if beam is not None else params.num_samples
+
+
+def max_tokens_of(params: SamplingParams | None, beam: BeamSearchParams | None) -> int:
+    return beam.max_tokens if beam is not None else params.max_tokens
+
+
+def check_encodable(text: str, field: str) -> None:
+    """Text the tokenizer can take: UTF-8-encodable, so no lone surrogate (JSON's "\\ud800")."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(field, f"<text with {exc.reason} at character {exc.start}>",
+                          "text of Unicode characters (a lone UTF-16 surrogate such as \\ud800 is not one)") from None
 
 
 def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
 
-def prompt_of(request: pb.GenerateRequest, vocab_size: int) -> str | list[int]:
+def prompt_of(request: pb.GenerateRequest, vocab_size: int, *, max_model_len: int | None = None) -> str | list[int]:
     """The prompt as text or token ids; refuses an empty or missing prompt and unknown ids."""
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", None, "set: one of text or token_ids")
     if which == "text":
         check(request.text != "", "text", "", "a non-empty UTF-8 string")
         return request.text
-    return token_ids_of(list(request.token_ids.ids), vocab_size)
+    return token_ids_of(request.token_ids.ids, vocab_size, max_model_len=max_model_len)
 
 
-def token_ids_of(ids: list[int], vocab_size: int, *, field: str = "token_ids") -> list[int]:
-    """A prompt given as token ids: non-empty, every id in the vocabulary."""
+def token_ids_of(ids: Sequence[int], vocab_size: int, *, field: str = "token_ids",
+                 max_model_len: int | None = None) -> list[int]:
+    """A prompt given as token ids: non-empty, shorter than max_model_len (checked first, by its
+    length alone: millions of ids cost nothing more), every id in the vocabulary."""
     check(len(ids) > 0, field, [], "a non-empty list of token ids")
-    bad = [t for t in ids if not 0 <= t < vocab_size]
-    check(not bad, field, bad[:5], f"token ids in [0, {vocab_size})")
+    if max_model_len is not None:
+        check(len(ids) < max_model_len, "prompt", f"{len(ids)} tokens", f"fewer than max_model_len={max_model_len}")
+    ids = list(ids)
+    if min(ids) < 0 or max(ids) >= vocab_size:  # at C speed; the list of bad ones only for the message
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        check(not bad, field, bad[:5], f"token ids in [0, {vocab_size})")
     return ids
 
 
@@ -216,6 +277,8 @@ def capped_embed_inputs(inputs: Sequence[str | list[int]], *, card: ModelCard, l
     limit = card.max_model_len * limits.max_chars_per_token
     out = []
     for i, x in enumerate(inputs):
+        if isinstance(x, str):
+            check_encodable(x, f"{field}[{i}]")
         if isinstance(x, str) and len(x) > limit:
             if not truncate:
                 check_text_size(x, max_model_len=card.max_model_len, limits=limits, field=f"{field}[{i}]")

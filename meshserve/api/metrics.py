@@ -184,10 +184,33 @@ class RequestTimer:
                 self.metrics.tpot.observe((self.last - self.first) / (self.num_tokens - 1))
 
 
+class _ModelNameLabel(Collector):
+    """Every sample of `registry` with a model_name label (vLLM's; dashboards built for vLLM filter on it)."""
+
+    def __init__(self, registry: CollectorRegistry, service: InferenceService) -> None:
+        self.registry = registry
+        self.service = service
+
+    def _model_name(self) -> str:
+        try:
+            return self.service.models()[0].name
+        except Exception:  # a service still starting may not know its model yet
+            return ""
+
+    def collect(self) -> Iterator:
+        name = self._model_name()
+        for family in self.registry.collect():
+            family.samples = [s._replace(labels={**s.labels, "model_name": name}) for s in family.samples]
+            yield family
+
+
 class ServerMetrics:
     def __init__(self, service: InferenceService) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_ServiceCollector(service))
+        # what the endpoints serve: the same samples, labelled model_name
+        self.exposition = CollectorRegistry(auto_describe=False)
+        self.exposition.register(_ModelNameLabel(self.registry, service))
         doc = {name: text.split(": ", 1)[1] for name, text in METRICS.items()}
         self.requests = Counter("meshserve_requests", doc["meshserve_requests_total"], ["code"],
                                 registry=self.registry)
@@ -206,7 +229,7 @@ class ServerMetrics:
     def serve_http(self, host: str, port: int, *, token: str | None = None) -> int:
         """Serve /metrics on host:port (0 = a free port) in a daemon thread; returns the port.
         With a token, a scrape without `Authorization: Bearer <token>` gets 401."""
-        app = make_wsgi_app(self.registry)
+        app = make_wsgi_app(self.exposition)
         if token is not None:
             app = _bearer_only(app, token)
         server_class = _MetricsServer6 if ":" in host else ThreadingWSGIServer

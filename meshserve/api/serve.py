@@ -44,18 +44,27 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on the CLI's subparsers; the parsed args go to `serve_main`."""
     p = subparsers.add_parser("serve", help="serve a model over gRPC (meshserve.v1.Inference) and OpenAI-compatible "
                                             "HTTP, with Prometheus metrics")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="HF checkpoint directory or hub model id org/name, as --model (vLLM's positional form)")
     m = p.add_argument_group("model and engine")
     m.add_argument("--model", default=None,
                    help="HF checkpoint directory, or a hub model id org/name (default: the bundled demo model)")
     m.add_argument("--revision", default=None, help="branch, tag or commit of a hub model id")
-    m.add_argument("--served-model-name", default=None,
-                   help="name clients use (default: the model id, or the folder's name)")
+    m.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="names clients may use, the first in responses and metrics (default: the model id, or "
+                        "the folder's name)")
+    m.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults for requests that leave them unset (temperature, top_p, top_k, min_p, "
+                        "repetition_penalty, max_new_tokens for chat): auto = the checkpoint's "
+                        "generation_config.json, vllm = none (OpenAI's defaults), or that file in DIR")
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
-    m.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per replica")
-    m.add_argument("--dcp", type=int, default=1, help="decode-context-parallel ranks (divides tp)")
+    m.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
+                   help="tensor-parallel ranks per replica")
+    m.add_argument("--dcp", "--decode-context-parallel-size", "-dcp", dest="dcp", type=int, default=1,
+                   help="decode-context-parallel ranks (divides tp)")
     m.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for MoE models (divides tp and the number of experts)")
     m.add_argument("--attention-backend", default=None,
@@ -65,9 +74,16 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
     m.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget per rank in bytes")
+    m.add_argument("--gpu-memory-utilization", type=float, default=None, metavar="FRACTION",
+                   help="fraction of the memory left free after the weights (and, on CUDA, the activation peak) "
+                        "that the KV pool takes, in (0, 1]. CUDA: of the GPU's free memory (default 0.85). CPU: of "
+                        "the host's available memory (default: a fixed 256 MiB pool)")
     m.add_argument("--max-num-seqs", type=int, default=256, help="requests running at once per replica")
     m.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step per replica")
-    m.add_argument("--no-prefix-caching", action="store_true", help="do not reuse cached prompt prefixes")
+    m.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, dest="prefix_caching",
+                   default=True, help="reuse the KV of cached prompt prefixes (default: on)")
+    m.add_argument("--no-prefix-caching", action="store_false", dest="prefix_caching",
+                   help="as --no-enable-prefix-caching")
     m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     m.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
@@ -100,16 +116,27 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     c.add_argument("--max-migrations", type=int, default=2,
                    help="times a stream may move to another replica after its replica died or hung, continuing "
                         "from the tokens already sent; then UNAVAILABLE (default 2; 0 = never)")
-    s = p.add_argument_group("server")
-    s.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 for every interface)")
-    s.add_argument("--port", type=int, default=50051, help="gRPC port (0 = any free port)")
-    s.add_argument("--metrics-port", type=int, default=9400, help="Prometheus /metrics port (0 = any free port)")
+    s = p.add_argument_group("server (the OpenAI-compatible HTTP API on --host/--port, gRPC on --grpc-host/"
+                             "--grpc-port, /metrics on the API port)")
+    s.add_argument("--host", "--http-host", dest="http_host", default="127.0.0.1", metavar="HOST",
+                   help="address of the OpenAI-compatible HTTP API (0.0.0.0 for every interface)")
+    s.add_argument("--port", "--http-port", dest="http_port", type=int, default=8000, metavar="PORT",
+                   help="its port (0 = any free port); /v1/..., /tokenize, /metrics, ... live here")
+    s.add_argument("--no-http", action="store_true", help="serve gRPC only, no HTTP API (/metrics then on "
+                                                          "--metrics-port, default 9400)")
+    s.add_argument("--grpc-host", dest="grpc_host", default="127.0.0.1", metavar="HOST",
+                   help="address of the gRPC service meshserve.v1.Inference (0.0.0.0 for every interface)")
+    s.add_argument("--grpc-port", dest="grpc_port", type=int, default=50051, metavar="PORT",
+                   help="its port (0 = any free port)")
+    s.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve /metrics on a port of its own (0 = any free port; default: only on --port)")
     s.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the metrics endpoint, apart from --host (0.0.0.0 for every interface)")
+                   help="address of that metrics port (0.0.0.0 for every interface)")
     s.add_argument("--metrics-token-file", default=None,
-                   help="file holding the bearer token a metrics scrape must send (default: no token)")
-    s.add_argument("--http-host", default="127.0.0.1", help="address of the OpenAI-compatible HTTP API")
-    s.add_argument("--http-port", type=int, default=8000, help="its port (0 = no HTTP API)")
+                   help="file holding the bearer token a metrics scrape must send, on either port (default: none)")
+    s.add_argument("--api-key", nargs="+", default=None, metavar="KEY",
+                   help="bearer token(s) a client must send, to /v1 and gRPC (default: the environment's "
+                        "VLLM_API_KEY, else MESHSERVE_API_KEY; the environment keeps keys out of `ps`)")
     s.add_argument("--tls-cert", default=None, help="PEM certificate chain (with --tls-key: TLS on)")
     s.add_argument("--tls-key", default=None, help="PEM private key")
     s.add_argument("--auth-token-file", default=None,
@@ -121,10 +148,24 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="liveness (grpc health service '') fails once the service, after serving, has had no ready "
                         "replica in some pool for this long (default 300)")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
+    add_request_limit_flags(p)
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
     p.set_defaults(func=serve_main)
     return p
+
+
+def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
+    """What one request, and one caller, may cost (docs/api.md: defaults and why)."""
+    g = p.add_argument_group("request limits")
+    g.add_argument("--max-prompts-per-request", type=int, default=64, help="prompts of one HTTP request (default 64)")
+    g.add_argument("--max-sequences-per-request", type=int, default=256,
+                   help="prompts x max(n, best_of), or x beam width, of one request (default 256)")
+    g.add_argument("--max-tokens-per-request", type=int, default=1 << 22,
+                   help="one request's budget: over its sequences, prompt tokens + max_tokens (default 4194304)")
+    g.add_argument("--max-sequences-per-caller", type=int, default=512,
+                   help="sequences one caller (bearer token, else peer address) may have waiting or running; "
+                        "beyond it 429 with Retry-After (default 512)")
 
 
 def configs_of(args: argparse.Namespace):
@@ -134,7 +175,13 @@ def configs_of(args: argparse.Namespace):
     from meshserve.engine.engine_config import EngineConfig
 
     backend = args.attention_backend
-    if args.model is None:
+    model_flag(args)
+    if args.model is None:  # `serve --api-key KEY DIR`: the list flag took the model; say so, not serve the demo
+        for flag, values in (("api_key", args.api_key), ("served_model_name", args.served_model_name)):
+            last = (values or [""])[-1]
+            option = "--" + flag.replace("_", "-")
+            check(not os.path.isdir(last), flag, "<hidden>" if flag == "api_key" else values,
+                  f"values without the model folder {last!r}: put MODEL first (meshserve serve MODEL {option} ...)")
         check(args.revision is None, "revision", args.revision, "unset unless --model names a hub model id")
         model = str(DEMO_MODEL_DIR)
     else:
@@ -146,9 +193,11 @@ def configs_of(args: argparse.Namespace):
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          enable_prefix_caching=not args.no_prefix_caching, kv_transport=args.kv_transport),
+                          memory_utilization=args.gpu_memory_utilization,
+                          enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling),
+                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling,
+                                  max_sequences_per_caller=args.max_sequences_per_caller),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )
@@ -156,15 +205,47 @@ def configs_of(args: argparse.Namespace):
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address,
                        placement_timeout_s=args.placement_timeout, step_timeout_base_s=args.step_timeout_base,
                        step_timeout_per_token_s=args.step_timeout_per_token, max_migrations=args.max_migrations)
-    server = ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port,
+    # the ports by their flags' names (ServerConfig's fields are grpc's `port` and `http_port`)
+    for name, value in (("port", args.http_port), ("grpc_port", args.grpc_port), ("metrics_port", args.metrics_port)):
+        check(value is None or 0 <= value <= 65535, name, value, "an integer in [0, 65535]")
+    metrics_port = args.metrics_port if args.metrics_port is not None or not args.no_http else 9400
+    server = ServerConfig(host=args.grpc_host, port=args.grpc_port, metrics_port=metrics_port,
                           metrics_host=args.metrics_host, metrics_token_file=args.metrics_token_file,
                           tls_cert=args.tls_cert,
                           tls_key=args.tls_key, auth_token_file=args.auth_token_file,
                           max_message_bytes=args.max_message_bytes, http_host=args.http_host,
-                          http_port=args.http_port, chat_template=args.chat_template,
-                          unhealthy_liveness_s=args.unhealthy_liveness_seconds)
+                          http_port=None if args.no_http else args.http_port, chat_template=args.chat_template,
+                          unhealthy_liveness_s=args.unhealthy_liveness_seconds, api_keys=api_keys_of(args),
+                          max_prompts_per_request=args.max_prompts_per_request,
+                          max_sequences_per_request=args.max_sequences_per_request,
+                          max_tokens_per_request=args.max_tokens_per_request)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
+    names = args.served_model_name or []
+    check(len(names) == len(set(names)) and all(n.strip() for n in names), "served_model_name", names,
+          "distinct non-empty names")
     return engine, pools, server
+
+
+def model_flag(args: argparse.Namespace) -> None:
+    """`serve MODEL` and `serve --model MODEL` are one setting: args.model (given twice, they must agree)."""
+    tag = getattr(args, "model_tag", None)
+    if tag is not None:
+        check(args.model in (None, tag), "model", args.model, f"unset or {tag!r} (the positional MODEL is {tag!r})")
+        args.model = tag
+        args.model_tag = None
+
+
+API_KEY_ENV = ("VLLM_API_KEY", "MESHSERVE_API_KEY")
+
+
+def api_keys_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key, else VLLM_API_KEY (vLLM's variable), else MESHSERVE_API_KEY; () = no key."""
+    if args.api_key:
+        return tuple(args.api_key)
+    for name in API_KEY_ENV:
+        if os.environ.get(name):
+            return (os.environ[name],)
+    return ()
 
 
 def pool_parallel_of(args: argparse.Namespace, pools: PoolConfig) -> dict[str, ParallelConfig | None]:
@@ -227,32 +308,40 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
 
 
 def default_model_name(args: argparse.Namespace) -> str | None:
-    """--served-model-name, else a hub id as given (not its snapshot folder's hash), else None (the folder)."""
+    """The first --served-model-name, else a hub id as given (not its snapshot folder's hash), else None
+    (the folder's name)."""
     from meshserve.api.hub import is_model_id
 
-    if args.served_model_name or args.model is None or os.path.isdir(args.model):
-        return args.served_model_name
+    model_flag(args)
+    if args.served_model_name:
+        return args.served_model_name[0]
+    if args.model is None or os.path.isdir(args.model):
+        return None
     return args.model if is_model_id(args.model) else None
 
 
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
-                     announce=print, chat_template=None) -> None:
+                     announce=print, chat_template=None, sampling_defaults=None) -> None:
     """Serve until SIGINT or SIGTERM, then drain and shut the service down.
 
     The front-ends bind first (a busy port fails before any model loads), then the service
     starts behind them: meanwhile health answers, readiness NOT_SERVING and requests
     UNAVAILABLE. A service that fails to start (e.g. --placement-timeout passed) stops them all."""
+    from meshserve.api.convert import ApiLimits
+    from meshserve.api.generation_defaults import SamplingDefaults
     from meshserve.api.http.server import HttpServer
     from meshserve.api.server import ApiServer
 
-    server = ApiServer(service, server_config, max_queue=max_queue)
+    limits = ApiLimits.of(server_config)
+    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits)
     http = None
     try:
-        if server_config.http_port != 0:  # bound first: a busy port fails before gRPC starts
+        if server_config.http_port is not None:  # bound first: a busy port fails before gRPC starts
             http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
-                              metrics=server.metrics, tokens=server.tokens, chat_template=chat_template,
+                              metrics=server.metrics, tokens=server.tokens, chat_template=chat_template, limits=limits,
                               max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
-                              tls_key=server_config.tls_key)
+                              tls_key=server_config.tls_key, metrics_token=server.metrics_token,
+                              sampling_defaults=sampling_defaults or SamplingDefaults())
             await http.start()
         await server.start()
     except BaseException:  # a busy port: the other front-end does not outlive the refusal
@@ -261,19 +350,27 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
         await server.stop(grace=0)
         raise
     # a log line, not stdout: the first stdout line stays "meshserve: serving ..." (scripts wait for it)
+    metrics_url = server.metrics_url or f"{http.url}/metrics"
     log.info("health on %s (readiness NOT_SERVING until the replicas are up), metrics on %s; starting the service",
-             server.address, server.metrics_url)
+             server.address, metrics_url)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        if stop.is_set():  # a second Ctrl-C: the user does not want to wait for the drain
+            os.write(2, b"meshserve: interrupted again: exiting now\n")
+            os._exit(130)
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     try:
         if await _start_or_stop(service, stop):
             await server.health.update()  # readiness flips now, not at the next poll
             for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray may have replaced them
-                loop.add_signal_handler(sig, stop.set)
+                loop.add_signal_handler(sig, on_signal)
             model = service.models()[0].name
-            announce(f"meshserve: serving {model} on {server.address}, metrics on {server.metrics_url}")
+            announce(f"meshserve: serving {model} on {server.address}, metrics on {metrics_url}")
             if http is not None:
                 announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
             await stop.wait()
@@ -311,22 +408,36 @@ async def _start_or_stop(service, stop: asyncio.Event) -> bool:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    from meshserve.api.generation_defaults import load_sampling_defaults
     from meshserve.api.http.chat import ChatTemplate
+    from meshserve.api.preflight import check_layout_fits_model
     from meshserve.cluster.logs import configure_logging
 
     level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
     configure_logging(level, args.log_format)
     engine, pools, server = configs_of(args)
     chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
+    sampling_defaults = load_sampling_defaults(args.generation_config, engine.model.model)
     # exported once every flag is good, so that rank processes and actors log alike
     os.environ["MESHSERVE_LOG"] = level
     if args.log_format:
         os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
     per_pool = pool_parallel_of(args, pools)
+    check_layout_fits_model(engine.model.model, engine.parallel, per_pool)  # before Ray places anything
+    if engine.cache.memory_utilization is not None and args.device != "cuda":
+        import torch
+
+        if args.device == "cpu" or not torch.cuda.is_available():
+            log.info("--gpu-memory-utilization %g on CPU: the KV pool takes that fraction of the host's available "
+                     "memory", engine.cache.memory_utilization)
     service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
                             progress=sys.stderr.isatty(), block_size=args.block_size,
                             prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
+    if args.served_model_name and len(args.served_model_name) > 1:
+        from meshserve.api.served_names import ServedNames
+
+        service = ServedNames(service, args.served_model_name)
     announce = lambda line: print(line, flush=True)
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                           announce=announce, chat_template=chat_template))
+                           announce=announce, chat_template=chat_template, sampling_defaults=sampling_defaults))
     return 0

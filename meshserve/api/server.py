@@ -30,6 +30,7 @@ from meshserve.config import ServerConfig
 from meshserve.errors import ConfigError
 
 log = logging.getLogger("meshserve.api")
+ENDING_S = 1.0  # after the drain time, what calls still open get to send their status
 
 
 def _address(host: str, port: int) -> str:
@@ -41,7 +42,7 @@ class ApiServer:
                  limits: ApiLimits = ApiLimits(), metrics: bool = True, health_interval: float = 0.2) -> None:
         self.service = service
         self.config = config
-        self.tokens = read_tokens(config.auth_token_file) if config.auth_token_file else ()
+        self.tokens = (read_tokens(config.auth_token_file) if config.auth_token_file else ()) + tuple(config.api_keys)
         self.metrics_token = (read_token(config.metrics_token_file, field="metrics_token_file")
                               if config.metrics_token_file else None)
         self.tls = config.tls_cert is not None
@@ -82,7 +83,8 @@ class ApiServer:
             raise ConfigError("port", cfg.port, f"a free port on {cfg.host} ({exc})") from None
         if port == 0:
             raise ConfigError("port", cfg.port, f"a free port on {cfg.host}")
-        if self._serve_metrics:  # before anything runs: a busy port leaves nothing to clean up
+        # before anything runs: a busy port leaves nothing to clean up
+        if self._serve_metrics and cfg.metrics_port is not None:
             try:
                 self.metrics_port = self.metrics.serve_http(cfg.metrics_host, cfg.metrics_port,
                                                             token=self.metrics_token)
@@ -100,14 +102,23 @@ class ApiServer:
         return _address(self.config.host, self.port)
 
     @property
-    def metrics_url(self) -> str:
+    def metrics_url(self) -> str | None:
+        """The metrics port's /metrics; None without one (then /metrics is on the HTTP API's port)."""
+        if self.metrics_port is None:
+            return None
         return f"http://{_address(self.config.metrics_host, self.metrics_port)}/metrics"
 
     async def stop(self, grace: float | None = 30.0) -> None:
-        """Health NOT_SERVING, refuse new calls, give calls in flight `grace` seconds, then cancel."""
+        """Health NOT_SERVING, refuse new calls, give calls in flight `grace` seconds; then Generate
+        streams still open end UNAVAILABLE with the reason, and ENDING_S later the rest is cancelled."""
         await self.health.stop()
         if self._server is not None:
-            await self._server.stop(grace)
+            grace = grace or 0.0
+            expire = asyncio.get_running_loop().call_later(grace, self.servicer.expire_streams)
+            try:
+                await self._server.stop(grace + ENDING_S)
+            finally:
+                expire.cancel()
             self._server = None
         await asyncio.to_thread(self.metrics.stop_http)  # waits for the HTTP thread's poll to end
 

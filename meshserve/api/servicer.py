@@ -25,12 +25,15 @@ import grpc
 
 from meshserve.api import convert
 from meshserve.api.auth import scope_of
+from meshserve.api.callers import grpc_caller
 from meshserve.api.convert import ApiLimits, Malformed
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
 from meshserve.cluster.service import InferenceService, ModelCard
 from meshserve.errors import ConfigError, MeshserveError, NotFoundError, UnavailableError
 from meshserve.v1 import inference_pb2 as pb
+
+DRAINED = "the server is shutting down: the drain time (--drain-seconds) is over; retry on another server"
 
 
 def _version() -> str:
@@ -48,6 +51,15 @@ class InferenceServicer:
         self.limits = limits
         self._info = dict(max_message_bytes=max_message_bytes, max_queue=max_queue, auth_required=auth_required,
                           tls=tls)
+        self._streams: set[asyncio.Task] = set()  # Generate calls in flight (their handler tasks)
+        self._drained = False
+
+    def expire_streams(self) -> int:
+        """The drain time is over: every Generate still open ends UNAVAILABLE with the reason."""
+        self._drained = True
+        for task in self._streams:
+            task.cancel()
+        return len(self._streams)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -80,15 +92,24 @@ class InferenceServicer:
         timer = self.metrics.timer()
         code, completed = grpc.StatusCode.OK, False
         stream = scoped = None
+        task = asyncio.current_task()
+        self._streams.add(task)
         try:
+            if self._drained:
+                raise UnavailableError(DRAINED)
             card = self._model(self._parsed(request).model)
-            prompt = convert.prompt_of(request, card.vocab_size)
+            prompt = convert.prompt_of(request, card.vocab_size, max_model_len=card.max_model_len)
             beam = convert.beam_params_of(request)
             params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
+            width = convert.width_of(params, beam)
+            convert.check_prompt_count(1, width, self.limits)
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
+            convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits,
+                                       max_model_len=card.max_model_len)
             scoped = self._scoped(request_id, context)
-            stream = self.service.generate(ids, params, request_id=scoped, beam=beam)
+            caller = grpc_caller(context, auth_required=self._info["auth_required"])
+            stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller)
             num_tokens = 0
             async for delta in stream:
                 timer.tokens(len(delta.token_ids))
@@ -101,6 +122,10 @@ class InferenceServicer:
                     completed = True
                     break
         except asyncio.CancelledError:
+            if self._drained and task.cancelling() == 1 and not context.cancelled():  # expire_streams, not the client
+                task.uncancel()
+                code = grpc.StatusCode.UNAVAILABLE
+                await context.abort(code, DRAINED)
             remaining = context.time_remaining()
             expired = remaining is not None and remaining <= 0
             code = grpc.StatusCode.DEADLINE_EXCEEDED if expired else grpc.StatusCode.CANCELLED
@@ -109,8 +134,9 @@ class InferenceServicer:
             if scoped is not None and isinstance(exc, ConfigError) and (exc.field, exc.value) == ("request_id", scoped):
                 exc = ConfigError("request_id", request_id, exc.allowed)  # the caller's id, not the scoped one
             code, message = status_of(exc)
-            await context.abort(code, message)
+            await context.abort(code, message, trailing_metadata=_retry_after(exc))
         finally:
+            self._streams.discard(task)
             if stream is not None:
                 with contextlib.suppress(Exception):
                     await stream.aclose()  # aborts the request if it is still running
@@ -170,6 +196,12 @@ class InferenceServicer:
             stats=convert.stats_of(self.service.stats()),
             limits=self.limits.to_proto(max_message_bytes=info["max_message_bytes"], max_queue=info["max_queue"]),
             auth_required=info["auth_required"], tls=info["tls"])
+
+
+def _retry_after(exc: BaseException) -> tuple:
+    """A refusal to retry later carries `retry-after` (seconds) in the trailing metadata, as HTTP's header."""
+    seconds = getattr(exc, "retry_after_s", None)
+    return () if seconds is None else (("retry-after", str(seconds)),)
 
 
 def method_handlers(servicer: InferenceServicer) -> grpc.GenericRpcHandler:

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import grpc
 
 from meshserve.errors import (
+    MAX_QUOTED_CHARS,
     CapacityError,
     ConfigError,
     NotFoundError,
@@ -59,7 +60,10 @@ def outcome_of(exc: BaseException) -> tuple[Outcome, str]:
         if isinstance(exc, kind):
             return outcome, str(exc)
     log.exception("internal error", exc_info=exc)
-    return INTERNAL, f"internal error: {type(exc).__name__}: {exc}"
+    detail = str(exc)  # may hold caller input: quoted at most MAX_QUOTED_CHARS characters
+    if len(detail) > MAX_QUOTED_CHARS:
+        detail = f"{detail[:MAX_QUOTED_CHARS]}... ({len(detail)} characters)"
+    return INTERNAL, f"internal error: {type(exc).__name__}: {detail}"
 
 
 def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:

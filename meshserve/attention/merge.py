@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from meshserve.attention.kernels.host_plans import merge_block_sizes
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 
 
@@ -67,7 +69,7 @@ def merge_attn_states_n_triton(
     os may have any strides whose last dimension is contiguous; the output of a part whose LSE is
     -inf is never read (it may hold anything, NaN included). Returns (out, lse or None).
     """
-    from meshserve.attention.kernels.lse_merge import merge_block_sizes, merge_n_kernel
+    from meshserve.attention.kernels.lse_merge import merge_n_kernel
 
     _check_parts(os, lses)
     n, t, h, d = os.shape
@@ -78,7 +80,7 @@ def merge_attn_states_n_triton(
     if t == 0:
         return out, out_lse if return_lse else None
     block_h, block_d = merge_block_sizes(h, d)
-    grid = (t, _cdiv(h, block_h))
+    grid = (t, cdiv(h, block_h))
     merge_n_kernel[grid](
         os, lses, out, out_lse, n, h, d,
         os.stride(0), os.stride(1), os.stride(2),
@@ -94,7 +96,7 @@ def merge_attn_states_triton(
     o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two-way merge with the Triton kernel (no stacking copy). Shapes as merge_attn_states_torch."""
-    from meshserve.attention.kernels.lse_merge import merge_block_sizes, merge_two_kernel
+    from meshserve.attention.kernels.lse_merge import merge_two_kernel
 
     check(o_a.shape == o_b.shape, "o_b", tuple(o_b.shape), f"the shape of o_a {tuple(o_a.shape)}")
     check(o_a.dim() == 3, "o_a", tuple(o_a.shape), "a [T, H, D] tensor")
@@ -110,7 +112,7 @@ def merge_attn_states_triton(
     if t == 0:
         return out, out_lse
     block_h, block_d = merge_block_sizes(h, d)
-    merge_two_kernel[(t, _cdiv(h, block_h))](
+    merge_two_kernel[(t, cdiv(h, block_h))](
         o_a, lse_a, o_b, lse_b, out, out_lse, h, d,
         o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
@@ -135,7 +137,3 @@ def merge_attn_states_n(os: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Ten
         o, lse = merge_attn_states_n_triton(os, lses)
         return o, lse
     return merge_attn_states_n_torch(os, lses)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)

@@ -14,6 +14,8 @@ from itertools import chain
 import numpy as np
 import torch
 
+from meshserve.core.arith import cdiv
+from meshserve.core.arith import local_len as _local_len
 from meshserve.core.tensors import to_device
 from meshserve.errors import check
 
@@ -71,7 +73,7 @@ class AttentionMetadata:
 
     def local_len(self, seq_len: int) -> int:
         """How many of a sequence's first `seq_len` tokens this DCP rank stores."""
-        return (seq_len - self.dcp_rank + self.dcp_size - 1) // self.dcp_size
+        return _local_len(seq_len, self.dcp_size, self.dcp_rank)
 
     @property
     def num_seqs(self) -> int:
@@ -182,7 +184,7 @@ class AttentionMetadata:
 def _check_lengths(q: np.ndarray, s: np.ndarray, widths: np.ndarray, block_size: int, dcp_size: int,
                    dcp_rank: int) -> None:
     """The first inconsistent sequence, as the error a check of each sequence in turn gives."""
-    needed = ((s - dcp_rank + dcp_size - 1) // dcp_size + block_size - 1) // block_size  # [S] blocks
+    needed = cdiv(_local_len(s, dcp_size, dcp_rank), block_size)  # [S] blocks
     bad = (q < 1) | (s < q) | (widths < needed)
     if not bad.any():
         return

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import cached_property
 
 from meshserve.core.attention_options import KVCacheDtype  # defined in core for config.py; part of this spec
 from meshserve.errors import as_enum, check
@@ -138,24 +139,26 @@ class AttentionSpec:
                 "'decoder' when sliding_window is set",
             )
 
-    @property
+    # Derived values: computed on first use and kept (the spec is frozen), so a layer's forward
+    # pass reads them as attributes, not as a function call per layer per step.
+    @cached_property
     def softmax_scale(self) -> float:
         if self.scale is not None:
             return self.scale
         return 1.0 / (self.q_scaling * math.sqrt(self.head_size))
 
-    @property
+    @cached_property
     def v_size(self) -> int:
         return self.head_size_v if self.head_size_v is not None else self.head_size
 
-    @property
+    @cached_property
     def num_queries_per_kv(self) -> int:
         return self.num_heads // self.num_kv_heads
 
-    @property
+    @cached_property
     def is_causal(self) -> bool:
         return self.attn_type is AttentionType.DECODER
 
-    @property
+    @cached_property
     def uses_kv_cache(self) -> bool:
         return self.attn_type is not AttentionType.ENCODER_ONLY

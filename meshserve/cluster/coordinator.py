@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -34,10 +35,12 @@ from enum import StrEnum
 from pathlib import Path
 
 from meshserve.cluster.executors.executor import StepDeadline, sum_expert_load
+from meshserve.cluster.fair_queue import CallerLedger, queue_key
 from meshserve.cluster.handover import Handoff, release_sources
 from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
+from meshserve.cluster.ray_reaper import RayReaper
 from meshserve.cluster.replica import Replica
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
@@ -143,7 +146,9 @@ class Coordinator:
         self._live: dict[str, Ticket] = {}
         self._arrivals = itertools.count()
         self._serial = itertools.count()
+        self.callers = CallerLedger(config.engine.scheduler.max_sequences_per_caller)
         self._owns_ray = False
+        self._reaper: RayReaper | None = None
         self._closing = False
         self._started = False
         # monotonic times health() last saw the service serving / every replica healthy (None: never)
@@ -161,8 +166,11 @@ class Coordinator:
         if cfg.runtime is Runtime.RAY:
             from meshserve.cluster.executors.ray_executor import ray_init
 
+            before = RayReaper.children()
             # On the calling thread: Ray installs its signal handlers only from the main thread.
             self._owns_ray = ray_init(cfg.pools.ray_address, num_cpus=cfg.ray_num_cpus, temp_dir=cfg.ray_temp_dir)
+            if self._owns_ray and cfg.pools.ray_address is None and not os.environ.get("RAY_ADDRESS"):
+                self._reaper = RayReaper.start(existing=before)  # Ray's processes end with us, SIGKILL included
         self.tokenizer = load_tokenizer(cfg.engine.model.model)
         sizes = ({"unified": cfg.pools.replicas} if not self.disaggregated
                  else {"prefill": cfg.pools.prefill_replicas, "decode": cfg.pools.decode_replicas})
@@ -257,6 +265,9 @@ class Coordinator:
 
             ray.shutdown()
             self._owns_ray = False
+        if self._reaper is not None:  # sweeps what ray.shutdown left running
+            reaper, self._reaper = self._reaper, None
+            await asyncio.to_thread(reaper.close)
 
     # -- InferenceService -----------------------------------------------------------------------
     @property
@@ -292,10 +303,20 @@ class Coordinator:
         return self.tokenizer.decode(list(token_ids), skip_special_tokens=False)
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
-                       request_id: str, beam: BeamSearchParams | None = None) -> AsyncIterator[CompletionDelta]:
-        """Deltas of one request until its finished one. Refusals raise before anything is queued."""
+                       request_id: str, beam: BeamSearchParams | None = None, caller: str = "",
+                       priority: int = 0) -> AsyncIterator[CompletionDelta]:
+        """Deltas of one request until its finished one. Refusals raise before anything is queued.
+        caller: who sent it (fair_queue.py: its place in the queue and its in-flight limit);
+        priority: lower is served first (vLLM's), default 0."""
         request = self._make_request(prompt, params, request_id, beam)
-        (pool := self.pools[self._entry]).admit()
+        sequences = request.beam.beam_width if request.beam is not None else request.params.num_samples
+        load = self.callers.admit(caller, sequences)
+        try:
+            (pool := self.pools[self._entry]).admit()
+        except BaseException:
+            self.callers.release(caller, sequences)
+            raise
+        request.arrival = queue_key(priority=priority, load=load, serial=request.arrival)
         ticket = Ticket(request_id, request, prefill_only=self.disaggregated and not request.runs_whole)
         self._live[request_id] = ticket
         request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
@@ -314,6 +335,7 @@ class Coordinator:
                         return
         finally:
             self._live.pop(request_id, None)
+            self.callers.release(caller, sequences)
             if not finished:  # the caller left early: free its blocks now
                 self._cancel(ticket)
 
@@ -378,11 +400,16 @@ class Coordinator:
         check(request_id not in self._live, "request_id", request_id, "an id not in use")
         request = self.validator.make(prompt, params, request_id=f"{next(self._serial)}:{request_id}",
                                       arrival=next(self._arrivals), fit_max_tokens=True, beam=beam)
-        need = request.num_input_tokens + request.params.max_tokens  # encoder blocks come from the same pool
+        # The samples (n, best_of) or beams of a request run side by side: they share the prompt's
+        # blocks, each needs its own output. A request that cannot fit whole would only preempt
+        # itself (and every other stream) over and over: refused (encoder blocks share the pool).
+        width = request.beam.beam_width if request.beam is not None else request.params.num_samples
+        need = request.num_input_tokens + width * request.params.max_tokens
         capacity = min((r.core.kv.capacity_tokens for p in self.pools.values() for r in p.replicas
                         if r.core is not None), default=need)
         if need > capacity:
-            raise CapacityError(f"prompt ({request.num_input_tokens} tokens) + max_tokens "
+            times = f"{width} x " if width > 1 else ""
+            raise CapacityError(f"prompt ({request.num_input_tokens} tokens) + {times}max_tokens "
                                 f"({request.params.max_tokens}) needs {need} KV slots; a replica holds {capacity}")
         return request
 

@@ -54,7 +54,7 @@ class EmbeddingService:
         return self.embedder.tokenizer.decode(list(token_ids))
 
     async def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: str,
-                       beam=None) -> AsyncIterator[CompletionDelta]:
+                       beam=None, caller: str = "", priority: int = 0) -> AsyncIterator[CompletionDelta]:
         raise ConfigError("model", self.model_name, "a generate model for Generate; this model's task is 'embed' "
                           "(use Embed)")
         yield  # an async generator, like every other service's generate

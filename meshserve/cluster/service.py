@@ -87,9 +87,11 @@ class InferenceService(Protocol):
     def detokenize(self, token_ids: Sequence[int]) -> str: ...
 
     def generate(self, prompt: str | Sequence[int], params: SamplingParams | None, *, request_id: str,
-                 beam: BeamSearchParams | None = None) -> AsyncIterator[CompletionDelta]:
+                 beam: BeamSearchParams | None = None, caller: str = "",
+                 priority: int = 0) -> AsyncIterator[CompletionDelta]:
         """Deltas until the finished one; n > 1 and beam search carry each completion's index.
-        beam: search instead of sampling (params None)."""
+        beam: search instead of sampling (params None). caller: who sent it (the front-end's
+        identity of the client: fair queueing and per-caller limits); priority: lower first."""
         ...
 
     async def abort(self, request_id: str) -> bool: ...

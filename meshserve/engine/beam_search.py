@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from meshserve.core.arith import cdiv
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.engine.request import Request
@@ -58,7 +59,7 @@ class BeamSearch:
         eos = frozenset(eos_token_ids)
         self.eos = frozenset() if params.ignore_eos else eos
         self.k = min(params.candidates_per_step(len(eos)), vocab_size)
-        per_width = -(-self.k // params.beam_width)
+        per_width = cdiv(self.k, params.beam_width)
         check(self.k <= MAX_LOGPROBS, "beam_width", params.beam_width,
               f"an integer in [1, {MAX_LOGPROBS // per_width}] for this model ({per_width} candidates per beam "
               f"and step with its {len(eos)} EOS ids, at most {MAX_LOGPROBS} in all)")

@@ -35,10 +35,6 @@ class Request:
     num_computed_tokens: int = 0  # advanced when a step is scheduled (its K/V is being written)
     num_pending_outputs: int = 0  # tokens being drawn by scheduled steps whose results are not applied yet
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at first admission
-    # Per KV layer group, how many blocks of the request's tables its workers hold (None: they
-    # hold none, so the next plan carries the tables whole). Step plans carry only what changed.
-    sent_table_lens: list[int] | None = None
-    sent_table_tails: list[int] = field(default_factory=list)  # per group, the last block id sent (-1: none)
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None

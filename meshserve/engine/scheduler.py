@@ -9,8 +9,9 @@ Each step reads like this:
      max_num_seqs and the pool allow. A prefix-cache hit counts its tokens as already
      computed. The queue head is never skipped: a request that does not fit blocks the ones
      behind it, so no request starves.
-The step becomes one StepPlan for the workers; `update` applies their sampled tokens and the
-token-level stop rules (EOS, stop token ids, max_tokens, max_model_len).
+The scheduler decides; its PlanEncoder (engine/plan_encoder.py) turns the step's decisions into
+the StepPlan the workers run. `update` applies their sampled tokens and the token-level stop
+rules (EOS, stop token ids, max_tokens, max_model_len).
 """
 
 from __future__ import annotations
@@ -20,14 +21,14 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from meshserve.config import SchedulerConfig
+from meshserve.core.arith import cdiv
 from meshserve.core.outputs import FinishReason
 from meshserve.engine.admission import check_prompt_length
+from meshserve.engine.plan_encoder import PlanEncoder, RowDecision
 from meshserve.engine.request import Request, RequestStatus
 from meshserve.errors import check
-from meshserve.workers.step import DecodeRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import StepOutput, StepPlan
 
 if TYPE_CHECKING:
     from meshserve.kvstore.manager import KVCacheManager
@@ -66,9 +67,7 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.requests: dict[str, Request] = {}
-        self._announced: set[str] = set()  # request ids the workers know
-        self._to_forget: list[str] = []  # finished ids to tell the workers in the next plan
-        self._step_id = 0
+        self.encoder = PlanEncoder(kv)  # what the workers hold; the wire plans
         self.stats = SchedulerStats()
 
     # -- requests in and out ---------------------------------------------------------------
@@ -95,7 +94,7 @@ class Scheduler:
               f"an integer in [1, {request.num_tokens - 1}]")
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed_tokens
-        request.sent_table_lens = None
+        self.encoder.resend_tables(request.request_id)
         self.requests[request.request_id] = request
         bisect.insort(self.running, request, key=lambda r: r.arrival)
 
@@ -110,10 +109,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
-        req.sent_table_lens = None
-        if req.request_id in self._announced:
-            self._announced.discard(req.request_id)
-            self._to_forget.append(req.request_id)
+        self.encoder.forget(req.request_id)
         return req
 
     def abort(self, request_id: str) -> Request | None:
@@ -137,9 +133,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.finish(reason, stop_reason)
         del self.requests[req.request_id]
-        if req.request_id in self._announced:
-            self._announced.discard(req.request_id)
-            self._to_forget.append(req.request_id)
+        self.encoder.forget(req.request_id)
 
     def _free_blocks(self, req: Request) -> None:
         """Every block of a request leaving the running set: its tables and its encoder blocks."""
@@ -215,7 +209,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = cached
-            req.sent_table_lens = None  # new blocks: the workers get the tables whole
+            self.encoder.resend_tables(req.request_id)  # new blocks: the workers get the tables whole
             self.stats.num_prefix_hit_tokens += cached
             if req.num_preemptions == 0:
                 req.num_cached_tokens = cached
@@ -232,7 +226,7 @@ class Scheduler:
         check(child.all_token_ids[:parent.num_computed_tokens] == parent.all_token_ids[:parent.num_computed_tokens],
               "child", child.request_id, f"a continuation of {parent.request_id}'s computed tokens")
         self.requests[child.request_id] = child
-        child.sent_table_lens = None
+        self.encoder.resend_tables(child.request_id)
         if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens > 0:
             check(self.kv.num_tokens(parent.request_id) == parent.num_computed_tokens, "parent",
                   parent.request_id, "a request whose every allocated slot is scheduled")
@@ -275,7 +269,7 @@ class Scheduler:
         if n < 1:
             return 0
         pool = self.kv.pool
-        num_encoder_blocks = -(-len(req.encoder_ids) // self.kv.tokens_per_block)
+        num_encoder_blocks = cdiv(len(req.encoder_ids), self.kv.tokens_per_block)
         if not pool.can_allocate(num_encoder_blocks + self.kv.blocks_needed(req.request_id, n)):
             return 0
         req.encoder_blocks = pool.allocate(num_encoder_blocks)
@@ -289,7 +283,7 @@ class Scheduler:
         """Recompute later: free the blocks, requeue by arrival (ahead of younger requests)."""
         self.running.remove(req)
         self._free_blocks(req)
-        req.sent_table_lens = None
+        self.encoder.resend_tables(req.request_id)
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -297,75 +291,19 @@ class Scheduler:
         bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def _plan(self, scheduled: Sequence[tuple[Request, int]]) -> StepPlan:
-        seqs, new, announced, tables_of = [], [], self._announced, self.kv.block_tables
-        # Rows that just continue (workers/step.py DecodeRows): (id, token, context, from_last_step); table lens
-        decodes, decode_lens = [], []
+        """Commit the step's decisions to its requests (computed tokens, a token being drawn,
+        held for a search) and have the encoder say them on the wire."""
+        rows = []
         for req, n in scheduled:  # per running request every step: kept lean
-            rid = req.request_id
-            if rid not in announced:
-                announced.add(rid)
-                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
-                                      list(req.encoder_ids or ())))
-            start, all_ids = req.num_computed_tokens, req.all_token_ids
-            known = len(all_ids)  # = req.num_tokens
-            sample = start + n == known + req.num_pending_outputs and req.fork_into is None
+            start = req.num_computed_tokens
+            sample = start + n == len(req.all_token_ids) + req.num_pending_outputs and req.fork_into is None
             req.num_computed_tokens = start + n
             req.num_pending_outputs += sample
             req.held |= sample and req.chosen_by_search
-            sent, tables = req.sent_table_lens, None
-            if n == 1 and sample and start and sent is not None:  # a decode: does it just continue?
-                if len(sent) == 1:  # one KV group (most models): no new block, no copied last block
-                    table, held = tables_of(rid)[0], sent[0]
-                    quiet = len(table) == held and (not held or table[-1] == req.sent_table_tails[0])
-                else:
-                    tables, offsets = self._table_changes(req)
-                    quiet = not any(tables)
-                if quiet:
-                    last = start >= known  # from_last_step: the token the step in flight draws for it
-                    decodes.append((rid, 0 if last else all_ids[start], start, last))
-                    decode_lens.append(sent)  # = the tables' lengths
-                    continue
-            if tables is None:
-                tables, offsets = self._table_changes(req)
-            encoder = list(req.encoder_blocks) if offsets is None and req.encoder_ids is not None else None
-            seqs.append(ScheduledSeq(rid, all_ids[start:min(start + n, known)], start, tables, sample,
-                                     start + n > known, offsets, encoder))
-        rows = None
-        if decodes:
-            ids, tokens, contexts, lasts = zip(*decodes)
-            rows = DecodeRows(list(ids), np.array(tokens, np.int64), np.array(contexts, np.int64),
-                              np.array(lasts, bool), np.array(decode_lens, np.int64).reshape(len(ids), -1))
+            rows.append(RowDecision(req, start, n, sample))
         self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        plan = StepPlan(self._step_id, seqs, new, self._to_forget, copies=self.kv.take_copies(), decodes=rows)
-        self._to_forget = []
-        self._step_id += 1
-        return plan
-
-    def _table_changes(self, req: Request) -> tuple[list[list[int]], list[int] | None]:
-        """What a plan carries of the request's block tables: whole the first time (offsets None),
-        afterwards per group the blocks from the last one the workers hold on (a copy-on-write
-        replaces only a table's last block; new blocks are appended), or nothing at the table's
-        end when neither happened (most decode steps). Entries the window released are not
-        resent: the workers' stale ids there are never read (outside every window)."""
-        tables = self.kv.block_tables(req.request_id)
-        sent, tails = req.sent_table_lens, req.sent_table_tails
-        if sent is None:
-            req.sent_table_lens = [len(t) for t in tables]
-            req.sent_table_tails = [t[-1] if t else -1 for t in tables]
-            return [list(t) for t in tables], None
-        changes, offsets = [], []
-        for g, t in enumerate(tables):
-            n = len(t)
-            if n == sent[g] and (not n or t[-1] == tails[g]):
-                changes.append([])
-                offsets.append(n)
-                continue
-            o = max(sent[g] - 1, 0)
-            changes.append(t[o:])
-            offsets.append(o)
-            sent[g], tails[g] = n, t[-1] if n else -1
-        return changes, offsets
+        return self.encoder.encode(rows)
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).

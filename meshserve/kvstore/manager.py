@@ -19,6 +19,7 @@ from collections.abc import Hashable, Sequence
 from itertools import islice
 from operator import lt
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import ConfigError, check
 from meshserve.kvstore.block_hash import BlockHash, hash_blocks
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
@@ -220,32 +221,6 @@ class KVCacheManager:
         t.refresh(req)
         return True
 
-    def append_slots(
-        self, request_ids: Sequence[RequestId], token_ids: Sequence[Sequence[int]], num_new_tokens: int = 1
-    ) -> int:
-        """`allocate_slots(id, num_new_tokens, tokens)` for running requests in order, stopping at
-        the first that cannot get its slots (it is left unchanged). Returns how many succeeded:
-        the scheduler preempts and calls again from there. The batch form of a decode step: one
-        call instead of one per request."""
-        requests = self._requests
-        register = self._register
-        done = 0
-        for rid, tokens in zip(request_ids, token_ids):
-            req = requests.get(rid)
-            if req is not None and num_new_tokens > 0:
-                n = req.num_tokens
-                total = n + num_new_tokens
-                if total <= req.fast_capacity and n < req.release_at:
-                    req.num_tokens = total
-                    if total >= req.hash_at:
-                        register(req, tokens, total)
-                    done += 1
-                    continue
-            if not self.allocate_slots(rid, num_new_tokens, tokens):
-                return done
-            done += 1
-        return done
-
     def _check_prefix(self, prefix: PrefixHit | None) -> None:
         if prefix is not None and not (isinstance(prefix, PrefixHit) and len(prefix.block_ids) == len(self.retentions)):
             raise ConfigError("prefix", type(prefix).__name__,
@@ -317,7 +292,7 @@ class KVCacheManager:
         check(num_tokens >= 0, "num_tokens", num_tokens, "an integer >= 0")
         check(len(block_positions) == self.num_groups, "block_positions", len(block_positions),
               f"one list per KV layer group ({self.num_groups})")
-        num_table = -(-num_tokens // self.tokens_per_block)
+        num_table = cdiv(num_tokens, self.tokens_per_block)
         positions = tuple(map(list, block_positions))
         for p in positions:
             # strictly increasing (compared pairwise in C) and its ends in range: every index is
@@ -360,7 +335,7 @@ class KVCacheManager:
                 raise AssertionError(f"request {rid!r}: {len(req.tables)} tables for {self.num_groups} groups")
             blocks = []
             for g, table in enumerate(req.tables):
-                if len(table) != -(-req.num_tokens // tpb):
+                if len(table) != cdiv(req.num_tokens, tpb):
                     raise AssertionError(f"request {rid!r} group {g}: {len(table)} blocks for {req.num_tokens} tokens")
                 blocks += [b for b in table if b != NULL_BLOCK]
             if len(set(blocks)) != len(blocks):

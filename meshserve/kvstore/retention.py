@@ -19,6 +19,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from meshserve.attention.spec import AttentionSpec, AttentionType, check_window
+from meshserve.core.arith import cdiv
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class RetentionPolicy:
 
     def num_sink_blocks(self, tokens_per_block: int) -> int:
         """Blocks holding at least one sink token: never released."""
-        return -(-self.num_sink_tokens // tokens_per_block)
+        return cdiv(self.num_sink_tokens, tokens_per_block)
 
     def first_needed_position(self, next_query_position: int) -> int:
         """Smallest non-sink key position any query at >= `next_query_position` can see."""

@@ -15,6 +15,7 @@ from itertools import chain, compress
 
 import numpy as np
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import MeshserveError
 from meshserve.kvstore.block_hash import BlockHash, encode_extra_keys, group_salt, hash_block
 from meshserve.kvstore.block_pool import NULL_BLOCK, BlockPool
@@ -49,10 +50,10 @@ class BlockTables:
         """Blocks a new request takes from the free count: new ones plus revived cached hits."""
         tpb = self.tpb
         if prefix is None:
-            return len(self.retentions) * -(-num_new_tokens // tpb)
+            return len(self.retentions) * cdiv(num_new_tokens, tpb)
         self.check_fresh(prefix)
         ref = self.pool.ref_counts
-        total = -(-(prefix.num_tokens + num_new_tokens) // tpb)
+        total = cdiv(prefix.num_tokens + num_new_tokens, tpb)
         need = 0
         for ids in prefix.block_ids:
             need += total - len(ids) + sum(1 for b in ids if b != NULL_BLOCK and ref[b] == 0)
@@ -122,7 +123,7 @@ class BlockTables:
         if not self.pool.can_allocate(count):
             return None
         fresh = self.pool.allocate(count)
-        num_table = -(-num_tokens // self.tpb)
+        num_table = cdiv(num_tokens, self.tpb)
         tables, blocks, at = [], [], 0
         for positions in block_positions:
             mine = fresh[at : at + len(positions)]
@@ -145,7 +146,7 @@ class BlockTables:
         tpb = self.tpb
         n, tables = req.num_tokens, req.tables
         ref = self.pool.ref_counts
-        need = (-(-(n + num_new_tokens) // tpb) - len(tables[0])) * len(tables)
+        need = (cdiv(n + num_new_tokens, tpb) - len(tables[0])) * len(tables)
         if num_new_tokens and n % tpb:
             need += sum(1 for t in tables if ref[t[n // tpb]] > 1)  # shared partial blocks are copied
         freeable = 0
@@ -185,7 +186,7 @@ class BlockTables:
                     pool.free([old])
                     table[i] = new
                     self.stats.cow_copies += 1
-        missing = -(-total // tpb) - len(tables[0])
+        missing = cdiv(total, tpb) - len(tables[0])
         if missing > 0:
             for table in tables:
                 table.extend(pool.allocate(missing))

@@ -17,8 +17,8 @@ from meshserve.kvtransfer.rank_io import ImportSession, ImportTarget
 from meshserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
-    from meshserve.kvtransfer.p2p_transport import P2PReceiver
     from meshserve.kvtransfer.cuda_ipc import IpcImporter
+    from meshserve.kvtransfer.p2p_transport import P2PReceiver
 
 
 def pull_kv(

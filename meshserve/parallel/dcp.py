@@ -20,6 +20,9 @@ from meshserve.config import DcpComm
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_gather
 
+# torch >= 2.12 names it reduce_scatter_single (the old name warns FutureWarning on every call).
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 def gather_queries(q: torch.Tensor, ctx: ParallelContext) -> torch.Tensor:
     """[T, H_local, D] -> [T, dcp * H_local, D]: the query heads of the whole DCP group."""
@@ -45,7 +48,7 @@ def merge_outputs(o: torch.Tensor, lse: torch.Tensor, ctx: ParallelContext,
         scaled = (o.float() * weight[..., None]).view(tokens, dcp, local, dv).transpose(0, 1)
         scaled = scaled.reshape(dcp * tokens, local, dv)  # chunk r = the heads rank r keeps
         out = torch.empty((tokens, local, dv), dtype=torch.float32, device=o.device)
-        dist.reduce_scatter_tensor(out, scaled, group=ctx.dcp_group)
+        _reduce_scatter_single(out, scaled, group=ctx.dcp_group)
         return out.to(o.dtype)
     # a2a: chunk r of the send buffer holds the heads that rank r keeps.
     send_o = o.view(tokens, dcp, local, dv).transpose(0, 1).contiguous()  # [dcp, T, Hl, Dv]

@@ -15,12 +15,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from meshserve.core.arith import cdiv
 from meshserve.parallel.groups import ParallelContext, all_gather, all_reduce
 
 
 def vocab_range(vocab_size: int, ctx: ParallelContext) -> tuple[int, int]:
     """[start, stop) of the vocabulary rows rank `ctx.rank` holds."""
-    per = -(-vocab_size // ctx.tp)
+    per = cdiv(vocab_size, ctx.tp)
     return min(ctx.rank * per, vocab_size), min((ctx.rank + 1) * per, vocab_size)
 
 
@@ -60,7 +61,7 @@ class ParallelLMHead(nn.Module):
         super().__init__()
         self.ctx = ctx
         self.vocab_size = vocab_size
-        self.per_rank = -(-vocab_size // ctx.tp)
+        self.per_rank = cdiv(vocab_size, ctx.tp)
         start, stop = vocab_range(vocab_size, ctx)
         self.weight = nn.Parameter(torch.empty(stop - start, hidden), requires_grad=False)
 

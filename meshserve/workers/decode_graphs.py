@@ -31,6 +31,7 @@ import torch
 
 from meshserve.attention.backend import AttentionBackend, KVCache
 from meshserve.attention.metadata import AttentionMetadata, pad_table, token_slots
+from meshserve.core.arith import cdiv
 from meshserve.core.tensors import copy_into
 from meshserve.errors import check
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
@@ -82,7 +83,7 @@ class DecodeGraphs:
         self.dcp_size, self.dcp_rank = dcp_size, dcp_rank
         self.device, self.capture = device, capture
         self.sizes = capture_sizes(max_batch)
-        b, width = self.sizes[-1], -(-max_local_len // block_size)
+        b, width = self.sizes[-1], cdiv(max_local_len, block_size)
         # Device buffers, written in place before every replay (their addresses are in the graphs).
         # The per-row inputs are rows of two slabs, so that one host-to-device copy per dtype
         # fills them all: int64 [input_ids, positions, slot mapping per group], int32 [seq_lens,

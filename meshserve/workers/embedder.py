@@ -17,14 +17,15 @@ from pathlib import Path
 
 import torch
 
+from meshserve.attention.layer_backends import make_backends
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.config import Dtype
+from meshserve.core.arith import cdiv
 from meshserve.errors import ConfigError, as_enum, check
 from meshserve.workers.checkpoint import load_tokenizer, read_json
 from meshserve.workers.loader import TORCH_DTYPES
 from meshserve.workers.models.bert import BertArch, bert_arch_from_config, load_bert
 from meshserve.workers.pooling import PoolingConfig, pool, read_pooling_config
-from meshserve.workers.runner import make_backends
 
 EmbedInput = str | Sequence[int]
 
@@ -150,7 +151,7 @@ class Embedder:
         lengths = [len(s) for s in chunk]
         dev = self.device
         meta = AttentionMetadata.build(
-            query_lens=lengths, seq_lens=lengths, block_tables=[[0] * -(-n // self.block_size) for n in lengths],
+            query_lens=lengths, seq_lens=lengths, block_tables=[[0] * cdiv(n, self.block_size) for n in lengths],
             block_size=self.block_size, device=dev, write_kv=False,
         )  # fmt: skip
         ids = torch.tensor([t for s in chunk for t in s], dtype=torch.long, device=dev)

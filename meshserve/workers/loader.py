@@ -22,11 +22,12 @@ import torch
 from tqdm import tqdm
 
 from meshserve.config import Dtype, SmallMGemm
+from meshserve.core.arith import cdiv
 from meshserve.errors import ConfigError, MeshserveError, as_enum, check
 from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
-from meshserve.workers.models.transformer import CausalLM
+from meshserve.workers.models.transformer import STACKED, CausalLM
 from meshserve.workers.quant import loading as qload
 from meshserve.workers.quant.formats import (
     SCALE_SUFFIX,
@@ -42,14 +43,6 @@ from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-# Checkpoint module -> (fused model module, index of its part along dim 0).
-STACKED: dict[str, tuple[str, int]] = {
-    "q_proj": ("qkv_proj", 0),
-    "k_proj": ("qkv_proj", 1),
-    "v_proj": ("qkv_proj", 2),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
-}
 FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Linears whose weight other code reads as a matrix (MLA folds kv_b_proj into its attention):
 # FP8 checkpoint weights are dequantized at load for them, never kept as an Fp8Linear.
@@ -121,7 +114,7 @@ def _is_mtp(name: str, arch: ModelArch) -> bool:
 def fp8_modules(model: CausalLM, quant: WeightQuant, names: set[str]) -> set[str]:
     """Module names of the linears that become Fp8Linear: those whose checkpoint weights ship
     FP8 scales (every part of a fused one), or every eligible linear for online FP8."""
-    fused_parts = {f: FUSED_PARTS[f] for f, _ in getattr(model, "STACKED", STACKED).values()}
+    fused_parts = {f: FUSED_PARTS[f] for f, _ in model.STACKED.values()}
     chosen = set()
     for module in linear_names(model):
         prefix, _, last = module.rpartition(".")
@@ -153,7 +146,7 @@ def _store_scale(model_buffers: dict[str, torch.Tensor], target: str, scale: tor
         if offset % per or (rows % per and not is_last):
             raise WeightError(f"'{target}' fuses parts whose rows ({rows} at {offset}) cut a {per}-row FP8 scale "
                               "block; this checkpoint cannot be served fused")
-        dest = dest.narrow(0, offset // per, -(-rows // per))
+        dest = dest.narrow(0, offset // per, cdiv(rows, per))
     if tuple(dest.shape) != tuple(scale.shape):
         raise WeightError(f"scales for '{target}' have shape {tuple(scale.shape)} but the model expects "
                           f"{tuple(dest.shape)} (does weight_block_size match the tensors?)")
@@ -173,7 +166,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
     def shard_fn(name: str, shape: tuple[int, ...], w: int, r: int):
         return shard_of(name, shape, arch, r, w, dcp if w == world else 1)
     # A model class may fuse differently (or not at all): it says so with its own STACKED map.
-    stacked = getattr(model, "STACKED", STACKED)
+    stacked = model.STACKED
     fused_parts = {f: FUSED_PARTS[f] for f, _ in stacked.values()}
     expected = _expected(params, fused_parts)
     names = ckpt.names()
@@ -245,9 +238,6 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
         with torch.device("meta"):
             quantize(model)
     model = model.to_empty(device=device)
-    model.model.rotary.reset_tables(device)
-    if getattr(model.model, "local_rotary", None) is not None:
-        model.model.local_rotary.reset_tables(device)
     if arch.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties shared meta params
     return model.eval()
@@ -300,7 +290,5 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
         model = build_model(arch, dtype=torch_dtype, device=device, max_positions=max_positions,
                             transform=transform, quantize=convert if fp8 or streaming is SmallMGemm.ON else None)
         load_weights(model, ckpt, rank=rank, world=world, dcp=dcp, ep=ep, progress=progress, quant=quant)
-        # Modules that want a say once their weights are in (MoE layers: expert layouts, counters).
-        for module in [m for m in model.modules() if hasattr(m, "finish_loading")]:
-            module.finish_loading(device)
+        model.finish_loading(device)  # rotary tables; MoE layers: expert layouts, counters
     return model

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 from meshserve.workers.step import ScheduledSeq
 
@@ -73,34 +74,35 @@ class RequestTables:
             self.lens[g, row] = end  # after any growth: _grow replaces the arrays
         return row
 
-    def apply_all(self, seqs: Sequence[ScheduledSeq]) -> None:
-        """`apply` for a step's sequences. Most decode steps bring no new block: such a sequence
-        (offsets at its rows' ends, nothing to write) is checked in one array comparison."""
-        quiet = []
-        for s in seqs:
-            if s.table_offsets is None or any(s.block_tables) or len(s.table_offsets) != self.num_groups:
-                self.apply(s)
-            else:
-                quiet.append(s)
-        if not quiet:
-            return
-        rows = np.fromiter((self.row_of[s.request_id] for s in quiet), np.int64, len(quiet))
-        offsets = np.array([s.table_offsets for s in quiet], np.int64).reshape(len(quiet), self.num_groups)
-        moved = (offsets != self.lens[:, rows].T).any(axis=1)  # a cut (or a bad offset): the general path
-        for i in np.flatnonzero(moved).tolist():
-            self.apply(quiet[i])
+    def check_changes(self, rows: np.ndarray, request_ids: Sequence[str], offsets: np.ndarray) -> None:
+        """That changes fit the rows held: per row and group ([n, G] offsets, workers/step.py
+        CachedRows) the table is replaced from an index within its held blocks. Nothing changes."""
+        held = self.lens[:, rows].T  # [n, G]
+        bad = ((offsets < 0) | (offsets > held)).any(axis=1)
+        if bad.any():
+            i = int(bad.argmax())
+            check(False, "table_offsets", offsets[i].tolist(),
+                  f"indices in [0, held] (the blocks held for {request_ids[i]}: {held[i].tolist()} per group)")
 
-    def rows_holding(self, request_ids: Sequence[str], held: np.ndarray) -> np.ndarray:
-        """[n] int64 the rows of requests whose tables a step leaves as they are, after checking
-        that each row holds `held` [n, G] blocks per group (the scheduler's count); nothing changes."""
-        row_of = self.row_of
-        rows = np.fromiter(map(row_of.__getitem__, request_ids), np.int64, len(request_ids))
-        wrong = (held != self.lens[:, rows].T).any(axis=1)
-        if wrong.any():
-            i = int(wrong.argmax())
-            check(False, "table_lens", held[i].tolist(),
-                  f"the blocks held for {request_ids[i]} ({self.lens[:, rows[i]].tolist()} per group)")
-        return rows
+    def apply_rows(self, rows: np.ndarray, offsets: np.ndarray, counts: np.ndarray, blocks: np.ndarray) -> None:
+        """Apply checked changes (check_changes) in place: per row and group, `counts` blocks taken
+        in turn from `blocks` replace the table from its offset. Most decode steps bring no block
+        and name the held length as their offset: then nothing is written."""
+        moved = (counts > 0) | (offsets != self.lens[:, rows].T)  # [n, G]
+        if not moved.any():
+            return
+        starts = np.cumsum(counts.reshape(-1)) - counts.reshape(-1)  # where each (row, group)'s blocks begin
+        for i in np.flatnonzero(moved.any(axis=1)).tolist():
+            row = int(rows[i])
+            for g in range(self.num_groups):
+                n, offset = int(counts[i, g]), int(offsets[i, g])
+                end = offset + n
+                if n:
+                    if end > self.table.shape[2]:
+                        self._grow(width=max(end, 2 * self.table.shape[2]))
+                    start = int(starts[i * self.num_groups + g])
+                    self.table[g, row, offset:end] = blocks[start:start + n]
+                self.lens[g, row] = end  # after any growth: _grow replaces the arrays
 
     def gather(self, rows: np.ndarray, group: int) -> np.ndarray:
         """[len(rows), w] int32: the rows' tables of one group, w = the longest of them (>= 1)."""
@@ -115,7 +117,7 @@ class RequestTables:
     def check_cover(self, rows: np.ndarray, local_lens: np.ndarray, block_size: int,
                     request_ids: Sequence[str]) -> None:
         """Every row holds blocks for its sequence's `local_lens` tokens, in every group."""
-        needed = -(-local_lens // block_size)  # [n] blocks
+        needed = cdiv(local_lens, block_size)  # [n] blocks
         short = (self.lens[:, rows] < needed[None, :]).any(axis=0)
         if short.any():
             i = int(short.argmax())

@@ -16,56 +16,19 @@ from itertools import chain, compress
 import numpy as np
 import torch
 
-from meshserve.attention.backend import AttentionBackend, AttentionProblem, KVCache
+from meshserve.attention.backend import AttentionBackend, KVCache
 from meshserve.attention.metadata import AttentionMetadata
-from meshserve.attention.registry import select_backend_for_layers
-from meshserve.attention.spec import AttentionSpec
+from meshserve.core.arith import local_len
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.decode_graphs import DecodeGraphs
-from meshserve.workers.models.transformer import CausalLM, EncoderStep, ForwardContext, LayerAttention
+from meshserve.workers.models.contract import GenerativeModel
+from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
-from meshserve.workers.step import DecodeRows, ScheduledSeq, StepOutput, StepPlan
-
-DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-
-
-def make_backends(specs: Sequence[AttentionSpec], *, name: str | None, dtype: torch.dtype, block_size: int,
-                  max_model_len: int, device: torch.device, dcp_size: int = 1) -> list[AttentionBackend]:
-    """One backend instance per distinct spec, listed per layer.
-
-    The backend class is chosen once (by name, or the first by priority that serves every
-    layer's problem); otherwise the registry's error lists the reasons per layer kind. MLA layers get
-    an MLAAttention instead (its decode and prefill backends are chosen from their own tables),
-    sparse MLA layers a SparseMLAAttention (one backend from the MLA_SPARSE table).
-    """
-    cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-
-    def problem(spec: AttentionSpec) -> AttentionProblem:
-        return AttentionProblem(spec=spec, dtype=DTYPE_NAMES[dtype], block_size=block_size,
-                                max_model_len=max_model_len, device=device.type, compute_capability=cc,
-                                dcp_size=dcp_size)
-
-    distinct = list(dict.fromkeys(specs))
-    standard = [spec for spec in distinct if spec.mla is None]
-    instances: dict[AttentionSpec, object] = {}
-    if standard:
-        # One class for all layers (windowed and full, with or without sinks), or the reasons why not.
-        chosen = select_backend_for_layers([problem(spec) for spec in standard], name)
-        instances.update({spec: chosen(problem(spec)) for spec in standard})
-    for spec in distinct:
-        if spec.mla is not None and spec.mla.indexer is not None:  # sparse MLA: one backend, both phases
-            from meshserve.attention.mla.sparse_layer import SparseMLAAttention
-
-            instances[spec] = SparseMLAAttention.named(problem(spec), name)
-        elif spec.mla is not None:  # MLA layers: a decode and a prefill backend, each from its own table
-            from meshserve.attention.mla.layer import MLAAttention
-
-            instances[spec] = MLAAttention.named(problem(spec), name)
-    return [instances[spec] for spec in specs]
+from meshserve.workers.step import CachedRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
 
 
 @dataclass
@@ -98,7 +61,7 @@ class ModelRunner:
     input token from the previous step's draw on the device (overlap scheduling).
     """
 
-    def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
+    def __init__(self, model: GenerativeModel, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
                  dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None,
                  encoder_backend: AttentionBackend | None = None) -> None:
@@ -143,24 +106,31 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> None:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
-            req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
-                                                           list(new.prompt_ids), list(new.output_ids),
-                                                           encoder_ids=list(new.encoder_ids))
-            if req.params.has_penalties or req.params.seed is not None:
-                self._reads_history.add(new.request_id)
-            else:
-                self._reads_history.discard(new.request_id)  # (announced again after a detach)
-            self.tables.remove(new.request_id)  # announced again (after a detach): its tables start over
-            self.tables.add(new.request_id)
+            check(new.num_tokens >= 1, "num_tokens", new.num_tokens,
+                  f"an integer >= 1 (the first row of {new.request_id})")
+            self.announce(new)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
         flight = _InFlight(plan.step_id)
-        if plan.seqs or plan.decodes is not None:
-            self._run(plan.seqs, plan.decodes, flight)
+        if plan.new_requests or plan.cached is not None:
+            self._run(plan.new_requests, plan.cached, flight)
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self._reads_history.discard(rid)
             self.tables.remove(rid)
+
+    def announce(self, new: NewRequest) -> None:
+        """Know a request from now on: its settings and tokens, an empty row of block tables
+        (a step's row fills it)."""
+        req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
+                                                       list(new.prompt_ids), list(new.output_ids),
+                                                       encoder_ids=list(new.encoder_ids))
+        if req.params.has_penalties or req.params.seed is not None:
+            self._reads_history.add(new.request_id)
+        else:
+            self._reads_history.discard(new.request_id)  # (announced again after a detach)
+        self.tables.remove(new.request_id)  # announced again (after a detach): its tables start over
+        self.tables.add(new.request_id)
 
     def collect(self) -> StepOutput:
         """The tokens of the oldest submitted step not yet collected."""
@@ -183,59 +153,62 @@ class ModelRunner:
         return flight.result
 
     @torch.inference_mode()
-    def _run(self, seqs: Sequence[ScheduledSeq], decodes: DecodeRows | None, flight: _InFlight) -> None:
-        requests, last_rows, tables = self.requests, self._last_rows, self.tables
-        for s in seqs:
-            if s.request_id not in requests or (s.from_last_step and s.request_id not in last_rows):
-                check(s.request_id in requests, "request_id", s.request_id, "a request announced in new_requests")
-                check(False, "from_last_step", s.request_id,
-                      "set only for a request that drew a token in the previous step on this (driver) rank")
-            if s.encoder_table is not None:
-                requests[s.request_id].encoder_table = list(s.encoder_table)
-        decode_rows = None if decodes is None else self._decode_rows(decodes)  # checked before any change
-        tables.apply_all(seqs)
+    def _run(self, new_requests: Sequence[NewRequest], cached: CachedRows | None, flight: _InFlight) -> None:
+        requests, tables = self.requests, self.tables
+        cached_rows = None if cached is None else self._check_cached(cached)  # before any change
+        for r in new_requests:
+            tables.apply(ScheduledSeq(r.request_id, [], 0, r.block_tables))  # whole tables
+            if r.encoder_table is not None:
+                requests[r.request_id].encoder_table = list(r.encoder_table)
+        ids = [r.request_id for r in new_requests]  # the request of each row, in the step's order
+        tokens = np.fromiter(chain.from_iterable(r.token_ids for r in new_requests), np.int64,
+                             sum(r.num_tokens for r in new_requests))  # the known new tokens, row after row
+        cols = _Columns.of_new(new_requests, tables.row_of)
+        if cached is not None:
+            tables.apply_rows(cached_rows, cached.table_offsets, cached.block_counts, cached.blocks)
+            for rid, table in cached.encoder_tables.items():
+                requests[rid].encoder_table = list(table)
+            more = _Columns(cached_rows, cached.context_lens, cached.num_tokens, cached.from_last_step,
+                            cached.sample)
+            cols = cols.concat(more) if ids else more
+            tokens = np.concatenate([tokens, cached.token_ids]) if ids else cached.token_ids
+            ids += cached.request_ids
         # The metadata wants prefills (and prompt chunks) first, then single-token decodes.
-        cols = _Columns.of(seqs, tables.row_of)
         if not cols.decodes_last():
             perm = np.argsort(cols.is_decode, kind="stable")
-            seqs, cols = [seqs[i] for i in perm], cols.take(perm)
-        ids = [s.request_id for s in seqs]  # the request of each row, in the step's order
-        if decodes is not None:  # decode rows come last already
-            ones = np.ones(len(decodes), np.int64)
-            dec = _Columns(decode_rows, decodes.context_lens, ones, decodes.from_last_step, ones.astype(bool))
-            cols = cols.concat(dec) if seqs else dec
-            ids += decodes.request_ids
+            tokens = _segments(tokens, cols.known, perm)
+            ids, cols = [ids[i] for i in perm], cols.take(perm)
         batch = _PackedBatch.of(cols)
-        local = (cols.seq_lens - self.dcp_rank + self.dcp_size - 1) // self.dcp_size  # [S] tokens stored here
+        local = local_len(cols.seq_lens, self.dcp_size, self.dcp_rank)  # [S] tokens stored here
         tables.check_cover(cols.rows, local, self.block_size, ids)
         rows = [tables.gather(cols.rows, g) for g in range(self.num_groups)]  # per group [S, W] int32
         fill = self._from_last_step(ids, cols, batch.ends)
         graphs = self.decode_graphs
         if graphs is not None and 0 < len(ids) <= graphs.max_batch and cols.all_sampled_decodes():
-            token_ids = np.fromiter((s.token_ids[0] if s.token_ids else 0 for s in seqs), np.int64, len(seqs))
-            if decodes is not None:
-                token_ids = np.concatenate([token_ids, decodes.token_ids]) if seqs else decodes.token_ids
+            token_ids = np.zeros(len(ids), np.int64)  # a decode row knows its token or takes it from `fill`
+            token_ids[cols.known.astype(bool)] = tokens
             logits = graphs.run_arrays(token_ids, cols.context_lens, rows, fill=fill)  # [N, V]: every row samples
             sample_ids = ids
         else:
-            order = list(seqs) if decodes is None else [*seqs, *decodes.seqs()]
             to_sample = np.flatnonzero(cols.sample).tolist()
-            logits = self._run_eager(order, rows, batch, to_sample, fill)
+            logits = self._run_eager(ids, cols, tokens, rows, batch, to_sample, fill)
             sample_ids = [ids[i] for i in to_sample]
         if sample_ids and self.is_driver:
             self._draw(sample_ids, logits, flight)
 
-    def _decode_rows(self, decodes: DecodeRows) -> np.ndarray:
-        """[n] the RequestTables rows of a plan's DecodeRows, after checking that the runner knows each
-        request, holds the tables the plan says it does, and (from_last_step) drew its last token."""
-        ids, requests, last_rows = decodes.request_ids, self.requests, self._last_rows
+    def _check_cached(self, cached: CachedRows) -> np.ndarray:
+        """[n] the RequestTables rows of a plan's cached rows, after checking that the runner knows
+        each request, (from_last_step) drew its last token, and holds the tables the row changes."""
+        ids, requests, last_rows = cached.request_ids, self.requests, self._last_rows
         if not all(map(requests.__contains__, ids)):  # (the common case in C; the error names the first)
             check(False, "request_id", next(r for r in ids if r not in requests), "a request announced in new_requests")
-        drawn = list(compress(ids, decodes.from_last_step.tolist()))
+        drawn = list(compress(ids, cached.from_last_step.tolist()))
         if not all(map(last_rows.__contains__, drawn)):
             check(False, "from_last_step", next(r for r in drawn if r not in last_rows),
                   "set only for a request that drew a token in the previous step on this (driver) rank")
-        return self.tables.rows_holding(ids, decodes.table_lens)
+        rows = np.fromiter(map(self.tables.row_of.__getitem__, ids), np.int64, len(ids))
+        self.tables.check_changes(rows, ids, cached.table_offsets)
+        return rows
 
     def _from_last_step(self, ids: Sequence[str], cols: _Columns, ends: np.ndarray):
         """A function that writes the tokens drawn in the previous step into a packed input_ids
@@ -255,16 +228,17 @@ class ModelRunner:
 
         return fill
 
-    def _run_eager(self, order: Sequence[ScheduledSeq], tables: list[np.ndarray], batch: _PackedBatch,
-                   to_sample: list[int], fill) -> torch.Tensor | None:
-        """tables: per KV layer group, the block tables of `order` ([S, W] int32, row s for order[s])."""
+    def _run_eager(self, ids: Sequence[str], cols: _Columns, tokens: np.ndarray, tables: list[np.ndarray],
+                   batch: _PackedBatch, to_sample: list[int], fill) -> torch.Tensor | None:
+        """ids: the request of each row; tokens: the rows' known new tokens, row after row;
+        tables: per KV layer group, the rows' block tables ([S, W] int32)."""
         encoder = None
         cross: dict = {}  # encoder-decoder: group 0's metadata carries the encoder tables too
         if self.encoder_backend is not None:
-            reqs = [self.requests[s.request_id] for s in order]
+            reqs = [self.requests[rid] for rid in ids]
             cross = dict(encoder_seq_lens=[len(r.encoder_ids) for r in reqs],
                          encoder_block_tables=[r.encoder_table for r in reqs])
-            encoder = self._encoder_step([r for s, r in zip(order, reqs) if s.context_len == 0])
+            encoder = self._encoder_step([r for r, c in zip(reqs, cols.context_lens.tolist()) if c == 0])
         metas = [
             AttentionMetadata.build(query_lens=batch.query_lens, seq_lens=batch.seq_lens,
                                     block_tables=tables[g], block_size=self.block_size,
@@ -273,7 +247,7 @@ class ModelRunner:
             for g in range(self.num_groups)
         ]  # fmt: skip
         # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
-        input_ids = to_device(torch.from_numpy(batch.input_ids(order)), self.device)
+        input_ids = to_device(torch.from_numpy(batch.input_ids(tokens, cols.from_last_step)), self.device)
         if fill is not None:
             fill(input_ids)
         plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
@@ -322,23 +296,26 @@ class ModelRunner:
 
 @dataclass(frozen=True)
 class _Columns:
-    """A step's sequences as host arrays (one entry per sequence, in the step's order)."""
+    """A step's rows as host arrays (one entry per row, in the step's order)."""
 
     rows: np.ndarray  # [S] int64 each request's row in the RequestTables
     context_lens: np.ndarray  # [S] int64 tokens already cached (the first new token's position)
-    query_lens: np.ndarray  # [S] int64 new tokens, the one drawn by the previous step included
-    from_last_step: np.ndarray  # [S] bool
+    known: np.ndarray  # [S] int64 new tokens whose ids the host knows
+    from_last_step: np.ndarray  # [S] bool one more new token: the one the previous step draws
     sample: np.ndarray  # [S] bool
 
     @classmethod
-    def of(cls, seqs: Sequence[ScheduledSeq], row_of: dict[str, int]) -> _Columns:
-        n = len(seqs)
-        last = np.fromiter((s.from_last_step for s in seqs), bool, n)
-        known = np.fromiter(map(len, (s.token_ids for s in seqs)), np.int64, n)
-        return cls(rows=np.fromiter((row_of[s.request_id] for s in seqs), np.int64, n),
-                   context_lens=np.fromiter((s.context_len for s in seqs), np.int64, n),
-                   query_lens=known + last, from_last_step=last,
-                   sample=np.fromiter((s.sample for s in seqs), bool, n))
+    def of_new(cls, new: Sequence[NewRequest], row_of: dict[str, int]) -> _Columns:
+        n = len(new)
+        return cls(rows=np.fromiter((row_of[r.request_id] for r in new), np.int64, n),
+                   context_lens=np.fromiter((r.context_len for r in new), np.int64, n),
+                   known=np.fromiter((r.num_tokens for r in new), np.int64, n), from_last_step=np.zeros(n, bool),
+                   sample=np.fromiter((r.sample for r in new), bool, n))
+
+    @property
+    def query_lens(self) -> np.ndarray:
+        """[S] new tokens, the one drawn by the previous step included."""
+        return self.known + self.from_last_step
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -357,11 +334,19 @@ class _Columns:
         return bool(self.is_decode.all() and self.sample.all())
 
     def take(self, perm: np.ndarray) -> _Columns:
-        return _Columns(self.rows[perm], self.context_lens[perm], self.query_lens[perm], self.from_last_step[perm],
+        return _Columns(self.rows[perm], self.context_lens[perm], self.known[perm], self.from_last_step[perm],
                         self.sample[perm])
 
     def concat(self, other: _Columns) -> _Columns:
         return _Columns(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
+
+
+def _segments(flat: np.ndarray, counts: np.ndarray, perm: np.ndarray) -> np.ndarray:
+    """`flat` holds counts[i] entries per row i, row after row; the same entries with the rows in
+    the order `perm`."""
+    starts = np.cumsum(counts) - counts
+    c = counts[perm]
+    return flat[np.arange(int(c.sum())) + np.repeat(starts[perm] - (np.cumsum(c) - c), c)]
 
 
 @dataclass(frozen=True)
@@ -386,15 +371,13 @@ class _PackedBatch:
         positions = np.arange(int(q.sum())) + np.repeat(context - starts, q)
         return cls(q.tolist(), (context + q).tolist(), ends, positions)
 
-    def input_ids(self, order: Sequence[ScheduledSeq]) -> np.ndarray:
-        """[T] int64 token ids; 0 in the row of a token the previous step draws (`from_last_step`)."""
-        known = chain.from_iterable(s.token_ids for s in order)
-        num_tokens = len(self.positions)
-        if not any(s.from_last_step for s in order):
-            return np.fromiter(known, np.int64, num_tokens)
-        ids = np.zeros(num_tokens, np.int64)
-        # The unknown token is always a sequence's last: its row is its `ends` entry.
-        has = np.ones(num_tokens, bool)
-        has[self.ends[[i for i, s in enumerate(order) if s.from_last_step]]] = False
-        ids[has] = np.fromiter(known, np.int64, num_tokens - int((~has).sum()))
+    def input_ids(self, known: np.ndarray, from_last_step: np.ndarray) -> np.ndarray:
+        """[T] int64 token ids from the rows' known tokens (row after row); 0 in the place of a
+        token the previous step draws (`from_last_step`: always a row's last)."""
+        if not from_last_step.any():
+            return known
+        ids = np.zeros(len(self.positions), np.int64)
+        has = np.ones(len(self.positions), bool)
+        has[self.ends[from_last_step]] = False
+        ids[has] = known
         return ids

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 from meshserve.parallel.transform import kv_head_offset, local_kv_heads
 from meshserve.workers.models.arch import ModelArch
@@ -94,7 +95,7 @@ def shard_of(name: str, shape: tuple[int, ...], arch: ModelArch, rank: int, worl
     if world == 1 or split is Split.REPLICATED:
         return Shard(None)
     if split is Split.VOCAB:
-        per = -(-shape[0] // world)
+        per = cdiv(shape[0], world)
         return Shard(0, min(rank * per, shape[0]), min((rank + 1) * per, shape[0]))
     if split is Split.KV_COLUMN:
         d = arch.head_dim

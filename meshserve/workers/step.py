@@ -1,17 +1,18 @@
 """The messages between a replica's scheduler and its workers: one StepPlan in, one StepOutput out.
 
-Both travel as msgpack (never pickle). A request's prompt and sampling settings are sent once,
-when it first appears (`new_requests`); afterwards each step carries only the new tokens,
-where they start and what changed in its block tables (one per KV layer group:
-kvstore/groups.py). Long id lists (a prompt, a prompt chunk, a whole block table) travel as
-little-endian int32 bytes, which msgpack copies in one piece and the receiver turns back into
-a list in C; short ones (a decode step's one token, its block changes) stay msgpack lists.
+Both travel as msgpack (never pickle). A plan has one row per scheduled request, in one of two
+places (vLLM v1's NewRequestData / CachedRequestData): a request the workers have not seen comes
+as a `NewRequest` (prompt, sampling settings, whole block tables, its first tokens); every other
+row is in the plan's columnar `CachedRows`: the new tokens, where they start and what changed in
+the block tables (one per KV layer group: kvstore/groups.py). engine/plan_encoder.py writes them.
+Columns and long id lists (a prompt, a whole block table) travel as little-endian int32 bytes,
+which msgpack copies in one piece and the receiver reads as arrays; short lists stay msgpack lists.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import msgpack
@@ -23,11 +24,19 @@ from meshserve.errors import check
 
 @dataclass
 class NewRequest:
-    """A request the workers have not seen: its prompt and settings (SamplingParams.to_dict()).
+    """A request the workers have not seen, with its first row of work (vLLM v1's NewRequestData).
 
-    output_ids: tokens already generated elsewhere (a hand-over); empty for a fresh request.
-    encoder_ids: an encoder-decoder model's encoder input (the user's prompt; prompt_ids are then
-                 the decoder's start tokens); empty for decoder-only models.
+    sampling:      SamplingParams.to_dict()
+    output_ids:    tokens already generated elsewhere (a hand-over); empty for a fresh request
+    encoder_ids:   an encoder-decoder model's encoder input (the user's prompt; prompt_ids are then
+                   the decoder's start tokens); empty for decoder-only models
+    context_len:   tokens of prompt_ids + output_ids already in the cache (a prefix-cache hit, a
+                   fork's shared blocks, a hand-over's imported K/V)
+    num_tokens:    how many tokens after those this step computes (>= 1 in a plan)
+    sample:        whether a token is drawn after the last of them
+    block_tables:  per KV layer group, the request's whole table
+    encoder_table: encoder-decoder models: the encoder block table (cross-attention K/V), which
+                   this step fills when context_len is 0; None for decoder-only models
     """
 
     request_id: str
@@ -35,6 +44,37 @@ class NewRequest:
     sampling: dict[str, Any]
     output_ids: list[int] = field(default_factory=list)
     encoder_ids: list[int] = field(default_factory=list)
+    context_len: int = 0
+    num_tokens: int = 0
+    sample: bool = True
+    block_tables: list[list[int]] = field(default_factory=list)
+    encoder_table: list[int] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes."""
+        start, end = self.context_len, self.context_len + self.num_tokens
+        if end <= len(self.prompt_ids):
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
+
+    def seq(self) -> ScheduledSeq:
+        """The row as a ScheduledSeq (tools and tests)."""
+        return ScheduledSeq(self.request_id, self.token_ids, self.context_len, [list(t) for t in self.block_tables],
+                            self.sample, False, None, self.encoder_table)
+
+    def to_wire(self) -> list:
+        return [self.request_id, pack_ids(self.prompt_ids), self.sampling, pack_ids(self.output_ids),
+                pack_ids(self.encoder_ids), self.context_len, self.num_tokens, self.sample,
+                [np.asarray(t, "<i4").tobytes() for t in self.block_tables],
+                None if self.encoder_table is None else pack_ids(self.encoder_table)]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> NewRequest:
+        rid, prompt, sampling, out, enc, context, num, sample, tables, enc_table = wire
+        return cls(rid, unpack_ids(prompt), sampling, unpack_ids(out), unpack_ids(enc), context, num, sample,
+                   [np.frombuffer(t, "<i4").tolist() for t in tables],
+                   None if enc_table is None else unpack_ids(enc_table))
 
 
 PACKED_IDS_MIN = 32  # id lists at least this long travel as int32 bytes
@@ -51,7 +91,8 @@ def unpack_ids(ids: list[int] | bytes) -> list[int]:
 
 @dataclass(slots=True)
 class ScheduledSeq:
-    """One sequence's work in a step.
+    """One row of a step as a plain record: the view tools and tests read and build plans from
+    (StepPlan.from_seqs, StepPlan.all_seqs); plans themselves carry NewRequest and CachedRows.
 
     token_ids:   the new tokens whose K/V this step computes and writes, as far as the host
                  knows them
@@ -67,8 +108,8 @@ class ScheduledSeq:
                  the index in the table the workers hold from which block_tables replace it
                  (a plan carries what changed: new blocks and a copied last block)
     encoder_table: encoder-decoder models: the request's encoder block table (cross-attention
-                 K/V), sent with the whole tables (table_offsets None); a step whose
-                 context_len is 0 runs the encoder and fills it
+                 K/V), sent with the whole tables; a step whose context_len is 0 runs the encoder
+                 and fills it
     """
 
     request_id: str
@@ -110,106 +151,176 @@ def apply_table_changes(tables: list[list[int]], seq: ScheduledSeq) -> list[list
     return tables
 
 
+def _int64(data: bytes) -> np.ndarray:
+    return np.frombuffer(data, "<i4").astype(np.int64)
+
+
 @dataclass(eq=False)
-class DecodeRows:
-    """Decode rows that just continue, as columns (most rows of most steps): one new token each
-    (known, or the one the step in flight draws: `from_last_step`), a token sampled after it,
-    and no change to the request's block tables. As a ScheduledSeq each would be a message of
-    its own; here a step's rows are five arrays, which travel as bytes and which the runner
-    reads as they are.
+class CachedRows:
+    """Every row of a step whose request the workers already hold, as columns (vLLM v1's
+    CachedRequestData): most rows of most steps are decodes, and as columns a step's rows travel
+    as a few byte strings that the runner reads as they are.
 
     request_ids:    [n] ids of requests the workers know
-    token_ids:      [n] int64 the new token; 0 where from_last_step (the device holds it)
-    context_lens:   [n] int64 tokens already cached (the new token's position)
-    from_last_step: [n] bool
-    table_lens:     [n, G] int64 per KV layer group, the blocks the workers hold for the request
-                    (unchanged by this step: the runner checks that its tables agree)
+    num_tokens:     [n] int64 new tokens whose ids the host knows (a decode: 1, or 0 when its
+                    token is the one the previous step draws)
+    token_ids:      [sum(num_tokens)] int64 those tokens, row after row
+    context_lens:   [n] int64 tokens already cached (the first new token's position)
+    sample:         [n] bool a token is drawn after the row's last new token
+    from_last_step: [n] bool one more new token follows: the one the previous step draws for
+                    the request, still on the device (overlap scheduling)
+    table_offsets:  [n, G] int64 per KV layer group, the index in the table the workers hold
+                    from which `blocks` replace it (the table ends there when none follow):
+                    the held length when the table did not change (most decodes), 0 when
+                    the whole table is resent
+    block_counts:   [n, G] int64 how many blocks replace it from there
+    blocks:         [sum(block_counts)] int64 those blocks, by row, then by group
+    encoder_tables: request id -> encoder block table, for encoder-decoder rows whose tables
+                    are resent whole (their decoder restarts)
     """
 
     request_ids: list[str]
+    num_tokens: np.ndarray
     token_ids: np.ndarray
     context_lens: np.ndarray
+    sample: np.ndarray
     from_last_step: np.ndarray
-    table_lens: np.ndarray
+    table_offsets: np.ndarray
+    block_counts: np.ndarray
+    blocks: np.ndarray
+    encoder_tables: dict[str, list[int]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.request_ids)
 
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, DecodeRows) and self.request_ids == other.request_ids and all(
-            np.array_equal(a, b) for a, b in zip(self._arrays(), other._arrays()))
-
     def _arrays(self) -> tuple[np.ndarray, ...]:
-        return self.token_ids, self.context_lens, self.from_last_step, self.table_lens
+        return (self.num_tokens, self.token_ids, self.context_lens, self.sample, self.from_last_step,
+                self.table_offsets, self.block_counts, self.blocks)
 
-    def seqs(self) -> list[ScheduledSeq]:
-        """The same rows as ScheduledSeqs (the eager path, tools and tests)."""
-        groups = self.table_lens.shape[1]
-        return [ScheduledSeq(rid, [] if last else [tok], ctx, [[] for _ in range(groups)], True, last, lens)
-                for rid, tok, ctx, last, lens in zip(self.request_ids, self.token_ids.tolist(),
-                                                     self.context_lens.tolist(), self.from_last_step.tolist(),
-                                                     self.table_lens.tolist())]  # fmt: skip
-
-    def to_wire(self) -> list:
-        return [self.request_ids, np.asarray(self.token_ids, "<i4").tobytes(),
-                np.asarray(self.context_lens, "<i4").tobytes(), np.asarray(self.from_last_step, "u1").tobytes(),
-                self.table_lens.shape[1], np.asarray(self.table_lens, "<i4").tobytes()]
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, CachedRows) and self.request_ids == other.request_ids
+                and self.encoder_tables == other.encoder_tables
+                and all(np.array_equal(a, b) for a, b in zip(self._arrays(), other._arrays())))
 
     @classmethod
-    def from_wire(cls, wire: list) -> DecodeRows:
-        ids, tokens, context, last, groups, lens = wire
-        def int64(data: bytes) -> np.ndarray:
-            return np.frombuffer(data, "<i4").astype(np.int64)
+    def of(cls, request_ids: list[str], num_tokens: Sequence[int], token_ids: Sequence[int],
+           context_lens: Sequence[int], sample: Sequence[bool], from_last_step: Sequence[bool],
+           table_offsets: Sequence[Sequence[int]], block_counts: Sequence[Sequence[int]], blocks: Sequence[int],
+           encoder_tables: dict[str, list[int]] | None = None) -> CachedRows:
+        """From host lists (the plan encoder's)."""
+        n = len(request_ids)
+        offsets, counts = np.array(table_offsets, np.int64), np.array(block_counts, np.int64)
+        groups = offsets.size // n if n else 1
+        return cls(request_ids, np.array(num_tokens, np.int64), np.array(token_ids, np.int64),
+                   np.array(context_lens, np.int64), np.array(sample, bool), np.array(from_last_step, bool),
+                   offsets.reshape(n, groups), counts.reshape(n, groups), np.array(blocks, np.int64),
+                   encoder_tables or {})
 
-        return cls(ids, int64(tokens), int64(context), np.frombuffer(last, "u1").astype(bool),
-                   int64(lens).reshape(len(ids), groups))
+    @classmethod
+    def from_seqs(cls, seqs: Sequence[ScheduledSeq]) -> CachedRows:
+        """The rows of ScheduledSeqs (a seq with table_offsets None resends its tables whole)."""
+        offsets, counts, blocks = [], [], []
+        for s in seqs:
+            offsets.append(s.table_offsets if s.table_offsets is not None else [0] * len(s.block_tables))
+            counts.append([len(t) for t in s.block_tables])
+            for t in s.block_tables:
+                blocks.extend(t)
+        return cls.of([s.request_id for s in seqs], [len(s.token_ids) for s in seqs],
+                      [t for s in seqs for t in s.token_ids], [s.context_len for s in seqs],
+                      [s.sample for s in seqs], [s.from_last_step for s in seqs], offsets, counts, blocks,
+                      {s.request_id: list(s.encoder_table) for s in seqs if s.encoder_table is not None})
+
+    def seqs(self) -> list[ScheduledSeq]:
+        """The same rows as ScheduledSeqs (tools and tests)."""
+        out = []
+        tokens, blocks = self.token_ids.tolist(), self.blocks.tolist()
+        t = b = 0
+        for i, rid in enumerate(self.request_ids):
+            k = int(self.num_tokens[i])
+            tables = []
+            for count in self.block_counts[i].tolist():
+                tables.append(blocks[b:b + count])
+                b += count
+            out.append(ScheduledSeq(rid, tokens[t:t + k], int(self.context_lens[i]), tables, bool(self.sample[i]),
+                                    bool(self.from_last_step[i]), self.table_offsets[i].tolist(),
+                                    self.encoder_tables.get(rid)))
+            t += k
+        return out
+
+    def to_wire(self) -> list:
+        flags = self.sample.astype(np.uint8) | (self.from_last_step.astype(np.uint8) << 1)
+        def i32(a: np.ndarray) -> bytes:
+            return np.asarray(a, "<i4").tobytes()
+
+        return [self.request_ids, i32(self.num_tokens), i32(self.token_ids), i32(self.context_lens), flags.tobytes(),
+                self.table_offsets.shape[1], i32(self.table_offsets), i32(self.block_counts), i32(self.blocks),
+                self.encoder_tables]
+
+    @classmethod
+    def from_wire(cls, wire: list) -> CachedRows:
+        ids, num, tokens, context, flags, groups, offsets, counts, blocks, encoder = wire
+        flags = np.frombuffer(flags, "u1")
+        n = len(ids)
+        return cls(ids, _int64(num), _int64(tokens), _int64(context), (flags & 1).astype(bool),
+                   (flags & 2).astype(bool), _int64(offsets).reshape(n, groups), _int64(counts).reshape(n, groups),
+                   _int64(blocks), encoder)
 
 
 @dataclass
 class StepPlan:
-    """Everything every worker needs for one forward step.
+    """Everything every worker needs for one forward step: one row per scheduled request.
 
-    seqs:     the step's sequences, except
-    decodes:  the decode rows that just continue, as columns (None: no such rows); they run after
-              `seqs` (whose order is the scheduler's: running requests by arrival, then admitted ones)
+    new_requests: rows of requests the workers have not seen (announced with their prompt)
+    cached:   the rows of requests they hold, as columns (None: no such rows)
     finished: request ids the workers may forget (after this step).
     copies:   (src, dst) block pairs to copy in every cache tensor before any K/V is written
               (copy-on-write of a shared partial block; ids are unique across layer groups).
     """
 
     step_id: int
-    seqs: list[ScheduledSeq]
     new_requests: list[NewRequest] = field(default_factory=list)
+    cached: CachedRows | None = None
     finished: list[str] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    decodes: DecodeRows | None = None
+
+    @classmethod
+    def from_seqs(cls, step_id: int, seqs: Sequence[ScheduledSeq], new_requests: Sequence[NewRequest] = (),
+                  finished: Sequence[str] = (), copies: Sequence[tuple[int, int]] = ()) -> StepPlan:
+        """A plan from rows as ScheduledSeqs (tools and tests): the row of a request announced in
+        `new_requests` becomes that NewRequest's work (its tables whole), the others `cached`."""
+        first = {r.request_id: r for r in new_requests}
+        new, cached = [], []
+        for s in seqs:
+            r = first.pop(s.request_id, None)
+            if r is None:
+                cached.append(s)
+                continue
+            check(not s.from_last_step and s.table_offsets is None, "seqs", s.request_id,
+                  "the first row of a new request: whole tables, no token from a previous step")
+            new.append(replace(r, context_len=s.context_len, num_tokens=len(s.token_ids), sample=s.sample,
+                               block_tables=[list(t) for t in s.block_tables], encoder_table=s.encoder_table))
+            check(new[-1].token_ids == list(s.token_ids), "seqs", s.request_id,
+                  "token ids that continue the request's prompt_ids + output_ids from context_len")
+        check(not first, "new_requests", sorted(first), "requests with a row in seqs")
+        return cls(step_id, new, CachedRows.from_seqs(cached) if cached else None, list(finished), list(copies))
 
     def all_seqs(self) -> list[ScheduledSeq]:
-        """Every sequence of the step as a ScheduledSeq: `seqs`, then `decodes`."""
-        return self.seqs if self.decodes is None else self.seqs + self.decodes.seqs()
+        """Every row of the step as a ScheduledSeq: the new requests', then the cached ones."""
+        return [r.seq() for r in self.new_requests] + ([] if self.cached is None else self.cached.seqs())
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.seqs) + (0 if self.decodes is None else len(self.decodes))
+        cached = self.cached
+        return sum(r.num_tokens for r in self.new_requests) + (
+            0 if cached is None else int(cached.num_tokens.sum() + cached.from_last_step.sum()))
 
     def to_msgpack(self) -> bytes:
-        short = PACKED_IDS_MIN
-        seqs = [  # per sequence every step: one comprehension, a decode packs nothing
-            [s.request_id, s.token_ids if len(s.token_ids) < short else pack_ids(s.token_ids), s.context_len,
-             s.block_tables if s.table_offsets is not None and sum(map(len, s.block_tables)) < short
-             else [np.asarray(t, "<i4").tobytes() for t in s.block_tables],  # every group's, even short ones
-             s.sample, s.from_last_step, s.table_offsets,
-             None if s.encoder_table is None else pack_ids(s.encoder_table)]
-            for s in self.seqs
-        ]  # fmt: skip
         return msgpack.packb({
             "step_id": self.step_id,
-            "seqs": seqs,
-            "new": [[r.request_id, pack_ids(r.prompt_ids), r.sampling, pack_ids(r.output_ids), pack_ids(r.encoder_ids)]
-                    for r in self.new_requests],
+            "new": [r.to_wire() for r in self.new_requests],
+            "cached": None if self.cached is None else self.cached.to_wire(),
             "finished": self.finished,
             "copies": [list(c) for c in self.copies],
-            "decodes": None if self.decodes is None else self.decodes.to_wire(),
         })
 
     @classmethod
@@ -217,15 +328,10 @@ class StepPlan:
         d = msgpack.unpackb(data)
         return cls(
             step_id=d["step_id"],
-            seqs=[ScheduledSeq(rid, tok if tok.__class__ is list else unpack_ids(tok), ctx,
-                               tables if not tables or tables[0].__class__ is list else list(map(unpack_ids, tables)),
-                               sample, last, offsets, None if enc is None else unpack_ids(enc))
-                  for rid, tok, ctx, tables, sample, last, offsets, enc in d["seqs"]],
-            new_requests=[NewRequest(rid, unpack_ids(prompt), sampling, unpack_ids(out), unpack_ids(enc))
-                          for rid, prompt, sampling, out, enc in d["new"]],
+            new_requests=[NewRequest.from_wire(r) for r in d["new"]],
+            cached=None if d["cached"] is None else CachedRows.from_wire(d["cached"]),
             finished=d["finished"],
             copies=[tuple(c) for c in d["copies"]],
-            decodes=None if d["decodes"] is None else DecodeRows.from_wire(d["decodes"]),
         )
 
 

@@ -14,33 +14,30 @@ from dataclasses import dataclass
 
 import torch
 
-from meshserve.attention.mla.layer import MLAAttention
-from meshserve.attention.mla.sparse_layer import SparseMLAAttention
+from meshserve.attention.layer_backends import make_backends
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
-from meshserve.core.sampling_params import SamplingParams
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.groups import KVGroupLayout
-from meshserve.parallel.dcp import DcpAttention
-from meshserve.parallel.dcp_mla import DcpMLAAttention, DcpSparseMLAAttention
+from meshserve.parallel.dcp_wrap import wrap_for_dcp
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
 from meshserve.workers.cpu_weights import input_major_linears
 from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
+from meshserve.workers.kv_budget import decode_peak_bytes, num_kv_blocks
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.bart import BartArch, is_encoder_decoder_dir, load_bart, read_bart_arch
-from meshserve.workers.runner import ModelRunner, make_backends
+from meshserve.workers.models.contract import GenerativeModel
+from meshserve.workers.models.expert_layer import ExpertLayer
+from meshserve.workers.runner import ModelRunner
 from meshserve.workers.sharding import routed_experts
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepOutput, StepPlan
+from meshserve.workers.step import StepOutput, StepPlan
 
 log = logging.getLogger("meshserve.worker")
-
-CPU_DEFAULT_KV_BYTES = 256 << 20
-GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
-
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -79,11 +76,17 @@ def resolve_max_model_len(model: ModelConfig, arch: ModelArch | BartArch) -> int
     return model.max_model_len
 
 
-def _dcp_wrapper(backend: object) -> type:
-    """The DCP version of a layer's attention: sparse MLA, MLA or standard."""
-    if isinstance(backend, SparseMLAAttention):
-        return DcpSparseMLAAttention
-    return DcpMLAAttention if isinstance(backend, MLAAttention) else DcpAttention
+@dataclass(frozen=True)
+class LoadedModel:
+    """What a model family's load step hands the shared start-up pipeline."""
+
+    arch: ModelArch | BartArch
+    model: GenerativeModel
+    dtype: torch.dtype
+    max_model_len: int
+    # Encoder-decoder models: the decoder's first tokens and the longest encoder input.
+    decoder_prompt: tuple[int, ...] = ()
+    max_encoder_len: int = 0
 
 
 class Worker:
@@ -112,56 +115,55 @@ class Worker:
         self.kv_layout: KVGroupLayout | None = None  # which layers share a block table (start)
 
     def start(self) -> WorkerInfo:
-        """Load weights, choose the attention backend, allocate the KV cache. Idempotent."""
+        """Load the model, choose (and DCP-wrap) its attention backends, size and allocate the KV
+        cache, capture decode graphs where they can run. Idempotent.
+
+        One pipeline for every model; the model family's load step is the hook where they differ
+        (`_load_decoder_only`, `_load_encoder_decoder`); the rest reads the model contract.
+        """
         if self.info is not None:
             return self.info
-        if is_encoder_decoder_dir(self.model_config.model):
-            return self._start_encoder_decoder()
         t0 = time.perf_counter()
-        arch = read_arch(self.model_config.model)
-        par = self.parallel
-        par.check_heads(arch.num_heads, arch.num_kv_heads)
-        par.check_experts(routed_experts(arch))
-        max_model_len = resolve_max_model_len(self.model_config, arch)
-        dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
-        self.ctx = ctx = init_parallel(par, rank=self.rank, init_method=self.init_method, device=self.device.type)
+        encdec = is_encoder_decoder_dir(self.model_config.model)
+        loaded = self._load_encoder_decoder() if encdec else self._load_decoder_only()
+        model, dtype, max_model_len = loaded.model, loaded.dtype, loaded.max_model_len
+        ctx, par = self.ctx, self.parallel  # (the load step joined the replica's process group)
         bs = self.cache_config.block_size
         logical_bs = bs * par.dcp  # a block-table entry covers bs tokens on each of the dcp ranks
-
-        def transform(model):
-            tensor_parallel_transform(arch)(model, ctx)
-
-        model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
-                           world=par.tp, dcp=par.dcp, ep=par.ep, max_positions=max_model_len, progress=self.progress,
-                           transform=transform if par.tp > 1 else None,
-                           quantization=self.model_config.quantization.value,
-                           small_m_gemm=self.model_config.small_m_gemm.value)
-        if self.device.type == "cpu":
-            input_major_linears(model)  # the same values, a faster CPU GEMM (workers/cpu_weights.py)
         specs = [local_attention_spec(spec, ctx) for spec in model.attention_specs()]  # this rank's heads
-        capacity = -(-max_model_len // logical_bs) * bs  # local tokens of one full-length sequence
-        backends = make_backends(specs, name=self.attention_config.backend, dtype=dtype, block_size=bs,
+        encoder_spec = model.encoder_spec()
+        # Local tokens of the longest sequence a layer attends over (a decoder's or the encoder's input).
+        capacity = cdiv(max(max_model_len, loaded.max_encoder_len), logical_bs) * bs
+        backends = make_backends([*specs, *([encoder_spec] if encoder_spec else [])],
+                                 name=self.attention_config.backend, dtype=dtype, block_size=bs,
                                  max_model_len=max(capacity, bs), device=self.device, dcp_size=par.dcp)
+        encoder_backend = backends.pop() if encoder_spec else None
         if par.dcp > 1:
-            backends = [_dcp_wrapper(b)(b, ctx, par.dcp_comm) for b in backends]
+            backends = wrap_for_dcp(backends, ctx, par.dcp_comm)
         # A block id holds one group's worth of layers (kvstore/groups.py: the groups share tensors).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
-        paged = [specs[i] for i in layout.groups[0]]
         use_graphs = self._graph_refusals(backends, model) == []
         reserve = 0
         if use_graphs:  # the graphs' activation pool comes out of the KV budget
-            reserve = self._decode_peak_bytes(model, backends, specs, layout, bs, dtype)
-        num_blocks = self._num_blocks(block_bytes(paged, bs, dtype), reserve=reserve)
-        needed = layout.num_groups * -(-max_model_len // logical_bs) + 1
+            reserve = decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
+                                        device=self.device, batch=self.model_config.cuda_graph_max_batch)
+        num_blocks = num_kv_blocks(self.cache_config, self.device,
+                                   block_bytes([specs[i] for i in layout.groups[0]], bs, dtype), reserve=reserve)
+        # The null block + one longest sequence in every group (an encoder group holds the encoder input).
+        reach = [loaded.max_encoder_len if g == layout.encoder_group else max_model_len
+                 for g in range(layout.num_groups)]
+        needed = sum(cdiv(n, logical_bs) for n in reach) + 1
         check(num_blocks >= needed, "num_kv_blocks", num_blocks,
               f">= {needed} blocks of {logical_bs} tokens (the null block + one max_model_len={max_model_len} "
-              f"sequence in each of {layout.num_groups} KV layer group(s)); give more KV memory or lower "
-              "max_model_len")
+              f"sequence in each of {layout.num_groups} KV layer group(s)"
+              + (f", the encoder's holding one {loaded.max_encoder_len}-token input" if encdec else "")
+              + "); give more KV memory or lower max_model_len")
         caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
                                  layer_slots=layout.layer_slots(len(specs)))
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
-                                  dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)))
+                                  dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)),
+                                  encoder_backend=encoder_backend)
         if use_graphs:
             graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                   block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,
@@ -176,53 +178,53 @@ class Worker:
             # per step in a function that only allocates: most likely such passes; not yet re-measured).
             gc.collect()
             gc.freeze()
+        arch = loaded.arch
         self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=logical_bs,
                                max_model_len=max_model_len, vocab_size=arch.vocab_size,
                                eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
                                dtype=str(dtype).removeprefix("torch."),
-                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens) for r in layout.retentions))
+                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens)
+                                               for r in layout.decoder_retentions),
+                               decoder_prompt=loaded.decoder_prompt, max_encoder_len=loaded.max_encoder_len)
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks, %d KV layer group(s)", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
 
-    def _start_encoder_decoder(self) -> WorkerInfo:
-        """BART: its own loader; decoder self- and cross-attention layers in two KV groups sharing
-        the pool (kvstore/groups.py), the encoder's backend beside them; one rank, eager."""
-        t0 = time.perf_counter()
+    def _load_decoder_only(self) -> LoadedModel:
+        """Checks the parallel layout against the checkpoint, joins the replica's process group,
+        loads this rank's shard (tensor-parallel transform on the meta model)."""
+        arch = read_arch(self.model_config.model)
+        par = self.parallel
+        par.check_heads(arch.num_heads, arch.num_kv_heads)
+        par.check_experts(routed_experts(arch))
+        max_model_len = resolve_max_model_len(self.model_config, arch)
+        dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
+        self.ctx = ctx = init_parallel(par, rank=self.rank, init_method=self.init_method, device=self.device.type)
+
+        def transform(model):
+            tensor_parallel_transform(arch)(model, ctx)
+
+        model = load_model(self.model_config.model, dtype=dtype, device=self.device, rank=self.rank,
+                           world=par.tp, dcp=par.dcp, ep=par.ep, max_positions=max_model_len, progress=self.progress,
+                           transform=transform if par.tp > 1 else None,
+                           quantization=self.model_config.quantization.value,
+                           small_m_gemm=self.model_config.small_m_gemm.value)
+        if self.device.type == "cpu":
+            input_major_linears(model)  # the same values, a faster CPU GEMM (workers/cpu_weights.py)
+        return LoadedModel(arch, model, dtype, max_model_len)
+
+    def _load_encoder_decoder(self) -> LoadedModel:
+        """BART: its own loader, one rank. Its decoder self- and cross-attention layers form two KV
+        groups sharing the pool (kvstore/groups.py); its encoder gets a backend of its own."""
         check(self.parallel.tp == 1, "tp", self.parallel.tp, "1 (encoder-decoder models run on one rank)")
         arch = read_bart_arch(self.model_config.model)
         max_model_len = resolve_max_model_len(self.model_config, arch)
         dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)
         model = load_bart(self.model_config.model, arch, dtype=dtype, device=self.device)
-        specs = model.attention_specs()
-        bs = self.cache_config.block_size
-        longest = max(max_model_len, arch.max_encoder_len)
-        *backends, encoder_backend = make_backends([*specs, model.encoder_spec()], name=self.attention_config.backend,
-                                                   dtype=dtype, block_size=bs, max_model_len=max(longest, bs),
-                                                   device=self.device)
-        self.kv_layout = layout = KVGroupLayout.from_specs(specs)
-        num_blocks = self._num_blocks(block_bytes([specs[i] for i in layout.groups[0]], bs, dtype))
-        needed = -(-max_model_len // bs) + -(-arch.max_encoder_len // bs) + 1
-        check(num_blocks >= needed, "num_kv_blocks", num_blocks,
-              f">= {needed} blocks of {bs} tokens (the null block, one max_model_len={max_model_len} decoder "
-              f"sequence and one {arch.max_encoder_len}-token encoder input); give more KV memory")
-        caches = allocate_caches(specs, num_blocks=num_blocks, block_size=bs, dtype=dtype, device=self.device,
-                                 layer_slots=layout.layer_slots(len(specs)))
-        self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
-                                  seed=self.model_config.seed, layer_groups=layout.group_of_layer(len(specs)),
-                                  encoder_backend=encoder_backend)
-        self._graph_refusals(backends, model)  # logs why the steps stay eager on CUDA
-        self.info = WorkerInfo(rank=self.rank, num_kv_blocks=num_blocks, block_size=bs, max_model_len=max_model_len,
-                               vocab_size=arch.vocab_size, eos_token_ids=arch.eos_token_ids, backend=backends[0].name,
-                               dtype=str(dtype).removeprefix("torch."),
-                               kv_groups=tuple((r.sliding_window, r.num_sink_tokens)
-                                               for r in layout.decoder_retentions),
-                               decoder_prompt=tuple(arch.decoder_prompt), max_encoder_len=arch.max_encoder_len)
-        log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks (decoder and encoder groups)", self.rank,
-                 time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks)
-        return self.info
+        return LoadedModel(arch, model, dtype, max_model_len, decoder_prompt=tuple(arch.decoder_prompt),
+                           max_encoder_len=arch.max_encoder_len)
 
-    def _graph_refusals(self, backends, model) -> list[str]:
+    def _graph_refusals(self, backends, model: GenerativeModel) -> list[str]:
         """Why decode steps cannot replay CUDA graphs here (empty: they do); logged once."""
         why = []
         if self.device.type != "cuda":
@@ -232,48 +234,13 @@ class Worker:
         if self.parallel.tp > 1:
             why.append(f"tp={self.parallel.tp}: collectives inside graphs are not captured yet")
         why += [r for r in map(graph_refusal, dict.fromkeys(backends)) if r is not None]
-        if getattr(model, "is_encoder_decoder", False):
+        if model.is_encoder_decoder:
             why.append("encoder-decoder model: the graph buffers carry no encoder tables yet")
-        elif not getattr(model, "cuda_graph_safe", False):
+        elif not model.cuda_graph_safe:
             why.append(f"{type(model).__name__} syncs with the host in its forward pass (MoE routing)")
         if why and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", "; ".join(why))
         return why
-
-    def _decode_peak_bytes(self, model, backends, specs, layout: KVGroupLayout, bs: int, dtype) -> int:
-        """Peak activation bytes of one eager decode step of the largest graph batch, over a
-        two-block scratch cache: what the graphs' shared memory pool will hold, plus a margin."""
-        batch = self.model_config.cuda_graph_max_batch
-        scratch = allocate_caches(specs, num_blocks=2, block_size=bs, dtype=dtype, device=self.device,
-                                  layer_slots=layout.layer_slots(len(specs)))
-        probe = ModelRunner(model, backends=backends, kv_caches=scratch, block_size=bs, device=self.device,
-                            is_driver=False, layer_groups=layout.group_of_layer(len(specs)))
-        ids = [f"probe-{i}" for i in range(batch)]
-        plan = StepPlan(step_id=0, seqs=[ScheduledSeq(r, [0], 1, [[1]] * layout.num_groups) for r in ids],
-                        new_requests=[NewRequest(r, [0], SamplingParams(max_tokens=1).to_dict()) for r in ids],
-                        finished=ids)  # fmt: skip
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        probe.execute(plan)
-        torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device) - base
-        del probe, scratch
-        return int(peak * 1.25) + (64 << 20)
-
-    def _num_blocks(self, per_block: int, *, reserve: int = 0) -> int:
-        """reserve: bytes kept out of an automatic GPU budget (the decode graphs' pool)."""
-        cfg = self.cache_config
-        if cfg.num_kv_blocks is not None:
-            return cfg.num_kv_blocks
-        if cfg.kv_cache_memory_bytes is not None:
-            budget = cfg.kv_cache_memory_bytes
-        elif self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(max(free - reserve, 0) * GPU_KV_FRACTION)
-        else:
-            budget = CPU_DEFAULT_KV_BYTES
-        return budget // per_block
 
     def execute_step(self, plan: bytes) -> bytes:
         check(self.runner is not None, "worker", "not started", "start() before execute_step()")
@@ -298,7 +265,7 @@ class Worker:
         """
         if self.runner is None:
             return []
-        layers = [m for m in self.runner.model.modules() if hasattr(m, "expert_load")]
+        layers = self.runner.model.expert_layers()
         if not layers or self.ctx.expert_tp_rank != 0:
             return [[0] * routed_experts(self.runner.model.arch) for _ in layers]
         out = []
@@ -310,7 +277,7 @@ class Worker:
             out.append(counts)
         return out
 
-    def _expert_counts(self, layers: list[torch.nn.Module]) -> list[list[int]]:
+    def _expert_counts(self, layers: list[ExpertLayer]) -> list[list[int]]:
         """Each layer's local counts, read without making the host wait for the device: on CUDA
         this call starts a copy into pinned memory and returns the previous call's (one reporting
         period old, long finished), so the step stream never drains for a metric."""

@@ -219,7 +219,7 @@ def test_fused_experts_float32_equal_hf_greedy(tiny, arch):
     path, hf = tiny[arch]
     llm = _llm(path, "float32", enforce_eager=False, backend="TRITON" if arch == "gpt_oss" else None)
     model = llm.core.executor.worker.runner.model
-    assert all(m.fused is not None for m in model.modules() if hasattr(m, "expert_load"))
+    assert model.expert_layers() and all(m.fused is not None for m in model.expert_layers())
     assert llm.core.executor.worker.runner.decode_graphs is not None
     batch = prompts(4, seed=8, min_len=6, max_len=40)
     outs = llm.generate(batch, SamplingParams(temperature=0, max_tokens=NEW_TOKENS))

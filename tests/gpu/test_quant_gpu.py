@@ -387,9 +387,9 @@ def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none"
     runner._draw = record
     table = [list(range(1, 9))]
     new = [NewRequest("r", tokens[:n_prompt], {"temperature": 0.0})]
-    w.runner.execute(StepPlan(0, [ScheduledSeq("r", tokens[:n_prompt], 0, table)], new))
+    w.runner.execute(StepPlan.from_seqs(0, [ScheduledSeq("r", tokens[:n_prompt], 0, table)], new))
     for i in range(n_prompt, len(tokens)):
-        w.runner.execute(StepPlan(i, [ScheduledSeq("r", [tokens[i]], i, table)]))
+        w.runner.execute(StepPlan.from_seqs(i, [ScheduledSeq("r", [tokens[i]], i, table)]))
     w.shutdown()
     return torch.cat([s[-1:] for s in seen])
 

@@ -91,7 +91,7 @@ def test_oversized_text_is_refused_before_tokenizing_on_http(env):
                                                    "max_tokens": 2}, TOKEN_B)
     assert status == 400 and body["error"]["param"] == "prompt", body
     assert f"at most {CAP} characters" in body["error"]["message"]
-    assert seen == [2]  # the short prompt only; nothing was queued
+    assert seen == []  # every prompt is checked before any is tokenized; nothing was queued
     status, body = _post(f"{url}/v1/completions", {"model": "", "prompt": "Hello", "max_tokens": 2,
                                                    "temperature": 0}, TOKEN_A)
     assert status == 200 and body["usage"]["completion_tokens"] == 2, body

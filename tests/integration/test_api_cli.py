@@ -34,7 +34,7 @@ def meshserve(*args: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen(meshserve("serve", "--port", "0", "--metrics-port", "0", "--http-port", "0",
+    proc = subprocess.Popen(meshserve("serve", "--grpc-port", "0", "--metrics-port", "0", "--no-http",
                                       "--dtype", "float32",
                                       "--max-model-len", "256", "--num-kv-blocks", "64", "--drain-seconds", "60"),
                             cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -77,8 +77,9 @@ def test_client_command_reports_refusals(server):
 
 def test_metrics_answer_over_http(server):
     body = urllib.request.urlopen(server["metrics"], timeout=10).read().decode()
-    assert re.search(r"^meshserve_generation_tokens_total \d", body, re.M)
-    assert re.search(r"^meshserve_kv_cache_free_blocks 63\.0$", body, re.M)
+    name = re.escape(server["model"])
+    assert re.search(rf'^meshserve_generation_tokens_total{{model_name="{name}"}} \d', body, re.M)
+    assert re.search(rf'^meshserve_kv_cache_free_blocks{{model_name="{name}"}} 63\.0$', body, re.M)
 
 
 def test_sigterm_drains_streams_then_exits(server):

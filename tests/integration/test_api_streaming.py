@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import re
 import urllib.request
 
 import grpc
@@ -157,7 +158,7 @@ def test_deadline_is_honoured_and_frees_the_request(served):
     stats = wait_idle(client, free_at_start)  # the server stopped the work: nothing runs, every block is back
     assert stats.generated_tokens - before < 480
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{served[1].metrics_port}/metrics", timeout=10).read()
-    assert b'meshserve_requests_total{code="DEADLINE_EXCEEDED"} 1.0' in scrape
+    assert re.search(rb'meshserve_requests_total\{code="DEADLINE_EXCEEDED",model_name="[^"]+"\} 1.0', scrape)
 
 
 async def _cancel_at_random(address: str, rng: random.Random, n: int) -> dict[str, int]:
@@ -229,11 +230,13 @@ def test_metrics_endpoint_exports_every_documented_metric(served):
     client, server, _ = served
     client.generate(PROMPTS[1], max_tokens=5, temperature=0, ignore_eos=True)
     scrape = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    model = client.list_models()[0].name
     samples = {}
     for line in scrape.splitlines():
         if line and not line.startswith("#"):
             name, value = line.rsplit(" ", 1)
-            samples[name] = float(value)
+            assert f'model_name="{model}"' in name, name  # every sample names the model, as vLLM's
+            samples[re.sub(rf',?model_name="{re.escape(model)}"', "", name).replace("{}", "")] = float(value)
     names = {s.split("{")[0] for s in samples}
     for metric in METRICS:
         kind = METRICS[metric].split(":")[0]

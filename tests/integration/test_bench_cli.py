@@ -31,8 +31,8 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server():
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--port", "0", "--metrics-port", "0",
-                             "--http-port", str(_free_port()), "--dtype", "float32", "--max-model-len", "256",
+    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", "--grpc-port", "0",
+                             "--port", str(_free_port()), "--dtype", "float32", "--max-model-len", "256",
                              "--num-kv-blocks", "64"], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, text=True)
     first, second = proc.stdout.readline(), proc.stdout.readline()
     grpc_address = re.match(r"meshserve: serving \S+ on (\S+),", first)[1]
@@ -92,3 +92,44 @@ def test_bad_settings_are_refused_naming_the_flag():
     done = subprocess.run([sys.executable, "-m", "meshserve.cli", "bench", "--range-ratio", "1.5"], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "range_ratio=1.5 is not allowed: a number in [0, 1)" in done.stderr
+
+
+def test_defaults_write_json_and_png_beside_the_summary(server, tmp_path):
+    done = subprocess.run([sys.executable, "-m", "meshserve.cli", "bench", "--base-url", server["url"],
+                           "--num-prompts", "3", "--input-len", "8", "--output-len", "4", "--num-warmups", "0"],
+                          cwd=tmp_path, env=ENV, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr + done.stdout
+    (json_path,) = tmp_path.glob("meshserve-bench-openai-*.json")
+    (png_path,) = tmp_path.glob("meshserve-bench-openai-*.png")
+    assert json_path.stem == png_path.stem and f"results: {json_path.name}" in done.stdout
+    assert json.loads(json_path.read_text())["summary"]["completed"] == 3
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_chat_completions_over_a_sharegpt_file(server, tmp_path):
+    """Prompts are the conversations' first turns; output lengths the second turns' token counts (by
+    the server's tokenizer); a one-turn conversation and a too-short pair are skipped."""
+    client = server["client"]
+    human = ["Explain what a Python generator is.", "How do I open a file for reading?",
+             "What does the with statement do in Python?", "hi"]
+    gpt = ["A generator yields values one at a time instead of building a list.",
+           "Use open(path) and read from the file object it returns.",
+           "It runs the body inside a context manager, which cleans up afterwards.", "hello"]
+    data = [{"id": str(i), "conversations": [{"from": "human", "value": h}, {"from": "gpt", "value": g}]}
+            for i, (h, g) in enumerate(zip(human, gpt))] + [{"id": "x", "conversations": [{"from": "human",
+                                                                                            "value": "alone"}]}]
+    (tmp_path / "sharegpt.json").write_text(json.dumps(data))
+    before = client.server_info().stats
+    done = subprocess.run([sys.executable, "-m", "meshserve.cli", "bench", "--backend", "openai-chat", "--base-url",
+                           server["url"], "--dataset", str(tmp_path / "sharegpt.json"), "--num-prompts", "3",
+                           "--num-warmups", "0", "--result-json", str(tmp_path / "run.json"), "--no-save"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr + done.stdout
+    samples = json.loads((tmp_path / "run.json").read_text())["samples"]
+    want = sorted(len(client.tokenize(g)) for g in gpt[:3])
+    assert sorted(s["output_tokens"] for s in samples) == sorted(s["max_tokens"] for s in samples) == want
+    after = client.server_info().stats
+    assert after.generated_tokens - before.generated_tokens == sum(want)
+    prompt_tokens = sum(s["prompt_tokens"] for s in samples)  # as the server counted them: template included
+    asked = sum(len(client.tokenize(h)) for h in human[:3])
+    assert after.prompt_tokens - before.prompt_tokens == prompt_tokens >= asked

@@ -29,9 +29,9 @@ def served():
     parser = argparse.ArgumentParser()
     add_serve_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["serve", "--model", MODEL_DIR, "--served-model-name", "minilm", "--device", "cpu",
-                              "--attention-backend", "TORCH", "--port", "0", "--metrics-port", "0"])
+                              "--attention-backend", "TORCH", "--grpc-port", "0", "--metrics-port", "0"])
     engine, pools, _ = configs_of(args)
-    service = build_service(engine, pools, model_name=args.served_model_name, device="cpu", progress=False,
+    service = build_service(engine, pools, model_name=args.served_model_name[0], device="cpu", progress=False,
                             block_size=args.block_size)
     assert isinstance(service, EmbeddingService)
     demo = demo_service()

@@ -44,7 +44,7 @@ def generate(core: EngineCore, batch) -> list[dict]:
 
 
 def _moe_layers(model) -> list[torch.nn.Module]:
-    return [m for m in model.modules() if hasattr(m, "expert_load")]
+    return model.expert_layers()
 
 
 def rank_main(rank, world, init_method, path, ep, num_experts, batch, out_file):

@@ -57,7 +57,7 @@ def env(tmp_path_factory):
 def server(env, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
-    args = ["serve", "--model", MODEL, "--port", "0", "--metrics-port", "0", "--http-port", str(_free_port()),
+    args = ["serve", "--model", MODEL, "--grpc-port", "0", "--metrics-port", "0", "--port", str(_free_port()),
             "--dtype", "float32", "--attention-backend", "TORCH", "--max-model-len", "256", "--num-kv-blocks", "64",
             "--auth-token-file", str(token_file), "--max-message-bytes", "65536"]
     proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", *args], cwd=ROOT, env=env,

@@ -79,7 +79,7 @@ def test_serve_fails_in_one_line_with_exit_code_2(token_cluster):
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     env.pop("RAY_AUTH_TOKEN", None)
     done = subprocess.run([sys.executable, "-m", "meshserve.cli", "serve", "--ray-address", address, "--replicas", "2",
-                           "--port", "0", "--metrics-port", "0"],
+                           "--grpc-port", "0", "--port", "0"],
                           env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     lines = [line for line in done.stderr.splitlines() if line.strip()]

@@ -37,7 +37,7 @@ def test_every_path_gives_generates_tokens_and_the_report_counts_every_request(s
             (p, c) for p in svo.PATHS for c in CONCURRENCY)
         for c in CONCURRENCY:
             n = WORKLOAD.spec(c).num_prompts
-            prompts = [r.prompt_ids for r in make_requests(WORKLOAD.spec(c), vocab_size=VOCAB, count=n)]
+            prompts = [r.prompt for r in make_requests(WORKLOAD.spec(c), vocab_size=VOCAB, count=n)]
             oracle = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
             want_ids = [o.token_ids for o in oracle]
             want_text = [o.text for o in oracle]

@@ -38,3 +38,24 @@ def test_doctor_reports_a_backend_with_wrong_output(monkeypatch, capsys, registe
     out = capsys.readouterr().out
     assert any(line.startswith("WRONG") and "FAIL" in line for line in out.splitlines())
     assert "failed: ['WRONG']" in out
+
+
+def test_doctor_passes_in_a_fresh_process_on_a_cpu_machine():
+    """As a user runs it: no TRITON_INTERPRET in the environment, no GPU; TRITON runs in the interpreter."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CPU-only machine's behaviour")
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"PYTHONPATH": str(root)}
+    done = subprocess.run([sys.executable, "-m", "meshserve.cli", "doctor"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = {line.split()[0]: line.split()[1] for line in done.stdout.splitlines()[:-1]}
+    assert lines["TRITON"] == "PASS" and lines["TORCH"] == "PASS"
+    assert done.stdout.splitlines()[-1].startswith("doctor: OK")

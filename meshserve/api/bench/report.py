@@ -83,10 +83,8 @@ def write_json(path: str | Path, *, summary: dict, spec: LoadSpec, backend: str,
 
 def plot(path: str | Path, samples: list[Sample], wall: float, *, title: str) -> None:
     """Latency CDFs (log time axis) and output tokens/s and finished requests/s over the run."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise SystemExit("meshserve bench: --plot needs matplotlib (pip install 'meshserve[bench]')") from None
+    import matplotlib  # ImportError without the bench extra: the caller says so
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -5,6 +5,9 @@
     POST /v1/completions         text or token-id prompt(s); SSE when stream is true
     POST /v1/chat/completions    messages through the model's chat template; SSE when stream is true
     POST /v1/embeddings          pooled vectors of an embedding model (float lists or base64)
+    /tokenize, /detokenize, /version, /metrics, /openapi.json: vLLM's utility routes (vllm_routes.py)
+
+Every response carries x-request-id (the client's, else a fresh one: request_id.py).
 
 Every /v1 route needs `Authorization: Bearer <token>` when the server has a token (the same
 file as gRPC's); a body over `max_body_bytes` is a 413 before it is read whole. Each prompt of
@@ -14,6 +17,7 @@ before the response starts (see streams.py).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 from collections.abc import AsyncIterator, Sequence
 
@@ -24,13 +28,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from meshserve.api import convert
 from meshserve.api.auth import is_known
+from meshserve.api.callers import http_caller
 from meshserve.api.convert import ApiLimits
+from meshserve.api.generation_defaults import SamplingDefaults
+from meshserve.api.http.body import ShapeLimits, parse_body
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
 from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
+from meshserve.api.http.request_id import RequestIdMiddleware
 from meshserve.api.http.responses import Shaper, sse
 from meshserve.api.http.streams import (
     ClientGone,
+    Drain,
     Job,
     SSEResponse,
     collect,
@@ -39,9 +48,10 @@ from meshserve.api.http.streams import (
     open_jobs,
     until_disconnect,
 )
+from meshserve.api.http.vllm_routes import TOKEN_PATHS, add_vllm_routes, version
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.service import InferenceService, ModelCard
-from meshserve.errors import ConfigError, check
+from meshserve.errors import ConfigError, UnavailableError, check
 
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; nobody reads it
 
@@ -64,7 +74,9 @@ class _Guard:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        if self.expected is not None and scope["path"].startswith("/v1") and not self._authorized(scope):
+        path = scope["path"]
+        guarded = path.startswith("/v1") or path in TOKEN_PATHS
+        if self.expected is not None and guarded and not self._authorized(scope):
             response = error_response(401, "missing or wrong bearer token: send the header "
                                            "'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
             return await response(scope, receive, send)
@@ -91,12 +103,17 @@ class OpenAIFrontend:
 
     def __init__(self, service: InferenceService, *, metrics: ServerMetrics | None = None,
                  limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
-                 chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20) -> None:
+                 chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
+                 metrics_token: str | None = None, sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.service = service
         self.metrics = metrics
         self.limits = limits
         self.chat_template = chat_template
-        api = FastAPI(title="meshserve", docs_url=None, redoc_url=None, openapi_url=None)
+        self.sampling_defaults = sampling_defaults
+        self.auth_required = bool(tokens)
+        self.drain = Drain()  # expired by HttpServer.stop when the drain time is over
+        api = FastAPI(title="meshserve", version=version(), docs_url=None, redoc_url=None,
+                      openapi_url="/openapi.json")
         install_handlers(api)
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/models", self.list_models, methods=["GET"])
@@ -104,7 +121,8 @@ class OpenAIFrontend:
         api.add_api_route("/v1/completions", self.completions, methods=["POST"])
         api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
-        self.app = _Guard(api, tokens=tokens, max_body_bytes=max_body_bytes)
+        add_vllm_routes(api, self, metrics_token=metrics_token)
+        self.app = RequestIdMiddleware(_Guard(api, tokens=tokens, max_body_bytes=max_body_bytes))
 
     # -- small routes ------------------------------------------------------------------------------
 
@@ -139,21 +157,57 @@ class OpenAIFrontend:
         return lambda text: convert.tokenize(self.service, text, card=card, limits=self.limits, field=field)
 
     def _jobs(self, request_id: str, prompts: Sequence[list[int]], body, card: ModelCard, *,
-              max_tokens: int | None, logprobs: int | None) -> list[Job]:
+              max_tokens: int | None, logprobs: int | None, request: Request) -> list[Job]:
+        """One job per prompt, within the request's token budget, for this caller (api/callers.py)."""
+        caller = http_caller(request.scope["headers"], request.scope.get("client"), auth_required=self.auth_required)
         jobs = []
         for i, ids in enumerate(prompts):
             n = max_tokens if max_tokens is not None else max(1, card.max_model_len - len(ids))
             beam = body.beam_params(max_tokens=n)
             params = None if beam else body.sampling_params(max_tokens=n, logprobs=logprobs,
                                                             vocab_size=card.vocab_size, limits=self.limits)
-            jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, beam))
+            jobs.append(Job(i, request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, beam,
+                            caller=caller, priority=body.priority))
+        convert.check_token_budget([len(j.prompt_ids) for j in jobs], body.width,
+                                   [convert.max_tokens_of(j.params, j.beam) for j in jobs], self.limits,
+                                   max_model_len=card.max_model_len)
         return jobs
+
+    def _shape_limits(self) -> ShapeLimits:
+        """What a body may hold: strings for the fields of max_prompts_per_request prompts (chat messages,
+        stop strings, tools...), values for that many prompts of max_model_len token ids."""
+        try:
+            max_model_len = max(card.max_model_len for card in self.service.models())
+        except UnavailableError:  # still starting: the route answers 503 after reading
+            max_model_len = 1
+        limits = self.limits
+        ids = min(limits.max_prompts_per_request * max_model_len, limits.max_tokens_per_request)
+        return ShapeLimits(max_strings=limits.max_json_strings, max_values=ids + limits.max_json_strings)
+
+    async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard) -> list[list[int]]:
+        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread."""
+        out: list[list[int] | None] = []
+        for i, p in enumerate(prompts):
+            field = "prompt"  # OpenAI's param; the message says which prompt
+            if isinstance(p, str):
+                check(p != "", field, "" if len(prompts) == 1 else f"<prompt {i}: empty>",
+                      "a non-empty string (or token ids)")
+                convert.check_text_size(p, max_model_len=card.max_model_len, limits=self.limits, field=field)
+                convert.check_encodable(p, field)
+                out.append(None)
+            else:
+                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len))
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
+            out = [next(encoded) if x is None else x for x in out]
+        return out
 
     async def _respond(self, request: Request, jobs: list[Job], whole, events) -> Response:
         """Open the jobs (refusals become the status), then stream `events()` or send `whole()`."""
         if events is not None:
-            await open_jobs(self.service, jobs, self.metrics)
-            return SSEResponse(events(), jobs)
+            await self.drain.unless_expired(open_jobs(self.service, jobs, self.metrics))
+            return SSEResponse(events(), jobs, drain=self.drain, error_event=lambda exc: sse(error_of(exc)[1]))
 
         async def run() -> dict:
             await open_jobs(self.service, jobs, self.metrics)
@@ -161,7 +215,7 @@ class OpenAIFrontend:
             return whole()
 
         try:
-            return JSONResponse(await until_disconnect(request, run()))
+            return JSONResponse(await until_disconnect(request, self.drain.unless_expired(run())))
         except ClientGone:
             return Response(status_code=CLIENT_CLOSED)
 
@@ -177,16 +231,17 @@ class OpenAIFrontend:
             yield sse(error_of(exc)[1])
         yield sse("[DONE]")
 
-    async def completions(self, request: Request, body: CompletionRequest) -> Response:
+    async def completions(self, request: Request) -> Response:
+        body = await parse_body(request, CompletionRequest, self._shape_limits())
         body.check()
+        body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
         prompts = body.prompts()
-        tokenize = self._tokenizer(card, "prompt")
-        ids = [await tokenize(p) if isinstance(p, str) else convert.token_ids_of(list(p), card.vocab_size,
-                                                                                field="prompt")
-               for p in prompts]
+        convert.check_prompt_count(len(prompts), body.width, self.limits)
+        ids = await self._prompt_ids(prompts, card)
         request_id = new_id("cmpl")
-        jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
+                          request=request)
         shaper = Shaper(request_id, card.name, self.service.detokenize)
         want_logprobs = body.logprobs is not None
         echo = [p if isinstance(p, str) else self.service.detokenize(p) for p in prompts] if body.echo else None
@@ -206,9 +261,12 @@ class OpenAIFrontend:
         return await self._respond(request, jobs, None, lambda: self._events(
             chunks(), jobs, shaper, "text_completion", body.include_usage))
 
-    async def chat_completions(self, request: Request, body: ChatCompletionRequest) -> Response:
+    async def chat_completions(self, request: Request) -> Response:
+        body = await parse_body(request, ChatCompletionRequest, self._shape_limits())
         body.check()
+        body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
+        convert.check_prompt_count(1, body.width, self.limits)
         template = self.chat_template
         if template is None:
             raise ConfigError("messages", f"<{len(body.messages)} messages>",
@@ -219,7 +277,7 @@ class OpenAIFrontend:
         ids = await template.prompt_ids(text, self._tokenizer(card, "messages"))
         request_id = new_id("chatcmpl")
         jobs = self._jobs(request_id, [ids], body, card, max_tokens=body.requested_max_tokens,
-                          logprobs=body.num_logprobs)
+                          logprobs=body.num_logprobs, request=request)
         shaper = Shaper(request_id, card.name, self.service.detokenize)
         if not body.stream:
             return await self._respond(request, jobs, lambda: shaper.chat(jobs, want_logprobs=body.logprobs), None)
@@ -236,7 +294,8 @@ class OpenAIFrontend:
 
     # -- embeddings --------------------------------------------------------------------------------
 
-    async def embeddings(self, request: Request, body: EmbeddingRequest) -> Response:
+    async def embeddings(self, request: Request) -> Response:
+        body = await parse_body(request, EmbeddingRequest, self._shape_limits())
         card = convert.find_model(self.service.models(), body.model)
         check(card.task == "embed", "model", card.name,
               f"an embed model for /v1/embeddings; this model's task is {card.task!r} (use /v1/completions)")

@@ -45,7 +45,8 @@ def _field(loc: tuple) -> str:
 
 async def _meshserve_error(request: Request, exc: MeshserveError) -> JSONResponse:
     status, body = error_of(exc)
-    return JSONResponse(body, status_code=status)
+    seconds = getattr(exc, "retry_after_s", None)  # a per-caller limit: when to come back
+    return JSONResponse(body, status_code=status, headers=None if seconds is None else {"Retry-After": str(seconds)})
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from meshserve.api import convert
 from meshserve.api.convert import ApiLimits
+from meshserve.cluster.fair_queue import PRIORITY_RANGE
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
 from meshserve.errors import check
@@ -70,9 +71,12 @@ class _Sampling(_Body):
     use_beam_search: bool = False  # beam search with beam_width = n (vLLM's extra)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    priority: int = 0  # vLLM's: lower is served first (cluster/fair_queue.py)
 
     def check_common(self) -> None:
         check(not self.logit_bias, "logit_bias", self.logit_bias, "unset or empty (logit bias is not supported)")
+        low, high = PRIORITY_RANGE
+        check(low <= self.priority <= high, "priority", self.priority, f"an integer in [{low}, {high}]")
         check(self.stream or self.stream_options is None, "stream_options", self.stream_options,
               "unset unless stream is true")
 
@@ -90,6 +94,11 @@ class _Sampling(_Body):
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
                                 early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
                                 skip_special_tokens=self.skip_special_tokens)
+
+    @property
+    def width(self) -> int:
+        """Sequences each prompt runs: n beams, else max(n, best_of)."""
+        return self.n if self.use_beam_search else max(self.n, getattr(self, "best_of", None) or 1)
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None, vocab_size: int,
                         limits: ApiLimits) -> SamplingParams:

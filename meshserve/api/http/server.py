@@ -17,13 +17,17 @@ from collections.abc import Sequence
 import uvicorn
 
 from meshserve.api.convert import ApiLimits
+from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.http.app import OpenAIFrontend
 from meshserve.api.http.chat import ChatTemplate
+from meshserve.api.http.protocol_errors import JsonErrorH11Protocol
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.service import InferenceService
 from meshserve.errors import ConfigError
 
 log = logging.getLogger("meshserve.api")
+# After the drain time, what responses still open get to send their error and end.
+ENDING_S = 1.0
 
 
 def bind(host: str, port: int, *, field: str = "http_port") -> socket.socket:
@@ -43,13 +47,16 @@ class HttpServer:
     def __init__(self, service: InferenceService, *, host: str = "127.0.0.1", port: int = 8000,
                  metrics: ServerMetrics | None = None, limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
                  chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
-                 tls_cert: str | None = None, tls_key: str | None = None) -> None:
+                 tls_cert: str | None = None, tls_key: str | None = None, metrics_token: str | None = None,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.frontend = OpenAIFrontend(service, metrics=metrics, limits=limits, tokens=tokens,
-                                       chat_template=chat_template, max_body_bytes=max_body_bytes)
+                                       chat_template=chat_template, max_body_bytes=max_body_bytes,
+                                       metrics_token=metrics_token, sampling_defaults=sampling_defaults)
         self.host = host
         self.requested_port = port
         self.tls = tls_cert is not None
         self.config = uvicorn.Config(self.frontend.app, host=host, port=port, log_config=None, lifespan="off",
+                                     http=JsonErrorH11Protocol,  # protocol errors in OpenAI's JSON shape too
                                      access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                      timeout_graceful_shutdown=30)
         self._server: uvicorn.Server | None = None
@@ -78,11 +85,18 @@ class HttpServer:
         log.info("serving the OpenAI-compatible API on %s/v1", self.url)
 
     async def stop(self, grace: float | None = 30.0) -> None:
+        """Stop accepting; responses in flight get `grace` seconds, then those still open end with
+        an error (SSE: an error event and [DONE]; whole: 503) and, ENDING_S later, are cancelled."""
         server = self._server
         if server is None:
             return
         self._server = None
-        server.config.timeout_graceful_shutdown = 0.01 if not grace else grace
+        grace = grace or 0.0
+        server.config.timeout_graceful_shutdown = grace + ENDING_S
         server.should_exit = True
         await self._task
-        await server.shutdown(sockets=[self._sock])
+        expire = asyncio.get_running_loop().call_later(grace, self.frontend.drain.expire)
+        try:
+            await server.shutdown(sockets=[self._sock])
+        finally:
+            expire.cancel()

@@ -29,6 +29,7 @@ from meshserve.cluster.service import InferenceService
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.errors import UnavailableError
 
 
 class ClientGone(Exception):
@@ -51,6 +52,8 @@ class Job:
     completed: bool = False
     code: str = "CANCELLED"  # until the job ends otherwise
     pieces: list[CompletionDelta] = field(default_factory=list)
+    caller: str = ""  # who sent it (api/callers.py) and its priority: the fair queue's inputs
+    priority: int = 0
 
     @property
     def n(self) -> int:
@@ -77,7 +80,8 @@ class Job:
 
 
 async def _first(service: InferenceService, job: Job) -> None:
-    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id, beam=job.beam)
+    job.stream = service.generate(job.prompt_ids, job.params, request_id=job.request_id, beam=job.beam,
+                                  caller=job.caller, priority=job.priority)
     try:
         job.first = await anext(job.stream)
     except StopAsyncIteration:  # a stream that ends without a last delta is the service's bug
@@ -202,30 +206,90 @@ async def until_disconnect(request: Request, work: Awaitable):
         await asyncio.gather(task, watch, return_exceptions=True)
 
 
+class Drain:
+    """The server's drain deadline: `expire()` when --drain-seconds have passed; the streams and
+    requests still open then end with an error (503 / an error event, then [DONE])."""
+
+    MESSAGE = "the server is shutting down: the drain time (--drain-seconds) is over; retry on another server"
+
+    def __init__(self) -> None:
+        self.expired = asyncio.Event()
+
+    def expire(self) -> None:
+        self.expired.set()
+
+    def error(self) -> UnavailableError:
+        return UnavailableError(self.MESSAGE)
+
+    async def unless_expired(self, work: Awaitable):
+        """`work`'s result, or (with `work` cancelled) UnavailableError once the drain time is over."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(self.expired.wait())
+        try:
+            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                return task.result()
+            raise self.error()
+        finally:
+            for t in (task, watch):
+                t.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+
+
 class SSEResponse(StreamingResponse):
-    """text/event-stream whose body is cancelled (and closed) as soon as the client disconnects."""
+    """text/event-stream whose body is cancelled (and closed) as soon as the client disconnects;
+    when the drain time is over, the body stops and the stream ends with an error event and [DONE]."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[bytes], jobs: Sequence[Job]) -> None:
+    def __init__(self, content: AsyncIterator[bytes], jobs: Sequence[Job], *, drain: Drain | None = None,
+                 error_event=None) -> None:
+        """error_event(exc) -> the event's bytes (OpenAI's error shape) sent when the drain time is over."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.jobs = jobs
+        self.drain = drain
+        self.error_event = error_event
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = drained = ended = False
+
+        async def sending(message) -> None:
+            nonlocal started, ended
+            started = True
+            ended = message["type"] == "http.response.body" and not message.get("more_body", False)
+            await send(message)
+
         try:
             async with anyio.create_task_group() as group:
                 async def body() -> None:
                     with contextlib.suppress(OSError):
-                        await self.stream_response(send)
+                        await self.stream_response(sending)
+                    group.cancel_scope.cancel()
+
+                async def deadline() -> None:
+                    nonlocal drained
+                    await self.drain.expired.wait()
+                    drained = True
                     group.cancel_scope.cancel()
 
                 group.start_soon(body)
+                if self.drain is not None:
+                    group.start_soon(deadline)
                 await _wait_disconnect(receive)
                 group.cancel_scope.cancel()
+            if drained and not ended:
+                await self._end_drained(send, started)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()
             await close_jobs(self.jobs)  # also when the body never started
+
+    async def _end_drained(self, send: Send, started: bool) -> None:
+        if not started:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        body = self.error_event(self.drain.error()) + b"data: [DONE]\n\n"
+        with contextlib.suppress(OSError):
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def new_id(prefix: str) -> str:

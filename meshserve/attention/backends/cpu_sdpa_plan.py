@@ -12,6 +12,7 @@ import torch
 
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType
+from meshserve.core.arith import local_len
 
 _EMPTY_INDEX = torch.empty(0, dtype=torch.int64)
 
@@ -95,7 +96,7 @@ def plan_group(spec: AttentionSpec, meta: AttentionMetadata, s0: int, s1: int, s
     if cross:
         kv_lens = np.asarray(meta.encoder_seq_lens_host[s0:s1], np.int64)
     elif spec.uses_kv_cache:  # what this DCP rank stores of each sequence (meta.local_len)
-        kv_lens = (seq_lens - meta.dcp_rank + meta.dcp_size - 1) // meta.dcp_size
+        kv_lens = local_len(seq_lens, meta.dcp_size, meta.dcp_rank)
     else:
         kv_lens = q_lens
     L = max(int(kv_lens.max()), 1)

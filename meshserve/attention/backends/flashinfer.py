@@ -32,9 +32,10 @@ from meshserve.attention.backend import (
     KVCache,
     LayerParams,
 )
-from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows, local_len
+from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows
 from meshserve.attention.metadata import AttentionMetadata, pad_table
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.arith import cdiv, local_len
 from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
 
@@ -66,7 +67,7 @@ def _page_lists(
     table = table if isinstance(table, np.ndarray) else pad_table(table)
     lens = np.asarray(kv_lens, np.int64)  # [n]
     n = len(lens)
-    counts = -(-lens // page)  # [n] pages per row
+    counts = cdiv(lens, page)  # [n] pages per row
     check(n == table.shape[0] and (n == 0 or int(counts.max()) <= table.shape[1]), "block_tables",
           tuple(table.shape), f"{n} rows of at least {int(counts.max(initial=0))} blocks (the KV lengths)")
     indptr = np.zeros(n + 1, np.int32)

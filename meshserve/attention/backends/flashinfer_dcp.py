@@ -26,10 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-def local_len(seq_len: int, dcp: int, rank: int) -> int:
-    """How many of a sequence's first `seq_len` tokens DCP rank `rank` of `dcp` stores."""
-    return (seq_len - rank + dcp - 1) // dcp
+from meshserve.core.arith import local_len
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from meshserve.attention.backend import (
 )
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype
+from meshserve.core.arith import cdiv
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -45,7 +46,7 @@ def gather_kv(kv_cache: KVCache, block_row: torch.Tensor, seq_len: int) -> tuple
     block_row: [max_blocks] int32 physical block ids. Returns two [seq_len, num_kv_heads, D].
     """
     bs = kv_cache.block_size
-    num_blocks = -(-seq_len // bs)
+    num_blocks = cdiv(seq_len, bs)
     blocks = kv_cache.data[block_row[:num_blocks].long()]  # [nb, 2, bs, Hkv, D]
     k = blocks[:, 0].reshape(num_blocks * bs, *blocks.shape[3:])[:seq_len].float()
     v = blocks[:, 1].reshape(num_blocks * bs, *blocks.shape[3:])[:seq_len].float()

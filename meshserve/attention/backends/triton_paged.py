@@ -32,8 +32,10 @@ from meshserve.attention.kernels.config import (
     default_prefill_config,
     long_prefill_config,
 )
+from meshserve.attention.kernels.host_plans import choose_partition, descriptor_reasons, dot_precision, prefill_tiles
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.arith import cdiv
 from meshserve.core.tensors import sm_count, to_device
 from meshserve.errors import ConfigError, check
 
@@ -164,8 +166,8 @@ class TritonBackend(AttentionBackend):
         cfg = self.prefill_cfg
         if self.long_prefill_cfg and max(metadata.query_lens_host[:num_prefills], default=0) >= LONG_PREFILL_QUERIES:
             cfg = self.long_prefill_cfg
-        seqs, q0s = _prefill_tiles(
-            metadata.query_lens_host[:num_prefills], kv_host[:num_prefills], cfg.block_m, spec.is_causal
+        seqs, q0s = prefill_tiles(
+            tuple(metadata.query_lens_host[:num_prefills]), tuple(kv_host[:num_prefills]), cfg.block_m, spec.is_causal
         )
         # Stream-ordered copies: planning never waits for the device (overlap scheduling).
         tile_seq = to_device(seqs, device, torch.int32)
@@ -176,10 +178,10 @@ class TritonBackend(AttentionBackend):
             max_keys = max(kv_host[num_prefills:])
             if spec.sliding_window is not None:
                 max_keys = min(max_keys, spec.sliding_window)
-            max_keys = -(-max_keys // metadata.dcp_size)  # keys one DCP rank holds
+            max_keys = cdiv(max_keys, metadata.dcp_size)  # keys one DCP rank holds
             if self.decode_partition is not None:
                 partition = self.decode_partition
-                splits = -(-max_keys // partition)
+                splits = cdiv(max_keys, partition)
             else:
                 partition, splits = _choose_partition(
                     max_keys, num_decodes, spec.num_kv_heads, self._sm_count(device), self.decode_cfg
@@ -262,8 +264,6 @@ class TritonBackend(AttentionBackend):
             v_strides = (0, v_src.stride(0), v_src.stride(1))
             page, fp8 = 1, False
             k_scale = v_scale = plan.kv_lens  # never read
-        from meshserve.attention.kernels.attn_common import dot_precision
-
         heads = spec.num_heads
         sinks = _layer_tensor(layer.sinks, spec.has_sinks, "layer.sinks", heads, device)
         slopes = _layer_tensor(layer.alibi_slopes, spec.use_alibi, "layer.alibi_slopes", heads, device)
@@ -325,8 +325,6 @@ class TritonBackend(AttentionBackend):
             return ["no KV cache (encoder-only attention reads the new tokens' K/V)"]
         if not cfg.kv_desc:
             return ["the prefill config does not ask for descriptors (kv_desc=False)"]
-        from meshserve.attention.kernels.kv_pages import descriptor_reasons
-
         block_d = _pow2(self.spec.head_size, 16)
         return descriptor_reasons(kv_cache.data, self.spec.head_size, block_d, cfg.block_n,
                                   self.problem.compute_capability)  # fmt: skip
@@ -367,15 +365,7 @@ class TritonBackend(AttentionBackend):
         return scales_on(kv_cache, device)
 
 
-def _prefill_tiles(query_lens, kv_lens, block_m, causal):
-    from meshserve.attention.kernels.prefill import prefill_tiles
-
-    return prefill_tiles(tuple(query_lens), tuple(kv_lens), block_m, causal)
-
-
 def _choose_partition(max_keys, num_decodes, num_kv_heads, num_sms, cfg: DecodeConfig) -> tuple[int, int]:
-    from meshserve.attention.kernels.decode import choose_partition
-
     return choose_partition(
         max_keys, num_decodes, num_kv_heads, num_sms * cfg.programs_per_sm, cfg.block_n, cfg.min_partition
     )

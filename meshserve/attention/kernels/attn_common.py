@@ -8,7 +8,6 @@ costs nothing in the compiled kernel.
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
@@ -141,8 +140,3 @@ def finish_rows(acc, m_i, l_i, v_scale):
     out = acc * (v_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
     return out, lse
-
-
-def dot_precision(dtype: torch.dtype) -> str | None:
-    """float32 models get IEEE fp32 products, not TF32: fp32 is chosen for accuracy. Others: default."""
-    return "ieee" if dtype == torch.float32 else None

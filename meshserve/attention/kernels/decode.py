@@ -138,22 +138,3 @@ def decode_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=head_mask[:, None] & (dv[None, :] < HEAD_DV))
     if WRITE_LSE:
         tl.store(lse_ptr + split * stride_ln + i * stride_lt + heads * stride_lh, lse, mask=head_mask)
-
-
-def choose_partition(
-    max_keys: int, num_decodes: int, num_kv_heads: int, target_programs: int, block_n: int, min_partition: int
-) -> tuple[int, int]:
-    """(partition size, number of splits) so that the grid has about `target_programs` programs.
-
-    Many short programs balance the waves of equal-length work over the multiprocessors; each
-    split costs one partial (o, lse) write and a merge read, small next to its KV reads until a
-    split holds fewer than `min_partition` keys. Partitions are whole BLOCK_N tiles.
-    """
-    max_keys = max(max_keys, 1)
-    pairs = max(num_decodes * num_kv_heads, 1)
-    want = max(1, -(-target_programs // pairs))
-    most = max(1, max_keys // max(min_partition, block_n))
-    splits = min(want, most)
-    partition = -(-max_keys // splits)
-    partition = -(-partition // block_n) * block_n
-    return partition, -(-max_keys // partition)

@@ -62,34 +62,6 @@ def load_kv_pages(
     return x
 
 
-def descriptor_reasons(
-    data: torch.Tensor, head_size: int, block_d: int, block_n: int, compute_capability: tuple[int, int] | None
-) -> list[str]:
-    """Why the K/V cache `data` [num_blocks, 2, page, kv_heads, D] cannot be read by descriptors
-    (empty: it can). On CPU the Triton interpreter emulates them."""
-    out = []
-    if data.is_cuda and (compute_capability is None or compute_capability < (9, 0)):
-        out.append(f"tensor descriptors need compute capability >= 9.0 (have {compute_capability})")
-    if data.dim() != 5 or data.shape[1] != 2:
-        out.append(f"cache shape {tuple(data.shape)} is not [num_blocks, 2, page, kv_heads, head]")
-        return out
-    if not data.is_contiguous():
-        out.append("the cache is not contiguous")
-    if block_d != head_size:
-        out.append(f"head_size={head_size} is not a power of two >= 16 (a descriptor box is the whole head)")
-    row_bytes = data.shape[3] * data.shape[4] * data.element_size()
-    if row_bytes % 16:
-        out.append(f"a cache row of kv_heads * head = {row_bytes} bytes is not a multiple of 16")
-    if data.shape[0] * 2 * data.shape[2] >= 2**31:
-        out.append("the cache has 2**31 rows or more (descriptor coordinates are 32-bit)")
-    if data.data_ptr() % 16:
-        out.append("the cache is not 16-byte aligned")
-    page = data.shape[2]
-    if page < block_n and block_n // page > 8:
-        out.append(f"block_n={block_n} spans more than 8 pages of {page}")
-    return out
-
-
 def kv_page_descriptors(data: torch.Tensor, block_n: int, block_d: int):
     """(K descriptor, V descriptor) over the rows of `data` (descriptor_reasons must be empty).
 

@@ -102,10 +102,3 @@ def merge_two_kernel(
     acc, total, m = _merge_step(acc, total, m, o_b.to(tl.float32), lse_b)
     _merge_finish(out_ptr + t * stride_yt + h[:, None] * stride_yh + d[None, :],
                   out_lse_ptr + t * stride_zt + h * stride_zh, acc, total, m, mask_hd, mask_h, WRITE_LSE)
-
-
-def merge_block_sizes(num_heads: int, head_size: int) -> tuple[int, int]:
-    """(BLOCK_H, BLOCK_D): the whole head padded to a power of two; about 2K elements per program."""
-    block_d = triton.next_power_of_2(head_size)
-    block_h = max(1, min(triton.next_power_of_2(num_heads), 2048 // block_d))
-    return block_h, block_d

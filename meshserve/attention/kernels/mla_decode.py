@@ -97,20 +97,3 @@ def mla_decode_kernel(
         store_rows(o_ptrs, out.to(out_ptr.dtype.element_ty), head_mask, r, R, BLOCK_R)
     if WRITE_LSE:
         tl.store(lse_ptr + split * stride_ln + i.to(tl.int64) * stride_lt + heads * stride_lh, lse, mask=head_mask)
-
-
-def choose_splits(
-    max_keys: int, num_decodes: int, head_blocks: int, target_programs: int, block_n: int, min_partition: int
-) -> tuple[int, int]:
-    """(partition, number of splits): about `target_programs` programs, partitions of whole tiles.
-
-    A split costs one partial write and a merge read of [heads, kv_lora_rank] floats; it pays
-    only while the grid is short of programs and a split still holds `min_partition` keys.
-    """
-    max_keys = max(max_keys, 1)
-    want = max(1, -(-target_programs // max(num_decodes * head_blocks, 1)))
-    most = max(1, max_keys // max(min_partition, block_n))
-    splits = min(want, most)
-    partition = -(-max_keys // splits)
-    partition = -(-partition // block_n) * block_n
-    return partition, -(-max_keys // partition)

@@ -130,13 +130,3 @@ def mla_prefill_kernel(
     if RETURN_LSE:
         lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
         tl.store(lse_ptr + (q_start + rows).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_mask)
-
-
-def prefill_tiles(query_lens: tuple[int, ...], seq_lens: tuple[int, ...], block_m: int) -> tuple[list[int], list[int]]:
-    """(sequence, first query) of every program, the ones with the most keys to visit first."""
-    tiles = sorted(
-        (-(seq_len - q_len + min(q0 + block_m, q_len)), s, q0)
-        for s, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens))
-        for q0 in range(0, q_len, block_m)
-    )
-    return [s for _, s, _ in tiles], [q0 for _, _, q0 in tiles]

@@ -226,18 +226,3 @@ def prefill_kernel(
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & (dv[None, :] < HEAD_DV))
     if RETURN_LSE:
         tl.store(lse_ptr + (q_start + rows).to(tl.int64) * stride_lt + head * stride_lh, lse, mask=row_mask)
-
-
-def prefill_tiles(
-    query_lens: tuple[int, ...], kv_lens: tuple[int, ...], block_m: int, causal: bool
-) -> tuple[list[int], list[int]]:
-    """(sequence, first query) of every program, the ones with most keys to visit first."""
-    tiles = []
-    for s, (q_len, kv_len) in enumerate(zip(query_lens, kv_lens)):
-        context = kv_len - q_len
-        for q0 in range(0, q_len, block_m):
-            work = context + min(q0 + block_m, q_len) if causal else kv_len
-            tiles.append((-work, s, q0))
-    tiles.sort()
-    return [s for _, s, _ in tiles], [q0 for _, _, q0 in tiles]
-

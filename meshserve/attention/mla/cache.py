@@ -17,6 +17,7 @@ import torch
 
 from meshserve.attention.backend import FP8_DTYPES
 from meshserve.attention.spec import KVCacheDtype, MLADims
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 
 
@@ -163,7 +164,7 @@ def gather_latent(cache: LatentCache, block_row: torch.Tensor, length: int) -> t
     block_row: [max_blocks] int32. Returns latent [length, kv_lora_rank], k_pe [length, rope_dim].
     """
     bs = cache.block_size
-    num_blocks = -(-length // bs)
+    num_blocks = cdiv(length, bs)
     rows = cache.data[block_row[:num_blocks].long()].reshape(num_blocks * bs, -1)[:length].float()
     if cache.is_fp8:
         rows = rows * cache.scale.float()

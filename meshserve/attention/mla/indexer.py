@@ -25,6 +25,7 @@ import torch
 
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.cache import LatentCache
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 
 FP8_MAX = 448.0  # float8_e4m3fn's largest finite value
@@ -83,7 +84,7 @@ def gather_index_keys(cache: LatentCache, block_table: torch.Tensor, length: int
     [S, length, D], in the storage dtype (FP8: dequantised to float32, still rotated). Rows past a
     sequence's end hold whatever its table points at; callers mask them by position."""
     bs, width = cache.block_size, cache.index_keys.shape[2]
-    blocks = block_table[:, : -(-length // bs)].long()  # [S, nb]
+    blocks = block_table[:, : cdiv(length, bs)].long()  # [S, nb]
     keys = cache.index_keys[blocks].reshape(blocks.shape[0], -1, width)[:, :length]
     if cache.index_scale is not None:
         keys = keys.float() * cache.index_scale[blocks].reshape(blocks.shape[0], -1)[:, :length, None]

@@ -219,9 +219,10 @@ class BartBody(nn.Module):
 
 
 class BartForConditionalGeneration(nn.Module):
-    """The runner's model interface (forward over packed decoder tokens, compute_logits,
-    attention_specs) plus `encoder_spec` for the encoder's own backend."""
+    """A contract.GenerativeModel over packed decoder tokens whose `encoder_spec` gives the
+    encoder its own backend."""
 
+    STACKED: dict[str, tuple[str, int]] = {}  # load_bart fills every parameter by its HF name
     is_encoder_decoder = True
     cuda_graph_safe = False  # the graph buffers carry no encoder tables yet (docs/engine.md)
 
@@ -245,6 +246,12 @@ class BartForConditionalGeneration(nn.Module):
         a = self.arch
         return AttentionSpec(num_heads=a.encoder_heads, num_kv_heads=a.encoder_heads,
                              head_size=a.d_model // a.encoder_heads, attn_type=AttentionType.ENCODER_ONLY)
+
+    def expert_layers(self) -> list:
+        return []  # dense
+
+    def finish_loading(self, device: torch.device | str) -> None:
+        pass  # load_bart fills every tensor, derived ones included
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.model.shared(ids)

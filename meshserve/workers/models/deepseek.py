@@ -25,8 +25,10 @@ from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.deepseek_indexer import Indexer
-from meshserve.workers.models.moe import GatedMLP, MoE, experts_graph_safe
+from meshserve.workers.models.expert_layer import experts_graph_safe
+from meshserve.workers.models.moe import GatedMLP, MoE
 from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
 
@@ -122,8 +124,8 @@ class DeepseekBody(nn.Module):
         self.rotary = YarnRotary(arch.deepseek.rope, arch.deepseek.mla.qk_rope_head_dim, max_positions)
 
 
-class DeepseekForCausalLM(nn.Module):
-    """DeepSeek-V2/V3 over a packed batch of new tokens (the CausalLM interface)."""
+class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
+    """DeepSeek-V2/V3 over a packed batch of new tokens (a contract.GenerativeModel)."""
 
     STACKED: dict[str, tuple[str, int]] = {}  # no fused parameters: every checkpoint tensor loads as is
 

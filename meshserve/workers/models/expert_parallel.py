@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_to_all_ep
 
@@ -64,7 +65,7 @@ def dispatch_combine(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, 
     """
     ctx, (T, k), H = shard.ctx, ids.shape, x.shape[1]
     ep, local = ctx.ep, shard.num_local
-    chunk = -(-T // ep)
+    chunk = cdiv(T, ep)
     lo, pad = ctx.ep_rank * chunk, chunk * ep - T
     xc = F.pad(x, (0, 0, 0, pad))[lo : lo + chunk]  # [C, H]
     wc = F.pad(weights, (0, 0, 0, pad))[lo : lo + chunk]  # [C, k]

@@ -303,7 +303,3 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     torch.sum(y.view(T, k, H), dim=1, out=out)
     return out
 
-
-def runs_fused(device: torch.device | str) -> bool:
-    """Whether MoE layers on `device` pack their experts for the fused kernels: on CUDA."""
-    return torch.device(device).type == "cuda"

@@ -24,9 +24,10 @@ from torch import nn
 from meshserve.errors import check
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.workers.models.arch import SwigluExperts
+from meshserve.workers.models.expert_layer import ExpertLayer
 from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
-from meshserve.workers.models.moe import reset_expert_load, run_moe, select_experts
+from meshserve.workers.models.moe import run_moe, select_experts
 from meshserve.workers.models.moe_routing import RoutingSpec
 
 
@@ -68,27 +69,20 @@ class SwigluExpertBank(nn.Module):
                              activation=ExpertActivation(ACT_SWIGLU_CLAMP, self.alpha, self.limit))
 
 
-class SwigluMoE(nn.Module):
+class SwigluMoE(ExpertLayer):
     """router (nn.Linear with bias, [E, hidden]) + experts (SwigluExpertBank); x [T, hidden] -> [T, hidden]."""
 
     def __init__(self, hidden: int, intermediate: int, cfg: SwigluExperts) -> None:
-        super().__init__()
+        super().__init__(cfg.num_experts)
         self.top_k = cfg.top_k
         self.num_experts = cfg.num_experts
         self.routing = RoutingSpec(cfg.num_experts, cfg.top_k, scoring="topk_softmax")
         self.router = nn.Linear(hidden, cfg.num_experts, bias=True)
         self.experts: SwigluExpertBank | None = SwigluExpertBank(hidden, intermediate, cfg)
-        self.fused: ExpertWeights | None = None  # set by pack_experts (CUDA)
-        self.expert_shard = None  # expert_parallel.ExpertShard under --ep
-        # Rows routed to each local expert since start (load-balance statistics), on the device.
-        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
         return select_experts(self.router(x), self.routing)
-
-    def finish_loading(self, device: torch.device | str) -> None:
-        reset_expert_load(self, device)
 
     def pack_experts(self) -> None:
         """Switch to the fused kernels: the experts move to their layout; HF's copy is freed."""

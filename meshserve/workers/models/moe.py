@@ -21,12 +21,12 @@ from torch import nn
 
 from meshserve.errors import check
 from meshserve.workers.models.deepseek_arch import MoEConfig
+from meshserve.workers.models.expert_layer import ExpertLayer
 from meshserve.workers.models.fused_moe import (
     ACT_SILU,
     ExpertActivation,
     ExpertWeights,
     fused_moe,
-    runs_fused,
 )
 from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
 from meshserve.workers.models.routing_kernel import route_triton
@@ -88,7 +88,7 @@ def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torc
     Under expert parallelism (module.expert_shard set) the result holds only this rank's share
     of the tokens, zeros elsewhere: the layer's all-reduce completes it.
     """
-    shard = getattr(module, "expert_shard", None)
+    shard = module.expert_shard
     if shard is not None:
         from meshserve.workers.models.expert_parallel import dispatch_combine
 
@@ -100,24 +100,11 @@ def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torc
     return out if shared is None else out + shared(x)
 
 
-def reset_expert_load(module: nn.Module, device: torch.device | str) -> None:
-    """Zero the load counters (a meta-built model's buffers hold garbage after to_empty) and
-    pack the experts for the fused kernels when `device` runs them."""
-    module.expert_load = torch.zeros(module.expert_load.numel(), dtype=torch.int64, device=device)
-    if runs_fused(device):
-        module.pack_experts()
-
-
 def _plain(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
     """An expert linear's weight as the fused kernels read it: FP8 experts (quant Fp8Linear)
     dequantized to the model dtype, the interim path until the kernels read FP8 with its scales."""
     dequantized = getattr(linear, "dequantized", None)
     return linear.weight if dequantized is None else dequantized(dtype)
-
-
-def experts_graph_safe(model: nn.Module) -> bool:
-    """Whether every MoE layer of `model` runs fused (no host sync: a CUDA graph can hold it)."""
-    return all(m.fused is not None for m in model.modules() if hasattr(m, "expert_load"))
 
 
 class GatedMLP(nn.Module):
@@ -159,24 +146,17 @@ class Router(nn.Module):
                               None if bias is None else bias.float())  # fmt: skip
 
 
-class MoE(nn.Module):
+class MoE(ExpertLayer):
     """Routed experts (weighted by the router) plus shared experts (every token)."""
 
     def __init__(self, hidden: int, moe: MoEConfig) -> None:
-        super().__init__()
+        super().__init__(moe.num_experts)
         self.gate = Router(hidden, moe)
         self.experts: nn.ModuleList | None = nn.ModuleList(
             GatedMLP(hidden, moe.moe_intermediate_size) for _ in range(moe.num_experts))
         self.shared_experts = (
             GatedMLP(hidden, moe.moe_intermediate_size * moe.num_shared_experts) if moe.num_shared_experts else None
         )
-        self.fused: ExpertWeights | None = None  # set by pack_experts (CUDA)
-        self.expert_shard = None  # expert_parallel.ExpertShard under --ep
-        # Rows routed to each local expert since start (load-balance statistics), on the device.
-        self.register_buffer("expert_load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
-
-    def finish_loading(self, device: torch.device | str) -> None:
-        reset_expert_load(self, device)
 
     def pack_experts(self) -> None:
         """Switch to the fused kernels: the experts move to their layout; the modules are freed."""

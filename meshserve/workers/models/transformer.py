@@ -25,6 +25,8 @@ import meshserve.workers.models.fused_ops as fused
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.decoder_only import DecoderOnlyLM
+from meshserve.workers.models.expert_layer import experts_graph_safe
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
 
@@ -205,8 +207,20 @@ class DecoderBody(nn.Module):
                              if arch.local_rope is not None else None)
 
 
-class CausalLM(nn.Module):
-    """Decoder-only language model over a packed batch of new tokens."""
+# Checkpoint module -> (fused model module, index of its part along dim 0).
+STACKED: dict[str, tuple[str, int]] = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+
+
+class CausalLM(DecoderOnlyLM, nn.Module):
+    """Decoder-only language model over a packed batch of new tokens (a contract.GenerativeModel)."""
+
+    STACKED = STACKED
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()
@@ -220,10 +234,6 @@ class CausalLM(nn.Module):
     def cuda_graph_safe(self) -> bool:
         """Whether forward never waits on the device (a CUDA graph can hold it): MoE layers only
         when their experts run fused (the torch loop reads expert ids on the host)."""
-        if self.arch.experts is None:
-            return True
-        from meshserve.workers.models.moe import experts_graph_safe
-
         return experts_graph_safe(self)
 
     def attention_specs(self) -> list[AttentionSpec]:
@@ -235,6 +245,11 @@ class CausalLM(nn.Module):
                           has_sinks=a.attn_sinks)
             for window in a.layer_windows
         ]
+
+    def finish_loading(self, device: torch.device | str) -> None:
+        super().finish_loading(device)
+        if self.model.local_rotary is not None:
+            self.model.local_rotary.reset_tables(device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""

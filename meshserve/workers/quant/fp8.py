@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from meshserve.core.arith import cdiv
 from meshserve.workers.quant.formats import FP8_MAX
 
 FP8 = torch.float8_e4m3fn
@@ -35,7 +36,7 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     """weight [N, K] float -> (fp8 [N, K], float32 scales [ceil(N / bn), ceil(K / bk)])."""
     bn, bk = block
     n, k = weight.shape
-    rows, cols = -(-n // bn), -(-k // bk)
+    rows, cols = cdiv(n, bn), cdiv(k, bk)
     padded = weight.new_zeros(rows * bn, cols * bk, dtype=torch.float32)
     padded[:n, :k] = weight.float()
     tiles = padded.view(rows, bn, cols, bk)
@@ -55,7 +56,7 @@ def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor,
     """Dynamic activation quantization: x [M, K] -> (fp8 [M, K], float32 scales [M, ceil(K / group)]),
     one scale per token per `group` consecutive features (DeepSeek-V3: group = block_k = 128)."""
     m, k = x.shape
-    groups = -(-k // group)
+    groups = cdiv(k, group)
     padded = x.new_zeros(m, groups * group, dtype=torch.float32)
     padded[:, :k] = x.float()
     tiles = padded.view(m, groups, group)

@@ -23,6 +23,7 @@ import functools
 import torch
 from torch import nn
 
+from meshserve.core.arith import cdiv
 from meshserve.parallel.groups import ParallelContext, all_reduce
 from meshserve.parallel.layers import RowParallelLinear
 from meshserve.workers.quant import gemm_table
@@ -108,7 +109,7 @@ class Fp8Linear(nn.Module):
         if block is None:
             self.register_buffer("weight_scale", torch.empty(out_features, dtype=torch.float32))
         else:
-            rows, cols = -(-out_features // block[0]), -(-in_features // block[1])
+            rows, cols = cdiv(out_features, block[0]), cdiv(in_features, block[1])
             self.register_buffer("weight_scale_inv", torch.empty(rows, cols, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from meshserve.core.arith import cdiv
 from meshserve.errors import ConfigError, MeshserveError
 from meshserve.workers.checkpoint import Checkpoint
 from meshserve.workers.quant.formats import MXFP4_GROUP, MXFP4_SUFFIXES, SCALE_SUFFIX, WeightQuant
@@ -89,7 +90,7 @@ def _block_shard(name: str, shape: tuple[int, ...], shard: Shard, blocks: tuple[
             f"{shard.start}..{shard.stop}, blocks of {block}); tp values that work for it: "
             f"{_working_tp(name, shape, shard_fn, blocks)}")
     stop = size if shard.stop is None else shard.stop
-    return Shard(shard.dim, shard.start // block, -(-stop // block))
+    return Shard(shard.dim, shard.start // block, cdiv(stop, block))
 
 
 def read_quantized(ckpt: Checkpoint, name: str, names: set[str], *, quant: WeightQuant | None,
@@ -154,7 +155,7 @@ def _read_mxfp4(ckpt: Checkpoint, name: str, names: set[str], *, dest: torch.Ten
     else:  # input features, dequantized: the groups around the slice, then the slice itself
         # (gpt-oss's 2880 features split 4 or 8 ways cut groups: 720 and 360 are not multiples of 32)
         b_dim, first = 2, shard.start // MXFP4_GROUP
-        b_shard = Shard(2, first, -(-shard.stop // MXFP4_GROUP))
+        b_shard = Shard(2, first, cdiv(shard.stop, MXFP4_GROUP))
         cut = slice(shard.start - first * MXFP4_GROUP, shard.stop - first * MXFP4_GROUP)
     blocks = ckpt.read(name, b_dim, b_shard.start, b_shard.stop)
     scales = ckpt.read(scales_name, b_dim, b_shard.start, b_shard.stop)

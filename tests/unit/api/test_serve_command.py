@@ -16,8 +16,8 @@ from meshserve.errors import ConfigError
 CONTRACT = ["serve", "--model", "/m", "--dtype", "bfloat16", "--tp", "8", "--dcp", "2", "--attention-backend",
             "FLASHINFER", "--block-size", "32", "--max-model-len", "4096", "--pools", "disaggregated",
             "--replicas", "3", "--prefill-replicas", "2", "--decode-replicas", "4", "--ray-address", "auto",
-            "--host", "0.0.0.0", "--port", "1234", "--metrics-port", "5678", "--tls-cert", "c.pem", "--tls-key",
-            "k.pem", "--auth-token-file", "t", "--max-queue", "99", "--http-host", "0.0.0.0", "--http-port", "8080",
+            "--grpc-host", "0.0.0.0", "--grpc-port", "1234", "--metrics-port", "5678", "--tls-cert", "c.pem",
+            "--tls-key", "k.pem", "--auth-token-file", "t", "--max-queue", "99", "--host", "0.0.0.0", "--port", "8080",
             "--chat-template", "chat.jinja", "--revision", "v2", "--log-format", "json", "--metrics-host", "10.0.0.5",
             "--metrics-token-file", "mt"]
 
@@ -28,7 +28,7 @@ def test_every_contract_flag_parses():
             args.max_model_len) == ("/m", "bfloat16", 8, 2, "FLASHINFER", 32, 4096)
     assert (args.pools, args.replicas, args.prefill_replicas, args.decode_replicas, args.ray_address) == (
         "disaggregated", 3, 2, 4, "auto")
-    assert (args.host, args.port, args.metrics_port, args.tls_cert, args.tls_key, args.auth_token_file,
+    assert (args.grpc_host, args.grpc_port, args.metrics_port, args.tls_cert, args.tls_key, args.auth_token_file,
             args.max_queue) == ("0.0.0.0", 1234, 5678, "c.pem", "k.pem", "t", 99)
     assert (args.http_host, args.http_port, args.chat_template, args.revision, args.log_format) == (
         "0.0.0.0", 8080, "chat.jinja", "v2", "json")
@@ -37,8 +37,8 @@ def test_every_contract_flag_parses():
 
 def test_defaults_serve_the_demo_on_loopback():
     args = build_parser().parse_args(["serve"])
-    assert (args.model, args.host, args.port, args.metrics_port, args.pools, args.replicas) == (
-        None, "127.0.0.1", 50051, 9400, PoolMode.UNIFIED.value, 1)
+    assert (args.model, args.grpc_host, args.grpc_port, args.metrics_port, args.pools, args.replicas) == (
+        None, "127.0.0.1", 50051, None, PoolMode.UNIFIED.value, 1)  # metrics: on the API port
     assert (args.http_host, args.http_port, args.log_format) == ("127.0.0.1", 8000, None)
     assert (args.metrics_host, args.metrics_token_file) == ("127.0.0.1", None)  # not --host: metrics stay local
     assert (args.placement_timeout, args.unhealthy_liveness_seconds) == (None, 300.0)  # wait forever; 5 min
@@ -55,7 +55,13 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--tls-cert", "x.pem"], "tls_key=None is not allowed: set together with tls_cert"),
     (["--auth-token-file", "/no/such/file"], "auth_token_file='/no/such/file' is not allowed"),
     (["--port", "70000"], "port=70000 is not allowed: an integer in [0, 65535]"),
-    (["--http-port", "-1"], "http_port=-1 is not allowed: an integer in [0, 65535]"),
+    (["--grpc-port", "-1"], "grpc_port=-1 is not allowed: an integer in [0, 65535]"),
+    (["--tp", "3"], "tp=3 is not allowed: a divisor of the model's num_attention_heads=4"),  # before Ray starts
+    (["--tp", "2", "--ep", "2"], "ep=2 is not allowed: 1 for a model without routed experts"),
+    (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization=1.5 is not allowed: a fraction in (0, 1]"),
+    (["--generation-config", "/no/such/dir"], "generation_config='/no/such/dir' is not allowed: auto, vllm, or a "
+                                              "directory holding generation_config.json"),
+    (["--served-model-name", "a", "a"], "served_model_name=['a', 'a'] is not allowed: distinct non-empty names"),
     (["--chat-template", "/no/such.jinja"], "chat_template='/no/such.jinja' is not allowed: an existing readable file"),
     (["--revision", "v1"], "revision='v1' is not allowed: unset unless --model names a hub model id"),
     (["--model", "acme/not-in-the-cache"], "HF_HUB_OFFLINE is set and the hub cache has no snapshot"),

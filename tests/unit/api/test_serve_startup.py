@@ -76,7 +76,7 @@ def _run(service, body):
 
     async def main():
         port = _free_port()
-        config = ServerConfig(port=port, metrics_port=0, http_port=0)
+        config = ServerConfig(port=port, metrics_port=0, http_port=None)
         server = asyncio.ensure_future(run_server(service, config, max_queue=4, drain_seconds=0, announce=announce))
         try:
             await body(f"127.0.0.1:{port}", announced)

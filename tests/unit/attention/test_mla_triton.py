@@ -106,7 +106,7 @@ def test_prefill_and_mixed_batches_match_float64_oracle(name):
 
 
 def test_prefill_tiles_cover_every_query_once():
-    from meshserve.attention.kernels.mla_prefill import prefill_tiles
+    from meshserve.attention.kernels.host_plans import mla_prefill_tiles as prefill_tiles
 
     seqs, q0s = prefill_tiles((5, 40, 17), (5, 90, 20), 16)
     assert sorted(zip(seqs, q0s)) == [(0, 0), (1, 0), (1, 16), (1, 32), (2, 0), (2, 16)]

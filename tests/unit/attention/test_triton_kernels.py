@@ -11,7 +11,7 @@ import torch
 from meshserve.attention.backend import KVCache, LayerParams
 from meshserve.attention.backends.torch_ref import quantize_fp8
 from meshserve.attention.backends.triton_paged import TritonBackend
-from meshserve.attention.kernels.decode import choose_partition
+from meshserve.attention.kernels.host_plans import choose_partition
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.errors import ConfigError
 from tests.unit.attention.scenarios import (

@@ -11,7 +11,7 @@ import torch
 
 from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.kernels.config import PrefillConfig
-from meshserve.attention.kernels.kv_pages import descriptor_reasons
+from meshserve.attention.kernels.host_plans import descriptor_reasons
 from meshserve.attention.spec import KVCacheDtype
 from meshserve.errors import ConfigError
 from tests.unit.attention.scenarios import (

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import time
 
-from meshserve.cluster.null_worker import NullWorker
 from meshserve.workers.step import StepPlan
 from meshserve.workers.worker import Worker
+from tests.null_worker import NullWorker
 
 STEP_S = 0.02
 

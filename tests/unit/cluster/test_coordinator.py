@@ -9,10 +9,10 @@ import asyncio
 import pytest
 
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
-from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import CapacityError, ConfigError, QueueFullError, ReplicaFailedError, UnavailableError
+from tests.null_worker import POISON_TOKEN, next_token
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,
     assert_same,
@@ -147,7 +147,7 @@ def null_config(tmp_path, mode="unified", **kw) -> ClusterConfig:
     (tmp_path / "null").mkdir(exist_ok=True)
     cfg = threads(tmp_path / "null", mode, **kw)
     return ClusterConfig(engine=cfg.engine, pools=cfg.pools, runtime="threads",
-                         worker_class="meshserve.cluster.null_worker:NullWorker", health_period_s=0.2)
+                         worker_class="tests.null_worker:NullWorker", health_period_s=0.2)
 
 
 def null_tokens(prompt, n):

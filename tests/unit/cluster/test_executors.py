@@ -10,14 +10,14 @@ import pytest
 from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
 from meshserve.cluster.executors.executor import RankError, WorkerDiedError, WorkerSpec
 from meshserve.cluster.executors.multiproc import MultiprocExecutor
-from meshserve.cluster.null_worker import POISON_TOKEN, next_token
 from meshserve.config import CacheConfig, ModelConfig, ParallelConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from meshserve.errors import ConfigError
+from tests.null_worker import POISON_TOKEN, next_token
 
-NULL = "meshserve.cluster.null_worker:NullWorker"
+NULL = "tests.null_worker:NullWorker"
 GREEDY = SamplingParams(temperature=0, max_tokens=6)
 
 

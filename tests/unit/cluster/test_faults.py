@@ -22,13 +22,13 @@ import pytest
 from meshserve.cluster.coordinator import ClusterConfig
 from meshserve.cluster.executors.executor import StepDeadline, WorkerDiedError, WorkerHungError
 from meshserve.cluster.migration import continued, plan_failover
-from meshserve.cluster.null_worker import POISON_TOKEN
 from meshserve.cluster.replica import ReplicaState
 from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.request import Request, RequestStatus, Ticket
 from meshserve.errors import ConfigError, ReplicaFailedError
+from tests.null_worker import POISON_TOKEN
 from tests.unit.cluster import fault_workers
 from tests.unit.cluster.cases import (
     assert_no_held_blocks,

@@ -40,7 +40,7 @@ def test_in_process_runtime_refuses_what_it_cannot_run(ckpt):
     with pytest.raises(ConfigError, match="pools='disaggregated' is not allowed: 'unified' with runtime=in-process"):
         ClusterConfig(engine=engine, pools=PoolConfig(mode="disaggregated"), runtime="in-process")
     with pytest.raises(ConfigError, match="worker_class"):
-        ClusterConfig(engine=engine, runtime="in-process", worker_class="meshserve.cluster.null_worker:NullWorker")
+        ClusterConfig(engine=engine, runtime="in-process", worker_class="tests.null_worker:NullWorker")
     with pytest.raises(ConfigError, match="core=.*one unified in-process replica"):
         Coordinator(ClusterConfig(engine=engine, runtime="threads"), core=object())
 

@@ -14,11 +14,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from meshserve.api.health import INFERENCE_SERVICE, HealthReporter
-from meshserve.cluster.null_worker import POISON_TOKEN
 from meshserve.cluster.pools import REBUILD_BACKOFF_S, rebuild_delay
 from meshserve.cluster.service import ServiceHealth
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError, UnavailableError
+from tests.null_worker import POISON_TOKEN
 from tests.unit.cluster.cases import collect, serve, wait_until
 
 ray_executor = pytest.importorskip("meshserve.cluster.executors.ray_executor")

@@ -181,8 +181,8 @@ def test_cpu_demo_gets_the_cpu_default_backend():
     """The automatic choice the CPU demo values leave to the server is CPU_SDPA for the demo model."""
     import torch
 
+    from meshserve.attention.layer_backends import make_backends
     from meshserve.attention.spec import AttentionSpec
-    from meshserve.workers.runner import make_backends
 
     spec = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64)  # the bundled demo model's layers
     (backend,) = make_backends([spec], name=None, dtype=torch.float32, block_size=16, max_model_len=2048,

@@ -44,7 +44,7 @@ def test_head_starts_ray_without_gpus_then_the_server(config):
     assert serve_cmd[:2] == ["meshserve", "serve"] and serve_cmd[-1].endswith(";")
     args = serve_cmd[2:-1] + [serve_cmd[-1].rstrip(";")]
     flags = dict(zip(args[::2], args[1::2]))
-    assert flags["--host"] == "0.0.0.0" and flags["--ray-address"] == "auto"
+    assert flags["--host"] == flags["--grpc-host"] == "0.0.0.0" and flags["--ray-address"] == "auto"
     assert int(flags["--tp"]) % int(flags["--dcp"]) == 0 and flags["--pools"] == "unified"
     assert flags["--model"].startswith("/models/")
     options = config["docker"]["run_options"]

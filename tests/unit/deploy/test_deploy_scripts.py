@@ -86,8 +86,8 @@ def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
     assert ray == ["ray", "start", "--head", "--node-ip-address=127.0.0.1", "--port=6379",
                    "--node-manager-port=8076", "--object-manager-port=8077", "--num-cpus=0",
                    "--num-gpus=0", "--include-dashboard=false", "--disable-usage-stats"]
-    assert serve == ["meshserve", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
-                     "--metrics-host", "0.0.0.0", "--http-host", "0.0.0.0", "--http-port", "8000",
+    assert serve == ["meshserve", "serve", "--grpc-host", "0.0.0.0", "--grpc-port", "50051", "--metrics-port", "9400",
+                     "--metrics-host", "0.0.0.0", "--host", "0.0.0.0", "--port", "8000",
                      "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
                      "--tp", "8", "--dcp", "2", "--ep", "1",
                      "--pools", "unified", "--replicas", "2", "--model", "/models",
@@ -109,8 +109,8 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
     done = run(script(docs, "head.sh", tmp_path), env, stubs)
     assert done.returncode == 0, done.stderr
     serve = stubs()[-1]
-    assert serve == ["meshserve", "serve", "--host", "0.0.0.0", "--port", "50051", "--metrics-port", "9400",
-                     "--metrics-host", "0.0.0.0", "--http-host", "0.0.0.0", "--http-port", "8000",
+    assert serve == ["meshserve", "serve", "--grpc-host", "0.0.0.0", "--grpc-port", "50051", "--metrics-port", "9400",
+                     "--metrics-host", "0.0.0.0", "--host", "0.0.0.0", "--port", "8000",
                      "--ray-address", "127.0.0.1:6379", "--dtype", "bfloat16",
                      "--tp", "8", "--dcp", "1", "--ep", "1",
                      "--pools", "disaggregated", "--prefill-replicas", "2", "--decode-replicas", "4",

@@ -249,14 +249,17 @@ def test_plans_carry_table_changes_not_whole_tables():
         assert decodes and max(decodes) <= 2  # the held last block and at most one new one
         # A decode step that neither opens a block nor copies one carries no block at all.
         assert decodes.count(0) >= len(decodes) // 2  # blocks of BS=4 tokens: 3 steps in 4
-    restarts = sum(offsets is None for plans in carried.values() for offsets, _, _ in plans)
+    # (a request the workers know gets its tables whole as changes from offset 0)
+    restarts = sum(offsets is None or not any(offsets) for plans in carried.values() for offsets, _, _ in plans)
     assert restarts > len(reqs)  # a re-admitted request got its (new) tables whole
     assert kv.num_free_blocks == 23
 
 
-def test_decode_rows_that_just_continue_travel_as_columns():
-    """A decode whose tables did not change rides in the plan's DecodeRows; the step that gives it a
-    new block (every BS tokens) sends it as a ScheduledSeq with that block; tokens stay exact."""
+def test_decode_rows_that_just_continue_carry_no_blocks():
+    """A request's first row comes with its announcement (tables whole); later rows are columns of
+    the plan's CachedRows: a decode whose tables did not change carries no block (its offset is
+    the length the workers hold), the step that gives it a new block (every BS tokens) carries
+    that block; tokens stay exact."""
     sched, _ = make()
     worker = FakeWorker()
     reqs = [req(i, PROMPTS[i], max_tokens=12) for i in range(2)]
@@ -265,20 +268,24 @@ def test_decode_rows_that_just_continue_travel_as_columns():
     kinds = []
 
     def record(step):
-        rows = step.plan.decodes
-        kinds.append(({s.request_id: s.context_len for s in step.plan.seqs},
-                      {} if rows is None else dict(zip(rows.request_ids, rows.context_lens.tolist()))))
+        rows = step.plan.cached
+        changed, quiet = {}, {}
         if rows is not None:
             assert not rows.from_last_step.any()  # no overlap here: every token is known
+            assert rows.num_tokens.tolist() == [1] * len(rows)
             assert all(sched.requests[r].all_token_ids[c] == t
                        for r, c, t in zip(rows.request_ids, rows.context_lens.tolist(), rows.token_ids.tolist()))
+            for rid, ctx, count in zip(rows.request_ids, rows.context_lens.tolist(), rows.block_counts[:, 0].tolist()):
+                (changed if count else quiet)[rid] = ctx
+        kinds.append(([r.request_id for r in step.plan.new_requests], changed, quiet))
 
     run(sched, worker, on_step=record)
     first, later = kinds[0], kinds[1:]
-    assert set(first[0]) == {"r0", "r1"} and not first[1]  # prompts: whole tables, as seqs
-    for general, columnar in later:
-        assert all(ctx % BS == 0 for ctx in general.values())  # a new block: the row carries it
-        assert all(ctx % BS != 0 for ctx in columnar.values())  # else columns
-    assert sum(len(c) for _, c in later) > sum(len(g) for g, _ in later) > 0
+    assert sorted(first[0]) == ["r0", "r1"] and not first[1] and not first[2]  # prompts: announced, tables whole
+    for new, changed, quiet in later:
+        assert not new
+        assert all(ctx % BS == 0 for ctx in changed.values())  # a new block: the row carries it
+        assert all(ctx % BS != 0 for ctx in quiet.values())  # else no block at all
+    assert sum(len(q) for _, _, q in later) > sum(len(c) for _, c, _ in later) > 0
     # tokens as one request at a time would get them (the fake worker reads them through the tables)
     assert all(r.output_ids == reference(r.prompt_ids, 12) for r in reqs)

@@ -1,12 +1,11 @@
-"""Cache tensors from a memory budget; copy-on-write copies; slot mapping (with DCP)."""
+"""Cache tensors from a memory budget; copy-on-write copies."""
 
 import pytest
 import torch
 
 from meshserve.attention.backend import KVCache
-from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionSpec, AttentionType, KVCacheDtype, MLADims
-from meshserve.errors import ConfigError, MeshserveError
+from meshserve.errors import ConfigError
 from meshserve.kvstore.cache_tensors import (
     MLACache,
     allocate_caches,
@@ -15,7 +14,6 @@ from meshserve.kvstore.cache_tensors import (
     copy_blocks,
     num_blocks_for_budget,
 )
-from meshserve.kvstore.slots import local_seq_len, slot_mapping
 
 GQA = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=16)
 FP8 = AttentionSpec(num_heads=8, num_kv_heads=2, head_size=16, kv_cache_dtype=KVCacheDtype.FP8_E4M3)
@@ -70,35 +68,3 @@ def test_copy_blocks_copies_every_layer(spec, dtype):
         assert torch.equal(c.data[5].view(torch.uint8), old[4].view(torch.uint8))
         assert torch.equal(c.data[:4].view(torch.uint8), old[:4].view(torch.uint8))
 
-
-def test_slot_mapping_matches_attention_metadata_without_dcp():
-    tables = [[3, 7, 1], [5], [2, 9]]
-    ctx, q = [5, 0, 6], [4, 3, 1]
-    ours = slot_mapping(tables, ctx, q, block_size=4)
-    meta = AttentionMetadata.build(
-        query_lens=q, seq_lens=[c + n for c, n in zip(ctx, q)], block_tables=tables, block_size=4
-    )
-    assert torch.equal(ours, meta.slot_mapping)
-
-
-def test_slot_mapping_with_dcp_puts_each_token_on_one_rank_at_its_local_position():
-    bs, dcp = 4, 2
-    tables = [[3, 6, 1], [8, 2]]
-    ctx, q = [5, 0], [13, 11]
-    per_rank = [slot_mapping(tables, ctx, q, block_size=bs, dcp_size=dcp, dcp_rank=r) for r in range(dcp)]
-    t = 0
-    for s in range(2):
-        for pos in range(ctx[s], ctx[s] + q[s]):
-            owners = [r for r in range(dcp) if per_rank[r][t] >= 0]
-            assert owners == [pos % dcp]
-            local = pos // dcp
-            assert per_rank[owners[0]][t] == tables[s][local // bs] * bs + local % bs
-            t += 1
-    assert local_seq_len(18, 2, 0) == 9 and local_seq_len(18, 2, 1) == 9 and local_seq_len(5, 2, 1) == 2
-
-
-def test_slot_mapping_refuses_the_null_block_and_short_tables():
-    with pytest.raises(MeshserveError, match="null block"):
-        slot_mapping([[0, 4]], [0], [3], block_size=2)
-    with pytest.raises(ConfigError, match="block_tables"):
-        slot_mapping([[1]], [2], [3], block_size=2)

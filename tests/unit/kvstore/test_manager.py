@@ -217,7 +217,7 @@ def test_import_allocation_is_all_or_nothing_and_adopts_hashes():
     kv.check_invariants()
 
 
-def test_append_slots_is_allocate_slots_for_a_batch_and_stops_at_the_first_failure():
+def test_a_decode_step_that_cannot_get_a_block_leaves_the_request_unchanged():
     kv = KVCacheManager(6, 2)  # 5 usable blocks
     tokens = {r: [1, 2, 3, 4] if r != "c" else [7] for r in "abc"}
     for r, t in tokens.items():
@@ -225,10 +225,11 @@ def test_append_slots_is_allocate_slots_for_a_batch_and_stops_at_the_first_failu
     assert kv.num_free_blocks == 0
     for t in tokens.values():
         t.append(9)
-    assert kv.append_slots(["c", "a", "b"], [tokens["c"], tokens["a"], tokens["b"]]) == 1  # a needs a block
+    assert kv.allocate_slots("c", 1, tokens["c"])  # room in its last block
+    assert not kv.allocate_slots("a", 1, tokens["a"])  # a needs a block
     assert kv.num_tokens("c") == 2 and kv.num_tokens("a") == 4 and kv.num_tokens("b") == 4
     kv.free("b")
-    assert kv.append_slots(["a"], [tokens["a"]]) == 1 and kv.num_tokens("a") == 5
+    assert kv.allocate_slots("a", 1, tokens["a"]) and kv.num_tokens("a") == 5
     assert kv.block_hashes("a") == (hash_blocks(tokens["a"], 2),)
     kv.check_invariants()
 

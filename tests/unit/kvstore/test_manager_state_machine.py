@@ -168,7 +168,8 @@ class KVMachine(RuleBasedStateMachine):
 
     @rule(rids=st.lists(live, unique=True, min_size=1, max_size=6), token=st.integers(0, 9))
     def decode_batch(self, rids, token):
-        """One decode step for several requests through the batch verb."""
+        """One decode step for several requests, as the scheduler runs it: allocate_slots in order,
+        stopping at the first that cannot get its slot."""
         OPS["count"] += len(rids)
         kv = self.kv
         starts = [kv.num_tokens(r) for r in rids]
@@ -176,7 +177,11 @@ class KVMachine(RuleBasedStateMachine):
             if start == len(self.reqs[rid].tokens):
                 self.reqs[rid].append([token])
         before = self._snapshot()
-        done = kv.append_slots(rids, [self.reqs[r].tokens[: s + 1] for r, s in zip(rids, starts)])
+        done = 0
+        for rid, start in zip(rids, starts):
+            if not kv.allocate_slots(rid, 1, self.reqs[rid].tokens[: start + 1]):
+                break
+            done += 1
         for rid, start in zip(rids[:done], starts):
             self.reqs[rid].release_base = start
             self._write(rid, start, start + 1)

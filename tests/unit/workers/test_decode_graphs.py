@@ -75,7 +75,7 @@ class _Driver:
         self.lens[rid] = len(prompt)
         new = NewRequest(rid, prompt, SamplingParams(max_tokens=64).to_dict())
         seq = ScheduledSeq(rid, prompt, 0, self.blocks_for(rid, len(prompt)))
-        return StepPlan(self.step, [seq], new_requests=[new])
+        return StepPlan.from_seqs(self.step, [seq], [new])
 
     def decode(self, rids: list[str], finished: list[str] = ()) -> StepPlan:
         self.step += 1
@@ -84,7 +84,7 @@ class _Driver:
             ctx = self.lens[rid]
             self.lens[rid] += 1
             seqs.append(ScheduledSeq(rid, [self.last[rid]], ctx, self.blocks_for(rid, ctx + 1)))
-        return StepPlan(self.step, seqs, finished=list(finished))
+        return StepPlan.from_seqs(self.step, seqs, finished=list(finished))
 
     def record(self, out) -> dict[str, int]:
         toks = {s.request_id: s.token_id for s in out.sampled}
@@ -112,14 +112,14 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
     def both(plan: StepPlan) -> None:
         sampled_rows.clear()
         a, b = eager.execute(plan), static.execute(plan)
-        assert sampled_rows == [len(plan.seqs)]  # padded rows never reach the sampler
+        assert sampled_rows == [len(plan.all_seqs())]  # padded rows never reach the sampler
         ta, tb = drv.record(a), {s.request_id: s.token_id for s in b.sampled}
         assert ta == tb, f"step {plan.step_id}: eager {ta} != static {tb}"
         for other in others:
             tc = {s.request_id: s.token_id for s in other.execute(plan).sampled}
             assert tc == tb, f"step {plan.step_id}: oracle {tc} != static {tb}"
-        if graphs.serves(plan.seqs):
-            seen.append((len(plan.seqs), graphs.bucket(len(plan.seqs))))
+        if graphs.serves(plan.all_seqs()):
+            seen.append((len(plan.all_seqs()), graphs.bucket(len(plan.all_seqs()))))
 
     for rid in ("r0", "r1", "r2"):
         both(drv.prefill(rid, prompts[rid]))

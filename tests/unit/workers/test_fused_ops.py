@@ -272,9 +272,9 @@ def step_logits(path, *, backend: str = "TRITON", dtype: str = "float32", device
     batch, groups = prompts(2, min_len=5, max_len=19), worker.runner.num_groups
     tables = [[[3, 1]] * groups, [[0, 6]] * groups]  # shuffled blocks
     new = [NewRequest(f"r{i}", p, {"temperature": 0.0}) for i, p in enumerate(batch)]
-    first = worker.runner.execute(StepPlan(0, [ScheduledSeq(f"r{i}", p, 0, tables[i])
+    first = worker.runner.execute(StepPlan.from_seqs(0, [ScheduledSeq(f"r{i}", p, 0, tables[i])
                                                for i, p in enumerate(batch)], new)).sampled
-    worker.runner.execute(StepPlan(1, [ScheduledSeq(f"r{i}", [first[i].token_id], len(p), tables[i])
+    worker.runner.execute(StepPlan.from_seqs(1, [ScheduledSeq(f"r{i}", [first[i].token_id], len(p), tables[i])
                                        for i, p in enumerate(batch)]))
     return seen
 

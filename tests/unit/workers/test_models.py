@@ -50,10 +50,10 @@ def test_prefill_and_decode_logits_match_hf(checkpoints, arch):
     tables = [perm[i * 8:(i + 1) * 8] for i in range(len(batch))]
     new = [NewRequest(f"r{i}", p, {"temperature": 0.0}) for i, p in enumerate(batch)]
     seqs = [ScheduledSeq(f"r{i}", p, 0, [tables[i]]) for i, p in enumerate(batch)]
-    out1 = StepPlan.from_msgpack(StepPlan(0, seqs, new).to_msgpack())
+    out1 = StepPlan.from_msgpack(StepPlan.from_seqs(0, seqs, new).to_msgpack())
     first = worker.runner.execute(out1).sampled
     seqs = [ScheduledSeq(f"r{i}", [first[i].token_id], len(p), [tables[i]]) for i, p in enumerate(batch)]
-    worker.runner.execute(StepPlan(1, seqs))
+    worker.runner.execute(StepPlan.from_seqs(1, seqs))
     with torch.no_grad():
         for i, p in enumerate(batch):
             ref = hf(torch.tensor([p + [first[i].token_id]])).logits[0]

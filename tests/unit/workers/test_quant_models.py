@@ -46,7 +46,7 @@ def _run(path, prompt, quantization="none", small_m_gemm="auto"):
     new = [NewRequest("r", prompt, {"temperature": 0.0})]
     tokens, context, step_tokens = [], 0, prompt
     for step in range(NEW_TOKENS):
-        out = w.runner.execute(StepPlan(step, [ScheduledSeq("r", step_tokens, context, tables)], new))
+        out = w.runner.execute(StepPlan.from_seqs(step, [ScheduledSeq("r", step_tokens, context, tables)], new))
         new, context = [], context + len(step_tokens)
         tokens.append(out.sampled[0].token_id)
         step_tokens = [tokens[-1]]

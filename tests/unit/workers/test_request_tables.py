@@ -12,7 +12,7 @@ import pytest
 
 from meshserve.errors import ConfigError
 from meshserve.workers.request_tables import RequestTables
-from meshserve.workers.step import ScheduledSeq, apply_table_changes
+from meshserve.workers.step import CachedRows, ScheduledSeq, apply_table_changes
 
 
 def _change(rng: random.Random, rid: str, held: list[list[int]] | None, groups: int) -> ScheduledSeq:
@@ -40,6 +40,16 @@ def _change(rng: random.Random, rid: str, held: list[list[int]] | None, groups: 
     return ScheduledSeq(rid, [1], 5, tables, table_offsets=offsets)
 
 
+def _apply(tables: RequestTables, seqs: list[ScheduledSeq]) -> None:
+    """A plan's changes for these rows as the runner applies them: checked, then written."""
+    if not seqs:
+        return
+    cached = CachedRows.from_seqs(seqs)
+    rows = np.array([tables.row_of[s.request_id] for s in seqs], np.int64)
+    tables.check_changes(rows, cached.request_ids, cached.table_offsets)
+    tables.apply_rows(rows, cached.table_offsets, cached.block_counts, cached.blocks)
+
+
 @pytest.mark.parametrize("groups", [1, 2])
 @pytest.mark.parametrize("seed", range(4))
 def test_rows_equal_the_list_definition(groups, seed):
@@ -58,7 +68,7 @@ def test_rows_equal_the_list_definition(groups, seed):
             tables.add(rid)
             oracle[rid] = None
         step = [_change(rng, rid, held, groups) for rid, held in oracle.items()]
-        tables.apply_all(step)
+        _apply(tables, step)
         for s in step:
             oracle[s.request_id] = apply_table_changes(oracle[s.request_id] or [[] for _ in range(groups)], s)
         for rid, held in oracle.items():
@@ -79,7 +89,7 @@ def test_bad_changes_name_the_field_and_change_nothing():
     tables.add("a")
     tables.apply(ScheduledSeq("a", [1], 0, [[4, 5], [6]]))
     with pytest.raises(ConfigError, match="table_offsets"):
-        tables.apply_all([ScheduledSeq("a", [1], 3, [[], []], table_offsets=[3, 1])])  # past the 2 held
+        _apply(tables, [ScheduledSeq("a", [1], 3, [[], []], table_offsets=[3, 1])])  # past the 2 held
     with pytest.raises(ConfigError, match="block_tables"):
         tables.apply(ScheduledSeq("a", [1], 3, [[7]], table_offsets=[1]))  # one group of two
     assert tables.table_of("a") == [[4, 5], [6]]
@@ -90,15 +100,18 @@ def test_bad_changes_name_the_field_and_change_nothing():
     tables.check_cover(np.array([tables.row_of["a"]]), np.array([16]), 16, ["a"])
 
 
-def test_rows_holding_checks_the_held_lengths_and_changes_nothing():
-    """The rows of a plan's DecodeRows: their row indices when every group holds the plan's count;
-    otherwise an error naming table_lens and the request, and the tables as they were."""
+def test_changes_past_the_held_blocks_name_table_offsets_and_change_nothing():
+    """The rows of a plan's CachedRows: an offset past the blocks a row holds (the scheduler thinks
+    the workers hold more than they do) is an error naming table_offsets and the request, found
+    before any row is written."""
     tables = RequestTables(2)
     for rid, t in (("a", [[4, 5], [6]]), ("b", [[7], [8, 9, 10]])):
         tables.add(rid)
         tables.apply(ScheduledSeq(rid, [1], 0, t))
-    rows = tables.rows_holding(["b", "a"], np.array([[1, 3], [2, 1]]))
-    assert rows.tolist() == [tables.row_of["b"], tables.row_of["a"]]
-    with pytest.raises(ConfigError, match=r"table_lens.*\[2, 2\].*blocks held for a \(\[2, 1\]"):
-        tables.rows_holding(["b", "a"], np.array([[1, 3], [2, 2]]))
-    assert tables.table_of("a") == [[4, 5], [6]] and tables.table_of("b") == [[7], [8, 9, 10]]
+    quiet_b = ScheduledSeq("b", [1], 3, [[], []], table_offsets=[1, 3])
+    _apply(tables, [quiet_b, ScheduledSeq("a", [1], 3, [[], [11]], table_offsets=[2, 1])])
+    assert tables.table_of("a") == [[4, 5], [6, 11]] and tables.table_of("b") == [[7], [8, 9, 10]]
+    with pytest.raises(ConfigError, match=r"table_offsets.*\[3, 2\].*blocks held for a: \[2, 2\]"):
+        _apply(tables, [ScheduledSeq("b", [1], 3, [[12], []], table_offsets=[0, 3]),
+                        ScheduledSeq("a", [1], 3, [[], []], table_offsets=[3, 2])])
+    assert tables.table_of("a") == [[4, 5], [6, 11]] and tables.table_of("b") == [[7], [8, 9, 10]]

@@ -164,8 +164,8 @@ def test_logprobs_are_raw_model_logprobs():
 
 
 def test_step_messages_round_trip_through_msgpack():
-    seqs = [ScheduledSeq("a", [1, 2], 3, [[4, 5], [6, 7]], False), ScheduledSeq("b", [9], 10, [[1], [2]], True)]
-    plan = StepPlan(7, seqs,
+    seqs = [ScheduledSeq("a", [2, 3], 1, [[4, 5], [6, 7]], False), ScheduledSeq("b", [9], 10, [[1], [2]], True)]
+    plan = StepPlan.from_seqs(7, seqs,
                     [NewRequest("a", [1, 2, 3], SamplingParams(seed=1).to_dict())], ["z"])
     assert StepPlan.from_msgpack(plan.to_msgpack()) == plan
     out = StepOutput.of(7, [SampledToken("a", 5, TokenLogprobs(5, -0.5, ((5, -0.5), (2, -1.5)))),

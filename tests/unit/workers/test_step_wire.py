@@ -6,12 +6,13 @@ import random
 
 import msgpack
 import numpy as np
+import pytest
 
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.errors import ConfigError
 from meshserve.workers.step import (
     PACKED_IDS_MIN,
-    DecodeRows,
     NewRequest,
     SampledToken,
     ScheduledSeq,
@@ -27,51 +28,57 @@ def test_plans_round_trip_with_long_lists_as_bytes():
         return [rng.randrange(0, 2**31 - 1) for _ in range(n)]
 
     long, short = PACKED_IDS_MIN + 5, PACKED_IDS_MIN - 1
-    plan = StepPlan(
+    prompt = ids(long)
+    plan = StepPlan.from_seqs(
         7,
-        [ScheduledSeq("prompt", ids(long), 0, [ids(long), ids(3)]),
+        [ScheduledSeq("prompt", prompt[2:], 2, [ids(long), ids(3)]),
          ScheduledSeq("chunk", ids(short), 40, [ids(2), []], sample=False, table_offsets=[3, 0]),
          ScheduledSeq("decode", [], 99, [[], []], from_last_step=True, table_offsets=[7, 7])],
-        new_requests=[NewRequest("prompt", ids(long), SamplingParams(max_tokens=3).to_dict(), ids(short)),
-                      NewRequest("x", [], {}, ids(long))],
+        [NewRequest("prompt", prompt, SamplingParams(max_tokens=3).to_dict(), ids(short))],
         finished=["old"], copies=[(3, 4)],
     )  # fmt: skip
+    assert [r.request_id for r in plan.new_requests] == ["prompt"] and plan.cached.request_ids == ["chunk", "decode"]
     data = plan.to_msgpack()
     back = StepPlan.from_msgpack(data)
     assert back == plan
+    assert back.new_requests[0].token_ids == prompt[2:] and back.new_requests[0].context_len == 2
     raw = msgpack.unpackb(data)
-    assert isinstance(raw["seqs"][0][1], bytes) and isinstance(raw["seqs"][0][3][0], bytes)  # long: bytes
-    assert isinstance(raw["seqs"][0][3][1], bytes)  # a whole table set goes as bytes, short groups too
-    assert isinstance(raw["seqs"][1][1], list) and isinstance(raw["seqs"][1][3][0], list)  # short changes: lists
-    assert isinstance(raw["new"][0][1], bytes) and isinstance(raw["new"][1][3], bytes)
+    assert isinstance(raw["new"][0][1], bytes) and isinstance(raw["new"][0][3], list)  # long: bytes; short: list
+    assert all(isinstance(t, bytes) for t in raw["new"][0][8])  # a whole table set goes as bytes, short groups too
+    assert all(isinstance(w, bytes) for w in raw["cached"][1:5] + raw["cached"][6:9])  # columns: bytes
     assert len(data) < 4 * 3 * long + 1000  # about 4 bytes per long-list id, not up to 5
+    with pytest.raises(ConfigError, match="new_requests"):
+        StepPlan.from_seqs(0, [], [NewRequest("x", [], {}, ids(long))])  # announced without a row
+    with pytest.raises(ConfigError, match="seqs"):
+        StepPlan.from_seqs(0, [ScheduledSeq("x", [5], 0, [[1]])], [NewRequest("x", [6], {})])  # not its prompt
 
 
-def test_decode_rows_travel_as_columns_and_read_back_as_seqs():
-    """A plan's columnar decode rows: bytes on the wire (no message per row), equal after the trip,
-    and as ScheduledSeqs (after the plan's other seqs) exactly the rows they stand for."""
+def test_cached_rows_travel_as_columns_and_read_back_as_seqs():
+    """A plan's cached rows: bytes on the wire (no message per row), equal after the trip, and as
+    ScheduledSeqs (after the new requests' rows) exactly the rows they stand for."""
     n = 300
     rng = np.random.default_rng(0)
     last = rng.random(n) < 0.7
-    tokens = np.where(last, 0, rng.integers(1, 2**31 - 1, n))
-    rows = DecodeRows([f"r{i}" for i in range(n)], tokens, rng.integers(1, 2**31 - 1, n), last,
-                      rng.integers(0, 5000, (n, 2)))
+    tokens = rng.integers(1, 2**31 - 1, n)
+    contexts = rng.integers(1, 2**31 - 1, n)
+    held = rng.integers(0, 5000, (n, 2))
+    seqs = [ScheduledSeq(f"r{i}", [] if last[i] else [int(tokens[i])], int(contexts[i]), [[], []], True, bool(last[i]),
+                         held[i].tolist()) for i in range(n)]  # fmt: skip
     chunk = ScheduledSeq("c", [5, 6], 10, [[1], [2]], sample=False, table_offsets=[0, 0])
-    plan = StepPlan(3, [chunk], decodes=rows)
+    plan = StepPlan.from_seqs(3, [chunk, *seqs])
     data = plan.to_msgpack()
     assert StepPlan.from_msgpack(data) == plan
-    assert StepPlan.from_msgpack(data) != StepPlan(3, [chunk], decodes=DecodeRows(
-        rows.request_ids, tokens + 1, rows.context_lens, last, rows.table_lens))
-    wire = msgpack.unpackb(data)["decodes"]
-    assert all(isinstance(w, bytes) for w in (wire[1], wire[2], wire[3], wire[5]))
-    assert len(data) < n * (4 * 5 + 1 + 6) + 500  # ids + 4 bytes per int + a flag byte
-    seqs = StepPlan.from_msgpack(data).all_seqs()
-    assert seqs[0] == chunk and len(seqs) == n + 1
-    for i, s in enumerate(seqs[1:]):
-        assert s == ScheduledSeq(f"r{i}", [] if last[i] else [int(tokens[i])], int(rows.context_lens[i]), [[], []],
-                                 True, bool(last[i]), rows.table_lens[i].tolist())
-        assert s.is_decode and s.num_new_tokens == 1
+    other = StepPlan.from_seqs(3, [chunk, *seqs[:-1], ScheduledSeq(**{**_fields(seqs[-1]), "context_len": 1})])
+    assert StepPlan.from_msgpack(data) != other
+    assert len(data) < n * (4 * 6 + 1 + 6) + 500  # ids + 4 bytes per int + a flag byte
+    back = StepPlan.from_msgpack(data).all_seqs()
+    assert back == [chunk, *seqs]
+    assert all(s.is_decode and s.num_new_tokens == 1 for s in back[1:])
     assert plan.num_new_tokens == 2 + n
+
+
+def _fields(seq: ScheduledSeq) -> dict:
+    return {f: getattr(seq, f) for f in ScheduledSeq.__slots__}
 
 
 def test_step_outputs_round_trip_as_columns():

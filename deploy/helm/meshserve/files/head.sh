@@ -27,13 +27,19 @@ else
     --disable-usage-stats
 fi
 
+# --host/--port: the OpenAI-compatible HTTP API (as vLLM's); gRPC on --grpc-host/--grpc-port; the
+# Service scrapes metrics on a port of their own (/metrics is on the API port too).
 args=(serve
-  --host 0.0.0.0
-  --port "${MESHSERVE_PORT}"
+  --grpc-host 0.0.0.0
+  --grpc-port "${MESHSERVE_GRPC_PORT}"
   --metrics-port "${MESHSERVE_METRICS_PORT}"
-  --metrics-host 0.0.0.0
-  --http-host 0.0.0.0
-  --http-port "${MESHSERVE_HTTP_PORT}"
+  --metrics-host 0.0.0.0)
+if [[ "${MESHSERVE_HTTP_PORT}" == "0" ]]; then
+  args+=(--no-http)
+else
+  args+=(--host 0.0.0.0 --port "${MESHSERVE_HTTP_PORT}")
+fi
+args+=(
   --ray-address "${POD_IP}:${RAY_PORT}"
   --dtype "${MESHSERVE_DTYPE}"
   --tp "${MESHSERVE_TP}"

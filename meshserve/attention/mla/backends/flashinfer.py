@@ -27,6 +27,7 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.core.arith import cdiv
 from meshserve.core.tensors import to_device
 from meshserve.errors import ConfigError, check
 
@@ -130,7 +131,7 @@ class FlashInferMLADecodeBackend(MLABackend):
         device = metadata.seq_lens.device
         page = metadata.block_size
         kv_lens = [metadata.local_len(s) for s in metadata.seq_lens_host]
-        counts = [-(-n // page) for n in kv_lens]
+        counts = [cdiv(n, page) for n in kv_lens]
         indptr = [0]
         for c in counts:
             indptr.append(indptr[-1] + c)
@@ -171,7 +172,7 @@ class FlashInferMLADecodeBackend(MLABackend):
             raise ConfigError("plan", type(plan).__name__, "the FlashInferMLAPlan returned by plan_for_graph")
         page = plan.metadata.block_size
         lens = np.asarray(seq_lens, np.int64)  # [b]; no DCP in graphs: every key is local
-        counts = -(-lens // page)
+        counts = cdiv(lens, page)
         check(int(counts.max(initial=0)) <= block_tables.shape[1], "block_tables", tuple(block_tables.shape),
               f"{len(lens)} rows of at least {int(counts.max(initial=0))} blocks (the KV lengths)")
         indptr = np.zeros(len(lens) + 1, np.int32)

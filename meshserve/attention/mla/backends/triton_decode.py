@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.attention.backend import AttentionProblem
+from meshserve.attention.kernels.host_plans import choose_partition
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.backends.triton_common import (
@@ -25,6 +26,7 @@ from meshserve.attention.mla.backends.triton_common import (
     with_notes,
 )
 from meshserve.attention.mla.cache import LatentCache
+from meshserve.core.arith import cdiv, local_len
 from meshserve.core.tensors import sm_count
 from meshserve.errors import ConfigError, check
 
@@ -84,19 +86,17 @@ class TritonMLADecodeBackend(MLABackend):
         )
         cfg, spec, device = self.config, self.spec, metadata.seq_lens.device
         dcp, rank = metadata.dcp_size, metadata.dcp_rank
-        kv_lens = ((metadata.seq_lens - rank + dcp - 1) // dcp).to(torch.int32)
+        kv_lens = local_len(metadata.seq_lens, dcp, rank).to(torch.int32)
         num_decodes = metadata.num_decodes
         max_keys = max((metadata.local_len(s) for s in metadata.seq_lens_host), default=1)
         block_n = cfg.block_n
         if self.partition is not None:
-            partition = -(-self.partition // block_n) * block_n
-            splits = -(-max(max_keys, 1) // partition)
+            partition = cdiv(self.partition, block_n) * block_n
+            splits = cdiv(max(max_keys, 1), partition)
         else:
-            from meshserve.attention.kernels.mla_decode import choose_splits
-
-            head_blocks = -(-spec.num_heads // cfg.block_h)
+            head_blocks = cdiv(spec.num_heads, cfg.block_h)
             target = self._sm_count(device) * cfg.programs_per_sm
-            partition, splits = choose_splits(max_keys, num_decodes, head_blocks, target, block_n, cfg.min_partition)
+            partition, splits = choose_partition(max_keys, num_decodes, head_blocks, target, block_n, cfg.min_partition)
         partial_o = partial_lse = None
         if splits > 1:
             shape = (splits, num_decodes, spec.num_heads)
@@ -160,7 +160,7 @@ class TritonMLADecodeBackend(MLABackend):
         l_dst = plan.partial_lse if split else (lse if return_lse else plan.kv_lens).unsqueeze(0)
         data = cache.data
         scale = cache.scale.to(device=device, dtype=torch.float32)
-        grid = (-(-heads // cfg.block_h), num_decodes, plan.num_splits)
+        grid = (cdiv(heads, cfg.block_h), num_decodes, plan.num_splits)
         mla_decode_kernel[grid](
             q_lat, q_pe, data, o_dst, l_dst, plan.kv_lens, meta.block_table, scale,
             self.spec.softmax_scale, plan.partition, heads,

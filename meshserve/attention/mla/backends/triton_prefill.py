@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.attention.backend import AttentionProblem
+from meshserve.attention.kernels.host_plans import mla_prefill_tiles
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.backends.triton_common import (
@@ -59,7 +60,6 @@ class TritonMLAPrefillBackend(MLABackend):
         self.config = config or prefill_config(problem.dtype, problem.device)
 
     def plan(self, metadata: AttentionMetadata) -> MLAPrefillPlan:
-        from meshserve.attention.kernels.mla_prefill import prefill_tiles
 
         device = metadata.seq_lens.device
         local = [metadata.local_len(s) for s in metadata.seq_lens_host]
@@ -73,7 +73,7 @@ class TritonMLAPrefillBackend(MLABackend):
         kv_start = torch.tensor(starts, dtype=torch.int32, device=device)
         j = torch.arange(starts[-1], device=device) - kv_start[seq_of_row]
         slots = metadata.block_table[seq_of_row, j // bs].long() * bs + j % bs
-        seqs, q0s = prefill_tiles(metadata.query_lens_host, metadata.seq_lens_host, self.config.block_m)
+        seqs, q0s = mla_prefill_tiles(metadata.query_lens_host, metadata.seq_lens_host, self.config.block_m)
         tile_seq = torch.tensor(seqs, dtype=torch.int32, device=device)
         tile_q0 = torch.tensor(q0s, dtype=torch.int32, device=device)
         return MLAPrefillPlan(metadata, slots, kv_start, tile_seq, tile_q0, self.config)

@@ -16,6 +16,7 @@ from meshserve.attention.mla.backend import MLAWeights
 from meshserve.attention.mla.backends.triton_common import decode_config, pow2, triton_reasons, with_notes
 from meshserve.attention.mla.cache import LatentCache
 from meshserve.attention.mla.sparse import Output, SparseMLABackend, SparsePlan
+from meshserve.core.arith import cdiv
 
 
 class TritonSparseMLABackend(SparseMLABackend):
@@ -56,7 +57,7 @@ class TritonSparseMLABackend(SparseMLABackend):
         cfg, data, table = self.config, cache.data, plan.metadata.block_table
         rows = rows.to(torch.int32).contiguous()
         scale = cache.scale.to(device=q_lat.device, dtype=torch.float32)
-        mla_sparse_kernel[(-(-heads // cfg.block_h), tokens)](
+        mla_sparse_kernel[(cdiv(heads, cfg.block_h), tokens)](
             q_lat, q_pe, data, rows, plan.token_seq, table, o_lat, lse, scale,
             self.spec.softmax_scale, heads, rows.shape[1],
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),

@@ -1,7 +1,7 @@
 """`NullWorker`: the Worker protocol without a model, to measure and test the cluster machinery.
 
 Same constructor and methods as workers.worker.Worker, so an executor runs it in place of the
-real one (`worker_class="meshserve.cluster.null_worker:NullWorker"`). A step costs only the
+real one (`worker_class="tests.null_worker:NullWorker"`). A step costs only the
 msgpack decode and encode, so the time an executor adds per step is what is left.
 
 Its "model" is a fixed function of each sequence: the next token is

@@ -1,0 +1,80 @@
+"""How many KV blocks a worker allocates: the byte budget and the decode graphs' share of it.
+
+The budget is, first to apply: CacheConfig.num_kv_blocks (a count), kv_cache_memory_bytes, on
+CUDA a fraction (memory_utilization, default 0.85) of the memory still free once the weights are
+loaded (less what the decode graphs' activation pool will take, measured by one eager probe step),
+on CPU memory_utilization of the host's available memory when it is set, else a fixed default.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+
+from meshserve.attention.backend import AttentionBackend
+from meshserve.attention.spec import AttentionSpec
+from meshserve.config import CacheConfig
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.kvstore.cache_tensors import allocate_caches
+from meshserve.kvstore.groups import KVGroupLayout
+from meshserve.workers.models.contract import GenerativeModel
+from meshserve.workers.runner import ModelRunner
+from meshserve.workers.step import NewRequest, StepPlan
+
+CPU_DEFAULT_KV_BYTES = 256 << 20
+GPU_KV_FRACTION = 0.85  # of the memory still free once weights are loaded
+
+
+def available_host_memory() -> int:
+    """Bytes the host can still hand out without swapping (MemAvailable; free pages where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def num_kv_blocks(cache: CacheConfig, device: torch.device, per_block: int, *, reserve: int = 0) -> int:
+    """Blocks of `per_block` bytes the budget holds; reserve: bytes kept out of an automatic GPU
+    budget (the decode graphs' pool)."""
+    if cache.num_kv_blocks is not None:
+        return cache.num_kv_blocks
+    if cache.kv_cache_memory_bytes is not None:
+        budget = cache.kv_cache_memory_bytes
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        budget = int(max(free - reserve, 0) * (cache.memory_utilization or GPU_KV_FRACTION))
+    elif cache.memory_utilization is not None:  # --gpu-memory-utilization on a CPU: of the host's free memory
+        budget = int(available_host_memory() * cache.memory_utilization)
+    else:
+        budget = CPU_DEFAULT_KV_BYTES
+    return budget // per_block
+
+
+def decode_peak_bytes(model: GenerativeModel, backends: Sequence[AttentionBackend], specs: Sequence[AttentionSpec],
+                      layout: KVGroupLayout, *, block_size: int, dtype: torch.dtype, device: torch.device,
+                      batch: int) -> int:
+    """Peak activation bytes of one eager decode step of `batch` sequences (the largest graph
+    batch), over a two-block scratch cache: what the graphs' shared memory pool will hold, plus a margin."""
+    scratch = allocate_caches(specs, num_blocks=2, block_size=block_size, dtype=dtype, device=device,
+                              layer_slots=layout.layer_slots(len(specs)))
+    probe = ModelRunner(model, backends=backends, kv_caches=scratch, block_size=block_size, device=device,
+                        is_driver=False, layer_groups=layout.group_of_layer(len(specs)))
+    ids = [f"probe-{i}" for i in range(batch)]
+    params = SamplingParams(max_tokens=1).to_dict()
+    # Decode rows (one token after one cached) of requests it announces.
+    plan = StepPlan(0, [NewRequest(r, [0, 0], params, context_len=1, num_tokens=1,
+                                   block_tables=[[1]] * layout.num_groups) for r in ids], finished=ids)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe.execute(plan)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del probe, scratch
+    return int(peak * 1.25) + (64 << 20)
