@@ -133,11 +133,13 @@ class Completion:
     usage: pb.Usage = field(default_factory=pb.Usage)
     cumulative_logprob: float | None = None
     choices: dict[int, Completion] = field(default_factory=dict)
+    prompt_logprobs: list[pb.TokenLogprob] = field(default_factory=list)  # prompt tokens 1.. (prompt_logprobs)
 
     def add(self, r: pb.GenerateResponse) -> None:
         self.request_id = r.request_id
         if r.HasField("usage"):
             self.usage = r.usage
+        self.prompt_logprobs += r.prompt_logprobs
         choice = self.choices.setdefault(r.index, Completion(request_id=r.request_id))
         for out in (choice, self) if r.index == 0 else (choice,):
             out.text += r.text

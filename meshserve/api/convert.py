@@ -20,6 +20,7 @@ from meshserve.config import ServerConfig
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import MAX_LOGPROBS, SamplingParams
+from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.errors import ConfigError, NotFoundError, check, quote
 from meshserve.v1 import inference_pb2 as pb
 
@@ -30,7 +31,8 @@ _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REAS
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
 # Optional scalar fields copied to SamplingParams unchanged when set.
 _PLAIN = ("temperature", "top_p", "min_p", "seed", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "max_tokens", "logprobs", "skip_special_tokens", "n", "best_of")
+          "max_tokens", "logprobs", "skip_special_tokens", "n", "best_of", "min_tokens", "truncate_prompt_tokens",
+          "prompt_logprobs")
 _EARLY_STOPPING = {pb.EARLY_STOPPING_HEURISTIC: False, pb.EARLY_STOPPING_ON: True, pb.EARLY_STOPPING_NEVER: "never"}
 
 
@@ -207,8 +209,32 @@ def sampling_params_of(msg: pb.SamplingParams, vocab_size: int, limits: ApiLimit
         check(msg.top_k >= -1, "top_k", msg.top_k, "-1 or 0 (off), or an integer >= 1")
         kw["top_k"] = msg.top_k if msg.top_k >= 1 else None
     stop, ids = check_stops(list(msg.stop), list(msg.stop_token_ids), vocab_size, limits)
+    bad = [t for t in [*msg.logit_bias, *msg.allowed_token_ids] if not 0 <= t < vocab_size]
+    check(not bad, "logit_bias" if set(bad) & set(msg.logit_bias) else "allowed_token_ids", bad[:5],
+          f"token ids in [0, {vocab_size})")
     return SamplingParams(stop=stop, stop_token_ids=ids, ignore_eos=msg.ignore_eos,
-                          include_stop_str_in_output=msg.include_stop_str_in_output, **kw)
+                          include_stop_str_in_output=msg.include_stop_str_in_output,
+                          logit_bias=dict(sorted(msg.logit_bias.items())),
+                          allowed_token_ids=list(msg.allowed_token_ids) or None, bad_words=list(msg.bad_words),
+                          structured_outputs=structured_outputs_of(msg), **kw)
+
+
+def structured_outputs_of(msg: pb.SamplingParams) -> StructuredOutputs | None:
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = msg.structured_outputs
+    kind = so.WhichOneof("kind")
+    check(kind is not None, "structured_outputs", "{}", "one of json, json_object, regex, choice, grammar")
+    if kind == "json":
+        return StructuredOutputs.json_schema(so.json, field="structured_outputs.json")
+    if kind == "regex":
+        return StructuredOutputs.regex(so.regex, field="structured_outputs.regex")
+    if kind == "choice":
+        return StructuredOutputs.choice(list(so.choice.choices), field="structured_outputs.choice")
+    if kind == "grammar":
+        return StructuredOutputs.ebnf(so.grammar, field="structured_outputs.grammar")
+    check(so.json_object, "structured_outputs.json_object", False, "true (or another kind)")
+    return StructuredOutputs.json_object()
 
 
 def beam_params_of(request: pb.GenerateRequest) -> BeamSearchParams | None:
@@ -248,6 +274,9 @@ def response_of(delta: CompletionDelta, request_id: str, usage: pb.Usage | None)
     for lp in delta.logprobs:
         out.logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
                                             top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
+    for lp in filter(None, (delta.prompt_logprobs or ())[1:]):
+        out.prompt_logprobs.append(pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                                                   top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top]))
     if isinstance(delta.stop_reason, str):
         out.stop_string = delta.stop_reason
     elif isinstance(delta.stop_reason, int):

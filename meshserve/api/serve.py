@@ -58,6 +58,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "repetition_penalty, max_new_tokens for chat): auto = the checkpoint's "
                         "generation_config.json, vllm = none (OpenAI's defaults), or that file in DIR")
     m.add_argument("--chat-template", default=None, help="Jinja2 chat template file (default: the checkpoint's)")
+    m.add_argument("--tool-call-parser", default=None,
+                   help="how tool calls are read from the model's text with tool_choice auto: hermes, llama3_json, "
+                        "deepseek_v3 or openai (default: detected from the chat template)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
     m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
@@ -416,7 +419,8 @@ def serve_main(args: argparse.Namespace) -> int:
     level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
     configure_logging(level, args.log_format)
     engine, pools, server = configs_of(args)
-    chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template)
+    chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template,
+                                      tool_call_parser=args.tool_call_parser)
     sampling_defaults = load_sampling_defaults(args.generation_config, engine.model.model)
     # exported once every flag is good, so that rank processes and actors log alike
     os.environ["MESHSERVE_LOG"] = level

@@ -105,6 +105,8 @@ class InferenceServicer:
             width = convert.width_of(params, beam)
             convert.check_prompt_count(1, width, self.limits)
             ids = await self._tokenize(prompt, card) if isinstance(prompt, str) else prompt
+            if params is not None and params.truncate_prompt_tokens is not None:
+                ids = ids[-params.truncate_prompt_tokens:]  # (the engine would too: usage counts what runs)
             convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits,
                                        max_model_len=card.max_model_len)
             scoped = self._scoped(request_id, context)
@@ -116,7 +118,8 @@ class InferenceServicer:
                 num_tokens += len(delta.token_ids)
                 if not delta.token_ids and delta.finish_reason is None:
                     continue
-                usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens) if delta.finished else None
+                usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens,
+                                 cached_tokens=delta.num_cached_tokens) if delta.finished else None
                 await context.write(convert.response_of(delta, request_id, usage))
                 if delta.finished:
                     completed = True

@@ -35,6 +35,9 @@ class CompletionDelta:
     n > 1 a completion ends at its delta with a finish_reason, and `finished` marks the request's
     last delta (all completions ended). cumulative_logprob: the completion's sum of token
     logprobs, on its last delta, when logprobs were computed (logprobs asked, or best_of > n).
+    num_cached_tokens: prompt tokens the request found in the prefix cache (on every delta).
+    prompt_logprobs: on the request's first delta when it asked for them: per prompt token, None
+    for the first (nothing predicts it), then its logprobs (SamplingParams.prompt_logprobs).
     """
 
     request_id: str
@@ -46,6 +49,8 @@ class CompletionDelta:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     index: int = 0
     cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 @dataclass
@@ -85,6 +90,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     outputs: list[CompletionOutput] = field(default_factory=list)
     encoder_prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # as CompletionDelta's
 
     @property
     def finished(self) -> bool:

@@ -1,9 +1,12 @@
 """How to pick each next token and when to stop: one frozen, validated record per request.
 
 Processing order in the sampler (HF `generate` order): repetition / presence / frequency
-penalties, then temperature, top-k, top-p, min-p, then a draw. temperature == 0 is greedy
-(argmax after the penalties). Logprobs are those of the model's own distribution
-(log-softmax of the raw logits, before penalties and temperature).
+penalties, then the constraints (logit_bias added; tokens outside allowed_token_ids, ending a
+bad word, ending the output before min_tokens, or refused by the grammar of
+structured_outputs get -inf: workers/constraints.py), then temperature, top-k, top-p, min-p,
+then a draw. temperature == 0 is greedy (argmax after the penalties and constraints).
+Logprobs are those of the model's own distribution (log-softmax of the raw logits, before
+penalties, constraints and temperature), as in vLLM.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ from dataclasses import asdict, dataclass, fields
 from functools import cached_property
 from typing import Any
 
+from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.errors import check
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 MAX_SAMPLES = 256  # n / best_of: sequences of one request (also bounded by max_num_seqs)
 
 
@@ -48,6 +53,17 @@ class SamplingParams:
     best_of            None (= n) or an integer in [n, MAX_SAMPLES]: sequences sampled; the n with the
                        highest cumulative logprob are returned. The sequences share the prompt's KV
                        blocks; with a seed, sequence i draws with seed + i (reproducible).
+    min_tokens         0..max_tokens: EOS and stop_token_ids cannot end the output before this many
+                       tokens (stop strings still can, as in vLLM)
+    logit_bias         (token id, bias in [-100, 100]) pairs added to the logits (a dict is accepted)
+    allowed_token_ids  None, or the only token ids that may be drawn (non-empty)
+    bad_words          words never generated: the token that would complete one (as it tokenizes
+                       alone and after a space) gets -inf
+    structured_outputs None, or a grammar the output must follow (core/structured_outputs.py)
+    truncate_prompt_tokens None, or k >= 1: only the prompt's last k tokens are used
+    prompt_logprobs    None, or 0..20: also return each prompt token's logprob (from the second on)
+                       and the top-n at its position; n = best_of = 1 only. Such a request takes no
+                       prefix-cache hit (every position's logits are computed)
     """
 
     temperature: float = 1.0
@@ -67,8 +83,25 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     best_of: int | None = None
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] | None = None
+    bad_words: tuple[str, ...] = ()
+    structured_outputs: StructuredOutputs | None = None
+    truncate_prompt_tokens: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", tuple((k, v) for k, v in self.logit_bias))
+        if self.allowed_token_ids is not None:
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        object.__setattr__(self, "bad_words", tuple(self.bad_words))
+        if isinstance(self.structured_outputs, dict):
+            object.__setattr__(self, "structured_outputs", StructuredOutputs.from_dict(self.structured_outputs))
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         object.__setattr__(self, "stop", tuple(self.stop))
@@ -96,6 +129,26 @@ class SamplingParams:
         check(_is_int(self.n) and 1 <= self.n <= MAX_SAMPLES, "n", self.n, f"an integer in [1, {MAX_SAMPLES}]")
         check(self.best_of is None or (_is_int(self.best_of) and self.n <= self.best_of <= MAX_SAMPLES), "best_of",
               self.best_of, f"None (= n) or an integer in [n={self.n}, {MAX_SAMPLES}]")
+        check(_is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
+              f"an integer in [0, max_tokens={self.max_tokens}]")
+        check(all(_is_int(t) and t >= 0 and _is_num(b) and abs(b) <= MAX_LOGIT_BIAS for t, b in self.logit_bias),
+              "logit_bias", dict(self.logit_bias), f"token ids >= 0 mapped to numbers in [-{MAX_LOGIT_BIAS:g}, "
+              f"{MAX_LOGIT_BIAS:g}]")
+        check(self.allowed_token_ids is None or (len(self.allowed_token_ids) > 0 and all(
+            _is_int(t) and t >= 0 for t in self.allowed_token_ids)), "allowed_token_ids", self.allowed_token_ids,
+              "None or a non-empty list of token ids >= 0")
+        check(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words", self.bad_words,
+              "strings with at least one non-blank character")
+        check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputs),
+              "structured_outputs", type(self.structured_outputs).__name__, "None or a StructuredOutputs")
+        check(self.truncate_prompt_tokens is None or (_is_int(self.truncate_prompt_tokens)
+                                                      and self.truncate_prompt_tokens >= 1),
+              "truncate_prompt_tokens", self.truncate_prompt_tokens, "None or an integer >= 1")
+        check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                               and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
+              "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
+        check(self.prompt_logprobs is None or self.num_samples == 1, "prompt_logprobs", self.prompt_logprobs,
+              "None when n or best_of > 1")
 
     @cached_property  # (read per request per step by the sampler: computed once)
     def is_greedy(self) -> bool:
@@ -110,15 +163,27 @@ class SamplingParams:
     def has_penalties(self) -> bool:
         return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
 
+    @cached_property
+    def has_constraints(self) -> bool:
+        """The sampler changes this request's logits beyond penalties (workers/constraints.py)."""
+        return bool(self.min_tokens or self.logit_bias or self.allowed_token_ids is not None or self.bad_words
+                    or self.structured_outputs is not None)
+
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse token ids the model cannot produce."""
-        for t in self.stop_token_ids:
-            check(t < vocab_size, "stop_token_ids", t, f"token ids in [0, {vocab_size})")
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", [t for t, _ in self.logit_bias]),
+                          ("allowed_token_ids", self.allowed_token_ids or ())):
+            for t in ids:
+                check(t < vocab_size, name, t, f"token ids in [0, {vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (msgpack-able); tuples become lists."""
         out = asdict(self)
         out["stop"], out["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
+        out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
+        out["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
+        out["bad_words"] = list(self.bad_words)
+        out["structured_outputs"] = None if self.structured_outputs is None else self.structured_outputs.to_dict()
         return out
 
     @classmethod

@@ -81,10 +81,14 @@ class RequestValidator:
         params = params or SamplingParams()
         check(isinstance(params, SamplingParams), "params", type(params).__name__, "a SamplingParams")
         params.check_vocab(self.vocab_size)
+        if params.structured_outputs is not None:  # (a constraint made without its constructors; cached check)
+            params.structured_outputs.check("structured_outputs")
         limit = self.scheduler.max_num_seqs
         check(params.num_samples <= limit, "best_of" if params.best_of is not None else "n", params.num_samples,
               f"at most max_num_seqs={limit} (the samples of a request run side by side)")
         text, ids = self.encode(prompt)
+        if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+            ids = ids[-params.truncate_prompt_tokens:]  # the prompt's end is what the output continues
         if self.decoder_prompt:  # (its samples and beams would need the encoder's blocks forked too)
             check(beam is None, "beam", beam, "None: beam search is not built for encoder-decoder models")
             check(params.num_samples == 1, "n", params.num_samples, "1 for encoder-decoder models (best_of too)")

@@ -246,6 +246,7 @@ class EngineCore:
         sent, output_ids = tracked.num_sent_tokens, req.output_ids
         new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
+        prompt_logprobs = req.prompt_logprobs_list() if sent == 0 and req.prompt_logprobs else None
         tracked.num_sent_tokens = len(output_ids)
         finished = req.status is RequestStatus.FINISHED
         text = ""
@@ -263,10 +264,15 @@ class EngineCore:
             detok.push(new_tokens[:-1] if ends_on_token else new_tokens)
             detok.flush()
             text = detok.take(final=True)
+            if detok.stopped_on is not None and req.finish_reason is FinishReason.LENGTH:
+                # The token that completed a stop string was also the last one allowed: the stop
+                # string ended the output (its text is cut), so that is the reason reported.
+                req.finish(FinishReason.STOP, detok.stopped_on)
         if finished:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,
-                               req.stop_reason, new_logprobs)
+                               req.stop_reason, new_logprobs, num_cached_tokens=req.num_cached_tokens,
+                               prompt_logprobs=prompt_logprobs)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:
         """The finished output of a request with n = 1 (for n > 1: RequestOutput.of_choices)."""
@@ -280,6 +286,7 @@ class EngineCore:
             stop_reason=req.stop_reason, logprobs=logprobs, num_cached_tokens=req.num_cached_tokens,
             outputs=[only],
             encoder_prompt_token_ids=None if req.encoder_ids is None else list(req.encoder_ids),
+            prompt_logprobs=req.prompt_logprobs_list(),
         )
 
     def shutdown(self) -> None:

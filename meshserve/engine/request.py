@@ -52,6 +52,15 @@ class Request:
     # decoder's start tokens) and, while running, the blocks of its cross-attention K/V.
     encoder_ids: list[int] | None = None
     encoder_blocks: list[int] = field(default_factory=list)
+    # SamplingParams.prompt_logprobs: index of a prompt token -> its logprobs (the first computed
+    # is kept: a preempted request computes its prompt again)
+    prompt_logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)
+
+    def prompt_logprobs_list(self) -> list[TokenLogprobs | None] | None:
+        """Per prompt token (None for the first); None unless the request asked for them."""
+        if self.params.prompt_logprobs is None:
+            return None
+        return [None] + [self.prompt_logprobs.get(i) for i in range(1, len(self.prompt_ids))]
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids

@@ -71,7 +71,8 @@ class SampleGroup:
         logprobs = delta.logprobs if self.wants_logprobs else []
         if not self.ranks:
             return [CompletionDelta(self.request_id, delta.token_ids, delta.text, self.done, delta.finish_reason,
-                                    delta.stop_reason, logprobs, index=i, cumulative_logprob=cumulative)]
+                                    delta.stop_reason, logprobs, index=i, cumulative_logprob=cumulative,
+                                    num_cached_tokens=delta.num_cached_tokens)]
         whole = self._whole[i]
         whole.token_ids += delta.token_ids
         whole.text += delta.text

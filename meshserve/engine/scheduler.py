@@ -195,9 +195,9 @@ class Scheduler:
                 if n == 0:
                     break
                 cached, budget = 0, budget - len(req.encoder_ids)
-            else:
-                hit = self.kv.lookup_prefix(req.all_token_ids)
-                cached = hit.num_tokens
+            else:  # (prompt_logprobs: every prompt position's logits are needed, none come from the cache)
+                hit = self.kv.lookup_prefix(req.all_token_ids) if req.params.prompt_logprobs is None else None
+                cached = hit.num_tokens if hit is not None else 0
                 n = req.num_tokens - cached
                 if n > budget and not self.config.enable_chunked_prefill:
                     break
@@ -312,6 +312,11 @@ class Scheduler:
         be in it, and its token there is dropped (the request is finished by then)."""
         row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
         tokens, logprobs = output.token_ids, output.logprobs
+        for rid, items in output.prompt_logprobs.items():  # (requests asking for prompt_logprobs)
+            req = self.requests.get(rid)
+            if req is not None:
+                for i, lp in items:
+                    req.prompt_logprobs.setdefault(i, lp)
         touched, finished = [], RequestStatus.FINISHED
         for req, _ in step.requests:  # per running request every step: kept lean
             if req.status is finished:

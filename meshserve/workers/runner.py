@@ -23,9 +23,11 @@ from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
+from meshserve.workers.constraints import ConstraintBuilder, RequestConstraints
 from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.models.contract import GenerativeModel
 from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
+from meshserve.workers.prompt_logprobs import PromptLogprobs, prompt_logprobs, wanted_rows
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
 from meshserve.workers.step import CachedRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
@@ -40,6 +42,7 @@ class _Request:
     output_ids: list[int] = field(default_factory=list)  # kept for the requests that read it (penalties, seeds)
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
+    constraints: RequestConstraints | None = None  # logit_bias, bad words, grammar, ... (workers/constraints.py)
 
 
 @dataclass
@@ -50,6 +53,7 @@ class _InFlight:
     request_ids: list[str] = field(default_factory=list)  # the request of each drawn row
     draw: Draw | None = None
     result: StepOutput | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # already on the host
 
 
 class ModelRunner:
@@ -64,13 +68,14 @@ class ModelRunner:
     def __init__(self, model: GenerativeModel, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
                  dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None,
-                 encoder_backend: AttentionBackend | None = None) -> None:
+                 encoder_backend: AttentionBackend | None = None, constraints: ConstraintBuilder | None = None) -> None:
         """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
         block tables in step plans are logical (block_size * dcp_size tokens per block) and this
         rank stores positions dcp_rank, dcp_rank + dcp_size, ...
         layer_groups: per layer, the KV group whose block tables it reads (KVGroupLayout.group_of_layer);
         default: one group.
-        encoder_backend: encoder-decoder models: the backend of the encoder's self-attention."""
+        encoder_backend: encoder-decoder models: the backend of the encoder's self-attention.
+        constraints: makes the driver's per-request constraints (None: requests with any are refused)."""
         num_layers = len(backends)  # one per cached attention layer (the model's attention_specs)
         check(len(kv_caches) == num_layers, "kv_caches", len(kv_caches), f"one per attention layer ({num_layers})")
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
@@ -93,7 +98,10 @@ class ModelRunner:
         self._in_flight: deque[_InFlight] = deque()
         self._last: _InFlight | None = None  # the latest submitted step that drew tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
-        self._reads_history: set[str] = set()  # requests with penalties or a seed (they read their tokens)
+        self._reads_history: set[str] = set()  # requests with penalties, a seed or constraints (they read their tokens)
+        self.constraints = constraints
+        self._constrained: set[str] = set()  # requests with constraints (a subset of _reads_history)
+        self._wants_prompt_logprobs: set[str] = set()
 
     @property
     def num_active_requests(self) -> int:
@@ -117,6 +125,8 @@ class ModelRunner:
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self._reads_history.discard(rid)
+            self._constrained.discard(rid)
+            self._wants_prompt_logprobs.discard(rid)
             self.tables.remove(rid)
 
     def announce(self, new: NewRequest) -> None:
@@ -125,7 +135,17 @@ class ModelRunner:
         req = self.requests[new.request_id] = _Request(SamplingParams.from_dict(new.sampling),
                                                        list(new.prompt_ids), list(new.output_ids),
                                                        encoder_ids=list(new.encoder_ids))
-        if req.params.has_penalties or req.params.seed is not None:
+        self._constrained.discard(new.request_id)  # (announced again after a detach)
+        self._wants_prompt_logprobs.discard(new.request_id)
+        if req.params.prompt_logprobs is not None:
+            self._wants_prompt_logprobs.add(new.request_id)
+        if req.params.has_constraints and self.is_driver:
+            check(self.constraints is not None, "sampling", new.request_id,
+                  "no logit_bias, allowed_token_ids, bad_words, min_tokens or structured_outputs: this "
+                  "worker has no tokenizer to apply them")
+            req.constraints = self.constraints.make(req.params, req.output_ids)
+            self._constrained.add(new.request_id)
+        if req.params.has_penalties or req.params.seed is not None or req.constraints is not None:
             self._reads_history.add(new.request_id)
         else:
             self._reads_history.discard(new.request_id)  # (announced again after a detach)
@@ -140,6 +160,8 @@ class ModelRunner:
     def _read(self, flight: _InFlight) -> StepOutput:
         if flight.result is None:
             result = flight.result = StepOutput(flight.step_id)
+            if flight.prompt_logprobs and self.is_driver:
+                result.prompt_logprobs = flight.prompt_logprobs
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
                 history = self._reads_history  # (requests forgotten meanwhile are not in it)
@@ -191,7 +213,7 @@ class ModelRunner:
             sample_ids = ids
         else:
             to_sample = np.flatnonzero(cols.sample).tolist()
-            logits = self._run_eager(ids, cols, tokens, rows, batch, to_sample, fill)
+            logits = self._run_eager(ids, cols, tokens, rows, batch, to_sample, fill, flight)
             sample_ids = [ids[i] for i in to_sample]
         if sample_ids and self.is_driver:
             self._draw(sample_ids, logits, flight)
@@ -229,7 +251,8 @@ class ModelRunner:
         return fill
 
     def _run_eager(self, ids: Sequence[str], cols: _Columns, tokens: np.ndarray, tables: list[np.ndarray],
-                   batch: _PackedBatch, to_sample: list[int], fill) -> torch.Tensor | None:
+                   batch: _PackedBatch, to_sample: list[int], fill, flight: _InFlight | None = None
+                   ) -> torch.Tensor | None:
         """ids: the request of each row; tokens: the rows' known new tokens, row after row;
         tables: per KV layer group, the rows' block tables ([S, W] int32)."""
         encoder = None
@@ -259,6 +282,10 @@ class ModelRunner:
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
         ctx = ForwardContext(layers=layers, encoder=encoder)
         hidden = self.model(input_ids, to_device(torch.from_numpy(batch.positions), self.device), ctx)  # [T, hidden]
+        if self._wants_prompt_logprobs and flight is not None:  # (workers/prompt_logprobs.py)
+            wanted = wanted_rows(ids, cols.context_lens, batch.query_lens, batch.ends, self.requests)
+            if wanted:
+                flight.prompt_logprobs = prompt_logprobs(self.model.compute_logits, hidden, wanted)
         if not to_sample:
             return None
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
@@ -288,7 +315,8 @@ class ModelRunner:
                 self._read(earlier)
         # A _Request has a SamplingRow's fields (params, prompt_ids, output_ids): no row object per request.
         rows: list[SamplingRow] = [requests[rid] for rid in request_ids]  # type: ignore[misc]
-        flight.draw = self.sampler.draw(logits, rows)
+        flight.draw = self.sampler.draw(logits, rows, constrained=bool(self._constrained)
+                                        and not self._constrained.isdisjoint(request_ids))
         flight.request_ids = request_ids
         self._last = flight
         self._last_rows = dict(zip(request_ids, range(len(request_ids))))

@@ -18,6 +18,7 @@ import torch
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
+from meshserve.workers.constraints import RequestConstraints, apply_constraints
 
 _MASK64 = (1 << 64) - 1
 
@@ -32,11 +33,13 @@ def mix_seed(seed: int, index: int) -> int:
 
 @dataclass
 class SamplingRow:
-    """One sequence to sample: its settings and the tokens it has seen (for penalties and seeds)."""
+    """One sequence to sample: its settings and the tokens it has seen (for penalties and seeds);
+    constraints: its logit_bias / allowed ids / bad words / min_tokens / grammar (None: none)."""
 
     params: SamplingParams
     prompt_ids: Sequence[int]
     output_ids: Sequence[int]
+    constraints: RequestConstraints | None = None
 
 
 @dataclass
@@ -100,12 +103,17 @@ class Sampler:
         """logits: [N, V] float32, one row per entry of `rows`. Returns N token ids and logprobs."""
         return self.draw(logits, rows).to_host()
 
-    def draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> Draw:
-        """The step's tokens (and logprobs) on the device, without waiting for them."""
+    def draw(self, logits: torch.Tensor, rows: Sequence[SamplingRow], *, constrained: bool | None = None) -> Draw:
+        """The step's tokens (and logprobs) on the device, without waiting for them.
+        constrained: whether any row has constraints (None: look; False skips the look)."""
         wants = [(i, r.params.logprobs) for i, r in enumerate(rows) if r.params.logprobs is not None]
         want_rows = to_device([i for i, _ in wants], logits.device) if wants else None
         raw_logprobs = torch.log_softmax(logits[want_rows], dim=-1) if wants else None
         logits = apply_penalties(logits, rows)
+        if constrained is None:
+            constrained = any(r.constraints is not None for r in rows)
+        if constrained:
+            logits = apply_constraints(logits, [r.constraints for r in rows])
         tokens = first_max_index(logits)  # greedy rows keep this
         random_rows = [i for i, r in enumerate(rows) if not r.params.is_greedy]
         if random_rows:

@@ -352,6 +352,8 @@ class StepOutput:
     request_ids: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its logprobs
+    # request id -> [(index of a prompt token, its logprobs)] (SamplingParams.prompt_logprobs)
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, step_id: int, sampled: Sequence[SampledToken]) -> StepOutput:
@@ -367,12 +369,16 @@ class StepOutput:
 
     def to_msgpack(self) -> bytes:
         lps = [[i, lp.logprob, [list(p) for p in lp.top]] for i, lp in self.logprobs.items()]
+        plps = [[rid, [[i, lp.token_id, lp.logprob, [list(p) for p in lp.top]] for i, lp in items]]
+                for rid, items in self.prompt_logprobs.items()]
         return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids,
-                              "logprobs": lps})
+                              "logprobs": lps, "prompt_logprobs": plps})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
         d = msgpack.unpackb(data)
         tokens = d["tokens"]
         lps = {i: TokenLogprobs(tokens[i], lp, tuple((int(t), v) for t, v in top)) for i, lp, top in d["logprobs"]}
-        return cls(d["step_id"], d["ids"], tokens, lps)
+        plps = {rid: [(i, TokenLogprobs(t, lp, tuple((int(a), v) for a, v in top))) for i, t, lp, top in items]
+                for rid, items in d.get("prompt_logprobs", ())}
+        return cls(d["step_id"], d["ids"], tokens, lps, plps)

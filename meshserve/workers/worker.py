@@ -24,6 +24,7 @@ from meshserve.parallel.dcp_wrap import wrap_for_dcp
 from meshserve.parallel.groups import ParallelContext, init_parallel, shutdown_parallel
 from meshserve.parallel.transform import local_attention_spec
 from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.constraints import ConstraintBuilder
 from meshserve.workers.cpu_weights import input_major_linears
 from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
 from meshserve.workers.kv_budget import decode_peak_bytes, num_kv_blocks
@@ -163,7 +164,8 @@ class Worker:
         self.runner = ModelRunner(model, backends=backends, kv_caches=caches, block_size=bs, device=self.device,
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
                                   dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)),
-                                  encoder_backend=encoder_backend)
+                                  encoder_backend=encoder_backend,
+                                  constraints=self._constraint_builder(loaded.arch))
         if use_graphs:
             graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                   block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,
@@ -223,6 +225,10 @@ class Worker:
         model = load_bart(self.model_config.model, arch, dtype=dtype, device=self.device)
         return LoadedModel(arch, model, dtype, max_model_len, decoder_prompt=tuple(arch.decoder_prompt),
                            max_encoder_len=arch.max_encoder_len)
+
+    def _constraint_builder(self, arch: ModelArch | BartArch) -> ConstraintBuilder:
+        """The driver's maker of per-request constraints (grammars, bad words: the checkpoint's tokenizer)."""
+        return ConstraintBuilder(self.model_config.model, vocab_size=arch.vocab_size, eos_token_ids=arch.eos_token_ids)
 
     def _graph_refusals(self, backends, model: GenerativeModel) -> list[str]:
         """Why decode steps cannot replay CUDA graphs here (empty: they do); logged once."""
@@ -299,6 +305,8 @@ class Worker:
                 "active_requests": 0 if self.runner is None else self.runner.num_active_requests}
 
     def shutdown(self) -> None:
+        if self.runner is not None and self.runner.constraints is not None:
+            self.runner.constraints.shutdown()
         self.runner = None
         self.info = None
         shutdown_parallel(self.ctx)

@@ -36,7 +36,7 @@ from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
 from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from meshserve.api.http.request_id import RequestIdMiddleware
-from meshserve.api.http.responses import Shaper, sse
+from meshserve.api.http.responses import Shaper, finish_of, sse, usage_of
 from meshserve.api.http.streams import (
     ClientGone,
     Drain,
@@ -50,7 +50,10 @@ from meshserve.api.http.streams import (
 )
 from meshserve.api.http.vllm_routes import TOKEN_PATHS, add_vllm_routes, version
 from meshserve.api.metrics import ServerMetrics
+from meshserve.api.tools.choice import ToolMode
+from meshserve.api.tools.streaming import ToolStream
 from meshserve.cluster.service import InferenceService, ModelCard
+from meshserve.core.outputs import CompletionDelta
 from meshserve.errors import ConfigError, UnavailableError, check
 
 CLIENT_CLOSED = 499  # nginx's code for "the client closed the connection"; nobody reads it
@@ -238,7 +241,7 @@ class OpenAIFrontend:
         card = self._generate_card(body.model)
         prompts = body.prompts()
         convert.check_prompt_count(len(prompts), body.width, self.limits)
-        ids = await self._prompt_ids(prompts, card)
+        ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card)]
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
                           request=request)
@@ -252,10 +255,13 @@ class OpenAIFrontend:
         async def chunks() -> AsyncIterator[dict]:
             offsets = [0] * sum(job.n for job in jobs)  # per choice
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
+                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
                     i = job.choice_index(delta)
-                    yield shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
-                                                  usage=body.include_usage)
+                    chunk = shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
+                                                    usage=body.include_usage)
+                    if body.continuous_usage:
+                        chunk["usage"] = usage_of(jobs)
+                    yield chunk
                     offsets[i] += len(delta.text)
 
         return await self._respond(request, jobs, None, lambda: self._events(
@@ -263,31 +269,51 @@ class OpenAIFrontend:
 
     async def chat_completions(self, request: Request) -> Response:
         body = await parse_body(request, ChatCompletionRequest, self._shape_limits())
-        body.check()
+        template = self.chat_template
+        parser = template.tool_parser if template is not None else None
+        body.check(parses_tools=parser is not None)
         body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
         convert.check_prompt_count(1, body.width, self.limits)
-        template = self.chat_template
         if template is None:
             raise ConfigError("messages", f"<{len(body.messages)} messages>",
                               f"a model with a chat template: {card.name!r} has none (start the server with "
                               "--chat-template FILE, or use /v1/completions)")
-        text = template.render([m.for_template() for m in body.messages],
+        tools = body.tool_request
+        text = template.render([m.for_template() for m in body.messages], tools=tools.template_tools(),
                                add_generation_prompt=body.add_generation_prompt, **(body.chat_template_kwargs or {}))
-        ids = await template.prompt_ids(text, self._tokenizer(card, "messages"))
+        ids = body.truncated(await template.prompt_ids(text, self._tokenizer(card, "messages")))
         request_id = new_id("chatcmpl")
         jobs = self._jobs(request_id, [ids], body, card, max_tokens=body.requested_max_tokens,
                           logprobs=body.num_logprobs, request=request)
         shaper = Shaper(request_id, card.name, self.service.detokenize)
         if not body.stream:
-            return await self._respond(request, jobs, lambda: shaper.chat(jobs, want_logprobs=body.logprobs), None)
+            return await self._respond(request, jobs, lambda: shaper.chat(jobs, want_logprobs=body.logprobs,
+                                                                          tools=tools, parser=parser), None)
+        streams: dict[int, ToolStream] = {}  # per choice, when tools shape the output
+
+        def chat_chunks(job, delta) -> list[dict]:
+            if tools.mode is ToolMode.NONE:
+                return [shaper.chat_chunk(job, delta, want_logprobs=body.logprobs, usage=body.include_usage)]
+            i = job.choice_index(delta)
+            stream = streams.setdefault(i, ToolStream(tools, parser))
+            parts = stream.feed(delta.text) + (stream.finish() if delta.finish_reason is not None else [])
+            finish = "tool_calls" if stream.called and finish_of(delta) == "stop" else None
+            parts = parts or [{}]
+            return [shaper.chat_chunk(job, delta if k == len(parts) - 1 else CompletionDelta(
+                        delta.request_id, [], "", index=delta.index, logprobs=delta.logprobs if k == 0 else []),
+                        want_logprobs=body.logprobs, usage=body.include_usage, message=part, finish_reason=finish)
+                    for k, part in enumerate(parts)]  # fmt: skip
 
         async def chunks() -> AsyncIterator[dict]:
             for i in range(jobs[0].n):
                 yield shaper.chat_chunk(None, None, index=i, usage=body.include_usage)
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs:
-                    yield shaper.chat_chunk(job, delta, want_logprobs=body.logprobs, usage=body.include_usage)
+                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
+                    for chunk in chat_chunks(job, delta):
+                        if body.continuous_usage:
+                            chunk["usage"] = usage_of(jobs)
+                        yield chunk
 
         return await self._respond(request, jobs, None, lambda: self._events(
             chunks(), jobs, shaper, "chat.completion.chunk", body.include_usage))

@@ -26,6 +26,7 @@ import jinja2
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from meshserve.api.tools.parsers import ToolParser, detect_parser, parser_named
 from meshserve.errors import ConfigError, check
 
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -90,12 +91,23 @@ class ChatTemplate:
     source: str
     origin: str  # where it came from, for messages
     special_tokens: dict[str, str] = field(default_factory=dict)
+    tool_call_parser: str | None = None  # --tool-call-parser; None: detected from the template's source
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_template", compile_template(self.source))
+        if self.tool_call_parser is not None:
+            parser_named(self.tool_call_parser)  # refuse an unknown name at start-up
+
+    @property
+    def tool_parser(self) -> ToolParser | None:
+        """How this model's tool calls are parsed (tool_choice auto); None: they are not."""
+        if self.tool_call_parser is not None:
+            return parser_named(self.tool_call_parser)
+        return detect_parser(self.source)
 
     @classmethod
-    def load(cls, checkpoint: str | Path | None, *, override: str | Path | None = None) -> ChatTemplate | None:
+    def load(cls, checkpoint: str | Path | None, *, override: str | Path | None = None,
+             tool_call_parser: str | None = None) -> ChatTemplate | None:
         """The template of a checkpoint folder (None when it has none and no override is given)."""
         folder = Path(checkpoint) if checkpoint is not None else None
         config: dict = {}
@@ -105,14 +117,14 @@ class ChatTemplate:
         if override is not None:
             path = Path(override)
             check(path.is_file(), "chat_template", str(override), "an existing Jinja2 template file")
-            return cls(path.read_text(), str(path), specials)
+            return cls(path.read_text(), str(path), specials, tool_call_parser)
         if folder is not None and (folder / "chat_template.jinja").is_file():
             path = folder / "chat_template.jinja"
-            return cls(path.read_text(), str(path), specials)
+            return cls(path.read_text(), str(path), specials, tool_call_parser)
         source = _from_config(config)
         if source is None:
             return None
-        return cls(source, f"{folder / 'tokenizer_config.json'}", specials)
+        return cls(source, f"{folder / 'tokenizer_config.json'}", specials, tool_call_parser)
 
     def render(self, messages: Sequence[dict], *, add_generation_prompt: bool = True, tools: list | None = None,
                documents: list | None = None, **kwargs) -> str:

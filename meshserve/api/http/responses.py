@@ -3,9 +3,18 @@
 Completions (`text_completion`) and chat completions (`chat.completion`, and
 `chat.completion.chunk` while streaming) differ in where text and logprobs go; usage counts
 are prompt tokens (after the chat template), generated tokens (a final EOS or stop token
-included, as the engine counts them) and their sum. A streamed response ends with a chunk of
+included, as the engine counts them), their sum, and `prompt_tokens_details.cached_tokens`
+(prompt tokens found in the prefix cache). A streamed response ends with a chunk of
 empty choices carrying the usage when `stream_options.include_usage` is set, then
-`data: [DONE]`.
+`data: [DONE]`; with `continuous_usage_stats` every chunk carries the usage so far.
+
+`prompt_logprobs` (vLLM's shape): per prompt token, None for the first, then
+`{"<token id>": {"logprob", "decoded_token", "rank"}}` for the token itself and the top n at its
+position (rank 1..n for those; the prompt token's rank only when it is among them); per choice
+in completions, at the top of a chat response; streamed with the first chunk.
+
+Chat choices with tools (api/tools/): the message's `tool_calls` and `content` (None when the
+output was only calls), finish_reason "tool_calls" when the choice ended with calls.
 """
 
 from __future__ import annotations
@@ -16,6 +25,9 @@ from collections.abc import Callable, Sequence
 import orjson
 
 from meshserve.api.http.streams import Job
+from meshserve.api.tools.choice import ToolRequest
+from meshserve.api.tools.parsers import ToolParser
+from meshserve.api.tools.streaming import split_output
 from meshserve.core.outputs import CompletionDelta, TokenLogprobs
 
 Detokenize = Callable[[Sequence[int]], str]
@@ -33,7 +45,8 @@ def sse(payload: dict | str) -> bytes:
 def usage_of(jobs: Sequence[Job]) -> dict:
     prompt = sum(len(j.prompt_ids) for j in jobs)
     completion = sum(j.num_tokens for j in jobs)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(j.num_cached_tokens for j in jobs)}}
 
 
 def finish_of(delta: CompletionDelta) -> str | None:
@@ -80,6 +93,20 @@ class Shaper:
         return {"content": [{**self._chat_entry(lp.token_id, lp.logprob),
                              "top_logprobs": [self._chat_entry(t, v) for t, v in lp.top]} for lp in lps]}
 
+    def prompt_logprobs(self, lps: Sequence[TokenLogprobs | None] | None) -> list | None:
+        if lps is None:
+            return None
+        out: list = []
+        for lp in lps:
+            if lp is None:
+                out.append(None)
+                continue
+            entry = {str(t): {"logprob": v, "rank": r, "decoded_token": self._token(t)}
+                     for r, (t, v) in enumerate(lp.top, start=1)}
+            entry.setdefault(str(lp.token_id), {"logprob": lp.logprob, "decoded_token": self._token(lp.token_id)})
+            out.append(entry)
+        return out
+
     # -- whole responses ---------------------------------------------------------------------------
 
     def completion(self, jobs: Sequence[Job], *, echo: Sequence[str] | None, want_logprobs: bool) -> dict:
@@ -92,19 +119,32 @@ class Shaper:
                 "index": job.choice_index(last), "text": prefix + "".join(d.text for d in pieces),
                 "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
+            if pieces[0].prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(pieces[0].prompt_logprobs)
         return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
 
-    def chat(self, jobs: Sequence[Job], *, want_logprobs: bool) -> dict:
+    def chat(self, jobs: Sequence[Job], *, want_logprobs: bool, tools: ToolRequest | None = None,
+             parser: ToolParser | None = None) -> dict:
         choices = []
         for pieces in (pieces for job in jobs for pieces in job.choices()):
             last = pieces[-1]
             lps = [lp for d in pieces for lp in d.logprobs]
+            text = "".join(d.text for d in pieces)
+            content, calls = split_output(tools, parser, text) if tools is not None else (text, [])
+            message = {"role": "assistant", "content": content}
+            finish = finish_of(last)
+            if calls:
+                message["tool_calls"] = [c.to_openai() for c in calls]
+                finish = "tool_calls" if finish == "stop" else finish
             choices.append({
-                "index": jobs[0].choice_index(last),
-                "message": {"role": "assistant", "content": "".join(d.text for d in pieces)},
+                "index": jobs[0].choice_index(last), "message": message,
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
-                "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
-        return {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
+                "finish_reason": finish, "stop_reason": stop_reason_of(last)})
+        out = {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
+        first = jobs[0].pieces[0] if jobs and jobs[0].pieces else None
+        if first is not None and first.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(first.prompt_logprobs)
+        return out
 
     # -- stream chunks -----------------------------------------------------------------------------
 
@@ -113,21 +153,30 @@ class Shaper:
         choice = {"index": job.choice_index(delta), "text": delta.text,
                   "logprobs": self.completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
                   "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+        if delta.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.prompt_logprobs(delta.prompt_logprobs)
         out = {**self._head("text_completion"), "choices": [choice]}
         if usage:
             out["usage"] = None
         return out
 
     def chat_chunk(self, job: Job | None, delta: CompletionDelta | None, *, index: int = 0,
-                   want_logprobs: bool = False, usage: bool = False) -> dict:
+                   want_logprobs: bool = False, usage: bool = False, message: dict | None = None,
+                   finish_reason: str | None = None) -> dict:
+        """message: the chunk's `delta` object when not just the delta's text (tool calls);
+        finish_reason: replaces the delta's ("tool_calls")."""
         if delta is None:  # the opening chunk of choice `index`: the role
             choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                       "finish_reason": None}
         else:
-            choice = {"index": job.choice_index(delta), "delta": {"content": delta.text} if delta.text else {},
+            if message is None:
+                message = {"content": delta.text} if delta.text else {}
+            choice = {"index": job.choice_index(delta), "delta": message,
                       "logprobs": self.chat_logprobs(delta.logprobs) if want_logprobs else None,
-                      "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
+                      "finish_reason": finish_reason or finish_of(delta), "stop_reason": stop_reason_of(delta)}
         out = {**self._head("chat.completion.chunk"), "choices": [choice]}
+        if delta is not None and delta.prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(delta.prompt_logprobs)
         if usage:
             out["usage"] = None
         return out

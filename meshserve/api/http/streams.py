@@ -49,6 +49,7 @@ class Job:
     first: CompletionDelta | None = None
     stream: AsyncIterator[CompletionDelta] | None = None
     num_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache
     completed: bool = False
     code: str = "CANCELLED"  # until the job ends otherwise
     pieces: list[CompletionDelta] = field(default_factory=list)
@@ -73,6 +74,7 @@ class Job:
 
     def count(self, delta: CompletionDelta) -> None:
         self.num_tokens += len(delta.token_ids)
+        self.num_cached_tokens = max(self.num_cached_tokens, delta.num_cached_tokens)
         if self.timer is not None:
             self.timer.tokens(len(delta.token_ids))
         if delta.finished:

@@ -18,7 +18,10 @@ def test_checked_in_stubs_describe_the_current_proto(tmp_path):
     out = tmp_path / "inference.pb"
     assert protoc.main(["protoc", f"-I{PACKAGE_ROOT}", f"--descriptor_set_out={out}", PROTO]) == 0
     (compiled,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
-    for message in compiled.message_type:  # protoc fills json_name in; generated modules leave it out
+    messages = list(compiled.message_type)
+    while messages:  # protoc fills json_name in; generated modules leave it out (nested types too: map entries)
+        message = messages.pop()
+        messages += message.nested_type
         for f in message.field:
             f.ClearField("json_name")
     checked_in = descriptor_pb2.FileDescriptorProto.FromString(inference_pb2.DESCRIPTOR.serialized_pb)

@@ -100,10 +100,10 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
     sampled_rows: list[int] = []
     real_draw = static.sampler.draw
 
-    def spy(logits, rows):
+    def spy(logits, rows, **kwargs):
         sampled_rows.append(logits.shape[0])
         assert logits.shape[0] == len(rows)
-        return real_draw(logits, rows)
+        return real_draw(logits, rows, **kwargs)
 
     static.sampler.draw = spy
     seen = []
