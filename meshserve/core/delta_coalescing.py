@@ -14,6 +14,7 @@ Errors (exceptions put on the queue) stay where they are, in order.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from meshserve.core.outputs import CompletionDelta
@@ -25,14 +26,21 @@ def joinable(first: CompletionDelta, then: CompletionDelta) -> bool:
             and first.request_id == then.request_id)
 
 
+# How each field of CompletionDelta joins (a field missing here fails tests/unit/core: decide it).
+APPENDED = ("token_ids", "text", "logprobs")  # what the two deltas add, in order
+FROM_FIRST = ("prompt_logprobs",)  # carried by a request's first delta only
+FROM_LAST = ("request_id", "index", "finished", "finish_reason", "stop_reason", "num_cached_tokens")
+LAST_SET = ("cumulative_logprob",)  # the later one's when it has one
+
+
 def join(first: CompletionDelta, then: CompletionDelta) -> CompletionDelta:
     """One delta saying what `first` followed by `then` says (a new object: deltas may be shared)."""
-    return CompletionDelta(
-        request_id=first.request_id, token_ids=[*first.token_ids, *then.token_ids], text=first.text + then.text,
-        finished=then.finished, finish_reason=then.finish_reason, stop_reason=then.stop_reason,
-        logprobs=[*first.logprobs, *then.logprobs], index=then.index,
-        cumulative_logprob=then.cumulative_logprob if then.cumulative_logprob is not None
-        else first.cumulative_logprob)
+    changes = {name: getattr(first, name) + getattr(then, name) for name in APPENDED}
+    changes.update({name: getattr(first, name) if getattr(first, name) is not None else getattr(then, name)
+                    for name in FROM_FIRST})
+    changes.update({name: getattr(then, name) if getattr(then, name) is not None else getattr(first, name)
+                    for name in LAST_SET})
+    return dataclasses.replace(then, **changes)
 
 
 def coalesce(items: Iterable[CompletionDelta | BaseException]) -> list[CompletionDelta | BaseException]:

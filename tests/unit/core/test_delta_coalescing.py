@@ -6,8 +6,11 @@ across the end of a completion."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
+from meshserve.core import delta_coalescing
 from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta, FinishReason, TokenLogprobs
 
@@ -80,3 +83,18 @@ def test_joining_leaves_the_queued_deltas_untouched():
     items = [d([5]), d([6])]
     coalesce(items)
     assert [i.token_ids for i in items] == [[5], [6]]
+
+
+def test_every_field_of_a_delta_has_a_way_to_join():
+    known = (delta_coalescing.APPENDED + delta_coalescing.FROM_FIRST + delta_coalescing.FROM_LAST
+             + delta_coalescing.LAST_SET)
+    assert sorted(known) == sorted(f.name for f in dataclasses.fields(CompletionDelta))
+
+
+def test_the_first_deltas_prompt_logprobs_and_the_last_deltas_state_survive_a_join():
+    prompt_lps = [None, TokenLogprobs(7, -1.0, ())]
+    first = dataclasses.replace(d([5]), prompt_logprobs=prompt_lps, num_cached_tokens=16)
+    last = dataclasses.replace(d([6], finish=FinishReason.STOP, finished=True, cum=-3.0), num_cached_tokens=16)
+    (one,) = coalesce([first, d([9]), last])
+    assert (one.prompt_logprobs, one.num_cached_tokens, one.cumulative_logprob, one.token_ids) == (
+        prompt_lps, 16, -3.0, [5, 9, 6])
