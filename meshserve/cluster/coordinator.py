@@ -43,6 +43,7 @@ from meshserve.cluster.replica import Replica
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import ClusterSecret
@@ -314,15 +315,15 @@ class Coordinator:
         finished = False
         try:
             while True:
-                item = await ticket.sink.get()
-                if isinstance(item, BaseException):
-                    finished = True  # nothing holds it any more
-                    raise item
-                item.request_id = request_id
-                yield item
-                if item.finished:
-                    finished = True
-                    return
+                for item in await _queued(ticket.sink):
+                    if isinstance(item, BaseException):
+                        finished = True  # nothing holds it any more
+                        raise item
+                    item.request_id = request_id
+                    yield item
+                    if item.finished:
+                        finished = True
+                        return
         finally:
             self._live.pop(request_id, None)
             self.callers.release(caller, sequences)
@@ -416,3 +417,11 @@ class Coordinator:
         """Live replicas (of one role, or all): for tests and the operations tools."""
         return [r for name, p in self.pools.items() if role in (None, name) for r in p.replicas]
 
+
+async def _queued(sink: asyncio.Queue) -> list:
+    """What waits in a stream's queue (at least one item), the deltas of a stream that fell
+    behind joined into one (core/delta_coalescing.py): one message per step, not per token."""
+    items = [await sink.get()]
+    while not sink.empty():
+        items.append(sink.get_nowait())
+    return coalesce(items) if len(items) > 1 else items

@@ -224,7 +224,7 @@ class OpenAIFrontend:
 
     @staticmethod
     async def _events(chunks: AsyncIterator[dict], jobs: list[Job], shaper: Shaper, obj: str,
-                      include_usage: bool) -> AsyncIterator[str]:
+                      include_usage: bool) -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield sse(chunk)

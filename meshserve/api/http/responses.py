@@ -19,9 +19,10 @@ output was only calls), finish_reason "tool_calls" when the choice ended with ca
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Sequence
+
+import orjson
 
 from meshserve.api.http.streams import Job
 from meshserve.api.tools.choice import ToolRequest
@@ -32,9 +33,13 @@ from meshserve.core.outputs import CompletionDelta, TokenLogprobs
 Detokenize = Callable[[Sequence[int]], str]
 
 
-def sse(payload: dict | str) -> str:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False, separators=(",", ":"))
-    return f"data: {data}\n\n"
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event. orjson, not json: a chunk is encoded per token per stream, and
+    json.dumps took ~28 µs a completion chunk where orjson takes ~2 µs (measured on the 2-core CPU).
+    Like json.dumps(ensure_ascii=False) it writes UTF-8 as is; a NaN or infinity becomes null
+    (JSON has none)."""
+    data = payload.encode() if isinstance(payload, str) else orjson.dumps(payload)
+    return b"data: " + data + b"\n\n"
 
 
 def usage_of(jobs: Sequence[Job]) -> dict:

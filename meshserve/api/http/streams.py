@@ -124,6 +124,11 @@ async def open_jobs(service: InferenceService, jobs: Sequence[Job], metrics: Ser
 
 async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelta]]:
     """(job, delta) of every opened job as deltas come, first deltas first; closes all at the end."""
+    if len(jobs) == 1:  # the common case reads its one stream directly: no task and queue hop per delta
+        async with contextlib.aclosing(_single(jobs[0])) as items:  # closed (its request aborted) with this one
+            async for item in items:
+                yield item
+        return
     queue: asyncio.Queue[tuple[Job, CompletionDelta | BaseException | None]] = asyncio.Queue()
 
     async def pump(job: Job) -> None:
@@ -158,6 +163,23 @@ async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelt
         with anyio.CancelScope(shield=True):
             await asyncio.gather(*tasks, return_exceptions=True)
         await close_jobs(jobs)
+
+
+async def _single(job: Job) -> AsyncIterator[tuple[Job, CompletionDelta]]:
+    """merged() of one job."""
+    try:
+        yield job, job.first
+        if not job.first.finished:
+            async for delta in job.stream:
+                job.count(delta)
+                yield job, delta
+                if delta.finished:
+                    break
+    except Exception as exc:
+        job.code = outcome_of(exc)[0].grpc_code.name
+        raise
+    finally:
+        await close_jobs([job])
 
 
 async def collect(jobs: Sequence[Job]) -> None:
@@ -222,9 +244,9 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, content: AsyncIterator[str], jobs: Sequence[Job], *, drain: Drain | None = None,
+    def __init__(self, content: AsyncIterator[bytes], jobs: Sequence[Job], *, drain: Drain | None = None,
                  error_event=None) -> None:
-        """error_event(exc) -> the event text (OpenAI's error shape) sent when the drain time is over."""
+        """error_event(exc) -> the event's bytes (OpenAI's error shape) sent when the drain time is over."""
         super().__init__(content, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self.jobs = jobs
         self.drain = drain
@@ -267,9 +289,9 @@ class SSEResponse(StreamingResponse):
     async def _end_drained(self, send: Send, started: bool) -> None:
         if not started:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-        text = self.error_event(self.drain.error()) + "data: [DONE]\n\n"
+        body = self.error_event(self.drain.error()) + b"data: [DONE]\n\n"
         with contextlib.suppress(OSError):
-            await send({"type": "http.response.body", "body": text.encode(), "more_body": False})
+            await send({"type": "http.response.body", "body": body, "more_body": False})
 
 
 def new_id(prefix: str) -> str:

@@ -189,3 +189,22 @@ def test_capacity_error_when_prompt_and_max_tokens_cannot_fit(tmp_path):
 
     engine = replace(cfg.engine, cache=replace(cfg.engine.cache, num_kv_blocks=8))
     serve(replace(cfg, engine=engine), body)
+
+
+def test_a_reader_that_lags_gets_its_waiting_deltas_joined_and_the_same_tokens(tmp_path):
+    async def body(c):
+        stream = c.generate([3, 1, 4], GREEDY, request_id="slow")
+        first = await anext(stream)
+        # Read nothing until the request has finished: every later step's delta waits in the queue.
+        ticket = c._live["slow"]
+        await wait_until(lambda: ticket.num_streamed == 24, "the request to finish", timeout_s=30, state=c.health)
+        rest = [d async for d in stream]
+        assert len(rest) == 1  # one delta for all the tokens that waited
+        (last,) = rest
+        assert last.finished and last.finish_reason is FinishReason.LENGTH
+        assert first.token_ids + last.token_ids == null_tokens([3, 1, 4], 24)
+        # a reader that keeps up still gets one delta per step
+        kept_up = [d async for d in c.generate([2, 7], GREEDY, request_id="fast")]
+        assert [t for d in kept_up for t in d.token_ids] == null_tokens([2, 7], 24)
+        assert len(kept_up) > 1
+    serve(null_config(tmp_path), body)
