@@ -59,6 +59,9 @@ _CANCEL_BOUND_S = 10.0  # how long a cancelled READ that NIXL could not release 
 @functools.cache
 def nixl_module() -> Any | None:
     """The NIXL Python API module, or None when no build of it is installed."""
+    # NIXL logs every agent's start at INFO on stdout; quiet unless meshserve's own log tells the whole story.
+    if os.environ.get("MESHSERVE_LOG", "").lower() != "debug":
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     for name in _MODULES:
         try:
             module = importlib.import_module(name)
