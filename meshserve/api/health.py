@@ -61,8 +61,8 @@ class HealthReporter:
             await self.servicer.set("", SERVING if live else NOT_SERVING)
         if state.serving != self._serving:
             if self._serving is not None:
-                log.warning("health of %s: %s%s", INFERENCE_SERVICE, "SERVING" if state.serving else "NOT_SERVING",
-                            f" ({state.detail})" if state.detail else "")
+                log.log(logging.INFO if state.serving else logging.WARNING, "health of %s: %s%s", INFERENCE_SERVICE,
+                        "SERVING" if state.serving else "NOT_SERVING", f" ({state.detail})" if state.detail else "")
             self._serving = state.serving
             await self.servicer.set(INFERENCE_SERVICE, SERVING if state.serving else NOT_SERVING)
 
