@@ -111,7 +111,8 @@ class InferenceServicer:
                                        max_model_len=card.max_model_len)
             scoped = self._scoped(request_id, context)
             caller = grpc_caller(context, auth_required=self._info["auth_required"])
-            stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller)
+            stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller,
+                                           priority=request.priority)
             num_tokens = 0
             async for delta in stream:
                 timer.tokens(len(delta.token_ids))
