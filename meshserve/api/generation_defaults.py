@@ -48,6 +48,19 @@ class SamplingDefaults:
             update["max_tokens"] = self.max_tokens
         return body.model_copy(update=update) if update else body
 
+    def apply_proto(self, sampling):
+        """A gRPC SamplingParams message with its unset sampling fields filled in (a copy; the same
+        message when none apply). max_tokens stays the API's default: gRPC has no chat requests."""
+        update = {name: value for name, value in self.as_dict().items()
+                  if name != "max_tokens" and not sampling.HasField(name)}
+        if not update:
+            return sampling
+        filled = type(sampling)()
+        filled.CopyFrom(sampling)
+        for name, value in update.items():
+            setattr(filled, name, value)
+        return filled
+
 
 def load_sampling_defaults(source: str, model_dir: str | Path) -> SamplingDefaults:
     """The defaults --generation-config `source` asks for, the checkpoint being `model_dir`."""

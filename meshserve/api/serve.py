@@ -336,7 +336,8 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     from meshserve.api.server import ApiServer
 
     limits = ApiLimits.of(server_config)
-    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits)
+    sampling_defaults = sampling_defaults or SamplingDefaults()
+    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits, sampling_defaults=sampling_defaults)
     http = None
     try:
         if server_config.http_port is not None:  # bound first: a busy port fails before gRPC starts
@@ -344,7 +345,7 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
                               metrics=server.metrics, tokens=server.tokens, chat_template=chat_template, limits=limits,
                               max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
                               tls_key=server_config.tls_key, metrics_token=server.metrics_token,
-                              sampling_defaults=sampling_defaults or SamplingDefaults())
+                              sampling_defaults=sampling_defaults)
             await http.start()
         await server.start()
     except BaseException:  # a busy port: the other front-end does not outlive the refusal

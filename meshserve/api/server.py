@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from meshserve.api.auth import BearerTokenInterceptor, read_token, read_tokens, server_credentials
 from meshserve.api.convert import ApiLimits
+from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.health import INFERENCE_SERVICE, HealthReporter
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.servicer import InferenceServicer, method_handlers
@@ -39,7 +40,8 @@ def _address(host: str, port: int) -> str:
 
 class ApiServer:
     def __init__(self, service: InferenceService, config: ServerConfig, *, max_queue: int,
-                 limits: ApiLimits = ApiLimits(), metrics: bool = True, health_interval: float = 0.2) -> None:
+                 limits: ApiLimits = ApiLimits(), metrics: bool = True, health_interval: float = 0.2,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.service = service
         self.config = config
         self.tokens = (read_tokens(config.auth_token_file) if config.auth_token_file else ()) + tuple(config.api_keys)
@@ -49,7 +51,8 @@ class ApiServer:
         self.metrics = ServerMetrics(service)
         self.servicer = InferenceServicer(service, metrics=self.metrics, limits=limits,
                                           max_message_bytes=config.max_message_bytes, max_queue=max_queue,
-                                          auth_required=bool(self.tokens), tls=self.tls)
+                                          auth_required=bool(self.tokens), tls=self.tls,
+                                          sampling_defaults=sampling_defaults)
         self.health = HealthReporter(service, interval=health_interval,
                                      unhealthy_liveness_s=config.unhealthy_liveness_s)
         self._serve_metrics = metrics

@@ -27,6 +27,7 @@ from meshserve.api import convert
 from meshserve.api.auth import scope_of
 from meshserve.api.callers import grpc_caller
 from meshserve.api.convert import ApiLimits, Malformed
+from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
 from meshserve.cluster.service import InferenceService, ModelCard
@@ -45,8 +46,10 @@ def _version() -> str:
 
 class InferenceServicer:
     def __init__(self, service: InferenceService, *, metrics: ServerMetrics, limits: ApiLimits = ApiLimits(),
-                 max_message_bytes: int, max_queue: int, auth_required: bool, tls: bool) -> None:
+                 max_message_bytes: int, max_queue: int, auth_required: bool, tls: bool,
+                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
         self.service = service
+        self.sampling_defaults = sampling_defaults  # --generation-config
         self.metrics = metrics
         self.limits = limits
         self._info = dict(max_message_bytes=max_message_bytes, max_queue=max_queue, auth_required=auth_required,
@@ -100,7 +103,8 @@ class InferenceServicer:
             card = self._model(self._parsed(request).model)
             prompt = convert.prompt_of(request, card.vocab_size, max_model_len=card.max_model_len)
             beam = convert.beam_params_of(request)
-            params = None if beam else convert.sampling_params_of(request.sampling, card.vocab_size, self.limits)
+            params = None if beam else convert.sampling_params_of(self.sampling_defaults.apply_proto(request.sampling),
+                                                                  card.vocab_size, self.limits)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
             width = convert.width_of(params, beam)
             convert.check_prompt_count(1, width, self.limits)

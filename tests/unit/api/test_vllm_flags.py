@@ -83,6 +83,15 @@ def test_generation_config_fills_only_what_a_request_leaves_unset(tmp_path):
     assert load_sampling_defaults("vllm", tmp_path) == SamplingDefaults()
     assert load_sampling_defaults("auto", tmp_path).temperature == 0.6
     assert load_sampling_defaults("auto", DEMO_MODEL_DIR) == SamplingDefaults(max_tokens=64)
+    # gRPC: the proto's optional fields say what the request set; max_tokens stays the API's own default
+    from meshserve.v1 import inference_pb2 as pb
+
+    sent = pb.SamplingParams(temperature=0.0, max_tokens=3)
+    filled = defaults.apply_proto(sent)
+    assert (filled.temperature, filled.top_p, filled.top_k, filled.max_tokens) == (0.0, pytest.approx(0.9), 20, 3)
+    assert not filled.HasField("min_p") and not sent.HasField("top_p")  # the request's message is not changed
+    assert not defaults.apply_proto(pb.SamplingParams()).HasField("max_tokens")
+    assert SamplingDefaults().apply_proto(sent) is sent
 
 
 def test_gpu_memory_utilization_on_cpu_is_a_share_of_the_hosts_available_memory():
