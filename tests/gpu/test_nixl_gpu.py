@@ -7,7 +7,6 @@
    greedy and seeded tokens identical to the single-process engine, every hand-over by nixl.
 """
 
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from meshserve.kvtransfer.export_server import KVExportServer, new_capability
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import NIXL, Endpoint
 from meshserve.kvtransfer.wire import KVTransferError
+from tests.polling import polled
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
               pytest.mark.skipif(not nixl_available(), reason="needs NIXL (nixl-cu13)")]
@@ -34,28 +34,20 @@ def test_a_nixl_read_moves_vram_blocks_bit_exactly(verify):
     importer.register([c.data for c in dst.connector.io.caches])
     dst.fragment(3)
     server = KVExportServer(SECRET, nixl=exporter)
-    done = threading.Event()
-
-    def loop():
-        while not done.is_set():
-            server.poll(5)
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
     try:
-        src.add_request("r", list(range(100, 137)))
-        cap = new_capability()
-        server.offer(src.connector.export("r"), capability=cap, release=src.connector.release)
-        endpoint = Endpoint(server.address, "h", "cuda", "p", "", nixl=True)
-        puller = NixlPuller(importer, verify=verify)
-        assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=60) == NIXL
-        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), src.request_bytes("r"), strict=True))
-        free = dst.kv.num_free_blocks
-        with pytest.raises(KVTransferError) as info:
-            puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30)
-        assert info.value.reason == "unknown_request" and dst.kv.num_free_blocks == free
+        with polled(server):
+            src.add_request("r", list(range(100, 137)))
+            cap = new_capability()
+            server.offer(src.connector.export("r"), capability=cap, release=src.connector.release)
+            endpoint = Endpoint(server.address, "h", "cuda", "p", "", nixl=True)
+            puller = NixlPuller(importer, verify=verify)
+            assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=60) == NIXL
+            assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), src.request_bytes("r"), strict=True))
+            free = dst.kv.num_free_blocks
+            with pytest.raises(KVTransferError) as info:
+                puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30)
+            assert info.value.reason == "unknown_request" and dst.kv.num_free_blocks == free
     finally:
-        done.set()
-        thread.join(10)
         server.close()
 
 

@@ -5,7 +5,6 @@ the HMAC check would have dropped the frame. The oracle is the process's residen
 and zmq's own disconnect event; the socket keeps serving its legitimate peers afterwards."""
 
 import gc
-import threading
 
 import psutil
 import zmq
@@ -14,6 +13,7 @@ from zmq.utils.monitor import recv_monitor_message
 from meshserve.cluster.executors.channel import ChannelAuth, DriverChannel
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
+from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the forged frame tests")
@@ -62,18 +62,8 @@ def test_a_forged_64_mib_frame_to_a_kv_export_server_is_dropped_unbuffered():
         src.add_request("r", list(range(100, 137)))
         cap = new_capability()
         server.offer(src.connector.export("r"), capability=cap, release=src.connector.release)
-        done = threading.Event()
-
-        def loop():
-            while not done.is_set():
-                server.poll(10)
-        thread = threading.Thread(target=loop, daemon=True)
-        thread.start()
-        try:
+        with polled(server, timeout_ms=10):
             pull_kv(dst.connector, server.address, cap, secret=SECRET, timeout_s=30)
-        finally:
-            done.set()
-            thread.join(10)
         assert dst.request_bytes("r")[0].equal(src.request_bytes("r")[0])
     finally:
         server.close()

@@ -27,6 +27,7 @@ from meshserve.kvtransfer.transport import (
     puller_for,
 )
 from meshserve.kvtransfer.wire import KVTransferError
+from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
 
 SECRET = ClusterSecret(b"test secret of the kv transport tests")
@@ -106,18 +107,10 @@ def offered(rid="r", tokens=37):
 def served():
     """An offer (offered()) whose server a thread polls until the block ends: (server, cap, bytes)."""
     server, cap, expected = offered()
-    done = threading.Event()
-
-    def loop():
-        while not done.is_set():
-            server.poll(5)
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
     try:
-        yield server, cap, expected
+        with polled(server):
+            yield server, cap, expected
     finally:
-        done.set()
-        thread.join(10)
         server.close()
 
 

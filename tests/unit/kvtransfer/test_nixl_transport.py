@@ -13,6 +13,7 @@ from meshserve.kvtransfer.export_server import KVExportServer, new_capability
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import NIXL, ZMQ, Endpoint, choose_transport
 from meshserve.kvtransfer.wire import KVTransferError
+from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
 
 pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
@@ -36,18 +37,10 @@ def exporter(agent: NixlAgent, kind: str = "gqa"):
     """A sender replica registered with `agent` and its export server, polled by a thread."""
     src = registered(Replica(kind, seed=1), agent)
     server = KVExportServer(SECRET, nixl=agent)
-    done = threading.Event()
-
-    def loop():
-        while not done.is_set():
-            server.poll(5)
-    thread = threading.Thread(target=loop, daemon=True)
-    thread.start()
     try:
-        yield src, server
+        with polled(server):
+            yield src, server
     finally:
-        done.set()
-        thread.join(10)
         server.close()
 
 
