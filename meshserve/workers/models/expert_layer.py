@@ -7,6 +7,8 @@ when every expert layer runs fused. This module imports no Triton: dense models 
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
@@ -16,7 +18,7 @@ def runs_fused(device: torch.device | str) -> bool:
     return torch.device(device).type == "cuda"
 
 
-class ExpertLayer(nn.Module):
+class ExpertLayer(nn.Module, abc.ABC):
     """Base of the MoE layers: load counters, the expert shard under --ep, the fused layout."""
 
     def __init__(self, num_experts: int) -> None:
@@ -26,9 +28,9 @@ class ExpertLayer(nn.Module):
         # Rows routed to each local expert since start (load-balance statistics), on the device.
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 
+    @abc.abstractmethod
     def pack_experts(self) -> None:
         """Switch to the fused kernels' layout of the experts."""
-        raise NotImplementedError(f"{type(self).__name__} must say how its experts pack")
 
     def finish_loading(self, device: torch.device | str) -> None:
         """Zero the load counters (a meta-built model's buffers hold garbage after to_empty) and
