@@ -11,12 +11,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
-import re
 import socket
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -30,6 +27,7 @@ from meshserve.api.client import InferenceClient
 from meshserve.demo_model import DEMO_MODEL_DIR
 from tests.hub_cache import CONFIG_FILES, hub_cache
 from tests.integration.api_harness import wait_idle
+from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -57,20 +55,10 @@ def env(tmp_path_factory):
 def server(env, tmp_path_factory):
     token_file = tmp_path_factory.mktemp("auth") / "token"
     token_file.write_text(TOKEN + "\n")
-    args = ["serve", "--model", MODEL, "--grpc-port", "0", "--metrics-port", "0", "--port", str(_free_port()),
+    args = ["--model", MODEL, "--grpc-port", "0", "--metrics-port", "0", "--port", str(_free_port()),
             "--dtype", "float32", "--attention-backend", "TORCH", "--max-model-len", "256", "--num-kv-blocks", "64",
             "--auth-token-file", str(token_file), "--max-message-bytes", "65536"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        first, second = lines.get(timeout=120), lines.get(timeout=30)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
-    grpc_address = re.match(r"meshserve: serving (\S+) on (\S+),", first)[2]
-    url = re.match(r"meshserve: OpenAI-compatible API on (\S+)/v1$", second.strip())[1]
+    proc, grpc_address, url = start_serve(args, env)
     grpc_client = InferenceClient(grpc_address, token=TOKEN)
     http = openai.OpenAI(base_url=f"{url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
     free = grpc_client.server_info().stats.num_free_kv_blocks

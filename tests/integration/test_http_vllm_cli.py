@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import re
 import socket
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,6 +24,7 @@ from tokenizers import Tokenizer
 
 from meshserve.api.client import InferenceClient
 from meshserve.demo_model import DEMO_MODEL_DIR
+from tests.serve_process import start_serve
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -46,20 +45,10 @@ def server():
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_API_KEY", None)
     env.pop("MESHSERVE_API_KEY", None)
-    args = ["serve", str(DEMO_MODEL_DIR), "--port", str(port), "--grpc-port", "0", "--api-key", KEY,
+    args = [str(DEMO_MODEL_DIR), "--port", str(port), "--grpc-port", "0", "--api-key", KEY,
             "--served-model-name", *NAMES, "--dtype", "float32", "--max-model-len", "256", "--num-kv-blocks", "64",
             "--tensor-parallel-size", "1", "--no-enable-prefix-caching"]
-    proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", *args], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
-    try:
-        first, second = lines.get(timeout=120), lines.get(timeout=30)
-    except queue.Empty:
-        proc.kill()
-        pytest.fail(f"the server did not start: {proc.stderr.read()[-3000:]}")
-    grpc_address = re.match(r"meshserve: serving (\S+) on (\S+), metrics on (\S+)$", first.strip())[2]
-    url = re.match(r"meshserve: OpenAI-compatible API on (\S+)/v1$", second.strip())[1]
+    proc, grpc_address, url = start_serve(args, env)
     assert url == f"http://127.0.0.1:{port}"  # --port is the HTTP API's, as in vLLM
     yield {"url": url, "port": port, "grpc": grpc_address,
            "http": openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=120)}
