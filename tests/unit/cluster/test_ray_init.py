@@ -2,6 +2,8 @@
 passed (seen on a loaded 2-core CI machine), and only then; after the last attempt the cause is
 one UnavailableError. A fake Ray counts the calls (the real one: test_ray_start_failure.py)."""
 
+from types import SimpleNamespace
+
 import pytest
 
 import meshserve.cluster.executors.ray_executor as rx
@@ -16,6 +18,7 @@ TIMEOUT = Exception("The current node timed out during startup. This could happe
 class FakeRay:
     def __init__(self, failures: list[Exception]) -> None:
         self.failures, self.inits, self.shutdowns = list(failures), 0, 0
+        self.util = SimpleNamespace(get_node_ip_address=lambda: "127.0.0.1")
 
     def is_initialized(self) -> bool:
         return False
