@@ -22,11 +22,13 @@ The counterpart: `--host 0.0.0.0` widens exactly the HTTP socket, nothing else.
 from __future__ import annotations
 
 import ipaddress
+import json
 import os
 import shutil
 import signal
 import tempfile
 import time
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -120,7 +122,18 @@ def serve(ray_tmp: str, *flags: str):
     proc, grpc_address, url = start_serve(["--grpc-port", "0", "--port", "0", "--metrics-port", str(metrics),
                                            "--dtype", "float32", "--max-model-len", "128", *flags], env)
     ports = {"grpc": int(grpc_address.rsplit(":", 1)[1]), "http": urlsplit(url).port, "metrics": metrics}
-    return proc, mark, ports
+    return proc, mark, ports, url
+
+
+def complete(url: str) -> str:
+    """One greedy completion over HTTP: the server serves, and its ranks have run steps (lazily
+    opened connections are open) before the sockets are listed."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        model = json.load(r)["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": "The for statement is used to", "max_tokens": 4}).encode()
+    request = urllib.request.Request(f"{url}/v1/completions", body, {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as r:
+        return json.load(r)["choices"][0]["text"]
 
 
 def stop(proc) -> None:
@@ -135,8 +148,9 @@ def stop(proc) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_two_replicas_of_two_ranks_on_embedded_ray_listen_on_loopback_only_and_a_kill_leaves_nothing(ray_tmp):
-    proc, mark, ports = serve(ray_tmp, "--replicas", "2", "--tp", "2")
+    proc, mark, ports, url = serve(ray_tmp, "--replicas", "2", "--tp", "2")
     try:
+        assert complete(url)
         seen = listeners(server_tree(proc.pid, mark))
     finally:
         proc.kill()  # SIGKILL: no shutdown code of the server runs
@@ -152,7 +166,7 @@ def test_two_replicas_of_two_ranks_on_embedded_ray_listen_on_loopback_only_and_a
 
 @pytest.mark.timeout(120)
 def test_host_flag_widens_exactly_the_http_socket(ray_tmp):
-    proc, mark, ports = serve(ray_tmp, "--host", "0.0.0.0")
+    proc, mark, ports, _ = serve(ray_tmp, "--host", "0.0.0.0")
     try:
         seen = listeners(server_tree(proc.pid, mark))
     finally:
