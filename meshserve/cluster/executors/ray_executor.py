@@ -10,7 +10,7 @@ rendezvous on its own node.
 `ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
 embedded one on this machine; the same code runs on both. An embedded cluster is a one-node
 cluster on 127.0.0.1: its GCS, raylet, object manager and workers listen on loopback only (see
-ray_init), so the channel, the rendezvous and NIXL/UCX follow it onto loopback.
+ray_init), so the step channel, the KV export servers, gloo and NIXL/UCX follow it onto loopback.
 """
 
 from __future__ import annotations
