@@ -7,7 +7,8 @@ validates it; the backend is `build_service`'s choice.
 
 Backend: always the Coordinator (cluster/coordinator.py). With no cluster flags it runs one
 unified replica whose rank lives in this process (runtime in-process: nothing to start, no
-Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray.
+Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray (without
+--ray-address an embedded one-node cluster on 127.0.0.1 that listens on loopback only).
 """
 
 from __future__ import annotations
