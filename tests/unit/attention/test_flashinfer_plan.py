@@ -236,7 +236,7 @@ def test_fp8_scales_fold_into_the_query_and_the_output(fake_flashinfer):
 @pytest.mark.parametrize(("num_heads", "tensor_cores"), [(8, True), (4, False)])
 def test_tensor_core_decode_for_gqa_groups_of_four_or_more(fake_flashinfer, num_heads, tensor_cores):
     backend(num_heads=num_heads).plan(batch((1,), (9,)))
-    assert fake_flashinfer.built[1].kwargs == {"use_tensor_cores": tensor_cores}
+    assert fake_flashinfer.built[1].kwargs == {"use_tensor_cores": tensor_cores, "backend": "fa2"}
 
 
 def test_each_kv_group_keeps_its_own_wrappers_over_one_workspace(fake_flashinfer):
