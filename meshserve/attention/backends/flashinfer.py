@@ -111,11 +111,11 @@ class FlashInferBackend(AttentionBackend):
         required_packages=("flashinfer",),
         cuda_graphs=True,
         notes="FlashInfer 0.7 (0.5.3 too) paged prefill/decode wrappers: FA3 prefill on sm90 (bf16/fp16 K/V, no "
-        "DCP), FA2 prefill otherwise and for FP8 K/V, FA2 decode (tensor cores for GQA groups of 4+); ALiBi "
-        "not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache); CUDA graphs "
-        "replay decode wrappers in FlashInfer's graph mode (fixed page-list buffers, re-planned per step); "
-        "DCP: local page lists, prefill rows (and windowed decode rows) masked by global position with a "
-        "custom mask",
+        "DCP), FA2 prefill otherwise and for FP8 K/V, FA2 decode (tensor cores for GQA groups of 4+); ALiBi"
+        " not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these "
+        "wrappers, no encoder_only (no cache); CUDA graphs replay decode wrappers in FlashInfer's graph "
+        "mode (fixed page-list buffers, re-planned per step); DCP: local page lists, prefill rows (and "
+        "windowed decode rows) masked by global position with a custom mask",
     )
 
     @classmethod
