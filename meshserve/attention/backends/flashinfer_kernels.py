@@ -7,6 +7,9 @@ gets the same kernel on one machine and the choice is testable here:
   without a custom mask (DCP-sharded prefill masks by global position, which FA3 does not take);
   FA2 elsewhere. FP8 K/V: FA2, because FlashInfer's FA3 FP8 kernel wants an FP8 query too (0.7.4
   `is_fa3_backend_supported`), and 0.5.3's FA3 over a bf16 query and an e4m3 cache failed to build.
+  Not mirrored: 0.7.4's "auto" also drops to FA2 when every prefill row has <= 64 query tokens
+  (FlashInfer measured that on an H20); a fixed wrapper per phase keeps one kernel per problem,
+  and bench/attention_choice.py is where a short-chunk class would be measured.
 - decode: FA2 (its CUDA-core kernel, or its tensor-core prefill kernel for GQA groups of 4+).
   "auto" in 0.7 may route float16 graph-mode decode to XQA MTP or, on sm100, to cuDNN, whose
   plans differ in what they freeze; FA2 behaves as 0.5.3 did.
