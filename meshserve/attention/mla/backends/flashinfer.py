@@ -136,10 +136,10 @@ class FlashInferMLADecodeBackend(MLABackend):
         if self._plan_event is not None:
             self._plan_event.synchronize()
         if self._new_api:
-            from flashinfer.mla import MLAPlanMetadata
+            import flashinfer
 
             wrapper.plan(
-                metadata=MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_lens),
+                metadata=flashinfer.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_lens),
                 num_heads=self.spec.num_heads, head_dim_ckv=self.dims.kv_lora_rank,
                 head_dim_kpe=self.dims.qk_rope_head_dim, page_size=page,
                 causal=False,  # one decode query sees every cached row (on every DCP rank too)
