@@ -179,8 +179,9 @@ def test_flashinfer_07_api_with_bf16_and_fp8_latent_caches(fake_flashinfer, monk
     """With FlashInfer 0.7 installed the backend plans from MLAPlanMetadata and runs with structural
     inputs; an FP8 cache's scale is folded into the query and the output, FlashInfer's scales stay 1."""
     monkeypatch.setattr(fi_mla, "flashinfer_version", lambda: (0, 7))
-    fake_flashinfer.mla.MLAPlanMetadata = types.SimpleNamespace(
-        csr=lambda qo, kv, idx, lens: types.SimpleNamespace(qo_indptr=qo, kv_indptr=kv, kv_indices=idx, kv_len_arr=lens))
+    csr = lambda qo, kv, idx, lens: types.SimpleNamespace(qo_indptr=qo, kv_indptr=kv, kv_indices=idx,  # noqa: E731
+                                                           kv_len_arr=lens)
+    fake_flashinfer.mla.MLAPlanMetadata = types.SimpleNamespace(csr=csr)
 
     def build(*args, **kwargs):
         fake_flashinfer.built.append(FakeMLAWrapper07(*args, **kwargs))
