@@ -90,9 +90,27 @@ def cmd_backends(args: argparse.Namespace) -> int:
         for verdict in explain(problem, kind):
             print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
         chosen = select_backend(problem, name, kind=kind)
-        print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}")
+        print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}"
+              + (" (named)" if name else f" ({_why_default(problem, kind, chosen.name)})"))
     _print_weight_formats(device, cc, table=not args.quiet)
     return 0
+
+
+def _why_default(problem, kind, chosen: str) -> str:
+    """Why automatic selection gave `chosen`: the kernel-choice table entry or the priority list,
+    and for FLASHINFER which of FlashInfer's own kernels each phase runs."""
+    from meshserve.attention.backends.flashinfer_kernels import decode_kernel, mla_decode_kernel, prefill_kernel
+    from meshserve.attention.registry import BackendKind, default_order
+
+    choice = default_order(problem, kind)
+    why = choice.reason if choice.from_table else f"{choice.reason}; priority list order"
+    if choice.order and choice.order[0] != chosen:
+        why += f"; {', '.join(choice.order[: choice.order.index(chosen)])} cannot serve it"
+    if chosen == "FLASHINFER" and kind is BackendKind.ATTENTION:
+        why += f"; FlashInfer kernels: prefill {prefill_kernel(problem)}, decode {decode_kernel(problem)}"
+    elif chosen == "FLASHINFER" and kind is BackendKind.MLA_DECODE:
+        why += f"; FlashInfer kernel: {mla_decode_kernel(problem)}"
+    return why
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
