@@ -37,9 +37,9 @@ class SmallMGemm(StrEnum):
     OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs
 
 
-SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (the default: per-channel "
-                     "FP8 weights, as --quantization fp8 makes them), on (every FP8 weight and the bf16/fp16 decoder "
-                     "projections), off (never)")
+SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on weight-streaming kernels: auto (the default: FP8 weights, "
+                     "the kernel per rows bucket from workers/quant/gemm_table.py), on (those and the bf16/fp16 "
+                     "decoder projections), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
                      "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
 
