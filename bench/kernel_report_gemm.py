@@ -22,8 +22,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def launches() -> Iterator[tuple[str, Callable[[], object]]]:
     """Every kernel variant the serving path can launch for these shapes (weights empty: nothing runs)."""
-    from meshserve.workers.quant.fp8_triton import block_gemm, quantize_groups, quantize_rows
     from meshserve.workers.quant.fp8_gemv import CONFIGS, fp8_gemv
+    from meshserve.workers.quant.fp8_triton import block_gemm, quantize_groups, quantize_rows
     from meshserve.workers.quant.small_m import plan_stream, stream_linear
 
     fp8 = torch.float8_e4m3fn

@@ -144,7 +144,6 @@ def _calls(dtype):
     from meshserve.workers.quant.fp8_gemv import fp8_gemv
     from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable
     from meshserve.workers.quant.layers import fp8_linear
-    from meshserve.workers.quant.small_m import stream_linear
 
     def table(block_way=Fp8Gemm.TRITON_BLOCK, channel_way=Fp8Gemm.CHANNEL_ROWWISE):
         return Fp8GemmTable(small_m_block=((16, block_way),), small_m_channel=((16, channel_way),))
@@ -215,7 +214,7 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
         for fmt in ("channel", "block"):
             wq, scale, block = quant[fmt]
             for i in list(totals):
-                us = _bench(lambda c=gv.CONFIGS[i]: gv.fp8_gemv(x, wq, scale, block, config=c), device)
+                us = _bench(lambda c=gv.CONFIGS[i], a=(x, wq, scale, block): gv.fp8_gemv(*a, config=c), device)
                 totals[i] += us
                 rows.append({"shape": name, "format": fmt, "config": i, "us": us, "tbs": wq.numel() / us / 1e6})
     best = min(totals, key=lambda i: totals[i]) if device == "cuda" else 0
@@ -361,7 +360,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
     ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU under TRITON_INTERPRET (times meaningless)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="tiny shapes on CPU under TRITON_INTERPRET (times meaningless)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda"

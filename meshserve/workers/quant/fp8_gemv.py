@@ -243,7 +243,7 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     _fp8_gemv[(triton.cdiv(n, cfg.block_n), plan.splits)](
         x, weight, scale, out if bias is None else bias, out, parts, out if counters is None else counters,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if block is not None else 0,
-        plan.k_per_split, plan.splits, SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n,
-        SCALE_K=scale_k or 1, HAS_BIAS=bias is not None, X_SCALE=x_scale, MP=16, BN=cfg.block_n,
+        plan.k_per_split, plan.splits, SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK,
+        SCALE_N=scale_n, SCALE_K=scale_k or 1, HAS_BIAS=bias is not None, X_SCALE=x_scale, MP=16, BN=cfg.block_n,
         BK=cfg.block_k, SUBS=plan.subs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -62,9 +62,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
     On CUDA the formulation follows `table` (None: gemm_table.DEFAULT_TABLE) by rows: with
     `small_m` (ModelConfig.small_m_gemm auto or on) up to SMALL_M_MAX rows run what the table's
-    small-M rows name (default: the split-K W8A16 GEMV, fp8_gemv.py); other rows quantize the activations (block: per token per bk features,
-    then torch's blockwise scaled_mm where its probe passed, else the Triton block GEMM;
-    per-channel: per token, then `_scaled_mm` row-wise or unit-scale + rank-1 rescale)."""
+    small-M rows name (default: the split-K W8A16 GEMV, fp8_gemv.py); other rows quantize the
+    activations (block: per token per bk features, then torch's blockwise scaled_mm where its
+    probe passed, else the Triton block GEMM; per-channel: per token, then `_scaled_mm` row-wise
+    or unit-scale + rank-1 rescale)."""
     if not _fast_path(x) or x.dtype == torch.float32:
         y = fp8_linear_reference(x, weight, scale, block)
         return y if bias is None else y + bias
