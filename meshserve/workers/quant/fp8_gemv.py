@@ -15,8 +15,9 @@ streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
   No second launch, no float atomics: the bits are the same run to run and graph replay equals
   eager.
 - Numerics as small_m.py (W8A16): FP8 -> fp16 in registers (exact), bf16 activations scaled by
-  2**-8 into fp16 (exact for |x| >= 2**-6 ... 2**24 / 2**8; see docs/quantization.md), float32
-  accumulation; a block scale multiplies each partial product of its scale block, a per-channel
+  2**-8 into fp16 (exact for 2**-6 <= |x| < 2**24, docs/quantization.md: the scale is applied
+  in float32 before the fp16 rounding, and a run-time argument so the compiler keeps that order),
+  float32 accumulation; a block scale multiplies each partial product of its scale block, a per-channel
   scale the finished row.
 
 The counters live in one zero-initialised int32 buffer per device (`_counters`), allocated on
@@ -41,7 +42,13 @@ import triton.language as tl
 from meshserve.workers.quant.formats import SMALL_M_MAX
 
 _CHANNEL, _BLOCK = 1, 2
-_X_SCALE = 2.0**-8  # bf16 activations -> fp16 operand range (as small_m.py)
+# bf16 activations -> fp16 operand range (as small_m.py). A run-time argument, not a constexpr: with
+# a constant power of two, the sm_90 build (Triton 3.6) rounds x to fp16 FIRST and then scales
+# (F2FP.F16.F32 + HMUL2 in the SASS), so |x| > 65504 would overflow to inf.
+_X_SCALE = 2.0**-8
+# Widest sub-step: a [128 rows, 256 columns] fp16 operand in registers spilled per-channel at 4 warps
+# (sm_90, Triton 3.6); 128 columns keep 64-row tiles near 90-120 registers.
+SUB_MAX = 128
 MAX_COUNTERS = 1 << 16  # column tiles one launch may split (N <= 4M at 64 rows a tile)
 
 
@@ -49,13 +56,16 @@ MAX_COUNTERS = 1 << 16  # column tiles one launch may split (N <= 4M at 64 rows 
 class GemvConfig:
     """block_n weight rows per program (64 or 128: the dot's M side), block_k weight columns per
     step, warps, software-pipeline stages, and programs_per_sm: how many programs (splits x column
-    tiles) the grid aims at per SM; K is split only when the column tiles alone fall short."""
+    tiles) the grid aims at per SM; K is split only when the column tiles alone fall short. tma:
+    weight tiles arrive through a tensor descriptor (the copy engine, one request per tile;
+    Hopper+; a weight whose row stride or address is not 16-byte aligned takes pointer loads)."""
 
     block_n: int = 64
     block_k: int = 256
     num_warps: int = 4
     num_stages: int = 4
     programs_per_sm: int = 4
+    tma: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -81,18 +91,23 @@ CONFIGS = (
     DEFAULT_CONFIG,
     GemvConfig(64, 256, 4, 3, 4),
     GemvConfig(64, 128, 4, 6, 4),
-    GemvConfig(128, 256, 4, 3, 2),
+    GemvConfig(64, 512, 4, 3, 2),
     GemvConfig(128, 256, 8, 3, 2),
     GemvConfig(128, 128, 4, 4, 2),
     GemvConfig(64, 256, 4, 4, 8),
     GemvConfig(64, 256, 4, 4, 2),
+    GemvConfig(64, 256, 4, 4, 4, tma=True),
+    GemvConfig(128, 256, 8, 4, 2, tma=True),
+    GemvConfig(64, 128, 4, 8, 4, tma=True),
 )
 
 
 @dataclass(frozen=True)
 class GemvPlan:
     """One launch's cut: the config, `splits` programs along K, each `k_per_split` columns long
-    (a multiple of block_k), and the unrolled sub-steps per step (block_k // scale block)."""
+    (a multiple of block_k), and the unrolled sub-steps per step: block_k // min(block_k,
+    SUB_MAX, scale block), so that a sub-step never straddles two scale blocks and its converted
+    weight tile stays within SUB_MAX columns of registers."""
 
     config: GemvConfig
     splits: int
@@ -101,10 +116,10 @@ class GemvPlan:
 
 
 @triton.jit
-def _fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w, stride_out,
-              s_row_stride, k_per_split, splits, SPLIT: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-              SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALE: tl.constexpr, MP: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr):  # fmt: skip
+def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
+              stride_out, s_row_stride, k_per_split, splits, x_scale, SPLIT: tl.constexpr, SCALE: tl.constexpr,
+              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, MP: tl.constexpr,
+              BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr, W_DESC: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     SUB: tl.constexpr = BK // SUBS
@@ -122,18 +137,21 @@ def _fp8_gemv(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K,
         for j in tl.static_range(SUBS):
             kj = k + j * SUB
             k_ok = rk < k1 - kj
-            w = tl.load(w_rows + kj, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            if W_DESC:  # rows past N and columns past K arrive as zeros (the descriptor's bounds)
+                w = w_desc.load([pid_n * BN, kj])
+            else:
+                w = tl.load(w_rows + kj, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + kj, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.trans((x.to(tl.float32) * X_SCALE).to(tl.float16))  # [SUB, MP]
+            xt = tl.trans((x.to(tl.float32) * x_scale).to(tl.float16))  # [SUB, MP]
             part = tl.dot(w.to(tl.float16), xt)  # [BN, MP] float32
             if SCALE == 2:  # a sub-step past K (its part is 0) reads the row's last scale, not past it
                 acc += part * tl.load(s_rows + tl.minimum(kj, k1 - 1) // SCALE_K, mask=n_ok, other=0.0)[:, None]
             else:
                 acc += part
     if SCALE == 1:
-        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None] * (1.0 / X_SCALE)
+        acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None] * (1.0 / x_scale)
     else:
-        acc *= 1.0 / X_SCALE
+        acc *= 1.0 / x_scale
     ok = n_ok[:, None] & m_ok[None, :]
     out = out_ptr + rm[None, :] * stride_out + rn[:, None]  # out [M, N] written as its transpose
     if not SPLIT:
@@ -184,12 +202,10 @@ def plan_gemv(n: int, k: int, *, scale_k: int | None, num_sms: int, config: Gemv
     """How to cut an [N, K] FP8 weight: split K only when cdiv(N, block_n) column tiles are fewer
     than programs_per_sm x num_sms, into at most that many programs, each split a whole number of
     block_k steps (and of scale blocks: block_k and the scale block divide one another)."""
-    subs = 1
-    if scale_k is not None:
-        if scale_k % config.block_k and config.block_k % scale_k:
-            raise ValueError(f"GemvConfig.block_k={config.block_k} must divide or be a multiple of the scale "
-                             f"block along K ({scale_k})")
-        subs = max(1, config.block_k // scale_k)
+    if scale_k is not None and scale_k % config.block_k and config.block_k % scale_k:
+        raise ValueError(f"GemvConfig.block_k={config.block_k} must divide or be a multiple of the scale "
+                         f"block along K ({scale_k})")
+    subs = config.block_k // min(config.block_k, SUB_MAX, scale_k or SUB_MAX)
     tiles = triton.cdiv(n, config.block_n)
     steps = triton.cdiv(k, config.block_k)
     splits = max(1, min(steps, config.programs_per_sm * num_sms // tiles))
@@ -240,10 +256,16 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     parts = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if plan.splits > 1 else out
     x_scale = 1.0 if x.dtype == torch.float16 else _X_SCALE
     cfg = plan.config
+    desc = None
+    if cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k // plan.subs])
     _fp8_gemv[(triton.cdiv(n, cfg.block_n), plan.splits)](
-        x, weight, scale, out if bias is None else bias, out, parts, out if counters is None else counters,
-        m, n, k, x.stride(0), weight.stride(0), out.stride(0), scale.stride(0) if block is not None else 0,
-        plan.k_per_split, plan.splits, SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK,
-        SCALE_N=scale_n, SCALE_K=scale_k or 1, HAS_BIAS=bias is not None, X_SCALE=x_scale, MP=16, BN=cfg.block_n,
-        BK=cfg.block_k, SUBS=plan.subs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        x, weight, weight if desc is None else desc, scale, out if bias is None else bias, out, parts,
+        out if counters is None else counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        scale.stride(0) if block is not None else 0, plan.k_per_split, plan.splits, x_scale,
+        SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n, SCALE_K=scale_k or 1,
+        HAS_BIAS=bias is not None, MP=16, BN=cfg.block_n, BK=cfg.block_k, SUBS=plan.subs,
+        W_DESC=desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return out

@@ -88,6 +88,17 @@ def test_bf16_in_bf16_out():
     torch.testing.assert_close(y.double(), x.double() @ w64.T, rtol=2**-7, atol=1e-6)
 
 
+def test_activations_from_tiny_to_past_the_fp16_range():
+    """Rows of |x| ~ 2**18 (past fp16's 65504 before the kernel's 2**-8 operand scale) stay exact;
+    |x| ~ 1e-4 loses at most 2**-17 absolute per element (the fp16 operand's subnormal step)."""
+    wq, scale, block, w64 = _weights("channel")
+    x = torch.cat([_x(1) * 2.0**18, _x(1, seed=3) * 1e-4]).bfloat16().float()
+    y = fp8_gemv(x, wq, scale, block)
+    ref = x.double() @ w64.T
+    torch.testing.assert_close(y.double()[0], ref[0], rtol=1e-5, atol=1e-5 * 2.0**18)
+    assert (y.double()[1] - ref[1]).abs().max().item() <= (w64.abs().sum(1) * 2**-17).max().item()
+
+
 def test_block_scales_past_k_are_never_read():
     """K = 300 ends inside the last 128-wide step's second 64-wide sub-step: the scale after each
     row's last one is NaN here (a padded buffer), so any read past the row shows as NaN."""
@@ -115,3 +126,14 @@ def test_gemv_refuses_bad_input():
     with pytest.raises(ValueError, match="GemvConfig.block_n must be a power of two"):
         GemvConfig(block_n=48)
     assert fp8_gemv(_x(0), wq, scale, block).shape == (0, N)
+
+
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_descriptor_loads_agree_with_pointer_loads(fmt):
+    """tma configs read weight tiles through a tensor descriptor where rows are 16-byte aligned
+    (K = 320 here; rows past N and the last partial step come back as zeros); K = 300 falls back."""
+    for k in (320, 300):
+        wq, scale, block, w64 = _weights(fmt, k=k)
+        x = _x(3, k=k)
+        y = fp8_gemv(x, wq, scale, block, config=GemvConfig(64, 128, 4, 2, programs_per_sm=4, tma=True))
+        torch.testing.assert_close(y.double(), x.double() @ w64.T, rtol=1e-5, atol=1e-5)
