@@ -11,7 +11,8 @@ checked, then timed against its predecessor and its peers.
    allocator's cache is poisoned with NaN first), two calls bitwise equal, tile counters zero
    after, a CUDA-graph replay equal to eager. A config that fails is reported and never timed.
 2. layer: per projection at M = 1, 4, 16, µs (triton.testing.do_bench, median, L2 flushed between
-   calls): bf16 cuBLAS, the GEMV (default config), small_m.py's streaming kernel, per-channel
+   calls): bf16 cuBLAS, the GEMV (default config; at M = 1 also its CUDA-core kernel,
+   CORES_CONFIG), small_m.py's streaming kernel, per-channel
    row-wise and rank-1 (unit-scale per-tensor `_scaled_mm` + rescale) and block-scaled cuBLASLt
    blockwise / Triton block formulations as fp8_linear runs them, and per-tensor `_scaled_mm` on
    pre-quantized activations (the cuBLASLt FP8 ceiling, not a serving path).
@@ -83,7 +84,7 @@ def check(shapes, extra, device: str, dtype: torch.dtype) -> tuple[list[dict], s
             for i, cfg in enumerate(gv.CONFIGS):
                 if name in extra and i:
                     continue  # the narrow shapes: the default config only
-                for m in (1, 5, 16):
+                for m in (1,) if cfg.cores else (1, 5, 16):
                     x = torch.randn(m, k, device=device, generator=g).to(dtype)
                     if m == 5:  # one row of large activations: 2**16 .. 2**20 must not overflow the fp16 operand
                         x[2] *= 2.0**18
@@ -144,7 +145,7 @@ def _bench(fn, device: str) -> float:
 
 def _calls(dtype):
     """method -> (weight format, fn(x, *weights)) for the per-projection and graph timings."""
-    from meshserve.workers.quant.fp8_gemv import fp8_gemv
+    from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fp8_gemv
     from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable
     from meshserve.workers.quant.layers import fp8_linear
 
@@ -161,6 +162,8 @@ def _calls(dtype):
         "channel_rowwise": ("channel", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_tiled)),
         "channel_rescale": ("channel", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_rescale)),
         "block_gemv": ("block", lambda x, w, s, b: fp8_gemv(x, w, s, b)),
+        "channel_gemv_cores": ("channel", lambda x, w, s, b: fp8_gemv(x, w, s, b, config=CORES_CONFIG)),
+        "block_gemv_cores": ("block", lambda x, w, s, b: fp8_gemv(x, w, s, b, config=CORES_CONFIG)),
         "block_stream": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_stream)),
         "block_triton": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_tiled)),
         "block_cublas": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_blockwise)),
@@ -191,6 +194,8 @@ def layer(shapes, device: str, dtype, ms=(1, 4, 16)) -> list[dict]:
         for m in ms:
             x = torch.randn(m, k, device=device, generator=g).to(dtype)
             for method, (fmt, fn) in calls.items():
+                if "cores" in method and m != 1:
+                    continue
                 args = _weights_for(fmt, w, quant)
                 xin = _x_for(fmt, x)
                 try:
@@ -203,8 +208,9 @@ def layer(shapes, device: str, dtype, ms=(1, 4, 16)) -> list[dict]:
     return rows
 
 
-def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int]:
-    """Each passing config over one layer's four projections at M = 1; returns rows and the best."""
+def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int, int | None]:
+    """Each passing config over one layer's four projections at M = 1; returns the rows, the best
+    tensor-core config and the best cores config (None: none passed)."""
     from meshserve.workers.quant import fp8_gemv as gv
 
     rows = []
@@ -220,21 +226,32 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
                 us = _bench(lambda c=gv.CONFIGS[i], a=(x, wq, scale, block): gv.fp8_gemv(*a, config=c), device)
                 totals[i] += us
                 rows.append({"shape": name, "format": fmt, "config": i, "us": us, "tbs": wq.numel() / us / 1e6})
-    best = min(totals, key=lambda i: totals[i]) if device == "cuda" else 0
+    tensor_core = {i: t for i, t in totals.items() if not gv.CONFIGS[i].cores}
+    best = min(tensor_core, key=lambda i: tensor_core[i]) if device == "cuda" and tensor_core else 0
     for i, total in totals.items():
         print(f"sweep config {i} {gv.CONFIGS[i]}: one layer (both formats) {total:8.1f} us", flush=True)
-    print(f"sweep best: config {best} {gv.CONFIGS[best]}", flush=True)
-    return rows, best
+    cores = {i: t for i, t in totals.items() if gv.CONFIGS[i].cores}
+    best_cores = (min(cores, key=lambda i: cores[i]) if device == "cuda" else next(iter(cores))) if cores else None
+    print(f"sweep best (tensor-core configs, every M): config {best} {gv.CONFIGS[best]}", flush=True)
+    if best_cores is not None:
+        print(f"sweep best (cores configs, M = 1): config {best_cores} {gv.CONFIGS[best_cores]}", flush=True)
+    return rows, best, best_cores
 
 
-def graphs(shapes, device: str, dtype, best: int, layers: int, ms=(1, 4, 8, 16)) -> list[dict]:
+def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, layers: int,
+           ms=(1, 4, 8, 16)) -> list[dict]:
     """Per method and M: `layers` x the four projections in one CUDA graph, median of 20 replays."""
     from meshserve.workers.quant import fp8_gemv as gv
 
     calls = _calls(dtype)
     best_cfg = gv.CONFIGS[best]
-    calls["channel_gemv_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
-    calls["block_gemv_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
+    if not best_cfg.cores:  # the sweep's best over every M; the cores kernel has its own rows (M = 1)
+        calls["channel_gemv_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
+        calls["block_gemv_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
+    if best_cores is not None and gv.CONFIGS[best_cores] != gv.CORES_CONFIG:
+        cfg = gv.CONFIGS[best_cores]
+        calls["channel_gemv_cores_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=cfg))
+        calls["block_gemv_cores_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=cfg))
     t0 = time.perf_counter()
     stack = []  # per layer: {name: (bf16 w, quant formats)}
     for i in range(layers):
@@ -249,6 +266,8 @@ def graphs(shapes, device: str, dtype, best: int, layers: int, ms=(1, 4, 8, 16))
     for m in ms:
         xs = {name: torch.randn(m, k, device=device).to(dtype) for name, (_, k) in shapes.items()}
         for method, (fmt, fn) in calls.items():
+            if "cores" in method and m != 1:
+                continue
             plan = [(fn, _x_for(fmt, xs[name]), _weights_for(fmt, w, q)) for per in stack
                     for name, (w, q) in per.items()]
             nbytes = sum(t.numel() * t.element_size() for _, _, args in plan for t in args
@@ -293,10 +312,10 @@ def graphs(shapes, device: str, dtype, best: int, layers: int, ms=(1, 4, 8, 16))
     return rows
 
 
-SERVING = {"channel": ("channel_gemv", "channel_stream", "channel_rowwise", "channel_rescale"),
-           "block": ("block_gemv", "block_stream", "block_triton", "block_cublas")}
-WAY = {"gemv": "GEMV", "stream": "STREAM", "rowwise": "CHANNEL_ROWWISE", "rescale": "CHANNEL_RESCALE",
-       "triton": "TRITON_BLOCK", "cublas": "CUBLAS_BLOCKWISE"}
+SERVING = {"channel": ("channel_gemv", "channel_gemv_cores", "channel_stream", "channel_rowwise", "channel_rescale"),
+           "block": ("block_gemv", "block_gemv_cores", "block_stream", "block_triton", "block_cublas")}
+WAY = {"gemv": "GEMV", "gemv_cores": "GEMV_CORES", "stream": "STREAM", "rowwise": "CHANNEL_ROWWISE",
+       "rescale": "CHANNEL_RESCALE", "triton": "TRITON_BLOCK", "cublas": "CUBLAS_BLOCKWISE"}
 
 
 def suggest(graph_rows: list[dict]) -> dict[str, list]:
@@ -363,6 +382,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=Path("/tmp/out"))
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds for the whole run: the graphs shrink to M = 1 and 16 when less than 150 are left")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET (times meaningless)")
     args = ap.parse_args()
@@ -376,26 +397,34 @@ def main() -> int:
 
         print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     t0 = time.perf_counter()
+    from meshserve.workers.quant.fp8_gemv import CONFIGS, CORES_CONFIG
+
     check_rows, failed = check(shapes, extra, device, dtype)
     print(f"[{time.perf_counter() - t0:.0f} s] check done", flush=True)
+    untimed = set()  # serving methods whose config failed: reported, never timed
     if 0 in failed:
-        print("the default GEMV config FAILED its check: it is not timed; fix before wiring", flush=True)
-    layer_rows = layer(shapes, device, dtype, ms=(1, 16) if args.smoke else (1, 4, 16))
-    layer_rows = [r for r in layer_rows if not (0 in failed and "gemv" in r["method"])]
+        untimed |= {"channel_gemv", "block_gemv"}
+        print("the default GEMV config FAILED its check: not timed; fix before it serves", flush=True)
+    if CONFIGS.index(CORES_CONFIG) in failed:
+        untimed |= {"channel_gemv_cores", "block_gemv_cores"}
+        print("the cores GEMV config FAILED its check: not timed", flush=True)
+    layer_rows = [r for r in layer(shapes, device, dtype, ms=(1, 16) if args.smoke else (1, 4, 16))
+                  if r["method"] not in untimed]
     print(f"[{time.perf_counter() - t0:.0f} s] layer done", flush=True)
-    sweep_rows, best = sweep(shapes, device, dtype, failed) if len(failed) < 8 else ([], 0)
+    sweep_rows, best, best_cores = sweep(shapes, device, dtype, failed) if len(failed) < len(CONFIGS) \
+        else ([], 0, None)
     print(f"[{time.perf_counter() - t0:.0f} s] sweep done", flush=True)
-    graph_rows = graphs(shapes, device, dtype, best, 1 if args.smoke else args.layers,
-                        ms=(1, 16) if args.smoke else (1, 4, 8, 16))
-    if 0 in failed:
-        graph_rows = [r for r in graph_rows if "gemv" not in r["method"]]
+    short = args.smoke or time.perf_counter() - t0 > args.budget - 150
+    graph_rows = [r for r in graphs(shapes, device, dtype, best, best_cores, 1 if args.smoke else args.layers,
+                                    ms=(1, 16) if short else (1, 4, 8, 16)) if r["method"] not in untimed]
     print(f"[{time.perf_counter() - t0:.0f} s] graphs done", flush=True)
     (args.out / "kernels_device.json").write_text(json.dumps(
-        {"check": check_rows, "layer": layer_rows, "sweep": sweep_rows, "best_config": best, "graph": graph_rows,
+        {"check": check_rows, "layer": layer_rows, "sweep": sweep_rows, "best_config": best,
+         "best_cores_config": best_cores, "graph": graph_rows,
          "suggested_table": suggest(graph_rows)}, indent=1))
     plot(graph_rows, args.out / "kernels_device.png")
     summary(layer_rows, graph_rows, best, check_rows)
-    return 1 if 0 in failed else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

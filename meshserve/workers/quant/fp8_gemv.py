@@ -58,7 +58,10 @@ class GemvConfig:
     step, warps, software-pipeline stages, and programs_per_sm: how many programs (splits x column
     tiles) the grid aims at per SM; K is split only when the column tiles alone fall short. tma:
     weight tiles arrive through a tensor descriptor (the copy engine, one request per tile;
-    Hopper+; a weight whose row stride or address is not 16-byte aligned takes pointer loads)."""
+    Hopper+; a weight whose row stride or address is not 16-byte aligned takes pointer loads).
+    cores: the CUDA-core kernel for ONE row (`_fp8_gemv_row`: no tensor cores, no shared memory,
+    float32 FMAs; latency hidden by resident programs, not by a software pipeline; num_stages
+    unused); block_n may then be 4 or 8."""
 
     block_n: int = 64
     block_k: int = 256
@@ -66,12 +69,15 @@ class GemvConfig:
     num_stages: int = 4
     programs_per_sm: int = 4
     tma: bool = False
+    cores: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("block_n", "block_k"):
+        for name, low in (("block_n", 4 if self.cores else 16), ("block_k", 16)):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"GemvConfig.{name} must be a power of two >= 16, not {value}")
+            if value < low or value & (value - 1):
+                raise ValueError(f"GemvConfig.{name} must be a power of two >= {low}, not {value}")
+        if self.cores and self.tma:
+            raise ValueError("GemvConfig.cores takes pointer loads (tma must be False)")
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4 or 8, not {self.num_warps}")
         if not 1 <= self.num_stages <= 8:
@@ -86,7 +92,11 @@ class GemvConfig:
 # sm_90 compile (Triton 3.6, bench/kernel_report_gemm.py): wgmma (HGMMA.64x16x16) with the
 # weight converted in registers, cp.async weight loads, 118 (block) / 156 (channel) registers, no
 # stack, 78-82 KB of shared memory. 512-column steps spill per-channel (88 bytes): not listed.
+# The cores configs (CORES_CONFIG: what Fp8Gemm.GEMV_CORES runs, one row only): 16-byte weight
+# loads, 42-68 registers, no stack, no shared-memory pipeline; ~4 instructions per weight byte
+# (F2FP + HADD2 + FFMA per weight), about half the sm_90's issue rate at 4 TB/s.
 DEFAULT_CONFIG = GemvConfig()
+CORES_CONFIG = GemvConfig(16, 512, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
 CONFIGS = (
     DEFAULT_CONFIG,
     GemvConfig(64, 256, 4, 3, 4),
@@ -99,6 +109,9 @@ CONFIGS = (
     GemvConfig(64, 256, 4, 4, 4, tma=True),
     GemvConfig(128, 256, 8, 4, 2, tma=True),
     GemvConfig(64, 128, 4, 8, 4, tma=True),
+    CORES_CONFIG,
+    GemvConfig(32, 512, 8, 1, 4, cores=True),
+    GemvConfig(8, 1024, 4, 1, 8, cores=True),
 )
 
 
@@ -173,6 +186,57 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
                 total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
             tl.store(out, total.to(out_ptr.dtype.element_ty), mask=ok)
             tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _fp8_gemv_row(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, s_row_stride,
+                  k_per_split, splits, SPLIT: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr,
+                  SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    # One activation row on CUDA cores: each thread holds 16 consecutive weights of a row (one
+    # 16-byte load), sums their products with x in float32 in its own registers, and keeps one
+    # partial per (row, 16-column chunk); the cross-thread sum runs once, after the K loop.
+    VEC: tl.constexpr = 16
+    C: tl.constexpr = BK // VEC
+    pid_n = tl.program_id(0)
+    split = tl.program_id(1)
+    rn = pid_n * BN + tl.arange(0, BN)
+    n_ok = rn < N
+    chunk = tl.arange(0, C)[:, None] * VEC + tl.arange(0, VEC)[None, :]  # [C, VEC] column offsets
+    k0 = split * k_per_split
+    k1 = tl.minimum(k0 + k_per_split, K)
+    w_rows = w_ptr + rn[:, None, None] * stride_w  # [BN, 1, 1]
+    acc = tl.zeros((BN, C), dtype=tl.float32)
+    for k in range(k0, k1, BK):
+        kk = k + chunk
+        k_ok = kk < k1
+        w = tl.load(w_rows + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BN, C]
+        if SCALE == 2:  # a 16-column chunk lies inside one scale block (SCALE_K >= 16, k aligned)
+            kb = tl.minimum(k + tl.arange(0, C) * VEC, k1 - 1) // SCALE_K
+            s = tl.load(s_ptr + (rn // SCALE_N)[:, None] * s_row_stride + kb[None, :], mask=n_ok[:, None], other=0.0)
+            acc += part * s
+        else:
+            acc += part
+    res = tl.sum(acc, axis=1)  # [BN]
+    if SCALE == 1:
+        res *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+    if not SPLIT:
+        if HAS_BIAS:
+            res += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, res.to(out_ptr.dtype.element_ty), mask=n_ok)
+    else:
+        tl.store(part_ptr + split * N + rn, res, mask=n_ok)
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == splits - 1:
+            total = tl.zeros((BN,), dtype=tl.float32)
+            for s in range(splits):
+                total += tl.load(part_ptr + s * N + rn, mask=n_ok, other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                total += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            tl.store(out_ptr + rn, total.to(out_ptr.dtype.element_ty), mask=n_ok)
+            tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed", scope="gpu")
 
 
 def _interpreting() -> bool:
@@ -256,6 +320,18 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     parts = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if plan.splits > 1 else out
     x_scale = 1.0 if x.dtype == torch.float16 else _X_SCALE
     cfg = plan.config
+    if cfg.cores:
+        if m != 1:
+            raise ValueError(f"a GemvConfig with cores=True takes one row (x.shape[0] == 1), not {m}")
+        if x.stride(0) != k:
+            x = x.contiguous()
+        _fp8_gemv_row[(triton.cdiv(n, cfg.block_n), plan.splits)](
+            x, weight, scale, out if bias is None else bias, out, parts, out if counters is None else counters,
+            n, k, weight.stride(0), scale.stride(0) if block is not None else 0, plan.k_per_split, plan.splits,
+            SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n,
+            SCALE_K=scale_k or 1, HAS_BIAS=bias is not None, BN=cfg.block_n, BK=cfg.block_k,
+            num_warps=cfg.num_warps)
+        return out
     desc = None
     if cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor

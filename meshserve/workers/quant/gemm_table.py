@@ -5,6 +5,8 @@ Formulations (fp8_linear in layers.py dispatches; fp8_cublas.py / fp8_triton.py 
 - GEMV               W8A16 split-K GEMV, one launch, activations unquantized (fp8_gemv.py);
                      M <= SMALL_M_MAX on linears built with small_m (ModelConfig.small_m_gemm
                      auto or on), where the table's small-M rows name it.
+- GEMV_CORES         the GEMV's CUDA-core kernel for ONE row (fp8_gemv.CORES_CONFIG: float32
+                     FMAs, no tensor cores); only in a small-M bucket of max_rows 1.
 - STREAM             W8A16 weight-streaming kernel, activations unquantized (small_m.py), the
                      GEMV's predecessor (2.2 TB/s on the H200); where the small-M rows name it.
 - CUBLAS_BLOCKWISE   block scales: per-token-group activation quantization straight into the
@@ -31,6 +33,7 @@ from meshserve.workers.quant.formats import SMALL_M_MAX
 
 class Fp8Gemm(StrEnum):
     GEMV = "gemv"
+    GEMV_CORES = "gemv_cores"
     STREAM = "stream"
     CUBLAS_BLOCKWISE = "cublas_blockwise"
     TRITON_BLOCK = "triton_block"
@@ -38,8 +41,8 @@ class Fp8Gemm(StrEnum):
     CHANNEL_ROWWISE = "channel_rowwise"
 
 
-_BLOCK_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.STREAM, Fp8Gemm.CUBLAS_BLOCKWISE, Fp8Gemm.TRITON_BLOCK)
-_CHANNEL_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.STREAM, Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE)
+_BLOCK_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CUBLAS_BLOCKWISE, Fp8Gemm.TRITON_BLOCK)
+_CHANNEL_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE)
 
 # Rows bucket -> formulation for linears built with small_m, up to SMALL_M_MAX rows: ((max_rows,
 # way), ...) in increasing max_rows; rows above the last bucket take the large-M rules below.
@@ -71,6 +74,8 @@ class Fp8GemmTable:
             bad = [str(w) for _, w in rows if w not in allowed]
             if bad:
                 raise ValueError(f"{name} names {bad}; allowed: {[str(w) for w in allowed]}")
+            if any(w is Fp8Gemm.GEMV_CORES and r != 1 for r, w in rows):
+                raise ValueError(f"{name}: gemv_cores serves one row; put it in a bucket of max_rows 1, not {rows}")
         if self.block_cublas_min_rows < 1:
             raise ValueError(f"block_cublas_min_rows must be >= 1, not {self.block_cublas_min_rows}")
         if self.channel_rescale_max_rows < 0:

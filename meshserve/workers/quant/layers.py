@@ -75,10 +75,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2 = x2.contiguous()
     table = gemm_table.DEFAULT_TABLE if table is None else table
     way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
-    if way is Fp8Gemm.GEMV:
-        from meshserve.workers.quant.fp8_gemv import fp8_gemv
+    if way in (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES):
+        from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fp8_gemv
 
-        return fp8_gemv(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
+        config = CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None
+        return fp8_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused
     if way is Fp8Gemm.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 

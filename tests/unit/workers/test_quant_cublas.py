@@ -202,6 +202,10 @@ def test_dispatch_table():
     assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is Fp8Gemm.GEMV  # not measured yet
     with pytest.raises(ValueError, match=r"small_m_block names \['channel_rescale'\]"):
         Fp8GemmTable(small_m_block=((16, Fp8Gemm.CHANNEL_RESCALE),))
+    assert choose(Fp8GemmTable(small_m_channel=((1, Fp8Gemm.GEMV_CORES), (16, Fp8Gemm.GEMV))), block=False, rows=1,
+                  small_m=True) is Fp8Gemm.GEMV_CORES
+    with pytest.raises(ValueError, match="gemv_cores serves one row"):
+        Fp8GemmTable(small_m_block=((4, Fp8Gemm.GEMV_CORES),))
     with pytest.raises(ValueError, match="small_m_channel row bounds must increase within 1..16"):
         Fp8GemmTable(small_m_channel=((8, Fp8Gemm.GEMV), (4, Fp8Gemm.STREAM)))
     assert choose(t, block=True, rows=16, small_m=False) is Fp8Gemm.TRITON_BLOCK

@@ -56,6 +56,26 @@ def test_gemv_matches_float64(m, fmt, config):
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+# The CUDA-core kernel for one row, 8-row tiles (13 of them): split (64 programs wanted on the 8
+# "SMs": 3 splits of 128 columns) and unsplit (8 wanted: the tiles alone are more).
+CORES = {"cores_split": GemvConfig(8, 128, 4, 1, programs_per_sm=8, cores=True),
+         "cores_unsplit": GemvConfig(8, 64, 4, 1, programs_per_sm=1, cores=True)}
+
+
+@pytest.mark.parametrize("config", list(CORES))
+@pytest.mark.parametrize("fmt", ["block", "channel"])
+def test_cores_kernel_matches_float64(fmt, config):
+    wq, scale, block, w64 = _weights(fmt)
+    x = _x(1)
+    bias = (torch.randn(N, generator=torch.Generator().manual_seed(4)) * 0.1).bfloat16()
+    cfg = CORES[config]
+    assert (plan_gemv(N, K, scale_k=block and block[1], num_sms=8, config=cfg).splits > 1) == (config == "cores_split")
+    y = fp8_gemv(x, wq, scale, block, bias, config=cfg)
+    torch.testing.assert_close(y.double(), x.double() @ w64.T + bias.double(), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="cores=True takes one row"):
+        fp8_gemv(_x(2), wq, scale, block, config=cfg)
+
+
 def test_plans_split_only_narrow_weights_and_cover_k():
     sms = 132
     for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (768, 4096), (576, 7168)]:
@@ -123,8 +143,10 @@ def test_gemv_refuses_bad_input():
         fp8_gemv(_x(2), wq, scale, None)
     with pytest.raises(ValueError, match="bias must be"):
         fp8_gemv(_x(2), wq, scale, block, torch.zeros(N + 1))
-    with pytest.raises(ValueError, match="GemvConfig.block_n must be a power of two"):
-        GemvConfig(block_n=48)
+    with pytest.raises(ValueError, match="GemvConfig.block_n must be a power of two >= 16"):
+        GemvConfig(block_n=8)
+    with pytest.raises(ValueError, match="cores takes pointer loads"):
+        GemvConfig(8, 64, cores=True, tma=True)
     assert fp8_gemv(_x(0), wq, scale, block).shape == (0, N)
 
 
