@@ -230,6 +230,15 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
     best = min(tensor_core, key=lambda i: tensor_core[i]) if device == "cuda" and tensor_core else 0
     for i, total in totals.items():
         print(f"sweep config {i} {gv.CONFIGS[i]}: one layer (both formats) {total:8.1f} us", flush=True)
+    for name in shapes:
+        for fmt in ("channel", "block"):
+            mine = [r for r in rows if r["shape"] == name and r["format"] == fmt]
+            if mine and device == "cuda":
+                top = min(mine, key=lambda r: r["us"])
+                default = next((r for r in mine if r["config"] == 0), top)
+                print(f"sweep {name:>8} {fmt:>7}: best config {top['config']} {top['us']:.1f} us "
+                      f"({top['tbs']:.2f} TB/s); default {default['us']:.1f} us ({default['tbs']:.2f} TB/s)",
+                      flush=True)
     cores = {i: t for i, t in totals.items() if gv.CONFIGS[i].cores}
     best_cores = (min(cores, key=lambda i: cores[i]) if device == "cuda" else next(iter(cores))) if cores else None
     print(f"sweep best (tensor-core configs, every M): config {best} {gv.CONFIGS[best]}", flush=True)
