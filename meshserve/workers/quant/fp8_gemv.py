@@ -9,7 +9,7 @@ streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
   is small against the weight tile (small_m.py at 16 columns converted as many activation
   values as it streamed weights), and warps are not idle on a 16 x 16 output.
 - Split-K in the same launch: narrow weights (qkv, o, down: 64..96 tiles of 64 rows on 132 SMs)
-  are cut along K so that ~PROGRAMS_PER_SM programs per SM stream; each split writes a float32
+  are cut along K so that ~GemvConfig.programs_per_sm programs per SM stream; each split writes a float32
   partial, and the LAST split of a column tile to arrive (an acq_rel atomic counter per tile)
   sums all partials in split order, adds the bias, writes the output and resets its counter.
   No second launch, no float atomics: the bits are the same run to run and graph replay equals
@@ -17,16 +17,19 @@ streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
 - Numerics as small_m.py (W8A16): FP8 -> fp16 in registers (exact), bf16 activations scaled by
   2**-8 into fp16 (exact for 2**-6 <= |x| < 2**24, docs/quantization.md: the scale is applied
   in float32 before the fp16 rounding, and a run-time argument so the compiler keeps that order),
-  float32 accumulation; a block scale multiplies each partial product of its scale block, a per-channel
-  scale the finished row.
+  float32 accumulation; a block scale multiplies each partial product of its scale block, a
+  per-channel scale the finished row.
+- For ONE row, a second design (`_fp8_gemv_row`, GemvConfig.cores, Fp8Gemm.GEMV_CORES; not the
+  default): no tensor cores, 16-byte weight loads straight into registers, float32 FMAs, the
+  same split-K epilogue.
 
 The counters live in one zero-initialised int32 buffer per device (`_counters`), allocated on
 first use outside CUDA-graph capture; every launch leaves it zeroed. Two GEMVs must not run at
 the same time on one device from two streams (they would share counters): the model runs its
 linears on one stream.
 
-Configs (GemvConfig) are data; `DEFAULT_CONFIG` is the one the serving path uses and
-bench/kernels_device.py sweeps CONFIGS on the H200 and prints which wins per shape.
+Configs (GemvConfig) are data; `DEFAULT_CONFIG` is the one the serving path uses (NOT measured
+yet) and bench/kernels_device.py sweeps CONFIGS on the H200 and prints which wins per shape.
 """
 
 from __future__ import annotations
