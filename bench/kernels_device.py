@@ -345,8 +345,9 @@ def summary(layer_rows, graph_rows, best: int, check_rows) -> None:
     from meshserve.workers.quant import fp8_gemv as gv
 
     print("\nsummary")
-    print(f"check: {sum(r['ok'] for r in check_rows)}/{len(check_rows)} passed; sweep best config {best}: "
-          f"{gv.CONFIGS[best]}")
+    failed = sorted({r["config"] for r in check_rows if not r["ok"]})
+    print(f"check: {sum(r['ok'] for r in check_rows)}/{len(check_rows)} passed (failed configs, never timed: "
+          f"{failed or 'none'}); sweep best config {best}: {gv.CONFIGS[best]}")
     for m in sorted({r["m"] for r in layer_rows}):
         per = {}
         for r in layer_rows:
