@@ -19,7 +19,8 @@ checked, then timed against its predecessor and its peers.
 3. sweep: each passing GemvConfig on the four 8B projections at M = 1 (µs per layer).
 4. graph: 32 layers x 4 projections captured in one CUDA graph (distinct weights: 15 GB of bf16,
    nothing stays in L2), median of 20 replays, M = 1, 4, 8, 16: bf16 cuBLAS, FP8 per-channel and
-   block on the GEMV (default and the sweep's best config), on small_m.py's kernel, and on the
+   block on the GEMV (default, the sweep's best config, the cores kernel at M = 1, and the
+   default tiles with programmatic dependent launch), on small_m.py's kernel, and on the
    tiled formulations; the table rows for workers/quant/gemm_table.py that the numbers support.
 Writes kernels_device.json and kernels_device.png under --out; the summary table is printed last.
 """
@@ -106,32 +107,54 @@ def check(shapes, extra, device: str, dtype: torch.dtype) -> tuple[list[dict], s
                         failed.add(i)
                         print(f"CHECK FAILED config {i} {cfg} {name} {fmt} M={m}: {why}", flush=True)
     if device == "cuda":
-        rows.append(_graph_check(dtype))
-        if not rows[-1]["ok"]:
-            failed.add(0)
+        for row in _graph_check(dtype):
+            rows.append(row)
+            if not row["ok"]:
+                failed.add(row["config"])
     bad = sorted(failed)
     print(f"check: {sum(r['ok'] for r in rows)}/{len(rows)} passed; failed configs: {bad or 'none'}", flush=True)
     return rows, failed
 
 
-def _graph_check(dtype) -> dict:
-    """A split GEMV (qkv shape, default config) captured in a graph: replays equal the eager bits."""
-    from meshserve.workers.quant.fp8_gemv import fp8_gemv
+def _graph_check(dtype) -> list[dict]:
+    """Graphs replay the eager bits: a split GEMV (qkv shape, default config), and a chain of
+    three dependent GEMVs (o-shaped: each one's output is the next one's input) on every pdl
+    config, captured, against the same chain eager on the default config (same tiles, same bits)."""
+    from meshserve.workers.quant import fp8_gemv as gv
 
     n, k = SHAPES["qkv"]
     wq, scale, block = _formats((torch.randn(n, k, device="cuda") * 0.02).to(dtype))["block"]
     x = torch.randn(4, k, device="cuda").to(dtype)
-    eager = fp8_gemv(x, wq, scale, block)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fp8_gemv(x, wq, scale, block)
-    same = True
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        same = same and torch.equal(out, eager)
-    print(f"graph replay equals eager: {same}", flush=True)
-    return {"shape": "qkv", "format": "block", "config": 0, "m": 4, "rel_err": 0.0, "ok": same, "graph": True}
+    chain = [_formats((torch.randn(4096, 4096, device="cuda") * 0.05).to(dtype))["channel"] for _ in range(3)]
+
+    def run_chain(cfg):
+        y = x[:, :4096]
+        for w, s, b in chain:
+            y = gv.fp8_gemv(y, w, s, b, config=cfg)
+        return y
+
+    cases = [(0, lambda: gv.fp8_gemv(x, wq, scale, block), lambda: gv.fp8_gemv(x, wq, scale, block))]
+    cases += [(i, lambda: run_chain(None), lambda c=c: run_chain(c)) for i, c in enumerate(gv.CONFIGS) if c.pdl]
+    rows = []
+    for index, eager_fn, graph_fn in cases:
+        try:
+            eager = eager_fn()
+            graph_fn()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = graph_fn()
+            same = True
+            for _ in range(3):
+                graph.replay()
+                torch.cuda.synchronize()
+                same = same and torch.equal(out, eager)
+        except Exception as exc:  # noqa: BLE001 - a capture failure is a verdict
+            print(f"graph check config {index}: {str(exc).splitlines()[0][:160]}", flush=True)
+            same = False
+        print(f"graph replay equals eager (config {index}): {same}", flush=True)
+        rows.append({"shape": "qkv" if index == 0 else "o_chain", "format": "block" if index == 0 else "channel",
+                     "config": index, "m": 4, "rel_err": 0.0, "ok": same, "graph": True})
+    return rows
 
 
 def _bench(fn, device: str) -> float:
@@ -247,7 +270,7 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
     return rows, best, best_cores
 
 
-def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, layers: int,
+def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, failed: set[int], layers: int,
            ms=(1, 4, 8, 16)) -> list[dict]:
     """Per method and M: `layers` x the four projections in one CUDA graph, median of 20 replays."""
     from meshserve.workers.quant import fp8_gemv as gv
@@ -257,6 +280,11 @@ def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, layers
     if not best_cfg.cores:  # the sweep's best over every M; the cores kernel has its own rows (M = 1)
         calls["channel_gemv_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
         calls["block_gemv_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
+    pdl = next((i for i, c in enumerate(gv.CONFIGS) if c.pdl and not c.tma), None)
+    if pdl is not None and pdl not in failed:  # back-to-back launches: where programmatic dependent launch shows
+        pcfg = gv.CONFIGS[pdl]
+        calls["channel_gemv_pdl"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=pcfg))
+        calls["block_gemv_pdl"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=pcfg))
     if best_cores is not None and gv.CONFIGS[best_cores] != gv.CORES_CONFIG:
         cfg = gv.CONFIGS[best_cores]
         calls["channel_gemv_cores_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=cfg))
@@ -425,7 +453,7 @@ def main() -> int:
         else ([], 0, None)
     print(f"[{time.perf_counter() - t0:.0f} s] sweep done", flush=True)
     short = args.smoke or time.perf_counter() - t0 > args.budget - 150
-    graph_rows = [r for r in graphs(shapes, device, dtype, best, best_cores, 1 if args.smoke else args.layers,
+    graph_rows = [r for r in graphs(shapes, device, dtype, best, best_cores, failed, 1 if args.smoke else args.layers,
                                     ms=(1, 16) if short else (1, 4, 8, 16)) if r["method"] not in untimed]
     print(f"[{time.perf_counter() - t0:.0f} s] graphs done", flush=True)
     (args.out / "kernels_device.json").write_text(json.dumps(

@@ -282,7 +282,7 @@ def test_stream_linear_matches_float64(fmt, m, n, k):
 
 @pytest.mark.parametrize(("n", "k"), STREAM_SHAPES, ids=str)
 @pytest.mark.parametrize("m", [1, 5, 16])
-@pytest.mark.parametrize("config", ["default", "tma"])
+@pytest.mark.parametrize("config", ["default", "tma", "pdl"])
 @pytest.mark.parametrize("fmt", ["block", "per_channel", "fp8_fp16_act"])
 def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
     """The split-K GEMV (fp8_gemv.py) on the GPU's own dtypes against float64, with a bias and,
@@ -297,7 +297,8 @@ def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
     x, bias = _randn(m, k, seed=3, dtype=act), _randn(n, seed=4, dtype=act, scale=0.1)
     if m == 5 and act == torch.bfloat16:
         x[2] *= 2.0**18
-    cfg = gv.DEFAULT_CONFIG if config == "default" else gv.GemvConfig(64, 256, 4, 4, 4, tma=True)
+    cfg = {"default": gv.DEFAULT_CONFIG, "tma": gv.GemvConfig(64, 256, 4, 4, 4, tma=True),
+           "pdl": gv.GemvConfig(64, 256, 4, 4, 4, pdl=True)}[config]
     torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: NaN where outputs land
     y = gv.fp8_gemv(x, wq, scale, block, bias, config=cfg)
     ref = x.double() @ w64.T + bias.double()

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from meshserve.workers.quant.formats import SMALL_M_MAX
 
@@ -52,6 +53,7 @@ _X_SCALE = 2.0**-8
 # Widest sub-step: a [128 rows, 256 columns] fp16 operand in registers spilled per-channel at 4 warps
 # (sm_90, Triton 3.6); 128 columns keep 64-row tiles near 90-120 registers.
 SUB_MAX = 128
+PREFETCH_BYTES = 512  # per weight row, prefetched into L2 before a pdl program waits for its predecessor
 MAX_COUNTERS = 1 << 16  # column tiles one launch may split (N <= 4M at 64 rows a tile)
 
 
@@ -64,7 +66,10 @@ class GemvConfig:
     Hopper+; a weight whose row stride or address is not 16-byte aligned takes pointer loads).
     cores: the CUDA-core kernel for ONE row (`_fp8_gemv_row`: no tensor cores, no shared memory,
     float32 FMAs; latency hidden by resident programs, not by a software pipeline; num_stages
-    unused); block_n may then be 4 or 8."""
+    unused); block_n may then be 4 or 8. pdl: programmatic dependent launch (sm_90+): the
+    program prefetches its first PREFETCH_BYTES of weight rows into L2 and only then waits for
+    the previous kernel (`griddepcontrol.wait`; every read of x and every write comes after it),
+    and lets the next kernel launch once its K loop is done."""
 
     block_n: int = 64
     block_k: int = 256
@@ -73,14 +78,15 @@ class GemvConfig:
     programs_per_sm: int = 4
     tma: bool = False
     cores: bool = False
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name, low in (("block_n", 4 if self.cores else 16), ("block_k", 16)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
                 raise ValueError(f"GemvConfig.{name} must be a power of two >= {low}, not {value}")
-        if self.cores and self.tma:
-            raise ValueError("GemvConfig.cores takes pointer loads (tma must be False)")
+        if self.cores and (self.tma or self.pdl):
+            raise ValueError("GemvConfig.cores takes pointer loads and plain launches (tma and pdl must be False)")
         if self.num_warps not in (1, 2, 4, 8):
             raise ValueError(f"GemvConfig.num_warps must be 1, 2, 4 or 8, not {self.num_warps}")
         if not 1 <= self.num_stages <= 8:
@@ -112,6 +118,8 @@ CONFIGS = (
     GemvConfig(64, 256, 4, 4, 4, tma=True),
     GemvConfig(128, 256, 8, 4, 2, tma=True),
     GemvConfig(64, 128, 4, 8, 4, tma=True),
+    GemvConfig(64, 256, 4, 4, 4, pdl=True),
+    GemvConfig(64, 256, 4, 4, 4, tma=True, pdl=True),
     CORES_CONFIG,
     GemvConfig(32, 512, 8, 1, 4, cores=True),
     GemvConfig(8, 1024, 4, 1, 8, cores=True),
@@ -135,7 +143,8 @@ class GemvPlan:
 def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
               stride_out, s_row_stride, k_per_split, splits, x_scale, SPLIT: tl.constexpr, SCALE: tl.constexpr,
               SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, MP: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr, W_DESC: tl.constexpr):  # fmt: skip
+              BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr, W_DESC: tl.constexpr,
+              PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     SUB: tl.constexpr = BK // SUBS
@@ -148,6 +157,13 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
     w_rows = w_ptr + rn[:, None] * stride_w + rk[None, :]  # [BN, SUB]
     x_rows = x_ptr + rm[:, None] * stride_x + rk[None, :]  # [MP, SUB]
     s_rows = s_ptr + (rn // SCALE_N) * s_row_stride  # block scales of these rows (SCALE == _BLOCK)
+    if PDL:  # weights never change: warm L2 with them while the previous kernel finishes
+        lines = k0 + tl.arange(0, PREFETCH // 128) * 128  # one address per 128-byte line of a row
+        ok = (n_ok[:, None] & (lines < k1)[None, :]).to(tl.int32)
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;", "=r,l,r",
+            [w_ptr + rn[:, None] * stride_w + lines[None, :], ok], dtype=tl.int32, is_pure=False, pack=1)
+        gdc_wait()  # the previous kernel's writes (x) are visible, and nothing of ours overwrites its inputs
     acc = tl.zeros((BN, MP), dtype=tl.float32)
     for k in range(k0, k1, BK):
         for j in tl.static_range(SUBS):
@@ -164,6 +180,8 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
                 acc += part * tl.load(s_rows + tl.minimum(kj, k1 - 1) // SCALE_K, mask=n_ok, other=0.0)[:, None]
             else:
                 acc += part
+    if PDL:
+        gdc_launch_dependents()
     if SCALE == 1:
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None] * (1.0 / x_scale)
     else:
@@ -340,11 +358,14 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k // plan.subs])
+    pdl = cfg.pdl and not _interpreting()
+    launch = {"launch_pdl": True} if pdl else {}
     _fp8_gemv[(triton.cdiv(n, cfg.block_n), plan.splits)](
         x, weight, weight if desc is None else desc, scale, out if bias is None else bias, out, parts,
         out if counters is None else counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         scale.stride(0) if block is not None else 0, plan.k_per_split, plan.splits, x_scale,
         SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n, SCALE_K=scale_k or 1,
         HAS_BIAS=bias is not None, MP=16, BN=cfg.block_n, BK=cfg.block_k, SUBS=plan.subs,
-        W_DESC=desc is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        W_DESC=desc is not None, PDL=pdl, PREFETCH=PREFETCH_BYTES, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **launch)
     return out

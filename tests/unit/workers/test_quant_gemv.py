@@ -38,7 +38,8 @@ def _weights(fmt, n=N, k=K, seed=1):
 # Under the interpreter the planner sees 8 SMs. default: 64 rows x 256 columns, 2 tiles -> 2 splits;
 # wide: 128-column steps over 64-wide scale blocks (2 sub-steps), 4 splits of one step;
 # unsplit: 16-row tiles already fill the 8 "SMs" at one program each.
-CONFIGS = {"default": None, "wide": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
+# pdl: the interpreter launches plainly (no griddepcontrol); the GPU suite checks the real thing.
+CONFIGS = {"default": None, "pdl": GemvConfig(pdl=True), "wide": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
            "unsplit": GemvConfig(16, 64, 4, 2, programs_per_sm=1)}
 
 
@@ -145,7 +146,7 @@ def test_gemv_refuses_bad_input():
         fp8_gemv(_x(2), wq, scale, block, torch.zeros(N + 1))
     with pytest.raises(ValueError, match="GemvConfig.block_n must be a power of two >= 16"):
         GemvConfig(block_n=8)
-    with pytest.raises(ValueError, match="cores takes pointer loads"):
+    with pytest.raises(ValueError, match="cores takes pointer loads and plain launches"):
         GemvConfig(8, 64, cores=True, tma=True)
     assert fp8_gemv(_x(0), wq, scale, block).shape == (0, N)
 
