@@ -16,6 +16,7 @@ from meshserve.errors import ConfigError, MeshserveError
 
 def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     from meshserve.attention.spec import AttentionType, KVCacheDtype
+    from meshserve.config import DEFAULT_BLOCK_SIZE
 
     g = p.add_argument_group("the attention layer to choose a backend for")
     g.add_argument("--num-heads", type=int, default=32)
@@ -23,7 +24,7 @@ def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-size", type=int, default=128)
     g.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
     g.add_argument("--sliding-window", type=int, default=None)
