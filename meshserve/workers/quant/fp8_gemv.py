@@ -95,20 +95,23 @@ class GemvConfig:
             raise ValueError(f"GemvConfig.programs_per_sm must be >= 1, not {self.programs_per_sm}")
 
 
-# NOT measured yet (2026-12-05, written on a CPU machine; bench/kernels_device.py times CONFIGS on
-# the H200 and prints the winner): 64 rows x 256 FP8 bytes a step is 16 KB of weights per stage,
-# 4 stages = 64 KB in flight per program (+ 4 x 8 KB activation stages), two programs per SM.
+# Measured (2026-12-05, NVIDIA H100 80GB HBM3, one device call: `python3 bench/kernels_device.py
+# --budget 220`; docs/performance.md, "FP8 weights at decode speed"): the sweep's best tensor-core
+# config over every projection and M is 64 rows x 256 FP8 bytes a step, 3 stages, 4 programs per
+# SM (the 32-layer decode graph of the Llama-3-8B projections at M = 1: 1.54x bf16 cuBLAS, against
+# 1.38x with 4 stages); for one row the CUDA-core kernel with 8 rows x 1024 bytes per program and
+# 8 programs per SM (1.75x, against 1.67x at 16 x 512).
 # sm_90 compile (Triton 3.6, bench/kernel_report_gemm.py): wgmma (HGMMA.64x16x16) with the
 # weight converted in registers, cp.async weight loads, 118 (block) / 156 (channel) registers, no
-# stack, 78-82 KB of shared memory. 512-column steps spill per-channel (88 bytes): not listed.
+# stack. 512-column steps spill per-channel (88 bytes): not listed.
 # The cores configs (CORES_CONFIG: what Fp8Gemm.GEMV_CORES runs, one row only): 16-byte weight
 # loads, 42-68 registers, no stack, no shared-memory pipeline; ~4 instructions per weight byte
 # (F2FP + HADD2 + FFMA per weight), about half the sm_90's issue rate at 4 TB/s.
-DEFAULT_CONFIG = GemvConfig()
-CORES_CONFIG = GemvConfig(16, 512, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
+DEFAULT_CONFIG = GemvConfig(64, 256, 4, 3, 4)
+CORES_CONFIG = GemvConfig(8, 1024, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
 CONFIGS = (
     DEFAULT_CONFIG,
-    GemvConfig(64, 256, 4, 3, 4),
+    GemvConfig(64, 256, 4, 4, 4),
     GemvConfig(64, 128, 4, 6, 4),
     GemvConfig(64, 512, 4, 3, 2),
     GemvConfig(128, 256, 8, 3, 2),
@@ -122,7 +125,7 @@ CONFIGS = (
     GemvConfig(64, 256, 4, 4, 4, tma=True, pdl=True),
     CORES_CONFIG,
     GemvConfig(32, 512, 8, 1, 4, cores=True),
-    GemvConfig(8, 1024, 4, 1, 8, cores=True),
+    GemvConfig(16, 512, 4, 1, 8, cores=True),
 )
 
 

@@ -59,8 +59,8 @@ class Fp8GemmTable:
     row-wise `_scaled_mm`; 0 = never). rescale_raw_dtype: the raw product's dtype in the rescale
     formulation (float32: one rounding, to the output; bfloat16: two, half the bytes)."""
 
-    small_m_block: SmallMRows = ((SMALL_M_MAX, Fp8Gemm.GEMV),)
-    small_m_channel: SmallMRows = ((SMALL_M_MAX, Fp8Gemm.GEMV),)
+    small_m_block: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
+    small_m_channel: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
     block_cublas_min_rows: int = SMALL_M_MAX + 1
     channel_rescale_max_rows: int = 0
     rescale_raw_dtype: torch.dtype = torch.float32
@@ -84,11 +84,13 @@ class Fp8GemmTable:
             raise ValueError(f"rescale_raw_dtype must be torch.float32 or torch.bfloat16, not {self.rescale_raw_dtype}")
 
 
-# small_m_block / small_m_channel = GEMV at every small M: NOT measured yet (2026-12-05, CPU machine;
-# the kernel is correct against float64 under the interpreter). `bench/kernels_device.py` times
-# GEMV, STREAM and the cuBLASLt formulations per M bucket on the H200 and prints the rows to put
-# here. The measurement these rows replace (2026-12-02, decode graph at M = 1): per-channel STREAM
-# 1.20x bf16, block-scaled TRITON_BLOCK 1.09x (STREAM 0.99x, cuBLASLt blockwise 0.98x).
+# small_m_block / small_m_channel, measured (2026-12-05, NVIDIA H100 80GB HBM3, `bench/kernels_device.py
+# --budget 220`; docs/performance.md, "FP8 weights at decode speed"): the 32-layer decode graph of
+# the Llama-3-8B projections, against bf16 cuBLAS (5.24 ms at M = 1): at M = 1 GEMV_CORES 1.75x
+# (per-channel) / 1.71x (block), GEMV 1.54x / 1.53x, STREAM 1.47x / 1.20x, cuBLASLt blockwise
+# 1.31x; at M = 16 GEMV 1.52x / 1.50x, STREAM 1.50x / 1.23x, cuBLASLt blockwise 1.43x (GEMV with
+# fp8_gemv.DEFAULT_CONFIG; M = 4 was timed per layer only, where GEMV led STREAM per-channel).
+# Not yet timed on the H200.
 # The large-M defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
 # blockwise scaled_mm measured 1.25x bf16 at M = 64 and 1.50x at M = 4096, so block-scaled layers
 # take it above the small-M rows. The per-channel rescale formulation is NOT measured yet: off

@@ -199,7 +199,8 @@ def test_dispatch_table():
     assert choose(t, block=False, rows=8, small_m=True) is Fp8Gemm.CHANNEL_RESCALE
     assert choose(t, block=False, rows=9, small_m=True) is Fp8Gemm.CHANNEL_RESCALE  # past its buckets: large-M rules
     assert choose(t, block=False, rows=65, small_m=True) is Fp8Gemm.CHANNEL_ROWWISE
-    assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is Fp8Gemm.GEMV  # not measured yet
+    assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is Fp8Gemm.GEMV  # measured: H100, 2026-12-05
+    assert choose(DEFAULT_TABLE, block=False, rows=1, small_m=True) is Fp8Gemm.GEMV_CORES
     with pytest.raises(ValueError, match=r"small_m_block names \['channel_rescale'\]"):
         Fp8GemmTable(small_m_block=((16, Fp8Gemm.CHANNEL_RESCALE),))
     assert choose(Fp8GemmTable(small_m_channel=((1, Fp8Gemm.GEMV_CORES), (16, Fp8Gemm.GEMV))), block=False, rows=1,
