@@ -31,7 +31,9 @@ and a JSON (bench/results/).
 from __future__ import annotations
 
 import argparse
+import base64
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -103,12 +105,12 @@ def exporter() -> None:
     kv, conn = replica(sum(sizes), device, seed=1, shape=cfg["shape"])
     agent = None
     if any(t.startswith("nixl") for t in cfg["transports"] + cfg["burst_transports"]):
-        from meshserve.kvtransfer.nixl_transport import NixlAgent
+        from meshserve.kvtransfer.nixl_agent import NixlAgent
 
         agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
         agent.register([c.data for c in conn.io.caches])
     server = KVExportServer(SECRET, nixl=agent)
-    export_ms = {}
+    export_ms, nixl_offers = {}, {}
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
@@ -118,12 +120,15 @@ def exporter() -> None:
         caps += [capability(f"{t}-burst", size, i) for t in cfg["burst_transports"]
                  for i in range((cfg["burst_reps"] + 1) * cfg["burst"][str(size)])]
         for cap in caps:
-            server.offer(KVExport(export.header, export.frames), capability=cap, ttl_s=3600)
+            offered = KVExport(export.header, export.frames)
+            server.offer(offered, capability=cap, ttl_s=3600)
+            if cap.startswith("kv-bench-nixl"):  # what travels with a rank's offer (nixl_transport.py)
+                nixl_offers[cap] = base64.b64encode(server.describe_nixl(offered, [cap])).decode()
     endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
-    print(json.dumps({"endpoint": endpoint.to_wire(),
-                      "export_ms": export_ms}), flush=True)
+    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers}),
+          flush=True)
     while True:
-        server.poll(20)
+        server.poll(1)  # as a rank's loop while an offer is pending (its NIXL agent progresses here)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
             break
     server.close()
@@ -157,7 +162,8 @@ def make_puller(transport: str, conn):
     from meshserve.kvtransfer.transport import CudaIpcPuller
 
     if transport in ("nixl", "nixl-verify"):
-        from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller
+        from meshserve.kvtransfer.nixl_agent import NixlAgent
+        from meshserve.kvtransfer.nixl_transport import NixlPuller
 
         global _importer
         if _importer is None:
@@ -180,7 +186,8 @@ def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[fl
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
+        cap = capability(transport, size, i)
+        puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600)
         times.append(time.perf_counter() - t0)
         if profiler is not None:
             profiler.disable()
@@ -205,7 +212,7 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
 
         def pull(target, cap, errors=errors):
             try:
-                puller.pull(target, endpoint, cap, secret=SECRET, timeout_s=600)
+                puller.pull(target, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600)
             except BaseException as exc:  # reported below, after every thread is done
                 errors.append(exc)
 
@@ -224,6 +231,14 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
     return times
 
 
+_NIXL_OFFERS: dict[str, bytes] = {}  # capability -> the NIXL offer the exporter made (kv_offer's endpoint carries it)
+
+
+def offered(endpoint: Endpoint, cap: str) -> Endpoint:
+    """The endpoint as a rank's offer under `cap` comes: with its NIXL offer, if one was made."""
+    return dataclasses.replace(endpoint, nixl_offer=_NIXL_OFFERS.get(cap, b""))
+
+
 def run(args) -> tuple[list[dict], list[dict]]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -239,6 +254,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
         line = proc.stdout.readline()
     info = json.loads(line)
     endpoint = Endpoint.from_wire(info["endpoint"])
+    _NIXL_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["nixl_offers"].items()})
     rows, burst_rows = [], []
     try:
         room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])

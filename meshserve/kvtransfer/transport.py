@@ -6,8 +6,9 @@
 
 Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
   nixl      a NIXL READ (nixl_transport.py) of the exporter's registered cache memory, DRAM or
-            VRAM, on one host or between hosts (UCX: shared memory, TCP, RDMA, CUDA IPC); the
-            control exchange (capability, header, descriptors) is the zmq protocol's.
+            VRAM, on one host or between hosts (UCX: CMA, TCP, RDMA, CUDA IPC); what the READ
+            needs (header, descriptors, MACed per capability) travels with the offer's endpoint
+            (`nixl_offer`), so the importer READs with no round trip to the exporter first.
   zmq       pyzmq over TCP (export_server.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
@@ -36,7 +37,7 @@ import os
 import socket
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -71,22 +72,25 @@ class Endpoint:
     device: str  # the caches' device type: "cuda" or "cpu"
     process: str  # PROCESS_TOKEN of its process
     gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
-    nixl: bool = False  # it answers NIXL pulls (its caches are registered with a NIXL agent)
+    nixl: bool = False  # it has a NIXL agent (its caches are registered with it)
+    nixl_offer: bytes = field(default=b"", repr=False)  # this offer for a NIXL READ (nixl_transport.py), or b""
 
     @classmethod
-    def local(cls, address: str, device: torch.device, *, nixl: bool = False) -> Endpoint:
-        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl)
+    def local(cls, address: str, device: torch.device, *, nixl: bool = False, nixl_offer: bytes = b"") -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl, nixl_offer)
 
-    def to_wire(self) -> dict[str, str | bool]:
-        return {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
+    def to_wire(self) -> dict[str, str | bool | bytes]:
+        wire = {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
                 "gpu": self.gpu, "nixl": self.nixl}
+        return {**wire, "nixl_offer": self.nixl_offer} if self.nixl_offer else wire
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
         if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
             return cls(obj, "", "cpu", "")
+        offer = obj.get("nixl_offer") or b""
         return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
-                   str(obj.get("gpu", "")), obj.get("nixl") is True)
+                   str(obj.get("gpu", "")), obj.get("nixl") is True, offer if isinstance(offer, bytes) else b"")
 
 
 def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection[str]) -> str | None:
@@ -228,7 +232,7 @@ def describe_setting(requested: str, device: str, *, one_host: bool, nixl: bool 
     """The transport hand-overs will use, as far as the configuration tells (the start-up log and
     the meshserve_kv_transport_info metric): the actual choice is made per hand-over. nixl:
     whether NIXL is installed (None: look)."""
-    from meshserve.kvtransfer.nixl_transport import nixl_available
+    from meshserve.kvtransfer.nixl_agent import nixl_available
 
     if requested in (AUTO, NIXL) and (nixl_available() if nixl is None else nixl):
         return NIXL
