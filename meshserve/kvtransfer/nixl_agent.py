@@ -325,16 +325,16 @@ class NixlAgent:
             self._peers[name] = peer
             return peer
 
-    def local_list(self, tensors: Sequence[torch.Tensor]) -> LocalList | None:
-        """The prepared list of our registered regions when it covers every one of `tensors`
-        (block tensors), else None (a re-sharding pull's staging caches: `temporary`)."""
+    def local_list(self, regions: Sequence[Region]) -> LocalList | None:
+        """The prepared list of our registered regions when it covers every one of `regions`
+        (Region.of our block tensors), else None (a re-sharding pull's staging caches: `temporary`)."""
         with self._lock:
             if self._local is None:
                 regions = [r for r, _ in self._registered.values()]
                 self._local = LocalList(self._agent.prep_xfer_dlist("", _strided(regions), self._kind or "DRAM"),
                                         dict(zip(regions, _offsets(regions))))
             local = self._local
-        return local if all(Region.of(t) in local.offsets for t in tensors) else None
+        return local if all(r in local.offsets for r in regions) else None
 
     def temporary(self, tensors: Sequence[torch.Tensor]) -> Temporary:
         """Register `tensors` (block tensors) for one READ and prepare their list (a context

@@ -151,30 +151,34 @@ class NixlPuller:
         if not isinstance(frames, list) or len(frames) != session.num_frames:
             raise KVTransferError("bad_header", "the NIXL description does not list the header's frames")
         tensors = [session.cache_of(i) for i in range(session.num_frames)]
-        local = self.agent.local_list(tensors)
+        mine = {id(t): Region.of(t) for t in tensors}  # one per cache tensor (a frame per run of blocks of each)
+        regions = [mine[id(t)] for t in tensors]
+        local = self.agent.local_list(list(mine.values()))
         with contextlib.nullcontext(local) if local is not None else self.agent.temporary(tensors) as local:
-            ours, theirs = _indices(session, frames, tensors, local, peer)
+            ours, theirs = _indices(session, frames, regions, local, peer)
             if not self.verify:
                 session.trust_frames()
             self.agent.read(local, ours, peer, theirs, deadline=deadline, cancel=cancel)
         session.accept_written()
 
 
-def _indices(session, frames: list, tensors: list, local: LocalList, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
-    """Our and the peer's descriptor indices of every block the frames move, in the same order."""
+def _indices(session, frames: list, regions: list[Region], local: LocalList,
+             peer: Peer) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """Our and the peer's descriptor indices of every block the frames move, in the same order
+    (regions: our Region of each frame's cache tensor)."""
     ours, theirs = [], []
-    regions = {}  # one Region per cache tensor (a frame per run of blocks of each)
     for i, frame in enumerate(frames):
         try:
             region, first, count = (int(v) for v in frame)
             r = peer.regions[region] if 0 <= region else None
         except (TypeError, ValueError, IndexError) as exc:
             raise KVTransferError("bad_header", f"NIXL frame {i}: not [region, first block, count]") from exc
-        cache = tensors[i]
-        mine = regions.get(id(cache)) or regions.setdefault(id(cache), Region.of(cache))
+        mine = regions[i]
         if (r is None or first < 0 or count < 1 or first + count > r.num_blocks
                 or r.block_nbytes != mine.block_nbytes or count * r.block_nbytes != session.frame_nbytes[i]):
             raise KVTransferError("bad_header", f"NIXL frame {i} does not match the header's frame or its region")
-        ours.append(np.asarray(session.frame_blocks(i), dtype=np.int32) + np.int32(local.offsets[mine]))
-        theirs.append(np.arange(first + peer.offsets[region], first + peer.offsets[region] + count, dtype=np.int32))
-    return np.concatenate(ours), np.concatenate(theirs)
+        offset = local.offsets[mine]
+        ours += [offset + b for b in session.frame_blocks(i)]
+        start = peer.offsets[region] + first
+        theirs.append(np.arange(start, start + count, dtype=np.int32))
+    return np.array(ours, dtype=np.int32), np.concatenate(theirs)
