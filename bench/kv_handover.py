@@ -2,7 +2,7 @@
 
     python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc, cuda_ipc-verify), else CPU
     python bench/kv_handover.py --device cpu --sizes 1024,8192
-    python bench/kv_handover.py --exporter-gpu 1 --transports nccl,cuda_ipc,zmq   # two GPUs
+    python bench/kv_handover.py --exporter-gpu 1 --transports nixl,cuda_ipc,zmq   # two GPUs
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
@@ -23,7 +23,7 @@ Two measurements, side by side:
 GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
 zmq, nixl (a NIXL READ of the exporter's registered cache, no checksum: its default), nixl-verify,
 cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
-checksum over the copied bytes), nccl. --shape demo: the bundled demo model's cache (3 KiB a token:
+checksum over the copied bytes). --shape demo: the bundled demo model's cache (3 KiB a token:
 a 1k-token hand-over is the transport's fixed cost per pull). Prints both tables, writes a PNG
 and a JSON (bench/results/).
 """
@@ -327,8 +327,8 @@ def main() -> None:
     parser.add_argument("--burst-reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the last pull of the smallest size per "
                         "transport (the profiled pull is timed too: its row is slower)")
-    parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (nccl needs another one "
-                        "than this process's cuda:0: --exporter-gpu 1 --transports nccl,cuda_ipc,zmq)")
+    parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (another one than this "
+                        "process's cuda:0: GPU to GPU, e.g. --exporter-gpu 1 --transports nixl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--exporter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -16,9 +16,10 @@ receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the an
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
 then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
 "ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
-frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]; a pull that names a
-"p2p" rendezvous (p2p_transport.py) gets one [b"P", b"", tag] and the frames by torch.distributed
-send/recv, sent from a thread of the server. Answer tags cover
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]. A NIXL puller asks
+nothing: the offer it READs by travelled with the endpoint (`describe_nixl`, nixl_transport.py);
+its [msgpack {"op": "done", "capability": cap}, tag of b"kv-done"] afterwards spends the
+capability here and lets go of the export, and gets no answer. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable
 
@@ -56,7 +56,6 @@ from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end
     _FRAME,
     _HEADER,
     _IPC,
-    _P2P,
     _PULL,
     MIN_CAPABILITY_CHARS,
     _index,
@@ -97,7 +96,6 @@ class KVExportServer:
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
         self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
-        self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
         self._described: set[str] = set()  # capabilities offered for NIXL READs (describe_nixl)
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
@@ -171,7 +169,6 @@ class KVExportServer:
         try:
             request = msgpack.unpackb(body, raw=False)
             cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
-            rendezvous = request.get("p2p")
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -186,9 +183,6 @@ class KVExportServer:
                                                                         export.header_bytes)])
         if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
                 and self._answer_ipc(ident, cap, export, release)):
-            return
-        if isinstance(rendezvous, str) and export.frames:
-            self._answer_p2p(ident, cap, export, release, rendezvous)
             return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
@@ -218,19 +212,6 @@ class KVExportServer:
         # The blocks stay pinned by the driver until the puller's replica reports the copy done.
         _let_go(export, release)
         return True
-
-    def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
-                    rendezvous: str) -> None:  # fmt: skip
-        """The frames by torch.distributed send, from a thread: the puller receives them."""
-        from meshserve.kvtransfer.p2p_transport import send_frames
-
-        sign = self._secret.sign
-        self._sock.send_multipart([ident, _P2P, b"", sign(_ANSWER, cap, _index(1), _P2P, b"")])
-        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
-        thread = threading.Thread(target=send_frames, args=(rendezvous, export.frames, self.p2p_timeout_s),
-                                  name="meshserve-kv-p2p-send", daemon=True)
-        thread.start()
-        self._sending.append((export, [_ThreadDone(thread)], release))
 
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
@@ -269,17 +250,6 @@ class KVExportServer:
         for export, _, release in self._sending:  # zmq dropped the frames with the socket
             _let_go(export, release)
         self._sending.clear()
-
-
-class _ThreadDone:
-    """A p2p send thread, seen as the zmq trackers of the frames it sends."""
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
 
 
 def _let_go(export: KVExport, release: Release | None) -> None:

@@ -18,7 +18,6 @@ from meshserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
     from meshserve.kvtransfer.cuda_ipc import IpcImporter
-    from meshserve.kvtransfer.p2p_transport import P2PReceiver
 
 
 def pull_kv(
@@ -31,7 +30,6 @@ def pull_kv(
     context: zmq.Context | None = None,
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
-    p2p: P2PReceiver | None = None,
     sockets: PullSockets | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
@@ -41,8 +39,6 @@ def pull_kv(
     cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
     ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
     sends bytes anyway when its frames are not on CUDA).
-    p2p: receive the frames by torch.distributed from the exporter, which joins this receiver's
-    rendezvous (p2p_transport.py).
     sockets: take the socket from (and give it back to) this pool of connected sockets
     (pull_sockets.py) instead of connecting one for this pull only.
     """
@@ -53,8 +49,7 @@ def pull_kv(
     deadline = time.monotonic() + timeout_s
     answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None,
-                              "p2p": None if p2p is None else p2p.rendezvous})
+        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -68,12 +63,6 @@ def pull_kv(
                 answers.part(answers.expect(_END))
                 complete = True
                 ipc.copy_into(session, desc)
-                return session.blocks
-            if tag == _P2P and p2p is not None:
-                answers.part(tag)
-                answers.part(answers.expect(_END))
-                complete = True
-                p2p.receive(session)
                 return session.blocks
             for i in range(session.num_frames):
                 tag = tag if i == 0 else answers.next_tag()
@@ -108,7 +97,7 @@ def send_done(address: str, capability: str, *, secret: ClusterSecret, sockets: 
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P = b"H", b"X", b"F", b"E", b"I", b"P"
+_HEADER, _ERROR, _FRAME, _END, _IPC = b"H", b"X", b"F", b"E", b"I"
 _CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER, _DONE = b"kv-pull", b"kv-answer", b"kv-done"
 

@@ -16,12 +16,8 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
             see only their own GPU). The importer maps the exporter's cache memory and copies
             device to device into its own blocks; the handle metadata travels over the zmq
             export channel (msgpack, MACed), never pickle.
-  nccl      torch.distributed send/recv (p2p_transport.py): NCCL between CUDA caches (GPUs of any
-            hosts), gloo between CPU caches, over a two-rank group made for each pull (a
-            communicator set-up per pull: for large requests between hosts). Both ends' caches
-            must be on the same kind of device, else zmq.
   auto      nixl where both ends have a NIXL agent (the `nixl-cu13` package imports), else cuda_ipc
-            where it applies, else zmq (the default; nccl is never chosen by itself).
+            where it applies, else zmq (the default).
   "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
             built without arguments with this module's `pull` signature.
 
@@ -48,8 +44,8 @@ from meshserve.errors import ConfigError
 from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
 from meshserve.kvtransfer.rank_io import ImportTarget
 
-AUTO, ZMQ, CUDA_IPC, NCCL, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
-                                                     KVTransport.NCCL, KVTransport.NIXL))
+AUTO, ZMQ, CUDA_IPC, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
+                                               KVTransport.NIXL))
 
 
 @functools.cache
@@ -116,8 +112,6 @@ def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
         return NIXL, ""
     if requested == NIXL:
         return ZMQ, f"NIXL at the exporter: {theirs.nixl}, at the importer: {mine.nixl} (both need a NIXL agent)"
-    if requested == NCCL and mine.device != theirs.device:
-        return ZMQ, f"caches on {theirs.device} (exporter) and {mine.device} (importer): nccl needs one kind"
     if requested not in (AUTO, CUDA_IPC):
         return requested, ""
     why = cuda_ipc_possible(mine, theirs, visible_gpus)
@@ -187,29 +181,13 @@ class _Used:
         self.importer.copy_into(session, desc)
 
 
-class P2PPuller:
-    """Receives the frames by torch.distributed send/recv (p2p_transport.py)."""
-
-    name = NCCL
-
-    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.export_server import pull_kv
-        from meshserve.kvtransfer.p2p_transport import P2PReceiver
-
-        receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
-                p2p=receiver)
-        return NCCL
-
-
 def _nixl_puller() -> KVPuller:
     from meshserve.kvtransfer.nixl_transport import NixlPuller
 
     return NixlPuller()
 
 
-_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller, NIXL: _nixl_puller}
+_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NIXL: _nixl_puller}
 
 
 def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
