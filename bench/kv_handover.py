@@ -103,12 +103,15 @@ def exporter() -> None:
     cfg = json.loads(sys.stdin.readline())
     device, sizes = cfg["device"], cfg["sizes"]
     kv, conn = replica(sum(sizes), device, seed=1, shape=cfg["shape"])
-    agent = None
+    agent, nixl_error = None, ""
     if any(t.startswith("nixl") for t in cfg["transports"] + cfg["burst_transports"]):
         from meshserve.kvtransfer.nixl_agent import NixlAgent
 
-        agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
-        agent.register([c.data for c in conn.io.caches])
+        try:
+            agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
+            agent.register([c.data for c in conn.io.caches])
+        except Exception as exc:  # not installed, or no UCX transport: the nixl rows say so
+            agent, nixl_error = None, f"the exporter's NIXL agent: {exc}"
     server = KVExportServer(SECRET, nixl=agent)
     export_ms, nixl_offers = {}, {}
     for size in sizes:
@@ -125,8 +128,8 @@ def exporter() -> None:
             if cap.startswith("kv-bench-nixl"):  # what travels with a rank's offer (nixl_transport.py)
                 nixl_offers[cap] = base64.b64encode(server.describe_nixl(offered, [cap])).decode()
     endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
-    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers}),
-          flush=True)
+    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers,
+                      "nixl_error": nixl_error}), flush=True)
     while True:
         server.poll(1)  # as a rank's loop while an offer is pending (its NIXL agent progresses here)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
@@ -177,8 +180,22 @@ def make_puller(transport: str, conn):
     return puller_for(transport)
 
 
-def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[float]:
-    """Seconds of each pull (the first one cold), one at a time."""
+def missing(transport: str, args, info: dict) -> str:
+    """Why `transport` cannot run here ("" when it can): its row is skipped with this reason."""
+    if transport.startswith("nixl"):
+        from meshserve.kvtransfer.nixl_agent import nixl_available
+
+        if not nixl_available():
+            return "NIXL is not installed (pip install nixl-cu13; bench/repack_nixl.py for a device call)"
+        return info.get("nixl_error", "")
+    if transport.startswith("cuda_ipc") and args.device != "cuda":
+        return "CUDA IPC needs CUDA caches"
+    return ""
+
+
+def single_pulls(args, conn, kv, endpoint, size: int, transport: str, moved_by: set) -> list[float]:
+    """Seconds of each pull (the first one cold), one at a time; moved_by gets the transports that
+    moved the bytes (a nixl pull falls back to zmq where the exporter could not describe them)."""
     puller, times = make_puller(transport, conn), []
     for i in range(args.reps + 1):
         profiled = args.profile and i == args.reps and size == min(args.sizes)
@@ -187,7 +204,7 @@ def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[fl
         if profiler is not None:
             profiler.enable()
         cap = capability(transport, size, i)
-        puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600)
+        moved_by.add(puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600) or transport)
         times.append(time.perf_counter() - t0)
         if profiler is not None:
             profiler.disable()
@@ -263,15 +280,29 @@ def run(args) -> tuple[list[dict], list[dict]]:
             nbytes = size * token_bytes(args.shape)
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
-                times = single_pulls(args, conn, kv, endpoint, size, transport)
+                why, moved_by = missing(transport, args, info), set()
+                try:
+                    times = [] if why else single_pulls(args, conn, kv, endpoint, size, transport, moved_by)
+                except Exception as exc:  # a transport that fails here is reported, the others still run
+                    why = f"failed: {type(exc).__name__}: {exc}"
+                if why:
+                    rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "skipped": why})
+                    continue
                 pull_s = statistics.median(times[1:])
                 rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "cold_ms": times[0] * 1e3,
                              "pull_ms": pull_s * 1e3, "pull_gb_s": nbytes / pull_s / 1e9, "copy_ms": copy_s * 1e3,
                              "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / pull_s,
-                             "export_ms": info["export_ms"][str(size)]})
+                             "export_ms": info["export_ms"][str(size)], "moved_by": "+".join(sorted(moved_by))})
             for transport in args.burst_transports:
                 n = bursts[size]
-                wall = statistics.median(burst_pulls(args, conn, endpoint, size, transport, n)[1:])
+                why = missing(transport, args, info)
+                try:
+                    wall = 0.0 if why else statistics.median(burst_pulls(args, conn, endpoint, size, transport, n)[1:])
+                except Exception as exc:
+                    why = f"failed: {type(exc).__name__}: {exc}"
+                if why:
+                    burst_rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "skipped": why})
+                    continue
                 burst_rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "requests": n,
                                    "burst_ms": wall * 1e3, "per_request_ms": wall / n * 1e3,
                                    "gb_s": n * nbytes / wall / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
@@ -288,6 +319,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "skipped" not in r]
+    if not rows:
+        return
     sizes = sorted({r["tokens"] for r in rows})
     transports = sorted({r["transport"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -344,29 +378,41 @@ def main() -> None:
         parser.error("--burst, --burst-reps and --reps must be >= 1")
     rows, burst_rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    layers, kv_heads, head = SHAPES[args.shape]
-    print(f"KV hand-over, {args.shape} shape ({layers} layers, {kv_heads} KV heads x {head}, bf16, block 16) "
-          f"on {where}")
-    print("single pull (one request at a time; medians):")
-    print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
-          f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
-              f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
-    if burst_rows:
-        print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
-              "a burst; wall time of the whole burst, median):")
-        print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'N':>3} {'burst ms':>9} {'ms/req':>8} {'GB/s':>7} "
-              f"{'copy GB/s':>9} {'ratio':>6}")
-        for r in burst_rows:
-            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
-                  f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kv_handover-{args.device}-{args.shape}")
     with open(stem + ".json", "w") as f:
         json.dump({"device": where, "rows": rows, "pipelined": burst_rows}, f, indent=1)
     plot(rows, stem + ".png", f"KV hand-over vs device copy ({where})")
     print(f"wrote {stem}.json and {stem}.png")
+    print_tables(args, rows, burst_rows, where)
+
+
+def print_tables(args, rows: list[dict], burst_rows: list[dict], where: str) -> None:
+    """The tables, last (a device call's output keeps its tail)."""
+    layers, kv_heads, head = SHAPES[args.shape]
+    print(f"KV hand-over, {args.shape} shape ({layers} layers, {kv_heads} KV heads x {head}, bf16, block 16) "
+          f"on {where}")
+    print("single pull (one request at a time; medians):")
+    print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
+          f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9} moved by")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17}  skipped: {r['skipped']}")
+            continue
+        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
+              f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f} "
+              f"{r['moved_by']}")
+    if burst_rows:
+        print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
+              "a burst; wall time of the whole burst, median):")
+        print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'N':>3} {'burst ms':>9} {'ms/req':>8} {'GB/s':>7} "
+              f"{'copy GB/s':>9} {'ratio':>6}")
+        for r in burst_rows:
+            if "skipped" in r:
+                print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17}  skipped: {r['skipped']}")
+                continue
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
+                  f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
 
 
 if __name__ == "__main__":
