@@ -330,9 +330,9 @@ class NixlAgent:
         (Region.of our block tensors), else None (a re-sharding pull's staging caches: `temporary`)."""
         with self._lock:
             if self._local is None:
-                regions = [r for r, _ in self._registered.values()]
-                self._local = LocalList(self._agent.prep_xfer_dlist("", _strided(regions), self._kind or "DRAM"),
-                                        dict(zip(regions, _offsets(regions))))
+                ours = [r for r, _ in self._registered.values()]
+                self._local = LocalList(self._agent.prep_xfer_dlist("", _strided(ours), self._kind or "DRAM"),
+                                        dict(zip(ours, _offsets(ours))))
             local = self._local
         return local if all(r in local.offsets for r in regions) else None
 

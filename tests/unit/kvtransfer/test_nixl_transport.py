@@ -191,6 +191,18 @@ def test_frames_outside_registered_memory_come_as_bytes(agents):
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
 
 
+def test_a_first_read_into_caches_outside_the_registered_memory_registers_them_for_that_read(agents):
+    importer = NixlAgent("test-importer-staging")  # fresh: its registered regions' list is made at this pull
+    with exporter(agents[0]) as (src, server), registered(Replica("gqa", seed=2), importer):
+        staging = Replica("gqa", seed=3)  # like a re-sharding pull's staging caches: not registered
+        generation = importer.generation
+        cap, endpoint, expected = offer(src, server, "r")
+        assert NixlPuller(importer).pull(staging.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
+        assert all(torch.equal(a, b) for a, b in zip(staging.request_bytes("r"), expected, strict=True))
+        assert importer.generation == generation  # registered for that READ only: peers need nothing new
+    importer.close()
+
+
 def test_an_exporter_that_registers_more_memory_is_loaded_afresh():
     src_agent, dst_agent = NixlAgent("test-exporter-growing"), NixlAgent("test-importer-2")
     with exporter(src_agent) as (src, server), contextlib.ExitStack() as stack:
