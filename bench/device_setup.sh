@@ -1,6 +1,11 @@
 # Source at the start of a device call (bench/README: the device has no network): installs the
 # wheels carried in .whl/ (FlashInfer 0.5.3 and what it needs; xgrammar, pydantic, FastAPI,
 # uvicorn, pyzmq, grpc extras for the serving benches) into /tmp/site and sets the environment.
+# NIXL (the KV data plane) travels as a repacked wheel of 7.9 MB (the stock one is 59 MB), made here first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_28_x86_64 nixl-cu13==1.5.1 -d /tmp/nixlwhl     # (no manylinux_2_17 build exists)
+#   python3 bench/repack_nixl.py /tmp/nixlwhl/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl --out .whl
+# (bench/repack_nixl.py says what it drops; --check tries a cp311 repack here; never commit .whl/).
 # NO_FLASHINFER=1 leaves FlashInfer out (its tests then skip): 0.5.3 JIT-builds every module on
 # first use, minutes per configuration, which a 10-minute call cannot afford without a prebuilt cache.
 wheels=$(ls .whl/*.whl)

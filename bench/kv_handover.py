@@ -2,7 +2,7 @@
 
     python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc, cuda_ipc-verify), else CPU
     python bench/kv_handover.py --device cpu --sizes 1024,8192
-    python bench/kv_handover.py --exporter-gpu 1 --transports nccl,cuda_ipc,zmq   # two GPUs
+    python bench/kv_handover.py --exporter-gpu 1 --transports nixl,cuda_ipc,zmq   # two GPUs
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
@@ -23,7 +23,7 @@ Two measurements, side by side:
 GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
 zmq, nixl (a NIXL READ of the exporter's registered cache, no checksum: its default), nixl-verify,
 cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
-checksum over the copied bytes), nccl. --shape demo: the bundled demo model's cache (3 KiB a token:
+checksum over the copied bytes). --shape demo: the bundled demo model's cache (3 KiB a token:
 a 1k-token hand-over is the transport's fixed cost per pull). Prints both tables, writes a PNG
 and a JSON (bench/results/).
 """
@@ -31,7 +31,9 @@ and a JSON (bench/results/).
 from __future__ import annotations
 
 import argparse
+import base64
 import cProfile
+import dataclasses
 import json
 import os
 import pstats
@@ -101,14 +103,17 @@ def exporter() -> None:
     cfg = json.loads(sys.stdin.readline())
     device, sizes = cfg["device"], cfg["sizes"]
     kv, conn = replica(sum(sizes), device, seed=1, shape=cfg["shape"])
-    agent = None
+    agent, nixl_error = None, ""
     if any(t.startswith("nixl") for t in cfg["transports"] + cfg["burst_transports"]):
-        from meshserve.kvtransfer.nixl_transport import NixlAgent
+        from meshserve.kvtransfer.nixl_agent import NixlAgent
 
-        agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
-        agent.register([c.data for c in conn.io.caches])
+        try:
+            agent = NixlAgent("kv-bench-exporter")  # registers the cache once, as a rank does at start-up
+            agent.register([c.data for c in conn.io.caches])
+        except Exception as exc:  # not installed, or no UCX transport: the nixl rows say so
+            agent, nixl_error = None, f"the exporter's NIXL agent: {exc}"
     server = KVExportServer(SECRET, nixl=agent)
-    export_ms = {}
+    export_ms, nixl_offers = {}, {}
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
@@ -118,12 +123,15 @@ def exporter() -> None:
         caps += [capability(f"{t}-burst", size, i) for t in cfg["burst_transports"]
                  for i in range((cfg["burst_reps"] + 1) * cfg["burst"][str(size)])]
         for cap in caps:
-            server.offer(KVExport(export.header, export.frames), capability=cap, ttl_s=3600)
+            offered = KVExport(export.header, export.frames)
+            server.offer(offered, capability=cap, ttl_s=3600)
+            if cap.startswith("kv-bench-nixl"):  # what travels with a rank's offer (nixl_transport.py)
+                nixl_offers[cap] = base64.b64encode(server.describe_nixl(offered, [cap])).decode()
     endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
-    print(json.dumps({"endpoint": endpoint.to_wire(),
-                      "export_ms": export_ms}), flush=True)
+    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers,
+                      "nixl_error": nixl_error}), flush=True)
     while True:
-        server.poll(20)
+        server.poll(1)  # as a rank's loop while an offer is pending (its NIXL agent progresses here)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
             break
     server.close()
@@ -157,7 +165,8 @@ def make_puller(transport: str, conn):
     from meshserve.kvtransfer.transport import CudaIpcPuller
 
     if transport in ("nixl", "nixl-verify"):
-        from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller
+        from meshserve.kvtransfer.nixl_agent import NixlAgent
+        from meshserve.kvtransfer.nixl_transport import NixlPuller
 
         global _importer
         if _importer is None:
@@ -171,8 +180,22 @@ def make_puller(transport: str, conn):
     return puller_for(transport)
 
 
-def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[float]:
-    """Seconds of each pull (the first one cold), one at a time."""
+def missing(transport: str, args, info: dict) -> str:
+    """Why `transport` cannot run here ("" when it can): its row is skipped with this reason."""
+    if transport.startswith("nixl"):
+        from meshserve.kvtransfer.nixl_agent import nixl_available
+
+        if not nixl_available():
+            return "NIXL is not installed (pip install nixl-cu13; bench/repack_nixl.py for a device call)"
+        return info.get("nixl_error", "")
+    if transport.startswith("cuda_ipc") and args.device != "cuda":
+        return "CUDA IPC needs CUDA caches"
+    return ""
+
+
+def single_pulls(args, conn, kv, endpoint, size: int, transport: str, moved_by: set) -> list[float]:
+    """Seconds of each pull (the first one cold), one at a time; moved_by gets the transports that
+    moved the bytes (a nixl pull falls back to zmq where the exporter could not describe them)."""
     puller, times = make_puller(transport, conn), []
     for i in range(args.reps + 1):
         profiled = args.profile and i == args.reps and size == min(args.sizes)
@@ -180,7 +203,8 @@ def single_pulls(args, conn, kv, endpoint, size: int, transport: str) -> list[fl
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
-        puller.pull(conn, endpoint, capability(transport, size, i), secret=SECRET, timeout_s=600)
+        cap = capability(transport, size, i)
+        moved_by.add(puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600) or transport)
         times.append(time.perf_counter() - t0)
         if profiler is not None:
             profiler.disable()
@@ -205,7 +229,7 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
 
         def pull(target, cap, errors=errors):
             try:
-                puller.pull(target, endpoint, cap, secret=SECRET, timeout_s=600)
+                puller.pull(target, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600)
             except BaseException as exc:  # reported below, after every thread is done
                 errors.append(exc)
 
@@ -224,6 +248,14 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
     return times
 
 
+_NIXL_OFFERS: dict[str, bytes] = {}  # capability -> the NIXL offer the exporter made (kv_offer's endpoint carries it)
+
+
+def offered(endpoint: Endpoint, cap: str) -> Endpoint:
+    """The endpoint as a rank's offer under `cap` comes: with its NIXL offer, if one was made."""
+    return dataclasses.replace(endpoint, nixl_offer=_NIXL_OFFERS.get(cap, b""))
+
+
 def run(args) -> tuple[list[dict], list[dict]]:
     proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--exporter"], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -239,6 +271,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
         line = proc.stdout.readline()
     info = json.loads(line)
     endpoint = Endpoint.from_wire(info["endpoint"])
+    _NIXL_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["nixl_offers"].items()})
     rows, burst_rows = [], []
     try:
         room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])
@@ -247,15 +280,29 @@ def run(args) -> tuple[list[dict], list[dict]]:
             nbytes = size * token_bytes(args.shape)
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
-                times = single_pulls(args, conn, kv, endpoint, size, transport)
+                why, moved_by = missing(transport, args, info), set()
+                try:
+                    times = [] if why else single_pulls(args, conn, kv, endpoint, size, transport, moved_by)
+                except Exception as exc:  # a transport that fails here is reported, the others still run
+                    why = f"failed: {type(exc).__name__}: {exc}"
+                if why:
+                    rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "skipped": why})
+                    continue
                 pull_s = statistics.median(times[1:])
                 rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "cold_ms": times[0] * 1e3,
                              "pull_ms": pull_s * 1e3, "pull_gb_s": nbytes / pull_s / 1e9, "copy_ms": copy_s * 1e3,
                              "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / pull_s,
-                             "export_ms": info["export_ms"][str(size)]})
+                             "export_ms": info["export_ms"][str(size)], "moved_by": "+".join(sorted(moved_by))})
             for transport in args.burst_transports:
                 n = bursts[size]
-                wall = statistics.median(burst_pulls(args, conn, endpoint, size, transport, n)[1:])
+                why = missing(transport, args, info)
+                try:
+                    wall = 0.0 if why else statistics.median(burst_pulls(args, conn, endpoint, size, transport, n)[1:])
+                except Exception as exc:
+                    why = f"failed: {type(exc).__name__}: {exc}"
+                if why:
+                    burst_rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "skipped": why})
+                    continue
                 burst_rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "requests": n,
                                    "burst_ms": wall * 1e3, "per_request_ms": wall / n * 1e3,
                                    "gb_s": n * nbytes / wall / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
@@ -272,6 +319,9 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if "skipped" not in r]
+    if not rows:
+        return
     sizes = sorted({r["tokens"] for r in rows})
     transports = sorted({r["transport"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -311,8 +361,8 @@ def main() -> None:
     parser.add_argument("--burst-reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the last pull of the smallest size per "
                         "transport (the profiled pull is timed too: its row is slower)")
-    parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (nccl needs another one "
-                        "than this process's cuda:0: --exporter-gpu 1 --transports nccl,cuda_ipc,zmq)")
+    parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (another one than this "
+                        "process's cuda:0: GPU to GPU, e.g. --exporter-gpu 1 --transports nixl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
     parser.add_argument("--exporter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -328,29 +378,41 @@ def main() -> None:
         parser.error("--burst, --burst-reps and --reps must be >= 1")
     rows, burst_rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
-    layers, kv_heads, head = SHAPES[args.shape]
-    print(f"KV hand-over, {args.shape} shape ({layers} layers, {kv_heads} KV heads x {head}, bf16, block 16) "
-          f"on {where}")
-    print("single pull (one request at a time; medians):")
-    print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
-          f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9}")
-    for r in rows:
-        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
-              f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f}")
-    if burst_rows:
-        print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
-              "a burst; wall time of the whole burst, median):")
-        print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'N':>3} {'burst ms':>9} {'ms/req':>8} {'GB/s':>7} "
-              f"{'copy GB/s':>9} {'ratio':>6}")
-        for r in burst_rows:
-            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
-                  f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, f"kv_handover-{args.device}-{args.shape}")
     with open(stem + ".json", "w") as f:
         json.dump({"device": where, "rows": rows, "pipelined": burst_rows}, f, indent=1)
     plot(rows, stem + ".png", f"KV hand-over vs device copy ({where})")
     print(f"wrote {stem}.json and {stem}.png")
+    print_tables(args, rows, burst_rows, where)
+
+
+def print_tables(args, rows: list[dict], burst_rows: list[dict], where: str) -> None:
+    """The tables, last (a device call's output keeps its tail)."""
+    layers, kv_heads, head = SHAPES[args.shape]
+    print(f"KV hand-over, {args.shape} shape ({layers} layers, {kv_heads} KV heads x {head}, bf16, block 16) "
+          f"on {where}")
+    print("single pull (one request at a time; medians):")
+    print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'cold ms':>8} {'pull ms':>8} {'GB/s':>7} "
+          f"{'copy GB/s':>9} {'ratio':>6} {'export ms':>9} moved by")
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17}  skipped: {r['skipped']}")
+            continue
+        print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
+              f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f} "
+              f"{r['moved_by']}")
+    if burst_rows:
+        print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
+              "a burst; wall time of the whole burst, median):")
+        print(f"{'tokens':>7} {'MiB':>7} {'transport':>17} {'N':>3} {'burst ms':>9} {'ms/req':>8} {'GB/s':>7} "
+              f"{'copy GB/s':>9} {'ratio':>6}")
+        for r in burst_rows:
+            if "skipped" in r:
+                print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17}  skipped: {r['skipped']}")
+                continue
+            print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['requests']:>3} {r['burst_ms']:>9.2f} "
+                  f"{r['per_request_ms']:>8.2f} {r['gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f}")
 
 
 if __name__ == "__main__":

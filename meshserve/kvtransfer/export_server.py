@@ -16,9 +16,10 @@ receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the an
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
 then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
 "ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
-frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]; a pull that names a
-"p2p" rendezvous (p2p_transport.py) gets one [b"P", b"", tag] and the frames by torch.distributed
-send/recv, sent from a thread of the server. Answer tags cover
+frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]. A NIXL puller asks
+nothing: the offer it READs by travelled with the endpoint (`describe_nixl`, nixl_transport.py);
+its [msgpack {"op": "done", "capability": cap}, tag of b"kv-done"] afterwards spends the
+capability here and lets go of the export, and gets no answer. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import threading
 import time
 from collections.abc import Callable
 
@@ -46,16 +46,16 @@ import zmq
 
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
-from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlRead
+from meshserve.kvtransfer.nixl_agent import NixlAgent
+from meshserve.kvtransfer.nixl_transport import pack_offer
 from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end, re-exported)
     _ANSWER,
+    _DONE,
     _END,
     _ERROR,
     _FRAME,
     _HEADER,
     _IPC,
-    _NIXL,
-    _P2P,
     _PULL,
     MIN_CAPABILITY_CHARS,
     _index,
@@ -79,7 +79,7 @@ class KVExportServer:
     def __init__(self, secret: ClusterSecret, *, address: str = "tcp://127.0.0.1",
                  context: zmq.Context | None = None, nixl: NixlAgent | None = None) -> None:  # fmt: skip
         self._secret = secret
-        self._nixl = nixl  # answers pulls that ask for NIXL with descriptions of registered memory
+        self._nixl = nixl  # describes exports in registered memory for NIXL READs (describe_nixl)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
@@ -96,8 +96,7 @@ class KVExportServer:
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
         self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
-        self.p2p_timeout_s = 60.0  # bound of a p2p send (the puller's own timeout ends it sooner)
-        self.nixl_ttl_s = 120.0  # how long a NIXL answer's memory stays pinned without the puller's notice
+        self._described: set[str] = set()  # capabilities offered for NIXL READs (describe_nixl)
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
@@ -114,6 +113,20 @@ class KVExportServer:
         self._offers[capability] = (export, time.monotonic() + ttl_s, release)
         return self.address
 
+    def describe_nixl(self, export: KVExport, capabilities: list[str]) -> bytes:
+        """The NIXL offer of `export` (offered under each of `capabilities`) that travels with the
+        endpoint (nixl_transport.py), or b"" when this server has no NIXL agent or a frame is
+        outside its registered memory (pullers then take the bytes over zmq). A puller's notice
+        that its READ ended (`send_done`) spends that capability here and lets go of its export;
+        until then `poll` progresses the NIXL agent (a first READ from a new peer waits for it)."""
+        desc = None if self._nixl is None else self._nixl.describe(export.frames)
+        if desc is None:
+            return b""
+        for cap in capabilities:
+            check(cap in self._offers, "capability", "<hidden>", "a capability on offer (offer() first)")
+        self._described.update(capabilities)
+        return pack_offer(self._secret, capabilities, export.header_bytes, desc)
+
     @property
     def num_pending(self) -> int:
         """Exports still pinned: offered and not pulled, or being sent."""
@@ -129,20 +142,33 @@ class KVExportServer:
                     parts = self._sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
                     break
-                if len(parts) != 3 or not self._secret.verify(parts[2], _PULL, parts[1]):
+                if len(parts) == 3 and self._secret.verify(parts[2], _PULL, parts[1]):
+                    self._answer(parts[0], parts[1])
+                    served += 1
+                elif len(parts) == 3 and self._secret.verify(parts[2], _DONE, parts[1]):
+                    self._done(parts[1])
+                else:
                     self.rejected.add("malformed" if len(parts) != 3 else "bad tag")
-                    continue
-                self._answer(parts[0], parts[1])
-                served += 1
         self._reap()
         return served
+
+    def _done(self, body: bytes) -> None:
+        """A puller's notice that its NIXL READ of an offer ended: the capability is spent, the
+        export let go of."""
+        try:
+            cap = msgpack.unpackb(body, raw=False)["capability"]
+            offer = self._offers.pop(cap, None)
+        except (msgpack.UnpackException, KeyError, TypeError, ValueError):
+            self.rejected.add("malformed notice")
+            return
+        self._described.discard(cap)
+        if offer is not None:
+            _let_go(offer[0], offer[2])
 
     def _answer(self, ident: bytes, body: bytes) -> None:
         try:
             request = msgpack.unpackb(body, raw=False)
             cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
-            rendezvous = request.get("p2p")
-            nixl_known = request.get("nixl")
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -157,11 +183,6 @@ class KVExportServer:
                                                                         export.header_bytes)])
         if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
                 and self._answer_ipc(ident, cap, export, release)):
-            return
-        if isinstance(nixl_known, str) and self._answer_nixl(ident, cap, export, release, nixl_known):
-            return
-        if isinstance(rendezvous, str) and export.frames:
-            self._answer_p2p(ident, cap, export, release, rendezvous)
             return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
@@ -192,40 +213,13 @@ class KVExportServer:
         _let_go(export, release)
         return True
 
-    def _answer_nixl(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
-                     known: str) -> bool:  # fmt: skip
-        """The frames as a NIXL description: the puller READs them from our registered memory and
-        notifies us when it is done (or gave up); the export is let go of then."""
-        if self._nixl is None:
-            return False
-        desc = self._nixl.describe(export.frames, known=known)
-        if desc is None:  # not registered memory (or no frames): the bytes go over the socket
-            return False
-        body = msgpack.packb(desc, use_bin_type=True)
-        sign = self._secret.sign
-        self._sock.send_multipart([ident, _NIXL, body, sign(_ANSWER, cap, _index(1), _NIXL, body)])
-        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
-        self._sending.append((export, [NixlRead(self._nixl, desc["notify"], self.nixl_ttl_s)], release))
-        return True
-
-    def _answer_p2p(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None,
-                    rendezvous: str) -> None:  # fmt: skip
-        """The frames by torch.distributed send, from a thread: the puller receives them."""
-        from meshserve.kvtransfer.p2p_transport import send_frames
-
-        sign = self._secret.sign
-        self._sock.send_multipart([ident, _P2P, b"", sign(_ANSWER, cap, _index(1), _P2P, b"")])
-        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
-        thread = threading.Thread(target=send_frames, args=(rendezvous, export.frames, self.p2p_timeout_s),
-                                  name="meshserve-kv-p2p-send", daemon=True)
-        thread.start()
-        self._sending.append((export, [_ThreadDone(thread)], release))
-
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})
         self._sock.send_multipart([ident, _ERROR, body, self._secret.sign(_ANSWER, cap, _index(0), _ERROR, body)])
 
     def _reap(self) -> None:
+        if self._described:
+            self._progress_nixl()
         still = []
         for export, trackers, release in self._sending:
             if all(t.done for t in trackers):
@@ -239,26 +233,23 @@ class KVExportServer:
                 del self._offers[rid]
                 _let_go(export, release)
 
+    def _progress_nixl(self) -> None:
+        """While NIXL offers are pending, progress our agent: a new peer's first READ waits for
+        the two agents' connection set-up, which needs both sides to progress (nixl_agent.py)."""
+        self._described &= self._offers.keys()  # spent, pulled over zmq or expired
+        if self._described:
+            self._nixl.progress()
+
     def close(self) -> None:
         """Release every export and close the socket."""
         for export, _, release in self._offers.values():
             _let_go(export, release)
         self._offers.clear()
+        self._described.clear()
         self._sock.close(linger=0)
         for export, _, release in self._sending:  # zmq dropped the frames with the socket
             _let_go(export, release)
         self._sending.clear()
-
-
-class _ThreadDone:
-    """A p2p send thread, seen as the zmq trackers of the frames it sends."""
-
-    def __init__(self, thread: threading.Thread) -> None:
-        self.thread = thread
-
-    @property
-    def done(self) -> bool:
-        return not self.thread.is_alive()
 
 
 def _let_go(export: KVExport, release: Release | None) -> None:

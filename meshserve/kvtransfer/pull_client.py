@@ -6,7 +6,7 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
@@ -18,17 +18,6 @@ from meshserve.kvtransfer.wire import KVTransferError
 
 if TYPE_CHECKING:
     from meshserve.kvtransfer.cuda_ipc import IpcImporter
-    from meshserve.kvtransfer.p2p_transport import P2PReceiver
-
-
-class DescriptionReader(Protocol):
-    """A transport that moves the frames itself, given the exporter's description of them
-    (nixl_transport.py's reader): what it knows of the exporter, and the move."""
-
-    known_agent: str
-
-    def read_into(self, session: ImportSession, desc: dict[str, Any], *, deadline: float,
-                  cancel: threading.Event | None) -> None: ...  # fmt: skip
 
 
 def pull_kv(
@@ -41,8 +30,6 @@ def pull_kv(
     context: zmq.Context | None = None,
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
-    p2p: P2PReceiver | None = None,
-    nixl: DescriptionReader | None = None,
     sockets: PullSockets | None = None,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
@@ -52,10 +39,6 @@ def pull_kv(
     cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
     ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
     sends bytes anyway when its frames are not on CUDA).
-    p2p: receive the frames by torch.distributed from the exporter, which joins this receiver's
-    rendezvous (p2p_transport.py).
-    nixl: ask for a NIXL description of the frames and READ them (nixl_transport.py; the
-    exporter sends bytes when it has no NIXL agent or the frames are not registered memory).
     sockets: take the socket from (and give it back to) this pool of connected sockets
     (pull_sockets.py) instead of connecting one for this pull only.
     """
@@ -66,9 +49,7 @@ def pull_kv(
     deadline = time.monotonic() + timeout_s
     answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None,
-                              "p2p": None if p2p is None else p2p.rendezvous,
-                              "nixl": None if nixl is None else nixl.known_agent})
+        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
         if tag == _ERROR:
@@ -82,18 +63,6 @@ def pull_kv(
                 answers.part(answers.expect(_END))
                 complete = True
                 ipc.copy_into(session, desc)
-                return session.blocks
-            if tag == _NIXL and nixl is not None:
-                desc = msgpack.unpackb(answers.part(tag), raw=False)
-                answers.part(answers.expect(_END))
-                complete = True
-                nixl.read_into(session, desc if isinstance(desc, dict) else {}, deadline=deadline, cancel=cancel)
-                return session.finish()
-            if tag == _P2P and p2p is not None:
-                answers.part(tag)
-                answers.part(answers.expect(_END))
-                complete = True
-                p2p.receive(session)
                 return session.blocks
             for i in range(session.num_frames):
                 tag = tag if i == 0 else answers.next_tag()
@@ -113,10 +82,24 @@ def pull_kv(
             sock.close(linger=0)
 
 
+def send_done(address: str, capability: str, *, secret: ClusterSecret, sockets: PullSockets) -> None:
+    """Tell the export server at `address` that this pull of `capability`, made without asking it
+    (a NIXL READ), has ended: it spends the capability and lets go of the export. Nothing is
+    answered; the message leaves from zmq's I/O thread."""
+    sock = sockets.take(address)
+    body = msgpack.packb({"op": "done", "capability": capability})
+    try:
+        sock.send_multipart([body, secret.sign(_DONE, body)], zmq.NOBLOCK)
+    except zmq.Again:  # the exporter is gone or not reading: it lets go at the offer's TTL
+        sock.close(linger=0)
+        return
+    sockets.give_back(address, sock)
+
+
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END, _IPC, _P2P, _NIXL = b"H", b"X", b"F", b"E", b"I", b"P", b"N"
+_HEADER, _ERROR, _FRAME, _END, _IPC = b"H", b"X", b"F", b"E", b"I"
 _CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
-_PULL, _ANSWER = b"kv-pull", b"kv-answer"
+_PULL, _ANSWER, _DONE = b"kv-pull", b"kv-answer", b"kv-done"
 
 
 def _index(i: int) -> bytes:

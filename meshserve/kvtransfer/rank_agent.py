@@ -76,7 +76,7 @@ class KVRankAgent:
     def start_nixl(self) -> None:
         """Register this rank's KV caches with a NIXL agent once, when the setting may use NIXL
         and a NIXL build imports (nixl_transport.py); else hand-overs use zmq."""
-        from meshserve.kvtransfer.nixl_transport import NixlAgent, nixl_available
+        from meshserve.kvtransfer.nixl_agent import NixlAgent, nixl_available
 
         caches = [c for c in self.caches.caches if c is not None]
         if self.kv_transport not in (AUTO, NIXL) or not nixl_available() or not caches:
@@ -149,9 +149,13 @@ class KVRankAgent:
         if fault == "checksum":
             frames = [f.clone() for f in frames]
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact (and is not NIXL-registered)
-        for key in keys if fault != "withdraw" else []:  # the driver's pin keeps the blocks
-            self.server.offer(KVExport(export.header, frames), capability=key, ttl_s=OFFER_TTL_S)
-        return Endpoint.local(self.server.address, io.device, nixl=self.nixl is not None).to_wire()
+        offered = KVExport(export.header, frames)
+        keys = keys if fault != "withdraw" else []
+        for key in keys:  # the driver's pin keeps the blocks
+            self.server.offer(offered, capability=key, ttl_s=OFFER_TTL_S)
+        nixl_offer = self.server.describe_nixl(offered, keys) if keys else b""  # what a NIXL READ needs
+        return Endpoint.local(self.server.address, io.device, nixl=self.nixl is not None,
+                              nixl_offer=nixl_offer).to_wire()
 
     # -- importing ------------------------------------------------------------------------------
     def pull(self, capability: str, addresses: list, src_tp: int, blocks: list[list[int]], block_size: int,

@@ -308,27 +308,18 @@ class ImportSession:
             rows.index_copy_(0, self._block_rows(first, n, cache.device), frame.to(cache.device).view(n, -1))
         self._next += 1
 
-    def frame_runs(self, index: int) -> list[tuple[int, int, int]]:
-        """Frame `index` as runs of consecutive blocks of ours: (offset of the run's first block
-        in the frame, our first block, number of blocks). A transport that writes our blocks
-        itself (a NIXL READ) moves one run per descriptor pair."""
+    def frame_blocks(self, index: int) -> list[int]:
+        """Our blocks that frame `index` goes into, in the sent order (a transport that writes our
+        blocks itself, a NIXL READ, names them one by one)."""
         _, first, n = self.header.frames[index]
-        ours = self._flat[first : first + n]
-        runs: list[tuple[int, int, int]] = []
-        for k, block in enumerate(ours):
-            if runs and runs[-1][1] + runs[-1][2] == block:
-                off, start, count = runs[-1]
-                runs[-1] = (off, start, count + 1)
-            else:
-                runs.append((k, block, 1))
-        return runs
+        return self._flat[first : first + n]
 
     def cache_of(self, index: int) -> torch.Tensor:
         """The cache tensor frame `index` goes into ([num_blocks, ...])."""
         return self.io.caches[self.header.frames[index][0]].data
 
     def accept_written(self) -> None:
-        """Take every frame at once: the transport wrote them all into our blocks (frame_runs)."""
+        """Take every frame at once: the transport wrote them all into our blocks (frame_blocks)."""
         if self._next != 0:
             self._fail("truncated", f"{self._next} frames were accepted one by one already")
         if self._verify:

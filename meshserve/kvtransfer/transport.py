@@ -6,8 +6,9 @@
 
 Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
   nixl      a NIXL READ (nixl_transport.py) of the exporter's registered cache memory, DRAM or
-            VRAM, on one host or between hosts (UCX: shared memory, TCP, RDMA, CUDA IPC); the
-            control exchange (capability, header, descriptors) is the zmq protocol's.
+            VRAM, on one host or between hosts (UCX: CMA, TCP, RDMA, CUDA IPC); what the READ
+            needs (header, descriptors, MACed per capability) travels with the offer's endpoint
+            (`nixl_offer`), so the importer READs with no round trip to the exporter first.
   zmq       pyzmq over TCP (export_server.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
@@ -15,12 +16,8 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
             see only their own GPU). The importer maps the exporter's cache memory and copies
             device to device into its own blocks; the handle metadata travels over the zmq
             export channel (msgpack, MACed), never pickle.
-  nccl      torch.distributed send/recv (p2p_transport.py): NCCL between CUDA caches (GPUs of any
-            hosts), gloo between CPU caches, over a two-rank group made for each pull (a
-            communicator set-up per pull: for large requests between hosts). Both ends' caches
-            must be on the same kind of device, else zmq.
   auto      nixl where both ends have a NIXL agent (the `nixl-cu13` package imports), else cuda_ipc
-            where it applies, else zmq (the default; nccl is never chosen by itself).
+            where it applies, else zmq (the default).
   "pkg.module:Class"  a puller of the caller's (tests, benches, a third-party transport): a class
             built without arguments with this module's `pull` signature.
 
@@ -36,7 +33,7 @@ import os
 import socket
 import threading
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -47,8 +44,8 @@ from meshserve.errors import ConfigError
 from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
 from meshserve.kvtransfer.rank_io import ImportTarget
 
-AUTO, ZMQ, CUDA_IPC, NCCL, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
-                                                     KVTransport.NCCL, KVTransport.NIXL))
+AUTO, ZMQ, CUDA_IPC, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
+                                               KVTransport.NIXL))
 
 
 @functools.cache
@@ -71,22 +68,25 @@ class Endpoint:
     device: str  # the caches' device type: "cuda" or "cpu"
     process: str  # PROCESS_TOKEN of its process
     gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
-    nixl: bool = False  # it answers NIXL pulls (its caches are registered with a NIXL agent)
+    nixl: bool = False  # it has a NIXL agent (its caches are registered with it)
+    nixl_offer: bytes = field(default=b"", repr=False)  # this offer for a NIXL READ (nixl_transport.py), or b""
 
     @classmethod
-    def local(cls, address: str, device: torch.device, *, nixl: bool = False) -> Endpoint:
-        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl)
+    def local(cls, address: str, device: torch.device, *, nixl: bool = False, nixl_offer: bytes = b"") -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl, nixl_offer)
 
-    def to_wire(self) -> dict[str, str | bool]:
-        return {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
+    def to_wire(self) -> dict[str, str | bool | bytes]:
+        wire = {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
                 "gpu": self.gpu, "nixl": self.nixl}
+        return {**wire, "nixl_offer": self.nixl_offer} if self.nixl_offer else wire
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
         if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
             return cls(obj, "", "cpu", "")
+        offer = obj.get("nixl_offer") or b""
         return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
-                   str(obj.get("gpu", "")), obj.get("nixl") is True)
+                   str(obj.get("gpu", "")), obj.get("nixl") is True, offer if isinstance(offer, bytes) else b"")
 
 
 def cuda_ipc_possible(mine: Endpoint, theirs: Endpoint, visible_gpus: Collection[str]) -> str | None:
@@ -112,8 +112,6 @@ def choose_transport(requested: str, mine: Endpoint, theirs: Endpoint, *,
         return NIXL, ""
     if requested == NIXL:
         return ZMQ, f"NIXL at the exporter: {theirs.nixl}, at the importer: {mine.nixl} (both need a NIXL agent)"
-    if requested == NCCL and mine.device != theirs.device:
-        return ZMQ, f"caches on {theirs.device} (exporter) and {mine.device} (importer): nccl needs one kind"
     if requested not in (AUTO, CUDA_IPC):
         return requested, ""
     why = cuda_ipc_possible(mine, theirs, visible_gpus)
@@ -183,29 +181,13 @@ class _Used:
         self.importer.copy_into(session, desc)
 
 
-class P2PPuller:
-    """Receives the frames by torch.distributed send/recv (p2p_transport.py)."""
-
-    name = NCCL
-
-    def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
-        from meshserve.kvtransfer.export_server import pull_kv
-        from meshserve.kvtransfer.p2p_transport import P2PReceiver
-
-        receiver = P2PReceiver(endpoint.address, target.device, timeout_s, cancel)
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
-                p2p=receiver)
-        return NCCL
-
-
 def _nixl_puller() -> KVPuller:
     from meshserve.kvtransfer.nixl_transport import NixlPuller
 
     return NixlPuller()
 
 
-_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NCCL: P2PPuller, NIXL: _nixl_puller}
+_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NIXL: _nixl_puller}
 
 
 def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
@@ -228,7 +210,7 @@ def describe_setting(requested: str, device: str, *, one_host: bool, nixl: bool 
     """The transport hand-overs will use, as far as the configuration tells (the start-up log and
     the meshserve_kv_transport_info metric): the actual choice is made per hand-over. nixl:
     whether NIXL is installed (None: look)."""
-    from meshserve.kvtransfer.nixl_transport import nixl_available
+    from meshserve.kvtransfer.nixl_agent import nixl_available
 
     if requested in (AUTO, NIXL) and (nixl_available() if nixl is None else nixl):
         return NIXL

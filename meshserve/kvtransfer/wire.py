@@ -87,6 +87,12 @@ class KVLayout:
 
     @classmethod
     def from_wire(cls, obj: list) -> KVLayout:
+        """The layout (one object per distinct layout: its fingerprint and block sizes are
+        computed once, not at every import)."""
+        return _layout_from_wire(cls, _tuplify(obj))
+
+    @classmethod
+    def _build(cls, obj: tuple) -> KVLayout:
         model_id, block_size, dcp_size, layers, groups = obj
         return cls(
             str(model_id),
@@ -102,13 +108,7 @@ class KVLayout:
 
     def block_nbytes(self) -> list[int]:
         """Bytes of one block of each cached layer."""
-        out = []
-        for dtype, shape in self.layers:
-            torch_dtype = getattr(torch, dtype, None)
-            if not isinstance(torch_dtype, torch.dtype):
-                raise KVTransferError("bad_header", f"unknown cache dtype {dtype!r}")
-            out.append(torch_dtype.itemsize * int(torch.Size(shape).numel()))
-        return out
+        return list(_block_nbytes(self.layers))
 
     def difference(self, other: KVLayout) -> str:
         """Human-readable first difference between two layouts (self = ours, other = theirs)."""
@@ -194,6 +194,23 @@ class KVHeader:
         """Byte size of each frame, from the sender's layout."""
         per_block = self.layout.block_nbytes()
         return [per_block[layer] * count for layer, _, count in self.frames]
+
+
+@functools.lru_cache(maxsize=64)
+def _layout_from_wire(cls: type, obj: tuple) -> KVLayout:
+    return cls._build(obj)
+
+
+@functools.lru_cache(maxsize=64)
+def _block_nbytes(layers: tuple) -> tuple[int, ...]:
+    """Bytes of one block of each cached layer (KVLayout.block_nbytes; layouts repeat at every import)."""
+    out = []
+    for dtype, shape in layers:
+        torch_dtype = getattr(torch, dtype, None)
+        if not isinstance(torch_dtype, torch.dtype):
+            raise KVTransferError("bad_header", f"unknown cache dtype {dtype!r}")
+        out.append(torch_dtype.itemsize * int(torch.Size(shape).numel()))
+    return tuple(out)
 
 
 def _tuplify(obj: object) -> object:

@@ -6,11 +6,10 @@
    the same seed): with the default puller (no checksum over device-to-device copies) and with
    one that verifies it. A corrupted copy is refused by the verifying puller's checksum, a
    truncated one by the default puller's frame count; neither leaves anything reserved.
-2. (Two GPUs only) the same by the nccl transport, GPU 0 to GPU 1.
-3. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
+2. Disaggregated serving, 1 prefill + 1 decode replica as two processes on the one GPU, with
    kv_transport cuda_ipc: greedy tokens identical to a unified replica on the same GPU, every
    hand-over imported by cuda_ipc (none recomputed), no block left held.
-4. The checksum's one-kernel digest over many frames (kvtransfer/digest_kernel.py, what exports on
+3. The checksum's one-kernel digest over many frames (kvtransfer/digest_kernel.py, what exports on
    a GPU use) gives the frame-by-frame values on the GPU.
 """
 
@@ -90,25 +89,6 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     proc.stdin.close()
     summary = json.loads(proc.stdout.readline())
     assert summary["pending"] == 0 and summary["rejected"] == 0
-
-
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs its two ranks on two GPUs")
-def test_nccl_moves_a_requests_kv_between_two_gpus_bit_exactly(peer):
-    from meshserve.kvtransfer.transport import NCCL, P2PPuller
-    from tests.integration.kv_handover_peer import sender_replica
-    from tests.unit.kvtransfer.replicas import Replica
-
-    proc, started = peer  # its caches are on cuda:0
-    endpoint, caps = Endpoint.from_wire(started["endpoint"]), started["capabilities"]
-    dst = Replica("gqa", seed=2, device="cuda:1")
-    dst.fragment(4)
-    assert P2PPuller().pull(dst.connector, endpoint, caps["ok"], secret=SECRET, timeout_s=120) == NCCL
-    for ours, theirs in zip(dst.request_bytes("ok"), sender_replica().request_bytes("ok"), strict=True):
-        assert torch.equal(ours, theirs)
-    bad = Replica("gqa", seed=3, device="cuda:1")
-    with pytest.raises(KVTransferError) as info:
-        P2PPuller().pull(bad.connector, endpoint, caps["checksum"], secret=SECRET, timeout_s=120)
-    assert info.value.reason == "checksum" and bad.kv.num_requests == 0
 
 
 GREEDY = dict(temperature=0, ignore_eos=True)

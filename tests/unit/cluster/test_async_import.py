@@ -14,6 +14,7 @@ import pytest
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError
+from meshserve.kvtransfer.nixl_agent import nixl_available
 from tests.tiny_models import prompts, write_checkpoint
 from tests.unit.cluster.cases import assert_no_held_blocks, holds_no_blocks, reference, serve, threads, wait_until
 from tests.unit.cluster.gated_puller import GATE, GATED
@@ -169,7 +170,8 @@ def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkey
     serve(gated(ckpt), body)
 
 
-def test_the_nccl_transport_over_gloo_matches_the_single_process_engine(ckpt, want):
+@pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) is not installed")
+def test_the_nixl_transport_matches_the_single_process_engine(ckpt, want):
     async def body(c):
         (decode,) = c.replicas("decode")
         got = {}
@@ -177,9 +179,9 @@ def test_the_nccl_transport_over_gloo_matches_the_single_process_engine(ckpt, wa
             got[request[0]] = []
             await stream(c, request, got[request[0]])
         stats = decode.stats()
-        assert (stats.num_kv_imports, stats.num_recomputes, stats.handover.transports) == (2, 0, {"nccl": 2})
+        assert (stats.num_kv_imports, stats.num_recomputes, stats.handover.transports) == (2, 0, {"nixl": 2})
         await wait_until(lambda: holds_no_blocks(c), "every block to be freed", timeout_s=WAIT_S)
         return got
 
-    got = serve(gated(ckpt, "nccl"), body)
+    got = serve(gated(ckpt, "nixl"), body)
     assert got == {rid: want[rid].token_ids for rid in ("held", "long")}

@@ -16,11 +16,9 @@ from meshserve.kvtransfer.export_server import KVExportServer, new_capability, p
 from meshserve.kvtransfer.transfers import BackgroundPulls
 from meshserve.kvtransfer.transport import (
     CUDA_IPC,
-    NCCL,
     ZMQ,
     CudaIpcPuller,
     Endpoint,
-    P2PPuller,
     ZmqPuller,
     choose_transport,
     describe_setting,
@@ -68,12 +66,9 @@ def test_kv_transport_setting_is_validated_naming_the_field():
             CacheConfig(kv_transport=bad)
 
 
-def test_nccl_is_selectable_and_needs_one_kind_of_device():
-    assert CacheConfig(kv_transport="nccl").kv_transport == NCCL
-    assert choose_transport("nccl", end("cpu"), end("cpu", process="p2")) == (NCCL, "")
-    name, why = choose_transport("nccl", end("cpu"), end("cuda", process="p2"))
-    assert name == ZMQ and "one kind" in why
-    assert isinstance(puller_for("nccl"), P2PPuller)
+def test_nccl_is_no_longer_a_transport():
+    with pytest.raises(ConfigError, match=r"kv_transport.*nixl"):  # NIXL covers it (docs/cluster.md)
+        CacheConfig(kv_transport="nccl")
 
 
 def test_pullers_by_name():
@@ -205,17 +200,3 @@ def test_mappings_of_an_idle_exporter_are_closed_at_the_next_pull():
     assert list(importer._opened) == [("live", b"handle", 0)] and importer.num_open == 1
     importer.forget("live")
     assert importer.num_open == 0
-
-
-def test_a_p2p_pull_moves_the_bytes_by_torch_distributed():
-    with served() as (server, cap, expected):
-        dst = Replica("gqa", seed=2)
-        dst.fragment(3)  # scattered receiving blocks: received into scratch, then index_copy_
-        used = P2PPuller().pull(dst.connector, Endpoint.from_wire(server.address), cap, secret=SECRET, timeout_s=60)
-        assert used == NCCL
-        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
-        dst.kv.check_invariants()
-        deadline = time.monotonic() + 60  # the poll thread lets go of the export once the send ended
-        while server.num_pending and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert server.num_pending == 0

@@ -1,15 +1,19 @@
-"""The NIXL data plane (kvtransfer/nixl_transport.py) between two tiny replicas on CPU caches:
-real NIXL agents (UCX, DRAM), the zmq control exchange, the receiver's blocks scattered. The
-oracle is the sender's cache bytes; a refused pull must leave every block where it was."""
+"""The NIXL data plane (kvtransfer/nixl_transport.py, nixl_agent.py) between two tiny replicas on
+CPU caches: real NIXL agents (UCX, DRAM), the NIXL offer carried with the endpoint (no round trip
+to the exporter), the receiver's blocks scattered. The oracle is the sender's cache bytes; a
+refused pull must leave every block where it was and the exporter's pin must go."""
 
 import contextlib
+import dataclasses
 import threading
+import time
 
+import msgpack
 import pytest
 import torch
 
 from meshserve.core.secret import ClusterSecret
-from meshserve.kvtransfer.export_server import KVExportServer, new_capability
+from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import NIXL, ZMQ, Endpoint, choose_transport
 from meshserve.kvtransfer.wire import KVTransferError
@@ -21,9 +25,16 @@ pytestmark = pytest.mark.skipif(not nixl_available(), reason="NIXL (nixl-cu13) i
 SECRET = ClusterSecret(b"test secret of the nixl transport tests")
 
 
-def registered(replica: Replica, agent: NixlAgent) -> Replica:
-    agent.register([c.data for c in replica.connector.io.caches])
-    return replica
+@contextlib.contextmanager
+def registered(replica: Replica, agent: NixlAgent):
+    """`replica` with its caches registered with `agent` (as a rank at start-up), deregistered at
+    the end (before the caches are freed)."""
+    tensors = [c.data for c in replica.connector.io.caches]
+    agent.register(tensors)
+    try:
+        yield replica
+    finally:
+        agent.deregister(tensors)
 
 
 @pytest.fixture(scope="module")
@@ -35,79 +46,86 @@ def agents():
 @contextlib.contextmanager
 def exporter(agent: NixlAgent, kind: str = "gqa"):
     """A sender replica registered with `agent` and its export server, polled by a thread."""
-    src = registered(Replica(kind, seed=1), agent)
     server = KVExportServer(SECRET, nixl=agent)
     try:
-        with polled(server):
+        with registered(Replica(kind, seed=1), agent) as src, polled(server):
             yield src, server
     finally:
         server.close()
 
 
-def offer(src: Replica, server: KVExportServer, rid: str, tokens: int = 37) -> tuple[str, list[torch.Tensor]]:
+def offer(src: Replica, server: KVExportServer, rid: str, tokens: int = 37) -> tuple[str, Endpoint, list]:
+    """Offer a new request of `tokens` tokens: (capability, the endpoint with its NIXL offer, its bytes)."""
     src.add_request(rid, list(range(100, 100 + tokens)))
     cap = new_capability()
-    server.offer(src.connector.export(rid), capability=cap, release=src.connector.release)
-    return cap, src.request_bytes(rid)
+    export = src.connector.export(rid)
+    server.offer(export, capability=cap, release=src.connector.release)
+    endpoint = Endpoint(server.address, "h", "cpu", "p", "", nixl=True, nixl_offer=server.describe_nixl(export, [cap]))
+    return cap, endpoint, src.request_bytes(rid)
 
 
-def endpoint(server: KVExportServer) -> Endpoint:
-    return Endpoint(server.address, "h", "cpu", "p", "", nixl=True)
-
-
-@pytest.mark.parametrize("kind", ["gqa", "mla"])
-@pytest.mark.parametrize("verify", [False, True])
-def test_a_nixl_pull_reads_the_senders_bytes_into_scattered_blocks(agents, kind, verify):
-    with exporter(agents[0], kind) as (src, server):
-        dst = registered(Replica(kind, seed=2), agents[1])
-        dst.fragment(3)  # receiving blocks in several runs: descriptors per run
-        puller = NixlPuller(agents[1], verify=verify)
-        for rid in ("a", "b"):  # the second pull finds the exporter's agent known (no metadata again)
-            cap, expected = offer(src, server, rid)
-            assert puller.pull(dst.connector, endpoint(server), cap, secret=SECRET, timeout_s=30) == NIXL
-            assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes(rid), expected, strict=True))
-        assert server.num_pending == 0 or _drained(server)  # the importer's notices let go of the exports
-        assert src.connector.pins.num_pinned == 0
-        dst.kv.check_invariants()
-
-
-def _drained(server: KVExportServer) -> bool:
+def drained(server: KVExportServer) -> bool:
     """Whether the server lets go of every export within a bounded wait (notices are asynchronous)."""
-    import time
-
     deadline = time.monotonic() + 10
     while server.num_pending and time.monotonic() < deadline:
         time.sleep(0.01)
     return server.num_pending == 0
 
 
-def test_a_used_or_forged_capability_is_refused_and_reserves_nothing(agents):
-    with exporter(agents[0]) as (src, server):
-        dst = registered(Replica("gqa", seed=2), agents[1])
+@pytest.mark.parametrize("kind", ["gqa", "mla"])
+@pytest.mark.parametrize("verify", [False, True])
+def test_a_nixl_pull_reads_the_senders_bytes_into_scattered_blocks(agents, kind, verify):
+    with exporter(agents[0], kind) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica(kind, seed=2), agents[1]))
+        dst.fragment(3)  # receiving blocks scattered: our block ids one by one
+        puller = NixlPuller(agents[1], verify=verify)
+        peers = []
+        for rid in ("a", "b"):
+            cap, endpoint, expected = offer(src, server, rid)
+            assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
+            assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes(rid), expected, strict=True))
+            peers.append(agents[1]._peers[agents[0].name])
+        assert peers[0] is peers[1]  # the exporter's agent loaded and its list prepared once
+        assert drained(server) and src.connector.pins.num_pinned == 0  # the importer's notices let go
+        dst.kv.check_invariants()
+
+
+def test_a_used_forged_or_altered_offer_is_refused_and_reserves_nothing(agents):
+    with exporter(agents[0]) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica("gqa", seed=2), agents[1]))
         puller = NixlPuller(agents[1])
-        cap, _ = offer(src, server, "r")
-        assert puller.pull(dst.connector, endpoint(server), cap, secret=SECRET, timeout_s=30) == NIXL
+        cap, endpoint, _ = offer(src, server, "r")
+        assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
         free = dst.kv.num_free_blocks
-        for capability in (cap, new_capability()):  # spent, and never offered
+
+        def refused(endpoint, capability, *, secret=SECRET) -> str:
             with pytest.raises(KVTransferError) as info:
-                puller.pull(dst.connector, endpoint(server), capability, secret=SECRET, timeout_s=30)
-            assert info.value.reason == "unknown_request"
+                puller.pull(dst.connector, endpoint, capability, secret=secret, timeout_s=30)
+            return info.value.reason
+
+        assert refused(endpoint, cap) == "unknown_request"  # spent here
+        assert drained(server)  # the notice spent it at the exporter too: zmq refuses it as well
+        with pytest.raises(KVTransferError) as info:
+            pull_kv(dst.connector, server.address, cap, secret=SECRET, timeout_s=30)
+        assert info.value.reason == "unknown_request"
+        cap2, endpoint2, expected = offer(src, server, "s")
+        assert refused(endpoint2, new_capability()) == "auth"  # made for another capability
+        header, body, macs = msgpack.unpackb(endpoint2.nixl_offer)
+        altered = msgpack.packb([header, body[:-1] + bytes([body[-1] ^ 1]), macs])
+        assert refused(dataclasses.replace(endpoint2, nixl_offer=altered), cap2) == "auth"
         outsider = ClusterSecret(b"not the cluster's secret")
-        cap2, _ = offer(src, server, "s")
-        with pytest.raises(KVTransferError) as info:  # a pull without the secret gets no answer
-            puller.pull(dst.connector, endpoint(server), cap2, secret=outsider, timeout_s=0.5)
-        assert info.value.reason == "timeout"
+        assert refused(endpoint2, cap2, secret=outsider) == "auth"
         assert dst.kv.num_free_blocks == free and "s" not in dst.kv
-        assert puller.pull(dst.connector, endpoint(server), cap2, secret=SECRET, timeout_s=30) == NIXL
+        assert puller.pull(dst.connector, endpoint2, cap2, secret=SECRET, timeout_s=30) == NIXL
+        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("s"), expected, strict=True))
 
 
 class _HeldAgent:
     """The importer's NIXL agent as seen by NixlAgent.read: the READ is posted for real but shows
-    as in flight until the test has cancelled the pull (a READ of a few KiB ends too soon to
-    cancel it from outside)."""
+    as in flight until `until` is set (a READ of a few KiB ends too soon to stop it from outside)."""
 
-    def __init__(self, agent, cancel: threading.Event, posted: threading.Event) -> None:
-        self._agent, self._cancel, self._posted = agent, cancel, posted
+    def __init__(self, agent, until: threading.Event, posted: threading.Event) -> None:
+        self._agent, self._until, self._posted = agent, until, posted
 
     def transfer(self, handle):
         self._agent.transfer(handle)
@@ -115,51 +133,92 @@ class _HeldAgent:
         return "PROC"
 
     def check_xfer_state(self, handle):
-        return "PROC" if not self._cancel.is_set() else self._agent.check_xfer_state(handle)
+        state = self._agent.check_xfer_state(handle)  # progresses the agent, as a real poll does
+        return "PROC" if not self._until.is_set() else state
 
     def __getattr__(self, name):
         return getattr(self._agent, name)
 
 
-def test_a_pull_cancelled_mid_read_frees_its_blocks_and_the_exporters_pin(agents):
+@pytest.mark.parametrize("stop", ["cancelled", "timeout"])
+def test_a_pull_stopped_mid_read_frees_its_blocks_and_the_exporters_pin(agents, stop):
     with exporter(agents[0]) as (src, server):
-        dst = registered(Replica("gqa", seed=2), agents[1])
-        free = dst.kv.num_free_blocks
-        cancel, posted = threading.Event(), threading.Event()
-        held = NixlAgent("test-importer-held")
+        dst = Replica("gqa", seed=2)
+        cancel, until, posted = threading.Event(), threading.Event(), threading.Event()
+        held = NixlAgent(f"test-importer-held-{stop}")
         held.register([c.data for c in dst.connector.io.caches])
-        held._agent = _HeldAgent(held._agent, cancel, posted)
-        cap, _ = offer(src, server, "r")
+        held._agent = _HeldAgent(held._agent, until, posted)
+        puller = NixlPuller(held)  # one per rank, kept: its zmq socket carries the notices
+        free = dst.kv.num_free_blocks
+        cap, endpoint, _ = offer(src, server, "r")
         errors = []
 
         def pull():
             try:
-                NixlPuller(held).pull(dst.connector, endpoint(server), cap, secret=SECRET, timeout_s=30, cancel=cancel)
+                puller.pull(dst.connector, endpoint, cap, secret=SECRET,
+                            timeout_s=30 if stop == "cancelled" else 0.3, cancel=cancel)
             except KVTransferError as exc:
                 errors.append(exc.reason)
+            finally:
+                until.set()
+
         thread = threading.Thread(target=pull)
         thread.start()
         assert posted.wait(30), "the READ was never posted"
-        cancel.set()
+        if stop == "cancelled":
+            cancel.set()
         thread.join(30)
-        assert errors == ["cancelled"]
-        assert dst.kv.num_free_blocks == free and "r" not in dst.kv
+        assert errors == [stop]
+        assert dst.kv.num_free_blocks == free and "r" not in dst.kv  # 0 blocks leaked: the prompt is recomputed
         dst.kv.check_invariants()
-        assert _drained(server) and src.connector.pins.num_pinned == 0  # the importer's notice let go
+        assert drained(server) and src.connector.pins.num_pinned == 0  # the importer's notice let go
+        held.close()
 
 
 def test_frames_outside_registered_memory_come_as_bytes(agents):
-    with exporter(agents[0]) as (src, server):
-        dst = registered(Replica("gqa", seed=2), agents[1])
+    with exporter(agents[0]) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica("gqa", seed=2), agents[1]))
         src.add_request("r", list(range(100, 137)))
         export = src.connector.export("r")
-        copies = [f.clone() for f in export.frames]  # not registered: the exporter cannot describe them
+        copies = type(export)(export.header, [f.clone() for f in export.frames])  # not registered memory
         cap = new_capability()
-        server.offer(type(export)(export.header, copies), capability=cap)
+        server.offer(copies, capability=cap)
+        assert server.describe_nixl(copies, [cap]) == b""  # nothing to READ: the endpoint has no NIXL offer
         expected = src.request_bytes("r")
         src.connector.release(export)
-        assert NixlPuller(agents[1]).pull(dst.connector, endpoint(server), cap, secret=SECRET, timeout_s=30) == ZMQ
+        endpoint = Endpoint(server.address, "h", "cpu", "p", "", nixl=True)
+        assert NixlPuller(agents[1]).pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30) == ZMQ
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
+
+
+def test_a_first_read_into_caches_outside_the_registered_memory_registers_them_for_that_read(agents):
+    importer = NixlAgent("test-importer-staging")  # fresh: its registered regions' list is made at this pull
+    with exporter(agents[0]) as (src, server), registered(Replica("gqa", seed=2), importer):
+        staging = Replica("gqa", seed=3)  # like a re-sharding pull's staging caches: not registered
+        generation = importer.generation
+        cap, endpoint, expected = offer(src, server, "r")
+        assert NixlPuller(importer).pull(staging.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
+        assert all(torch.equal(a, b) for a, b in zip(staging.request_bytes("r"), expected, strict=True))
+        assert importer.generation == generation  # registered for that READ only: peers need nothing new
+    importer.close()
+
+
+def test_an_exporter_that_registers_more_memory_is_loaded_afresh():
+    src_agent, dst_agent = NixlAgent("test-exporter-growing"), NixlAgent("test-importer-2")
+    with exporter(src_agent) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica("gqa", seed=2), dst_agent))
+        puller = NixlPuller(dst_agent)
+        cap, endpoint, expected = offer(src, server, "a")
+        assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
+        first = dst_agent._peers[src_agent.name]
+        # more memory at the exporter: a new generation, new metadata
+        stack.enter_context(registered(Replica("mla", seed=3), src_agent))
+        cap, endpoint, expected = offer(src, server, "b")
+        assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30) == NIXL
+        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("b"), expected, strict=True))
+        assert dst_agent._peers[src_agent.name].generation == src_agent.generation != first.generation
+    dst_agent.close()
+    src_agent.close()
 
 
 @pytest.mark.parametrize(("requested", "mine", "theirs", "want"), [
@@ -173,3 +232,8 @@ def test_auto_chooses_nixl_where_both_ends_have_it(requested, mine, theirs, want
     got, why = choose_transport(requested, end(mine), end(theirs))
     assert got == want
     assert "NIXL" in why if (requested, want) == ("nixl", ZMQ) else "NIXL" not in why
+
+
+def test_an_endpoint_carries_its_nixl_offer_over_the_wire():
+    end = Endpoint("tcp://127.0.0.1:1", "h", "cpu", "p", "", nixl=True, nixl_offer=b"\x01offer")
+    assert Endpoint.from_wire(msgpack.unpackb(msgpack.packb(end.to_wire()))) == end
