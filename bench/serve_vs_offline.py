@@ -582,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both sides (OMP_NUM_THREADS of the server; default: torch's own)")
     ap.add_argument("--profile-server", default=None, metavar="PATH",
-                    help="record the server process with py-spy while the served paths run (.svg: a flame graph, "
-                         "else collapsed stacks)")
+                    help="record the server's processes with py-spy while the served paths run (.svg: a flame "
+                         "graph, else collapsed stacks; the engine process of -split paths to PATH-split-engine)")
     ap.add_argument("--out", default="bench/results", help="folder for the JSON, PNG and server log")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
@@ -624,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes or ((32 << 30) if gpu else (256 << 20)))
         profile = None
         if args.profile_server:
-            profile = lambda server: _PySpy(server.pid, Path(args.profile_server))  # noqa: E731
+            profile = lambda server: _PySpies(server, Path(args.profile_server))  # noqa: E731
         rounds = args.rounds or (1 if gpu else 3)
         deadline = started_mono + args.deadline if args.deadline else None
         runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=tmp,
@@ -662,6 +662,21 @@ def _device_name(device: str) -> str:
 
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+class _PySpies:
+    """py-spy on every process of a server: serve's (PATH with the layout in its name: -split,
+    -inproc) and, with --engine-process, the engine's (-engine added)."""
+
+    def __init__(self, server: Server, path: Path) -> None:
+        stem = path.with_name(f"{path.stem}{server.layout}")
+        pids = [server.pid, *_descendants(server.pid)]
+        self.spies = [_PySpy(pid, stem.with_name(stem.name + ("-engine" if k else "") + path.suffix))
+                      for k, pid in enumerate(pids)]
+
+    def stop(self) -> None:
+        for spy in self.spies:
+            spy.stop()
 
 
 class _PySpy:

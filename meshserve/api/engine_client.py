@@ -45,6 +45,7 @@ log = logging.getLogger("meshserve.api")
 STALE_S = 10.0  # no report from a live engine process for this long: it is hung
 SHUTDOWN_TIMEOUT_S = 60.0
 WATCH_PERIOD_S = 0.1
+MAX_BATCH_BYTES = 256 << 20  # one step's deltas, prompt logprobs of long prompts included
 
 
 class EngineClient:
@@ -91,6 +92,7 @@ class EngineClient:
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
         sock.setsockopt(zmq.RCVHWM, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_BATCH_BYTES)
         sock.connect(self.address)
         self._sock = sock
         self._send(wire.HELLO, b"")

@@ -72,6 +72,9 @@ class ServiceEndpoint:
         self._outbox: dict[bytes, list] = {}
         self._stop = asyncio.Event()
         self._failed: str | None = None
+        # A stream ended: a fresh STATE follows its BATCH, so that what a client reads of the stats
+        # after its last delta (ServerInfo, /metrics) counts its request.
+        self._state_due = False
         self.rejected = RejectedFrames(f"front-end channel {address}")
 
     # -- running -------------------------------------------------------------------------------
@@ -134,6 +137,8 @@ class ServiceEndpoint:
         outbox, self._outbox = self._outbox, {}
         for route, items in outbox.items():
             self._send(route, wire.BATCH, msgpack.packb(items))
+        if self._state_due:
+            self._send_state_to_all()
 
     def _state(self) -> bytes:
         try:
@@ -143,6 +148,7 @@ class ServiceEndpoint:
         return msgpack.packb(wire.encode_state(self.service.health(), self.service.stats(), models, self._failed))
 
     def _send_state_to_all(self) -> None:
+        self._state_due = False
         if self._peers:
             payload = self._state()
             for route in self._peers:
@@ -213,6 +219,7 @@ class ServiceEndpoint:
 
     def _close(self, sink: _Sink, *, finished: bool) -> None:
         sink.done = True
+        self._state_due = True
         self._streams.pop((sink.route, sink.number), None)
         if sink.stream is not None:
             self.service.close_stream(sink.stream, finished=finished)

@@ -168,10 +168,18 @@ def decode_error(kind: str, message: str, fields: dict) -> MeshserveError:
 # -- state ---------------------------------------------------------------------------------------
 
 
+def _fields(obj) -> dict:
+    """A dataclass's fields, one level deep (dataclasses.asdict copies recursively: slower)."""
+    return {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+
+
 def encode_state(health: ServiceHealth, stats: ServiceStats, models: list[ModelCard] | None,
                  failed: str | None = None) -> dict:
-    return {"health": dataclasses.asdict(health), "stats": dataclasses.asdict(stats),
-            "models": None if models is None else [dataclasses.asdict(c) for c in models], "failed": failed}
+    stats_fields = _fields(stats)
+    stats_fields["handovers"] = [{"pool": r.pool, "replica": r.replica, "stats": _fields(r.stats)}
+                                 for r in stats.handovers]
+    return {"health": _fields(health), "stats": stats_fields,
+            "models": None if models is None else [_fields(c) for c in models], "failed": failed}
 
 
 def decode_state(d: dict) -> tuple[ServiceHealth, ServiceStats, list[ModelCard] | None, str | None]:
