@@ -105,7 +105,8 @@ def test_the_split_serves_cancels_reports_and_says_when_the_engine_is_gone(serve
     assert failed.value.code() is grpc.StatusCode.UNAVAILABLE and "engine process" in failed.value.details()
     status, body = _http(url, "/health")
     assert status == 503 and b"engine process exited" in body
-    assert _readiness(address) == health_pb2.HealthCheckResponse.NOT_SERVING
+    wait_for(lambda: _readiness(address) == health_pb2.HealthCheckResponse.NOT_SERVING, timeout=30,
+             what="readiness NOT_SERVING (the health reporter polls the service)")
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 0
 
