@@ -32,7 +32,8 @@ async def _serve(config: dict) -> int:
     engine, pools, _ = configs_of(args)
     per_pool = pool_parallel_of(args, pools)
     check_layout_fits_model(engine.model.model, engine.parallel, per_pool)
-    service = build_service(engine, pools, model_name=config["model_name"], device=args.device, progress=False,
+    service = build_service(engine, pools, model_name=config["model_name"], device=args.device,
+                            progress=sys.stderr.isatty(),
                             block_size=args.block_size, prefill_parallel=per_pool["prefill"],
                             decode_parallel=per_pool["decode"])
     key = wire.ChannelKey(ClusterSecret(config["key"]), config["session"])

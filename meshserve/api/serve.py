@@ -1,5 +1,7 @@
 """`meshserve serve`: load the model, serve gRPC, the OpenAI-compatible HTTP API and metrics until
-SIGINT/SIGTERM, then drain. gRPC and HTTP sit on the same InferenceService in one process.
+SIGINT/SIGTERM, then drain. gRPC and HTTP sit on the same InferenceService in this process; by
+default the engine behind it runs in a process of its own (--engine-process: api/engine_client.py,
+docs/architecture.md), with --no-engine-process in this one.
 
 The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy parses its
 command line with this parser). Every flag becomes a field of a config dataclass, which
@@ -151,11 +153,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="liveness (grpc health service '') fails once the service, after serving, has had no ready "
                         "replica in some pool for this long (default 300)")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
-    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
                    help="run the engine (coordinator and replicas) in a process of its own and the gRPC and HTTP "
                         "front-ends in this one, talking over a unix socket (vLLM's API-server / engine-core split: "
-                        "per-token work of the front-ends does not share a GIL with the engine's step). Embedding "
-                        "models are served in one process either way (default: off)")
+                        "per-token work of the front-ends does not share a GIL with the engine's step; "
+                        "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
+                        "are served in one process either way (default: on)")
     add_request_limit_flags(p)
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")

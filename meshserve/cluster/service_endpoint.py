@@ -72,9 +72,11 @@ class ServiceEndpoint:
         self._outbox: dict[bytes, list] = {}
         self._stop = asyncio.Event()
         self._failed: str | None = None
-        # A stream ended: a fresh STATE follows its BATCH, so that what a client reads of the stats
-        # after its last delta (ServerInfo, /metrics) counts its request.
+        # A stream started or ended: a fresh STATE follows the BATCH that carries its first or last
+        # delta, so that what a client reads of the stats once it has seen it (ServerInfo, /metrics)
+        # counts its request: the stats a front-end answers are as of the deltas it has sent.
         self._state_due = False
+        self._flush_scheduled = False
         self.rejected = RejectedFrames(f"front-end channel {address}")
 
     # -- running -------------------------------------------------------------------------------
@@ -128,12 +130,17 @@ class ServiceEndpoint:
         """Queue an item for its front-end's BATCH, sent when this pass of the event loop ends."""
         box = self._outbox.get(route)
         if box is None:
-            if not self._outbox:
-                asyncio.get_running_loop().call_soon(self._flush)
+            self._schedule_flush()
             box = self._outbox[route] = []
         box.append(item)
 
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
+        self._flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
         for route, items in outbox.items():
             self._send(route, wire.BATCH, msgpack.packb(items))
@@ -212,6 +219,7 @@ class ServiceEndpoint:
             self._streams[(route, number)] = sink
             sink.stream = self.service.open_stream(prompt, params, request_id=request_id, sink=sink, beam=beam,
                                                    caller=caller, priority=priority)
+            self._state_due = True
         except Exception as exc:  # a refusal: nothing was queued
             self._streams.pop((route, number), None)
             sink.done = True
@@ -220,6 +228,7 @@ class ServiceEndpoint:
     def _close(self, sink: _Sink, *, finished: bool) -> None:
         sink.done = True
         self._state_due = True
+        self._schedule_flush()
         self._streams.pop((sink.route, sink.number), None)
         if sink.stream is not None:
             self.service.close_stream(sink.stream, finished=finished)
