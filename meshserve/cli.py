@@ -16,6 +16,7 @@ from meshserve.errors import ConfigError, MeshserveError
 
 def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     from meshserve.attention.spec import AttentionType, KVCacheDtype
+    from meshserve.config import DEFAULT_BLOCK_SIZE
 
     g = p.add_argument_group("the attention layer to choose a backend for")
     g.add_argument("--num-heads", type=int, default=32)
@@ -23,7 +24,7 @@ def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--head-size", type=int, default=128)
     g.add_argument("--dtype", default=None, help="float32, float16, bfloat16 (default: bf16 on CUDA, fp32 on CPU)")
     g.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDtype])
-    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--attn-type", default="decoder", choices=[t.value for t in AttentionType])
     g.add_argument("--sliding-window", type=int, default=None)
@@ -90,9 +91,27 @@ def cmd_backends(args: argparse.Namespace) -> int:
         for verdict in explain(problem, kind):
             print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
         chosen = select_backend(problem, name, kind=kind)
-        print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}")
+        print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}"
+              + (" (named)" if name else f" ({_why_default(problem, kind, chosen.name)})"))
     _print_weight_formats(device, cc, table=not args.quiet)
     return 0
+
+
+def _why_default(problem, kind, chosen: str) -> str:
+    """Why automatic selection gave `chosen`: the kernel-choice table entry or the priority list,
+    and for FLASHINFER which of FlashInfer's own kernels each phase runs."""
+    from meshserve.attention.backends.flashinfer_kernels import decode_kernel, mla_decode_kernel, prefill_kernel
+    from meshserve.attention.registry import BackendKind, default_order
+
+    choice = default_order(problem, kind)
+    why = choice.reason if choice.from_table else f"{choice.reason}; priority list order"
+    if choice.order and choice.order[0] != chosen:
+        why += f"; {', '.join(choice.order[: choice.order.index(chosen)])} cannot serve it"
+    if chosen == "FLASHINFER" and kind is BackendKind.ATTENTION:
+        why += f"; FlashInfer kernels: prefill {prefill_kernel(problem)}, decode {decode_kernel(problem)}"
+    elif chosen == "FLASHINFER" and kind is BackendKind.MLA_DECODE:
+        why += f"; FlashInfer kernel: {mla_decode_kernel(problem)}"
+    return why
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

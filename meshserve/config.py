@@ -37,9 +37,9 @@ class SmallMGemm(StrEnum):
     OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs
 
 
-SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on the weight-streaming kernel: auto (the default: per-channel "
-                     "FP8 weights, as --quantization fp8 makes them), on (every FP8 weight and the bf16/fp16 decoder "
-                     "projections), off (never)")
+SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on weight-streaming kernels: auto (the default: FP8 weights, "
+                     "the kernel per rows bucket from workers/quant/gemm_table.py), on (those and the bf16/fp16 "
+                     "decoder projections), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
                      "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
 
@@ -118,9 +118,17 @@ class ModelConfig:
         check(isinstance(self.seed, int) and self.seed >= 0, "seed", self.seed, "an integer >= 0")
 
 
+# KV block (page) size in tokens when the user gives none: the one switch for every entry point
+# (CacheConfig, `meshserve serve|generate|backends`, LLM()). 16 keeps prefix reuse fine-grained;
+# TRITON's prefill reads K/V through TMA descriptors only from pages of 64
+# (attention/kernels/config.py PREFILL_DESCRIPTOR_MIN_PAGE; H200 2026-12-02: 0.77x FlashInfer at 64
+# against 0.61x at 16, FlashInfer level at both). Change it only with a GPU measurement.
+DEFAULT_BLOCK_SIZE = 16
+
+
 @dataclass(frozen=True)
 class CacheConfig:
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     kv_cache_dtype: KVCacheDtype = KVCacheDtype.AUTO
     num_kv_blocks: int | None = field(default=None, metadata={"help": "fixed block count; overrides memory"})
     kv_cache_memory_bytes: int | None = field(default=None, metadata={"help": "KV budget per rank in bytes"})

@@ -23,6 +23,7 @@ from pathlib import Path
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
 from meshserve.cluster.executors.in_process import InProcessExecutor
 from meshserve.config import (
+    DEFAULT_BLOCK_SIZE,
     QUANTIZATION_HELP,
     SMALL_M_GEMM_HELP,
     AttentionConfig,
@@ -90,7 +91,7 @@ class LLM:
                                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                      device=device)
             return
-        block_size = 16 if block_size is None else block_size
+        block_size = DEFAULT_BLOCK_SIZE if block_size is None else block_size
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
@@ -243,7 +244,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--attention-backend", default=None, help="CPU_SDPA, TORCH, TRITON, FLASHINFER (default: automatic)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (one process each)")

@@ -9,7 +9,8 @@ validates it; the backend is `build_service`'s choice.
 
 Backend: always the Coordinator (cluster/coordinator.py). With no cluster flags it runs one
 unified replica whose rank lives in this process (runtime in-process: nothing to start, no
-Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray.
+Ray); replicas > 1, tp > 1, disaggregated pools or --ray-address put the ranks on Ray (without
+--ray-address an embedded one-node cluster on 127.0.0.1 that listens on loopback only).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import signal
 import sys
 
 from meshserve.config import (
+    DEFAULT_BLOCK_SIZE,
     QUANTIZATION_HELP,
     SMALL_M_GEMM_HELP,
     AttentionConfig,
@@ -75,7 +77,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--attention-backend", default=None,
                    help="CPU_SDPA, TORCH, TRITON or FLASHINFER (default: automatic; `meshserve backends` says why)")
     m.add_argument("--block-size", type=int, default=None,
-                   help="KV block size in tokens, a power of two (default 16; embedding models: the naive layout)")
+                   help=f"KV block size in tokens, a power of two (default {DEFAULT_BLOCK_SIZE}; embedding models: "
+                        "the naive layout)")
     m.add_argument("--max-model-len", type=int, default=None, help="default: the model's own limit")
     m.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks per replica (default: from memory)")
     m.add_argument("--kv-cache-memory-bytes", type=int, default=None, help="KV budget per rank in bytes")
@@ -202,7 +205,7 @@ def configs_of(args: argparse.Namespace):
                           seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
                           small_m_gemm=args.small_m_gemm,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
-        cache=CacheConfig(block_size=args.block_size or 16, num_kv_blocks=args.num_kv_blocks,
+        cache=CacheConfig(block_size=args.block_size or DEFAULT_BLOCK_SIZE, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),

@@ -7,6 +7,7 @@ block of that page; a test fails when the page is stale. The CLI prints the same
 from __future__ import annotations
 
 from meshserve.attention.backend import BackendCapabilities
+from meshserve.attention.kernel_choice import load_table
 from meshserve.attention.registry import BackendKind, load_backend, tables
 from meshserve.core.generated_docs import docs_main, replace_block
 
@@ -70,14 +71,35 @@ def kind_table(kind: BackendKind = BackendKind.ATTENTION) -> str:
     lines = ["| feature | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
     for feature in features:
         lines.append(f"| {feature} | " + " | ".join(c.get(feature, "?") for c in columns.values()) + " |")
-    lines += ["", "Priority (automatic selection takes the first valid backend):", ""]
+    lines += ["", "Fallback priority (automatic selection takes the first valid backend, in this order where the "
+              "measured kernel-choice table below has no entry for the problem's class):", ""]
     lines += [f"- `{platform}`: {' > '.join(order)}" for platform, order in priorities.items()]
     return "\n".join(lines)
 
 
+def choice_table() -> str:
+    """Markdown: the measured kernel choice on CUDA (kernel_choice.json), one row per entry."""
+    lines = [
+        "Automatic selection on CUDA tries backends in the measured order of `meshserve/attention/"
+        "kernel_choice.json` (written by `bench/attention_choice.py`) where it has every phase of the "
+        "problem's class; `meshserve backends` says which applied. relative: time over the fastest's.",
+        "",
+        "| kind | phase | attention | KV | sm | page | fastest | relative | measured |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for e in load_table():
+        k = e.key
+        rel = ", ".join(f"{n} {v:.2f}" for n, v in sorted(e.relative.items(), key=lambda kv: kv[1]))
+        lines.append(f"| {k.kind} | {k.phase} | {k.attention} | {k.kv} | {k.capability} | "
+                     f"{k.page_size or 'any'} | {e.fastest} | {rel} | {e.source['device']}, {e.source['date']} |")
+    return "\n".join(lines)
+
+
 def feature_table() -> str:
-    """Every kind's table under its own heading: standard attention, then MLA decode, prefill, sparse."""
-    return "\n\n".join(f"### {title}\n\n{kind_table(kind)}" for kind, title in SECTIONS)
+    """Every kind's table under its own heading: standard attention, then MLA decode, prefill, sparse;
+    then the measured kernel choice."""
+    kinds = "\n\n".join(f"### {title}\n\n{kind_table(kind)}" for kind, title in SECTIONS)
+    return f"{kinds}\n\n### Measured kernel choice (CUDA)\n\n{choice_table()}"
 
 
 def render_page(page: str) -> str:

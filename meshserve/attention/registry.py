@@ -1,6 +1,8 @@
 """Backend registry: names map to lazy imports; selection walks a per-platform priority list.
 
-Automatic selection takes the first backend in the platform's priority list that validates.
+Automatic selection takes the first backend that validates, in the order `default_order` gives:
+on CUDA the measured order of kernel_choice.json for the problem's class (kernel_choice.py),
+where the table has that class; otherwise the platform's fixed priority list.
 Explicit selection validates the named backend and fails with its reasons. When nothing is
 valid the error lists every backend with every reason. An ImportError is a reason too.
 
@@ -18,6 +20,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem
+from meshserve.attention.kernel_choice import Choice, choose
 from meshserve.errors import ConfigError, NoBackendError, as_enum
 
 if TYPE_CHECKING:
@@ -31,7 +34,8 @@ BACKENDS: dict[str, str] = {
     "FLASHINFER": "meshserve.attention.backends.flashinfer:FlashInferBackend",
 }
 
-# Priority per platform (first valid wins). See docs/attention-backends.md for the measurements.
+# Priority per platform (first valid wins) where kernel_choice.json has no measurement for the
+# problem's class. See docs/attention-backends.md for the measurements.
 PRIORITIES: dict[str, tuple[str, ...]] = {
     "cuda_sm90": ("FLASHINFER", "TRITON", "TORCH"),
     "cuda_sm100": ("FLASHINFER", "TRITON", "TORCH"),
@@ -142,10 +146,20 @@ def judge(name: str, problem: AttentionProblem, kind: BackendKind | str = Backen
     return Verdict(name, tuple(backend.validate_configuration(problem)))
 
 
-def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:
-    """Every registered backend's verdict, in the platform's priority order first."""
+def default_order(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> Choice:
+    """The order automatic selection tries backends in, and why: the measured order of the
+    kernel-choice table where it has the problem's class (CUDA only), else the priority list."""
+    kind = as_enum(BackendKind, "backend kind", kind)
     backends, priorities = tables(kind)
-    order = list(priorities[platform_of(problem)])
+    choice = choose(problem, str(kind), priorities[platform_of(problem)])
+    known = tuple(n for n in choice.order if n in backends)  # a table naming an unregistered backend: ignored
+    return Choice(known, choice.entries, choice.reason)
+
+
+def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:
+    """Every registered backend's verdict, in the default order first."""
+    backends, _ = tables(kind)
+    order = list(default_order(problem, kind).order)
     order += [n for n in backends if n not in order]
     return [judge(n, problem, kind) for n in order]
 
@@ -172,8 +186,9 @@ def select_backend(
             raise NoBackendError(f"{what} {name} cannot serve this configuration:\n" + _format([verdict]))
         return load_backend(name, kind)
     verdicts = explain(problem, kind)
+    candidates = default_order(problem, kind).order
     for verdict in verdicts:
-        if verdict.ok and verdict.name in priorities[platform_of(problem)]:
+        if verdict.ok and verdict.name in candidates:
             return load_backend(verdict.name, kind)
     raise NoBackendError(f"no {what} can serve this configuration:\n" + _format(verdicts))
 
@@ -189,8 +204,7 @@ def select_backend_for_layers(
     if len(check_problems) == 1:
         return select_backend(check_problems[0], name)
     first = check_problems[0]
-    _, priorities = tables(BackendKind.ATTENTION)
-    order = [name.upper()] if name is not None else list(priorities[platform_of(first)])
+    order = [name.upper()] if name is not None else list(default_order(first).order)
     if name is not None and order[0] not in BACKENDS:
         raise ConfigError(_field(BackendKind.ATTENTION), name, f"one of {sorted(BACKENDS)}")
     refused: list[Verdict] = []

@@ -184,11 +184,11 @@ class Scheduler:
         return ScheduledStep(plan, scheduled, preempted)
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._seats_taken() < self.config.max_num_seqs:
             req = next((r for r in self.waiting if not r.held), None)  # held ones wait for their search
             if req is None or req.num_pending_outputs:
                 break  # (pending: preempted while a token of it was drawn; resumes once that token is known)
-            if req.fork_into and self.running and len(self.running) + len(req.fork_into) > self.config.max_num_seqs:
+            if req.fork_into and self.running and self._seats_taken() + len(req.fork_into) > self.config.max_num_seqs:
                 break  # an n / best_of group's sequences run side by side
             if req.encoder_ids is not None:  # encoder-decoder: see _admit_encoder_decoder
                 hit, n = None, self._admit_encoder_decoder(req, budget)
@@ -217,6 +217,11 @@ class Scheduler:
             scheduled.append((req, n))
             budget -= n
         return budget
+
+    def _seats_taken(self) -> int:
+        """Sequences running, counting each running n / best_of root as the samples it will fork
+        into (admission must not promise two groups the same seats)."""
+        return len(self.running) + sum(len(r.fork_into) - 1 for r in self.running if r.fork_into)
 
     def fork(self, parent: Request, child: Request) -> None:
         """Add `child`, which continues `parent`'s computed tokens with tokens of its own (a sample

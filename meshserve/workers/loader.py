@@ -262,10 +262,9 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
     `transform` reshapes the meta-device model before weights arrive (tensor parallelism); a
     plain model takes world == 1. `quantization`: None/"none", or "fp8" to quantize a float
     checkpoint's linears at load (quantized checkpoints load as published either way).
-    `small_m_gemm` (ModelConfig.small_m_gemm): which linears take the weight-streaming kernel for
-    decode-sized inputs on CUDA - auto: per-channel FP8 ones (online FP8; H200: 1.20x bf16 as a
-    decode graph, where block-scaled FP8 layers are faster on their tiled GEMM); on: every FP8
-    linear and the bf16/fp16 decoder projections; off: none.
+    `small_m_gemm` (ModelConfig.small_m_gemm): which linears take a weight-streaming kernel for
+    decode-sized inputs on CUDA - auto: every FP8 linear (the kernel per rows bucket and weight
+    format: workers/quant/gemm_table.py); on: those and the bf16/fp16 decoder projections; off: none.
     """
     streaming = as_enum(SmallMGemm, "small_m_gemm", small_m_gemm)
     arch = read_arch(model_dir)
@@ -281,9 +280,8 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
 
         def convert(model: CausalLM) -> None:
             if fp8:
-                per_channel_auto = streaming is SmallMGemm.AUTO and quant.block is None
                 convert_linears(model, fp8_modules(model, quant, names), quant.block,
-                                small_m=streaming is SmallMGemm.ON or per_channel_auto)
+                                small_m=streaming is not SmallMGemm.OFF)
             if streaming is SmallMGemm.ON:
                 stream_dense_linears(model)
 

@@ -1,7 +1,9 @@
 """The cluster on a local Ray: unified and disaggregated pools against the single-process engine,
 KV hand-over failures and a killed worker actor (its streams migrate to the other replica). The
 disaggregated coordinator runs prefill at tp=1 and decode at tp=2: its decode replica is two
-gang-scheduled actors, and every hand-over re-shards KV heads between the pools.
+gang-scheduled actors, and every hand-over re-shards KV heads between the pools. After the
+hand-overs nothing of this process tree listens off loopback: the embedded Ray's servers, the
+channels, the prefill rank's KV export server and the ranks' NIXL agents.
 
 One Ray session and one coordinator per mode serve the whole module (actors load in seconds
 each on two busy cores). The oracle is the single-process engine on the same tiny checkpoint.
@@ -18,6 +20,7 @@ from meshserve.config import ParallelConfig, PoolConfig
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import UnavailableError
 from tests.integration.ray_cluster import embedded_ray
+from tests.integration.test_listen_loopback import non_loopback_listeners
 from tests.tiny_models import write_checkpoint
 from tests.unit.cluster.cases import (
     Result,
@@ -90,6 +93,8 @@ def test_disaggregated_pools_on_ray_hand_kv_over(coordinators, want, loop):
     assert decode.stats().num_kv_imports == handed and decode.stats().num_recomputes == 0  # re-sharded 1 -> 2
     nodes = decode.executor.ranks.nodes()  # a tp=2 replica: two actors packed on one node
     assert len({n["node_id"] for n in nodes}) == 1 and len({n["pid"] for n in nodes}) == 2
+    assert {n["ip"] for n in nodes} == {"127.0.0.1"}  # the embedded node is on loopback
+    assert non_loopback_listeners() == []
     assert_no_held_blocks(c)
 
 

@@ -1,10 +1,15 @@
-"""FLASHINFER: FlashInfer's paged prefill and decode wrappers (GPU only).
+"""FLASHINFER: FlashInfer's paged prefill and decode wrappers (GPU only; FlashInfer 0.7.x, and 0.5.3).
 
 Life cycle as FlashInfer intends it: `plan` once per step calls the wrappers' own plan (host
 work: page lists, work partition), `forward` per layer calls `run`. The wrappers are owned by
 the backend instance and re-planned every step, so a plan object is valid until the next
 `plan` call. The cache layout [num_blocks, 2, block_size, Hkv, D] is FlashInfer's "NHD" paged
 layout as is; K/V are written by meshserve's Triton write_kv (FP8 quantisation included).
+
+Which FlashInfer kernel each phase runs (FA3 prefill on Hopper, FA2 elsewhere and for FP8 K/V)
+is named by flashinfer_kernels.py, never left to FlashInfer's "auto". The calls used here have
+the same meaning in 0.5.3 and 0.7.4 (0.7 adds keyword options we do not need; its decode `plan`
+takes keywords only, which is how we call it).
 
 Conventions bridged here:
 - FlashInfer returns the LSE in base 2; we return natural log (lse2 * ln 2).
@@ -33,6 +38,7 @@ from meshserve.attention.backend import (
     LayerParams,
 )
 from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows
+from meshserve.attention.backends.flashinfer_kernels import decode_kernel, prefill_kernel
 from meshserve.attention.metadata import AttentionMetadata, pad_table
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.core.arith import cdiv, local_len
@@ -104,11 +110,12 @@ class FlashInferBackend(AttentionBackend):
         min_compute_capability=(8, 0),
         required_packages=("flashinfer",),
         cuda_graphs=True,
-        notes="FlashInfer 0.5 paged prefill/decode wrappers; ALiBi not offered (FlashInfer derives its own "
-        "slopes), no learned sinks or sink tokens on these wrappers, no encoder_only (no cache); CUDA graphs "
-        "replay decode wrappers in FlashInfer's graph mode (fixed page-list buffers, re-planned per step); "
-        "DCP: local page lists, prefill rows (and windowed decode rows) masked by global position with a "
-        "custom mask",
+        notes="FlashInfer 0.7 (0.5.3 too) paged prefill/decode wrappers: FA3 prefill on sm90 (bf16/fp16 K/V, no "
+        "DCP), FA2 prefill otherwise and for FP8 K/V, FA2 decode (tensor cores for GQA groups of 4+); ALiBi"
+        " not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these "
+        "wrappers, no encoder_only (no cache); CUDA graphs replay decode wrappers in FlashInfer's graph "
+        "mode (fixed page-list buffers, re-planned per step); DCP: local page lists, prefill rows (and "
+        "windowed decode rows) masked by global position with a custom mask",
     )
 
     @classmethod
@@ -129,6 +136,8 @@ class FlashInferBackend(AttentionBackend):
         self.decode_tensor_cores = (
             self.spec.num_queries_per_kv >= 4 if decode_tensor_cores is None else decode_tensor_cores
         )
+        # FlashInfer's own kernel per phase, named (not "auto"): flashinfer_kernels.py says why.
+        self.prefill_kernel, self.decode_kernel = prefill_kernel(problem), decode_kernel(problem)
         self._workspace: torch.Tensor | None = None
         self._by_group: dict[int, tuple[object, object]] = {}
         self._plan_event: torch.cuda.Event | None = None  # recorded after each plan's copies were enqueued
@@ -143,13 +152,10 @@ class FlashInferBackend(AttentionBackend):
             if self._workspace is None:
                 self._workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             workspace = self._workspace
-            # FlashInfer 0.5.3 picks FA3 on Hopper for bf16 queries over an e4m3 cache, and that
-            # kernel fails to build (seen on the H200); its FA2 kernels serve FP8 caches.
-            backend = "fa2" if self.spec.kv_cache_dtype.is_fp8 else "auto"
             self._by_group[group] = (
-                flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=backend),
+                flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend=self.prefill_kernel),
                 flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+                    workspace, "NHD", use_tensor_cores=self.decode_tensor_cores, backend=self.decode_kernel
                 ),
             )
         return self._by_group[group]
@@ -243,6 +249,7 @@ class FlashInferBackend(AttentionBackend):
         max_pages = metadata.block_table.shape[1]
         wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, "NHD", use_cuda_graph=True, use_tensor_cores=self.decode_tensor_cores,
+            backend=self.decode_kernel,
             paged_kv_indptr_buffer=torch.zeros(b + 1, dtype=torch.int32, device=device),
             paged_kv_indices_buffer=torch.zeros(b * max_pages, dtype=torch.int32, device=device),
             paged_kv_last_page_len_buffer=torch.zeros(b, dtype=torch.int32, device=device),

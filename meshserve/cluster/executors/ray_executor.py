@@ -8,11 +8,15 @@ small machine. The channel binds on the driver's node IP; rank 0 picks the torch
 rendezvous on its own node.
 
 `ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
-embedded one on this machine; the same code runs on both.
+embedded one on this machine; the same code runs on both. An embedded cluster is a one-node
+cluster on 127.0.0.1: its GCS, raylet, object manager and workers listen on loopback only (see
+ray_init), so the step channel, the KV export servers, gloo and NIXL/UCX follow it onto loopback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
 import os
 import threading
@@ -44,7 +48,11 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
     Ray says so in several ways: START_UP_TIMEOUTS) is tried again after a back-off, up to
     EMBEDDED_START_ATTEMPTS times, then is one UnavailableError naming the cause. Whatever a
     failed start left running is stopped first. A started cluster gets a watchdog (ray_reaper.py)
-    that stops its processes if this process dies without ray_shutdown()."""
+    that stops its processes if this process dies without ray_shutdown().
+
+    The embedded node's address is 127.0.0.1 (_node_on_loopback): Ray's servers bind loopback
+    only on such a node; on any other address (Linux's default: the address of the default
+    route) they bind every interface, whatever else they are told."""
     global _reaper
     if ray.is_initialized():
         return False
@@ -58,7 +66,8 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
     for attempt in range(1, EMBEDDED_START_ATTEMPTS + 1):
         before = _descendants()
         try:
-            ray.init(**kwargs)
+            with _node_on_loopback():
+                ray.init(**kwargs)
         except Exception as exc:  # Ray raises bare Exceptions (and TimeoutError) when its GCS or raylet are slow
             ray.shutdown()  # what the failed start registered
             _stop_new(before)  # what it started and did not register (a GCS whose port file never came)
@@ -76,8 +85,31 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
         from meshserve.cluster.executors.ray_reaper import start_reaper
 
         _reaper = start_reaper()
+        node = ray.util.get_node_ip_address()
+        if not ipaddress.ip_address(node).is_loopback:  # a Ray that changed how it picks the address
+            log.warning("the embedded Ray node is on %s, not loopback: its servers listen on every interface", node)
         return True
     raise AssertionError("unreachable")  # the loop returns or raises
+
+
+@contextlib.contextmanager
+def _node_on_loopback():
+    """Ray picks a node's address as it starts it: 127.0.0.1 where clusters are off (its
+    ENABLE_RAY_CLUSTER, False by default on macOS and Windows, env RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER),
+    else the address of the default route. `_node_ip_address="127.0.0.1"` does not help: ray.init
+    replaces a loopback address by that same pick. Ray's C++ servers (GCS, raylet's node and object
+    managers, every core worker) bind 127.0.0.1 exactly when the node's address is 127.0.0.1, and
+    0.0.0.0/:: otherwise (measured with psutil on Ray 2.60). The flag is read at the pick, so it
+    is turned off for the start of an embedded node only: a later join of a real cluster by this
+    process picks its address as usual."""
+    from ray._private import ray_constants
+
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
 
 
 def ray_shutdown() -> None:

@@ -2,8 +2,13 @@
 an H200 measurement (`bash bench/h200_gemm.sh` prints the table its numbers suggest).
 
 Formulations (fp8_linear in layers.py dispatches; fp8_cublas.py / fp8_triton.py / small_m.py run):
-- STREAM             W8A16 weight-streaming kernel, activations unquantized (small_m.py); only
-                     with ModelConfig.small_m_gemm "on" and M <= SMALL_M_MAX.
+- GEMV               W8A16 split-K GEMV, one launch, activations unquantized (fp8_gemv.py);
+                     M <= SMALL_M_MAX on linears built with small_m (ModelConfig.small_m_gemm
+                     auto or on), where the table's small-M rows name it.
+- GEMV_CORES         the GEMV's CUDA-core kernel for ONE row (fp8_gemv.CORES_CONFIG: float32
+                     FMAs, no tensor cores); only in a small-M bucket of max_rows 1.
+- STREAM             W8A16 weight-streaming kernel, activations unquantized (small_m.py), the
+                     GEMV's predecessor (2.2 TB/s on the H200); where the small-M rows name it.
 - CUBLAS_BLOCKWISE   block scales: per-token-group activation quantization straight into the
                      outer-dim-major scale layout, then torch's 1x128 x 128x128 blockwise
                      scaled_mm (cuBLASLt, sm90); gated by a one-time probe per weight shape that
@@ -27,6 +32,8 @@ from meshserve.workers.quant.formats import SMALL_M_MAX
 
 
 class Fp8Gemm(StrEnum):
+    GEMV = "gemv"
+    GEMV_CORES = "gemv_cores"
     STREAM = "stream"
     CUBLAS_BLOCKWISE = "cublas_blockwise"
     TRITON_BLOCK = "triton_block"
@@ -34,19 +41,41 @@ class Fp8Gemm(StrEnum):
     CHANNEL_ROWWISE = "channel_rowwise"
 
 
+_BLOCK_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CUBLAS_BLOCKWISE, Fp8Gemm.TRITON_BLOCK)
+_CHANNEL_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE)
+
+# Rows bucket -> formulation for linears built with small_m, up to SMALL_M_MAX rows: ((max_rows,
+# way), ...) in increasing max_rows; rows above the last bucket take the large-M rules below.
+SmallMRows = tuple[tuple[int, Fp8Gemm], ...]
+
+
 @dataclass(frozen=True)
 class Fp8GemmTable:
-    """block_cublas_min_rows: block-scaled linears with at least this many rows try torch's
-    blockwise scaled_mm (fewer: the Triton block GEMM). channel_rescale_max_rows: per-channel
+    """small_m_block / small_m_channel: for linears built with small_m, the formulation per rows
+    bucket up to SMALL_M_MAX (block-scaled / per-channel weights). block_cublas_min_rows:
+    block-scaled linears with at least this many rows try torch's blockwise scaled_mm (fewer: the
+    Triton block GEMM). channel_rescale_max_rows: per-channel
     linears with at most this many rows run the unit-scale `_scaled_mm` + rank-1 rescale (more:
     row-wise `_scaled_mm`; 0 = never). rescale_raw_dtype: the raw product's dtype in the rescale
     formulation (float32: one rounding, to the output; bfloat16: two, half the bytes)."""
 
+    small_m_block: SmallMRows = ((SMALL_M_MAX, Fp8Gemm.GEMV),)
+    small_m_channel: SmallMRows = ((SMALL_M_MAX, Fp8Gemm.GEMV),)
     block_cublas_min_rows: int = SMALL_M_MAX + 1
     channel_rescale_max_rows: int = 0
     rescale_raw_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
+        for name, allowed in (("small_m_block", _BLOCK_WAYS), ("small_m_channel", _CHANNEL_WAYS)):
+            rows = getattr(self, name)
+            bounds = [r for r, _ in rows]
+            if bounds != sorted(set(bounds)) or any(not 1 <= r <= SMALL_M_MAX for r in bounds):
+                raise ValueError(f"{name} row bounds must increase within 1..{SMALL_M_MAX}, not {bounds}")
+            bad = [str(w) for _, w in rows if w not in allowed]
+            if bad:
+                raise ValueError(f"{name} names {bad}; allowed: {[str(w) for w in allowed]}")
+            if any(w is Fp8Gemm.GEMV_CORES and r != 1 for r, w in rows):
+                raise ValueError(f"{name}: gemv_cores serves one row; put it in a bucket of max_rows 1, not {rows}")
         if self.block_cublas_min_rows < 1:
             raise ValueError(f"block_cublas_min_rows must be >= 1, not {self.block_cublas_min_rows}")
         if self.channel_rescale_max_rows < 0:
@@ -55,7 +84,12 @@ class Fp8GemmTable:
             raise ValueError(f"rescale_raw_dtype must be torch.float32 or torch.bfloat16, not {self.rescale_raw_dtype}")
 
 
-# The defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
+# small_m_block / small_m_channel = GEMV at every small M: NOT measured yet (2026-12-05, CPU machine;
+# the kernel is correct against float64 under the interpreter). `bench/kernels_device.py` times
+# GEMV, STREAM and the cuBLASLt formulations per M bucket on the H200 and prints the rows to put
+# here. The measurement these rows replace (2026-12-02, decode graph at M = 1): per-channel STREAM
+# 1.20x bf16, block-scaled TRITON_BLOCK 1.09x (STREAM 0.99x, cuBLASLt blockwise 0.98x).
+# The large-M defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
 # blockwise scaled_mm measured 1.25x bf16 at M = 64 and 1.50x at M = 4096, so block-scaled layers
 # take it above the small-M rows. The per-channel rescale formulation is NOT measured yet: off
 # (0) until `bench/h200_gemm.sh` shows it ahead of the row-wise path; then set
@@ -68,7 +102,9 @@ def choose(table: Fp8GemmTable, *, block: bool, rows: int, small_m: bool) -> Fp8
     """The formulation an FP8 linear of `rows` rows runs on CUDA (before the blockwise probe,
     which may still send CUBLAS_BLOCKWISE to TRITON_BLOCK)."""
     if small_m and rows <= SMALL_M_MAX:
-        return Fp8Gemm.STREAM
+        for max_rows, way in table.small_m_block if block else table.small_m_channel:
+            if rows <= max_rows:
+                return way
     if block:
         return Fp8Gemm.CUBLAS_BLOCKWISE if rows >= table.block_cublas_min_rows else Fp8Gemm.TRITON_BLOCK
     return Fp8Gemm.CHANNEL_RESCALE if rows <= table.channel_rescale_max_rows else Fp8Gemm.CHANNEL_ROWWISE

@@ -3,9 +3,11 @@
 `Fp8Linear` holds weight float8_e4m3fn [out, in] and a float32 scale buffer: per block
 (`weight_scale_inv` [ceil(out / bn), ceil(in / bk)], checkpoints) or per output channel
 (`weight_scale` [out], online FP8). Its compute, by device:
-- CUDA sm89+, at most SMALL_M_MAX rows (decode): the weight-streaming W8A16 kernel
-  (small_m.py; activations stay bf16/fp16) when ModelConfig.small_m_gemm is "on" (docs/engine.md).
-- CUDA sm89+, more rows (or small_m_gemm not "on"), by gemm_table.py's table: block scales ->
+- CUDA sm89+, at most SMALL_M_MAX rows (decode), on linears built with small_m
+  (ModelConfig.small_m_gemm auto or on, docs/engine.md): what gemm_table.py's small-M rows name,
+  by default the one-launch split-K W8A16 GEMV (fp8_gemv.py; activations stay bf16/fp16), or
+  small_m.py's older streaming kernel, or a tiled formulation below.
+- CUDA sm89+, more rows (or small_m_gemm off), by gemm_table.py's table: block scales ->
   per-token-group activation quantization, then torch's blockwise scaled_mm (cuBLASLt, sm90,
   probed once per shape: fp8_cublas.py) or the Triton block GEMM (fp8_triton.py); per-channel
   (sm90+, support.py) -> per-token quantization (one Triton kernel), then torch._scaled_mm with
@@ -59,10 +61,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
     On CUDA the formulation follows `table` (None: gemm_table.DEFAULT_TABLE) by rows: with
-    `small_m` (ModelConfig.small_m_gemm "on") up to SMALL_M_MAX rows run the weight-streaming W8A16
-    kernel (small_m.py); other rows quantize the activations (block: per token per bk features,
-    then torch's blockwise scaled_mm where its probe passed, else the Triton block GEMM;
-    per-channel: per token, then `_scaled_mm` row-wise or unit-scale + rank-1 rescale)."""
+    `small_m` (ModelConfig.small_m_gemm auto or on) up to SMALL_M_MAX rows run what the table's
+    small-M rows name (default: the split-K W8A16 GEMV, fp8_gemv.py); other rows quantize the
+    activations (block: per token per bk features, then torch's blockwise scaled_mm where its
+    probe passed, else the Triton block GEMM; per-channel: per token, then `_scaled_mm` row-wise
+    or unit-scale + rank-1 rescale)."""
     if not _fast_path(x) or x.dtype == torch.float32:
         y = fp8_linear_reference(x, weight, scale, block)
         return y if bias is None else y + bias
@@ -72,6 +75,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2 = x2.contiguous()
     table = gemm_table.DEFAULT_TABLE if table is None else table
     way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
+    if way in (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES):
+        from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fp8_gemv
+
+        config = CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None
+        return fp8_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused
     if way is Fp8Gemm.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 

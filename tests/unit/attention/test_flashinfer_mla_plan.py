@@ -23,7 +23,7 @@ from meshserve.attention.mla.backends import flashinfer as fi_mla
 from meshserve.attention.mla.backends.flashinfer import FlashInferMLADecodeBackend
 from meshserve.attention.mla.backends.torch_ref import TorchMLABackend
 from meshserve.attention.mla.cache import write_latent_kv_torch
-from meshserve.attention.spec import MLADims
+from meshserve.attention.spec import KVCacheDtype, MLADims
 from meshserve.errors import ConfigError
 from tests.unit.attention.mla_cases import MLAScenario, make_mla_case
 from tests.unit.attention.scenarios import assert_matches
@@ -35,7 +35,7 @@ DECODE = MLAScenario("fi_decode", (1, 1, 1), (4, 40, 16), num_heads=4, dims=DIMS
 class FakeMLAWrapper:
     def __init__(self, float_workspace_buffer, use_cuda_graph=False, qo_indptr=None, kv_indptr=None,
                  kv_indices=None, kv_len_arr=None, backend="auto") -> None:  # fmt: skip
-        self.use_cuda_graph = use_cuda_graph
+        self.use_cuda_graph, self.backend = use_cuda_graph, backend
         self.buffers = (qo_indptr, kv_indptr, kv_indices, kv_len_arr)
         self.plans: list[dict] = []
 
@@ -149,3 +149,55 @@ def test_graph_plan_fills_fixed_buffers_and_replays_any_step(fake_flashinfer):
         backend.prepare_replay(plan, seq_lens, table[:, :1])
     with pytest.raises(ConfigError, match="dcp_size"):
         backend.plan_for_graph(replace(static, dcp_size=2))
+
+
+class FakeMLAWrapper07(FakeMLAWrapper):
+    """FlashInfer 0.7's form: keyword-only `plan(metadata=MLAPlanMetadata.csr(...), ...)` that declares
+    the run contract, and `run(query=(q_nope, q_pe), kv_cache=(ckv, kpe), ...)` that must keep it;
+    an FP8 plan needs scale_mode="kv-per-tensor" and its run the per-tensor scales (applied here)."""
+
+    def plan(self, *, metadata, num_heads, head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type,
+             kv_data_type, query_layout, kv_cache_layout, lse_mode, scale_mode="default"):  # fmt: skip
+        fp8 = kv_data_type in (torch.float8_e4m3fn, torch.float8_e5m2)
+        assert (query_layout, kv_cache_layout, lse_mode) == ("split", "split", "basee")
+        assert scale_mode == ("kv-per-tensor" if fp8 else "default")
+        self.contract = dict(fp8=fp8)
+        super().plan(metadata.qo_indptr, metadata.kv_indptr, metadata.kv_indices, metadata.kv_len_arr, num_heads,
+                     head_dim_ckv, head_dim_kpe, page_size, causal, sm_scale, q_data_type, kv_data_type)  # fmt: skip
+
+    def run(self, *, query, kv_cache, return_lse=False, return_lse_base_on_e=False, ckv_scale=None, kpe_scale=None):
+        assert return_lse and return_lse_base_on_e  # the plan declared a natural-log LSE
+        assert (ckv_scale is not None) == self.contract["fp8"] == (kpe_scale is not None)
+        (q_nope, q_pe), (ckv, kpe) = query, kv_cache
+        if self.contract["fp8"]:
+            ckv, kpe = ckv.double() * ckv_scale, kpe.double() * kpe_scale
+        return super().run(q_nope, q_pe, ckv, kpe, return_lse=True, return_lse_base_on_e=True)
+
+
+@pytest.mark.parametrize("kv_dtype", [KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3])
+def test_flashinfer_07_api_with_bf16_and_fp8_latent_caches(fake_flashinfer, monkeypatch, kv_dtype):
+    """With FlashInfer 0.7 installed the backend plans from MLAPlanMetadata and runs with structural
+    inputs; an FP8 cache's scale is folded into the query and the output, FlashInfer's scales stay 1."""
+    monkeypatch.setattr(fi_mla, "flashinfer_version", lambda: (0, 7))
+    csr = lambda qo, kv, idx, lens: types.SimpleNamespace(qo_indptr=qo, kv_indptr=kv, kv_indices=idx,  # noqa: E731
+                                                           kv_len_arr=lens)
+    fake_flashinfer.mla.MLAPlanMetadata = types.SimpleNamespace(csr=csr)
+
+    def build(*args, **kwargs):
+        fake_flashinfer.built.append(FakeMLAWrapper07(*args, **kwargs))
+        return fake_flashinfer.built[-1]
+
+    fake_flashinfer.mla.BatchMLAPagedAttentionWrapper = build
+    sc = replace(DECODE, kv_cache_dtype=kv_dtype)
+    problem = replace(sc.problem(), dtype="bfloat16", device="cuda", compute_capability=(9, 0))
+    assert FlashInferMLADecodeBackend.validate_configuration(problem) == []
+    case = make_mla_case(sc, seed=4)
+    write_latent_kv_torch(case.latent, case.k_pe, case.cache, case.metadata.slot_mapping)
+    ref_out, ref_lse = TorchMLABackend(sc.problem()).forward(case.query, case.cache, case.metadata, case.weights,
+                                                             return_lse=True)  # fmt: skip
+    backend = FlashInferMLADecodeBackend(problem)
+    assert backend.kernel == "fa3" and fake_flashinfer.built == []
+    plan = backend.plan(case.metadata)
+    assert isinstance(plan.wrapper, FakeMLAWrapper07) and plan.wrapper.backend == "fa3"
+    out, lse = backend.forward(case.query, case.cache, plan, case.weights, return_lse=True)
+    assert_matches(out, lse, ref_out.double(), ref_lse.double(), torch.float32)

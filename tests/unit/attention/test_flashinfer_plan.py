@@ -65,9 +65,10 @@ class FakePrefill(FakeWrapper):
 class FakeDecode(FakeWrapper):
     def __init__(self, float_workspace_buffer, kv_layout="NHD", *, use_tensor_cores=False, use_cuda_graph=False,
                  paged_kv_indptr_buffer=None, paged_kv_indices_buffer=None,
-                 paged_kv_last_page_len_buffer=None) -> None:
+                 paged_kv_last_page_len_buffer=None, backend="auto") -> None:
         graph = {"use_cuda_graph": True} if use_cuda_graph else {}
-        super().__init__("decode", float_workspace_buffer, kv_layout, use_tensor_cores=use_tensor_cores, **graph)
+        super().__init__("decode", float_workspace_buffer, kv_layout, use_tensor_cores=use_tensor_cores,
+                         backend=backend, **graph)
 
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              pos_encoding_mode="NONE", window_left=-1, logits_soft_cap=None, q_data_type="float16",
@@ -205,8 +206,8 @@ def test_window_soft_cap_and_non_causal_types_reach_both_wrappers(fake_flashinfe
 
 
 @pytest.mark.parametrize(("kv_dtype", "torch_dtype", "prefill_backend"), [
-    (KVCacheDtype.AUTO, torch.bfloat16, "auto"),
-    (KVCacheDtype.FP8_E4M3, torch.float8_e4m3fn, "fa2"),  # FA3 on Hopper fails to build for e4m3
+    (KVCacheDtype.AUTO, torch.bfloat16, "fa3"),  # the problem is on sm90
+    (KVCacheDtype.FP8_E4M3, torch.float8_e4m3fn, "fa2"),  # FA3's FP8 kernel wants an FP8 query
     (KVCacheDtype.FP8_E5M2, torch.float8_e5m2, "fa2"),
 ])
 def test_kv_cache_dtype_picks_the_kv_data_type_and_the_prefill_kernel(fake_flashinfer, kv_dtype, torch_dtype,
@@ -235,7 +236,7 @@ def test_fp8_scales_fold_into_the_query_and_the_output(fake_flashinfer):
 @pytest.mark.parametrize(("num_heads", "tensor_cores"), [(8, True), (4, False)])
 def test_tensor_core_decode_for_gqa_groups_of_four_or_more(fake_flashinfer, num_heads, tensor_cores):
     backend(num_heads=num_heads).plan(batch((1,), (9,)))
-    assert fake_flashinfer.built[1].kwargs == {"use_tensor_cores": tensor_cores}
+    assert fake_flashinfer.built[1].kwargs == {"use_tensor_cores": tensor_cores, "backend": "fa2"}
 
 
 def test_each_kv_group_keeps_its_own_wrappers_over_one_workspace(fake_flashinfer):
@@ -368,3 +369,23 @@ def test_graph_replay_plans_page_lists_from_the_static_rows(fake_flashinfer):
     want = expected_pages(torch.from_numpy(table), seq_lens.tolist())
     assert (ints(p["indptr"]), ints(p["indices"]), ints(p["last_page_len"])) == want
     assert 99 not in ints(p["indices"])
+
+
+@pytest.mark.parametrize(
+    ("cc", "spec", "dcp", "want_prefill"),
+    [
+        ((9, 0), {}, 1, "fa3"),  # Hopper, bf16 K/V: FA3 prefill
+        ((9, 0), {}, 2, "fa2"),  # DCP prefill masks by global position: a custom mask, which FA3 does not take
+        ((8, 0), {}, 1, "fa2"),
+        ((10, 0), {}, 1, "fa2"),
+    ],
+)
+def test_wrappers_are_built_with_the_named_flashinfer_kernels(fake_flashinfer, cc, spec, dcp, want_prefill):
+    spec = dict(num_heads=8, num_kv_heads=2, head_size=64) | spec
+    problem = AttentionProblem(spec=AttentionSpec(**spec), dtype="bfloat16", block_size=PAGE, max_model_len=1024,
+                               device="cuda", compute_capability=cc, dcp_size=dcp)  # fmt: skip
+    fi = FlashInferBackend(problem)
+    fi.plan(batch((5, 1), (5, 40), dcp_size=dcp, dcp_rank=0) if dcp > 1 else batch((5, 1), (5, 40)))
+    prefill, decode = fake_flashinfer.built
+    assert prefill.kwargs["backend"] == want_prefill
+    assert decode.kwargs["backend"] == "fa2"

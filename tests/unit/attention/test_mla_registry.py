@@ -5,6 +5,7 @@ import pytest
 from meshserve.attention import registry
 from meshserve.attention.backend import AttentionProblem
 from meshserve.attention.docs import feature_table
+from meshserve.attention.mla.backends import flashinfer as fi_mla
 from meshserve.attention.mla.backends.flashinfer import FlashInferMLADecodeBackend
 from meshserve.attention.mla.backends.torch_ref import TorchMLABackend
 from meshserve.attention.mla.backends.triton_decode import TritonMLADecodeBackend
@@ -39,8 +40,17 @@ def test_gpu_priorities_take_flashinfer_decode_only_where_it_serves(monkeypatch)
     assert select_backend(problem(**gpu), kind=BackendKind.MLA_PREFILL) is TritonMLAPrefillBackend
     # Shapes or caches FlashInfer's MLA does not take fall through to TRITON, with the reason kept.
     assert select_backend(problem(SMALL, **gpu), kind="mla_decode") is TritonMLADecodeBackend
+    # FP8 latent caches: e4m3 on sm90 with FlashInfer >= 0.7 (its FA3/FA2 MLA kernels), nothing else.
+    monkeypatch.setattr(fi_mla, "flashinfer_version", lambda: (0, 7))
     fp8 = problem(kv_cache_dtype=KVCacheDtype.FP8_E4M3, **gpu)
+    assert select_backend(fp8, kind="mla_decode") is FlashInferMLADecodeBackend
+    e5m2 = problem(kv_cache_dtype=KVCacheDtype.FP8_E5M2, **gpu)
+    assert select_backend(e5m2, kind="mla_decode") is TritonMLADecodeBackend
+    sm100 = problem(kv_cache_dtype=KVCacheDtype.FP8_E4M3, **(gpu | {"compute_capability": (10, 0)}))
+    assert select_backend(sm100, kind="mla_decode") is TritonMLADecodeBackend
+    monkeypatch.setattr(fi_mla, "flashinfer_version", lambda: (0, 5))
     assert select_backend(fp8, kind="mla_decode") is TritonMLADecodeBackend
+    assert "needs FlashInfer >= 0.7 (installed 0.5)" in str(registry.judge("FLASHINFER", fp8, "mla_decode").reasons)
     verdicts = {v.name: v for v in registry.explain(problem(SMALL, **gpu), "mla_decode")}
     assert verdicts["FLASHINFER"].reasons == (
         "kv_lora_rank=64, qk_rope_head_dim=16: FlashInfer's MLA kernels take 512 + 64 (DeepSeek-V2/V3)",

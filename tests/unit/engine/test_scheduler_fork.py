@@ -96,3 +96,30 @@ def test_held_requests_yield_their_blocks_to_the_queue_head():
         held.held = False
     assert held.output_ids == [first] + reference(held.prompt_ids + [first], 3)
     assert kv.num_free_blocks == 5
+
+
+def test_two_groups_admitted_together_never_run_more_than_max_num_seqs():
+    """Each running root counts as the samples it will fork into: with one request running and
+    max_num_seqs 8, two groups of n = 4 cannot both be admitted (1 + 4 + 4 sequences)."""
+    sched, kv = make(num_blocks=128, max_num_seqs=8)
+    worker = CowWorker()
+    lone = req(0, [4, 6, 8], max_tokens=12)
+    sched.add_request(lone)
+    _step(sched, worker, kv)
+    groups = []
+    for g in range(2):
+        prompt = [3 + g, 7, 9, 12, 5]
+        samples = [req(10 * (g + 1) + i, prompt, max_tokens=4) for i in range(4)]
+        sched.add_request(Request(f"root{g}", prompt[:-1], samples[0].params, arrival=1 + g, fork_into=samples))
+        groups.append((prompt, samples))
+    most = 0
+    while sched.has_unfinished():
+        _step(sched, worker, kv)
+        most = max(most, len(sched.running))
+        assert len(sched.running) <= 8
+    assert most == 5  # the first group ran beside the lone request; the second waited for seats
+    assert lone.output_ids == reference([4, 6, 8], 12)
+    for prompt, samples in groups:
+        for s in samples:
+            assert s.output_ids == reference(prompt, 4)
+    assert kv.num_free_blocks == kv.num_total_blocks

@@ -190,8 +190,24 @@ def test_fp8_linear_takes_the_rescale_formulation_where_the_table_says(monkeypat
 
 
 def test_dispatch_table():
-    t = Fp8GemmTable(block_cublas_min_rows=17, channel_rescale_max_rows=64)
+    t = Fp8GemmTable(block_cublas_min_rows=17, channel_rescale_max_rows=64,
+                     small_m_block=((4, Fp8Gemm.GEMV), (16, Fp8Gemm.STREAM)),
+                     small_m_channel=((8, Fp8Gemm.CHANNEL_RESCALE),))
+    assert choose(t, block=True, rows=4, small_m=True) is Fp8Gemm.GEMV
+    assert choose(t, block=True, rows=5, small_m=True) is Fp8Gemm.STREAM
     assert choose(t, block=True, rows=16, small_m=True) is Fp8Gemm.STREAM
+    assert choose(t, block=False, rows=8, small_m=True) is Fp8Gemm.CHANNEL_RESCALE
+    assert choose(t, block=False, rows=9, small_m=True) is Fp8Gemm.CHANNEL_RESCALE  # past its buckets: large-M rules
+    assert choose(t, block=False, rows=65, small_m=True) is Fp8Gemm.CHANNEL_ROWWISE
+    assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is Fp8Gemm.GEMV  # not measured yet
+    with pytest.raises(ValueError, match=r"small_m_block names \['channel_rescale'\]"):
+        Fp8GemmTable(small_m_block=((16, Fp8Gemm.CHANNEL_RESCALE),))
+    assert choose(Fp8GemmTable(small_m_channel=((1, Fp8Gemm.GEMV_CORES), (16, Fp8Gemm.GEMV))), block=False, rows=1,
+                  small_m=True) is Fp8Gemm.GEMV_CORES
+    with pytest.raises(ValueError, match="gemv_cores serves one row"):
+        Fp8GemmTable(small_m_block=((4, Fp8Gemm.GEMV_CORES),))
+    with pytest.raises(ValueError, match="small_m_channel row bounds must increase within 1..16"):
+        Fp8GemmTable(small_m_channel=((8, Fp8Gemm.GEMV), (4, Fp8Gemm.STREAM)))
     assert choose(t, block=True, rows=16, small_m=False) is Fp8Gemm.TRITON_BLOCK
     assert choose(t, block=True, rows=17, small_m=True) is Fp8Gemm.CUBLAS_BLOCKWISE
     assert choose(t, block=False, rows=64, small_m=False) is Fp8Gemm.CHANNEL_RESCALE

@@ -157,8 +157,8 @@ def test_cli_quantization_flag(tmp_path, capsys):
 def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
     """"on": the bf16/fp16 decoder projections become StreamedLinear (the LM head does not), load
     the same weights and compute the same logits (on CPU they run F.linear; the kernel's own
-    numerics are tests/unit/workers/test_quant_small_m.py and tests/gpu). Per-channel FP8 layers
-    (online FP8) take it with "auto" and "on", block-scaled ones only with "on".
+    numerics are tests/unit/workers/test_quant_small_m.py, test_quant_gemv.py and tests/gpu). FP8
+    layers, per-channel (online FP8) and block-scaled, take it with "auto" and "on".
     The plain float32 model's linears are input-major on CPU (workers/cpu_weights.py: MKL under
     8 rows, oneDNN from 8), which sum in another order than F.linear: logits equal to float32
     rounding (differences seen: 4e-6), the same tokens."""
@@ -178,7 +178,7 @@ def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
         assert layers and all(m.block is None and m.small_m is want for m in layers), setting
     _, fmt, block = CASES["llama_fp8_32"](tmp_path / "src")
     quantize_checkpoint(tmp_path / "src", tmp_path / "block", fmt, block=block)
-    for setting, want in (("auto", False), ("on", True)):  # block-scaled: the tiled GEMM unless "on"
+    for setting, want in (("off", False), ("auto", True), ("on", True)):  # block-scaled: as per-channel
         _, _, block_model = _run(tmp_path / "block", prompt, small_m_gemm=setting)
         layers = [m for m in block_model.modules() if isinstance(m, Fp8Linear)]
         assert layers and all(m.block == block and m.small_m is want for m in layers), setting

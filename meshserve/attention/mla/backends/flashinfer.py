@@ -3,11 +3,21 @@
 FlashInfer attends in the latent space with absorbed weights, like TRITON's decode: we fold
 W_UK into the query before `run` and apply W_UV after it. The wrapper takes the latent and the
 rope parts of the cache as two tensors; ours are strided views of the one cache (FlashInfer
-reads their strides), so nothing is copied. On sm90 it picks its FA3 (Hopper) kernel, else FA2.
+reads their strides), so nothing is copied. We name its kernel: FA3 (Hopper) on sm90, else FA2
+(flashinfer_kernels.py says why not "auto").
 
-What it does not do, declared below: FP8 latent caches (not wired: FlashInfer's MLA takes no
-dequantisation scale), shapes other than DeepSeek's kv_lora_rank 512 + rope 64 (the sizes its
-kernels are built and tested for), float32, CPU. It serves decode only here: its causal mode
+FlashInfer 0.7 and 0.5.3 both work. 0.7 deprecated the flat plan arguments and the separate
+q_nope/q_pe run arguments: with 0.7 we pass `metadata=MLAPlanMetadata.csr(...)`, declare the run
+contract at plan time (split query and cache, natural-log LSE) and run with `query=(q_lat, q_pe)`,
+`kv_cache=(latent, rope)`; with 0.5.3 the positional form it has.
+
+FP8 (e4m3) latent caches (FlashInfer >= 0.7, sm90, bf16): the layer's one scale s is folded in,
+as the standard backend does: scores use (q * s) . c_stored and the output is s * (P c_stored),
+so FlashInfer's per-tensor scales stay 1.0 (host floats, no device read per layer).
+
+What it does not do, declared below: e5m2 latent caches, FP8 before FlashInfer 0.7 or off
+Hopper, shapes other than DeepSeek's kv_lora_rank 512 + rope 64 (the sizes its kernels are
+built and tested for), float32, CPU. It serves decode only here: its causal mode
 assumes contiguous key positions, which DCP-sharded prefill does not have.
 
 CUDA graphs: each bucket gets a wrapper of its own in FlashInfer's graph mode (index lists in
@@ -22,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from meshserve.attention.backend import DTYPES, AttentionProblem, BackendCapabilities
+from meshserve.attention.backend import DTYPES, FP8_DTYPES, AttentionProblem, BackendCapabilities
+from meshserve.attention.backends.flashinfer_kernels import flashinfer_version, is_hopper, mla_decode_kernel
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.cache import LatentCache
@@ -48,7 +59,7 @@ class FlashInferMLADecodeBackend(MLABackend):
     name = "FLASHINFER"
     capabilities = BackendCapabilities(
         dtypes=frozenset({"float16", "bfloat16"}),
-        kv_cache_dtypes=frozenset({KVCacheDtype.AUTO}),
+        kv_cache_dtypes=frozenset({KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3}),
         min_block_size=1,
         max_block_size=256,
         naive_layout=False,
@@ -69,26 +80,38 @@ class FlashInferMLADecodeBackend(MLABackend):
         min_compute_capability=(8, 0),
         required_packages=("flashinfer",),
         cuda_graphs=True,
-        notes="decode: FlashInfer 0.5.3 BatchMLAPagedAttentionWrapper (FA3 on sm90), absorbed weights; "
-        "kv_lora_rank 512 + rope 64 only, no FP8 latent cache; CUDA graphs: a wrapper per bucket in "
+        notes="decode: FlashInfer 0.7 (0.5.3 too) BatchMLAPagedAttentionWrapper, FA3 on sm90, FA2 elsewhere, "
+        "absorbed weights; kv_lora_rank 512 + rope 64 only; FP8 (e4m3) latent cache with FlashInfer >= 0.7 on "
+        "sm90 and bf16; CUDA graphs: a wrapper per bucket in "
         "FlashInfer's graph mode (fixed index buffers), re-planned before each replay",
     )
 
     @classmethod
     def extra_reasons(cls, problem: AttentionProblem) -> list[str]:
-        dims = problem.spec.mla
+        dims, out = problem.spec.mla, []
         if dims is not None and (dims.kv_lora_rank, dims.qk_rope_head_dim) != (KV_LORA_RANK, ROPE_DIM):
-            return [
+            out.append(
                 f"kv_lora_rank={dims.kv_lora_rank}, qk_rope_head_dim={dims.qk_rope_head_dim}: FlashInfer's MLA "
                 f"kernels take {KV_LORA_RANK} + {ROPE_DIM} (DeepSeek-V2/V3)"
-            ]
-        return []
+            )
+        if problem.spec.kv_cache_dtype.is_fp8:
+            installed = flashinfer_version()
+            if installed is not None and installed < (0, 7):
+                out.append(f"an FP8 latent cache needs FlashInfer >= 0.7 (installed {installed[0]}.{installed[1]})")
+            if problem.device == "cuda" and problem.compute_capability is not None and not is_hopper(problem):
+                cc = problem.compute_capability
+                out.append(f"FlashInfer's FP8 MLA kernels run on sm90 only (have {cc[0]}.{cc[1]})")
+            if problem.dtype != "bfloat16":
+                out.append(f"FlashInfer's FP8 MLA kernels take a bfloat16 query (dtype is '{problem.dtype}')")
+        return out
 
     def __init__(self, problem: AttentionProblem) -> None:
         super().__init__(problem)
         self._wrapper = None
         self._workspace: torch.Tensor | None = None  # one float workspace: every wrapper runs on one stream
         self._plan_event: torch.cuda.Event | None = None
+        self.kernel = mla_decode_kernel(problem)
+        self._new_api = (flashinfer_version() or (0, 0)) >= (0, 7)
 
     def _float_workspace(self, device: torch.device) -> torch.Tensor:
         if self._workspace is None:
@@ -99,23 +122,38 @@ class FlashInferMLADecodeBackend(MLABackend):
         if self._wrapper is None:
             import flashinfer
 
-            self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._float_workspace(device), backend="auto")
+            self._wrapper = flashinfer.mla.BatchMLAPagedAttentionWrapper(self._float_workspace(device),
+                                                                         backend=self.kernel)
         return self._wrapper
 
     def _plan_wrapper(self, wrapper, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
                       kv_lens: torch.Tensor, page: int) -> None:  # fmt: skip
         """One FlashInfer plan: host int32 indptrs and lengths, page ids (device, or host on CPU)."""
         dtype = DTYPES[self.problem.dtype]
+        kv_dtype = FP8_DTYPES[self.spec.kv_cache_dtype] if self.spec.kv_cache_dtype.is_fp8 else dtype
         # The wrapper copies its host lists to the device from one pinned buffer without waiting;
         # under overlap scheduling the previous step's copy may still be queued: wait for it.
         if self._plan_event is not None:
             self._plan_event.synchronize()
-        wrapper.plan(
-            qo_indptr, kv_indptr, kv_indices, kv_lens, self.spec.num_heads, self.dims.kv_lora_rank,
-            self.dims.qk_rope_head_dim, page,
-            False,  # one decode query sees every cached row (on every DCP rank too)
-            self.spec.softmax_scale, dtype, dtype,
-        )  # fmt: skip
+        if self._new_api:
+            import flashinfer
+
+            wrapper.plan(
+                metadata=flashinfer.mla.MLAPlanMetadata.csr(qo_indptr, kv_indptr, kv_indices, kv_lens),
+                num_heads=self.spec.num_heads, head_dim_ckv=self.dims.kv_lora_rank,
+                head_dim_kpe=self.dims.qk_rope_head_dim, page_size=page,
+                causal=False,  # one decode query sees every cached row (on every DCP rank too)
+                sm_scale=self.spec.softmax_scale, q_data_type=dtype, kv_data_type=kv_dtype,
+                query_layout="split", kv_cache_layout="split", lse_mode="basee",
+                scale_mode="kv-per-tensor" if kv_dtype != dtype else "default",
+            )  # fmt: skip
+        else:
+            wrapper.plan(
+                qo_indptr, kv_indptr, kv_indices, kv_lens, self.spec.num_heads, self.dims.kv_lora_rank,
+                self.dims.qk_rope_head_dim, page,
+                False,  # one decode query sees every cached row (on every DCP rank too)
+                self.spec.softmax_scale, dtype, kv_dtype,
+            )  # fmt: skip
         if kv_indices.is_cuda:
             if self._plan_event is None:
                 self._plan_event = torch.cuda.Event()
@@ -160,7 +198,7 @@ class FlashInferMLADecodeBackend(MLABackend):
             qo_indptr=torch.arange(b + 1, dtype=torch.int32, device=device),
             kv_indptr=torch.zeros(b + 1, dtype=torch.int32, device=device),
             kv_indices=torch.zeros(b * max_pages, dtype=torch.int32, device=device),
-            kv_len_arr=torch.ones(b, dtype=torch.int32, device=device), backend="auto",
+            kv_len_arr=torch.ones(b, dtype=torch.int32, device=device), backend=self.kernel,
         )  # fmt: skip
         plan = FlashInferMLAPlan(metadata, wrapper)
         # A valid plan to capture with: every row a padding row (one key in the null block).
@@ -199,9 +237,21 @@ class FlashInferMLADecodeBackend(MLABackend):
         self._check_inputs(query, weights, plan.metadata.num_tokens)
         dn = self.dims.qk_nope_head_dim
         q_lat = weights.absorb(query[..., :dn]).contiguous()  # the output is allocated like q_lat
-        o_lat, lse = plan.wrapper.run(
-            q_lat, query[..., dn:], cache.latent, cache.rope, return_lse=True, return_lse_base_on_e=True
-        )
+        q_pe = query[..., dn:]
+        fp8 = cache.is_fp8
+        if fp8:  # the cache scale s folded into the query: (q * s) . c_stored = q . c_real
+            s = cache.scale.to(query.device, torch.float32)
+            q_lat, q_pe = (q_lat.float() * s).to(query.dtype), (q_pe.float() * s).to(query.dtype)
+        if self._new_api:
+            scales = dict(ckv_scale=1.0, kpe_scale=1.0) if fp8 else {}
+            o_lat, lse = plan.wrapper.run(query=(q_lat, q_pe), kv_cache=(cache.latent, cache.rope), return_lse=True,
+                                          return_lse_base_on_e=True, **scales)  # fmt: skip
+        else:
+            o_lat, lse = plan.wrapper.run(
+                q_lat, q_pe, cache.latent, cache.rope, return_lse=True, return_lse_base_on_e=True
+            )
+        if fp8:  # ... and into the output: P (c_stored * s) = s * (P c_stored)
+            o_lat = (o_lat.float() * cache.scale.to(o_lat.device, torch.float32)).to(o_lat.dtype)
         out = weights.up_project(o_lat, query.dtype)
         return (out, lse) if return_lse else out
 

@@ -1,0 +1,363 @@
+"""Measure which attention backend is fastest per problem class on this GPU, and write the
+kernel-choice table the registry reads (meshserve/attention/kernel_choice.json).
+
+    python3 -m bench.attention_choice --out $OUT [--write meshserve/attention/kernel_choice.json]
+        [--classes gqa-bf16-16,gqa-bf16-64,gqa-fp8-16,gqa-fp8-64,mla-bf16-64,mla-fp8-64] [--quick]
+
+Per class (Llama-3-8B-shaped GQA 32/8 x 128, or DeepSeek-V3-shaped MLA 128 heads, latent 512 +
+rope 64; bf16 activations) and phase, every registered backend of the kind that validates on
+this device is first run on a small mixed batch of the same class against the TORCH reference
+(float32 math): a backend whose output or LSE is off by more than the class's tolerance is
+dropped from that class and reported (a wrong kernel never wins). The rest are timed as the
+engine runs them (plan once on the host, then `forward`; CUDA events, L2 flushed, median) on
+the shapes below, and each backend's relative time is its time over the fastest one's, the
+mean over the shapes. TORCH itself is the oracle (one sequence at a time, float32): it is
+checked against but timed only with --time-reference.
+
+Prints a table, writes attention_choice.json (raw times) and attention_choice.png under --out;
+--write merges the measured entries into a kernel-choice table (same class: replaced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench.common import rel_err, shuffled_tables, time_us_l2_flushed
+from meshserve.attention.backend import AttentionProblem, KVCache
+from meshserve.attention.kernel_choice import parse_table
+from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.registry import BackendKind, load_backend, tables
+from meshserve.attention.spec import AttentionSpec, KVCacheDtype, MLADims
+
+HEADS, KV_HEADS, HEAD = 32, 8, 128
+MLA_HEADS = 128
+V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
+DECODE_SHAPES = ((64, 4096), (256, 2048), (8, 32768))
+PREFILL_SHAPES = ((4, 4096), (1, 16384))
+MLA_DECODE_SHAPES = ((64, 4096), (8, 32768))
+QUICK = {"decode": ((64, 4096),), "prefill": ((4, 4096),), "mla": ((64, 4096),)}
+TOLERANCE = {"bfloat16": 3e-2, "fp8": 8e-2}  # max |o - ref| / max |ref|, and the same bound on LSE
+REFERENCE = "TORCH"
+CLASSES = ("gqa-bf16-16", "gqa-bf16-64", "gqa-fp8-16", "gqa-fp8-64", "mla-bf16-64", "mla-fp8-64")
+
+
+@dataclass(frozen=True)
+class ProblemClassSpec:
+    """One class to measure: 'gqa-bf16-16' = GQA, bf16 K/V, pages of 16."""
+
+    attention: str  # "gqa" or "mla"
+    kv: str  # "bf16" or "fp8"
+    page: int
+
+    @classmethod
+    def parse(cls, text: str) -> ProblemClassSpec:
+        attention, kv, page = text.split("-")
+        if attention not in ("gqa", "mla") or kv not in ("bf16", "fp8") or not page.isdigit():
+            raise SystemExit(f"--classes: {text!r} is not ATTENTION-KV-PAGE (e.g. gqa-bf16-16, mla-fp8-64)")
+        return cls(attention, kv, int(page))
+
+    @property
+    def kv_dtype(self) -> KVCacheDtype:
+        return KVCacheDtype.FP8_E4M3 if self.kv == "fp8" else KVCacheDtype.AUTO
+
+    @property
+    def kv_class(self) -> str:
+        return "fp8" if self.kv == "fp8" else "bfloat16"
+
+    def kinds(self) -> tuple[tuple[str, str], ...]:
+        """(registry kind, phase) pairs measured for this class."""
+        if self.attention == "mla":
+            return (("mla_decode", "decode"),)
+        return (("attention", "prefill"), ("attention", "decode"))
+
+    def problem(self, max_len: int) -> AttentionProblem:
+        cc = torch.cuda.get_device_capability()
+        if self.attention == "mla":
+            from meshserve.attention.mla.spec import mla_spec
+
+            spec = mla_spec(MLA_HEADS, V3, kv_cache_dtype=self.kv_dtype)
+        else:
+            spec = AttentionSpec(HEADS, KV_HEADS, HEAD, kv_cache_dtype=self.kv_dtype)
+        return AttentionProblem(spec, dtype="bfloat16", block_size=self.page, max_model_len=max_len, device="cuda",
+                                compute_capability=cc)  # fmt: skip
+
+
+@dataclass
+class Result:
+    """One class and phase: times per backend per shape, and what was dropped and why."""
+
+    cls: ProblemClassSpec
+    kind: str
+    phase: str
+    times_us: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> shape -> µs
+    dropped: dict[str, str] = field(default_factory=dict)  # backend -> reason
+
+
+# ------------------------------------------------------------------------- standard attention
+def _gqa_cache(cls: ProblemClassSpec, num_blocks: int, gen: torch.Generator) -> KVCache:
+    data = torch.randn(num_blocks, 2, cls.page, KV_HEADS, HEAD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if cls.kv != "fp8":
+        return KVCache(data, torch.tensor(1.0, device="cuda"), torch.tensor(1.0, device="cuda"))
+    scale = torch.tensor(0.25, device="cuda")
+    return KVCache((data / scale).to(torch.float8_e4m3fn), scale, scale.clone())
+
+
+def _gqa_batch(cls: ProblemClassSpec, query_lens, seq_lens, seed: int):
+    """A cache already holding every token (write_kv off), its metadata and random queries."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = -(-max(seq_lens) // cls.page)
+    cache = _gqa_cache(cls, len(seq_lens) * per_seq, gen)
+    tables_ = shuffled_tables(len(seq_lens), per_seq, torch.Generator().manual_seed(seed))
+    meta = AttentionMetadata.build(query_lens=list(query_lens), seq_lens=list(seq_lens), block_tables=tables_,
+                                   block_size=cls.page, device="cuda", write_kv=False)  # fmt: skip
+    q = torch.randn(sum(query_lens), HEADS, HEAD, device="cuda", dtype=torch.bfloat16, generator=gen)
+    return cache, meta, q
+
+
+def _gqa_run(backend, cache, meta, q):
+    plan = backend.plan(meta)
+    return lambda: backend.forward(q, None, None, cache, plan, return_lse=True)
+
+
+def check_gqa(cls: ProblemClassSpec, name: str, phase: str) -> str | None:
+    """None when `name` matches the reference on a small mixed batch of this class, else why not."""
+    if phase == "prefill":  # a chunk over cached context, a whole prompt, and decodes behind them
+        query_lens, seq_lens = (37, 64, 1, 1), (300, 64, 1000, 17)
+    else:
+        query_lens, seq_lens = (1,) * 6, (5, 300, 1000, 17, 64, 700)
+    cache, meta, q = _gqa_batch(cls, query_lens, seq_lens, seed=11)
+    prob = cls.problem(2048)
+    out, lse = _gqa_run(load_backend(name)(prob), cache, meta, q)()
+    ref_out, ref_lse = _gqa_run(load_backend(REFERENCE)(prob), cache, meta, q)()
+    return _compare(out, lse, ref_out, ref_lse, TOLERANCE[cls.kv_class])
+
+
+def time_gqa(cls: ProblemClassSpec, name: str, phase: str, shapes) -> dict[str, float]:
+    out = {}
+    for batch, seq in shapes:
+        query_lens = (seq,) * batch if phase == "prefill" else (1,) * batch
+        cache, meta, q = _gqa_batch(cls, query_lens, (seq,) * batch, seed=batch * seq)
+        fn = _gqa_run(load_backend(name)(cls.problem(2 * seq)), cache, meta, q)
+        out[f"{phase} {batch}x{seq}"] = time_us_l2_flushed(fn, warmup=3, iters=15 if phase == "prefill" else 30)
+        del cache, meta, q, fn
+        torch.cuda.empty_cache()
+    return out
+
+
+# ------------------------------------------------------------------------------------ MLA
+def _mla_batch(cls: ProblemClassSpec, seq_lens, seed: int):
+    from meshserve.attention.mla.backend import MLAWeights
+    from meshserve.attention.mla.cache import LatentCache
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_seq = -(-max(seq_lens) // cls.page)
+    blocks = len(seq_lens) * per_seq
+    scale = 0.05 if cls.kv == "fp8" else 1.0
+    cache = LatentCache.allocate(blocks, cls.page, V3, dtype=torch.bfloat16, kv_cache_dtype=cls.kv_dtype,
+                                 device="cuda", scale=scale)  # fmt: skip
+    real = torch.randn(cache.data.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
+    cache.data.copy_((real / scale).to(cache.data.dtype))
+    tables_ = shuffled_tables(len(seq_lens), per_seq, torch.Generator().manual_seed(seed))
+    meta = AttentionMetadata.build(query_lens=[1] * len(seq_lens), seq_lens=list(seq_lens), block_tables=tables_,
+                                   block_size=cls.page, device="cuda", write_kv=False)  # fmt: skip
+    q = torch.randn(len(seq_lens), MLA_HEADS, V3.qk_head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(MLA_HEADS, V3.qk_nope_head_dim + V3.v_head_dim, V3.kv_lora_rank, device="cuda",
+                    dtype=torch.bfloat16, generator=gen) * V3.kv_lora_rank**-0.5  # fmt: skip
+    weights = MLAWeights(w[:, : V3.qk_nope_head_dim], w[:, V3.qk_nope_head_dim :])
+    return cache, meta, q, weights
+
+
+def _mla_run(backend, cache, meta, q, weights):
+    plan = backend.plan(meta)
+    return lambda: backend.forward(q, cache, plan, weights, return_lse=True)
+
+
+def check_mla(cls: ProblemClassSpec, name: str, phase: str) -> str | None:
+    cache, meta, q, weights = _mla_batch(cls, (5, 300, 1000, 17, 64, 700), seed=12)
+    prob = cls.problem(2048)
+    out, lse = _mla_run(load_backend(name, BackendKind.MLA_DECODE)(prob), cache, meta, q, weights)()
+    ref_out, ref_lse = _mla_run(load_backend(REFERENCE, BackendKind.MLA_DECODE)(prob), cache, meta, q, weights)()
+    return _compare(out, lse, ref_out, ref_lse, TOLERANCE[cls.kv_class])
+
+
+def time_mla(cls: ProblemClassSpec, name: str, phase: str, shapes) -> dict[str, float]:
+    out = {}
+    for batch, seq in shapes:
+        cache, meta, q, weights = _mla_batch(cls, (seq,) * batch, seed=batch + seq)
+        fn = _mla_run(load_backend(name, BackendKind.MLA_DECODE)(cls.problem(2 * seq)), cache, meta, q, weights)
+        out[f"mla decode {batch}x{seq}"] = time_us_l2_flushed(fn)
+        del cache, meta, q, fn
+        torch.cuda.empty_cache()
+    return out
+
+
+def _compare(out, lse, ref_out, ref_lse, tol: float) -> str | None:
+    err_o = rel_err(out, ref_out)
+    finite = torch.isfinite(ref_lse)
+    err_lse = rel_err(lse[finite], ref_lse[finite]) if bool(finite.any()) else 0.0
+    if not (err_o <= tol and err_lse <= tol):
+        return f"output error {err_o:.2e}, LSE error {err_lse:.2e} against {REFERENCE} (tolerance {tol:.0e})"
+    return None
+
+
+# ------------------------------------------------------------------------------- the table
+def relative_times(times_us: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Backend -> mean over shapes of its time over the fastest time of that shape; only backends
+    timed on every shape are ranked (a backend that failed a shape does not win by absence)."""
+    shapes = set.union(*(set(t) for t in times_us.values())) if times_us else set()
+    complete = {b: t for b, t in times_us.items() if set(t) == shapes}
+    if not complete:
+        return {}
+    best = {s: min(t[s] for t in complete.values()) for s in shapes}
+    return {b: round(statistics.fmean(t[s] / best[s] for s in shapes), 3) for b, t in complete.items()}
+
+
+def entries(results: list[Result], *, device: str, capability: str, date: str, command: str) -> list[dict]:
+    """kernel_choice.json entries for the measured classes (skips a class where nothing passed)."""
+    out = []
+    for r in results:
+        rel = relative_times(r.times_us)
+        if not rel:
+            continue
+        fastest = min(rel, key=rel.get)
+        rel = {b: max(v / rel[fastest], 1.0) for b, v in rel.items()}  # the fastest is 1.0 exactly
+        attention = "MLA" if r.cls.attention == "mla" else "GQA"
+        out.append({
+            "id": f"{device.split()[-1].lower()}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}",
+            "kind": r.kind, "phase": r.phase, "attention": attention, "kv": r.cls.kv_class,
+            "capability": capability, "page_size": r.cls.page, "size": "any", "fastest": fastest,
+            "relative": {b: round(v, 3) for b, v in sorted(rel.items())},
+            "shapes": ", ".join(next(iter(r.times_us.values()))),
+            "source": {"command": command, "date": date, "device": device}
+            | ({"dropped": "; ".join(f"{b}: {why}" for b, why in r.dropped.items())} if r.dropped else {}),
+        })  # fmt: skip
+    return out
+
+
+def merge(doc: dict, new: list[dict]) -> dict:
+    """`doc` with `new` entries replacing those of the same class; the result must parse."""
+    def key(e: dict):
+        return (e["kind"], e["phase"], e["attention"], e["kv"], str(e["capability"]), e.get("page_size"),
+                e.get("size", "any"))
+
+    fresh = {key(e) for e in new}
+    merged = dict(doc, entries=[e for e in doc.get("entries", []) if key(e) not in fresh] + new)
+    parse_table(merged)
+    return merged
+
+
+# --------------------------------------------------------------------------------- driver
+def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool) -> list[Result]:
+    results = []
+    for kind, phase in cls.kinds():
+        r = Result(cls, kind, phase)
+        backends, _ = tables(kind)
+        if cls.attention == "mla":
+            check, timer, shapes = check_mla, time_mla, QUICK["mla"] if quick else MLA_DECODE_SHAPES
+        else:
+            check, timer = check_gqa, time_gqa
+            shapes = QUICK[phase] if quick else (PREFILL_SHAPES if phase == "prefill" else DECODE_SHAPES)
+        for name in backends:
+            if name == REFERENCE and not time_reference:
+                continue
+            try:
+                reasons = load_backend(name, kind).validate_configuration(cls.problem(2 * max(s for _, s in shapes)))
+            except ImportError as exc:
+                reasons = [f"cannot be imported: {exc}"]
+            if reasons:
+                r.dropped[name] = "; ".join(reasons)
+                continue
+            try:
+                wrong = check(cls, name, phase)
+                if wrong:
+                    r.dropped[name] = wrong
+                    continue
+                r.times_us[name] = timer(cls, name, phase, shapes)
+            except Exception as exc:  # a kernel that fails to build or run is dropped, the rest measured
+                r.dropped[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            print(f"  {cls} {phase} {name}: {r.times_us.get(name) or r.dropped.get(name)}", flush=True)
+        results.append(r)
+    return results
+
+
+def report(results: list[Result]) -> str:
+    lines = ["| class | phase | backend | shape | µs | relative |", "|---|---|---|---|---|---|"]
+    for r in results:
+        rel = relative_times(r.times_us)
+        c = f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}"
+        for b, t in r.times_us.items():
+            for shape, us in t.items():
+                lines.append(f"| {c} | {r.phase} | {b} | {shape} | {us:.1f} | {rel.get(b, float('nan')):.3f} |")
+        for b, why in r.dropped.items():
+            lines.append(f"| {c} | {r.phase} | {b} | dropped | - | {why[:120]} |")
+    return "\n".join(lines)
+
+
+def plot(results: list[Result], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", flush=True)
+        return
+    labels, series = [], {}
+    for r in results:
+        rel = relative_times(r.times_us)
+        labels.append(f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}\n{r.phase}")
+        for b in set(series) | set(rel):
+            series.setdefault(b, [float("nan")] * (len(labels) - 1)).append(rel.get(b, float("nan")))
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
+    width = 0.8 / max(len(series), 1)
+    for i, (b, ys) in enumerate(sorted(series.items())):
+        ax.bar([x + i * width for x in range(len(labels))], ys, width, label=b)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(labels))], labels, fontsize=7)
+    ax.set_ylabel("time / fastest")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated, from {', '.join(CLASSES)}")
+    ap.add_argument("--write", type=Path, default=None, help="merge the entries into this kernel-choice table")
+    ap.add_argument("--quick", action="store_true", help="one shape per phase (less device time)")
+    ap.add_argument("--time-reference", action="store_true", help=f"time {REFERENCE} too (slow)")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("bench.attention_choice measures GPU kernels: no CUDA device here")
+    classes = [ProblemClassSpec.parse(c) for c in args.classes.split(",") if c]
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for cls in classes:
+        results += measure(cls, quick=args.quick, time_reference=args.time_reference)
+    print(report(results))
+    device = torch.cuda.get_device_name()
+    date = datetime.date.today().isoformat()
+    command = "python3 -m bench.attention_choice " + " ".join(argv if argv is not None else sys.argv[1:])
+    capability = ".".join(map(str, torch.cuda.get_device_capability()))
+    new = entries(results, device=device, capability=capability, date=date, command=command)
+    raw = [dict(cls=r.cls.__dict__, kind=r.kind, phase=r.phase, times_us=r.times_us, dropped=r.dropped)
+           for r in results]  # fmt: skip
+    (args.out / "attention_choice.json").write_text(json.dumps(dict(device=device, date=date, results=raw,
+                                                                    entries=new), indent=1))  # fmt: skip
+    plot(results, args.out / "attention_choice.png")
+    if args.write is not None:
+        doc = json.loads(args.write.read_text()) if args.write.exists() else {"entries": []}
+        args.write.write_text(json.dumps(merge(doc, new), indent=2) + "\n")
+        print(f"wrote {len(new)} entries into {args.write}")
+
+
+if __name__ == "__main__":
+    main()
