@@ -99,10 +99,10 @@ class EngineClient:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._read()), loop.create_task(self._watch())]
         while True:
+            if self._failed is not None:  # before _gone: the process exits right after saying why
+                raise UnavailableError(f"the engine failed to start: {self._failed}")
             if self._gone is not None:
                 raise UnavailableError(self._gone)
-            if self._failed is not None:
-                raise UnavailableError(f"the engine failed to start: {self._failed}")
             if self._models is not None:
                 return self
             self._changed.clear()
@@ -272,6 +272,7 @@ class EngineClient:
         while self.process is not None:
             code = self.process.exit_code()
             if code is not None:
+                await asyncio.sleep(WATCH_PERIOD_S)  # its last frames (why it failed to start) are read first
                 self._end(f"the engine process exited with code {code}")
                 return
             await asyncio.sleep(WATCH_PERIOD_S)

@@ -32,16 +32,20 @@ log = logging.getLogger("meshserve.endpoint")
 class _Sink:
     """Where one stream's deltas go (Ticket.sink): into its front-end's next BATCH."""
 
-    __slots__ = ("endpoint", "route", "number", "stream", "done")
+    __slots__ = ("endpoint", "route", "number", "stream", "done", "started")
 
     def __init__(self, endpoint: ServiceEndpoint, route: bytes, number: int) -> None:
         self.endpoint, self.route, self.number = endpoint, route, number
         self.stream = None  # the coordinator's OpenStream, once admitted
         self.done = False
+        self.started = False
 
     def put_nowait(self, item) -> None:
         if self.done:  # cancelled by its reader: what still comes (its ABORT delta) has nobody to go to
             return
+        if not self.started:  # its first delta: the stats that follow it show it running
+            self.started = True
+            self.endpoint._state_due = True
         if isinstance(item, BaseException):
             self.endpoint._emit(self.route, [self.number, None, *wire.encode_error(item)])
             self.endpoint._close(self, finished=True)
@@ -219,7 +223,6 @@ class ServiceEndpoint:
             self._streams[(route, number)] = sink
             sink.stream = self.service.open_stream(prompt, params, request_id=request_id, sink=sink, beam=beam,
                                                    caller=caller, priority=priority)
-            self._state_due = True
         except Exception as exc:  # a refusal: nothing was queued
             self._streams.pop((route, number), None)
             sink.done = True
