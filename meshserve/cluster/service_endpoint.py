@@ -27,6 +27,7 @@ from meshserve.core.secret import RejectedFrames
 from meshserve.errors import UnavailableError
 
 log = logging.getLogger("meshserve.endpoint")
+HELLO_GRACE_S = 0.2
 
 
 class _Sink:
@@ -102,6 +103,9 @@ class ServiceEndpoint:
                     return
                 if (exc := starting.exception()) is not None:
                     self._failed = f"{type(exc).__name__}: {exc}"
+                    # A start may block the loop (Ray's init runs on it): let the reader take the
+                    # HELLOs that waited meanwhile (it answers them with this state), then tell all.
+                    await asyncio.sleep(HELLO_GRACE_S)
                     self._send_state_to_all()
                     raise exc
                 self._send_state_to_all()  # readiness flips now, not at the next period
