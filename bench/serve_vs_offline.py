@@ -58,7 +58,20 @@ try:
 except ImportError:  # an older install: the standard parser
     orjson = json
 
-PATHS = ("offline", "http", "grpc")
+PATHS = ("offline", "http", "grpc")  # the default run
+# A served path is a face and the server's process layout: bare, `meshserve serve` as it defaults;
+# -split, with --engine-process (front-ends and engine in two processes); -inproc, without.
+FACES = ("http", "grpc")
+LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"]}
+KNOWN_PATHS = ("offline", *(face + layout for layout in LAYOUTS for face in FACES))
+
+
+def face_of(path: str) -> str:
+    return path.split("-")[0]
+
+
+def layout_of(path: str) -> str:
+    return path[len(face_of(path)):]
 
 
 @dataclass(frozen=True)
@@ -90,12 +103,13 @@ class PathRun:
     # CPU seconds (all threads) over the run, warm-up included, and the tokens they made: the
     # engine's process (offline: this one; served: the server) and the client's (served: this one)
     engine_cpu_s: float = 0.0
+    frontend_cpu_s: float | None = None  # served with --engine-process: the front-ends' process alone
     client_cpu_s: float = 0.0
     tokens_made: int = 0
 
     def cpu_us_per_token(self, which: str = "engine") -> float | None:
-        cpu = self.engine_cpu_s if which == "engine" else self.client_cpu_s
-        return 1e6 * cpu / self.tokens_made if self.tokens_made else None
+        cpu = {"engine": self.engine_cpu_s, "client": self.client_cpu_s, "frontend": self.frontend_cpu_s}[which]
+        return 1e6 * cpu / self.tokens_made if self.tokens_made and cpu is not None else None
 
 
 # -- the served paths ----------------------------------------------------------------------------
@@ -184,13 +198,16 @@ class EngineSettings:
 class Server:
     """`python -m meshserve.cli serve` in a subprocess, its log in a file; ready when /health says so."""
 
-    def __init__(self, settings: EngineSettings, *, log_path: Path, start_timeout: float = 600.0) -> None:
+    def __init__(self, settings: EngineSettings, *, log_path: Path, start_timeout: float = 600.0,
+                 layout: str = "") -> None:
         self.grpc_address = f"127.0.0.1:{_free_port()}"
         self.base_url = f"http://127.0.0.1:{_free_port()}"
         self.log_path = log_path
         flags = server_flags(grpc_port=int(self.grpc_address.rsplit(":", 1)[1]),
                              http_port=int(self.base_url.rsplit(":", 1)[1]))
-        self.command = [sys.executable, "-m", "meshserve.cli", "serve", *settings.serve_flags(), *flags]
+        self.layout = layout
+        self.command = [sys.executable, "-m", "meshserve.cli", "serve", *settings.serve_flags(), *flags,
+                        *LAYOUTS[layout]]
         self.start_timeout = start_timeout
         self.proc: subprocess.Popen | None = None
 
@@ -236,7 +253,7 @@ class Server:
 
 async def _served(server: Server, path: str, workload: Workload, concurrency: int,
                   vocab_size: int) -> tuple[dict, list]:
-    if path == "http":  # made inside the loop: aiohttp's session belongs to it
+    if face_of(path) == "http":  # made inside the loop: aiohttp's session belongs to it
         backend = GreedyOpenAI(server.base_url, token=None, model="")
     else:
         backend = GreedyGrpc(server.grpc_address, token=None, model="")
@@ -251,16 +268,41 @@ async def _served(server: Server, path: str, workload: Workload, concurrency: in
 
 
 def run_served(server: Server, path: str, workload: Workload, concurrency: int, vocab_size: int) -> PathRun:
-    server_cpu, client_cpu = process_cpu_seconds(server.pid), time.process_time()
+    server_cpu, front_cpu = tree_cpu_seconds(server.pid), process_cpu_seconds(server.pid)
+    client_cpu = time.process_time()
     summary, outputs = asyncio.run(_served(server, path, workload, concurrency, vocab_size))
-    server_cpu, client_cpu = process_cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+    server_cpu, client_cpu = tree_cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
+    front_cpu = process_cpu_seconds(server.pid) - front_cpu
+    split = len(_descendants(server.pid)) > 0  # the engine's own process (a child of serve's)
     return PathRun(path, concurrency, summary, outputs, engine_cpu_s=server_cpu, client_cpu_s=client_cpu,
-                   tokens_made=_tokens_made(workload, concurrency))
+                   frontend_cpu_s=front_cpu if split else None, tokens_made=_tokens_made(workload, concurrency))
 
 
 def _tokens_made(workload: Workload, concurrency: int) -> int:
     spec = workload.spec(concurrency)
     return (spec.num_prompts + spec.num_warmups) * spec.output_len
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (Linux /proc: each thread's children)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            with contextlib.suppress(OSError):
+                kids = [int(k) for k in (task / "children").read_text().split()]
+                out += kids
+                todo += kids
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of `pid` and every process below it (the server: front-ends and engine)."""
+    total = 0.0
+    for p in [pid, *_descendants(pid)]:
+        with contextlib.suppress(OSError):
+            total += process_cpu_seconds(p)
+    return total
 
 
 def process_cpu_seconds(pid: int) -> float:
@@ -327,7 +369,7 @@ def run_offline(llm, workload: Workload, concurrency: int, vocab_size: int) -> P
 
 def same_work(run: PathRun, offline: PathRun) -> bool:
     """Every request produced offline's output (token ids over gRPC, text over HTTP)."""
-    want = offline.texts if run.path == "http" else offline.outputs
+    want = offline.texts if face_of(run.path) == "http" else offline.outputs
     return run.summary["failed"] == 0 and run.outputs == want
 
 
@@ -345,6 +387,7 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
     so that a machine whose load drifts (a shared CPU) weighs on every path alike."""
     runs: list[PathRun] = []
     served = [p for p in paths if p != "offline"]
+    layouts = list(dict.fromkeys(layout_of(p) for p in served))
     offline = "offline" in paths
 
     def one(path: str, c: int, r: int, server, llm) -> None:
@@ -377,24 +420,27 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
                 for c in concurrencies:
                     one("offline", c, 0, None, engine)
                 del engine
-        if served:
-            with Server(settings, log_path=log_dir / "server.log") as server:
+        for layout in layouts:  # one server at a time
+            with Server(settings, log_path=log_dir / f"server{layout}.log", layout=layout) as server:
                 profiler = profile_server(server) if profile_server is not None else None
                 for c in concurrencies:
                     for path in served:
-                        one(path, c, 0, server, None)
+                        if layout_of(path) == layout:
+                            one(path, c, 0, server, None)
                 if profiler is not None:
                     profiler.stop()
         return runs
     with contextlib.ExitStack() as stack:
-        server = stack.enter_context(Server(settings, log_path=log_dir / "server.log")) if served else None
-        profiler = profile_server(server) if profile_server is not None and server is not None else None
+        servers = {layout: stack.enter_context(Server(settings, log_path=log_dir / f"server{layout}.log",
+                                                      layout=layout)) for layout in layouts}
+        profilers = [profile_server(s) for s in servers.values()] if profile_server is not None else []
         engine = offline_engine(stack) if offline else None
         for r in range(rounds):
             for c in concurrencies:
                 for k in range(len(paths)):
-                    one(paths[(k + r) % len(paths)], c, r, server, engine)
-        if profiler is not None:
+                    path = paths[(k + r) % len(paths)]
+                    one(path, c, r, servers.get(layout_of(path)), engine)
+        for profiler in profilers:
             profiler.stop()
     return runs
 
@@ -426,18 +472,19 @@ def _ms(summary: dict, name: str, q: str) -> str:
 
 
 def table(runs: list[PathRun]) -> str:
-    """engine CPU: CPU time per output token of the process that runs the engine (offline: the
-    engine alone; served: engine + front-ends); its excess over offline is what serving costs."""
+    """server CPU: CPU time per output token of the processes that run the engine (offline: the
+    engine alone; served: engine + front-ends, in one process or two); its excess over offline is
+    what serving costs; with --engine-process, the front-ends' process alone in its own column."""
     offline = {r.concurrency: r for r in runs if r.path == "offline"}
     lines = ["| streams | path | output tok/s | served/offline | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | "
-             "TPOT p99 ms | engine-process CPU µs/token | of which serving | client CPU µs/token | ok/failed | "
-             "same tokens |",
-             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "TPOT p99 ms | server CPU µs/token | of which serving | front-end process CPU µs/token | "
+             "client CPU µs/token | ok/failed | same tokens |",
+             "| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
 
     def us(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}"
 
-    for r in sorted(runs, key=lambda r: (r.concurrency, PATHS.index(r.path))):
+    for r in sorted(runs, key=lambda r: (r.concurrency, KNOWN_PATHS.index(r.path))):
         s, base = r.summary, offline.get(r.concurrency)
         served = r.path != "offline"
         ratio = f"{s['output_throughput'] / base.summary['output_throughput']:.2f}x" if base and served else (
@@ -447,7 +494,7 @@ def table(runs: list[PathRun]) -> str:
         extra = us(cpu - base_cpu) if served and cpu is not None and base_cpu is not None else "-"
         lines.append(f"| {r.concurrency} | {r.path} | {s['output_throughput']:.1f} | {ratio} | "
                      f"{_ms(s, 'ttft', 'p50')} | {_ms(s, 'ttft', 'p99')} | {_ms(s, 'tpot', 'p50')} | "
-                     f"{_ms(s, 'tpot', 'p99')} | {us(cpu)} | {extra} | "
+                     f"{_ms(s, 'tpot', 'p99')} | {us(cpu)} | {extra} | {us(r.cpu_us_per_token('frontend'))} | "
                      f"{us(r.cpu_us_per_token('client')) if served else '-'} | {s['completed']}/{s['failed']} | "
                      f"{same} |")
     return "\n".join(lines)
@@ -462,7 +509,7 @@ def plot(runs: list[PathRun], path: Path, title: str) -> None:
 
     concurrencies = sorted({r.concurrency for r in runs})
     by = {(r.path, r.concurrency): r.summary for r in runs}
-    paths = [p for p in PATHS if any(r.path == p for r in runs)]
+    paths = [p for p in KNOWN_PATHS if any(r.path == p for r in runs)]
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     x = np.arange(len(concurrencies))
     width = 0.8 / len(paths)
@@ -519,7 +566,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--num-warmups", type=int, default=None,
                     help="requests per path and concurrency sent first and not counted (default: C, one wave: "
                          "the first batches of a shape pay one-time costs, e.g. oneDNN primitives on CPU)")
-    ap.add_argument("--paths", default="offline,http,grpc", help="comma-separated subset of offline, http, grpc")
+    ap.add_argument("--paths", default="offline,http,grpc",
+                    help="comma-separated, of offline, http, grpc (the server as `serve` defaults), http-split, "
+                         "grpc-split (serve --engine-process: front-ends and engine in two processes), http-inproc, "
+                         "grpc-inproc (--no-engine-process: one process)")
     ap.add_argument("--dtype", default=None, help="default: auto (demo), bfloat16 (llama3-8b)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget of both sides (default 256 MiB CPU, 32 GiB cuda)")
@@ -532,8 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads of both sides (OMP_NUM_THREADS of the server; default: torch's own)")
     ap.add_argument("--profile-server", default=None, metavar="PATH",
-                    help="record the server process with py-spy while the served paths run (.svg: a flame graph, "
-                         "else collapsed stacks)")
+                    help="record the server's processes with py-spy while the served paths run (.svg: a flame "
+                         "graph, else collapsed stacks; the engine process of -split paths to PATH-split-engine)")
     ap.add_argument("--out", default="bench/results", help="folder for the JSON, PNG and server log")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
@@ -545,9 +595,9 @@ def main(argv: list[str] | None = None) -> int:
                         prompts_per_stream=args.prompts_per_stream or (2 if gpu else 1),
                         num_warmups=args.num_warmups)
     paths = tuple(p.strip() for p in args.paths.split(",") if p.strip())
-    bad = [p for p in paths if p not in PATHS]
+    bad = [p for p in paths if p not in KNOWN_PATHS]
     if bad:
-        ap.error(f"--paths: {bad} not among {list(PATHS)}")
+        ap.error(f"--paths: {bad} not among {list(KNOWN_PATHS)}")
     if args.threads is not None:  # the server inherits the environment; this process sets its own
         import torch
 
@@ -574,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
             kv_cache_memory_bytes=args.kv_cache_memory_bytes or ((32 << 30) if gpu else (256 << 20)))
         profile = None
         if args.profile_server:
-            profile = lambda server: _PySpy(server.pid, Path(args.profile_server))  # noqa: E731
+            profile = lambda server: _PySpies(server, Path(args.profile_server))  # noqa: E731
         rounds = args.rounds or (1 if gpu else 3)
         deadline = started_mono + args.deadline if args.deadline else None
         runs = run_all(settings, workload, concurrencies, paths, vocab_size=vocab_size, log_dir=tmp,
@@ -590,7 +640,8 @@ def main(argv: list[str] | None = None) -> int:
         "title": title, "date": stamp, "device": where, "settings": asdict(settings), "workload": asdict(workload),
         "command": " ".join(sys.argv),
         "runs": [{"path": r.path, "concurrency": r.concurrency, "round": r.round, "summary": r.summary,
-                  "engine_cpu_s": r.engine_cpu_s, "client_cpu_s": r.client_cpu_s, "tokens_made": r.tokens_made,
+                  "engine_cpu_s": r.engine_cpu_s, "client_cpu_s": r.client_cpu_s,
+                  "frontend_cpu_s": r.frontend_cpu_s, "tokens_made": r.tokens_made,
                   "same_tokens": same_work(r, _offline_of(runs, r)) if r.path != "offline" and _offline_of(runs, r)
                   else None} for r in runs]}, indent=1, default=str) + "\n")
     shown = medians(runs)
@@ -611,6 +662,21 @@ def _device_name(device: str) -> str:
 
         return torch.cuda.get_device_name()
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+class _PySpies:
+    """py-spy on every process of a server: serve's (PATH with the layout in its name: -split,
+    -inproc) and, with --engine-process, the engine's (-engine added)."""
+
+    def __init__(self, server: Server, path: Path) -> None:
+        stem = path.with_name(f"{path.stem}{server.layout}")
+        pids = [server.pid, *_descendants(server.pid)]
+        self.spies = [_PySpy(pid, stem.with_name(stem.name + ("-engine" if k else "") + path.suffix))
+                      for k, pid in enumerate(pids)]
+
+    def stop(self) -> None:
+        for spy in self.spies:
+            spy.stop()
 
 
 class _PySpy:

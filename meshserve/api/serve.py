@@ -1,5 +1,7 @@
 """`meshserve serve`: load the model, serve gRPC, the OpenAI-compatible HTTP API and metrics until
-SIGINT/SIGTERM, then drain. gRPC and HTTP sit on the same InferenceService in one process.
+SIGINT/SIGTERM, then drain. gRPC and HTTP sit on the same InferenceService in this process; by
+default the engine behind it runs in a process of its own (--engine-process: api/engine_client.py,
+docs/architecture.md), with --no-engine-process in this one.
 
 The flags are a contract: deploy/helm's head.sh passes them (tests/unit/deploy parses its
 command line with this parser). Every flag becomes a field of a config dataclass, which
@@ -154,6 +156,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="liveness (grpc health service '') fails once the service, after serving, has had no ready "
                         "replica in some pool for this long (default 300)")
     s.add_argument("--drain-seconds", type=float, default=30.0, help="time streams get to finish on shutdown")
+    s.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine (coordinator and replicas) in a process of its own and the gRPC and HTTP "
+                        "front-ends in this one, talking over a unix socket (vLLM's API-server / engine-core split: "
+                        "per-token work of the front-ends does not share a GIL with the engine's step; "
+                        "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
+                        "are served in one process either way (default: on)")
     add_request_limit_flags(p)
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
@@ -414,6 +422,24 @@ async def _start_or_stop(service, stop: asyncio.Event) -> bool:
     return False
 
 
+def _is_embedding_model(model: str) -> bool:
+    from meshserve.workers.embedder import read_model_task
+
+    return read_model_task(model) == "embed"
+
+
+def engine_client(args: argparse.Namespace, *, model: str, model_name: str | None):
+    """--engine-process: the EngineClient over a fresh engine process (started by its start)."""
+    from meshserve.api.engine_client import EngineClient
+    from meshserve.api.engine_process import EngineProcess
+    from meshserve.core.secret import ClusterSecret
+
+    # the resolved folder, not a hub id again
+    settings = argparse.Namespace(**{**vars(args), "model": model, "model_tag": None, "revision": None})
+    process = EngineProcess(settings, model_name=model_name, secret=ClusterSecret.resolve())
+    return EngineClient(process.address, process.key, model_dir=model, max_queue=args.max_queue, process=process)
+
+
 def serve_main(args: argparse.Namespace) -> int:
     from meshserve.api.generation_defaults import load_sampling_defaults
     from meshserve.api.http.chat import ChatTemplate
@@ -438,9 +464,12 @@ def serve_main(args: argparse.Namespace) -> int:
         if args.device == "cpu" or not torch.cuda.is_available():
             log.info("--gpu-memory-utilization %g on CPU: the KV pool takes that fraction of the host's available "
                      "memory", engine.cache.memory_utilization)
-    service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
-                            progress=sys.stderr.isatty(), block_size=args.block_size,
-                            prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
+    if args.engine_process and not _is_embedding_model(engine.model.model):
+        service = engine_client(args, model=engine.model.model, model_name=default_model_name(args))
+    else:
+        service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
+                                progress=sys.stderr.isatty(), block_size=args.block_size,
+                                prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
     if args.served_model_name and len(args.served_model_name) > 1:
         from meshserve.api.served_names import ServedNames
 

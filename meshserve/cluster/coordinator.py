@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
+from typing import Protocol
 
 from meshserve.cluster.executors.executor import StepDeadline, sum_expert_load
 from meshserve.cluster.fair_queue import CallerLedger, queue_key
@@ -112,6 +113,22 @@ class ClusterConfig:
             return {"unified": self.engine.parallel}
         return {"prefill": self.prefill_parallel or self.engine.parallel,
                 "decode": self.decode_parallel or self.engine.parallel}
+
+
+class DeltaSink(Protocol):
+    """Where a request's deltas go: an asyncio.Queue, or anything with its put_nowait."""
+
+    def put_nowait(self, item: CompletionDelta | BaseException) -> None: ...
+
+
+@dataclass(eq=False)
+class OpenStream:
+    """A request admitted by `Coordinator.open_stream`, and what it holds of its caller's limit."""
+
+    ticket: Ticket
+    caller: str
+    sequences: int
+    closed: bool = False
 
 
 class Coordinator:
@@ -299,23 +316,13 @@ class Coordinator:
         """Deltas of one request until its finished one. Refusals raise before anything is queued.
         caller: who sent it (fair_queue.py: its place in the queue and its in-flight limit);
         priority: lower is served first (vLLM's), default 0."""
-        request = self._make_request(prompt, params, request_id, beam)
-        sequences = request.beam.beam_width if request.beam is not None else request.params.num_samples
-        load = self.callers.admit(caller, sequences)
-        try:
-            (pool := self.pools[self._entry]).admit()
-        except BaseException:
-            self.callers.release(caller, sequences)
-            raise
-        request.arrival = queue_key(priority=priority, load=load, serial=request.arrival)
-        ticket = Ticket(request_id, request, prefill_only=self.disaggregated and not request.runs_whole)
-        self._live[request_id] = ticket
-        request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
-        pool.submit(ticket)
+        sink: asyncio.Queue = asyncio.Queue()
+        stream = self.open_stream(prompt, params, request_id=request_id, sink=sink, beam=beam, caller=caller,
+                                  priority=priority)
         finished = False
         try:
             while True:
-                for item in await _queued(ticket.sink):
+                for item in await _queued(sink):
                     if isinstance(item, BaseException):
                         finished = True  # nothing holds it any more
                         raise item
@@ -325,10 +332,43 @@ class Coordinator:
                         finished = True
                         return
         finally:
-            self._live.pop(request_id, None)
+            self.close_stream(stream, finished=finished)
+
+    def open_stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str,
+                    sink: DeltaSink, beam: BeamSearchParams | None = None, caller: str = "",
+                    priority: int = 0) -> OpenStream:
+        """Admit one request whose deltas (and a failure, as an exception) go to `sink.put_nowait`
+        on the event loop, deltas carrying the internal request id; refusals raise here, with
+        nothing queued. `generate` reads a queue; the engine process's endpoint for front-ends in
+        other processes (cluster/service_endpoint.py) batches them into one message per step.
+        Every open stream is closed once (`close_stream`), which aborts it unless it finished."""
+        request = self._make_request(prompt, params, request_id, beam)
+        sequences = request.beam.beam_width if request.beam is not None else request.params.num_samples
+        load = self.callers.admit(caller, sequences)
+        try:
+            (pool := self.pools[self._entry]).admit()
+        except BaseException:
             self.callers.release(caller, sequences)
-            if not finished:  # the caller left early: free its blocks now
-                self._cancel(ticket)
+            raise
+        request.arrival = queue_key(priority=priority, load=load, serial=request.arrival)
+        ticket = Ticket(request_id, request, sink=sink, prefill_only=self.disaggregated and not request.runs_whole)
+        self._live[request_id] = ticket
+        request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
+        pool.submit(ticket)
+        return OpenStream(ticket, caller, sequences)
+
+    def close_stream(self, stream: OpenStream, *, finished: bool) -> None:
+        """The stream's reader is done with it: free its id and its caller's share; unless its last
+        delta (or its failure) came, abort the request and free its blocks now."""
+        if stream.closed:
+            return
+        stream.closed = True
+        ticket = stream.ticket
+        if self._live.get(ticket.client_id) is ticket:
+            del self._live[ticket.client_id]
+        self.callers.release(stream.caller, stream.sequences)
+        if not finished:  # the caller left early
+            self._cancel(ticket)
 
     async def abort(self, request_id: str) -> bool:
         """Cancel a request; its stream ends with finish_reason abort. False if unknown."""

@@ -4,11 +4,19 @@ A `ServerLoop` is an event loop in a daemon thread; ApiServers over one Coordina
 `serve` stack: one in-process replica) run on it (one service may sit behind several servers,
 e.g. with and without TLS). Clients are the real ones (meshserve.api.client, or raw grpc
 channels for bytes a client would never send).
+
+MESHSERVE_TEST_ENGINE_PROCESS=1 puts the front-end channel of `serve --engine-process` between
+the servers and the Coordinator (`ServerLoop.front`: an EngineClient over a ServiceEndpoint, on
+a real ipc socket), so that the same tests check the split.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
+import shutil
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -40,6 +48,9 @@ def demo_service(*, max_model_len: int = 512, num_kv_blocks: int | None = 200, m
     return Coordinator(ClusterConfig(engine=config, runtime="in-process", device="cpu"))
 
 
+SPLIT = os.environ.get("MESHSERVE_TEST_ENGINE_PROCESS") == "1"
+
+
 class ServerLoop:
     """An asyncio loop in a thread that hosts ApiServers; `run(coro)` from the test thread."""
 
@@ -48,6 +59,7 @@ class ServerLoop:
         self.thread = threading.Thread(target=self.loop.run_forever, name="api-test-loop", daemon=True)
         self.thread.start()
         self.servers: list[ApiServer] = []
+        self._fronts: dict[int, tuple] = {}  # id(service) -> (client, endpoint, its task, socket folder)
 
     def run(self, coro, timeout: float = 120.0):
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -57,14 +69,53 @@ class ServerLoop:
         if isinstance(service, Coordinator) and not service.pools:
             self.run(service.start())
         config = ServerConfig(host="127.0.0.1", port=0, metrics_port=0, **server_config)
-        server = ApiServer(service, config, max_queue=service.max_queue, limits=limits, health_interval=0.05)
+        server = ApiServer(self.front(service), config, max_queue=service.max_queue, limits=limits,
+                           health_interval=0.05)
         self.run(server.start())
         self.servers.append(server)
         return server
 
+    def front(self, service):
+        """What the front-ends of `service` talk to: the service itself, or with SPLIT (a started
+        Coordinator) an EngineClient over a ServiceEndpoint of it (one per service)."""
+        if not SPLIT or not isinstance(service, Coordinator):
+            return service
+        if id(service) in self._fronts:
+            return self._fronts[id(service)][0]
+        from meshserve.api.engine_client import EngineClient
+        from meshserve.cluster.service_endpoint import ServiceEndpoint
+        from meshserve.cluster.service_wire import ChannelKey
+        from meshserve.core.secret import ClusterSecret
+
+        if not service.pools:
+            self.run(service.start())
+        folder = tempfile.mkdtemp(prefix="meshserve-split-")
+        address = f"ipc://{folder}/engine.sock"
+        key = ChannelKey(ClusterSecret.generate(), secrets.token_bytes(16))
+
+        async def up():
+            endpoint = ServiceEndpoint(service, address, key)
+            task = asyncio.get_running_loop().create_task(endpoint.run(start=False))
+            client = EngineClient(address, key, model_dir=service.config.engine.model.model,
+                                  max_queue=service.max_queue)
+            await client.start()
+            return client, endpoint, task, folder
+
+        self._fronts[id(service)] = self.run(up())
+        return self._fronts[id(service)][0]
+
     def close(self, *services: Coordinator) -> None:
         for server in self.servers:
             self.run(server.stop(grace=0))
+        for client, endpoint, task, folder in self._fronts.values():
+            async def down(client=client, endpoint=endpoint, task=task):
+                async def engine_side():
+                    endpoint.stop()
+                    await task
+                    await endpoint.close()
+                await asyncio.gather(client.shutdown(drain=False), engine_side())
+            self.run(down())
+            shutil.rmtree(folder, ignore_errors=True)
         for service in services:
             self.run(service.shutdown(drain=False))
         self.loop.call_soon_threadsafe(self.loop.stop)

@@ -35,7 +35,7 @@ def env(tmp_path_factory):
     service = demo_service(max_model_len=256, num_kv_blocks=256, max_num_seqs=64, max_queue=1024)
     loop = ServerLoop()
     grpc_server = loop.serve(service, auth_token_file=str(folder / "tokens"), limits=LIMITS)
-    http_server = HttpServer(service, port=0, tokens=grpc_server.tokens, limits=LIMITS)
+    http_server = HttpServer(loop.front(service), port=0, tokens=grpc_server.tokens, limits=LIMITS)
     loop.run(http_server.start())
     client = InferenceClient(grpc_server.address, token=TOKEN_A)
     free = client.server_info().stats.num_free_kv_blocks

@@ -41,9 +41,10 @@ def env(tmp_path_factory):
                         metrics_token_file=str(folder / "metrics"))
     open_server = loop.serve(service)
     seen: list[int] = []  # the length of every text the tokenizer was given
-    tokenize = service.tokenize
-    service.tokenize = lambda text: (seen.append(len(text)), tokenize(text))[1]
-    http = HttpServer(service, port=0, tokens=authed.tokens)
+    front = loop.front(service)  # where the front-ends tokenize
+    tokenize = front.tokenize
+    front.tokenize = lambda text: (seen.append(len(text)), tokenize(text))[1]
+    http = HttpServer(front, port=0, tokens=authed.tokens)
     loop.run(http.start())
     clients = {name: InferenceClient(authed.address, token=token) for name, token in (("a", TOKEN_A), ("b", TOKEN_B))}
     clients["open"] = InferenceClient(open_server.address)

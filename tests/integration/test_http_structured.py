@@ -56,12 +56,13 @@ def server():
     service = demo_service(max_model_len=512, num_kv_blocks=128)
     loop = ServerLoop()
     loop.run(service.start())
-    http = HttpServer(service, port=0, chat_template=ChatTemplate.load(DEMO_MODEL_DIR))
+    http = HttpServer(loop.front(service), port=0, chat_template=ChatTemplate.load(DEMO_MODEL_DIR))
     loop.run(http.start())
     client = openai.OpenAI(base_url=f"{http.url}/v1", api_key="none", max_retries=0, timeout=120)
     grpc_client = InferenceClient(loop.serve(service).address)
     # The same service behind a server that parses Hermes-style calls (tool_choice auto)
-    hermes = HttpServer(service, port=0, chat_template=ChatTemplate.load(DEMO_MODEL_DIR, tool_call_parser="hermes"))
+    hermes = HttpServer(loop.front(service), port=0,
+                        chat_template=ChatTemplate.load(DEMO_MODEL_DIR, tool_call_parser="hermes"))
     loop.run(hermes.start())
     hermes_client = openai.OpenAI(base_url=f"{hermes.url}/v1", api_key="none", max_retries=0, timeout=120)
     yield {"client": client, "url": http.url, "grpc": grpc_client, "hermes": hermes_client}

@@ -1,0 +1,142 @@
+"""EngineClient over the front-end channel to a ServiceEndpoint (the split `serve --engine-process`
+runs), here both ends in one event loop over a real ipc socket: the same outputs as the
+single-process engine, refusals with their own error types, cancellation and abort that free
+every block, and a gone engine that fails streams instead of hanging."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import replace
+
+import pytest
+
+from meshserve.api.engine_client import EngineClient
+from meshserve.cluster import service_wire as wire
+from meshserve.cluster.coordinator import Coordinator
+from meshserve.cluster.service_endpoint import ServiceEndpoint
+from meshserve.core.outputs import FinishReason
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.core.secret import ClusterSecret
+from meshserve.errors import ConfigError, QueueFullError, ReplicaFailedError
+from tests.unit.cluster.cases import (
+    assert_no_held_blocks,
+    assert_same,
+    collect,
+    holds_no_blocks,
+    mixed_requests,
+    reference,
+    run_all,
+    threads,
+    wait_until,
+)
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def split(config, body, tmp_path, *, key: wire.ChannelKey | None = None):
+    """A Coordinator behind a ServiceEndpoint and an EngineClient talking to it: body(client, coord)."""
+    address = f"ipc://{tmp_path / 'engine.sock'}"
+    key = key or wire.ChannelKey(ClusterSecret.generate(), secrets.token_bytes(16))
+
+    async def main():
+        coord = Coordinator(config)
+        endpoint = ServiceEndpoint(coord, address, key)
+        serving = asyncio.create_task(endpoint.run(start=True))
+        client = EngineClient(address, key, model_dir=config.engine.model.model)
+        try:
+            await asyncio.wait_for(client.start(), 120)
+            return await body(client, coord)
+        finally:
+            async def engine_side():  # as the engine process ends: service down, then BYE
+                endpoint.stop()
+                await serving
+                await coord.shutdown(drain=False)
+                await endpoint.close()
+
+            await asyncio.gather(client.shutdown(drain=False), engine_side())
+    return asyncio.run(main())
+
+
+def test_outputs_match_the_single_process_engine(tiny_llama, tmp_path):
+    requests = mixed_requests()
+
+    async def body(client, coord):
+        assert client.models()[0].max_model_len == coord.models()[0].max_model_len
+        assert client.tokenize("Hello world") == coord.tokenize("Hello world")
+        got = await run_all(client, requests)
+        await wait_until(lambda: client.stats().generated_tokens > 0, "a state report", timeout_s=10)
+        assert client.health().serving and client.health().healthy_replicas == 1
+        return got
+
+    assert_same(split(threads(tiny_llama), body, tmp_path), reference(tiny_llama, requests))
+
+
+def test_refusals_cancellation_and_abort_free_every_block(tiny_llama, tmp_path):
+    async def body(client, coord):
+        with pytest.raises(ConfigError, match="prompt") as bad:
+            await collect(client, "bad", [10**9], GREEDY)
+        assert bad.value.field == "prompt"
+        with pytest.raises(ConfigError, match="max_model_len") as long:
+            await collect(client, "huge", list(range(1, 40)), replace(GREEDY, max_tokens=100_000))
+        assert (long.value.field, long.value.value) == ("max_tokens", 100_000)
+        running = client.generate([1, 2, 3], LONG, request_id="running")
+        first = await running.__anext__()
+        assert first.request_id == "running"  # the caller's id, not the engine's
+        with pytest.raises(ConfigError, match="request_id"):
+            await collect(client, "running", [5, 6], GREEDY)  # in use
+        waiting = asyncio.ensure_future(collect(client, "waiting", [4, 5, 6], GREEDY))
+        await wait_until(lambda: coord.stats().num_waiting == 1, "the second request to wait", timeout_s=10)
+        with pytest.raises(QueueFullError, match="max_queue=1"):
+            await collect(client, "refused", [7, 8], GREEDY)
+        assert await client.abort("running")
+        rest = [d async for d in running]
+        assert rest[-1].finished and rest[-1].finish_reason is FinishReason.ABORT
+        assert len((await waiting).token_ids) == 24
+        assert not await client.abort("nobody")
+        leaver = client.generate([9, 9, 9], LONG, request_id="leaver")
+        await leaver.__anext__()
+        await leaver.aclose()  # the reader leaves: the engine aborts the request
+        await wait_until(lambda: holds_no_blocks(coord) and not coord._live, "every block freed", timeout_s=10,
+                         state=lambda: [r.core.kv.request_ids() for r in coord.replicas()])
+        assert_no_held_blocks(coord)
+        again = await collect(client, "leaver", [4, 5, 6], GREEDY)  # the id is free again
+        assert again.token_ids == (await waiting).token_ids
+
+    split(threads(tiny_llama, scheduler={"max_num_seqs": 1, "max_queue": 1}), body, tmp_path)
+
+
+def test_a_gone_engine_fails_open_streams_and_health(tiny_llama, tmp_path):
+    async def body(client, coord):
+        stream = client.generate([1, 2, 3], LONG, request_id="r")
+        await stream.__anext__()
+        client._end("the engine process exited with code -9")  # what the process watcher does
+        with pytest.raises(ReplicaFailedError, match="exited with code -9"):
+            async for _ in stream:
+                pass
+        health = client.health()
+        assert not health.serving and "exited" in health.detail
+        with pytest.raises(Exception, match="exited"):
+            await collect(client, "after", [1, 2], GREEDY)
+
+    split(threads(tiny_llama), body, tmp_path)
+
+
+def test_frames_of_another_secret_are_dropped(tiny_llama, tmp_path):
+    """A peer without the deployment secret gets no answer, and its frames are counted."""
+    key = wire.ChannelKey(ClusterSecret.generate(), secrets.token_bytes(16))
+
+    async def body(client, coord):
+        forger = EngineClient(client.address, wire.ChannelKey(ClusterSecret.generate(), key.session),
+                              model_dir=coord.config.engine.model.model)
+        starting = asyncio.ensure_future(forger.start())
+        await asyncio.sleep(0.5)
+        assert not starting.done()  # no state ever reaches it: nothing of the engine answered
+        starting.cancel()
+        for task in forger._tasks:
+            task.cancel()
+        forger._sock.close(linger=0)
+        assert (await collect(client, "ok", [1, 2, 3], GREEDY)).finish_reason is FinishReason.LENGTH
+
+    split(threads(tiny_llama), body, tmp_path, key=key)
