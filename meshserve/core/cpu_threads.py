@@ -83,7 +83,9 @@ def apply_cpu_threads(*, ranks_on_host: int = 1) -> CpuThreads:
     if choice.threads != torch.get_num_threads():
         torch.set_num_threads(choice.threads)
     if choice != _applied:
-        log.info("CPU threads: %d torch intra-op thread(s) on %d usable core(s) (%s; set %s to choose)",
-                 choice.threads, choice.cores, choice.source, ENV)
+        how = (f"meshserve's default, one core left to Python; set {ENV} to choose"
+               if choice.source == "meshserve default" else f"as set by {choice.source}")
+        log.info("CPU threads: %d torch intra-op thread(s) on %d usable core(s) (%s)", choice.threads, choice.cores,
+                 how)
     _applied = choice
     return choice
