@@ -4,9 +4,11 @@ torch's own default is one thread per physical core. meshserve's step is not all
 scheduler, sampling bookkeeping, detokenizer and (under `serve`) the event loop run in Python
 beside it, and with every core in torch's pool they fight the pool's threads for cores; libgomp's
 threads also spin-wait after each parallel region (torch's CPU wheel links libgomp), so on a
-machine shared with other jobs a step at torch's default ran 3-10x slower at random. Measured on
-the 2-core machine (docs/performance.md, issue 41): one thread is the fast configuration.
-The default here is one core left to Python: max(1, cores // ranks_on_host - 1).
+machine shared with other jobs a step at torch's default ran 3-10x slower at random. The default
+here is one core left to Python: max(1, cores // ranks_on_host - 1). On the 2-core machine
+(docs/performance.md, issue 41 item 4) that one thread never collapsed; two threads with libgomp's
+passive wait policy did not either and were faster under load, but the policy is read when torch
+is imported, before an application asks meshserve anything, so it cannot be this default.
 
 What the user said wins: OMP_NUM_THREADS in the environment (also what the process executor and
 Ray give each rank), or a torch.set_num_threads(n) call made before the model starts, with n
