@@ -6,9 +6,10 @@ beside it, and with every core in torch's pool they fight the pool's threads for
 threads also spin-wait after each parallel region (torch's CPU wheel links libgomp), so on a
 machine shared with other jobs a step at torch's default ran 3-10x slower at random. The default
 here is one core left to Python: max(1, cores // ranks_on_host - 1). On the 2-core machine
-(docs/performance.md, issue 41 item 4) that one thread never collapsed; two threads with libgomp's
-passive wait policy did not either and were faster under load, but the policy is read when torch
-is imported, before an application asks meshserve anything, so it cannot be this default.
+(docs/performance.md, issue 41 item 4) that one thread never collapsed and served faster; on a
+quiet, dedicated machine torch's two threads ran large offline batches 15-31% faster (the user
+can say so with OMP_NUM_THREADS). libgomp's passive wait policy would need setting before torch
+is imported, before an application asks meshserve anything; it was not faster when quiet anyway.
 
 What the user said wins: OMP_NUM_THREADS in the environment (also what the process executor and
 Ray give each rank), or a torch.set_num_threads(n) call made before the model starts, with n
