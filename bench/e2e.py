@@ -434,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-bytes", type=int, default=None, help="KV cache budget (default 24 GiB on CUDA)")
     ap.add_argument("--no-baseline", action="store_true", help="skip the compiled baseline (CPU: HF transformers)")
     ap.add_argument("--rounds", type=int, default=3, help="CPU: alternating meshserve / HF rounds (best is kept)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU: torch intra-op threads (default: torch's)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU: torch intra-op threads of both engines (default: meshserve's own choice, "
+                         "meshserve/core/cpu_threads.py; HF at torch's)")
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall",
                     help="CPU: time generate by wall seconds, or by this process's CPU seconds (steadier on a "
                          "shared machine with one thread; it leaves out time spent waiting for a core)")

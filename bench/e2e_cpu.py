@@ -2,7 +2,9 @@
 
 Both engines run in the same process, in alternating rounds (meshserve, HF, meshserve, HF, ...),
 so that a burst of load from other jobs on a shared machine hits both; each engine's figure per
-batch size is its best round. The measurement itself is bench/cpu_generate.py's (one warm-up per
+batch size is its best round. meshserve runs at the thread count its LLM chooses
+(meshserve/core/cpu_threads.py), HF at torch's own (what each user gets without flags);
+--threads N (or OMP_NUM_THREADS) pins both. The measurement itself is bench/cpu_generate.py's (one warm-up per
 engine and round, then `generate` of --output-len greedy tokens after --prompt-len random
 tokens, EOS ignored, float32; tok/s = output tokens / wall seconds, or CPU seconds with --clock
 cpu, prefill included). The load average is read before and after each round and reported beside
@@ -35,16 +37,22 @@ def run(args: argparse.Namespace) -> dict:
     """Alternating rounds; per engine and batch size the best tok/s and every round's figure."""
     args.vocab, args.repeats = DEMO_VOCAB, 1
     backend = args.attention_backend or "auto"
+    hf_threads = torch.get_num_threads()  # torch's own count (or --threads): what an HF user runs with
     rounds: list[dict] = []
     for r in range(args.rounds):
         load_before = os.getloadavg()[0]
         ours = meshserve_tok_s(None if backend == "auto" else backend, args.batch_sizes, args)
+        meshserve_threads = torch.get_num_threads()  # what the LLM chose (core/cpu_threads.py)
+        torch.set_num_threads(hf_threads)
         hf = {} if args.no_baseline else hf_tok_s(args.batch_sizes, args)
-        rounds.append({"meshserve": ours, "hf": hf, "load": [load_before, os.getloadavg()[0]]})
+        rounds.append({"meshserve": ours, "hf": hf, "load": [load_before, os.getloadavg()[0]],
+                       "threads": {"meshserve": meshserve_threads, "hf": hf_threads}})
         print(f"round {r + 1}/{args.rounds}: load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}", flush=True)
     best = {name: {bs: max(rd[name][bs] for rd in rounds) for bs in args.batch_sizes}
             for name in ("meshserve", "hf") if rounds[0][name]}
-    return {"backend": backend, "best": best, "rounds": rounds, "threads": torch.get_num_threads(),
+    return {"backend": backend, "best": best, "rounds": rounds, "threads": rounds[-1]["threads"],
+            "omp_env": {k: os.environ[k] for k in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
+                        if k in os.environ},
             "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__, "prompt_len": args.prompt_len, "output_len": args.output_len,
             "clock": args.clock}
@@ -56,7 +64,8 @@ def table(res: dict, batch_sizes: list[int]) -> str:
     lines = [
         BEGIN,
         f"Demo model, float32, {res['prompt_len']} in / {res['output_len']} out, greedy; {res['machine']}, "
-        f"{res['threads']} torch threads, torch {res['torch']}; meshserve backend {res['backend']}; "
+        f"torch threads meshserve {res['threads']['meshserve']} / HF {res['threads']['hf']}, torch {res['torch']}; "
+        f"meshserve backend {res['backend']}; "
         f"{'CPU' if res.get('clock') == 'cpu' else 'wall'} seconds; best of "
         f"{len(res['rounds'])} alternating rounds; load average {min(loads):.1f} to {max(loads):.1f} "
         f"({res['date']}).",
@@ -89,7 +98,7 @@ def plot(res: dict, batch_sizes: list[int], path: Path) -> None:
     ax.set_xticks(range(len(batch_sizes)), [str(b) for b in batch_sizes])
     ax.set_xlabel("batch size")
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"demo model on CPU ({res['threads']} threads)")
+    ax.set_title(f"demo model on CPU (threads: meshserve {res['threads']['meshserve']}, HF {res['threads']['hf']})")
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -100,7 +109,8 @@ def main(args: argparse.Namespace) -> int:
     """args: bench/e2e.py's, with batch_sizes parsed; the CPU defaults filled in here."""
     args.prompt_len = args.prompt_len or 64
     args.output_len = args.output_len or 100
-    if args.threads:
+    if args.threads:  # the user's explicit choice, which meshserve then keeps (core/cpu_threads.py)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
         torch.set_num_threads(args.threads)
     res = run(args)
     section = table(res, args.batch_sizes)

@@ -17,6 +17,7 @@ import torch
 from meshserve.attention.layer_backends import make_backends
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
 from meshserve.core.arith import cdiv
+from meshserve.core.cpu_threads import apply_cpu_threads
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import allocate_caches, block_bytes
 from meshserve.kvstore.groups import KVGroupLayout
@@ -124,6 +125,8 @@ class Worker:
         """
         if self.info is not None:
             return self.info
+        if self.device.type == "cpu":  # before the first torch op of the load (core/cpu_threads.py)
+            apply_cpu_threads(ranks_on_host=self.parallel.tp)
         t0 = time.perf_counter()
         encdec = is_encoder_decoder_dir(self.model_config.model)
         loaded = self._load_encoder_decoder() if encdec else self._load_decoder_only()
