@@ -110,7 +110,8 @@ def test_flashmla_is_a_switch_not_the_default():
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "float32")):
         assert decode_config(128, dtype, device).kernel is MLADecodeKernel.SHARED_ROWS
     cfg = flashmla_decode_config(128, "bfloat16", "cuda")
-    assert (cfg.kernel, cfg.value_split, cfg.block_h, cfg.block_n) == (MLADecodeKernel.FLASHMLA, 2, 64, 64)
+    assert (cfg.kernel, cfg.value_split, cfg.block_h, cfg.block_n, cfg.num_warps) == (
+        MLADecodeKernel.FLASHMLA, 1, 64, 64, 8)
     with pytest.raises(ConfigError, match="value_split"):
         MLADecodeConfig(64, 32, 8, 2, 2, 256, value_split=2)  # the shared-rows kernel keeps every column
     with pytest.raises(ConfigError, match="value_split"):

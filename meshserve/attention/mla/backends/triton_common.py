@@ -106,15 +106,17 @@ def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
                            min_partition=256)  # fmt: skip
 
 
-def flashmla_decode_config(num_heads: int, dtype: str, device: str, *, value_split: int = 2,
+def flashmla_decode_config(num_heads: int, dtype: str, device: str, *, value_split: int = 1,
                            block_n: int | None = None, num_stages: int = 2) -> MLADecodeConfig:
     """The switch to the FlashMLA-structured decode kernel (kernels/mla_decode_fm.py): prepared,
     not measured, so no default uses it; bench/mla_decode_device.py times it against the default
-    and FlashInfer. value_split 2: two programs each keep [64, 256] fp32 accumulators, which
-    leaves registers for 64-key tiles; 1: one program keeps all 512 columns (32-key tiles)."""
+    and FlashInfer. On the GPU 64 heads x 64-key tiles at 8 warps; value_split 1: one program keeps
+    all 512 fp32 accumulator columns (255 registers, no spill with Triton 3.6 for sm_90, and ~30%
+    fewer issued instructions a key than the default's 32-key tiles: bench/kernel_report_mla.py);
+    2: two programs keep 256 columns each and both compute the scores."""
     base = decode_config(num_heads, dtype, device)
     if block_n is None:
-        block_n = base.block_n if device != "cuda" or dtype == "float32" else (64 if value_split == 2 else 32)
+        block_n = base.block_n if device != "cuda" or dtype == "float32" else 64
     return dataclasses.replace(base, kernel=MLADecodeKernel.FLASHMLA, value_split=value_split, block_n=block_n,
                                num_stages=num_stages if device == "cuda" else base.num_stages)
 
