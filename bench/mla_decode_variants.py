@@ -20,11 +20,11 @@ class Variant:
     config: MLADecodeConfig
 
 
-def _fm(value_split: int, block_n: int, warps: int, stages: int) -> Variant:
+def _fm(value_split: int, block_n: int, warps: int, stages: int, block_h: int = 64) -> Variant:
     cfg = flashmla_decode_config(HEADS, "bfloat16", "cuda", value_split=value_split, block_n=block_n,
                                  num_stages=stages)  # fmt: skip
-    cfg = dataclasses.replace(cfg, num_warps=warps)
-    return Variant(f"fm v{value_split} 64x{block_n} w{warps} s{stages}", cfg)
+    cfg = dataclasses.replace(cfg, num_warps=warps, block_h=block_h)
+    return Variant(f"fm v{value_split} {block_h}x{block_n} w{warps} s{stages}", cfg)
 
 
 def variants() -> tuple[Variant, ...]:
@@ -38,4 +38,8 @@ def variants() -> tuple[Variant, ...]:
         _fm(2, 32, 4, 1),  # one warpgroup, 108 KB shared: two CTAs a SM overlap each other (ping-pong)
         _fm(2, 16, 4, 2),  # the same with 2 stages of 16-key tiles (also 108 KB)
         _fm(2, 32, 8, 3),
+        # 128 heads a program: each warpgroup scores its own 64 heads (at 64 heads and 8 warps
+        # Triton gives both warpgroups all 64 rows of Q K^T, computing it twice).
+        _fm(2, 32, 8, 2, block_h=128),
+        _fm(2, 64, 8, 1, block_h=128),
     )
