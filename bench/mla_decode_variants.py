@@ -20,26 +20,27 @@ class Variant:
     config: MLADecodeConfig
 
 
-def _fm(value_split: int, block_n: int, warps: int, stages: int, block_h: int = 64) -> Variant:
+def _fm(value_split: int, block_n: int, warps: int, stages: int, block_h: int = 64, prefetch: bool = False) -> Variant:
     cfg = flashmla_decode_config(HEADS, "bfloat16", "cuda", value_split=value_split, block_n=block_n,
-                                 num_stages=stages)  # fmt: skip
+                                 num_stages=stages, prefetch=prefetch)  # fmt: skip
     cfg = dataclasses.replace(cfg, num_warps=warps, block_h=block_h)
-    return Variant(f"fm v{value_split} {block_h}x{block_n} w{warps} s{stages}", cfg)
+    label = f"fm v{value_split} {block_h}x{block_n} w{warps} s{stages}{' pf' if prefetch else ''}"
+    return Variant(label, cfg)
 
 
 def variants() -> tuple[Variant, ...]:
+    """What each should show is in docs/performance.md ("FlashMLA-structured TRITON decode")."""
     default = decode_config(HEADS, "bfloat16", "cuda")
     return (
         Variant("default 64x32 w8 s2", default),
-        # Static model (bench/kernel_report_mla.py, Triton 3.6 SASS of the loop, docs/performance.md):
-        _fm(1, 64, 8, 2),  # [64, 512] accumulators, 64-key tiles: ~30% fewer issue slots a key than default
-        _fm(1, 32, 8, 3),  # the default's tiles one stage deeper
-        _fm(2, 64, 8, 2),  # [64, 256] accumulators: 1.53x the tensor work, fewer registers
-        _fm(2, 32, 4, 1),  # one warpgroup, 108 KB shared: two CTAs a SM overlap each other (ping-pong)
-        _fm(2, 16, 4, 2),  # the same with 2 stages of 16-key tiles (also 108 KB)
-        _fm(2, 32, 8, 3),
-        # 128 heads a program: each warpgroup scores its own 64 heads (at 64 heads and 8 warps
-        # Triton gives both warpgroups all 64 rows of Q K^T, computing it twice).
-        _fm(2, 32, 8, 2, block_h=128),
+        _fm(1, 32, 8, 3),  # the switch's default: the default's tiles, copies really 2 tiles deep
+        _fm(1, 32, 8, 4),  # 3 tiles deep (216 KB)
+        _fm(1, 64, 8, 2),  # [64, 512] accumulators with 64-key tiles, copies 1 tile deep
+        _fm(2, 64, 8, 2),  # [64, 256] accumulators: Q K^T 4x, fewer registers
+        _fm(2, 32, 4, 1),  # one warpgroup, 104 KB: two CTAs a SM overlap each other
+        _fm(2, 16, 4, 2),  # the same with 16-key tiles through the pipeline (108 KB)
+        _fm(2, 16, 4, 1, prefetch=True),  # two CTAs a SM, the next tile in registers (88 KB)
+        _fm(2, 32, 8, 2, block_h=128),  # 128 heads: each warpgroup scores its own 64 heads
+        _fm(2, 32, 8, 1, block_h=128, prefetch=True),
         _fm(2, 64, 8, 1, block_h=128),
     )

@@ -45,6 +45,25 @@ def _load_cols(ptrs, rows_ok, cols_ok, EVEN: tl.constexpr):
 
 
 @triton.jit
+def _block_ids(bt_row, first, end, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Block ids of the tile of keys [first, first + BLOCK_N): one (a tile inside a page: tiles
+    are whole and pages a multiple of them) or one a key; 0 past `end` (never read there)."""
+    if PAGE % BLOCK_N == 0:
+        blk = tl.load(bt_row + first // PAGE, mask=first < end, other=0).to(tl.int64)
+    else:
+        kp = first + tl.arange(0, BLOCK_N)
+        blk = tl.load(bt_row + kp // PAGE, mask=kp < end, other=0).to(tl.int64)
+    return blk
+
+
+@triton.jit
+def _row_ptrs(cache_ptr, blk, first, stride_cb, stride_ct, PAGE: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[BLOCK_N] pointers to the cache rows of the tile's keys."""
+    kp = first + tl.arange(0, BLOCK_N)
+    return cache_ptr + blk * stride_cb + (kp % PAGE).to(tl.int64) * stride_ct
+
+
+@triton.jit
 def mla_decode_fm_kernel(
     q_lat_ptr,  # [D, H, R] absorbed queries of the decode tokens
     q_pe_ptr,  # [D, H, P] rope part of the queries
@@ -62,7 +81,7 @@ def mla_decode_fm_kernel(
     stride_bt,
     R: tl.constexpr, P: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_V: tl.constexpr, BLOCK_P: tl.constexpr, VALUE_SPLIT: tl.constexpr, PAGE: tl.constexpr,
-    KV_FP8: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr, WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
 ):  # fmt: skip
     # Grid (head block x value part, decode row, split): the parts of one head block fastest, so
     # the programs that read the same cache rows run side by side and share them through L2.
@@ -102,21 +121,47 @@ def mla_decode_fm_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_V], dtype=tl.float32)
+    if PREFETCH:
+        # The next tile is loaded into registers one tile ahead, and its block ids two tiles
+        # ahead, so no load waits on the block table and the copy overlaps a whole tile's work.
+        blk = _block_ids(bt_row, start, end, PAGE, BLOCK_N)
+        rows_n = _row_ptrs(cache_ptr, blk, start, stride_cb, stride_ct, PAGE, BLOCK_N)
+        ok_n = start + tl.arange(0, BLOCK_N) < end
+        lat_n = _load_cols(rows_n[:, None] + own[None, :], ok_n, own_ok, EVEN)
+        if VALUE_SPLIT == 2:
+            rest_n = _load_cols(rows_n[:, None] + other[None, :], ok_n, other_ok, EVEN)
+        pe_n = load_rows(rows_n[:, None] + R + p[None, :], ok_n, p, P, BLOCK_P)
+        blk_n = _block_ids(bt_row, start + BLOCK_N, end, PAGE, BLOCK_N)
+    else:
+        # Block ids one tile ahead: the tile's address then depends on no load of the same
+        # iteration, and Triton's pipeliner keeps num_stages - 1 tiles in flight (with the ids
+        # loaded in the iteration, the copies run one tile ahead at any num_stages).
+        blk_c = _block_ids(bt_row, start, end, PAGE, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
-        kp = start_n + tl.arange(0, BLOCK_N)
-        ok = kp < end
-        if PAGE % BLOCK_N == 0:
-            # Partitions are whole tiles, so a tile lies inside one page: one block id for it.
-            blk = tl.load(bt_row + start_n // PAGE).to(tl.int64)
+        ok = start_n + tl.arange(0, BLOCK_N) < end
+        if PREFETCH:
+            lat = lat_n.to(q_own.dtype)
+            if VALUE_SPLIT == 2:
+                rest = rest_n.to(q_own.dtype)
+            pe = pe_n.to(q_pe.dtype)
+            nxt = start_n + BLOCK_N
+            rows_n = _row_ptrs(cache_ptr, blk_n, nxt, stride_cb, stride_ct, PAGE, BLOCK_N)
+            ok_n = nxt + tl.arange(0, BLOCK_N) < end
+            lat_n = _load_cols(rows_n[:, None] + own[None, :], ok_n, own_ok, EVEN)
+            if VALUE_SPLIT == 2:
+                rest_n = _load_cols(rows_n[:, None] + other[None, :], ok_n, other_ok, EVEN)
+            pe_n = load_rows(rows_n[:, None] + R + p[None, :], ok_n, p, P, BLOCK_P)
+            blk_n = _block_ids(bt_row, nxt + BLOCK_N, end, PAGE, BLOCK_N)
         else:
-            blk = tl.load(bt_row + kp // PAGE, mask=ok, other=0).to(tl.int64)
-        rows = cache_ptr + blk * stride_cb + (kp % PAGE).to(tl.int64) * stride_ct  # [BLOCK_N] row starts
-        lat = _load_cols(rows[:, None] + own[None, :], ok, own_ok, EVEN).to(q_own.dtype)  # key part + value
+            rows = _row_ptrs(cache_ptr, blk_c, start_n, stride_cb, stride_ct, PAGE, BLOCK_N)
+            blk_c = _block_ids(bt_row, start_n + BLOCK_N, end, PAGE, BLOCK_N)
+            lat = _load_cols(rows[:, None] + own[None, :], ok, own_ok, EVEN).to(q_own.dtype)  # key part + value
+            if VALUE_SPLIT == 2:
+                rest = _load_cols(rows[:, None] + other[None, :], ok, other_ok, EVEN).to(q_own.dtype)
+            pe = load_rows(rows[:, None] + R + p[None, :], ok, p, P, BLOCK_P).to(q_pe.dtype)
         qk = tl.dot(q_own, tl.trans(lat), input_precision=DOT_PRECISION)
         if VALUE_SPLIT == 2:
-            rest = _load_cols(rows[:, None] + other[None, :], ok, other_ok, EVEN).to(q_other.dtype)
             qk = tl.dot(q_other, tl.trans(rest), qk, input_precision=DOT_PRECISION)
-        pe = load_rows(rows[:, None] + R + p[None, :], ok, p, P, BLOCK_P).to(q_pe.dtype)
         qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=DOT_PRECISION)
         s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))

@@ -23,7 +23,7 @@ from meshserve.errors import ConfigError
 from tests.unit.attention.mla_cases import MLA_BY_NAME, MLAScenario, make_mla_case, mla_oracle
 from tests.unit.attention.scenarios import assert_matches
 
-PAGE64 = MLAScenario("page64_decode", (1, 1, 1), (150, 63, 200), block_size=64)
+PAGE64 = MLAScenario("page64_decode", (1, 1, 1), (130, 63, 80), block_size=64)
 SCENARIOS = {**{n: MLA_BY_NAME[n] for n in ("small_decode", "long_decode", "many_heads_decode",
                                              "small_page_decode", "odd_dims", "fp8_e4m3")},
              "page64_decode": PAGE64}  # fmt: skip
@@ -47,20 +47,28 @@ def decode_only(case):
     return meta, case.query[npt:], ref_out[npt:], ref_lse[npt:]
 
 
-@pytest.mark.parametrize("value_split", [1, 2])
+# (value_split, prefetch): one program or two splitting the columns; tiles through Triton's
+# pipeline or loaded into registers a tile ahead.
+VARIANTS = {"v1": (1, False), "v2": (2, False), "v1_prefetch": (1, True), "v2_prefetch": (2, True)}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("partition", [None, 16])
 @pytest.mark.parametrize("name", list(SCENARIOS))
-def test_flashmla_decode_matches_float64_oracle(name, partition, value_split):
+def test_flashmla_decode_matches_float64_oracle(name, partition, variant):
     sc = SCENARIOS[name]
     case = decode_case(sc, seed=5)
     meta, query, ref_out, ref_lse = decode_only(case)
-    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=value_split)
+    value_split, prefetch = VARIANTS[variant]
+    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=value_split, prefetch=prefetch)
     backend = TritonMLADecodeBackend(sc.problem(), config=cfg, partition=partition)
     plan = backend.plan(meta)
     if partition is not None:
         assert plan.num_splits == -(-max(meta.seq_lens_host) // 16)  # forced splits do run
     out, lse = backend.forward(query, case.cache, plan, case.weights, return_lse=True)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
+    if variant != "v2":
+        return
     # The shared-rows kernel on the same plan shape gives the same numbers (up to fp32 order).
     default = TritonMLADecodeBackend(sc.problem(), config=decode_config(sc.num_heads, "float32", "cpu"),
                                      partition=partition)  # fmt: skip
@@ -68,20 +76,21 @@ def test_flashmla_decode_matches_float64_oracle(name, partition, value_split):
                                rtol=1e-5, atol=1e-5)  # fmt: skip
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("block_n", [32, 64])
-def test_tiles_longer_than_a_page_look_up_each_row(block_n):
+def test_tiles_longer_than_a_page_look_up_each_row(block_n, prefetch):
     """Pages of 16 with 32- or 64-key tiles: each tile spans pages (a block id per key)."""
     sc = replace(PAGE64, name="page16_long_tiles", block_size=16)
     case = decode_case(sc, seed=6)
     meta, query, ref_out, ref_lse = decode_only(case)
-    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=2, block_n=block_n)
+    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=2, block_n=block_n, prefetch=prefetch)
     backend = TritonMLADecodeBackend(sc.problem(), config=cfg, partition=block_n)
     out, lse = backend.forward(query, case.cache, backend.plan(meta), case.weights, return_lse=True)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
 
 
-@pytest.mark.parametrize("value_split", [1, 2])
-def test_graph_plan_serves_shorter_rows(value_split):
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_graph_plan_serves_shorter_rows(variant):
     """plan_for_graph at max_model_len over static buffers, then the real lengths and tables written
     into them (a replay): each row over the fixed splits by its own length, NaN-poisoned partials
     of empty splits never read, both column parts written."""
@@ -92,7 +101,8 @@ def test_graph_plan_serves_shorter_rows(value_split):
     seq_lens = torch.ones(n, dtype=torch.int32)
     table = torch.zeros(n, longest // sc.block_size, dtype=torch.int32)
     static = replace(meta, seq_lens=seq_lens, block_table=table, seq_lens_host=(longest,) * n, max_seq_len=longest)
-    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=value_split)
+    value_split, prefetch = VARIANTS[variant]
+    cfg = flashmla_decode_config(sc.num_heads, "float32", "cpu", value_split=value_split, prefetch=prefetch)
     backend = TritonMLADecodeBackend(sc.problem(), config=cfg)
     plan = backend.plan_for_graph(static)
     assert plan.partition == 0 and plan.num_splits > 1
@@ -110,9 +120,11 @@ def test_flashmla_is_a_switch_not_the_default():
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "float32")):
         assert decode_config(128, dtype, device).kernel is MLADecodeKernel.SHARED_ROWS
     cfg = flashmla_decode_config(128, "bfloat16", "cuda")
-    assert (cfg.kernel, cfg.value_split, cfg.block_h, cfg.block_n, cfg.num_warps) == (
-        MLADecodeKernel.FLASHMLA, 1, 64, 64, 8)
+    assert (cfg.kernel, cfg.value_split, cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (
+        MLADecodeKernel.FLASHMLA, 1, 64, 32, 8, 3)
     with pytest.raises(ConfigError, match="value_split"):
         MLADecodeConfig(64, 32, 8, 2, 2, 256, value_split=2)  # the shared-rows kernel keeps every column
     with pytest.raises(ConfigError, match="value_split"):
         flashmla_decode_config(128, "bfloat16", "cuda", value_split=4)
+    with pytest.raises(ConfigError, match="prefetch"):
+        MLADecodeConfig(64, 32, 8, 2, 2, 256, prefetch=True)

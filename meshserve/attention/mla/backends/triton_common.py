@@ -76,11 +76,14 @@ class MLADecodeConfig:
     min_partition: int  # fewest keys per split worth a merge pass
     kernel: MLADecodeKernel = MLADecodeKernel.SHARED_ROWS
     value_split: int = 1  # FLASHMLA only: programs that split the output columns of one head block (1 or 2)
+    prefetch: bool = False  # FLASHMLA only: load the next tile into registers one tile ahead (with num_stages 1)
 
     def __post_init__(self) -> None:
         check(self.value_split in (1, 2), "value_split", self.value_split, "1 or 2")
         check(self.value_split == 1 or self.kernel is MLADecodeKernel.FLASHMLA, "value_split", self.value_split,
               "1 unless kernel is MLADecodeKernel.FLASHMLA (the shared-rows kernel keeps every column)")
+        check(not self.prefetch or self.kernel is MLADecodeKernel.FLASHMLA, "prefetch", self.prefetch,
+              "False unless kernel is MLADecodeKernel.FLASHMLA")
 
 
 @dataclass(frozen=True)
@@ -107,18 +110,18 @@ def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
 
 
 def flashmla_decode_config(num_heads: int, dtype: str, device: str, *, value_split: int = 1,
-                           block_n: int | None = None, num_stages: int = 2) -> MLADecodeConfig:
+                           block_n: int | None = None, num_stages: int = 3, prefetch: bool = False) -> MLADecodeConfig:
     """The switch to the FlashMLA-structured decode kernel (kernels/mla_decode_fm.py): prepared,
     not measured, so no default uses it; bench/mla_decode_device.py times it against the default
-    and FlashInfer. On the GPU 64 heads x 64-key tiles at 8 warps; value_split 1: one program keeps
-    all 512 fp32 accumulator columns (255 registers, no spill with Triton 3.6 for sm_90, and ~30%
-    fewer issued instructions a key than the default's 32-key tiles: bench/kernel_report_mla.py);
-    2: two programs keep 256 columns each and both compute the scores."""
+    and FlashInfer. On the GPU 64 heads x 32-key tiles at 8 warps and 3 stages: the default
+    kernel's tiles with the copies really two tiles deep (the default's wait for all copies at
+    the top of every tile: docs/performance.md). value_split 2: two programs keep 256 output
+    columns each and both compute the scores; prefetch: the next tile through registers."""
     base = decode_config(num_heads, dtype, device)
     if block_n is None:
-        block_n = base.block_n if device != "cuda" or dtype == "float32" else 64
+        block_n = base.block_n if device != "cuda" or dtype == "float32" else 32
     return dataclasses.replace(base, kernel=MLADecodeKernel.FLASHMLA, value_split=value_split, block_n=block_n,
-                               num_stages=num_stages if device == "cuda" else base.num_stages)
+                               num_stages=num_stages if device == "cuda" else base.num_stages, prefetch=prefetch)
 
 
 def prefill_config(dtype: str, device: str) -> MLAPrefillConfig:

@@ -182,7 +182,7 @@ class TritonMLADecodeBackend(MLABackend):
 
             grid = (head_blocks * cfg.value_split, num_decodes, plan.num_splits)
             mla_decode_fm_kernel[grid](*args, BLOCK_V=pow2(cdiv(r, cfg.value_split), 16),
-                                       VALUE_SPLIT=cfg.value_split, **tiles)  # fmt: skip
+                                       VALUE_SPLIT=cfg.value_split, PREFETCH=cfg.prefetch, **tiles)  # fmt: skip
         else:
             grid = (head_blocks, num_decodes, plan.num_splits)
             mla_decode_kernel[grid](*args, BLOCK_R=pow2(r, 16), **tiles)
