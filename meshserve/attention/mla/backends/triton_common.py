@@ -59,8 +59,8 @@ def triton_reasons(problem: AttentionProblem) -> list[str]:
     return out
 
 
-class MLADecodeKernel(enum.Enum):
-    """Which Triton kernel the TRITON MLA decode backend launches."""
+class MLADecodeKernel(enum.StrEnum):
+    """Which Triton kernel the TRITON MLA decode backend launches (a str: configs dump to JSON)."""
 
     SHARED_ROWS = "shared_rows"  # kernels/mla_decode.py: the default, measured (docs/performance.md)
     FLASHMLA = "flashmla"  # kernels/mla_decode_fm.py: FlashMLA's cut (64-key tiles, split columns); not measured
