@@ -25,6 +25,7 @@ import datetime
 import importlib.util
 import json
 import os
+import subprocess
 import time
 from pathlib import Path
 
@@ -109,7 +110,16 @@ def time_us(fn, rep_ms: int) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median") * 1e3
 
 
-def run_shape(batch: int, seq_len: int, chosen: list[Variant], args, *, builder, first: bool, t0: float) -> list[dict]:
+@dataclasses.dataclass
+class FlashInferBuild:
+    """FlashInfer's JIT build in a background process, and why FlashInfer is left out (if it is)."""
+
+    process: subprocess.Popen | None
+    left_out: str | None = None
+
+
+def run_shape(batch: int, seq_len: int, chosen: list[Variant], args, *, fi: FlashInferBuild, first: bool,
+              t0: float) -> list[dict]:  # fmt: skip
     """Check every variant at this shape (the graph plan too when `first`), then time the right ones."""
     inp = am.make_inputs(batch, seq_len)
     ref = full_reference(inp)
@@ -131,9 +141,16 @@ def run_shape(batch: int, seq_len: int, chosen: list[Variant], args, *, builder,
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
         print(f"[{time.time() - t0:.0f}s] {batch}x{seq_len} checked {json.dumps(row)}", flush=True)
-    if builder is not None:  # FlashInfer's JIT build ran meanwhile, in another process
-        builder.wait()
-    if am.DEVICE == "cuda" and importlib.util.find_spec("flashinfer") is not None:
+    use_flashinfer = am.DEVICE == "cuda" and importlib.util.find_spec("flashinfer") is not None
+    if fi.process is not None and fi.left_out is None:  # FlashInfer's JIT build ran meanwhile
+        try:
+            fi.process.wait(timeout=max(args.flashinfer_build_s - (time.time() - t0), 1))
+        except subprocess.TimeoutExpired:  # a build that eats the call would leave no table at all
+            fi.process.kill()
+            fi.left_out = f"JIT build over {args.flashinfer_build_s} s: left out"
+    if fi.left_out is not None:
+        rows.insert(0, dict(variant="FLASHINFER", error=fi.left_out))
+    elif use_flashinfer:
         try:
             fn = flashinfer_fn(inp)
             poison_next_output(inp)
@@ -220,6 +237,8 @@ def main() -> None:
     ap.add_argument("--only", default="", help="comma-separated substrings: the variants to run (default: all)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rep-ms", type=int, default=150, help="do_bench's repetition time per measurement")
+    ap.add_argument("--flashinfer-build-s", type=int, default=150,
+                    help="give up on FlashInfer when its JIT build is not done this many seconds after start")
     ap.add_argument("--dry-run", action="store_true", help="CPU interpreter, float32, 16 heads, one tiny shape")
     args = ap.parse_args()
     if args.dry_run:
@@ -228,14 +247,15 @@ def main() -> None:
     chosen = [v for v in variants() if not args.only or any(s in v.label for s in args.only.split(","))]
     device = torch.cuda.get_device_name() if am.DEVICE == "cuda" else "cpu (interpreter)"
     t0 = time.time()
-    builder = am.warm_flashinfer_in_background()
+    fi = FlashInferBuild(am.warm_flashinfer_in_background())
     rows: list[dict] = []
+    args.out.mkdir(parents=True, exist_ok=True)
     for i, shape in enumerate(args.shapes.split(",")):
         batch, seq_len = (int(v) for v in shape.split("x"))
-        rows += run_shape(batch, seq_len, chosen, args, builder=builder if i == 0 else None, first=i == 0, t0=t0)
-    args.out.mkdir(parents=True, exist_ok=True)
+        rows += run_shape(batch, seq_len, chosen, args, fi=fi, first=i == 0, t0=t0)
+        # After every shape, so that a call cut short by its time limit still brings numbers back.
+        (args.out / "mla_decode_device.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
     table = format_table(rows, device)
-    (args.out / "mla_decode_device.json").write_text(json.dumps(dict(device=device, rows=rows), indent=1))
     (args.out / "mla_decode_device.md").write_text(table + "\n")
     plot(rows, args.out / "mla_decode_device.png", device)
     print(table)
