@@ -1,6 +1,7 @@
-"""MLA decode in FlashMLA's structure: 64 heads as the rows of every product, 64-key latent tiles,
-the 512 output columns optionally split between two programs. Prepared, not yet measured: the
-backend runs it only when its MLADecodeConfig asks (`flashmla_decode_config`), never by default.
+"""MLA decode in FlashMLA's structure: 64 (or 128) heads as the rows of every product, latent tiles
+copied several tiles ahead, the 512 output columns optionally split between two programs.
+Prepared, not yet measured: the backend runs it only when its MLADecodeConfig asks
+(`flashmla_decode_config`), never by default.
 
 The same function as kernels/mla_decode.py (see there: absorbed queries, one latent "KV head",
 split-KV with partial (o_lat, lse) merged by LSE, `partition` 0 for a CUDA graph's plan). What
@@ -20,7 +21,12 @@ differs is how a program's work is cut, after FlashMLA's sm90 kernel:
   P V and a part of the key for Q K^T; the other part's columns and the rope tail complete the
   key. Three loads of [BLOCK_N, 256 | 256 | 64] (576 is not a power of two), no second load
   for the value.
-- Online softmax in registers (base 2), one rescale of the (halved) accumulator per 64 keys.
+- Online softmax in registers (base 2), one rescale of the accumulator per tile.
+- Copies run ahead of the work: a tile's block ids are loaded one tile early, so its address
+  depends on no load of the iteration and Triton's pipeliner keeps num_stages - 1 tiles in
+  flight (with the ids loaded in the iteration, as kernels/mla_decode.py does, it issues each
+  copy at the end of the previous tile and waits for it at the start of the next, at any
+  num_stages). PREFETCH (with num_stages 1) loads the next tile into registers instead.
 
 Both parts compute the same scores up to the order of the fp32 sums (own columns first), so
 their softmax statistics agree to rounding; part 0 writes the split's LSE.
