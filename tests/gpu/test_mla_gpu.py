@@ -68,3 +68,24 @@ def test_gpu_write_kernel_is_bit_exact(kv_dtype):
     write_latent_kv_torch(latent, k_pe, caches[0], slots)
     write_latent_kv_triton(latent, k_pe, caches[1], slots)
     assert torch.equal(caches[0].data.view(torch.uint8), caches[1].data.view(torch.uint8))
+
+
+@pytest.mark.parametrize("value_split", [1, 2])
+@pytest.mark.parametrize("sc", [s for s in GPU_MLA if s.name != "gpu_mixed"], ids=lambda s: s.name)
+def test_gpu_flashmla_decode_kernel_matches_reference(sc, value_split):
+    """The FlashMLA-structured TRITON decode kernel (a config switch, not the default) in bf16."""
+    from meshserve.attention.mla.backends.triton_common import flashmla_decode_config
+    from meshserve.attention.mla.backends.triton_decode import TritonMLADecodeBackend
+
+    problem = sc.problem("bfloat16", device="cuda")
+    reasons = TritonMLADecodeBackend.validate_configuration(problem)
+    if reasons:
+        pytest.skip("; ".join(reasons))
+    cfg = flashmla_decode_config(sc.num_heads, "bfloat16", "cuda", value_split=value_split)
+    case = make_mla_case(sc, dtype=torch.bfloat16, device="cuda", seed=9)
+    torch_case = make_mla_case(sc, dtype=torch.bfloat16, device="cuda", seed=9)
+    decode = TritonMLADecodeBackend(problem, config=cfg)
+    out, lse = _run(MLAAttention(problem, decode_backend=decode, prefill_backend="TRITON"), case)
+    ref_out, ref_lse = _run(MLAAttention(problem, decode_backend=TorchMLABackend(problem),
+                                         prefill_backend=TorchMLABackend(problem)), torch_case)  # fmt: skip
+    assert_matches(out, lse, ref_out.double().cpu(), ref_lse.double().cpu(), torch.bfloat16)

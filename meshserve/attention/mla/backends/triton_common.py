@@ -8,11 +8,13 @@ several tiles, splits and pages, so every path runs. This module imports no Trit
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 from dataclasses import dataclass
 
 from meshserve.attention.backend import AttentionProblem, BackendCapabilities
 from meshserve.attention.spec import AttentionType, KVCacheDtype
+from meshserve.errors import check
 
 TRITON_MLA_CAPABILITIES = BackendCapabilities(
     dtypes=frozenset({"float32", "float16", "bfloat16"}),
@@ -57,6 +59,13 @@ def triton_reasons(problem: AttentionProblem) -> list[str]:
     return out
 
 
+class MLADecodeKernel(enum.StrEnum):
+    """Which Triton kernel the TRITON MLA decode backend launches (a str: configs dump to JSON)."""
+
+    SHARED_ROWS = "shared_rows"  # kernels/mla_decode.py: the default, measured (docs/performance.md)
+    FLASHMLA = "flashmla"  # kernels/mla_decode_fm.py: FlashMLA's cut (64-key tiles, split columns); not measured
+
+
 @dataclass(frozen=True)
 class MLADecodeConfig:
     block_h: int  # heads per program (rows of both dot products)
@@ -65,6 +74,16 @@ class MLADecodeConfig:
     num_stages: int
     programs_per_sm: int  # the split heuristic aims at num_sms * programs_per_sm programs
     min_partition: int  # fewest keys per split worth a merge pass
+    kernel: MLADecodeKernel = MLADecodeKernel.SHARED_ROWS
+    value_split: int = 1  # FLASHMLA only: programs that split the output columns of one head block (1 or 2)
+    prefetch: bool = False  # FLASHMLA only: load the next tile into registers one tile ahead (with num_stages 1)
+
+    def __post_init__(self) -> None:
+        check(self.value_split in (1, 2), "value_split", self.value_split, "1 or 2")
+        check(self.value_split == 1 or self.kernel is MLADecodeKernel.FLASHMLA, "value_split", self.value_split,
+              "1 unless kernel is MLADecodeKernel.FLASHMLA (the shared-rows kernel keeps every column)")
+        check(not self.prefetch or self.kernel is MLADecodeKernel.FLASHMLA, "prefetch", self.prefetch,
+              "False unless kernel is MLADecodeKernel.FLASHMLA")
 
 
 @dataclass(frozen=True)
@@ -88,6 +107,21 @@ def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
     block_h = 64 if num_heads >= 64 else max(16, 1 << (num_heads - 1).bit_length())
     return MLADecodeConfig(block_h=block_h, block_n=32, num_warps=8, num_stages=2, programs_per_sm=2,
                            min_partition=256)  # fmt: skip
+
+
+def flashmla_decode_config(num_heads: int, dtype: str, device: str, *, value_split: int = 1,
+                           block_n: int | None = None, num_stages: int = 3, prefetch: bool = False) -> MLADecodeConfig:
+    """The switch to the FlashMLA-structured decode kernel (kernels/mla_decode_fm.py): prepared,
+    not measured, so no default uses it; bench/mla_decode_device.py times it against the default
+    and FlashInfer. On the GPU 64 heads x 32-key tiles at 8 warps and 3 stages: the default
+    kernel's tiles with the copies really two tiles deep (the default's wait for all copies at
+    the top of every tile: docs/performance.md). value_split 2: two programs keep 256 output
+    columns each and both compute the scores; prefetch: the next tile through registers."""
+    base = decode_config(num_heads, dtype, device)
+    if block_n is None:
+        block_n = base.block_n if device != "cuda" or dtype == "float32" else 32
+    return dataclasses.replace(base, kernel=MLADecodeKernel.FLASHMLA, value_split=value_split, block_n=block_n,
+                               num_stages=num_stages if device == "cuda" else base.num_stages, prefetch=prefetch)
 
 
 def prefill_config(dtype: str, device: str) -> MLAPrefillConfig:

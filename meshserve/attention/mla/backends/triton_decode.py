@@ -20,6 +20,7 @@ from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.backends.triton_common import (
     MLADecodeConfig,
+    MLADecodeKernel,
     decode_config,
     pow2,
     triton_reasons,
@@ -69,7 +70,9 @@ class TritonMLADecodeBackend(MLABackend):
         partition: int | None = None,
         num_sms: int | None = None,
     ) -> None:
-        """config: tile shapes (tuning); partition: fixed keys per split (tests); num_sms: SMs to fill."""
+        """config: kernel and tile shapes (tuning; `flashmla_decode_config` switches to the
+        FlashMLA-structured kernel, not the default until measured); partition: fixed keys per
+        split (tests); num_sms: SMs to fill."""
         super().__init__(problem)
         if partition is not None:
             check(partition >= 1, "partition", partition, "an integer >= 1 or None")
@@ -94,7 +97,7 @@ class TritonMLADecodeBackend(MLABackend):
             partition = cdiv(self.partition, block_n) * block_n
             splits = cdiv(max(max_keys, 1), partition)
         else:
-            head_blocks = cdiv(spec.num_heads, cfg.block_h)
+            head_blocks = cdiv(spec.num_heads, cfg.block_h) * cfg.value_split
             target = self._sm_count(device) * cfg.programs_per_sm
             partition, splits = choose_partition(max_keys, num_decodes, head_blocks, target, block_n, cfg.min_partition)
         partial_o = partial_lse = None
@@ -160,8 +163,7 @@ class TritonMLADecodeBackend(MLABackend):
         l_dst = plan.partial_lse if split else (lse if return_lse else plan.kv_lens).unsqueeze(0)
         data = cache.data
         scale = cache.scale.to(device=device, dtype=torch.float32)
-        grid = (cdiv(heads, cfg.block_h), num_decodes, plan.num_splits)
-        mla_decode_kernel[grid](
+        args = (
             q_lat, q_pe, data, o_dst, l_dst, plan.kv_lens, meta.block_table, scale,
             self.spec.softmax_scale, plan.partition, heads,
             q_lat.stride(0), q_lat.stride(1), q_pe.stride(0), q_pe.stride(1),
@@ -169,11 +171,21 @@ class TritonMLADecodeBackend(MLABackend):
             o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
             l_dst.stride(0), l_dst.stride(1), l_dst.stride(-1),
             meta.block_table.stride(0),
-            R=r, P=p, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_R=pow2(r, 16), BLOCK_P=pow2(p, 16),
-            PAGE=cache.block_size, KV_FP8=cache.is_fp8, WRITE_LSE=split or return_lse,
-            DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
+        tiles = dict(R=r, P=p, BLOCK_H=cfg.block_h, BLOCK_N=cfg.block_n, BLOCK_P=pow2(p, 16),
+                     PAGE=cache.block_size, KV_FP8=cache.is_fp8, WRITE_LSE=split or return_lse,
+                     DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+                     num_warps=cfg.num_warps, num_stages=cfg.num_stages)  # fmt: skip
+        head_blocks = cdiv(heads, cfg.block_h)
+        if cfg.kernel is MLADecodeKernel.FLASHMLA:
+            from meshserve.attention.kernels.mla_decode_fm import mla_decode_fm_kernel
+
+            grid = (head_blocks * cfg.value_split, num_decodes, plan.num_splits)
+            mla_decode_fm_kernel[grid](*args, BLOCK_V=pow2(cdiv(r, cfg.value_split), 16),
+                                       VALUE_SPLIT=cfg.value_split, PREFETCH=cfg.prefetch, **tiles)  # fmt: skip
+        else:
+            grid = (head_blocks, num_decodes, plan.num_splits)
+            mla_decode_kernel[grid](*args, BLOCK_R=pow2(r, 16), **tiles)
         if split:
             merge_attn_states_n_triton(plan.partial_o, plan.partial_lse, out=o_lat, out_lse=lse,
                                        return_lse=return_lse)  # fmt: skip
