@@ -46,7 +46,7 @@ test: $(TEST_STAMP)
 	    CUDA_VISIBLE_DEVICES= $(BIN)/python -m pytest -q -p no:cacheprovider tests --ignore=tests/gpu && \
 	    $(BIN)/python -m pytest -q -p no:cacheprovider tests/gpu; \
 	else \
-	    $(BIN)/python -m pytest -q -p no:cacheprovider tests; \
+	    $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15 tests; \
 	fi
 
 # Re-resolve every dependency at today's releases, reinstall from the new lock, run the suite: an
