@@ -38,6 +38,9 @@ def _stop_when_parent_is_gone(parent: int) -> None:
 
 def main() -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # stdout is process 0's pipe for READY alone: whatever else writes to stdout goes to stderr
+    ready_fd = os.dup(1)
+    os.dup2(2, 1)
     config = msgpack.unpackb(sys.stdin.buffer.read())
     os.environ[MULTIPROC_ENV] = config["metrics_dir"]  # inherited already; before prometheus_client's import
     from meshserve.api.engine_client import EngineClient
@@ -66,8 +69,8 @@ def main() -> int:
     _stop_when_parent_is_gone(config["parent"])
 
     def ready() -> None:
-        sys.stdout.buffer.write(READY)
-        sys.stdout.buffer.flush()
+        os.write(ready_fd, READY)
+        os.close(ready_fd)
 
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
                            announce=log.info, chat_template=chat_template, sampling_defaults=sampling_defaults,
