@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 import os
 import signal
@@ -54,7 +53,6 @@ def main() -> int:
     args = argparse.Namespace(**config["args"])
     configure_logging(os.environ.get("MESHSERVE_LOG") or "info", args.log_format)
     engine, _, server = configs_of(args)
-    server = dataclasses.replace(server, metrics_port=None)  # process 0 serves the metrics port
     chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template,
                                       tool_call_parser=args.tool_call_parser)
     sampling_defaults = load_sampling_defaults(args.generation_config, engine.model.model)

@@ -372,7 +372,7 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
     frontend = frontend or FrontendProcess()
     server = ApiServer(service, server_config, max_queue=max_queue, limits=limits, sampling_defaults=sampling_defaults,
                        api_server=frontend.index, shared_metrics_dir=frontend.metrics_dir,
-                       reuse_port=frontend.shares_ports)
+                       reuse_port=frontend.shares_ports, metrics=frontend.index == 0)  # its own port: process 0's
     http = None
     try:
         if api_servers is not None:  # shared ports: nobody may hold them yet, not even a sharing server
@@ -394,7 +394,7 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
         await server.stop(grace=0)
         raise
     # a log line, not stdout: the first stdout line stays "meshserve: serving ..." (scripts wait for it)
-    metrics_url = server.metrics_url or f"{http.url}/metrics"
+    metrics_url = server.metrics_url or (f"{http.url}/metrics" if http is not None else "process 0's metrics port")
     log.info("health on %s (readiness NOT_SERVING until the replicas are up), metrics on %s; starting the service",
              server.address, metrics_url)
     stop = asyncio.Event()

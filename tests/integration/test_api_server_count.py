@@ -21,6 +21,7 @@ import psutil
 import pytest
 
 from meshserve.api.client import InferenceClient
+from meshserve.cluster.executors.executor import free_port
 from meshserve.demo_model import DEMO_MODEL_DIR
 from tests.integration.api_harness import wait_for
 from tests.integration.test_listen_loopback import listeners, non_loopback_listeners
@@ -78,7 +79,8 @@ def want():
 
 
 def test_two_front_end_processes_share_the_ports_serve_engine_tokens_and_sum_metrics(want):
-    proc, address, url = _serve()
+    metrics_port = free_port()
+    proc, address, url = _serve("--metrics-port", str(metrics_port))
     try:
         pids = _frontends(proc)
         model = InferenceClient(address).list_models()[0].name
@@ -109,10 +111,13 @@ def test_two_front_end_processes_share_the_ports_serve_engine_tokens_and_sum_met
         assert sum(_metric(url, "meshserve_time_to_first_token_seconds_count").values()) == calls
         # the engine's counters once: each call generated 8 tokens
         assert sum(_metric(url, "meshserve_generation_tokens_total").values()) == 8 * calls
+        # the metrics port (process 0's alone) says the same
+        assert _per_process(f"http://127.0.0.1:{metrics_port}") == now
         grpc_port, http_port = int(address.rsplit(":", 1)[1]), int(url.rsplit(":", 1)[1])
         seen = listeners([psutil.Process(pid) for pid in pids])
         for pid in pids:
             assert {grpc_port, http_port} <= {x.port for x in seen if x.pid == pid}, [str(x) for x in seen]
+        assert metrics_port in {x.port for x in seen if x.pid == pids[0]}
         assert non_loopback_listeners() == []
     finally:
         proc.send_signal(signal.SIGTERM)
