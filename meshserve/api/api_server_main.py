@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -73,6 +74,8 @@ def main() -> int:
     asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
                            announce=log.info, chat_template=chat_template, sampling_defaults=sampling_defaults,
                            frontend=frontend, on_serving=ready))
+    if os.getppid() != config["parent"]:  # process 0 was killed: nobody else removes the metrics files
+        shutil.rmtree(config["metrics_dir"], ignore_errors=True)
     return 0
 
 
