@@ -60,9 +60,11 @@ except ImportError:  # an older install: the standard parser
 
 PATHS = ("offline", "http", "grpc")  # the default run
 # A served path is a face and the server's process layout: bare, `meshserve serve` as it defaults;
-# -split, with --engine-process (front-ends and engine in two processes); -inproc, without.
+# -split, with --engine-process (front-ends and engine in two processes); -inproc, without; -x2,
+# two front-end processes sharing the ports (--api-server-count 2) over one engine process.
 FACES = ("http", "grpc")
-LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"]}
+LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"],
+           "-x2": ["--engine-process", "--api-server-count", "2"]}
 KNOWN_PATHS = ("offline", *(face + layout for layout in LAYOUTS for face in FACES))
 
 
@@ -268,11 +270,12 @@ async def _served(server: Server, path: str, workload: Workload, concurrency: in
 
 
 def run_served(server: Server, path: str, workload: Workload, concurrency: int, vocab_size: int) -> PathRun:
-    server_cpu, front_cpu = tree_cpu_seconds(server.pid), process_cpu_seconds(server.pid)
+    fronts = frontend_pids(server.pid)
+    server_cpu, front_cpu = tree_cpu_seconds(server.pid), sum(map(process_cpu_seconds, fronts))
     client_cpu = time.process_time()
     summary, outputs = asyncio.run(_served(server, path, workload, concurrency, vocab_size))
     server_cpu, client_cpu = tree_cpu_seconds(server.pid) - server_cpu, time.process_time() - client_cpu
-    front_cpu = process_cpu_seconds(server.pid) - front_cpu
+    front_cpu = sum(map(process_cpu_seconds, fronts)) - front_cpu
     split = len(_descendants(server.pid)) > 0  # the engine's own process (a child of serve's)
     return PathRun(path, concurrency, summary, outputs, engine_cpu_s=server_cpu, client_cpu_s=client_cpu,
                    frontend_cpu_s=front_cpu if split else None, tokens_made=_tokens_made(workload, concurrency))
@@ -294,6 +297,16 @@ def _descendants(pid: int) -> list[int]:
                 out += kids
                 todo += kids
     return out
+
+
+def frontend_pids(pid: int) -> list[int]:
+    """The server's front-end processes: serve's own, and with --api-server-count the others."""
+    others = []
+    for p in _descendants(pid):
+        with contextlib.suppress(OSError):
+            if b"meshserve.api.api_server_main" in Path(f"/proc/{p}/cmdline").read_bytes():
+                others.append(p)
+    return [pid, *others]
 
 
 def tree_cpu_seconds(pid: int) -> float:
@@ -569,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--paths", default="offline,http,grpc",
                     help="comma-separated, of offline, http, grpc (the server as `serve` defaults), http-split, "
                          "grpc-split (serve --engine-process: front-ends and engine in two processes), http-inproc, "
-                         "grpc-inproc (--no-engine-process: one process)")
+                         "grpc-inproc (--no-engine-process: one process), http-x2, grpc-x2 (--api-server-count 2: "
+                         "two front-end processes on the same ports)")
     ap.add_argument("--dtype", default=None, help="default: auto (demo), bfloat16 (llama3-8b)")
     ap.add_argument("--kv-cache-memory-bytes", type=int, default=None,
                     help="KV budget of both sides (default 256 MiB CPU, 32 GiB cuda)")

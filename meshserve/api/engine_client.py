@@ -54,11 +54,14 @@ class EngineClient:
     process: the engine's process (api/engine_process.py: start(), exit_code(), wait(), kill()),
     started by `start`; None when the endpoint runs elsewhere (tests: a thread of this process).
     max_queue: the engine's scheduler max_queue (what the gRPC ServerInfo reports).
+    owns_engine: `shutdown` stops the engine's service; False for the other front-end processes of
+    --api-server-count, whose shutdown only leaves (the first process stops the engine, last).
     """
 
     def __init__(self, address: str, key: wire.ChannelKey, *, model_dir: str, max_queue: int = 1024,
-                 process=None) -> None:
+                 process=None, owns_engine: bool = True) -> None:
         self.address = address
+        self.owns_engine = owns_engine
         self.key = key
         self.max_queue = max_queue
         self.process = process
@@ -109,8 +112,9 @@ class EngineClient:
             await self._changed.wait()
 
     async def shutdown(self, *, drain: bool = True) -> None:
-        """Stop the engine's service and process (streams still open end with the engine)."""
-        if self._sock is not None and self._gone is None:
+        """Stop the engine's service and process (streams still open end with the engine); a
+        client that does not own the engine only disconnects."""
+        if self._sock is not None and self._gone is None and self.owns_engine:
             self._send(wire.SHUTDOWN, b"")
             if self.process is None:
                 with contextlib.suppress(TimeoutError):

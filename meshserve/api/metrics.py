@@ -4,6 +4,12 @@ Gauges and counters of the engine are read from `service.stats()` and `service.h
 scrape time (nothing to keep in sync); latency histograms are observed by the API per
 request, as the client sees it (from the request's arrival at the server). Names and meanings
 are listed in docs/api.md; `METRICS` below is that list, checked by a test.
+
+Under `serve --api-server-count N` (N > 1) each front-end process observes its own requests and any
+of them may answer a scrape, so the API's counters and histograms live in prometheus_client's
+multiprocess mode (a file per process in the server's PROMETHEUS_MULTIPROC_DIR; a scrape sums
+them), and the engine's series come once, from the answering process's copy of the engine's
+report. `meshserve_api_server_requests_total{api_server}` tells the processes apart.
 """
 
 from __future__ import annotations
@@ -14,9 +20,10 @@ import time
 from collections.abc import Iterator
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app
+from prometheus_client import CollectorRegistry, Counter, Histogram, make_wsgi_app, values
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from meshserve.api.auth import bearer_of, is_known
@@ -64,6 +71,8 @@ METRICS = {
     "meshserve_kv_imports_total": "counter: KV imports that succeeded, by the transport that moved them (labels "
                                   "pool, replica, transport; disaggregated pools)",
     "meshserve_requests_total": "counter: finished Generate calls by gRPC status code (label code)",
+    "meshserve_api_server_requests_total": "counter: finished Generate calls (gRPC and HTTP) per front-end process "
+                                           "(label api_server: 0 .. --api-server-count - 1)",
     "meshserve_time_to_first_token_seconds": "histogram: arrival to first token",
     "meshserve_time_per_output_token_seconds": "histogram: (last token - first token) / (tokens - 1), per request",
     "meshserve_e2e_request_latency_seconds": "histogram: arrival to last token, requests that finished",
@@ -178,6 +187,7 @@ class RequestTimer:
     def finish(self, code: str, *, completed: bool) -> None:
         """code: the call's status code name; completed: the request reached its last delta."""
         self.metrics.requests.labels(code=code).inc()
+        self.metrics.api_server_requests.inc()
         if completed and self.first is not None:
             self.metrics.e2e.observe(self.last - self.start)
             if self.num_tokens > 1:
@@ -205,22 +215,34 @@ class _ModelNameLabel(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, service: InferenceService) -> None:
+    """The server's metrics. api_server: this front-end process's index (--api-server-count);
+    shared_dir: the multiprocess folder the front-end processes share (None: one process)."""
+
+    def __init__(self, service: InferenceService, *, api_server: int = 0, shared_dir: str | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(_ServiceCollector(service))
+        own = self.registry
+        if shared_dir is not None:
+            if not getattr(values.ValueClass, "_multiprocess", False):
+                raise RuntimeError("ServerMetrics(shared_dir=...) needs PROMETHEUS_MULTIPROC_DIR set before "
+                                   "prometheus_client is imported (api/api_servers.py sets it for each process)")
+            # the API's own series are read back from every process's file, not from this process's objects
+            MultiProcessCollector(self.registry, path=shared_dir)
+            own = None
         # what the endpoints serve: the same samples, labelled model_name
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(_ModelNameLabel(self.registry, service))
         doc = {name: text.split(": ", 1)[1] for name, text in METRICS.items()}
-        self.requests = Counter("meshserve_requests", doc["meshserve_requests_total"], ["code"],
-                                registry=self.registry)
+        self.requests = Counter("meshserve_requests", doc["meshserve_requests_total"], ["code"], registry=own)
+        self.api_server_requests = Counter("meshserve_api_server_requests", doc["meshserve_api_server_requests_total"],
+                                           ["api_server"], registry=own).labels(api_server=str(api_server))
         self.ttft = Histogram("meshserve_time_to_first_token_seconds", doc["meshserve_time_to_first_token_seconds"],
-                              buckets=_TTFT_BUCKETS, registry=self.registry)
+                              buckets=_TTFT_BUCKETS, registry=own)
         self.tpot = Histogram("meshserve_time_per_output_token_seconds",
                               doc["meshserve_time_per_output_token_seconds"], buckets=_TPOT_BUCKETS,
-                              registry=self.registry)
+                              registry=own)
         self.e2e = Histogram("meshserve_e2e_request_latency_seconds", doc["meshserve_e2e_request_latency_seconds"],
-                             buckets=_E2E_BUCKETS, registry=self.registry)
+                             buckets=_E2E_BUCKETS, registry=own)
         self._http = None
 
     def timer(self) -> RequestTimer:

@@ -20,9 +20,17 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import sys
 
+from meshserve.api.api_servers import (
+    ApiServerGroup,
+    FrontendProcess,
+    check_api_server_count,
+    check_port_free,
+    shared_metrics_dir,
+)
 from meshserve.config import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZATION_HELP,
@@ -39,7 +47,7 @@ from meshserve.config import (
     ServerConfig,
     SmallMGemm,
 )
-from meshserve.errors import check
+from meshserve.errors import UnavailableError, check
 
 log = logging.getLogger("meshserve.serve")
 
@@ -162,6 +170,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "per-token work of the front-ends does not share a GIL with the engine's step; "
                         "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
                         "are served in one process either way (default: on)")
+    s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
+                   help="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each with its "
+                        "own connection to the one engine process (vLLM's flag): more streams a second than one "
+                        "process's event loop turns into messages. 1 to the number of cores; above 1 only with "
+                        "--engine-process. /metrics sums the processes; one that dies stops the whole server "
+                        "(docs/architecture.md) (default: 1)")
     add_request_limit_flags(p)
     s.add_argument("--log-format", default=None, choices=["text", "json"],
                    help="log lines as text or JSON objects (default: MESHSERVE_LOG_FORMAT, else text)")
@@ -335,12 +349,19 @@ def default_model_name(args: argparse.Namespace) -> str | None:
 
 
 async def run_server(service, server_config: ServerConfig, *, max_queue: int, drain_seconds: float,
-                     announce=print, chat_template=None, sampling_defaults=None) -> None:
+                     announce=print, chat_template=None, sampling_defaults=None,
+                     frontend: FrontendProcess | None = None, api_servers: ApiServerGroup | None = None,
+                     on_serving=None) -> None:
     """Serve until SIGINT or SIGTERM, then drain and shut the service down.
 
     The front-ends bind first (a busy port fails before any model loads), then the service
     starts behind them: meanwhile health answers, readiness NOT_SERVING and requests
-    UNAVAILABLE. A service that fails to start (e.g. --placement-timeout passed) stops them all."""
+    UNAVAILABLE. A service that fails to start (e.g. --placement-timeout passed) stops them all.
+
+    --api-server-count (api/api_servers.py): `frontend` says which front-end process this is;
+    process 0 gets the others as `api_servers` (started once its ports are bound, stopped and
+    waited for before the service shuts down; one that exits stops the server with an error);
+    the others stop on SIGTERM only and call `on_serving` once they serve."""
     from meshserve.api.convert import ApiLimits
     from meshserve.api.generation_defaults import SamplingDefaults
     from meshserve.api.http.server import HttpServer
@@ -348,24 +369,32 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
 
     limits = ApiLimits.of(server_config)
     sampling_defaults = sampling_defaults or SamplingDefaults()
-    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits, sampling_defaults=sampling_defaults)
+    frontend = frontend or FrontendProcess()
+    server = ApiServer(service, server_config, max_queue=max_queue, limits=limits, sampling_defaults=sampling_defaults,
+                       api_server=frontend.index, shared_metrics_dir=frontend.metrics_dir,
+                       reuse_port=frontend.shares_ports, metrics=frontend.index == 0)  # its own port: process 0's
     http = None
     try:
+        if api_servers is not None:  # shared ports: nobody may hold them yet, not even a sharing server
+            check_port_free(server_config.http_host, server_config.http_port, "http_port")
+            check_port_free(server_config.host, server_config.port, "grpc_port")
         if server_config.http_port is not None:  # bound first: a busy port fails before gRPC starts
             http = HttpServer(service, host=server_config.http_host, port=server_config.http_port,
                               metrics=server.metrics, tokens=server.tokens, chat_template=chat_template, limits=limits,
                               max_body_bytes=server_config.max_message_bytes, tls_cert=server_config.tls_cert,
                               tls_key=server_config.tls_key, metrics_token=server.metrics_token,
-                              sampling_defaults=sampling_defaults)
+                              sampling_defaults=sampling_defaults, reuse_port=frontend.shares_ports)
             await http.start()
         await server.start()
+        if api_servers is not None:
+            api_servers.start(http_port=None if http is None else http.port, grpc_port=server.port)
     except BaseException:  # a busy port: the other front-end does not outlive the refusal
         if http is not None:
             await http.stop(grace=0)
         await server.stop(grace=0)
         raise
     # a log line, not stdout: the first stdout line stays "meshserve: serving ..." (scripts wait for it)
-    metrics_url = server.metrics_url or f"{http.url}/metrics"
+    metrics_url = server.metrics_url or (f"{http.url}/metrics" if http is not None else "process 0's metrics port")
     log.info("health on %s (readiness NOT_SERVING until the replicas are up), metrics on %s; starting the service",
              server.address, metrics_url)
     stop = asyncio.Event()
@@ -377,39 +406,66 @@ async def run_server(service, server_config: ServerConfig, *, max_queue: int, dr
             os._exit(130)
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    # the other front-end processes stop when process 0 tells them (a Ctrl-C reaches them all)
+    signals = (signal.SIGINT, signal.SIGTERM) if frontend.index == 0 else (signal.SIGTERM,)
+    for sig in signals:
         loop.add_signal_handler(sig, on_signal)
+    failure: list[str] = []
+    watch = None
+
+    async def start_all() -> None:
+        if hasattr(service, "start"):
+            await service.start()
+        if api_servers is not None:
+            await api_servers.wait_ready()
+
+    async def watch_api_servers() -> None:
+        failure.append(await api_servers.watch())
+        log.error("%s: stopping the whole server", failure[0])
+        stop.set()
+
     try:
-        if await _start_or_stop(service, stop):
+        if await _start_or_stop(start_all, stop):
             await server.health.update()  # readiness flips now, not at the next poll
-            for sig in (signal.SIGINT, signal.SIGTERM):  # again: joining Ray may have replaced them
+            for sig in signals:  # again: joining Ray may have replaced them
                 loop.add_signal_handler(sig, on_signal)
+            if api_servers is not None:
+                watch = loop.create_task(watch_api_servers())
             model = service.models()[0].name
             announce(f"meshserve: serving {model} on {server.address}, metrics on {metrics_url}")
             if http is not None:
                 announce(f"meshserve: OpenAI-compatible API on {http.url}/v1")
+            if on_serving is not None:
+                on_serving()
             await stop.wait()
         announce(f"meshserve: draining (up to {drain_seconds:g} s)")
+        if api_servers is not None:  # every process drains its own streams; the engine stops after all
+            api_servers.terminate()
         await asyncio.gather(server.stop(grace=drain_seconds),
-                             *([http.stop(grace=drain_seconds)] if http is not None else []))
+                             *([http.stop(grace=drain_seconds)] if http is not None else []),
+                             *([api_servers.wait(drain_seconds)] if api_servers is not None else []))
         await service.shutdown(drain=False)
     except BaseException:
+        if api_servers is not None:
+            api_servers.kill()
         await asyncio.gather(server.stop(grace=0), *([http.stop(grace=0)] if http is not None else []),
                              return_exceptions=True)
         await service.shutdown(drain=False)
         raise
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        if watch is not None:
+            watch.cancel()
+        for sig in signals:
             loop.remove_signal_handler(sig)
+    if failure:
+        raise UnavailableError(f"{failure[0]}: the whole server stopped (--api-server-count)")
     announce("meshserve: stopped")
 
 
-async def _start_or_stop(service, stop: asyncio.Event) -> bool:
-    """Start the service (when it has a start) unless `stop` is set first: True once started,
+async def _start_or_stop(start, stop: asyncio.Event) -> bool:
+    """Run `start()` (a coroutine function) unless `stop` is set first: True once started,
     False when stopped while starting; a failed start raises."""
-    if not hasattr(service, "start"):
-        return True
-    starting = asyncio.create_task(service.start())
+    starting = asyncio.create_task(start())
     stopping = asyncio.create_task(stop.wait())
     await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
     stopping.cancel()
@@ -428,8 +484,10 @@ def _is_embedding_model(model: str) -> bool:
     return read_model_task(model) == "embed"
 
 
-def engine_client(args: argparse.Namespace, *, model: str, model_name: str | None):
-    """--engine-process: the EngineClient over a fresh engine process (started by its start)."""
+def engine_client(args: argparse.Namespace, *, model: str, model_name: str | None,
+                  metrics_dir: str | None = None):
+    """--engine-process: the EngineClient over a fresh engine process (started by its start), and
+    with --api-server-count > 1 the group of the other front-end processes (else None)."""
     from meshserve.api.engine_client import EngineClient
     from meshserve.api.engine_process import EngineProcess
     from meshserve.core.secret import ClusterSecret
@@ -437,17 +495,34 @@ def engine_client(args: argparse.Namespace, *, model: str, model_name: str | Non
     # the resolved folder, not a hub id again
     settings = argparse.Namespace(**{**vars(args), "model": model, "model_tag": None, "revision": None})
     process = EngineProcess(settings, model_name=model_name, secret=ClusterSecret.resolve())
-    return EngineClient(process.address, process.key, model_dir=model, max_queue=args.max_queue, process=process)
+    client = EngineClient(process.address, process.key, model_dir=model, max_queue=args.max_queue, process=process)
+    group = None
+    if args.api_server_count > 1:
+        group = ApiServerGroup(settings, count=args.api_server_count, engine=process, model_name=model_name,
+                               metrics_dir=metrics_dir)
+    return client, group
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from meshserve.api.generation_defaults import load_sampling_defaults
-    from meshserve.api.http.chat import ChatTemplate
-    from meshserve.api.preflight import check_layout_fits_model
     from meshserve.cluster.logs import configure_logging
 
     level = os.environ.get("MESHSERVE_LOG") or "info"  # serve logs at info unless told
     configure_logging(level, args.log_format)
+    check_api_server_count(args.api_server_count, engine_process=args.engine_process)
+    # before anything imports prometheus_client (api/api_servers.py)
+    metrics_dir = shared_metrics_dir() if args.api_server_count > 1 else None
+    try:
+        return _serve(args, level, metrics_dir)
+    finally:
+        if metrics_dir is not None:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _serve(args: argparse.Namespace, level: str, metrics_dir: str | None) -> int:
+    from meshserve.api.generation_defaults import load_sampling_defaults
+    from meshserve.api.http.chat import ChatTemplate
+    from meshserve.api.preflight import check_layout_fits_model
+
     engine, pools, server = configs_of(args)
     chat_template = ChatTemplate.load(engine.model.model, override=server.chat_template,
                                       tool_call_parser=args.tool_call_parser)
@@ -464,8 +539,13 @@ def serve_main(args: argparse.Namespace) -> int:
         if args.device == "cpu" or not torch.cuda.is_available():
             log.info("--gpu-memory-utilization %g on CPU: the KV pool takes that fraction of the host's available "
                      "memory", engine.cache.memory_utilization)
-    if args.engine_process and not _is_embedding_model(engine.model.model):
-        service = engine_client(args, model=engine.model.model, model_name=default_model_name(args))
+    api_servers = None
+    embedding = _is_embedding_model(engine.model.model)
+    check(not embedding or args.api_server_count == 1, "api_server_count", args.api_server_count,
+          "1 for an embedding model (it is served in one process)")
+    if args.engine_process and not embedding:
+        service, api_servers = engine_client(args, model=engine.model.model, model_name=default_model_name(args),
+                                             metrics_dir=metrics_dir)
     else:
         service = build_service(engine, pools, model_name=default_model_name(args), device=args.device,
                                 progress=sys.stderr.isatty(), block_size=args.block_size,
@@ -475,6 +555,12 @@ def serve_main(args: argparse.Namespace) -> int:
 
         service = ServedNames(service, args.served_model_name)
     announce = lambda line: print(line, flush=True)
-    asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                           announce=announce, chat_template=chat_template, sampling_defaults=sampling_defaults))
+    frontend = FrontendProcess(index=0, count=args.api_server_count, metrics_dir=metrics_dir)
+    try:
+        asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
+                               announce=announce, chat_template=chat_template, sampling_defaults=sampling_defaults,
+                               frontend=frontend, api_servers=api_servers))
+    finally:
+        if api_servers is not None:
+            api_servers.close()
     return 0

@@ -41,14 +41,19 @@ def _address(host: str, port: int) -> str:
 class ApiServer:
     def __init__(self, service: InferenceService, config: ServerConfig, *, max_queue: int,
                  limits: ApiLimits = ApiLimits(), metrics: bool = True, health_interval: float = 0.2,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(), api_server: int = 0,
+                 shared_metrics_dir: str | None = None, reuse_port: bool = False) -> None:
+        """api_server, shared_metrics_dir, reuse_port: this front-end process among several
+        (--api-server-count; api/api_servers.py): its index, the metrics files they share, and the
+        gRPC port shared with the others (SO_REUSEPORT)."""
         self.service = service
+        self.reuse_port = reuse_port
         self.config = config
         self.tokens = (read_tokens(config.auth_token_file) if config.auth_token_file else ()) + tuple(config.api_keys)
         self.metrics_token = (read_token(config.metrics_token_file, field="metrics_token_file")
                               if config.metrics_token_file else None)
         self.tls = config.tls_cert is not None
-        self.metrics = ServerMetrics(service)
+        self.metrics = ServerMetrics(service, api_server=api_server, shared_dir=shared_metrics_dir)
         self.servicer = InferenceServicer(service, metrics=self.metrics, limits=limits,
                                           max_message_bytes=config.max_message_bytes, max_queue=max_queue,
                                           auth_required=bool(self.tokens), tls=self.tls,
@@ -65,7 +70,9 @@ class ApiServer:
         options = [
             ("grpc.max_receive_message_length", cfg.max_message_bytes),
             ("grpc.max_send_message_length", cfg.max_message_bytes),
-            ("grpc.so_reuseport", 0),  # a second server on the same port must fail, not share it
+            # a second server on the same port must fail, not share it; only this server's own
+            # front-end processes share it (api/api_servers.py checks the port was free first)
+            ("grpc.so_reuseport", int(self.reuse_port)),
         ]
         interceptors = [BearerTokenInterceptor(self.tokens)] if self.tokens else []
         server = grpc.aio.server(options=options, interceptors=interceptors)

@@ -30,10 +30,14 @@ log = logging.getLogger("meshserve.api")
 ENDING_S = 1.0
 
 
-def bind(host: str, port: int, *, field: str = "http_port") -> socket.socket:
+def bind(host: str, port: int, *, field: str = "http_port", reuse_port: bool = False) -> socket.socket:
+    """A socket bound to host:port; reuse_port: shared with the other front-end processes of this
+    server (SO_REUSEPORT: the kernel spreads the connections over them; --api-server-count)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     try:
         sock.bind((host, port))
     except OSError as exc:
@@ -48,7 +52,8 @@ class HttpServer:
                  metrics: ServerMetrics | None = None, limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
                  chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
                  tls_cert: str | None = None, tls_key: str | None = None, metrics_token: str | None = None,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults()) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(), reuse_port: bool = False) -> None:
+        self.reuse_port = reuse_port
         self.frontend = OpenAIFrontend(service, metrics=metrics, limits=limits, tokens=tokens,
                                        chat_template=chat_template, max_body_bytes=max_body_bytes,
                                        metrics_token=metrics_token, sampling_defaults=sampling_defaults)
@@ -69,7 +74,7 @@ class HttpServer:
         return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
 
     async def start(self) -> None:
-        sock = bind(self.host, self.requested_port)
+        sock = bind(self.host, self.requested_port, reuse_port=self.reuse_port)
         self.port = sock.getsockname()[1]
         config = self.config
         if not config.loaded:

@@ -4,6 +4,7 @@ before any model is loaded."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 
 import pytest
@@ -13,6 +14,7 @@ from meshserve.cli import build_parser, main
 from meshserve.config import PoolMode, ServerConfig
 from meshserve.errors import ConfigError
 
+CORES = len(os.sched_getaffinity(0))
 CONTRACT = ["serve", "--model", "/m", "--dtype", "bfloat16", "--tp", "8", "--dcp", "2", "--attention-backend",
             "FLASHINFER", "--block-size", "32", "--max-model-len", "4096", "--pools", "disaggregated",
             "--replicas", "3", "--prefill-replicas", "2", "--decode-replicas", "4", "--ray-address", "auto",
@@ -82,6 +84,10 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--max-migrations", "-1"], "max_migrations=-1 is not allowed: an integer in [0, 100]"),
     (["--unhealthy-liveness-seconds", "-5"],
      "unhealthy_liveness_seconds=-5.0 is not allowed: a number of seconds in [1, 604800]"),
+    (["--api-server-count", "0"], f"api_server_count=0 is not allowed: an integer in [1, {CORES}] (--api-server-count"),
+    (["--api-server-count", "4096"], f"api_server_count=4096 is not allowed: an integer in [1, {CORES}]"),
+    (["--no-engine-process", "--api-server-count", "2"],
+     "api_server_count=2 is not allowed: 1 with --no-engine-process"),
 ])
 def test_refusals_name_the_flag_before_loading_anything(flags, message, capsys):
     assert main(["serve", *flags]) == 2
@@ -155,3 +161,18 @@ def test_per_pool_parallelism_reaches_the_coordinator(flags, want):
                             prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
     layouts = service.config.parallel_by_role()  # built, not started: no rank runs
     assert {role: (p.tp, p.dcp) for role, p in layouts.items()} == want
+
+
+def test_a_shared_port_must_be_free_even_of_a_server_that_would_share_it():
+    """--api-server-count binds with SO_REUSEPORT; a port another server holds that way is refused,
+    not silently shared with it."""
+    from meshserve.api.api_servers import check_port_free
+
+    with socket.socket() as sharer:
+        sharer.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        sharer.bind(("127.0.0.1", 0))
+        sharer.listen()
+        port = sharer.getsockname()[1]
+        with pytest.raises(ConfigError, match=f"^http_port={port} is not allowed: a free port on 127.0.0.1"):
+            check_port_free("127.0.0.1", port, "http_port")
+    check_port_free("127.0.0.1", port, "http_port")  # free again

@@ -140,3 +140,27 @@ def test_frames_of_another_secret_are_dropped(tiny_llama, tmp_path):
         assert (await collect(client, "ok", [1, 2, 3], GREEDY)).finish_reason is FinishReason.LENGTH
 
     split(threads(tiny_llama), body, tmp_path, key=key)
+
+
+def test_two_front_ends_share_one_engine_and_one_leaving_does_not_stop_it(tiny_llama, tmp_path):
+    """--api-server-count: a second front-end with the same key gets its own streams' deltas; its
+    leaving (owns_engine=False) only disconnects, while the first one's stream runs on."""
+    requests = mixed_requests()
+
+    async def body(client, coord):
+        other = EngineClient(client.address, client.key, model_dir=coord.config.engine.model.model,
+                             owns_engine=False)
+        await asyncio.wait_for(other.start(), 60)
+        half = len(requests) // 2
+        mine, theirs = await asyncio.gather(run_all(client, requests[:half]), run_all(other, requests[half:]))
+        running = client.generate([7, 8, 9], GREEDY, request_id="runs-on")
+        first = await running.__anext__()
+        await other.shutdown(drain=False)
+        rest = [d async for d in running]
+        assert len(first.token_ids) + sum(len(d.token_ids) for d in rest) == GREEDY.max_tokens
+        assert client.health().serving
+        after = await asyncio.wait_for(collect(client, "after", [1, 2, 3], GREEDY), 30)  # the engine still serves
+        assert after.finish_reason is FinishReason.LENGTH
+        return {**mine, **theirs}
+
+    assert_same(split(threads(tiny_llama), body, tmp_path), reference(tiny_llama, requests))

@@ -156,6 +156,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
         "MESHSERVE_TP": "8", "MESHSERVE_DCP": "2", "MESHSERVE_EP": "1",
         "MESHSERVE_ATTENTION_BACKEND": "FLASHINFER", "MESHSERVE_BLOCK_SIZE": "16",
         "MESHSERVE_MAX_MODEL_LEN": "131072", "MESHSERVE_MAX_QUEUE": "4096", "MESHSERVE_POOLS": "unified",
+        "MESHSERVE_API_SERVER_COUNT": "2",
         "MESHSERVE_REPLICAS": "2", "MESHSERVE_TLS_CERT": "/etc/meshserve/tls/tls.crt",
         "MESHSERVE_TLS_KEY": "/etc/meshserve/tls/tls.key",
         "MESHSERVE_AUTH_TOKEN_FILE": "/etc/meshserve/auth/token",
@@ -166,6 +167,7 @@ def test_configmap_carries_the_values_as_server_flags(rendered):
     demo = one(rendered["cpu-demo"], "ConfigMap", "ms-meshserve-config")["data"]
     # Unset optional flags stay empty so the server's defaults apply (demo model, auto backend).
     assert demo["MESHSERVE_MODEL"] == demo["MESHSERVE_BLOCK_SIZE"] == demo["MESHSERVE_TLS_CERT"] == ""
+    assert demo["MESHSERVE_API_SERVER_COUNT"] == ""  # one front-end process, the server's default
     assert demo["MESHSERVE_ATTENTION_BACKEND"] == ""  # automatic: CPU_SDPA on a CPU (next test)
     kuberay = one(rendered["kuberay"], "ConfigMap", "ms-meshserve-config")["data"]
     assert kuberay["RAY_HEAD_HOST"] == "ms-meshserve-head-svc.llm.svc"

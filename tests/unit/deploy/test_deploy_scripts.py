@@ -92,7 +92,7 @@ def test_head_starts_ray_then_serves_with_every_flag(tmp_path, stubs):
                      "--tp", "8", "--dcp", "2", "--ep", "1",
                      "--pools", "unified", "--replicas", "2", "--model", "/models",
                      "--attention-backend", "FLASHINFER", "--block-size", "16", "--max-model-len", "131072",
-                     "--max-queue", "4096", "--tls-cert", "/etc/meshserve/tls/tls.crt",
+                     "--max-queue", "4096", "--api-server-count", "2", "--tls-cert", "/etc/meshserve/tls/tls.crt",
                      "--tls-key", "/etc/meshserve/tls/tls.key",
                      "--auth-token-file", "/etc/meshserve/auth/token",
                      "--metrics-token-file", "/etc/meshserve/metrics-auth/token",
