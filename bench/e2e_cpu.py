@@ -8,7 +8,8 @@ batch size is its best round. meshserve runs at the thread count its LLM chooses
 engine and round, then `generate` of --output-len greedy tokens after --prompt-len random
 tokens, EOS ignored, float32; tok/s = output tokens / wall seconds, or CPU seconds with --clock
 cpu, prefill included). The load average is read before and after each round and reported beside
-the numbers. Table + JSON + PNG.
+the numbers, and the CPU's model and one-thread GEMM rate above them (bench/cpu_machine.py: the
+development VM's host changes under one name). Table + JSON + PNG.
 
     python -m bench.e2e --device cpu                                   # batch 1, 16, 64; 3 rounds
     python -m bench.e2e --device cpu --rounds 5 --out bench/results --write docs/performance.md
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.cpu_generate import hf_tok_s, meshserve_tok_s
+from bench.cpu_machine import fingerprint
 from bench.report import pyplot, write_section
 
 BEGIN, END = "<!-- bench/e2e.py --device cpu:begin -->", "<!-- bench/e2e.py --device cpu:end -->"
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> dict:
     args.vocab, args.repeats = DEMO_VOCAB, 1
     backend = args.attention_backend or "auto"
     hf_threads = torch.get_num_threads()  # torch's own count (or --threads): what an HF user runs with
+    cpu = fingerprint()  # absolute figures compare only on the same CPU (bench/cpu_machine.py)
     rounds: list[dict] = []
     for r in range(args.rounds):
         load_before = os.getloadavg()[0]
@@ -55,7 +58,7 @@ def run(args: argparse.Namespace) -> dict:
                         if k in os.environ},
             "date": datetime.date.today().isoformat(), "machine": f"{platform.machine()}, {os.cpu_count()} cores",
             "torch": torch.__version__, "prompt_len": args.prompt_len, "output_len": args.output_len,
-            "clock": args.clock}
+            "clock": args.clock, "cpu": cpu}
 
 
 def table(res: dict, batch_sizes: list[int]) -> str:
@@ -69,6 +72,8 @@ def table(res: dict, batch_sizes: list[int]) -> str:
         f"{'CPU' if res.get('clock') == 'cpu' else 'wall'} seconds; best of "
         f"{len(res['rounds'])} alternating rounds; load average {min(loads):.1f} to {max(loads):.1f} "
         f"({res['date']}).",
+        *([f"CPU: {res['cpu']['cpu']}; one-thread float32 GEMM {res['cpu']['gemm_gflops_1thread']:.0f} "
+           "GFLOP/s (bench/cpu_machine.py)."] if res.get("cpu") else []),
         "",
         "| batch | meshserve tok/s | HF tok/s | meshserve / HF | rounds (meshserve / HF) |",
         "| ---: | ---: | ---: | ---: | --- |",
