@@ -11,8 +11,8 @@ would still be found). The server's own three ports must be among the listeners,
 and raylet must have been seen listening, so that an empty answer cannot pass.
 
 The same run then SIGKILLs the server (one start of four Ray actors is the dear part, so it
-serves both checks): within GONE_WITHIN_S no process it started is left (Ray's GCS and raylet
-share their driver's fate; cluster/executors/ray_reaper.py stops whatever else is left).
+serves both checks): within GONE_WITHIN_S (tests/marked_processes.py) no process it started is left
+(Ray's GCS and raylet share their driver's fate; cluster/executors/ray_reaper.py stops whatever else is left).
 
 The counterpart: `--host 0.0.0.0` widens exactly the HTTP socket, nothing else.
 
@@ -28,7 +28,6 @@ import os
 import shutil
 import signal
 import tempfile
-import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -38,10 +37,8 @@ import psutil
 import pytest
 
 from meshserve.cluster.executors.executor import free_port
+from tests.marked_processes import MARK, left_running, marked
 from tests.serve_process import ROOT, start_serve
-
-MARK = "MESHSERVE_TEST_LISTEN_MARK"
-GONE_WITHIN_S = 30  # bound of the wait for a killed server's processes to go; it ends as soon as they are gone
 
 
 @dataclass(frozen=True)
@@ -80,31 +77,12 @@ def non_loopback_listeners() -> list[str]:
     return [str(x) for x in listeners([me, *me.children(recursive=True)]) if not x.on_loopback]
 
 
-def marked(mark: str) -> list[psutil.Process]:
-    """Running processes (zombies excluded) whose environment carries `mark`."""
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
 def server_tree(pid: int, mark: str) -> list[psutil.Process]:
     """The server, its descendants, and every process carrying its environment mark."""
     root = psutil.Process(pid)
     tree = {p.pid: p for p in [root, *root.children(recursive=True)]}
     tree.update((p.pid, p) for p in marked(mark) if p.pid not in tree)
     return list(tree.values())
-
-
-def left_running(mark: str) -> list[str]:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (procs := marked(mark)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [f"{p.pid} {p.name()}" for p in procs if p.is_running()]
 
 
 @pytest.fixture

@@ -18,18 +18,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 from pathlib import Path
 
-import psutil
 import pytest
+
+from tests.marked_processes import MARK, left_running, marked
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-MARK = "MESHSERVE_TEST_RAY_MARK"
-GONE_WITHIN_S = 30  # bound of the wait for processes to go; it ends as soon as they are gone
 
 
 @pytest.fixture
@@ -41,25 +39,6 @@ def env():
     for p in marked(mark):  # a failing test must not leave Ray running
         p.kill()
     shutil.rmtree(temp, ignore_errors=True)
-
-
-def marked(mark: str) -> list[psutil.Process]:
-    """Running processes (zombies excluded) whose environment carries `mark`."""
-    out = []
-    for p in psutil.process_iter():
-        try:
-            if p.status() != psutil.STATUS_ZOMBIE and p.environ().get(MARK) == mark:
-                out.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-            continue
-    return out
-
-
-def left_running(mark: str) -> list[str]:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (procs := marked(mark)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return [f"{p.pid} {p.name()}" for p in procs if p.is_running()]
 
 
 def test_a_ray_start_that_times_out_is_one_line_exit_2_and_no_orphan(env):

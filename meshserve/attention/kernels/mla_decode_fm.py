@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from meshserve.attention.kernels.mla_tiles import LOG2E, latent_result, load_rows
+from meshserve.attention.kernels.mla_tiles import LOG2E, latent_result, load_rows, softmax_fold
 
 
 @triton.jit
@@ -169,14 +169,7 @@ def mla_decode_fm_kernel(
         if VALUE_SPLIT == 2:
             qk = tl.dot(q_other, tl.trans(rest), qk, input_precision=DOT_PRECISION)
         qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=DOT_PRECISION)
-        s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        prob = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(prob, 1)
-        acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = softmax_fold(qk, ok, qk_scale, lat, m_i, l_i, acc, DOT_PRECISION)
 
     out, lse = latent_result(m_i, l_i, acc, kv_scale)
     o_ptrs = out_ptr + split * stride_on + i.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + own[None, :]

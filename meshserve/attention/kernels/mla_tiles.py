@@ -43,13 +43,21 @@ def latent_tile(q_lat, q_pe, cache_ptr, rows, ok, r, p, m_i, l_i, acc, qk_scale,
     pe = load_rows(cache_ptr + rows[:, None] + R + p[None, :], ok, p, P, BLOCK_P).to(q_pe.dtype)
     qk = tl.dot(q_lat, tl.trans(lat), input_precision=DOT_PRECISION)
     qk = tl.dot(q_pe, tl.trans(pe), qk, input_precision=DOT_PRECISION)
+    return softmax_fold(qk, ok, qk_scale, lat, m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
+def softmax_fold(qk, ok, qk_scale, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile's raw scores qk [BH, N] (keys where `ok`) and values v [N, BV] into the
+    online-softmax state (m_i, l_i, acc [BH, BV]), base 2; returns the new state. A tile with no
+    `ok` key leaves it unchanged (a row still at -inf max rescales by exp2(-inf - 0) = 0 times 0)."""
     s = tl.where(ok[None, :], qk * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_safe)
     prob = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(prob, 1)
-    acc = tl.dot(prob.to(lat.dtype), lat, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    acc = tl.dot(prob.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
