@@ -11,29 +11,11 @@ import torch
 
 from meshserve.workers.quant import fp8_gemv as gemv_mod
 from meshserve.workers.quant.formats import SMALL_M_MAX
-from meshserve.workers.quant.fp8 import quantize_fp8_block, quantize_fp8_per_channel
 from meshserve.workers.quant.fp8_gemv import GemvConfig, fp8_gemv, plan_gemv
 
-N, K = 100, 300  # ragged against every tile and scale block below
-
-
-def _x(m, k=K, seed=0):
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
-
-
-def _weights(fmt, n=N, k=K, seed=1):
-    """(fp8 weight, scale, block, float64 [n, k] oracle), the oracle scaled block by block."""
-    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
-    if fmt == "block":
-        q, s = quantize_fp8_block(w, (32, 64))
-        ref = q.double().clone()
-        for i in range(s.shape[0]):
-            for j in range(s.shape[1]):
-                ref[i * 32:(i + 1) * 32, j * 64:(j + 1) * 64] *= s[i, j].double()
-        return q, s, (32, 64), ref
-    q, s = quantize_fp8_per_channel(w)
-    return q, s, None, q.double() * s.double()[:, None]
-
+# The inputs and float64 oracles of the streaming kernel's tests (the same shapes: N, K ragged
+# against every tile and scale block below).
+from tests.unit.workers.test_quant_small_m import K, N, _weights, _x
 
 # Under the interpreter the planner sees 8 SMs. default: 64 rows x 256 columns, 2 tiles -> 2 splits;
 # wide: 128-column steps over 64-wide scale blocks (2 sub-steps), 4 splits of one step;
