@@ -16,6 +16,7 @@ case "$PART" in
             2>&1 | tail -20
         cp bench/results/structured_outputs-h200.* "$OUT"/ 2>/dev/null || true ;;
     disagg)
-        timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" 2>&1 | tail -30 ;;
+        timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
+            --logs "$OUT" 2>&1 | tail -30 ;;
     *) echo "unknown part $PART (serve or disagg)"; exit 2 ;;
 esac

@@ -20,8 +20,8 @@ token (disaggregated: the hand-over and the decode replica's first step), whethe
 tokens equal unified's, and from the server's /metrics, read before and after the measured
 requests: KV imports by transport (`meshserve_kv_imports_total{transport=}`), recomputes by
 reason, bytes pulled and the pull time per request (`meshserve_kv_transfer_seconds`), so that a
-fallback to zmq or to recomputing the prompt shows. A table, JSON and PNG go to --out, with
-the servers' logs.
+fallback to zmq or to recomputing the prompt shows. A table, JSON and PNG go to --out (the
+servers' logs to --logs).
 
 A server that does not start gives "skipped" rows with its error. That is what happens to the
 disaggregated server on a one-GPU machine today: on CUDA every rank of a Ray replica reserves a
@@ -342,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
                          "with --start-timeout 200 the bench ends within ~9 minutes; none CPU): the table of what "
                          "ran still prints")
     ap.add_argument("--threads", type=int, default=None, help="OMP_NUM_THREADS of the servers")
-    ap.add_argument("--out", default="bench/results", help="folder for the JSON, PNG and the servers' logs")
+    ap.add_argument("--out", default="bench/results", help="folder for the JSON and PNG")
+    ap.add_argument("--logs", default=None, metavar="DIR", help="copy the servers' logs here (default: not kept)")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda"
     if args.deadline is None and gpu:
@@ -376,8 +377,10 @@ def main(argv: list[str] | None = None) -> int:
                                 log_dir=tmp, kv_transport=args.kv_transport,
                                 placement_timeout=args.placement_timeout, deadline=deadline,
                                 start_timeout=args.start_timeout or (200.0 if gpu else 120.0))
-        for log in tmp.glob("server-*.log"):
-            shutil.copy(log, out / f"disagg-ttft-{args.device}-{log.name}")
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in tmp.glob("server-*.log"):
+                shutil.copy(log, Path(args.logs) / f"disagg-ttft-{args.device}-{log.name}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     where = device_name(args.device)
