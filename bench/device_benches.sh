@@ -2,9 +2,10 @@
 #   . bench/device_setup.sh && bash bench/device_benches.sh [PART]
 #   serve (default): the serving path against the in-process engine on the Llama-3-8B shape (issue 41),
 #       then structured outputs' decode-step cost at batch 64 (issue 38)
-#   disagg: issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL) against unified, 8k-token
-#       prompts of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated
-#       rows say "skipped" with serve's placement error: docs/performance.md says why)
+#   disagg: issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL: the repacked wheel in .whl/)
+#       against unified, 8k-token prompts of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py;
+#       on one GPU the disaggregated rows say "skipped" with serve's placement error: docs/performance.md
+#       says why). Set NO_FLASHINFER=1 for device_setup.sh: FlashInfer's JIT builds take minutes.
 set -u
 OUT=${OUT:-bench/results}
 PART=${1:-serve}
