@@ -7,6 +7,10 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
 #       issue 37: the NIXL GPU tests, then NIXL vs CUDA IPC vs zmq, VRAM, two processes on one GPU,
 #       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
+#       issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL) against unified, 8k-token prompts
+#       of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated rows
+#       say "skipped" with serve's placement error: docs/performance.md says why)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -19,7 +23,7 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve or nixl}" in
+case "${1:?part: serve, nixl or disagg}" in
     serve)
         timeout 480 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 400 \
             --paths offline,http,grpc,http-x2,grpc-x2 --out "$OUT" 2>&1 | tail -40
@@ -38,5 +42,8 @@ case "${1:?part: serve or nixl}" in
             [ "$left" -lt 30 ] && { echo "not run (time): $f"; continue; }
             tests "gpu_$f" $((left < 120 ? left : 120)) "tests/gpu/test_${f}_gpu.py"
         done ;;
+    disagg)
+        timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
+            --logs "$OUT" 2>&1 | tail -30 ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac

@@ -117,9 +117,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         c.add_argument(f"--{role}-dcp", type=int, default=None,
                        help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
     c.add_argument("--kv-transport", default="auto", choices=[t.value for t in KVTransport],
-                   help="KV hand-over between the pools: auto (cuda_ipc when both ends are CUDA processes of one "
-                        "host, else zmq), zmq, cuda_ipc (falls back to zmq where it cannot apply), or nccl "
-                        "(torch.distributed send/recv, a communicator per hand-over)")
+                   help="KV hand-over between the pools: auto (nixl where both ends have it, else cuda_ipc when "
+                        "both ends are CUDA processes of one host, else zmq), nixl (a NIXL READ of the registered "
+                        "cache; falls back to zmq), cuda_ipc (falls back to zmq where it cannot apply), or zmq")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
