@@ -187,8 +187,11 @@ class OpenAIFrontend:
         ids = min(limits.max_prompts_per_request * max_model_len, limits.max_tokens_per_request)
         return ShapeLimits(max_strings=limits.max_json_strings, max_values=ids + limits.max_json_strings)
 
-    async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard) -> list[list[int]]:
-        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread."""
+    async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard, *,
+                          truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread.
+        Token-id prompts are cut to their last truncate_prompt_tokens before their length is
+        checked (texts are cut once tokenized, by the caller)."""
         out: list[list[int] | None] = []
         for i, p in enumerate(prompts):
             field = "prompt"  # OpenAI's param; the message says which prompt
@@ -199,7 +202,8 @@ class OpenAIFrontend:
                 convert.check_encodable(p, field)
                 out.append(None)
             else:
-                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len))
+                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len,
+                                                truncate_prompt_tokens=truncate_prompt_tokens))
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
@@ -241,7 +245,8 @@ class OpenAIFrontend:
         card = self._generate_card(body.model)
         prompts = body.prompts()
         convert.check_prompt_count(len(prompts), body.width, self.limits)
-        ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card)]
+        ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card,
+                                                                 truncate_prompt_tokens=body.truncate_prompt_tokens)]
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
                           request=request)
