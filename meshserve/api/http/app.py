@@ -259,11 +259,19 @@ class OpenAIFrontend:
 
         async def chunks() -> AsyncIterator[dict]:
             offsets = [0] * sum(job.n for job in jobs)  # per choice
+            prompt_logprobs: dict[int, list] = {}  # per job, shaped once: each of its choices' first chunk has them
+            given: set[int] = set()  # choices whose chunk had them
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
-                    i = job.choice_index(delta)
+                if delta.prompt_logprobs is not None:  # (on a request's first delta)
+                    prompt_logprobs[job.index] = shaper.prompt_logprobs(delta.prompt_logprobs)
+                i = job.choice_index(delta)
+                owed = job.index in prompt_logprobs and i not in given
+                if delta.text or delta.finish_reason is not None or delta.logprobs or owed:
+                    if owed:
+                        given.add(i)
                     chunk = shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
-                                                    usage=body.include_usage)
+                                                    usage=body.include_usage,
+                                                    prompt_logprobs=prompt_logprobs[job.index] if owed else None)
                     if body.continuous_usage:
                         chunk["usage"] = usage_of(jobs)
                     yield chunk

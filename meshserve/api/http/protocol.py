@@ -141,8 +141,8 @@ class _Sampling(_Body):
         """use_beam_search: the search's settings (beam_width = n); sampling fields then stay unset."""
         if not self.use_beam_search:
             return None
-        sampled = sorted(name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "best_of")
-                         if getattr(self, name, None) is not None)
+        sampled = sorted(name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "best_of",
+                                           "prompt_logprobs") if getattr(self, name, None) is not None)
         check(not sampled, sampled[0] if sampled else "", "set", "unset with use_beam_search")
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
                                 early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
