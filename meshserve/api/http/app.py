@@ -34,6 +34,7 @@ from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.http.body import ShapeLimits, parse_body
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
+from meshserve.api.http.openapi import ERROR_RESPONSES, add_body_schemas, request_body
 from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from meshserve.api.http.request_id import RequestIdMiddleware
 from meshserve.api.http.responses import Shaper, finish_of, sse, usage_of
@@ -120,10 +121,14 @@ class OpenAIFrontend:
         install_handlers(api)
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/models", self.list_models, methods=["GET"])
-        api.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
-        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        api.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"], responses=ERROR_RESPONSES)
+        # These read their own body (body.py): the document gets its schema from openapi.py.
+        for path, route, model in (("/v1/completions", self.completions, CompletionRequest),
+                                   ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+                                   ("/v1/embeddings", self.embeddings, EmbeddingRequest)):
+            api.add_api_route(path, route, methods=["POST"], openapi_extra=request_body(model),
+                              responses=ERROR_RESPONSES)
+        add_body_schemas(api, (CompletionRequest, ChatCompletionRequest, EmbeddingRequest))
         add_vllm_routes(api, self, metrics_token=metrics_token)
         self.app = RequestIdMiddleware(_Guard(api, tokens=tokens, max_body_bytes=max_body_bytes))
 

@@ -182,12 +182,14 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
+    """POST /v1/completions: OpenAI's fields and vLLM's extras (docs/http.md)."""
+
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="not supported: refused unless unset or null")
 
     def check(self) -> None:
         self.check_common()
@@ -234,6 +236,8 @@ def _call_for_template(call: Any) -> Any:
 
 
 class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions: OpenAI's fields and vLLM's extras (docs/http.md)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -283,6 +287,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class EmbeddingRequest(_Body):
+    """POST /v1/embeddings, for an embedding model (docs/http.md)."""
+
     model: str = ""
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"
