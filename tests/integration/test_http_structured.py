@@ -328,3 +328,7 @@ def test_prompt_logprobs_once_per_request_with_several_samples(server):
     assert len(carrying) == 1 and [lp.token_id for lp in carrying[0].prompt_logprobs] == ids[1:]
     for i, lp in enumerate(carrying[0].prompt_logprobs, start=1):
         assert abs(lp.logprob - want[i - 1, ids[i]].item()) < 1e-3
+    with pytest.raises(openai.BadRequestError) as info:  # beam search computes none: refused, not ignored
+        client.completions.create(model="", prompt=prompt, max_tokens=2, n=2,
+                                  extra_body={"use_beam_search": True, "prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs" and "use_beam_search" in info.value.body["message"]
