@@ -102,8 +102,11 @@ class ChoiceAccumulator:
 
     def __init__(self) -> None:
         self._by_index: dict[int, CompletionOutput] = {}
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # the request's (one delta carries them)
 
     def add(self, delta: CompletionDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         out = self._by_index.setdefault(delta.index, CompletionOutput(delta.index, [], "", None))
         out.token_ids += delta.token_ids
         out.text += delta.text

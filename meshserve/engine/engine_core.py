@@ -246,7 +246,7 @@ class EngineCore:
         sent, output_ids = tracked.num_sent_tokens, req.output_ids
         new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
-        prompt_logprobs = req.prompt_logprobs_list() if sent == 0 and req.prompt_logprobs else None
+        prompt_logprobs = req.prompt_logprobs_list() if sent == 0 else None  # (None unless asked for)
         tracked.num_sent_tokens = len(output_ids)
         finished = req.status is RequestStatus.FINISHED
         text = ""

@@ -87,7 +87,7 @@ class PlanEncoder:
                 check(end == start + n, "num_tokens", n, f"the tokens {rid} has (a new request's first row "
                       "needs no token from a step in flight)")
                 tables, _ = self._table_changes(rid)
-                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+                new.append(NewRequest(rid, req.prompt_for_workers, req.params.to_dict(), list(req.output_ids),
                                       list(req.encoder_ids or ()), start, n, sample, tables,
                                       None if req.encoder_ids is None else list(req.encoder_blocks)))
                 continue

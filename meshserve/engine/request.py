@@ -65,6 +65,13 @@ class Request:
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
 
+    @property
+    def prompt_for_workers(self) -> list[int]:
+        """The prompt the workers are told: a group root's is its samples' whole prompt. The root
+        computes every token but the last, and the logits at its last position are those of the
+        prompt's last token, which prompt_logprobs need (workers/prompt_logprobs.py)."""
+        return self.fork_into[0].prompt_ids if self.fork_into else self.prompt_ids
+
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)
         self.all_token_ids.append(token_id)

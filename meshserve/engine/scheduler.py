@@ -317,11 +317,13 @@ class Scheduler:
         be in it, and its token there is dropped (the request is finished by then)."""
         row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
         tokens, logprobs = output.token_ids, output.logprobs
-        for rid, items in output.prompt_logprobs.items():  # (requests asking for prompt_logprobs)
-            req = self.requests.get(rid)
-            if req is not None:
-                for i, lp in items:
-                    req.prompt_logprobs.setdefault(i, lp)
+        if output.prompt_logprobs:  # (requests asking for prompt_logprobs)
+            ran = {req.request_id: req for req, _ in step.requests}  # (a group root forked and left by now)
+            for rid, items in output.prompt_logprobs.items():
+                req = ran.get(rid)
+                if req is not None:
+                    for i, lp in items:
+                        req.prompt_logprobs.setdefault(i, lp)
         touched, finished = [], RequestStatus.FINISHED
         for req, _ in step.requests:  # per running request every step: kept lean
             if req.status is finished:
