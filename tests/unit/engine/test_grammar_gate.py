@@ -175,3 +175,23 @@ def test_a_compile_past_the_bound_fails_its_request_with_the_setting_named(held_
 def test_the_bound_is_checked():
     with pytest.raises(ConfigError, match="grammar_compile_timeout_s"):
         SchedulerConfig(grammar_compile_timeout_s=0)
+
+
+def test_a_failed_compile_fails_an_n_request_whole(engine, monkeypatch):
+    """Its samples are forked off the prompt's blocks and each waits for the grammar: the client
+    gets one error for the request, and every block (the prompt's shared ones too) comes back."""
+    free = engine.kv.pool.num_free_blocks
+    real = GrammarCompiler._compile
+
+    def failing_compile_fault(self, spec):
+        if spec == BROKEN:
+            raise RuntimeError("fault injection: this grammar does not compile")
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", failing_compile_fault)
+    run = Run(engine)
+    run.add("group", PROMPT_C, SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, structured_outputs=BROKEN))
+    run.step_until(lambda: not engine.has_unfinished())
+    assert set(run.last) == {"group"} and run.tokens["group"] == []
+    assert run.last["group"].finish_reason is FinishReason.ERROR and isinstance(run.last["group"].error, ConfigError)
+    assert engine.kv.pool.num_free_blocks == free
