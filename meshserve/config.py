@@ -221,8 +221,8 @@ class SchedulerConfig:
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
                 "beyond it 429 with Retry-After (a caller's only request is always let in)"})
     grammar_compile_timeout_s: float = field(default=60.0, metadata={
-        "help": "a structured-output request whose grammar is not compiled this many seconds after it reached "
-                "its replica fails alone with a 400-style error (docs/structured_outputs.md)"})
+        "help": "a structured-output request whose grammar the driver rank has not compiled this many seconds "
+                "after it was announced there fails alone with a 400-style error (docs/structured_outputs.md)"})
 
     def __post_init__(self) -> None:
         check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")

@@ -72,14 +72,17 @@ class PlanEncoder:
             self._announced.discard(request_id)
             self._to_forget.append(request_id)
 
-    def encode(self, rows: Sequence[RowDecision], *, announce: Sequence[Request] = ()) -> StepPlan:
-        """announce: requests to make known to the workers without a row (they have none this step)."""
+    def encode(self, rows: Sequence[RowDecision], *, announce: Sequence[Request] = (),
+               grammar_timeout_s: float = 0.0) -> StepPlan:
+        """announce: requests to make known to the workers without a row (they have none this step),
+        whose grammars the driver compiles meanwhile, giving up after grammar_timeout_s."""
         new, announced, tables_of, sent_of = [], self._announced, self.kv.block_tables, self._sent
         for req in announce:
             if req.request_id not in announced:
                 announced.add(req.request_id)
                 new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
-                                      list(req.encoder_ids or ()), num_tokens=0, sample=False))
+                                      list(req.encoder_ids or ()), num_tokens=0, sample=False,
+                                      grammar_timeout_s=grammar_timeout_s))
         # The cached rows' columns (workers/step.py CachedRows).
         ids, num_tokens, tokens, contexts, samples, lasts, offsets, counts, blocks = [], [], [], [], [], [], [], [], []
         encoder_tables = {}

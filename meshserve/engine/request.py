@@ -45,10 +45,8 @@ class Request:
     chosen_by_search: bool = False
     held: bool = False
     # structured_outputs: from entering a replica until its driver rank reports the grammar
-    # compiled, the request is given no step (engine/scheduler.py); `awaiting_since` is when it
-    # entered (time.monotonic()), for the compile bound.
+    # compiled, the request is given no step (engine/scheduler.py).
     awaiting_grammar: bool = False
-    awaiting_since: float = 0.0
     error: Exception | None = None  # why it finished with FinishReason.ERROR
     beam: BeamSearchParams | None = None  # set: the request is searched (engine/beam_search.py)
     # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples

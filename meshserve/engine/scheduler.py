@@ -22,7 +22,6 @@ rules (EOS, stop token ids, max_tokens, max_model_len).
 from __future__ import annotations
 
 import bisect
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -101,7 +100,6 @@ class Scheduler:
         compile). A group's prompt-only root samples nothing, so it does not wait."""
         request.awaiting_grammar = request.params.structured_outputs is not None and request.fork_into is None
         if request.awaiting_grammar:
-            request.awaiting_since = time.monotonic()
             self.awaiting_grammar[request.request_id] = request
             self._to_announce.append(request)
 
@@ -337,7 +335,8 @@ class Scheduler:
         self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
         announce, self._to_announce = self._to_announce, []
-        return self.encoder.encode(rows, announce=[r for r in announce if r.awaiting_grammar])
+        return self.encoder.encode(rows, announce=[r for r in announce if r.awaiting_grammar],
+                                   grammar_timeout_s=self.config.grammar_compile_timeout_s)
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).
@@ -371,17 +370,16 @@ class Scheduler:
 
     def _grammar_outcomes(self, output: StepOutput) -> list[Request]:
         """Let the requests whose grammar the driver compiled be scheduled; finish those whose
-        compile failed or passed the bound (returned, each with its `error`)."""
+        compile failed or passed the bound (returned, each with its `error`). The driver decides
+        both (its clock, not this one's: the schedulers of SPMD ranks must agree)."""
         for rid in output.grammars_ready:
             req = self.awaiting_grammar.pop(rid, None)
             if req is not None:
                 req.awaiting_grammar = False
-        failed, now, bound = [], time.monotonic(), self.config.grammar_compile_timeout_s
-        for req in list(self.awaiting_grammar.values()):
-            reason = output.grammar_errors.get(req.request_id)
-            if reason is None and now - req.awaiting_since > bound:
-                reason = f"not compiled within grammar_compile_timeout_s={bound:g} s"
-            if reason is not None:
+        failed = []
+        for rid, reason in output.grammar_errors.items():
+            req = self.awaiting_grammar.get(rid)
+            if req is not None:
                 self._finish(req, FinishReason.ERROR)
                 req.error = req.params.structured_outputs.not_compiled(reason)
                 failed.append(req)

@@ -8,6 +8,7 @@ its backend with its group's plan), then sample the sequences whose last known t
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -48,6 +49,16 @@ class _Request:
     encoder_ids: list[int] = field(default_factory=list)  # encoder-decoder models: the encoder input
     encoder_table: list[int] = field(default_factory=list)  # and the blocks of its cross K/V
     constraints: RequestConstraints | None = None  # logit_bias, bad words, grammar, ... (workers/constraints.py)
+
+
+@dataclass(frozen=True)
+class _Compiling:
+    """A request's grammar on its way: reported ready or failed in a step output, or failed once
+    `deadline` (time.monotonic()) passes (the announcement's grammar_timeout_s; inf: none)."""
+
+    grammar: GrammarState
+    timeout_s: float
+    deadline: float
 
 
 @dataclass
@@ -107,7 +118,7 @@ class ModelRunner:
         self._reads_history: set[str] = set()  # requests with penalties, a seed or constraints (they read their tokens)
         self.constraints = constraints
         self._constrained: set[str] = set()  # requests with constraints (a subset of _reads_history)
-        self._compiling: dict[str, GrammarState] = {}  # grammars whose outcome no step output has reported
+        self._compiling: dict[str, _Compiling] = {}  # grammars whose outcome no step output has reported
         self._wants_prompt_logprobs: set[str] = set()
 
     @property
@@ -156,7 +167,9 @@ class ModelRunner:
             req.constraints = self.constraints.make(req.params, req.output_ids)
             self._constrained.add(new.request_id)
             if req.constraints.grammar is not None:
-                self._compiling[new.request_id] = req.constraints.grammar
+                t = new.grammar_timeout_s
+                self._compiling[new.request_id] = _Compiling(req.constraints.grammar, t,
+                                                             time.monotonic() + t if t > 0 else float("inf"))
         if req.params.has_penalties or req.params.seed is not None or req.constraints is not None:
             self._reads_history.add(new.request_id)
         else:
@@ -172,16 +185,21 @@ class ModelRunner:
                 and not any(f.has_rows for f in self._in_flight)):
             # Nothing to compute but grammars to wait for (the scheduler polls with empty plans):
             # return when one is compiled, not at once, so that polling does not spin.
-            wait_for_any(self._compiling.values(), GRAMMAR_POLL_S)
+            wait_for_any([c.grammar for c in self._compiling.values()], GRAMMAR_POLL_S)
         return self._read(flight)
 
     def _grammar_outcomes(self, result: StepOutput) -> None:
-        """Report the grammars whose compile ended (once each) in `result`."""
-        for rid, grammar in list(self._compiling.items()):
-            if grammar.is_compiling:
+        """Report the grammars whose compile ended or passed its bound (once each) in `result`.
+        (A compile past its bound runs on to its end on its thread: xgrammar cannot stop it.)"""
+        now = time.monotonic()
+        for rid, c in list(self._compiling.items()):
+            if c.grammar.is_compiling:
+                if now > c.deadline:
+                    del self._compiling[rid]
+                    result.grammar_errors[rid] = f"not compiled within grammar_compile_timeout_s={c.timeout_s:g} s"
                 continue
             del self._compiling[rid]
-            error = grammar.compile_error()
+            error = c.grammar.compile_error()
             if error is None:
                 result.grammars_ready.append(rid)
             else:

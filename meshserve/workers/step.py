@@ -39,6 +39,9 @@ class NewRequest:
     block_tables:  per KV layer group, the request's whole table
     encoder_table: encoder-decoder models: the encoder block table (cross-attention K/V), which
                    this step fills when context_len is 0; None for decoder-only models
+    grammar_timeout_s: an announcement's bound on its grammar's compile (SchedulerConfig's
+                   grammar_compile_timeout_s, counted from here): the driver reports the request
+                   failed past it; 0: none
     """
 
     request_id: str
@@ -51,6 +54,7 @@ class NewRequest:
     sample: bool = True
     block_tables: list[list[int]] = field(default_factory=list)
     encoder_table: list[int] | None = None
+    grammar_timeout_s: float = 0.0
 
     @property
     def is_announcement(self) -> bool:
@@ -74,14 +78,14 @@ class NewRequest:
         return [self.request_id, pack_ids(self.prompt_ids), self.sampling, pack_ids(self.output_ids),
                 pack_ids(self.encoder_ids), self.context_len, self.num_tokens, self.sample,
                 [np.asarray(t, "<i4").tobytes() for t in self.block_tables],
-                None if self.encoder_table is None else pack_ids(self.encoder_table)]
+                None if self.encoder_table is None else pack_ids(self.encoder_table), self.grammar_timeout_s]
 
     @classmethod
     def from_wire(cls, wire: list) -> NewRequest:
-        rid, prompt, sampling, out, enc, context, num, sample, tables, enc_table = wire
+        rid, prompt, sampling, out, enc, context, num, sample, tables, enc_table, grammar_timeout = wire
         return cls(rid, unpack_ids(prompt), sampling, unpack_ids(out), unpack_ids(enc), context, num, sample,
                    [np.frombuffer(t, "<i4").tolist() for t in tables],
-                   None if enc_table is None else unpack_ids(enc_table))
+                   None if enc_table is None else unpack_ids(enc_table), grammar_timeout)
 
 
 PACKED_IDS_MIN = 32  # id lists at least this long travel as int32 bytes
