@@ -149,9 +149,15 @@ class LLM:
         for req in requests:
             self.core.add(req)
         choices = {r.request_id: ChoiceAccumulator() for r in requests}
+        errors = []
         while self.core.has_unfinished():
             for delta in self.core.step():
+                if delta.error is not None:  # refused after admission (a grammar that did not compile)
+                    errors.append(delta.error)
+                    continue
                 choices[delta.request_id].add(delta)
+        if errors:  # as a refusal before queueing: the call fails, naming the field (the others ran to the end)
+            raise errors[0]
         return [choices[r.request_id] for r in requests]
 
     def _output(self, req: Request, choices: ChoiceAccumulator) -> RequestOutput:

@@ -194,6 +194,9 @@ def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sequences-per-caller", type=int, default=512,
                    help="sequences one caller (bearer token, else peer address) may have waiting or running; "
                         "beyond it 429 with Retry-After (default 512)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=60.0, dest="grammar_compile_timeout_s",
+                   help="seconds a structured-output request may wait for its grammar's compile before it fails "
+                        "alone with a 400 (default 60)")
 
 
 def configs_of(args: argparse.Namespace):
@@ -225,7 +228,8 @@ def configs_of(args: argparse.Namespace):
                           enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling,
-                                  max_sequences_per_caller=args.max_sequences_per_caller),
+                                  max_sequences_per_caller=args.max_sequences_per_caller,
+                                  grammar_compile_timeout_s=args.grammar_compile_timeout_s),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )

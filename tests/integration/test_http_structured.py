@@ -23,9 +23,11 @@ import transformers
 from meshserve.api.client import InferenceClient
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
+from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.workers.checkpoint import load_tokenizer
-from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
+from meshserve.workers.grammar import GrammarCompiler
+from tests.integration.api_harness import SPLIT, ServerLoop, demo_service, rpc_error
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -122,6 +124,34 @@ def test_invalid_constraints_are_400_naming_the_field(server, body, field):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, extra_body=body)
     assert exc.value.body["message"].startswith(field), exc.value.body
+
+
+@pytest.mark.skipif(SPLIT, reason="the fault is injected into the compile of an engine in this process")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_grammar_the_engine_fails_to_compile_is_400_and_the_server_serves_on(server, monkeypatch, stream):
+    """The front-end's tokenizer-free check passes; the driver rank's compile raises (fault
+    injection): that request alone is refused before anything streamed, naming the field."""
+    broken = StructuredOutputs.regex("(maybe|perhaps)")
+    real = GrammarCompiler._compile
+
+    def failing_compile_fault(self, spec):
+        if spec == broken:
+            raise RuntimeError("fault injection: no compile")
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", failing_compile_fault)
+    client = server["client"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        out = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, stream=stream,
+                                             extra_body={"structured_outputs": {"regex": broken.source}})
+        if stream:
+            list(out)
+    message = exc.value.body["message"]
+    assert message.startswith("structured_outputs") and "response_format" in message, message
+    assert "fault injection: no compile" in message
+    out = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": "(yes|no)"}})
+    assert out.choices[0].message.content in ("yes", "no")
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
