@@ -7,6 +7,8 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
 #       issue 37: the NIXL GPU tests, then NIXL vs CUDA IPC vs zmq, VRAM, two processes on one GPU,
 #       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
+#       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
 #       issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL) against unified, 8k-token prompts
 #       of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated rows
@@ -23,7 +25,7 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve, nixl or disagg}" in
+case "${1:?part: serve, nixl, tests or disagg}" in
     serve)
         timeout 480 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 400 \
             --paths offline,http,grpc,http-x2,grpc-x2 --out "$OUT" 2>&1 | tail -40
@@ -37,8 +39,11 @@ case "${1:?part: serve, nixl or disagg}" in
             --out "$OUT" > "$OUT/kv_handover_nixl.log" 2>&1
         echo "kv_handover nixl: exit $? at ${SECONDS}s"
         grep -vE "^\s*$" "$OUT/kv_handover_nixl.log" | tail -30
-        for f in kv_transport hybrid fused_ops quant prefill_desc structured_graphs mla mla_sparse fused_moe; do
-            left=$((560 - SECONDS))
+        BUDGET=$((560 - SECONDS)) bash "$0" tests kv_transport hybrid fused_ops quant prefill_desc structured_graphs mla mla_sparse fused_moe ;;
+    tests)  # tests/gpu/test_<name>_gpu.py for each name given, each within 120 s, all within $BUDGET s (560)
+        shift
+        for f in "$@"; do
+            left=$((${BUDGET:-560} - SECONDS))
             [ "$left" -lt 30 ] && { echo "not run (time): $f"; continue; }
             tests "gpu_$f" $((left < 120 ? left : 120)) "tests/gpu/test_${f}_gpu.py"
         done ;;
