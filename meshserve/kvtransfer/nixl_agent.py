@@ -187,6 +187,10 @@ class NixlAgent:
         device = _interface_of(host)
         if device:  # UCX's sockets on the rank's own interface only (a deployment may say otherwise)
             os.environ.setdefault("UCX_NET_DEVICES", device)
+        # UCX turns CUDA IPC READs (get zcopy) off unless it sees NVLink, so a READ of VRAM within
+        # one GPU or across PCIe went by TCP through host memory: 243 ms for 128 MiB on one H100
+        # (0.55 GB/s), 2.5 ms with this on (docs/performance.md, 2026-12-05).
+        os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         self.name = name or f"meshserve-{os.getpid()}-{secrets.token_hex(6)}"
         sync = module.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
         progress = not is_loopback(host) if progress_thread is None else progress_thread

@@ -304,7 +304,9 @@ def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
     ref = x.double() @ w64.T + bias.double()
     assert y.dtype == act and y.shape == (m, n) and bool(torch.isfinite(y).all())
     eps = 2**-8 if act == torch.bfloat16 else 2**-10
-    torch.testing.assert_close(y.double(), ref, rtol=eps, atol=1e-3 * ref.abs().amax(1, keepdim=True))
+    # per-row absolute tolerance (row 2 at M = 5 is 2**18 larger); assert_close takes a scalar atol only
+    err = (y.double() - ref).abs() - (eps * ref.abs() + 1e-3 * ref.abs().amax(1, keepdim=True))
+    assert bool((err <= 0).all()), f"{int((err > 0).sum())} outputs past the tolerance, worst by {err.max().item():.3g}"
     assert torch.equal(y, gv.fp8_gemv(x, wq, scale, block, bias, config=cfg))
     assert not bool(gv._COUNTERS[str(x.device)].any()) if str(x.device) in gv._COUNTERS else True
 

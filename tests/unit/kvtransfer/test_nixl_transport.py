@@ -15,7 +15,7 @@ import torch
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
-from meshserve.kvtransfer.transport import NIXL, ZMQ, Endpoint, choose_transport
+from meshserve.kvtransfer.transport import CUDA_IPC, NIXL, ZMQ, Endpoint, choose_transport
 from meshserve.kvtransfer.wire import KVTransferError
 from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
@@ -232,6 +232,21 @@ def test_auto_chooses_nixl_where_both_ends_have_it(requested, mine, theirs, want
     got, why = choose_transport(requested, end(mine), end(theirs))
     assert got == want
     assert "NIXL" in why if (requested, want) == ("nixl", ZMQ) else "NIXL" not in why
+
+
+@pytest.mark.parametrize(("requested", "process", "gpu", "want"), [
+    ("auto", "p2", "GPU-0", CUDA_IPC),  # two CUDA processes of one host: cuda_ipc measured faster
+    ("auto", "p2", "GPU-9", NIXL),  # the exporter's GPU is not visible here (a Ray actor's own GPU)
+    ("auto", "p1", "GPU-0", NIXL),  # one process: no CUDA IPC
+    ("nixl", "p2", "GPU-0", NIXL),  # asked for: NIXL even where CUDA IPC would join the ends
+    ("cuda_ipc", "p2", "GPU-9", ZMQ),
+])  # fmt: skip
+def test_auto_prefers_cuda_ipc_between_gpu_processes_of_one_host_then_nixl(requested, process, gpu, want):
+    def end(process, gpu):
+        return Endpoint("tcp://127.0.0.1:1", "h/boot", "cuda", process, gpu, nixl=True)
+
+    got, why = choose_transport(requested, end("p1", "GPU-0"), end(process, gpu), visible_gpus={"GPU-0"})
+    assert got == want and bool(why) == (want == ZMQ)
 
 
 def test_an_endpoint_carries_its_nixl_offer_over_the_wire():
