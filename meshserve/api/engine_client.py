@@ -34,12 +34,12 @@ import zmq.asyncio
 from meshserve.cluster import service_wire as wire
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
 from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import RejectedFrames
 from meshserve.errors import ConfigError, ReplicaFailedError, UnavailableError, check
-from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.api")
 STALE_S = 10.0  # no report from a live engine process for this long: it is hung

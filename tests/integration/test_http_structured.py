@@ -21,8 +21,8 @@ import pytest
 from meshserve.api.client import InferenceClient
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
+from meshserve.core.checkpoint_files import load_tokenizer
 from meshserve.demo_model import DEMO_MODEL_DIR
-from meshserve.workers.checkpoint import load_tokenizer
 from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
 
 pytestmark = pytest.mark.timeout(240)
