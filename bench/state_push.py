@@ -59,7 +59,7 @@ async def _time_us(fn, chunks: int) -> float:
     return statistics.median(means)
 
 
-async def measure(concurrency: int, chunks: int, window_s: float) -> dict:
+async def measure(concurrency: int, chunks: int, window_s: float, *, steps_only: bool = False) -> dict:
     args = build_parser("serve").parse_args(["serve", str(DEMO_MODEL_DIR), "--dtype", "float32"])
     engine, pools, _ = configs_of(args)
     service = build_service(engine, pools, model_name=None, device="cpu", progress=False)
@@ -85,6 +85,7 @@ async def measure(concurrency: int, chunks: int, window_s: float) -> dict:
             pass
 
     out: dict = {"concurrency": concurrency}
+    tasks: list[asyncio.Task] = []
     try:
         await client.start()
         tasks = [asyncio.create_task(stream(i)) for i in range(concurrency)]
@@ -99,6 +100,8 @@ async def measure(concurrency: int, chunks: int, window_s: float) -> dict:
         out["batch_frames_per_step"] = (frames[wire.BATCH] - start_frames[wire.BATCH]) / steps
         out["state_frames_per_step"] = (frames[wire.STATE] - start_frames[wire.STATE]) / steps
         out["num_running"] = client.stats().num_running
+        if steps_only:
+            return out
         # the costs, while the streams keep decoding
         out["engine_snapshot_us"] = await _time_us(endpoint._state, chunks)
         state = endpoint._state()
@@ -120,10 +123,10 @@ async def measure(concurrency: int, chunks: int, window_s: float) -> dict:
                                                    chunks)
         out["state_bytes"] = len(state)
         out["state_bytes_moe"] = len(msgpack.packb(wire.encode_state(health, moe, models)))
+    finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    finally:
         endpoint.stop()
         await serving
         await service.shutdown(drain=False)
@@ -139,12 +142,18 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--chunks", type=int, default=15)
     parser.add_argument("--window-s", type=float, default=3.0)
+    parser.add_argument("--steps-only", action="store_true",
+                        help="only the step time and frames per step (runs against an older tree too: A/B)")
     parser.add_argument("--out", type=Path, default=None)
     opts = parser.parse_args()
-    r = asyncio.run(measure(opts.concurrency, opts.chunks, opts.window_s))
+    r = asyncio.run(measure(opts.concurrency, opts.chunks, opts.window_s, steps_only=opts.steps_only))
+    if opts.out:
+        opts.out.write_text(json.dumps(r, indent=1))
     step_us = r["step_ms"] * 1e3
     print(f"{r['concurrency']} streams decoding ({r['num_running']} running), step {r['step_ms']:.2f} ms; "
           f"frames per step: BATCH {r['batch_frames_per_step']:.2f}, STATE {r['state_frames_per_step']:.2f}")
+    if opts.steps_only:
+        return
     print("| per step (CPU of the loop's thread) | µs | of one step |")
     print("| --- | ---: | ---: |")
     for name, k in (("engine, once: snapshot (health, stats, models; packed)", "engine_snapshot_us"),
@@ -154,8 +163,6 @@ def main() -> None:
                     ("engine: the same with MoE expert counters (26 x 64)", "engine_pack_moe_us")):
         print(f"| {name} | {r[k]:.1f} | {r[k] / step_us:.2%} |")
     print(f"STATE size: {r['state_bytes']} B ({r['state_bytes_moe']} B with the MoE counters)")
-    if opts.out:
-        opts.out.write_text(json.dumps(r, indent=1))
 
 
 if __name__ == "__main__":
