@@ -1,11 +1,54 @@
-# One device call (<= 10 minutes): the serving path against the in-process engine on the Llama-3-8B
-# shape (issue 41), then structured outputs' decode-step cost at batch 64 (issue 38). Each prints
-# its table last and leaves JSON/PNG under $OUT.
-#   . bench/device_setup.sh && bash bench/device_benches.sh
+# Device calls (<= 10 minutes each), one part per call; each prints its table last and leaves
+# JSON/PNG/logs under $OUT. Source bench/device_setup.sh first (NO_FLASHINFER=1 unless the call
+# carries a FlashInfer folder):
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh serve
+#       issue 41: the serving path against the in-process engine on the Llama-3-8B shape
+#       (in-process, split and two-front-end servers), then structured outputs at batch 64 (issue 38)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
+#       issue 37: the NIXL GPU tests, then NIXL vs CUDA IPC vs zmq, VRAM, two processes on one GPU,
+#       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
+#       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
+#       issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL) against unified, 8k-token prompts
+#       of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated rows
+#       say "skipped" with serve's placement error: docs/performance.md says why)
 set -u
 OUT=${OUT:-bench/results}
-timeout 450 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 380 --out "$OUT" \
-    2>&1 | tail -40
-timeout 100 python3 -m bench.structured_outputs --device cuda --dtype bfloat16 --rounds 4 --tag h200 \
-    2>&1 | tail -20
-cp bench/results/structured_outputs-h200.* "$OUT"/ 2>/dev/null || true
+mkdir -p "$OUT"
+SECONDS=0
+tests() {  # log name, timeout, pytest args...: failures and the summary line to stdout, the log to $OUT
+    local name=$1 limit=$2
+    shift 2
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -rfEs "$@" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $? at ${SECONDS}s"
+    grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
+    tail -1 "$OUT/$name.log"
+}
+case "${1:?part: serve, nixl, tests or disagg}" in
+    serve)
+        timeout 480 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 400 \
+            --paths offline,http,grpc,http-x2,grpc-x2 --out "$OUT" 2>&1 | tail -40
+        timeout $((570 - SECONDS)) python3 -m bench.structured_outputs --device cuda --dtype bfloat16 --rounds 4 \
+            --tag h200 2>&1 | tail -20
+        cp bench/results/structured_outputs-h200.* "$OUT"/ 2>/dev/null || true ;;
+    nixl)
+        tests nixl_gpu 90 tests/gpu/test_nixl_gpu.py
+        timeout 200 python3 -m bench.kv_handover --device cuda --sizes 1024,8192,32768 \
+            --transports nixl,cuda_ipc,zmq --burst-transports nixl,cuda_ipc --reps 5 --burst 4 --burst-reps 3 \
+            --out "$OUT" > "$OUT/kv_handover_nixl.log" 2>&1
+        echo "kv_handover nixl: exit $? at ${SECONDS}s"
+        grep -vE "^\s*$" "$OUT/kv_handover_nixl.log" | tail -30
+        BUDGET=$((560 - SECONDS)) bash "$0" tests kv_transport hybrid fused_ops quant prefill_desc structured_graphs mla mla_sparse fused_moe ;;
+    tests)  # tests/gpu/test_<name>_gpu.py for each name given, each within 120 s, all within $BUDGET s (560)
+        shift
+        for f in "$@"; do
+            left=$((${BUDGET:-560} - SECONDS))
+            [ "$left" -lt 30 ] && { echo "not run (time): $f"; continue; }
+            tests "gpu_$f" $((left < 120 ? left : 120)) "tests/gpu/test_${f}_gpu.py"
+        done ;;
+    disagg)
+        timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
+            --logs "$OUT" 2>&1 | tail -30 ;;
+    *) echo "unknown part $1"; exit 2 ;;
+esac

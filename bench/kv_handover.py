@@ -293,6 +293,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
                              "pull_ms": pull_s * 1e3, "pull_gb_s": nbytes / pull_s / 1e9, "copy_ms": copy_s * 1e3,
                              "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / pull_s,
                              "export_ms": info["export_ms"][str(size)], "moved_by": "+".join(sorted(moved_by))})
+                print(f"  {size} tokens {transport}: {rows[-1]['pull_ms']:.2f} ms, {rows[-1]['ratio']:.2f}x copy",
+                      file=sys.stderr, flush=True)  # progress, for a run its time limit cuts
             for transport in args.burst_transports:
                 n = bursts[size]
                 why = missing(transport, args, info)
@@ -307,6 +309,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
                                    "burst_ms": wall * 1e3, "per_request_ms": wall / n * 1e3,
                                    "gb_s": n * nbytes / wall / 1e9, "copy_gb_s": nbytes / copy_s / 1e9,
                                    "ratio": n * copy_s / wall})
+                print(f"  burst of {n} x {size} tokens {transport}: {wall * 1e3:.1f} ms", file=sys.stderr, flush=True)
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)

@@ -30,39 +30,23 @@ import asyncio
 import contextlib
 import json
 import os
-import platform
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from meshserve.api.bench.loadgen import (
-    BenchRequest,
-    GrpcBackend,
-    LoadSpec,
-    OpenAIBackend,
-    Sample,
-    make_requests,
-    run_load,
-)
+from bench.served import FACES, EngineSettings, Server, device_name, load_server, model_for_shape
+from meshserve.api.bench.loadgen import BenchRequest, LoadSpec, Sample, make_requests
 from meshserve.api.bench.report import summarize
-
-try:
-    import orjson
-except ImportError:  # an older install: the standard parser
-    orjson = json
 
 PATHS = ("offline", "http", "grpc")  # the default run
 # A served path is a face and the server's process layout: bare, `meshserve serve` as it defaults;
 # -split, with --engine-process (front-ends and engine in two processes); -inproc, without; -x2,
 # two front-end processes sharing the ports (--api-server-count 2) over one engine process.
-FACES = ("http", "grpc")
 LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"],
            "-x2": ["--engine-process", "--api-server-count", "2"]}
 KNOWN_PATHS = ("offline", *(face + layout for layout in LAYOUTS for face in FACES))
@@ -117,156 +101,11 @@ class PathRun:
 # -- the served paths ----------------------------------------------------------------------------
 
 
-class GreedyGrpc(GrpcBackend):
-    """loadgen's gRPC client, greedy, keeping each request's token ids."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.outputs: dict[int, list[int]] = {}
-
-    async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
-        tokens = self.outputs.setdefault(request.seed, [])
-        async for r in self.client.stream(request.prompt, model=self.model, max_tokens=request.max_tokens,
-                                          ignore_eos=True, temperature=0.0):
-            if r.token_ids:
-                sample.arrivals.append(time.perf_counter() - t0)
-                sample.output_tokens += len(r.token_ids)
-                tokens.extend(r.token_ids)
-
-
-class GreedyOpenAI(OpenAIBackend):
-    """loadgen's HTTP/SSE client, greedy, keeping each request's text."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.outputs: dict[int, str] = {}
-
-    async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
-        body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
-                "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
-        pieces: list[str] = []
-        async with self.session.post(f"{self.base}/v1/completions", json=body) as response:
-            if response.status != 200:
-                raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
-            async for line in response.content:
-                if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-                    continue
-                chunk = orjson.loads(line[6:])  # the client shares the machine: parse cheaply
-                if "error" in chunk:
-                    raise RuntimeError(chunk["error"].get("message", "error"))
-                if chunk.get("choices") and chunk["choices"][0].get("text"):
-                    sample.arrivals.append(time.perf_counter() - t0)
-                    pieces.append(chunk["choices"][0]["text"])
-                if chunk.get("usage"):
-                    sample.output_tokens = chunk["usage"]["completion_tokens"]
-        self.outputs[request.seed] = "".join(pieces)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def server_flags(*, grpc_port: int, http_port: int) -> list[str]:
-    """Where `meshserve serve` listens (the one place that knows the port flags' names)."""
-    return ["--port", str(http_port), "--grpc-port", str(grpc_port)]
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """What both sides are built with, so that they run the same engine."""
-
-    model: str
-    device: str
-    dtype: str
-    max_num_seqs: int
-    max_model_len: int
-    kv_cache_memory_bytes: int
-    max_num_batched_tokens: int = 8192
-
-    def serve_flags(self) -> list[str]:
-        return ["--model", self.model, "--device", self.device, "--dtype", self.dtype,
-                "--max-num-seqs", str(self.max_num_seqs), "--max-model-len", str(self.max_model_len),
-                "--kv-cache-memory-bytes", str(self.kv_cache_memory_bytes),
-                "--max-num-batched-tokens", str(self.max_num_batched_tokens), "--no-prefix-caching"]
-
-    def llm_kwargs(self) -> dict:
-        return dict(device=self.device, dtype=self.dtype, max_num_seqs=self.max_num_seqs,
-                    max_model_len=self.max_model_len, kv_cache_memory_bytes=self.kv_cache_memory_bytes,
-                    max_num_batched_tokens=self.max_num_batched_tokens, enable_prefix_caching=False)
-
-
-class Server:
-    """`python -m meshserve.cli serve` in a subprocess, its log in a file; ready when /health says so."""
-
-    def __init__(self, settings: EngineSettings, *, log_path: Path, start_timeout: float = 600.0,
-                 layout: str = "") -> None:
-        self.grpc_address = f"127.0.0.1:{_free_port()}"
-        self.base_url = f"http://127.0.0.1:{_free_port()}"
-        self.log_path = log_path
-        flags = server_flags(grpc_port=int(self.grpc_address.rsplit(":", 1)[1]),
-                             http_port=int(self.base_url.rsplit(":", 1)[1]))
-        self.layout = layout
-        self.command = [sys.executable, "-m", "meshserve.cli", "serve", *settings.serve_flags(), *flags,
-                        *LAYOUTS[layout]]
-        self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
-
-    def __enter__(self) -> Server:
-        log = open(self.log_path, "w")  # noqa: SIM115 (the child writes it until it exits)
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
-        log.close()
-        deadline = time.monotonic() + self.start_timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"meshserve serve exited with {self.proc.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.base_url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return self
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"meshserve serve not ready in {self.start_timeout:g} s:\n{self.log_tail()}")
-            time.sleep(0.5)
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
 async def _served(server: Server, path: str, workload: Workload, concurrency: int,
                   vocab_size: int) -> tuple[dict, list]:
-    if face_of(path) == "http":  # made inside the loop: aiohttp's session belongs to it
-        backend = GreedyOpenAI(server.base_url, token=None, model="")
-    else:
-        backend = GreedyGrpc(server.grpc_address, token=None, model="")
-    try:
-        backend.model, _, _ = await backend.model_info()
-        spec = workload.spec(concurrency)
-        samples, wall = await run_load(backend, spec, vocab_size=vocab_size)
-        requests = make_requests(spec, vocab_size=vocab_size, count=spec.num_prompts)
-        return summarize(samples, wall), [backend.outputs.get(r.seed) for r in requests]
-    finally:
-        await backend.close()
+    samples, wall, outputs = await load_server(server, face_of(path), workload.spec(concurrency),
+                                               vocab_size=vocab_size)
+    return summarize(samples, wall), outputs
 
 
 def run_served(server: Server, path: str, workload: Workload, concurrency: int, vocab_size: int) -> PathRun:
@@ -434,7 +273,8 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
                     one("offline", c, 0, None, engine)
                 del engine
         for layout in layouts:  # one server at a time
-            with Server(settings, log_path=log_dir / f"server{layout}.log", layout=layout) as server:
+            with Server(settings, log_path=log_dir / f"server{layout}.log", flags=LAYOUTS[layout],
+                        name=layout) as server:
                 profiler = profile_server(server) if profile_server is not None else None
                 for c in concurrencies:
                     for path in served:
@@ -445,7 +285,7 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
         return runs
     with contextlib.ExitStack() as stack:
         servers = {layout: stack.enter_context(Server(settings, log_path=log_dir / f"server{layout}.log",
-                                                      layout=layout)) for layout in layouts}
+                                                      flags=LAYOUTS[layout], name=layout)) for layout in layouts}
         profilers = [profile_server(s) for s in servers.values()] if profile_server is not None else []
         engine = offline_engine(stack) if offline else None
         for r in range(rounds):
@@ -542,24 +382,6 @@ def plot(runs: list[PathRun], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def random_llama_checkpoint(root: Path, shape_name: str) -> Path:
-    """A random-weight Llama checkpoint of `shape_name` (llama3-8b: bf16; tiny-llama, a CPU check of
-    the same path: fp32) with a WordLevel tokenizer over its whole vocabulary."""
-    import torch
-
-    from bench.e2e import LLAMA3_8B, TINY, write_checkpoint
-    from bench.wordlevel_tokenizer import write_wordlevel_tokenizer
-
-    shape, dtype = (LLAMA3_8B, torch.bfloat16) if shape_name == "llama3-8b" else (TINY, torch.float32)
-    path = root / f"{shape_name}-random"
-    path.mkdir()
-    write_checkpoint(path, shape, dtype, "cuda" if torch.cuda.is_available() else "cpu")
-    config = json.loads((path / "config.json").read_text())
-    write_wordlevel_tokenizer(path, shape["vocab_size"], bos_token_id=config["bos_token_id"],
-                              eos_token_id=config["eos_token_id"])
-    return path
-
-
 def _ints(text: str) -> list[int]:
     return [int(v) for v in text.replace(",", " ").split()]
 
@@ -622,14 +444,10 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="meshserve-serve-vs-offline-"))
     started, started_mono = time.perf_counter(), time.monotonic()
     try:
+        t = time.perf_counter()
+        model = model_for_shape(tmp, args.shape)
         if args.shape != "demo":
-            t = time.perf_counter()
-            model = str(random_llama_checkpoint(tmp, args.shape))
             print(f"checkpoint written in {time.perf_counter() - t:.0f} s", flush=True)
-        else:
-            from meshserve.demo_model import DEMO_MODEL_DIR
-
-            model = str(DEMO_MODEL_DIR)
         vocab_size = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         dtype = args.dtype or {"llama3-8b": "bfloat16", "tiny-llama": "float32"}.get(args.shape, "auto")
         settings = EngineSettings(
@@ -645,7 +463,7 @@ def main(argv: list[str] | None = None) -> int:
                        rounds=rounds, profile_server=profile, deadline=deadline)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    where = _device_name(args.device)
+    where = device_name(args.device)
     title = (f"serve vs offline: {args.shape} on {where}, {workload.input_len} in / {workload.output_len} out, "
              f"{workload.prompts_per_stream} x C requests, median of {rounds} round(s)")
     stamp = time.strftime("%Y-%m-%d")
@@ -670,20 +488,12 @@ def _offline_of(runs: list[PathRun], run: PathRun) -> PathRun | None:
     return next((r for r in runs if r.path == "offline" and r.concurrency == run.concurrency), None)
 
 
-def _device_name(device: str) -> str:
-    if device == "cuda":
-        import torch
-
-        return torch.cuda.get_device_name()
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
 class _PySpies:
     """py-spy on every process of a server: serve's (PATH with the layout in its name: -split,
     -inproc) and, with --engine-process, the engine's (-engine added)."""
 
     def __init__(self, server: Server, path: Path) -> None:
-        stem = path.with_name(f"{path.stem}{server.layout}")
+        stem = path.with_name(f"{path.stem}{server.name}")
         pids = [server.pid, *_descendants(server.pid)]
         self.spies = [_PySpy(pid, stem.with_name(stem.name + ("-engine" if k else "") + path.suffix))
                       for k, pid in enumerate(pids)]

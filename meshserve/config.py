@@ -220,9 +220,15 @@ class SchedulerConfig:
     max_sequences_per_caller: int = field(default=512, metadata={
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
                 "beyond it 429 with Retry-After (a caller's only request is always let in)"})
+    grammar_compile_timeout_s: float = field(default=60.0, metadata={
+        "help": "a structured-output request whose grammar the driver rank has not compiled this many seconds "
+                "after it was announced there fails alone with a 400-style error (docs/structured_outputs.md)"})
 
     def __post_init__(self) -> None:
         check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
+        t = self.grammar_compile_timeout_s
+        check(isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 86400, "grammar_compile_timeout_s",
+              t, "a number of seconds in (0, 86400]")
         _positive("max_sequences_per_caller", self.max_sequences_per_caller, upper=1 << 24)
         _positive("max_num_seqs", self.max_num_seqs, upper=1 << 16)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens, upper=1 << 24)

@@ -171,21 +171,29 @@ def _short(text: str, n: int = 40) -> str:
     return text if len(text) <= n else f"{text[:n]}... ({len(text)} characters)"
 
 
-def prompt_of(request: pb.GenerateRequest, vocab_size: int, *, max_model_len: int | None = None) -> str | list[int]:
-    """The prompt as text or token ids; refuses an empty or missing prompt and unknown ids."""
+def prompt_of(request: pb.GenerateRequest, vocab_size: int, *, max_model_len: int | None = None,
+              truncate_prompt_tokens: int | None = None) -> str | list[int]:
+    """The prompt as text or token ids; refuses an empty or missing prompt and unknown ids. Token
+    ids are cut to their last truncate_prompt_tokens (a checked SamplingParams') before any
+    length check; a text is cut once tokenized."""
     which = request.WhichOneof("prompt")
     check(which is not None, "prompt", None, "set: one of text or token_ids")
     if which == "text":
         check(request.text != "", "text", "", "a non-empty UTF-8 string")
         return request.text
-    return token_ids_of(request.token_ids.ids, vocab_size, max_model_len=max_model_len)
+    return token_ids_of(request.token_ids.ids, vocab_size, max_model_len=max_model_len,
+                        truncate_prompt_tokens=truncate_prompt_tokens)
 
 
 def token_ids_of(ids: Sequence[int], vocab_size: int, *, field: str = "token_ids",
-                 max_model_len: int | None = None) -> list[int]:
-    """A prompt given as token ids: non-empty, shorter than max_model_len (checked first, by its
-    length alone: millions of ids cost nothing more), every id in the vocabulary."""
+                 max_model_len: int | None = None, truncate_prompt_tokens: int | None = None) -> list[int]:
+    """A prompt given as token ids: non-empty; with truncate_prompt_tokens = k (>= 1, checked by
+    the caller) only its last k ids are kept, first, as vLLM does (a client asking for the end of
+    a long prompt gets it, not a length error); then shorter than max_model_len (by its length
+    alone: millions of ids cost nothing more) and every kept id in the vocabulary."""
     check(len(ids) > 0, field, [], "a non-empty list of token ids")
+    if truncate_prompt_tokens is not None and len(ids) > truncate_prompt_tokens:
+        ids = ids[-truncate_prompt_tokens:]  # (the prompt's end is what the output continues)
     if max_model_len is not None:
         check(len(ids) < max_model_len, "prompt", f"{len(ids)} tokens", f"fewer than max_model_len={max_model_len}")
     ids = list(ids)

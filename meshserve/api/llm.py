@@ -40,7 +40,6 @@ from meshserve.core.outputs import (
     BeamSequence,
     ChoiceAccumulator,
     CompletionDelta,
-    CompletionOutput,
     RequestOutput,
 )
 from meshserve.core.sampling_params import SamplingParams
@@ -144,25 +143,33 @@ class LLM:
             requests.append(self.core.make_request(prompt, p))
         ids = [r.request_id for r in requests]
         check(len(set(ids)) == len(ids), "request_id", ids, "distinct ids")
-        return [self._output(r, outputs) for r, outputs in zip(requests, self._run_all(requests))]
+        return [self._output(r, choices) for r, choices in zip(requests, self._run_all(requests))]
 
-    def _run_all(self, requests: Sequence[Request]) -> list[list[CompletionOutput]]:
+    def _run_all(self, requests: Sequence[Request]) -> list[ChoiceAccumulator]:
         """Queue checked requests, step the engine until all are done: each one's completions."""
         for req in requests:
             self.core.add(req)
         choices = {r.request_id: ChoiceAccumulator() for r in requests}
+        errors = []
         while self.core.has_unfinished():
             for delta in self.core.step():
+                if delta.error is not None:  # refused after admission (a grammar that did not compile)
+                    errors.append(delta.error)
+                    continue
                 choices[delta.request_id].add(delta)
-        return [choices[r.request_id].outputs() for r in requests]
+        if errors:  # as a refusal before queueing: the call fails, naming the field (the others ran to the end)
+            raise errors[0]
+        return [choices[r.request_id] for r in requests]
 
-    def _output(self, req: Request, outputs: list[CompletionOutput]) -> RequestOutput:
+    def _output(self, req: Request, choices: ChoiceAccumulator) -> RequestOutput:
+        outputs = choices.outputs()
         if req.params.num_samples == 1:
             return self.core.output_of(req, outputs[0].text if outputs else "")
         first = outputs[0]
         return RequestOutput(request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids,
                              token_ids=first.token_ids, text=first.text, finish_reason=first.finish_reason,
-                             stop_reason=first.stop_reason, logprobs=first.logprobs, outputs=outputs)
+                             stop_reason=first.stop_reason, logprobs=first.logprobs, outputs=outputs,
+                             prompt_logprobs=choices.prompt_logprobs)
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Beam search for every prompt (text, or token ids), as HF transformers' generate(num_beams=
@@ -177,8 +184,8 @@ class LLM:
         penalty = params.length_penalty
         return [BeamSearchOutput(r.prompt, r.prompt_ids, [
             BeamSequence(c.token_ids, c.cumulative_logprob, c.cumulative_logprob / len(c.token_ids) ** penalty,
-                         c.text, c.finish_reason) for c in outputs])
-            for r, outputs in zip(requests, self._run_all(requests))]
+                         c.text, c.finish_reason) for c in choices.outputs()])
+            for r, choices in zip(requests, self._run_all(requests))]
 
     async def stream(self, prompt: Prompt, params: SamplingParams | None = None, *,
                      request_id: str | None = None) -> AsyncIterator[CompletionDelta]:

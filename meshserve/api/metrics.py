@@ -66,7 +66,7 @@ METRICS = {
     "meshserve_kv_recomputes_total": "counter: adopted requests whose prompt was recomputed instead of imported "
                                      "(labels pool, replica, reason; disaggregated pools)",
     "meshserve_kv_transport_info": "gauge: 1 for the KV transport between the pools as configured and resolved at "
-                                   "start: zmq, cuda_ipc, or cuda_ipc|zmq when chosen per hand-over (label "
+                                   "start: nixl, zmq, cuda_ipc, or cuda_ipc|zmq when chosen per hand-over (label "
                                    "transport; disaggregated pools)",
     "meshserve_kv_imports_total": "counter: KV imports that succeeded, by the transport that moved them (labels "
                                   "pool, replica, transport; disaggregated pools)",

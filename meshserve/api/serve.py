@@ -117,9 +117,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
         c.add_argument(f"--{role}-dcp", type=int, default=None,
                        help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
     c.add_argument("--kv-transport", default="auto", choices=[t.value for t in KVTransport],
-                   help="KV hand-over between the pools: auto (cuda_ipc when both ends are CUDA processes of one "
-                        "host, else zmq), zmq, cuda_ipc (falls back to zmq where it cannot apply), or nccl "
-                        "(torch.distributed send/recv, a communicator per hand-over)")
+                   help="KV hand-over between the pools: auto (nixl where both ends have it, else cuda_ipc when "
+                        "both ends are CUDA processes of one host, else zmq), nixl (a NIXL READ of the registered "
+                        "cache; falls back to zmq), cuda_ipc (falls back to zmq where it cannot apply), or zmq")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
@@ -194,6 +194,9 @@ def add_request_limit_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-sequences-per-caller", type=int, default=512,
                    help="sequences one caller (bearer token, else peer address) may have waiting or running; "
                         "beyond it 429 with Retry-After (default 512)")
+    g.add_argument("--grammar-compile-timeout", type=float, default=60.0, dest="grammar_compile_timeout_s",
+                   help="seconds a structured-output request may wait for its grammar's compile before it fails "
+                        "alone with a 400 (default 60)")
 
 
 def configs_of(args: argparse.Namespace):
@@ -225,7 +228,8 @@ def configs_of(args: argparse.Namespace):
                           enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling,
-                                  max_sequences_per_caller=args.max_sequences_per_caller),
+                                  max_sequences_per_caller=args.max_sequences_per_caller,
+                                  grammar_compile_timeout_s=args.grammar_compile_timeout_s),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
     )

@@ -101,10 +101,12 @@ class InferenceServicer:
             if self._drained:
                 raise UnavailableError(DRAINED)
             card = self._model(self._parsed(request).model)
-            prompt = convert.prompt_of(request, card.vocab_size, max_model_len=card.max_model_len)
             beam = convert.beam_params_of(request)
             params = None if beam else convert.sampling_params_of(self.sampling_defaults.apply_proto(request.sampling),
                                                                   card.vocab_size, self.limits)
+            truncate = params.truncate_prompt_tokens if params is not None else None  # (checked: >= 1)
+            prompt = convert.prompt_of(request, card.vocab_size, max_model_len=card.max_model_len,
+                                       truncate_prompt_tokens=truncate)
             request_id = convert.request_id_of(request.request_id, self.limits) or uuid.uuid4().hex
             width = convert.width_of(params, beam)
             convert.check_prompt_count(1, width, self.limits)

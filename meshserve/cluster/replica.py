@@ -328,10 +328,13 @@ class Replica:
                 continue
             self.counters.generated_tokens += len(delta.token_ids)
             ticket.num_streamed += len(delta.token_ids)
-            ticket.sink.put_nowait(delta)
+            # A request the engine refused after admission (its grammar did not compile) ends its
+            # stream with that error: a 400 / INVALID_ARGUMENT before anything streamed.
+            ticket.sink.put_nowait(delta if delta.error is None else delta.error)
             if delta.finished:
                 del self._held[delta.request_id]
-                request_event(delta.request_id, "finished", replica=self.name, reason=delta.finish_reason)
+                request_event(delta.request_id, "finished" if delta.error is None else "failed", replica=self.name,
+                              reason=delta.finish_reason)
 
     async def _in_thread(self, fn: Callable, *args):
         """fn(*args) in a worker thread, under the progress watchdog: no answer within the longest

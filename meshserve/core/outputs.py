@@ -14,6 +14,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens reached, or the context reached max_model_len
     ABORT = "abort"  # cancelled by the caller
+    ERROR = "error"  # refused by the replica after admission (the delta's `error` says why)
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,9 @@ class CompletionDelta:
     num_cached_tokens: prompt tokens the request found in the prefix cache (on every delta).
     prompt_logprobs: on the request's first delta when it asked for them: per prompt token, None
     for the first (nothing predicts it), then its logprobs (SamplingParams.prompt_logprobs).
+    error: on a last delta with finish_reason ERROR, the error to give the caller (its grammar did
+    not compile: docs/structured_outputs.md); the replica hands it to the stream in place of the
+    delta, so front-ends see a refusal, not a delta.
     """
 
     request_id: str
@@ -51,6 +55,7 @@ class CompletionDelta:
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    error: Exception | None = None
 
 
 @dataclass
@@ -102,8 +107,11 @@ class ChoiceAccumulator:
 
     def __init__(self) -> None:
         self._by_index: dict[int, CompletionOutput] = {}
+        self.prompt_logprobs: list[TokenLogprobs | None] | None = None  # the request's (one delta carries them)
 
     def add(self, delta: CompletionDelta) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         out = self._by_index.setdefault(delta.index, CompletionOutput(delta.index, [], "", None))
         out.token_ids += delta.token_ids
         out.text += delta.text

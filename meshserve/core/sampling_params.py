@@ -62,8 +62,9 @@ class SamplingParams:
     structured_outputs None, or a grammar the output must follow (core/structured_outputs.py)
     truncate_prompt_tokens None, or k >= 1: only the prompt's last k tokens are used
     prompt_logprobs    None, or 0..20: also return each prompt token's logprob (from the second on)
-                       and the top-n at its position; n = best_of = 1 only. Such a request takes no
-                       prefix-cache hit (every position's logits are computed)
+                       and the top-n at its position, once per request (with n / best_of > 1 they
+                       are computed once, by the group's prompt: engine/sample_group.py). Such a
+                       request takes no prefix-cache hit (every position's logits are computed)
     """
 
     temperature: float = 1.0
@@ -147,8 +148,6 @@ class SamplingParams:
         check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
                                                and 0 <= self.prompt_logprobs <= MAX_LOGPROBS),
               "prompt_logprobs", self.prompt_logprobs, f"None or an integer in [0, {MAX_LOGPROBS}]")
-        check(self.prompt_logprobs is None or self.num_samples == 1, "prompt_logprobs", self.prompt_logprobs,
-              "None when n or best_of > 1")
 
     @cached_property  # (read per request per step by the sampler: computed once)
     def is_greedy(self) -> bool:

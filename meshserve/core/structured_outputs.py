@@ -129,6 +129,14 @@ class StructuredOutputs:
         if reason is not None:
             raise ConfigError(field, _short(self.source or repr(self.choices)), f"a valid {self.kind.value} ({reason})")
 
+    def not_compiled(self, reason: str) -> ConfigError:
+        """The error of a constraint the driver rank could not compile against the model's
+        vocabulary, or not within the scheduler's bound (the tokenizer-free check at the front-end
+        had passed), named as the API names it."""
+        return ConfigError("structured_outputs", _short(self.source or repr(self.choices)),
+                           f"a {self.kind.value} that compiles against this model's vocabulary (response_format / "
+                           f"structured_outputs): {reason}")
+
     @property
     def cache_key(self) -> tuple:
         return self.kind.value, self.source, self.choices, self.whitespace
@@ -150,9 +158,14 @@ def _reason_refused(spec: StructuredOutputs) -> str | None:
     try:
         spec.grammar()
     except Exception as exc:  # xgrammar raises RuntimeError / ValueError / its own errors
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        return _ENGINE_PREFIX.sub("", reason)[:300]  # "[12:00:00] /project/cpp/x.cc:12: " says nothing to a user
+        return engine_reason(exc)
     return None
+
+
+def engine_reason(exc: BaseException) -> str:
+    """A grammar engine's exception as one short line for a user."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return _ENGINE_PREFIX.sub("", reason)[:300]  # "[12:00:00] /project/cpp/x.cc:12: " says nothing to a user
 
 
 _ENGINE_PREFIX = re.compile(r"^\[[^\]]*\]\s*\S+:\d+:\s*")

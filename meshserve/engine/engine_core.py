@@ -202,6 +202,9 @@ class EngineCore:
         With overlap the step scheduled here is submitted before the previous one is collected:
         the host plans step N+1 while the device runs step N, and the deltas returned are step
         N's. A request that step N finishes may still be in step N+1, whose token for it is dropped.
+        A request whose grammar did not compile ends with a delta whose `error` is set (finish
+        reason ERROR); while requests wait for their grammars, a step may carry no rows (it
+        polls the driver rank, which waits a moment for a compile when there is nothing to run).
         """
         deltas, self._carried = self._carried, []
         step = self.scheduler.schedule()
@@ -229,10 +232,16 @@ class EngineCore:
                     if search.done:
                         self._searches.pop(search.request_id, None)
                 continue
+            if req.request_id not in self._tracked:
+                continue  # a sample of a group that failed earlier in this loop
             delta = self._delta(req)
             group = self._group_of.get(req.request_id)
             if group is None:
                 deltas.append(delta)
+                continue
+            if delta.error is not None:  # its samples share the grammar: the request fails whole
+                self.abort(group.request_id)
+                deltas.append(CompletionDelta(group.request_id, [], "", True, FinishReason.ERROR, error=delta.error))
                 continue
             deltas += group.on_delta(delta)
             if delta.finished:
@@ -246,7 +255,7 @@ class EngineCore:
         sent, output_ids = tracked.num_sent_tokens, req.output_ids
         new_tokens = output_ids[sent:]
         new_logprobs = req.output_logprobs[sent:] if req.output_logprobs else []
-        prompt_logprobs = req.prompt_logprobs_list() if sent == 0 and req.prompt_logprobs else None
+        prompt_logprobs = req.prompt_logprobs_list() if sent == 0 else None  # (None unless asked for)
         tracked.num_sent_tokens = len(output_ids)
         finished = req.status is RequestStatus.FINISHED
         text = ""
@@ -272,7 +281,7 @@ class EngineCore:
             del self._tracked[req.request_id]
         return CompletionDelta(req.request_id, new_tokens, text, finished, req.finish_reason,
                                req.stop_reason, new_logprobs, num_cached_tokens=req.num_cached_tokens,
-                               prompt_logprobs=prompt_logprobs)
+                               prompt_logprobs=prompt_logprobs, error=req.error)
 
     def output_of(self, req: Request, text: str) -> RequestOutput:
         """The finished output of a request with n = 1 (for n > 1: RequestOutput.of_choices)."""

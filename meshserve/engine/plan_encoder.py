@@ -3,7 +3,8 @@
 The scheduler decides which requests run and how many tokens each computes (and updates their
 counts); the encoder says it on the wire and remembers what the workers hold, so that a plan
 carries only what changed:
-- a request the workers have not seen is announced once (`NewRequest`: prompt, settings);
+- a request the workers have not seen is announced once (`NewRequest`: prompt, settings), with
+  its first row, or alone (a request waiting for its grammar, which the driver compiles meanwhile);
 - a request's block tables go whole the first time (and after new blocks replaced them:
   admission, preemption, a fork, a hand-over), afterwards per KV layer group only the blocks
   from the last one the workers hold (a copy-on-write replaces only a table's last block; new
@@ -71,8 +72,17 @@ class PlanEncoder:
             self._announced.discard(request_id)
             self._to_forget.append(request_id)
 
-    def encode(self, rows: Sequence[RowDecision]) -> StepPlan:
+    def encode(self, rows: Sequence[RowDecision], *, announce: Sequence[Request] = (),
+               grammar_timeout_s: float = 0.0) -> StepPlan:
+        """announce: requests to make known to the workers without a row (they have none this step),
+        whose grammars the driver compiles meanwhile, giving up after grammar_timeout_s."""
         new, announced, tables_of, sent_of = [], self._announced, self.kv.block_tables, self._sent
+        for req in announce:
+            if req.request_id not in announced:
+                announced.add(req.request_id)
+                new.append(NewRequest(req.request_id, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+                                      list(req.encoder_ids or ()), num_tokens=0, sample=False,
+                                      grammar_timeout_s=grammar_timeout_s))
         # The cached rows' columns (workers/step.py CachedRows).
         ids, num_tokens, tokens, contexts, samples, lasts, offsets, counts, blocks = [], [], [], [], [], [], [], [], []
         encoder_tables = {}
@@ -87,7 +97,7 @@ class PlanEncoder:
                 check(end == start + n, "num_tokens", n, f"the tokens {rid} has (a new request's first row "
                       "needs no token from a step in flight)")
                 tables, _ = self._table_changes(rid)
-                new.append(NewRequest(rid, req.prompt_ids, req.params.to_dict(), list(req.output_ids),
+                new.append(NewRequest(rid, req.prompt_for_workers, req.params.to_dict(), list(req.output_ids),
                                       list(req.encoder_ids or ()), start, n, sample, tables,
                                       None if req.encoder_ids is None else list(req.encoder_blocks)))
                 continue

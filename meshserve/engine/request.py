@@ -17,7 +17,7 @@ Sink = asyncio.Queue  # of CompletionDelta | BaseException, read by the request'
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued; never run, or preempted (its KV freed, recomputed when resumed)
-    RUNNING = "running"  # holds KV blocks and is scheduled every step
+    RUNNING = "running"  # holds KV blocks and is scheduled every step (unless held or awaiting its grammar)
     FINISHED = "finished"
 
 
@@ -44,6 +44,10 @@ class Request:
     # search has chosen (replace_last_output, a fork, or an abort) it is `held`: not scheduled.
     chosen_by_search: bool = False
     held: bool = False
+    # structured_outputs: from entering a replica until its driver rank reports the grammar
+    # compiled, the request is given no step (engine/scheduler.py).
+    awaiting_grammar: bool = False
+    error: Exception | None = None  # why it finished with FinishReason.ERROR
     beam: BeamSearchParams | None = None  # set: the request is searched (engine/beam_search.py)
     # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
     # nothing, and once they are scheduled the scheduler forks these requests off its blocks.
@@ -64,6 +68,13 @@ class Request:
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_ids + self.output_ids
+
+    @property
+    def prompt_for_workers(self) -> list[int]:
+        """The prompt the workers are told: a group root's is its samples' whole prompt. The root
+        computes every token but the last, and the logits at its last position are those of the
+        prompt's last token, which prompt_logprobs need (workers/prompt_logprobs.py)."""
+        return self.fork_into[0].prompt_ids if self.fork_into else self.prompt_ids
 
     def append_output(self, token_id: int) -> None:
         self.output_ids.append(token_id)

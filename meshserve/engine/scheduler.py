@@ -9,6 +9,11 @@ Each step reads like this:
      max_num_seqs and the pool allow. A prefix-cache hit counts its tokens as already
      computed. The queue head is never skipped: a request that does not fit blocks the ones
      behind it, so no request starves.
+A request with structured_outputs is announced to the workers when it enters (the driver rank
+starts compiling its grammar) and takes no step, nor a place at the head of the queue, until the
+driver reports the grammar compiled (vLLM's WAITING_FOR_FSM): a slow compile delays that request
+alone. A compile that fails, or takes longer than `grammar_compile_timeout_s`, finishes that
+request alone with FinishReason.ERROR and the error for its caller.
 The scheduler decides; its PlanEncoder (engine/plan_encoder.py) turns the step's decisions into
 the StepPlan the workers run. `update` applies their sampled tokens and the token-level stop
 rules (EOS, stop token ids, max_tokens, max_model_len).
@@ -51,10 +56,11 @@ class ScheduledStep:
     plan: StepPlan
     requests: list[tuple[Request, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    polls: bool = False  # the plan goes out without rows: requests wait for their grammars
 
     @property
     def is_empty(self) -> bool:
-        return not self.requests
+        return not self.requests and not self.polls
 
 
 class Scheduler:
@@ -67,6 +73,8 @@ class Scheduler:
         self.waiting: list[Request] = []  # sorted by arrival
         self.running: list[Request] = []  # sorted by arrival
         self.requests: dict[str, Request] = {}
+        self.awaiting_grammar: dict[str, Request] = {}  # waiting or running, not scheduled until compiled
+        self._to_announce: list[Request] = []  # awaiting ones the next plan makes known to the workers
         self.encoder = PlanEncoder(kv)  # what the workers hold; the wire plans
         self.stats = SchedulerStats()
 
@@ -83,7 +91,17 @@ class Scheduler:
     def add_request(self, request: Request, *, bounded: bool = True) -> None:
         self.check_request(request, bounded=bounded)
         self.requests[request.request_id] = request
+        self._await_grammar(request)
         bisect.insort(self.waiting, request, key=lambda r: r.arrival)
+
+    def _await_grammar(self, request: Request) -> None:
+        """A request entering this replica with a grammar waits for the driver rank to compile it
+        (a request handed over or migrated here waits again: its grammar is this driver's to
+        compile). A group's prompt-only root samples nothing, so it does not wait."""
+        request.awaiting_grammar = request.params.structured_outputs is not None and request.fork_into is None
+        if request.awaiting_grammar:
+            self.awaiting_grammar[request.request_id] = request
+            self._to_announce.append(request)
 
     def add_running(self, request: Request, num_computed_tokens: int) -> None:
         """Admit a request whose first `num_computed_tokens` tokens already have their K/V in the
@@ -96,6 +114,7 @@ class Scheduler:
         request.num_computed_tokens = num_computed_tokens
         self.encoder.resend_tables(request.request_id)
         self.requests[request.request_id] = request
+        self._await_grammar(request)
         bisect.insort(self.running, request, key=lambda r: r.arrival)
 
     def detach(self, request_id: str) -> Request:
@@ -107,6 +126,8 @@ class Scheduler:
             self._free_blocks(req)
         else:
             self.waiting.remove(req)
+        self.awaiting_grammar.pop(request_id, None)
+        req.awaiting_grammar = False
         req.status = RequestStatus.WAITING
         req.num_computed_tokens = 0
         self.encoder.forget(req.request_id)
@@ -131,6 +152,9 @@ class Scheduler:
             self._free_blocks(req)
         elif req.status is RequestStatus.WAITING:
             self.waiting.remove(req)
+        if req.awaiting_grammar:
+            del self.awaiting_grammar[req.request_id]
+            req.awaiting_grammar = False
         req.finish(reason, stop_reason)
         del self.requests[req.request_id]
         self.encoder.forget(req.request_id)
@@ -159,8 +183,8 @@ class Scheduler:
         for req in list(self.running):  # per running request every step: kept lean
             if budget == 0:
                 break
-            if req.status is not running or req.held:
-                continue  # preempted earlier in this loop, or waiting for its search's choice
+            if req.status is not running or req.held or req.awaiting_grammar:
+                continue  # preempted earlier in this loop, or waiting for its search's choice or its grammar
             pending, all_ids = req.num_pending_outputs, req.all_token_ids
             num_tokens = len(all_ids)  # = req.num_tokens
             if (pending and len(req.output_ids) + pending >= req.params.max_tokens) or num_tokens + pending >= max_len:
@@ -181,11 +205,12 @@ class Scheduler:
             budget = self._admit(budget, scheduled)
         plan = self._plan(scheduled)
         self._fork_groups(scheduled)
-        return ScheduledStep(plan, scheduled, preempted)
+        return ScheduledStep(plan, scheduled, preempted, polls=bool(self.awaiting_grammar))
 
     def _admit(self, budget: int, scheduled: list[tuple[Request, int]]) -> int:
         while self.waiting and budget > 0 and self._seats_taken() < self.config.max_num_seqs:
-            req = next((r for r in self.waiting if not r.held), None)  # held ones wait for their search
+            # Held ones wait for their search, awaiting ones for their grammar: neither blocks the queue.
+            req = next((r for r in self.waiting if not r.held and not r.awaiting_grammar), None)
             if req is None or req.num_pending_outputs:
                 break  # (pending: preempted while a token of it was drawn; resumes once that token is known)
             if req.fork_into and self.running and self._seats_taken() + len(req.fork_into) > self.config.max_num_seqs:
@@ -231,6 +256,7 @@ class Scheduler:
         check(child.all_token_ids[:parent.num_computed_tokens] == parent.all_token_ids[:parent.num_computed_tokens],
               "child", child.request_id, f"a continuation of {parent.request_id}'s computed tokens")
         self.requests[child.request_id] = child
+        self._await_grammar(child)
         self.encoder.resend_tables(child.request_id)
         if parent.status is RequestStatus.RUNNING and parent.num_computed_tokens > 0:
             check(self.kv.num_tokens(parent.request_id) == parent.num_computed_tokens, "parent",
@@ -255,9 +281,9 @@ class Scheduler:
                 self._finish(req, FinishReason.STOP)
 
     def _preempt_held(self) -> bool:
-        """Preempt the newest held running request (it waits for its search's choice, so it
-        would keep blocks idle); False if there is none."""
-        held = next((r for r in reversed(self.running) if r.held), None)
+        """Preempt the newest held running request (it waits for its search's choice or its
+        grammar, so it would keep blocks idle); False if there is none."""
+        held = next((r for r in reversed(self.running) if r.held or r.awaiting_grammar), None)
         if held is not None:
             self._preempt(held)
         return held is not None
@@ -308,7 +334,9 @@ class Scheduler:
             rows.append(RowDecision(req, start, n, sample))
         self.stats.num_steps += bool(scheduled)
         self.stats.num_computed_tokens += sum(n for _, n in scheduled)
-        return self.encoder.encode(rows)
+        announce, self._to_announce = self._to_announce, []
+        return self.encoder.encode(rows, announce=[r for r in announce if r.awaiting_grammar],
+                                   grammar_timeout_s=self.config.grammar_compile_timeout_s)
 
     def update(self, step: ScheduledStep, output: StepOutput) -> list[Request]:
         """Apply a step's results; returns the requests that received a token (some now finished).
@@ -317,12 +345,16 @@ class Scheduler:
         be in it, and its token there is dropped (the request is finished by then)."""
         row_of = dict(zip(output.request_ids, range(len(output.request_ids))))
         tokens, logprobs = output.token_ids, output.logprobs
-        for rid, items in output.prompt_logprobs.items():  # (requests asking for prompt_logprobs)
-            req = self.requests.get(rid)
-            if req is not None:
-                for i, lp in items:
-                    req.prompt_logprobs.setdefault(i, lp)
+        if output.prompt_logprobs:  # (requests asking for prompt_logprobs)
+            ran = {req.request_id: req for req, _ in step.requests}  # (a group root forked and left by now)
+            for rid, items in output.prompt_logprobs.items():
+                req = ran.get(rid)
+                if req is not None:
+                    for i, lp in items:
+                        req.prompt_logprobs.setdefault(i, lp)
         touched, finished = [], RequestStatus.FINISHED
+        if self.awaiting_grammar:
+            touched += self._grammar_outcomes(output)
         for req, _ in step.requests:  # per running request every step: kept lean
             if req.status is finished:
                 continue  # aborted or stopped while the step ran
@@ -337,6 +369,23 @@ class Scheduler:
             touched.append(req)
             self._check_stop(req, token)
         return touched
+
+    def _grammar_outcomes(self, output: StepOutput) -> list[Request]:
+        """Let the requests whose grammar the driver compiled be scheduled; finish those whose
+        compile failed or passed the bound (returned, each with its `error`). The driver decides
+        both (its clock, not this one's: the schedulers of SPMD ranks must agree)."""
+        for rid in output.grammars_ready:
+            req = self.awaiting_grammar.pop(rid, None)
+            if req is not None:
+                req.awaiting_grammar = False
+        failed = []
+        for rid, reason in output.grammar_errors.items():
+            req = self.awaiting_grammar.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR)
+                req.error = req.params.structured_outputs.not_compiled(reason)
+                failed.append(req)
+        return failed
 
     def _check_stop(self, req: Request, token: int) -> None:
         p = req.params

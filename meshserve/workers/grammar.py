@@ -1,9 +1,11 @@
 """Grammars compiled against the model's vocabulary, and one matcher per constrained request (xgrammar).
 
 Lives on the driver rank, next to the logits (the sampler applies the masks). Compiling takes
-a few milliseconds for a typical JSON schema (docs/structured_outputs.md), more for large
-schemas and vocabularies, so it runs on a worker thread from the moment the request is
-announced; the request's first draw waits for it (the prompt's forward runs meanwhile).
+a few milliseconds for a typical JSON schema (docs/structured_outputs.md), seconds for some
+large schemas and vocabularies, so it runs on worker threads from the moment the request is
+announced, and no step waits for it: the runner reports each request's compile as done or
+failed in its step outputs, and the scheduler gives a constrained request no step until its
+grammar is ready (engine/scheduler.py), so other requests keep stepping meanwhile.
 The compiler (its tokenizer table is built once, on the first grammar) caches compiled
 grammars, so the samples of an n > 1 request and repeated schemas compile once.
 
@@ -17,13 +19,13 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
 
-from meshserve.core.structured_outputs import StructuredOutputs, load_xgrammar
+from meshserve.core.structured_outputs import StructuredOutputs, engine_reason, load_xgrammar
 
 log = logging.getLogger("meshserve.workers.grammar")
 
@@ -32,6 +34,9 @@ log = logging.getLogger("meshserve.workers.grammar")
 # cores at most: on the GPU path the host also plans the next step meanwhile.
 BATCH_FILL_MIN_ROWS = 8
 FILL_THREADS = max(1, min(8, (os.cpu_count() or 2) // 2))
+# Grammars compile on this many threads: one slow schema (seconds, and not interruptible once in
+# xgrammar's C++) must not hold up every other request's compile behind it.
+COMPILE_THREADS = 2
 _batch_matcher = None
 
 
@@ -47,7 +52,7 @@ class GrammarCompiler:
         self.model_dir = Path(model_dir)
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="grammar-compile")
         self._compiler = None
         self._lock = threading.Lock()
 
@@ -84,7 +89,19 @@ class GrammarState:
         self._num_accepted = 0
         self.failed = False  # a token the grammar refused (a dropped step's token, or ignore_eos past the end)
 
+    @property
+    def is_compiling(self) -> bool:
+        return not self._compiled.done()
+
+    def compile_error(self) -> str | None:
+        """Why the compile failed (a short line for the user); None when it succeeded. Only once
+        it is no longer compiling."""
+        exc = self._compiled.exception(timeout=0)
+        return None if exc is None else engine_reason(exc)
+
     def _sync(self):
+        # The scheduler draws for a request only once the runner reported its grammar compiled,
+        # so this result() does not wait.
         if self._matcher is None:
             self._matcher = load_xgrammar().GrammarMatcher(self._compiled.result())
         m, ids = self._matcher, self.output_ids
@@ -129,6 +146,9 @@ def fill_masks(states: Sequence[GrammarState], bitmask: torch.Tensor, rows: Sequ
     for m, row in zip(matchers, at):
         m.fill_next_token_bitmask(bitmask, row)
 
-    @property
-    def is_terminated(self) -> bool:
-        return self._matcher is not None and self._matcher.is_terminated()
+
+def wait_for_any(states: Iterable[GrammarState], timeout: float) -> None:
+    """Return when one of the states' compiles ends, or after `timeout` seconds."""
+    futures = [s._compiled for s in states]
+    if futures:
+        wait(futures, timeout=timeout, return_when=FIRST_COMPLETED)

@@ -8,6 +8,7 @@ its backend with its group's plan), then sample the sequences whose last known t
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -25,12 +26,17 @@ from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import copy_blocks
 from meshserve.workers.constraints import ConstraintBuilder, RequestConstraints
 from meshserve.workers.decode_graphs import DecodeGraphs
+from meshserve.workers.grammar import GrammarState, wait_for_any
 from meshserve.workers.models.contract import GenerativeModel
 from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
 from meshserve.workers.prompt_logprobs import PromptLogprobs, prompt_logprobs, wanted_rows
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
 from meshserve.workers.step import CachedRows, NewRequest, ScheduledSeq, StepOutput, StepPlan
+
+# How long a step that computes nothing waits for a grammar's compile before it returns (the
+# scheduler then polls again, and meanwhile admits what arrived).
+GRAMMAR_POLL_S = 0.02
 
 
 @dataclass
@@ -45,11 +51,22 @@ class _Request:
     constraints: RequestConstraints | None = None  # logit_bias, bad words, grammar, ... (workers/constraints.py)
 
 
+@dataclass(frozen=True)
+class _Compiling:
+    """A request's grammar on its way: reported ready or failed in a step output, or failed once
+    `deadline` (time.monotonic()) passes (the announcement's grammar_timeout_s; inf: none)."""
+
+    grammar: GrammarState
+    timeout_s: float
+    deadline: float
+
+
 @dataclass
 class _InFlight:
     """A submitted step whose sampled tokens the host has not read yet (`result` once read)."""
 
     step_id: int
+    has_rows: bool = False  # it computes something (else it only announces, forgets or polls)
     request_ids: list[str] = field(default_factory=list)  # the request of each drawn row
     draw: Draw | None = None
     result: StepOutput | None = None
@@ -101,6 +118,7 @@ class ModelRunner:
         self._reads_history: set[str] = set()  # requests with penalties, a seed or constraints (they read their tokens)
         self.constraints = constraints
         self._constrained: set[str] = set()  # requests with constraints (a subset of _reads_history)
+        self._compiling: dict[str, _Compiling] = {}  # grammars whose outcome no step output has reported
         self._wants_prompt_logprobs: set[str] = set()
 
     @property
@@ -114,18 +132,20 @@ class ModelRunner:
     def submit(self, plan: StepPlan) -> None:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
         for new in plan.new_requests:
-            check(new.num_tokens >= 1, "num_tokens", new.num_tokens,
-                  f"an integer >= 1 (the first row of {new.request_id})")
+            check(new.num_tokens >= 0, "num_tokens", new.num_tokens,
+                  f"an integer >= 0 (the first row of {new.request_id}; 0: announced only)")
             self.announce(new)
         copy_blocks(self.kv_caches, plan.copies)  # copy-on-write, before any K/V is written
-        flight = _InFlight(plan.step_id)
-        if plan.new_requests or plan.cached is not None:
-            self._run(plan.new_requests, plan.cached, flight)
+        first_rows = [r for r in plan.new_requests if not r.is_announcement]
+        flight = _InFlight(plan.step_id, has_rows=bool(first_rows) or plan.cached is not None)
+        if flight.has_rows:
+            self._run(first_rows, plan.cached, flight)
         self._in_flight.append(flight)
         for rid in plan.finished:
             self.requests.pop(rid, None)
             self._reads_history.discard(rid)
             self._constrained.discard(rid)
+            self._compiling.pop(rid, None)
             self._wants_prompt_logprobs.discard(rid)
             self.tables.remove(rid)
 
@@ -136,6 +156,7 @@ class ModelRunner:
                                                        list(new.prompt_ids), list(new.output_ids),
                                                        encoder_ids=list(new.encoder_ids))
         self._constrained.discard(new.request_id)  # (announced again after a detach)
+        self._compiling.pop(new.request_id, None)
         self._wants_prompt_logprobs.discard(new.request_id)
         if req.params.prompt_logprobs is not None:
             self._wants_prompt_logprobs.add(new.request_id)
@@ -145,6 +166,10 @@ class ModelRunner:
                   "worker has no tokenizer to apply them")
             req.constraints = self.constraints.make(req.params, req.output_ids)
             self._constrained.add(new.request_id)
+            if req.constraints.grammar is not None:
+                t = new.grammar_timeout_s
+                self._compiling[new.request_id] = _Compiling(req.constraints.grammar, t,
+                                                             time.monotonic() + t if t > 0 else float("inf"))
         if req.params.has_penalties or req.params.seed is not None or req.constraints is not None:
             self._reads_history.add(new.request_id)
         else:
@@ -155,13 +180,38 @@ class ModelRunner:
     def collect(self) -> StepOutput:
         """The tokens of the oldest submitted step not yet collected."""
         check(bool(self._in_flight), "collect", "no step in flight", "one submit() per collect()")
-        return self._read(self._in_flight.popleft())
+        flight = self._in_flight.popleft()
+        if (self._compiling and flight.result is None and not flight.has_rows
+                and not any(f.has_rows for f in self._in_flight)):
+            # Nothing to compute but grammars to wait for (the scheduler polls with empty plans):
+            # return when one is compiled, not at once, so that polling does not spin.
+            wait_for_any([c.grammar for c in self._compiling.values()], GRAMMAR_POLL_S)
+        return self._read(flight)
+
+    def _grammar_outcomes(self, result: StepOutput) -> None:
+        """Report the grammars whose compile ended or passed its bound (once each) in `result`.
+        (A compile past its bound runs on to its end on its thread: xgrammar cannot stop it.)"""
+        now = time.monotonic()
+        for rid, c in list(self._compiling.items()):
+            if c.grammar.is_compiling:
+                if now > c.deadline:
+                    del self._compiling[rid]
+                    result.grammar_errors[rid] = f"not compiled within grammar_compile_timeout_s={c.timeout_s:g} s"
+                continue
+            del self._compiling[rid]
+            error = c.grammar.compile_error()
+            if error is None:
+                result.grammars_ready.append(rid)
+            else:
+                result.grammar_errors[rid] = error
 
     def _read(self, flight: _InFlight) -> StepOutput:
         if flight.result is None:
             result = flight.result = StepOutput(flight.step_id)
             if flight.prompt_logprobs and self.is_driver:
                 result.prompt_logprobs = flight.prompt_logprobs
+            if self._compiling:
+                self._grammar_outcomes(result)
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
                 history = self._reads_history  # (requests forgotten meanwhile are not in it)

@@ -32,11 +32,16 @@ class NewRequest:
                    the decoder's start tokens); empty for decoder-only models
     context_len:   tokens of prompt_ids + output_ids already in the cache (a prefix-cache hit, a
                    fork's shared blocks, a hand-over's imported K/V)
-    num_tokens:    how many tokens after those this step computes (>= 1 in a plan)
+    num_tokens:    how many tokens after those this step computes; 0 for an announcement only (a
+                   request waiting for its grammar, which the driver rank compiles from now on:
+                   its rows come later among the cached ones, its tables whole the first time)
     sample:        whether a token is drawn after the last of them
     block_tables:  per KV layer group, the request's whole table
     encoder_table: encoder-decoder models: the encoder block table (cross-attention K/V), which
                    this step fills when context_len is 0; None for decoder-only models
+    grammar_timeout_s: an announcement's bound on its grammar's compile (SchedulerConfig's
+                   grammar_compile_timeout_s, counted from here): the driver reports the request
+                   failed past it; 0: none
     """
 
     request_id: str
@@ -49,6 +54,12 @@ class NewRequest:
     sample: bool = True
     block_tables: list[list[int]] = field(default_factory=list)
     encoder_table: list[int] | None = None
+    grammar_timeout_s: float = 0.0
+
+    @property
+    def is_announcement(self) -> bool:
+        """Only made known to the workers: no row this step."""
+        return self.num_tokens == 0
 
     @property
     def token_ids(self) -> list[int]:
@@ -67,14 +78,14 @@ class NewRequest:
         return [self.request_id, pack_ids(self.prompt_ids), self.sampling, pack_ids(self.output_ids),
                 pack_ids(self.encoder_ids), self.context_len, self.num_tokens, self.sample,
                 [np.asarray(t, "<i4").tobytes() for t in self.block_tables],
-                None if self.encoder_table is None else pack_ids(self.encoder_table)]
+                None if self.encoder_table is None else pack_ids(self.encoder_table), self.grammar_timeout_s]
 
     @classmethod
     def from_wire(cls, wire: list) -> NewRequest:
-        rid, prompt, sampling, out, enc, context, num, sample, tables, enc_table = wire
+        rid, prompt, sampling, out, enc, context, num, sample, tables, enc_table, grammar_timeout = wire
         return cls(rid, unpack_ids(prompt), sampling, unpack_ids(out), unpack_ids(enc), context, num, sample,
                    [np.frombuffer(t, "<i4").tolist() for t in tables],
-                   None if enc_table is None else unpack_ids(enc_table))
+                   None if enc_table is None else unpack_ids(enc_table), grammar_timeout)
 
 
 PACKED_IDS_MIN = 32  # id lists at least this long travel as int32 bytes
@@ -306,7 +317,8 @@ class StepPlan:
 
     def all_seqs(self) -> list[ScheduledSeq]:
         """Every row of the step as a ScheduledSeq: the new requests', then the cached ones."""
-        return [r.seq() for r in self.new_requests] + ([] if self.cached is None else self.cached.seqs())
+        return ([r.seq() for r in self.new_requests if not r.is_announcement]
+                + ([] if self.cached is None else self.cached.seqs()))
 
     @property
     def num_new_tokens(self) -> int:
@@ -346,7 +358,12 @@ class SampledToken:
 class StepOutput:
     """Tokens drawn this step (rank 0 only; other ranks return none), as columns: row i is
     request_ids[i]'s token token_ids[i], with logprobs[i] when the request asked for them.
-    (A list of per-row messages would cost a Python object per request per step twice over.)"""
+    (A list of per-row messages would cost a Python object per request per step twice over.)
+
+    grammars_ready: requests whose grammar the driver compiled since its previous output (the
+                    scheduler may now have them drawn: workers/grammar.py)
+    grammar_errors: request id -> why its grammar did not compile (the scheduler fails it alone)
+    """
 
     step_id: int
     request_ids: list[str] = field(default_factory=list)
@@ -354,6 +371,8 @@ class StepOutput:
     logprobs: dict[int, TokenLogprobs] = field(default_factory=dict)  # row -> its logprobs
     # request id -> [(index of a prompt token, its logprobs)] (SamplingParams.prompt_logprobs)
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
+    grammars_ready: list[str] = field(default_factory=list)
+    grammar_errors: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, step_id: int, sampled: Sequence[SampledToken]) -> StepOutput:
@@ -372,7 +391,8 @@ class StepOutput:
         plps = [[rid, [[i, lp.token_id, lp.logprob, [list(p) for p in lp.top]] for i, lp in items]]
                 for rid, items in self.prompt_logprobs.items()]
         return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids,
-                              "logprobs": lps, "prompt_logprobs": plps})
+                              "logprobs": lps, "prompt_logprobs": plps, "grammars_ready": self.grammars_ready,
+                              "grammar_errors": self.grammar_errors})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
@@ -381,4 +401,5 @@ class StepOutput:
         lps = {i: TokenLogprobs(tokens[i], lp, tuple((int(t), v) for t, v in top)) for i, lp, top in d["logprobs"]}
         plps = {rid: [(i, TokenLogprobs(t, lp, tuple((int(a), v) for a, v in top))) for i, t, lp, top in items]
                 for rid, items in d.get("prompt_logprobs", ())}
-        return cls(d["step_id"], d["ids"], tokens, lps, plps)
+        return cls(d["step_id"], d["ids"], tokens, lps, plps, d.get("grammars_ready", []),
+                   d.get("grammar_errors", {}))

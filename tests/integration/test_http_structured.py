@@ -17,13 +17,17 @@ import grpc
 import jsonschema
 import openai
 import pytest
+import torch
+import transformers
 
 from meshserve.api.client import InferenceClient
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
 from meshserve.core.checkpoint_files import load_tokenizer
+from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.demo_model import DEMO_MODEL_DIR
-from tests.integration.api_harness import ServerLoop, demo_service, rpc_error
+from meshserve.workers.grammar import GrammarCompiler
+from tests.integration.api_harness import SPLIT, ServerLoop, demo_service, rpc_error
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -120,6 +124,34 @@ def test_invalid_constraints_are_400_naming_the_field(server, body, field):
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, extra_body=body)
     assert exc.value.body["message"].startswith(field), exc.value.body
+
+
+@pytest.mark.skipif(SPLIT, reason="the fault is injected into the compile of an engine in this process")
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_grammar_the_engine_fails_to_compile_is_400_and_the_server_serves_on(server, monkeypatch, stream):
+    """The front-end's tokenizer-free check passes; the driver rank's compile raises (fault
+    injection): that request alone is refused before anything streamed, naming the field."""
+    broken = StructuredOutputs.regex("(maybe|perhaps)")
+    real = GrammarCompiler._compile
+
+    def failing_compile_fault(self, spec):
+        if spec == broken:
+            raise RuntimeError("fault injection: no compile")
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarCompiler, "_compile", failing_compile_fault)
+    client = server["client"]
+    with pytest.raises(openai.BadRequestError) as exc:
+        out = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, stream=stream,
+                                             extra_body={"structured_outputs": {"regex": broken.source}})
+        if stream:
+            list(out)
+    message = exc.value.body["message"]
+    assert message.startswith("structured_outputs") and "response_format" in message, message
+    assert "fault injection: no compile" in message
+    out = client.chat.completions.create(model="", messages=MESSAGES, max_tokens=5, temperature=0,
+                                         extra_body={"structured_outputs": {"regex": "(yes|no)"}})
+    assert out.choices[0].message.content in ("yes", "no")
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}],
@@ -283,3 +315,50 @@ def test_prompt_logprobs_over_http_and_grpc(server):
     for lp, entry in zip(got, plps[1:]):
         assert abs(lp.logprob - entry[str(lp.token_id)]["logprob"]) < 1e-5
         assert [t.token_id for t in lp.top] == [int(k) for k, v in entry.items() if "rank" in v]
+
+
+def test_prompt_logprobs_once_per_request_with_several_samples(server):
+    """n / best_of > 1 (vLLM's behaviour): the prompt's logprobs, computed once, equal HF's log-softmax
+    in float64; completions repeat them in every choice (streamed: each choice's first chunk), chat
+    has them once at the top, gRPC once in the stream."""
+    prompt = "Python supports many kinds of"
+    ids = load_tokenizer(DEMO_MODEL_DIR).encode(prompt).ids
+    hf = transformers.AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float64).eval()
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([ids])).logits[0], dim=-1)  # [L, V]
+
+    def assert_equal_hf(entries):  # vLLM's shape: None, then {"<id>": {"logprob", "rank"?, "decoded_token"}}
+        assert len(entries) == len(ids) and entries[0] is None
+        for i, entry in enumerate(entries[1:], start=1):
+            assert abs(entry[str(ids[i])]["logprob"] - want[i - 1, ids[i]].item()) < 1e-3
+            ranked = sorted((v["rank"], int(k)) for k, v in entry.items() if "rank" in v)
+            assert [t for _, t in ranked] == torch.topk(want[i - 1], 2).indices.tolist()
+
+    client = server["client"]
+    for extra in ({"prompt_logprobs": 2}, {"prompt_logprobs": 2, "best_of": 3}):
+        out = client.completions.create(model="", prompt=prompt, max_tokens=2, n=2, seed=3, extra_body=extra)
+        assert len(out.choices) == 2
+        first = out.choices[0].model_extra["prompt_logprobs"]
+        assert_equal_hf(first)
+        assert out.choices[1].model_extra["prompt_logprobs"] == first
+    streamed = client.completions.create(model="", prompt=prompt, max_tokens=2, n=3, seed=3, stream=True,
+                                         extra_body={"prompt_logprobs": 2})
+    carrying = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            if choice.model_extra.get("prompt_logprobs") is not None:
+                assert choice.index not in carrying  # once per choice
+                carrying[choice.index] = choice.model_extra["prompt_logprobs"]
+    assert sorted(carrying) == [0, 1, 2] and all(v == first for v in carrying.values())
+    chat = client.chat.completions.create(model="", messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          n=2, extra_body={"prompt_logprobs": 2})
+    assert len(chat.choices) == 2 and chat.model_extra["prompt_logprobs"] == first  # (the demo template adds nothing)
+    responses = list(server["grpc"].stream(prompt, max_tokens=2, n=2, seed=3, prompt_logprobs=2))
+    carrying = [r for r in responses if r.prompt_logprobs]
+    assert len(carrying) == 1 and [lp.token_id for lp in carrying[0].prompt_logprobs] == ids[1:]
+    for i, lp in enumerate(carrying[0].prompt_logprobs, start=1):
+        assert abs(lp.logprob - want[i - 1, ids[i]].item()) < 1e-3
+    with pytest.raises(openai.BadRequestError) as info:  # beam search computes none: refused, not ignored
+        client.completions.create(model="", prompt=prompt, max_tokens=2, n=2,
+                                  extra_body={"use_beam_search": True, "prompt_logprobs": 1})
+    assert info.value.body["param"] == "prompt_logprobs" and "use_beam_search" in info.value.body["message"]

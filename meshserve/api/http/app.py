@@ -34,6 +34,7 @@ from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.http.body import ShapeLimits, parse_body
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.errors import error_of, error_response, install_handlers
+from meshserve.api.http.openapi import ERROR_RESPONSES, add_body_schemas, request_body
 from meshserve.api.http.protocol import ChatCompletionRequest, CompletionRequest, EmbeddingRequest
 from meshserve.api.http.request_id import RequestIdMiddleware
 from meshserve.api.http.responses import Shaper, finish_of, sse, usage_of
@@ -120,10 +121,14 @@ class OpenAIFrontend:
         install_handlers(api)
         api.add_api_route("/health", self.health, methods=["GET"])
         api.add_api_route("/v1/models", self.list_models, methods=["GET"])
-        api.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"])
-        api.add_api_route("/v1/completions", self.completions, methods=["POST"])
-        api.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
-        api.add_api_route("/v1/embeddings", self.embeddings, methods=["POST"])
+        api.add_api_route("/v1/models/{model_id:path}", self.get_model, methods=["GET"], responses=ERROR_RESPONSES)
+        # These read their own body (body.py): the document gets its schema from openapi.py.
+        for path, route, model in (("/v1/completions", self.completions, CompletionRequest),
+                                   ("/v1/chat/completions", self.chat_completions, ChatCompletionRequest),
+                                   ("/v1/embeddings", self.embeddings, EmbeddingRequest)):
+            api.add_api_route(path, route, methods=["POST"], openapi_extra=request_body(model),
+                              responses=ERROR_RESPONSES)
+        add_body_schemas(api, (CompletionRequest, ChatCompletionRequest, EmbeddingRequest))
         add_vllm_routes(api, self, metrics_token=metrics_token)
         self.app = RequestIdMiddleware(_Guard(api, tokens=tokens, max_body_bytes=max_body_bytes))
 
@@ -187,8 +192,11 @@ class OpenAIFrontend:
         ids = min(limits.max_prompts_per_request * max_model_len, limits.max_tokens_per_request)
         return ShapeLimits(max_strings=limits.max_json_strings, max_values=ids + limits.max_json_strings)
 
-    async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard) -> list[list[int]]:
-        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread."""
+    async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard, *,
+                          truncate_prompt_tokens: int | None = None) -> list[list[int]]:
+        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread.
+        Token-id prompts are cut to their last truncate_prompt_tokens before their length is
+        checked (texts are cut once tokenized, by the caller)."""
         out: list[list[int] | None] = []
         for i, p in enumerate(prompts):
             field = "prompt"  # OpenAI's param; the message says which prompt
@@ -199,7 +207,8 @@ class OpenAIFrontend:
                 convert.check_encodable(p, field)
                 out.append(None)
             else:
-                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len))
+                out.append(convert.token_ids_of(p, card.vocab_size, field=field, max_model_len=card.max_model_len,
+                                                truncate_prompt_tokens=truncate_prompt_tokens))
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
             encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
@@ -241,7 +250,8 @@ class OpenAIFrontend:
         card = self._generate_card(body.model)
         prompts = body.prompts()
         convert.check_prompt_count(len(prompts), body.width, self.limits)
-        ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card)]
+        ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card,
+                                                                 truncate_prompt_tokens=body.truncate_prompt_tokens)]
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
                           request=request)
@@ -254,11 +264,19 @@ class OpenAIFrontend:
 
         async def chunks() -> AsyncIterator[dict]:
             offsets = [0] * sum(job.n for job in jobs)  # per choice
+            prompt_logprobs: dict[int, list] = {}  # per job, shaped once: each of its choices' first chunk has them
+            given: set[int] = set()  # choices whose chunk had them
             async for job, delta in merged(jobs):
-                if delta.text or delta.finish_reason is not None or delta.logprobs or delta.prompt_logprobs:
-                    i = job.choice_index(delta)
+                if delta.prompt_logprobs is not None:  # (on a request's first delta)
+                    prompt_logprobs[job.index] = shaper.prompt_logprobs(delta.prompt_logprobs)
+                i = job.choice_index(delta)
+                owed = job.index in prompt_logprobs and i not in given
+                if delta.text or delta.finish_reason is not None or delta.logprobs or owed:
+                    if owed:
+                        given.add(i)
                     chunk = shaper.completion_chunk(job, delta, offset=offsets[i], want_logprobs=want_logprobs,
-                                                    usage=body.include_usage)
+                                                    usage=body.include_usage,
+                                                    prompt_logprobs=prompt_logprobs[job.index] if owed else None)
                     if body.continuous_usage:
                         chunk["usage"] = usage_of(jobs)
                     yield chunk

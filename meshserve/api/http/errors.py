@@ -38,8 +38,14 @@ def error_of(exc: BaseException) -> tuple[int, dict]:
     return outcome.http_status, error_body(outcome.http_status, message, error_type=outcome.error_type, param=param)
 
 
+# pydantic names the member of a union a value failed in the error's location (`prompt.str`,
+# `prompt.list[int]`): that is no field of the body, so the field named is the one above it.
+_UNION_MEMBERS = frozenset({"str", "int", "float", "bool", "none", "list", "dict", "literal", "nullable",
+                            "function-after", "function-before", "function-wrap", "tagged-union", "union"})
+
+
 def _field(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    parts = [str(p) for p in loc if p != "body" and not (isinstance(p, str) and p.split("[", 1)[0] in _UNION_MEMBERS)]
     return ".".join(parts) or "body"
 
 

@@ -141,8 +141,8 @@ class _Sampling(_Body):
         """use_beam_search: the search's settings (beam_width = n); sampling fields then stay unset."""
         if not self.use_beam_search:
             return None
-        sampled = sorted(name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "best_of")
-                         if getattr(self, name, None) is not None)
+        sampled = sorted(name for name in ("temperature", "top_p", "top_k", "min_p", "seed", "best_of",
+                                           "prompt_logprobs") if getattr(self, name, None) is not None)
         check(not sampled, sampled[0] if sampled else "", "set", "unset with use_beam_search")
         return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, length_penalty=self.length_penalty,
                                 early_stopping=self.early_stopping, ignore_eos=self.ignore_eos,
@@ -182,12 +182,14 @@ class _Sampling(_Body):
 
 
 class CompletionRequest(_Sampling):
+    """POST /v1/completions: OpenAI's fields and vLLM's extras (docs/http.md)."""
+
     prompt: Prompt
     max_tokens: int | None = 16
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
-    suffix: str | None = None
+    suffix: str | None = Field(None, description="not supported: refused unless unset or null")
 
     def check(self) -> None:
         self.check_common()
@@ -234,6 +236,8 @@ def _call_for_template(call: Any) -> Any:
 
 
 class ChatCompletionRequest(_Sampling):
+    """POST /v1/chat/completions: OpenAI's fields and vLLM's extras (docs/http.md)."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
@@ -283,6 +287,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 class EmbeddingRequest(_Body):
+    """POST /v1/embeddings, for an embedding model (docs/http.md)."""
+
     model: str = ""
     input: Prompt
     encoding_format: Literal["float", "base64"] = "float"

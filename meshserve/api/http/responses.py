@@ -10,8 +10,10 @@ empty choices carrying the usage when `stream_options.include_usage` is set, the
 
 `prompt_logprobs` (vLLM's shape): per prompt token, None for the first, then
 `{"<token id>": {"logprob", "decoded_token", "rank"}}` for the token itself and the top n at its
-position (rank 1..n for those; the prompt token's rank only when it is among them); per choice
-in completions, at the top of a chat response; streamed with the first chunk.
+position (rank 1..n for those; the prompt token's rank only when it is among them). The engine
+computes them once per prompt; as vLLM, completions repeat them in every choice of that prompt
+(streamed: with each choice's first chunk), chat has them once, at the top of the response
+(streamed: with the first chunk that has them).
 
 Chat choices with tools (api/tools/): the message's `tool_calls` and `content` (None when the
 output was only calls), finish_reason "tool_calls" when the choice ended with calls.
@@ -111,6 +113,7 @@ class Shaper:
 
     def completion(self, jobs: Sequence[Job], *, echo: Sequence[str] | None, want_logprobs: bool) -> dict:
         choices = []
+        prompt_logprobs = {id(job): self.prompt_logprobs(job.prompt_logprobs) for job in jobs}
         for job, pieces in ((j, p) for j in jobs for p in j.choices()):
             prefix = echo[job.index] if echo else ""
             last = pieces[-1]
@@ -119,8 +122,8 @@ class Shaper:
                 "index": job.choice_index(last), "text": prefix + "".join(d.text for d in pieces),
                 "logprobs": self.completion_logprobs(lps, len(prefix)) if want_logprobs else None,
                 "finish_reason": finish_of(last), "stop_reason": stop_reason_of(last)})
-            if pieces[0].prompt_logprobs is not None:
-                choices[-1]["prompt_logprobs"] = self.prompt_logprobs(pieces[0].prompt_logprobs)
+            if prompt_logprobs[id(job)] is not None:  # (the prompt's: the same in each of its choices)
+                choices[-1]["prompt_logprobs"] = prompt_logprobs[id(job)]
         return {**self._head("text_completion"), "choices": choices, "usage": usage_of(jobs)}
 
     def chat(self, jobs: Sequence[Job], *, want_logprobs: bool, tools: ToolRequest | None = None,
@@ -141,20 +144,20 @@ class Shaper:
                 "logprobs": self.chat_logprobs(lps) if want_logprobs else None,
                 "finish_reason": finish, "stop_reason": stop_reason_of(last)})
         out = {**self._head("chat.completion"), "choices": choices, "usage": usage_of(jobs)}
-        first = jobs[0].pieces[0] if jobs and jobs[0].pieces else None
-        if first is not None and first.prompt_logprobs is not None:
-            out["prompt_logprobs"] = self.prompt_logprobs(first.prompt_logprobs)
+        if jobs and jobs[0].prompt_logprobs is not None:
+            out["prompt_logprobs"] = self.prompt_logprobs(jobs[0].prompt_logprobs)
         return out
 
     # -- stream chunks -----------------------------------------------------------------------------
 
     def completion_chunk(self, job: Job, delta: CompletionDelta, *, offset: int, want_logprobs: bool,
-                         usage: bool) -> dict:
+                         usage: bool, prompt_logprobs: list | None = None) -> dict:
+        """prompt_logprobs: already shaped (self.prompt_logprobs), for a choice's first chunk."""
         choice = {"index": job.choice_index(delta), "text": delta.text,
                   "logprobs": self.completion_logprobs(delta.logprobs, offset) if want_logprobs else None,
                   "finish_reason": finish_of(delta), "stop_reason": stop_reason_of(delta)}
-        if delta.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.prompt_logprobs(delta.prompt_logprobs)
+        if prompt_logprobs is not None:
+            choice["prompt_logprobs"] = prompt_logprobs
         out = {**self._head("text_completion"), "choices": [choice]}
         if usage:
             out["usage"] = None

@@ -65,6 +65,12 @@ class Job:
         """OpenAI's choice index: prompt index * n + the completion's index."""
         return self.index * self.n + delta.index
 
+    @property
+    def prompt_logprobs(self) -> list | None:
+        """The prompt's logprobs (prompt_logprobs): the one delta of the request that carries them
+        (its first: with n > 1 they come once per request, engine/sample_group.py)."""
+        return next((d.prompt_logprobs for d in self.pieces if d.prompt_logprobs is not None), None)
+
     def choices(self) -> list[list[CompletionDelta]]:
         """job.pieces by completion, in index order (the finished request's whole output)."""
         by_index: dict[int, list[CompletionDelta]] = {}

@@ -5,7 +5,7 @@
     POST /detokenize    {"model"?, "tokens": [ids]} -> {"prompt": text}
     GET  /version       {"version": meshserve's version}
     GET  /metrics       Prometheus text, every sample labelled model_name (the --metrics-token-file token when set)
-    GET  /openapi.json  the schema of every route (FastAPI builds it from the request models)
+    GET  /openapi.json  the schema of every route and request body (FastAPI, with openapi.py's bodies)
 
 /tokenize and /detokenize use the model, so they need the bearer token as /v1 does; /version,
 /metrics (its own token) and /openapi.json are open like /health.
@@ -23,6 +23,7 @@ from starlette.responses import Response
 from meshserve.api import convert
 from meshserve.api.auth import bearer_of, is_known
 from meshserve.api.http.errors import error_response
+from meshserve.api.http.openapi import ERROR_RESPONSES
 from meshserve.api.http.protocol import ChatMessage, _Body
 from meshserve.errors import ConfigError, check
 
@@ -95,7 +96,7 @@ def add_vllm_routes(api: FastAPI, frontend, *, metrics_token: str | None = None)
 
         return Response(generate_latest(frontend.metrics.exposition), media_type=CONTENT_TYPE_LATEST)
 
-    api.add_api_route("/tokenize", tokenize, methods=["POST"])
-    api.add_api_route("/detokenize", detokenize, methods=["POST"])
+    api.add_api_route("/tokenize", tokenize, methods=["POST"], responses=ERROR_RESPONSES)
+    api.add_api_route("/detokenize", detokenize, methods=["POST"], responses=ERROR_RESPONSES)
     api.add_api_route("/version", get_version, methods=["GET"])
     api.add_api_route("/metrics", get_metrics, methods=["GET"])

@@ -88,3 +88,15 @@ def test_step_outputs_round_trip_as_columns():
     back = StepOutput.from_msgpack(out.to_msgpack())
     assert back == out
     assert back.sampled == [SampledToken("a", 5, lp), SampledToken("b", 1), SampledToken("c", 9)]
+
+
+def test_grammar_announcements_and_outcomes_travel():
+    """A request waiting for its grammar is announced without a row (no row in all_seqs); the
+    driver's compile outcomes come back in the step output."""
+    plan = StepPlan(5, [NewRequest("g", list(range(40)), SamplingParams(max_tokens=3).to_dict(), num_tokens=0,
+                                   sample=False, grammar_timeout_s=2.5)])
+    back = StepPlan.from_msgpack(plan.to_msgpack())
+    assert back == plan and back.new_requests[0].is_announcement and back.new_requests[0].grammar_timeout_s == 2.5
+    assert back.all_seqs() == [] and back.num_new_tokens == 0
+    out = StepOutput(6, grammars_ready=["g"], grammar_errors={"h": "not a grammar"})
+    assert StepOutput.from_msgpack(out.to_msgpack()) == out
