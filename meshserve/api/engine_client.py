@@ -3,7 +3,8 @@ process (cluster/service_wire.py, cluster/service_endpoint.py).
 
 The gRPC and HTTP front-ends call it exactly as they call a Coordinator. What needs no engine is
 answered here: tokenize and detokenize with the checkpoint's own tokenizer, loaded in this
-process; models, health and stats from the engine's latest report (every STATE_PERIOD_S).
+process; models, health and stats from the engine's latest state (carried by every step's BATCH,
+and sent every STATE_PERIOD_S).
 Streams: `generate` sends one OPEN frame and reads its deltas from a queue that the reader task
 fills from the engine's per-step BATCH frames; leaving a stream early sends CANCEL (the engine
 aborts the request and frees its blocks).
@@ -34,12 +35,12 @@ import zmq.asyncio
 from meshserve.cluster import service_wire as wire
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
 from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import RejectedFrames
 from meshserve.errors import ConfigError, ReplicaFailedError, UnavailableError, check
-from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.api")
 STALE_S = 10.0  # no report from a live engine process for this long: it is hung
@@ -244,8 +245,9 @@ class EngineClient:
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == wire.BATCH:
+            items, state = msgpack.unpackb(payload)
             streams = self._streams
-            for item in msgpack.unpackb(payload):
+            for item in items:
                 entry = streams.get(item[0])
                 if entry is None:  # its reader left
                     continue
@@ -254,14 +256,10 @@ class EngineClient:
                     queue.put_nowait(wire.decode_error(*item[2:]))
                 else:
                     queue.put_nowait(wire.decode_delta(item, request_id))
+            if state is not None:  # before any stream's reader runs: the stats as of its deltas
+                self._take_state(state)
         elif kind == wire.STATE:
-            self._health, self._stats, models, self._failed = wire.decode_state(msgpack.unpackb(payload))
-            if models is not None:
-                self._models = models
-            now = self._reported_at = time.monotonic()
-            if self._health.serving:
-                self._serving_at = now
-            self._changed.set()
+            self._take_state(payload)
         elif kind == wire.RET:
             call, ok, result = msgpack.unpackb(payload)
             future = self._calls.get(call)
@@ -270,6 +268,15 @@ class EngineClient:
         elif kind == wire.BYE:
             self._bye.set()
             self._end("the engine is shut down", expected=True)
+
+    def _take_state(self, payload: bytes) -> None:
+        self._health, self._stats, models, self._failed = wire.decode_state(msgpack.unpackb(payload))
+        if models is not None:
+            self._models = models
+        now = self._reported_at = time.monotonic()
+        if self._health.serving:
+            self._serving_at = now
+        self._changed.set()
 
     async def _watch(self) -> None:
         """The engine's process exiting ends every stream (there is nobody to finish them)."""

@@ -34,6 +34,7 @@ from meshserve.config import (
     SmallMGemm,
 )
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import read_model_task
 from meshserve.core.outputs import (
     BeamSearchOutput,
     BeamSequence,
@@ -46,7 +47,7 @@ from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from meshserve.engine.request import Request
 from meshserve.errors import ConfigError, MeshserveError, check
-from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput, read_model_task
+from meshserve.workers.embedder import Embedder, EmbeddingOutput, EmbedInput
 
 Prompt = str | Sequence[int]
 

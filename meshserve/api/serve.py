@@ -316,7 +316,7 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
     prefill_parallel / decode_parallel: a disaggregated pool's own (tp, dcp) (default engine.parallel).
     """
     from meshserve.cluster.coordinator import ClusterConfig, Coordinator, Runtime
-    from meshserve.workers.embedder import read_model_task
+    from meshserve.core.checkpoint_files import read_model_task
 
     if read_model_task(engine.model.model) == "embed":
         why = "1 for an embedding model (it is served in-process, without Ray)"
@@ -331,6 +331,12 @@ def build_service(engine, pools: PoolConfig, *, model_name: str | None, device: 
                             max_model_len=engine.model.max_model_len,
                             max_num_batched_tokens=engine.scheduler.max_num_batched_tokens, device=device)
         return EmbeddingService(embedder, model_name=model_name, max_queue=engine.scheduler.max_queue)
+    if engine.cache.memory_utilization is not None and device != "cuda":
+        import torch  # here, where the engine runs: serve's front-end processes import no torch
+
+        if device == "cpu" or not torch.cuda.is_available():
+            log.info("--gpu-memory-utilization %g on CPU: the KV pool takes that fraction of the host's available "
+                     "memory", engine.cache.memory_utilization)
     single = (pools.mode is PoolMode.UNIFIED and pools.replicas == 1 and pools.ray_address is None
               and engine.parallel.tp == 1)
     runtime = Runtime.IN_PROCESS if single else Runtime.RAY  # the embedded default: no Ray to start
@@ -483,7 +489,7 @@ async def _start_or_stop(start, stop: asyncio.Event) -> bool:
 
 
 def _is_embedding_model(model: str) -> bool:
-    from meshserve.workers.embedder import read_model_task
+    from meshserve.core.checkpoint_files import read_model_task
 
     return read_model_task(model) == "embed"
 
@@ -537,12 +543,6 @@ def _serve(args: argparse.Namespace, level: str, metrics_dir: str | None) -> int
         os.environ["MESHSERVE_LOG_FORMAT"] = args.log_format
     per_pool = pool_parallel_of(args, pools)
     check_layout_fits_model(engine.model.model, engine.parallel, per_pool)  # before Ray places anything
-    if engine.cache.memory_utilization is not None and args.device != "cuda":
-        import torch
-
-        if args.device == "cpu" or not torch.cuda.is_available():
-            log.info("--gpu-memory-utilization %g on CPU: the KV pool takes that fraction of the host's available "
-                     "memory", engine.cache.memory_utilization)
     api_servers = None
     embedding = _is_embedding_model(engine.model.model)
     check(not embedding or args.api_server_count == 1, "api_server_count", args.api_server_count,

@@ -44,6 +44,7 @@ from meshserve.cluster.replica import Replica
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
 from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.core.sampling_params import SamplingParams
@@ -54,7 +55,6 @@ from meshserve.engine.engine_core import EngineCore
 from meshserve.engine.request import Request, Ticket
 from meshserve.errors import CapacityError, ConfigError, UnavailableError, as_enum, check
 from meshserve.kvtransfer.transport import default_device, describe_setting
-from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
 log = logging.getLogger("meshserve.coordinator")
 

@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.core.checkpoint_files import encode_ids
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError, QueueFullError, UnavailableError, check
-from meshserve.workers.checkpoint import encode_ids
 from meshserve.workers.embedder import Embedder, EmbeddingOutput
 
 

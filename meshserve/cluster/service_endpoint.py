@@ -6,7 +6,14 @@ going to a sink of this endpoint instead of a per-stream queue: no task and no a
 per stream here. What the replicas deliver during one pass of the event loop (a step's deltas
 for every stream) leaves in one BATCH frame per front-end at the end of it. A stream that ends
 (its last delta, or an error) is closed here; a CANCEL closes it early, which aborts the request
-and frees its KV blocks at once. Health, stats and models go out every STATE_PERIOD_S.
+and frees its KV blocks at once.
+
+Health, stats and models (the state) ride on every BATCH, as of its deltas: a front-end with
+streams in a step has the stats of that step (/metrics, ServerInfo), as vLLM's engine core sends
+its scheduler stats with each step's outputs. The others get the state in a STATE frame when a
+stream started or ended in that pass (so a request is counted by whichever process a client asks
+once it has seen the request start or end), and every front-end gets one every STATE_PERIOD_S.
+The snapshot is taken once a pass whatever the number of front-ends (bench/state_push.py).
 
     endpoint = ServiceEndpoint(coordinator, "ipc:///run/x/engine.sock", key)
     await endpoint.run(start=True)     # until a front-end sends SHUTDOWN (or stop() is called)
@@ -44,9 +51,9 @@ class _Sink:
     def put_nowait(self, item) -> None:
         if self.done:  # cancelled by its reader: what still comes (its ABORT delta) has nobody to go to
             return
-        if not self.started:  # its first delta: the stats that follow it show it running
+        if not self.started:  # its first delta: every front-end's stats should show it running
             self.started = True
-            self.endpoint._state_due = True
+            self.endpoint._streams_changed = True
         if isinstance(item, BaseException):
             self.endpoint._emit(self.route, [self.number, None, *wire.encode_error(item)])
             self.endpoint._close(self, finished=True)
@@ -77,10 +84,8 @@ class ServiceEndpoint:
         self._outbox: dict[bytes, list] = {}
         self._stop = asyncio.Event()
         self._failed: str | None = None
-        # A stream started or ended: a fresh STATE follows the BATCH that carries its first or last
-        # delta, so that what a client reads of the stats once it has seen it (ServerInfo, /metrics)
-        # counts its request: the stats a front-end answers are as of the deltas it has sent.
-        self._state_due = False
+        self._models = None  # the service's models once it serves (they do not change after)
+        self._streams_changed = False  # a stream started or ended in this pass
         self._flush_scheduled = False
         self.rejected = RejectedFrames(f"front-end channel {address}")
 
@@ -148,22 +153,34 @@ class ServiceEndpoint:
             asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
+        """The pass's deltas, one BATCH per front-end that has some, each carrying the state as of
+        them (one snapshot); the other front-ends get it in a STATE when a stream started or ended
+        in this pass, so that whichever process a client asks counts that stream."""
         self._flush_scheduled = False
         outbox, self._outbox = self._outbox, {}
+        try:
+            state = self._state()
+        except Exception:  # the deltas go out all the same; the period's STATE tries again
+            log.exception("engine state snapshot failed")
+            state = None
         for route, items in outbox.items():
-            self._send(route, wire.BATCH, msgpack.packb(items))
-        if self._state_due:
-            self._send_state_to_all()
+            self._send(route, wire.BATCH, msgpack.packb([items, state]))
+        if self._streams_changed and state is not None:
+            self._streams_changed = False
+            for route in self._peers:
+                if route not in outbox:
+                    self._send(route, wire.STATE, state)
 
     def _state(self) -> bytes:
-        try:
-            models = self.service.models()
-        except UnavailableError:
-            models = None
+        models = self._models
+        if models is None:
+            try:
+                models = self._models = self.service.models()
+            except UnavailableError:
+                pass
         return msgpack.packb(wire.encode_state(self.service.health(), self.service.stats(), models, self._failed))
 
     def _send_state_to_all(self) -> None:
-        self._state_due = False
         if self._peers:
             payload = self._state()
             for route in self._peers:
@@ -234,7 +251,7 @@ class ServiceEndpoint:
 
     def _close(self, sink: _Sink, *, finished: bool) -> None:
         sink.done = True
-        self._state_due = True
+        self._streams_changed = True
         self._schedule_flush()
         self._streams.pop((sink.route, sink.number), None)
         if sink.stream is not None:

@@ -20,8 +20,10 @@ Kinds, front-end -> engine:
     CALL      [call id, method, args]: abort(request_id) (the only method)
     SHUTDOWN  stop the service and exit
 engine -> front-end:
-    STATE     {"health", "stats", "models", "failed"}: every STATE_PERIOD_S and on changes
-    BATCH     [item, ...]: every stream's new deltas of one step (one message, not one per token)
+    STATE     the state, {"health", "stats", "models", "failed"} packed: every STATE_PERIOD_S, and when
+              a stream started or ended (to the front-ends that got no BATCH then)
+    BATCH     [[item, ...], state]: every stream's new deltas of one step (one message, not one per
+              token), and the state as of them (STATE's payload; None if the snapshot failed)
     RET       [call id, ok, result or error]
     BYE       the service is shut down
 

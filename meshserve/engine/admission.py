@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING
 
 from meshserve.config import SchedulerConfig
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import encode_ids
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.request import Request
 from meshserve.errors import check
-from meshserve.workers.checkpoint import encode_ids
 
 if TYPE_CHECKING:
     from meshserve.workers.worker import WorkerInfo

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshserve.core.beam_params import BeamSearchParams
+from meshserve.core.checkpoint_files import load_tokenizer
 from meshserve.core.outputs import CompletionDelta, CompletionOutput, FinishReason, RequestOutput
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.admission import RequestValidator
@@ -28,7 +29,6 @@ from meshserve.engine.token_bytes import TokenBytes
 from meshserve.errors import check
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
-from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.step import StepOutput
 from meshserve.workers.worker import WorkerInfo
 

@@ -6,7 +6,6 @@ touches only the bytes of its own shard.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -15,19 +14,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from meshserve.errors import ConfigError, check
+from meshserve.core.checkpoint_files import read_json
+from meshserve.errors import check
 from meshserve.workers.models.arch import ModelArch, arch_from_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
-
-
-def read_json(path: Path, field: str) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(field, str(path), "an existing file (an HF checkpoint directory has one)") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(field, str(path), f"valid JSON ({exc})") from None
 
 
 def read_arch(model_dir: str | Path) -> ModelArch:
@@ -107,20 +98,3 @@ class Checkpoint:
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.names():
             yield name, self.read(name)
-
-
-def load_tokenizer(model_dir: str | Path):
-    """The `tokenizers.Tokenizer` in tokenizer.json, or None when the checkpoint has none."""
-    path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file():
-        return None
-    from tokenizers import Tokenizer
-
-    return Tokenizer.from_file(str(path))
-
-
-def encode_ids(tokenizer, text: str) -> list[int]:
-    """The token ids of `text`. encode_batch, unlike encode, releases the GIL while it works, so
-    a long text tokenized in a thread does not stop the event loop (measured: a 2 MB text held
-    the GIL 1.6 s with encode, at most 43 ms with encode_batch)."""
-    return tokenizer.encode_batch([text])[0].ids

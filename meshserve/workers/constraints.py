@@ -78,7 +78,7 @@ class ConstraintBuilder:
 
     def _tokenize(self, text: str) -> list[int]:
         if self._tokenizer is None:
-            from meshserve.workers.checkpoint import load_tokenizer
+            from meshserve.core.checkpoint_files import load_tokenizer
 
             self._tokenizer = load_tokenizer(self.model_dir) if self.model_dir is not None else None
             if self._tokenizer is None:

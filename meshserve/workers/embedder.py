@@ -21,8 +21,8 @@ from meshserve.attention.layer_backends import make_backends
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.config import Dtype
 from meshserve.core.arith import cdiv
+from meshserve.core.checkpoint_files import load_tokenizer, read_json
 from meshserve.errors import ConfigError, as_enum, check
-from meshserve.workers.checkpoint import load_tokenizer, read_json
 from meshserve.workers.loader import TORCH_DTYPES
 from meshserve.workers.models.bert import BertArch, bert_arch_from_config, load_bert
 from meshserve.workers.pooling import PoolingConfig, pool, read_pooling_config
@@ -36,14 +36,6 @@ class EmbeddingOutput:
 
     embedding: torch.Tensor
     num_tokens: int
-
-
-def read_model_task(model_dir: str | Path) -> str:
-    """'embed' for an encoder-only checkpoint, 'generate' otherwise (config.json decides)."""
-    from meshserve.workers.models.bert import is_encoder_config
-
-    path = Path(model_dir) / "config.json"
-    return "embed" if path.is_file() and is_encoder_config(read_json(path, "model")) else "generate"
 
 
 class Embedder:

@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from meshserve.config import Dtype, SmallMGemm
 from meshserve.core.arith import cdiv
+from meshserve.core.checkpoint_files import read_json
 from meshserve.errors import ConfigError, MeshserveError, as_enum, check
-from meshserve.workers.checkpoint import Checkpoint, read_arch, read_json
+from meshserve.workers.checkpoint import Checkpoint, read_arch
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.transformer import STACKED, CausalLM

@@ -3,7 +3,8 @@
 A live server as a user starts it. Connections reach both processes (each process's own counter in
 /metrics says so), every answer has the tokens of the in-process engine (the oracle:
 `LLM.generate`, greedy) over gRPC and HTTP, /metrics sums the processes' request counters, both
-processes listen on the two ports and nothing listens off loopback. SIGTERM lets streams open in
+processes listen on the two ports and nothing listens off loopback, and neither front-end process
+has torch loaded (only the engine's process runs the model). SIGTERM lets streams open in
 both processes finish, then every process exits. A front-end process that dies stops the whole
 server with an error naming it.
 """
@@ -45,6 +46,11 @@ def _frontends(proc) -> list[int]:
     others = [c.pid for c in children if "meshserve.api.api_server_main" in " ".join(c.cmdline())]
     assert len(children) == 2 and len(others) == 1, [c.cmdline() for c in children]
     return [proc.pid, others[0]]
+
+
+def _maps_torch(pid: int) -> bool:
+    """Whether process `pid` has torch's library mapped (it imported torch)."""
+    return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
 
 
 def _metric(url: str, name: str) -> dict[str, float]:
@@ -119,6 +125,9 @@ def test_two_front_end_processes_share_the_ports_serve_engine_tokens_and_sum_met
             assert {grpc_port, http_port} <= {x.port for x in seen if x.pid == pid}, [str(x) for x in seen]
         assert metrics_port in {x.port for x in seen if x.pid == pids[0]}
         assert non_loopback_listeners() == []
+        # after serving gRPC and HTTP: the front-ends never loaded torch, the engine's process did
+        engine = next(c.pid for c in psutil.Process(proc.pid).children() if c.pid not in pids)
+        assert [_maps_torch(pid) for pid in [*pids, engine]] == [False, False, True]
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0

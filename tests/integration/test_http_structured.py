@@ -23,9 +23,9 @@ import transformers
 from meshserve.api.client import InferenceClient
 from meshserve.api.http.chat import ChatTemplate
 from meshserve.api.http.server import HttpServer
+from meshserve.core.checkpoint_files import load_tokenizer
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.demo_model import DEMO_MODEL_DIR
-from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.grammar import GrammarCompiler
 from tests.integration.api_harness import SPLIT, ServerLoop, demo_service, rpc_error
 

@@ -29,8 +29,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshserve.attention.spec import AttentionSpec, AttentionType
+from meshserve.core.checkpoint_files import read_json
 from meshserve.errors import ConfigError, check
-from meshserve.workers.checkpoint import Checkpoint, read_json
+from meshserve.workers.checkpoint import Checkpoint
 from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
 
 ENCODER_DECODER_ARCHITECTURES = ("BartForConditionalGeneration",)

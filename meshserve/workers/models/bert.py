@@ -22,15 +22,10 @@ from torch import nn
 
 from meshserve.attention.backend import AttentionBackend
 from meshserve.attention.spec import AttentionSpec, AttentionType
+from meshserve.core.checkpoint_files import ENCODER_ARCHITECTURES
 from meshserve.errors import ConfigError, check
 from meshserve.workers.checkpoint import Checkpoint
 
-# `architectures[0]` -> whether positions are offset by padding_idx + 1 (RoBERTa style).
-ENCODER_ARCHITECTURES: dict[str, bool] = {
-    "BertModel": False,
-    "RobertaModel": True,
-    "XLMRobertaModel": True,
-}
 # Prefixes of checkpoints saved from a task head around the encoder (e.g. BertForMaskedLM).
 _PREFIXES = ("bert.", "roberta.", "model.")
 _ACT = {
@@ -76,11 +71,6 @@ class BertArch:
     def max_tokens(self) -> int:
         """The longest input (special tokens included) the position table can encode."""
         return self.max_position_embeddings - self.position_offset
-
-
-def is_encoder_config(cfg: dict[str, Any]) -> bool:
-    names = cfg.get("architectures") or []
-    return bool(names) and names[0] in ENCODER_ARCHITECTURES
 
 
 def bert_arch_from_config(cfg: dict[str, Any]) -> BertArch:

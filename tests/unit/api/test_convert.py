@@ -103,8 +103,8 @@ def test_lenient_parser():
 
 def test_encode_ids_is_the_tokenizers_encoding():
     """encode_ids (encode_batch, which releases the GIL) gives what Tokenizer.encode gives."""
+    from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
     from meshserve.demo_model import DEMO_MODEL_DIR
-    from meshserve.workers.checkpoint import encode_ids, load_tokenizer
 
     tokenizer = load_tokenizer(DEMO_MODEL_DIR)
     for text in ("Hello, world!", "x" * 5000, "mixed ünïcode and\nnew lines  with  spaces"):

@@ -164,3 +164,23 @@ def test_two_front_ends_share_one_engine_and_one_leaving_does_not_stop_it(tiny_l
         return {**mine, **theirs}
 
     assert_same(split(threads(tiny_llama), body, tmp_path), reference(tiny_llama, requests))
+
+
+def test_the_stats_a_front_end_answers_count_every_token_its_streams_have_seen(tiny_llama, tmp_path):
+    """Each step's BATCH carries the engine's state as of its deltas: at every delta a stream
+    yields, the client's stats (what /metrics and ServerInfo answer) already count its tokens and
+    show it running, here where steps take milliseconds, far below the 0.1 s STATE period."""
+
+    async def body(client, coord):
+        await wait_until(lambda: client.stats().num_running == 0, "idle", timeout_s=10)
+        base = client.stats().generated_tokens
+        seen, rows = 0, []
+        async for delta in client.generate([3, 1, 4, 1, 5], LONG, request_id="counted"):
+            seen += len(delta.token_ids)
+            stats = client.stats()
+            rows.append((seen, stats.generated_tokens - base, stats.num_running, delta.finished))
+        assert seen == LONG.max_tokens and len(rows) > 20
+        assert all(counted >= tokens for tokens, counted, _, _ in rows), rows
+        assert all(running == 1 for _, _, running, finished in rows if not finished), rows
+
+    split(threads(tiny_llama), body, tmp_path)

@@ -8,10 +8,10 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers.decoders import DecodeStream, Metaspace
 
+from meshserve.core.checkpoint_files import load_tokenizer
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.engine.detokenizer import IncrementalDetokenizer
 from meshserve.engine.token_bytes import ByteStream, TokenBytes
-from meshserve.workers.checkpoint import load_tokenizer
 from tests.tiny_models import tiny_tokenizer
 
 TEXT = "héllo wörld € the quick brown fox jumps 🦊 over the lazy dog"

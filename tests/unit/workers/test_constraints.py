@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 import torch
 
+from meshserve.core.checkpoint_files import load_tokenizer
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.errors import ConfigError
 from meshserve.workers import constraints as constraints_module
-from meshserve.workers.checkpoint import load_tokenizer
 from meshserve.workers.constraints import ConstraintBuilder, apply_constraints, unpack_bitmask
 from meshserve.workers.sampler import Sampler, SamplingRow
 
