@@ -3,7 +3,7 @@
 # modules our default shapes use, pack them as AOT modules, and prove a fresh start needs no JIT.
 #   bash bench/flashinfer_aot.sh WHEEL_DIR
 # WHEEL_DIR holds flashinfer_python-0.7.x (from bench/repack_flashinfer.py --mode jit, ~18 MB) and
-# apache_tvm_ffi (0.1.11 <= version < 0.2; the 0.1.15.post2 wheel already carried serves).
+# apache_tvm_ffi (0.1.11 <= version < 0.2) unless .whl/ carries it (bench/device_setup.sh: xgrammar needs it too).
 # Builds (by running the GPU tests that check them against the reference, so a module that
 # builds but computes wrongly fails here): Llama-3-8B-shape GQA 32/8 x 128 bf16 prefill (FA3 on
 # sm90) and decode (FA2 tensor-core), FP8 e4m3 K/V prefill/decode (FA2), pages 16 and 64
@@ -21,7 +21,8 @@ mkdir -p "$OUT"
 SITE=/tmp/site07
 rm -rf "$SITE" /tmp/fiws07 /tmp/fiws07_fresh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
-    "$WHEELS"/flashinfer_python-0.7*.whl "$WHEELS"/apache_tvm_ffi-*.whl || exit 1
+    "$WHEELS"/flashinfer_python-0.7*.whl $(ls "$WHEELS"/apache_tvm_ffi-*.whl .whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1) \
+    || exit 1
 export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 XDG_CACHE_HOME=/tmp/cache
 export HF_HUB_OFFLINE=1 FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws07 TRITON_CACHE_DIR=/tmp/tcache

@@ -31,6 +31,7 @@ import contextlib
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -225,6 +226,22 @@ def same_work(run: PathRun, offline: PathRun) -> bool:
     return run.summary["failed"] == 0 and run.outputs == want
 
 
+def agreement(run: PathRun, offline: PathRun) -> tuple[int, int, float]:
+    """(requests whose output equals offline's, requests, the mean share of a differing output
+    before its first difference: tokens over gRPC, characters over HTTP). On a GPU in bf16 a
+    greedy output may part from offline's where another batch composition rounds two nearly
+    tied logits the other way (random weights tie often); a bug parts early and everywhere."""
+    want = offline.texts if face_of(run.path) == "http" else offline.outputs
+    same, shares = 0, []
+    for got, ref in zip(run.outputs, want):
+        if got == ref:
+            same += 1
+            continue
+        prefix = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        shares.append(prefix / max(1, len(ref)))
+    return same, len(want), statistics.fmean(shares) if shares else 1.0
+
+
 def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[int], paths: tuple[str, ...], *,
             vocab_size: int, log_dir: Path, rounds: int = 1, profile_server=None,
             deadline: float | None = None, llm=None) -> list[PathRun]:
@@ -324,6 +341,13 @@ def _ms(summary: dict, name: str, q: str) -> str:
     return "-" if v is None else f"{v:.1f}"
 
 
+def _agreement_cell(run: PathRun, offline: PathRun) -> str:
+    if same_work(run, offline):
+        return "yes"
+    same, total, share = agreement(run, offline)
+    return f"{same}/{total} (others part at {share:.0%})"
+
+
 def table(runs: list[PathRun]) -> str:
     """server CPU: CPU time per output token of the processes that run the engine (offline: the
     engine alone; served: engine + front-ends, in one process or two); its excess over offline is
@@ -342,7 +366,7 @@ def table(runs: list[PathRun]) -> str:
         served = r.path != "offline"
         ratio = f"{s['output_throughput'] / base.summary['output_throughput']:.2f}x" if base and served else (
             "1.00x" if not served else "-")
-        same = "-" if not served or base is None else ("yes" if same_work(r, base) else "NO")
+        same = "-" if not served or base is None else _agreement_cell(r, base)
         cpu, base_cpu = r.cpu_us_per_token(), base.cpu_us_per_token() if base else None
         extra = us(cpu - base_cpu) if served and cpu is not None and base_cpu is not None else "-"
         lines.append(f"| {r.concurrency} | {r.path} | {s['output_throughput']:.1f} | {ratio} | "
@@ -475,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
                   "engine_cpu_s": r.engine_cpu_s, "client_cpu_s": r.client_cpu_s,
                   "frontend_cpu_s": r.frontend_cpu_s, "tokens_made": r.tokens_made,
                   "same_tokens": same_work(r, _offline_of(runs, r)) if r.path != "offline" and _offline_of(runs, r)
+                  else None,
+                  "agreement": agreement(r, _offline_of(runs, r)) if r.path != "offline" and _offline_of(runs, r)
                   else None} for r in runs]}, indent=1, default=str) + "\n")
     shown = medians(runs)
     plot(shown, out / f"{stem}.png", title)

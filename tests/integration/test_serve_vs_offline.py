@@ -69,3 +69,6 @@ def test_a_served_output_that_differs_is_reported_as_different_work():
     assert not svo.same_work(svo.PathRun("grpc", 2, {"failed": 0}, [[5, 6], [7, 9]]), offline)
     assert not svo.same_work(svo.PathRun("http", 2, {"failed": 0}, ["a", "c"]), offline)
     assert not svo.same_work(svo.PathRun("grpc", 2, {"failed": 1}, [[5, 6], [7, 8]]), offline)
+    # how far the differing outputs agree: request 2 parts at its second of two tokens
+    assert svo.agreement(svo.PathRun("grpc", 2, {"failed": 0}, [[5, 6], [7, 9]]), offline) == (1, 2, 0.5)
+    assert svo.agreement(svo.PathRun("http", 2, {"failed": 0}, ["a", "c"]), offline)[:2] == (1, 2)
