@@ -181,12 +181,26 @@ class ParallelConfig:
     # Expert parallelism (MoE models): the tp ranks form tp/ep groups of ep consecutive ranks;
     # each rank of a group holds num_experts/ep whole experts (sliced tp/ep ways across groups).
     ep: int = field(default=1, metadata={"help": "expert-parallel ranks (MoE models; a divisor of tp)"})
+    # Below 1, several ranks share one GPU (Ray's fractional GPUs: their actors see the same device);
+    # that rank's automatic KV budget is the same fraction of the card (workers/kv_budget.py).
+    gpus_per_rank: float = field(default=1.0, metadata={
+        "help": "the share of a GPU each rank reserves on Ray, in (0, 1]: 0.5 puts two one-rank replicas on one "
+                "GPU (a prefill and a decode replica on a one-GPU machine); ranks of a tp > 1 replica need a "
+                "whole GPU each"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dcp_comm", as_enum(DcpComm, "dcp_comm", self.dcp_comm))
         _positive("tp", self.tp, upper=1024)
         _positive("dcp", self.dcp, upper=1024)
         _positive("ep", self.ep, upper=1024)
+        g = self.gpus_per_rank
+        check(isinstance(g, int | float) and not isinstance(g, bool) and 0 < g <= 1, "gpus_per_rank", g,
+              "a fraction of a GPU in (0, 1]")
+        object.__setattr__(self, "gpus_per_rank", float(g))
+        # NCCL refuses two ranks of one group on one device, and Ray packs fractional bundles onto one GPU.
+        check(self.gpus_per_rank == 1.0 or self.tp == 1, "gpus_per_rank", g,
+              f"1 with tp={self.tp} (each rank of a tensor-parallel group needs a GPU of its own; fractions "
+              "apply to one-rank replicas)")
         divisors = [d for d in range(1, self.tp + 1) if self.tp % d == 0]
         check(self.tp % self.dcp == 0, "dcp", self.dcp, f"a divisor of tp={self.tp}: one of {divisors}")
         check(self.tp % self.ep == 0, "ep", self.ep,

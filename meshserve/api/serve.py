@@ -116,6 +116,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                        help=f"tensor-parallel ranks per {role} replica (disaggregated; default --tp)")
         c.add_argument(f"--{role}-dcp", type=int, default=None,
                        help=f"decode-context-parallel ranks per {role} replica, dividing its tp (default --dcp)")
+    c.add_argument("--gpus-per-rank", type=float, default=1.0, metavar="FRACTION",
+                   help="the share of a GPU each rank reserves on Ray, in (0, 1] (default 1): 0.5 lets a prefill and "
+                        "a decode replica share one GPU (--pools disaggregated on a one-GPU machine; their KV then "
+                        "moves by CUDA IPC). Each such rank's automatic KV budget is that fraction of the card "
+                        "(--kv-cache-memory-bytes overrides it). Ranks of a tp > 1 replica need a GPU each")
     c.add_argument("--kv-transport", default="auto", choices=[t.value for t in KVTransport],
                    help="KV hand-over between the pools: auto (nixl where both ends have it, else cuda_ipc when "
                         "both ends are CUDA processes of one host, else zmq), nixl (a NIXL READ of the registered "
@@ -231,7 +236,7 @@ def configs_of(args: argparse.Namespace):
                                   max_sequences_per_caller=args.max_sequences_per_caller,
                                   grammar_compile_timeout_s=args.grammar_compile_timeout_s),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),
-        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep),
+        parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, ep=args.ep, gpus_per_rank=args.gpus_per_rank),
     )
     pools = PoolConfig(mode=args.pools, replicas=args.replicas, prefill_replicas=args.prefill_replicas,
                        decode_replicas=args.decode_replicas, ray_address=args.ray_address,
@@ -298,7 +303,7 @@ def pool_parallel_of(args: argparse.Namespace, pools: PoolConfig) -> dict[str, P
         divisors = [d for d in range(1, tp + 1) if tp % d == 0]
         check(isinstance(dcp, int) and dcp >= 1 and tp % dcp == 0, f"{role}_dcp", dcp,
               f"a divisor of {role}_tp={tp}: one of {divisors}")
-        out[role] = ParallelConfig(tp=tp, dcp=dcp)
+        out[role] = ParallelConfig(tp=tp, dcp=dcp, gpus_per_rank=args.gpus_per_rank)
     return out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -146,8 +147,10 @@ class Coordinator:
                   "None unless the pool is one unified in-process replica")
         self.config = config
         self.disaggregated = config.pools.mode is PoolMode.DISAGGREGATED
-        self.kv_transport = describe_setting(config.engine.cache.kv_transport, config.device or default_device(),
-                                             one_host=config.runtime is not Runtime.RAY)
+        ray = config.runtime is Runtime.RAY
+        self.kv_transport = describe_setting(
+            config.engine.cache.kv_transport, config.device or default_device(), one_host=not ray,
+            shared_gpus=ray and any(p.gpus_per_rank < 1 for p in config.parallel_by_role().values()))
         self.pools: dict[str, ReplicaPool] = {}
         self.tokenizer = None
         self.validator: RequestValidator | None = None
@@ -190,6 +193,8 @@ class Coordinator:
             self.pools[role] = ReplicaPool(role, size, self._builder(role, parallel[role]),
                                            max_queue=cfg.engine.scheduler.max_queue)
         try:
+            if cfg.runtime is Runtime.RAY:
+                self._check_gpus(sizes, parallel)
             await asyncio.gather(*(p.start() for p in self.pools.values()))
         except BaseException:
             await self._stop_all()
@@ -202,6 +207,17 @@ class Coordinator:
         if self.disaggregated:
             log.info("KV hand-over transport: %s (kv_transport=%s)", self.kv_transport, cfg.engine.cache.kv_transport)
         return self
+
+    def _check_gpus(self, sizes: dict[str, int], parallel: dict[str, ParallelConfig]) -> None:
+        """Refuse pools whose GPU ranks cannot fit the embedded Ray cluster (ray_executor.check_gpus_suffice)."""
+        from meshserve.cluster.executors.gpu_placement import PoolDemand
+        from meshserve.cluster.executors.ray_executor import check_gpus_suffice
+
+        cfg = self.config
+        demands = [PoolDemand(role, size, parallel[role].tp, parallel[role].gpus_per_rank)
+                   for role, size in sizes.items()]
+        embedded = self._owns_ray and cfg.pools.ray_address is None and not os.environ.get("RAY_ADDRESS")
+        check_gpus_suffice(demands, device=cfg.device, embedded=embedded)
 
     async def __aenter__(self) -> Coordinator:
         return await self.start()

@@ -216,14 +216,19 @@ def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
         raise ConfigError("kv_transport", name, f"a loadable puller class (cannot load it: {exc})") from exc
 
 
-def describe_setting(requested: str, device: str, *, one_host: bool, nixl: bool | None = None) -> str:
+def describe_setting(requested: str, device: str, *, one_host: bool, shared_gpus: bool = False,
+                     nixl: bool | None = None) -> str:
     """The transport hand-overs will use, as far as the configuration tells (the start-up log and
-    the meshserve_kv_transport_info metric): the actual choice is made per hand-over. nixl:
-    whether NIXL is installed (None: look)."""
+    the meshserve_kv_transport_info metric): the actual choice is made per hand-over (choose_transport,
+    whose order this follows). one_host: the ends are processes of one host that see each other's
+    GPUs; shared_gpus: Ray ranks that reserve a fraction of a GPU, so that two ends may share one
+    (then each sees the other's); nixl: whether NIXL is installed (None: look)."""
     from meshserve.kvtransfer.nixl_agent import nixl_available
 
+    if requested in (AUTO, CUDA_IPC) and device == "cuda" and one_host:
+        return CUDA_IPC
     if requested in (AUTO, NIXL) and (nixl_available() if nixl is None else nixl):
-        return NIXL
+        return f"{CUDA_IPC}|{NIXL}" if requested == AUTO and device == "cuda" and shared_gpus else NIXL
     if requested == NIXL:
         return ZMQ
     if requested not in (AUTO, CUDA_IPC):

@@ -4,6 +4,12 @@ The budget is, first to apply: CacheConfig.num_kv_blocks (a count), kv_cache_mem
 CUDA a fraction (memory_utilization, default 0.85) of the memory still free once the weights are
 loaded (less what the decode graphs' activation pool will take, measured by one eager probe step),
 on CPU memory_utilization of the host's available memory when it is set, else a fixed default.
+
+A rank that reserves a fraction of its GPU (ParallelConfig.gpus_per_rank < 1: replicas sharing a
+card) counts only its share: of gpus_per_rank x the card's memory, what its own tensors (weights)
+do not hold yet, and never more than is free (gpu_kv_budget). That does not depend on whether the
+other replicas on the card loaded first, which plain free memory would: the first to load would
+take 85% of the card and leave the next too little.
 """
 
 from __future__ import annotations
@@ -39,16 +45,29 @@ def available_host_memory() -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def num_kv_blocks(cache: CacheConfig, device: torch.device, per_block: int, *, reserve: int = 0) -> int:
+def gpu_kv_budget(*, free: int, total: int, allocated: int, reserve: int, utilization: float,
+                  gpus_per_rank: float = 1.0) -> int:
+    """KV bytes of a CUDA rank's automatic budget: `utilization` of what is left of its memory,
+    less `reserve` (the decode graphs' pool). free, total: the GPU's (cudaMemGetInfo); allocated:
+    bytes this process's tensors hold (weights). A whole-GPU rank's memory is the free memory; a
+    rank of gpus_per_rank < 1 has its share of the card, gpus_per_rank x total, less what it holds."""
+    left = free if gpus_per_rank >= 1 else min(free, int(gpus_per_rank * total) - allocated)
+    return int(max(left - reserve, 0) * utilization)
+
+
+def num_kv_blocks(cache: CacheConfig, device: torch.device, per_block: int, *, reserve: int = 0,
+                  gpus_per_rank: float = 1.0) -> int:
     """Blocks of `per_block` bytes the budget holds; reserve: bytes kept out of an automatic GPU
-    budget (the decode graphs' pool)."""
+    budget (the decode graphs' pool); gpus_per_rank: the share of its GPU this rank has (gpu_kv_budget)."""
     if cache.num_kv_blocks is not None:
         return cache.num_kv_blocks
     if cache.kv_cache_memory_bytes is not None:
         budget = cache.kv_cache_memory_bytes
     elif device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(max(free - reserve, 0) * (cache.memory_utilization or GPU_KV_FRACTION))
+        free, total = torch.cuda.mem_get_info(device)
+        budget = gpu_kv_budget(free=free, total=total, allocated=torch.cuda.memory_allocated(device),
+                               reserve=reserve, utilization=cache.memory_utilization or GPU_KV_FRACTION,
+                               gpus_per_rank=gpus_per_rank)
     elif cache.memory_utilization is not None:  # --gpu-memory-utilization on a CPU: of the host's free memory
         budget = int(available_host_memory() * cache.memory_utilization)
     else:

@@ -152,7 +152,8 @@ class Worker:
             reserve = decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
                                         device=self.device, batch=self.model_config.cuda_graph_max_batch)
         num_blocks = num_kv_blocks(self.cache_config, self.device,
-                                   block_bytes([specs[i] for i in layout.groups[0]], bs, dtype), reserve=reserve)
+                                   block_bytes([specs[i] for i in layout.groups[0]], bs, dtype), reserve=reserve,
+                                   gpus_per_rank=par.gpus_per_rank)
         # The null block + one longest sequence in every group (an encoder group holds the encoder input).
         reach = [loaded.max_encoder_len if g == layout.encoder_group else max_model_len
                  for g in range(layout.num_groups)]

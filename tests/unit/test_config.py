@@ -34,6 +34,13 @@ from meshserve.errors import ConfigError
         (lambda: ParallelConfig(dcp_comm="ring"), "dcp_comm", "one of ['ag_rs', 'a2a']"),
         (lambda: ParallelConfig(tp=4, ep=3), "ep", "a divisor of tp=4 (experts spread over the replica's ranks)"),
         (lambda: ParallelConfig(tp=2, ep=0), "ep", "an integer in [1, 1024]"),
+        (lambda: ParallelConfig(gpus_per_rank=0), "gpus_per_rank", "a fraction of a GPU in (0, 1]"),
+        (lambda: ParallelConfig(gpus_per_rank=1.5), "gpus_per_rank", "a fraction of a GPU in (0, 1]"),
+        (lambda: ParallelConfig(gpus_per_rank=float("nan")), "gpus_per_rank", "a fraction of a GPU in (0, 1]"),
+        (lambda: ParallelConfig(gpus_per_rank=True), "gpus_per_rank", "a fraction of a GPU in (0, 1]"),
+        (lambda: ParallelConfig(gpus_per_rank="0.5"), "gpus_per_rank", "a fraction of a GPU in (0, 1]"),
+        (lambda: ParallelConfig(tp=2, gpus_per_rank=0.5), "gpus_per_rank",
+         "1 with tp=2 (each rank of a tensor-parallel group needs a GPU of its own"),
         (lambda: ParallelConfig(tp=8, ep=8).check_experts(4), "ep", "a divisor of num_experts=4 and of tp=8: "
                                                                    "one of [1, 2, 4]"),
         (lambda: ParallelConfig(tp=2, ep=2).check_experts(None), "ep", "1 for a model without routed experts"),
@@ -55,6 +62,8 @@ def test_bad_values_name_field_value_and_allowed(build, field, allowed):
 
 def test_strings_become_enums_once():
     assert ParallelConfig(tp=4, dcp=2, dcp_comm="A2A").dcp_comm is DcpComm.A2A
+    assert ParallelConfig(gpus_per_rank=1).gpus_per_rank == 1.0 and ParallelConfig().gpus_per_rank == 1.0
+    assert ParallelConfig(gpus_per_rank=0.25).gpus_per_rank == 0.25
     assert PoolConfig(mode="disaggregated").mode is PoolMode.DISAGGREGATED
     assert AttentionConfig(backend="triton").backend == "TRITON"
 

@@ -3,8 +3,10 @@
 Placement: one bundle per rank, STRICT_PACK (a replica's ranks share a node: their collectives
 stay on one host). A bundle asks for the pool's resource (`meshserve_unified`, `meshserve_prefill`,
 `meshserve_decode`, one unit per rank, advertised by worker nodes; see docs/deploy.md) when the
-cluster has it, one GPU per rank on CUDA, else a sliver of CPU so that many ranks fit on a
-small machine. The channel binds on the driver's node IP; rank 0 picks the torch.distributed
+cluster has it, `gpus_per_rank` of a GPU per rank on CUDA (ParallelConfig; 1 by default, a
+fraction lets one-rank replicas share a GPU), else a sliver of CPU so that many ranks fit on a
+small machine. Before placing anything, check_gpus_suffice refuses a layout whose GPU ranks
+cannot fit an embedded cluster (gpu_placement.py). The channel binds on the driver's node IP; rank 0 picks the torch.distributed
 rendezvous on its own node.
 
 `ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
@@ -31,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from meshserve.cluster.executors.channel_executor import ChannelExecutor
 from meshserve.cluster.executors.executor import WorkerDiedError, WorkerSpec
+from meshserve.cluster.executors.gpu_placement import PoolDemand, gpu_shortfall
 from meshserve.errors import UnavailableError
 
 log = logging.getLogger("meshserve.ray")
@@ -203,16 +206,42 @@ def probe_cluster(address: str, *, timeout: float = PROBE_TIMEOUT_S) -> None:
         channel.close()
 
 
-def rank_bundle(role: str, *, device: str | None) -> dict[str, float]:
-    """Resources one rank of a `role` replica reserves."""
-    resources = ray.cluster_resources()
+def ranks_take_gpus(device: str | None, resources: dict[str, float]) -> bool:
+    """Whether ranks reserve GPUs: on CUDA, or with no device named on a cluster that has GPUs."""
+    return device == "cuda" or (device is None and resources.get("GPU", 0) > 0)
+
+
+def rank_bundle(role: str, *, device: str | None, gpus_per_rank: float = 1.0,
+                resources: dict[str, float] | None = None) -> dict[str, float]:
+    """Resources one rank of a `role` replica reserves (resources: the cluster's, default
+    ray.cluster_resources()). A GPU rank reserves gpus_per_rank of one GPU: below 1, Ray places
+    several such ranks on one GPU and gives each of their actors that GPU in CUDA_VISIBLE_DEVICES."""
+    resources = ray.cluster_resources() if resources is None else resources
     bundle: dict[str, float] = {}
     pool_resource = f"meshserve_{role}"
     if pool_resource in resources:
         bundle[pool_resource] = 1.0
-    if device == "cuda" or (device is None and resources.get("GPU", 0) > 0):
-        bundle["GPU"] = 1.0
+    if ranks_take_gpus(device, resources):
+        bundle["GPU"] = gpus_per_rank
     return bundle or {"CPU": CPU_PER_RANK}
+
+
+def check_gpus_suffice(demands: list[PoolDemand], *, device: str | None, embedded: bool) -> None:
+    """Before any replica is placed: when the pools' GPU ranks cannot fit the cluster's GPUs
+    (gpu_placement.gpu_shortfall), an embedded cluster (one node that nothing joins) fails at once
+    with UnavailableError naming the settings that fix it, instead of a placement group that waits
+    forever; a cluster joined by address logs it and waits (an autoscaler may still add nodes;
+    --placement-timeout bounds that wait)."""
+    resources = ray.cluster_resources()
+    if not ranks_take_gpus(device, resources):
+        return
+    nodes = [node["Resources"].get("GPU", 0.0) for node in ray.nodes() if node.get("Alive")]
+    why = gpu_shortfall(demands, nodes)
+    if why is None:
+        return
+    if embedded:
+        raise UnavailableError(f"{why} (the embedded one-node Ray cluster cannot grow)")
+    log.warning("%s; waiting for Ray to place them (nodes may still join)", why)
 
 
 def wait_placed(poll: Callable[[float], bool], *, timeout_s: float | None, what: Callable[[], str],
@@ -261,7 +290,7 @@ class RayRanks:
     def launch(self, address: str, auth) -> None:
         from meshserve.cluster.executors.actors import WorkerActor
 
-        bundle = rank_bundle(self.role, device=self.spec.device)
+        bundle = rank_bundle(self.role, device=self.spec.device, gpus_per_rank=self.spec.parallel.gpus_per_rank)
         # Named for `ray list placement-groups`; the suffix keeps names unique across coordinators.
         self.pg = placement_group([bundle] * self.world, strategy="STRICT_PACK",
                                   name=f"meshserve-{self.name}-{uuid.uuid4().hex[:8]}")

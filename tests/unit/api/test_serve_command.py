@@ -82,6 +82,10 @@ def test_defaults_serve_the_demo_on_loopback():
     (["--step-timeout-base", "0"], "step_timeout_base=0.0 is not allowed: a number of seconds in [0.1, 604800]"),
     (["--step-timeout-per-token", "-1"], "step_timeout_per_token=-1.0 is not allowed: a number of seconds in [0, 10]"),
     (["--max-migrations", "-1"], "max_migrations=-1 is not allowed: an integer in [0, 100]"),
+    (["--gpus-per-rank", "0"], "gpus_per_rank=0.0 is not allowed: a fraction of a GPU in (0, 1]"),
+    (["--gpus-per-rank", "2"], "gpus_per_rank=2.0 is not allowed: a fraction of a GPU in (0, 1]"),
+    (["--pools", "disaggregated", "--decode-tp", "2", "--gpus-per-rank", "0.5"],
+     "gpus_per_rank=0.5 is not allowed: 1 with tp=2 (each rank of a tensor-parallel group needs a GPU of its own"),
     (["--unhealthy-liveness-seconds", "-5"],
      "unhealthy_liveness_seconds=-5.0 is not allowed: a number of seconds in [1, 604800]"),
     (["--api-server-count", "0"], f"api_server_count=0 is not allowed: an integer in [1, {CORES}] (--api-server-count"),
@@ -161,6 +165,21 @@ def test_per_pool_parallelism_reaches_the_coordinator(flags, want):
                             prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
     layouts = service.config.parallel_by_role()  # built, not started: no rank runs
     assert {role: (p.tp, p.dcp) for role, p in layouts.items()} == want
+
+
+def test_gpus_per_rank_reaches_every_pool():
+    """--gpus-per-rank is each pool's ParallelConfig.gpus_per_rank (what rank_bundle and the KV budget read)."""
+    from meshserve.api.serve import build_service, configs_of, pool_parallel_of
+
+    assert build_parser().parse_args(["serve"]).gpus_per_rank == 1.0
+    args = build_parser().parse_args(["serve", "--pools", "disaggregated", "--decode-dcp", "1",
+                                      "--gpus-per-rank", "0.5"])
+    engine, pools, _ = configs_of(args)
+    per_pool = pool_parallel_of(args, pools)
+    service = build_service(engine, pools, model_name=None, device="cpu", progress=False,
+                            prefill_parallel=per_pool["prefill"], decode_parallel=per_pool["decode"])
+    assert {role: p.gpus_per_rank for role, p in service.config.parallel_by_role().items()} == {
+        "prefill": 0.5, "decode": 0.5}
 
 
 def test_a_shared_port_must_be_free_even_of_a_server_that_would_share_it():

@@ -51,6 +51,17 @@ def test_choose_transport(requested, theirs, want, why):
     assert name == want and why in reason and bool(reason) == bool(why)
 
 
+def test_ray_actors_sharing_one_gpu_join_by_cuda_ipc_before_nixl():
+    """--gpus-per-rank 0.5 on one GPU: Ray gives the prefill and the decode actor the same GPU as
+    their only visible device; both have NIXL agents, and auto still takes CUDA IPC (measured faster)."""
+    exporter = Endpoint("tcp://127.0.0.1:1", HOST, "cuda", "prefill-actor", "GPU-0", nixl=True)
+    importer = Endpoint("tcp://127.0.0.1:2", HOST, "cuda", "decode-actor", "GPU-0", nixl=True)
+    assert choose_transport("auto", importer, exporter, visible_gpus={"GPU-0"}) == (CUDA_IPC, "")
+    # whole-GPU actors: each sees only its own GPU, so the same pair goes by NIXL
+    other = Endpoint("tcp://127.0.0.1:1", HOST, "cuda", "prefill-actor", "GPU-1", nixl=True)
+    assert choose_transport("auto", importer, other, visible_gpus={"GPU-0"}) == ("nixl", "")
+
+
 def test_a_peer_that_sends_an_address_only_is_a_zmq_peer():
     peer = Endpoint.from_wire("tcp://10.0.0.2:5555")
     assert choose_transport("auto", end(), peer) == (ZMQ, choose_transport("auto", end(), peer)[1])
@@ -86,6 +97,12 @@ def test_the_setting_as_the_start_up_log_and_metric_say_it():
     assert describe_setting("auto", "cuda", one_host=True, nixl=False) == CUDA_IPC
     assert describe_setting("cuda_ipc", "cuda", one_host=False) == "cuda_ipc|zmq"
     assert describe_setting("zmq", "cuda", one_host=True) == ZMQ
+    # choose_transport's order: CUDA IPC first where the ends see each other's GPU, NIXL is installed or not
+    assert describe_setting("auto", "cuda", one_host=True, nixl=True) == CUDA_IPC
+    # Ray ranks of --gpus-per-rank < 1 may share a GPU (then CUDA IPC), else they pull by NIXL
+    assert describe_setting("auto", "cuda", one_host=False, shared_gpus=True, nixl=True) == "cuda_ipc|nixl"
+    assert describe_setting("auto", "cuda", one_host=False, shared_gpus=False, nixl=True) == "nixl"
+    assert describe_setting("auto", "cpu", one_host=False, shared_gpus=True, nixl=True) == "nixl"
 
 
 def offered(rid="r", tokens=37):
