@@ -10,9 +10,9 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
 #       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
-#       issue 37: TTFT of `serve --pools disaggregated` (KV by NIXL) against unified, 8k-token prompts
-#       of the Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated rows
-#       say "skipped" with serve's placement error: docs/performance.md says why)
+#       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
+#       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
+#       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"

@@ -23,11 +23,12 @@ reason, bytes pulled and the pull time per request (`meshserve_kv_transfer_secon
 fallback to zmq or to recomputing the prompt shows. A table, JSON and PNG go to --out (the
 servers' logs to --logs).
 
-A server that does not start gives "skipped" rows with its error. That is what happens to the
-disaggregated server on a one-GPU machine today: on CUDA every rank of a Ray replica reserves a
-whole GPU (cluster/executors/ray_executor.py, rank_bundle), so the decode replica cannot be
-placed beside the prefill replica and the start fails at --placement-timeout (docs/performance.md,
-"Disaggregated TTFT against unified").
+On a machine with one GPU the disaggregated server gets --gpus-per-rank 0.5 (--gpus-per-rank
+auto): its prefill and decode replicas, Ray actors, each reserve half of the GPU and share it
+(with whole-GPU ranks the decode replica could never be placed: serve refuses that layout at
+start-up), and auto moves their KV by CUDA IPC (both actors see the one GPU). Every replica's KV
+budget is the same --kv-cache-memory-bytes, so the unified replica does not get more KV than each
+of the disaggregated ones. A server that does not start gives "skipped" rows with its error.
 
     python -m bench.disagg_ttft --shape tiny-llama                          # CPU, ~1-2 min
     python -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300   # one GPU call
@@ -179,10 +180,23 @@ def second_token_gaps(samples: list[Sample]) -> dict:
     return {"p50": float(np.percentile(gaps, 50)), "p99": float(np.percentile(gaps, 99))}
 
 
-def path_flags(path: str, *, kv_transport: str, placement_timeout: float) -> list[str]:
+def path_flags(path: str, *, kv_transport: str, placement_timeout: float, gpus_per_rank: float = 1.0) -> list[str]:
     if path == "unified":
         return []
-    return ["--pools", "disaggregated", "--kv-transport", kv_transport, "--placement-timeout", f"{placement_timeout:g}"]
+    return ["--pools", "disaggregated", "--kv-transport", kv_transport, "--placement-timeout", f"{placement_timeout:g}",
+            "--gpus-per-rank", f"{gpus_per_rank:g}"]
+
+
+def gpus_per_rank_for(setting: str, device: str) -> float:
+    """--gpus-per-rank of the disaggregated server: auto is 0.5 on a CUDA machine with one GPU (the
+    prefill and the decode replica share it), else 1 (a GPU each); a number is taken as given."""
+    if setting != "auto":
+        return float(setting)
+    if device != "cuda":
+        return 1.0
+    import torch
+
+    return 0.5 if torch.cuda.device_count() == 1 else 1.0
 
 
 def run_path(server: Server, path: str, workload: Workload, concurrencies: list[int], *, face: str,
@@ -210,7 +224,7 @@ def run_path(server: Server, path: str, workload: Workload, concurrencies: list[
 
 def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[int], paths: tuple[str, ...], *,
             face: str, vocab_size: int, log_dir: Path, kv_transport: str = "auto",
-            placement_timeout: float = 120.0, deadline: float | None = None,
+            placement_timeout: float = 120.0, gpus_per_rank: float = 1.0, deadline: float | None = None,
             start_timeout: float = 600.0) -> tuple[list[PathRun], dict]:
     """Each path's server in turn (one at a time: on one GPU two would not fit), every concurrency
     on it. A server that does not start, or starts past `deadline` (time.monotonic()), gives
@@ -220,7 +234,8 @@ def run_all(settings: EngineSettings, workload: Workload, concurrencies: list[in
     for path in paths:
         why = "past --deadline" if deadline is not None and time.monotonic() > deadline else ""
         if not why:
-            flags = path_flags(path, kv_transport=kv_transport, placement_timeout=placement_timeout)
+            flags = path_flags(path, kv_transport=kv_transport, placement_timeout=placement_timeout,
+                               gpus_per_rank=gpus_per_rank)
             try:
                 with Server(settings, log_path=log_dir / f"server-{path}.log", flags=flags, name=path,
                             start_timeout=start_timeout) as server:
@@ -335,6 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--placement-timeout", type=float, default=120.0, metavar="SECONDS",
                     help="the disaggregated server's --placement-timeout (a replica Ray cannot place fails the "
                          "start within this time instead of waiting for nodes)")
+    ap.add_argument("--gpus-per-rank", default="auto", metavar="auto|FRACTION",
+                    help="the disaggregated server's --gpus-per-rank (default auto: 0.5 on a machine with one GPU, "
+                         "so that both replicas share it; else 1)")
     ap.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                     help="give up on a server not serving after this long (default 200 cuda, 120 CPU)")
     ap.add_argument("--deadline", type=float, default=None, metavar="SECONDS",
@@ -353,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--paths: {bad} not among {list(PATHS)}")
     if not args.concurrency or min(args.concurrency) < 1:
         ap.error(f"--concurrency: {args.concurrency} must be integers >= 1")
+    try:
+        gpus_per_rank = gpus_per_rank_for(args.gpus_per_rank, args.device)
+    except ValueError:
+        ap.error(f"--gpus-per-rank: {args.gpus_per_rank!r} is not auto or a number")
     workload = Workload(input_len=args.input_len or (8192 if gpu else 256),
                         output_len=args.output_len or (32 if gpu else 16),
                         prompts_per_stream=args.prompts_per_stream or 4, num_warmups=args.num_warmups)
@@ -375,7 +397,8 @@ def main(argv: list[str] | None = None) -> int:
         deadline = started_mono + args.deadline if args.deadline else None
         runs, startup = run_all(settings, workload, args.concurrency, paths, face=args.face, vocab_size=vocab_size,
                                 log_dir=tmp, kv_transport=args.kv_transport,
-                                placement_timeout=args.placement_timeout, deadline=deadline,
+                                placement_timeout=args.placement_timeout, gpus_per_rank=gpus_per_rank,
+                                deadline=deadline,
                                 start_timeout=args.start_timeout or (200.0 if gpu else 120.0))
         if args.logs:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
@@ -385,13 +408,15 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(tmp, ignore_errors=True)
     where = device_name(args.device)
     title = (f"disaggregated vs unified TTFT: {args.shape} on {where}, {workload.input_len} in / "
-             f"{workload.output_len} out, {workload.prompts_per_stream} x C requests over {args.face}")
+             f"{workload.output_len} out, {workload.prompts_per_stream} x C requests over {args.face}"
+             + (f", disaggregated ranks on {gpus_per_rank:g} GPU each" if gpu and gpus_per_rank < 1 else ""))
     stamp = time.strftime("%Y-%m-%d")
     stem = f"disagg-ttft-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
         "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
         "load_average": os.getloadavg(), "settings": asdict(settings), "workload": asdict(workload),
-        "face": args.face, "kv_transport": args.kv_transport, "server_startup_s": startup,
+        "face": args.face, "kv_transport": args.kv_transport, "gpus_per_rank": gpus_per_rank,
+        "server_startup_s": startup,
         "runs": [{"path": r.path, "concurrency": r.concurrency, "skipped": r.skipped, "summary": r.summary,
                   "second_token_ms": r.second_token_ms, "handover": r.handover.to_json(),
                   "same_tokens_as_unified": same_tokens(r, next((b for b in runs if b.path == "unified"

@@ -52,7 +52,7 @@ class PoolMode(StrEnum):
 class KVTransport(StrEnum):
     """How KV moves between the pools (kvtransfer/transport.py)."""
 
-    AUTO = "auto"  # nixl where both ends have it, else cuda_ipc within one host, else zmq
+    AUTO = "auto"  # cuda_ipc where the importer sees the exporter's GPU, else nixl where both ends have it, else zmq
     ZMQ = "zmq"  # pyzmq over TCP: any two ends (host-staged from GPU caches); the fallback
     CUDA_IPC = "cuda_ipc"  # device to device within one host (falls back to zmq elsewhere)
     NIXL = "nixl"  # a NIXL READ of registered cache memory (DRAM or VRAM; UCX), falls back to zmq
@@ -136,8 +136,8 @@ class CacheConfig:
                 "GPU's free memory, default 0.85; CPU: the host's available memory, default a fixed 256 MiB)"})
     enable_prefix_caching: bool = True
     kv_transport: str = field(default="auto", metadata={
-        "help": "KV hand-over between pools: auto (nixl where both ends have it, else cuda_ipc within a host, "
-                "else zmq), nixl, zmq or cuda_ipc"})
+        "help": "KV hand-over between pools: auto (cuda_ipc where the importer sees the exporter's GPU, else nixl "
+                "where both ends have it, else zmq), nixl, zmq or cuda_ipc"})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_cache_dtype", as_enum(KVCacheDtype, "kv_cache_dtype", self.kv_cache_dtype))

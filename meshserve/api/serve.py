@@ -122,9 +122,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "moves by CUDA IPC). Each such rank's automatic KV budget is that fraction of the card "
                         "(--kv-cache-memory-bytes overrides it). Ranks of a tp > 1 replica need a GPU each")
     c.add_argument("--kv-transport", default="auto", choices=[t.value for t in KVTransport],
-                   help="KV hand-over between the pools: auto (nixl where both ends have it, else cuda_ipc when "
-                        "both ends are CUDA processes of one host, else zmq), nixl (a NIXL READ of the registered "
-                        "cache; falls back to zmq), cuda_ipc (falls back to zmq where it cannot apply), or zmq")
+                   help="KV hand-over between the pools: auto (cuda_ipc when both ends are CUDA processes of one "
+                        "host that see the same GPU, else nixl where both ends have it, else zmq), nixl (a NIXL READ "
+                        "of the registered cache; falls back to zmq), cuda_ipc (falls back to zmq where it cannot "
+                        "apply), or zmq")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "

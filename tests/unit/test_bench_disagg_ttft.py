@@ -5,7 +5,7 @@ scrapes, gives exactly the imports by transport, recomputes, bytes and pulls put
 
 from prometheus_client import generate_latest
 
-from bench.disagg_ttft import HandoverCounters
+from bench.disagg_ttft import HandoverCounters, gpus_per_rank_for, path_flags
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.handover_stats import HandoverRow, HandoverStats
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
@@ -59,3 +59,15 @@ def test_a_unified_server_has_no_hand_over():
     moved = _scrape(_Snapshot([], ""))
     assert not +moved.imports and moved.pulls == 0 and moved.resolved == ""
     assert moved.moved_by() == "no hand-over"
+
+
+def test_the_disaggregated_servers_flags_are_serves():
+    """What the bench passes is what `meshserve serve` parses and validates (a one-GPU machine: 0.5)."""
+    from meshserve.api.serve import configs_of
+    from meshserve.cli import build_parser
+
+    assert path_flags("unified", kv_transport="auto", placement_timeout=120) == []
+    flags = path_flags("disaggregated", kv_transport="auto", placement_timeout=120, gpus_per_rank=0.5)
+    engine, pools, _ = configs_of(build_parser().parse_args(["serve", *flags]))
+    assert (pools.mode.value, pools.placement_timeout_s, engine.parallel.gpus_per_rank) == ("disaggregated", 120, 0.5)
+    assert gpus_per_rank_for("auto", "cpu") == 1.0 and gpus_per_rank_for("0.25", "cuda") == 0.25

@@ -73,9 +73,9 @@ def gpu_shortfall(demands: Sequence[PoolDemand], node_gpus: Sequence[float]) -> 
     widest = max(node_gpus, default=0.0)
     for d in demands:
         if d.tp > 1 and d.tp * d.gpus_per_rank > widest + _EPS:
-            return (f"a {d.role} replica's {d.tp} ranks share one node (STRICT_PACK) and need {d.tp * d.gpus_per_rank:g} "
-                    f"GPU(s) there, but the largest node of the Ray cluster has {widest:g}: lower --tp (or "
-                    f"--{d.role}-tp), or add a node with {d.tp} GPUs")
+            return (f"a {d.role} replica's {d.tp} ranks share one node (STRICT_PACK) and need "
+                    f"{d.tp * d.gpus_per_rank:g} GPU(s) there, but the largest node of the Ray cluster has "
+                    f"{widest:g}: lower --tp (or --{d.role}-tp), or add a node with {d.tp} GPUs")
     return None
 
 

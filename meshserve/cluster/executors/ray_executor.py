@@ -6,8 +6,8 @@ stay on one host). A bundle asks for the pool's resource (`meshserve_unified`, `
 cluster has it, `gpus_per_rank` of a GPU per rank on CUDA (ParallelConfig; 1 by default, a
 fraction lets one-rank replicas share a GPU), else a sliver of CPU so that many ranks fit on a
 small machine. Before placing anything, check_gpus_suffice refuses a layout whose GPU ranks
-cannot fit an embedded cluster (gpu_placement.py). The channel binds on the driver's node IP; rank 0 picks the torch.distributed
-rendezvous on its own node.
+cannot fit an embedded cluster (gpu_placement.py). The channel binds on the driver's node IP;
+rank 0 picks the torch.distributed rendezvous on its own node.
 
 `ray_init(address)` joins a running cluster (`address`, "auto", or RAY_ADDRESS) or starts an
 embedded one on this machine; the same code runs on both. An embedded cluster is a one-node
