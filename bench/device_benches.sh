@@ -2,8 +2,8 @@
 # JSON/PNG/logs under $OUT. Source bench/device_setup.sh first (NO_FLASHINFER=1 unless the call
 # carries a FlashInfer folder):
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh serve
-#       issue 41: the serving path against the in-process engine on the Llama-3-8B shape
-#       (in-process, split and two-front-end servers), then structured outputs at batch 64 (issue 38)
+#       issue 41: the serving path (serve's defaults, HTTP and gRPC) against the in-process engine on
+#       the Llama-3-8B shape, three alternating rounds, then structured outputs at batch 64 (issue 38)
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
 #       issue 37: the NIXL GPU tests, then NIXL vs CUDA IPC vs zmq, VRAM, two processes on one GPU,
 #       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
@@ -27,11 +27,14 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
 }
 case "${1:?part: serve, nixl, tests or disagg}" in
     serve)
-        timeout 480 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 400 \
-            --paths offline,http,grpc,http-x2,grpc-x2 --out "$OUT" 2>&1 | tail -40
-        timeout $((570 - SECONDS)) python3 -m bench.structured_outputs --device cuda --dtype bfloat16 --rounds 4 \
-            --tag h200 2>&1 | tail -20
-        cp bench/results/structured_outputs-h200.* "$OUT"/ 2>/dev/null || true ;;
+        # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
+        # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
+        # 32 GiB run of 2026-12-05 (docs/performance.md) had its TTFTs on both sides of offline's.
+        timeout 500 python3 -m bench.serve_vs_offline --device cuda --shape llama3-8b --deadline 420 --rounds 3 \
+            --kv-cache-memory-bytes $((12 << 30)) --paths offline,http,grpc --out "$OUT" 2>&1 | tail -30
+        timeout $((580 - SECONDS)) python3 -m bench.structured_outputs --device cuda --dtype bfloat16 --rounds 4 \
+            --tag gpu 2>&1 | tail -8
+        cp bench/results/structured_outputs-gpu.* "$OUT"/ 2>/dev/null || true ;;
     nixl)
         tests nixl_gpu 90 tests/gpu/test_nixl_gpu.py
         timeout 200 python3 -m bench.kv_handover --device cuda --sizes 1024,8192,32768 \
