@@ -29,7 +29,7 @@ def joinable(first: CompletionDelta, then: CompletionDelta) -> bool:
 # How each field of CompletionDelta joins (a field missing here fails tests/unit/core: decide it).
 APPENDED = ("token_ids", "text", "logprobs")  # what the two deltas add, in order
 FROM_FIRST = ("prompt_logprobs",)  # carried by a request's first delta only
-FROM_LAST = ("request_id", "index", "finished", "finish_reason", "stop_reason", "num_cached_tokens")
+FROM_LAST = ("request_id", "index", "finished", "finish_reason", "stop_reason", "num_cached_tokens", "error")
 LAST_SET = ("cumulative_logprob",)  # the later one's when it has one
 
 
