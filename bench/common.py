@@ -22,8 +22,8 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 
 
 def int_list(text: str) -> list[int]:
-    """'1,16,64' -> [1, 16, 64] (a CLI list; empty entries skipped)."""
-    return [int(x) for x in text.split(",") if x]
+    """'1,16,64' or '1 16 64' -> [1, 16, 64] (a CLI list; empty entries skipped)."""
+    return [int(x) for x in text.replace(",", " ").split()]
 
 
 def save_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:

@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import int_list
 from bench.report import pyplot
 from bench.served import EngineSettings, Server, device_name, load_server, model_for_shape
 from meshserve.api.bench.loadgen import LoadSpec, Sample
@@ -324,10 +325,6 @@ def plot(runs: list[PathRun], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.replace(",", " ").split()]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -336,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
                          "tiny shape (the CPU check); demo: the bundled demo model")
     ap.add_argument("--input-len", type=int, default=None, help="prompt tokens (default 8192 cuda, 256 CPU)")
     ap.add_argument("--output-len", type=int, default=None, help="output tokens (default 32 cuda, 16 CPU)")
-    ap.add_argument("--concurrency", type=_ints, default=[1, 4], help="requests in flight (default '1 4')")
+    ap.add_argument("--concurrency", type=int_list, default=[1, 4], help="requests in flight (default '1 4')")
     ap.add_argument("--prompts-per-stream", type=int, default=None, help="N = this x C (default 4)")
     ap.add_argument("--num-warmups", type=int, default=None, help="warm-up requests per C (default C)")
     ap.add_argument("--paths", default="unified,disaggregated", help="comma-separated, of " + ", ".join(PATHS))

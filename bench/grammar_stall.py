@@ -21,6 +21,7 @@ import statistics
 import time
 from pathlib import Path
 
+from bench.report import pyplot
 from meshserve import LLM, SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.workers.grammar import GrammarCompiler
@@ -80,13 +81,8 @@ def run(llm: LLM, delay: float, num_tokens: int, spec: StructuredOutputs) -> dic
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for r in rows:

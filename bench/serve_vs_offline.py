@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bench.common import int_list
 from bench.served import FACES, EngineSettings, Server, device_name, load_server, model_for_shape
 from meshserve.api.bench.loadgen import BenchRequest, LoadSpec, Sample, make_requests
 from meshserve.api.bench.report import summarize
@@ -406,17 +407,13 @@ def plot(runs: list[PathRun], path: Path, title: str) -> None:
     plt.close(fig)
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.replace(",", " ").split()]
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--shape", default="demo", choices=["demo", "llama3-8b", "tiny-llama"],
                     help="demo: the bundled demo model; llama3-8b: random bf16 weights written to a temp dir; "
                          "tiny-llama: the same path with a tiny shape (a CPU check of the GPU run)")
-    ap.add_argument("--concurrency", type=_ints, default=None, help="concurrent streams (default CPU '16 64', "
+    ap.add_argument("--concurrency", type=int_list, default=None, help="concurrent streams (default CPU '16 64', "
                                                                       "cuda '16 64 256')")
     ap.add_argument("--input-len", type=int, default=None, help="default 128 (CPU), 512 (cuda)")
     ap.add_argument("--output-len", type=int, default=None, help="default 64 (CPU), 256 (cuda)")

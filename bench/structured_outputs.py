@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from bench.report import pyplot
 from meshserve import LLM, SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.workers import constraints, sampler
@@ -148,13 +149,8 @@ def main() -> None:
 
 
 def plot(rows: list[dict], path: Path, *, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", flush=True)
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode in ("no grammar", "json_schema"):

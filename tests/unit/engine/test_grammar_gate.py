@@ -126,9 +126,9 @@ def test_a_slow_compile_holds_back_only_its_own_request(engine, held_compile):
     assert run.last["slow"].finish_reason in (FinishReason.STOP, FinishReason.LENGTH)
 
 
-def test_a_failed_compile_finishes_only_its_request_and_the_engine_serves_on(engine, monkeypatch):
-    want_p, want_c = _alone(engine, PROMPT_P, PLAIN), _alone(engine, PROMPT_C, CONSTRAINED)
-    free = engine.kv.pool.num_free_blocks
+@pytest.fixture
+def broken_fails(monkeypatch):
+    """Fault injection: compiling BROKEN raises on the driver's compile thread; others compile."""
     real = GrammarCompiler._compile
 
     def failing_compile_fault(self, spec):
@@ -137,6 +137,11 @@ def test_a_failed_compile_finishes_only_its_request_and_the_engine_serves_on(eng
         return real(self, spec)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", failing_compile_fault)
+
+
+def test_a_failed_compile_finishes_only_its_request_and_the_engine_serves_on(engine, broken_fails):
+    want_p, want_c = _alone(engine, PROMPT_P, PLAIN), _alone(engine, PROMPT_C, CONSTRAINED)
+    free = engine.kv.pool.num_free_blocks
     run = Run(engine)
     run.add("plain", PROMPT_P, PLAIN)  # running when the bad one comes
     run.step_until(lambda: bool(run.tokens["plain"]))
@@ -177,18 +182,10 @@ def test_the_bound_is_checked():
         SchedulerConfig(grammar_compile_timeout_s=0)
 
 
-def test_a_failed_compile_fails_an_n_request_whole(engine, monkeypatch):
+def test_a_failed_compile_fails_an_n_request_whole(engine, broken_fails):
     """Its samples are forked off the prompt's blocks and each waits for the grammar: the client
     gets one error for the request, and every block (the prompt's shared ones too) comes back."""
     free = engine.kv.pool.num_free_blocks
-    real = GrammarCompiler._compile
-
-    def failing_compile_fault(self, spec):
-        if spec == BROKEN:
-            raise RuntimeError("fault injection: this grammar does not compile")
-        return real(self, spec)
-
-    monkeypatch.setattr(GrammarCompiler, "_compile", failing_compile_fault)
     run = Run(engine)
     run.add("group", PROMPT_C, SamplingParams(n=3, temperature=0.8, seed=1, max_tokens=4, structured_outputs=BROKEN))
     run.step_until(lambda: not engine.has_unfinished())
