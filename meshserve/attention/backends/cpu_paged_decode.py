@@ -6,7 +6,11 @@ per layer where one pass over K and V is 8.4 MB (docs/performance.md). This kern
 sequence's block table and reads every K row and every V row of the cache once, in place:
 per sequence, the scores of all query heads against each K row (the query heads of one KV head
 share the row), a softmax per head (with soft-cap and learned sinks), then each V row added into
-every query head's output. It returns the LSE too, so the DCP merge works through it.
+every query head's output. It returns the LSE too, so the DCP merge works through it. Head sizes
+64 and 128 take a faster path (`sequence_fast`): 16 keys per query head at a time with one
+transposing reduction, V summed into outputs held in registers (1.9x warm, 1.5x cold at 64
+sequences on the Zen-4-class host: docs/performance.md); its sums run in another order, within
+float32 rounding of the per-key loop.
 
 Build: `torch.utils.cpp_extension.load_inline` when the first float32 CPU_SDPA backend is made
 (engine start, not a request's first decode), into a cache directory outside the source tree
@@ -146,7 +150,7 @@ static void scores_fast(const float* qs, const float* kv, const int32_t* blocks,
       // this key's V row (read in pass 2) and the K row 16 keys on (the next sequence's first
       // rows after the last), into L2 (locality 2): blocks lie anywhere, so the hardware
       // prefetcher cannot run ahead. Into L2 rather than L1 (locality 3, what the per-key path
-      // uses) the kernel ran 537-571 against 807-905 us at 64 sequences with cold caches
+      // uses) the kernel ran 537-571 against 819-905 us at 64 sequences with cold caches
       // (bench/cpu_kernels.py's shape); 32 keys ahead was level, 64 slower.
       const int64_t la = l + 16;
       const float* ahead = la < L ? kv + static_cast<int64_t>(blocks[la / bs]) * 2 * half + (la % bs) * row
