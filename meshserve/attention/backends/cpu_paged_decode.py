@@ -6,7 +6,11 @@ per layer where one pass over K and V is 8.4 MB (docs/performance.md). This kern
 sequence's block table and reads every K row and every V row of the cache once, in place:
 per sequence, the scores of all query heads against each K row (the query heads of one KV head
 share the row), a softmax per head (with soft-cap and learned sinks), then each V row added into
-every query head's output. It returns the LSE too, so the DCP merge works through it.
+every query head's output. It returns the LSE too, so the DCP merge works through it. Head sizes
+64 and 128 take a faster path (`sequence_fast`): 16 keys per query head at a time with one
+transposing reduction, V summed into outputs held in registers (1.9x warm, 1.5x cold at 64
+sequences on the Zen-4-class host: docs/performance.md); its sums run in another order, within
+float32 rounding of the per-key loop.
 
 Build: `torch.utils.cpp_extension.load_inline` when the first float32 CPU_SDPA backend is made
 (engine start, not a request's first decode), into a cache directory outside the source tree
@@ -106,6 +110,133 @@ static inline float exp_shift(float* x, int64_t n, float m) {
   return sum;
 }
 
+
+// The 16 lane-sums of 16 vectors, as one vector (out[j] = sum of x[j]'s lanes): a transposing
+// tree of shuffles and adds, 45 operations for 16 sums where one hsum each costs about 7.
+static inline v16 sum16(const v16* x) {
+  v16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)
+    a[i] = __builtin_shufflevector(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                                   23)
+         + __builtin_shufflevector(x[2 * i], x[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                   30, 31);
+  for (int i = 0; i < 4; ++i)
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27)
+         + __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29)
+         + __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  v16 d = __builtin_shufflevector(c[0], c[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30)
+        + __builtin_shufflevector(c[0], c[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  // d holds the sums in bit-reversed token order (0, 8, 4, 12, ...); bit reversal is its own inverse
+  return __builtin_shufflevector(d, d, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// Pass 1 of one sequence for head dims of ND x 16: the scores of every query head against 16 keys
+// at a time, p[h * Lp + l] (Lp: L rounded up to 16). The query head's vectors stay in registers
+// while 16 K rows stream past; one sum16 per head and 16 keys.
+template <int ND>
+static void scores_fast(const float* qs, const float* kv, const int32_t* blocks, int64_t L, int64_t Lp,
+                        int64_t bs, int64_t Hkv, int64_t G, int64_t half, float cap, float* p,
+                        const float* next_k0) {
+  constexpr int64_t D = ND * 16;
+  const int64_t row = Hkv * D;
+  const float* rows[16];
+  for (int64_t l0 = 0; l0 < L; l0 += 16) {
+    const int64_t n = std::min<int64_t>(16, L - l0);
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t l = l0 + j;
+      rows[j] = kv + static_cast<int64_t>(blocks[l / bs]) * 2 * half + (l % bs) * row;
+      // this key's V row (read in pass 2) and the K row 16 keys on (the next sequence's first
+      // rows after the last), into L2 (locality 2): blocks lie anywhere, so the hardware
+      // prefetcher cannot run ahead. Into L2 rather than L1 (locality 3, what the per-key path
+      // uses) the kernel ran 537-571 against 819-905 us at 64 sequences with cold caches
+      // (bench/cpu_kernels.py's shape); 32 keys ahead was level, 64 slower.
+      const int64_t la = l + 16;
+      const float* ahead = la < L ? kv + static_cast<int64_t>(blocks[la / bs]) * 2 * half + (la % bs) * row
+                                  : (next_k0 && la - L < bs ? next_k0 + (la - L) * row : nullptr);
+      for (int64_t c = 0; c < row; c += 16) {
+        __builtin_prefetch(rows[j] + half + c, 0, 2);
+        if (ahead) __builtin_prefetch(ahead + c, 0, 2);
+      }
+    }
+    for (int64_t kh = 0; kh < Hkv; ++kh)
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t h = kh * G + g;
+        v16 qv[ND];
+        for (int c = 0; c < ND; ++c) qv[c] = load16(qs + h * D + c * 16);
+        v16 part[16];
+        for (int64_t j = 0; j < 16; ++j) {
+          if (j < n) {
+            const float* k = rows[j] + kh * D;
+            v16 acc = qv[0] * load16(k);
+            for (int c = 1; c < ND; ++c) acc += qv[c] * load16(k + c * 16);
+            part[j] = acc;
+          } else {
+            part[j] = (v16){};
+          }
+        }
+        v16 sc = sum16(part);
+        if (cap > 0.f)
+          for (int j = 0; j < 16; ++j) sc[j] = cap * std::tanh(sc[j] / cap);
+        store16(p + h * Lp + l0, sc);
+      }
+  }
+}
+
+// Pass 2 of one sequence: out[h] = sum over keys of p[h][l] * V[l], GB query heads at a time with
+// their ND x 16 outputs in registers (no load and store of the output per key), keys in order.
+template <int ND, int GB>
+static void values_fast(const float* kv, const int32_t* blocks, int64_t L, int64_t Lp, int64_t bs,
+                        int64_t Hkv, int64_t G, int64_t half, const float* p, const float* inv, float* os,
+                        const float* next_k0, int64_t next_n) {
+  constexpr int64_t D = ND * 16;
+  const int64_t row = Hkv * D;
+  for (int64_t kh = 0; kh < Hkv; ++kh)
+    for (int64_t g0 = 0; g0 < G; g0 += GB) {
+      const int64_t h0 = kh * G + g0;
+      v16 acc[GB][ND] = {};
+      for (int64_t l = 0; l < L; ++l) {
+        const float* v = kv + (static_cast<int64_t>(blocks[l / bs]) * 2 + 1) * half + (l % bs) * row + kh * D;
+        if (kh == 0 && g0 == 0 && l < next_n)  // the next sequence's K rows, for its pass 1
+          for (int64_t c = 0; c < row; c += 16) __builtin_prefetch(next_k0 + l * row + c);
+        v16 vv[ND];
+        for (int c = 0; c < ND; ++c) vv[c] = load16(v + c * 16);
+        for (int b = 0; b < GB; ++b) {
+          const float w = p[(h0 + b) * Lp + l];
+          for (int c = 0; c < ND; ++c) acc[b][c] += w * vv[c];
+        }
+      }
+      for (int b = 0; b < GB; ++b)
+        for (int c = 0; c < ND; ++c) store16(os + (h0 + b) * D + c * 16, acc[b][c] * inv[h0 + b]);
+    }
+}
+
+template <int ND>
+static void sequence_fast(const float* qs, const float* kv, const int32_t* blocks, int64_t L, int64_t bs,
+                          int64_t Hkv, int64_t G, int64_t half, float cap, const float* sk, float* ls,
+                          float* os, std::vector<float>& p, const float* next_k0, int64_t next_L) {
+  const int64_t H = Hkv * G, Lp = (L + 15) / 16 * 16;
+  p.resize(H * Lp);
+  scores_fast<ND>(qs, kv, blocks, L, Lp, bs, Hkv, G, half, cap, p.data(), next_k0);
+  float inv[64];
+  for (int64_t h = 0; h < H; ++h) {  // softmax per head; a sink joins the denominator only
+    float* ph = p.data() + h * Lp;
+    float m = ph[0];
+    for (int64_t l = 1; l < L; ++l) m = std::max(m, ph[l]);
+    if (sk) m = std::max(m, sk[h]);
+    float sum = exp_shift(ph, L, m);
+    if (sk) sum += std::exp(sk[h] - m);
+    ls[h] = m + std::log(sum);
+    inv[h] = 1.f / sum;
+  }
+  const int64_t next_n = next_k0 ? std::min(bs, next_L) : 0;
+  if (G % 2 == 0)
+    values_fast<ND, 2>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv, os, next_k0, next_n);
+  else
+    values_fast<ND, 1>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv, os, next_k0, next_n);
+}
+
 // query [S, H, D] f32; cache [N, 2, bs, Hkv, D] f32; table [S, W] int32; kv_lens [S] int32;
 // sinks [H] f32 or empty; soft_cap <= 0: none. Returns out [S, H, D] f32, lse [S, H] f32.
 std::vector<torch::Tensor> paged_decode(torch::Tensor query, torch::Tensor cache, torch::Tensor table,
@@ -149,6 +280,16 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor query, torch::Tensor cache
         continue;
       }
       for (int64_t i = 0; i < H * D; ++i) qs[i] = q[s * H * D + i] * sc;
+      if ((D == 64 || D == 128) && H <= 64) {
+        const int64_t next_L = s + 1 < s1 ? lens[s + 1] : 0;
+        const float* next_k0 = next_L > 0 ? kv + static_cast<int64_t>(tab[(s + 1) * W]) * 2 * half : nullptr;
+        const int32_t* blocks = tab + s * W;
+        if (D == 64)
+          sequence_fast<4>(qs.data(), kv, blocks, L, bs, Hkv, G, half, cap, sk, ls + s * H, os, p, next_k0, next_L);
+        else
+          sequence_fast<8>(qs.data(), kv, blocks, L, bs, Hkv, G, half, cap, sk, ls + s * H, os, p, next_k0, next_L);
+        continue;
+      }
       p.resize(H * L);
       const int32_t* blocks = tab + s * W;
       for (int64_t l0 = 0; l0 < L; l0 += bs) {  // pass 1: K, every query head's score

@@ -18,6 +18,13 @@ LONG = [
                                                                                   head_size=64)),
     Scenario("head_size_80_decode", (1,) * 5, (1, 15, 16, 17, 200), spec=dict(num_heads=6, num_kv_heads=3,
                                                                              head_size=80), block_size=32),
+    # head sizes 64 and 128 take the kernel's 16-keys-at-a-time path: odd query heads per KV head,
+    # soft cap and sinks, blocks of 8 (a 16-key tile spans blocks), lengths off the tile
+    Scenario("head_size_128_softcap_sinks_decode", (1,) * 6, (1, 15, 16, 17, 33, 150),
+             spec=dict(num_heads=3, num_kv_heads=1, head_size=128, logits_soft_cap=5.0, has_sinks=True),
+             block_size=8, query_gain=6.0),
+    Scenario("head_size_64_mqa_decode", (1,) * 4, (2, 31, 64, 95), spec=dict(num_heads=8, num_kv_heads=1,
+                                                                             head_size=64), block_size=32),
 ]
 
 
