@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 
 import torch.multiprocessing as mp
 
@@ -17,7 +18,7 @@ from meshserve.parallel.groups import local_rendezvous, remove_rendezvous
 PRELOAD = ["pytest", "torch", "torch._dynamo", "torch.distributed", "triton", "triton.experimental.gluon",
            "tokenizers", "meshserve.cluster.executors.spmd", "meshserve.engine.engine_core",
            "meshserve.workers.worker", "meshserve.workers.models.transformer_parallel",
-           "meshserve.attention.backends.triton_paged"]
+           "meshserve.attention.backends.triton_paged", "tests.triton_interpreter"]
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(PRELOAD)
 
@@ -34,6 +35,10 @@ def run_on_rank(config, rank: int, init_method: str, work, out_file: str) -> Non
     from meshserve.workers.worker import Worker
 
     torch.set_num_threads(1)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        from tests.triton_interpreter import skip_repeated_patching
+
+        skip_repeated_patching()  # as tests/conftest.py does in the test process
     worker = Worker(config.model, config.cache, config.attention, config.parallel, rank=rank, device="cpu",
                     progress=False, init_method=init_method)
     core = EngineCore(config, executor=SpmdExecutor(worker))
