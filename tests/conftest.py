@@ -11,6 +11,10 @@ import torch
 # the first `@triton.jit` is defined, hence here, at the root of the suite.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from tests.triton_interpreter import skip_repeated_patching
+
+    skip_repeated_patching()  # same interpreted operations, a third less time (see the module)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Nothing from a hub cache the suite did not build: an empty one of its own, whatever the machine
 # holds under ~/.cache/huggingface (a test that passes only because a cache was warm fails in CI).
