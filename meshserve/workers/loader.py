@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
 from meshserve.config import Dtype, SmallMGemm
@@ -223,6 +224,17 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
                           f"needed by {arch.architecture}")
 
 
+class _NoInitOnMeta(TorchFunctionMode):
+    """Skips torch.nn.init's functions while a model is built on the meta device: to_empty throws
+    their values away, and on meta they go through torch._refs, whose first call imports
+    torch._dynamo (~1 s of every process that builds a model: a server, a Ray actor, a rank)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__module__", None) == "torch.nn.init":
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **(kwargs or {}))
+
+
 def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.device,
                 max_positions: int | None = None,
                 transform: Callable[[CausalLM], None] | None = None,
@@ -230,7 +242,7 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
     """An unfilled model on `device` (weights uninitialised), built without touching memory first.
 
     `quantize` swaps layers for quantized ones after the dtype cast (which would cast FP8 too)."""
-    with torch.device("meta"):
+    with torch.device("meta"), _NoInitOnMeta():
         model = model_class(arch)(arch, max_positions=max_positions)
     if transform is not None:
         transform(model)

@@ -96,6 +96,19 @@ def _llama3(inv_freq: torch.Tensor, rope: RopeScaling) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
+def building_on_meta(device: torch.device | str | None) -> bool:
+    """The module is being built on the meta device (loader.build_model): its tables get their
+    values from reset_tables(device) once the model is on its device, so nothing is computed now
+    (meta ops run through torch._refs, whose first call imports torch._dynamo: ~1 s)."""
+    return device is None and torch.get_default_device().type == "meta"
+
+
+def register_empty_tables(module: torch.nn.Module, width: int, max_positions: int) -> None:
+    """`cos`, `sin` buffers of register_tables' shape, without values (building_on_meta)."""
+    module.register_buffer("cos", torch.empty(max_positions, width), persistent=False)
+    module.register_buffer("sin", torch.empty(max_positions, width), persistent=False)
+
+
 def register_tables(module: torch.nn.Module, inv_freq: torch.Tensor, factor: float, max_positions: int,
                     device: torch.device | str | None) -> None:
     """Float32 `cos`, `sin` buffers [max_positions, len(inv_freq)] of `module`, times `factor`.
@@ -118,6 +131,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the float32 cos/sin tables, e.g. after the model was built on the meta device."""
+        if building_on_meta(device):
+            return register_empty_tables(self, self.head_dim // 2, self.max_positions)
         inv_freq = inverse_frequencies(self.rope, self.head_dim)
         register_tables(self, inv_freq, attention_factor(self.rope, self.head_dim), self.max_positions, device)
 

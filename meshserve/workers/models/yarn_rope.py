@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 
 from meshserve.workers.models.deepseek_arch import YarnRope
-from meshserve.workers.models.rope import register_tables, yarn_inverse_frequencies
+from meshserve.workers.models.rope import (
+    building_on_meta,
+    register_empty_tables,
+    register_tables,
+    yarn_inverse_frequencies,
+)
 
 
 class YarnRotary(torch.nn.Module):
@@ -24,6 +29,8 @@ class YarnRotary(torch.nn.Module):
 
     def reset_tables(self, device: torch.device | str | None = None) -> None:
         """(Re)compute the tables, e.g. after the model was built on the meta device."""
+        if building_on_meta(device):
+            return register_empty_tables(self, self.dim // 2, self.max_positions)
         inv_freq, factor = yarn_inverse_frequencies(self.rope, self.dim)
         register_tables(self, inv_freq, factor, self.max_positions, device)
 
