@@ -68,6 +68,7 @@ class _InFlight:
     step_id: int
     has_rows: bool = False  # it computes something (else it only announces, forgets or polls)
     request_ids: list[str] = field(default_factory=list)  # the request of each drawn row
+    rows: list = field(default_factory=list)  # their _Request objects (an id may be reused meanwhile)
     draw: Draw | None = None
     result: StepOutput | None = None
     prompt_logprobs: PromptLogprobs | None = None  # already on the host
@@ -131,6 +132,11 @@ class ModelRunner:
 
     def submit(self, plan: StepPlan) -> None:
         """Run a step up to its draw on the device; `collect` returns its tokens."""
+        reused: set[str] = set()  # ids that left and came back in this plan: the old request goes first
+        if plan.finished and plan.new_requests:
+            reused = {n.request_id for n in plan.new_requests}.intersection(plan.finished)
+            for rid in reused:
+                self._forget(rid)
         for new in plan.new_requests:
             check(new.num_tokens >= 0, "num_tokens", new.num_tokens,
                   f"an integer >= 0 (the first row of {new.request_id}; 0: announced only)")
@@ -142,12 +148,16 @@ class ModelRunner:
             self._run(first_rows, plan.cached, flight)
         self._in_flight.append(flight)
         for rid in plan.finished:
-            self.requests.pop(rid, None)
-            self._reads_history.discard(rid)
-            self._constrained.discard(rid)
-            self._compiling.pop(rid, None)
-            self._wants_prompt_logprobs.discard(rid)
-            self.tables.remove(rid)
+            if rid not in reused:
+                self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self.requests.pop(rid, None)
+        self._reads_history.discard(rid)
+        self._constrained.discard(rid)
+        self._compiling.pop(rid, None)
+        self._wants_prompt_logprobs.discard(rid)
+        self.tables.remove(rid)
 
     def announce(self, new: NewRequest) -> None:
         """Know a request from now on: its settings and tokens, an empty row of block tables
@@ -215,10 +225,10 @@ class ModelRunner:
             if flight.draw is not None:
                 tokens, logprobs = flight.draw.to_host()  # waits for this step (and only this one)
                 history = self._reads_history  # (requests forgotten meanwhile are not in it)
-                if history:
-                    for rid, tok in zip(flight.request_ids, tokens):
+                if history:  # (a row of a request that left and whose id came back feeds the old object)
+                    for rid, req, tok in zip(flight.request_ids, flight.rows, tokens):
                         if rid in history:
-                            self.requests[rid].output_ids.append(tok)
+                            req.output_ids.append(tok)
                 result.request_ids, result.token_ids = flight.request_ids, tokens
                 if logprobs.count(None) < len(logprobs):
                     result.logprobs = {i: lp for i, lp in enumerate(logprobs) if lp is not None}
@@ -367,7 +377,7 @@ class ModelRunner:
         rows: list[SamplingRow] = [requests[rid] for rid in request_ids]  # type: ignore[misc]
         flight.draw = self.sampler.draw(logits, rows, constrained=bool(self._constrained)
                                         and not self._constrained.isdisjoint(request_ids))
-        flight.request_ids = request_ids
+        flight.request_ids, flight.rows = request_ids, rows
         self._last = flight
         self._last_rows = dict(zip(request_ids, range(len(request_ids))))
 
