@@ -87,7 +87,7 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
             continue
         from meshserve.cluster.executors.ray_reaper import start_reaper
 
-        _reaper = start_reaper()
+        _reaper = start_reaper(_descendants() - before)  # Ray's processes, not the server's others
         node = ray.util.get_node_ip_address()
         if not ipaddress.ip_address(node).is_loopback:  # a Ray that changed how it picks the address
             log.warning("the embedded Ray node is on %s, not loopback: its servers listen on every interface", node)

@@ -4,11 +4,15 @@ dies, however it dies (SIGKILL included).
 Ray's GCS and raylet share the fate of the process that started them, but its dashboard and
 runtime-env agents do not (measured with Ray 2.60: both still ran 40 s after a SIGKILL of the
 driver, re-parented to init). They rename themselves (`ray::DashboardAgent`), so they cannot be
-found by their command line afterwards. The watchdog is a small process of its own: it notes the
-server's descendants every WATCH_PERIOD_S and, once its stdin reaches end of file (the server
-closed it, or died and the kernel closed it), stops every noted process that still runs.
+found by their command line afterwards. The watchdog is a small process of its own: it notes
+Ray's processes (those ray.init started: `roots`) and their descendants every WATCH_PERIOD_S
+and, once its stdin reaches end of file (the server closed it, or died and the kernel closed
+it), stops every noted process that still runs. Only Ray's: the server's other children (an
+application that embeds meshserve, multiprocessing's resource tracker) are none of its business.
 
-    reaper = start_reaper()      # after ray.init, in the server
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    ray.init(...)
+    reaper = start_reaper(pids_ray_init_added)   # in the server
     ...
     reaper.close()               # after ray.shutdown(): stops whatever Ray left behind
 """
@@ -19,6 +23,7 @@ import os
 import select
 import subprocess
 import sys
+from collections.abc import Iterable
 
 WATCH_PERIOD_S = 0.5
 STOP_GRACE_S = 3.0
@@ -41,12 +46,14 @@ class Reaper:
                 self.proc.wait()
 
 
-def start_reaper() -> Reaper:
-    """Start a watchdog over this process's descendants (see the module docstring)."""
+def start_reaper(roots: Iterable[int]) -> Reaper:
+    """Start a watchdog over the processes `roots` (pids: what ray.init started) and their
+    descendants (see the module docstring)."""
     read_end, write_end = os.pipe()  # write_end is not inherited: Ray's children do not hold it open
     try:
         code = "from meshserve.cluster.executors.ray_reaper import main; main()"
-        proc = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())], stdin=read_end, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", code, *map(str, sorted(roots))], stdin=read_end,
+                                start_new_session=True)
     finally:
         os.close(read_end)
     return Reaper(proc, write_end)
@@ -55,15 +62,20 @@ def start_reaper() -> Reaper:
 def main() -> None:
     import psutil
 
-    server = psutil.Process(int(sys.argv[1]))
-    noted: dict[int, psutil.Process] = {}
-    fd = sys.stdin.fileno()
-    while True:
+    noted: dict[int, psutil.Process] = {}  # a psutil.Process knows its start time: no pid reuse
+    for pid in sys.argv[1:]:
         try:
-            for child in server.children(recursive=True):
-                noted.setdefault(child.pid, child)  # a psutil.Process knows its start time: no pid reuse
+            noted[int(pid)] = psutil.Process(int(pid))
         except psutil.NoSuchProcess:
             pass
+    fd = sys.stdin.fileno()
+    while True:
+        for proc in list(noted.values()):  # their children as they come (Ray's workers and agents)
+            try:
+                for child in proc.children(recursive=True):
+                    noted.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                pass
         ready, _, _ = select.select([fd], [], [], WATCH_PERIOD_S)
         if ready and not os.read(fd, 4096):
             break
