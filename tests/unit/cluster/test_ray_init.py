@@ -44,7 +44,7 @@ def fake(monkeypatch):
         ray = FakeRay(failures)
         monkeypatch.setattr(rx, "ray", ray)
         monkeypatch.setattr(rx, "START_BACKOFF_S", 0.0)
-        monkeypatch.setattr(reaper, "start_reaper", lambda: None)  # nothing real was started
+        monkeypatch.setattr(reaper, "start_reaper", lambda roots: None)  # nothing real was started
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
         return ray
     return install
