@@ -110,6 +110,21 @@ static inline float exp_shift(float* x, int64_t n, float m) {
   return sum;
 }
 
+// Softmax of each head's L scores in place (head h's row at p + h * stride); a sink joins the
+// denominator only. ls[h]: the row's log-sum-exp; inv[h]: 1 / its sum (the values' scale).
+static void softmax_heads(float* p, int64_t stride, int64_t L, int64_t H, const float* sk, float* ls, float* inv) {
+  for (int64_t h = 0; h < H; ++h) {
+    float* ph = p + h * stride;
+    float m = ph[0];
+    for (int64_t l = 1; l < L; ++l) m = std::max(m, ph[l]);
+    if (sk) m = std::max(m, sk[h]);
+    float sum = exp_shift(ph, L, m);
+    if (sk) sum += std::exp(sk[h] - m);
+    ls[h] = m + std::log(sum);
+    inv[h] = 1.f / sum;
+  }
+}
+
 
 // The 16 lane-sums of 16 vectors, as one vector (out[j] = sum of x[j]'s lanes): a transposing
 // tree of shuffles and adds, 45 operations for 16 sums where one hsum each costs about 7.
@@ -219,22 +234,14 @@ static void sequence_fast(const float* qs, const float* kv, const int32_t* block
   const int64_t H = Hkv * G, Lp = (L + 15) / 16 * 16;
   p.resize(H * Lp);
   scores_fast<ND>(qs, kv, blocks, L, Lp, bs, Hkv, G, half, cap, p.data(), next_k0);
-  float inv[64];
-  for (int64_t h = 0; h < H; ++h) {  // softmax per head; a sink joins the denominator only
-    float* ph = p.data() + h * Lp;
-    float m = ph[0];
-    for (int64_t l = 1; l < L; ++l) m = std::max(m, ph[l]);
-    if (sk) m = std::max(m, sk[h]);
-    float sum = exp_shift(ph, L, m);
-    if (sk) sum += std::exp(sk[h] - m);
-    ls[h] = m + std::log(sum);
-    inv[h] = 1.f / sum;
-  }
+  thread_local std::vector<float> inv;  // one per head (no bound on the heads a rank holds)
+  inv.resize(H);
+  softmax_heads(p.data(), Lp, L, H, sk, ls, inv.data());
   const int64_t next_n = next_k0 ? std::min(bs, next_L) : 0;
   if (G % 2 == 0)
-    values_fast<ND, 2>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv, os, next_k0, next_n);
+    values_fast<ND, 2>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv.data(), os, next_k0, next_n);
   else
-    values_fast<ND, 1>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv, os, next_k0, next_n);
+    values_fast<ND, 1>(kv, blocks, L, Lp, bs, Hkv, G, half, p.data(), inv.data(), os, next_k0, next_n);
 }
 
 // query [S, H, D] f32; cache [N, 2, bs, Hkv, D] f32; table [S, W] int32; kv_lens [S] int32;
@@ -318,16 +325,7 @@ std::vector<torch::Tensor> paged_decode(torch::Tensor query, torch::Tensor cache
         }
       }
       std::vector<float> inv(H);
-      for (int64_t h = 0; h < H; ++h) {  // softmax per head; a sink joins the denominator only
-        float* ph = p.data() + h * L;
-        float m = ph[0];
-        for (int64_t l = 1; l < L; ++l) m = std::max(m, ph[l]);
-        if (has_sinks) m = std::max(m, sk[h]);
-        float sum = exp_shift(ph, L, m);
-        if (has_sinks) sum += std::exp(sk[h] - m);
-        ls[s * H + h] = m + std::log(sum);
-        inv[h] = 1.f / sum;
-      }
+      softmax_heads(p.data(), L, L, H, has_sinks ? sk : nullptr, ls + s * H, inv.data());
       for (int64_t l0 = 0; l0 < L; l0 += bs) {  // pass 2: V, added into every query head's output
         const float* v = kv + (static_cast<int64_t>(blocks[l0 / bs]) * 2 + 1) * half;
         const int64_t n = std::min(bs, L - l0);
