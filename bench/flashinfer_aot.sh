@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): install FlashInfer 0.7 from the repacked wheel, JIT-build the
 # modules our default shapes use, pack them as AOT modules, and prove a fresh start needs no JIT.
-#   bash bench/flashinfer_aot.sh WHEEL_DIR
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/flashinfer_aot.sh WHEEL_DIR   (the project's other wheels first)
 # WHEEL_DIR holds flashinfer_python-0.7.x (from bench/repack_flashinfer.py --mode jit, ~18 MB) and
 # apache_tvm_ffi (0.1.11 <= version < 0.2) unless .whl/ carries it (bench/device_setup.sh: xgrammar needs it too).
 # Builds (by running the GPU tests that check them against the reference, so a module that
@@ -23,7 +23,7 @@ rm -rf "$SITE" /tmp/fiws07 /tmp/fiws07_fresh
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
     "$WHEELS"/flashinfer_python-0.7*.whl $(ls "$WHEELS"/apache_tvm_ffi-*.whl .whl/apache_tvm_ffi-*.whl 2>/dev/null | head -1) \
     || exit 1
-export PYTHONPATH=$SITE:$PWD PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 XDG_CACHE_HOME=/tmp/cache
+export PYTHONPATH=$SITE:${PYTHONPATH:-$PWD} PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 XDG_CACHE_HOME=/tmp/cache
 export HF_HUB_OFFLINE=1 FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 export FLASHINFER_WORKSPACE_BASE=/tmp/fiws07 TRITON_CACHE_DIR=/tmp/tcache
 python3 -c 'import flashinfer, torch; print("flashinfer", flashinfer.__version__, "torch", torch.__version__,
