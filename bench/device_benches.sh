@@ -13,6 +13,10 @@
 #       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
 #       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
 #       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)
+#       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
+#       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),
+#       merged into a copy of the kernel-choice table under $OUT
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -25,7 +29,7 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve, nixl, tests or disagg}" in
+case "${1:?part: serve, nixl, tests, disagg or fi07}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -50,6 +54,11 @@ case "${1:?part: serve, nixl, tests or disagg}" in
             [ "$left" -lt 30 ] && { echo "not run (time): $f"; continue; }
             tests "gpu_$f" $((left < 120 ? left : 120)) "tests/gpu/test_${f}_gpu.py"
         done ;;
+    fi07)
+        BUILD_TIMEOUT=240 VERIFY_TIMEOUT=90 bash bench/flashinfer_aot.sh .whlfi07
+        cp meshserve/attention/kernel_choice.json "$OUT/"
+        PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
+            --write "$OUT/kernel_choice.json" 2>&1 | tail -60 ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;
