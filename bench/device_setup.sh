@@ -15,6 +15,9 @@ wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlfi053/*.whl .whlfi07/*.whl 2>/dev/null
 [ "${NO_FLASHINFER:-0}" = 1 ] && wheels=$(echo "$wheels" | grep -v -e flashinfer -e cudnn_frontend)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || return 1
+# FlashInfer 0.7's modules built by bench/flashinfer_aot.sh, as AOT modules: no JIT at start-up.
+[ "${NO_FLASHINFER:-0}" != 1 ] && [ -f .whlfi07/fi07_cache.tgz ] && [ -d /tmp/site/flashinfer ] \
+    && mkdir -p /tmp/site/flashinfer/data/aot && tar -xzf .whlfi07/fi07_cache.tgz -C /tmp/site/flashinfer/data/aot
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 export FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 nvidia-smi -L
