@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -220,6 +221,18 @@ def relative_times(times_us: dict[str, dict[str, float]]) -> dict[str, float]:
     return {b: round(statistics.fmean(t[s] / best[s] for s in shapes), 3) for b, t in complete.items()}
 
 
+def triton_version() -> str:
+    import triton
+
+    return triton.__version__
+
+
+def _gpu_model(device: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100': the model word of a CUDA device name (else its last word)."""
+    words = device.split()
+    return next((w for w in words if re.fullmatch(r"[A-Z]+\d{2,4}[A-Za-z]*", w)), words[-1]).lower()
+
+
 def entries(results: list[Result], *, device: str, capability: str, date: str, command: str) -> list[dict]:
     """kernel_choice.json entries for the measured classes (skips a class where nothing passed)."""
     out = []
@@ -231,7 +244,7 @@ def entries(results: list[Result], *, device: str, capability: str, date: str, c
         rel = {b: max(v / rel[fastest], 1.0) for b, v in rel.items()}  # the fastest is 1.0 exactly
         attention = "MLA" if r.cls.attention == "mla" else "GQA"
         out.append({
-            "id": f"{device.split()[-1].lower()}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}",
+            "id": f"{_gpu_model(device)}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}",
             "kind": r.kind, "phase": r.phase, "attention": attention, "kv": r.cls.kv_class,
             "capability": capability, "page_size": r.cls.page, "size": "any", "fastest": fastest,
             "relative": {b: round(v, 3) for b, v in sorted(rel.items())},
@@ -346,6 +359,12 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
     command = "python3 -m bench.attention_choice " + " ".join(argv if argv is not None else sys.argv[1:])
+    try:  # the versions the entries hold for: a FlashInfer or Triton release can reorder them
+        import flashinfer
+
+        command += f" (flashinfer {flashinfer.__version__}, triton {triton_version()})"
+    except ImportError:
+        command += f" (no flashinfer, triton {triton_version()})"
     capability = ".".join(map(str, torch.cuda.get_device_capability()))
     new = entries(results, device=device, capability=capability, date=date, command=command)
     raw = [dict(cls=r.cls.__dict__, kind=r.kind, phase=r.phase, times_us=r.times_us, dropped=r.dropped)
