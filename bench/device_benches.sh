@@ -59,6 +59,15 @@ case "${1:?part: serve, nixl, tests, disagg or fi07}" in
         cp meshserve/attention/kernel_choice.json "$OUT/"
         PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
             --write "$OUT/kernel_choice.json" 2>&1 | tail -60 ;;
+    e2e42)  # issue 42 item 5 (carry .whlfi07, FlashInfer on): TTFT 4k/16k and the bs-1 decode step, 8B shape,
+        # TRITON against the default (the kernel-choice table: FlashInfer 0.7 where it measured fastest), then FP8 weights
+        for run in "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens="; do
+            set -- $run
+            name=$1; shift
+            timeout $((590 - SECONDS)) python3 -m bench.e2e --batch-sizes 1 --throughput-sizes 1 --no-baseline \
+                --out "$OUT/e2e-$name" "$@" > "$OUT/e2e-$name.log" 2>&1
+            echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
+        done ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;

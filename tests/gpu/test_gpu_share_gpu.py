@@ -22,6 +22,7 @@ import pytest
 import torch
 
 pytestmark = [pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"), pytest.mark.timeout(600)]
+pytest.importorskip("ray", reason="the disaggregated pools are Ray actors (the GPU machine's image has no Ray)")
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TOKENS = 12
@@ -29,15 +30,24 @@ MAX_TOKENS = 12
 
 def _serve(args: list[str], log: Path):
     """A `meshserve serve` process (stderr to `log`) and its gRPC address once it serves."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT), "MESHSERVE_LOG": "info"}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)  # keep a wheel dir set before
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": path, "MESHSERVE_LOG": "info"}
     with open(log, "w") as err:
         proc = subprocess.Popen([sys.executable, "-m", "meshserve.cli", "serve", *args], cwd=ROOT, env=env,
                                 stdout=subprocess.PIPE, stderr=err, text=True)
-    lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout], daemon=True).start()
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)  # stdout closed: the server exited
+
+    threading.Thread(target=read, daemon=True).start()
     try:
         first = lines.get(timeout=300)
     except queue.Empty:
+        first = None
+    if first is None:
         proc.kill()
         pytest.fail(f"the server did not start: {log.read_text()[-3000:]}")
     match = re.match(r"meshserve: serving (\S+) on (\S+),", first)
