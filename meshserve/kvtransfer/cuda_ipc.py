@@ -48,6 +48,7 @@ from typing import Any
 
 import torch
 
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.rank_io import ImportSession
 from meshserve.kvtransfer.wire import KVTransferError
 
@@ -126,7 +127,7 @@ class IpcImporter:
     def num_open(self) -> int:
         return len(self._opened)
 
-    def copy_into(self, session: ImportSession, desc: dict[str, Any]) -> None:
+    def copy_into(self, session: ImportSession, desc: dict[str, Any], *, phases: PullPhases = UNTIMED) -> None:
         """Copy every frame `desc` lists into the session's blocks (and verify the checksum when
         `verify`); KVTransferError "ipc" when a handle cannot be opened, "truncated"/"checksum" as
         any transport. The copies are complete when this returns."""
@@ -158,6 +159,7 @@ class IpcImporter:
             srcs.append(source[offset : offset + nbytes])
         dsts = session.destinations()
         direct = [d is not None for d in dsts]
+        phases.mark("map")
         copied = torch.cuda.Event()
         with torch.cuda.stream(stream):
             # one launch for many small frames, a memcpy per large one
@@ -165,8 +167,11 @@ class IpcImporter:
             for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
                 session.accept(i, None if direct[i] else src)  # scattered blocks: one index_copy_ each
             copied.record(stream)
+        phases.mark("launch")
         copied.synchronize()  # this pull's copies only (other pulls' later ones share the stream)
+        phases.mark("wait")
         session.finish()
+        phases.mark("finish")
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         with self._lock:

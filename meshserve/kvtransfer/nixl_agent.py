@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.wire import KVTransferError
 
 log = logging.getLogger("meshserve.kvtransfer")
@@ -346,7 +347,7 @@ class NixlAgent:
         return Temporary(self, tensors)
 
     def read(self, local: LocalList, ours: np.ndarray, peer: Peer, theirs: np.ndarray, *, deadline: float,
-             cancel: threading.Event | None) -> None:  # fmt: skip
+             cancel: threading.Event | None, phases: PullPhases = UNTIMED) -> None:  # fmt: skip
         """READ the peer's descriptors `theirs` into our `ours` (indices into the two prepared
         lists; one transfer), polling until it is done; KVTransferError on failure, timeout or
         cancel, after the READ has stopped."""
@@ -358,6 +359,7 @@ class NixlAgent:
         done = False
         try:
             state = agent.transfer(handle)
+            phases.mark("post")
             spin_until, sleep = time.monotonic() + _SPIN_S, _POLL_SLEEP_S[0]
             while state == "PROC":
                 if cancel is not None and cancel.is_set():
@@ -372,12 +374,14 @@ class NixlAgent:
             if state != "DONE":
                 raise KVTransferError("nixl", f"the NIXL READ from {peer.name} failed ({state})")
             done = True
+            phases.mark("wait")
         except KVTransferError:
             raise
         except Exception as exc:  # nixl's binding errors (a peer gone, a stale handle)
             raise KVTransferError("nixl", f"the NIXL READ from {peer.name} failed: {exc}") from exc
         finally:
             self._release(handle, settled=done)
+            phases.mark("release")
 
     def _release(self, handle: Any, *, settled: bool) -> None:
         """Release a transfer handle; one still in flight is cancelled, or waited for (bounded)."""

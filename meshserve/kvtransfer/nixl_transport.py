@@ -55,6 +55,7 @@ from meshserve.kvtransfer.nixl_agent import (  # noqa: F401  (nixl_available, ni
     nixl_available,
     nixl_module,
 )
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.wire import KVTransferError
 
 _OFFER = b"kv-nixl-offer"
@@ -107,7 +108,7 @@ class NixlPuller:
         self._lock = threading.Lock()
 
     def pull(self, target, endpoint, capability: str, *, secret: ClusterSecret, timeout_s: float,
-             cancel: threading.Event | None = None) -> str:  # fmt: skip
+             cancel: threading.Event | None = None, phases: PullPhases = UNTIMED) -> str:  # fmt: skip
         from meshserve.kvtransfer.pull_client import pull_kv, send_done
 
         if not endpoint.nixl_offer:
@@ -117,17 +118,22 @@ class NixlPuller:
         deadline = time.monotonic() + timeout_s
         header, desc = open_offer(secret, capability, endpoint.nixl_offer)
         self._spend(endpoint.address, capability)
+        phases.mark("offer")
         with self._lock:
             if self.agent is None:
                 self.agent = NixlAgent()
         done = False  # the exporter was told (as soon as the READ has ended, before our checks)
         try:
             peer = self.agent.peer(desc)
+            phases.mark("peer")
             with target.begin_import(header) as session:
-                self._read(session, desc, peer, deadline, cancel)
+                phases.mark("header")
+                self._read(session, desc, peer, deadline, cancel, phases)
                 send_done(endpoint.address, capability, secret=secret, sockets=self.sockets)
+                phases.mark("notify")
                 done = True
                 session.finish()
+                phases.mark("finish")
         finally:
             if not done:  # refused or failed before or during the READ: the exporter lets go now
                 send_done(endpoint.address, capability, secret=secret, sockets=self.sockets)
@@ -145,7 +151,7 @@ class NixlPuller:
             self._spent[address, capability] = now
 
     def _read(self, session, desc: dict[str, Any], peer: Peer, deadline: float,
-              cancel: threading.Event | None) -> None:  # fmt: skip
+              cancel: threading.Event | None, phases: PullPhases) -> None:  # fmt: skip
         """READ the described frames into the session's blocks and accept them (ImportSession)."""
         frames = desc.get("frames")
         if not isinstance(frames, list) or len(frames) != session.num_frames:
@@ -158,8 +164,10 @@ class NixlPuller:
             ours, theirs = _indices(session, frames, regions, local, peer)
             if not self.verify:
                 session.trust_frames()
-            self.agent.read(local, ours, peer, theirs, deadline=deadline, cancel=cancel)
+            phases.mark("indices")
+            self.agent.read(local, ours, peer, theirs, deadline=deadline, cancel=cancel, phases=phases)
         session.accept_written()
+        phases.mark("accept")
 
 
 def _indices(session, frames: list, regions: list[Region], local: LocalList,

@@ -12,6 +12,7 @@ import msgpack
 import zmq
 
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.pull_sockets import PullSockets
 from meshserve.kvtransfer.rank_io import ImportSession, ImportTarget
 from meshserve.kvtransfer.wire import KVTransferError
@@ -31,6 +32,7 @@ def pull_kv(
     cancel: threading.Event | None = None,
     ipc: IpcImporter | None = None,
     sockets: PullSockets | None = None,
+    phases: PullPhases = UNTIMED,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
@@ -41,6 +43,7 @@ def pull_kv(
     sends bytes anyway when its frames are not on CUDA).
     sockets: take the socket from (and give it back to) this pool of connected sockets
     (pull_sockets.py) instead of connecting one for this pull only.
+    phases: marks the end of each step (pull_phases.py).
     """
     if sockets is None:
         sockets = PullSockets(context, max_idle=0)  # nothing kept: the socket closes after this pull
@@ -52,17 +55,19 @@ def pull_kv(
         body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
+        phases.mark("request")
         if tag == _ERROR:
             _raise_error(answers.part(tag))
         if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
         with target.begin_import(answers.part(tag)) as session:
+            phases.mark("header")
             tag = answers.next_tag() if session.num_frames else _END
             if tag == _IPC and ipc is not None:
                 desc = msgpack.unpackb(answers.part(tag), raw=False)
                 answers.part(answers.expect(_END))
                 complete = True
-                ipc.copy_into(session, desc)
+                ipc.copy_into(session, desc, phases=phases)
                 return session.blocks
             for i in range(session.num_frames):
                 tag = tag if i == 0 else answers.next_tag()
@@ -74,7 +79,10 @@ def pull_kv(
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
             answers.part(tag)
             complete = True
-            return session.finish()
+            phases.mark("frames")
+            blocks = session.finish()
+            phases.mark("finish")
+            return blocks
     finally:
         if complete:
             sockets.give_back(address, sock)

@@ -47,6 +47,7 @@ from meshserve.config import KVTransport, check_kv_transport
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
 from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.rank_io import ImportTarget
 
 AUTO, ZMQ, CUDA_IPC, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
@@ -148,11 +149,12 @@ class ZmqPuller:
         self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None,
+             phases: PullPhases = UNTIMED) -> str | None:  # fmt: skip
         from meshserve.kvtransfer.export_server import pull_kv
 
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
-                sockets=self.sockets)
+                sockets=self.sockets, phases=phases)
         return ZMQ
 
 
@@ -170,12 +172,13 @@ class CudaIpcPuller:
         self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None,
+             phases: PullPhases = UNTIMED) -> str | None:  # fmt: skip
         from meshserve.kvtransfer.export_server import pull_kv
 
         used = _Used(self.importer)
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
-                sockets=self.sockets)
+                sockets=self.sockets, phases=phases)
         return CUDA_IPC if used.copied else ZMQ  # the exporter sends bytes when it cannot share
 
 
@@ -186,9 +189,9 @@ class _Used:
     def __init__(self, importer: Any) -> None:
         self.importer, self.copied = importer, False
 
-    def copy_into(self, session: Any, desc: dict[str, Any]) -> None:
+    def copy_into(self, session: Any, desc: dict[str, Any], *, phases: PullPhases = UNTIMED) -> None:
         self.copied = True
-        self.importer.copy_into(session, desc)
+        self.importer.copy_into(session, desc, phases=phases)
 
 
 def _nixl_puller() -> KVPuller:
