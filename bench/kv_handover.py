@@ -24,9 +24,11 @@ Two measurements, side by side:
 GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
 zmq, nixl (a NIXL READ of the exporter's registered cache, no checksum: its default), nixl-verify,
 cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
-checksum over the copied bytes). --shape demo: the bundled demo model's cache (3 KiB a token:
-a 1k-token hand-over is the transport's fixed cost per pull). Prints both tables, writes a PNG
-and a JSON (bench/results/).
+checksum over the copied bytes), cuda_ipc-memcpy (a memcpy per frame instead of one batched
+launch for pulls up to cuda_ipc.BATCH_BYTES). --phases: each step of every warm single pull
+(kvtransfer/pull_phases.py), medians in us, printed after the tables. --shape demo: the bundled
+demo model's cache (3 KiB a token: a 1k-token hand-over is the transport's fixed cost per pull).
+Prints both tables, writes a PNG and a JSON (bench/results/).
 """
 
 from __future__ import annotations
@@ -114,7 +116,7 @@ def exporter() -> None:
         except Exception as exc:  # not installed, or no UCX transport: the nixl rows say so
             agent, nixl_error = None, f"the exporter's NIXL agent: {exc}"
     server = KVExportServer(SECRET, nixl=agent)
-    export_ms, nixl_offers = {}, {}
+    export_ms, direct_offers = {}, {}
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
@@ -126,10 +128,10 @@ def exporter() -> None:
         for cap in caps:
             offered = KVExport(export.header, export.frames)
             server.offer(offered, capability=cap, ttl_s=3600)
-            if cap.startswith("kv-bench-nixl"):  # what travels with a rank's offer (nixl_transport.py)
-                nixl_offers[cap] = base64.b64encode(server.describe_nixl(offered, [cap])).decode()
+            if cap.startswith(("kv-bench-nixl", "kv-bench-cuda_ipc")):  # what travels with a rank's offer
+                direct_offers[cap] = base64.b64encode(server.describe_direct(offered, [cap])).decode()
     endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
-    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers,
+    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "direct_offers": direct_offers,
                       "nixl_error": nixl_error}), flush=True)
     while True:
         server.poll(1)  # as a rank's loop while an offer is pending (its NIXL agent progresses here)
@@ -161,8 +163,9 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
 def make_puller(transport: str, conn):
     """A transport's puller: "cuda_ipc" and "nixl" as the pools use them (no checksum over the
     transport's copy), "cuda_ipc-verify" and "nixl-verify" with the checksum ("cuda_ipc-noverify":
-    the older name of cuda_ipc). A nixl puller's agent registers the receiving cache first, as a
-    rank does at start-up."""
+    the older name of cuda_ipc), "cuda_ipc-memcpy" with a memcpy per frame at every size (no
+    batched launch: what cuda_ipc did before). A nixl puller's agent registers the receiving cache
+    first, as a rank does at start-up."""
     from meshserve.kvtransfer.transport import CudaIpcPuller
 
     if transport in ("nixl", "nixl-verify"):
@@ -178,6 +181,10 @@ def make_puller(transport: str, conn):
         return CudaIpcPuller()
     if transport == "cuda_ipc-verify":
         return CudaIpcPuller(verify=True)
+    if transport == "cuda_ipc-memcpy":
+        puller = CudaIpcPuller()
+        puller.importer.batch_bytes = 0
+        return puller
     return puller_for(transport)
 
 
@@ -267,12 +274,12 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
     return times
 
 
-_NIXL_OFFERS: dict[str, bytes] = {}  # capability -> the NIXL offer the exporter made (kv_offer's endpoint carries it)
+_DIRECT_OFFERS: dict[str, bytes] = {}  # capability -> the direct offer the exporter made (kv_offer's endpoint)
 
 
 def offered(endpoint: Endpoint, cap: str) -> Endpoint:
-    """The endpoint as a rank's offer under `cap` comes: with its NIXL offer, if one was made."""
-    return dataclasses.replace(endpoint, nixl_offer=_NIXL_OFFERS.get(cap, b""))
+    """The endpoint as a rank's offer under `cap` comes: with its direct offer, if one was made."""
+    return dataclasses.replace(endpoint, direct_offer=_DIRECT_OFFERS.get(cap, b""))
 
 
 def run(args) -> tuple[list[dict], list[dict]]:
@@ -290,7 +297,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
         line = proc.stdout.readline()
     info = json.loads(line)
     endpoint = Endpoint.from_wire(info["endpoint"])
-    _NIXL_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["nixl_offers"].items()})
+    _DIRECT_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["direct_offers"].items()})
     rows, burst_rows = [], []
     try:
         room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])

@@ -15,7 +15,8 @@ Steps the built-in pullers mark (a step a pull does not take is absent):
   peer     NIXL: the exporter's agent and prepared list found (loaded on first contact)
   indices  NIXL: our and the peer's descriptor indices of every block
   map      CUDA IPC: the exporter's allocations mapped (kept from earlier pulls) and the frames' views made
-  post     NIXL: the READ made from the prepared lists and posted (on one host, CMA copies happen here)
+  prep     NIXL: the READ made from the two prepared lists and the index arrays (make_prepped_xfer)
+  post     NIXL: the READ posted (on one host, CMA copies happen here; UCX queues CUDA IPC copies)
   launch   CUDA IPC: every copy queued on the importer's side stream
   frames   zmq: every frame received and written
   wait     the transfer polled (NIXL) or waited for (CUDA IPC: this pull's event) until done
