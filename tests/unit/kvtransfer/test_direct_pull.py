@@ -133,3 +133,70 @@ def test_a_reads_poll_spins_then_sleeps_a_share_of_the_time_waited():
     assert pauses == sorted(pauses) and pauses[-1] == _POLL_SLEEP_S[1]
     for waited, pause in zip(waits, pauses, strict=True):  # a READ is seen done at most a share late
         assert _POLL_SLEEP_S[0] <= pause <= max(_POLL_SLEEP_S[0], waited * _POLL_FRACTION)
+
+
+def test_a_direct_pull_asks_nothing_first_spends_its_capability_and_lets_the_exporter_go():
+    """pull_direct (what a CUDA IPC pull runs, with the copy done here by copy_described over the
+    sender's CPU caches): the bytes land, the exporter lets go at the done notice, the capability
+    is spent on both ends, a refused description keeps nothing and still lets the exporter go, and
+    an offer without a description of the asked kind is left to zmq."""
+    import time
+
+    from meshserve.kvtransfer.direct_offer import pull_direct
+    from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
+    from meshserve.kvtransfer.pull_sockets import PullSockets
+    from meshserve.kvtransfer.transport import Endpoint
+    from tests.polling import polled
+
+    src, dst = Replica("gqa", seed=1), Replica("gqa", seed=2)
+    server, spent, sockets = KVExportServer(SECRET), SpentCapabilities(), PullSockets()
+
+    def offered(rid: str, frames=None) -> tuple[str, Endpoint, list[torch.Tensor]]:
+        src.add_request(rid, list(range(100, 137)))
+        header, sources, ranges = described(src, rid)
+        cap = new_capability()
+        export = src.connector.export(rid)  # the offer's own pin, let go at the notice
+        server.offer(export, capability=cap, release=src.connector.release)
+        blob = pack_offer(SECRET, [cap], header, {"ipc": {"frames": ranges if frames is None else frames}})
+        return cap, Endpoint(server.address, "h", "cpu", "p", "", direct_offer=blob), sources
+
+    def drained() -> bool:
+        deadline = time.monotonic() + 10
+        while server.num_pending and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return server.num_pending == 0
+
+    try:
+        with polled(server):
+            cap, endpoint, sources = offered("a")
+            pins = src.connector.pins.num_pinned
+
+            def move(session, desc):
+                copy_described(session, sources, desc["frames"])
+
+            assert pull_direct(dst.connector, endpoint, cap, "ipc", move, secret=SECRET, spent=spent, sockets=sockets)
+            assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("a"), src.request_bytes("a"), strict=True))
+            assert drained() and src.connector.pins.num_pinned == pins - 1  # the notice let go of the offer
+            with pytest.raises(KVTransferError) as info:  # spent here
+                pull_direct(dst.connector, endpoint, cap, "ipc", move, secret=SECRET, spent=spent, sockets=sockets)
+            assert info.value.reason == "unknown_request"
+            with pytest.raises(KVTransferError) as info:  # and at the exporter
+                pull_kv(dst.connector, server.address, cap, secret=SECRET, timeout_s=30)
+            assert info.value.reason == "unknown_request"
+
+            free = dst.kv.num_free_blocks
+            cap, endpoint, sources = offered("b", frames=[[0, 0, 8]])  # fewer frames than the header
+            with pytest.raises(KVTransferError) as info:
+                pull_direct(dst.connector, endpoint, cap, "ipc", move, secret=SECRET, spent=spent, sockets=sockets)
+            assert info.value.reason == "truncated" and dst.kv.num_free_blocks == free and "b" not in dst.kv
+            assert drained()  # refused, and the exporter was told all the same
+
+            cap, endpoint, _ = offered("c")
+            assert not pull_direct(dst.connector, endpoint, cap, "nixl", move, secret=SECRET, spent=spent,
+                                   sockets=sockets)  # no NIXL description: nothing done, zmq's turn
+            pull_kv(dst.connector, server.address, cap, secret=SECRET, timeout_s=30)
+            assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("c"), src.request_bytes("c"), strict=True))
+            dst.kv.check_invariants()
+    finally:
+        server.close()
+        sockets.close()
