@@ -14,9 +14,10 @@ import torch
 
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
+from meshserve.kvtransfer.nixl_agent import Region
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import CUDA_IPC, NIXL, ZMQ, Endpoint, choose_transport
-from meshserve.kvtransfer.wire import KVTransferError
+from meshserve.kvtransfer.wire import KVTransferError, as_bytes
 from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
 
@@ -297,3 +298,24 @@ def test_a_timed_pull_marks_its_steps_in_order(agents):
         total = steps.pop("total")
         assert all(s >= 0 for s in steps.values()) and sum(steps.values()) == pytest.approx(total)
         assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
+
+
+def test_an_agent_describes_frames_by_the_region_that_holds_them():
+    """describe finds each frame's region by address: whole blocks of one registered tensor are
+    [region, first block, count]; a frame off a block boundary, not whole blocks, or outside
+    every region makes the export undescribable (its bytes then go over zmq)."""
+    agent = NixlAgent("test-describer")
+    tensors = [torch.zeros(8, 4, dtype=torch.int32) for _ in range(3)]  # 16-byte blocks
+    agent.register(tensors)
+    try:
+        order = [Region.of(t) for t in tensors]
+        listed = [Region(*r) for r in agent.describe([as_bytes(tensors[0][:1])])["regions"]]
+        index = [listed.index(r) for r in order]  # the description's region of each tensor
+        desc = agent.describe([as_bytes(tensors[1][2:5]), as_bytes(tensors[2][7:8]), as_bytes(tensors[0])])
+        assert desc["frames"] == [[index[1], 2, 3], [index[2], 7, 1], [index[0], 0, 8]]
+        whole = as_bytes(tensors[1])
+        assert agent.describe([whole[8:40]]) is None  # starts mid-block
+        assert agent.describe([as_bytes(tensors[2][6:8]), whole[16:20]]) is None  # not whole blocks
+        assert agent.describe([as_bytes(torch.zeros(4, 4, dtype=torch.int32))]) is None  # not registered
+    finally:
+        agent.close()
