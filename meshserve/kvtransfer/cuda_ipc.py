@@ -225,7 +225,8 @@ def check_ranges(ranges: object, source_nbytes: Sequence[int], frame_nbytes: Seq
     storage, offset, nbytes = table.T
     sizes = np.array(source_nbytes, dtype=np.int64)
     known = (storage >= 0) & (storage < len(sizes))
-    inside = known & (offset >= 0) & (nbytes >= 0) & (offset + nbytes <= sizes[np.where(known, storage, 0)])
+    # offset <= size - nbytes, not offset + nbytes <= size: a sum near 2**63 would wrap around
+    inside = known & (offset >= 0) & (nbytes >= 0) & (offset <= sizes[np.where(known, storage, 0)] - nbytes)
     if not inside.all():
         i = int(np.flatnonzero(~inside)[0])
         raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")

@@ -70,6 +70,7 @@ def test_a_corrupted_source_is_caught_by_a_verifying_copy_and_frees_the_blocks()
     (lambda r, n: [[s, o, b - 1] for s, o, b in r], "truncated"),  # sizes that differ from the header's
     (lambda r, n: [[s, o + n, b] for s, o, b in r], "bad_header"),  # past the end of the allocation
     (lambda r, n: [[s, -1, b] for s, o, b in r], "bad_header"),
+    (lambda r, n: [[s, 2**63 - 8, b] for s, o, b in r], "bad_header"),  # offset + bytes would wrap around
     (lambda r, n: [[7, o, b] for s, o, b in r], "bad_header"),  # an allocation not described
     (lambda r, n: [[s, o] for s, o, b in r], "bad_header"),
     (lambda r, n: "frames", "bad_header"),
