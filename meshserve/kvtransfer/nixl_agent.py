@@ -162,8 +162,7 @@ def _offsets(regions: Sequence[Region]) -> list[int]:
 
 @dataclass
 class Peer:
-    """An exporter we READ from: its agent, its regions and their prepared descriptor list (and the
-    regions as arrays: a READ's indices are computed in array passes, nixl_transport._indices)."""
+    """An exporter we READ from: its agent, its regions and their prepared descriptor list."""
 
     name: str
     generation: int
@@ -171,11 +170,6 @@ class Peer:
     offsets: list[int]
     dlist: Any  # NIXL's prepared list handle
     described: list = field(default_factory=list, repr=False)  # the regions as the description listed them
-
-    def __post_init__(self) -> None:
-        self.num_blocks = np.array([r.num_blocks for r in self.regions], dtype=np.int64)
-        self.block_nbytes = np.array([r.block_nbytes for r in self.regions], dtype=np.int64)
-        self.offsets_array = np.array(self.offsets, dtype=np.int64)
 
 
 @dataclass

@@ -280,15 +280,6 @@ class ImportSession:
         return len(self.header.frames)
 
     @functools.cached_property
-    def frame_table(self) -> np.ndarray:
-        """The header's frames as an [F, 3] int64 array: cache tensor, first sent block, count."""
-        return np.array(self.header.frames, dtype=np.int64).reshape(-1, 3)
-
-    @functools.cached_property
-    def frame_nbytes_array(self) -> np.ndarray:
-        return np.array(self.frame_nbytes, dtype=np.int64)
-
-    @functools.cached_property
     def flat_blocks(self) -> np.ndarray:
         """Our blocks in the sent order (frame i covers flat_blocks[first:first + count])."""
         return np.array(self._flat, dtype=np.int64)
