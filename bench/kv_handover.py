@@ -3,6 +3,7 @@
     python bench/kv_handover.py                    # CUDA when present (zmq, cuda_ipc, cuda_ipc-verify), else CPU
     python bench/kv_handover.py --device cpu --sizes 1024,8192
     python bench/kv_handover.py --exporter-gpu 1 --transports nixl,cuda_ipc,zmq   # two GPUs
+    python bench/kv_handover.py --phases           # and each step of a warm pull, median us per step
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
@@ -23,9 +24,11 @@ Two measurements, side by side:
 GB/s = KV bytes / time, ratio = that / the device copy's GB/s (target >= 0.5). Transports:
 zmq, nixl (a NIXL READ of the exporter's registered cache, no checksum: its default), nixl-verify,
 cuda_ipc (device to device, no checksum: its default), cuda_ipc-verify (the same with the
-checksum over the copied bytes). --shape demo: the bundled demo model's cache (3 KiB a token:
-a 1k-token hand-over is the transport's fixed cost per pull). Prints both tables, writes a PNG
-and a JSON (bench/results/).
+checksum over the copied bytes), cuda_ipc-memcpy (a memcpy per frame instead of one batched
+launch for pulls up to cuda_ipc.BATCH_BYTES). --phases: each step of every warm single pull
+(kvtransfer/pull_phases.py), medians in us, printed after the tables. --shape demo: the bundled
+demo model's cache (3 KiB a token: a 1k-token hand-over is the transport's fixed cost per pull).
+Prints both tables, writes a PNG and a JSON (bench/results/).
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def exporter() -> None:
         except Exception as exc:  # not installed, or no UCX transport: the nixl rows say so
             agent, nixl_error = None, f"the exporter's NIXL agent: {exc}"
     server = KVExportServer(SECRET, nixl=agent)
-    export_ms, nixl_offers = {}, {}
+    export_ms, direct_offers = {}, {}
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
@@ -125,10 +128,10 @@ def exporter() -> None:
         for cap in caps:
             offered = KVExport(export.header, export.frames)
             server.offer(offered, capability=cap, ttl_s=3600)
-            if cap.startswith("kv-bench-nixl"):  # what travels with a rank's offer (nixl_transport.py)
-                nixl_offers[cap] = base64.b64encode(server.describe_nixl(offered, [cap])).decode()
+            if cap.startswith(("kv-bench-nixl", "kv-bench-cuda_ipc")):  # what travels with a rank's offer
+                direct_offers[cap] = base64.b64encode(server.describe_direct(offered, [cap])).decode()
     endpoint = Endpoint.local(server.address, torch.device(device), nixl=agent is not None)
-    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "nixl_offers": nixl_offers,
+    print(json.dumps({"endpoint": endpoint.to_wire(), "export_ms": export_ms, "direct_offers": direct_offers,
                       "nixl_error": nixl_error}), flush=True)
     while True:
         server.poll(1)  # as a rank's loop while an offer is pending (its NIXL agent progresses here)
@@ -160,8 +163,9 @@ def copy_seconds(nbytes: int, device: str, reps: int) -> float:
 def make_puller(transport: str, conn):
     """A transport's puller: "cuda_ipc" and "nixl" as the pools use them (no checksum over the
     transport's copy), "cuda_ipc-verify" and "nixl-verify" with the checksum ("cuda_ipc-noverify":
-    the older name of cuda_ipc). A nixl puller's agent registers the receiving cache first, as a
-    rank does at start-up."""
+    the older name of cuda_ipc), "cuda_ipc-memcpy" with a memcpy per frame at every size (no
+    batched launch: what cuda_ipc did before). A nixl puller's agent registers the receiving cache
+    first, as a rank does at start-up."""
     from meshserve.kvtransfer.transport import CudaIpcPuller
 
     if transport in ("nixl", "nixl-verify"):
@@ -177,6 +181,10 @@ def make_puller(transport: str, conn):
         return CudaIpcPuller()
     if transport == "cuda_ipc-verify":
         return CudaIpcPuller(verify=True)
+    if transport == "cuda_ipc-memcpy":
+        puller = CudaIpcPuller()
+        puller.importer.batch_bytes = 0
+        return puller
     return puller_for(transport)
 
 
@@ -193,25 +201,43 @@ def missing(transport: str, args, info: dict) -> str:
     return ""
 
 
-def single_pulls(args, conn, kv, endpoint, size: int, transport: str, moved_by: set) -> list[float]:
+def single_pulls(args, conn, kv, endpoint, size: int, transport: str, moved_by: set,
+                 steps: list[dict[str, float]]) -> list[float]:  # fmt: skip
     """Seconds of each pull (the first one cold), one at a time; moved_by gets the transports that
-    moved the bytes (a nixl pull falls back to zmq where the exporter could not describe them)."""
+    moved the bytes (a nixl pull falls back to zmq where the exporter could not describe them);
+    with --phases, steps gets each warm pull's seconds per step (kvtransfer/pull_phases.py)."""
+    from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
+
     puller, times = make_puller(transport, conn), []
     for i in range(args.reps + 1):
+        phases = PullPhases() if args.phases and i > 0 else UNTIMED
         profiled = args.profile and i == args.reps and size == min(args.sizes)
         profiler = cProfile.Profile() if profiled else None
         t0 = time.perf_counter()
         if profiler is not None:
             profiler.enable()
         cap = capability(transport, size, i)
-        moved_by.add(puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600) or transport)
+        moved_by.add(puller.pull(conn, offered(endpoint, cap), cap, secret=SECRET, timeout_s=600, phases=phases)
+                     or transport)
         times.append(time.perf_counter() - t0)
+        if phases is not UNTIMED:
+            steps.append(phases.durations())
         if profiler is not None:
             profiler.disable()
             print(f"--- profile of one {size}-token pull over {transport} ---")
             pstats.Stats(profiler).sort_stats("cumulative").print_stats(14)
         kv.free(f"r{size}", keep_cache=False)
     return times
+
+
+def median_steps(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Median microseconds of each step over the timed pulls, in the order the steps ran ("total"
+    last: the median pull's own start-to-last-mark time, not the sum of the medians)."""
+    order = list(dict.fromkeys(name for s in steps for name in s if name != "total"))
+    out = {name: statistics.median(s.get(name, 0.0) for s in steps) * 1e6 for name in order}
+    if steps:
+        out["total"] = statistics.median(s["total"] for s in steps) * 1e6
+    return out
 
 
 def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list[float]:
@@ -248,12 +274,12 @@ def burst_pulls(args, conn, endpoint, size: int, transport: str, n: int) -> list
     return times
 
 
-_NIXL_OFFERS: dict[str, bytes] = {}  # capability -> the NIXL offer the exporter made (kv_offer's endpoint carries it)
+_DIRECT_OFFERS: dict[str, bytes] = {}  # capability -> the direct offer the exporter made (kv_offer's endpoint)
 
 
 def offered(endpoint: Endpoint, cap: str) -> Endpoint:
-    """The endpoint as a rank's offer under `cap` comes: with its NIXL offer, if one was made."""
-    return dataclasses.replace(endpoint, nixl_offer=_NIXL_OFFERS.get(cap, b""))
+    """The endpoint as a rank's offer under `cap` comes: with its direct offer, if one was made."""
+    return dataclasses.replace(endpoint, direct_offer=_DIRECT_OFFERS.get(cap, b""))
 
 
 def run(args) -> tuple[list[dict], list[dict]]:
@@ -271,7 +297,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
         line = proc.stdout.readline()
     info = json.loads(line)
     endpoint = Endpoint.from_wire(info["endpoint"])
-    _NIXL_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["nixl_offers"].items()})
+    _DIRECT_OFFERS.update({cap: base64.b64decode(blob) for cap, blob in info["direct_offers"].items()})
     rows, burst_rows = [], []
     try:
         room = max([max(args.sizes)] + [s * bursts[s] for s in args.sizes if args.burst_transports])
@@ -280,9 +306,9 @@ def run(args) -> tuple[list[dict], list[dict]]:
             nbytes = size * token_bytes(args.shape)
             copy_s = copy_seconds(nbytes, args.device, args.reps)
             for transport in args.transports:
-                why, moved_by = missing(transport, args, info), set()
+                why, moved_by, steps = missing(transport, args, info), set(), []
                 try:
-                    times = [] if why else single_pulls(args, conn, kv, endpoint, size, transport, moved_by)
+                    times = [] if why else single_pulls(args, conn, kv, endpoint, size, transport, moved_by, steps)
                 except Exception as exc:  # a transport that fails here is reported, the others still run
                     why = f"failed: {type(exc).__name__}: {exc}"
                 if why:
@@ -292,7 +318,8 @@ def run(args) -> tuple[list[dict], list[dict]]:
                 rows.append({"tokens": size, "mib": nbytes / 2**20, "transport": transport, "cold_ms": times[0] * 1e3,
                              "pull_ms": pull_s * 1e3, "pull_gb_s": nbytes / pull_s / 1e9, "copy_ms": copy_s * 1e3,
                              "copy_gb_s": nbytes / copy_s / 1e9, "ratio": copy_s / pull_s,
-                             "export_ms": info["export_ms"][str(size)], "moved_by": "+".join(sorted(moved_by))})
+                             "export_ms": info["export_ms"][str(size)], "moved_by": "+".join(sorted(moved_by)),
+                             "phases_us": median_steps(steps)})
                 print(f"  {size} tokens {transport}: {rows[-1]['pull_ms']:.2f} ms, {rows[-1]['ratio']:.2f}x copy",
                       file=sys.stderr, flush=True)  # progress, for a run its time limit cuts
             for transport in args.burst_transports:
@@ -364,6 +391,8 @@ def main() -> None:
     parser.add_argument("--burst-reps", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="cProfile the last pull of the smallest size per "
                         "transport (the profiled pull is timed too: its row is slower)")
+    parser.add_argument("--phases", action="store_true", help="time each step of every warm single pull "
+                        "(kvtransfer/pull_phases.py) and print their medians per size and transport, in us")
     parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (another one than this "
                         "process's cuda:0: GPU to GPU, e.g. --exporter-gpu 1 --transports nixl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
@@ -405,6 +434,13 @@ def print_tables(args, rows: list[dict], burst_rows: list[dict], where: str) -> 
         print(f"{r['tokens']:>7} {r['mib']:>7.0f} {r['transport']:>17} {r['cold_ms']:>8.1f} {r['pull_ms']:>8.2f} "
               f"{r['pull_gb_s']:>7.3g} {r['copy_gb_s']:>9.4g} {r['ratio']:>6.3f} {r['export_ms']:>9.1f} "
               f"{r['moved_by']}")
+    if any(r.get("phases_us") for r in rows):
+        print("steps of a warm single pull (--phases; median us per step, kvtransfer/pull_phases.py says what "
+              "each covers):")
+        for r in rows:
+            if r.get("phases_us"):
+                steps = "  ".join(f"{name} {us:.0f}" for name, us in r["phases_us"].items())
+                print(f"{r['tokens']:>7} {r['transport']:>17}  {steps}")
     if burst_rows:
         print("pipelined (a burst of N requests pulled concurrently, one thread each, as a decode replica receives "
               "a burst; wall time of the whole burst, median):")

@@ -1,22 +1,23 @@
 """CUDA IPC for KV hand-overs between two processes of one host (same or another GPU).
 
-    exporter (KVExportServer, answering a pull that asks for IPC):
+    exporter (KVExportServer.describe_direct, when it offers an export of CUDA frames):
         desc = IpcExporter().describe(export.frames)   # msgpack-able: handles + byte ranges
-    importer (pull_kv with ipc=IpcImporter()):
-        importer.copy_into(session, desc)              # device to device, checksum verified
+    importer (transport.CudaIpcPuller, through direct_offer.pull_direct):
+        importer.copy_into(session, desc)              # device to device
 
 `describe` shares the CUDA allocation behind each frame's cache tensor (torch's
 `UntypedStorage._share_cuda_`: cudaIpcGetMemHandle plus torch's producer-side reference counter
 and a CUDA event that orders the copy after the exporter's last write) and lists, per frame,
 (storage index, byte offset, byte count). No bytes leave the GPU and nothing is pickled: the
-description is a msgpack map that travels in one MACed message of the zmq export protocol.
+description is a msgpack map in the offer's direct offer (direct_offer.py: MACed per capability,
+carried with the offer's endpoint), so a pull asks the exporter nothing before it copies.
 
-`copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle) and copies every
-frame (a run of consecutive blocks of one layer) on a side stream of the importer: straight into
-the destination blocks where they form one run too (a memcpy per frame of a MiB or more, smaller
-ones in one batched `torch._foreach_copy_`), else one index_copy_ per frame (ImportSession.accept).
-Then it waits for an event recorded after its own copies (one host wait per pull, on the pull's
-thread: the decode step thread never waits for it).
+`copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle; kept) and copies
+every frame (a run of consecutive blocks of one layer) on a side stream of the importer
+(`copy_described`): straight into the destination blocks where they form one run too (one batched
+launch for a pull of up to BATCH_BYTES, a memcpy per frame above), else one index_copy_ per frame
+(ImportSession.accept). Then it waits for an event recorded after its own copies (one host wait
+per pull, on the pull's thread: the decode step thread never waits for it).
 
 No checksum by default: the bytes go from one GPU allocation to another by the copy engine and
 never leave device memory (no socket, no host buffer), so what a checksum guards against elsewhere
@@ -44,10 +45,13 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.rank_io import ImportSession
 from meshserve.kvtransfer.wire import KVTransferError
 
@@ -55,7 +59,10 @@ MAX_OPEN = 512  # mapped allocations kept per importer (a cache tensor each, per
 MAPPING_IDLE_S = 60.0  # an exporter process's mappings are closed after this long without a pull
 # Random per process: two ranks in one process cannot open each other's CUDA IPC handles.
 PROCESS_TOKEN = secrets.token_hex(8)
-MEMCPY_FRAME_BYTES = 1 << 20  # frames this large (on average) are copied one memcpy each
+# A pull of at most this many bytes goes in one batched copy launch (`torch._foreach_copy_` over
+# 8-byte words): its ~32 memcpy launches (a frame per layer) cost more host time than its copy
+# takes on the device (128 MiB: ~0.1 ms). Above it the memcpys' launches hide behind the copying.
+BATCH_BYTES = 256 << 20
 
 
 @functools.cache
@@ -112,11 +119,14 @@ class IpcExporter:
 class IpcImporter:
     """Maps exporters' allocations (kept, LRU) and copies described frames into an ImportSession.
     Safe to share between pull threads. verify: compare the checksum of the copied frames with the
-    header's (off by default: see the module docstring)."""
+    header's (off by default: see the module docstring). batch_bytes: a pull of at most this many
+    bytes into runs of our blocks is copied by one batched launch, a larger one by a memcpy per
+    frame (copy_described)."""
 
-    def __init__(self, *, max_open: int = MAX_OPEN, verify: bool = False) -> None:
+    def __init__(self, *, max_open: int = MAX_OPEN, verify: bool = False, batch_bytes: int = BATCH_BYTES) -> None:
         self.max_open = max_open
         self.verify = verify
+        self.batch_bytes = batch_bytes
         self._opened: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # a mapping's bytes as a uint8 tensor
         self._last_use: dict[str, float] = {}  # exporter process -> monotonic time of its last pull
         self._lock = threading.Lock()
@@ -126,47 +136,30 @@ class IpcImporter:
     def num_open(self) -> int:
         return len(self._opened)
 
-    def copy_into(self, session: ImportSession, desc: dict[str, Any]) -> None:
-        """Copy every frame `desc` lists into the session's blocks (and verify the checksum when
-        `verify`); KVTransferError "ipc" when a handle cannot be opened, "truncated"/"checksum" as
-        any transport. The copies are complete when this returns."""
+    def copy_into(self, session: ImportSession, desc: dict[str, Any], *, phases: PullPhases = UNTIMED) -> None:
+        """Copy every frame `desc` (IpcExporter.describe) lists into the session's blocks and take
+        them (the checksum, verified at the session's finish, when `verify`); KVTransferError "ipc"
+        when a handle cannot be opened, "bad_header"/"truncated" for a description that does not
+        match the header. The copies are complete when this returns; the caller finishes the
+        session (direct_offer.pull_direct)."""
         try:
             process, storages, ranges = str(desc["process"]), desc["storages"], desc["frames"]
             self._close_idle(process)
             sources = [self._open(process, entry) for entry in storages]
-            views = [(sources[int(s)], int(off), int(n)) for s, off, n in ranges]
         except KVTransferError:
-            session.abort()
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
-            session.abort()
             raise KVTransferError("bad_header", f"undecodable CUDA IPC description: {exc!r}") from exc
-        if len(views) != session.num_frames:
-            session.abort()
-            raise KVTransferError("truncated", f"{len(views)} frames described, header lists {session.num_frames}")
         if not self.verify:
             session.trust_frames()
         stream = self._stream(session.io.device)
-        srcs = []
-        for i, (source, offset, nbytes) in enumerate(views):
-            if offset < 0 or offset + nbytes > source.numel():
-                session.abort()
-                raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
-            if nbytes != session.frame_nbytes[i]:  # refused before any copy is queued (none writes freed blocks)
-                session.abort()
-                raise KVTransferError("truncated", f"frame {i} has {nbytes} bytes, expected {session.frame_nbytes[i]}")
-            srcs.append(source[offset : offset + nbytes])
-        dsts = session.destinations()
-        direct = [d is not None for d in dsts]
         copied = torch.cuda.Event()
         with torch.cuda.stream(stream):
-            # one launch for many small frames, a memcpy per large one
-            _copy_all([d for d, ok in zip(dsts, direct) if ok], [s for s, ok in zip(srcs, direct) if ok])
-            for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
-                session.accept(i, None if direct[i] else src)  # scattered blocks: one index_copy_ each
+            copy_described(session, sources, ranges, batch_bytes=self.batch_bytes, phases=phases)
             copied.record(stream)
+        phases.mark("launch")
         copied.synchronize()  # this pull's copies only (other pulls' later ones share the stream)
-        session.finish()
+        phases.mark("wait")
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         with self._lock:
@@ -215,15 +208,67 @@ class IpcImporter:
             self._last_use.pop(process, None)
 
 
-def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
-    """dst.copy_(src) for every pair. Frames of a MiB or more go one by one: each is a plain
-    device-to-device memcpy, at the copy engine's full speed (torch's batched `_foreach_copy_`
-    runs an elementwise kernel); many small frames go in one batched launch, as 8-byte words where
-    every frame allows it (an element per byte would move a byte per thread)."""
+def check_ranges(ranges: object, source_nbytes: Sequence[int], frame_nbytes: Sequence[int]) -> list[list[int]]:
+    """The description's [storage index, byte offset, byte count] of each frame, checked in array
+    passes against the shared allocations' sizes and the header's frame sizes: KVTransferError
+    "bad_header" (undecodable, or a range outside its allocation) or "truncated" (another number of
+    frames, or a frame of another size) before any copy is queued, so none writes freed blocks."""
+    try:
+        table = np.array(ranges, dtype=np.int64)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise KVTransferError("bad_header", "CUDA IPC frames are not [storage, offset, bytes] each") from exc
+    table = table.reshape(0, 3) if table.size == 0 else table
+    if table.ndim != 2 or table.shape[1] != 3:
+        raise KVTransferError("bad_header", "CUDA IPC frames are not [storage, offset, bytes] each")
+    if len(table) != len(frame_nbytes):
+        raise KVTransferError("truncated", f"{len(table)} frames described, header lists {len(frame_nbytes)}")
+    storage, offset, nbytes = table.T
+    sizes = np.array(source_nbytes, dtype=np.int64)
+    known = (storage >= 0) & (storage < len(sizes))
+    # offset <= size - nbytes, not offset + nbytes <= size: a sum near 2**63 would wrap around
+    inside = known & (offset >= 0) & (nbytes >= 0) & (offset <= sizes[np.where(known, storage, 0)] - nbytes)
+    if not inside.all():
+        i = int(np.flatnonzero(~inside)[0])
+        raise KVTransferError("bad_header", f"frame {i} lies outside its shared allocation")
+    wrong = nbytes != np.array(frame_nbytes, dtype=np.int64)
+    if wrong.any():
+        i = int(np.flatnonzero(wrong)[0])
+        raise KVTransferError("truncated", f"frame {i} has {int(nbytes[i])} bytes, expected {frame_nbytes[i]}")
+    return table.tolist()
+
+
+def copy_described(session: ImportSession, sources: Sequence[torch.Tensor], ranges: object, *,
+                   batch_bytes: int = BATCH_BYTES, phases: PullPhases = UNTIMED) -> None:  # fmt: skip
+    """Queue the copies of every described frame (check_ranges; sources: each shared allocation's
+    bytes, flat uint8) into the session's blocks, on the current stream, and take the frames.
+    Where our blocks of every frame form one run (a fresh reservation), the frames are copied
+    straight into them (one batched launch up to batch_bytes in all, else a memcpy each) and taken
+    at once; else frame by frame, scattered ones by one index_copy_ each (ImportSession.accept).
+    Device independent: CUDA IPC runs it on its side stream, the tests on CPU tensors."""
+    table = check_ranges(ranges, [s.numel() for s in sources], session.frame_nbytes)
+    srcs = [sources[s][offset : offset + n] for s, offset, n in table]
+    dsts = session.destinations()
+    phases.mark("map")
+    if all(d is not None for d in dsts):
+        _copy_all(dsts, srcs, batch_bytes=batch_bytes)
+        session.accept_written()
+        return
+    direct = [d is not None for d in dsts]
+    _copy_all([d for d, ok in zip(dsts, direct) if ok], [s for s, ok in zip(srcs, direct) if ok],
+              batch_bytes=batch_bytes)
+    for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
+        session.accept(i, None if direct[i] else src)  # scattered blocks: one index_copy_ each
+
+
+def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, batch_bytes: int) -> None:
+    """dst.copy_(src) for every pair: in one batched launch when they total at most batch_bytes
+    (as 8-byte words where every frame allows it: an element per byte would move a byte per
+    thread), else one by one (each a plain device-to-device memcpy at the copy engine's speed;
+    torch's batched `_foreach_copy_` runs an elementwise kernel)."""
     if not dsts:
         return
-    large = sum(d.numel() for d in dsts) >= len(dsts) * MEMCPY_FRAME_BYTES
-    if not large and all(d.device == s.device for d, s in zip(dsts, srcs)):
+    total = sum(d.numel() for d in dsts)
+    if total <= batch_bytes and all(d.device == s.device for d, s in zip(dsts, srcs)):
         if all(t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 for t in (*dsts, *srcs)):
             dsts, srcs = [d.view(torch.int64) for d in dsts], [s.view(torch.int64) for s in srcs]
         try:

@@ -14,12 +14,10 @@ found by its request id, and a capability is good for one pull.
 Messages, each with a last part `tag` (HMAC-SHA256 of the cluster secret, core/secret.py): the
 receiver's DEALER sends [msgpack {"op": "pull", "capability": cap}, tag]; the answer is
 [b"H", header, tag] (see wire.py) or [b"X", msgpack {"error": reason, "message": text}, tag],
-then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A pull that sets
-"ipc" (transport.CudaIpcPuller) of an export whose frames are on CUDA gets, instead of the
-frames, one [b"I", msgpack CUDA IPC description (cuda_ipc.py), tag]. A NIXL puller asks
-nothing: the offer it READs by travelled with the endpoint (`describe_nixl`, nixl_transport.py);
-its [msgpack {"op": "done", "capability": cap}, tag of b"kv-done"] afterwards spends the
-capability here and lets go of the export, and gets no answer. Answer tags cover
+then one message [b"F", bytes, tag] per frame and a last [b"E", b"", tag]. A NIXL or CUDA IPC
+puller asks nothing: what it reads the frames by travelled with the endpoint (`describe_direct`,
+direct_offer.py); its [msgpack {"op": "done", "capability": cap}, tag of b"kv-done"] afterwards
+spends the capability here and lets go of the export, and gets no answer. Answer tags cover
 the capability and the message's index, so answers cannot be replayed into another pull or
 reordered. A pull whose tag does not verify (a peer without the secret) gets no answer: it is
 dropped and counted (`rejected`); a verified pull of an unknown capability gets "unknown_request".
@@ -46,8 +44,8 @@ import zmq
 
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 from meshserve.errors import check
+from meshserve.kvtransfer.direct_offer import pack_offer
 from meshserve.kvtransfer.nixl_agent import NixlAgent
-from meshserve.kvtransfer.nixl_transport import pack_offer
 from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end, re-exported)
     _ANSWER,
     _DONE,
@@ -55,7 +53,6 @@ from meshserve.kvtransfer.pull_client import (  # noqa: F401  (the receiving end
     _ERROR,
     _FRAME,
     _HEADER,
-    _IPC,
     _PULL,
     MIN_CAPABILITY_CHARS,
     _index,
@@ -79,7 +76,7 @@ class KVExportServer:
     def __init__(self, secret: ClusterSecret, *, address: str = "tcp://127.0.0.1",
                  context: zmq.Context | None = None, nixl: NixlAgent | None = None) -> None:  # fmt: skip
         self._secret = secret
-        self._nixl = nixl  # describes exports in registered memory for NIXL READs (describe_nixl)
+        self._nixl = nixl  # describes exports in registered memory for NIXL READs (describe_direct)
         self._ctx = context or zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.SNDHWM, 0)  # a multipart reply of hundreds of frames never blocks
@@ -95,17 +92,15 @@ class KVExportServer:
         self._offers: dict[str, tuple[KVExport, float, Release | None]] = {}  # by capability
         self.rejected = RejectedFrames(f"KV export server {self.address}")
         self._sending: list[tuple[KVExport, list[zmq.MessageTracker], Release | None]] = []
-        self._ipc = None  # cuda_ipc.IpcExporter, made at the first pull that asks for IPC
-        self._described: set[str] = set()  # capabilities offered for NIXL READs (describe_nixl)
+        self._ipc = None  # cuda_ipc.IpcExporter, made at the first export of CUDA frames (describe_direct)
+        self._described: set[str] = set()  # capabilities offered for NIXL READs (describe_direct)
 
     def offer(self, export: KVExport, *, capability: str, ttl_s: float = 60.0,
               release: Release | None = None) -> str:  # fmt: skip
         """Offer an export for one pull by `capability` within `ttl_s`; returns the address to
         pull from. release(export) is called once zmq has let go of its frames or the offer
         expired (e.g. KVConnector.release, which drops the pin); without it the owner keeps the
-        blocks alive. A CUDA IPC answer releases when it is sent, before the importer copies: an
-        owner that must not reuse the blocks until then keeps them itself (a rank's driver pin
-        does, until the decode replica reports the import done)."""
+        blocks alive. A direct pull (describe_direct) releases at the importer's done notice."""
         check(ttl_s > 0, "ttl_s", ttl_s, "a number of seconds > 0")
         check(isinstance(capability, str) and len(capability) >= MIN_CAPABILITY_CHARS, "capability",
               "<hidden>", f"an unguessable token of at least {MIN_CAPABILITY_CHARS} characters (new_capability())")
@@ -113,19 +108,32 @@ class KVExportServer:
         self._offers[capability] = (export, time.monotonic() + ttl_s, release)
         return self.address
 
-    def describe_nixl(self, export: KVExport, capabilities: list[str]) -> bytes:
-        """The NIXL offer of `export` (offered under each of `capabilities`) that travels with the
-        endpoint (nixl_transport.py), or b"" when this server has no NIXL agent or a frame is
-        outside its registered memory (pullers then take the bytes over zmq). A puller's notice
-        that its READ ended (`send_done`) spends that capability here and lets go of its export;
-        until then `poll` progresses the NIXL agent (a first READ from a new peer waits for it)."""
-        desc = None if self._nixl is None else self._nixl.describe(export.frames)
-        if desc is None:
-            return b""
+    def describe_direct(self, export: KVExport, capabilities: list[str]) -> bytes:
+        """The direct offer of `export` (offered under each of `capabilities`) that travels with
+        the endpoint (direct_offer.py): a NIXL description where this server has a NIXL agent and
+        every frame is whole blocks of its registered memory, a CUDA IPC one where every frame is
+        on CUDA; b"" when neither applies (pullers then take the bytes over zmq). A puller's notice
+        that it is done (`send_done`) spends that capability here and lets go of its export; until
+        then `poll` progresses the NIXL agent (a first READ from a new peer waits for it)."""
         for cap in capabilities:
             check(cap in self._offers, "capability", "<hidden>", "a capability on offer (offer() first)")
-        self._described.update(capabilities)
-        return pack_offer(self._secret, capabilities, export.header_bytes, desc)
+        descriptions = {}
+        nixl = None if self._nixl is None else self._nixl.describe(export.frames)
+        if nixl is not None:
+            descriptions["nixl"] = nixl
+            self._described.update(capabilities)
+        if export.frames and all(f.device.type == "cuda" for f in export.frames):
+            from meshserve.kvtransfer.cuda_ipc import IpcExporter
+
+            if self._ipc is None:
+                self._ipc = IpcExporter()
+            try:
+                descriptions["ipc"] = self._ipc.describe(export.frames)
+            except (RuntimeError, KVTransferError) as exc:  # cannot share: IPC pullers take the bytes
+                log.warning("KV export server %s: CUDA IPC share failed, IPC pulls get bytes: %s", self.address, exc)
+        if not descriptions:
+            return b""
+        return pack_offer(self._secret, capabilities, export.header_bytes, descriptions)
 
     @property
     def num_pending(self) -> int:
@@ -153,7 +161,7 @@ class KVExportServer:
         return served
 
     def _done(self, body: bytes) -> None:
-        """A puller's notice that its NIXL READ of an offer ended: the capability is spent, the
+        """A puller's notice that its direct pull of an offer ended: the capability is spent, the
         export let go of."""
         try:
             cap = msgpack.unpackb(body, raw=False)["capability"]
@@ -168,7 +176,7 @@ class KVExportServer:
     def _answer(self, ident: bytes, body: bytes) -> None:
         try:
             request = msgpack.unpackb(body, raw=False)
-            cap, wants_ipc = request["capability"], bool(request.get("ipc", False))
+            cap = request["capability"]
             offer = self._offers.pop(cap, None)
         except (msgpack.UnpackException, KeyError, TypeError, ValueError):
             self._send_error(ident, b"", "bad_header", "the pull request is not a msgpack map with a capability")
@@ -181,9 +189,6 @@ class KVExportServer:
         sock, sign = self._sock, self._secret.sign
         sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
                                                                         export.header_bytes)])
-        if (wants_ipc and export.frames and all(f.device.type == "cuda" for f in export.frames)
-                and self._answer_ipc(ident, cap, export, release)):
-            return
         trackers = []
         for i, tensor in enumerate(export.frames, 1):
             host = tensor if tensor.device.type == "cpu" else tensor.cpu()
@@ -194,24 +199,6 @@ class KVExportServer:
         end = len(export.frames) + 1
         sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(end), _END, b"")])
         self._sending.append((export, trackers, release))
-
-    def _answer_ipc(self, ident: bytes, cap: bytes, export: KVExport, release: Release | None) -> bool:
-        """The frames as CUDA IPC handles: the puller copies them device to device."""
-        from meshserve.kvtransfer.cuda_ipc import IpcExporter
-
-        if self._ipc is None:
-            self._ipc = IpcExporter()
-        try:
-            body = msgpack.packb(self._ipc.describe(export.frames), use_bin_type=True)
-        except (RuntimeError, KVTransferError) as exc:  # cannot share: the bytes go over the socket instead
-            log.warning("KV export server %s: CUDA IPC share failed, sending bytes: %s", self.address, exc)
-            return False
-        sign = self._secret.sign
-        self._sock.send_multipart([ident, _IPC, body, sign(_ANSWER, cap, _index(1), _IPC, body)])
-        self._sock.send_multipart([ident, _END, b"", sign(_ANSWER, cap, _index(2), _END, b"")])
-        # The blocks stay pinned by the driver until the puller's replica reports the copy done.
-        _let_go(export, release)
-        return True
 
     def _send_error(self, ident: bytes, cap: bytes, reason: str, message: str) -> None:
         body = msgpack.packb({"error": reason, "message": message})

@@ -32,6 +32,7 @@ READ over TCP needs the exporter's side to progress: it keeps the thread.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import importlib
 import logging
@@ -40,12 +41,13 @@ import secrets
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.wire import KVTransferError
 
 log = logging.getLogger("meshserve.kvtransfer")
@@ -53,9 +55,20 @@ log = logging.getLogger("meshserve.kvtransfer")
 # The NIXL Python API ships per CUDA major version as its own module; the `nixl` meta package
 # adds a `nixl` alias of one of them. meshserve depends on nixl-cu13 (the CUDA of its torch).
 _MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
-_SPIN_S = 100e-6  # a READ in flight is polled back to back this long (most end within it), then
-_POLL_SLEEP_S = (50e-6, 1e-3)  # with sleeps growing between these (the pull's own thread: the step is not held)
+_SPIN_S = 200e-6  # a READ in flight is polled back to back this long (most end within it), then
+_POLL_SLEEP_S = (20e-6, 1e-3)  # with sleeps between these (the pull's own thread: the step is not held),
+_POLL_FRACTION = 1 / 16  # each this share of the time waited so far: a READ is seen done at most ~6 % late
 _CANCEL_BOUND_S = 10.0  # how long a cancelled READ that NIXL could not release is waited for
+
+
+def poll_pause_s(waited_s: float) -> float:
+    """How long a READ's poll sleeps after `waited_s` seconds in flight: not at all for the first
+    _SPIN_S (most READs end within it), then a share of the time waited so far, within
+    _POLL_SLEEP_S. A fixed doubling step (50 us, 100 us, ... 1 ms, as before) saw a READ of 1-3 ms
+    done up to 0.4-0.8 ms late; this sees it at most ~1/16 late (plus the OS's wake-up)."""
+    if waited_s <= _SPIN_S:
+        return 0.0
+    return min(_POLL_SLEEP_S[1], max(_POLL_SLEEP_S[0], waited_s * _POLL_FRACTION))
 
 
 @functools.cache
@@ -125,9 +138,8 @@ class Region:
     def nbytes(self) -> int:
         return self.block_nbytes * self.num_blocks
 
-    def blocks_of(self, frame: torch.Tensor) -> tuple[int, int] | None:
-        """(first block, count) when `frame`'s bytes are whole blocks of this region, else None."""
-        start, nbytes = frame.data_ptr() - self.address, frame.numel() * frame.element_size()
+    def blocks_at(self, start: int, nbytes: int) -> tuple[int, int] | None:
+        """(first block, count) when bytes [start, start + nbytes) of this region are whole blocks."""
         if start < 0 or start + nbytes > self.nbytes or start % self.block_nbytes or nbytes % self.block_nbytes:
             return None
         return start // self.block_nbytes, nbytes // self.block_nbytes
@@ -157,6 +169,7 @@ class Peer:
     regions: tuple[Region, ...]
     offsets: list[int]
     dlist: Any  # NIXL's prepared list handle
+    described: list = field(default_factory=list, repr=False)  # the regions as the description listed them
 
 
 @dataclass
@@ -166,6 +179,20 @@ class LocalList:
 
     dlist: Any
     offsets: dict[Region, int]
+    _by_tensors: dict[int, tuple[tuple[Region, ...], np.ndarray]] = field(default_factory=dict, repr=False)
+
+    def offsets_of(self, regions: tuple[Region, ...]) -> np.ndarray | None:
+        """offsets[r] for each of `regions` as an array, or None when one of them is not in this
+        list; remembered per tuple (a rank's KVRankIO asks with the same tuple at every pull: its
+        regions are not hashed each time)."""
+        known = self._by_tensors.get(id(regions))
+        if known is None or known[0] is not regions:
+            found = [self.offsets.get(r) for r in regions]
+            known = (regions, None if None in found else np.array(found, dtype=np.int64))
+            if len(self._by_tensors) >= 64:
+                self._by_tensors.clear()
+            self._by_tensors[id(regions)] = known  # holds the tuple: its id is not reused meanwhile
+        return known[1]
 
 
 class NixlAgent:
@@ -202,6 +229,7 @@ class NixlAgent:
         self._local: LocalList | None = None  # our registered regions' prepared list (made at the first READ)
         self._peers: dict[str, Peer] = {}  # by agent name
         self._metadata: bytes | None = None
+        self._by_address: tuple[list[int], list[tuple[int, Region]]] | None = None  # _region_of's index
         self.generation = 0  # bumped whenever the registered memory changes: peers need new metadata
 
     # -- memory -----------------------------------------------------------------------------
@@ -232,6 +260,7 @@ class NixlAgent:
     def _changed(self) -> None:
         """(Under the lock) the registered memory changed: new metadata, a new local list."""
         self._metadata = None
+        self._by_address = None
         if self._local is not None:
             self._agent.release_dlist_handle(self._local.dlist)
             self._local = None
@@ -239,12 +268,20 @@ class NixlAgent:
 
     def _region_of(self, frame: torch.Tensor) -> list[int] | None:
         """(Under the lock) [region index, first block, count] of `frame` (whole blocks of one
-        registered region), or None."""
-        for i, (region, _) in enumerate(self._registered.values()):
-            found = region.blocks_of(frame)
-            if found is not None:
-                return [i, *found]
-        return None
+        registered region), or None. The region is found by address (a bisection over the regions
+        sorted by address, made once per generation): trying every region with tensor calls cost
+        ~15 us a frame with 32 regions, on the prefill side of every hand-over."""
+        if self._by_address is None:
+            entries = sorted((region.address, i, region) for i, (region, _) in enumerate(self._registered.values()))
+            self._by_address = ([a for a, _, _ in entries], [(i, r) for _, i, r in entries])
+        starts, entries = self._by_address
+        address = frame.data_ptr()
+        j = bisect.bisect_right(starts, address) - 1
+        if j < 0:
+            return None
+        i, region = entries[j]
+        found = region.blocks_at(address - region.address, frame.numel() * frame.element_size())
+        return None if found is None else [i, *found]
 
     @property
     def metadata(self) -> bytes:
@@ -298,6 +335,11 @@ class NixlAgent:
     def peer(self, desc: dict[str, Any]) -> Peer:
         """The exporter a description names, loaded (its metadata) and its regions' list prepared
         the first time this (agent, generation) is met; KVTransferError on a bad description."""
+        with self._lock:  # the common case first: a peer met before, its regions listed as then
+            known = self._peers.get(desc.get("agent")) if isinstance(desc, dict) else None
+            if (known is not None and desc.get("generation") == known.generation
+                    and desc.get("regions") == known.described):  # fmt: skip
+                return known
         try:
             name, generation, mem = str(desc["agent"]), int(desc["generation"]), str(desc["mem"])
             regions = tuple(Region(int(a), int(b), int(n), int(d)) for a, b, n, d in desc["regions"])
@@ -325,20 +367,20 @@ class NixlAgent:
                 raise
             except Exception as exc:  # nixl's binding errors: metadata it cannot load, regions it refuses
                 raise KVTransferError("nixl", f"cannot load the NIXL agent {name!r}: {exc}") from exc
-            peer = Peer(name, generation, regions, _offsets(regions), dlist)
+            peer = Peer(name, generation, regions, _offsets(regions), dlist, list(desc["regions"]))
             self._peers[name] = peer
             return peer
 
-    def local_list(self, regions: Sequence[Region]) -> LocalList | None:
-        """The prepared list of our registered regions when it covers every one of `regions`
-        (Region.of our block tensors), else None (a re-sharding pull's staging caches: `temporary`)."""
+    def local_list(self) -> LocalList:
+        """The prepared list of our registered regions (made at the first READ, again after the
+        registered memory changed); `offsets_of` says whether it covers a pull's tensors (a
+        re-sharding pull's staging caches are not registered: `temporary`)."""
         with self._lock:
             if self._local is None:
                 ours = [r for r, _ in self._registered.values()]
                 self._local = LocalList(self._agent.prep_xfer_dlist("", _strided(ours), self._kind or "DRAM"),
                                         dict(zip(ours, _offsets(ours))))
-            local = self._local
-        return local if all(r in local.offsets for r in regions) else None
+            return self._local
 
     def temporary(self, tensors: Sequence[torch.Tensor]) -> Temporary:
         """Register `tensors` (block tensors) for one READ and prepare their list (a context
@@ -346,7 +388,7 @@ class NixlAgent:
         return Temporary(self, tensors)
 
     def read(self, local: LocalList, ours: np.ndarray, peer: Peer, theirs: np.ndarray, *, deadline: float,
-             cancel: threading.Event | None) -> None:  # fmt: skip
+             cancel: threading.Event | None, phases: PullPhases = UNTIMED) -> None:  # fmt: skip
         """READ the peer's descriptors `theirs` into our `ours` (indices into the two prepared
         lists; one transfer), polling until it is done; KVTransferError on failure, timeout or
         cancel, after the READ has stopped."""
@@ -355,29 +397,33 @@ class NixlAgent:
             handle = agent.make_prepped_xfer("READ", local.dlist, ours, peer.dlist, theirs)
         except Exception as exc:  # nixl raises its own errors (bindings): a refused descriptor list
             raise KVTransferError("nixl", f"cannot prepare the READ from {peer.name}: {exc}") from exc
+        phases.mark("prep")
         done = False
         try:
             state = agent.transfer(handle)
-            spin_until, sleep = time.monotonic() + _SPIN_S, _POLL_SLEEP_S[0]
+            phases.mark("post")
+            posted = time.monotonic()
             while state == "PROC":
                 if cancel is not None and cancel.is_set():
                     raise KVTransferError("cancelled", f"the NIXL READ from {peer.name} was cancelled")
                 now = time.monotonic()
                 if now > deadline:
                     raise KVTransferError("timeout", f"the NIXL READ from {peer.name} did not finish in time")
-                if now > spin_until:
-                    time.sleep(sleep)
-                    sleep = min(2 * sleep, _POLL_SLEEP_S[1])
+                pause = poll_pause_s(now - posted)
+                if pause:
+                    time.sleep(pause)
                 state = agent.check_xfer_state(handle)
             if state != "DONE":
                 raise KVTransferError("nixl", f"the NIXL READ from {peer.name} failed ({state})")
             done = True
+            phases.mark("wait")
         except KVTransferError:
             raise
         except Exception as exc:  # nixl's binding errors (a peer gone, a stale handle)
             raise KVTransferError("nixl", f"the NIXL READ from {peer.name} failed: {exc}") from exc
         finally:
             self._release(handle, settled=done)
+            phases.mark("release")
 
     def _release(self, handle: Any, *, settled: bool) -> None:
         """Release a transfer handle; one still in flight is cancelled, or waited for (bounded)."""

@@ -6,18 +6,15 @@ from __future__ import annotations
 import struct
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import msgpack
 import zmq
 
 from meshserve.core.secret import ClusterSecret
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.pull_sockets import PullSockets
 from meshserve.kvtransfer.rank_io import ImportSession, ImportTarget
 from meshserve.kvtransfer.wire import KVTransferError
-
-if TYPE_CHECKING:
-    from meshserve.kvtransfer.cuda_ipc import IpcImporter
 
 
 def pull_kv(
@@ -29,18 +26,17 @@ def pull_kv(
     timeout_s: float = 30.0,
     context: zmq.Context | None = None,
     cancel: threading.Event | None = None,
-    ipc: IpcImporter | None = None,
     sockets: PullSockets | None = None,
+    phases: PullPhases = UNTIMED,
 ) -> tuple[list[int], ...]:
     """Pull the export offered under `capability` from a KVExportServer into `target`'s blocks.
 
     Returns the blocks, per group (with a KVConnector the request now holds them in its
     manager); raises KVTransferError when refused, after the target let go of its blocks.
     cancel: once set, the pull stops at its next wait (KVTransferError "cancelled").
-    ipc: ask for CUDA IPC handles instead of bytes and copy with this importer (the exporter
-    sends bytes anyway when its frames are not on CUDA).
     sockets: take the socket from (and give it back to) this pool of connected sockets
     (pull_sockets.py) instead of connecting one for this pull only.
+    phases: marks the end of each step (pull_phases.py).
     """
     if sockets is None:
         sockets = PullSockets(context, max_idle=0)  # nothing kept: the socket closes after this pull
@@ -49,21 +45,17 @@ def pull_kv(
     deadline = time.monotonic() + timeout_s
     answers = _Answers(sock, secret, capability, deadline, address, cancel)
     try:
-        body = msgpack.packb({"op": "pull", "capability": capability, "ipc": ipc is not None})
+        body = msgpack.packb({"op": "pull", "capability": capability})
         sock.send_multipart([body, secret.sign(_PULL, body)])
         tag = answers.next_tag()
+        phases.mark("request")
         if tag == _ERROR:
             _raise_error(answers.part(tag))
         if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
         with target.begin_import(answers.part(tag)) as session:
+            phases.mark("header")
             tag = answers.next_tag() if session.num_frames else _END
-            if tag == _IPC and ipc is not None:
-                desc = msgpack.unpackb(answers.part(tag), raw=False)
-                answers.part(answers.expect(_END))
-                complete = True
-                ipc.copy_into(session, desc)
-                return session.blocks
             for i in range(session.num_frames):
                 tag = tag if i == 0 else answers.next_tag()
                 if tag != _FRAME:
@@ -74,7 +66,10 @@ def pull_kv(
                 raise KVTransferError("truncated", f"more frames than the {session.num_frames} listed")
             answers.part(tag)
             complete = True
-            return session.finish()
+            phases.mark("frames")
+            blocks = session.finish()
+            phases.mark("finish")
+            return blocks
     finally:
         if complete:
             sockets.give_back(address, sock)
@@ -84,8 +79,8 @@ def pull_kv(
 
 def send_done(address: str, capability: str, *, secret: ClusterSecret, sockets: PullSockets) -> None:
     """Tell the export server at `address` that this pull of `capability`, made without asking it
-    (a NIXL READ), has ended: it spends the capability and lets go of the export. Nothing is
-    answered; the message leaves from zmq's I/O thread."""
+    (a NIXL READ, a CUDA IPC copy: direct_offer.py), has ended: it spends the capability and lets
+    go of the export. Nothing is answered; the message leaves from zmq's I/O thread."""
     sock = sockets.take(address)
     body = msgpack.packb({"op": "done", "capability": capability})
     try:
@@ -97,7 +92,7 @@ def send_done(address: str, capability: str, *, secret: ClusterSecret, sockets: 
 
 
 MIN_CAPABILITY_CHARS = 16
-_HEADER, _ERROR, _FRAME, _END, _IPC = b"H", b"X", b"F", b"E", b"I"
+_HEADER, _ERROR, _FRAME, _END = b"H", b"X", b"F", b"E"
 _CANCEL_POLL_MS = 50  # how often a waiting pull looks at its cancel event
 _PULL, _ANSWER, _DONE = b"kv-pull", b"kv-answer", b"kv-done"
 
@@ -138,13 +133,6 @@ class _Answers:
         self.index += 1
         if not ok:
             raise KVTransferError("auth", f"answer {self.index - 1} from {self.address} fails authentication")
-
-    def expect(self, tag: bytes) -> bytes:
-        """The next message's tag, which must be `tag` (else the stream is refused as truncated)."""
-        got = self.next_tag()
-        if got != tag:
-            raise KVTransferError("truncated", f"expected a {tag!r} message, got {got!r}")
-        return got
 
     def part(self, tag: bytes) -> bytes:
         """The payload of a message whose tag was read, verified."""

@@ -153,9 +153,10 @@ class KVRankAgent:
         keys = keys if fault != "withdraw" else []
         for key in keys:  # the driver's pin keeps the blocks
             self.server.offer(offered, capability=key, ttl_s=OFFER_TTL_S)
-        nixl_offer = self.server.describe_nixl(offered, keys) if keys else b""  # what a NIXL READ needs
+        # what a NIXL READ or a CUDA IPC copy needs (direct_offer.py): no round trip before the bytes
+        direct = self.server.describe_direct(offered, keys) if keys else b""
         return Endpoint.local(self.server.address, io.device, nixl=self.nixl is not None,
-                              nixl_offer=nixl_offer).to_wire()
+                              direct_offer=direct).to_wire()
 
     # -- importing ------------------------------------------------------------------------------
     def pull(self, capability: str, addresses: list, src_tp: int, blocks: list[list[int]], block_size: int,

@@ -17,17 +17,20 @@ hybrid layout: every group's block b is one row of each tensor) are sent once pe
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from meshserve.errors import ConfigError, check
 from meshserve.kvstore.cache_tensors import LayerCache, MLACache, block_tensors
 from meshserve.kvstore.retention import RetentionPolicy
+from meshserve.kvtransfer.nixl_agent import Region
 from meshserve.kvtransfer.pins import HandoverBlocks
 from meshserve.kvtransfer.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
 
@@ -129,8 +132,20 @@ class KVRankIO:
         self.layout = KVLayout.from_caches(self.caches, model_id=model_id, block_size=block_size, dcp_size=dcp_size,
                                            groups=[(r.sliding_window, r.num_sink_tokens) for r in self.retentions])
         self.device = self.caches[0].data.device
-        self._block_nbytes = self.layout.block_nbytes()
+        self.block_nbytes = self.layout.block_nbytes()  # per cache tensor
         self._scales = _ScaleMemo(self.layer_caches)
+
+    @functools.cached_property
+    def byte_views(self) -> list[torch.Tensor]:
+        """Each cache tensor as flat bytes, made once: a frame's destination is then one slice
+        of it (a view of the blocks made through the tensor's shape costs three ops per frame)."""
+        return [as_bytes(c.data) for c in self.caches]
+
+    @functools.cached_property
+    def regions(self) -> tuple[Region, ...]:
+        """Each cache tensor as a registered-memory region (a NIXL READ's side of it), made once:
+        the tensors are this object's for its lifetime."""
+        return tuple(Region.of(c.data) for c in self.caches)
 
     # ---- sender ---------------------------------------------------------------------------
     def export(self, blocks: HandoverBlocks, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
@@ -139,7 +154,7 @@ class KVRankIO:
         check(len(blocks.block_tables) == len(self.retentions), "block_tables", len(blocks.block_tables),
               f"one table per KV layer group ({len(self.retentions)})")
         sent = blocks.blocks
-        plan = plan_frames(sent, self._block_nbytes, max_frame_bytes)
+        plan = plan_frames(sent, self.block_nbytes, max_frame_bytes)
         frames = [as_bytes(self.caches[layer].data[sent[first] : sent[first] + n]) for layer, first, n in plan]
         digest = FrameDigest()
         digest.update_many(frames)  # one kernel over every frame on a GPU
@@ -264,14 +279,21 @@ class ImportSession:
     def num_frames(self) -> int:
         return len(self.header.frames)
 
+    @functools.cached_property
+    def flat_blocks(self) -> np.ndarray:
+        """Our blocks in the sent order (frame i covers flat_blocks[first:first + count])."""
+        return np.array(self._flat, dtype=np.int64)
+
     def destinations(self) -> list[torch.Tensor | None]:
         """`destination(i)` of every frame, made once per import (a device transport asks for all
         of them, and `accept` again)."""
         if self._destinations is None:
             out: list[torch.Tensor | None] = []
+            views, block_nbytes = self.io.byte_views, self.io.block_nbytes
             for layer, first, n in self.header.frames:
                 start, end = self._flat[first], self._flat[first + n - 1]
-                out.append(as_bytes(self.io.caches[layer].data[start : start + n]) if end - start == n - 1 else None)
+                size = block_nbytes[layer]
+                out.append(views[layer][start * size : (start + n) * size] if end - start == n - 1 else None)
             self._destinations = out
         return self._destinations
 

@@ -8,14 +8,14 @@ Transports (`--kv-transport`, CacheConfig.kv_transport, config.KVTransport):
   nixl      a NIXL READ (nixl_transport.py) of the exporter's registered cache memory, DRAM or
             VRAM, on one host or between hosts (UCX: CMA, TCP, RDMA, CUDA IPC); what the READ
             needs (header, descriptors, MACed per capability) travels with the offer's endpoint
-            (`nixl_offer`), so the importer READs with no round trip to the exporter first.
+            (`direct_offer`, direct_offer.py), so the importer READs with no round trip first.
   zmq       pyzmq over TCP (export_server.py): any two ends; host-staged when the caches are on a
             GPU. The only one between CPU caches, and the fallback.
   cuda_ipc  CUDA IPC (cuda_ipc.py): both ends CUDA, on one host, in two processes (same or another
             GPU), the exporter's GPU visible to the importer (not so for Ray actors, which each
             see only their own GPU). The importer maps the exporter's cache memory and copies
-            device to device into its own blocks; the handle metadata travels over the zmq
-            export channel (msgpack, MACed), never pickle.
+            device to device into its own blocks; the handles travel with the offer's endpoint
+            (`direct_offer`, msgpack, MACed per capability), never pickle: no round trip first.
   auto      cuda_ipc where it applies (two CUDA processes of one host that see the exporter's GPU),
             else nixl where both ends have a NIXL agent (the `nixl-cu13` package imports), else zmq
             (the default). cuda_ipc first because it measured faster on one GPU (H100, two
@@ -47,6 +47,7 @@ from meshserve.config import KVTransport, check_kv_transport
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import ConfigError
 from meshserve.kvtransfer.cuda_ipc import PROCESS_TOKEN, gpu_uuid
+from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
 from meshserve.kvtransfer.rank_io import ImportTarget
 
 AUTO, ZMQ, CUDA_IPC, NIXL = (t.value for t in (KVTransport.AUTO, KVTransport.ZMQ, KVTransport.CUDA_IPC,
@@ -74,22 +75,23 @@ class Endpoint:
     process: str  # PROCESS_TOKEN of its process
     gpu: str = ""  # the UUID of the caches' GPU (cuda_ipc.gpu_uuid)
     nixl: bool = False  # it has a NIXL agent (its caches are registered with it)
-    nixl_offer: bytes = field(default=b"", repr=False)  # this offer for a NIXL READ (nixl_transport.py), or b""
+    # this offer for a NIXL READ or a CUDA IPC copy (direct_offer.py), or b""
+    direct_offer: bytes = field(default=b"", repr=False)
 
     @classmethod
-    def local(cls, address: str, device: torch.device, *, nixl: bool = False, nixl_offer: bytes = b"") -> Endpoint:
-        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl, nixl_offer)
+    def local(cls, address: str, device: torch.device, *, nixl: bool = False, direct_offer: bytes = b"") -> Endpoint:
+        return cls(address, host_identity(), device.type, PROCESS_TOKEN, gpu_uuid(device), nixl, direct_offer)
 
     def to_wire(self) -> dict[str, str | bool | bytes]:
         wire = {"address": self.address, "host": self.host, "device": self.device, "process": self.process,
                 "gpu": self.gpu, "nixl": self.nixl}
-        return {**wire, "nixl_offer": self.nixl_offer} if self.nixl_offer else wire
+        return {**wire, "direct_offer": self.direct_offer} if self.direct_offer else wire
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any] | str) -> Endpoint:
         if isinstance(obj, str):  # an address alone: a peer that only speaks zmq
             return cls(obj, "", "cpu", "")
-        offer = obj.get("nixl_offer") or b""
+        offer = obj.get("direct_offer") or b""
         return cls(str(obj["address"]), str(obj["host"]), str(obj["device"]), str(obj["process"]),
                    str(obj.get("gpu", "")), obj.get("nixl") is True, offer if isinstance(offer, bytes) else b"")
 
@@ -148,47 +150,47 @@ class ZmqPuller:
         self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None,
+             phases: PullPhases = UNTIMED) -> str | None:  # fmt: skip
         from meshserve.kvtransfer.export_server import pull_kv
 
         pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
-                sockets=self.sockets)
+                sockets=self.sockets, phases=phases)
         return ZMQ
 
 
 class CudaIpcPuller:
-    """Asks the exporter for CUDA IPC handles of its frames instead of their bytes (cuda_ipc.py).
-    verify: checksum the copied bytes (off by default: they never leave device memory)."""
+    """Copies by CUDA IPC (cuda_ipc.py) what the endpoint's direct offer describes (direct_offer.py:
+    no round trip to the exporter first); the bytes over zmq where the offer has no IPC part (the
+    exporter could not share its frames). verify: checksum the copied bytes (off by default: they
+    never leave device memory)."""
 
     name = CUDA_IPC
 
     def __init__(self, *, verify: bool = False) -> None:
         from meshserve.kvtransfer.cuda_ipc import IpcImporter
+        from meshserve.kvtransfer.direct_offer import SpentCapabilities
         from meshserve.kvtransfer.pull_sockets import PullSockets
 
         self.importer = IpcImporter(verify=verify)
-        self.sockets = PullSockets()  # connected sockets kept per exporter for its next pull
+        self.sockets = PullSockets()  # connected sockets kept per exporter: zmq pulls and done notices
+        self.spent = SpentCapabilities()
 
     def pull(self, target: ImportTarget, endpoint: Endpoint, capability: str, *, secret: ClusterSecret,
-             timeout_s: float, cancel: threading.Event | None = None) -> str | None:  # fmt: skip
+             timeout_s: float, cancel: threading.Event | None = None,
+             phases: PullPhases = UNTIMED) -> str | None:  # fmt: skip
+        from meshserve.kvtransfer.direct_offer import pull_direct
         from meshserve.kvtransfer.export_server import pull_kv
 
-        used = _Used(self.importer)
-        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel, ipc=used,
-                sockets=self.sockets)
-        return CUDA_IPC if used.copied else ZMQ  # the exporter sends bytes when it cannot share
+        def move(session, desc: dict[str, Any]) -> None:
+            self.importer.copy_into(session, desc, phases=phases)
 
-
-class _Used:
-    """An importer that notes whether this pull copied by CUDA IPC (the exporter may answer with
-    bytes instead)."""
-
-    def __init__(self, importer: Any) -> None:
-        self.importer, self.copied = importer, False
-
-    def copy_into(self, session: Any, desc: dict[str, Any]) -> None:
-        self.copied = True
-        self.importer.copy_into(session, desc)
+        if pull_direct(target, endpoint, capability, "ipc", move, secret=secret, spent=self.spent,
+                       sockets=self.sockets, phases=phases):  # fmt: skip
+            return CUDA_IPC
+        pull_kv(target, endpoint.address, capability, secret=secret, timeout_s=timeout_s, cancel=cancel,
+                sockets=self.sockets, phases=phases)
+        return ZMQ
 
 
 def _nixl_puller() -> KVPuller:

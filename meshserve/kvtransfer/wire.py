@@ -88,8 +88,19 @@ class KVLayout:
     @classmethod
     def from_wire(cls, obj: list) -> KVLayout:
         """The layout (one object per distinct layout: its fingerprint and block sizes are
-        computed once, not at every import)."""
-        return _layout_from_wire(cls, _tuplify(obj))
+        computed once, not at every import; found by its packed bytes, one C call, rather than
+        by its nested lists made hashable in Python)."""
+        try:
+            key = msgpack.packb(obj)
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"an unpackable layout: {exc}") from exc
+        layout = _LAYOUTS.get((cls, key))
+        if layout is None:
+            layout = cls._build(_tuplify(obj))
+            if len(_LAYOUTS) >= 64:
+                _LAYOUTS.clear()
+            _LAYOUTS[cls, key] = layout
+        return layout
 
     @classmethod
     def _build(cls, obj: tuple) -> KVLayout:
@@ -196,9 +207,7 @@ class KVHeader:
         return [per_block[layer] * count for layer, _, count in self.frames]
 
 
-@functools.lru_cache(maxsize=64)
-def _layout_from_wire(cls: type, obj: tuple) -> KVLayout:
-    return cls._build(obj)
+_LAYOUTS: dict[tuple[type, bytes], KVLayout] = {}  # KVLayout.from_wire's layouts by their packed bytes
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,8 +1,9 @@
 """The CUDA IPC KV transport on one GPU, two processes; skipped without CUDA.
 
 1. A peer process (tests/integration/kv_handover_peer.py ipc) offers a request whose blocks lie
-   in its CUDA caches; this process pulls it by CUDA IPC into scattered blocks of its own CUDA
-   caches and compares the bytes of every layer's blocks with the sender's (rebuilt here from
+   in its CUDA caches, with a direct offer (the CUDA IPC handles, direct_offer.py) per export;
+   this process pulls it by CUDA IPC, asking the exporter nothing first, into scattered blocks
+   of its own CUDA caches and compares the bytes of every layer's blocks with the sender's (rebuilt here from
    the same seed): with the default puller (no checksum over device-to-device copies) and with
    one that verifies it. A corrupted copy is refused by the verifying puller's checksum, a
    truncated one by the default puller's frame count; neither leaves anything reserved.
@@ -13,6 +14,7 @@
    a GPU use) gives the frame-by-frame values on the GPU.
 """
 
+import base64
 import json
 import os
 import subprocess
@@ -51,6 +53,11 @@ def peer():
                 proc.wait(timeout=10)
 
 
+def offered(started: dict, endpoint: Endpoint, name: str) -> Endpoint:
+    """The endpoint as the offer of export `name` comes: with its direct offer (the CUDA IPC handles)."""
+    return replace(endpoint, direct_offer=base64.b64decode(started["direct_offers"][name]))
+
+
 def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     from tests.integration.kv_handover_peer import sender_replica
     from tests.unit.kvtransfer.replicas import Replica
@@ -65,7 +72,7 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
     for seed, pull_with, cap in ((2, puller, "ok"), (5, verifying, "ok_verified")):
         dst = Replica("gqa", seed=seed, device="cuda")
         dst.fragment(4)  # scattered receiving blocks: direct copies and index_copy_ both run
-        used = pull_with.pull(dst.connector, endpoint, caps[cap], secret=SECRET, timeout_s=60)
+        used = pull_with.pull(dst.connector, offered(started, endpoint, cap), caps[cap], secret=SECRET, timeout_s=60)
         assert used == CUDA_IPC and pull_with.importer.num_open >= 1  # by CUDA IPC, not over the socket
         got = dst.request_bytes("ok")
         assert len(got) == len(expected) >= 2
@@ -78,11 +85,11 @@ def test_cuda_ipc_moves_a_requests_kv_bit_exactly(peer):
         bad = Replica("gqa", seed=3, device="cuda")
         free = bad.kv.num_free_blocks
         with pytest.raises(KVTransferError) as info:
-            pull_with.pull(bad.connector, endpoint, caps[cap], secret=SECRET, timeout_s=60)
+            pull_with.pull(bad.connector, offered(started, endpoint, cap), caps[cap], secret=SECRET, timeout_s=60)
         assert info.value.reason == cap
         assert bad.kv.num_free_blocks == free and bad.kv.num_requests == 0
         bad.kv.check_invariants()
-    assert puller.sockets.num_created == 1  # the second pull of this puller reused the first one's socket
+    assert puller.sockets.num_created == 1  # its done notices went by one kept socket
 
     for pull_with in (puller, verifying):
         pull_with.importer.forget(endpoint.process)  # close the mappings while the exporter lives

@@ -41,7 +41,7 @@ def test_a_nixl_read_moves_vram_blocks_bit_exactly(verify):
             export = src.connector.export("r")
             server.offer(export, capability=cap, release=src.connector.release)
             endpoint = Endpoint(server.address, "h", "cuda", "p", "", nixl=True,
-                                nixl_offer=server.describe_nixl(export, [cap]))  # as kv_offer's answer carries it
+                                direct_offer=server.describe_direct(export, [cap]))  # as kv_offer's answer carries it
             puller = NixlPuller(importer, verify=verify)
             assert puller.pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=60) == NIXL
             assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), src.request_bytes("r"), strict=True))

@@ -6,7 +6,8 @@ zmq:  serve a sender replica's exports (some of them broken on purpose; the clus
       were dropped for failing authentication.
 ipc:  as zmq, with the sender's caches on CUDA (the CUDA IPC transport, tests/gpu/test_kv_transport_gpu.py):
       "ok" (and the same export again as "ok_verified"), a corrupted copy "checksum" and a
-      "truncated" one; the line also carries the export endpoint.
+      "truncated" one; the line also carries the export endpoint and, per export, its direct
+      offer (base64: what a CUDA IPC pull copies by, direct_offer.py).
 dist: one rank of a gloo pair; rank 1 sends exports, rank 0 receives them and prints results.
 Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
 """
@@ -14,6 +15,7 @@ Everything the two sides exchange is msgpack/JSON/raw bytes, never pickle.
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import select
 import sys
@@ -54,18 +56,20 @@ def serve_zmq(device: str = "cpu") -> None:
 
     rep = sender_replica(device)
     server = KVExportServer(ClusterSecret.resolve())
-    capabilities = {}
+    capabilities, direct_offers = {}, {}
     offered = (("ok", "layout", "capacity", "truncated", "checksum") if device == "cpu"
                else ("ok", "ok_verified", "checksum", "truncated"))
     for rid in offered:
         export = rep.connector.export("ok" if rid == "ok_verified" else rid, max_frame_bytes=4096)
         capabilities[rid] = new_capability()
-        server.offer(broken(export, rid) if rid in ("truncated", "checksum") else export,
-                     capability=capabilities[rid], release=rep.connector.release)
+        export = broken(export, rid) if rid in ("truncated", "checksum") else export
+        server.offer(export, capability=capabilities[rid], release=rep.connector.release)
+        direct_offers[rid] = base64.b64encode(server.describe_direct(export, [capabilities[rid]])).decode()
     for rid in rep.kv.request_ids():
         rep.kv.free(rid)  # the exports keep what they need
     endpoint = Endpoint.local(server.address, torch.device(device)).to_wire()
-    print(json.dumps({"address": server.address, "capabilities": capabilities, "endpoint": endpoint}), flush=True)
+    print(json.dumps({"address": server.address, "capabilities": capabilities, "endpoint": endpoint,
+                      "direct_offers": direct_offers}), flush=True)
     while True:
         server.poll(50)
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():

@@ -217,3 +217,42 @@ def test_mappings_of_an_idle_exporter_are_closed_at_the_next_pull():
     assert list(importer._opened) == [("live", b"handle", 0)] and importer.num_open == 1
     importer.forget("live")
     assert importer.num_open == 0
+
+
+def test_background_pulls_reuse_their_threads_and_stop_them_at_close():
+    """A pull runs on a thread kept from an earlier one (no OS thread started per pull); pulls that
+    overlap each get a thread; close ends the waiting threads, and a pull started after close
+    still runs."""
+    pulls = BackgroundPulls(max_idle_workers=2)
+
+    def on_thread(cancel):
+        return {"ok": True, "thread": threading.get_ident()}
+
+    def results(*ids):
+        deadline = time.monotonic() + 30
+        got = {}
+        while len(got) < len(ids) and time.monotonic() < deadline:
+            got.update(pulls.take_done())
+            time.sleep(0.001)
+        assert sorted(got) == sorted(ids)
+        return got
+
+    pulls.start("a", on_thread)
+    first = results("a")["a"]["thread"]
+    pulls.start("b", on_thread)
+    assert results("b")["b"]["thread"] == first  # the same thread, kept waiting
+    gate = threading.Event()
+    pulls.start("held", lambda cancel: {"ok": gate.wait(30)})
+    pulls.start("c", on_thread)  # the kept thread is busy with "held": another one runs "c" meanwhile
+    results("c")
+    gate.set()
+    assert results("held")["held"]["ok"] is True
+    ours = {f"meshserve-kv-pull-{i}" for i in ("b", "c", "held")}  # a thread is named after its last pull
+    threads = [t for t in threading.enumerate() if t.name in ours]
+    assert len(threads) == 2  # both kept: at most max_idle_workers wait
+    assert pulls.close(timeout_s=30)
+    for thread in threads:
+        thread.join(30)
+        assert not thread.is_alive()  # close stopped the waiting threads
+    pulls.start("late", on_thread)
+    assert results("late")["late"]["ok"] and pulls.num_running == 0

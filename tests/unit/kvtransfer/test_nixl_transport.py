@@ -1,5 +1,5 @@
 """The NIXL data plane (kvtransfer/nixl_transport.py, nixl_agent.py) between two tiny replicas on
-CPU caches: real NIXL agents (UCX, DRAM), the NIXL offer carried with the endpoint (no round trip
+CPU caches: real NIXL agents (UCX, DRAM), the direct offer carried with the endpoint (no round trip
 to the exporter), the receiver's blocks scattered. The oracle is the sender's cache bytes; a
 refused pull must leave every block where it was and the exporter's pin must go."""
 
@@ -14,9 +14,10 @@ import torch
 
 from meshserve.core.secret import ClusterSecret
 from meshserve.kvtransfer.export_server import KVExportServer, new_capability, pull_kv
+from meshserve.kvtransfer.nixl_agent import Region
 from meshserve.kvtransfer.nixl_transport import NixlAgent, NixlPuller, nixl_available
 from meshserve.kvtransfer.transport import CUDA_IPC, NIXL, ZMQ, Endpoint, choose_transport
-from meshserve.kvtransfer.wire import KVTransferError
+from meshserve.kvtransfer.wire import KVTransferError, as_bytes
 from tests.polling import polled
 from tests.unit.kvtransfer.replicas import Replica
 
@@ -55,12 +56,13 @@ def exporter(agent: NixlAgent, kind: str = "gqa"):
 
 
 def offer(src: Replica, server: KVExportServer, rid: str, tokens: int = 37) -> tuple[str, Endpoint, list]:
-    """Offer a new request of `tokens` tokens: (capability, the endpoint with its NIXL offer, its bytes)."""
+    """Offer a new request of `tokens` tokens: (capability, the endpoint with its direct offer, its bytes)."""
     src.add_request(rid, list(range(100, 100 + tokens)))
     cap = new_capability()
     export = src.connector.export(rid)
     server.offer(export, capability=cap, release=src.connector.release)
-    endpoint = Endpoint(server.address, "h", "cpu", "p", "", nixl=True, nixl_offer=server.describe_nixl(export, [cap]))
+    endpoint = Endpoint(server.address, "h", "cpu", "p", "", nixl=True,
+                        direct_offer=server.describe_direct(export, [cap]))
     return cap, endpoint, src.request_bytes(rid)
 
 
@@ -110,9 +112,9 @@ def test_a_used_forged_or_altered_offer_is_refused_and_reserves_nothing(agents):
         assert info.value.reason == "unknown_request"
         cap2, endpoint2, expected = offer(src, server, "s")
         assert refused(endpoint2, new_capability()) == "auth"  # made for another capability
-        header, body, macs = msgpack.unpackb(endpoint2.nixl_offer)
+        header, body, macs = msgpack.unpackb(endpoint2.direct_offer)
         altered = msgpack.packb([header, body[:-1] + bytes([body[-1] ^ 1]), macs])
-        assert refused(dataclasses.replace(endpoint2, nixl_offer=altered), cap2) == "auth"
+        assert refused(dataclasses.replace(endpoint2, direct_offer=altered), cap2) == "auth"
         outsider = ClusterSecret(b"not the cluster's secret")
         assert refused(endpoint2, cap2, secret=outsider) == "auth"
         assert dst.kv.num_free_blocks == free and "s" not in dst.kv
@@ -183,7 +185,7 @@ def test_frames_outside_registered_memory_come_as_bytes(agents):
         copies = type(export)(export.header, [f.clone() for f in export.frames])  # not registered memory
         cap = new_capability()
         server.offer(copies, capability=cap)
-        assert server.describe_nixl(copies, [cap]) == b""  # nothing to READ: the endpoint has no NIXL offer
+        assert server.describe_direct(copies, [cap]) == b""  # nothing to READ: the endpoint has no direct offer
         expected = src.request_bytes("r")
         src.connector.release(export)
         endpoint = Endpoint(server.address, "h", "cpu", "p", "", nixl=True)
@@ -249,6 +251,71 @@ def test_auto_prefers_cuda_ipc_between_gpu_processes_of_one_host_then_nixl(reque
     assert got == want and bool(why) == (want == ZMQ)
 
 
-def test_an_endpoint_carries_its_nixl_offer_over_the_wire():
-    end = Endpoint("tcp://127.0.0.1:1", "h", "cpu", "p", "", nixl=True, nixl_offer=b"\x01offer")
+def test_an_endpoint_carries_its_direct_offer_over_the_wire():
+    end = Endpoint("tcp://127.0.0.1:1", "h", "cpu", "p", "", nixl=True, direct_offer=b"\x01offer")
     assert Endpoint.from_wire(msgpack.unpackb(msgpack.packb(end.to_wire()))) == end
+
+
+def test_a_description_naming_blocks_outside_the_exporters_region_is_refused_before_the_read(agents):
+    """A description signed for the capability but naming blocks past the exporter's region (or of
+    another size) is refused ("bad_header") before any READ: nothing reserved is kept, the
+    exporter is told (its pin goes)."""
+    from meshserve.kvtransfer.direct_offer import open_offer, pack_offer
+
+    with exporter(agents[0]) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica("gqa", seed=2), agents[1]))
+        free = dst.kv.num_free_blocks
+        for bad in ("past the end", "a block more"):
+            cap, endpoint, _ = offer(src, server, f"r-{bad}")
+            opened = open_offer(SECRET, cap, endpoint.direct_offer)
+            desc = dict(opened.descriptions["nixl"])
+            region, first, count = desc["frames"][-1]
+            num_blocks = desc["regions"][region][2]
+            desc["frames"] = desc["frames"][:-1] + [[region, num_blocks - 1, count] if bad == "past the end"
+                                                    else [region, first, count + 1]]
+            forged = pack_offer(SECRET, [cap], opened.header, {"nixl": desc})
+            with pytest.raises(KVTransferError) as info:
+                NixlPuller(agents[1]).pull(dst.connector, dataclasses.replace(endpoint, direct_offer=forged), cap,
+                                           secret=SECRET, timeout_s=30)
+            assert info.value.reason == "bad_header"
+            assert dst.kv.num_free_blocks == free and dst.kv.num_requests == 0
+        assert drained(server) and src.connector.pins.num_pinned == 0
+
+
+def test_a_timed_pull_marks_its_steps_in_order(agents):
+    """bench/kv_handover.py --phases: a NIXL pull marks the steps pull_phases.py lists, in its order."""
+    from meshserve.kvtransfer.pull_phases import PullPhases
+
+    with exporter(agents[0]) as (src, server), contextlib.ExitStack() as stack:
+        dst = stack.enter_context(registered(Replica("gqa", seed=2), agents[1]))
+        cap, endpoint, expected = offer(src, server, "r")
+        phases = PullPhases()
+        assert NixlPuller(agents[1]).pull(dst.connector, endpoint, cap, secret=SECRET, timeout_s=30,
+                                          phases=phases) == NIXL
+        steps = phases.durations()
+        assert list(steps) == ["offer", "header", "peer", "indices", "prep", "post", "wait", "release", "accept",
+                               "notify", "finish", "total"]
+        total = steps.pop("total")
+        assert all(s >= 0 for s in steps.values()) and sum(steps.values()) == pytest.approx(total)
+        assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), expected, strict=True))
+
+
+def test_an_agent_describes_frames_by_the_region_that_holds_them():
+    """describe finds each frame's region by address: whole blocks of one registered tensor are
+    [region, first block, count]; a frame off a block boundary, not whole blocks, or outside
+    every region makes the export undescribable (its bytes then go over zmq)."""
+    agent = NixlAgent("test-describer")
+    tensors = [torch.zeros(8, 4, dtype=torch.int32) for _ in range(3)]  # 16-byte blocks
+    agent.register(tensors)
+    try:
+        order = [Region.of(t) for t in tensors]
+        listed = [Region(*r) for r in agent.describe([as_bytes(tensors[0][:1])])["regions"]]
+        index = [listed.index(r) for r in order]  # the description's region of each tensor
+        desc = agent.describe([as_bytes(tensors[1][2:5]), as_bytes(tensors[2][7:8]), as_bytes(tensors[0])])
+        assert desc["frames"] == [[index[1], 2, 3], [index[2], 7, 1], [index[0], 0, 8]]
+        whole = as_bytes(tensors[1])
+        assert agent.describe([whole[8:40]]) is None  # starts mid-block
+        assert agent.describe([as_bytes(tensors[2][6:8]), whole[16:20]]) is None  # not whole blocks
+        assert agent.describe([as_bytes(torch.zeros(4, 4, dtype=torch.int32))]) is None  # not registered
+    finally:
+        agent.close()

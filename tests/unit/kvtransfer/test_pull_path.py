@@ -146,14 +146,15 @@ def test_destinations_are_the_runs_of_our_reserved_blocks():
     assert all(torch.equal(a, b) for a, b in zip(dst.request_bytes("r"), src.request_bytes("r"), strict=True))
 
 
+@pytest.mark.parametrize("batch_bytes", [0, 1 << 20])  # a copy per frame, or one batched launch
 @pytest.mark.parametrize("offset", [0, 1])  # 8-byte aligned frames go as words, the others as bytes
-def test_the_batched_copy_of_small_frames_moves_every_byte(offset):
+def test_the_copies_of_the_frames_move_every_byte(offset, batch_bytes):
     from meshserve.kvtransfer.cuda_ipc import _copy_all
 
     gen = torch.Generator().manual_seed(offset)
     srcs = [torch.randint(0, 256, (n + offset,), dtype=torch.uint8, generator=gen)[offset:] for n in (64, 4096, 24)]
     dsts = [torch.zeros(s.numel() + offset, dtype=torch.uint8)[offset:] for s in srcs]
-    _copy_all(dsts, srcs)
+    _copy_all(dsts, srcs, batch_bytes=batch_bytes)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs, strict=True))
 
 
