@@ -5,8 +5,9 @@
 #       issue 41: the serving path (serve's defaults, HTTP and gRPC) against the in-process engine on
 #       the Llama-3-8B shape, three alternating rounds, then structured outputs at batch 64 (issue 38)
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
-#       issue 37: the NIXL GPU tests, then NIXL vs CUDA IPC vs zmq, VRAM, two processes on one GPU,
-#       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
+#       issue 37: the NIXL GPU tests, then the fixed cost of a pull step by step (NIXL, CUDA IPC batched
+#       and a memcpy per frame; VRAM, two processes on one GPU, 1k/8k/32k tokens of Llama-3-8B against a
+#       device copy), then the GPU tests no call has finished yet
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
 #       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
@@ -41,12 +42,14 @@ case "${1:?part: serve, nixl, tests, disagg or fi07}" in
         cp bench/results/structured_outputs-gpu.* "$OUT"/ 2>/dev/null || true ;;
     nixl)
         tests nixl_gpu 90 tests/gpu/test_nixl_gpu.py
-        timeout 200 python3 -m bench.kv_handover --device cuda --sizes 1024,8192,32768 \
-            --transports nixl,cuda_ipc,zmq --burst-transports nixl,cuda_ipc --reps 5 --burst 4 --burst-reps 3 \
-            --out "$OUT" > "$OUT/kv_handover_nixl.log" 2>&1
-        echo "kv_handover nixl: exit $? at ${SECONDS}s"
-        grep -vE "^\s*$" "$OUT/kv_handover_nixl.log" | tail -30
-        BUDGET=$((560 - SECONDS)) bash "$0" tests kv_transport hybrid fused_ops quant prefill_desc structured_graphs mla mla_sparse fused_moe ;;
+        # the fixed cost of a pull step by step (--phases): nixl, cuda_ipc (one batched launch up to
+        # 256 MiB) and cuda_ipc-memcpy (a memcpy per frame) at 1k/8k/32k tokens against a device copy
+        timeout 300 python3 -m bench.kv_handover --device cuda --sizes 1024,8192,32768 \
+            --transports nixl,cuda_ipc,cuda_ipc-memcpy --burst-transports none --reps 7 --phases \
+            --out "$OUT" > "$OUT/kv_handover_phases.log" 2>&1
+        echo "kv_handover phases: exit $? at ${SECONDS}s"
+        grep -vE "^\s*$" "$OUT/kv_handover_phases.log" | tail -30
+        BUDGET=$((560 - SECONDS)) bash "$0" tests kv_transport prefill_desc backends decode_graphs ;;
     tests)  # tests/gpu/test_<name>_gpu.py for each name given, each within 120 s, all within $BUDGET s (560)
         shift
         for f in "$@"; do

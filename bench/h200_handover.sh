@@ -4,16 +4,14 @@
 #   WHEELS=WHEEL_DIR bash bench/h200_handover.sh nixl             # issue 37: nixl vs cuda_ipc vs zmq, VRAM,
 #       two processes on one GPU, 1k/8k/32k tokens of Llama-3-8B vs a device copy (WHEEL_DIR holds the
 #       repacked NIXL wheel: bench/repack_nixl.py; without it the nixl rows say "skipped")
-#   WHEELS=WHEEL_DIR bash bench/h200_handover.sh phases           # the fixed cost per pull, step by step
-#       (--phases): nixl, cuda_ipc and cuda_ipc-memcpy (a memcpy per frame, no batched launch) at
-#       1k/8k/32k tokens, single pulls only, against the device copy
+#   (the fixed cost per pull step by step: `bash bench/device_benches.sh nixl`)
 #   WHEELS=WHEEL_DIR bash bench/h200_handover.sh transport        # tests/gpu/test_kv_transport_gpu.py
 #   WHEELS=WHEEL_DIR bash bench/h200_handover.sh dcp-triton       # tests/gpu/test_dcp_gpu.py -k TRITON
 #   WHEELS=WHEEL_DIR bash bench/h200_handover.sh dcp-flashinfer   # tests/gpu/test_dcp_gpu.py -k FLASHINFER
 # Key numbers and failures go to stdout; full logs to $OUT. dcp-flashinfer packs the FlashInfer
 # modules it built into $OUT/fi_aot.tgz (bench/h200_env.sh loads them from WHEEL_DIR next time).
 set -u
-PART=${1:?part: bench, nixl, phases, transport, dcp-triton or dcp-flashinfer}
+PART=${1:?part: bench, nixl, transport, dcp-triton or dcp-flashinfer}
 WHEELS=${WHEELS:?set WHEELS to the FlashInfer wheel dir}
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -48,12 +46,6 @@ case "$PART" in
             --out "$OUT" > "$OUT/kv_handover_nixl.log" 2>&1
         echo "kv_handover nixl: exit $? after ${SECONDS}s"
         grep -vE "^\s*$" "$OUT/kv_handover_nixl.log" | tail -30 ;;
-    phases)
-        timeout 300 python3 -m bench.kv_handover --device cuda --sizes 1024,8192,32768 \
-            --transports nixl,cuda_ipc,cuda_ipc-memcpy --burst-transports none --reps 7 --phases \
-            --out "$OUT" > "$OUT/kv_handover_phases.log" 2>&1
-        echo "kv_handover phases: exit $? after ${SECONDS}s"
-        grep -vE "^\s*$" "$OUT/kv_handover_phases.log" | tail -24 ;;
     transport) tests transport 450 tests/gpu/test_kv_transport_gpu.py tests/gpu/test_nixl_gpu.py ;;
     dcp-triton) tests dcp_triton 450 tests/gpu/test_dcp_gpu.py -k TRITON ;;
     dcp-flashinfer)
