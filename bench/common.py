@@ -43,6 +43,15 @@ def save_shards(path: Path, shards: list[dict[str, torch.Tensor]]) -> int:
     return total
 
 
+def expected_distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts a MoE layer reads for `tokens` tokens: top_k for one token, else the expected number
+    of distinct experts when each token picks top_k of num_experts uniformly at random (an expert
+    escapes one token with probability 1 - top_k / num_experts)."""
+    if tokens == 1:
+        return float(top_k)
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
+
+
 def sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()

@@ -1,9 +1,9 @@
 """DeepSeek decode steps, eager against CUDA graphs, per MLA decode backend, in the same run.
 
-A DeepSeek-V2-Lite-shaped checkpoint with random bf16 weights (hidden 2048, 16 heads, latent
-512 + rope 64, nope 128, v 128; 64 routed experts of 1408, top-6, 2 shared; the first layer
-dense) is written with HF's parameter names, `--layers` of them (default 4: one dense, three
-MoE). Per MLA decode
+A DeepSeek-V2-Lite-shaped checkpoint with random bf16 weights (bench/e2e_deepseek.py: hidden
+2048, 16 heads, latent 512 + rope 64, nope 128, v 128; 64 routed experts of 1408, top-6, 2 shared;
+the first layer dense) is written with HF's parameter names, `--layers` of them (default 4: one
+dense, three MoE). Per MLA decode
 backend (TRITON, FLASHINFER) and per batch size, the engine's decode steps are timed eagerly
 (`enforce_eager=True`) and with decode graphs, one engine after the other on the same
 checkpoint: wall ms per step (the engine's whole step), GPU-busy ms and kernels per step (torch
@@ -24,43 +24,9 @@ from pathlib import Path
 
 import torch
 
-from bench.common import int_list, random_prompts, save_shards
+from bench.common import int_list, random_prompts
 from bench.e2e import decode_steps
-
-V2_LITE = dict(hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408, num_hidden_layers=4,
-               num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
-               q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
-               n_shared_experts=2, num_experts_per_tok=6, n_group=1, topk_group=1, first_k_dense_replace=1,
-               routed_scaling_factor=1.0, topk_method="greedy", max_position_embeddings=4096, rms_norm_eps=1e-6,
-               bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
-TINY = {**V2_LITE, **dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=4, vocab_size=512, n_routed_experts=8,
-                          n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=32, qk_nope_head_dim=16,
-                          qk_rope_head_dim=8, v_head_dim=16)}  # fmt: skip
-
-
-def write_checkpoint(path: Path, shape: dict, device: str, seed: int = 0) -> int:
-    """Random weights under the checkpoint names meshserve's DeepSeek model loads (HF's as released:
-    one tensor per expert projection), one shard per layer; config.json from transformers."""
-    import transformers
-
-    from meshserve.workers.checkpoint import read_arch
-    from meshserve.workers.models.deepseek import DeepseekForCausalLM
-
-    transformers.DeepseekV2Config(**shape, architectures=["DeepseekV2ForCausalLM"]).save_pretrained(path)
-    with torch.device("meta"):
-        model = DeepseekForCausalLM(read_arch(path))
-    names = {n: tuple(t.shape) for n, t in model.named_parameters()}
-    g = torch.Generator(device).manual_seed(seed)
-    shards: dict[str, dict[str, torch.Tensor]] = {}
-    for name, size in names.items():
-        key = ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else "rest"
-        if "norm" in name:
-            t = torch.ones(size, dtype=torch.bfloat16)
-        else:
-            t = (torch.randn(size, generator=g, device=device) * 0.02).to(torch.bfloat16).cpu()
-        shards.setdefault(key, {})[name] = t
-    return save_shards(path, list(shards.values()))
+from bench.e2e_deepseek import DEEPSEEK_V2_LITE, TINY_DEEPSEEK, with_layers, write_checkpoint
 
 
 def run_engine(path: Path, args: argparse.Namespace, backend: str, *, eager: bool, vocab: int) -> dict:
@@ -111,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default=None, help="where the checkpoint is written (default: a temp dir)")
     ap.add_argument("--out", default=None, help="folder for deepseek_graphs.json")
     args = ap.parse_args(argv)
-    shape = dict(TINY if args.tiny else V2_LITE)
-    if args.layers is not None:
-        shape["num_hidden_layers"] = args.layers
+    shape = with_layers(TINY_DEEPSEEK if args.tiny else DEEPSEEK_V2_LITE, args.layers or (None if args.tiny else 4))
     args.batch_sizes = int_list(args.batch_sizes or ("1,4" if args.tiny else "1,16,64"))
     args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     args.host_profile = args.timeline = False
@@ -121,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
         args.kv_bytes, args.prompt_len = 64 << 20, 16
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="deepseek_graphs_"))
     workdir.mkdir(parents=True, exist_ok=True)
-    total = write_checkpoint(workdir, shape, args.device)
+    total = write_checkpoint(workdir, shape, torch.bfloat16, args.device)
     print(f"checkpoint: {total / 1e9:.2f} GB, {shape['num_hidden_layers']} layers, in {workdir}", flush=True)
     results = {}
     for backend in args.backends.split(","):

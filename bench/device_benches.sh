@@ -18,6 +18,10 @@
 #       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
 #       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),
 #       merged into a copy of the kernel-choice table under $OUT
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh moe
+#       issue 41 item 3: the MoE shapes end to end at full depth (bench/e2e.py: DeepSeek-V2-Lite, 27
+#       layers, 31.4 GB bf16; GPT-OSS-20B, 24 layers, 41.8 GB), decode steps at bs 1/64/256 against
+#       their bytes roofline (bandwidth: a device copy measured in each run), `generate` at bs 64
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -30,7 +34,7 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve, nixl, tests, disagg or fi07}" in
+case "${1:?part: serve, nixl, tests, disagg, fi07, e2e42 or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -70,6 +74,20 @@ case "${1:?part: serve, nixl, tests, disagg or fi07}" in
             timeout $((590 - SECONDS)) python3 -m bench.e2e --batch-sizes 1 --throughput-sizes 1 --no-baseline \
                 --out "$OUT/e2e-$name" "$@" > "$OUT/e2e-$name.log" 2>&1
             echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
+        done ;;
+    moe)  # one process per shape (each frees its GPU memory), 12 GiB of KV (256 sequences of <= 512 tokens
+        # need 4.1 GB for DeepSeek's latents, 6.4 GB for GPT-OSS), no TTFT; the log of each in $OUT, the tables last
+        for run in "deepseek-v2-lite 270" "gpt-oss-20b 570"; do  # seconds at most (DeepSeek first: the new shape)
+            set -- $run
+            left=$((570 - SECONDS))
+            timeout $(($2 < left ? $2 : left)) python3 -m bench.e2e --model "$1" --batch-sizes 1,64,256 \
+                --throughput-sizes 64 --ttft-lens= --kv-bytes $((12 << 30)) --out "$OUT/e2e-$1" > "$OUT/e2e-$1.log" 2>&1
+            echo "e2e $1: exit $? at ${SECONDS}s"
+            grep -E "^(roofline|checkpoint|meshserve)|Error|error:" "$OUT/e2e-$1.log" | cut -c1-220 | head -12
+        done
+        for m in deepseek-v2-lite gpt-oss-20b; do
+            table=$(sed -n '/bench\/e2e.py:begin/,/bench\/e2e.py:end/p' "$OUT/e2e-$m.log")
+            if [ -n "$table" ]; then echo "$table"; else echo "$m: no table; the log ends:"; tail -8 "$OUT/e2e-$m.log"; fi
         done ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \

@@ -21,12 +21,16 @@ for long prompts, with MFU against the measured bf16 matmul peak. Table + PNG.
     python -m bench.e2e --device cpu --out bench/results    # demo model against HF, batch 1/16/64
     python -m bench.e2e --write docs/performance.md --out bench/results
     python -m bench.e2e --model gpt-oss-20b [--layers 24]   # GPT-OSS-20B shape (bench/e2e_gptoss.py)
-    python -m bench.e2e --model gpt-oss-20b --device cpu --tiny --no-baseline   # its CPU smoke run
+    python -m bench.e2e --model deepseek-v2-lite            # DeepSeek-V2-Lite shape (bench/e2e_deepseek.py)
+    python -m bench.e2e --model deepseek-v2-lite --device cpu --tiny --no-baseline   # its CPU smoke run
 
-With --model gpt-oss-20b there is no compiled baseline (bench/baseline_llama.py is a Llama), the
-roofline counts the experts a step touches and sliding layers' KV up to their window; the
-kernel list printed for the smallest batch shows the MoE kernels (_route_kernel,
-_gate_up_rows_kernel, _down_rows_kernel) among the rest.
+The shapes are the table MODELS (name -> shape, checkpoint writer, roofline); adding a model is
+one entry. The MoE shapes have no compiled baseline (bench/baseline_llama.py is a Llama); their
+roofline counts the experts a step touches (GPT-OSS: sliding layers' KV up to their window;
+DeepSeek: MLA's one latent row per token and layer), and the kernel list printed for the
+smallest batch shows the MoE kernels (_route_kernel, _gate_up_rows_kernel, _down_rows_kernel)
+among the rest. On CUDA the roofline's bandwidth is a device copy measured at the start of the
+run (`--bandwidth` overrides it), so an H100 run is held to an H100's memory.
 """
 
 from __future__ import annotations
@@ -41,10 +45,13 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from bench import e2e_deepseek, e2e_gptoss
 from bench.common import int_list, random_prompts, save_shards, sync
 from bench.report import write_section
 
@@ -129,24 +136,6 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
     return total
 
 
-def step_roofline_bytes(args: argparse.Namespace, shape: dict, itemsize: int, bs: int, context: float) -> float:
-    """Bytes one decode step of bs sequences at `context` tokens must move: weights + KV."""
-    if args.model == "gpt-oss-20b":
-        from bench import e2e_gptoss
-
-        return e2e_gptoss.decode_weight_bytes(shape, itemsize, bs) + bs * e2e_gptoss.kv_read_bytes(
-            shape, itemsize, context)
-    return decode_weight_bytes(shape, itemsize) + bs * context * kv_bytes_per_token(shape, itemsize)
-
-
-def model_prefill_flops(args: argparse.Namespace, shape: dict, tokens: int) -> float:
-    if args.model == "gpt-oss-20b":
-        from bench import e2e_gptoss
-
-        return e2e_gptoss.prefill_flops(shape, tokens)
-    return prefill_flops(shape, tokens)
-
-
 def decode_weight_bytes(shape: dict, itemsize: int) -> int:
     """Bytes a decode step must read: every weight except the embedding table (one row is read)."""
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
@@ -168,6 +157,66 @@ def prefill_flops(shape: dict, tokens: int) -> float:
     dense = 2 * tokens * (shape["num_hidden_layers"] * layer + h * shape["vocab_size"] / tokens)
     attention = 2 * tokens * tokens * h * shape["num_hidden_layers"]  # 4 L^2 h / 2 per layer
     return dense + attention
+
+
+def llama_step_bytes(shape: dict, itemsize: int, batch: int, context: float) -> float:
+    """Bytes one decode step of `batch` sequences at `context` tokens must move: weights + KV."""
+    return decode_weight_bytes(shape, itemsize) + batch * context * kv_bytes_per_token(shape, itemsize)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """One `--model`: its shape (HF config fields) and a tiny one, the writer of its random
+    checkpoint, and its roofline."""
+
+    title: str
+    tiny_title: str
+    shape: dict
+    tiny: dict
+    write_checkpoint: Callable[[Path, dict, torch.dtype, str], int]  # (dir, shape, dtype, device) -> bytes
+    step_bytes: Callable[[dict, int, int, float], float]  # (shape, itemsize, batch, context) -> bytes a step moves
+    prefill_flops: Callable[[dict, int], float]  # (shape, prompt tokens) -> FLOPs
+    roofline_note: str  # what the roofline counts, after "weights + the step's KV bytes"
+    baseline: bool  # whether bench/baseline_llama.py (a Llama) can run it
+
+
+MODELS = {
+    "llama3-8b": ModelShape(
+        "Llama-3-8B-shaped model", "A tiny Llama", LLAMA3_8B, TINY, write_checkpoint, llama_step_bytes,
+        prefill_flops, ".", baseline=True),
+    # No compiled baseline for the MoE shapes (bench/baseline_llama.py is a Llama).
+    "gpt-oss-20b": ModelShape(
+        "GPT-OSS-20B-shaped model", "A tiny GPT-OSS", e2e_gptoss.GPT_OSS_20B, e2e_gptoss.TINY_GPT_OSS,
+        e2e_gptoss.write_checkpoint, e2e_gptoss.step_bytes, e2e_gptoss.prefill_flops,
+        ". MoE: the experts the batch touches; sliding layers' KV up to the window.", baseline=False),
+    "deepseek-v2-lite": ModelShape(
+        "DeepSeek-V2-Lite-shaped model", "A tiny DeepSeek-V2", e2e_deepseek.DEEPSEEK_V2_LITE,
+        e2e_deepseek.TINY_DEEPSEEK, e2e_deepseek.write_checkpoint, e2e_deepseek.step_bytes,
+        e2e_deepseek.prefill_flops,
+        ". MoE: the shared experts and the routed experts the batch touches; MLA's KV: one latent + rope key "
+        "per token and layer.", baseline=False),
+}  # fmt: skip
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s (read + write) of a 1 GiB device-to-device copy, median of 10, measured in this run so
+    that the roofline is this GPU's (an H100's is lower than the H200's 4.18 TB/s); CPU: BANDWIDTH."""
+    if device != "cuda":
+        return BANDWIDTH
+    src = torch.randint(0, 255, (1 << 30,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for i in range(13):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:  # warm-up
+            times.append(start.elapsed_time(end) * 1e-3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * (1 << 30) / statistics.median(times)
 
 
 def gpu_profile(run_steps, steps: int) -> tuple[float, float, list]:
@@ -337,10 +386,11 @@ def bench_baseline(path: Path, args: argparse.Namespace, contexts: dict[int, flo
     return out
 
 
-def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, base: dict) -> tuple[str, list]:
+def report(args: argparse.Namespace, model: ModelShape, shape_name: str, shape: dict, ours: dict,
+           base: dict) -> tuple[str, list]:  # fmt: skip
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    weights = step_roofline_bytes(args, shape, itemsize, 1, 0)
+    weights, bandwidth = model.step_bytes(shape, itemsize, 1, 0), args.bandwidth
     mode = ("CUDA graphs" if ours["graphs"] else "eager") + (", overlap scheduling" if ours["overlap"] else "")
     lines = [
         BEGIN,
@@ -351,9 +401,9 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
         f"backend {ours['backend']}, decode steps {mode} (start-up {ours['start_s']:.1f} s, of which graph "
         f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
         "random tokens, already prefilled; one engine step = schedule, run, sample, update. Roofline = "
-        f"weights ({weights / 1e9:.2f} GB at batch 1) + the step's KV bytes at {BANDWIDTH / 1e12:.2f} TB/s"
-        + (" (MoE: the experts the batch touches; sliding layers' KV up to the window)."
-           if args.model == "gpt-oss-20b" else ". Baseline: bench/baseline_llama.py, a static-cache Llama under "
+        f"weights ({weights / 1e9:.2f} GB at batch 1) + the step's KV bytes at {bandwidth / 1e12:.2f} TB/s "
+        f"({args.bandwidth_source}){model.roofline_note}"
+        + ("" if args.no_baseline else " Baseline: bench/baseline_llama.py, a static-cache Llama under "
            "torch.compile(mode=\"reduce-overhead\") on the same checkpoint, in the same run."),
         "",
         "| batch | context | wall ms/step | GPU-busy ms | busy % | kernels/step | roofline ms | roofline / wall "
@@ -363,7 +413,7 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
     rows = []
     for bs in args.batch_sizes:
         r = ours["steps"][bs]
-        roof = step_roofline_bytes(args, shape, itemsize, bs, r["context"]) / BANDWIDTH
+        roof = model.step_bytes(shape, itemsize, bs, r["context"]) / bandwidth
         b = base.get(bs, (math.nan, math.nan))[1]
         rows.append((bs, r["wall_s"], r["busy_s"], roof, b))
         lines.append(
@@ -379,7 +429,7 @@ def report(args: argparse.Namespace, shape_name: str, shape: dict, ours: dict, b
         lines.append(f"- `generate`, batch {bs}, {args.prompt_len} in / {args.output_len} out: {tok_s:,.0f} "
                      "output tok/s.")
     for length, t in ours["ttft"].items():
-        flops = model_prefill_flops(args, shape, length)
+        flops = model.prefill_flops(shape, length)
         lines.append(f"- Time to first token, one {length}-token prompt: {t * 1e3:.1f} ms "
                      f"({flops / t / 1e12:.0f} TFLOP/s effective, {flops / t / MATMUL_PEAK:.0%} MFU).")
     lines.append(END)
@@ -415,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     ap.add_argument("--tiny", action="store_true", help="a 2-layer toy shape (CPU smoke run)")
-    ap.add_argument("--model", default="llama3-8b", choices=["llama3-8b", "gpt-oss-20b"], help="the shape")
+    ap.add_argument("--model", default="llama3-8b", choices=list(MODELS), help="the shape (MODELS)")
     ap.add_argument("--layers", type=int, default=None, help="keep this many layers (default: the model's)")
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on CPU")
     ap.add_argument("--batch-sizes", default=None, help="decode batches (default 1,16,64,256; tiny: 1,4)")
@@ -423,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ttft-lens", default=None, help="long prompts for TTFT (default 4096,16384; tiny: none)")
     ap.add_argument("--prompt-len", type=int, default=None, help="default 128 (tiny: 16)")
     ap.add_argument("--output-len", type=int, default=None, help="default 256 (tiny: 16)")
+    ap.add_argument("--bandwidth", type=float, default=None,
+                    help="TB/s of the roofline (default: CUDA: a device copy measured in this run; CPU: 4.18)")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default="none",
@@ -452,16 +504,12 @@ def main(argv: list[str] | None = None) -> int:
 
         args.batch_sizes = int_list(args.batch_sizes or "1,16,64")
         return e2e_cpu.main(args)
-    if args.model == "gpt-oss-20b":
-        from bench import e2e_gptoss
-
-        shape = e2e_gptoss.with_layers(e2e_gptoss.TINY_GPT_OSS if args.tiny else e2e_gptoss.GPT_OSS_20B, args.layers)
-        shape_name = ("A tiny GPT-OSS" if args.tiny else "GPT-OSS-20B-shaped model") + (
-            f" ({shape['num_hidden_layers']} layers)" if args.layers else "")
-        args.no_baseline, writer = True, e2e_gptoss.write_checkpoint
-    else:
-        shape, shape_name = (TINY, "A tiny Llama") if args.tiny else (LLAMA3_8B, "Llama-3-8B-shaped model")
-        shape, writer = ({**shape, "num_hidden_layers": args.layers} if args.layers else shape), write_checkpoint
+    model = MODELS[args.model]
+    shape = model.tiny if args.tiny else model.shape
+    shape_name = model.tiny_title if args.tiny else model.title
+    if args.layers:
+        shape, shape_name = {**shape, "num_hidden_layers": args.layers}, f"{shape_name} ({args.layers} layers)"
+    args.no_baseline = args.no_baseline or not model.baseline
     args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     args.batch_sizes = int_list(args.batch_sizes or ("1,4" if args.tiny else "1,16,64,256"))
     args.throughput_sizes = int_list(args.throughput_sizes or ("4" if args.tiny else "64"))
@@ -470,22 +518,29 @@ def main(argv: list[str] | None = None) -> int:
     args.output_len = args.output_len or (16 if args.tiny else 256)
     if args.kv_bytes is None and args.device == "cuda":
         args.kv_bytes = 24 << 30
+    if args.bandwidth is not None:
+        args.bandwidth, args.bandwidth_source = args.bandwidth * 1e12, "given"
+    else:
+        args.bandwidth = copy_bandwidth(args.device)
+        args.bandwidth_source = "a device copy measured in this run" if args.device == "cuda" else "the H200's"
+    print(f"roofline bandwidth: {args.bandwidth / 1e12:.2f} TB/s ({args.bandwidth_source})", flush=True)
     workdir = Path(tempfile.mkdtemp(prefix="meshserve_e2e_", dir=args.workdir))
     try:
         t0 = time.perf_counter()
-        size = writer(workdir, shape, getattr(torch, args.dtype), args.device)
+        size = model.write_checkpoint(workdir, shape, getattr(torch, args.dtype), args.device)
         print(f"checkpoint: {size / 1e9:.2f} GB written in {time.perf_counter() - t0:.1f} s", flush=True)
         ours = bench_meshserve(workdir, args, shape)
         contexts = {bs: r["context"] for bs, r in ours["steps"].items()}
         base = {} if args.no_baseline else bench_baseline(workdir, args, contexts)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    section, rows = report(args, shape_name, shape, ours, base)
+    section, rows = report(args, model, shape_name, shape, ours, base)
     print(section)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "e2e.json").write_text(json.dumps({"meshserve": ours, "baseline": base}, indent=1, default=str))
+        (out / "e2e.json").write_text(json.dumps({"meshserve": ours, "baseline": base, "bandwidth": args.bandwidth},
+                                                  indent=1, default=str))
         plot(rows, out / "e2e.png", f"{shape_name}, {args.dtype}: one decode step")
     if args.write:
         write_section(Path(args.write), section, BEGIN, END)

@@ -91,10 +91,10 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
 
 
 def touched_experts(shape: dict, batch: int) -> float:
-    """Experts a decode step of `batch` tokens reads per layer: top_k at batch 1, else the expected
-    number of distinct experts when each token picks top_k of E uniformly at random."""
-    e, k = shape["num_local_experts"], shape["num_experts_per_tok"]
-    return float(k) if batch == 1 else e * (1.0 - (1.0 - k / e) ** batch)
+    """Experts a decode step of `batch` tokens reads per layer (bench/common.py)."""
+    from bench.common import expected_distinct_experts
+
+    return expected_distinct_experts(shape["num_local_experts"], shape["num_experts_per_tok"], batch)
 
 
 def decode_weight_bytes(shape: dict, itemsize: int, batch: int = 1) -> float:
@@ -125,3 +125,8 @@ def prefill_flops(shape: dict, tokens: int) -> float:
     attention = sum(2 * tokens * q * (tokens if t == "full_attention" else 2 * min(tokens, shape["sliding_window"]))
                     for t in layer_types(shape))  # fmt: skip
     return 2 * tokens * (shape["num_hidden_layers"] * active + h * shape["vocab_size"] / tokens) + attention
+
+
+def step_bytes(shape: dict, itemsize: int, batch: int, context: float) -> float:
+    """Bytes one decode step of `batch` sequences at `context` tokens must move."""
+    return decode_weight_bytes(shape, itemsize, batch) + batch * kv_read_bytes(shape, itemsize, context)
