@@ -116,10 +116,11 @@ class EngineSettings:
 
 class Server:
     """`python -m meshserve.cli serve` with `settings` and the extra `flags` in a subprocess, its
-    log in a file; ready when /health says so. `name` tells servers of one bench apart."""
+    log in a file; ready when /health says so. `name` tells servers of one bench apart; `env`:
+    variables set for the server only (MESHSERVE_HOP_TRACE, bench/serve_latency.py)."""
 
     def __init__(self, settings: EngineSettings, *, log_path: Path, flags: list[str] | tuple[str, ...] = (),
-                 name: str = "", start_timeout: float = 600.0) -> None:
+                 name: str = "", start_timeout: float = 600.0, env: dict[str, str] | None = None) -> None:
         self.grpc_address = f"127.0.0.1:{free_port()}"
         self.base_url = f"http://127.0.0.1:{free_port()}"
         self.log_path = log_path
@@ -128,6 +129,7 @@ class Server:
         self.name = name
         self.command = [sys.executable, "-m", "meshserve.cli", "serve", *settings.serve_flags(), *ports, *flags]
         self.start_timeout = start_timeout
+        self.env = env or {}  # set for the server's processes, besides this one's environment
         self.started_in_s: float | None = None  # launch to /health 200
         self.proc: subprocess.Popen | None = None
 
@@ -135,7 +137,7 @@ class Server:
         log = open(self.log_path, "w")  # noqa: SIM115 (the child writes it until it exits)
         t0 = time.monotonic()
         self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                                     env={**os.environ, "HF_HUB_OFFLINE": "1", **self.env})
         log.close()
         deadline = t0 + self.start_timeout
         while True:

@@ -34,6 +34,7 @@ import zmq.asyncio
 
 from meshserve.cluster import service_wire as wire
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.core import hop_trace
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
 from meshserve.core.delta_coalescing import coalesce
@@ -183,6 +184,7 @@ class EngineClient:
         self._streams[number] = (queue, request_id)
         self._send(wire.OPEN, msgpack.packb(wire.encode_open(number, prompt, params, beam, request_id, caller,
                                                              priority)))
+        hop_trace.mark("frontend.open_sent")
         finished = False
         try:
             while True:
@@ -193,6 +195,7 @@ class EngineClient:
                     if isinstance(item, BaseException):
                         finished = True
                         raise item
+                    hop_trace.mark("frontend.delta_out")
                     yield item
                     if item.finished:
                         finished = True
@@ -245,6 +248,7 @@ class EngineClient:
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == wire.BATCH:
+            hop_trace.mark("frontend.batch_received")
             items, state = msgpack.unpackb(payload)
             streams = self._streams
             for item in items:

@@ -31,6 +31,7 @@ from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.metrics import ServerMetrics
 from meshserve.api.status import status_of
 from meshserve.cluster.service import InferenceService, ModelCard
+from meshserve.core import hop_trace
 from meshserve.errors import ConfigError, MeshserveError, NotFoundError, UnavailableError
 from meshserve.v1 import inference_pb2 as pb
 
@@ -92,6 +93,7 @@ class InferenceServicer:
     # -- Generate ---------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext) -> None:
+        hop_trace.mark("grpc.handler")
         timer = self.metrics.timer()
         code, completed = grpc.StatusCode.OK, False
         stream = scoped = None
@@ -128,6 +130,7 @@ class InferenceServicer:
                 usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens,
                                  cached_tokens=delta.num_cached_tokens) if delta.finished else None
                 await context.write(convert.response_of(delta, request_id, usage))
+                hop_trace.mark("grpc.written")
                 if delta.finished:
                     completed = True
                     break

@@ -44,6 +44,7 @@ from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
 from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
+from meshserve.core import hop_trace
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.checkpoint_files import encode_ids, load_tokenizer
 from meshserve.core.delta_coalescing import coalesce
@@ -371,6 +372,7 @@ class Coordinator:
         self._live[request_id] = ticket
         request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
         pool.submit(ticket)
+        hop_trace.mark("coordinator.submitted")
         return OpenStream(ticket, caller, sequences)
 
     def close_stream(self, stream: OpenStream, *, finished: bool) -> None:

@@ -32,6 +32,7 @@ from meshserve.cluster.handover import Handoff, ReplicaHandover, release_sources
 from meshserve.cluster.logs import request_event
 from meshserve.cluster.migration import plan_failover
 from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
+from meshserve.core import hop_trace
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
@@ -320,6 +321,7 @@ class Replica:
                 continue
             if not ticket.migrations:  # a moved request's prompt was counted where it arrived
                 self.counters.prompt_tokens += ticket.request.num_input_tokens
+            hop_trace.mark("replica.added")
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
@@ -331,6 +333,7 @@ class Replica:
             # A request the engine refused after admission (its grammar did not compile) ends its
             # stream with that error: a 400 / INVALID_ARGUMENT before anything streamed.
             ticket.sink.put_nowait(delta if delta.error is None else delta.error)
+            hop_trace.mark("replica.delivered")
             if delta.finished:
                 del self._held[delta.request_id]
                 request_event(delta.request_id, "finished" if delta.error is None else "failed", replica=self.name,
@@ -355,7 +358,9 @@ class Replica:
             return fn(*args)
 
     def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
+        hop_trace.mark("step.start")
         deltas = self.core.step()
+        hop_trace.mark("step.end" if deltas else "step.end_empty")
         self.counters.steps += 1
         if self.counters.steps % EXPERT_LOAD_PERIOD == 0:
             self._read_expert_load()

@@ -30,6 +30,7 @@ import zmq
 import zmq.asyncio
 
 from meshserve.cluster import service_wire as wire
+from meshserve.core import hop_trace
 from meshserve.core.secret import RejectedFrames
 from meshserve.errors import UnavailableError
 
@@ -165,6 +166,7 @@ class ServiceEndpoint:
             state = None
         for route, items in outbox.items():
             self._send(route, wire.BATCH, msgpack.packb([items, state]))
+        hop_trace.mark("engine.batch_sent")
         if self._streams_changed and state is not None:
             self._streams_changed = False
             for route in self._peers:
@@ -237,6 +239,7 @@ class ServiceEndpoint:
             self.rejected.add(f"unknown kind {kind!r}")
 
     def _open(self, route: bytes, msg: list) -> None:
+        hop_trace.mark("engine.open_received")
         number = msg[0]
         sink = _Sink(self, route, number)
         try:
@@ -244,6 +247,7 @@ class ServiceEndpoint:
             self._streams[(route, number)] = sink
             sink.stream = self.service.open_stream(prompt, params, request_id=request_id, sink=sink, beam=beam,
                                                    caller=caller, priority=priority)
+            hop_trace.mark("engine.admitted")
         except Exception as exc:  # a refusal: nothing was queued
             self._streams.pop((route, number), None)
             sink.done = True

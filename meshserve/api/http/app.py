@@ -54,6 +54,7 @@ from meshserve.api.metrics import ServerMetrics
 from meshserve.api.tools.choice import ToolMode
 from meshserve.api.tools.streaming import ToolStream
 from meshserve.cluster.service import InferenceService, ModelCard
+from meshserve.core import hop_trace
 from meshserve.core.outputs import CompletionDelta
 from meshserve.errors import ConfigError, UnavailableError, check
 
@@ -244,7 +245,9 @@ class OpenAIFrontend:
         yield sse("[DONE]")
 
     async def completions(self, request: Request) -> Response:
+        hop_trace.mark("http.route")
         body = await parse_body(request, CompletionRequest, self._shape_limits())
+        hop_trace.mark("http.body_parsed")
         body.check()
         body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
@@ -252,6 +255,7 @@ class OpenAIFrontend:
         convert.check_prompt_count(len(prompts), body.width, self.limits)
         ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card,
                                                                  truncate_prompt_tokens=body.truncate_prompt_tokens)]
+        hop_trace.mark("http.tokenized")
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
                           request=request)

@@ -11,6 +11,8 @@ import uuid
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from meshserve.core import hop_trace
+
 HEADER = b"x-request-id"
 _MAX_LEN = 256
 
@@ -26,6 +28,7 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        hop_trace.mark("http.asgi")
         given = [v for k, v in scope["headers"] if k == HEADER]
         request_id = given[0] if len(given) == 1 and _acceptable(given[0]) else uuid.uuid4().hex.encode()
 

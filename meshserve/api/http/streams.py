@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 from meshserve.api.metrics import RequestTimer, ServerMetrics
 from meshserve.api.status import outcome_of
 from meshserve.cluster.service import InferenceService
+from meshserve.core import hop_trace
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
@@ -266,6 +267,7 @@ class SSEResponse(StreamingResponse):
             started = True
             ended = message["type"] == "http.response.body" and not message.get("more_body", False)
             await send(message)
+            hop_trace.mark("http.body_sent" if message["type"] == "http.response.body" else "http.head_sent")
 
         try:
             async with anyio.create_task_group() as group:

@@ -1,0 +1,372 @@
+"""What the serving path adds to one request's time to first token, hop by hop (issue 41).
+
+One request at a time (nothing queues), the same short prompt, max_tokens 1 and 2 (greedy, EOS
+ignored), many repetitions, through:
+
+- offline: `LLM` in this process with the server's engine settings: `LLM.generate` (its wall
+  time; with max_tokens 1 that is the first token) and the engine stepped as generate steps it,
+  timed to the first delta with tokens ("offline TTFT");
+- http / grpc: `meshserve serve` in a subprocess as it starts by default (the engine in a
+  process of its own, one front-end process), over /v1/completions with SSE and over Generate;
+  the layouts of bench/serve_vs_offline.py (-inproc, -x2) too.
+
+Printed: TTFT p50 / p90 per path and max_tokens, and the served excess over offline. Then, with
+a second server started with MESHSERVE_HOP_TRACE (core/hop_trace.py: every process of the
+server appends a time stamp where a request crosses a hop, on the clock the client reads), the
+same requests again and the p50 of each interval between consecutive hops: client -> front-end,
+HTTP body and tokenizing, the channel to the engine process, admission, the replica's loop and
+step thread, the steps, delivery, the BATCH back, the framing and the write, the client.
+JSON + PNG go to --out.
+
+    python -m bench.serve_latency                              # CPU, demo model, ~3 min
+    python -m bench.serve_latency --paths offline,grpc,grpc-inproc --repeats 50
+    python -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512   # the H100/H200 run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import meshserve.core.hop_trace as hop_trace  # imported before MESHSERVE_HOP_TRACE is set: not traced here
+from bench.report import pyplot
+from bench.serve_vs_offline import LAYOUTS as SERVE_LAYOUTS
+from bench.serve_vs_offline import face_of, layout_of
+from bench.served import EngineSettings, GreedyGrpc, GreedyOpenAI, Server, device_name, model_for_shape
+from meshserve.api.bench.loadgen import BenchRequest, Sample
+
+# -sync: serve --no-async-scheduling (offline-sync: LLM(async_scheduling=False)). On a CPU a step's
+# submit computes the whole step, so overlap scheduling delivers each token one step later.
+LAYOUTS = {**SERVE_LAYOUTS, "-sync": ["--no-async-scheduling"]}
+OFFLINE = ("offline", "offline-sync")
+KNOWN = (*OFFLINE, *(face + layout for layout in LAYOUTS for face in ("http", "grpc")))
+DEFAULT_PROMPT = "The for statement is used to"
+
+# The hops in the order a request crosses them; an interval is named by the hop it ends at.
+# (first: the first mark of that name in the request's window; the step marks are handled apart)
+HOPS = [
+    ("http.asgi", "client -> HTTP front-end (connection, h11 parse)"),
+    ("http.route", "ASGI middleware, FastAPI routing"),
+    ("http.body_parsed", "body: read, JSON + pydantic (worker thread)"),
+    ("http.tokenized", "prompt tokenized"),
+    ("grpc.handler", "client -> gRPC handler (HTTP/2, protobuf parse)"),
+    ("frontend.open_sent", "front-end: checks, OPEN packed, signed, sent"),
+    ("engine.open_received", "channel: front-end -> engine process"),
+    ("engine.admitted", "engine: validate, coordinator admits, pool submit"),
+    ("coordinator.submitted", "front-end handler -> coordinator admits (one process)"),
+    ("replica.added", "replica loop wakes, request added to the scheduler"),
+    ("step.start", "loop -> step thread (to_thread)"),
+    ("step.end", "engine steps until the token's step returns"),
+    ("replica.delivered", "step thread -> loop, delta to the stream's sink"),
+    ("engine.batch_sent", "engine: flush (state snapshot, BATCH packed, signed, sent)"),
+    ("frontend.batch_received", "channel: engine -> front-end process"),
+    ("frontend.delta_out", "front-end: BATCH decoded, stream's queue wakes"),
+    ("http.body_sent", "HTTP: chunk shaped, SSE framed, written"),
+    ("grpc.written", "gRPC: response built, written"),
+    ("client", "-> client: first token read"),
+]
+
+
+@dataclass
+class PathRun:
+    path: str
+    max_tokens: int
+    ttft_ms: list[float] = field(default_factory=list)
+    total_ms: list[float] = field(default_factory=list)  # the whole request
+    generate_ms: list[float] = field(default_factory=list)  # offline: LLM.generate's wall time
+    hops: dict[str, list[float]] = field(default_factory=dict)  # traced: interval (ending at hop) -> ms each
+    steps_ms: list[float] = field(default_factory=list)  # traced: the engine's step time within the TTFT
+    num_steps: list[int] = field(default_factory=list)  # traced: steps run before the token came back
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    v = sorted(values)
+    return v[min(len(v) - 1, int(round(q * (len(v) - 1))))]
+
+
+# -- offline ---------------------------------------------------------------------------------------
+
+
+def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: int) -> PathRun:
+    from meshserve.core.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    run = PathRun(path, max_tokens)
+    core = llm.core
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        llm.generate(prompt, params)
+        generate = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        core.add(core.make_request(prompt, params))
+        first = None
+        while core.has_unfinished():
+            for delta in core.step():
+                if delta.token_ids and first is None:
+                    first = time.perf_counter() - t0
+        if i >= warmup:
+            run.generate_ms.append(1e3 * generate)
+            run.ttft_ms.append(1e3 * first)
+            run.total_ms.append(1e3 * (time.perf_counter() - t0))
+    return run
+
+
+# -- served ----------------------------------------------------------------------------------------
+
+
+async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: int, warmup: int,
+                  ) -> tuple[PathRun, list[tuple[int, int]]]:
+    """(the run, each measured request's (sent, first token) in perf_counter_ns)."""
+    face = face_of(path)
+    backend = GreedyOpenAI(server.base_url, token=None, model="") if face == "http" else GreedyGrpc(
+        server.grpc_address, token=None, model="")
+    run, windows = PathRun(path, max_tokens), []
+    try:
+        backend.model, _, _ = await backend.model_info()
+        request = BenchRequest(prompt, max_tokens, seed=0)
+        for i in range(warmup + repeats):
+            sample = Sample(0, max_tokens)
+            sent = time.perf_counter()
+            await backend.send(request, sample, 0.0)  # arrivals in perf_counter seconds
+            done = time.perf_counter()
+            if not sample.arrivals:
+                raise RuntimeError(f"{path}: a request came back with no token")
+            if i >= warmup:
+                run.ttft_ms.append(1e3 * (sample.arrivals[0] - sent))
+                run.total_ms.append(1e3 * (done - sent))
+                windows.append((int(sent * 1e9), int(sample.arrivals[0] * 1e9)))
+    finally:
+        await backend.close()
+    return run, windows
+
+
+def read_trace(path: Path) -> list[tuple[int, str]]:
+    marks = []
+    for line in path.read_text().splitlines():
+        ns, _pid, stage = line.split(" ", 2)
+        marks.append((int(ns), stage))
+    marks.sort()
+    return marks
+
+
+def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[int, int]]) -> None:
+    """Each request's marks (those inside its window: one request at a time) -> the interval
+    ending at each hop, the step time, the number of steps."""
+    import bisect
+
+    times = [m[0] for m in marks]
+    order = [h for h, _ in HOPS]
+    for sent, first in windows:
+        inside = marks[bisect.bisect_left(times, sent):bisect.bisect_right(times, first)]
+        at: dict[str, int] = {}
+        steps, step_start = [], None
+        for ns, stage in inside:
+            if stage == "step.start":
+                step_start = ns
+                at.setdefault("step.start", ns)
+            elif stage in ("step.end", "step.end_empty"):
+                if step_start is not None:
+                    steps.append(ns - step_start)
+                if stage == "step.end" and "step.end" not in at:
+                    at["step.end"] = ns
+            elif stage in ("http.body_sent", "grpc.written", "frontend.delta_out", "replica.delivered",
+                           "engine.batch_sent", "frontend.batch_received"):
+                if stage not in at and ("step.end" in at or stage in ("http.body_sent", "grpc.written")):
+                    at[stage] = ns
+            else:
+                at.setdefault(stage, ns)
+        at["client"] = first
+        prev = sent
+        for hop in order:
+            if hop in at:
+                run.hops.setdefault(hop, []).append((at[hop] - prev) / 1e6)
+                prev = at[hop]
+        run.num_steps.append(len(steps))
+        run.steps_ms.append(sum(steps) / 1e6)
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list: list[int], *, repeats: int,
+            warmup: int, log_dir: Path, trace: bool) -> tuple[list[PathRun], list[PathRun]]:
+    """(untraced runs, traced runs)."""
+    runs, traced = [], []
+    for path in (p for p in OFFLINE if p in paths):
+        from meshserve.api.llm import LLM
+
+        llm = LLM(settings.model, progress=False, async_scheduling=path == "offline", **settings.llm_kwargs())
+        try:
+            for mt in max_tokens_list:
+                runs.append(run_offline(llm, path, prompt, mt, repeats, warmup))
+                print(f"  {path} max_tokens={mt}: TTFT p50 {pct(runs[-1].ttft_ms, 0.5):.2f} ms", flush=True)
+        finally:
+            llm.shutdown()
+    served = [p for p in paths if p not in OFFLINE]
+    for layout in dict.fromkeys(layout_of(p) for p in served):
+        for traced_pass in ((False, True) if trace else (False,)):
+            trace_file = log_dir / f"hops{layout}.txt"
+            env = {hop_trace.ENV: str(trace_file)} if traced_pass else {}
+            with Server(settings, log_path=log_dir / f"server{layout}.log", flags=LAYOUTS[layout], name=layout,
+                        env=env) as server:
+                for mt in max_tokens_list:
+                    for path in (p for p in served if layout_of(p) == layout):
+                        run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup))
+                        if traced_pass:
+                            attribute(run, read_trace(trace_file), windows)
+                        (traced if traced_pass else runs).append(run)
+                        print(f"  {path}{' traced' if traced_pass else ''} max_tokens={mt}: TTFT p50 "
+                              f"{pct(run.ttft_ms, 0.5):.2f} ms", flush=True)
+    return runs, traced
+
+
+def _f(v: float | None, digits: int = 2) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
+def table(runs: list[PathRun]) -> str:
+    offline = {(r.path, r.max_tokens): r for r in runs if r.path in OFFLINE}
+    lines = ["| max_tokens | path | TTFT p50 ms | TTFT p90 ms | served - offline p50 ms (-sync: - offline-sync) | "
+             "whole request p50 ms | "
+             "LLM.generate p50 ms |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path))):
+        base = offline.get(("offline-sync" if r.path.endswith("-sync") else "offline", r.max_tokens))
+        extra = (pct(r.ttft_ms, 0.5) - pct(base.ttft_ms, 0.5)) if base is not None and r.path not in OFFLINE else None
+        lines.append(f"| {r.max_tokens} | {r.path} | {_f(pct(r.ttft_ms, 0.5))} | {_f(pct(r.ttft_ms, 0.9))} | "
+                     f"{_f(extra)} | {_f(pct(r.total_ms, 0.5))} | {_f(pct(r.generate_ms, 0.5))} |")
+    return "\n".join(lines)
+
+
+def hop_table(traced: list[PathRun]) -> str:
+    """p50 of each interval (ms), one column per traced path and max_tokens."""
+    if not traced:
+        return ""
+    cols = sorted(traced, key=lambda r: (KNOWN.index(r.path), r.max_tokens))
+    head = "| interval ending at | what it holds | " + " | ".join(f"{r.path} mt={r.max_tokens}" for r in cols) + " |"
+    lines = [head, "| --- | --- |" + " ---: |" * len(cols)]
+    for hop, what in HOPS:
+        if not any(hop in r.hops for r in cols):
+            continue
+        cells = [_f(pct(r.hops.get(hop, []), 0.5), 3) for r in cols]
+        lines.append(f"| {hop} | {what} | " + " | ".join(cells) + " |")
+    lines.append("| (sum of the p50s) | | " + " | ".join(
+        _f(sum(pct(v, 0.5) for v in r.hops.values()), 3) for r in cols) + " |")
+    lines.append("| TTFT p50 (traced run) | | " + " | ".join(_f(pct(r.ttft_ms, 0.5), 3) for r in cols) + " |")
+    lines.append("| of which engine steps | time inside `core.step()` | " + " | ".join(
+        _f(pct(r.steps_ms, 0.5), 3) for r in cols) + " |")
+    lines.append("| steps before the token | | " + " | ".join(
+        _f(pct([float(n) for n in r.num_steps], 0.5), 0) for r in cols) + " |")
+    return "\n".join(lines)
+
+
+def plot(runs: list[PathRun], traced: list[PathRun], path: Path, title: str) -> None:
+    plt = pyplot()
+    if plt is None:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(15, 5))
+    labels = [f"{r.path}\nmt={r.max_tokens}" for r in sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path)))]
+    ordered = sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path)))
+    axes[0].bar(labels, [pct(r.ttft_ms, 0.5) for r in ordered], label="p50")
+    axes[0].scatter(labels, [pct(r.ttft_ms, 0.9) for r in ordered], color="black", marker="_", s=300, label="p90")
+    axes[0].set(ylabel="TTFT (ms)", title="time to first token, one request at a time")
+    axes[0].legend()
+    axes[0].grid(True, axis="y", alpha=0.3)
+    cols = sorted(traced, key=lambda r: (KNOWN.index(r.path), r.max_tokens))
+    bottoms = [0.0] * len(cols)
+    xs = [f"{r.path}\nmt={r.max_tokens}" for r in cols]
+    for hop, _what in HOPS:
+        heights = [pct(r.hops.get(hop, []), 0.5) or 0.0 for r in cols]
+        if any(heights):
+            axes[1].bar(xs, heights, bottom=bottoms, label=hop)
+            bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes[1].set(ylabel="ms (p50 of each interval)", title="where the served TTFT goes (traced server)")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    axes[1].grid(True, axis="y", alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--shape", default="demo", choices=["demo", "llama3-8b", "tiny-llama"])
+    ap.add_argument("--prompt", default=DEFAULT_PROMPT, help="the text every request sends (unless --input-len)")
+    ap.add_argument("--input-len", type=int, default=None,
+                    help="send this many fixed random token ids instead of --prompt (the random checkpoints' "
+                         "WordLevel vocabulary has no words for text)")
+    ap.add_argument("--max-tokens", default="1 2", help="space-separated (default '1 2')")
+    ap.add_argument("--paths", default="offline,http,grpc", help=f"comma-separated, of {', '.join(KNOWN)}")
+    ap.add_argument("--repeats", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--no-trace", action="store_true", help="skip the traced server (the hop breakdown)")
+    ap.add_argument("--dtype", default=None)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads of both sides (OMP_NUM_THREADS)")
+    ap.add_argument("--out", default="bench/results")
+    args = ap.parse_args(argv)
+    paths = [p.strip() for p in args.paths.split(",") if p.strip()]
+    bad = [p for p in paths if p not in KNOWN]
+    if bad:
+        ap.error(f"--paths: {bad} not among {list(KNOWN)}")
+    max_tokens_list = [int(x) for x in args.max_tokens.split()]
+    if args.threads is not None:
+        import torch
+
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="meshserve-serve-latency-"))
+    started = time.perf_counter()
+    try:
+        model = model_for_shape(tmp, args.shape)
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        if args.input_len is not None:
+            import random
+
+            rng = random.Random(0)
+            prompt = [rng.randrange(10, vocab) for _ in range(args.input_len)]
+        else:
+            prompt = args.prompt
+        gpu = args.device == "cuda"
+        dtype = args.dtype or {"llama3-8b": "bfloat16", "tiny-llama": "float32"}.get(args.shape, "auto")
+        settings = EngineSettings(model=model, device=args.device, dtype=dtype, max_num_seqs=16,
+                                  max_model_len=(args.input_len or 64) + max(max_tokens_list) + 64,
+                                  kv_cache_memory_bytes=(4 << 30) if gpu else (64 << 20))
+        runs, traced = run_all(settings, paths, prompt, max_tokens_list, repeats=args.repeats, warmup=args.warmup,
+                               log_dir=tmp, trace=not args.no_trace)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    where = device_name(args.device)
+    what = f"{args.input_len} random token ids" if args.input_len else f"{args.prompt!r}"
+    title = (f"served TTFT, one request at a time: {args.shape} on {where}, prompt {what}, "
+             f"{args.repeats} repeats")
+    stamp = time.strftime("%Y-%m-%d")
+    stem = f"serve-latency-{args.device}-{args.shape}-{stamp}"
+    (out / f"{stem}.json").write_text(json.dumps({
+        "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
+        "settings": asdict(settings), "load_average": os.getloadavg(),
+        "runs": [asdict(r) for r in runs], "traced": [asdict(r) for r in traced]}, indent=1) + "\n")
+    plot(runs, traced, out / f"{stem}.png", title)
+    print(f"\nwrote {out / stem}.json and .png ({time.perf_counter() - started:.0f} s in all)\n")
+    print(title)
+    print(table(runs))
+    if traced:
+        print("\nhop by hop (traced server; p50 of each interval, ms):")
+        print(hop_table(traced))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
