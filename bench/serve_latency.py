@@ -58,20 +58,21 @@ HOPS = [
     ("http.body_parsed", "body: read, JSON + pydantic (worker thread)"),
     ("http.tokenized", "prompt tokenized"),
     ("grpc.handler", "client -> gRPC handler (HTTP/2, protobuf parse)"),
-    ("frontend.open_sent", "front-end: checks, OPEN packed, signed, sent"),
-    ("engine.open_received", "channel: front-end -> engine process"),
-    ("engine.admitted", "engine: validate, coordinator admits, pool submit"),
-    ("coordinator.submitted", "front-end handler -> coordinator admits (one process)"),
+    ("frontend.open", "front-end: checks, prompt params converted, stream opened"),
+    ("engine.open_received", "channel: OPEN packed, signed, sent -> engine process, verified"),
+    ("coordinator.submitted", "coordinator: validate, admit, submit to the replica (one process: + the "
+                              "front-end's checks)"),
+    ("engine.admitted", "endpoint: the stream's sink registered"),
     ("replica.added", "replica loop wakes, request added to the scheduler"),
     ("step.start", "loop -> step thread (to_thread)"),
     ("step.end", "engine steps until the token's step returns"),
     ("replica.delivered", "step thread -> loop, delta to the stream's sink"),
-    ("engine.batch_sent", "engine: flush (state snapshot, BATCH packed, signed, sent)"),
-    ("frontend.batch_received", "channel: engine -> front-end process"),
+    ("engine.batch", "engine: the pass ends, flush: state snapshot"),
+    ("frontend.batch_received", "channel: BATCH packed, signed, sent -> front-end, verified"),
     ("frontend.delta_out", "front-end: BATCH decoded, stream's queue wakes"),
-    ("http.body_sent", "HTTP: chunk shaped, SSE framed, written"),
-    ("grpc.written", "gRPC: response built, written"),
-    ("client", "-> client: first token read"),
+    ("http.write", "HTTP: chunk shaped, SSE framed"),
+    ("grpc.write", "gRPC: response message built"),
+    ("client", "written -> client: first token read"),
 ]
 
 
@@ -179,9 +180,9 @@ def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[in
                     steps.append(ns - step_start)
                 if stage == "step.end" and "step.end" not in at:
                     at["step.end"] = ns
-            elif stage in ("http.body_sent", "grpc.written", "frontend.delta_out", "replica.delivered",
-                           "engine.batch_sent", "frontend.batch_received"):
-                if stage not in at and ("step.end" in at or stage in ("http.body_sent", "grpc.written")):
+            elif stage in ("http.write", "grpc.write", "frontend.delta_out", "replica.delivered", "engine.batch",
+                           "frontend.batch_received"):
+                if stage not in at and "step.end" in at:  # the first after the token's step
                     at[stage] = ns
             else:
                 at.setdefault(stage, ns)

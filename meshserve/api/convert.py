@@ -24,8 +24,10 @@ from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.errors import ConfigError, NotFoundError, check, quote
 from meshserve.v1 import inference_pb2 as pb
 
-# Texts longer than this are tokenized in a thread so that the event loop keeps serving.
-_INLINE_TOKENIZE_CHARS = 1 << 12
+# Texts longer than this are tokenized in a thread so that the event loop keeps serving; shorter
+# ones on the loop (the hop to a worker thread costs more than their tokenizing: ~0.3 ms on the
+# 2-core CPU, docs/performance.md "Served time to first token, hop by hop").
+INLINE_TOKENIZE_CHARS = 1 << 12
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]+")
 _FINISH = {None: pb.FINISH_REASON_UNSPECIFIED, FinishReason.STOP: pb.FINISH_REASON_STOP,
            FinishReason.LENGTH: pb.FINISH_REASON_LENGTH, FinishReason.ABORT: pb.FINISH_REASON_ABORT}
@@ -122,7 +124,7 @@ async def tokenize(service: InferenceService, text: str, *, card: ModelCard, lim
     while it works (tokenizers' encode_batch), so the event loop keeps serving meanwhile."""
     check_text_size(text, max_model_len=card.max_model_len, limits=limits, field=field)
     check_encodable(text, field)
-    if len(text) <= _INLINE_TOKENIZE_CHARS:
+    if len(text) <= INLINE_TOKENIZE_CHARS:
         return service.tokenize(text)
     return await asyncio.to_thread(service.tokenize, text)
 

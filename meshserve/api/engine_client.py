@@ -182,9 +182,9 @@ class EngineClient:
         number = next(self._numbers)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[number] = (queue, request_id)
+        hop_trace.mark("frontend.open")  # (before the send: the peer may well run first)
         self._send(wire.OPEN, msgpack.packb(wire.encode_open(number, prompt, params, beam, request_id, caller,
                                                              priority)))
-        hop_trace.mark("frontend.open_sent")
         finished = False
         try:
             while True:

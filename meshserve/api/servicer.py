@@ -129,8 +129,9 @@ class InferenceServicer:
                     continue
                 usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens,
                                  cached_tokens=delta.num_cached_tokens) if delta.finished else None
-                await context.write(convert.response_of(delta, request_id, usage))
-                hop_trace.mark("grpc.written")
+                response = convert.response_of(delta, request_id, usage)
+                hop_trace.mark("grpc.write")
+                await context.write(response)
                 if delta.finished:
                     completed = True
                     break

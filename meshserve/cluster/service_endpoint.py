@@ -164,9 +164,9 @@ class ServiceEndpoint:
         except Exception:  # the deltas go out all the same; the period's STATE tries again
             log.exception("engine state snapshot failed")
             state = None
+        hop_trace.mark("engine.batch")  # (before the sends: the front-end may well run first)
         for route, items in outbox.items():
             self._send(route, wire.BATCH, msgpack.packb([items, state]))
-        hop_trace.mark("engine.batch_sent")
         if self._streams_changed and state is not None:
             self._streams_changed = False
             for route in self._peers:

@@ -195,7 +195,8 @@ class OpenAIFrontend:
 
     async def _prompt_ids(self, prompts: Sequence[str | list[int]], card: ModelCard, *,
                           truncate_prompt_tokens: int | None = None) -> list[list[int]]:
-        """Token ids of every prompt; texts are checked first, then tokenized in one worker thread.
+        """Token ids of every prompt; texts are checked first, then tokenized (in one worker thread
+        unless short: convert.INLINE_TOKENIZE_CHARS in all).
         Token-id prompts are cut to their last truncate_prompt_tokens before their length is
         checked (texts are cut once tokenized, by the caller)."""
         out: list[list[int] | None] = []
@@ -212,7 +213,10 @@ class OpenAIFrontend:
                                                 truncate_prompt_tokens=truncate_prompt_tokens))
         texts = [p for p in prompts if isinstance(p, str)]
         if texts:
-            encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
+            if sum(map(len, texts)) <= convert.INLINE_TOKENIZE_CHARS:  # short: the thread hop would cost more
+                encoded = iter([self.service.tokenize(t) for t in texts])
+            else:
+                encoded = iter(await asyncio.to_thread(lambda: [self.service.tokenize(t) for t in texts]))
             out = [next(encoded) if x is None else x for x in out]
         return out
 

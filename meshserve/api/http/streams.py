@@ -266,8 +266,8 @@ class SSEResponse(StreamingResponse):
             nonlocal started, ended
             started = True
             ended = message["type"] == "http.response.body" and not message.get("more_body", False)
+            hop_trace.mark("http.write" if message["type"] == "http.response.body" else "http.head")
             await send(message)
-            hop_trace.mark("http.body_sent" if message["type"] == "http.response.body" else "http.head_sent")
 
         try:
             async with anyio.create_task_group() as group:
