@@ -229,8 +229,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 8192
     enable_chunked_prefill: bool = True
     max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
-    async_scheduling: bool = field(default=True, metadata={
-        "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md)"})
+    async_scheduling: bool | None = field(default=None, metadata={
+        "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md). None: where the rank's "
+                "device runs a step asynchronously to the host (CUDA); on a CPU a step's submit computes it whole, "
+                "so overlap would only hand every token out one step later"})
     max_sequences_per_caller: int = field(default=512, metadata={
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
                 "beyond it 429 with Retry-After (a caller's only request is always let in)"})
@@ -239,7 +241,8 @@ class SchedulerConfig:
                 "after it was announced there fails alone with a 400-style error (docs/structured_outputs.md)"})
 
     def __post_init__(self) -> None:
-        check(isinstance(self.async_scheduling, bool), "async_scheduling", self.async_scheduling, "true or false")
+        check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
+              self.async_scheduling, "true, false or unset (where the device runs steps asynchronously)")
         t = self.grammar_compile_timeout_s
         check(isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 86400, "grammar_compile_timeout_s",
               t, "a number of seconds in (0, 86400]")

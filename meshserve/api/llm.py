@@ -68,7 +68,7 @@ class LLM:
                  kv_cache_memory_bytes: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
-                 enforce_eager: bool = False, async_scheduling: bool = True, progress: bool = True,
+                 enforce_eager: bool = False, async_scheduling: bool | None = None, progress: bool = True,
                  revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto") -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
@@ -260,7 +260,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for MoE models (divides --tp and the number of experts)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode steps")
-    p.add_argument("--no-async-scheduling", action="store_true", help="no overlap of planning and running")
+    p.add_argument("--no-async-scheduling", action="store_true",
+                   help="no overlap of planning and running (default: overlap on CUDA, where it pays)")
     p.add_argument("--dcp-comm", default="ag_rs", choices=["ag_rs", "a2a"], help="how DCP partial outputs merge")
     p.set_defaults(func=generate_main)
     return p
@@ -302,7 +303,7 @@ def generate_main(args: argparse.Namespace) -> int:
                 return REFUSED_EXIT
         return 0
     llm = LLM(args.model, dtype=args.dtype, attention_backend=args.attention_backend, block_size=args.block_size,
-              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling,
+              enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization,
               small_m_gemm=args.small_m_gemm)

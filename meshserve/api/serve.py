@@ -104,7 +104,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
     m.add_argument("--no-async-scheduling", action="store_true",
-                   help="plan each step only after the previous one returned (default: overlap them)")
+                   help="plan each step only after the previous one returned (default: overlap them where the device "
+                        "runs steps asynchronously, i.e. CUDA; on a CPU overlap only delays each token by a step)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     c = p.add_argument_group("cluster")
     c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
@@ -233,7 +234,8 @@ def configs_of(args: argparse.Namespace):
                           memory_utilization=args.gpu_memory_utilization,
                           enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                                  max_queue=args.max_queue, async_scheduling=not args.no_async_scheduling,
+                                  max_queue=args.max_queue,
+                                  async_scheduling=False if args.no_async_scheduling else None,
                                   max_sequences_per_caller=args.max_sequences_per_caller,
                                   grammar_compile_timeout_s=args.grammar_compile_timeout_s),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),

@@ -76,8 +76,13 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         # Overlap scheduling: the next step is planned and submitted while this one runs, with
-        # executors that can submit a step before collecting the previous one (one rank).
-        self.overlap = config.scheduler.async_scheduling and callable(getattr(self.executor, "submit_step", None))
+        # executors that can submit a step before collecting the previous one (one rank). Unset, only
+        # where the submit returns before the step is done (CUDA): on a CPU the submit of step N+1
+        # computes it whole before step N's tokens are read, which delays every token by a step
+        # (a request's first one too: docs/performance.md, "Served time to first token").
+        wanted = config.scheduler.async_scheduling
+        can = callable(getattr(self.executor, "submit_step", None))
+        self.overlap = can and (wanted if wanted is not None else bool(getattr(self.executor, "runs_async", False)))
         self._in_flight: ScheduledStep | None = None  # submitted, results not applied yet
         self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls
 

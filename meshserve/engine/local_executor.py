@@ -33,6 +33,12 @@ class LocalExecutor:
         self.submit_step(plan)
         return self.collect_step()
 
+    @property
+    def runs_async(self) -> bool:
+        """Whether `submit_step` returns before the step's work is done: on CUDA it queues the
+        kernels; on a CPU it computes the whole step (overlap scheduling then gains nothing)."""
+        return self.worker.device.type == "cuda"
+
     def submit_step(self, plan: StepPlan) -> None:
         """Start a step (the plan object as it is: no process boundary to cross)."""
         self.worker.submit(plan)

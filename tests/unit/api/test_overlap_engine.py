@@ -94,3 +94,24 @@ def test_overlap_through_the_static_decode_path(ckpt):
     assert graphs.num_steps > 0
     stats = fast.core.scheduler.stats
     assert stats.num_preemptions > 0 and stats.num_prefix_hit_tokens > 0
+
+
+def test_unset_overlaps_only_where_the_device_runs_steps_asynchronously(ckpt):
+    """On a CPU a step's submit computes it whole: overlap would hand a request's first token out
+    one step() later (after the next step was computed too). Unset, the CPU engine steps
+    synchronously and the first step() returns the first token; asked for, it overlaps."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = _batch(1)[0]
+    firsts = {}
+    for setting in (None, True):
+        llm = LLM(ckpt, attention_backend="TORCH", max_model_len=128, num_kv_blocks=16, async_scheduling=setting,
+                  progress=False)
+        assert llm.core.overlap is (setting is True)
+        assert llm.core.executor.runs_async is False
+        llm.core.add(llm.core.make_request(prompt, params))
+        calls = []
+        while llm.core.has_unfinished():
+            calls.append([t for d in llm.core.step() for t in d.token_ids])
+        firsts[setting] = next(i for i, tokens in enumerate(calls) if tokens)
+        assert [t for tokens in calls for t in tokens] == llm.generate(prompt, params)[0].token_ids
+    assert firsts == {None: 0, True: 1}

@@ -22,7 +22,8 @@ def test_in_process_pool_of_two_overlapping_replicas_matches_the_engine(ckpt):
     want = cases.reference(ckpt, cases.mixed_requests())
 
     async def main():
-        config = ClusterConfig(engine=cases.engine_config(ckpt), pools=PoolConfig(replicas=2), runtime="in-process")
+        config = ClusterConfig(engine=cases.engine_config(ckpt, async_scheduling=True), pools=PoolConfig(replicas=2),
+                               runtime="in-process")  # overlap asked for: unset, a CPU rank steps synchronously
         c = await Coordinator(config).start()
         try:
             assert all(r.core.overlap for r in c.replicas())  # step N+1 is submitted before N is collected
