@@ -206,7 +206,8 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
     for path in (p for p in OFFLINE if p in paths):
         from meshserve.api.llm import LLM
 
-        llm = LLM(settings.model, progress=False, async_scheduling=path == "offline", **settings.llm_kwargs())
+        sync = False if path == "offline-sync" else None  # None: LLM's default (overlap where the device runs async)
+        llm = LLM(settings.model, progress=False, async_scheduling=sync, **settings.llm_kwargs())
         try:
             for mt in max_tokens_list:
                 runs.append(run_offline(llm, path, prompt, mt, repeats, warmup))
