@@ -280,17 +280,20 @@ def plot(runs: list[PathRun], traced: list[PathRun], path: Path, title: str) -> 
     ordered = sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path)))
     axes[0].bar(labels, [pct(r.ttft_ms, 0.5) for r in ordered], label="p50")
     axes[0].scatter(labels, [pct(r.ttft_ms, 0.9) for r in ordered], color="black", marker="_", s=300, label="p90")
+    axes[0].tick_params(axis="x", labelrotation=60, labelsize=8)
     axes[0].set(ylabel="TTFT (ms)", title="time to first token, one request at a time")
     axes[0].legend()
     axes[0].grid(True, axis="y", alpha=0.3)
     cols = sorted(traced, key=lambda r: (KNOWN.index(r.path), r.max_tokens))
     bottoms = [0.0] * len(cols)
     xs = [f"{r.path}\nmt={r.max_tokens}" for r in cols]
-    for hop, _what in HOPS:
+    colors = plt.get_cmap("tab20").colors
+    for k, (hop, _what) in enumerate(HOPS):
         heights = [pct(r.hops.get(hop, []), 0.5) or 0.0 for r in cols]
         if any(heights):
-            axes[1].bar(xs, heights, bottom=bottoms, label=hop)
+            axes[1].bar(xs, heights, bottom=bottoms, label=hop, color=colors[k % len(colors)])
             bottoms = [b + h for b, h in zip(bottoms, heights)]
+    axes[1].tick_params(axis="x", labelsize=8)
     axes[1].set(ylabel="ms (p50 of each interval)", title="where the served TTFT goes (traced server)")
     axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     axes[1].grid(True, axis="y", alpha=0.3)
@@ -298,6 +301,17 @@ def plot(runs: list[PathRun], traced: list[PathRun], path: Path, title: str) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _rounded(value):
+    """Milliseconds to the microsecond (the JSON stays small)."""
+    if isinstance(value, float):
+        return round(value, 3)
+    if isinstance(value, list):
+        return [_rounded(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _rounded(v) for k, v in value.items()}
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -359,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{stem}.json").write_text(json.dumps({
         "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
         "settings": asdict(settings), "load_average": os.getloadavg(),
-        "runs": [asdict(r) for r in runs], "traced": [asdict(r) for r in traced]}, indent=1) + "\n")
+        "runs": [_rounded(asdict(r)) for r in runs], "traced": [_rounded(asdict(r)) for r in traced]}) + "\n")
     plot(runs, traced, out / f"{stem}.png", title)
     print(f"\nwrote {out / stem}.json and .png ({time.perf_counter() - started:.0f} s in all)\n")
     print(title)
