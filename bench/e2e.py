@@ -331,7 +331,8 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
     llm = LLM(path, dtype=args.dtype, attention_backend=args.attention_backend, device=args.device,
               max_model_len=-(-longest // 256) * 256, kv_cache_memory_bytes=args.kv_bytes,
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max([8192, *args.ttft_lens]),
-              enforce_eager=args.enforce_eager, async_scheduling=not args.no_async_scheduling, progress=False,
+              enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
+              progress=False,
               quantization=args.quantization, small_m_gemm=args.small_m_gemm)
     start_s = time.perf_counter() - t0
     graphs = llm.core.executor.worker.runner.decode_graphs
