@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import shutil
 import sys
 import tempfile
@@ -49,6 +50,7 @@ LAYOUTS = {**SERVE_LAYOUTS, "-sync": ["--no-async-scheduling"]}
 OFFLINE = ("offline", "offline-sync")
 KNOWN = (*OFFLINE, *(face + layout for layout in LAYOUTS for face in ("http", "grpc")))
 DEFAULT_PROMPT = "The for statement is used to"
+BACKGROUND_TOKENS = 200  # a background request's length (--background): sent again when it ends
 
 # The hops in the order a request crosses them; an interval is named by the hop it ends at.
 # (first: the first mark of that name in the request's window; the step marks are handled apart)
@@ -80,12 +82,14 @@ HOPS = [
 class PathRun:
     path: str
     max_tokens: int
+    background: int = 0  # streams decoding beside the measured requests (--background)
     ttft_ms: list[float] = field(default_factory=list)
     total_ms: list[float] = field(default_factory=list)  # the whole request
     generate_ms: list[float] = field(default_factory=list)  # offline: LLM.generate's wall time
     hops: dict[str, list[float]] = field(default_factory=dict)  # traced: interval (ending at hop) -> ms each
     steps_ms: list[float] = field(default_factory=list)  # traced: the engine's step time within the TTFT
     num_steps: list[int] = field(default_factory=list)  # traced: steps run before the token came back
+    step_ms: list[float] = field(default_factory=list)  # with background: the time between its tokens (a step)
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -98,11 +102,13 @@ def pct(values: list[float], q: float) -> float | None:
 # -- offline ---------------------------------------------------------------------------------------
 
 
-def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: int) -> PathRun:
+def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: int, background: int = 0) -> PathRun:
     from meshserve.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    run = PathRun(path, max_tokens)
+    run = PathRun(path, max_tokens, background)
+    if background:
+        return _offline_beside(llm, run, prompt, params, repeats, warmup)
     core = llm.core
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
@@ -122,20 +128,86 @@ def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: i
     return run
 
 
+def _offline_beside(llm, run: PathRun, prompt, params, repeats: int, warmup: int) -> PathRun:
+    """The engine stepped with `run.background` long requests decoding: each measured request is
+    added between two steps (in one thread nothing arrives mid-step) and timed to its first token."""
+    from meshserve.core.sampling_params import SamplingParams
+
+    core = llm.core
+    long = SamplingParams(temperature=0.0, max_tokens=BACKGROUND_TOKENS, ignore_eos=True)
+    others: set[str] = set()
+
+    def step() -> list:
+        t = time.perf_counter()
+        deltas = core.step()
+        run.step_ms.append(1e3 * (time.perf_counter() - t))
+        for d in deltas:
+            if d.finished and d.request_id in others:
+                others.discard(d.request_id)
+        while len(others) < run.background:
+            r = core.make_request(prompt, long)
+            core.add(r)
+            others.add(r.request_id)
+        return deltas
+
+    step()
+    for _ in range(3):  # the background decoding
+        step()
+    run.step_ms.clear()
+    for i in range(warmup + repeats):
+        t0 = time.perf_counter()
+        req = core.make_request(prompt, params)
+        core.add(req)
+        first = None
+        while True:
+            deltas = [d for d in step() if d.request_id == req.request_id]
+            if first is None and any(d.token_ids for d in deltas):
+                first = time.perf_counter() - t0
+            if any(d.finished for d in deltas):
+                break
+        if i >= warmup:
+            run.ttft_ms.append(1e3 * first)
+            run.total_ms.append(1e3 * (time.perf_counter() - t0))
+    for rid in list(others):
+        core.abort(rid)
+    while core.has_unfinished():
+        core.step()
+    return run
+
+
 # -- served ----------------------------------------------------------------------------------------
 
 
 async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: int, warmup: int,
-                  ) -> tuple[PathRun, list[tuple[int, int]]]:
-    """(the run, each measured request's (sent, first token) in perf_counter_ns)."""
+                  background: int = 0) -> tuple[PathRun, list[tuple[int, int]]]:
+    """(the run, each measured request's (sent, first token) in perf_counter_ns). background:
+    streams of long requests kept decoding meanwhile (each sent again when it ends); the measured
+    requests are then sent at a random moment of a step (a pause of up to two of its steps)."""
     face = face_of(path)
     backend = GreedyOpenAI(server.base_url, token=None, model="") if face == "http" else GreedyGrpc(
         server.grpc_address, token=None, model="")
-    run, windows = PathRun(path, max_tokens), []
+    run, windows = PathRun(path, max_tokens, background), []
+    stop = asyncio.Event()
+
+    async def keep_decoding(k: int) -> None:
+        long = BenchRequest(prompt, BACKGROUND_TOKENS, seed=1 + k)
+        while not stop.is_set():
+            sample = Sample(0, BACKGROUND_TOKENS)
+            await backend.send(long, sample, 0.0)
+            run.step_ms += [1e3 * (b - a) for a, b in zip(sample.arrivals, sample.arrivals[1:])]
+
+    tasks = []
+    rng = random.Random(0)
     try:
         backend.model, _, _ = await backend.model_info()
+        tasks = [asyncio.ensure_future(keep_decoding(k)) for k in range(background)]
+        if background:
+            await asyncio.sleep(0.5)  # the background decoding
         request = BenchRequest(prompt, max_tokens, seed=0)
         for i in range(warmup + repeats):
+            if background:
+                step = pct(run.step_ms, 0.5) or 10.0
+                await asyncio.sleep(rng.uniform(0, 2 * step) / 1e3)
             sample = Sample(0, max_tokens)
             sent = time.perf_counter()
             await backend.send(request, sample, 0.0)  # arrivals in perf_counter seconds
@@ -147,6 +219,10 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
                 run.total_ms.append(1e3 * (done - sent))
                 windows.append((int(sent * 1e9), int(sample.arrivals[0] * 1e9)))
     finally:
+        stop.set()
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await backend.close()
     return run, windows
 
@@ -200,8 +276,10 @@ def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[in
 
 
 def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list: list[int], *, repeats: int,
-            warmup: int, log_dir: Path, trace: bool) -> tuple[list[PathRun], list[PathRun]]:
-    """(untraced runs, traced runs)."""
+            warmup: int, log_dir: Path, trace: bool, backgrounds: tuple[int, ...] = (0,),
+            ) -> tuple[list[PathRun], list[PathRun]]:
+    """(untraced runs, traced runs). Each background count is a run of its own; the traced server
+    (the hops of one request, attributed by time) runs without background."""
     runs, traced = [], []
     for path in (p for p in OFFLINE if p in paths):
         from meshserve.api.llm import LLM
@@ -209,9 +287,11 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
         sync = False if path == "offline-sync" else None  # None: LLM's default (overlap where the device runs async)
         llm = LLM(settings.model, progress=False, async_scheduling=sync, **settings.llm_kwargs())
         try:
-            for mt in max_tokens_list:
-                runs.append(run_offline(llm, path, prompt, mt, repeats, warmup))
-                print(f"  {path} max_tokens={mt}: TTFT p50 {pct(runs[-1].ttft_ms, 0.5):.2f} ms", flush=True)
+            for bg in backgrounds:
+                for mt in max_tokens_list:
+                    runs.append(run_offline(llm, path, prompt, mt, repeats, warmup, bg))
+                    print(f"  {path} max_tokens={mt} background={bg}: TTFT p50 {pct(runs[-1].ttft_ms, 0.5):.2f} ms",
+                          flush=True)
         finally:
             llm.shutdown()
     served = [p for p in paths if p not in OFFLINE]
@@ -221,14 +301,15 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
             env = {hop_trace.ENV: str(trace_file)} if traced_pass else {}
             with Server(settings, log_path=log_dir / f"server{layout}.log", flags=LAYOUTS[layout], name=layout,
                         env=env) as server:
-                for mt in max_tokens_list:
-                    for path in (p for p in served if layout_of(p) == layout):
-                        run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup))
-                        if traced_pass:
-                            attribute(run, read_trace(trace_file), windows)
-                        (traced if traced_pass else runs).append(run)
-                        print(f"  {path}{' traced' if traced_pass else ''} max_tokens={mt}: TTFT p50 "
-                              f"{pct(run.ttft_ms, 0.5):.2f} ms", flush=True)
+                for bg in ((0,) if traced_pass else backgrounds):
+                    for mt in max_tokens_list:
+                        for path in (p for p in served if layout_of(p) == layout):
+                            run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup, bg))
+                            if traced_pass:
+                                attribute(run, read_trace(trace_file), windows)
+                            (traced if traced_pass else runs).append(run)
+                            print(f"  {path}{' traced' if traced_pass else ''} max_tokens={mt} background={bg}: "
+                                  f"TTFT p50 {pct(run.ttft_ms, 0.5):.2f} ms", flush=True)
     return runs, traced
 
 
@@ -237,15 +318,18 @@ def _f(v: float | None, digits: int = 2) -> str:
 
 
 def table(runs: list[PathRun]) -> str:
-    offline = {(r.path, r.max_tokens): r for r in runs if r.path in OFFLINE}
-    lines = ["| max_tokens | path | TTFT p50 ms | TTFT p90 ms | served - offline p50 ms (-sync: - offline-sync) | "
-             "whole request p50 ms | "
-             "LLM.generate p50 ms |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
-    for r in sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path))):
-        base = offline.get(("offline-sync" if r.path.endswith("-sync") else "offline", r.max_tokens))
+    """One row per background count, max_tokens and path; with background, the step time its
+    streams saw (the time between their tokens) beside the TTFT."""
+    offline = {(r.path, r.max_tokens, r.background): r for r in runs if r.path in OFFLINE}
+    lines = ["| background | max_tokens | path | TTFT p50 ms | TTFT p90 ms | served - offline p50 ms (-sync: - "
+             "offline-sync) | whole request p50 ms | LLM.generate p50 ms | background step p50 ms |",
+             "| ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in sorted(runs, key=lambda r: (r.background, r.max_tokens, KNOWN.index(r.path))):
+        base = offline.get(("offline-sync" if r.path.endswith("-sync") else "offline", r.max_tokens, r.background))
         extra = (pct(r.ttft_ms, 0.5) - pct(base.ttft_ms, 0.5)) if base is not None and r.path not in OFFLINE else None
-        lines.append(f"| {r.max_tokens} | {r.path} | {_f(pct(r.ttft_ms, 0.5))} | {_f(pct(r.ttft_ms, 0.9))} | "
-                     f"{_f(extra)} | {_f(pct(r.total_ms, 0.5))} | {_f(pct(r.generate_ms, 0.5))} |")
+        lines.append(f"| {r.background} | {r.max_tokens} | {r.path} | {_f(pct(r.ttft_ms, 0.5))} | "
+                     f"{_f(pct(r.ttft_ms, 0.9))} | {_f(extra)} | {_f(pct(r.total_ms, 0.5))} | "
+                     f"{_f(pct(r.generate_ms, 0.5))} | {_f(pct(r.step_ms, 0.5))} |")
     return "\n".join(lines)
 
 
@@ -276,8 +360,8 @@ def plot(runs: list[PathRun], traced: list[PathRun], path: Path, title: str) -> 
     if plt is None:
         return
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
-    labels = [f"{r.path}\nmt={r.max_tokens}" for r in sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path)))]
-    ordered = sorted(runs, key=lambda r: (r.max_tokens, KNOWN.index(r.path)))
+    ordered = sorted(runs, key=lambda r: (r.background, r.max_tokens, KNOWN.index(r.path)))
+    labels = [f"{r.path}\nmt={r.max_tokens}" + (f" bg={r.background}" if r.background else "") for r in ordered]
     axes[0].bar(labels, [pct(r.ttft_ms, 0.5) for r in ordered], label="p50")
     axes[0].scatter(labels, [pct(r.ttft_ms, 0.9) for r in ordered], color="black", marker="_", s=300, label="p90")
     axes[0].tick_params(axis="x", labelrotation=60, labelsize=8)
@@ -324,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
                          "WordLevel vocabulary has no words for text)")
     ap.add_argument("--max-tokens", default="1 2", help="space-separated (default '1 2')")
     ap.add_argument("--paths", default="offline,http,grpc", help=f"comma-separated, of {', '.join(KNOWN)}")
+    ap.add_argument("--background", default="0",
+                    help="space-separated counts of streams kept decoding while the measured requests arrive "
+                         "(default '0': nothing else runs; e.g. '0 4': a request arriving mid-step waits for it)")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-trace", action="store_true", help="skip the traced server (the hop breakdown)")
@@ -357,11 +444,12 @@ def main(argv: list[str] | None = None) -> int:
             prompt = args.prompt
         gpu = args.device == "cuda"
         dtype = args.dtype or {"llama3-8b": "bfloat16", "tiny-llama": "float32"}.get(args.shape, "auto")
-        settings = EngineSettings(model=model, device=args.device, dtype=dtype, max_num_seqs=16,
-                                  max_model_len=(args.input_len or 64) + max(max_tokens_list) + 64,
+        backgrounds = tuple(int(x) for x in args.background.split())
+        settings = EngineSettings(model=model, device=args.device, dtype=dtype, max_num_seqs=16 + max(backgrounds),
+                                  max_model_len=(args.input_len or 64) + max(*max_tokens_list, BACKGROUND_TOKENS) + 64,
                                   kv_cache_memory_bytes=(4 << 30) if gpu else (64 << 20))
         runs, traced = run_all(settings, paths, prompt, max_tokens_list, repeats=args.repeats, warmup=args.warmup,
-                               log_dir=tmp, trace=not args.no_trace)
+                               log_dir=tmp, trace=not args.no_trace, backgrounds=backgrounds)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     where = device_name(args.device)
