@@ -237,37 +237,38 @@ def read_trace(path: Path) -> list[tuple[int, str]]:
 
 
 def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[int, int]]) -> None:
-    """Each request's marks (those inside its window: one request at a time) -> the interval
-    ending at each hop, the step time, the number of steps."""
+    """Each request's marks -> the interval ending at each hop, the step time, the number of steps.
+
+    Within the request's window (its send to its first token), each hop is the first mark of its
+    name at or after the hop before it, so that marks of other streams (--background) that come
+    earlier are passed over; step.end is the first step that returned deltas. With background
+    and overlap scheduling that step may be one whose deltas are the others' (the token comes a
+    step later): the intervals after it then shift into "client"."""
     import bisect
 
     times = [m[0] for m in marks]
-    order = [h for h, _ in HOPS]
     for sent, first in windows:
         inside = marks[bisect.bisect_left(times, sent):bisect.bisect_right(times, first)]
         at: dict[str, int] = {}
-        steps, step_start = [], None
-        for ns, stage in inside:
-            if stage == "step.start":
-                step_start = ns
-                at.setdefault("step.start", ns)
-            elif stage in ("step.end", "step.end_empty"):
-                if step_start is not None:
-                    steps.append(ns - step_start)
-                if stage == "step.end" and "step.end" not in at:
-                    at["step.end"] = ns
-            elif stage in ("http.write", "grpc.write", "frontend.delta_out", "replica.delivered", "engine.batch",
-                           "frontend.batch_received"):
-                if stage not in at and "step.end" in at:  # the first after the token's step
-                    at[stage] = ns
-            else:
-                at.setdefault(stage, ns)
+        k, prev = 0, sent
+        for hop, _what in HOPS[:-1]:
+            j = next((n for n in range(k, len(inside)) if inside[n][1] == hop), None)
+            if j is None:
+                continue
+            at[hop], k = inside[j][0], j + 1
         at["client"] = first
-        prev = sent
-        for hop in order:
+        for hop, _what in HOPS:
             if hop in at:
                 run.hops.setdefault(hop, []).append((at[hop] - prev) / 1e6)
                 prev = at[hop]
+        begin, end = at.get("replica.added", sent), at.get("step.end", first)
+        steps, step_start = [], None
+        for ns, stage in inside:
+            if stage == "step.start" and ns >= begin:
+                step_start = ns
+            elif stage in ("step.end", "step.end_empty") and step_start is not None and ns <= end:
+                steps.append(ns - step_start)
+                step_start = None
         run.num_steps.append(len(steps))
         run.steps_ms.append(sum(steps) / 1e6)
 
@@ -278,8 +279,7 @@ def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[in
 def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list: list[int], *, repeats: int,
             warmup: int, log_dir: Path, trace: bool, backgrounds: tuple[int, ...] = (0,),
             ) -> tuple[list[PathRun], list[PathRun]]:
-    """(untraced runs, traced runs). Each background count is a run of its own; the traced server
-    (the hops of one request, attributed by time) runs without background."""
+    """(untraced runs, traced runs). Each background count is a run of its own."""
     runs, traced = [], []
     for path in (p for p in OFFLINE if p in paths):
         from meshserve.api.llm import LLM
@@ -301,7 +301,7 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
             env = {hop_trace.ENV: str(trace_file)} if traced_pass else {}
             with Server(settings, log_path=log_dir / f"server{layout}.log", flags=LAYOUTS[layout], name=layout,
                         env=env) as server:
-                for bg in ((0,) if traced_pass else backgrounds):
+                for bg in backgrounds:
                     for mt in max_tokens_list:
                         for path in (p for p in served if layout_of(p) == layout):
                             run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup, bg))
@@ -333,12 +333,16 @@ def table(runs: list[PathRun]) -> str:
     return "\n".join(lines)
 
 
+def _label(r: PathRun, sep: str) -> str:
+    return f"{r.path}{sep}mt={r.max_tokens}" + (f" bg={r.background}" if r.background else "")
+
+
 def hop_table(traced: list[PathRun]) -> str:
     """p50 of each interval (ms), one column per traced path and max_tokens."""
     if not traced:
         return ""
-    cols = sorted(traced, key=lambda r: (KNOWN.index(r.path), r.max_tokens))
-    head = "| interval ending at | what it holds | " + " | ".join(f"{r.path} mt={r.max_tokens}" for r in cols) + " |"
+    cols = sorted(traced, key=lambda r: (r.background, KNOWN.index(r.path), r.max_tokens))
+    head = "| interval ending at | what it holds | " + " | ".join(_label(r, " ") for r in cols) + " |"
     lines = [head, "| --- | --- |" + " ---: |" * len(cols)]
     for hop, what in HOPS:
         if not any(hop in r.hops for r in cols):
@@ -361,16 +365,16 @@ def plot(runs: list[PathRun], traced: list[PathRun], path: Path, title: str) -> 
         return
     fig, axes = plt.subplots(1, 2, figsize=(15, 5))
     ordered = sorted(runs, key=lambda r: (r.background, r.max_tokens, KNOWN.index(r.path)))
-    labels = [f"{r.path}\nmt={r.max_tokens}" + (f" bg={r.background}" if r.background else "") for r in ordered]
+    labels = [_label(r, "\n") for r in ordered]
     axes[0].bar(labels, [pct(r.ttft_ms, 0.5) for r in ordered], label="p50")
     axes[0].scatter(labels, [pct(r.ttft_ms, 0.9) for r in ordered], color="black", marker="_", s=300, label="p90")
     axes[0].tick_params(axis="x", labelrotation=60, labelsize=8)
     axes[0].set(ylabel="TTFT (ms)", title="time to first token, one request at a time")
     axes[0].legend()
     axes[0].grid(True, axis="y", alpha=0.3)
-    cols = sorted(traced, key=lambda r: (KNOWN.index(r.path), r.max_tokens))
+    cols = sorted(traced, key=lambda r: (r.background, KNOWN.index(r.path), r.max_tokens))
     bottoms = [0.0] * len(cols)
-    xs = [f"{r.path}\nmt={r.max_tokens}" for r in cols]
+    xs = [_label(r, "\n") for r in cols]
     colors = plt.get_cmap("tab20").colors
     for k, (hop, _what) in enumerate(HOPS):
         heights = [pct(r.hops.get(hop, []), 0.5) or 0.0 for r in cols]
