@@ -14,6 +14,8 @@
 #       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
 #       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
 #       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh latency
+#       issue 41: served time to first token against offline, one request at a time, hop by hop
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)
 #       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
 #       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),
@@ -34,7 +36,7 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve, nixl, tests, disagg, fi07, e2e42 or moe}" in
+case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42 or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -89,6 +91,10 @@ case "${1:?part: serve, nixl, tests, disagg, fi07, e2e42 or moe}" in
             table=$(sed -n '/bench\/e2e.py:begin/,/bench\/e2e.py:end/p' "$OUT/e2e-$m.log")
             if [ -n "$table" ]; then echo "$table"; else echo "$m: no table; the log ends:"; tail -8 "$OUT/e2e-$m.log"; fi
         done ;;
+    latency)  # issue 41's TTFT target: one request at a time (then 15 streams decoding beside it), served
+        # HTTP/gRPC against offline, and each hop's share from a traced server (bench/serve_latency.py)
+        timeout 560 python3 -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512 \
+            --background "0 15" --repeats 40 --out "$OUT" 2>&1 | tail -40 ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;
