@@ -9,10 +9,16 @@
 #       1k/8k/32k tokens of Llama-3-8B against a device copy, then the GPU tests no call has run yet
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
 #       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whl .whlnixl .whlray)
 #       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
 #       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
-#       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica)
+#       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica).
+#       The prefill and decode replicas are Ray actors and the device has no Ray: .whlray holds the
+#       Ray Core repack (bench/repack_ray.py; recipe in bench/device_setup.sh). The three folders and
+#       the tree come to about 63.5 of the 64 MiB a call carries (2026-12-05): check with
+#       `du -cb .whl .whlnixl .whlray $(git ls-files)` first; without .whlnixl, auto picks another transport.
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlray)
+#       `serve --pools disaggregated --gpus-per-rank 0.5` on one GPU (tests/gpu/test_gpu_share_gpu.py): Ray too
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)
 #       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
 #       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),

@@ -14,9 +14,9 @@ DT_NEEDED entries, `readelf -d`, from the Python extensions, the UCX plugin and 
 modules, which UCX opens by itself: CMA and CUDA; InfiniBand/RoCE only with --rdma, for hosts with
 RDMA NICs: without them UCX moves between hosts by TCP). The kept shared objects are stripped
 of symbols not needed for linking (`strip --strip-unneeded`, binutils) and the members
-compressed with LZMA (pip reads any method Python's zipfile does). RECORD is rewritten; the
-file name gains the build tag `1slim`. The repack is generic in the Python tag: the cp311 and
-cp312 wheels hold the same files but for the extension modules' names.
+compressed with LZMA (pip reads any method Python's zipfile does). RECORD is rewritten
+(bench/wheel_repack.py); the file name gains the build tag `1slim`. The repack is generic in the
+Python tag: the cp311 and cp312 wheels hold the same files but for the extension modules' names.
 
 Check it on the CPU machine with the cp311 build (`--python-version 3.11`), installed into a
 scratch directory: `python3 bench/repack_nixl.py WHEEL --out /tmp/slim --check` installs the

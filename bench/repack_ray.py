@@ -5,9 +5,10 @@ all; the stock ray 2.60.0 wheel is 79 MB). The GPU machine has no Ray and no net
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \\
         --platform manylinux2014_x86_64 ray==2.60.0 -d /tmp/raydl
-    python3 bench/repack_ray.py /tmp/raydl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl --out .whlray
-    # 23.4 MB; the calls that need Ray carry .whlray beside .whl (bench/device_setup.sh installs both);
-    # never commit the wheel
+    python3 bench/repack_ray.py /tmp/raydl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl --out .whlray \\
+        --system-aiohttp
+    # 23.0 MB (24.0 MB without --system-aiohttp); the calls that need Ray carry .whlray beside .whl
+    # (bench/device_setup.sh installs both); .whlray/ is ignored: never commit the wheel
 
 What goes:
 - ray/jars (the Java workers' jars, 32 MB compressed) and the Cython headers (ray/includes, *.pxd);
@@ -15,35 +16,41 @@ What goes:
   dask, joblib, horovod, lightgbm, xgboost, sgd; the `serve` and `tune` console scripts;
 - the dashboard's web client (ray/dashboard/client) and its data/serve/train modules, which
   import the libraries dropped. The dashboard's Python stays: the raylet starts the dashboard
-  agent on every node, include_dashboard=False or not.
-What stays is stripped: every ELF file (gcs_server, raylet, _raylet.so, libjemalloc, the
-extension modules of the vendored psutil and of the runtime-env agent's vendored aiohttp) loses
-the symbols not needed for linking (`strip --strip-unneeded`, binutils: 119 of 127 MB of the
-binaries' symbols and debug sections), and every member is LZMA-compressed (pip reads any method
-Python's zipfile does). RECORD is rewritten, the file name gains the build tag `1core`. The
-repack is generic in the Python tag: the cp311 and cp312 wheels hold the same files but for the
-extension modules' names.
+  agent on every node, include_dashboard=False or not;
+- with --system-aiohttp, the aiohttp (and its requirements) that Ray vendors for the runtime-env
+  agent, which every raylet starts: 0.9 MB. The agent then imports the interpreter's aiohttp,
+  which the GPU machine's image has (the device README's package list).
+What stays is stripped: every ELF file (gcs_server, raylet, _raylet.so, libjemalloc, which Ray
+preloads into its servers, and the vendored extension modules) loses the symbols not needed for
+linking (`strip --strip-unneeded`, binutils: the four Ray binaries go from 121 to 85 MB), and
+every member is LZMA-compressed (pip reads any method Python's zipfile does): the binaries are
+20.9 MB of the result. RECORD is rewritten (bench/wheel_repack.py), the file name gains the build
+tag `1core`. The repack is generic in the Python tag: the cp311 and cp312 wheels hold the same
+files but for the extension modules' names.
 
-Ray's own requirements (its METADATA's Requires-Dist without extras) are not in the wheel: click,
-filelock, jsonschema, msgpack, packaging, protobuf, pyyaml, requests, and aiohttp's requirements
-(aiohappyeyeballs, aiosignal, attrs, frozenlist, multidict, propcache, yarl, idna). The device
-image has all of them but jsonschema (docs: the device README's package list), which .whl
-carries; `--deps` prints the list for another version.
+Ray's own requirements (its METADATA's Requires-Dist without extras; `--deps` prints them) are
+not in the wheel: click, filelock, jsonschema, msgpack, packaging, protobuf, pyyaml, requests.
+The device image has all of them but jsonschema, which .whl carries (with referencing, rpds_py,
+jsonschema_specifications, attrs).
 
 Check it on the CPU machine with the cp311 build (the shared venv is Python 3.11 and has the stock
 Ray installed, which must not be what the check imports):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.11 --implementation cp \\
         --platform manylinux2014_x86_64 ray==2.60.0 -d /tmp/raydl311
-    python3 bench/repack_ray.py /tmp/raydl311/ray-2.60.0-cp311-cp311-manylinux2014_x86_64.whl --out /tmp/rayslim --check
+    python3 bench/repack_ray.py /tmp/raydl311/ray-2.60.0-cp311-cp311-manylinux2014_x86_64.whl --out /tmp/rayslim \\
+        --system-aiohttp --check
 
---check makes a venv of its own (OUT/venv, without the system's or the shared venv's packages;
-kept for the next check) holding only Ray's requirements and grpcio, installs the repacked wheel
-into OUT/site (pip --target), and in that venv's interpreter starts ray.init(num_cpus=2,
-include_dashboard=False), places a STRICT_PACK placement group of two bundles, runs an actor in
-each (with a runtime_env env var, as meshserve passes MESHSERVE_LOG), moves an 8 MiB object
-through the object store, asks the GCS for its cluster id over gRPC with Ray's token interceptor
-(meshserve's probe_cluster), and shuts down.
+--check makes a venv of its own (OUT/venv, from the base interpreter, without the system's or the
+shared venv's packages; kept for the next check) holding only Ray's requirements, grpcio, and
+aiohttp where the repack left Ray's out; installs the repacked wheel into OUT/site (pip --target),
+and in that venv's interpreter starts ray.init(num_cpus=2, include_dashboard=False), places a
+STRICT_PACK placement group of two bundles, runs an actor in each (with a runtime_env env var, as
+meshserve passes MESHSERVE_LOG), moves an 8 MiB object through the object store, asks the GCS for
+its cluster id over gRPC with Ray's token interceptor (meshserve's probe_cluster; without it the
+GCS answers UNAUTHENTICATED), and shuts down. meshserve's own Ray tests run on the repack too:
+PYTHONPATH=$PWD:/tmp/rayslim/site ahead of the shared venv's Ray, e.g. tests/integration/
+test_cluster_ray.py::test_disaggregated_pools_on_ray_hand_kv_over, test_gpu_share_ray.py.
 """
 
 from __future__ import annotations
@@ -71,15 +78,18 @@ DROP = (
     "ray/dashboard/client", "ray/dashboard/modules/data", "ray/dashboard/modules/serve",
     "ray/dashboard/modules/train",
 )  # fmt: skip
+# The runtime-env agent (started by every raylet) puts this folder first on its path: aiohttp and its
+# requirements, 0.9 MB of the repack. --system-aiohttp drops it for an interpreter that has aiohttp.
+VENDORED_AIOHTTP = "ray/_private/runtime_env/agent/thirdparty_files"
 DROP_SUFFIXES = (".pxd",)  # Cython headers: for building against Ray, not for running it
 KEEP_SCRIPTS = {"ray"}  # console scripts; `serve` and `tune` would name dropped modules
 
 
-def prune(root: str) -> list[str]:
-    """Delete DROP from an unpacked Ray wheel at `root` and keep only the `ray` console script;
-    returns the paths deleted (relative to root)."""
+def prune(root: str, *, system_aiohttp: bool = False) -> list[str]:
+    """Delete DROP (and VENDORED_AIOHTTP when `system_aiohttp`) from an unpacked Ray wheel at
+    `root` and keep only the `ray` console script; returns the paths deleted (relative to root)."""
     deleted = []
-    for rel in DROP:
+    for rel in DROP + ((VENDORED_AIOHTTP,) if system_aiohttp else ()):
         if os.path.exists(os.path.join(root, rel)):
             wheel_repack.remove(root, rel)
             deleted.append(rel)
@@ -105,11 +115,12 @@ def _keep_scripts(entry_points: str) -> None:
         f.write(text.getvalue().rstrip() + "\n")
 
 
-def repack(wheel: str, out_dir: str, *, strip: bool = True, compression: int = zipfile.ZIP_LZMA) -> tuple[str, int]:
+def repack(wheel: str, out_dir: str, *, strip: bool = True, system_aiohttp: bool = False,
+           compression: int = zipfile.ZIP_LZMA) -> tuple[str, int]:
     """Write the Ray Core repack of `wheel` into out_dir; returns (its path, paths dropped)."""
     with tempfile.TemporaryDirectory() as root:
         wheel_repack.unpack(wheel, root)
-        deleted = prune(root)
+        deleted = prune(root, system_aiohttp=system_aiohttp)
         files = wheel_repack.tree(root)
         if strip:
             wheel_repack.strip(path for path in files.values() if wheel_repack.is_elf(path))
@@ -189,6 +200,9 @@ def check(wheel: str, out_dir: str) -> None:
         base = getattr(sys, "_base_executable", sys.executable)  # not a venv's python: its packages would show
         subprocess.run([base, "-m", "venv", venv], check=True)
     requirements = wheel_repack.requires_dist(wheel) + ["grpcio"]
+    with zipfile.ZipFile(wheel) as z:
+        if not any(name.startswith(VENDORED_AIOHTTP + "/") for name in z.namelist()):
+            requirements.append("aiohttp")  # repacked with --system-aiohttp
     subprocess.run([python, "-m", "pip", "install", "-q", *requirements], check=True)
     site = os.path.join(out_dir, "site")
     wheel_repack.install_target(wheel, site, python=python)
@@ -203,6 +217,8 @@ def main() -> None:
     parser.add_argument("wheel", help="a ray wheel, manylinux x86_64, any CPython tag")
     parser.add_argument("--out", default=".whlray", help="where the repacked wheel goes (default .whlray)")
     parser.add_argument("--no-strip", action="store_true", help="keep the ELF files' symbol tables")
+    parser.add_argument("--system-aiohttp", action="store_true", help="leave out the runtime-env agent's vendored "
+                        "aiohttp (0.9 MB): Ray then needs aiohttp installed, as the GPU machine's image has it")
     parser.add_argument("--deflate", action="store_true", help="DEFLATE instead of LZMA (larger)")
     parser.add_argument("--check", action="store_true", help="install into OUT/site and run Ray Core from it "
                         "in OUT/venv (Ray's requirements only)")
@@ -211,7 +227,7 @@ def main() -> None:
     if args.deps:
         print("\n".join(wheel_repack.requires_dist(args.wheel)))
     try:
-        path, dropped = repack(args.wheel, args.out, strip=not args.no_strip,
+        path, dropped = repack(args.wheel, args.out, strip=not args.no_strip, system_aiohttp=args.system_aiohttp,
                                compression=zipfile.ZIP_DEFLATED if args.deflate else zipfile.ZIP_LZMA)
     except RuntimeError as exc:  # strip missing
         parser.error(str(exc))

@@ -124,16 +124,9 @@ def install_target(wheel: str, site: str, *, python: str = sys.executable) -> No
 
 
 def requires_dist(wheel: str) -> list[str]:
-    """The wheel's Requires-Dist entries that hold without extras, on this interpreter (METADATA)."""
-    from packaging.requirements import Requirement
-
+    """The wheel's Requires-Dist entries that no extra asks for, markers kept (pip evaluates them)."""
     with zipfile.ZipFile(wheel) as z:
         (meta,) = [n for n in z.namelist() if n.count("/") == 1 and n.endswith(".dist-info/METADATA")]
         text = z.read(meta).decode()
-    out = []
-    for line in text.splitlines():
-        if line.startswith("Requires-Dist:"):
-            req = Requirement(line.split(":", 1)[1].strip())
-            if req.marker is None or req.marker.evaluate({"extra": ""}):
-                out.append(str(req))
-    return out
+    entries = [line.split(":", 1)[1].strip() for line in text.splitlines() if line.startswith("Requires-Dist:")]
+    return [e for e in entries if not re.search(r"\bextra\s*==", e.partition(";")[2])]

@@ -78,8 +78,8 @@ def test_a_repacked_wheel_installs_with_a_true_record_and_its_modes(original, tm
     assert out.stdout.strip() == "7"
 
 
-def test_requires_dist_leaves_extras_and_other_platforms_out(original):
-    assert wheel_repack.requires_dist(original) == ["msgpack<2,>=1"]
+def test_requires_dist_leaves_extras_out_and_keeps_markers(original):
+    assert wheel_repack.requires_dist(original) == ["msgpack<2,>=1", 'colorama; sys_platform == "win32"']
 
 
 def test_strip_keeps_a_shared_object_loadable(tmp_path):
