@@ -10,10 +10,17 @@
 #       device copy), then the GPU tests no call has finished yet
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
 #       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whlnixl)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whl .whlray)
 #       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
 #       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
-#       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica)
+#       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica).
+#       The prefill and decode replicas are Ray actors and the device has no Ray: .whlray holds the
+#       Ray Core repack (bench/repack_ray.py; recipe in bench/device_setup.sh). .whl, .whlray and the
+#       tree come to about 45 of the 64 MiB a call carries; with .whlnixl too they passed it (67.4 MB,
+#       2026-12-05): on one GPU `auto` moves KV by CUDA IPC, so leave .whlnixl out. Check with
+#       `du -cb .whl .whlray $(git ls-files)` first.
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlray)
+#       `serve --pools disaggregated --gpus-per-rank 0.5` on one GPU (tests/gpu/test_gpu_share_gpu.py): Ray too
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh latency
 #       issue 41: served time to first token against offline, one request at a time, hop by hop
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)

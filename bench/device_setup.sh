@@ -2,16 +2,24 @@
 # wheels carried in .whl/ (xgrammar and its apache_tvm_ffi, pydantic, FastAPI with opentelemetry-api,
 # uvicorn, pyzmq, grpc extras for the serving
 # benches) and in whichever of these ignored folders the call carries: .whlnixl/ (the repacked NIXL
-# wheel), .whlfi053/ (FlashInfer 0.5.3, cudnn-frontend) or .whlfi07/ (the repacked
+# wheel), .whlray/ (the repacked Ray), .whlfi053/ (FlashInfer 0.5.3, cudnn-frontend) or .whlfi07/ (the repacked
 # FlashInfer 0.7.x; bench/flashinfer_aot.sh) into /tmp/site, and sets the environment.
 # NIXL (the KV data plane) travels as a repacked wheel of 7.9 MB (the stock one is 59 MB), made here first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 nixl-cu13==1.5.1 -d /tmp/nixlwhl     # (no manylinux_2_17 build exists)
 #   python3 bench/repack_nixl.py /tmp/nixlwhl/nixl_cu13-1.5.1-cp312-cp312-manylinux_2_28_x86_64.whl --out .whlnixl
 # (carry .whlnixl only to the calls that use NIXL; bench/repack_nixl.py says what it drops; --check tries a cp311 repack here; never commit .whl*/).
+# Ray (the device has none: `serve --pools disaggregated` and Ray-placed replicas need it) travels as a
+# Ray Core repack in .whlray/ (ignored), 23.0 MB instead of 79 MB, made here first:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux2014_x86_64 ray==2.60.0 -d /tmp/raydl
+#   python3 bench/repack_ray.py /tmp/raydl/ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl --out .whlray --system-aiohttp
+# (carry .whlray only to the calls that need Ray; --system-aiohttp leans on the image's aiohttp, 0.9 MB less;
+# Ray's other requirements are in the image or .whl (jsonschema); bench/repack_ray.py says what it drops and
+# --check runs Ray Core from a cp311 repack here. .whl + .whlnixl + .whlray + the tree: about 63.5 of the 64 MiB.)
 # NO_FLASHINFER=1 leaves FlashInfer out (its tests then skip): 0.5.3 JIT-builds every module on
 # first use, minutes per configuration, which a 10-minute call cannot afford without a prebuilt cache.
-wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlfi053/*.whl .whlfi07/*.whl 2>/dev/null)
+wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlray/*.whl .whlfi053/*.whl .whlfi07/*.whl 2>/dev/null)
 [ "${NO_FLASHINFER:-0}" = 1 ] && wheels=$(echo "$wheels" | grep -v -e flashinfer -e cudnn_frontend)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || return 1
@@ -21,4 +29,5 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XDG_CACHE_HOME=/tmp/cache HF_HUB_OFFLINE=1
 export FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 nvidia-smi -L
+[ -d /tmp/site/ray ] && python3 -c 'import ray, aiohttp; print("ray", ray.__version__, "from /tmp/site; aiohttp", aiohttp.__version__)'
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'

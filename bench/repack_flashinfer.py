@@ -19,19 +19,22 @@ What stays:
   (bench/flashinfer_aot.sh writes them into fi07_cache.tgz as flashinfer/data/aot/<name>/<name>.so).
 
 The wheel keeps its name and version (pip installs it as flashinfer-python 0.7.4); its RECORD is
-rewritten for the files kept. Prints the size of what it wrote.
+rewritten for the files kept (bench/wheel_repack.py). Prints the size of what it wrote.
 """
 
 from __future__ import annotations
 
 import argparse
 import ast
-import base64
-import hashlib
 import re
 import sys
 import zipfile
 from pathlib import Path, PurePosixPath
+
+try:  # `python bench/repack_flashinfer.py` puts bench/ on the path, `python -m bench.repack_flashinfer` the repository
+    import wheel_repack
+except ModuleNotFoundError:
+    from bench import wheel_repack
 
 PKG = "flashinfer"
 # Modules our backends call, whose function-level imports are followed too.
@@ -148,19 +151,11 @@ def repack(src: str, out_dir: str, mode: str, *, all_deep: bool = False) -> str:
                 kept[path] = data  # tuning tables beside the modules (small)
             elif mode == "jit" and "/data/" in path and keep_data(path):
                 kept[path] = data
-    record = [f"{p},sha256={_digest(d)},{len(d)}" for p, d in sorted(kept.items())] + [f"{dist_info}/RECORD,,"]
-    kept[f"{dist_info}/RECORD"] = ("\n".join(record) + "\n").encode()
-    out = f"{out_dir.rstrip('/')}/{PurePosixPath(src).name}"
-    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-        for path, data in sorted(kept.items()):
-            zout.writestr(path, data)
+    out = wheel_repack.write_wheel(kept, f"{out_dir.rstrip('/')}/{PurePosixPath(src).name}",
+                                   compression=zipfile.ZIP_DEFLATED, compresslevel=9)
     n_py = sum(p.endswith(".py") for p in kept)
     print(f"{src}: {len(files)} files -> {len(kept)} ({n_py} .py), mode {mode}")
     return out
-
-
-def _digest(data: bytes) -> str:
-    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
 
 
 def main(argv: list[str] | None = None) -> None:

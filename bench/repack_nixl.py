@@ -14,9 +14,9 @@ DT_NEEDED entries, `readelf -d`, from the Python extensions, the UCX plugin and 
 modules, which UCX opens by itself: CMA and CUDA; InfiniBand/RoCE only with --rdma, for hosts with
 RDMA NICs: without them UCX moves between hosts by TCP). The kept shared objects are stripped
 of symbols not needed for linking (`strip --strip-unneeded`, binutils) and the members
-compressed with LZMA (pip reads any method Python's zipfile does). RECORD is rewritten; the
-file name gains the build tag `1slim`. The repack is generic in the Python tag: the cp311 and
-cp312 wheels hold the same files but for the extension modules' names.
+compressed with LZMA (pip reads any method Python's zipfile does). RECORD is rewritten
+(bench/wheel_repack.py); the file name gains the build tag `1slim`. The repack is generic in the
+Python tag: the cp311 and cp312 wheels hold the same files but for the extension modules' names.
 
 Check it on the CPU machine with the cp311 build (`--python-version 3.11`), installed into a
 scratch directory: `python3 bench/repack_nixl.py WHEEL --out /tmp/slim --check` installs the
@@ -27,27 +27,23 @@ interpreter.
 from __future__ import annotations
 
 import argparse
-import base64
-import hashlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+
+try:  # `python3 bench/repack_nixl.py` puts bench/ on the path, `python3 -m bench.repack_nixl` the repository
+    import wheel_repack
+except ModuleNotFoundError:
+    from bench import wheel_repack
 
 _KEEP_PLUGINS = {"libplugin_UCX.so"}
 _PLUGIN = re.compile(r"^lib(plugin|telemetry_exporter|trace_backend)_.*\.so$")
 _UCX_MODULE = re.compile(r"^lib(uct|ucm)_[a-z0-9_]+\.so(\.\d+)*$")  # UCX opens these itself
 _RDMA_MODULE = re.compile(r"^libuct_ib")  # InfiniBand/RoCE transports (and, through them, libibverbs, mlx5)
 _SHARED = re.compile(r"\.so(\.|$)")  # libx.so, libx.so.1.2, libazure-core-….so.1.17.0-beta.1
-
-
-def needed(path: str) -> list[str]:
-    """The DT_NEEDED sonames of an ELF shared object (readelf -d)."""
-    out = subprocess.run(["readelf", "-d", path], capture_output=True, text=True, check=True).stdout
-    return re.findall(r"\(NEEDED\)\s+Shared library: \[([^\]]+)\]", out)
 
 
 def prune(root: str, *, rdma: bool) -> tuple[list[str], list[str]]:
@@ -58,8 +54,7 @@ def prune(root: str, *, rdma: bool) -> tuple[list[str], list[str]]:
     deleted: list[str] = []
 
     def drop(rel: str) -> None:
-        full = os.path.join(root, rel)
-        shutil.rmtree(full) if os.path.isdir(full) else os.remove(full)
+        wheel_repack.remove(root, rel)
         deleted.append(rel)
 
     for top in sorted(os.listdir(root)):
@@ -91,37 +86,12 @@ def prune(root: str, *, rdma: bool) -> tuple[list[str], list[str]]:
         if rel in keep:
             continue
         keep.add(rel)
-        for soname in needed(os.path.join(root, rel)):
+        for soname in wheel_repack.needed(os.path.join(root, rel)):
             todo += by_name.get(soname, [])  # absent: a system library (libc, libstdc++, CUDA's)
     for rel in shared:
         if rel not in keep:
             drop(rel)
     return sorted(keep), deleted
-
-
-def _record_line(root: str, rel: str) -> str:
-    with open(os.path.join(root, rel), "rb") as f:
-        data = f.read()
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{rel.replace(os.sep, '/')},sha256={digest},{len(data)}"
-
-
-def write_wheel(root: str, original: str, out_dir: str, compression: int) -> str:
-    """Zip `root` as a wheel named like `original` with the build tag 1slim; RECORD rewritten."""
-    name, version, *tags = os.path.basename(original)[: -len(".whl")].split("-")
-    tags = tags[-3:]  # a build tag of the original is replaced
-    (dist_info,) = [d for d in os.listdir(root) if d.endswith(".dist-info")]
-    record = os.path.join(dist_info, "RECORD")
-    files = sorted(os.path.relpath(os.path.join(d, f), root) for d, _, fs in os.walk(root) for f in fs)
-    lines = [_record_line(root, rel) for rel in files if rel != record] + [f"{record},,"]
-    with open(os.path.join(root, record), "w") as f:
-        f.write("\n".join(lines) + "\n")
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, "-".join([name, version, "1slim", *tags]) + ".whl")
-    with zipfile.ZipFile(path, "w", compression=compression) as z:
-        for rel in [f for f in files if not f.startswith(dist_info)] + [f for f in files if f.startswith(dist_info)]:
-            z.write(os.path.join(root, rel), rel.replace(os.sep, "/"))  # dist-info last, as wheels do
-    return path
 
 
 _CHECK = r"""
@@ -151,9 +121,7 @@ print("two-agent DRAM READ of 1 MiB from", os.path.dirname(mod.__file__), "ok; p
 def check(wheel: str, out_dir: str) -> None:
     """Install `wheel` into out_dir/site and READ between two agents from it (a fresh interpreter)."""
     site = os.path.join(out_dir, "site")
-    shutil.rmtree(site, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--no-compile",
-                    "--target", site, wheel], check=True)
+    wheel_repack.install_target(wheel, site)
     module = os.path.basename(wheel).split("-")[0]  # nixl_cu13
     env = {**os.environ, "PYTHONPATH": site}
     subprocess.run([sys.executable, "-c", _CHECK, module, site], check=True, env=env)
@@ -170,14 +138,16 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="install into OUT/site and run a two-agent READ")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        with zipfile.ZipFile(args.wheel) as z:
-            z.extractall(tmp)
+        wheel_repack.unpack(args.wheel, tmp)
         kept, deleted = prune(tmp, rdma=args.rdma)
-        if not args.no_strip:
-            if shutil.which("strip") is None:
-                parser.error("`strip` (binutils) is not installed: pass --no-strip")
-            subprocess.run(["strip", "--strip-unneeded", *[os.path.join(tmp, rel) for rel in kept]], check=True)
-        path = write_wheel(tmp, args.wheel, args.out, zipfile.ZIP_DEFLATED if args.deflate else zipfile.ZIP_LZMA)
+        try:
+            if not args.no_strip:
+                wheel_repack.strip(os.path.join(tmp, rel) for rel in kept)
+        except RuntimeError as exc:  # strip missing
+            parser.error(str(exc))
+        path = wheel_repack.write_wheel(
+            wheel_repack.tree(tmp), os.path.join(args.out, wheel_repack.wheel_name(args.wheel, build_tag="1slim")),
+            compression=zipfile.ZIP_DEFLATED if args.deflate else zipfile.ZIP_LZMA)
     before, after = os.path.getsize(args.wheel), os.path.getsize(path)
     print(f"{path}: {after / 1e6:.1f} MB (from {before / 1e6:.1f} MB); {len(kept)} shared objects kept, "
           f"{len(deleted)} paths dropped")
