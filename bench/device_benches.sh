@@ -16,8 +16,8 @@
 #       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica).
 #       The prefill and decode replicas are Ray actors and the device has no Ray: .whlray holds the
 #       Ray Core repack (bench/repack_ray.py; recipe in bench/device_setup.sh). .whl, .whlray and the
-#       tree come to about 45 of the 64 MiB a call carries; with .whlnixl too they passed it (67.4 MB,
-#       2026-12-05): on one GPU `auto` moves KV by CUDA IPC, so leave .whlnixl out. Check with
+#       tree come to 59.4 MB of the 64 MiB (67.1 MB) a call carries, with .whlnixl too to 67.4 MB
+#       (2026-12-05): on one GPU `auto` moves KV by CUDA IPC, so leave .whlnixl out. Check with
 #       `du -cb .whl .whlray $(git ls-files)` first.
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlray)
 #       `serve --pools disaggregated --gpus-per-rank 0.5` on one GPU (tests/gpu/test_gpu_share_gpu.py): Ray too
