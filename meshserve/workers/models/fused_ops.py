@@ -9,11 +9,14 @@ Launches removed per decoder layer (eager torch, Llama-style layer without q/k n
   write_kv launch become one kernel: -5.
 `rms_norm` is a norm without a residual (layer 0's input norm, q/k norms) as one kernel.
 
-Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA). Off the
-Triton path every function runs exactly the unfused torch ops the model ran before, so CPU
-results are bit-for-bit unchanged; tests pass `use_triton=True` to run the kernels in the
-Triton interpreter. Kernels load in the activation dtype, compute in float32 and round once
-when they store.
+Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA); on a CPU,
+float32 contiguous inputs then go through meshserve's compiled CPU ops when they are built
+(attention/backends/cpu_layer_ops.py: the same fusions in C++; the rotation and the K/V write
+bit for bit, the norms and SiLU within float32 rounding of the torch ops), since their torch ops
+cost a decode step more in dispatch than in arithmetic. `use_triton=False` runs exactly the
+unfused torch ops the model ran before (the reference the tests compare with); tests pass
+`use_triton=True` to run the kernels in the Triton interpreter. Kernels load in the activation
+dtype, compute in float32 and round once when they store.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from meshserve.attention.backend import KVCache
+from meshserve.attention.backends import cpu_layer_ops
 from meshserve.attention.kernels.write_kv import fp8_grid, round_to_fp8_grid, scales_on
 from meshserve.errors import check
 
@@ -46,6 +50,29 @@ def runs_triton(x: torch.Tensor) -> bool:
 
 def _on_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
     return runs_triton(x) if use_triton is None else use_triton
+
+
+def _on_cpu_ops(use_triton: bool | None, *tensors: torch.Tensor) -> bool:
+    """Whether the compiled CPU ops take these tensors: the default path (use_triton None), every
+    tensor float32, contiguous and on the CPU, and the ops built (cpu_extension.py). (A loop, not
+    all() over a generator: about 25 calls per decode step, each on the step's critical path.)"""
+    if use_triton is not None:
+        return False
+    for t in tensors:
+        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
+            return False
+    return cpu_layer_ops.layer_ops() is not None
+
+
+def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
+    """Whether `rotary_qk_write_kv` (use_triton None) runs fused for this projection and cache:
+    the Triton kernel on CUDA, the compiled CPU op for a float32 projection and cache on a CPU.
+    (Elsewhere it would run the unfused torch ops: the model's own path is as good.)"""
+    if kv_cache is None:
+        return False
+    if runs_triton(qkv):
+        return True
+    return not kv_cache.is_fp8 and _on_cpu_ops(None, qkv, kv_cache.data)
 
 
 # ------------------------------------------------------------------------------------ rms_norm
@@ -83,6 +110,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     with scale 1 + weight.float(), cast back. Returns a new tensor shaped and typed as x.
     """
     if not _on_triton(use_triton, x):
+        if not unit_offset and _on_cpu_ops(use_triton, x, weight):
+            return cpu_layer_ops.add_rms_norm(x, None, weight, eps)[0]
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -116,6 +145,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
                  unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
     if not _on_triton(use_triton, x):
+        if not unit_offset and _on_cpu_ops(use_triton, x, residual, weight) and residual.shape == x.shape:
+            return cpu_layer_ops.add_rms_norm(x, residual, weight, eps)
         s = x + residual
         return rms_norm(s, weight, eps, unit_offset=unit_offset, use_triton=False), s
     return _launch_norm(x, residual, weight, eps, unit_offset)
@@ -183,6 +214,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
     """
     check(act in _ACT_CODE, "act", act, f"one of {sorted(_ACT_CODE)}")
     if not _on_triton(use_triton, gate_up):
+        if act == "silu" and _on_cpu_ops(use_triton, gate_up):
+            return cpu_layer_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return TORCH_ACTIVATIONS[act](gate) * up
     width = gate_up.shape[-1]
@@ -256,6 +289,18 @@ def _rotary_qk_write_kv_kernel(
     tl.store(dst + HALF, c2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
+def _rotary_write_errors(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int, D: int,
+                         data: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    T = qkv.shape[0]
+    check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
+    check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
+    check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
+    want = (2, data.shape[2], Hkv, D)
+    check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
+    check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")
+    check(data.stride(-1) == 1, "kv_cache.data", tuple(data.stride()), "unit stride in the head dimension")
+
+
 def rotary_qk_write_kv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     head_dim: int, kv_cache: KVCache, slot_mapping: torch.Tensor, use_triton: bool | None = None,
@@ -274,16 +319,16 @@ def rotary_qk_write_kv(
     torch path (use_triton False) is the unfused apply_rotary + TORCH reference write.
     """
     T, H, Hkv, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
-    check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
-    check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
     cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
-    check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
     data = kv_cache.data
-    want = (2, data.shape[2], Hkv, D)
-    check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
-    check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")
-    check(data.stride(-1) == 1, "kv_cache.data", tuple(data.stride()), "unit stride in the head dimension")
+    if not (qkv.shape == (T, (H + 2 * Hkv) * D) and D % 2 == 0 and cos.shape == (T, D) and sin.shape == (T, D)
+            and data.shape[1:] == (2, data.shape[2], Hkv, D) and slot_mapping.shape == (T,) and data.stride(-1) == 1):
+        _rotary_write_errors(qkv, cos, sin, H, Hkv, D, data, slot_mapping)  # (the messages, built on failure only)
     v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
+    if (not _on_triton(use_triton, qkv) and not kv_cache.is_fp8 and slot_mapping.dtype == torch.int64
+            and slot_mapping.is_contiguous() and _on_cpu_ops(use_triton, qkv, cos, sin, data)):
+        q, k = cpu_layer_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, H, Hkv)
+        return q, k, v
     if not _on_triton(use_triton, qkv):
         from meshserve.attention.backends.torch_ref import scatter_kv
         from meshserve.workers.models.rope import apply_rotary

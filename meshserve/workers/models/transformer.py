@@ -6,8 +6,9 @@ T new tokens of all sequences in a step. Attention goes through the backend hand
 the step's `ForwardContext`; no code here knows which backend that is.
 
 Layers pass on (output, residual stream) pairs, as vLLM does, so that each residual add joins
-the norm after it: on CUDA these, the MLP activation and the rotary embedding with the K/V
-write run as fused Triton kernels (fused_ops); on CPU the same torch ops as ever run.
+the norm after it: these, the MLP activation and the rotary embedding with the K/V write run
+as fused kernels (fused_ops): Triton on CUDA, meshserve's compiled ops on a CPU in float32
+(the torch ops where those are not built).
 
 Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one matrix
 each (`qkv_proj`, `gate_up_proj`); the loader stacks them.
@@ -109,8 +110,9 @@ class Attention(nn.Module):
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         layer = ctx.layers[self.layer_idx]
-        if self.q_norm is None and layer.backend.fused_kv_write and fused.runs_triton(qkv):
-            # One kernel rotates q and k and stores k and v as the backend's write_kv would.
+        if self.q_norm is None and layer.backend.fused_kv_write and fused.fuses_rotary_write(qkv, layer.kv_cache):
+            # One kernel (Triton on CUDA, C++ on a CPU) rotates q and k and stores k and v as the
+            # backend's write_kv would.
             q, k, v = fused.rotary_qk_write_kv(qkv, *rope, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                                                kv_cache=layer.kv_cache, slot_mapping=layer.slot_mapping)
         else:
