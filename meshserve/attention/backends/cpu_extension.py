@@ -2,8 +2,8 @@
 
 Two sources go into it, beside this file: the paged decode kernel of CPU_SDPA
 (cpu_paged_decode.cpp; cpu_paged_decode.py) and the decoder layer's small fused ops
-(cpu_layer_ops.cpp; cpu_layer_ops.py: residual add + RMSNorm, SiLU * up, rotary embedding + K/V
-write). One module, not one per source, because the compile is mostly
+(cpu_step_ops.cpp; cpu_step_ops.py: residual add + RMSNorm, SiLU * up, rotary embedding + K/V
+write, greedy's argmax). One module, not one per source, because the compile is mostly
 torch's headers (about 20-45 s on 2 cores each time): a second module would double the first
 start. It lives here, beside the backend that first asks for it, because the attention layer is
 the lowest one that both the backend and the model (workers/, which may import attention/) reach.
@@ -31,10 +31,10 @@ import torch
 log = logging.getLogger("meshserve.attention")
 
 _FLAGS = ["-O3", "-march=native", "-ffp-contract=fast"]
-FUNCTIONS = ["paged_decode", "add_rms_norm", "silu_and_mul", "rotary_write_kv"]
+FUNCTIONS = ["paged_decode", "add_rms_norm", "silu_and_mul", "rotary_write_kv", "argmax_rows"]
 
 
-SOURCES = ("cpu_paged_decode.cpp", "cpu_layer_ops.cpp")  # in this order: the second uses the first's helpers
+SOURCES = ("cpu_paged_decode.cpp", "cpu_step_ops.cpp")  # in this order: the second uses the first's helpers
 
 
 def _sources() -> list[str]:

@@ -15,7 +15,7 @@ float32 rounding of the per-key loop.
 Source: cpu_paged_decode.cpp, built with the decoder layer's fused ops into one module
 (cpu_extension.py) when the first float32 CPU_SDPA backend is made; when it cannot be built,
 CPU_SDPA runs its torch path. The vector helpers at its top (v16, load16, store16, hsum, exp16)
-serve cpu_layer_ops.cpp too, which follows it in the module.
+serve cpu_step_ops.cpp too, which follows it in the module.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Launches removed per decoder layer (eager torch, Llama-style layer without q/k n
 
 Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA); on a CPU,
 float32 contiguous inputs then go through meshserve's compiled CPU ops when they are built
-(attention/backends/cpu_layer_ops.py: the same fusions in C++; the rotation and the K/V write
+(attention/backends/cpu_step_ops.py: the same fusions in C++; the rotation and the K/V write
 bit for bit, the norms and SiLU within float32 rounding of the torch ops), since their torch ops
 cost a decode step more in dispatch than in arithmetic. `use_triton=False` runs exactly the
 unfused torch ops the model ran before (the reference the tests compare with); tests pass
@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from meshserve.attention.backend import KVCache
-from meshserve.attention.backends import cpu_layer_ops
+from meshserve.attention.backends import cpu_step_ops
 from meshserve.attention.kernels.write_kv import fp8_grid, round_to_fp8_grid, scales_on
 from meshserve.errors import check
 
@@ -61,7 +61,7 @@ def _on_cpu_ops(use_triton: bool | None, *tensors: torch.Tensor) -> bool:
     for t in tensors:
         if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
             return False
-    return cpu_layer_ops.layer_ops() is not None
+    return cpu_step_ops.step_ops() is not None
 
 
 def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
@@ -111,7 +111,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     """
     if not _on_triton(use_triton, x):
         if not unit_offset and _on_cpu_ops(use_triton, x, weight):
-            return cpu_layer_ops.add_rms_norm(x, None, weight, eps)[0]
+            return cpu_step_ops.add_rms_norm(x, None, weight, eps)[0]
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -146,7 +146,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
     if not _on_triton(use_triton, x):
         if not unit_offset and _on_cpu_ops(use_triton, x, residual, weight) and residual.shape == x.shape:
-            return cpu_layer_ops.add_rms_norm(x, residual, weight, eps)
+            return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
         s = x + residual
         return rms_norm(s, weight, eps, unit_offset=unit_offset, use_triton=False), s
     return _launch_norm(x, residual, weight, eps, unit_offset)
@@ -215,7 +215,7 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
     check(act in _ACT_CODE, "act", act, f"one of {sorted(_ACT_CODE)}")
     if not _on_triton(use_triton, gate_up):
         if act == "silu" and _on_cpu_ops(use_triton, gate_up):
-            return cpu_layer_ops.silu_and_mul(gate_up)
+            return cpu_step_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return TORCH_ACTIVATIONS[act](gate) * up
     width = gate_up.shape[-1]
@@ -327,7 +327,7 @@ def rotary_qk_write_kv(
     v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
     if (not _on_triton(use_triton, qkv) and not kv_cache.is_fp8 and slot_mapping.dtype == torch.int64
             and slot_mapping.is_contiguous() and _on_cpu_ops(use_triton, qkv, cos, sin, data)):
-        q, k = cpu_layer_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, H, Hkv)
+        q, k = cpu_step_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, H, Hkv)
         return q, k, v
     if not _on_triton(use_triton, qkv):
         from meshserve.attention.backends.torch_ref import scatter_kv

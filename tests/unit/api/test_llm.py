@@ -154,10 +154,10 @@ def test_demo_model_default_cpu_path_matches_hf():
     fused layer ops, float32): a batch of eight prompts decoded together gives HF's greedy tokens."""
     from transformers import AutoModelForCausalLM
 
-    from meshserve.attention.backends.cpu_layer_ops import layer_ops
+    from meshserve.attention.backends.cpu_step_ops import step_ops
     from meshserve.demo_model import DEMO_MODEL_DIR
 
-    if layer_ops() is None:
+    if step_ops() is None:
         pytest.skip("the CPU module could not be built here (see the logged warning)")
     texts = ["The for statement is used to", "An exception is raised when", "A class definition",
              "The import statement", "Assignment statements are used to", "A function definition",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshserve.attention.backend import KVCache
-from meshserve.attention.backends import cpu_extension, cpu_layer_ops, cpu_paged_decode
+from meshserve.attention.backends import cpu_extension, cpu_step_ops, cpu_paged_decode
 from meshserve.workers.models import fused_ops
 
 
@@ -29,7 +29,7 @@ def test_a_failed_build_logs_one_warning_and_every_op_falls_back(monkeypatch, ca
     monkeypatch.setattr(ext, "load_inline", broken)
     with caplog.at_level(logging.WARNING, logger="meshserve.attention"):
         assert cpu_paged_decode.paged_decode_op() is None
-        assert cpu_layer_ops.layer_ops() is None  # asked again: no second attempt, no second warning
+        assert cpu_step_ops.step_ops() is None  # asked again: no second attempt, no second warning
     warnings = [r for r in caplog.records if "CPU kernels unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "g++ not found" in warnings[0].getMessage()
     # the model's fused ops run their torch ops, bit for bit

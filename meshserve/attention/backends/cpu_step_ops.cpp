@@ -1,4 +1,4 @@
-// The decoder layer's fused CPU ops (cpu_layer_ops.py says what they do and why). Compiled after
+// A decode step's fused CPU ops (cpu_step_ops.py says what they do and why). Compiled after
 // cpu_paged_decode.cpp in one module: its includes and vector helpers serve here too.
 #include <cstring>
 
@@ -150,4 +150,59 @@ std::vector<torch::Tensor> rotary_write_kv(torch::Tensor qkv, torch::Tensor cos,
     }
   });
   return {q, k};
+}
+
+// x [N, V] -> [N] int64: per row the index of the first maximum, a NaN counting as the largest
+// (the first NaN): torch's max(dim).indices. Each of 16 lanes keeps its first maximum (a strict >
+// never moves off an earlier equal value); across lanes the largest value, then the lowest index.
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.is_contiguous() && x.dim() == 2 && x.size(1) > 0,
+              "x: float32, contiguous, [N, V] with V >= 1");
+  const int64_t N = x.size(0), V = x.size(1);
+  auto out = torch::empty({N}, x.options().dtype(torch::kInt64));
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, N, std::max<int64_t>(1, kGrainFloats / V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* row = xp + r * V;
+      int64_t best = 0;
+      int64_t v0 = 0;
+      if (V >= 16) {
+        v16 bv = load16(row);
+        i16 bi = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        i16 nan = bv != bv;
+        const i16 step = (i16){} + 16;
+        i16 idx = bi;
+        for (v0 = 16; v0 + 16 <= V; v0 += 16) {
+          const v16 v = load16(row + v0);
+          idx += step;
+          const i16 gt = v > bv;
+          bv = gt ? v : bv;
+          bi = gt ? idx : bi;
+          nan |= v != v;
+        }
+        bool any_nan = false;
+        for (int j = 0; j < 16; ++j) any_nan |= nan[j] != 0;
+        if (any_nan) {  // the first NaN wins (rare: a scalar scan)
+          int64_t i = 0;
+          while (!std::isnan(row[i])) ++i;
+          op[r] = i;
+          continue;
+        }
+        float m = bv[0];
+        best = bi[0];
+        for (int j = 1; j < 16; ++j)
+          if (bv[j] > m || (bv[j] == m && bi[j] < best)) { m = bv[j]; best = bi[j]; }
+      }
+      for (int64_t i = v0; i < V; ++i) {  // the tail (the whole row when V < 16), in order
+        if (std::isnan(row[i])) {
+          if (!std::isnan(row[best])) best = i;
+          break;
+        }
+        if (i == 0 || row[i] > row[best]) best = i;
+      }
+      op[r] = best;
+    }
+  });
+  return out;
 }

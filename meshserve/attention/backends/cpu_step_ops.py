@@ -1,4 +1,4 @@
-"""A decoder layer's small ops on the CPU, fused in C++: one call where the torch ops make several.
+"""A decode step's small ops on the CPU, fused in C++: one call where the torch ops make several.
 
 Between its GEMMs and its attention a decode step of the demo model ran about 40 small torch
 ops per layer (the residual add and the RMSNorm's six, the rotary embedding's roll / negate /
@@ -17,9 +17,12 @@ one pass over its rows:
   projection (x * cos + rotate_half(x) * sin, without fused multiply-adds: bit for bit
   `apply_rotary`), returns q and k as new contiguous tensors and stores k and v at their cache
   slots (-1: not stored here), as the TORCH reference write does for a float32 cache.
+- `argmax_rows(x)`: [N] int64 index of each row's maximum, the first on ties, a NaN counting as
+  the largest (its first): `x.max(dim=-1).indices`, which on this CPU is a scalar loop (232 us
+  for greedy's 64 x 4096 logits against about 10 here).
 
 Float32 and contiguous rows only; the callers (workers/models/fused_ops.py) keep the torch ops
-for anything else. Source: cpu_layer_ops.cpp, compiled after the paged decode kernel's into one
+for anything else. Source: cpu_step_ops.cpp, compiled after the paged decode kernel's into one
 module (cpu_extension.py); it uses that source's vector helpers (v16, load16, store16, hsum, exp16).
 """
 
@@ -30,7 +33,7 @@ import torch
 from meshserve.attention.backends.cpu_extension import cpu_extension
 
 
-def layer_ops():
+def step_ops():
     """The compiled module holding these ops (None: not built; the torch ops serve)."""
     return cpu_extension()
 
@@ -49,6 +52,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return cpu_extension().silu_and_mul(gate_up)
 
 
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [N, V] float32 contiguous (V >= 1) -> [N] int64 index of each row's first maximum (NaN
+    the largest)."""
+    return cpu_extension().argmax_rows(x)
+
+
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                     slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,4 +70,4 @@ def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cac
 
 _EMPTY = torch.empty(0)
 
-__all__ = ["layer_ops", "add_rms_norm", "silu_and_mul", "rotary_write_kv"]
+__all__ = ["step_ops", "argmax_rows", "add_rms_norm", "silu_and_mul", "rotary_write_kv"]
