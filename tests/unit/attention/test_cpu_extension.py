@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from meshserve.attention.backend import KVCache
-from meshserve.attention.backends import cpu_extension, cpu_step_ops, cpu_paged_decode
+from meshserve.attention.backends import cpu_extension, cpu_paged_decode, cpu_step_ops
 from meshserve.workers.models import fused_ops
 
 
