@@ -212,7 +212,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
     act: one of TORCH_ACTIVATIONS. The kernel computes in float32 and rounds once; the torch
     path rounds act(gate) and the product separately, as the unfused MLP did.
     """
-    check(act in _ACT_CODE, "act", act, f"one of {sorted(_ACT_CODE)}")
+    if act not in _ACT_CODE:  # (the message is built on failure only: this runs per layer per step)
+        check(False, "act", act, f"one of {sorted(_ACT_CODE)}")
     if not _on_triton(use_triton, gate_up):
         if act == "silu" and _on_cpu_ops(use_triton, gate_up):
             return cpu_step_ops.silu_and_mul(gate_up)

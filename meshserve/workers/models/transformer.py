@@ -30,6 +30,8 @@ from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.expert_layer import experts_graph_safe
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
+_NO_LAYER_PARAMS = LayerParams()  # (frozen: one shared instance, not one per layer per step)
+
 
 @dataclass
 class LayerAttention:
@@ -118,7 +120,7 @@ class Attention(nn.Module):
         else:
             q, k, v = self._rotate(qkv, rope)
             layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping, plan=layer.plan)
-        params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
+        params = _NO_LAYER_PARAMS if self.sinks is None else LayerParams(sinks=self.sinks)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, H * D))
 
