@@ -105,9 +105,10 @@ static void rotate_head(const float* x, const float* c, const float* s, int64_t 
   }
 }
 
-// qkv [T, (H + 2 Hkv) * D] (q heads, k heads, v heads); cos, sin [T, D] float32 (full width);
-// cache [N, 2, bs, Hkv, D] float32; slots [T] int64 (-1: not stored on this rank).
-// Returns q [T, H, D] and k [T, Hkv, D] rotated; k and v stored at each kept slot.
+// qkv [T, (H + 2 Hkv) * D] (q heads, k heads, v heads); cos, sin [T, D] or [T, 1, D] float32 (full
+// width); cache [N, 2, bs, Hkv, D] float32; slots [T] int64 (-1: not stored on this rank).
+// Returns q [T, H, D] and k [T, Hkv, D] rotated (new tensors) and v [T, Hkv, D] (a view of qkv);
+// k and v stored at each kept slot.
 std::vector<torch::Tensor> rotary_write_kv(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin,
                                            torch::Tensor cache, torch::Tensor slots, int64_t H, int64_t Hkv) {
   TORCH_CHECK(qkv.dtype() == torch::kFloat32 && cos.dtype() == torch::kFloat32 && sin.dtype() == torch::kFloat32
@@ -149,7 +150,7 @@ std::vector<torch::Tensor> rotary_write_kv(torch::Tensor qkv, torch::Tensor cos,
       std::memcpy(v_dst, x + (H + Hkv) * D, row * sizeof(float));
     }
   });
-  return {q, k};
+  return {q, k, qkv.narrow(1, (H + Hkv) * D, Hkv * D).view({T, Hkv, D})};
 }
 
 // x [N, V] -> [N] int64: per row the index of the first maximum, a NaN counting as the largest

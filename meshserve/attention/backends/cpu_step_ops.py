@@ -15,8 +15,9 @@ one pass over its rows:
   decode kernel (within 2 ulp of expf): within a few ulp of `F.silu(gate) * up`.
 - `rotary_write_kv(qkv, cos, sin, cache, slots, H, Hkv)`: rotates q and k of the fused qkv
   projection (x * cos + rotate_half(x) * sin, without fused multiply-adds: bit for bit
-  `apply_rotary`), returns q and k as new contiguous tensors and stores k and v at their cache
-  slots (-1: not stored here), as the TORCH reference write does for a float32 cache.
+  `apply_rotary`), returns q and k as new contiguous tensors (and v, a view of qkv) and stores k
+  and v at their cache slots (-1: not stored here), as the TORCH reference write does for a
+  float32 cache.
 - `argmax_rows(x)`: [N] int64 index of each row's maximum, the first on ties, a NaN counting as
   the largest (its first): `x.max(dim=-1).indices`, which on this CPU is a scalar loop (232 us
   for greedy's 64 x 4096 logits against about 10 here).
@@ -60,12 +61,12 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
 
 def rotary_write_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: torch.Tensor,
                     slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [T, H, D] and k [T, Hkv, D] rotated (new tensors) from qkv [T, (H + 2 Hkv) * D]; k and v
-    stored in cache [N, 2, bs, Hkv, D] at slot_mapping [T] int64 (-1 skips). cos, sin: [T, D] or
-    [T, 1, D] full-width tables. All float32, contiguous."""
-    q, k = cpu_extension().rotary_write_kv(qkv, cos, sin, cache, slot_mapping, num_heads, num_kv_heads)
-    return q, k
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, H, D] and k [T, Hkv, D] rotated (new tensors) and v [T, Hkv, D] (a view of qkv) from
+    qkv [T, (H + 2 Hkv) * D]; k and v stored in cache [N, 2, bs, Hkv, D] at slot_mapping [T] int64
+    (-1 skips). cos, sin: [T, D] or [T, 1, D] full-width tables. All float32, contiguous."""
+    q, k, v = cpu_extension().rotary_write_kv(qkv, cos, sin, cache, slot_mapping, num_heads, num_kv_heads)
+    return q, k, v
 
 
 _EMPTY = torch.empty(0)

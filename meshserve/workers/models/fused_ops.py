@@ -52,16 +52,14 @@ def _on_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
     return runs_triton(x) if use_triton is None else use_triton
 
 
-def _on_cpu_ops(use_triton: bool | None, *tensors: torch.Tensor) -> bool:
-    """Whether the compiled CPU ops take these tensors: the default path (use_triton None), every
-    tensor float32, contiguous and on the CPU, and the ops built (cpu_extension.py). (A loop, not
-    all() over a generator: about 25 calls per decode step, each on the step's critical path.)"""
-    if use_triton is not None:
-        return False
-    for t in tensors:
-        if t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous():
-            return False
-    return cpu_step_ops.step_ops() is not None
+def _cpu_ops(use_triton: bool | None, x: torch.Tensor):
+    """meshserve's compiled CPU ops (cpu_step_ops.py) when they take x: the default path (use_triton
+    None), x float32, contiguous and on the CPU, and the ops built; else None. The ops check the
+    rest of their inputs themselves (shapes, dtypes: a clear error naming the input). Kept to a
+    few attribute reads: it runs about 25 times per decode step, on the step's critical path."""
+    if use_triton is None and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous():
+        return cpu_step_ops.step_ops()
+    return None
 
 
 def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
@@ -72,7 +70,8 @@ def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
         return False
     if runs_triton(qkv):
         return True
-    return not kv_cache.is_fp8 and _on_cpu_ops(None, qkv, kv_cache.data)
+    data = kv_cache.data
+    return data.dtype == torch.float32 and data.is_contiguous() and _cpu_ops(None, qkv) is not None
 
 
 # ------------------------------------------------------------------------------------ rms_norm
@@ -109,9 +108,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     Plain: as F.rms_norm(x, (N,), weight) in x's dtype. unit_offset: as F.rms_norm in float32
     with scale 1 + weight.float(), cast back. Returns a new tensor shaped and typed as x.
     """
+    if not unit_offset and _cpu_ops(use_triton, x) is not None:
+        return cpu_step_ops.add_rms_norm(x, None, weight, eps)[0]
     if not _on_triton(use_triton, x):
-        if not unit_offset and _on_cpu_ops(use_triton, x, weight):
-            return cpu_step_ops.add_rms_norm(x, None, weight, eps)[0]
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
         if x.dtype == torch.float32 and weight.dtype == torch.float32:
@@ -144,9 +143,9 @@ def _norm_constants(n: int, eps: float, device: torch.device) -> tuple[torch.Ten
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
+    if not unit_offset and _cpu_ops(use_triton, x) is not None and residual.is_contiguous():
+        return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
     if not _on_triton(use_triton, x):
-        if not unit_offset and _on_cpu_ops(use_triton, x, residual, weight) and residual.shape == x.shape:
-            return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
         s = x + residual
         return rms_norm(s, weight, eps, unit_offset=unit_offset, use_triton=False), s
     return _launch_norm(x, residual, weight, eps, unit_offset)
@@ -214,9 +213,9 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
     """
     if act not in _ACT_CODE:  # (the message is built on failure only: this runs per layer per step)
         check(False, "act", act, f"one of {sorted(_ACT_CODE)}")
+    if act == "silu" and _cpu_ops(use_triton, gate_up) is not None:
+        return cpu_step_ops.silu_and_mul(gate_up)
     if not _on_triton(use_triton, gate_up):
-        if act == "silu" and _on_cpu_ops(use_triton, gate_up):
-            return cpu_step_ops.silu_and_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return TORCH_ACTIVATIONS[act](gate) * up
     width = gate_up.shape[-1]
@@ -319,17 +318,17 @@ def rotary_qk_write_kv(
     The cache receives the rounded k, so it holds exactly what write_kv(k, v) would store. The
     torch path (use_triton False) is the unfused apply_rotary + TORCH reference write.
     """
+    data = kv_cache.data
+    if (_cpu_ops(use_triton, qkv) is not None and data.dtype == torch.float32 and data.is_contiguous()
+            and cos.is_contiguous() and sin.is_contiguous() and slot_mapping.dtype == torch.int64):
+        # (the op checks the shapes itself, each error naming its input; head_dim is the cache's)
+        return cpu_step_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, num_heads, num_kv_heads)
     T, H, Hkv, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
     cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
-    data = kv_cache.data
     if not (qkv.shape == (T, (H + 2 * Hkv) * D) and D % 2 == 0 and cos.shape == (T, D) and sin.shape == (T, D)
             and data.shape[1:] == (2, data.shape[2], Hkv, D) and slot_mapping.shape == (T,) and data.stride(-1) == 1):
         _rotary_write_errors(qkv, cos, sin, H, Hkv, D, data, slot_mapping)  # (the messages, built on failure only)
     v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
-    if (not _on_triton(use_triton, qkv) and not kv_cache.is_fp8 and slot_mapping.dtype == torch.int64
-            and slot_mapping.is_contiguous() and _on_cpu_ops(use_triton, qkv, cos, sin, data)):
-        q, k = cpu_step_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, H, Hkv)
-        return q, k, v
     if not _on_triton(use_triton, qkv):
         from meshserve.attention.backends.torch_ref import scatter_kv
         from meshserve.workers.models.rope import apply_rotary

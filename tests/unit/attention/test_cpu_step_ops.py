@@ -86,13 +86,14 @@ def test_rotary_write_kv_is_apply_rotary_and_the_reference_write_bit_for_bit(tok
     qkv, cos, sin, slots = _rotary_case(tokens, heads, kv_heads, dim, seed=tokens * dim)
     cache = torch.randn(6, 2, 8, kv_heads, dim, generator=_gen(5))
     ref_cache = KVCache(cache.clone())
-    q, k = cpu_step_ops.rotary_write_kv(qkv, cos, sin, cache, slots, heads, kv_heads)
+    q, k, v_out = cpu_step_ops.rotary_write_kv(qkv, cos, sin, cache, slots, heads, kv_heads)
     qk = qkv[:, : (heads + kv_heads) * dim].view(tokens, heads + kv_heads, dim)
     ref_q, ref_k = apply_rotary(qk, cos, sin).split([heads, kv_heads], dim=1)
     v = qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim)
     scatter_kv(ref_k, v, ref_cache, slots)
     assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
     assert q.is_contiguous() and k.is_contiguous()
+    assert torch.equal(v_out, v) and v_out.data_ptr() == v.data_ptr()  # a view of qkv
     assert torch.equal(cache, ref_cache.data)  # k and v at the kept slots, nothing else touched
 
 
@@ -165,7 +166,7 @@ def test_the_model_takes_the_compiled_ops_on_a_float32_cpu(tmp_path, monkeypatch
                             or _r(*a))
     got = step_logits(tmp_path, backend="CPU_SDPA")
     assert all(calls.values()), calls
-    monkeypatch.setattr(fused_ops, "_on_cpu_ops", lambda *a: False)  # the unfused torch ops
+    monkeypatch.setattr(fused_ops, "_cpu_ops", lambda *a: None)  # the unfused torch ops
     want = step_logits(tmp_path, backend="CPU_SDPA")
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):
