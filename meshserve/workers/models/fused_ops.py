@@ -289,18 +289,6 @@ def _rotary_qk_write_kv_kernel(
     tl.store(dst + HALF, c2.to(cache_ptr.dtype.element_ty), mask=cache_mask)
 
 
-def _rotary_write_errors(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, H: int, Hkv: int, D: int,
-                         data: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    T = qkv.shape[0]
-    check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
-    check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
-    check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
-    want = (2, data.shape[2], Hkv, D)
-    check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
-    check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")
-    check(data.stride(-1) == 1, "kv_cache.data", tuple(data.stride()), "unit stride in the head dimension")
-
-
 def rotary_qk_write_kv(
     qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, num_heads: int, num_kv_heads: int,
     head_dim: int, kv_cache: KVCache, slot_mapping: torch.Tensor, use_triton: bool | None = None,
@@ -324,10 +312,14 @@ def rotary_qk_write_kv(
         # (the op checks the shapes itself, each error naming its input; head_dim is the cache's)
         return cpu_step_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, num_heads, num_kv_heads)
     T, H, Hkv, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
+    check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
+    check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
     cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
-    if not (qkv.shape == (T, (H + 2 * Hkv) * D) and D % 2 == 0 and cos.shape == (T, D) and sin.shape == (T, D)
-            and data.shape[1:] == (2, data.shape[2], Hkv, D) and slot_mapping.shape == (T,) and data.stride(-1) == 1):
-        _rotary_write_errors(qkv, cos, sin, H, Hkv, D, data, slot_mapping)  # (the messages, built on failure only)
+    check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
+    want = (2, data.shape[2], Hkv, D)
+    check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
+    check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")
+    check(data.stride(-1) == 1, "kv_cache.data", tuple(data.stride()), "unit stride in the head dimension")
     v = qkv[:, (H + Hkv) * D :].view(T, Hkv, D)
     if not _on_triton(use_triton, qkv):
         from meshserve.attention.backends.torch_ref import scatter_kv
