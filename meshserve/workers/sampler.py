@@ -15,6 +15,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from meshserve.attention.backends.cpu_step_ops import argmax_rows, step_ops
 from meshserve.core.outputs import TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
@@ -144,12 +145,18 @@ class Sampler:
 def first_max_index(x: torch.Tensor) -> torch.Tensor:
     """x [N, V] -> [N] int64 index of each row's maximum, the first one on ties: argmax's result.
 
-    On CPU `max(dim).indices` rather than `argmax`: the same index (both take the first maximum,
-    NaN counting as the largest), at a third of the time (torch 2.13, one thread, 4096-wide rows:
-    116 against 377 us at 64 rows, 34 against 94 at 16). Elsewhere argmax, whose GPU kernels the
-    GPU tests have checked (the CPU timing says nothing about them).
+    On CPU the compiled `argmax_rows` (attention/backends/cpu_step_ops.py) for float32 rows,
+    else `max(dim).indices`: the same index (the first maximum, NaN counting as the largest).
+    torch's CPU reduction with indices is a scalar loop: on the Zen-4-class host 232 us for
+    64 x 4096 logits and 63 at 16 rows (`max` and `argmax` alike), against about 10 and 3
+    vectorised (docs/performance.md). Elsewhere argmax, whose GPU kernels the GPU tests have
+    checked (the CPU timing says nothing about them).
     """
-    return x.max(dim=-1).indices if x.device.type == "cpu" else x.argmax(dim=-1)
+    if x.device.type != "cpu":
+        return x.argmax(dim=-1)
+    if x.dtype == torch.float32 and x.dim() == 2 and x.shape[1] > 0 and x.is_contiguous() and step_ops() is not None:
+        return argmax_rows(x)
+    return x.max(dim=-1).indices
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

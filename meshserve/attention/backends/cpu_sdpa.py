@@ -50,6 +50,7 @@ _NO_SINKS = torch.empty(0)
 
 class CpuSdpaBackend(AttentionBackend):
     name = "CPU_SDPA"
+    fused_kv_write = True  # write_kv is the TORCH reference scatter: the model may fuse it with the rotation
     capabilities = BackendCapabilities(
         dtypes=frozenset({"float32", "float16", "bfloat16"}),
         kv_cache_dtypes=frozenset(KVCacheDtype),

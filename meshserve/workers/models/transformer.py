@@ -6,8 +6,9 @@ T new tokens of all sequences in a step. Attention goes through the backend hand
 the step's `ForwardContext`; no code here knows which backend that is.
 
 Layers pass on (output, residual stream) pairs, as vLLM does, so that each residual add joins
-the norm after it: on CUDA these, the MLP activation and the rotary embedding with the K/V
-write run as fused Triton kernels (fused_ops); on CPU the same torch ops as ever run.
+the norm after it: these, the MLP activation and the rotary embedding with the K/V write run
+as fused kernels (fused_ops): Triton on CUDA, meshserve's compiled ops on a CPU in float32
+(the torch ops where those are not built).
 
 Parameter names follow HF checkpoints, except that q/k/v and gate/up are fused into one matrix
 each (`qkv_proj`, `gate_up_proj`); the loader stacks them.
@@ -28,6 +29,8 @@ from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.expert_layer import experts_graph_safe
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
+
+_NO_LAYER_PARAMS = LayerParams()  # (frozen: one shared instance, not one per layer per step)
 
 
 @dataclass
@@ -109,14 +112,15 @@ class Attention(nn.Module):
         T, H, Hkv, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
         layer = ctx.layers[self.layer_idx]
-        if self.q_norm is None and layer.backend.fused_kv_write and fused.runs_triton(qkv):
-            # One kernel rotates q and k and stores k and v as the backend's write_kv would.
+        if self.q_norm is None and layer.backend.fused_kv_write and fused.fuses_rotary_write(qkv, layer.kv_cache):
+            # One kernel (Triton on CUDA, C++ on a CPU) rotates q and k and stores k and v as the
+            # backend's write_kv would.
             q, k, v = fused.rotary_qk_write_kv(qkv, *rope, num_heads=H, num_kv_heads=Hkv, head_dim=D,
                                                kv_cache=layer.kv_cache, slot_mapping=layer.slot_mapping)
         else:
             q, k, v = self._rotate(qkv, rope)
             layer.backend.write_kv(k, v, layer.kv_cache, layer.slot_mapping, plan=layer.plan)
-        params = LayerParams() if self.sinks is None else LayerParams(sinks=self.sinks)
+        params = _NO_LAYER_PARAMS if self.sinks is None else LayerParams(sinks=self.sinks)
         o = layer.backend.forward(q, k, v, layer.kv_cache, layer.plan, layer=params)  # [T, H, D]
         return self.o_proj(o.reshape(T, H * D))
 

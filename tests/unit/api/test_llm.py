@@ -149,6 +149,27 @@ def test_demo_model_matches_hf():
     assert len(out.text) > 20
 
 
+def test_demo_model_default_cpu_path_matches_hf():
+    """The default CPU path (CPU_SDPA with the compiled paged decode kernel at head size 64 and the
+    fused layer ops, float32): a batch of eight prompts decoded together gives HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from meshserve.attention.backends.cpu_step_ops import step_ops
+    from meshserve.demo_model import DEMO_MODEL_DIR
+
+    if step_ops() is None:
+        pytest.skip("the CPU module could not be built here (see the logged warning)")
+    texts = ["The for statement is used to", "An exception is raised when", "A class definition",
+             "The import statement", "Assignment statements are used to", "A function definition",
+             "The with statement", "Names refer to objects"]
+    llm = LLM(max_model_len=256, num_kv_blocks=64, progress=False)
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=24))
+    assert (llm.core.info.backend, llm.core.info.dtype) == ("CPU_SDPA", "float32")
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    for out in outs:
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 24, eos=1), out.text
+
+
 def test_prompts_helper_is_varied():
     lengths = [len(p) for p in prompts(4, min_len=3, max_len=12)]
     assert lengths == sorted(set(lengths))

@@ -1,9 +1,6 @@
 """The compiled paged decode kernel of CPU_SDPA against the TORCH reference backend (the oracle)
 over the shared scenario table and decode-heavy batches, its input checks, and its fallback."""
 
-import logging
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -86,50 +83,13 @@ def test_kernel_refuses_reads_outside_the_cache(kernel, lens, table, match):
                torch.tensor(lens, dtype=torch.int32), 0.3, 0.0, torch.empty(0))
 
 
-def test_a_failed_build_logs_one_warning_and_leaves_the_torch_path(monkeypatch, caplog):
-    import torch.utils.cpp_extension as ext
-
-    def broken(**kwargs):
-        raise RuntimeError("Error building extension 'x': g++ not found")
-
-    monkeypatch.setattr(ext, "load_inline", broken)
-    cpu_paged_decode.paged_decode_op.cache_clear()
-    try:
-        with caplog.at_level(logging.WARNING, logger="meshserve.attention"):
-            assert cpu_paged_decode.paged_decode_op() is None
-            assert cpu_paged_decode.paged_decode_op() is None  # asked again: no second attempt, no second warning
-        warnings = [r for r in caplog.records if "paged decode kernel unavailable" in r.getMessage()]
-        assert len(warnings) == 1 and "g++ not found" in warnings[0].getMessage()
-        case = make_case(DECODE_HEAVY[0])
-        out, _ = run_backend(CpuSdpaBackend, case)  # the torch ops serve
-        ref_out, _ = run_backend(TorchBackend, make_case(DECODE_HEAVY[0]))
-        assert _rel(out, ref_out) <= 1e-5
-    finally:
-        cpu_paged_decode.paged_decode_op.cache_clear()
-
-
-def test_turned_off_by_the_environment(monkeypatch):
-    monkeypatch.setenv("MESHSERVE_CPU_KERNELS", "0")
-    cpu_paged_decode.paged_decode_op.cache_clear()
-    try:
-        assert cpu_paged_decode.paged_decode_op() is None
-    finally:
-        cpu_paged_decode.paged_decode_op.cache_clear()
-
-
-def test_built_outside_the_source_tree(kernel):
-    repo = Path(cpu_paged_decode.__file__).resolve().parents[3]
-    build = cpu_paged_decode.cache_dir() / cpu_paged_decode.build_name()
-    assert not build.resolve().is_relative_to(repo)
-    assert any(build.glob("*.so"))
-
-
-def test_the_build_is_keyed_by_the_cpu(monkeypatch):
-    """-march=native code is only loaded on the CPU (model and flags) it was built for."""
-    monkeypatch.setattr(cpu_paged_decode, "_cpu_model", lambda: "model name: X\nflags: avx2")
-    avx2 = cpu_paged_decode.build_name()
-    monkeypatch.setattr(cpu_paged_decode, "_cpu_model", lambda: "model name: X\nflags: avx2 avx512f")
-    assert cpu_paged_decode.build_name() != avx2
+def test_a_failed_build_leaves_the_torch_path(monkeypatch):
+    """Without the compiled module (tests/unit/attention/test_cpu_extension.py: a failed build warns
+    once) CPU_SDPA's decodes run its torch ops, with the same results."""
+    monkeypatch.setattr(cpu_sdpa, "paged_decode_op", lambda: None)
+    out, _ = run_backend(CpuSdpaBackend, make_case(DECODE_HEAVY[0]))  # the torch ops serve
+    ref_out, _ = run_backend(TorchBackend, make_case(DECODE_HEAVY[0]))
+    assert _rel(out, ref_out) <= 1e-5
 
 
 def test_a_float32_backend_builds_the_kernel_when_made(monkeypatch):

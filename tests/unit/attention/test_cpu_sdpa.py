@@ -220,3 +220,32 @@ def test_write_kv_with_the_steps_plan_matches_the_shared_scatter(name, dcp_rank)
     scatter_kv(case.key, case.value, ref, meta.slot_mapping)
     assert torch.equal(ours.data, ref.data)
     assert not torch.equal(ours.data, case.kv_cache.data)  # something was written
+
+
+@pytest.mark.parametrize("lens", [(5, 5, 7, 3, 3, 3, 1, 9), (64,) * 4, (1, 2, 2)], ids=["runs", "equal", "one_token"])
+def test_whole_prompts_of_one_length_share_a_call(lens, monkeypatch):
+    """Neighbouring prompts of one length go through one batched SDPA call: the float64 oracle
+    holds, and the output is bit for bit what one call per prompt gives."""
+    import torch.nn.functional as F
+
+    from meshserve.attention.backends import cpu_sdpa_math
+
+    scenario = Scenario("fresh_prompts", lens, (0,) * len(lens))
+    case = make_case(scenario, seed=4)
+    ref_out, ref_lse = oracle(case)
+    calls = []
+    real = F.scaled_dot_product_attention
+    monkeypatch.setattr(cpu_sdpa_math.F, "scaled_dot_product_attention",
+                        lambda *a, **k: calls.append(1) or real(*a, **k))
+    out, plan = _forward_without_lse(scenario, case)
+    assert plan.groups[0].fresh
+    assert_matches(out, ref_lse.float(), ref_out, ref_lse, torch.float32)
+    runs = 1 + sum(a != b for a, b in zip(lens, lens[1:]))
+    assert len(calls) == runs
+    spec = scenario.attention_spec()
+    starts = [0]
+    for n in lens:
+        starts.append(starts[-1] + n)
+    one_each = torch.cat([cpu_sdpa_math.sdpa_per_sequence(spec, case.query, case.key, case.value, starts[i : i + 2])
+                          for i in range(len(lens))])
+    assert torch.equal(out, one_each)
