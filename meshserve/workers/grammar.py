@@ -201,7 +201,7 @@ class GrammarCompiler:
                 if not job.written_off:
                     continue
                 self._num_stuck -= 1
-                log.warning("a written-off grammar compile ended after %.1f s (%d still running)",
+                log.info("a written-off grammar compile ended after %.1f s (%d still running)",
                             time.monotonic() - job.started_at, self._num_stuck)
                 if self._num_serving >= COMPILE_THREADS or self._closed:
                     return  # its replacement serves the queue
