@@ -71,7 +71,8 @@ class CompileJob:
     future: Future = field(default_factory=Future)  # of xgrammar.CompiledGrammar
     num_waiting: int = 1  # requests that still want it (0: refused, or every one left)
     started_at: float | None = None  # time.monotonic() when a thread took it
-    written_off: bool = False  # every waiting request passed its bound while it ran: its thread is written off
+    written_off: bool = False  # its last waiting request gave up on it while it ran: its thread is written off
+    overdue: bool = False  # ... because that request passed its bound (the same spec is refused until it ends)
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class CompileStats:
 
     num_serving: int  # threads taking compiles from the queue
     num_stuck: int  # written-off compiles still running (each holds a thread, a core and its memory)
-    num_written_off: int  # compiles written off since start
+    num_written_off: int  # compiles written off since start (past their bound, or their requests left)
     num_refused: int  # grammars refused at once: num_stuck had reached MAX_STUCK_COMPILES
 
 
@@ -122,7 +123,7 @@ class GrammarCompiler:
         Each call is one waiting request, which `release` ends."""
         with self._state:
             job = self._jobs.get(spec.cache_key)
-            if job is not None and not job.written_off:
+            if job is not None and not job.overdue:  # (written off as its requests left: its result still comes)
                 job.num_waiting += 1
                 return job
             if job is not None:
@@ -130,8 +131,9 @@ class GrammarCompiler:
                                           "and still runs (xgrammar cannot stop it)")
             if self._num_stuck >= MAX_STUCK_COMPILES:
                 return self._refuse(spec, f"grammar compiles are unavailable: {self._num_stuck} earlier compiles "
-                                          f"passed grammar_compile_timeout_s and still run (xgrammar cannot stop them; "
-                                          f"MAX_STUCK_COMPILES={MAX_STUCK_COMPILES}); try again later")
+                                          f"were given up on (past grammar_compile_timeout_s, or their requests left) "
+                                          f"and still run (xgrammar cannot stop them; MAX_STUCK_COMPILES="
+                                          f"{MAX_STUCK_COMPILES}); try again later")
             job = self._jobs[spec.cache_key] = CompileJob(spec)
             self._queue.append(job)
             while self._num_serving < COMPILE_THREADS and not self._closed:
@@ -147,9 +149,10 @@ class GrammarCompiler:
         return job
 
     def release(self, job: CompileJob, *, overdue: bool) -> None:
-        """One request stops waiting for `job`: it left, or it passed its bound (`overdue`). When
-        none waits any more, a queued compile is dropped; a running one that the last waiter gave
-        up on is written off, and a fresh thread takes its place in serving the queue."""
+        """One request stops waiting for `job`: it passed its bound (`overdue`) or it left. When
+        none waits any more, a queued compile is dropped, and a running one is written off: its
+        thread runs it to its end (nothing can stop it), while a fresh thread takes its place in
+        serving the queue. (A caller that leaves mid-compile must not keep a compile thread either.)"""
         with self._state:
             if job.num_waiting == 0 or job.future.done():
                 return
@@ -158,14 +161,18 @@ class GrammarCompiler:
                 return
             if job.future.cancel():  # still queued: it never runs
                 self._jobs.pop(job.spec.cache_key, None)
-            elif overdue and not job.written_off:
+                return
+            job.overdue |= overdue
+            if not job.written_off:
                 job.written_off = True
                 self._num_serving -= 1
                 self._num_stuck += 1
                 self._num_written_off += 1
-                log.warning("grammar compile written off after %.1f s (xgrammar cannot stop it: it keeps a thread "
-                            "until it ends; %d written-off compiles running, at most %d): %.200s",
-                            time.monotonic() - job.started_at, self._num_stuck, MAX_STUCK_COMPILES, job.spec.source)
+                log.log(logging.WARNING if overdue else logging.DEBUG,
+                        "grammar compile written off after %.1f s, %s (xgrammar cannot stop it: it keeps a thread "
+                        "until it ends; %d written-off compiles running, at most %d): %.120s",
+                        time.monotonic() - job.started_at, "past its bound" if overdue else "its requests left",
+                        self._num_stuck, MAX_STUCK_COMPILES, job.spec.source)
                 if self._num_stuck < MAX_STUCK_COMPILES and not self._closed:
                     self._start_thread()
 

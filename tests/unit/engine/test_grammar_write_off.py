@@ -11,6 +11,7 @@ request served afterwards is jsonschema on its decoded output.
 from __future__ import annotations
 
 import json
+import re
 import threading
 
 import jsonschema
@@ -36,31 +37,46 @@ TIMEOUT_S = 0.3
 MAX_STEPS = 2000  # a request that never ends fails the test instead of hanging it
 
 
+class Runaways:
+    """Fault injection: compiles of RUNAWAY specs block until `release` is set (as a pathological
+    schema would, within a test's time); `entered` is set when one starts. Others compile."""
+
+    def __init__(self) -> None:
+        self.release, self.entered = threading.Event(), threading.Event()
+
+    def set(self) -> None:
+        self.release.set()
+
+
 @pytest.fixture
 def runaway_compiles(monkeypatch):
-    """Fault injection: compiles of RUNAWAY specs block until the test ends; others compile."""
-    release = threading.Event()
+    faults = Runaways()
     real = GrammarCompiler._compile
 
     def runaway_compile_fault(self, spec):
         if spec in RUNAWAY:
-            release.wait(60)
+            faults.entered.set()
+            faults.release.wait(60)
         return real(self, spec)
 
     monkeypatch.setattr(GrammarCompiler, "_compile", runaway_compile_fault)
-    yield release
-    release.set()
+    yield faults
+    faults.set()
+
+
+def _engine(timeout_s: float) -> EngineCore:
+    config = EngineConfig(
+        model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32", max_model_len=256),
+        cache=CacheConfig(num_kv_blocks=64),
+        scheduler=SchedulerConfig(grammar_compile_timeout_s=timeout_s),
+        attention=AttentionConfig(backend="TORCH"),
+    )
+    return EngineCore(config, device="cpu", progress=False)
 
 
 @pytest.fixture
 def core():
-    config = EngineConfig(
-        model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32", max_model_len=256),
-        cache=CacheConfig(num_kv_blocks=64),
-        scheduler=SchedulerConfig(grammar_compile_timeout_s=TIMEOUT_S),
-        attention=AttentionConfig(backend="TORCH"),
-    )
-    engine = EngineCore(config, device="cpu", progress=False)
+    engine = _engine(TIMEOUT_S)
     yield engine
     engine.shutdown()
 
@@ -142,13 +158,44 @@ def test_past_max_stuck_compiles_grammars_are_refused_with_the_cause_until_one_e
     assert last["json"].finish_reason is FinishReason.STOP
 
 
+def test_a_request_that_leaves_mid_compile_frees_its_thread_and_a_retry_gets_the_result(runaway_compiles):
+    engine = _engine(60.0)  # no bound passes here: the request leaves
+    try:
+        engine.add_request("Answer:", _constrained(RUNAWAY[0]), request_id="left")
+        # (a plain request keeps the engine stepping, so the driver hears at once that "left" left)
+        engine.add_request("Hello", SamplingParams(temperature=0, max_tokens=64, ignore_eos=True), request_id="plain")
+        for _ in range(MAX_STEPS):
+            if runaway_compiles.entered.is_set():
+                break
+            engine.step()
+        assert runaway_compiles.entered.is_set()
+        engine.abort("left")
+        engine.step()  # the plan tells the driver that the request left
+        stats = _compiler(engine).stats()
+        assert (stats.num_stuck, stats.num_serving) == (1, COMPILE_THREADS)
+        # The same spec again joins the compile still running (not refused): its result comes.
+        engine.add_request("Answer:", _constrained(RUNAWAY[0], max_tokens=8), request_id="retry")
+        engine.step()
+        runaway_compiles.set()
+        tokens, last = [], None
+        for _ in range(MAX_STEPS):
+            if not engine.has_unfinished():
+                break
+            for delta in engine.step():
+                if delta.request_id == "retry":
+                    tokens += delta.token_ids
+                    last = delta if delta.finished else last
+        assert last is not None and last.finish_reason is FinishReason.STOP, last
+        text = Tokenizer.from_file(str(DEMO_MODEL_DIR / "tokenizer.json")).decode(tokens, skip_special_tokens=True)
+        assert re.fullmatch("(stuck|loop)", text), text
+        assert _compiler(engine).stats().num_refused == 0
+    finally:
+        engine.shutdown()
+
+
 def test_no_compile_thread_outlives_the_engine(runaway_compiles):
     before = set(_compile_threads())
-    config = EngineConfig(
-        model=ModelConfig(model=str(DEMO_MODEL_DIR), dtype="float32", max_model_len=256),
-        cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig(grammar_compile_timeout_s=TIMEOUT_S),
-        attention=AttentionConfig(backend="TORCH"))
-    engine = EngineCore(config, device="cpu", progress=False)
+    engine = _engine(TIMEOUT_S)
     _run(engine, {"runaway": _constrained(RUNAWAY[0]), "json": _constrained(StructuredOutputs.json_schema(SCHEMA))})
     ours = set(_compile_threads()) - before
     assert len(ours) == 1 + COMPILE_THREADS  # the written-off one and the two serving
