@@ -82,7 +82,7 @@ class CompileStats:
     num_serving: int  # threads taking compiles from the queue
     num_stuck: int  # written-off compiles still running (each holds a thread, a core and its memory)
     num_written_off: int  # compiles written off since start (past their bound, or their requests left)
-    num_refused: int  # grammars refused at once: num_stuck had reached MAX_STUCK_COMPILES
+    num_refused: int  # grammars refused at once (MAX_STUCK_COMPILES reached, or their spec written off overdue)
 
 
 class GrammarCompiler:

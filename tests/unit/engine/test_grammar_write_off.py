@@ -71,7 +71,10 @@ def _engine(timeout_s: float) -> EngineCore:
         scheduler=SchedulerConfig(grammar_compile_timeout_s=timeout_s),
         attention=AttentionConfig(backend="TORCH"),
     )
-    return EngineCore(config, device="cpu", progress=False)
+    engine = EngineCore(config, device="cpu", progress=False)
+    # A first grammar builds the vocabulary table (the bound is short; CI machines are loaded).
+    _run(engine, {"warm-up": _constrained(StructuredOutputs.regex("(yes|no)"))})
+    return engine
 
 
 @pytest.fixture
@@ -118,7 +121,7 @@ def test_runaway_compiles_fail_alone_and_the_next_grammar_compiles_on_a_fresh_th
     stats = _compiler(core).stats()
     # Both runaways still hold their threads, written off; two fresh ones serve the queue.
     assert (stats.num_stuck, stats.num_written_off, stats.num_serving) == (2, 2, COMPILE_THREADS)
-    assert len(set(_compile_threads()) - before) == 2 + COMPILE_THREADS
+    assert len(set(_compile_threads()) - before) == 2  # the replacements (the runaways hold the first two)
 
     # A constrained request after them compiles and follows its schema (with both threads held by
     # the runaways, it used to fail at its own bound).
