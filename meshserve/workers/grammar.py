@@ -209,7 +209,7 @@ class GrammarCompiler:
                     continue
                 self._num_stuck -= 1
                 log.info("a written-off grammar compile ended after %.1f s (%d still running)",
-                            time.monotonic() - job.started_at, self._num_stuck)
+                         time.monotonic() - job.started_at, self._num_stuck)
                 if self._num_serving >= COMPILE_THREADS or self._closed:
                     return  # its replacement serves the queue
                 self._num_serving += 1  # none replaced it (MAX_STUCK_COMPILES were running): serve again

@@ -160,7 +160,8 @@ class ModelRunner:
         self.tables.remove(rid)
 
     def _stop_compiling(self, rid: str) -> None:
-        """The request left while its grammar compiled: the compile is dropped if none else waits for it."""
+        """The request left while its grammar compiled: unless another request waits for that compile,
+        it is dropped (queued) or written off (running: workers/grammar.py)."""
         c = self._compiling.pop(rid, None)
         if c is not None:
             c.grammar.stop_waiting(overdue=False)
