@@ -8,7 +8,14 @@ constrained request's time to its first token. The scheduler's grammar gate keep
 gap at about one step; an engine whose first draw waits for the compile inside the step shows a
 gap of about `delay` (and the same first-token time).
 
-Prints a table, writes JSON and a PNG (bench/results/grammar_stall[-TAG].{json,png}).
+Second table (--runaway-timeout): compiles that never end. An engine with grammar_compile_timeout_s
+at that value gets two requests whose compiles block until the end of the run (a pathological
+schema, by fault injection), then three ordinary constrained requests one after another: each
+one's outcome and time from arrival to its first token (or its error). With the compile threads
+held by the runaways they used to fail at their own bound; the written-off threads are replaced
+now (workers/grammar.py). Runs against whichever meshserve is imported (PYTHONPATH), for a before/after.
+
+Prints tables, writes JSON and a PNG (bench/results/grammar_stall[-TAG].{json,png}).
 
     python -m bench.grammar_stall
 """
@@ -18,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import threading
 import time
 from pathlib import Path
 
@@ -32,6 +40,8 @@ def main() -> None:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the demo model)")
     p.add_argument("--delays", type=float, nargs="+", default=[0.25, 1.0, 2.0], help="compile delays in seconds")
     p.add_argument("--tokens", type=int, default=60, help="tokens of the plain stream")
+    p.add_argument("--runaway-timeout", type=float, default=1.0,
+                   help="grammar_compile_timeout_s of the runaway-compile run (0: skip it)")
     p.add_argument("--tag", default="")
     args = p.parse_args()
     llm = LLM(args.model, dtype="float32", max_model_len=256, num_kv_blocks=64, progress=False)
@@ -53,9 +63,16 @@ def main() -> None:
     for r in rows:
         print(f"{r['delay_s']:>16.2f}{r['tokens']:>14}{r['median_gap_ms']:>15.1f}{r['max_gap_ms']:>12.1f}"
               f"{r['constrained_ttft_s']:>20.2f}")
+    after = runaways(args.model, args.runaway_timeout) if args.runaway_timeout > 0 else []
+    if after:
+        print(f"\nafter two runaway compiles (grammar_compile_timeout_s={args.runaway_timeout:g}):")
+        print(f"{'request':>9}{'outcome':>10}{'to first token or error s':>27}")
+        for r in after:
+            print(f"{r['request']:>9}{r['outcome']:>10}{r['seconds']:>27.3f}")
     out = Path(__file__).parent / "results" / f"grammar_stall{'-' + args.tag if args.tag else ''}"
     out.parent.mkdir(exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    out.with_suffix(".json").write_text(json.dumps({"args": vars(args), "rows": rows, "after_runaways": after},
+                                                   indent=1))
     plot(rows, out.with_suffix(".png"))
 
 
@@ -78,6 +95,51 @@ def run(llm: LLM, delay: float, num_tokens: int, spec: StructuredOutputs) -> dic
     gaps = [1e3 * (b - a) for a, b in zip(stamps, stamps[1:])]
     return {"delay_s": delay, "tokens": len(stamps), "median_gap_ms": statistics.median(gaps),
             "max_gap_ms": max(gaps), "constrained_ttft_s": first, "gaps_ms": gaps}
+
+
+def runaways(model: str | None, timeout_s: float) -> list[dict]:
+    from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
+    from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.engine.engine_config import EngineConfig
+    from meshserve.engine.engine_core import EngineCore
+
+    stuck = [StructuredOutputs.regex(f"(runaway){{{i}}}") for i in (1, 2)]
+    release = threading.Event()
+    real = GrammarCompiler._compile
+
+    def runaway_compile_fault(self, spec):
+        if spec in stuck:
+            release.wait(600)
+        return real(self, spec)
+
+    GrammarCompiler._compile = runaway_compile_fault
+    core = EngineCore(EngineConfig(
+        model=ModelConfig(model=str(model or DEMO_MODEL_DIR), dtype="float32", max_model_len=256),
+        cache=CacheConfig(num_kv_blocks=64), scheduler=SchedulerConfig(grammar_compile_timeout_s=timeout_s),
+        attention=AttentionConfig(backend="TORCH")), device="cpu", progress=False)
+    rows = []
+    try:
+        for i, spec in enumerate(stuck):
+            core.add_request("Answer:", SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec),
+                             request_id=f"runaway-{i}")
+        while core.has_unfinished():
+            core.step()
+        for i in range(3):
+            spec = StructuredOutputs.regex(f"(yes|no){{{i + 1}}}")
+            added = time.perf_counter()
+            core.add_request("Answer:", SamplingParams(temperature=0, max_tokens=4, structured_outputs=spec),
+                             request_id=f"after-{i}")
+            outcome = None
+            while core.has_unfinished():
+                for d in core.step():
+                    if outcome is None and (d.token_ids or d.finished):
+                        outcome = "error" if getattr(d, "error", None) is not None else "ok"
+                        rows.append({"request": i + 1, "outcome": outcome, "seconds": time.perf_counter() - added})
+    finally:
+        release.set()
+        GrammarCompiler._compile = real
+        core.shutdown()
+    return rows
 
 
 def plot(rows: list[dict], path: Path) -> None:

@@ -109,7 +109,7 @@ class ConstraintBuilder:
                     raise ValueError("structured_outputs needs the checkpoint's tokenizer.json")
                 self._compiler = GrammarCompiler(self.model_dir, vocab_size=self.vocab_size,
                                                  eos_token_ids=self.eos_token_ids)
-            out.grammar = GrammarState(self._compiler.submit(params.structured_outputs), output_ids)
+            out.grammar = GrammarState(self._compiler, params.structured_outputs, output_ids)
         return out
 
     def shutdown(self) -> None:

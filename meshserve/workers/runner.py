@@ -155,9 +155,16 @@ class ModelRunner:
         self.requests.pop(rid, None)
         self._reads_history.discard(rid)
         self._constrained.discard(rid)
-        self._compiling.pop(rid, None)
+        self._stop_compiling(rid)
         self._wants_prompt_logprobs.discard(rid)
         self.tables.remove(rid)
+
+    def _stop_compiling(self, rid: str) -> None:
+        """The request left while its grammar compiled: unless another request waits for that compile,
+        it is dropped (queued) or written off (running: workers/grammar.py)."""
+        c = self._compiling.pop(rid, None)
+        if c is not None:
+            c.grammar.stop_waiting(overdue=False)
 
     def announce(self, new: NewRequest) -> None:
         """Know a request from now on: its settings and tokens, an empty row of block tables
@@ -166,7 +173,7 @@ class ModelRunner:
                                                        list(new.prompt_ids), list(new.output_ids),
                                                        encoder_ids=list(new.encoder_ids))
         self._constrained.discard(new.request_id)  # (announced again after a detach)
-        self._compiling.pop(new.request_id, None)
+        self._stop_compiling(new.request_id)
         self._wants_prompt_logprobs.discard(new.request_id)
         if req.params.prompt_logprobs is not None:
             self._wants_prompt_logprobs.add(new.request_id)
@@ -200,12 +207,14 @@ class ModelRunner:
 
     def _grammar_outcomes(self, result: StepOutput) -> None:
         """Report the grammars whose compile ended or passed its bound (once each) in `result`.
-        (A compile past its bound runs on to its end on its thread: xgrammar cannot stop it.)"""
+        (A compile past its bound runs on to its end: xgrammar cannot stop it; its thread is
+        written off and replaced: workers/grammar.py.)"""
         now = time.monotonic()
         for rid, c in list(self._compiling.items()):
             if c.grammar.is_compiling:
                 if now > c.deadline:
                     del self._compiling[rid]
+                    c.grammar.stop_waiting(overdue=True)
                     result.grammar_errors[rid] = f"not compiled within grammar_compile_timeout_s={c.timeout_s:g} s"
                 continue
             del self._compiling[rid]
