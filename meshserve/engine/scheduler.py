@@ -32,7 +32,7 @@ from meshserve.core.outputs import FinishReason
 from meshserve.engine.admission import check_prompt_length
 from meshserve.engine.plan_encoder import PlanEncoder, RowDecision
 from meshserve.engine.request import Request, RequestStatus
-from meshserve.errors import check
+from meshserve.errors import UnavailableError, check
 from meshserve.workers.step import StepOutput, StepPlan
 
 if TYPE_CHECKING:
@@ -384,6 +384,12 @@ class Scheduler:
             if req is not None:
                 self._finish(req, FinishReason.ERROR)
                 req.error = req.params.structured_outputs.not_compiled(reason)
+                failed.append(req)
+        for rid, reason in output.grammar_busy.items():  # the server's state, not the grammar: 503
+            req = self.awaiting_grammar.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ERROR)
+                req.error = UnavailableError(f"structured_outputs: {reason}")
                 failed.append(req)
         return failed
 

@@ -60,7 +60,13 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 class CompileRefused(RuntimeError):
-    """A grammar refused without compiling: the compile capacity is held by written-off compiles."""
+    """A grammar refused without compiling. busy: because the compile capacity is held by
+    written-off compiles (the server's state, not the grammar: the request may come back later);
+    else because an earlier compile of this very grammar passed its bound and still runs."""
+
+    def __init__(self, reason: str, *, busy: bool) -> None:
+        super().__init__(reason)
+        self.busy = busy
 
 
 @dataclass(eq=False)
@@ -128,12 +134,12 @@ class GrammarCompiler:
                 return job
             if job is not None:
                 return self._refuse(spec, "an earlier compile of this same grammar passed grammar_compile_timeout_s "
-                                          "and still runs (xgrammar cannot stop it)")
+                                          "and still runs (xgrammar cannot stop it)", busy=False)
             if self._num_stuck >= MAX_STUCK_COMPILES:
                 return self._refuse(spec, f"grammar compiles are unavailable: {self._num_stuck} earlier compiles "
                                           f"were given up on (past grammar_compile_timeout_s, or their requests left) "
                                           f"and still run (xgrammar cannot stop them; MAX_STUCK_COMPILES="
-                                          f"{MAX_STUCK_COMPILES}); try again later")
+                                          f"{MAX_STUCK_COMPILES}); try again later", busy=True)
             job = self._jobs[spec.cache_key] = CompileJob(spec)
             self._queue.append(job)
             while self._num_serving < COMPILE_THREADS and not self._closed:
@@ -141,11 +147,11 @@ class GrammarCompiler:
             self._state.notify()
             return job
 
-    def _refuse(self, spec: StructuredOutputs, reason: str) -> CompileJob:
+    def _refuse(self, spec: StructuredOutputs, reason: str, *, busy: bool) -> CompileJob:
         self._num_refused += 1
         log.warning("grammar refused without compiling: %s", reason)
         job = CompileJob(spec, num_waiting=0)
-        job.future.set_exception(CompileRefused(reason))
+        job.future.set_exception(CompileRefused(reason, busy=busy))
         return job
 
     def release(self, job: CompileJob, *, overdue: bool) -> None:
@@ -250,6 +256,14 @@ class GrammarState:
         it is no longer compiling."""
         exc = self._compiled.exception(timeout=0)
         return None if exc is None else engine_reason(exc)
+
+    @property
+    def refused_busy(self) -> bool:
+        """Whether the grammar was refused for want of compile capacity (CompileRefused busy): the
+        server's state, answered as unavailable rather than as a bad grammar. Only once it is no
+        longer compiling."""
+        exc = self._compiled.exception(timeout=0)
+        return isinstance(exc, CompileRefused) and exc.busy
 
     def stop_waiting(self, *, overdue: bool) -> None:
         """The request no longer waits for its compile: it passed its bound (`overdue`: the compile

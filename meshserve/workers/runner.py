@@ -221,6 +221,8 @@ class ModelRunner:
             error = c.grammar.compile_error()
             if error is None:
                 result.grammars_ready.append(rid)
+            elif c.grammar.refused_busy:
+                result.grammar_busy[rid] = error
             else:
                 result.grammar_errors[rid] = error
 

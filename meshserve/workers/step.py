@@ -363,6 +363,8 @@ class StepOutput:
     grammars_ready: requests whose grammar the driver compiled since its previous output (the
                     scheduler may now have them drawn: workers/grammar.py)
     grammar_errors: request id -> why its grammar did not compile (the scheduler fails it alone)
+    grammar_busy: request id -> why its grammar was not compiled for want of compile capacity (the
+                  scheduler fails it alone, as unavailable: workers/grammar.py MAX_STUCK_COMPILES)
     """
 
     step_id: int
@@ -373,6 +375,7 @@ class StepOutput:
     prompt_logprobs: dict[str, list[tuple[int, TokenLogprobs]]] = field(default_factory=dict)
     grammars_ready: list[str] = field(default_factory=list)
     grammar_errors: dict[str, str] = field(default_factory=dict)
+    grammar_busy: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, step_id: int, sampled: Sequence[SampledToken]) -> StepOutput:
@@ -392,7 +395,7 @@ class StepOutput:
                 for rid, items in self.prompt_logprobs.items()]
         return msgpack.packb({"step_id": self.step_id, "ids": self.request_ids, "tokens": self.token_ids,
                               "logprobs": lps, "prompt_logprobs": plps, "grammars_ready": self.grammars_ready,
-                              "grammar_errors": self.grammar_errors})
+                              "grammar_errors": self.grammar_errors, "grammar_busy": self.grammar_busy})
 
     @classmethod
     def from_msgpack(cls, data: bytes) -> StepOutput:
@@ -402,4 +405,4 @@ class StepOutput:
         plps = {rid: [(i, TokenLogprobs(t, lp, tuple((int(a), v) for a, v in top))) for i, t, lp, top in items]
                 for rid, items in d.get("prompt_logprobs", ())}
         return cls(d["step_id"], d["ids"], tokens, lps, plps, d.get("grammars_ready", []),
-                   d.get("grammar_errors", {}))
+                   d.get("grammar_errors", {}), d.get("grammar_busy", {}))

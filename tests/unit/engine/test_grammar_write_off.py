@@ -25,7 +25,7 @@ from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.demo_model import DEMO_MODEL_DIR
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
-from meshserve.errors import ConfigError
+from meshserve.errors import ConfigError, UnavailableError
 from meshserve.workers import grammar
 from meshserve.workers.grammar import COMPILE_THREADS, GrammarCompiler
 
@@ -133,6 +133,7 @@ def test_runaway_compiles_fail_alone_and_the_next_grammar_compiles_on_a_fresh_th
     # The same runaway schema again is refused at once (it would only take another thread).
     _, last = _run(core, {"again": _constrained(RUNAWAY[0])})
     assert "an earlier compile of this same grammar" in str(last["again"].error)
+    assert isinstance(last["again"].error, ConfigError)  # the grammar itself: a 400 naming the field
     assert _compiler(core).stats().num_refused == 1
 
     # When the runaways end by themselves, their threads leave (their replacements stay).
@@ -151,6 +152,8 @@ def test_past_max_stuck_compiles_grammars_are_refused_with_the_cause_until_one_e
                                "plain": SamplingParams(temperature=0, max_tokens=4)})
     assert last["refused"].finish_reason is FinishReason.ERROR and tokens["refused"] == []
     assert "MAX_STUCK_COMPILES=2" in str(last["refused"].error)
+    # the server's state, not the grammar: unavailable (HTTP 503, gRPC UNAVAILABLE), not a 400
+    assert isinstance(last["refused"].error, UnavailableError)
     assert "grammar_compile_timeout_s" in str(last["refused"].error)
     assert last["plain"].finish_reason is FinishReason.LENGTH  # unconstrained requests are untouched
     assert core.kv.pool.num_free_blocks == free

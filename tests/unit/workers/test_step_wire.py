@@ -98,5 +98,5 @@ def test_grammar_announcements_and_outcomes_travel():
     back = StepPlan.from_msgpack(plan.to_msgpack())
     assert back == plan and back.new_requests[0].is_announcement and back.new_requests[0].grammar_timeout_s == 2.5
     assert back.all_seqs() == [] and back.num_new_tokens == 0
-    out = StepOutput(6, grammars_ready=["g"], grammar_errors={"h": "not a grammar"})
+    out = StepOutput(6, grammars_ready=["g"], grammar_errors={"h": "not a grammar"}, grammar_busy={"i": "no capacity"})
     assert StepOutput.from_msgpack(out.to_msgpack()) == out
