@@ -152,6 +152,7 @@ class IpcImporter:
             raise KVTransferError("bad_header", f"undecodable CUDA IPC description: {exc!r}") from exc
         if not self.verify:
             session.trust_frames()
+        session.check_checksum_present()
         stream = self._stream(session.io.device)
         copied = torch.cuda.Event()
         with torch.cuda.stream(stream):
