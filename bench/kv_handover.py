@@ -184,7 +184,7 @@ def offer_times(args) -> list[dict]:
                 times.append((time.perf_counter() - t0) * 1e3)
                 agent.poll(0)
             rows.append({"setting": setting, "tokens": size, "nixl": agent.nixl is not None,
-                         "offer_ms": statistics.median(times[1:]), "min_ms": min(times[1:])})
+                         "offer_ms": statistics.median(times[1:]), "min_ms": min(times[1:]), "cold_ms": times[0]})
             print(f"  {setting} {size} tokens: {rows[-1]['offer_ms']:.2f} ms", file=sys.stderr, flush=True)
         agent.close()
     return rows
@@ -468,10 +468,10 @@ def main() -> None:
             json.dump({"device": where, "load": os.getloadavg(), "rows": rows}, f, indent=1)
         print(f"KVRankAgent.offer, {args.shape} shape, on {where}, load {os.getloadavg()[0]:.1f}; median of "
               f"{args.reps} offers after a warm one")
-        print(f"{'setting':<26} {'tokens':>7} {'NIXL':>5} {'offer ms':>9} {'min ms':>8}")
+        print(f"{'setting':<26} {'tokens':>7} {'NIXL':>5} {'offer ms':>9} {'min ms':>8} {'first ms':>9}")
         for r in rows:
             print(f"{r['setting']:<26} {r['tokens']:>7} {'yes' if r['nixl'] else 'no':>5} {r['offer_ms']:>9.2f} "
-                  f"{r['min_ms']:>8.2f}")
+                  f"{r['min_ms']:>8.2f} {r['cold_ms']:>9.2f}")
         return
     rows, burst_rows = run(args)
     stem = os.path.join(args.out, f"kv_handover-{args.device}-{args.shape}")
