@@ -183,3 +183,24 @@ def test_a_header_without_a_checksum_round_trips_and_a_forged_one_is_refused():
         dst.connector.import_(forged, [bytes(f.numpy()) for f in export.frames])
     assert info.value.reason == "checksum"
     assert dst.kv.num_requests == 0
+
+
+def test_the_setting_is_validated_and_reaches_the_ranks_from_the_serve_flag():
+    import argparse
+
+    from meshserve.api.serve import add_serve_parser, configs_of
+    from meshserve.cluster.executors.executor import WorkerSpec
+    from meshserve.config import CacheConfig, ModelConfig
+    from meshserve.errors import ConfigError
+
+    assert CacheConfig().kv_verify_checksum is False
+    for bad in ("yes", 1, None):
+        with pytest.raises(ConfigError, match="kv_verify_checksum"):
+            CacheConfig(kv_verify_checksum=bad)
+    parser = argparse.ArgumentParser()
+    add_serve_parser(parser.add_subparsers(dest="command"))
+    for flags, want in (([], False), (["--kv-verify-checksum"], True)):
+        engine, _, _ = configs_of(parser.parse_args(["serve", "--device", "cpu", *flags]))
+        assert engine.cache.kv_verify_checksum is want
+        spec = WorkerSpec(ModelConfig(), engine.cache)  # what a rank host builds its KV agent from
+        assert WorkerSpec.from_msgpack(spec.to_msgpack()).cache.kv_verify_checksum is want
