@@ -18,8 +18,8 @@ The frames' checksum is computed where it is checked: at the offer when the depl
 pullers (NIXL, CUDA IPC) verify it (`verify_checksum`; then its pullers verify too), else at the
 first zmq pull of the offer (export_server.py; a zmq pull always verifies), never for an offer
 that only direct pullers take unverified. On a CPU rank it is numpy sums over every byte (about
-100 ms for a 32k-token export of the demo model), on a GPU a kernel and a host sync, on the rank's
-loop between steps.
+7 ms for a 32k-token export of the demo model on the 2-core CI machine: docs/performance.md), on a
+GPU a kernel and a host sync, on the rank's loop between steps.
 
 The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
 pins.py); a rank owns only the cache tensors and moves bytes between them and the wire
