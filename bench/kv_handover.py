@@ -4,6 +4,7 @@
     python bench/kv_handover.py --device cpu --sizes 1024,8192
     python bench/kv_handover.py --exporter-gpu 1 --transports nixl,cuda_ipc,zmq   # two GPUs
     python bench/kv_handover.py --phases           # and each step of a warm pull, median us per step
+    python bench/kv_handover.py --offer --device cpu --shape demo --sizes 1024,32768   # the prefill side
 
 An exporter process (this script, --exporter) holds one request per size in a Llama-3-8B-shaped
 cache (32 layers, 8 KV heads of 128, block 16, bf16: 128 KiB per token, contiguous blocks) and
@@ -29,6 +30,13 @@ launch for pulls up to cuda_ipc.BATCH_BYTES). --phases: each step of every warm 
 (kvtransfer/pull_phases.py), medians in us, printed after the tables. --shape demo: the bundled
 demo model's cache (3 KiB a token: a 1k-token hand-over is the transport's fixed cost per pull).
 Prints both tables, writes a PNG and a JSON (bench/results/).
+
+The exporter exports without the checksum, as a rank does unless the deployment verifies direct
+pulls (kv_verify_checksum): a zmq pull's time includes the exporter computing it when it answers
+(export_server.py), a -verify pull's offer had it computed first. --offer times the prefill
+rank's side instead, in this process: `KVRankAgent.offer` (export, the checksum where the setting
+computes it, the offer and its direct offer) per size, for kv_transport auto (NIXL) with
+kv_verify_checksum off and on, and zmq; medians of --reps offers after a warm one.
 """
 
 from __future__ import annotations
@@ -120,13 +128,15 @@ def exporter() -> None:
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
-        export = conn.export(f"r{size}", max_frame_bytes=frame_bytes_for(torch.device(device)))
-        export_ms[size] = (time.perf_counter() - t0) * 1e3  # pin + checksum: the prefill side's cost
+        export = conn.export(f"r{size}", max_frame_bytes=frame_bytes_for(torch.device(device)), checksum=False)
+        export_ms[size] = (time.perf_counter() - t0) * 1e3  # pin + frame plan and views, no checksum
         caps = [capability(t, size, i) for t in cfg["transports"] for i in range(cfg["reps"] + 1)]
         caps += [capability(f"{t}-burst", size, i) for t in cfg["burst_transports"]
                  for i in range((cfg["burst_reps"] + 1) * cfg["burst"][str(size)])]
         for cap in caps:
             offered = KVExport(export.header, export.frames)
+            if "-verify" in cap:  # a deployment that verifies direct pulls: the offer carries the checksum
+                offered.ensure_checksum()
             server.offer(offered, capability=cap, ttl_s=3600)
             if cap.startswith(("kv-bench-nixl", "kv-bench-cuda_ipc")):  # what travels with a rank's offer
                 direct_offers[cap] = base64.b64encode(server.describe_direct(offered, [cap])).decode()
@@ -138,6 +148,46 @@ def exporter() -> None:
         if select.select([sys.stdin], [], [], 0)[0] and not sys.stdin.readline():
             break
     server.close()
+
+
+def offer_times(args) -> list[dict]:
+    """--offer: milliseconds of KVRankAgent.offer per size and setting (module docstring), in this
+    process; every offer of a size offers the same pinned blocks under a fresh capability. Runs on
+    a tree whose KVRankAgent has no verify_checksum too (the checksum then always computed)."""
+    import inspect
+
+    from meshserve.kvtransfer.pins import KVPins
+    from meshserve.kvtransfer.rank_agent import KVRankAgent, RankCaches
+
+    kv_heads = SHAPES[args.shape][1]
+    kv, conn = replica(sum(args.sizes), args.device, seed=1, shape=args.shape)
+    pins, wires = KVPins(kv), {}
+    for size in args.sizes:
+        kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))
+        wires[size] = pins.pin(f"r{size}").blocks.to_wire()
+    can_verify = "verify_checksum" in inspect.signature(KVRankAgent).parameters
+    rows = []
+    for transport, verify in (("auto", False), ("auto", True), ("zmq", False)):
+        if not can_verify and verify:
+            continue
+        setting_kw = {"verify_checksum": verify} if can_verify else {}
+        agent = KVRankAgent(RankCaches(conn.io.layer_caches, tuple(kv.retentions), 1, 1, kv_heads), rank=0,
+                            kv_transport=transport, secret=SECRET, **setting_kw)
+        agent.start_nixl()
+        setting = f"{transport}, verify {'on' if verify else 'off'}" if can_verify else f"{transport} (checksum always)"
+        for size in args.sizes:
+            times = []
+            for i in range(args.reps + 1):
+                t0 = time.perf_counter()
+                agent.offer(wires[size], f"kv-bench-offer-{transport}-{verify}-{size}-{i:04d}", BLOCK, 1,
+                            "llama-3-8b-shape", 1)
+                times.append((time.perf_counter() - t0) * 1e3)
+                agent.poll(0)
+            rows.append({"setting": setting, "tokens": size, "nixl": agent.nixl is not None,
+                         "offer_ms": statistics.median(times[1:]), "min_ms": min(times[1:]), "cold_ms": times[0]})
+            print(f"  {setting} {size} tokens: {rows[-1]['offer_ms']:.2f} ms", file=sys.stderr, flush=True)
+        agent.close()
+    return rows
 
 
 def copy_seconds(nbytes: int, device: str, reps: int) -> float:
@@ -396,6 +446,8 @@ def main() -> None:
     parser.add_argument("--exporter-gpu", type=int, default=0, help="the exporter's GPU (another one than this "
                         "process's cuda:0: GPU to GPU, e.g. --exporter-gpu 1 --transports nixl,cuda_ipc,zmq)")
     parser.add_argument("--out", default=os.path.join(ROOT, "bench", "results"))
+    parser.add_argument("--offer", action="store_true", help="time the prefill rank's KVRankAgent.offer instead "
+                        "of pulls (module docstring)")
     parser.add_argument("--exporter", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.exporter:
@@ -408,9 +460,20 @@ def main() -> None:
     args.burst_transports = [] if bursts == "none" else bursts.split(",")
     if args.burst < 1 or args.burst_reps < 1 or args.reps < 1:
         parser.error("--burst, --burst-reps and --reps must be >= 1")
-    rows, burst_rows = run(args)
     where = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     os.makedirs(args.out, exist_ok=True)
+    if args.offer:
+        rows = offer_times(args)
+        with open(os.path.join(args.out, f"kv_offer-{args.device}-{args.shape}.json"), "w") as f:
+            json.dump({"device": where, "load": os.getloadavg(), "rows": rows}, f, indent=1)
+        print(f"KVRankAgent.offer, {args.shape} shape, on {where}, load {os.getloadavg()[0]:.1f}; median of "
+              f"{args.reps} offers after a warm one")
+        print(f"{'setting':<26} {'tokens':>7} {'NIXL':>5} {'offer ms':>9} {'min ms':>8} {'first ms':>9}")
+        for r in rows:
+            print(f"{r['setting']:<26} {r['tokens']:>7} {'yes' if r['nixl'] else 'no':>5} {r['offer_ms']:>9.2f} "
+                  f"{r['min_ms']:>8.2f} {r['cold_ms']:>9.2f}")
+        return
+    rows, burst_rows = run(args)
     stem = os.path.join(args.out, f"kv_handover-{args.device}-{args.shape}")
     with open(stem + ".json", "w") as f:
         json.dump({"device": where, "rows": rows, "pipelined": burst_rows}, f, indent=1)

@@ -41,11 +41,13 @@ class KVConnector:
         self.device = self.io.device
 
     # ---- sender ---------------------------------------------------------------------------
-    def export(self, request_id: str | int, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
-        """Pin the request's blocks and describe them (the request itself may be freed now)."""
+    def export(self, request_id: str | int, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+               checksum: bool = True) -> KVExport:  # fmt: skip
+        """Pin the request's blocks and describe them (the request itself may be freed now);
+        checksum: as KVRankIO.export."""
         pin = self.pins.pin(request_id)
         try:
-            export = self.io.export(pin.blocks, max_frame_bytes=max_frame_bytes)
+            export = self.io.export(pin.blocks, max_frame_bytes=max_frame_bytes, checksum=checksum)
         except BaseException:
             self.pins.release(pin.pin_id)
             raise

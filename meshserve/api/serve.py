@@ -127,6 +127,9 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "host that see the same GPU, else nixl where both ends have it, else zmq), nixl (a NIXL READ "
                         "of the registered cache; falls back to zmq), cuda_ipc (falls back to zmq where it cannot "
                         "apply), or zmq")
+    c.add_argument("--kv-verify-checksum", action="store_true",
+                   help="direct KV pulls (nixl, cuda_ipc) verify the frames' checksum too (zmq pulls always do); it "
+                        "costs a read of every handed-over byte on both ranks (docs/cluster.md, 'KV transports')")
     c.add_argument("--ray-address", default=None, help="join this Ray cluster (given to ray.init; 'auto' works)")
     c.add_argument("--placement-timeout", type=float, default=None, metavar="SECONDS",
                    help="fail start-up when Ray has not placed a replica's ranks within this time (default: wait "
@@ -232,7 +235,8 @@ def configs_of(args: argparse.Namespace):
         cache=CacheConfig(block_size=args.block_size or DEFAULT_BLOCK_SIZE, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           memory_utilization=args.gpu_memory_utilization,
-                          enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport),
+                          enable_prefix_caching=args.prefix_caching, kv_transport=args.kv_transport,
+                          kv_verify_checksum=args.kv_verify_checksum),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue,
                                   async_scheduling=False if args.no_async_scheduling else None,

@@ -24,8 +24,9 @@ never leave device memory (no socket, no host buffer), so what a checksum guards
 (a torn or truncated stream, a peer answering with other bytes) cannot happen here, and reading
 every byte again would cost about a third of the copy. What is still checked: the layout
 fingerprint, scales, frame sizes and order against the header, and that every frame lies inside
-its shared allocation. `IpcImporter(verify=True)` (`CudaIpcPuller(verify=True)`) verifies it all
-the same (docs/cluster.md, "KV transports").
+its shared allocation. `IpcImporter(verify=True)` (`CudaIpcPuller(verify=True)`, a deployment's
+`kv_verify_checksum`, under which exporters put the checksum in their offers) verifies it all the
+same; a header without one is then refused (docs/cluster.md, "KV transports").
 
 Mappings stay open for later hand-overs from the same exporter (opening one costs far more than a
 small copy; the exporter's caches live as long as its rank), least recently used first out
@@ -152,6 +153,7 @@ class IpcImporter:
             raise KVTransferError("bad_header", f"undecodable CUDA IPC description: {exc!r}") from exc
         if not self.verify:
             session.trust_frames()
+        session.check_checksum_present()
         stream = self._stream(session.io.device)
         copied = torch.cuda.Event()
         with torch.cuda.stream(stream):

@@ -24,9 +24,12 @@ dropped and counted (`rejected`); a verified pull of an unknown capability gets 
 A receiver that meets a bad answer tag refuses the transfer (reason "auth"; the prompt is
 recomputed). One message per frame (not one multipart message for all) lets the receiver copy
 and check frame i while frame i + 1 is on the wire; the end marker turns a short stream into a
-clear "truncated". Frames leave the sender without a copy (zmq reads the cache memory; the
-export stays pinned until zmq has let go of every frame) and, where the receiver's new blocks
-form one run, go from zmq's buffer straight into the receiving cache (`recv_into`).
+clear "truncated". The header always carries the frames' checksum: an export made without one
+(a rank's offer where direct pullers do not verify, KVRankAgent.offer) gets it when its first zmq
+pull is answered, computed over the cache's own bytes, which its pin still holds. Frames leave
+the sender without a copy (zmq reads the cache memory; the export stays pinned until zmq has let
+go of every frame) and, where the receiver's new blocks form one run, go from zmq's buffer
+straight into the receiving cache (`recv_into`).
 
 The server is single-threaded on purpose: its owner calls `poll`, on the thread that owns the
 exports' pins (the KVCacheManager, when `release` drops a pin there), so nothing needs locks.
@@ -186,6 +189,7 @@ class KVExportServer:
             self._send_error(ident, cap, "unknown_request", f"nothing on offer for that capability at {self.address}")
             return
         export, _, release = offer
+        export.ensure_checksum()  # a zmq pull always verifies: computed here, at its first pull, if not at export
         sock, sign = self._sock, self._secret.sign
         sock.send_multipart([ident, _HEADER, export.header_bytes, sign(_ANSWER, cap, _index(0), _HEADER,
                                                                         export.header_bytes)])

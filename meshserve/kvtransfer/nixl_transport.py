@@ -20,8 +20,9 @@ bytes over zmq (export_server.py) by the same capability.
 Integrity: the header and description are authenticated (MAC of the cluster secret); the bytes
 themselves move over UCX (CMA on one host; TCP or RDMA between hosts; CUDA IPC or GPUDirect for
 VRAM), unauthenticated and unencrypted. The frames' checksum is checked only when asked
-(`NixlPuller(verify=True)`): as with CUDA IPC, the transport's own integrity is relied on
-(docs/cluster.md, "KV transports").
+(`NixlPuller(verify=True)`, a deployment's `kv_verify_checksum`, under which exporters put it in
+their direct offers; a verifying pull of a header without one is refused, "checksum"): as with
+CUDA IPC, the transport's own integrity is relied on (docs/cluster.md, "KV transports").
 
 Security note: a peer holding an agent's metadata can READ any memory that agent registered (the
 KV caches) without a capability: NIXL has no per-transfer authorisation. The capability gates the
@@ -103,6 +104,7 @@ class NixlPuller:
             ours, theirs = _indices(session, frames, local.offsets_of(regions), peer)
             if not self.verify:
                 session.trust_frames()
+            session.check_checksum_present()
             phases.mark("indices")
             self.agent.read(local, ours, peer, theirs, deadline=deadline, cancel=cancel, phases=phases)
         session.accept_written()

@@ -54,6 +54,7 @@ def pull_kv(
         if tag != _HEADER:
             raise KVTransferError("bad_header", f"the answer starts with {tag!r}, not a header")
         with target.begin_import(answers.part(tag)) as session:
+            session.check_checksum_present()  # a zmq pull always verifies: the exporter's answer carries one
             phases.mark("header")
             tag = answers.next_tag() if session.num_frames else _END
             for i in range(session.num_frames):

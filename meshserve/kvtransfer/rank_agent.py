@@ -2,7 +2,8 @@
 and its NIXL agent. The rank host (cluster/executors/rank_host.py) answers the driver's kv_*
 calls by calling this; nothing here knows of channels, actors or workers.
 
-    agent = KVRankAgent(RankCaches(...), rank=r, kv_transport="auto", secret=secret, host=node_ip)
+    agent = KVRankAgent(RankCaches(...), rank=r, kv_transport="auto", secret=secret, host=node_ip,
+                        verify_checksum=False)   # CacheConfig.kv_verify_checksum
     agent.offer(blocks, capability, ...)       # export this rank's shard; returns its endpoint
     agent.pull(capability, addresses, ...)     # import this rank's share (re-sharded if need be)
     agent.pull_start(transfer_id, ...) / pull_done() / pull_cancel(transfer_id)
@@ -12,6 +13,13 @@ calls by calling this; nothing here knows of channels, actors or workers.
 The transport of each pull is chosen here, per hand-over, from the configured `kv_transport` and
 what the two ends share (transport.py: nixl where both ends have an agent, cuda_ipc within a
 host, else zmq).
+
+The frames' checksum is computed where it is checked: at the offer when the deployment has direct
+pullers (NIXL, CUDA IPC) verify it (`verify_checksum`; then its pullers verify too), else at the
+first zmq pull of the offer (export_server.py; a zmq pull always verifies), never for an offer
+that only direct pullers take unverified. On a CPU rank it is numpy sums over every byte (about
+7 ms for a 32k-token export of the demo model on the 2-core CI machine: docs/performance.md), on a
+GPU a kernel and a host sync, on the rank's loop between steps.
 
 The replica's driver owns the block bookkeeping (its KVCacheManager; pins and reservations:
 pins.py); a rank owns only the cache tensors and moves bytes between them and the wire
@@ -33,7 +41,7 @@ from meshserve.kvstore.cache_tensors import LayerCache, block_tensors
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvtransfer.cuda_ipc import local_gpus
 from meshserve.kvtransfer.pins import HandoverBlocks
-from meshserve.kvtransfer.rank_io import ImportTarget, KVExport, KVRankIO, frame_bytes_for
+from meshserve.kvtransfer.rank_io import ImportTarget, KVRankIO, frame_bytes_for
 from meshserve.kvtransfer.reshard import Layout, copy_tokens, pullers_of, sources_of, staging_caches, token_moves
 from meshserve.kvtransfer.transfers import BackgroundPulls
 from meshserve.kvtransfer.transport import AUTO, CUDA_IPC, NIXL, ZMQ, Endpoint, KVPuller, choose_transport, puller_for
@@ -60,11 +68,14 @@ class RankCaches:
 
 class KVRankAgent:
     """One rank's KV hand-overs (module docstring). host: this rank's address as its peers see
-    it (the export server binds there; NIXL keeps to loopback when it is loopback)."""
+    it (the export server binds there; NIXL keeps to loopback when it is loopback). verify_checksum:
+    direct offers carry the frames' checksum and this rank's direct pullers verify it
+    (CacheConfig.kv_verify_checksum; zmq pulls verify it either way)."""
 
     def __init__(self, caches: RankCaches, *, rank: int, kv_transport: str, secret: ClusterSecret | None,
-                 host: str = "127.0.0.1") -> None:  # fmt: skip
+                 host: str = "127.0.0.1", verify_checksum: bool = False) -> None:  # fmt: skip
         self.caches, self.rank, self.kv_transport, self.secret, self.host = caches, rank, kv_transport, secret, host
+        self.verify_checksum = verify_checksum
         self.server = None  # export_server.KVExportServer, made at the first offer
         self._io: KVRankIO | None = None
         self._pulls = BackgroundPulls()
@@ -130,7 +141,8 @@ class KVRankAgent:
         unguessable token; one per puller when re-sharding: `pull_key`). Returns the endpoint
         (Endpoint.to_wire), from which the puller chooses the transport.
 
-        fault (tests): "checksum" offers corrupted bytes, "withdraw" offers nothing.
+        fault (tests): "checksum" offers corrupted bytes (under the checksum of the cache's own
+        bytes: a verifying pull refuses them), "withdraw" offers nothing.
         """
         from meshserve.kvtransfer.export_server import KVExportServer
 
@@ -138,18 +150,20 @@ class KVRankAgent:
         io = self._kv(block_size, dcp_size, model_id)
         if self.server is None:
             self.server = KVExportServer(self.secret, address=f"tcp://{self.host}", nixl=self.nixl)
-        export = io.export(HandoverBlocks.from_wire(blocks), max_frame_bytes=frame_bytes_for(io.device))
+        # the checksum now only where direct pullers verify it; a zmq pull has it computed when served
+        export = io.export(HandoverBlocks.from_wire(blocks), max_frame_bytes=frame_bytes_for(io.device),
+                           checksum=self.verify_checksum)
         tp, dcp = self.caches.tp, self.caches.dcp
         if (dst_tp, dst_dcp) == (tp, dcp):
             keys = [capability]  # decode rank r pulls from prefill rank r
         else:
             keys = [pull_key(capability, j) for j in pullers_of(self.rank, self.layout(tp, dcp),
                                                                 self.layout(dst_tp, dst_dcp))]
-        frames = export.frames
+        offered = export
         if fault == "checksum":
-            frames = [f.clone() for f in frames]
+            frames = [f.clone() for f in export.frames]
             frames[0][0] ^= 0x5A  # a copy: the cache itself stays intact (and is not NIXL-registered)
-        offered = KVExport(export.header, frames)
+            offered = export.with_frames(frames)  # its checksum (now or at a zmq pull) from the cache's bytes
         keys = keys if fault != "withdraw" else []
         for key in keys:  # the driver's pin keeps the blocks
             self.server.offer(offered, capability=key, ttl_s=OFFER_TTL_S)
@@ -216,7 +230,7 @@ class KVRankAgent:
             self._no_ipc_hosts.add(why)
             log.info("rank %d: kv_transport %s falls back to zmq: %s", self.rank, requested, why)
         if name not in self._pullers:
-            self._pullers[name] = puller_for(name, nixl_agent=self.nixl)
+            self._pullers[name] = puller_for(name, nixl_agent=self.nixl, verify=self.verify_checksum)
         try:
             used = self._pullers[name].pull(target, theirs, capability, secret=self.secret, timeout_s=timeout_s,
                                             cancel=cancel)

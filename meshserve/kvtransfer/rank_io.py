@@ -7,7 +7,7 @@ blocks the driver reserved. No block bookkeeping here: the driver decides (pins.
                   for i in range(s.num_frames):
                       view = s.destination(i)          # our own cache bytes when the run is contiguous
                       ... write frame i into `view`, then s.accept(i); or s.accept(i, frame_bytes)
-                  s.finish()                           # checksum; else refused
+                  s.finish()                           # checksum (where verified); else refused
 The transports take an import target (`ImportTarget`: `begin_import(header)` and `device`):
 `io.into(blocks)` on a rank, KVConnector (connector.py) where driver and rank share a process.
 Each DCP/TP rank moves its own shard; the layout fingerprint (model id, block size, dcp size,
@@ -17,6 +17,7 @@ hybrid layout: every group's block b is one row of each tensor) are sent once pe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 from collections.abc import Callable, Hashable, Sequence
@@ -49,16 +50,36 @@ def frame_bytes_for(device: torch.device) -> int:
 class KVExport:
     """One request's blocks ready to ship. frames: flat uint8 views of the sender's caches (on the
     caches' device; no copy), valid while the driver's pin holds the blocks. pin_id: that pin,
-    when the exporting process also drives (KVConnector.release drops it)."""
+    when the exporting process also drives (KVConnector.release drops it). cache_frames: the
+    bytes the checksum covers when they are not `frames` (`with_frames`); None: `frames`."""
 
     header: KVHeader
     frames: list[torch.Tensor]
     pin_id: Hashable | None = None
     header_bytes: bytes = field(default=b"")
+    cache_frames: list[torch.Tensor] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.header_bytes:
             self.header_bytes = self.header.pack()
+
+    def ensure_checksum(self) -> KVExport:
+        """Put the frames' checksum in the header where it has none (`KVRankIO.export(checksum=False)`):
+        called where a puller will check it (a zmq answer, a direct offer of a deployment that
+        verifies), while the pin still holds the blocks. Once per export object; returns it."""
+        if self.header.checksum is None:
+            digest = FrameDigest()
+            digest.update_many(self.frames if self.cache_frames is None else self.cache_frames)
+            self.header = dataclasses.replace(self.header, checksum=digest.value)
+            self.header_bytes = self.header.pack()
+        return self
+
+    def with_frames(self, frames: list[torch.Tensor]) -> KVExport:
+        """This export's header with other bytes in its frames (fault injection: a corrupted copy),
+        its checksum, computed now or later, still over the cache's own bytes: a verifying puller
+        refuses them."""
+        return KVExport(self.header, frames, header_bytes=self.header_bytes,
+                        cache_frames=self.frames if self.cache_frames is None else self.cache_frames)
 
 
 class ImportTarget(Protocol):
@@ -148,16 +169,22 @@ class KVRankIO:
         return tuple(Region.of(c.data) for c in self.caches)
 
     # ---- sender ---------------------------------------------------------------------------
-    def export(self, blocks: HandoverBlocks, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES) -> KVExport:
-        """Describe the request's blocks and view their bytes (the driver keeps them pinned)."""
+    def export(self, blocks: HandoverBlocks, *, max_frame_bytes: int = DEFAULT_FRAME_BYTES,
+               checksum: bool = True) -> KVExport:  # fmt: skip
+        """Describe the request's blocks and view their bytes (the driver keeps them pinned).
+        checksum: compute the frames' checksum now (a read of every byte: numpy sums on a CPU, a
+        kernel and a device-to-host read on a GPU); False leaves it out of the header, for
+        `KVExport.ensure_checksum` to compute where a puller checks it (KVRankAgent.offer)."""
         check(max_frame_bytes >= 1, "max_frame_bytes", max_frame_bytes, "an integer >= 1")
         check(len(blocks.block_tables) == len(self.retentions), "block_tables", len(blocks.block_tables),
               f"one table per KV layer group ({len(self.retentions)})")
         sent = blocks.blocks
         plan = plan_frames(sent, self.block_nbytes, max_frame_bytes)
         frames = [as_bytes(self.caches[layer].data[sent[first] : sent[first] + n]) for layer, first, n in plan]
-        digest = FrameDigest()
-        digest.update_many(frames)  # one kernel over every frame on a GPU
+        digest = None
+        if checksum:
+            digest = FrameDigest()
+            digest.update_many(frames)  # one kernel over every frame on a GPU
         header = KVHeader(
             request_id=blocks.request_id,
             layout=self.layout,
@@ -168,7 +195,7 @@ class KVRankIO:
             scales=self._scales.get(),
             frames=tuple(plan),
             nbytes=sum(f.numel() for f in frames),
-            checksum=digest.value,
+            checksum=None if digest is None else digest.value,
             fingerprint=self.layout.fingerprint,
         )
         return KVExport(header=header, frames=frames)
@@ -269,6 +296,13 @@ class ImportSession:
         copy whose bytes never leave GPU memory (cuda_ipc.IpcImporter's default; docs/cluster.md, "KV transports"
         says why)."""
         self._verify = False
+
+    def check_checksum_present(self) -> None:
+        """Refuse ("checksum") a header without a checksum where this import verifies one: a
+        transport calls this before it moves the bytes (`finish` checks again)."""
+        if self._verify and self.header.checksum is None:
+            self._fail("checksum", "the header carries no checksum and this pull verifies it (exporters compute one "
+                       "for direct offers only where the deployment verifies: kv_verify_checksum)")
 
     @property
     def verifies(self) -> bool:
@@ -375,6 +409,7 @@ class ImportSession:
         """Verify the checksum; the blocks now hold the request's KV. Returns them, per group."""
         if self._next != self.num_frames:
             self._fail("truncated", f"{self._next} of {self.num_frames} frames arrived")
+        self.check_checksum_present()
         self._digest_written()
         if self._verify and self._digest.value != self.header.checksum:
             self._fail("checksum", f"computed {self._digest.value:#018x}, header says {self.header.checksum:#018x}")

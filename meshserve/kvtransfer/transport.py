@@ -193,24 +193,19 @@ class CudaIpcPuller:
         return ZMQ
 
 
-def _nixl_puller() -> KVPuller:
-    from meshserve.kvtransfer.nixl_transport import NixlPuller
-
-    return NixlPuller()
-
-
-_PULLERS = {ZMQ: ZmqPuller, CUDA_IPC: CudaIpcPuller, NIXL: _nixl_puller}
-
-
-def puller_for(name: str, *, nixl_agent: Any = None) -> KVPuller:
+def puller_for(name: str, *, nixl_agent: Any = None, verify: bool = False) -> KVPuller:
     """A fresh puller of transport `name` (a built-in name or "module:Class"); a nixl puller
-    reads with `nixl_agent` (the rank's NixlAgent; one of its own when None)."""
-    if name == NIXL and nixl_agent is not None:
+    reads with `nixl_agent` (the rank's NixlAgent; one of its own when None). verify: the direct
+    pullers (nixl, cuda_ipc) check the frames' checksum (CacheConfig.kv_verify_checksum); zmq
+    always does; a puller of one's own is built without arguments."""
+    if name == NIXL:
         from meshserve.kvtransfer.nixl_transport import NixlPuller
 
-        return NixlPuller(nixl_agent)
-    if name in _PULLERS:
-        return _PULLERS[name]()
+        return NixlPuller(nixl_agent, verify=verify)
+    if name == CUDA_IPC:
+        return CudaIpcPuller(verify=verify)
+    if name == ZMQ:
+        return ZmqPuller()
     module, _, cls = check_kv_transport(name).partition(":")
     try:
         return getattr(importlib.import_module(module), cls)()

@@ -6,7 +6,10 @@ Header (msgpack map, `KVHeader.pack`):
   [sliding_window, num_sink_tokens]), num_tokens, block_positions (per group, the block-table
   indices that carry data; the rest are released window blocks), block_hashes (per group, prefix
   hashes of the first full blocks), extra_keys, scales (per cached layer: [k_scale, v_scale], or
-  [scale] for MLA), frames ([tensor, first, count] per frame), nbytes, checksum.
+  [scale] for MLA), frames ([tensor, first, count] per frame), nbytes, checksum (an unsigned
+  64-bit int, or nil where the exporter computed none: a direct offer's header unless the
+  deployment asks pullers to verify, `CacheConfig.kv_verify_checksum`; a zmq answer always
+  carries one).
 Sent blocks: every group's held blocks, group after group, each in table order. A hybrid layout
   (kvstore/groups.py) shares its cache tensors between groups, so every sent block, whatever its
   group, is one row of each tensor.
@@ -15,7 +18,8 @@ Frames: frame i is the raw bytes of `count` consecutive sent blocks of one cache
   can write each frame straight into its own blocks.
 Checksum: `FrameDigest` over the frames in order: 64-bit word sums per 32 KiB chunk, weighted by
   chunk index (catches flipped bits, truncation and reordering) at memory speed, on CPU or GPU.
-  It guards against bugs and mismatched peers, not against an attacker.
+  It guards against bugs and mismatched peers, not against an attacker. A puller that verifies
+  refuses a header without one ("checksum"); it never accepts unchecked bytes it was asked to check.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ import torch
 from meshserve.errors import MeshserveError
 from meshserve.kvstore.block_hash import as_hashes
 
-WIRE_VERSION = 2  # 2: KV layer groups (per-group positions and hashes)
+WIRE_VERSION = 3  # 2: KV layer groups (per-group positions and hashes); 3: the checksum may be nil
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 
@@ -148,7 +152,7 @@ class KVHeader:
     scales: tuple[tuple[float, ...], ...]
     frames: tuple[tuple[int, int, int], ...]  # (cached layer index, first sent block, count)
     nbytes: int
-    checksum: int
+    checksum: int | None  # None: not computed (KVExport.ensure_checksum computes it where it is checked)
     fingerprint: str = ""
     version: int = WIRE_VERSION
 
@@ -188,7 +192,7 @@ class KVHeader:
                 scales=tuple(tuple(map(float, s)) for s in obj["scales"]),
                 frames=tuple((int(a), int(b), int(c)) for a, b, c in obj["frames"]),
                 nbytes=int(obj["nbytes"]),
-                checksum=int(obj["checksum"]),
+                checksum=_checksum(obj["checksum"]),
                 fingerprint=str(obj["fingerprint"]),
             )
         except KVTransferError:
@@ -220,6 +224,15 @@ def _block_nbytes(layers: tuple) -> tuple[int, ...]:
             raise KVTransferError("bad_header", f"unknown cache dtype {dtype!r}")
         out.append(torch_dtype.itemsize * int(torch.Size(shape).numel()))
     return tuple(out)
+
+
+def _checksum(value: object) -> int | None:
+    """A header's checksum: nil, or an unsigned 64-bit int (FrameDigest.value)."""
+    if value is None:
+        return None
+    if type(value) is not int or not 0 <= value <= _MASK:
+        raise KVTransferError("bad_header", f"checksum {value!r}: nil or an integer in [0, 2**64)")
+    return value
 
 
 def _tuplify(obj: object) -> object:

@@ -105,8 +105,9 @@ class RankHost:
             caches = RankCaches(w.runner.kv_caches, tuple(w.kv_layout.retentions), w.parallel.tp, w.parallel.dcp,
                                 self._num_kv_heads())
             transport = self.spec.cache.kv_transport if self.spec is not None else "zmq"
+            verify = self.spec.cache.kv_verify_checksum if self.spec is not None else False
             self._kv_agent = KVRankAgent(caches, rank=self.rank, kv_transport=transport, secret=self.secret,
-                                         host=_reachable_host())
+                                         host=_reachable_host(), verify_checksum=verify)
         self._kv_agent.secret = self.secret  # given by serve_rank (a test may set it late)
         return self._kv_agent
 
