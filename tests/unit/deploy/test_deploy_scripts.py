@@ -120,6 +120,24 @@ def test_head_leaves_unset_flags_to_the_server_and_passes_pools(tmp_path, stubs)
                      "--step-timeout-per-token", "0.005", "--max-migrations", "2", "--seed", "7"]
 
 
+def test_head_passes_kv_verify_checksum_only_when_asked(tmp_path, stubs):
+    """pools.kvVerifyChecksum: true adds the bare --kv-verify-checksum flag (parsed by the real
+    CLI into the cache setting); the default leaves it out (the server's default: off)."""
+    from meshserve.cli import build_parser
+
+    values = dict(VALUES["disaggregated"])
+    for verify in (False, True):
+        values["pools"] = {**VALUES["disaggregated"]["pools"], "kvVerifyChecksum": verify}
+        docs = render(values)
+        env, _ = pod_environment(docs, "head")
+        assert env["MESHSERVE_KV_VERIFY_CHECKSUM"] == str(verify).lower()
+        done = run(script(docs, "head.sh", tmp_path), env, stubs)
+        assert done.returncode == 0, done.stderr
+        serve = stubs()[-1]
+        assert ("--kv-verify-checksum" in serve) is verify
+        assert build_parser().parse_args(serve[1:]).kv_verify_checksum is verify
+
+
 def test_head_flags_parse_with_the_real_cli(tmp_path, stubs):
     """Once `meshserve serve` exists, the chart's command line must parse with its own parser."""
     import argparse

@@ -61,6 +61,7 @@ else
   optional --decode-tp "${MESHSERVE_DECODE_TP:-}"
   optional --decode-dcp "${MESHSERVE_DECODE_DCP:-}"
   optional --kv-transport "${MESHSERVE_KV_TRANSPORT:-}"
+  if [[ "${MESHSERVE_KV_VERIFY_CHECKSUM:-false}" == "true" ]]; then args+=(--kv-verify-checksum); fi
 fi
 optional --model "${MESHSERVE_MODEL:-}"
 optional --attention-backend "${MESHSERVE_ATTENTION_BACKEND:-}"
