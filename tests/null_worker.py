@@ -92,6 +92,9 @@ class NullWorker:
     def expert_load(self) -> list[list[int]]:
         return []  # no experts
 
+    def grammar_stats(self) -> dict[str, int]:
+        return {}  # no grammars (the replica reads zeros)
+
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.info is not None, "active_requests": len(self._seqs)}
 

@@ -55,6 +55,15 @@ METRICS = {
     "meshserve_hung_replicas_total": "counter: replicas declared hung (a step past its deadline) and killed",
     "meshserve_hung_detection_seconds_total": "counter: seconds the hung steps had run when declared (divide by "
                                               "meshserve_hung_replicas_total for the mean time to detect)",
+    "meshserve_grammar_compiles_stuck": "gauge: grammar compiles written off past grammar_compile_timeout_s and "
+                                        "still running (xgrammar cannot stop them; at MAX_STUCK_COMPILES grammars are "
+                                        "refused) (labels pool, replica)",
+    "meshserve_grammar_compiles_written_off_total": "counter: grammar compiles written off: past "
+                                                    "grammar_compile_timeout_s, or every request waiting for them "
+                                                    "left (labels pool, replica)",
+    "meshserve_grammar_compiles_refused_total": "counter: grammars refused without compiling: MAX_STUCK_COMPILES "
+                                                "written-off compiles running, or the same grammar still stuck "
+                                                "(labels pool, replica)",
     "meshserve_moe_expert_tokens": "gauge: rows routed to each expert since its replica started (labels layer, "
                                    "expert; MoE models)",
     "meshserve_kv_handovers_total": "counter: KV hand-overs: on a prefill replica the requests it handed over, on a "
@@ -134,6 +143,27 @@ class _ServiceCollector(Collector):
             transport.add_metric([s.kv_transport], 1)
             yield transport
         yield from _handover_families(s, doc)
+        yield from _grammar_families(s, doc)
+
+
+def _grammar_families(s: ServiceStats, doc: dict[str, str]) -> Iterator:
+    """Per pool and replica: the driver rank's grammar compiles written off and still running,
+    written off, refused."""
+    if not s.grammar_compiles:
+        return
+    labels = ["pool", "replica"]
+    stuck = GaugeMetricFamily("meshserve_grammar_compiles_stuck", doc["meshserve_grammar_compiles_stuck"],
+                              labels=labels)
+    written_off = CounterMetricFamily("meshserve_grammar_compiles_written_off",
+                                      doc["meshserve_grammar_compiles_written_off_total"], labels=labels)
+    refused = CounterMetricFamily("meshserve_grammar_compiles_refused",
+                                  doc["meshserve_grammar_compiles_refused_total"], labels=labels)
+    for row in s.grammar_compiles:
+        key = [row.pool, row.replica]
+        stuck.add_metric(key, row.num_stuck)
+        written_off.add_metric(key, row.num_written_off)
+        refused.add_metric(key, row.num_refused)
+    yield from (stuck, written_off, refused)
 
 
 def _handover_families(s: ServiceStats, doc: dict[str, str]) -> Iterator:

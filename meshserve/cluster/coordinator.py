@@ -42,7 +42,7 @@ from meshserve.cluster.handover_stats import HandoverRow
 from meshserve.cluster.logs import configure_logging, request_event
 from meshserve.cluster.pools import ReplicaPool
 from meshserve.cluster.replica import Replica
-from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.cluster.service import GrammarCompileRow, ModelCard, ServiceHealth, ServiceStats
 from meshserve.config import ParallelConfig, PoolConfig, PoolMode
 from meshserve.core import hop_trace
 from meshserve.core.beam_params import BeamSearchParams
@@ -439,7 +439,9 @@ class Coordinator:
             expert_tokens=sum_expert_load([s.expert_tokens for s in rows]),
             handovers=[HandoverRow(s.role, s.name, s.handover) for s in rows] if self.disaggregated else [],
             kv_transport=self.kv_transport if self.disaggregated else "", num_migrations=moved,
-            num_migrations_refused=kept, num_hung_replicas=hung, hung_detection_s=sum(s.hung_detect_s for s in rows))
+            num_migrations_refused=kept, num_hung_replicas=hung, hung_detection_s=sum(s.hung_detect_s for s in rows),
+            grammar_compiles=[GrammarCompileRow(s.role, s.name, s.num_grammar_stuck, s.num_grammar_written_off,
+                                                s.num_grammar_refused) for s in rows])
 
     # -- internals ------------------------------------------------------------------------------
     def _make_request(self, prompt, params: SamplingParams | None, request_id: str, beam=None) -> Request:

@@ -216,7 +216,7 @@ class ReplicaPool:
     def _retire(self, s: ReplicaStats) -> None:
         for f in ("prefix_hit_tokens", "prompt_tokens", "generated_tokens", "num_preemptions", "num_handoffs",
                   "num_kv_imports", "num_recomputes", "num_migrated", "num_migrations_refused", "num_hung",
-                  "hung_detect_s"):
+                  "hung_detect_s", "num_grammar_written_off", "num_grammar_refused"):
             setattr(self._retired, f, getattr(self._retired, f) + getattr(s, f))
         self._retired.handover.add(s.handover)
 

@@ -239,12 +239,17 @@ class Replica:
             num_handoffs=self.handover.stats.handovers, num_kv_imports=self.handover.stats.kv_imports,
             num_recomputes=self.handover.stats.num_recomputes, num_migrated=c.migrated,
             num_migrations_refused=c.migrations_refused, num_hung=int(c.hung_detect_s is not None),
-            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.stats.copy())
+            hung_detect_s=c.hung_detect_s or 0.0, handover=self.handover.stats.copy(),
+            num_grammar_stuck=c.grammar.get("num_stuck", 0),
+            num_grammar_written_off=c.grammar.get("num_written_off", 0),
+            num_grammar_refused=c.grammar.get("num_refused", 0))
 
     def _read_expert_load(self) -> None:
-        """Between steps (the ranks' channel is free): refresh the per-expert row counts."""
+        """Between steps (the ranks' channel is free): refresh the per-expert row counts, and the
+        driver rank's grammar compile counts (the other ranks answer zeros at once)."""
         world = self.config.parallel.tp
         self.counters.expert_tokens = sum_expert_load(self.executor.call("expert_load", [{}] * world))
+        self.counters.grammar = self.executor.call("grammar_stats", [{}] * world)[0]
 
     def _wake(self) -> None:
         self._wakeup.set()

@@ -31,6 +31,11 @@ class ReplicaStats:
     hung_detect_s: float = 0.0  # how long its hung step had run when it was declared
     handover: HandoverStats = field(default_factory=HandoverStats)  # the same, in detail (a copy)
     expert_tokens: list[list[int]] = field(default_factory=list)  # [MoE layer][expert] rows since start
+    # The driver rank's grammar compiles (workers/grammar.py): written off past their bound and
+    # still running (xgrammar cannot stop them), written off since start, grammars refused at once.
+    num_grammar_stuck: int = 0
+    num_grammar_written_off: int = 0
+    num_grammar_refused: int = 0
 
 
 @dataclass
@@ -38,6 +43,7 @@ class ReplicaCounters:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     expert_tokens: list[list[int]] = field(default_factory=list)
+    grammar: dict[str, int] = field(default_factory=dict)  # the driver's Worker.grammar_stats() ({}: zeros)
     steps: int = 0
     migrated: int = 0
     migrations_refused: int = 0

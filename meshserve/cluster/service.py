@@ -54,6 +54,21 @@ class ServiceHealth:
 
 
 @dataclass(frozen=True)
+class GrammarCompileRow:
+    """One replica's grammar compiles (its driver rank's, workers/grammar.py), or those of the
+    replicas a pool replaced ('<pool>-retired': counters only). num_stuck: written off past
+    grammar_compile_timeout_s and still running (xgrammar cannot stop them); num_written_off and
+    num_refused (refused at once: MAX_STUCK_COMPILES running, or the same grammar still stuck)
+    since the replica started."""
+
+    pool: str
+    replica: str
+    num_stuck: int = 0
+    num_written_off: int = 0
+    num_refused: int = 0
+
+
+@dataclass(frozen=True)
 class ServiceStats:
     """A snapshot for metrics; counters are totals since start."""
 
@@ -77,6 +92,8 @@ class ServiceStats:
     num_migrations_refused: int = 0
     num_hung_replicas: int = 0
     hung_detection_s: float = 0.0
+    # Every replica's grammar compiles (one row each, and one per pool for its replaced replicas).
+    grammar_compiles: list[GrammarCompileRow] = field(default_factory=list)
 
 
 class InferenceService(Protocol):

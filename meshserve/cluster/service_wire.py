@@ -41,7 +41,7 @@ from typing import Any
 
 from meshserve.cluster.fair_queue import CallerLimitError
 from meshserve.cluster.handover_stats import HandoverRow, HandoverStats
-from meshserve.cluster.service import ModelCard, ServiceHealth, ServiceStats
+from meshserve.cluster.service import GrammarCompileRow, ModelCard, ServiceHealth, ServiceStats
 from meshserve.core.beam_params import BeamSearchParams
 from meshserve.core.outputs import CompletionDelta, FinishReason, TokenLogprobs
 from meshserve.core.sampling_params import SamplingParams
@@ -180,6 +180,7 @@ def encode_state(health: ServiceHealth, stats: ServiceStats, models: list[ModelC
     stats_fields = _fields(stats)
     stats_fields["handovers"] = [{"pool": r.pool, "replica": r.replica, "stats": _fields(r.stats)}
                                  for r in stats.handovers]
+    stats_fields["grammar_compiles"] = [_fields(r) for r in stats.grammar_compiles]
     return {"health": _fields(health), "stats": stats_fields,
             "models": None if models is None else [_fields(c) for c in models], "failed": failed}
 
@@ -188,5 +189,7 @@ def decode_state(d: dict) -> tuple[ServiceHealth, ServiceStats, list[ModelCard] 
     stats = dict(d["stats"])
     stats["handovers"] = [HandoverRow(r["pool"], r["replica"], HandoverStats(**r["stats"]))
                           for r in stats["handovers"]]
+    # (absent from an engine older than these rows: none)
+    stats["grammar_compiles"] = [GrammarCompileRow(**r) for r in stats.get("grammar_compiles", ())]
     models = None if d["models"] is None else [ModelCard(**c) for c in d["models"]]
     return ServiceHealth(**d["health"]), ServiceStats(**stats), models, d["failed"]

@@ -27,7 +27,7 @@ import torch
 
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.tensors import to_device
-from meshserve.workers.grammar import GrammarCompiler, GrammarState, bitmask_words, fill_masks
+from meshserve.workers.grammar import CompileStats, GrammarCompiler, GrammarState, bitmask_words, fill_masks
 
 
 @dataclass
@@ -111,6 +111,10 @@ class ConstraintBuilder:
                                                  eos_token_ids=self.eos_token_ids)
             out.grammar = GrammarState(self._compiler, params.structured_outputs, output_ids)
         return out
+
+    def compile_stats(self) -> CompileStats:
+        """The grammar compiler's counts; zeros while no grammar came (the compiler is not made for this)."""
+        return CompileStats(0, 0, 0, 0) if self._compiler is None else self._compiler.stats()
 
     def shutdown(self) -> None:
         if self._compiler is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 
@@ -28,6 +28,7 @@ from meshserve.workers.checkpoint import read_arch
 from meshserve.workers.constraints import ConstraintBuilder
 from meshserve.workers.cpu_weights import input_major_linears
 from meshserve.workers.decode_graphs import DecodeGraphs, graph_refusal
+from meshserve.workers.grammar import CompileStats
 from meshserve.workers.kv_budget import decode_peak_bytes, num_kv_blocks
 from meshserve.workers.loader import load_model, resolve_dtype
 from meshserve.workers.models import tensor_parallel_transform
@@ -303,6 +304,14 @@ class Worker:
             return torch.zeros(now.shape, dtype=now.dtype).tolist()
         previous[1].synchronize()
         return previous[0].tolist()
+
+    def grammar_stats(self) -> dict[str, int]:
+        """The driver's grammar compile threads (workers/grammar.py CompileStats, as a dict): the
+        num_stuck compiles written off and still running, num_written_off and num_refused since
+        start, num_serving threads. Zeros on the other ranks (they compile nothing) and before the
+        first grammar."""
+        builder = None if self.runner is None or not self.runner.is_driver else self.runner.constraints
+        return asdict(CompileStats(0, 0, 0, 0) if builder is None else builder.compile_stats())
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,

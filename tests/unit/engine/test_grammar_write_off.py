@@ -2,10 +2,10 @@
 
 xgrammar cannot stop a compile, so a runaway one keeps its thread: the driver writes that thread
 off and starts a fresh one (workers/grammar.py). Faults are injected by wrapping the driver's
-compile (GrammarCompiler._compile, on its threads in this process): a compile of a RUNAWAY spec
-blocks until the test ends, as a pathological schema would. Before this, two such compiles held
-both threads and every later constrained request failed at its own bound. The oracle for the
-request served afterwards is jsonschema on its decoded output.
+compile (tests/grammar_faults.py): a compile of a RUNAWAY spec blocks until the test ends, as a
+pathological schema would. Before this, two such compiles held both threads and every later
+constrained request failed at its own bound. The oracle for the request served afterwards is
+jsonschema on its decoded output.
 """
 
 from __future__ import annotations
@@ -28,38 +28,18 @@ from meshserve.engine.engine_core import EngineCore
 from meshserve.errors import ConfigError, UnavailableError
 from meshserve.workers import grammar
 from meshserve.workers.grammar import COMPILE_THREADS, GrammarCompiler
+from tests.grammar_faults import RUNAWAY, inject_runaways
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0,
                                                                               "maximum": 99}},
           "required": ["ok", "n"], "additionalProperties": False}
-RUNAWAY = [StructuredOutputs.regex(f"(stuck|loop){{{i}}}") for i in (1, 2, 3)]
 TIMEOUT_S = 0.3
 MAX_STEPS = 2000  # a request that never ends fails the test instead of hanging it
 
 
-class Runaways:
-    """Fault injection: compiles of RUNAWAY specs block until `release` is set (as a pathological
-    schema would, within a test's time); `entered` is set when one starts. Others compile."""
-
-    def __init__(self) -> None:
-        self.release, self.entered = threading.Event(), threading.Event()
-
-    def set(self) -> None:
-        self.release.set()
-
-
 @pytest.fixture
 def runaway_compiles(monkeypatch):
-    faults = Runaways()
-    real = GrammarCompiler._compile
-
-    def runaway_compile_fault(self, spec):
-        if spec in RUNAWAY:
-            faults.entered.set()
-            faults.release.wait(60)
-        return real(self, spec)
-
-    monkeypatch.setattr(GrammarCompiler, "_compile", runaway_compile_fault)
+    faults = inject_runaways(monkeypatch)
     yield faults
     faults.set()
 
