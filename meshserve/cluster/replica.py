@@ -50,8 +50,8 @@ class ReplicaState(enum.Enum):
     STOPPED = "stopped"
 
 
-# Steps between two reads of the ranks' expert load counters (and at every idle health check).
-EXPERT_LOAD_PERIOD = 64
+# Steps between two reads of the ranks' counters, expert load and grammar compiles (and at every idle health check).
+RANK_COUNTERS_PERIOD = 64
 WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
 STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
 IMPORT_POLL_S = 0.002  # how often an otherwise idle replica asks its ranks about KV pulls in flight
@@ -244,7 +244,7 @@ class Replica:
             num_grammar_written_off=c.grammar.get("num_written_off", 0),
             num_grammar_refused=c.grammar.get("num_refused", 0))
 
-    def _read_expert_load(self) -> None:
+    def _read_rank_counters(self) -> None:
         """Between steps (the ranks' channel is free): refresh the per-expert row counts, and the
         driver rank's grammar compile counts (the other ranks answer zeros at once)."""
         world = self.config.parallel.tp
@@ -279,7 +279,7 @@ class Replica:
                     except TimeoutError:  # idle: make sure the ranks are still there
                         if not self.handover.imports:
                             await self._in_thread(self.executor.check_health)
-                            await self._in_thread(self._read_expert_load)
+                            await self._in_thread(self._read_rank_counters)
                     continue
                 self._idle.clear()
                 deltas, handoffs = await self._in_thread(self._step)
@@ -367,8 +367,8 @@ class Replica:
         deltas = self.core.step()
         hop_trace.mark("step.end" if deltas else "step.end_empty")
         self.counters.steps += 1
-        if self.counters.steps % EXPERT_LOAD_PERIOD == 0:
-            self._read_expert_load()
+        if self.counters.steps % RANK_COUNTERS_PERIOD == 0:
+            self._read_rank_counters()
         handoffs = []
         for d in deltas:
             ticket = self._held.get(d.request_id)

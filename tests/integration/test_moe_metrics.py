@@ -26,7 +26,7 @@ def test_expert_rows_are_counted_and_exported(tmp_path):
     rows = 2 * sum(len(p) + NEW_TOKENS - 1 for p in batch)
 
     async def serve():
-        # The replica refreshes its counts every EXPERT_LOAD_PERIOD steps and when idle for a health period.
+        # The replica refreshes its counts every RANK_COUNTERS_PERIOD steps and when idle for a health period.
         service = await Coordinator(ClusterConfig(engine=config, runtime="in-process", device="cpu",
                                                   health_period_s=0.1)).start()
         params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
