@@ -89,11 +89,8 @@ class NullWorker:
         if not torch.equal(total, mine * self.parallel.tp):
             raise RuntimeError(f"ranks disagree on the step: rank {self.rank} has {tokens}, sum {total.tolist()}")
 
-    def expert_load(self) -> list[list[int]]:
-        return []  # no experts
-
-    def grammar_stats(self) -> dict[str, int]:
-        return {}  # no grammars (the replica reads zeros)
+    def counters(self) -> dict[str, object]:
+        return {"expert_load": [], "grammar": {}}  # no experts, no grammars (the replica reads zeros)
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.info is not None, "active_requests": len(self._seqs)}

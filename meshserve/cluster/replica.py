@@ -247,9 +247,9 @@ class Replica:
     def _read_rank_counters(self) -> None:
         """Between steps (the ranks' channel is free): refresh the per-expert row counts, and the
         driver rank's grammar compile counts (the other ranks answer zeros at once)."""
-        world = self.config.parallel.tp
-        self.counters.expert_tokens = sum_expert_load(self.executor.call("expert_load", [{}] * world))
-        self.counters.grammar = self.executor.call("grammar_stats", [{}] * world)[0]
+        per_rank = self.executor.call("counters", [{}] * self.config.parallel.tp)  # one round trip
+        self.counters.expert_tokens = sum_expert_load([r["expert_load"] for r in per_rank])
+        self.counters.grammar = per_rank[0]["grammar"]
 
     def _wake(self) -> None:
         self._wakeup.set()

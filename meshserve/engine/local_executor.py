@@ -15,7 +15,7 @@ from meshserve.errors import check
 from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import Worker, WorkerInfo
 
-WORKER_METHODS = frozenset({"check_health", "expert_load", "grammar_stats"})
+WORKER_METHODS = frozenset({"check_health", "counters"})
 
 
 class LocalExecutor:

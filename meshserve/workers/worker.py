@@ -313,6 +313,11 @@ class Worker:
         builder = None if self.runner is None or not self.runner.is_driver else self.runner.constraints
         return asdict(CompileStats(0, 0, 0, 0) if builder is None else builder.compile_stats())
 
+    def counters(self) -> dict[str, object]:
+        """What the replica reads every RANK_COUNTERS_PERIOD steps and when idle, in one call (a
+        channel round trip per rank): {"expert_load": expert_load(), "grammar": grammar_stats()}."""
+        return {"expert_load": self.expert_load(), "grammar": self.grammar_stats()}
+
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,
                 "active_requests": 0 if self.runner is None else self.runner.num_active_requests}

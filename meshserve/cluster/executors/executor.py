@@ -29,7 +29,7 @@ from meshserve.workers.worker import WorkerInfo
 
 # What a driver may ask a rank to do (besides steps). Anything else is refused by the rank.
 RANK_METHODS = frozenset({"rendezvous", "start", "check_health", "kv_offer", "kv_pull", "kv_pull_start",
-                          "kv_pull_done", "kv_pull_cancel", "expert_load", "grammar_stats"})
+                          "kv_pull_done", "kv_pull_cancel", "counters"})
 
 
 def sum_expert_load(per_rank: Sequence[list[list[int]]]) -> list[list[int]]:

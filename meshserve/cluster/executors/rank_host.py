@@ -4,9 +4,9 @@
     rendezvous()                    "file://<private dir>/store" on this node (asked of rank 0)
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
-    expert_load()                   rows routed to each expert per MoE layer (Worker.expert_load)
-    grammar_stats()                 the driver's grammar compile counts (Worker.grammar_stats; zeros
-                                    on other ranks)
+    counters()                      Worker.counters: rows routed to each expert per MoE layer
+                                    (expert_load) and the driver's grammar compile counts (grammar;
+                                    zeros on other ranks), in one round trip
     kv_offer(...)                   offer a request's blocks to pullers under the coordinator's
                                     capability; returns the export endpoint (kvtransfer/transport.py)
     kv_pull(...)                    pull a request's blocks (by capability) from the prefill ranks
@@ -84,11 +84,8 @@ class RankHost:
     def check_health(self) -> dict[str, Any]:
         return {} if self.worker is None else self.worker.check_health()
 
-    def expert_load(self) -> list[list[int]]:
-        return [] if self.worker is None else self.worker.expert_load()
-
-    def grammar_stats(self) -> dict[str, int]:
-        return {} if self.worker is None else self.worker.grammar_stats()
+    def counters(self) -> dict[str, Any]:
+        return {"expert_load": [], "grammar": {}} if self.worker is None else self.worker.counters()
 
     def shutdown(self) -> None:
         if self._rendezvous:  # first: a rank process may be killed while its worker shuts down

@@ -102,7 +102,7 @@ def test_runaway_compiles_fail_alone_and_the_next_grammar_compiles_on_a_fresh_th
     stats = _compiler(core).stats()
     # Both runaways still hold their threads, written off; two fresh ones serve the queue.
     assert (stats.num_stuck, stats.num_written_off, stats.num_serving) == (2, 2, COMPILE_THREADS)
-    assert core.executor.call("grammar_stats", [{}]) == [dataclasses.asdict(stats)]  # what the replica reads
+    assert core.executor.call("counters", [{}])[0]["grammar"] == dataclasses.asdict(stats)  # what the replica reads
     assert len(set(_compile_threads()) - before) == 2  # the replacements (the runaways hold the first two)
 
     # A constrained request after them compiles and follows its schema (with both threads held by
