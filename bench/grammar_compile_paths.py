@@ -26,7 +26,7 @@ from pathlib import Path
 
 import msgpack
 
-from bench.report import pyplot
+from bench.report import pyplot, save_figure
 from bench.wordlevel_tokenizer import write_wordlevel_tokenizer
 from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -145,9 +145,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("ms (median)")
     ax.set_title("one grammar compile, by where it runs")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.report import pyplot
+from bench.report import pyplot, save_figure
 from meshserve import LLM, SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.workers.grammar import GrammarCompiler
@@ -155,9 +155,7 @@ def plot(rows: list[dict], path: Path) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title("a plain stream while a slow grammar compiles")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
+from bench.report import pyplot, save_figure
 from meshserve.attention.spec import AttentionSpec
 from meshserve.config import DcpComm, ParallelConfig
 from meshserve.kvstore.cache_tensors import block_bytes
@@ -109,13 +110,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(6, 4))
     for dcp in sorted({r["dcp"] for r in rows}):
@@ -128,9 +124,7 @@ def _plot(rows: list[dict], path: Path) -> None:
     ax.set_ylabel("µs per layer (median)")
     ax.set_title("DCP LSE merge: ag_rs vs a2a")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

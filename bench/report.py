@@ -29,3 +29,10 @@ def pyplot():
         print("matplotlib is not installed: no plot", flush=True)
         return None
     return plt
+
+
+def save_figure(fig, path) -> None:
+    """Lay the figure out, write it to `path` (PNG at 120 dpi) and say so."""
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")

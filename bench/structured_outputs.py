@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from bench.report import pyplot
+from bench.report import pyplot, save_figure
 from meshserve import LLM, SamplingParams
 from meshserve.core.structured_outputs import StructuredOutputs
 from meshserve.workers import constraints, sampler
@@ -161,9 +161,7 @@ def plot(rows: list[dict], path: Path, *, title: str) -> None:
     ax.set_ylim(bottom=0)
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":
