@@ -62,7 +62,8 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42 or moe}" in
             --out "$OUT" > "$OUT/kv_handover_phases.log" 2>&1
         echo "kv_handover phases: exit $? at ${SECONDS}s"
         grep -vE "^\s*$" "$OUT/kv_handover_phases.log" | tail -30
-        BUDGET=$((560 - SECONDS)) bash "$0" tests kv_transport prefill_desc backends decode_graphs ;;
+        # then the GPU tests (NIXL_THEN_TESTS: the names, default the transport test and the ones cut by time before)
+        BUDGET=$((${BUDGET:-560} - SECONDS)) bash "$0" tests ${NIXL_THEN_TESTS-kv_transport prefill_desc backends decode_graphs} ;;
     tests)  # tests/gpu/test_<name>_gpu.py for each name given, each within 120 s, all within $BUDGET s (560)
         shift
         for f in "$@"; do
