@@ -31,6 +31,12 @@
 #       issue 41 item 3: the MoE shapes end to end at full depth (bench/e2e.py: DeepSeek-V2-Lite, 27
 #       layers, 31.4 GB bf16; GPT-OSS-20B, 24 layers, 41.8 GB), decode steps at bs 1/64/256 against
 #       their bytes roofline (bandwidth: a device copy measured in each run), `generate` at bs 64
+#   . bench/device_setup.sh && bash bench/device_benches.sh e2e42      (carry .whlfi07)
+#       issue 42 item 5: 8B shape, TTFT 4k/16k and the bs-1 step, TRITON then the default, then FP8
+#       weights (--quantization fp8), then FP8 weights with the LM head in FP8 (--quantize-lm-head)
+#   . bench/device_setup.sh && bash bench/device_benches.sh fp8head    (carry .whlfi07, as e2e42)
+#       issue 42 item 4 alone: the 8B bs-1 decode step in bf16, FP8 weights, FP8 weights + FP8 LM head,
+#       no TTFT (the three e2e.py runs of e2e42 that item 4 needs, side by side in one call)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -43,7 +49,17 @@ tests() {  # log name, timeout, pytest args...: failures and the summary line to
     grep -E "^(FAILED|ERROR)|^E  " "$OUT/$name.log" | cut -c1-220 | head -20
     tail -1 "$OUT/$name.log"
 }
-case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42 or moe}" in
+e2e_bs1() {  # "name bench/e2e.py flags..." per run: the 8B shape at bs 1, the log and JSON under $OUT/e2e-name
+    local run name
+    for run in "$@"; do
+        set -- $run
+        name=$1; shift
+        timeout $((590 - SECONDS)) python3 -m bench.e2e --batch-sizes 1 --throughput-sizes 1 --no-baseline \
+            --out "$OUT/e2e-$name" "$@" > "$OUT/e2e-$name.log" 2>&1
+        echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
+    done
+}
+case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -77,14 +93,13 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42 or moe}" in
         PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
             --write "$OUT/kernel_choice.json" 2>&1 | tail -60 ;;
     e2e42)  # issue 42 item 5 (carry .whlfi07, FlashInfer on): TTFT 4k/16k and the bs-1 decode step, 8B shape,
-        # TRITON against the default (the kernel-choice table: FlashInfer 0.7 where it measured fastest), then FP8 weights
-        for run in "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens="; do
-            set -- $run
-            name=$1; shift
-            timeout $((590 - SECONDS)) python3 -m bench.e2e --batch-sizes 1 --throughput-sizes 1 --no-baseline \
-                --out "$OUT/e2e-$name" "$@" > "$OUT/e2e-$name.log" 2>&1
-            echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
-        done ;;
+        # TRITON against the default (the kernel-choice table: FlashInfer 0.7 where it measured fastest), then FP8
+        # weights, then FP8 weights with the LM head in FP8 too (item 4's step target; ModelConfig.quantize_lm_head)
+        e2e_bs1 "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens=" \
+            "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
+    fp8head)  # issue 42 item 4 alone: the bs-1 decode step, bf16 / FP8 weights / FP8 weights + FP8 LM head, no TTFT
+        e2e_bs1 "default --ttft-lens=" "fp8 --quantization fp8 --ttft-lens=" \
+            "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
     moe)  # one process per shape (each frees its GPU memory), 12 GiB of KV (256 sequences of <= 512 tokens
         # need 4.1 GB for DeepSeek's latents, 6.4 GB for GPT-OSS), no TTFT; the log of each in $OUT, the tables last
         for run in "deepseek-v2-lite 270" "gpt-oss-20b 570"; do  # seconds at most (DeepSeek first: the new shape)

@@ -17,6 +17,7 @@ for long prompts, with MFU against the measured bf16 matmul peak. Table + PNG.
 
     python -m bench.e2e                          # on the H200: 8B shape, bs 1/16/64/256
     python -m bench.e2e --enforce-eager          # the same without CUDA graphs
+    python -m bench.e2e --batch-sizes 1 --quantization fp8 --quantize-lm-head   # FP8 weights, FP8 LM head
     python -m bench.e2e --device cpu --tiny --no-baseline   # smoke run of the GPU bench on a CPU
     python -m bench.e2e --device cpu --out bench/results    # demo model against HF, batch 1/16/64
     python -m bench.e2e --write docs/performance.md --out bench/results
@@ -333,7 +334,8 @@ def bench_meshserve(path: Path, args: argparse.Namespace, shape: dict) -> dict:
               max_num_seqs=max(args.batch_sizes), max_num_batched_tokens=max([8192, *args.ttft_lens]),
               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
               progress=False,
-              quantization=args.quantization, small_m_gemm=args.small_m_gemm)
+              quantization=args.quantization, small_m_gemm=args.small_m_gemm,
+              quantize_lm_head=args.quantize_lm_head)
     start_s = time.perf_counter() - t0
     graphs = llm.core.executor.worker.runner.decode_graphs
     out = {"backend": llm.core.info.backend, "start_s": start_s, "graphs": graphs is not None,
@@ -397,7 +399,8 @@ def report(args: argparse.Namespace, model: ModelShape, shape_name: str, shape: 
         BEGIN,
         "## End-to-end decode (bench/e2e.py)",
         "",
-        f"{shape_name} with random {args.dtype} weights on {device} (quantization {args.quantization}, "
+        f"{shape_name} with random {args.dtype} weights on {device} (quantization {args.quantization}"
+        f"{', LM head in FP8 too' if args.quantize_lm_head else ''}, "
         f"small_m_gemm {args.small_m_gemm}); torch {torch.__version__}; attention "
         f"backend {ours['backend']}, decode steps {mode} (start-up {ours['start_s']:.1f} s, of which graph "
         f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
@@ -480,6 +483,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--attention-backend", default=None)
     ap.add_argument("--quantization", default="none",
                     help="fp8: meshserve with online FP8 weights (docs/quantization.md)")
+    ap.add_argument("--quantize-lm-head", action="store_true",
+                    help="with --quantization fp8: the LM head in FP8 too (ModelConfig.quantize_lm_head)")
     ap.add_argument("--small-m-gemm", default="auto", choices=["auto", "on", "off"],
                     help="meshserve's decode GEMMs on the weight-streaming kernel (docs/engine.md)")
     ap.add_argument("--enforce-eager", action="store_true", help="meshserve without CUDA graphs")

@@ -41,7 +41,13 @@ SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on weight-streaming kernel
                      "the kernel per rows bucket from workers/quant/gemm_table.py), on (those and the bf16/fp16 "
                      "decoder projections), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
-                     "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load)")
+                     "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load; the LM head "
+                     "stays in the model dtype unless --quantize-lm-head)")
+QUANTIZE_LM_HEAD_HELP = ("with --quantization fp8: the LM head in FP8 too (one scale per vocabulary row), read at "
+                         "half the bytes by every decode step. Off by default: the head chooses the tokens, so its "
+                         "rounding moves the logits (a few percent of their norm) and can flip a near tie. Tied "
+                         "embeddings keep the embedding in the model dtype and add an FP8 copy for the head "
+                         "(vocab x hidden bytes more). An FP8 checkpoint's float head is quantized the same way")
 
 
 class PoolMode(StrEnum):
@@ -103,10 +109,15 @@ class ModelConfig:
     quantization: Quantization = field(default=Quantization.NONE, metadata={
         "help": "fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 at load (per-channel scales)"})
     small_m_gemm: SmallMGemm = field(default=SmallMGemm.AUTO, metadata={"help": SMALL_M_GEMM_HELP})
+    quantize_lm_head: bool = field(default=False, metadata={"help": QUANTIZE_LM_HEAD_HELP})
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "dtype", as_enum(Dtype, "dtype", self.dtype))
         object.__setattr__(self, "quantization", as_enum(Quantization, "quantization", self.quantization or "none"))
+        check(isinstance(self.quantize_lm_head, bool), "quantize_lm_head", self.quantize_lm_head, "true or false")
+        check(not self.quantize_lm_head or self.quantization is Quantization.FP8, "quantize_lm_head",
+              self.quantize_lm_head, f"false with quantization='{self.quantization}' (the LM head is quantized "
+              "only together with the other linears: quantization='fp8', --quantization fp8)")
         object.__setattr__(self, "small_m_gemm", as_enum(SmallMGemm, "small_m_gemm", self.small_m_gemm))
         check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "true or false")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)

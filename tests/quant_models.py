@@ -98,19 +98,31 @@ def quantize_checkpoint(src: Path, dst: Path, fmt: str, *, block: tuple[int, int
     return deq_dir
 
 
-def online_fp8_twin(src: Path, dst: Path) -> Path:
-    """`dst`: float checkpoint `src` with each decoder projection replaced by its per-output-channel
-    FP8 round trip (scale = row amax / 448), in float64 then stored float32: what online FP8 serves."""
+def fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], float32 scale [N] = row amax / 448, dequantized float64 [N, K])."""
+    scale = (w.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
+    q = (w.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale, q.double() * scale.double()[:, None]
+
+
+def online_fp8_twin(src: Path, dst: Path, *, projections: bool = True, lm_head: bool = False) -> Path:
+    """`dst`: float checkpoint `src` with each decoder projection (`projections`) and/or the LM head
+    (`lm_head`: ModelConfig.quantize_lm_head) replaced by its per-output-channel FP8 round trip
+    (scale = row amax / 448), in float64 then stored float32: what online FP8 serves. A tied
+    checkpoint's twin is untied: its head is the embedding's round trip, its embedding unchanged."""
     src, dst = Path(src), Path(dst)
     shutil.copytree(src, dst, dirs_exist_ok=True)
     state: dict[str, torch.Tensor] = {}
     for f in sorted(src.glob("*.safetensors")):
         state.update(load_file(f))
     for name, t in state.items():
-        if QUANTIZED.match(name) and t.dim() == 2:
-            scale = (t.float().abs().amax(dim=1) / FP8_MAX).clamp(min=1e-12)
-            q = (t.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-            state[name] = (q.double() * scale.double()[:, None]).float()
+        if projections and QUANTIZED.match(name) and t.dim() == 2:
+            state[name] = fp8_per_channel(t)[2].float()
+    if lm_head:
+        config = json.loads((src / "config.json").read_text())
+        head = state["model.embed_tokens.weight"] if config.get("tie_word_embeddings") else state["lm_head.weight"]
+        state["lm_head.weight"] = fp8_per_channel(head)[2].float()
+        (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     for f in dst.glob("*.safetensors*"):
         f.unlink()
     save_file(state, str(dst / "model.safetensors"))

@@ -25,6 +25,7 @@ from meshserve.cluster.executors.in_process import InProcessExecutor
 from meshserve.config import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZATION_HELP,
+    QUANTIZE_LM_HEAD_HELP,
     SMALL_M_GEMM_HELP,
     AttentionConfig,
     CacheConfig,
@@ -69,7 +70,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None, progress: bool = True,
-                 revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto") -> None:
+                 revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto",
+                 quantize_lm_head: bool = False) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -87,6 +89,8 @@ class LLM:
         self._service_loop: asyncio.AbstractEventLoop | None = None
         self._stream_ids = itertools.count()
         if self.task == "embed":
+            check(not quantize_lm_head, "quantize_lm_head", quantize_lm_head,
+                  "false for an embedding model (it has no LM head)")
             self.embedder = Embedder(model, dtype=dtype, attention_backend=attention_backend, block_size=block_size,
                                      max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                                      device=device)
@@ -95,7 +99,8 @@ class LLM:
         config = EngineConfig(
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
-                              quantization=quantization, small_m_gemm=small_m_gemm),
+                              quantization=quantization, small_m_gemm=small_m_gemm,
+                              quantize_lm_head=quantize_lm_head),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
@@ -249,6 +254,7 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--dtype", default="auto", help="auto, float32, float16, bfloat16")
     p.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
+    p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     p.add_argument("--attention-backend", default=None, help="CPU_SDPA, TORCH, TRITON, FLASHINFER (default: automatic)")
@@ -306,7 +312,7 @@ def generate_main(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization,
-              small_m_gemm=args.small_m_gemm)
+              small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head)
     try:
         _stream(llm.core, args, echo=True)
     finally:
@@ -352,7 +358,7 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str, errors
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
-                          small_m_gemm=args.small_m_gemm),
+                          small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),

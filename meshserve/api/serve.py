@@ -34,6 +34,7 @@ from meshserve.api.api_servers import (
 from meshserve.config import (
     DEFAULT_BLOCK_SIZE,
     QUANTIZATION_HELP,
+    QUANTIZE_LM_HEAD_HELP,
     SMALL_M_GEMM_HELP,
     AttentionConfig,
     CacheConfig,
@@ -75,6 +76,7 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "deepseek_v3 or openai (default: detected from the chat template)")
     m.add_argument("--dtype", default="auto", choices=[d.value for d in Dtype])
     m.add_argument("--quantization", default="none", help=QUANTIZATION_HELP)
+    m.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     m.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     m.add_argument("--tp", "--tensor-parallel-size", "-tp", dest="tp", type=int, default=1,
                    help="tensor-parallel ranks per replica")
@@ -230,7 +232,7 @@ def configs_of(args: argparse.Namespace):
     engine = EngineConfig(
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
-                          small_m_gemm=args.small_m_gemm,
+                          small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head,
                           cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
         cache=CacheConfig(block_size=args.block_size or DEFAULT_BLOCK_SIZE, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,

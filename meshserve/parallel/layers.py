@@ -65,8 +65,12 @@ class ParallelLMHead(nn.Module):
         start, stop = vocab_range(vocab_size, ctx)
         self.weight = nn.Parameter(torch.empty(stop - start, hidden), requires_grad=False)
 
+    def local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [N, hidden] -> this rank's logits [N, rows] (an FP8 head overrides it: workers/quant/layers.py)."""
+        return nn.functional.linear(h, self.weight)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        local = nn.functional.linear(h, self.weight)  # [N, rows]
+        local = self.local_logits(h)  # [N, rows]
         pad = self.per_rank - local.shape[-1]
         if pad:  # all-gather needs equal shards; the padding is cut off again below
             local = nn.functional.pad(local, (0, pad))

@@ -9,7 +9,9 @@ parameter must be filled; otherwise the error names the tensor.
 Quantized checkpoints (workers/quant/): before the model is materialised, the linears whose
 checkpoint weights are FP8 (or all eligible linears, for online FP8) become Fp8Linear; their
 scales travel with their weights. Weights that other code reads directly (MLA's kv_b_proj) and
-MXFP4 experts are dequantized at load to the model dtype.
+MXFP4 experts are dequantized at load to the model dtype. The LM head joins them only when asked
+(`quantize_lm_head`): per-channel FP8, quantized from the checkpoint's float head, or for tied
+embeddings from the embedding, which itself stays in the model dtype (the head gets a copy).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from tqdm import tqdm
 
-from meshserve.config import Dtype, SmallMGemm
+from meshserve.config import Dtype, Quantization, SmallMGemm
 from meshserve.core.arith import cdiv
 from meshserve.core.checkpoint_files import read_json
 from meshserve.errors import ConfigError, MeshserveError, as_enum, check
@@ -39,6 +41,7 @@ from meshserve.workers.quant.formats import (
     WeightQuant,
     resolve_quantization,
 )
+from meshserve.workers.quant.fp8 import FP8, quantize_fp8_per_channel
 from meshserve.workers.quant.layers import convert_linears, linear_names, stream_dense_linears
 from meshserve.workers.quant.support import refusals
 from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
@@ -49,8 +52,10 @@ FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gat
 # Linears whose weight other code reads as a matrix (MLA folds kv_b_proj into its attention):
 # FP8 checkpoint weights are dequantized at load for them, never kept as an Fp8Linear.
 KEEP_FLOAT = ("kv_b_proj",)
-# Online FP8 leaves these in the model dtype, as vLLM does: they choose tokens and experts.
-ONLINE_SKIP = ("lm_head", "router", *KEEP_FLOAT)
+# Online FP8 leaves these in the model dtype, as vLLM does: they choose tokens and experts. The
+# LM head is quantized only on request (ModelConfig.quantize_lm_head: LM_HEAD, per-channel).
+LM_HEAD = "lm_head"
+ONLINE_SKIP = (LM_HEAD, "router", *KEEP_FLOAT)
 
 
 class WeightError(MeshserveError):
@@ -217,11 +222,27 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
                               f"model expects {tuple(dest.shape)} for '{target}'")
         dest.copy_(tensor)
         loaded.update((pname, *read.consumed) if place is None else read.consumed)
+    if arch.tie_word_embeddings and model.lm_head.weight.dtype == FP8 and "model.embed_tokens.weight" in loaded:
+        _fill_tied_fp8_head(model)
+        loaded.add("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
         raise WeightError(f"checkpoint {ckpt.model_dir} lacks tensor(s) {missing[:5]}{more} "
                           f"needed by {arch.architecture}")
+
+
+def _fill_tied_fp8_head(model: CausalLM) -> None:
+    """quantize_lm_head on tied embeddings: the head's FP8 rows and scales are quantized from the
+    embedding this rank holds (the embedding and the head split the vocabulary alike, ceil(V / tp)
+    rows a rank), which stays in the model dtype for its lookups."""
+    embed, head = model.model.embed_tokens.weight, model.lm_head
+    if tuple(head.weight.shape) != tuple(embed.shape):
+        raise WeightError(f"the FP8 LM head {tuple(head.weight.shape)} and the tied embedding {tuple(embed.shape)} "
+                          "hold different rows")
+    q, scale = quantize_fp8_per_channel(embed)
+    head.weight.copy_(q)
+    head.weight_scale.copy_(scale)
 
 
 class _NoInitOnMeta(TorchFunctionMode):
@@ -251,25 +272,31 @@ def build_model(arch: ModelArch, *, dtype: torch.dtype, device: str | torch.devi
         with torch.device("meta"):
             quantize(model)
     model = model.to_empty(device=device)
-    if arch.tie_word_embeddings:
+    if arch.tie_word_embeddings and model.lm_head.weight.dtype != FP8:  # an FP8 head keeps its own copy
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty unties shared meta params
     return model.eval()
 
 
-def _check_served(quant: WeightQuant, device: torch.device) -> None:
-    """Refuse a weight format this device cannot compute (support.py says why), before any weight is read."""
+def _check_served(quant: WeightQuant, device: torch.device, *, lm_head: bool = False) -> None:
+    """Refuse a weight format this device cannot compute (support.py says why), before any weight is
+    read; `lm_head`: the per-channel FP8 head (quantize_lm_head) too."""
     fmt = quant.linear_format if quant.method is QuantMethod.FP8 else WeightFormat.MXFP4
     cc = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     reasons = refusals(fmt, device.type, cc, quant.block)
     if reasons:
         raise ConfigError("quantization", str(fmt), "; ".join(reasons))
+    head = refusals(WeightFormat.FP8_CHANNEL, device.type, cc) if lm_head and fmt is not WeightFormat.FP8_CHANNEL \
+        else []
+    if head:
+        raise ConfigError("quantize_lm_head", True, "; ".join(head))
 
 
 def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None = None,
                device: str | torch.device = "cpu", rank: int = 0, world: int = 1, dcp: int = 1, ep: int = 1,
                max_positions: int | None = None, progress: bool = True,
                transform: Callable[[CausalLM], None] | None = None,
-               quantization: str | None = None, small_m_gemm: str | SmallMGemm = SmallMGemm.AUTO) -> CausalLM:
+               quantization: str | None = None, small_m_gemm: str | SmallMGemm = SmallMGemm.AUTO,
+               quantize_lm_head: bool = False) -> CausalLM:
     """Load the HF checkpoint in `model_dir` as rank `rank` of a `world`-way tensor-parallel group.
 
     `transform` reshapes the meta-device model before weights arrive (tensor parallelism); a
@@ -278,13 +305,20 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
     `small_m_gemm` (ModelConfig.small_m_gemm): which linears take a weight-streaming kernel for
     decode-sized inputs on CUDA - auto: every FP8 linear (the kernel per rows bucket and weight
     format: workers/quant/gemm_table.py); on: those and the bf16/fp16 decoder projections; off: none.
+    `quantize_lm_head` (ModelConfig.quantize_lm_head, with quantization "fp8" only): the LM head
+    in per-channel FP8 too (a tied one as an FP8 copy of the embedding; an FP8 checkpoint's float
+    head likewise; a head the checkpoint ships in FP8 stays as published).
     """
     streaming = as_enum(SmallMGemm, "small_m_gemm", small_m_gemm)
     arch = read_arch(model_dir)
     torch_dtype = resolve_dtype(dtype, arch, str(torch.device(device)))
     quant = resolve_quantization(read_json(Path(model_dir) / "config.json", "model"), quantization)
+    check(isinstance(quantize_lm_head, bool), "quantize_lm_head", quantize_lm_head, "true or false")
+    asked = "none" if quantization is None else str(quantization).lower()
+    check(not quantize_lm_head or asked == Quantization.FP8, "quantize_lm_head", quantize_lm_head,
+          f"false with quantization='{asked}' (the LM head is quantized only with quantization='fp8')")
     if quant is not None:
-        _check_served(quant, torch.device(device))
+        _check_served(quant, torch.device(device), lm_head=quantize_lm_head)
         check(ep == 1, "ep", ep, "1 with quantized weights (expert parallelism over FP8/MXFP4 experts is not "
               "implemented yet)")
     with torch.no_grad(), Checkpoint(model_dir) as ckpt:
@@ -293,8 +327,11 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
 
         def convert(model: CausalLM) -> None:
             if fp8:
-                convert_linears(model, fp8_modules(model, quant, names), quant.block,
-                                small_m=streaming is not SmallMGemm.OFF)
+                small_m = streaming is not SmallMGemm.OFF
+                chosen = fp8_modules(model, quant, names)
+                convert_linears(model, chosen, quant.block, small_m=small_m)
+                if quantize_lm_head and LM_HEAD not in chosen:  # (a head shipped in FP8 is in `chosen`)
+                    convert_linears(model, {LM_HEAD}, None, small_m=small_m)
             if streaming is SmallMGemm.ON:
                 stream_dense_linears(model)
 

@@ -215,7 +215,8 @@ class Worker:
                            world=par.tp, dcp=par.dcp, ep=par.ep, max_positions=max_model_len, progress=self.progress,
                            transform=transform if par.tp > 1 else None,
                            quantization=self.model_config.quantization.value,
-                           small_m_gemm=self.model_config.small_m_gemm.value)
+                           small_m_gemm=self.model_config.small_m_gemm.value,
+                           quantize_lm_head=self.model_config.quantize_lm_head)
         if self.device.type == "cpu":
             input_major_linears(model)  # the same values, a faster CPU GEMM (workers/cpu_weights.py)
         return LoadedModel(arch, model, dtype, max_model_len)
@@ -224,6 +225,8 @@ class Worker:
         """BART: its own loader, one rank. Its decoder self- and cross-attention layers form two KV
         groups sharing the pool (kvstore/groups.py); its encoder gets a backend of its own."""
         check(self.parallel.tp == 1, "tp", self.parallel.tp, "1 (encoder-decoder models run on one rank)")
+        check(not self.model_config.quantize_lm_head, "quantize_lm_head", True,
+              "false for an encoder-decoder model (its weights load in the model dtype)")
         arch = read_bart_arch(self.model_config.model)
         max_model_len = resolve_max_model_len(self.model_config, arch)
         dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)

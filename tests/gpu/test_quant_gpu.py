@@ -417,7 +417,8 @@ def test_mxfp4_dequantizes_alike_on_gpu():
 LOGITS_REL_BOUND = 0.3
 
 
-def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none", small_m_gemm="auto"):
+def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none", small_m_gemm="auto",
+                   quantize_lm_head=False):
     """Logits [len(tokens) - n_prompt + 1, V] (float32) of a prefill of tokens[:n_prompt], then one
     decode step per further token (teacher-forced), through a Worker on `device`."""
     from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
@@ -425,7 +426,7 @@ def _forced_logits(path, tokens, n_prompt, *, device, dtype, quantization="none"
     from meshserve.workers.worker import Worker
 
     w = Worker(ModelConfig(model=str(path), max_model_len=128, dtype=dtype, quantization=quantization,
-                           small_m_gemm=small_m_gemm),
+                           small_m_gemm=small_m_gemm, quantize_lm_head=quantize_lm_head),
                CacheConfig(block_size=16, num_kv_blocks=32),
                AttentionConfig(backend="TORCH" if device == "cpu" else None), device=device, progress=False)
     w.start()
@@ -468,6 +469,52 @@ def test_fp8_model_on_cuda_tracks_the_exact_reference(tmp_path, case):
     assert got.shape == ref.shape == (11, 320)
     rel = ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
     assert rel < LOGITS_REL_BOUND, rel
+
+
+@pytest.mark.parametrize(("tied", "vocab"), [(False, 320), (True, 330)], ids=["untied", "tied_vocab330"])
+def test_fp8_lm_head_model_on_cuda_tracks_the_exact_reference(tmp_path, tied, vocab):
+    """ModelConfig.quantize_lm_head: online FP8 with the LM head in FP8 too (decode rows on the
+    small-M GEMV inside the CUDA graphs, prefill's last row likewise) against the float32 CPU
+    reference of the same weights (the head dequantized exactly there). A tied checkpoint keeps
+    its embedding in bf16 and quantizes a copy for the head; 330 rows are not a multiple of 16."""
+    from meshserve.workers.quant.layers import Fp8Linear
+    from tests.tiny_models import prompts, write_checkpoint
+
+    _skip_unless(WeightFormat.FP8_CHANNEL)
+    write_checkpoint(tmp_path / "model", "llama", overrides={"head_dim": 64, "vocab_size": vocab,
+                                                             "tie_word_embeddings": tied})
+    prompt = prompts(1, seed=5, min_len=20, max_len=20)[0]
+    tokens = prompt + prompts(1, seed=6, min_len=10, max_len=10)[0]
+    flags = dict(quantization="fp8", quantize_lm_head=True)
+    ref = _forced_logits(tmp_path / "model", tokens, len(prompt), device="cpu", dtype="float32", **flags)
+    got = _forced_logits(tmp_path / "model", tokens, len(prompt), device="cuda", dtype="bfloat16", **flags)
+    assert got.shape == ref.shape == (11, vocab)
+    rel = ((got - ref).norm(dim=1) / ref.norm(dim=1)).max().item()
+    assert rel < LOGITS_REL_BOUND, rel
+    from meshserve.workers.loader import load_model
+
+    model = load_model(tmp_path / "model", dtype="bfloat16", device="cuda", progress=False, **flags)
+    assert isinstance(model.lm_head, Fp8Linear) and model.lm_head.weight.device.type == "cuda"
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+
+
+HEAD_CASES = [(m, n, 4096) for n in (330, 10) for m in PATH_MS] + [(m, 128256, 4096) for m in (1, 16, 64)]
+
+
+@pytest.mark.parametrize(("m", "n", "k"), HEAD_CASES, ids=str)
+def test_fp8_linear_per_channel_at_lm_head_shapes(m, n, k):
+    """The LM head's shapes: a vocabulary that is not a multiple of 16 (cuBLASLt's FP8 GEMMs need
+    it: the last N % 16 rows take the reference, fp8_linear's _per_channel_gemm) and Llama-3's
+    128256 rows, at decode and prefill rows, against x @ dequant(W)^T in float64 (bounds as
+    test_fp8_linear_against_dequantized_matmul)."""
+    _skip_unless(WeightFormat.FP8_CHANNEL)
+    wq, scale, w64 = _fp8_weight(n, k, None)
+    x = _randn(m, k, seed=3)
+    y = fp8_linear(x, wq, scale, None, small_m=True)
+    ref = x.double() @ w64.T
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel < (0.005 if m <= SMALL_M_MAX else 0.04), rel
 
 
 def test_bf16_model_with_streamed_linears_tracks_cublas_and_the_reference(tmp_path):

@@ -30,3 +30,23 @@ def test_tiny_run_prints_the_table(model, tmp_path, capsys):
         expected_ms = e2e.MODELS[model].step_bytes(shape, 4, bs, context) / 1e6 * 1e3  # float32 weights
         assert float(r[6]) == pytest.approx(expected_ms, abs=0.006)  # roofline ms, printed with 2 decimals
         assert float(r[2]) > 0  # wall ms per step
+
+
+def test_fp8_run_with_the_fp8_lm_head(tmp_path, capsys, monkeypatch):
+    """--quantization fp8 --quantize-lm-head reaches the engine (the head is an Fp8Linear) and the table says so."""
+    from meshserve.api.llm import LLM
+    from meshserve.workers.quant.layers import Fp8Linear
+
+    heads = []
+    real = LLM.__init__
+
+    def spy(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        heads.append(self.core.executor.worker.runner.model.lm_head)
+
+    monkeypatch.setattr(LLM, "__init__", spy)
+    argv = ["--device", "cpu", "--tiny", "--no-baseline", "--steps", "2", "--batch-sizes", "1",
+            "--throughput-sizes", "1", "--quantization", "fp8", "--quantize-lm-head", "--workdir", str(tmp_path)]
+    assert e2e.main(argv) == 0
+    assert len(heads) == 1 and isinstance(heads[0], Fp8Linear)
+    assert "(quantization fp8, LM head in FP8 too, small_m_gemm auto)" in capsys.readouterr().out

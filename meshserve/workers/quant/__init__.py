@@ -3,7 +3,7 @@
 formats.py   what a checkpoint's quantization_config means (and the --quantization values)
 fp8.py       FP8 numerics in torch: (de)quantization and the exact reference linear
 fp8_triton.py  the sm89+ Triton kernels: per-token-group activation quantization, block GEMM
-layers.py    Fp8Linear and the transform that swaps it into a built model
+layers.py    Fp8Linear, Fp8ParallelLMHead (quantize_lm_head at tp > 1) and the transform that swaps them in
 mxfp4.py     MXFP4 (GPT-OSS experts) (de)quantization
 loading.py   reading quantized tensors (with their scales) for one tensor-parallel rank
 support.py   which devices serve which weight format, as data (docs and `meshserve backends`)

@@ -45,11 +45,24 @@ def quantize_fp8_block(weight: torch.Tensor, block: tuple[int, int]) -> tuple[to
     return q.view(rows * bn, cols * bk)[:n, :k].contiguous(), scale
 
 
+# Rows of a per-channel quantization are done this many elements at a time: each chunk's float32
+# temporaries stay within ~256 MiB, where a whole LM head (128256 x 4096) would take ~2 GB per
+# temporary on the device while the model loads. Each row is computed alone, so the result is the same.
+_CHUNK_ELEMENTS = 1 << 26
+
+
 def quantize_fp8_per_channel(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] float -> (fp8 [N, K], float32 scale [N]): online FP8's weights."""
-    w = weight.float()
-    scale = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
-    return (w / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    n, k = weight.shape
+    q = torch.empty((n, k), dtype=FP8, device=weight.device)
+    scale = torch.empty(n, dtype=torch.float32, device=weight.device)
+    step = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    for start in range(0, n, step):
+        w = weight[start:start + step].float()
+        s = (w.abs().amax(dim=1) / FP8_MAX).clamp(min=_TINY)
+        q[start:start + step] = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+        scale[start:start + step] = s
+    return q, scale
 
 
 def quantize_per_token_group(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:

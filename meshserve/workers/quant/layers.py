@@ -14,6 +14,8 @@
   row-wise scales, or per-tensor with unit scales followed by the rank-1 rescale kernel.
 - elsewhere (CPU): the exact reference, which dequantizes the weight every call (slow).
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.
+`Fp8ParallelLMHead` is the vocabulary-split LM head with FP8 rows (ModelConfig.quantize_lm_head
+at tp > 1): its rank's logits through the same fp8_linear, then ParallelLMHead's all-gather.
 `StreamedLinear` is the bf16/fp16 sibling: the same small-M kernel for dense weights, swapped
 in by `stream_dense_linears` when ModelConfig.small_m_gemm is "on" (off by default until measured).
 """
@@ -27,7 +29,7 @@ from torch import nn
 
 from meshserve.core.arith import cdiv
 from meshserve.parallel.groups import ParallelContext, all_reduce
-from meshserve.parallel.layers import RowParallelLinear
+from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear
 from meshserve.workers.quant import gemm_table
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, dequantize_fp8_block, fp8_linear_reference
@@ -52,6 +54,35 @@ def _scaled_mm_per_channel(x: torch.Tensor, weight: torch.Tensor, scale: torch.T
     # Row-wise scaling writes bf16 only (torch's rule); fp16 models take one cast.
     y = torch._scaled_mm(xq, weight.t(), scale_a=x_scale, scale_b=scale.view(1, -1), out_dtype=torch.bfloat16)
     return y if x.dtype == torch.bfloat16 else y.to(x.dtype)
+
+
+# cuBLASLt's FP8 GEMMs (torch._scaled_mm on CUDA) take N and K only in multiples of 16. The
+# projections' N always are; a vocabulary (the LM head, ModelConfig.quantize_lm_head) or its TP
+# shard need not be (32001, 50257, ...).
+SCALED_MM_ALIGN = 16
+
+
+def _per_channel_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+                      way: Fp8Gemm, table: Fp8GemmTable) -> torch.Tensor:
+    """x [M, K] @ (weight fp8 [N, K] * scale [N, 1])^T (+ bias) by the per-channel GEMM `way`.
+    When N is not a multiple of SCALED_MM_ALIGN, the whole multiples run the GEMM and the last
+    N % 16 rows (at most 15 of them) the dequantized reference, concatenated along N."""
+    n = weight.shape[0]
+    whole = n - n % SCALED_MM_ALIGN
+    if whole < n:
+        tail = fp8_linear_reference(x, weight[whole:], scale[whole:], None)  # [M, N % 16]
+        tail = tail if bias is None else tail + bias[whole:]
+        if whole == 0:
+            return tail
+        front = _per_channel_gemm(x, weight[:whole], scale[:whole], None if bias is None else bias[:whole], way,
+                                  table)
+        return torch.cat((front, tail), dim=-1)
+    if way is Fp8Gemm.CHANNEL_RESCALE:
+        from meshserve.workers.quant.fp8_cublas import channel_rescale_linear
+
+        return channel_rescale_linear(x, weight, scale, bias=bias, raw_dtype=table.rescale_raw_dtype)  # bias fused
+    y = _scaled_mm_per_channel(x, weight, scale)
+    return y if bias is None else y + bias
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
@@ -84,15 +115,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         from meshserve.workers.quant.small_m import stream_linear
 
         return stream_linear(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
-    if way is Fp8Gemm.CHANNEL_RESCALE:
-        from meshserve.workers.quant.fp8_cublas import channel_rescale_linear
-
-        y = channel_rescale_linear(x2, weight, scale, bias=bias, raw_dtype=table.rescale_raw_dtype)
-        return y.view(*lead, weight.shape[0])  # bias fused
+    if way in (Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE):
+        return _per_channel_gemm(x2, weight, scale, bias, way, table).view(*lead, weight.shape[0])
     y = None
-    if way is Fp8Gemm.CHANNEL_ROWWISE:
-        y = _scaled_mm_per_channel(x2, weight, scale)
-    elif way is Fp8Gemm.CUBLAS_BLOCKWISE:
+    if way is Fp8Gemm.CUBLAS_BLOCKWISE:
         from meshserve.workers.quant.fp8_cublas import block_linear_cublas
 
         y = block_linear_cublas(x2, weight, scale, block)  # None: not served here (probe), Triton below
@@ -140,6 +166,27 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, format={self.weight_format}, block={self.block}"
+
+
+class Fp8ParallelLMHead(ParallelLMHead):
+    """A vocabulary-split LM head with FP8 rows: weight float8_e4m3fn [rows, hidden] and one
+    float32 `weight_scale` per row (what online FP8 writes; the loader quantizes this rank's rows).
+    Its logits [N, rows] run fp8_linear (the small-M GEMV at decode rows, with `small_m`), then
+    ParallelLMHead's all-gather along the vocabulary."""
+
+    def __init__(self, vocab_size: int, hidden: int, *, ctx: ParallelContext, small_m: bool = False) -> None:
+        super().__init__(vocab_size, hidden, ctx=ctx)
+        rows = self.weight.shape[0]
+        self.block, self.small_m = None, small_m
+        self.weight_format = WeightFormat.FP8_CHANNEL
+        self.weight = nn.Parameter(torch.empty(rows, hidden, dtype=FP8), requires_grad=False)
+        self.register_buffer("weight_scale", torch.empty(rows, dtype=torch.float32))
+
+    def local_logits(self, h: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(h, self.weight, self.weight_scale, None, small_m=self.small_m)
+
+    def extra_repr(self) -> str:
+        return f"rows={self.weight.shape[0]} of vocab={self.vocab_size}, format={self.weight_format}"
 
 
 class StreamedLinear(nn.Module):
@@ -199,11 +246,17 @@ def stream_dense_linears(model: nn.Module) -> list[str]:
 def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | None, *,
                     small_m: bool = False) -> None:
     """Swap each named nn.Linear / RowParallelLinear of the (meta-device, already dtype-cast)
-    `model` for an Fp8Linear of the same shape; the bias keeps the model dtype."""
+    `model` for an Fp8Linear of the same shape (the bias keeps the model dtype), and a
+    ParallelLMHead for an Fp8ParallelLMHead (per-channel scales only: `block` None)."""
     modules = dict(model.named_modules())
     for name in sorted(names):
         old = modules[name]
-        if isinstance(old, RowParallelLinear):
+        if isinstance(old, ParallelLMHead):
+            if block is not None:
+                raise ValueError(f"'{name}' is a vocabulary-split LM head: FP8 with per-channel scales only "
+                                 f"(block None), not block {block}")
+            new = Fp8ParallelLMHead(old.vocab_size, old.weight.shape[1], ctx=old.ctx, small_m=small_m)
+        elif isinstance(old, RowParallelLinear):
             out_f, in_f = old.weight.shape
             new = Fp8Linear(in_f, out_f, bias=old.bias is not None, block=block, ctx=old.ctx, small_m=small_m)
         elif isinstance(old, nn.Linear):
@@ -211,7 +264,7 @@ def convert_linears(model: nn.Module, names: set[str], block: tuple[int, int] | 
                             small_m=small_m)
         else:
             raise TypeError(f"module '{name}' is a {type(old).__name__}, not a linear layer")
-        if new.bias is not None:
+        if getattr(new, "bias", None) is not None:  # an LM head has none
             new.bias = nn.Parameter(torch.empty_like(old.bias), requires_grad=False)
         parent, _, child = name.rpartition(".")
         setattr(modules[parent] if parent else model, child, new)
