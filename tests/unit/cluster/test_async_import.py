@@ -158,7 +158,10 @@ def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkey
         GATE.holding.set()
         task = asyncio.ensure_future(stream(c, HELD, []))
         await held_pull_arrived()
-        monkeypatch.setattr(RankHost, "kv_pull_done", broken)  # the next poll fails the replica
+        # The rank reports a finished pull unasked (channel.py PULLED): once the held pull ends,
+        # collecting it fails, the rank says so, and the replica fails.
+        monkeypatch.setattr(RankHost, "kv_pull_done", broken)
+        GATE.release.set()
         with pytest.raises(ReplicaFailedError, match="injected"):
             await asyncio.wait_for(task, WAIT_S)
         monkeypatch.undo()
