@@ -270,20 +270,23 @@ class Replica:
         try:
             while True:
                 self._apply()
-                if not self.core.has_unfinished():
-                    if self._adoptions or self.handover.imports:  # start imports, adopt those whose KV is in
-                        await self._with_adoptions(self._handover_tick)
-                    if not self.core.has_unfinished():
-                        await self._idle_wait()
-                        continue
-                self._idle.clear()
-                # Busy: hand-overs ride along in the step's trip to the thread (_step ticks them first).
-                deltas, handoffs = await self._with_adoptions(self._step)
-                self._deliver(deltas)
-                for h in handoffs:
-                    self._held.pop(h.ticket.request_id)
-                    h.ticket.holder = None
-                    self.on_handoff(h)
+                if self.core.has_unfinished():
+                    self._idle.clear()
+                    # hand-overs ride along in the step's trip to the thread (_step ticks them first)
+                    self._after_step(*await self._with_adoptions(self._step))
+                    continue
+                if not self._held:
+                    self._idle.set()
+                self._wakeup.clear()
+                if self._inbox or self._aborts or self._releases:
+                    continue
+                if self._adoptions or self.handover.imports:
+                    await self._idle_turn()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                except TimeoutError:
+                    await self._idle_health_check()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
@@ -301,32 +304,34 @@ class Replica:
         release_sources(self.handover.imports.take_settled())  # pulled, refused or failed alike
         return out
 
-    async def _idle_wait(self) -> None:
-        """Nothing to step: wait for news. With KV pulls in flight the step thread waits for the
-        ranks to push a finished one (and adopts it there), interrupted by any _wake; otherwise
-        the loop waits for _wake. A wait that times out checks the ranks' health."""
-        if not self._held:
-            self._idle.set()
-        self._wakeup.clear()
-        if self._inbox or self._aborts or self._releases or self._adoptions:
-            return
-        if self.handover.imports:
-            self._waiting_for_pulls = True
-            try:
-                pulled = await self._in_thread(self._await_pulls, self.health_period_s)
-            finally:
-                self._waiting_for_pulls = False
-            release_sources(self.handover.imports.take_settled())
-            if pulled or self._wakeup.is_set():
-                return
-        else:
-            try:
-                await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
-                return
-            except TimeoutError:
-                pass
-        await self._in_thread(self.executor.check_health)  # idle: make sure the ranks are still there
+    async def _idle_turn(self) -> None:
+        """Nothing to step, hand-overs to start or KV on its way: one trip to the step thread
+        starts the imports, waits there for a rank to push a finished pull (any _wake interrupts
+        the wait: the doorbell), adopts it and runs the first step (_await_imports). A wait that
+        ran its whole health period checks the ranks' health."""
+        self._waiting_for_pulls = True
+        try:
+            timed_out, stepped = await self._with_adoptions(self._await_imports)
+        finally:
+            self._waiting_for_pulls = False
+        if stepped is not None:
+            self._idle.clear()
+            self._after_step(*stepped)
+        elif timed_out and not self._wakeup.is_set():
+            await self._idle_health_check()
+
+    async def _idle_health_check(self) -> None:
+        """Idle for a health period: make sure the ranks are still there."""
+        await self._in_thread(self.executor.check_health)
         await self._in_thread(self._read_rank_counters)
+
+    def _after_step(self, deltas: list[CompletionDelta], handoffs: list[Handoff]) -> None:
+        self._deliver(deltas)
+        for h in handoffs:
+            self._held.pop(h.ticket.request_id)
+            h.ticket.holder = None
+            self.on_handoff(h)
+
     def _apply(self) -> None:
         """Releases, aborts and new requests, while no step runs."""
         core = self.core
@@ -412,14 +417,23 @@ class Replica:
                 handoffs.append(self.handover.offer(ticket))
         return deltas, handoffs
 
-    def _await_pulls(self, timeout_s: float) -> bool:
-        """(Step thread) Wait up to timeout_s for a rank to report a finished KV pull, or for _wake;
-        adopt what finished. True when a pull was reported."""
-        pulled = self.executor.wait_kv_pulls(timeout_s, self._pull_wait_bell)
-        self._pull_wait_bell.clear()  # a ring after this only makes the next wait return at once
-        if pulled:
-            self._handover_tick([])
-        return pulled
+    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
+        """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its
+        way and nothing else came (the doorbell: _wake), wait up to a health period for a rank to
+        push a finished pull and adopt it; then, if a request is ready, run its first step here
+        rather than going back to the loop for it. Returns (whether the wait ran its whole
+        period, the step's (deltas, handoffs) or None)."""
+        self._handover_tick(adoptions)
+        timed_out = False
+        if self.handover.imports and not self.core.has_unfinished():
+            pulled = self.executor.wait_kv_pulls(self.health_period_s, self._pull_wait_bell)
+            self._pull_wait_bell.clear()  # a ring after this only makes the next wait return at once
+            if pulled:
+                self._handover_tick([])
+            timed_out = not pulled
+        if self.core.has_unfinished():  # what arrived meanwhile (a new request, an abort) waits one step
+            return timed_out, self._step([])
+        return timed_out, None
 
     def _handover_tick(self, adoptions: list[Handoff]) -> None:
         """Start the imports of new hand-overs; adopt those whose KV arrived (or that recompute)."""
