@@ -3,6 +3,7 @@
     bell = Doorbell()
     bell.ring()                       # any thread; cheap, never blocks; rings pile up into one
     zmq.Poller().register(bell, zmq.POLLIN)   # or select.select([bell], ...): readable once rung
+    bell.is_rung()                    # a look without waiting
     bell.clear()                      # the waiter, after it woke: readable no more until the next ring
     bell.close()
 
@@ -14,6 +15,7 @@ byte (a full buffer means it is rung already), a clear reads them all.
 
 from __future__ import annotations
 
+import select
 import socket
 
 
@@ -31,6 +33,10 @@ class Doorbell:
             self._write.send(b"\0")
         except (BlockingIOError, OSError):  # full: rung already; closed: nobody waits any more
             pass
+
+    def is_rung(self) -> bool:
+        """Rung and not cleared since (a look that never blocks)."""
+        return bool(select.select([self._read], [], [], 0)[0])
 
     def clear(self) -> None:
         try:

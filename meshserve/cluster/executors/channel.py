@@ -15,7 +15,9 @@ request's ERRs from the other ranks are dropped afterwards.
 
 PULLED is the one message a rank sends unasked: the moment a background KV pull finishes (its
 `pulls_done` doorbell rings, kvtransfer/transfers.py) the rank loop sends {transfer_id: result}
-of every finished pull (seq: the rank's own count of them, so a replayed one is dropped). The
+of every finished pull (seq: the rank's own count of them, so a replayed one is dropped); a pull
+that ended while the rank ran a step or call is sent ahead of that answer, so the driver holds it
+when the step returns and the request joins the very next step. The
 driver keeps them for `take_pulls_done`, whichever read brought them in (a step's, a call's, or
 `wait_pulls_done`, which an idle decode replica blocks in until one comes or it is interrupted):
 a finished pull reaches the driver with no request and no polling (docs/cluster.md). A rank that
@@ -329,6 +331,8 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                 if kind == STOP:
                     break
                 reply = _handle(host, rank, kind, seq, payload)
+                if pulled.bell is not None and pulled.bell.is_rung():
+                    pulled.send(host)  # a pull that ended during the step goes ahead of its answer
                 if reply is not None:
                     reply.append(auth.sign(_TO_DRIVER, name, *reply))
                     sock.send_multipart(reply)
