@@ -331,7 +331,7 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                 if kind == STOP:
                     break
                 reply = _handle(host, rank, kind, seq, payload)
-                if pulled.bell is not None and pulled.bell.is_rung():
+                if pulled.waiting():
                     pulled.send(host)  # a pull that ended during the step goes ahead of its answer
                 if reply is not None:
                     reply.append(auth.sign(_TO_DRIVER, name, *reply))
@@ -361,9 +361,16 @@ class _PulledSender:
                 poller.register(bell, zmq.POLLIN)
 
     def rung(self, events: dict) -> bool:
-        return self.bell is not None and self.bell.fileno() in events
+        """The poll saw the doorbell ring."""
+        return not self.broken and self.bell is not None and self.bell.fileno() in events
+
+    def waiting(self) -> bool:
+        """A finished pull waits to be sent (a look that never blocks)."""
+        return not self.broken and self.bell is not None and self.bell.is_rung()
 
     def send(self, host) -> None:
+        if self.broken:
+            return
         try:
             done = host.kv_pull_done()  # clears the doorbell
         except Exception as exc:  # the driver cannot learn of its pulls any more: it fails the replica
