@@ -15,8 +15,11 @@ Either way the prefill replica is then told to release its pin (`release_sources
 
 The import is asynchronous (`Imports`): `start_import` reserves the blocks and has every rank
 start its pull on a background thread (rank.kv_pull_start); the decode replica keeps stepping its
-running requests, collects finished pulls between steps (kv_pull_done) and only then adopts the
-request (`finish_import`: commit, or free and recompute). An abort meanwhile cancels the pulls
+running requests. Each rank tells the driver unasked when a pull of its ends (the step channel's
+PULLED message); the replica collects those results between steps (`executor.take_kv_pulls`, no
+round trip to the ranks) and, when it has nothing to step, waits for them (`wait_kv_pulls`), so a
+finished pull is seen at once, not at the next poll. Then it adopts the request (`finish_import`:
+commit, or free and recompute). An abort meanwhile cancels the pulls
 and frees the blocks once every rank's pull has ended (never while a rank may still write them);
 a replica that stops or fails frees its reservations after its ranks stopped pulling. Each end
 counts what happened in its `handover` totals (handover_stats.py: hand-overs, bytes, pull
@@ -266,7 +269,7 @@ class Imports:
         cancels, self._cancels = self._cancels, []
         for transfer_id in cancels:
             end.replica.executor.call("kv_pull_cancel", [{"transfer_id": transfer_id}] * end.replica.world)
-        for rank, done in enumerate(end.replica.executor.call("kv_pull_done", [{}] * end.replica.world)):
+        for rank, done in enumerate(end.replica.executor.take_kv_pulls()):  # pushed by the ranks: no round trip
             for transfer_id, result in done.items():
                 p = self._by_transfer.get(transfer_id)
                 if p is not None:

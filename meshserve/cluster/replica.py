@@ -33,6 +33,7 @@ from meshserve.cluster.logs import request_event
 from meshserve.cluster.migration import plan_failover
 from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
 from meshserve.core import hop_trace
+from meshserve.core.doorbell import Doorbell
 from meshserve.core.outputs import CompletionDelta, FinishReason
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
@@ -54,7 +55,6 @@ class ReplicaState(enum.Enum):
 RANK_COUNTERS_PERIOD = 64
 WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
 STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
-IMPORT_POLL_S = 0.002  # how often an otherwise idle replica asks its ranks about KV pulls in flight
 
 
 class Replica:
@@ -99,6 +99,10 @@ class Replica:
         self.handover = ReplicaHandover(self, handoff_tp=handoff_tp or self.world,
                                         handoff_dcp=handoff_dcp or config.parallel.dcp, timeout_s=handover_timeout_s)
         self._wakeup = asyncio.Event()
+        # Rung by _wake while the step thread waits for the ranks' KV pulls (wait_kv_pulls), which
+        # a plain asyncio event could not interrupt; made in start(), closed in stop().
+        self._pull_wait_bell: Doorbell | None = None
+        self._waiting_for_pulls = False
         self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
@@ -113,6 +117,7 @@ class Replica:
             raise
         self.executor = self.core.executor
         self.handover.attach(self.core.kv)
+        self._pull_wait_bell = Doorbell()
         self.state = ReplicaState.READY
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
         log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
@@ -136,6 +141,7 @@ class Replica:
         """Stop the loop and the ranks; requests still held end with ReplicaFailedError."""
         if self._task is not None:
             self._task.cancel()
+            self._wake()  # a step thread waiting for KV pulls returns now (the cancel cannot reach it)
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
@@ -153,6 +159,9 @@ class Replica:
             self.executor = None
         release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
+        if self._pull_wait_bell is not None:
+            self._pull_wait_bell.close()
+            self._pull_wait_bell = None
         if self.state is not ReplicaState.FAILED:
             self.state = ReplicaState.STOPPED
 
@@ -253,45 +262,75 @@ class Replica:
 
     def _wake(self) -> None:
         self._wakeup.set()
+        if self._waiting_for_pulls:
+            self._pull_wait_bell.ring()
 
     # -- the loop -------------------------------------------------------------------------------
     async def _run(self) -> None:
         try:
             while True:
                 self._apply()
-                if self._adoptions or self.handover.imports:
-                    adoptions, self._adoptions = self._adoptions, []
-                    try:
-                        await self._in_thread(self._handover_tick, adoptions)
-                    except BaseException:  # the replica fails or stops: what was not started goes back
-                        self._adoptions[:0] = [h for h in adoptions if not self.handover.imports.knows(h)]
-                        raise
-                    release_sources(self.handover.imports.take_settled())  # pulled, refused or failed alike
-                if not self.core.has_unfinished():
-                    if not self._held:
-                        self._idle.set()
-                    self._wakeup.clear()
-                    if self._inbox or self._aborts or self._releases or self._adoptions:
-                        continue
-                    try:
-                        await asyncio.wait_for(self._wakeup.wait(),
-                                               IMPORT_POLL_S if self.handover.imports else self.health_period_s)
-                    except TimeoutError:  # idle: make sure the ranks are still there
-                        if not self.handover.imports:
-                            await self._in_thread(self.executor.check_health)
-                            await self._in_thread(self._read_rank_counters)
+                if self.core.has_unfinished():
+                    self._idle.clear()
+                    # hand-overs ride along in the step's trip to the thread (_step ticks them first)
+                    self._after_step(*await self._with_adoptions(self._step))
                     continue
-                self._idle.clear()
-                deltas, handoffs = await self._in_thread(self._step)
-                self._deliver(deltas)
-                for h in handoffs:
-                    self._held.pop(h.ticket.request_id)
-                    h.ticket.holder = None
-                    self.on_handoff(h)
+                if not self._held:
+                    self._idle.set()
+                self._wakeup.clear()
+                if self._inbox or self._aborts or self._releases:
+                    continue
+                if self._adoptions or self.handover.imports:
+                    await self._idle_turn()
+                    continue
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                except TimeoutError:
+                    await self._idle_health_check()
         except asyncio.CancelledError:
             raise
         except Exception as exc:
             self._fail(exc)
+
+    async def _with_adoptions(self, fn: Callable[[list[Handoff]], object]):
+        """fn(the hand-overs adopted since the last tick) in the step thread; then the settled
+        hand-overs' sources may release their pins."""
+        adoptions, self._adoptions = self._adoptions, []
+        try:
+            out = await self._in_thread(fn, adoptions)
+        except BaseException:  # the replica fails or stops: what was not started goes back
+            self._adoptions[:0] = [h for h in adoptions if not self.handover.imports.knows(h)]
+            raise
+        release_sources(self.handover.imports.take_settled())  # pulled, refused or failed alike
+        return out
+
+    async def _idle_turn(self) -> None:
+        """Nothing to step, hand-overs to start or KV on its way: one trip to the step thread
+        starts the imports, waits there for a rank to push a finished pull (any _wake interrupts
+        the wait: the doorbell), adopts it and runs the first step (_await_imports). A wait that
+        ran its whole health period checks the ranks' health."""
+        self._waiting_for_pulls = True
+        try:
+            timed_out, stepped = await self._with_adoptions(self._await_imports)
+        finally:
+            self._waiting_for_pulls = False
+        if stepped is not None:
+            self._idle.clear()
+            self._after_step(*stepped)
+        elif timed_out and not self._wakeup.is_set():
+            await self._idle_health_check()
+
+    async def _idle_health_check(self) -> None:
+        """Idle for a health period: make sure the ranks are still there."""
+        await self._in_thread(self.executor.check_health)
+        await self._in_thread(self._read_rank_counters)
+
+    def _after_step(self, deltas: list[CompletionDelta], handoffs: list[Handoff]) -> None:
+        self._deliver(deltas)
+        for h in handoffs:
+            self._held.pop(h.ticket.request_id)
+            h.ticket.holder = None
+            self.on_handoff(h)
 
     def _apply(self) -> None:
         """Releases, aborts and new requests, while no step runs."""
@@ -362,7 +401,9 @@ class Replica:
         with self._thread_busy:  # held while a step or channel call runs: stop() waits for it
             return fn(*args)
 
-    def _step(self) -> tuple[list[CompletionDelta], list[Handoff]]:
+    def _step(self, adoptions: list[Handoff]) -> tuple[list[CompletionDelta], list[Handoff]]:
+        if adoptions or self.handover.imports:  # KV that arrived joins this very step
+            self._handover_tick(adoptions)
         hop_trace.mark("step.start")
         deltas = self.core.step()
         hop_trace.mark("step.end" if deltas else "step.end_empty")
@@ -375,6 +416,24 @@ class Replica:
             if ticket is not None and ticket.prefill_only and not d.finished:
                 handoffs.append(self.handover.offer(ticket))
         return deltas, handoffs
+
+    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
+        """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its
+        way and nothing else came (the doorbell: _wake), wait up to a health period for a rank to
+        push a finished pull and adopt it; then, if a request is ready, run its first step here
+        rather than going back to the loop for it. Returns (whether the wait ran its whole
+        period, the step's (deltas, handoffs) or None)."""
+        self._handover_tick(adoptions)
+        timed_out = False
+        if self.handover.imports and not self.core.has_unfinished():
+            pulled = self.executor.wait_kv_pulls(self.health_period_s, self._pull_wait_bell)
+            self._pull_wait_bell.clear()  # a ring after this only makes the next wait return at once
+            if pulled:
+                self._handover_tick([])
+            timed_out = not pulled
+        if self.core.has_unfinished():  # what arrived meanwhile (a new request, an abort) waits one step
+            return timed_out, self._step([])
+        return timed_out, None
 
     def _handover_tick(self, adoptions: list[Handoff]) -> None:
         """Start the imports of new hand-overs; adopt those whose KV arrived (or that recompute)."""

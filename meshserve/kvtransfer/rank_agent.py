@@ -7,6 +7,7 @@ calls by calling this; nothing here knows of channels, actors or workers.
     agent.offer(blocks, capability, ...)       # export this rank's shard; returns its endpoint
     agent.pull(capability, addresses, ...)     # import this rank's share (re-sharded if need be)
     agent.pull_start(transfer_id, ...) / pull_done() / pull_cancel(transfer_id)
+    agent.pulls_done                           # a Doorbell, rung while pull_done has results
     agent.poll(timeout_ms)                     # serve pullers, from the rank's own loop
     agent.close()
 
@@ -35,6 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from meshserve.core.doorbell import Doorbell
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import check
 from meshserve.kvstore.cache_tensors import LayerCache, block_tensors
@@ -211,6 +213,11 @@ class KVRankAgent:
 
     def pull_done(self) -> dict[str, dict[str, Any]]:
         return self._pulls.take_done()
+
+    @property
+    def pulls_done(self) -> Doorbell:
+        """Readable while pull_done has results: the rank's loop waits on it (transfers.py)."""
+        return self._pulls.done_bell
 
     def pull_cancel(self, transfer_id: str) -> bool:
         self._pulls.cancel(transfer_id)

@@ -4,12 +4,17 @@ a request's KV arrives.
     pulls = BackgroundPulls()
     pulls.start("t1", lambda cancel: {...})   # the work: pull into blocks the driver reserved
     pulls.take_done()                         # {"t1": {"ok": ..., "seconds": ...}} once finished
+    pulls.done_bell                           # a Doorbell, rung while finished pulls wait in take_done
     pulls.cancel("t1"); pulls.close()         # abort / shutdown: the work sees its cancel event
 
 The threads are kept for the next pulls (up to MAX_IDLE_WORKERS waiting; a burst's extra ones
 end after their pull): starting an OS thread per pull cost ~100 us before its work began, handing
 work to a waiting thread ~35 us (the 2-core CPU machine). Every pull still has a thread of its
 own while it runs: a pull blocks (on the network, a READ, the device) for up to its timeout.
+
+Whoever collects the results need not ask: `done_bell` is readable from the moment a result
+lands until `take_done` takes it, so the rank's channel loop (or an in-process driver) waits on it
+beside its sockets and learns at once that a pull finished (cluster/executors/channel.py).
 
 The work writes only into blocks its driver reserved for it (no running request reads or writes
 them), so it needs no lock against the step; on CUDA it copies on its own stream and waits for it
@@ -26,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshserve.core.doorbell import Doorbell
 from meshserve.errors import check
 from meshserve.kvtransfer.wire import KVTransferError
 
@@ -40,6 +46,7 @@ class BackgroundPulls:
         self._lock = threading.Lock()
         self._running: dict[str, tuple[threading.Event, threading.Event]] = {}  # id -> (cancel, ended)
         self._done: dict[str, dict[str, Any]] = {}
+        self.done_bell = Doorbell()  # rung while _done holds results (cleared with it, under the lock)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()  # (id, work, cancel, ended), or None: stop
         self._max_idle = max_idle_workers
         self._idle = 0  # workers counted as waiting on the queue (each start takes one, else makes one)
@@ -104,11 +111,13 @@ class BackgroundPulls:
         with self._lock:
             self._running.pop(transfer_id, None)
             self._done[transfer_id] = result
+            self.done_bell.ring()
 
     def take_done(self) -> dict[str, dict[str, Any]]:
         """Results of the transfers that finished since the last call."""
         with self._lock:
             done, self._done = self._done, {}
+            self.done_bell.clear()
         return done
 
     def cancel(self, transfer_id: str) -> None:
@@ -131,4 +140,5 @@ class BackgroundPulls:
             ended.wait(max(0.0, deadline - time.monotonic()))
         for _ in range(workers):  # a stop for every thread (busy ones end after their pull anyway)
             self._queue.put(None)
+        self.done_bell.close()  # a pull still running rings it in vain
         return all(ended.is_set() for _, ended in running)

@@ -8,10 +8,20 @@ message per rank and one reply.
 
 Frames: driver -> rank  [routing id, kind, seq, payload, tag]
         rank -> driver  [kind, seq, payload, tag]   (the ROUTER prepends the routing id)
-kind: HELLO, STEP, OUT (rank 0's step result), CALL, RET, ERR, STOP; seq: 8-byte counter so a
+kind: HELLO, STEP, OUT (rank 0's step result), CALL, RET, ERR, STOP, PULLED; seq: 8-byte counter so a
 late answer to an abandoned request is recognised and dropped. An ERR from any rank fails the
 driver's current request (a rank that failed a step has diverged from the others); the same
 request's ERRs from the other ranks are dropped afterwards.
+
+PULLED is the one message a rank sends unasked: the moment a background KV pull finishes (its
+`pulls_done` doorbell rings, kvtransfer/transfers.py) the rank loop sends {transfer_id: result}
+of every finished pull (seq: the rank's own count of them, so a replayed one is dropped); a pull
+that ended while the rank ran a step or call is sent ahead of that answer, so the driver holds it
+when the step returns and the request joins the very next step. The
+driver keeps them for `take_pulls_done`, whichever read brought them in (a step's, a call's, or
+`wait_pulls_done`, which an idle decode replica blocks in until one comes or it is interrupted):
+a finished pull reaches the driver with no request and no polling (docs/cluster.md). A rank that
+cannot collect its pulls sends an ERR with seq 0 instead, which fails the replica.
 
 Authentication (core/secret.py): tag = HMAC-SHA256 of the cluster secret over (direction, this
 channel's random session id, the rank, kind, seq, payload). The session id and the secret reach
@@ -42,11 +52,12 @@ import msgpack
 import zmq
 
 from meshserve.cluster.executors.executor import RankError, WorkerDiedError, WorkerHungError
+from meshserve.core.doorbell import Doorbell
 from meshserve.core.secret import ClusterSecret, RejectedFrames
 
 log = logging.getLogger("meshserve.channel")
 
-HELLO, STEP, OUT, CALL, RET, ERR, STOP = (b"H", b"S", b"O", b"C", b"R", b"E", b"X")
+HELLO, STEP, OUT, CALL, RET, ERR, STOP, PULLED = (b"H", b"S", b"O", b"C", b"R", b"E", b"X", b"P")
 POLL_MS = 100
 # Largest message part each end accepts (zmq.MAXMSGSIZE): zmq drops a peer that announces a bigger
 # one before buffering it, so whoever reaches the driver's port cannot make it allocate what it
@@ -111,6 +122,9 @@ class DriverChannel:
         self._ranks: dict[bytes, int] = {}  # routing id -> rank
         self._next_seq = 1
         self._reported: set[int] = set()  # requests whose failure was raised already
+        self._pulls_done: list[dict[str, Any]] = [{} for _ in range(world)]  # per rank, from PULLED
+        self._pulled_seq = [0] * world  # per rank, the last PULLED taken
+        self.num_pulled = 0  # PULLED messages taken (tests, benches)
         self.rejected = RejectedFrames(f"step channel {self.address}")
 
     def wait_ready(self, check: Callable[[], None], *, timeout_s: float) -> None:
@@ -145,6 +159,36 @@ class DriverChannel:
             if kind == RET and rseq == seq:
                 results[rank] = msgpack.unpackb(payload)
         return [results[r] for r in range(self.world)]
+
+    def take_pulls_done(self) -> list[dict[str, Any]]:
+        """Per rank, {transfer_id: result} of the KV pulls it reported finished since the last call
+        (PULLED), including those waiting unread on the socket. Never blocks, sends nothing."""
+        while self._sock.poll(0, zmq.POLLIN):
+            self._read_one()
+        out, self._pulls_done = self._pulls_done, [{} for _ in range(self.world)]
+        return out
+
+    def wait_pulls_done(self, timeout_s: float, check: Callable[[], None], interrupt: Doorbell | None = None) -> bool:
+        """Block until a rank reports a finished KV pull (True; `take_pulls_done` has it), or
+        `interrupt` rings, or timeout_s passes (False). Nothing is asked of the ranks: they push
+        PULLED as their pulls end. A dead rank raises (check(), every POLL_MS), as does an ERR."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        if interrupt is not None:
+            poller.register(interrupt, zmq.POLLIN)
+        deadline = time.monotonic() + timeout_s
+        while not any(self._pulls_done):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            events = dict(poller.poll(min(POLL_MS, max(1, int(left * 1000)))))
+            if interrupt is not None and interrupt.fileno() in events:
+                return any(self._pulls_done)
+            if self._sock in events:
+                self._read_one()
+            else:
+                check()
+        return True
 
     def close(self) -> None:
         """Tell every rank to stop (ranks already gone are skipped) and close the socket."""
@@ -181,16 +225,30 @@ class DriverChannel:
                     raise WorkerDiedError("ranks did not connect to the channel in time")
                 if hung is not None:
                     hung.check()
-            frame = self._accept(self._sock.recv_multipart())
-            if frame is None:
-                continue
-            rank, kind, n, payload = frame
-            if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
-                self._reported.add(n)
-                err = msgpack.unpackb(payload)
-                log.debug("rank error traceback:\n%s", err.get("traceback", ""))
-                raise RankError(f"rank {rank} failed: {err['error']}")
-            return rank, kind, n, payload
+            frame = self._read_one()
+            if frame is not None:
+                return frame
+
+    def _read_one(self) -> tuple[int, bytes, int, bytes] | None:
+        """Read one message: None when it was dropped or taken here (PULLED); an ERR raises."""
+        frame = self._accept(self._sock.recv_multipart())
+        if frame is None:
+            return None
+        rank, kind, n, payload = frame
+        if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
+            self._reported.add(n)
+            err = msgpack.unpackb(payload)
+            log.debug("rank error traceback:\n%s", err.get("traceback", ""))
+            raise RankError(f"rank {rank} failed: {err['error']}")
+        if kind == PULLED:
+            if n <= self._pulled_seq[rank]:
+                self.rejected.add(f"replayed PULLED {n} of rank {rank}")
+            else:
+                self._pulled_seq[rank] = n
+                self._pulls_done[rank].update(msgpack.unpackb(payload))
+                self.num_pulled += 1
+            return None
+        return frame
 
     def _accept(self, parts: list[bytes]) -> tuple[int, bytes, int, bytes] | None:
         """Check one incoming message; None (counted) when it must be dropped."""
@@ -234,9 +292,11 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                context: zmq.Context | None = None) -> None:  # fmt: skip
     """Rank end: answer the driver at `address` until it says stop (or keep_going() is False).
 
-    host: a RankHost (execute_step, call, poll_exports, has_pending_exports, shutdown); it gets
-    the cluster secret (its KV export server and pulls sign with it). Between messages it serves
-    KV pulls from peers; while an offer is pending it polls every millisecond.
+    host: a RankHost (execute_step, call, poll_exports, has_pending_exports, pulls_done,
+    kv_pull_done, shutdown); it gets the cluster secret (its KV export server and pulls sign with
+    it). Between messages it serves KV pulls from peers; while an offer is pending it polls every
+    millisecond. When the host's `pulls_done` doorbell rings (a background KV pull finished) it
+    sends the finished pulls' results to the driver unasked (PULLED).
     """
     name = rank_identity(rank)
     host.secret = auth.secret
@@ -248,9 +308,16 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
     seq0 = _seq(0)
     sock.send_multipart([HELLO, seq0, name, auth.sign(_TO_DRIVER, name, HELLO, seq0, name)])
     last_seq = 0
+    pulled = _PulledSender(sock, auth, name)
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
     try:
         while keep_going is None or keep_going():
-            if sock.poll(1 if host.has_pending_exports else POLL_MS, zmq.POLLIN):
+            pulled.watch(host.pulls_done, poller)  # the KV agent (and its doorbell) comes with the worker
+            events = dict(poller.poll(1 if host.has_pending_exports else POLL_MS))
+            if pulled.rung(events):  # before a message: a kv_pull_done call may take them anyway
+                pulled.send(host)
+            if sock in events:
                 parts = sock.recv_multipart()
                 if len(parts) != 4 or len(parts[1]) != 8 or not auth.verify(parts[3], _TO_RANK, name, *parts[:3]):
                     rejected.add("malformed or bad tag")
@@ -264,6 +331,8 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                 if kind == STOP:
                     break
                 reply = _handle(host, rank, kind, seq, payload)
+                if pulled.waiting():
+                    pulled.send(host)  # a pull that ended during the step goes ahead of its answer
                 if reply is not None:
                     reply.append(auth.sign(_TO_DRIVER, name, *reply))
                     sock.send_multipart(reply)
@@ -271,6 +340,51 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
     finally:
         host.shutdown()
         sock.close(linger=0)
+
+
+class _PulledSender:
+    """The rank's PULLED messages: which doorbell it waits on, and its own sequence numbers."""
+
+    def __init__(self, sock: zmq.Socket, auth: ChannelAuth, name: bytes) -> None:
+        self.sock, self.auth, self.name = sock, auth, name
+        self.bell = None
+        self.seq = 0
+        self.broken = False  # collecting failed once (reported): the doorbell is not waited on again
+
+    def watch(self, bell, poller: zmq.Poller) -> None:
+        bell = None if self.broken else bell
+        if bell is not self.bell:
+            if self.bell is not None:
+                poller.unregister(self.bell)
+            self.bell = bell
+            if bell is not None:
+                poller.register(bell, zmq.POLLIN)
+
+    def rung(self, events: dict) -> bool:
+        """The poll saw the doorbell ring."""
+        return not self.broken and self.bell is not None and self.bell.fileno() in events
+
+    def waiting(self) -> bool:
+        """A finished pull waits to be sent (a look that never blocks)."""
+        return not self.broken and self.bell is not None and self.bell.is_rung()
+
+    def send(self, host) -> None:
+        if self.broken:
+            return
+        try:
+            done = host.kv_pull_done()  # clears the doorbell
+        except Exception as exc:  # the driver cannot learn of its pulls any more: it fails the replica
+            log.warning("rank %s: collecting finished KV pulls failed: %r", self.name.decode(), exc)
+            self.broken = True  # (watch unregisters the doorbell)
+            reply = [ERR, _seq(0), msgpack.packb({"error": f"{type(exc).__name__}: {exc}",
+                                                  "traceback": traceback.format_exc()})]
+        else:
+            if not done:  # a kv_pull_done call took them first
+                return
+            self.seq += 1
+            reply = [PULLED, _seq(self.seq), msgpack.packb(done)]
+        reply.append(self.auth.sign(_TO_DRIVER, self.name, *reply))
+        self.sock.send_multipart(reply)
 
 
 def _handle(host, rank: int, kind: bytes, seq: bytes, payload: bytes) -> list[bytes] | None:

@@ -21,6 +21,7 @@ from meshserve.cluster.executors.executor import (
     WorkerSpec,
     info_from_dict,
 )
+from meshserve.core.doorbell import Doorbell
 from meshserve.core.secret import ClusterSecret
 from meshserve.errors import check
 from meshserve.workers.step import StepOutput, StepPlan
@@ -93,6 +94,16 @@ class ChannelExecutor:
     def call(self, method: str, args: Sequence[dict[str, Any]]) -> list[Any]:
         with self._watch():
             return self.channel.call(method, args, self.ranks.check, timeout_s=self.deadline.seconds())
+
+    def take_kv_pulls(self) -> list[dict[str, Any]]:
+        """Per rank, {transfer_id: result} of the KV pulls it finished since the last call: what
+        the ranks pushed (channel.py PULLED), read locally; no round trip to the ranks."""
+        return self.channel.take_pulls_done()
+
+    def wait_kv_pulls(self, timeout_s: float, interrupt: Doorbell | None = None) -> bool:
+        """Block until a rank pushes a finished KV pull (True), `interrupt` rings or timeout_s
+        passes (False); a dead rank raises WorkerDiedError."""
+        return self.channel.wait_pulls_done(timeout_s, self.ranks.check, interrupt)
 
     @contextlib.contextmanager
     def _watch(self):

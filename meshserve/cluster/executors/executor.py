@@ -6,6 +6,13 @@ An executor owns the ranks of one replica. Protocol (the only verbs a replica us
     call(method, args) -> results      an allow-listed rank method, one argument map per rank
     check_health() -> list[dict]       per-rank health; raises WorkerDiedError for a dead rank
     shutdown()                         stop and release every rank (idempotent)
+and, for replicas that import KV (decode replicas: ChannelExecutor, InProcessExecutor):
+    take_kv_pulls() -> list[dict]      per rank, {transfer_id: result} of the background KV pulls
+                                       (kv_pull_start) finished since the last call; never blocks
+                                       and asks the ranks nothing (they push: channel.py PULLED)
+    wait_kv_pulls(timeout_s, interrupt) -> bool
+                                       block until a rank's pull finished (True), the Doorbell
+                                       `interrupt` rings or timeout_s passes (False)
 
 `ChannelExecutor` (channel_executor.py) is the one used across processes. Every message is
 msgpack; a rank (rank.py) runs only the methods of `RANK_METHODS`. This module is below the
@@ -23,6 +30,7 @@ from typing import Any, Protocol
 import msgpack
 
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
+from meshserve.core.doorbell import Doorbell
 from meshserve.errors import MeshserveError
 from meshserve.workers.step import StepOutput, StepPlan
 from meshserve.workers.worker import WorkerInfo
@@ -78,6 +86,14 @@ class Executor(Protocol):
     def check_health(self) -> list[dict[str, Any]]: ...
 
     def shutdown(self) -> None: ...
+
+
+class KVImportingExecutor(Executor, Protocol):
+    """The executor of a replica whose ranks pull KV (the module docstring's last two verbs)."""
+
+    def take_kv_pulls(self) -> list[dict[str, Any]]: ...
+
+    def wait_kv_pulls(self, timeout_s: float, interrupt: Doorbell | None = None) -> bool: ...
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import select
 from collections.abc import Sequence
 
 from meshserve.cluster.executors.rank_host import RankHost
+from meshserve.core.doorbell import Doorbell
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.local_executor import LocalExecutor
 from meshserve.errors import check
@@ -22,6 +24,16 @@ class InProcessExecutor(LocalExecutor):
     def call(self, method: str, args: Sequence[dict]) -> list:
         check(len(args) == 1, "args", len(args), "one argument map (one rank)")
         return [self.host.call(method, args[0])]
+
+    def take_kv_pulls(self) -> list[dict]:
+        """{transfer_id: result} of the KV pulls finished since the last call (one rank)."""
+        return [self.host.kv_pull_done() if self.host.pulls_done is not None else {}]
+
+    def wait_kv_pulls(self, timeout_s: float, interrupt: Doorbell | None = None) -> bool:
+        """Block until a KV pull finished (True), `interrupt` rings or timeout_s passes (False)."""
+        bells = [b for b in (self.host.pulls_done, interrupt) if b is not None]
+        ready, _, _ = select.select(bells, [], [], timeout_s)
+        return self.host.pulls_done is not None and self.host.pulls_done in ready
 
     def shutdown(self) -> None:
         self.host.shutdown()

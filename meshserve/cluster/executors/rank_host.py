@@ -14,6 +14,8 @@
     kv_pull_start(transfer_id, ...) the same pull on a background thread: returns at once; the
                                     rank keeps running steps meanwhile
     kv_pull_done()                  {transfer_id: kv_pull's result} of the pulls finished since
+                                    (the channel loop pushes them to the driver unasked as soon as
+                                    they finish: `pulls_done`, channel.py)
     kv_pull_cancel(transfer_id)     stop a pull early (its result then comes as a failure)
 
 The kv_* methods are the rank's KV agent's (kvtransfer/rank_agent.py KVRankAgent: export server,
@@ -30,6 +32,7 @@ from typing import Any
 
 from meshserve.attention.backend import KVCache
 from meshserve.cluster.executors.executor import RANK_METHODS, WorkerSpec
+from meshserve.core.doorbell import Doorbell
 from meshserve.errors import check
 from meshserve.kvtransfer.rank_agent import KVRankAgent, RankCaches
 from meshserve.parallel.groups import local_rendezvous, remove_rendezvous
@@ -116,6 +119,11 @@ class RankHost:
     @property
     def has_pending_exports(self) -> bool:
         return self._kv_agent is not None and self._kv_agent.has_pending_exports
+
+    @property
+    def pulls_done(self) -> Doorbell | None:
+        """Rung when a background pull finished (None before this rank's KV agent exists)."""
+        return None if self._kv_agent is None else self._kv_agent.pulls_done
 
     def poll_exports(self, timeout_ms: int = 0) -> None:
         """Serve pulls from peers; the channel loop calls this between messages."""

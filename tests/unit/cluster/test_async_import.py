@@ -61,6 +61,18 @@ async def stream(c, request, seen: list[int]) -> str | None:
     return reason
 
 
+def rank_calls(replica) -> list[str]:
+    """The methods the replica asks of its ranks over the step channel from now on (steps aside)."""
+    calls, call = [], replica.executor.call
+
+    def counted(method, args):
+        calls.append(method)
+        return call(method, args)
+
+    replica.executor.call = counted
+    return calls
+
+
 async def held_pull_arrived() -> None:
     assert await asyncio.to_thread(GATE.arrived.wait, WAIT_S), "the decode rank never started the held pull"
 
@@ -71,6 +83,7 @@ def test_running_request_keeps_decoding_while_an_import_is_held(ckpt, want):
         long_seen, held_seen = [], []
         long_task = asyncio.ensure_future(stream(c, LONG, long_seen))
         await wait_until(lambda: len(long_seen) >= 3, "the long request to decode", timeout_s=WAIT_S)
+        calls = rank_calls(decode)
         GATE.holding.set()
         held_task = asyncio.ensure_future(stream(c, HELD, held_seen))
         await held_pull_arrived()
@@ -80,6 +93,8 @@ def test_running_request_keeps_decoding_while_an_import_is_held(ckpt, want):
         # The long request decoded 20 tokens while the other's KV was held on its way.
         assert len(long_seen) >= before + 20 and not GATE.release.is_set()
         assert len(decode.handover.imports) == 1 and held_seen == want["held"].token_ids[:1]  # the prefill's token only
+        # 20 steps with a pull in flight, and not one question to the ranks about it: they push.
+        assert [m for m in calls if m.startswith("kv_")] == ["kv_pull_start"]
         GATE.release.set()
         await asyncio.gather(long_task, held_task)
         stats = decode.stats()
@@ -91,6 +106,31 @@ def test_running_request_keeps_decoding_while_an_import_is_held(ckpt, want):
     long_seen, held_seen = serve(gated(ckpt), body)
     assert long_seen == want["long"].token_ids
     assert held_seen == want["held"].token_ids
+
+
+def test_an_idle_decode_replica_learns_of_a_finished_pull_from_its_rank_unasked(ckpt, want):
+    """The decode replica has nothing else to run: it waits for its rank to push the finished pull
+    (channel.py PULLED) instead of asking every few milliseconds. One round trip to the ranks per
+    hand-over (starting the pull), the request adopted with the pulled KV."""
+    async def body(c):
+        (decode,) = c.replicas("decode")
+        calls = rank_calls(decode)
+        GATE.holding.set()
+        seen = []
+        task = asyncio.ensure_future(stream(c, HELD, seen))
+        await held_pull_arrived()
+        pushed = decode.executor.channel.num_pulled
+        GATE.release.set()
+        await asyncio.wait_for(task, WAIT_S)
+        assert [m for m in calls if m.startswith("kv_")] == ["kv_pull_start"]
+        assert decode.executor.channel.num_pulled == pushed + 1  # the rank's push is how it learnt
+        stats = decode.stats()
+        assert (stats.num_kv_imports, stats.num_recomputes) == (1, 0)
+        await wait_until(lambda: holds_no_blocks(c), "every block to be freed", timeout_s=WAIT_S)
+        assert_no_held_blocks(c)
+        return seen
+
+    assert serve(gated(ckpt), body) == want["held"].token_ids
 
 
 def test_abort_during_an_import_cancels_it_and_frees_every_block(ckpt):
@@ -158,7 +198,10 @@ def test_decode_replica_failing_during_an_import_releases_the_offer(ckpt, monkey
         GATE.holding.set()
         task = asyncio.ensure_future(stream(c, HELD, []))
         await held_pull_arrived()
-        monkeypatch.setattr(RankHost, "kv_pull_done", broken)  # the next poll fails the replica
+        # The rank reports a finished pull unasked (channel.py PULLED): once the held pull ends,
+        # collecting it fails, the rank says so, and the replica fails.
+        monkeypatch.setattr(RankHost, "kv_pull_done", broken)
+        GATE.release.set()
         with pytest.raises(ReplicaFailedError, match="injected"):
             await asyncio.wait_for(task, WAIT_S)
         monkeypatch.undo()

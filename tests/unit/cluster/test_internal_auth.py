@@ -128,6 +128,7 @@ class _EchoHost:
     """The smallest rank host: echoes steps (the channel's own behaviour is under test)."""
 
     has_pending_exports = False
+    pulls_done = None  # no KV agent: nothing to push
     secret = None
 
     def execute_step(self, plan: bytes) -> bytes:

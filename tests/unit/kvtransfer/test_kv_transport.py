@@ -3,6 +3,7 @@ parts the device transports lean on: an IPC request of CPU frames gets the bytes
 pull stops, and the background pulls of a rank."""
 
 import contextlib
+import select
 import threading
 import time
 
@@ -177,6 +178,22 @@ def test_background_pulls_report_results_errors_and_cancel():
     assert (done["b"]["ok"], done["b"]["reason"]) == (False, "cancelled")
     assert done["c"]["ok"] is False and done["c"]["reason"] is None and "ZeroDivisionError" in done["c"]["error"]
     assert pulls.take_done() == {} and pulls.num_running == 0
+
+
+def test_background_pulls_ring_their_doorbell_while_results_wait():
+    """Whoever collects results can wait on `done_bell` beside its sockets instead of asking:
+    readable from the moment a pull finished until take_done took its result."""
+    pulls = BackgroundPulls()
+    readable = lambda timeout: bool(select.select([pulls.done_bell], [], [], timeout)[0])  # noqa: E731
+    go = threading.Event()
+    pulls.start("a", lambda cancel: {"ok": go.wait(30)})
+    assert not readable(0)
+    go.set()
+    assert readable(30)  # rung by the finished pull, no one asked
+    assert readable(0)  # and stays rung until taken
+    assert pulls.take_done()["a"]["ok"] is True
+    assert not readable(0)
+    assert pulls.close(timeout_s=30)
 
 
 def test_trusted_frames_skip_only_the_checksum():
