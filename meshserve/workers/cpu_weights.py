@@ -23,7 +23,7 @@ memory better than the [in, out] view oneDNN read before: the demo model's 25 li
 step with the weights out of cache (what a step sees: its KV cache reads evict them) took 2.7
 against 3.5 ms at 16 rows, 8.1 against 8.9 at 64, and 1.8-2.2 against 2.5-3.3 ms for MKL at 2 to 8
 rows (docs/performance.md, "Packed oneDNN weights"). One row stays with MKL (28 against 40 us:
-oneDNN's call costs about 13 us, its primitive set up on every call). The blocked copy costs the
+oneDNN's call costs about 13 us: its descriptors are built anew on every call). The blocked copy costs the
 weights' bytes once more in memory; the dense [in, out] tensor stays for the one-row GEMV and for
 `weight`. oneDNN sums in its own order: a float32 result within ~1e-6 relative of MKL's (both
 against float64), not bit for bit. Where torch was built without oneDNN the MKL path serves every
