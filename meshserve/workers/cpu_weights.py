@@ -14,14 +14,20 @@ A tied LM head (the embedding's matrix) gets its own input-major copy: vocab x h
 floats; the embedding keeps the row layout its lookups want.
 
 From `ONEDNN_MIN_ROWS` rows the product goes through oneDNN (`torch.ops.mkldnn._linear_pointwise`,
-the op inductor's CPU linear fusion calls) on the same [in, out] storage, read as the [out, in]
-view: on the 2-core AMD EPYC machine MKL's sgemm runs these shapes at about half of what
-oneDNN's JIT kernels reach (one thread, us, MKL mm / oneDNN: gate_up [1536, 256] at 8 rows
-124 / 94, 16: 199 / 125, 64: 554 / 282, 4096 rows (a prefill): 36111 / 15526; the LM head at 64
-rows 1558 / 723), while under 8 rows MKL is as fast or faster (1 row: 28 / 46). oneDNN sums in
-its own order: a float32 result within ~1e-6 relative of MKL's (both against float64), not bit
-for bit. Where torch was built without oneDNN the MKL path serves every size. Measured on that
-AMD machine only; on Intel CPUs not measured.
+the op inductor's CPU linear fusion calls) on a second copy of the weight in oneDNN's own blocked
+layout (`torch.ops.mkldnn._reorder_linear_weight`, made once here): on the 2-core AMD EPYC machine
+MKL's sgemm runs these shapes at about half of what oneDNN's JIT kernels reach (one thread, us,
+MKL mm / oneDNN: gate_up [1536, 256] at 8 rows 124 / 94, 16: 199 / 125, 64: 554 / 282, 4096 rows (a
+prefill): 36111 / 15526; the LM head at 64 rows 1558 / 723), and the blocked copy streams from
+memory better than the [in, out] view oneDNN read before: the demo model's 25 linears of a decode
+step with the weights out of cache (what a step sees: its KV cache reads evict them) took 2.7
+against 3.5 ms at 16 rows, 8.1 against 8.9 at 64, and 1.8-2.2 against 2.5-3.3 ms for MKL at 2 to 8
+rows (docs/performance.md, "Packed oneDNN weights"). One row stays with MKL (28 against 40 us:
+oneDNN's call costs about 13 us: its descriptors are built anew on every call). The blocked copy costs the
+weights' bytes once more in memory; the dense [in, out] tensor stays for the one-row GEMV and for
+`weight`. oneDNN sums in its own order: a float32 result within ~1e-6 relative of MKL's (both
+against float64), not bit for bit. Where torch was built without oneDNN the MKL path serves every
+size. Measured on that AMD machine only; on Intel CPUs not measured.
 """
 
 from __future__ import annotations
@@ -30,15 +36,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-ONEDNN_MIN_ROWS = 8
+ONEDNN_MIN_ROWS = 2
 
 
 def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def onednn_packed(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] float32, copied into oneDNN's blocked layout for its inner product: an
+    opaque (`torch._mkldnn` layout) tensor that only `onednn_linear` reads."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [M, in] @ weight [out, in].T (+ bias) by oneDNN, float32."""
+    """x [M, in] @ weight [out, in].T (+ bias) by oneDNN, float32; `weight` strided or `onednn_packed`."""
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -48,7 +61,8 @@ class InputMajorLinear(nn.Linear):
     takes. A 2-D input calls `torch.mm` / `torch.addmm` on it directly, the op `F.linear` ends
     in, without F.linear's transposes and matmul dispatch (five more dispatches per call, 25
     calls per decode step of the demo model); from `ONEDNN_MIN_ROWS` rows oneDNN takes the
-    product (`onednn`: default, wherever torch has it); other inputs go through `F.linear`."""
+    product on `weight_packed`, the same values in its blocked layout (`onednn`: default,
+    wherever torch has it); other inputs go through `F.linear`."""
 
     def __init__(self, linear: nn.Linear, *, onednn: bool | None = None) -> None:
         nn.Module.__init__(self)
@@ -58,12 +72,14 @@ class InputMajorLinear(nn.Linear):
             self.weight_t = linear.weight.detach().t().contiguous()  # [in, out]
         self.weight = nn.Parameter(self.weight_t.t(), requires_grad=False)  # [out, in] view
         self.bias = linear.bias
+        # Not a parameter or buffer: state dicts and loaders see `weight` only.
+        self.weight_packed = onednn_packed(self.weight) if self.onednn else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.onednn and x.shape[0] >= ONEDNN_MIN_ROWS:
-            return onednn_linear(x, self.weight, self.bias)
+            return onednn_linear(x, self.weight_packed, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)

@@ -37,6 +37,13 @@ from meshserve.workers.step import CachedRows, NewRequest, ScheduledSeq, StepOut
 # How long a step that computes nothing waits for a grammar's compile before it returns (the
 # scheduler then polls again, and meanwhile admits what arrived).
 GRAMMAR_POLL_S = 0.02
+# On a CPU a step of more new tokens than this (a large prefill) runs its forward in parts of
+# whole sequences, each at most this many tokens where a sequence allows: a 4096-token forward's
+# activations ([T, 2I] gate/up and the rest, 25 MB and more for the demo model) leave the caches
+# between the ops that write and read them. 64 prompts of 64 tokens: 490-540 -> 432-434 ms
+# (docs/performance.md, "Packed oneDNN weights"). The values are those of one forward: rows
+# are independent, each sequence's attention sees only its own keys.
+CPU_FORWARD_TOKENS = 2048
 
 
 @dataclass
@@ -333,26 +340,18 @@ class ModelRunner:
             cross = dict(encoder_seq_lens=[len(r.encoder_ids) for r in reqs],
                          encoder_block_tables=[r.encoder_table for r in reqs])
             encoder = self._encoder_step([r for r, c in zip(reqs, cols.context_lens.tolist()) if c == 0])
-        metas = [
-            AttentionMetadata.build(query_lens=batch.query_lens, seq_lens=batch.seq_lens,
-                                    block_tables=tables[g], block_size=self.block_size,
-                                    device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g,
-                                    **(cross if g == 0 else {}))
-            for g in range(self.num_groups)
-        ]  # fmt: skip
         # A token drawn by the previous step is still on the device: 0 holds its place until `fill`.
         input_ids = to_device(torch.from_numpy(batch.input_ids(tokens, cols.from_last_step)), self.device)
         if fill is not None:
             fill(input_ids)
-        plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
-        layers = []
-        for b, kv, g in zip(self.backends, self.kv_caches, self.layer_groups):
-            plan = plans.get((id(b), g))
-            if plan is None:
-                plan = plans[id(b), g] = b.plan(metas[g])
-            layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
-        ctx = ForwardContext(layers=layers, encoder=encoder)
-        hidden = self.model(input_ids, to_device(torch.from_numpy(batch.positions), self.device), ctx)  # [T, hidden]
+        positions = to_device(torch.from_numpy(batch.positions), self.device)
+        parts = self._forward_parts(batch.query_lens) if encoder is None and not cross else None
+        if parts is None:
+            hidden = self._forward(batch.query_lens, batch.seq_lens, tables, input_ids, positions, encoder, cross)
+        else:  # [T, hidden], part after part
+            hidden = torch.cat([self._forward(batch.query_lens[a:b], batch.seq_lens[a:b], [t[a:b] for t in tables],
+                                              input_ids[ta:tb], positions[ta:tb], None, {})
+                                for a, b, ta, tb in parts])
         if self._wants_prompt_logprobs and flight is not None:  # (workers/prompt_logprobs.py)
             wanted = wanted_rows(ids, cols.context_lens, batch.query_lens, batch.ends, self.requests)
             if wanted:
@@ -362,6 +361,34 @@ class ModelRunner:
         # Every rank computes logits: a vocabulary-parallel LM head gathers them collectively.
         rows = to_device(torch.from_numpy(batch.ends[to_sample]), self.device)
         return self.model.compute_logits(hidden[rows])  # [N, V] float32
+
+    def _forward(self, query_lens: list[int], seq_lens: list[int], tables: list[np.ndarray], input_ids: torch.Tensor,
+                 positions: torch.Tensor, encoder: EncoderStep | None, cross: dict) -> torch.Tensor:
+        """The model's forward over these sequences' new tokens ([T] ids and positions): metadata
+        per KV group, one plan per backend instance and group. Returns [T, hidden]."""
+        metas = [
+            AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
+                                    block_tables=tables[g], block_size=self.block_size,
+                                    device=self.device, dcp_size=self.dcp_size, dcp_rank=self.dcp_rank, kv_group=g,
+                                    **(cross if g == 0 else {}))
+            for g in range(self.num_groups)
+        ]  # fmt: skip
+        plans: dict[tuple[int, int], object] = {}  # plan once per backend instance and group per step
+        layers = []
+        for b, kv, g in zip(self.backends, self.kv_caches, self.layer_groups):
+            plan = plans.get((id(b), g))
+            if plan is None:
+                plan = plans[id(b), g] = b.plan(metas[g])
+            layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
+        return self.model(input_ids, positions, ForwardContext(layers=layers, encoder=encoder))
+
+    def _forward_parts(self, query_lens: list[int]) -> list[tuple[int, int, int, int]] | None:
+        """On a CPU, a step of more than CPU_FORWARD_TOKENS new tokens runs in `forward_parts`;
+        None: one forward (other devices, smaller steps, context parallel)."""
+        if self.device.type != "cpu" or self.dcp_size > 1 or sum(query_lens) <= CPU_FORWARD_TOKENS:
+            return None
+        parts = forward_parts(query_lens, CPU_FORWARD_TOKENS)
+        return parts if len(parts) > 1 else None
 
     def _encoder_step(self, reqs: Sequence[_Request]) -> EncoderStep | None:
         """The packed encoder inputs of requests starting (or restarting) their decoder this step;
@@ -438,6 +465,19 @@ class _Columns:
 
     def concat(self, other: _Columns) -> _Columns:
         return _Columns(*(np.concatenate([getattr(self, f.name), getattr(other, f.name)]) for f in fields(self)))
+
+
+def forward_parts(query_lens: Sequence[int], limit: int) -> list[tuple[int, int, int, int]]:
+    """The sequences (their new tokens, in order) in consecutive parts of at most `limit` tokens,
+    a sequence of more than `limit` alone: (row start, row end, token start, token end) each."""
+    parts, first, start, tokens = [], 0, 0, 0
+    for i, n in enumerate(query_lens):
+        if tokens and tokens + n > limit:
+            parts.append((first, i, start, start + tokens))
+            first, start, tokens = i, start + tokens, 0
+        tokens += n
+    parts.append((first, len(query_lens), start, start + tokens))
+    return parts
 
 
 def _segments(flat: np.ndarray, counts: np.ndarray, perm: np.ndarray) -> np.ndarray:

@@ -173,3 +173,32 @@ def test_demo_model_default_cpu_path_matches_hf():
 def test_prompts_helper_is_varied():
     lengths = [len(p) for p in prompts(4, min_len=3, max_len=12)]
     assert lengths == sorted(set(lengths))
+
+
+def test_demo_model_cpu_prefill_in_forward_parts_matches_hf(monkeypatch):
+    """A CPU step of more than CPU_FORWARD_TOKENS new tokens runs its forward in parts of whole
+    sequences (workers/runner.py): the eight prompts' prefill here in parts of at most 12 tokens,
+    decoded together afterwards, gives HF's greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from meshserve.demo_model import DEMO_MODEL_DIR
+    from meshserve.workers import runner
+
+    monkeypatch.setattr(runner, "CPU_FORWARD_TOKENS", 12)
+    forwards = []
+    real = runner.ModelRunner._forward
+    monkeypatch.setattr(runner.ModelRunner, "_forward",
+                        lambda self, q, *a: forwards.append(sum(q)) or real(self, q, *a))
+    texts = ["The for statement is used to", "An exception is raised when", "A class definition",
+             "The import statement", "Assignment statements are used to", "A function definition",
+             "The with statement", "Names refer to objects"]
+    llm = LLM(max_model_len=256, num_kv_blocks=64, progress=False)
+    outs = llm.generate(texts, SamplingParams(temperature=0, max_tokens=16))
+    total, longest = sum(len(o.prompt_token_ids) for o in outs), max(len(o.prompt_token_ids) for o in outs)
+    parts = []  # the first step's forwards: the prompts
+    while sum(parts) < total:
+        parts.append(forwards[len(parts)])
+    assert sum(parts) == total and len(parts) > 1 and max(parts) <= max(12, longest)
+    hf = AutoModelForCausalLM.from_pretrained(DEMO_MODEL_DIR, dtype=torch.float32).eval()
+    for out in outs:
+        assert out.token_ids == hf_greedy(hf, out.prompt_token_ids, 16, eos=1), out.text

@@ -72,9 +72,9 @@ def test_inputs_of_any_rank_take_the_same_product():
                 torch.testing.assert_close(swapped(x), plain(x), atol=1e-6, rtol=1e-6)
 
 
-def test_from_eight_rows_onednn_takes_the_product(monkeypatch):
-    """Rows >= ONEDNN_MIN_ROWS go to oneDNN on the same [in, out] storage (float64 oracle, 1e-5
-    relative), fewer rows to torch.mm; with onednn=False every size takes torch.mm."""
+def test_from_two_rows_onednn_takes_the_product_on_its_packed_copy(monkeypatch):
+    """Rows >= ONEDNN_MIN_ROWS go to oneDNN on the blocked copy of the weight (float64 oracle,
+    1e-5 relative), one row to torch.mm; with onednn=False every size takes torch.mm."""
     import pytest
 
     from meshserve.workers import cpu_weights
@@ -83,17 +83,32 @@ def test_from_eight_rows_onednn_takes_the_product(monkeypatch):
         pytest.skip("torch built without oneDNN: the MKL path serves every size")
     calls = []
     real = cpu_weights.onednn_linear
-    monkeypatch.setattr(cpu_weights, "onednn_linear", lambda *a: calls.append(a[0].shape[0]) or real(*a))
+
+    def spy(x, weight, bias):
+        calls.append((x.shape[0], weight.is_mkldnn))
+        return real(x, weight, bias)
+
+    monkeypatch.setattr(cpu_weights, "onednn_linear", spy)
     torch.manual_seed(4)
     for bias in (True, False):
         plain = nn.Linear(96, 136, bias=bias)
         swapped, mkl_only = InputMajorLinear(plain), InputMajorLinear(plain, onednn=False)
+        assert mkl_only.weight_packed is None
+        assert torch.equal(swapped.weight_packed.to_dense(), plain.weight)  # the same values, blocked
         w64 = plain.weight.double()
-        for rows in (1, 7, 8, 64, 300):
+        for rows in (1, 2, 7, 64, 300):
             x = torch.randn(rows, 96)
             ref = x.double() @ w64.T + (plain.bias.double() if bias else 0)
             with torch.inference_mode():
                 out = swapped(x)
                 assert torch.equal(mkl_only(x), nn.functional.linear(x, swapped.weight, plain.bias))
             assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= 1e-5, rows
-    assert calls == [8, 64, 300] * 2
+    assert calls == [(2, True), (7, True), (64, True), (300, True)] * 2
+
+
+def test_the_packed_copy_stays_out_of_the_state_dict():
+    """Loaders and checkpoints see the [out, in] weight only, not oneDNN's opaque copy."""
+    torch.manual_seed(5)
+    swapped = InputMajorLinear(nn.Linear(16, 24, bias=False))
+    assert list(swapped.state_dict()) == ["weight"]
+    assert [name for name, _ in swapped.named_buffers()] == []
