@@ -25,8 +25,12 @@ against 3.5 ms at 16 rows, 8.1 against 8.9 at 64, and 1.8-2.2 against 2.5-3.3 ms
 rows (docs/performance.md, "Packed oneDNN weights"). One row stays with MKL (28 against 40 us:
 oneDNN's call costs about 13 us: its descriptors are built anew on every call). The blocked copy costs the
 weights' bytes once more in memory; the dense [in, out] tensor stays for the one-row GEMV and for
-`weight`. oneDNN sums in its own order: a float32 result within ~1e-6 relative of MKL's (both
-against float64), not bit for bit. Where torch was built without oneDNN the MKL path serves every
+`weight`. So `input_major_linears` packs only while the float32 linears' bytes stay within
+`PACKED_MEMORY_SHARE` of the memory available when the model loads (MemAvailable): the demo model
+(22 MB) always, an 8B model in float32 (~30 GB of linears) only on a host with ~120 GB free;
+without the copy oneDNN reads the [in, out] storage as the [out, in] view, as before. oneDNN sums
+in its own order: a float32 result within ~1e-6 relative of MKL's (both against float64), not bit
+for bit. Where torch was built without oneDNN the MKL path serves every
 size. Measured on that AMD machine only; on Intel CPUs not measured.
 """
 
@@ -37,6 +41,8 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN_MIN_ROWS = 2
+# The blocked copies may take at most this share of the memory available at load (see above).
+PACKED_MEMORY_SHARE = 0.25
 
 
 def onednn_available() -> bool:
@@ -64,7 +70,7 @@ class InputMajorLinear(nn.Linear):
     product on `weight_packed`, the same values in its blocked layout (`onednn`: default,
     wherever torch has it); other inputs go through `F.linear`."""
 
-    def __init__(self, linear: nn.Linear, *, onednn: bool | None = None) -> None:
+    def __init__(self, linear: nn.Linear, *, onednn: bool | None = None, packed: bool = True) -> None:
         nn.Module.__init__(self)
         self.onednn = onednn_available() if onednn is None else onednn
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -72,21 +78,37 @@ class InputMajorLinear(nn.Linear):
             self.weight_t = linear.weight.detach().t().contiguous()  # [in, out]
         self.weight = nn.Parameter(self.weight_t.t(), requires_grad=False)  # [out, in] view
         self.bias = linear.bias
-        # Not a parameter or buffer: state dicts and loaders see `weight` only.
-        self.weight_packed = onednn_packed(self.weight) if self.onednn else None
+        # Not a parameter or buffer: state dicts and loaders see `weight` only. Without the blocked
+        # copy (`packed` False: memory) oneDNN reads the [out, in] view of the dense storage.
+        self.weight_packed = onednn_packed(self.weight) if self.onednn and packed else None
+        self._onednn_weight = self.weight if self.weight_packed is None else self.weight_packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2:
             return F.linear(x, self.weight, self.bias)
         if self.onednn and x.shape[0] >= ONEDNN_MIN_ROWS:
-            return onednn_linear(x, self.weight_packed, self.bias)
+            return onednn_linear(x, self._onednn_weight, self.bias)
         if self.bias is None:
             return torch.mm(x, self.weight_t)
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def input_major_linears(model: nn.Module) -> int:
+def available_memory_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def input_major_linears(model: nn.Module, *, available: int | None = None) -> int:
     """Swap every float32 CPU `nn.Linear` of `model` for an InputMajorLinear; returns how many.
+    They get oneDNN's blocked copies while those fit PACKED_MEMORY_SHARE of `available` bytes
+    (default: MemAvailable now; unknown: no copies).
 
     Other dtypes (bfloat16 runs through oneDNN, where this was not measured), other devices
     and other layer classes (tensor-parallel, quantized, already swapped) are left as they are.
@@ -97,6 +119,9 @@ def input_major_linears(model: nn.Module) -> int:
             weight = getattr(child, "weight", None)
             if type(child) is nn.Linear and weight.dtype == torch.float32 and weight.device.type == "cpu":
                 swaps.append((parent, name, child))
+    available = available_memory_bytes() if available is None else available
+    total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
+    packed = available is not None and total <= PACKED_MEMORY_SHARE * available
     for parent, name, child in swaps:
-        setattr(parent, name, InputMajorLinear(child))
+        setattr(parent, name, InputMajorLinear(child, packed=packed))
     return len(swaps)

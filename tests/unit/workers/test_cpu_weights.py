@@ -112,3 +112,30 @@ def test_the_packed_copy_stays_out_of_the_state_dict():
     swapped = InputMajorLinear(nn.Linear(16, 24, bias=False))
     assert list(swapped.state_dict()) == ["weight"]
     assert [name for name, _ in swapped.named_buffers()] == []
+
+
+def test_blocked_copies_only_while_they_fit_the_memory_share(monkeypatch):
+    """input_major_linears packs while the float32 linears' bytes stay within PACKED_MEMORY_SHARE of
+    the available memory; beyond it (or with the memory unknown) no copy is made and oneDNN reads
+    the dense storage, with the same product (float64 oracle)."""
+    import pytest
+
+    from meshserve.workers import cpu_weights
+
+    if not cpu_weights.onednn_available():
+        pytest.skip("torch built without oneDNN: nothing is packed")
+    torch.manual_seed(6)
+    linear_bytes = (16 * 40 + 40 * 16 + 16 * 50) * 4  # up, down, lm_head in float32
+    fits = int(linear_bytes / cpu_weights.PACKED_MEMORY_SHARE) + 1
+    for available, packed in ((fits, True), (fits - 8, False)):
+        model = _Tiny()
+        input_major_linears(model, available=available)
+        assert all((m.weight_packed is not None) is packed for m in (model.up, model.down, model.lm_head))
+        ids = torch.randint(0, 50, (64,))
+        with torch.inference_mode():
+            out = model(ids)
+        torch.testing.assert_close(out.double(), _float64_forward(model, ids), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(cpu_weights, "available_memory_bytes", lambda: None)
+    model = _Tiny()
+    input_major_linears(model)
+    assert model.up.weight_packed is None and model.up.onednn
