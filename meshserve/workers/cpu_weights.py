@@ -40,6 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshserve.workers.kv_budget import available_host_memory
+
 ONEDNN_MIN_ROWS = 2
 # The blocked copies may take at most this share of the memory available at load (see above).
 PACKED_MEMORY_SHARE = 0.25
@@ -93,22 +95,10 @@ class InputMajorLinear(nn.Linear):
         return torch.addmm(self.bias, x, self.weight_t)
 
 
-def available_memory_bytes() -> int | None:
-    """MemAvailable of /proc/meminfo (what can be allocated without swapping), else None."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
-
-
 def input_major_linears(model: nn.Module, *, available: int | None = None) -> int:
     """Swap every float32 CPU `nn.Linear` of `model` for an InputMajorLinear; returns how many.
     They get oneDNN's blocked copies while those fit PACKED_MEMORY_SHARE of `available` bytes
-    (default: MemAvailable now; unknown: no copies).
+    (default: the host's MemAvailable now, kv_budget.available_host_memory).
 
     Other dtypes (bfloat16 runs through oneDNN, where this was not measured), other devices
     and other layer classes (tensor-parallel, quantized, already swapped) are left as they are.
@@ -119,9 +109,9 @@ def input_major_linears(model: nn.Module, *, available: int | None = None) -> in
             weight = getattr(child, "weight", None)
             if type(child) is nn.Linear and weight.dtype == torch.float32 and weight.device.type == "cpu":
                 swaps.append((parent, name, child))
-    available = available_memory_bytes() if available is None else available
+    available = available_host_memory() if available is None else available
     total = sum(child.weight.numel() * child.weight.element_size() for _, _, child in swaps)
-    packed = available is not None and total <= PACKED_MEMORY_SHARE * available
+    packed = total <= PACKED_MEMORY_SHARE * available
     for parent, name, child in swaps:
         setattr(parent, name, InputMajorLinear(child, packed=packed))
     return len(swaps)

@@ -116,7 +116,7 @@ def test_the_packed_copy_stays_out_of_the_state_dict():
 
 def test_blocked_copies_only_while_they_fit_the_memory_share(monkeypatch):
     """input_major_linears packs while the float32 linears' bytes stay within PACKED_MEMORY_SHARE of
-    the available memory; beyond it (or with the memory unknown) no copy is made and oneDNN reads
+    the available memory; beyond it no copy is made and oneDNN reads
     the dense storage, with the same product (float64 oracle)."""
     import pytest
 
@@ -135,7 +135,7 @@ def test_blocked_copies_only_while_they_fit_the_memory_share(monkeypatch):
         with torch.inference_mode():
             out = model(ids)
         torch.testing.assert_close(out.double(), _float64_forward(model, ids), atol=1e-5, rtol=1e-5)
-    monkeypatch.setattr(cpu_weights, "available_memory_bytes", lambda: None)
+    monkeypatch.setattr(cpu_weights, "available_host_memory", lambda: fits - 8)
     model = _Tiny()
-    input_major_linears(model)
+    input_major_linears(model)  # the host's memory by default
     assert model.up.weight_packed is None and model.up.onednn
