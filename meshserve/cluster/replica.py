@@ -6,7 +6,9 @@ meanwhile wait in lists and are applied between steps, so the scheduler and KV m
 ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
-then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it: its
+detaches it and asks its ranks to offer its KV (sent, not waited for); it delivers the token,
+then reads the ranks' answers at its next trip to the step thread and hands a `Handoff` to the
+coordinator (`_hand_off`, on the loop); a decode replica `adopt`s it: its
 ranks pull the KV in the background while it keeps stepping (`Imports`); the request joins the
 running batch once the KV is in (or recomputes its prompt); the prefill replica then `release`s.
 
@@ -106,6 +108,7 @@ class Replica:
         self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that runs _run (start)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,7 +122,8 @@ class Replica:
         self.handover.attach(self.core.kv)
         self._pull_wait_bell = Doorbell()
         self.state = ReplicaState.READY
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=f"replica-{self.name}")
         log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
@@ -159,6 +163,7 @@ class Replica:
             self.executor = None
         release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
+        self.handover.close_offers()
         if self._pull_wait_bell is not None:
             self._pull_wait_bell.close()
             self._pull_wait_bell = None
@@ -198,6 +203,11 @@ class Replica:
     def abort(self, request_id: str) -> bool:
         if request_id not in self._held:
             return False
+        offer = self.handover.offers.get(request_id)
+        if offer is not None:  # its first token is out, its offer unanswered: nothing of it is in the engine
+            offer.aborted = True  # (read by the step thread: too late, _hand_off lets go of the hand-off)
+            self._end_aborted(request_id)
+            return True
         self._aborts.append(request_id)
         self._wake()
         return True
@@ -272,8 +282,12 @@ class Replica:
                 self._apply()
                 if self.core.has_unfinished():
                     self._idle.clear()
-                    # hand-overs ride along in the step's trip to the thread (_step ticks them first)
-                    self._after_step(*await self._with_adoptions(self._step))
+                    # hand-overs ride along in the step's trip to the thread (_step ticks them first,
+                    # and hands off the requests whose KV its ranks offered meanwhile)
+                    self._deliver(await self._with_adoptions(self._step))
+                    continue
+                if self.handover.offers:  # first tokens delivered: the ranks' answers to their offers
+                    self._hand_off(await self._in_thread(self._settle_offers))
                     continue
                 if not self._held:
                     self._idle.set()
@@ -316,7 +330,7 @@ class Replica:
             self._waiting_for_pulls = False
         if stepped is not None:
             self._idle.clear()
-            self._after_step(*stepped)
+            self._deliver(stepped)
         elif timed_out and not self._wakeup.is_set():
             await self._idle_health_check()
 
@@ -325,10 +339,16 @@ class Replica:
         await self._in_thread(self.executor.check_health)
         await self._in_thread(self._read_rank_counters)
 
-    def _after_step(self, deltas: list[CompletionDelta], handoffs: list[Handoff]) -> None:
-        self._deliver(deltas)
+    def _hand_off(self, handoffs: list[Handoff]) -> None:
+        """Requests whose first token was delivered and whose KV is offered (or to recompute) go to
+        the coordinator. One no longer held here (the replica failed or stopped meanwhile, and it
+        ended or moved on with the others) is not handed off; its offer is let go of."""
         for h in handoffs:
-            self._held.pop(h.ticket.request_id)
+            rid = h.ticket.request_id
+            if self._held.get(rid) is not h.ticket:
+                release_sources([h])
+                continue
+            del self._held[rid]
             h.ticket.holder = None
             self.on_handoff(h)
 
@@ -340,17 +360,17 @@ class Replica:
             self.handover.pins.release(pin)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
-            ticket = self._held.pop(rid, None)
-            if ticket is None:
+            if rid not in self._held:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
+            elif rid in self.handover.offers:  # offered since abort() was called: no hand-off
+                self.handover.offers[rid].aborted = True
             elif rid in self.handover.imports:  # its blocks are freed once the ranks' pulls ended
                 self.handover.imports.abort(rid)
             else:
                 core.abort(rid)
-            ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
-            request_event(rid, "aborted", replica=self.name)
+            self._end_aborted(rid)
         inbox, self._inbox = self._inbox, []
         for rid in inbox:
             ticket = self._held[rid]
@@ -366,6 +386,11 @@ class Replica:
             if not ticket.migrations:  # a moved request's prompt was counted where it arrived
                 self.counters.prompt_tokens += ticket.request.num_input_tokens
             hop_trace.mark("replica.added")
+
+    def _end_aborted(self, rid: str) -> None:
+        ticket = self._held.pop(rid)
+        ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
+        request_event(rid, "aborted", replica=self.name)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
@@ -401,7 +426,15 @@ class Replica:
         with self._thread_busy:  # held while a step or channel call runs: stop() waits for it
             return fn(*args)
 
-    def _step(self, adoptions: list[Handoff]) -> tuple[list[CompletionDelta], list[Handoff]]:
+    def _step(self, adoptions: list[Handoff]) -> list[CompletionDelta]:
+        """One engine step (after ticking hand-overs). A request whose first token it gave and that
+        continues elsewhere (prefill role) is detached, and its ranks are asked to offer its KV
+        without waiting for them (offer_start): the token is delivered first, and the ranks'
+        answers are read at the next trip (here, or _settle_offers when there is nothing to step)."""
+        if self.handover.offers:  # the previous step's offers: handed off now, not after this step
+            handoffs = self._settle_offers()
+            if handoffs:
+                self._loop.call_soon_threadsafe(self._hand_off, handoffs)
         if adoptions or self.handover.imports:  # KV that arrived joins this very step
             self._handover_tick(adoptions)
         hop_trace.mark("step.start")
@@ -410,19 +443,24 @@ class Replica:
         self.counters.steps += 1
         if self.counters.steps % RANK_COUNTERS_PERIOD == 0:
             self._read_rank_counters()
-        handoffs = []
         for d in deltas:
             ticket = self._held.get(d.request_id)
             if ticket is not None and ticket.prefill_only and not d.finished:
-                handoffs.append(self.handover.offer(ticket))
-        return deltas, handoffs
+                self.handover.offer_start(ticket)
+        return deltas
 
-    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
+    def _settle_offers(self) -> list[Handoff]:
+        """(Step thread) Read the ranks' answers to the offers sent since the last trip; the
+        hand-offs of those not aborted meanwhile."""
+        handoffs = [self.handover.offer_finish(p) for p in list(self.handover.offers.values())]
+        return [h for h in handoffs if h is not None]
+
+    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, list[CompletionDelta] | None]:
         """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its
         way and nothing else came (the doorbell: _wake), wait up to a health period for a rank to
         push a finished pull and adopt it; then, if a request is ready, run its first step here
         rather than going back to the loop for it. Returns (whether the wait ran its whole
-        period, the step's (deltas, handoffs) or None)."""
+        period, the step's deltas or None)."""
         self._handover_tick(adoptions)
         timed_out = False
         if self.handover.imports and not self.core.has_unfinished():
@@ -462,6 +500,7 @@ class Replica:
         self._inbox.clear()
         release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
+        self.handover.close_offers()
         self._idle.set()
         if self.on_failed is not None:
             self.on_failed(self, exc, out.rerun)
