@@ -4,13 +4,13 @@ A prefill replica runs a request until its first token; then, in its step thread
 that step, `offer_start` pins the request's blocks (kvtransfer/pins.py: a fork of its tables in
 the KV manager), detaches the request and sends every rank the offer of its KV shard of them
 under a fresh unguessable capability (`kv_offer`: each rank's KVExportServer, msgpack header + raw
-frames, every message MACed with the cluster secret) without waiting for the answers. The replica
-delivers the first token meanwhile; at its next trip to the step thread (before its next step,
-or alone when it has nothing to step) `offer_finish` reads the ranks' answers, and the request
-goes to the coordinator, which hands it to a decode replica as a `Handoff` (the capability
-travels in it, nowhere else). An abort before that releases the pin once the ranks answered; a
-rank that failed the offer makes a Handoff without KV (the decode side recomputes). The first
-token thus never waits for the ranks' offer. The decode replica reserves blocks in every KV layer
+frames, every message MACed with the cluster secret) without waiting for the answers. The step's
+deltas go to the replica's loop, which delivers the first token, while the step thread waits for
+the ranks' answers (`offer_finish`); then the request goes to the coordinator, which hands it to
+a decode replica as a `Handoff` (the capability travels in it, nowhere else). An abort meanwhile
+ends the stream at once and releases the pin once the ranks answered; a rank that failed the
+offer makes a Handoff without KV (the decode side recomputes). The first token thus never waits
+for the ranks' offer. The decode replica reserves blocks in every KV layer
 group, has every rank pull its shard by that capability into them (`kv_pull_start`;
 with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
 kvtransfer/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
@@ -138,7 +138,7 @@ class ReplicaHandover:
         """(Prefill replica, step thread, right after the step that gave the first token) Pin the
         request's blocks, detach the request (it is stepped no more; the pin keeps its KV) and send
         every rank the offer of its shard without waiting (`kv_offer` by `executor.start_call`):
-        the ranks prepare it while the first token is delivered; `offer_finish` reads their
+        the ranks prepare it while the loop delivers the first token; `offer_finish` reads their
         answers."""
         r = self.replica
         rid, kv = ticket.request_id, r.core.kv
@@ -185,8 +185,9 @@ class ReplicaHandover:
         return Handoff(p.ticket, r, offer, reason)
 
     def close_offers(self) -> None:
-        """(Replica stopped or failed) Forget the offers whose answers were never read: their
-        requests end or move on with the replica's (migration.py), their pins die with its engine."""
+        """(Replica stopped or failed while its step thread waited for the ranks' answers) Forget
+        the offers: their requests end or move on with the replica's others (migration.py), their
+        pins die with its engine."""
         self.offers.clear()
 
 

@@ -6,9 +6,9 @@ meanwhile wait in lists and are applied between steps, so the scheduler and KV m
 ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
-detaches it and asks its ranks to offer its KV (sent, not waited for); it delivers the token,
-then reads the ranks' answers at its next trip to the step thread and hands a `Handoff` to the
-coordinator (`_hand_off`, on the loop); a decode replica `adopt`s it: its
+detaches it and asks its ranks to offer its KV; the token is delivered while the step thread
+waits for the ranks' answers, then a `Handoff` goes to the coordinator; a decode replica
+`adopt`s it: its
 ranks pull the KV in the background while it keeps stepping (`Imports`); the request joins the
 running batch once the KV is in (or recomputes its prompt); the prefill replica then `release`s.
 
@@ -205,7 +205,7 @@ class Replica:
             return False
         offer = self.handover.offers.get(request_id)
         if offer is not None:  # its first token is out, its offer unanswered: nothing of it is in the engine
-            offer.aborted = True  # (read by the step thread: too late, _hand_off lets go of the hand-off)
+            offer.aborted = True  # (read by the step thread; if too late, _after_step lets go of the hand-off)
             self._end_aborted(request_id)
             return True
         self._aborts.append(request_id)
@@ -284,10 +284,7 @@ class Replica:
                     self._idle.clear()
                     # hand-overs ride along in the step's trip to the thread (_step ticks them first,
                     # and hands off the requests whose KV its ranks offered meanwhile)
-                    self._deliver(await self._with_adoptions(self._step))
-                    continue
-                if self.handover.offers:  # first tokens delivered: the ranks' answers to their offers
-                    self._hand_off(await self._in_thread(self._settle_offers))
+                    self._after_step(*await self._with_adoptions(self._step))
                     continue
                 if not self._held:
                     self._idle.set()
@@ -330,7 +327,7 @@ class Replica:
             self._waiting_for_pulls = False
         if stepped is not None:
             self._idle.clear()
-            self._deliver(stepped)
+            self._after_step(*stepped)
         elif timed_out and not self._wakeup.is_set():
             await self._idle_health_check()
 
@@ -339,10 +336,12 @@ class Replica:
         await self._in_thread(self.executor.check_health)
         await self._in_thread(self._read_rank_counters)
 
-    def _hand_off(self, handoffs: list[Handoff]) -> None:
-        """Requests whose first token was delivered and whose KV is offered (or to recompute) go to
-        the coordinator. One no longer held here (the replica failed or stopped meanwhile, and it
-        ended or moved on with the others) is not handed off; its offer is let go of."""
+    def _after_step(self, deltas: list[CompletionDelta], handoffs: list[Handoff]) -> None:
+        """Deliver a step's deltas (those the step thread did not deliver already), then hand the
+        requests whose first token was delivered and whose KV is offered (or is to be recomputed)
+        to the coordinator. One no longer held here (aborted meanwhile) is not handed off; its
+        offer is let go of."""
+        self._deliver(deltas)
         for h in handoffs:
             rid = h.ticket.request_id
             if self._held.get(rid) is not h.ticket:
@@ -364,8 +363,6 @@ class Replica:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
-            elif rid in self.handover.offers:  # offered since abort() was called: no hand-off
-                self.handover.offers[rid].aborted = True
             elif rid in self.handover.imports:  # its blocks are freed once the ranks' pulls ended
                 self.handover.imports.abort(rid)
             else:
@@ -426,15 +423,12 @@ class Replica:
         with self._thread_busy:  # held while a step or channel call runs: stop() waits for it
             return fn(*args)
 
-    def _step(self, adoptions: list[Handoff]) -> list[CompletionDelta]:
-        """One engine step (after ticking hand-overs). A request whose first token it gave and that
-        continues elsewhere (prefill role) is detached, and its ranks are asked to offer its KV
-        without waiting for them (offer_start): the token is delivered first, and the ranks'
-        answers are read at the next trip (here, or _settle_offers when there is nothing to step)."""
-        if self.handover.offers:  # the previous step's offers: handed off now, not after this step
-            handoffs = self._settle_offers()
-            if handoffs:
-                self._loop.call_soon_threadsafe(self._hand_off, handoffs)
+    def _step(self, adoptions: list[Handoff]) -> tuple[list[CompletionDelta], list[Handoff]]:
+        """One engine step (after ticking hand-overs): (deltas to deliver, hand-offs). A request
+        whose first token it gave and that continues elsewhere (prefill role) is detached and its
+        ranks are asked to offer its KV without waiting (offer_start); then the step's deltas go to
+        the loop to be delivered at once, while this thread waits for the ranks' answers: the
+        first token never waits for the offer, and the hand-off needs no other trip."""
         if adoptions or self.handover.imports:  # KV that arrived joins this very step
             self._handover_tick(adoptions)
         hop_trace.mark("step.start")
@@ -443,24 +437,23 @@ class Replica:
         self.counters.steps += 1
         if self.counters.steps % RANK_COUNTERS_PERIOD == 0:
             self._read_rank_counters()
+        offers = []
         for d in deltas:
             ticket = self._held.get(d.request_id)
             if ticket is not None and ticket.prefill_only and not d.finished:
-                self.handover.offer_start(ticket)
-        return deltas
+                offers.append(self.handover.offer_start(ticket))
+        if not offers:
+            return deltas, []
+        self._loop.call_soon_threadsafe(self._deliver, deltas)
+        handoffs = [self.handover.offer_finish(p) for p in offers]
+        return [], [h for h in handoffs if h is not None]
 
-    def _settle_offers(self) -> list[Handoff]:
-        """(Step thread) Read the ranks' answers to the offers sent since the last trip; the
-        hand-offs of those not aborted meanwhile."""
-        handoffs = [self.handover.offer_finish(p) for p in list(self.handover.offers.values())]
-        return [h for h in handoffs if h is not None]
-
-    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, list[CompletionDelta] | None]:
+    def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
         """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its
         way and nothing else came (the doorbell: _wake), wait up to a health period for a rank to
         push a finished pull and adopt it; then, if a request is ready, run its first step here
         rather than going back to the loop for it. Returns (whether the wait ran its whole
-        period, the step's deltas or None)."""
+        period, the step's (deltas, handoffs) or None)."""
         self._handover_tick(adoptions)
         timed_out = False
         if self.handover.imports and not self.core.has_unfinished():
