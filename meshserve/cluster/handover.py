@@ -174,7 +174,7 @@ class ReplicaHandover:
             except RankError as exc:
                 reason = str(exc)
             hop_trace.mark("handover.offered")
-        del self.offers[rid]  # an abort from now on finds the ticket with the loop (Replica._hand_off)
+        self.offers.pop(rid, None)  # an abort from now on finds the ticket with the loop (Replica._after_step)
         if p.pin is not None and (offer is None or p.aborted):
             self.pins.release(p.pin.pin_id)
         kv_tokens = 0 if p.pin is None else p.pin.blocks.num_tokens

@@ -146,3 +146,4 @@ def test_a_failed_offer_is_recomputed_by_the_decode_replica_with_identical_token
         return seen
 
     assert serve(threads(ckpt, "disaggregated"), body) == want["offered"].token_ids
+
