@@ -282,8 +282,8 @@ class Replica:
                 self._apply()
                 if self.core.has_unfinished():
                     self._idle.clear()
-                    # hand-overs ride along in the step's trip to the thread (_step ticks them first,
-                    # and hands off the requests whose KV its ranks offered meanwhile)
+                    # hand-overs ride along in the step's trip to the thread (_step ticks them first;
+                    # a prefill step's first tokens are delivered while it waits for their KV offers)
                     self._after_step(*await self._with_adoptions(self._step))
                     continue
                 if not self._held:
