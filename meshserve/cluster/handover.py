@@ -1,11 +1,16 @@
 """The KV hand-over between a prefill and a decode replica (disaggregated serving).
 
-A prefill replica runs a request until its first token; then, in its step thread, `offer_kv`
-pins the request's blocks (kvtransfer/pins.py: a fork of its tables in the KV manager), asks every
-rank to offer its KV shard of them under a fresh unguessable capability (`kv_offer`: each rank's
-KVExportServer, msgpack header + raw frames, every message MACed with the cluster secret) and
-detaches the request, which the coordinator hands to a decode replica as a `Handoff` (the
-capability travels in it, nowhere else). The decode replica reserves blocks in every KV layer
+A prefill replica runs a request until its first token; then, in its step thread right after
+that step, `offer_start` pins the request's blocks (kvtransfer/pins.py: a fork of its tables in
+the KV manager), detaches the request and sends every rank the offer of its KV shard of them
+under a fresh unguessable capability (`kv_offer`: each rank's KVExportServer, msgpack header + raw
+frames, every message MACed with the cluster secret) without waiting for the answers. The step's
+deltas go to the replica's loop, which delivers the first token, while the step thread waits for
+the ranks' answers (`offer_finish`); then the request goes to the coordinator, which hands it to
+a decode replica as a `Handoff` (the capability travels in it, nowhere else). An abort meanwhile
+ends the stream at once and releases the pin once the ranks answered; a rank that failed the
+offer makes a Handoff without KV (the decode side recomputes). The first token thus never waits
+for the ranks' offer. The decode replica reserves blocks in every KV layer
 group, has every rank pull its shard by that capability into them (`kv_pull_start`;
 with another (tp, dcp) layout, heads are re-split and tokens re-distributed:
 kvtransfer/reshard.py), commits the prefix hashes (the sender's, or its own from the token ids when
@@ -40,9 +45,10 @@ from typing import Protocol
 from meshserve.cluster.executors.executor import RankError
 from meshserve.cluster.handover_stats import HandoverStats, pull_reason
 from meshserve.cluster.logs import request_event
+from meshserve.core import hop_trace
 from meshserve.engine.request import Ticket
 from meshserve.kvtransfer.export_server import new_capability
-from meshserve.kvtransfer.pins import HandoverBlocks, KVPins
+from meshserve.kvtransfer.pins import HandoverBlocks, KVPins, Pin
 from meshserve.kvtransfer.reshard import receiver_positions
 
 log = logging.getLogger("meshserve.replica")
@@ -85,6 +91,19 @@ class Handoff:
 
 
 @dataclass
+class PendingOffer:
+    """A request whose first token came: its blocks pinned, detached from the engine, every rank
+    asked to offer its shard (`call_id`: the executor's kv_offer call, answers not read yet)."""
+
+    ticket: Ticket
+    pin: Pin | None  # None: no KV to offer (`reason` says why); the decode side recomputes
+    capability: str = field(default="", repr=False)
+    reason: str = ""
+    call_id: int | None = None
+    aborted: bool = False  # aborted meanwhile: no hand-off; the pin is released once the ranks answered
+
+
+@dataclass
 class PendingImport:
     """A hand-over whose KV is on its way: blocks reserved, every rank pulling in the background."""
 
@@ -109,38 +128,67 @@ class ReplicaHandover:
         self.pins: KVPins | None = None  # the driver side of hand-overs, over core.kv (attach)
         self.stats = HandoverStats()  # this end's totals
         self.imports = Imports(self)  # KV pulls in flight (started in the step thread)
+        self.offers: dict[str, PendingOffer] = {}  # by request id: sent to the ranks, answers not read yet
 
     def attach(self, kv) -> None:
         """The replica's engine started: pins over its KV manager."""
         self.pins = KVPins(kv)
 
-    def offer(self, ticket: Ticket) -> Handoff:
-        """(Prefill replica, step thread) Pin the request's blocks, have every rank offer its shard,
-        detach the request."""
+    def offer_start(self, ticket: Ticket) -> PendingOffer:
+        """(Prefill replica, step thread, right after the step that gave the first token) Pin the
+        request's blocks, detach the request (it is stepped no more; the pin keeps its KV) and send
+        every rank the offer of its shard without waiting (`kv_offer` by `executor.start_call`):
+        the ranks prepare it while the loop delivers the first token; `offer_finish` reads their
+        answers."""
         r = self.replica
         rid, kv = ticket.request_id, r.core.kv
         if r.core.info.is_encoder_decoder:  # the cross-attention K/V are not in the offered tables
-            request_event(rid, "prefilled", replica=r.name, kv_tokens=0, offered=False)
             r.core.detach(rid)
-            return Handoff(ticket, r, None, "encoder-decoder model: the decode replica re-runs the encoder")
+            return PendingOffer(ticket, None, reason="encoder-decoder model: the decode replica re-runs the encoder")
         pin = self.pins.pin(rid)
+        r.core.detach(rid)
         capability = new_capability()  # handed to the decode replica with the Handoff, nowhere else
         args = {"blocks": pin.blocks.to_wire(), "capability": capability, "block_size": kv.block_size,
                 "dcp_size": kv.dcp_size,
                 "model_id": r.model_id, "dst_tp": self.handoff_tp, "dst_dcp": self.handoff_dcp,
                 "fault": self.faults.pop(0) if self.faults else None}
-        offer, reason = None, ""
         self.stats.handovers += 1
-        try:
-            addresses = r.executor.call("kv_offer", [args] * r.world)
-            offer = KVOffer(addresses, pin.blocks, pin.pin_id, r.model_id, r.world, r.config.parallel.dcp,
-                            self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp, capability)
-        except RankError as exc:
-            self.pins.release(pin.pin_id)
-            reason = str(exc)
-        request_event(rid, "prefilled", replica=r.name, kv_tokens=pin.blocks.num_tokens, offered=offer is not None)
-        r.core.detach(rid)
-        return Handoff(ticket, r, offer, reason)
+        offer = PendingOffer(ticket, pin, capability)
+        self.offers[rid] = offer  # before the send: a rank that is gone raises, and the replica's failure frees it
+        hop_trace.mark("handover.offer_sent")
+        offer.call_id = r.executor.start_call("kv_offer", [args] * r.world)
+        return offer
+
+    def offer_finish(self, p: PendingOffer) -> Handoff | None:
+        """(Prefill replica, step thread) The ranks' answers to an offer: the Handoff for the
+        coordinator (offer None, the prompt recomputed, when a rank failed it), or None when the
+        request was aborted meanwhile (its pin released)."""
+        r = self.replica
+        rid, offer, reason = p.ticket.request_id, None, p.reason
+        if p.pin is not None:
+            kv = r.core.kv
+            try:
+                addresses = r.executor.finish_call(p.call_id)
+                offer = KVOffer(addresses, p.pin.blocks, p.pin.pin_id, r.model_id, r.world, r.config.parallel.dcp,
+                                self.handoff_tp, kv.block_size, kv.dcp_size, self.handoff_dcp, p.capability)
+            except RankError as exc:
+                reason = str(exc)
+            hop_trace.mark("handover.offered")
+        self.offers.pop(rid, None)  # an abort from now on finds the ticket with the loop (Replica._after_step)
+        if p.pin is not None and (offer is None or p.aborted):
+            self.pins.release(p.pin.pin_id)
+        kv_tokens = 0 if p.pin is None else p.pin.blocks.num_tokens
+        if p.aborted:
+            request_event(rid, "offer_dropped", replica=r.name, kv_tokens=kv_tokens)
+            return None
+        request_event(rid, "prefilled", replica=r.name, kv_tokens=kv_tokens, offered=offer is not None)
+        return Handoff(p.ticket, r, offer, reason)
+
+    def close_offers(self) -> None:
+        """(Replica stopped or failed while its step thread waited for the ranks' answers) Forget
+        the offers: their requests end or move on with the replica's others (migration.py), their
+        pins die with its engine."""
+        self.offers.clear()
 
 
     def start_import(self, h: Handoff, transfer_id: str) -> PendingImport | None:
@@ -175,6 +223,7 @@ class ReplicaHandover:
                          "timeout_s": self.timeout_s} for _ in range(r.world)]
                 # A rank that cannot even start a pull has diverged: this raises and fails the replica
                 # (the others may be writing into the reserved blocks, which die with it).
+                hop_trace.mark("handover.pull_start_sent")
                 r.executor.call("kv_pull_start", args)
                 request_event(rid, "kv_import_started", replica=r.name, tokens=sent.num_tokens)
                 return PendingImport(h, transfer_id, same_blocks)
@@ -252,6 +301,7 @@ class Imports:
         aborted meanwhile and is not adopted)."""
         if computed is not None:
             self.end.replica.core.adopt(h.ticket.request, num_computed_tokens=computed)
+            hop_trace.mark("handover.adopted")
         self._settled.append(h)
 
     def tick(self, handoffs: list[Handoff]) -> None:

@@ -6,7 +6,9 @@ meanwhile wait in lists and are applied between steps, so the scheduler and KV m
 ever touched by one thread at a time.
 
 Disaggregated serving (handover.py). A prefill replica runs a request until its first token,
-then offers its KV and hands a `Handoff` to the coordinator; a decode replica `adopt`s it: its
+detaches it and asks its ranks to offer its KV; the token is delivered while the step thread
+waits for the ranks' answers, then a `Handoff` goes to the coordinator; a decode replica
+`adopt`s it: its
 ranks pull the KV in the background while it keeps stepping (`Imports`); the request joins the
 running batch once the KV is in (or recomputes its prompt); the prefill replica then `release`s.
 
@@ -106,6 +108,7 @@ class Replica:
         self._thread_busy = threading.Lock()
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop that runs _run (start)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -119,7 +122,8 @@ class Replica:
         self.handover.attach(self.core.kv)
         self._pull_wait_bell = Doorbell()
         self.state = ReplicaState.READY
-        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"replica-{self.name}")
+        self._loop = asyncio.get_running_loop()
+        self._task = self._loop.create_task(self._run(), name=f"replica-{self.name}")
         log.info("replica %s (%s) ready: %d KV blocks", self.name, self.role, self.core.kv.num_total_blocks)
 
     async def drain(self, timeout_s: float | None = None) -> bool:
@@ -159,6 +163,7 @@ class Replica:
             self.executor = None
         release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
+        self.handover.close_offers()
         if self._pull_wait_bell is not None:
             self._pull_wait_bell.close()
             self._pull_wait_bell = None
@@ -198,6 +203,11 @@ class Replica:
     def abort(self, request_id: str) -> bool:
         if request_id not in self._held:
             return False
+        offer = self.handover.offers.get(request_id)
+        if offer is not None:  # its first token is out, its offer unanswered: nothing of it is in the engine
+            offer.aborted = True  # (read by the step thread; if too late, _after_step lets go of the hand-off)
+            self._end_aborted(request_id)
+            return True
         self._aborts.append(request_id)
         self._wake()
         return True
@@ -272,7 +282,8 @@ class Replica:
                 self._apply()
                 if self.core.has_unfinished():
                     self._idle.clear()
-                    # hand-overs ride along in the step's trip to the thread (_step ticks them first)
+                    # hand-overs ride along in the step's trip to the thread (_step ticks them first;
+                    # a prefill step's first tokens are delivered while it waits for their KV offers)
                     self._after_step(*await self._with_adoptions(self._step))
                     continue
                 if not self._held:
@@ -326,9 +337,17 @@ class Replica:
         await self._in_thread(self._read_rank_counters)
 
     def _after_step(self, deltas: list[CompletionDelta], handoffs: list[Handoff]) -> None:
+        """Deliver a step's deltas (those the step thread did not deliver already), then hand the
+        requests whose first token was delivered and whose KV is offered (or is to be recomputed)
+        to the coordinator. One no longer held here (aborted meanwhile) is not handed off; its
+        offer is let go of."""
         self._deliver(deltas)
         for h in handoffs:
-            self._held.pop(h.ticket.request_id)
+            rid = h.ticket.request_id
+            if self._held.get(rid) is not h.ticket:
+                release_sources([h])
+                continue
+            del self._held[rid]
             h.ticket.holder = None
             self.on_handoff(h)
 
@@ -340,8 +359,7 @@ class Replica:
             self.handover.pins.release(pin)
         aborts, self._aborts = self._aborts, []
         for rid in aborts:
-            ticket = self._held.pop(rid, None)
-            if ticket is None:
+            if rid not in self._held:
                 continue
             if rid in self._inbox:
                 self._inbox.remove(rid)
@@ -349,8 +367,7 @@ class Replica:
                 self.handover.imports.abort(rid)
             else:
                 core.abort(rid)
-            ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
-            request_event(rid, "aborted", replica=self.name)
+            self._end_aborted(rid)
         inbox, self._inbox = self._inbox, []
         for rid in inbox:
             ticket = self._held[rid]
@@ -366,6 +383,11 @@ class Replica:
             if not ticket.migrations:  # a moved request's prompt was counted where it arrived
                 self.counters.prompt_tokens += ticket.request.num_input_tokens
             hop_trace.mark("replica.added")
+
+    def _end_aborted(self, rid: str) -> None:
+        ticket = self._held.pop(rid)
+        ticket.sink.put_nowait(CompletionDelta(rid, [], "", True, FinishReason.ABORT))
+        request_event(rid, "aborted", replica=self.name)
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
@@ -402,6 +424,11 @@ class Replica:
             return fn(*args)
 
     def _step(self, adoptions: list[Handoff]) -> tuple[list[CompletionDelta], list[Handoff]]:
+        """One engine step (after ticking hand-overs): (deltas to deliver, hand-offs). A request
+        whose first token it gave and that continues elsewhere (prefill role) is detached and its
+        ranks are asked to offer its KV without waiting (offer_start); then the step's deltas go to
+        the loop to be delivered at once, while this thread waits for the ranks' answers: the
+        first token never waits for the offer, and the hand-off needs no other trip."""
         if adoptions or self.handover.imports:  # KV that arrived joins this very step
             self._handover_tick(adoptions)
         hop_trace.mark("step.start")
@@ -410,12 +437,16 @@ class Replica:
         self.counters.steps += 1
         if self.counters.steps % RANK_COUNTERS_PERIOD == 0:
             self._read_rank_counters()
-        handoffs = []
+        offers = []
         for d in deltas:
             ticket = self._held.get(d.request_id)
             if ticket is not None and ticket.prefill_only and not d.finished:
-                handoffs.append(self.handover.offer(ticket))
-        return deltas, handoffs
+                offers.append(self.handover.offer_start(ticket))
+        if not offers:
+            return deltas, []
+        self._loop.call_soon_threadsafe(self._deliver, deltas)
+        handoffs = [self.handover.offer_finish(p) for p in offers]
+        return [], [h for h in handoffs if h is not None]
 
     def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
         """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its
@@ -462,6 +493,7 @@ class Replica:
         self._inbox.clear()
         release_sources(self._adoptions + self.handover.imports.close())
         self._adoptions.clear()
+        self.handover.close_offers()
         self._idle.set()
         if self.on_failed is not None:
             self.on_failed(self, exc, out.rerun)

@@ -8,8 +8,10 @@ processes inherit the environment, so one variable traces all of them; each line
 O_APPEND write, whole even with several processes writing.
 
 The marks are placed where a request crosses from one part to the next (api/, the front-end
-channel, the coordinator, the replica's loop and step thread); docs/performance.md ("Served
-time to first token, hop by hop") lists them and what each interval costs.
+channel, the coordinator, the replica's loop and step thread; in disaggregated serving the
+hand-over's steps, `handover.*`, and a rank's step, offer and pull, `rank.*`); docs/performance.md
+("Served time to first token, hop by hop"; "The first token before the KV offer", with
+bench/disagg_hops.py) lists them and what each interval costs.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from meshserve.core import hop_trace
 from meshserve.core.doorbell import Doorbell
 from meshserve.errors import check
 from meshserve.kvtransfer.wire import KVTransferError
@@ -99,6 +100,7 @@ class BackgroundPulls:
                 self._workers -= 1
 
     def _run(self, transfer_id: str, work: Work, cancel: threading.Event) -> None:
+        hop_trace.mark("rank.pull_begin")
         start = time.perf_counter()
         try:
             result = dict(work(cancel))
@@ -108,6 +110,7 @@ class BackgroundPulls:
             log.exception("KV pull %s failed", transfer_id)
             result = {"ok": False, "reason": None, "error": f"{type(exc).__name__}: {exc}"}
         result["seconds"] = time.perf_counter() - start
+        hop_trace.mark("rank.pull_end")
         with self._lock:
             self._running.pop(transfer_id, None)
             self._done[transfer_id] = result

@@ -4,7 +4,11 @@ The driver binds one ROUTER socket; every rank connects a DEALER and says hello.
 the driver sends the same msgpack StepPlan to every rank and waits for rank 0's StepOutput
 (other ranks stay silent unless they fail). Control calls (start, KV hand-over) go to every rank
 and every rank answers. No Ray call and no new connection per step: a step costs one small
-message per rank and one reply.
+message per rank and one reply. A call can also be sent and its answers read later
+(`call_start`, `call_finish`): the driver goes on meanwhile, a step sent after it runs after it
+on every rank, and whichever read meets its answers keeps them (a started call's ERR fails that
+call, not the step being read). The prefill replica offers a request's KV this way while its
+first token is delivered (cluster/handover.py).
 
 Frames: driver -> rank  [routing id, kind, seq, payload, tag]
         rank -> driver  [kind, seq, payload, tag]   (the ROUTER prepends the routing id)
@@ -125,6 +129,7 @@ class DriverChannel:
         self._pulls_done: list[dict[str, Any]] = [{} for _ in range(world)]  # per rank, from PULLED
         self._pulled_seq = [0] * world  # per rank, the last PULLED taken
         self.num_pulled = 0  # PULLED messages taken (tests, benches)
+        self._calls: dict[int, _Answers] = {}  # calls sent and not finished, by seq (call_start)
         self.rejected = RejectedFrames(f"step channel {self.address}")
 
     def wait_ready(self, check: Callable[[], None], *, timeout_s: float) -> None:
@@ -149,16 +154,38 @@ class DriverChannel:
              timeout_s: float | None = None) -> list[Any]:
         """Run an allow-listed method on every rank (args[r] for rank r); results by rank. Not
         every rank answered within timeout_s: WorkerHungError naming the silent ones."""
+        return self.call_finish(self.call_start(method, args, check), check, timeout_s=timeout_s)
+
+    def call_start(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None]) -> int:
+        """Send `call`'s messages and return at once: the call's seq, for `call_finish`. The ranks
+        answer in their turn (a step sent after it runs after it on every rank); whichever read
+        meets the answers first keeps them for `call_finish`."""
         payloads = [msgpack.packb({"method": method, "args": a}) for a in args]
         seq = self._send_all(CALL, payloads, check)
-        results: dict[int, Any] = {}
-        hung = _Hung(timeout_s, lambda: f"call {method!r}: rank(s) "
-                     f"{sorted(set(range(self.world)) - set(results))} did not answer")
-        while len(results) < self.world:
-            rank, kind, rseq, payload = self._recv(check, hung=hung)
-            if kind == RET and rseq == seq:
-                results[rank] = msgpack.unpackb(payload)
-        return [results[r] for r in range(self.world)]
+        self._calls[seq] = _Answers(method)
+        return seq
+
+    def call_finish(self, seq: int, check: Callable[[], None], *, timeout_s: float | None = None) -> list[Any]:
+        """The results by rank of the call `call_start` sent as `seq`, waiting for them (timeout_s
+        counts from now). A rank that failed it: RankError at once (the call is over, the other
+        ranks' answers to it are dropped)."""
+        answers = self._calls[seq]
+        hung = _Hung(timeout_s, lambda: f"call {answers.method!r}: rank(s) "
+                     f"{sorted(set(range(self.world)) - answers.ranks)} did not answer")
+        try:
+            while len(answers.ranks) < self.world and answers.error is None:
+                if self._sock.poll(POLL_MS, zmq.POLLIN):
+                    self._read_one()  # keeps the answers to started calls (and PULLED); drops the rest
+                else:
+                    check()
+                    hung.check()
+        finally:
+            del self._calls[seq]
+            if len(answers.ranks) < self.world:  # failed or abandoned: the other ranks' late ERRs are dropped
+                self._reported.add(seq)
+        if answers.error is not None:  # (as soon as one rank failed it, like a step)
+            raise RankError(answers.error)
+        return [answers.results[r] for r in range(self.world)]
 
     def take_pulls_done(self) -> list[dict[str, Any]]:
         """Per rank, {transfer_id: result} of the KV pulls it reported finished since the last call
@@ -235,6 +262,10 @@ class DriverChannel:
         if frame is None:
             return None
         rank, kind, n, payload = frame
+        answers = self._calls.get(n) if kind in (RET, ERR) else None
+        if answers is not None:  # a started call's: kept for call_finish
+            answers.take(rank, kind, payload)
+            return None
         if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
             self._reported.add(n)
             err = msgpack.unpackb(payload)
@@ -271,6 +302,29 @@ class DriverChannel:
             self.rejected.add("unknown peer" if rank is None else "bad tag")
             return None
         return rank, kind, struct.unpack("<Q", seq)[0], payload
+
+
+class _Answers:
+    """The ranks' answers to one call (call_start) as they come in: a result per rank, or the
+    first rank's error (the call then fails as a whole)."""
+
+    def __init__(self, method: str) -> None:
+        self.method = method
+        self.results: dict[int, Any] = {}
+        self.ranks: set[int] = set()  # ranks that answered (a result or an error)
+        self.error: str | None = None
+
+    def take(self, rank: int, kind: bytes, payload: bytes) -> None:
+        if rank in self.ranks:
+            return
+        self.ranks.add(rank)
+        if kind == RET:
+            self.results[rank] = msgpack.unpackb(payload)
+            return
+        err = msgpack.unpackb(payload)
+        log.debug("rank error traceback:\n%s", err.get("traceback", ""))
+        if self.error is None:
+            self.error = f"rank {rank} failed: {err['error']}"
 
 
 class _Hung:

@@ -95,6 +95,18 @@ class ChannelExecutor:
         with self._watch():
             return self.channel.call(method, args, self.ranks.check, timeout_s=self.deadline.seconds())
 
+    def start_call(self, method: str, args: Sequence[dict[str, Any]]) -> int:
+        """Send `call(method, args)` to every rank and return at once; `finish_call` reads the
+        answers. Steps and calls sent later run after it on every rank."""
+        with self._watch():
+            return self.channel.call_start(method, args, self.ranks.check)
+
+    def finish_call(self, call_id: int) -> list[Any]:
+        """The results of the call `start_call` returned `call_id` for (waiting for them, within a
+        rank call's deadline), as `call` returns them."""
+        with self._watch():
+            return self.channel.call_finish(call_id, self.ranks.check, timeout_s=self.deadline.seconds())
+
     def take_kv_pulls(self) -> list[dict[str, Any]]:
         """Per rank, {transfer_id: result} of the KV pulls it finished since the last call: what
         the ranks pushed (channel.py PULLED), read locally; no round trip to the ranks."""

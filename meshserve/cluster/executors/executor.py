@@ -4,6 +4,9 @@ An executor owns the ranks of one replica. Protocol (the only verbs a replica us
     start() -> WorkerInfo              start every rank concurrently (one rendezvous), rank 0's info
     execute_step(plan) -> StepOutput   one step on every rank; rank 0's sampled tokens
     call(method, args) -> results      an allow-listed rank method, one argument map per rank
+    start_call(method, args) -> id     the same call, sent without waiting: what comes later (a
+    finish_call(id) -> results         step, another call) runs after it on every rank; finish_call
+                                       waits for its answers (or raises what call would have)
     check_health() -> list[dict]       per-rank health; raises WorkerDiedError for a dead rank
     shutdown()                         stop and release every rank (idempotent)
 and, for replicas that import KV (decode replicas: ChannelExecutor, InProcessExecutor):
@@ -82,6 +85,10 @@ class Executor(Protocol):
     def execute_step(self, plan: StepPlan) -> StepOutput: ...
 
     def call(self, method: str, args: Sequence[dict[str, Any]]) -> list[Any]: ...
+
+    def start_call(self, method: str, args: Sequence[dict[str, Any]]) -> int: ...
+
+    def finish_call(self, call_id: int) -> list[Any]: ...
 
     def check_health(self) -> list[dict[str, Any]]: ...
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import select
 from collections.abc import Sequence
 
@@ -20,10 +21,29 @@ class InProcessExecutor(LocalExecutor):
         super().__init__(config, device=device, progress=progress)
         self.host = RankHost(None, rank=0)
         self.host.worker = self.worker
+        self._call_ids = itertools.count()
+        self._finished: dict[int, tuple] = {}  # start_call's outcomes, until finish_call takes them
 
     def call(self, method: str, args: Sequence[dict]) -> list:
         check(len(args) == 1, "args", len(args), "one argument map (one rank)")
         return [self.host.call(method, args[0])]
+
+    def start_call(self, method: str, args: Sequence[dict]) -> int:
+        """`call` at once (the rank is this process); `finish_call` returns its results or raises
+        what it raised."""
+        try:
+            outcome = (self.call(method, args), None)
+        except Exception as exc:
+            outcome = (None, exc)
+        call_id = next(self._call_ids)
+        self._finished[call_id] = outcome
+        return call_id
+
+    def finish_call(self, call_id: int) -> list:
+        results, error = self._finished.pop(call_id)
+        if error is not None:
+            raise error
+        return results
 
     def take_kv_pulls(self) -> list[dict]:
         """{transfer_id: result} of the KV pulls finished since the last call (one rank)."""

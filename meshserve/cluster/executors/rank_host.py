@@ -32,6 +32,7 @@ from typing import Any
 
 from meshserve.attention.backend import KVCache
 from meshserve.cluster.executors.executor import RANK_METHODS, WorkerSpec
+from meshserve.core import hop_trace
 from meshserve.core.doorbell import Doorbell
 from meshserve.errors import check
 from meshserve.kvtransfer.rank_agent import KVRankAgent, RankCaches
@@ -55,7 +56,10 @@ class RankHost:
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
         check(self.worker is not None, "rank", self.rank, "started before its first step")
-        return self.worker.execute_step(plan)
+        hop_trace.mark("rank.step_begin")
+        out = self.worker.execute_step(plan)
+        hop_trace.mark("rank.step_end")
+        return out
 
     def call(self, method: str, args: dict[str, Any]) -> Any:
         check(method in RANK_METHODS, "method", method, f"one of {sorted(RANK_METHODS)}")
@@ -131,12 +135,16 @@ class RankHost:
             self._kv_agent.poll(timeout_ms)
 
     def kv_offer(self, **offer: Any) -> dict[str, str]:
-        return self.kv.offer(**offer)
+        hop_trace.mark("rank.offer_begin")
+        endpoint = self.kv.offer(**offer)
+        hop_trace.mark("rank.offer_end")
+        return endpoint
 
     def kv_pull(self, **pull: Any) -> dict[str, Any]:
         return self.kv.pull(**pull)
 
     def kv_pull_start(self, transfer_id: str, **pull: Any) -> bool:
+        hop_trace.mark("rank.pull_start")
         return self.kv.pull_start(transfer_id, **pull)
 
     def kv_pull_done(self) -> dict[str, dict[str, Any]]:

@@ -1,0 +1,100 @@
+"""A call sent without waiting (channel.py call_start / call_finish).
+
+A real step channel (driver and rank loops on threads, zmq, MACs) around rank hosts that echo
+steps and answer calls in order: the answers of a started call survive the step read after it,
+a step sent after it runs after it on every rank, and a rank's failure of a started call fails
+that call at call_finish, not the step the driver was reading.
+"""
+
+import threading
+
+import pytest
+
+from meshserve.cluster.executors.channel import ChannelAuth, DriverChannel, serve_rank
+from meshserve.cluster.executors.executor import RankError
+from meshserve.core.secret import ClusterSecret
+
+WAIT_S = 60  # bound of every wait; each ends as soon as the awaited thing happens
+
+
+def no_dead_rank() -> None:
+    pass
+
+
+class _OrderedHost:
+    """Echoes steps; `offer` answers its argument (or raises when asked to); logs what ran, in order."""
+
+    has_pending_exports = False
+    pulls_done = None
+    secret = None
+
+    def __init__(self, log: list) -> None:
+        self.log = log
+
+    def execute_step(self, plan: bytes) -> bytes:
+        self.log.append(("step", plan))
+        return plan
+
+    def call(self, method, args):
+        self.log.append((method, args["n"]))
+        if args.get("fail"):
+            raise RuntimeError("injected: cannot offer")
+        return args["n"] * 10
+
+    def poll_exports(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def channel():
+    world = 2
+    auth = ChannelAuth.new(ClusterSecret.generate())
+    driver = DriverChannel(world, auth)
+    logs = [[] for _ in range(world)]
+    stop = threading.Event()
+    ranks = [threading.Thread(target=serve_rank, args=(_OrderedHost(logs[r]), driver.address, auth),
+                              kwargs={"rank": r, "keep_going": lambda: not stop.is_set()}, daemon=True)
+             for r in range(world)]
+    for t in ranks:
+        t.start()
+    driver.wait_ready(no_dead_rank, timeout_s=WAIT_S)
+    try:
+        yield driver, logs
+    finally:
+        stop.set()
+        for t in ranks:
+            t.join(WAIT_S)
+        driver.close()
+
+
+def test_a_started_calls_answers_outlive_the_step_read_after_it(channel):
+    driver, logs = channel
+    seq = driver.call_start("offer", [{"n": 1}, {"n": 2}], no_dead_rank)
+    assert driver.step(b"plan-1", no_dead_rank, timeout_s=WAIT_S) == b"plan-1"  # the step's read meets the answers
+    assert driver.call_finish(seq, no_dead_rank, timeout_s=WAIT_S) == [10, 20]
+    # Every rank ran the call before the step sent after it.
+    assert logs == [[("offer", 1), ("step", b"plan-1")], [("offer", 2), ("step", b"plan-1")]]
+    assert driver.call("offer", [{"n": 3}, {"n": 4}], no_dead_rank, timeout_s=WAIT_S) == [30, 40]
+
+
+def test_a_rank_failing_a_started_call_fails_that_call_not_the_step(channel):
+    driver, logs = channel
+    seq = driver.call_start("offer", [{"n": 1}, {"n": 2, "fail": True}], no_dead_rank)
+    assert driver.step(b"plan-1", no_dead_rank, timeout_s=WAIT_S) == b"plan-1"
+    with pytest.raises(RankError, match="rank 1 failed: RuntimeError: injected: cannot offer"):
+        driver.call_finish(seq, no_dead_rank, timeout_s=WAIT_S)
+    # The channel goes on: the next step and call are answered, nothing of the failed call is left.
+    assert driver.step(b"plan-2", no_dead_rank, timeout_s=WAIT_S) == b"plan-2"
+    assert driver.call("offer", [{"n": 5}, {"n": 6}], no_dead_rank, timeout_s=WAIT_S) == [50, 60]
+    assert driver.rejected.count == 0
+
+
+def test_two_started_calls_finish_in_either_order(channel):
+    driver, _ = channel
+    first = driver.call_start("offer", [{"n": 1}, {"n": 2}], no_dead_rank)
+    second = driver.call_start("offer", [{"n": 3}, {"n": 4}], no_dead_rank)
+    assert driver.call_finish(second, no_dead_rank, timeout_s=WAIT_S) == [30, 40]
+    assert driver.call_finish(first, no_dead_rank, timeout_s=WAIT_S) == [10, 20]
