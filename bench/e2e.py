@@ -37,6 +37,7 @@ run (`--bandwidth` overrides it), so an H100 run is held to an H100's memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -137,12 +138,16 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
     return total
 
 
-def decode_weight_bytes(shape: dict, itemsize: int) -> int:
-    """Bytes a decode step must read: every weight except the embedding table (one row is read)."""
+def decode_weight_bytes(shape: dict, itemsize: int, *, linear_itemsize: int | None = None,
+                        head_itemsize: int | None = None) -> int:
+    """Bytes a decode step must read: every weight except the embedding table (one row is read).
+    `linear_itemsize` / `head_itemsize`: the projections' / LM head's bytes per weight when they
+    differ from the model dtype's (FP8: 1; their per-row scales are left out, < 0.1 %)."""
     h, inter, v = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"]
     kv = shape["num_key_value_heads"] * (h // shape["num_attention_heads"])
-    layer = h * h * 2 + 2 * kv * h + 3 * h * inter + 2 * h
-    return (shape["num_hidden_layers"] * layer + h + v * h) * itemsize
+    projections = h * h * 2 + 2 * kv * h + 3 * h * inter
+    layers = shape["num_hidden_layers"] * (projections * (linear_itemsize or itemsize) + 2 * h * itemsize)
+    return layers + h * itemsize + v * h * (head_itemsize or itemsize)
 
 
 def kv_bytes_per_token(shape: dict, itemsize: int) -> int:
@@ -160,9 +165,11 @@ def prefill_flops(shape: dict, tokens: int) -> float:
     return dense + attention
 
 
-def llama_step_bytes(shape: dict, itemsize: int, batch: int, context: float) -> float:
-    """Bytes one decode step of `batch` sequences at `context` tokens must move: weights + KV."""
-    return decode_weight_bytes(shape, itemsize) + batch * context * kv_bytes_per_token(shape, itemsize)
+def llama_step_bytes(shape: dict, itemsize: int, batch: int, context: float, **weight_itemsizes: int) -> float:
+    """Bytes one decode step of `batch` sequences at `context` tokens must move: weights + KV
+    (`weight_itemsizes`: decode_weight_bytes' FP8 sizes)."""
+    return (decode_weight_bytes(shape, itemsize, **weight_itemsizes)
+            + batch * context * kv_bytes_per_token(shape, itemsize))
 
 
 @dataclass(frozen=True)
@@ -393,7 +400,15 @@ def report(args: argparse.Namespace, model: ModelShape, shape_name: str, shape: 
            base: dict) -> tuple[str, list]:  # fmt: skip
     device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor() or "cpu"
     itemsize = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    weights, bandwidth = model.step_bytes(shape, itemsize, 1, 0), args.bandwidth
+    step_bytes, fp8_note = model.step_bytes, ""
+    if args.quantization == "fp8":
+        if model.step_bytes is llama_step_bytes:  # FP8 projections (and head): 1 byte a weight
+            step_bytes = functools.partial(llama_step_bytes, linear_itemsize=1,
+                                           head_itemsize=1 if args.quantize_lm_head else None)
+            fp8_note = " FP8 weights counted at 1 byte each (scales left out)."
+        else:
+            fp8_note = f" Weights counted at {args.dtype}'s size, not FP8's (not modelled for this shape)."
+    weights, bandwidth = step_bytes(shape, itemsize, 1, 0), args.bandwidth
     mode = ("CUDA graphs" if ours["graphs"] else "eager") + (", overlap scheduling" if ours["overlap"] else "")
     lines = [
         BEGIN,
@@ -406,7 +421,7 @@ def report(args: argparse.Namespace, model: ModelShape, shape_name: str, shape: 
         f"capture {ours['capture_s']:.1f} s and {ours['capture_mib']:.0f} MiB). Prompts of {args.prompt_len} "
         "random tokens, already prefilled; one engine step = schedule, run, sample, update. Roofline = "
         f"weights ({weights / 1e9:.2f} GB at batch 1) + the step's KV bytes at {bandwidth / 1e12:.2f} TB/s "
-        f"({args.bandwidth_source}){model.roofline_note}"
+        f"({args.bandwidth_source}){model.roofline_note}{fp8_note}"
         + ("" if args.no_baseline else " Baseline: bench/baseline_llama.py, a static-cache Llama under "
            "torch.compile(mode=\"reduce-overhead\") on the same checkpoint, in the same run."),
         "",
@@ -417,7 +432,7 @@ def report(args: argparse.Namespace, model: ModelShape, shape_name: str, shape: 
     rows = []
     for bs in args.batch_sizes:
         r = ours["steps"][bs]
-        roof = model.step_bytes(shape, itemsize, bs, r["context"]) / bandwidth
+        roof = step_bytes(shape, itemsize, bs, r["context"]) / bandwidth
         b = base.get(bs, (math.nan, math.nan))[1]
         rows.append((bs, r["wall_s"], r["busy_s"], roof, b))
         lines.append(
