@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from meshserve.attention.layer_backends import make_backends
-from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, Quantization
 from meshserve.core.arith import cdiv
 from meshserve.core.cpu_threads import apply_cpu_threads
 from meshserve.errors import check
@@ -225,8 +225,10 @@ class Worker:
         """BART: its own loader, one rank. Its decoder self- and cross-attention layers form two KV
         groups sharing the pool (kvstore/groups.py); its encoder gets a backend of its own."""
         check(self.parallel.tp == 1, "tp", self.parallel.tp, "1 (encoder-decoder models run on one rank)")
-        check(not self.model_config.quantize_lm_head, "quantize_lm_head", True,
-              "false for an encoder-decoder model (its weights load in the model dtype)")
+        quantization = self.model_config.quantization
+        check(quantization is Quantization.NONE, "quantization", quantization.value,
+              "'none' for an encoder-decoder model (its weights load in the model dtype: online FP8 and "
+              "--quantize-lm-head are not implemented for it)")
         arch = read_bart_arch(self.model_config.model)
         max_model_len = resolve_max_model_len(self.model_config, arch)
         dtype = resolve_dtype(self.model_config.dtype, arch, self.device.type)

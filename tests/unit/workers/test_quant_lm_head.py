@@ -255,12 +255,13 @@ def test_bad_combinations_are_refused_naming_the_field(ckpts, tmp_path):
     quantize_checkpoint(tmp_path / "gptoss", tmp_path / "mxfp4", "mxfp4")
     with pytest.raises(ConfigError, match="quantization.*'none' for this mxfp4 checkpoint"):
         load_model(tmp_path / "mxfp4", quantization="fp8", quantize_lm_head=True, progress=False)
-    write_bart(tmp_path / "bart")  # an encoder-decoder loads in the model dtype: nothing to quantize it with
-    worker = Worker(ModelConfig(model=str(tmp_path / "bart"), quantization="fp8", quantize_lm_head=True),
-                    CacheConfig(block_size=4, num_kv_blocks=16), AttentionConfig(backend="TORCH"), device="cpu",
-                    progress=False)
-    with pytest.raises(ConfigError, match="quantize_lm_head.*encoder-decoder"):
-        worker.start()
+    write_bart(tmp_path / "bart")  # an encoder-decoder loads in the model dtype: FP8 is refused, not ignored
+    for head in (True, False):
+        worker = Worker(ModelConfig(model=str(tmp_path / "bart"), quantization="fp8", quantize_lm_head=head),
+                        CacheConfig(block_size=4, num_kv_blocks=16), AttentionConfig(backend="TORCH"), device="cpu",
+                        progress=False)
+        with pytest.raises(ConfigError, match="quantization.*'none' for an encoder-decoder"):
+            worker.start()
     import transformers
 
     bert = transformers.BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
