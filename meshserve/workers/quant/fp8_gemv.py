@@ -301,6 +301,16 @@ def plan_gemv(n: int, k: int, *, scale_k: int | None, num_sms: int, config: Gemv
     return GemvPlan(config, triton.cdiv(k, k_per_split), k_per_split, subs)
 
 
+# The kernels index the weight with 32-bit offsets (row * stride + column): the largest element a
+# weight may reach. Today's largest heads stay far below (Gemma's 256000 x 3584: 0.92 G).
+INT32_OFFSETS = (1 << 31) - 1
+
+
+def fits_gemv(weight: torch.Tensor) -> bool:
+    """Whether fp8_gemv can address every element of `weight` [N, K] (INT32_OFFSETS)."""
+    return (weight.shape[0] - 1) * weight.stride(0) + weight.shape[1] <= INT32_OFFSETS
+
+
 def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
              bias: torch.Tensor | None = None, *, config: GemvConfig | None = None,
              num_sms: int | None = None) -> torch.Tensor:
@@ -320,6 +330,10 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, {k}] with contiguous rows (x has {k} features), not "
                          f"{list(weight.shape)} with strides {weight.stride()}")
+    if not fits_gemv(weight):
+        raise ValueError(f"fp8_gemv computes weight offsets in 32 bits: a weight {list(weight.shape)} with row "
+                         f"stride {weight.stride(0)} reaches past {INT32_OFFSETS} elements (fp8_linear takes "
+                         "another GEMM for it)")
     scale_n, scale_k = block if block is not None else (1, None)
     want = (triton.cdiv(n, scale_n), triton.cdiv(k, scale_k)) if block is not None else (n,)
     if tuple(scale.shape) != want or scale.dtype != torch.float32:

@@ -107,7 +107,10 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     table = gemm_table.DEFAULT_TABLE if table is None else table
     way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
     if way in (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES):
-        from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fp8_gemv
+        from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fits_gemv, fp8_gemv
+
+        if not fits_gemv(weight):  # past 32-bit offsets: the activation-quantized GEMM of larger M
+            return fp8_linear(x, weight, scale, block, small_m=False, bias=bias, table=table)
 
         config = CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None
         return fp8_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused

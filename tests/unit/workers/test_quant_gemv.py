@@ -131,6 +131,11 @@ def test_gemv_refuses_bad_input():
     with pytest.raises(ValueError, match="cores takes pointer loads and plain launches"):
         GemvConfig(8, 64, cores=True, tma=True)
     assert fp8_gemv(_x(0), wq, scale, block).shape == (0, N)
+    # 32-bit weight offsets: a weight reaching past 2^31 - 1 elements is refused (meta tensors: no memory)
+    big = torch.empty((1 << 20, 2048), dtype=torch.float8_e4m3fn, device="meta")
+    assert not gemv_mod.fits_gemv(big) and gemv_mod.fits_gemv(big[: (1 << 20) - 1])  # 2^31 vs 2^31 - 2048
+    with pytest.raises(ValueError, match="32 bits"):
+        fp8_gemv(torch.empty((1, 2048), device="meta"), big, torch.empty(1 << 20, device="meta"), None)
 
 
 @pytest.mark.parametrize("fmt", ["block", "channel"])
