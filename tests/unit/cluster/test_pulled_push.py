@@ -11,17 +11,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from meshserve.cluster.executors.channel import ChannelAuth, DriverChannel, serve_rank
 from meshserve.cluster.executors.executor import RankError
 from meshserve.core.doorbell import Doorbell
-from meshserve.core.secret import ClusterSecret
 from meshserve.kvtransfer.transfers import BackgroundPulls
-
-WAIT_S = 60  # bound of every wait; each ends as soon as the awaited thing happens
-
-
-def no_dead_rank() -> None:
-    pass
+from tests.unit.cluster.channel_ranks import WAIT_S, no_dead_rank, ranks_on_threads
 
 
 class _PullingHost:
@@ -60,20 +53,9 @@ class _PullingHost:
 
 @pytest.fixture
 def channel():
-    auth = ChannelAuth.new(ClusterSecret.generate())
-    driver = DriverChannel(1, auth)
     host = _PullingHost()
-    stop = threading.Event()
-    rank = threading.Thread(target=serve_rank, args=(host, driver.address, auth),
-                            kwargs={"rank": 0, "keep_going": lambda: not stop.is_set()}, daemon=True)
-    rank.start()
-    driver.wait_ready(no_dead_rank, timeout_s=WAIT_S)
-    try:
+    with ranks_on_threads([host]) as driver:
         yield driver, host
-    finally:
-        stop.set()
-        rank.join(WAIT_S)
-        driver.close()
 
 
 def finished(result: dict):

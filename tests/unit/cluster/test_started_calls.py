@@ -6,19 +6,10 @@ a step sent after it runs after it on every rank, and a rank's failure of a star
 that call at call_finish, not the step the driver was reading.
 """
 
-import threading
-
 import pytest
 
-from meshserve.cluster.executors.channel import ChannelAuth, DriverChannel, serve_rank
 from meshserve.cluster.executors.executor import RankError
-from meshserve.core.secret import ClusterSecret
-
-WAIT_S = 60  # bound of every wait; each ends as soon as the awaited thing happens
-
-
-def no_dead_rank() -> None:
-    pass
+from tests.unit.cluster.channel_ranks import WAIT_S, no_dead_rank, ranks_on_threads
 
 
 class _OrderedHost:
@@ -50,24 +41,9 @@ class _OrderedHost:
 
 @pytest.fixture
 def channel():
-    world = 2
-    auth = ChannelAuth.new(ClusterSecret.generate())
-    driver = DriverChannel(world, auth)
-    logs = [[] for _ in range(world)]
-    stop = threading.Event()
-    ranks = [threading.Thread(target=serve_rank, args=(_OrderedHost(logs[r]), driver.address, auth),
-                              kwargs={"rank": r, "keep_going": lambda: not stop.is_set()}, daemon=True)
-             for r in range(world)]
-    for t in ranks:
-        t.start()
-    driver.wait_ready(no_dead_rank, timeout_s=WAIT_S)
-    try:
+    logs = [[], []]
+    with ranks_on_threads([_OrderedHost(log) for log in logs]) as driver:
         yield driver, logs
-    finally:
-        stop.set()
-        for t in ranks:
-            t.join(WAIT_S)
-        driver.close()
 
 
 def test_a_started_calls_answers_outlive_the_step_read_after_it(channel):
