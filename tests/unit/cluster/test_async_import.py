@@ -15,7 +15,7 @@ from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ReplicaFailedError
 from meshserve.kvtransfer.nixl_agent import nixl_available
-from tests.tiny_models import prompts, write_checkpoint
+from tests.tiny_models import prompts
 from tests.unit.cluster.cases import assert_no_held_blocks, holds_no_blocks, reference, serve, threads, wait_until
 from tests.unit.cluster.gated_puller import GATE, GATED
 
@@ -26,10 +26,8 @@ WAIT_S = 60  # bound of every wait; they end as soon as the awaited thing happen
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("async_import") / "llama"
-    write_checkpoint(path, "llama", seed=4)
-    return path
+def ckpt(tiny_llama):
+    return tiny_llama  # conftest.py's session checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ import pytest
 from meshserve.cluster.executors.rank_host import RankHost
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
-from tests.tiny_models import prompts, write_checkpoint
+from tests.tiny_models import prompts
 from tests.unit.cluster.cases import assert_no_held_blocks, holds_no_blocks, reference, serve, threads, wait_until
 
 GREEDY = dict(temperature=0, ignore_eos=True)
@@ -25,10 +25,8 @@ WAIT_S = 60  # bound of every wait; they end as soon as the awaited thing happen
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    path = tmp_path_factory.mktemp("offer_order") / "llama"
-    write_checkpoint(path, "llama", seed=4)
-    return path
+def ckpt(tiny_llama):
+    return tiny_llama  # conftest.py's session checkpoint
 
 
 @pytest.fixture(scope="module")
