@@ -67,9 +67,16 @@ def _run_poisoning_fresh(backend, case, fresh_seqs):
     for s in fresh_seqs:
         slots = meta.slot_mapping[qsl[s]: qsl[s + 1]].long()
         data[slots // bs, :, slots % bs] = float("nan")
-    out, lse = backend.forward(case.query, case.key, case.value, case.kv_cache, plan, layer=case.layer,
-                               return_lse=True)  # fmt: skip
+    out, lse = backend.forward(case.query, case.key, strided_view(case.value), case.kv_cache, plan,
+                               layer=case.layer, return_lse=True)  # fmt: skip
     return out, lse, plan
+
+
+def strided_view(value):
+    """value [T, Hkv, D] as the model hands it over: a view into a wider fused projection
+    (row stride 2 * Hkv * D), so the step's K/V rows are read by their strides."""
+    wide = torch.cat([torch.zeros_like(value).flatten(1), value.flatten(1)], dim=1)
+    return wide[:, value[0].numel():].view(value.shape)
 
 
 def _case(scenario):

@@ -122,7 +122,8 @@ class FlashInferBackend(AttentionBackend):
         " not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these "
         "wrappers, no encoder_only (no cache); CUDA graphs replay decode wrappers in FlashInfer's graph "
         "mode (fixed page-list buffers, re-planned per step); DCP: local page lists, prefill rows (and "
-        "windowed decode rows) masked by global position with a custom mask",
+        "windowed decode rows) masked by global position with a custom mask; opt-in (ragged_prefill): "
+        "the ragged prefill wrapper over the step's own K/V when no prefill of the step has cached context",
     )
 
     @classmethod

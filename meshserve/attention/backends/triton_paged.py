@@ -103,7 +103,8 @@ class TritonBackend(AttentionBackend):
         cuda_graphs=True,
         notes="paged flash attention: varlen prefill, split-KV decode with GQA-shared KV loads, LSE merge; "
         "the naive layout runs through the same kernels (one block per request); DCP shards are read "
-        "in local slots with masks, window and ALiBi by global position",
+        "in local slots with masks, window and ALiBi by global position; opt-in (PrefillConfig.fresh_kv): "
+        "prefills with no cached context read the step's own K/V instead of the pages",
     )
 
     @classmethod
