@@ -79,6 +79,11 @@ VARIANTS = (
     Variant(64, _cfg(128, 64, 4, 3, kv_desc=True, fresh_kv=True), "1 row load per tile"),
     Variant(16, _cfg(128, 64, 4, 3, fresh_kv=True), "step's K/V by pointers"),
     Variant(64, _cfg(128, 64, 4, 3, fresh_kv=True), "step's K/V by pointers"),
+    # Compiled for sm_90 (bench.kernel_report): the fresh loads pipeline deeper, so 3 stages take
+    # 128 KB of shared memory (1 CTA per SM); 2 stages, or 64-row tiles, keep 2 CTAs per SM.
+    Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True), "2 CTAs per SM"),
+    Variant(16, _cfg(128, 64, 4, 2, fresh_kv=True), "2 CTAs per SM"),
+    Variant(16, _cfg(64, 64, 4, 3, kv_desc=True, fresh_kv=True), "no spills, 2 CTAs per SM"),
 )
 
 

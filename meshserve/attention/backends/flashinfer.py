@@ -392,7 +392,6 @@ class FlashInferBackend(AttentionBackend):
             return out
         return out, lse.mul_(math.log(2.0))  # base 2 -> natural log
 
-
     def _step_kv(self, key, value, cut: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The prefill rows [0, cut) of forward's key/value, for the ragged wrapper."""
         spec = self.spec
