@@ -99,7 +99,11 @@ def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenar
         assert plan.ragged and plan.prefill._backend == backend.prefill_kernel
     else:
         assert set(plan.fresh_tile_seq.tolist()) == set(_fresh_seqs(scenario)) and plan.tile_seq.numel() == 0
-        assert backend.fresh_descriptor_reasons(TRITON_FRESH, case.key, case.value) == []
+        reasons = backend.fresh_descriptor_reasons(TRITON_FRESH, case.key, strided_view(case.value))
+        if torch.cuda.get_device_capability() >= (9, 0):  # else the pointer path ran, and the reason says why
+            assert reasons == [], reasons
+        else:
+            assert any("compute capability" in r for r in reasons), reasons
 
 
 @pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc"])
