@@ -37,6 +37,11 @@
 #   . bench/device_setup.sh && bash bench/device_benches.sh fp8head    (carry .whlfi07, as e2e42)
 #       issue 42 item 4 alone: the 8B bs-1 decode step in bf16, FP8 weights, FP8 weights + FP8 LM head,
 #       no TTFT (the three e2e.py runs of e2e42 that item 4 needs, side by side in one call)
+#   . bench/device_setup.sh && bash bench/device_benches.sh fresh     (carry .whlfi07)
+#       issue 42: prefill of fresh prompts from the step's own K/V (bench/prefill_sweep.py, every output
+#       checked first): FlashInfer 0.7's ragged prefill beside its paged one, TRITON fresh-desc and
+#       fresh-gather beside today's gather (p16) and page-descriptor (p64) paths, pages 16 and 64, at
+#       4 x 4096 and 1 x 16384; then tests/gpu/test_fresh_prefill_gpu.py and the fresh prefill_desc cases
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -59,7 +64,7 @@ e2e_bs1() {  # "name bench/e2e.py flags..." per run: the 8B shape at bs 1, the l
         echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
     done
 }
-case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head or moe}" in
+case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, fresh or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -97,6 +102,14 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head or mo
         # weights, then FP8 weights with the LM head in FP8 too (item 4's step target; ModelConfig.quantize_lm_head)
         e2e_bs1 "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
+    fresh)  # FlashInfer rows always run; --only picks TRITON's fresh variants and today's two default tiles
+        timeout 330 python3 -m bench.prefill_sweep --out "$OUT/prefill-fresh" --cases 4x4096,1x16384 --jobs 6 \
+            --only "fresh-,gather 128x64 w4 s3 p16,desc 128x64 w4 s3 p64" > "$OUT/prefill-fresh.log" 2>&1
+        echo "prefill sweep: exit $? at ${SECONDS}s"
+        grep -E "WRONG|FAILED|Error" "$OUT/prefill-fresh.log" | cut -c1-200 | head -8
+        sed -n '/^| case/,$p' "$OUT/prefill-fresh.log"
+        tests fresh_prefill_gpu $((570 - SECONDS)) tests/gpu/test_fresh_prefill_gpu.py tests/gpu/test_prefill_desc_gpu.py \
+            -k "fresh" ;;
     fp8head)  # issue 42 item 4 alone: the bs-1 decode step, bf16 / FP8 weights / FP8 weights + FP8 LM head, no TTFT
         e2e_bs1 "default --ttft-lens=" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;

@@ -112,15 +112,16 @@ def _literal(text: str):
     return ast.literal_eval(text)
 
 
-def prefill_sweep(recorder: Recorder) -> None:
+def prefill_sweep(recorder: Recorder, only: str = "") -> None:
     """Compile bench/prefill_sweep.py's TRITON variants at the bench's shapes (bf16, GQA 32/8,
-    head 128) and print one line each: the machine code the H200 sweep will run."""
+    head 128) and print one line each: the machine code the H200 sweep will run. only: the
+    variants whose label contains one of these comma-separated texts (default all)."""
     from bench.prefill_sweep import VARIANTS
     from meshserve.attention.backends.triton_paged import TritonBackend
 
     print("| variant | registers | stack | shared KB | warps | CTAs/SM (regs, smem) | UTMALDG | LDGSTS | LDL+STL |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for var in (v for v in VARIANTS if v.config is not None):
+    for var in (v for v in VARIANTS if v.config is not None and any(o in v.label for o in only.split(","))):
         spec = AttentionSpec(32, 8, 128)
         prob = AttentionProblem(spec, dtype="bfloat16", block_size=var.page, max_model_len=65536, device="cuda",
                                 compute_capability=(9, 0))  # fmt: skip
@@ -130,10 +131,11 @@ def prefill_sweep(recorder: Recorder) -> None:
         backend = TritonBackend(prob, prefill_config=var.config)
         cache = KVCache(torch.empty(per_seq + 8, 2, var.page, 8, 128, dtype=torch.bfloat16))
         q = torch.empty(4096, 32, 128, dtype=torch.bfloat16)
+        k, v = (torch.empty(4096, 8, 128, dtype=torch.bfloat16) for _ in range(2))  # the fresh variants read them
         recorder.label = var.label.replace(" ", "_")
         before = len(recorder.rows)
         try:
-            backend.forward(q, None, None, cache, backend.plan(meta))
+            backend.forward(q, k, v, cache, backend.plan(meta))
         except Exception as exc:  # a variant that does not compile is a finding, not the end
             print(f"| {var.label} | FAILED: {type(exc).__name__}: {str(exc)[:200]} |")
             continue
@@ -214,11 +216,13 @@ def compile_report(launches, description: str, args: argparse.Namespace | None =
 def main() -> int:
     ap = report_parser(__doc__.splitlines()[0])
     ap.add_argument("--prefill-sweep", action="store_true", help="compile bench/prefill_sweep.py's variants only")
+    ap.add_argument("--only", default="", help="with --prefill-sweep: variants whose label contains one of these "
+                    "comma-separated texts")
     ap.add_argument("--prefill", default="", help="PrefillConfig fields for every problem's default prefill "
                     "tiles, e.g. 'kv_desc=True,max_registers=168'")  # fmt: skip
     args = ap.parse_args()
     if args.prefill_sweep:
-        return compile_report(prefill_sweep, "", args)
+        return compile_report(lambda recorder: prefill_sweep(recorder, args.only), "", args)
     overrides = {k: _literal(v) for k, v in (kv.split("=") for kv in args.prefill.split(",") if kv)}
     return compile_report(attention_launches(overrides), "", args)
 

@@ -111,7 +111,23 @@ def _why_default(problem, kind, chosen: str) -> str:
         why += f"; FlashInfer kernels: prefill {prefill_kernel(problem)}, decode {decode_kernel(problem)}"
     elif chosen == "FLASHINFER" and kind is BackendKind.MLA_DECODE:
         why += f"; FlashInfer kernel: {mla_decode_kernel(problem)}"
+    if kind is BackendKind.ATTENTION and chosen in ("TRITON", "FLASHINFER"):
+        why += "; " + _fresh_prefill_verdict(problem, chosen)
     return why
+
+
+def _fresh_prefill_verdict(problem, chosen: str) -> str:
+    """Whether prompts with no cached context read the step's own K/V instead of the pages, and why not."""
+    if chosen == "TRITON":
+        from meshserve.attention.backends.triton_paged import TritonBackend
+
+        backend = TritonBackend(problem)
+        reasons = backend.fresh_kv_reasons(backend.prefill_cfg)
+    else:
+        from meshserve.attention.backends.flashinfer import FlashInferBackend
+
+        reasons = FlashInferBackend(problem).ragged_prefill_reasons()
+    return "fresh prompts from the step's K/V: " + ("on" if not reasons else f"off ({'; '.join(reasons)})")
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:

@@ -34,6 +34,9 @@ VARIANTS = {
     "desc_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True),
     "desc_64x32_w4_r168": _cfg(64, 32, 4, 3, kv_desc=True, max_registers=168),
     "gather_128x64_w8": _cfg(128, 64, 8, 3),
+    # fresh sequences (no cached context) from the step's K/V rows (kernels/kv_rows.py)
+    "fresh_desc_128x64_w4": _cfg(128, 64, 4, 3, kv_desc=True, fresh_kv=True),
+    "fresh_desc_128x64_w4_s2": _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True),
 }
 HEAD_256 = _cfg(64, 32, 4, 2, kv_desc=True)
 WITH_PREFILL = tuple(s for s in GPU_SCENARIOS if any(q > 1 for q in s.query_lens)) + (

@@ -19,6 +19,12 @@ Conventions bridged here:
 - DCP-sharded caches: page lists over this rank's local tokens, and a custom mask by global
   position where FlashInfer's own masks (which compare local indices) would be wrong; see
   flashinfer_dcp.py.
+- Ragged prefill (opt-in, `ragged_prefill=True`; off until measured on a GPU): in a step whose
+  every prefill sequence starts at position 0 (no prefix-cache hit, no later chunk), the keys
+  are exactly the step's own K/V, which forward receives contiguous beside the query; FlashInfer's
+  ragged wrapper (qo_indptr = kv_indptr) reads them there instead of gathering pages. Other steps
+  use the paged wrapper; `ragged_prefill_reasons` says why. Same FlashInfer module as the paged
+  prefill (one module holds both runs).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ class FlashInferPlan:
     prefill: object = None
     decode: object = None
     empty_rows: torch.Tensor | None = None  # [n] int64 (DCP) rows that see no key of this shard
+    ragged: bool = False  # `prefill` is the ragged wrapper: prefill rows attend over forward's key/value
 
 
 def _page_lists(
@@ -115,7 +122,8 @@ class FlashInferBackend(AttentionBackend):
         " not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these "
         "wrappers, no encoder_only (no cache); CUDA graphs replay decode wrappers in FlashInfer's graph "
         "mode (fixed page-list buffers, re-planned per step); DCP: local page lists, prefill rows (and "
-        "windowed decode rows) masked by global position with a custom mask",
+        "windowed decode rows) masked by global position with a custom mask; opt-in (ragged_prefill): "
+        "the ragged prefill wrapper over the step's own K/V when no prefill of the step has cached context",
     )
 
     @classmethod
@@ -130,9 +138,14 @@ class FlashInferBackend(AttentionBackend):
             out.append(f"an FP8 KV cache needs compute capability >= 8.9 (have {cc[0]}.{cc[1]})")
         return out
 
-    def __init__(self, problem: AttentionProblem, *, decode_tensor_cores: bool | None = None) -> None:
-        """decode_tensor_cores: FlashInfer's tensor-core decode; default on for GQA groups of 4+."""
+    def __init__(
+        self, problem: AttentionProblem, *, decode_tensor_cores: bool | None = None, ragged_prefill: bool = False
+    ) -> None:
+        """decode_tensor_cores: FlashInfer's tensor-core decode; default on for GQA groups of 4+.
+        ragged_prefill: steps whose prefills all start at position 0 run FlashInfer's ragged
+        prefill over forward's key/value (module docstring); off until measured."""
         super().__init__(problem)
+        self.ragged_prefill = ragged_prefill
         self.decode_tensor_cores = (
             self.spec.num_queries_per_kv >= 4 if decode_tensor_cores is None else decode_tensor_cores
         )
@@ -140,6 +153,7 @@ class FlashInferBackend(AttentionBackend):
         self.prefill_kernel, self.decode_kernel = prefill_kernel(problem), decode_kernel(problem)
         self._workspace: torch.Tensor | None = None
         self._by_group: dict[int, tuple[object, object]] = {}
+        self._ragged_by_group: dict[int, object] = {}
         self._plan_event: torch.cuda.Event | None = None  # recorded after each plan's copies were enqueued
 
     def _wrappers(self, device: torch.device, group: int):
@@ -159,6 +173,38 @@ class FlashInferBackend(AttentionBackend):
                 ),
             )
         return self._by_group[group]
+
+    def _ragged_wrapper(self, device: torch.device, group: int):
+        """The ragged prefill wrapper of one KV layer group (created on first use), sharing the workspace."""
+        import flashinfer
+
+        if group not in self._ragged_by_group:
+            self._wrappers(device, group)  # the shared float workspace
+            self._ragged_by_group[group] = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace, "NHD", backend=self.prefill_kernel
+            )
+        return self._ragged_by_group[group]
+
+    def ragged_prefill_reasons(self, metadata: AttentionMetadata | None = None) -> list[str]:
+        """Why a step's prefill runs the paged wrapper, not the ragged one over forward's key/value
+        (empty: the ragged one). metadata: the step (its sequences' cached context, its DCP)."""
+        spec, out = self.spec, []
+        if not self.ragged_prefill:
+            out.append("not asked for (ragged_prefill=False)")
+        if spec.attn_type is AttentionType.CROSS:
+            out.append("cross attention attends over the encoder's cached keys, not the step's")
+        if spec.kv_cache_dtype.is_fp8:
+            out.append(f"an {spec.kv_cache_dtype} cache: prefill must read the quantized keys decode reads")
+        dcp = max(self.problem.dcp_size, metadata.dcp_size if metadata is not None else 1)
+        if dcp > 1:
+            out.append("DCP: a rank stores only its share of the step's keys")
+        if metadata is not None and spec.attn_type is not AttentionType.CROSS:
+            num_p = metadata.num_prefills
+            cached = [s for s in range(num_p) if metadata.seq_lens_host[s] != metadata.query_lens_host[s]]
+            if cached:
+                out.append(f"{len(cached)} of {num_p} prefill sequences have cached context (a prefix-cache hit "
+                           "or a later chunk): their keys are not all in this step's K/V")  # fmt: skip
+        return out
 
     def plan(self, metadata: AttentionMetadata) -> FlashInferPlan:
         spec = self.spec
@@ -196,7 +242,14 @@ class FlashInferBackend(AttentionBackend):
             kv_lens = mplan.kv_lens + tuple(decode_lens)
         # FlashInfer plans from host page lists; the page ids go to the device by a stream-ordered copy.
         self._wait_for_last_plan()
-        if num_p:
+        ragged = num_p > 0 and not self.ragged_prefill_reasons(metadata)
+        if ragged:
+            prefill = self._ragged_wrapper(device, metadata.kv_group)
+            qo_indptr = _pinned(torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32))
+            # Keys of sequence i are rows qo_indptr[i]..qo_indptr[i+1] of forward's key/value.
+            prefill.plan(qo_indptr, qo_indptr, spec.num_heads, spec.num_kv_heads, spec.head_size,
+                         causal=spec.is_causal, **common)  # fmt: skip
+        elif num_p:
             indptr, indices, last = _page_lists(table[:num_p], kv_lens[:num_p], page)
             qo_indptr = torch.tensor([0, *_cumsum(metadata.query_lens_host[:num_p])], dtype=torch.int32)
             # With a custom mask FlashInfer packs it on the device (segment_packbits) with offsets it
@@ -217,7 +270,7 @@ class FlashInferBackend(AttentionBackend):
         self._planned(device)
         num_prefill_tokens = sum(metadata.query_lens_host[:num_p])
         return FlashInferPlan(metadata, num_prefill_tokens, num_p > 0, metadata.num_seqs > num_p, prefill, decode,
-                              to_device(list(empty), device, torch.int64) if empty else None)
+                              to_device(list(empty), device, torch.int64) if empty else None, ragged)
 
     def _plan_args(self) -> dict[str, object]:
         from meshserve.attention.backend import DTYPES, FP8_DTYPES
@@ -322,9 +375,13 @@ class FlashInferBackend(AttentionBackend):
             (plan.prefill, plan.has_prefill, slice(0, cut)),
             (plan.decode, plan.has_decode, slice(cut, num_tokens)),
         ):
-            if planned:
-                wrapper.run(query[rows], kv_cache.data, out=out[rows],
-                            lse=None if lse is None else lse[rows], return_lse=return_lse)  # fmt: skip
+            if not planned:
+                continue
+            kv = (kv_cache.data,)
+            if plan.ragged and wrapper is plan.prefill:
+                kv = self._step_kv(key, value, cut, query.dtype)
+            wrapper.run(query[rows], *kv, out=out[rows], lse=None if lse is None else lse[rows],
+                        return_lse=return_lse)  # fmt: skip
         if kv_cache.is_fp8:
             out = (out.float() * kv_cache.v_scale.to(out.device, torch.float32)).to(out.dtype)
         if plan.empty_rows is not None:  # rows that see no key of this DCP shard: nothing, for the merge
@@ -334,6 +391,17 @@ class FlashInferBackend(AttentionBackend):
         if not return_lse:
             return out
         return out, lse.mul_(math.log(2.0))  # base 2 -> natural log
+
+    def _step_kv(self, key, value, cut: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prefill rows [0, cut) of forward's key/value, for the ragged wrapper."""
+        spec = self.spec
+        for name, x in (("key", key), ("value", value)):
+            check(x is not None and x.shape[0] >= cut and tuple(x.shape[1:]) == (spec.num_kv_heads, spec.head_size)
+                  and x.dtype == dtype, name, None if x is None else (tuple(x.shape), x.dtype),
+                  f"the step's new {name}s [>= {cut}, {spec.num_kv_heads}, {spec.head_size}] in {dtype} (the plan "
+                  "chose the ragged prefill, which reads them instead of the cache)")  # fmt: skip
+        # FlashInfer reads rows and heads by stride; the head dimension must be unit-stride.
+        return tuple(x[:cut] if x.stride(-1) == 1 else x[:cut].contiguous() for x in (key, value))
 
 
 def _cumsum(xs: tuple[int, ...]) -> list[int]:

@@ -32,7 +32,13 @@ from meshserve.attention.kernels.config import (
     default_prefill_config,
     long_prefill_config,
 )
-from meshserve.attention.kernels.host_plans import choose_partition, descriptor_reasons, dot_precision, prefill_tiles
+from meshserve.attention.kernels.host_plans import (
+    choose_partition,
+    descriptor_reasons,
+    dot_precision,
+    prefill_tiles,
+    row_descriptor_reasons,
+)
 from meshserve.attention.metadata import AttentionMetadata
 from meshserve.attention.spec import AttentionType, KVCacheDtype
 from meshserve.core.arith import cdiv
@@ -47,7 +53,9 @@ class TritonPlan:
     kv_lens      [S] int32  keys each sequence attends over (encoder lengths for cross attention)
     positions    [S] int32  seq_lens: query j of sequence s sits at positions[s] - query_len + j
     block_table  [S, max_blocks] int32 (the encoder table for cross attention)
-    tile_seq, tile_q0  [num_tiles] int32  prefill programs, longest first
+    tile_seq, tile_q0  [num_tiles] int32  prefill programs reading K/V from the cache, longest first
+    fresh_tile_seq, fresh_tile_q0  [num_fresh_tiles] int32  prefill programs of sequences with no
+                 cached context, which read the step's own K/V (PrefillConfig.fresh_kv), longest first
     partial_o    [splits, num_decodes, H, Dv] float32, partial_lse [splits, num_decodes, H]
     """
 
@@ -63,6 +71,8 @@ class TritonPlan:
     num_splits: int
     partial_o: torch.Tensor | None
     partial_lse: torch.Tensor | None
+    fresh_tile_seq: torch.Tensor | None = None
+    fresh_tile_q0: torch.Tensor | None = None
 
 
 class TritonBackend(AttentionBackend):
@@ -93,7 +103,8 @@ class TritonBackend(AttentionBackend):
         cuda_graphs=True,
         notes="paged flash attention: varlen prefill, split-KV decode with GQA-shared KV loads, LSE merge; "
         "the naive layout runs through the same kernels (one block per request); DCP shards are read "
-        "in local slots with masks, window and ALiBi by global position",
+        "in local slots with masks, window and ALiBi by global position; opt-in (PrefillConfig.fresh_kv): "
+        "prefills with no cached context read the step's own K/V instead of the pages",
     )
 
     @classmethod
@@ -166,12 +177,19 @@ class TritonBackend(AttentionBackend):
         cfg = self.prefill_cfg
         if self.long_prefill_cfg and max(metadata.query_lens_host[:num_prefills], default=0) >= LONG_PREFILL_QUERIES:
             cfg = self.long_prefill_cfg
-        seqs, q0s = prefill_tiles(
-            tuple(metadata.query_lens_host[:num_prefills]), tuple(kv_host[:num_prefills]), cfg.block_m, spec.is_causal
-        )
+        query_lens = metadata.query_lens_host[:num_prefills]
+        seqs, q0s = prefill_tiles(tuple(query_lens), tuple(kv_host[:num_prefills]), cfg.block_m, spec.is_causal)
+        # Fresh sequences (no cached context) read the step's K/V: their tiles form a list of their own.
+        fresh = [False] * num_prefills
+        if not self.fresh_kv_reasons(cfg, dcp_size=metadata.dcp_size):
+            fresh = [q == s for q, s in zip(query_lens, metadata.seq_lens_host)]
+        paged = [(s, q0) for s, q0 in zip(seqs, q0s) if not fresh[s]]
+        new = [(s, q0) for s, q0 in zip(seqs, q0s) if fresh[s]]
         # Stream-ordered copies: planning never waits for the device (overlap scheduling).
-        tile_seq = to_device(seqs, device, torch.int32)
-        tile_q0 = to_device(q0s, device, torch.int32)
+        tile_seq = to_device([s for s, _ in paged], device, torch.int32)
+        tile_q0 = to_device([q0 for _, q0 in paged], device, torch.int32)
+        fresh_seq = to_device([s for s, _ in new], device, torch.int32) if new else None
+        fresh_q0 = to_device([q0 for _, q0 in new], device, torch.int32) if new else None
 
         partition, splits, partial_o, partial_lse = 0, 0, None, None
         if num_decodes:
@@ -192,7 +210,7 @@ class TritonBackend(AttentionBackend):
                 partial_lse = torch.empty(shape, dtype=torch.float32, device=device)
         return TritonPlan(
             metadata, kv_lens, metadata.seq_lens, block_table, cfg, tile_seq, tile_q0,
-            self.decode_cfg, partition, splits, partial_o, partial_lse,
+            self.decode_cfg, partition, splits, partial_o, partial_lse, fresh_seq, fresh_q0,
         )  # fmt: skip
 
     def plan_for_graph(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -285,35 +303,61 @@ class TritonBackend(AttentionBackend):
         unused = plan.kv_lens  # a valid pointer for kernel arguments a disabled feature never reads
         tensors = (unused if sinks is None else sinks, unused if slopes is None else slopes, k_scale, v_scale)
 
+        args = (query, out, lse, return_lse, tensors, scalars)
+        fresh_tiles = (plan.fresh_tile_seq, plan.fresh_tile_q0) if plan.fresh_tile_seq is not None else None
+        if fresh_tiles and self.fresh_input_reasons(key, value, kv_cache, num_tokens):
+            # The step's K/V cannot stand in for the cache here; the pages hold the same keys.
+            self._paged_prefill(plan, fresh_tiles, kv_cache, k_src, v_src, k_strides, v_strides, args, common)
+        elif fresh_tiles:
+            self._fresh_prefill(plan, fresh_tiles, key, value, args, common)
         if plan.tile_seq.numel():
-            kv_desc = not self.prefill_descriptor_reasons(plan.prefill, kv_cache if spec.uses_kv_cache else None)
-            k_in, v_in = k_src, v_src  # the decode kernel below reads k_src, v_src
-            if kv_desc:
-                from meshserve.attention.kernels.kv_pages import kv_page_descriptors
-
-                k_in, v_in = kv_page_descriptors(kv_cache.data, plan.prefill.block_n, common["BLOCK_D"])
-            self._prefill(plan, query, k_in, v_in, k_strides, v_strides, out, lse, return_lse,
-                          tensors, scalars, dict(common, KV_DESC=kv_desc))  # fmt: skip
+            self._paged_prefill(plan, (plan.tile_seq, plan.tile_q0), kv_cache, k_src, v_src, k_strides, v_strides,
+                                args, common)  # fmt: skip
         if plan.num_splits:
             self._decode(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                          tensors, scalars, common)  # fmt: skip
         return (out, lse) if return_lse else out
 
-    def _prefill(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
-                 tensors, scalars, common) -> None:  # fmt: skip
+    def _paged_prefill(self, plan, tiles, kv_cache, k_src, v_src, k_strides, v_strides, args, common) -> None:
+        """The prefill tiles `tiles` over the cache's pages (encoder-only: over the step's K/V,
+        which k_src/v_src then are), through page descriptors where they apply."""
+        kv_desc = not self.prefill_descriptor_reasons(plan.prefill, kv_cache if self.spec.uses_kv_cache else None)
+        if kv_desc:
+            from meshserve.attention.kernels.kv_pages import kv_page_descriptors
+
+            k_src, v_src = kv_page_descriptors(kv_cache.data, plan.prefill.block_n, common["BLOCK_D"])
+        self._prefill(plan, tiles, k_src, v_src, k_strides, v_strides, *args,
+                      dict(common, KV_DESC=kv_desc), paged=self.spec.uses_kv_cache)  # fmt: skip
+
+    def _fresh_prefill(self, plan, tiles, key, value, args, common) -> None:
+        """The tiles of sequences with no cached context, over the step's own K/V rows: through row
+        descriptors where they apply (one load per tile at any page size), else by pointers."""
+        key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
+        k_strides, v_strides = (0, key.stride(0), key.stride(1)), (0, value.stride(0), value.stride(1))
+        kv_desc = not self.fresh_descriptor_reasons(plan.prefill, key, value)
+        if kv_desc:
+            from meshserve.attention.kernels.kv_rows import kv_row_descriptors
+
+            key, value = kv_row_descriptors(key, value, plan.prefill.block_n, common["BLOCK_D"])
+        self._prefill(plan, tiles, key, value, k_strides, v_strides, *args, dict(common, KV_DESC=kv_desc),
+                      paged=False)  # fmt: skip
+
+    def _prefill(self, plan, tiles, k_src, v_src, k_strides, v_strides, query, out, lse, return_lse,
+                 tensors, scalars, common, *, paged: bool) -> None:  # fmt: skip
         from meshserve.attention.kernels.prefill import prefill_kernel
 
         cfg = plan.prefill
+        tile_seq, tile_q0 = tiles
         # Heads vary fastest: the query heads of one tile run together and share K/V through L2.
-        grid = (self.spec.num_heads, plan.tile_seq.numel())
+        grid = (self.spec.num_heads, tile_seq.numel())
         launch = {} if cfg.max_registers is None else {"maxnreg": cfg.max_registers}
         prefill_kernel[grid](
-            query, k_src, v_src, out, lse, plan.tile_seq, plan.tile_q0,
+            query, k_src, v_src, out, lse, tile_seq, tile_q0,
             plan.metadata.query_start_loc, plan.kv_lens, plan.positions, plan.block_table, *tensors, *scalars,
             plan.metadata.dcp_rank,
             query.stride(0), query.stride(1), out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             *k_strides, *v_strides, plan.block_table.stride(0),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=self.spec.uses_kv_cache,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, PAGED=paged,
             CAUSAL=self.spec.is_causal, RETURN_LSE=return_lse,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **common, **launch,
         )  # fmt: skip
@@ -328,6 +372,48 @@ class TritonBackend(AttentionBackend):
         block_d = _pow2(self.spec.head_size, 16)
         return descriptor_reasons(kv_cache.data, self.spec.head_size, block_d, cfg.block_n,
                                   self.problem.compute_capability)  # fmt: skip
+
+    def fresh_kv_reasons(self, cfg: PrefillConfig, *, dcp_size: int = 1) -> list[str]:
+        """Why no prefill sequence reads its keys from the step's own K/V (empty: every prefill
+        sequence of a step whose first query is at position 0 does; one with cached context, a
+        prefix-cache hit or a later chunk, always reads the pages). dcp_size: the step's."""
+        spec, out = self.spec, []
+        if not spec.uses_kv_cache:
+            return ["no KV cache (encoder-only attention always reads the step's K/V)"]
+        if not cfg.fresh_kv:
+            out.append("the prefill config does not ask for it (fresh_kv=False)")
+        if spec.attn_type is AttentionType.CROSS:
+            out.append("cross attention attends over the encoder's cached keys, not the step's")
+        if spec.kv_cache_dtype.is_fp8:
+            out.append(f"an {spec.kv_cache_dtype} cache: prefill must read the quantized keys decode reads")
+        if max(dcp_size, self.problem.dcp_size) > 1:
+            out.append("DCP: a rank stores only its share of the step's keys")
+        return out
+
+    def fresh_input_reasons(self, key: torch.Tensor | None, value: torch.Tensor | None, kv_cache: KVCache | None,
+                            num_tokens: int) -> list[str]:  # fmt: skip
+        """Why this forward's key/value cannot stand in for what write_kv stored in the cache
+        (empty: they can); num_tokens: the step's."""
+        spec = self.spec
+        if key is None or value is None:
+            return ["forward was given no key/value"]
+        out = []
+        for name, x, head in (("key", key, spec.head_size), ("value", value, spec.v_size)):
+            want = (num_tokens, spec.num_kv_heads, head)
+            if tuple(x.shape) != want:
+                out.append(f"{name} has shape {tuple(x.shape)}, not {list(want)}")
+            if kv_cache is not None and x.dtype != kv_cache.data.dtype:
+                out.append(f"{name} is {x.dtype}, the cache {kv_cache.data.dtype}: the cache holds other values")
+        return out
+
+    def fresh_descriptor_reasons(self, cfg: PrefillConfig, key: torch.Tensor, value: torch.Tensor) -> list[str]:
+        """Why fresh sequences read the step's K/V by pointers, not row descriptors (empty: by
+        descriptors): not asked for by `cfg` (kv_desc), or the tensors or the device forbid them."""
+        if not cfg.kv_desc:
+            return ["the prefill config does not ask for descriptors (kv_desc=False)"]
+        block_d, cc = _pow2(self.spec.head_size, 16), self.problem.compute_capability
+        return [f"{name}: {why}" for name, x in (("key", key), ("value", value))
+                for why in row_descriptor_reasons(x, self.spec.head_size, block_d, cc)]  # fmt: skip
 
     def _decode(self, plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                 tensors, scalars, common) -> None:  # fmt: skip

@@ -22,6 +22,12 @@ class PrefillConfig:
     # K/V pages through tensor descriptors (TMA) instead of pointer gathers (kernels/kv_pages.py);
     # used where the cache allows it (sm_90+, contiguous, aligned), else the gather path runs.
     kv_desc: bool = False
+    # A prefill sequence with no cached context (first query at position 0) reads its keys from
+    # the step's own contiguous K/V (the `key`/`value` given to forward) instead of the pages it
+    # was just written to: one descriptor load per tile at any page size with kv_desc
+    # (kernels/kv_rows.py). 16-bit caches without DCP only (TritonBackend.fresh_kv_reasons).
+    # Off in the CUDA defaults until measured on a GPU (bench/prefill_sweep.py's fresh variants).
+    fresh_kv: bool = False
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
 
     def __post_init__(self) -> None:

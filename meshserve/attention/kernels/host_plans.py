@@ -102,3 +102,26 @@ def descriptor_reasons(
     if page < block_n and block_n // page > 8:
         out.append(f"block_n={block_n} spans more than 8 pages of {page}")
     return out
+
+
+def row_descriptor_reasons(
+    x: torch.Tensor, head_size: int, block_d: int, compute_capability: tuple[int, int] | None
+) -> list[str]:
+    """Why the step's K or V `x` [num_tokens, kv_heads, D] cannot be read by descriptors over its
+    rows [num_tokens, kv_heads * D] (empty: it can; kernels/kv_rows.py)."""
+    out = []
+    if x.is_cuda and (compute_capability is None or compute_capability < (9, 0)):
+        out.append(f"tensor descriptors need compute capability >= 9.0 (have {compute_capability})")
+    if x.dim() != 3:
+        return out + [f"shape {tuple(x.shape)} is not [num_tokens, kv_heads, head]"]
+    if block_d != head_size:
+        out.append(f"head_size={head_size} is not a power of two >= 16 (a descriptor box is the whole head)")
+    if x.stride(2) != 1 or (x.shape[1] > 1 and x.stride(1) != x.shape[2]):
+        out.append(f"strides {tuple(x.stride())}: the heads of a token are not one packed row")
+    if (x.stride(0) * x.element_size()) % 16 or (x.shape[1] * x.shape[2] * x.element_size()) % 16:
+        out.append("a token row is not a multiple of 16 bytes")
+    if x.data_ptr() % 16:
+        out.append("the tensor is not 16-byte aligned")
+    if x.shape[0] >= 2**31:
+        out.append("2**31 tokens or more (descriptor coordinates are 32-bit)")
+    return out

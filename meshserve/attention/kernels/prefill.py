@@ -18,8 +18,11 @@ expensive causal tiles start early and the grid needs no per-sequence padding. T
 
 Variants (PrefillConfig, kernels/config.py; docs/performance.md has the sm_90 analysis and the
 H200 sweep): KV_DESC reads K/V pages through TMA descriptors (kernels/kv_pages.py) instead of
-pointer gathers (the default on Hopper for pages of 64 or more). The pipelined-QK loop and
-lazy (FA4-style) rescaling lost to the plain loop at every case of that sweep and were removed.
+pointer gathers (the default on Hopper for pages of 64 or more). Not PAGED, the keys are the
+step's own contiguous K/V (encoder-only attention, and "fresh" prefills with no cached context
+under PrefillConfig.fresh_kv), by pointers or, with KV_DESC, by row descriptors (kernels/kv_rows.py).
+The pipelined-QK loop and lazy (FA4-style) rescaling lost to the plain loop at every case of
+that sweep and were removed.
 """
 
 from __future__ import annotations
@@ -37,30 +40,37 @@ from meshserve.attention.kernels.attn_common import (
     scores_log2,
 )
 from meshserve.attention.kernels.kv_pages import load_kv_pages
+from meshserve.attention.kernels.kv_rows import load_kv_rows
 
 
 @triton.jit
 def _tile(
-    ptr, bt_row, start_n, kv_len, kv_head, offs, stride_b, stride_t, stride_h,
+    ptr, kv_loc, start_n, kv_len, kv_head, offs, stride_b, stride_t, stride_h,
     HEAD: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr, PAGED: tl.constexpr,
     MASKED: tl.constexpr, KV_DESC: tl.constexpr,
 ):
-    """[BLOCK_N, BLOCK] keys or values [start_n, start_n + BLOCK_N) in the cache's storage dtype."""
+    """[BLOCK_N, BLOCK] keys or values [start_n, start_n + BLOCK_N) in the cache's storage dtype.
+
+    kv_loc: where the sequence's keys are: its block-table row (PAGED), its first token row of
+    the step's K/V (KV_DESC, not PAGED), unused for pointers to its first key (neither)."""
     kp = start_n + tl.arange(0, BLOCK_N)
     tok_mask = kp < kv_len
-    if KV_DESC:  # ptr is a tensor descriptor (kernels/kv_pages.py)
-        x = load_kv_pages(ptr, bt_row, start_n, kv_len, kv_head * stride_h, stride_b // stride_t, BLOCK_N, PAGE)
+    if KV_DESC:  # ptr is a tensor descriptor (kernels/kv_pages.py, kernels/kv_rows.py)
+        if PAGED:
+            x = load_kv_pages(ptr, kv_loc, start_n, kv_len, kv_head * stride_h, stride_b // stride_t, BLOCK_N, PAGE)
+        else:
+            x = load_kv_rows(ptr, kv_loc, start_n, kv_head * stride_h)
         if MASKED:  # rows past the end may hold anything, and 0 * NaN is NaN
             x = tl.where(tok_mask[:, None], x, 0.0)
     else:
-        x = load_kv_tile(ptr, bt_row, kp, kv_head, offs, tok_mask, stride_b, stride_t, stride_h,
+        x = load_kv_tile(ptr, kv_loc, kp, kv_head, offs, tok_mask, stride_b, stride_t, stride_h,
                          HEAD, BLOCK, PAGE, PAGED, MASKED)  # fmt: skip
     return x
 
 
 @triton.jit
 def _fold_tile(
-    qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh,
+    qk, q, v_ptr, kv_loc, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh,
     m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank,
     HEAD_DV: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_N: tl.constexpr, PAGE: tl.constexpr,
     PAGED: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, USE_WINDOW: tl.constexpr,
@@ -68,7 +78,7 @@ def _fold_tile(
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr, KV_DESC: tl.constexpr,
 ):  # fmt: skip
     """Fold the raw products qk [BLOCK_M, BLOCK_N] of keys from start_n, with their values, into (m, l, acc)."""
-    v = _tile(v_ptr, bt_row, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
+    v = _tile(v_ptr, kv_loc, start_n, kv_len, kv_head, dv, stride_vb, stride_vt, stride_vh,
               HEAD_DV, BLOCK_DV, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC).to(q.dtype)  # fmt: skip
     kp = start_n + tl.arange(0, BLOCK_N)
     s = scores_log2(qk, qk_scale, softcap, slope, qp, global_pos(kp, dcp_rank, DCP),
@@ -80,7 +90,7 @@ def _fold_tile(
 
 @triton.jit
 def _key_range(
-    k_ptr, v_ptr, bt_row, kv_head, q, d, dv, start, end,
+    k_ptr, v_ptr, kv_loc, kv_head, q, d, dv, start, end,
     m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
     HEAD_D: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -91,11 +101,11 @@ def _key_range(
 ):
     # start, end, kv_len count local slots; masks and ALiBi read global positions (kpg).
     for start_n in range(start, end, BLOCK_N):
-        k = _tile(k_ptr, bt_row, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
+        k = _tile(k_ptr, kv_loc, start_n, kv_len, kv_head, d, stride_kb, stride_kt, stride_kh,
                   HEAD_D, BLOCK_D, BLOCK_N, PAGE, PAGED, MASKED, KV_DESC)
         qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=DOT_PRECISION)
         m_i, l_i, acc = _fold_tile(
-            qk, q, v_ptr, bt_row, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
+            qk, q, v_ptr, kv_loc, start_n, kv_head, dv, stride_vb, stride_vt, stride_vh, m_i, l_i, acc, qk_scale,
             softcap, slope, qp, kv_len, window, num_sink_tokens, dcp_rank, HEAD_DV, BLOCK_DV, BLOCK_N, PAGE,
             PAGED, MASKED, CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP,
             KV_DESC,
@@ -121,7 +131,9 @@ def prefill_kernel(
     USE_SINK_TOKENS: tl.constexpr, USE_SINKS: tl.constexpr, USE_ALIBI: tl.constexpr,
     USE_SOFTCAP: tl.constexpr, KV_FP8: tl.constexpr, FP8_AS_F16: tl.constexpr, RETURN_LSE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DCP: tl.constexpr,
-    KV_DESC: tl.constexpr = False,  # k_ptr, v_ptr are page-row descriptors (kernels/kv_pages.py)
+    # k_ptr, v_ptr are descriptors: over the cache's page rows (PAGED, kernels/kv_pages.py) or over
+    # the step's K/V rows (not PAGED, kernels/kv_rows.py)
+    KV_DESC: tl.constexpr = False,
 ):  # fmt: skip
     head = tl.program_id(0)
     tile = tl.program_id(1)
@@ -160,11 +172,15 @@ def prefill_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
     if PAGED:
-        bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+        kv_loc = bt_ptr + seq.to(tl.int64) * stride_bt
+        k_base = k_ptr
+        v_base = v_ptr
+    elif KV_DESC:  # the step's own K/V rows (fresh sequences): descriptors count rows themselves
+        kv_loc = q_start
         k_base = k_ptr
         v_base = v_ptr
     else:
-        bt_row = bt_ptr
+        kv_loc = bt_ptr
         k_base = k_ptr + q_start.to(tl.int64) * stride_kt
         v_base = v_ptr + q_start.to(tl.int64) * stride_vt
 
@@ -192,7 +208,7 @@ def prefill_kernel(
     if USE_SINK_TOKENS:
         sink_end = tl.minimum(tl.cdiv(local_count(num_sink_tokens, dcp_rank, DCP), BLOCK_N) * BLOCK_N, start)
         m_i, l_i, acc = _key_range(
-            k_base, v_base, bt_row, kv_head, q, d, dv, 0, sink_end,
+            k_base, v_base, kv_loc, kv_head, q, d, dv, 0, sink_end,
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
@@ -200,21 +216,21 @@ def prefill_kernel(
         )  # fmt: skip
     if USE_WINDOW:
         m_i, l_i, acc = _key_range(
-            k_base, v_base, bt_row, kv_head, q, d, dv, start, f0,
+            k_base, v_base, kv_loc, kv_head, q, d, dv, start, f0,
             m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
             HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,
             CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
         )  # fmt: skip
     m_i, l_i, acc = _key_range(
-        k_base, v_base, bt_row, kv_head, q, d, dv, f0, f1,
+        k_base, v_base, kv_loc, kv_head, q, d, dv, f0, f1,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, False,
         CAUSAL, USE_WINDOW, USE_SINK_TOKENS, USE_ALIBI, USE_SOFTCAP, DOT_PRECISION, DCP, KV_DESC,
     )  # fmt: skip
     m_i, l_i, acc = _key_range(
-        k_base, v_base, bt_row, kv_head, q, d, dv, f1, kv_end,
+        k_base, v_base, kv_loc, kv_head, q, d, dv, f1, kv_end,
         m_i, l_i, acc, qk_scale, softcap, slope, qp, kv_len, window, num_sink_tokens,
         stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh, dcp_rank,
         HEAD_D, HEAD_DV, BLOCK_N, BLOCK_D, BLOCK_DV, PAGE, PAGED, True,

@@ -23,3 +23,11 @@ def test_cli_explains_refusal(capsys):
     assert main(["backends", "--quiet", "--attention-backend", "TORCH", "--block-size", "24"]) == 2
     err = capsys.readouterr().err
     assert "block_size=24 is not a power of two" in err
+
+
+def test_cli_says_whether_fresh_prompts_read_the_steps_kv(capsys):
+    """Off by default, with the reason (TRITON's config, or FLASHINFER's option where it is installed)."""
+    assert main(["backends", "--quiet", "--device", "cuda", "--compute-capability", "9.0", "--head-size", "128"]) == 0
+    selected = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Selected"))
+    assert ("fresh prompts from the step's K/V: off (the prefill config does not ask for it (fresh_kv=False))"
+            in selected or "fresh prompts from the step's K/V: off (not asked for (ragged_prefill=False))" in selected)

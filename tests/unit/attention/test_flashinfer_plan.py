@@ -78,6 +78,11 @@ class FakeDecode(FakeWrapper):
 
 @pytest.fixture
 def fake_flashinfer(monkeypatch):
+    return install_fake_flashinfer(monkeypatch)
+
+
+def install_fake_flashinfer(monkeypatch, **wrappers) -> types.ModuleType:
+    """The fake module in sys.modules; wrappers: more wrapper classes by FlashInfer's name."""
     module = types.ModuleType("flashinfer")
     module.__spec__ = importlib.machinery.ModuleSpec("flashinfer", loader=None)  # find_spec finds it
     module.built = []
@@ -91,6 +96,8 @@ def fake_flashinfer(monkeypatch):
 
     module.BatchPrefillWithPagedKVCacheWrapper = factory(FakePrefill)
     module.BatchDecodeWithPagedKVCacheWrapper = factory(FakeDecode)
+    for name, cls in wrappers.items():
+        setattr(module, name, factory(cls))
     monkeypatch.setitem(sys.modules, "flashinfer", module)
     monkeypatch.setattr(fi_backend, "WORKSPACE_BYTES", 4096)  # not 128 MiB of CPU memory per test
     return module
