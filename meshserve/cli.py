@@ -122,7 +122,7 @@ def _fresh_prefill_verdict(problem, chosen: str) -> str:
         from meshserve.attention.backends.triton_paged import TritonBackend
 
         backend = TritonBackend(problem)
-        reasons = backend.fresh_kv_reasons(backend.prefill_cfg)
+        reasons = backend.fresh_kv_reasons()
     else:
         from meshserve.attention.backends.flashinfer import FlashInferBackend
 

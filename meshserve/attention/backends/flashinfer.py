@@ -19,12 +19,13 @@ Conventions bridged here:
 - DCP-sharded caches: page lists over this rank's local tokens, and a custom mask by global
   position where FlashInfer's own masks (which compare local indices) would be wrong; see
   flashinfer_dcp.py.
-- Ragged prefill (opt-in, `ragged_prefill=True`; off until measured on a GPU): in a step whose
-  every prefill sequence starts at position 0 (no prefix-cache hit, no later chunk), the keys
-  are exactly the step's own K/V, which forward receives contiguous beside the query; FlashInfer's
-  ragged wrapper (qo_indptr = kv_indptr) reads them there instead of gathering pages. Other steps
-  use the paged wrapper; `ragged_prefill_reasons` says why. Same FlashInfer module as the paged
-  prefill (one module holds both runs).
+- Ragged prefill (the default on sm_90 and later, where it was measured; `ragged_prefill`): in a
+  step whose every prefill sequence starts at position 0 (no prefix-cache hit, no later chunk),
+  the keys are exactly the step's own K/V, which forward receives contiguous beside the query;
+  FlashInfer's ragged wrapper (qo_indptr = kv_indptr) reads them there instead of gathering
+  pages: 1.15-1.20x the paged prefill on an H100 (docs/performance.md, "Prefill from the step's
+  own K/V"). Other steps use the paged wrapper; `ragged_prefill_reasons` says why. Same FlashInfer
+  module as the paged prefill (one module holds both runs).
 """
 
 from __future__ import annotations
@@ -68,6 +69,12 @@ class FlashInferPlan:
     decode: object = None
     empty_rows: torch.Tensor | None = None  # [n] int64 (DCP) rows that see no key of this shard
     ragged: bool = False  # `prefill` is the ragged wrapper: prefill rows attend over forward's key/value
+
+
+# From this compute capability on, all-fresh prefill steps take the ragged wrapper by default: on
+# an H100 it ran 1.15-1.20x the paged one (634 / 686 against 531 / 598 TFLOP/s at 4 x 4096 and
+# 1 x 16384, bench/prefill_sweep.py, 2026-12-06). Older GPUs run FA2 for both and were not measured.
+RAGGED_PREFILL_MIN_CAPABILITY = (9, 0)
 
 
 def _page_lists(
@@ -122,7 +129,7 @@ class FlashInferBackend(AttentionBackend):
         " not offered (FlashInfer derives its own slopes), no learned sinks or sink tokens on these "
         "wrappers, no encoder_only (no cache); CUDA graphs replay decode wrappers in FlashInfer's graph "
         "mode (fixed page-list buffers, re-planned per step); DCP: local page lists, prefill rows (and "
-        "windowed decode rows) masked by global position with a custom mask; opt-in (ragged_prefill): "
+        "windowed decode rows) masked by global position with a custom mask; from sm_90 (ragged_prefill): "
         "the ragged prefill wrapper over the step's own K/V when no prefill of the step has cached context",
     )
 
@@ -139,12 +146,17 @@ class FlashInferBackend(AttentionBackend):
         return out
 
     def __init__(
-        self, problem: AttentionProblem, *, decode_tensor_cores: bool | None = None, ragged_prefill: bool = False
-    ) -> None:
+        self, problem: AttentionProblem, *, decode_tensor_cores: bool | None = None,
+        ragged_prefill: bool | None = None,
+    ) -> None:  # fmt: skip
         """decode_tensor_cores: FlashInfer's tensor-core decode; default on for GQA groups of 4+.
         ragged_prefill: steps whose prefills all start at position 0 run FlashInfer's ragged
-        prefill over forward's key/value (module docstring); off until measured."""
+        prefill over forward's key/value (module docstring); default on from sm_90 (measured
+        there), off below (not measured)."""
         super().__init__(problem)
+        if ragged_prefill is None:
+            cc = problem.compute_capability
+            ragged_prefill = cc is not None and cc >= RAGGED_PREFILL_MIN_CAPABILITY
         self.ragged_prefill = ragged_prefill
         self.decode_tensor_cores = (
             self.spec.num_queries_per_kv >= 4 if decode_tensor_cores is None else decode_tensor_cores
@@ -190,7 +202,7 @@ class FlashInferBackend(AttentionBackend):
         (empty: the ragged one). metadata: the step (its sequences' cached context, its DCP)."""
         spec, out = self.spec, []
         if not self.ragged_prefill:
-            out.append("not asked for (ragged_prefill=False)")
+            out.append("not asked for (ragged_prefill=False; the default below sm_90, where it was not measured)")
         if spec.attn_type is AttentionType.CROSS:
             out.append("cross attention attends over the encoder's cached keys, not the step's")
         if spec.kv_cache_dtype.is_fp8:

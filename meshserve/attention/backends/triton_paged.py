@@ -30,6 +30,7 @@ from meshserve.attention.kernels.config import (
     PrefillConfig,
     default_decode_config,
     default_prefill_config,
+    fresh_prefill_config,
     long_prefill_config,
 )
 from meshserve.attention.kernels.host_plans import (
@@ -73,6 +74,7 @@ class TritonPlan:
     partial_lse: torch.Tensor | None
     fresh_tile_seq: torch.Tensor | None = None
     fresh_tile_q0: torch.Tensor | None = None
+    fresh_prefill: PrefillConfig | None = None  # the fresh tiles' config
 
 
 class TritonBackend(AttentionBackend):
@@ -103,8 +105,8 @@ class TritonBackend(AttentionBackend):
         cuda_graphs=True,
         notes="paged flash attention: varlen prefill, split-KV decode with GQA-shared KV loads, LSE merge; "
         "the naive layout runs through the same kernels (one block per request); DCP shards are read "
-        "in local slots with masks, window and ALiBi by global position; opt-in (PrefillConfig.fresh_kv): "
-        "prefills with no cached context read the step's own K/V instead of the pages",
+        "in local slots with masks, window and ALiBi by global position; prefills with no cached context read "
+        "the step's own K/V instead of the pages (sm_90+ by default: PrefillConfig.fresh_kv)",
     )
 
     @classmethod
@@ -146,6 +148,8 @@ class TritonBackend(AttentionBackend):
         cc, page = problem.compute_capability, problem.block_size
         self.prefill_cfg = prefill_config or default_prefill_config(*args, page=page, compute_capability=cc)
         self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, cc, page=page)
+        # Tiles of fresh sequences (fresh_cfg): a given config that asks for them, else the measured default.
+        self.default_fresh_cfg = None if prefill_config else fresh_prefill_config(*args, cc)
         self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan
@@ -178,18 +182,22 @@ class TritonBackend(AttentionBackend):
         if self.long_prefill_cfg and max(metadata.query_lens_host[:num_prefills], default=0) >= LONG_PREFILL_QUERIES:
             cfg = self.long_prefill_cfg
         query_lens = metadata.query_lens_host[:num_prefills]
-        seqs, q0s = prefill_tiles(tuple(query_lens), tuple(kv_host[:num_prefills]), cfg.block_m, spec.is_causal)
-        # Fresh sequences (no cached context) read the step's K/V: their tiles form a list of their own.
+        kv_prefill = tuple(kv_host[:num_prefills])
+        # Fresh sequences (no cached context) read the step's K/V, in tiles of their own config.
+        fcfg = self.fresh_cfg()
         fresh = [False] * num_prefills
-        if not self.fresh_kv_reasons(cfg, dcp_size=metadata.dcp_size):
+        if fcfg is not None and not self.fresh_kv_reasons(fcfg, dcp_size=metadata.dcp_size):
             fresh = [q == s for q, s in zip(query_lens, metadata.seq_lens_host)]
-        paged = [(s, q0) for s, q0 in zip(seqs, q0s) if not fresh[s]]
-        new = [(s, q0) for s, q0 in zip(seqs, q0s) if fresh[s]]
+        seqs, q0s = prefill_tiles(tuple(0 if f else q for q, f in zip(query_lens, fresh)), kv_prefill, cfg.block_m,
+                                  spec.is_causal)  # fmt: skip
         # Stream-ordered copies: planning never waits for the device (overlap scheduling).
-        tile_seq = to_device([s for s, _ in paged], device, torch.int32)
-        tile_q0 = to_device([q0 for _, q0 in paged], device, torch.int32)
-        fresh_seq = to_device([s for s, _ in new], device, torch.int32) if new else None
-        fresh_q0 = to_device([q0 for _, q0 in new], device, torch.int32) if new else None
+        tile_seq = to_device(seqs, device, torch.int32)
+        tile_q0 = to_device(q0s, device, torch.int32)
+        fresh_seq = fresh_q0 = None
+        if any(fresh):
+            fseqs, fq0s = prefill_tiles(tuple(q if f else 0 for q, f in zip(query_lens, fresh)), kv_prefill,
+                                        fcfg.block_m, spec.is_causal)  # fmt: skip
+            fresh_seq, fresh_q0 = to_device(fseqs, device, torch.int32), to_device(fq0s, device, torch.int32)
 
         partition, splits, partial_o, partial_lse = 0, 0, None, None
         if num_decodes:
@@ -211,6 +219,7 @@ class TritonBackend(AttentionBackend):
         return TritonPlan(
             metadata, kv_lens, metadata.seq_lens, block_table, cfg, tile_seq, tile_q0,
             self.decode_cfg, partition, splits, partial_o, partial_lse, fresh_seq, fresh_q0,
+            fcfg if fresh_seq is not None else None,
         )  # fmt: skip
 
     def plan_for_graph(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -307,46 +316,46 @@ class TritonBackend(AttentionBackend):
         fresh_tiles = (plan.fresh_tile_seq, plan.fresh_tile_q0) if plan.fresh_tile_seq is not None else None
         if fresh_tiles and self.fresh_input_reasons(key, value, kv_cache, num_tokens):
             # The step's K/V cannot stand in for the cache here; the pages hold the same keys.
-            self._paged_prefill(plan, fresh_tiles, kv_cache, k_src, v_src, k_strides, v_strides, args, common)
-        elif fresh_tiles:
-            self._fresh_prefill(plan, fresh_tiles, key, value, args, common)
-        if plan.tile_seq.numel():
-            self._paged_prefill(plan, (plan.tile_seq, plan.tile_q0), kv_cache, k_src, v_src, k_strides, v_strides,
+            self._paged_prefill(plan, plan.fresh_prefill, fresh_tiles, kv_cache, k_src, v_src, k_strides, v_strides,
                                 args, common)  # fmt: skip
+        elif fresh_tiles:
+            self._fresh_prefill(plan, plan.fresh_prefill, fresh_tiles, key, value, args, common)
+        if plan.tile_seq.numel():
+            self._paged_prefill(plan, plan.prefill, (plan.tile_seq, plan.tile_q0), kv_cache, k_src, v_src, k_strides,
+                                v_strides, args, common)  # fmt: skip
         if plan.num_splits:
             self._decode(plan, query, k_src, v_src, k_strides, v_strides, out, lse, return_lse,
                          tensors, scalars, common)  # fmt: skip
         return (out, lse) if return_lse else out
 
-    def _paged_prefill(self, plan, tiles, kv_cache, k_src, v_src, k_strides, v_strides, args, common) -> None:
-        """The prefill tiles `tiles` over the cache's pages (encoder-only: over the step's K/V,
-        which k_src/v_src then are), through page descriptors where they apply."""
-        kv_desc = not self.prefill_descriptor_reasons(plan.prefill, kv_cache if self.spec.uses_kv_cache else None)
+    def _paged_prefill(self, plan, cfg, tiles, kv_cache, k_src, v_src, k_strides, v_strides, args, common) -> None:
+        """The prefill tiles `tiles` (made for `cfg`) over the cache's pages (encoder-only: over the
+        step's K/V, which k_src/v_src then are), through page descriptors where they apply."""
+        kv_desc = not self.prefill_descriptor_reasons(cfg, kv_cache if self.spec.uses_kv_cache else None)
         if kv_desc:
             from meshserve.attention.kernels.kv_pages import kv_page_descriptors
 
-            k_src, v_src = kv_page_descriptors(kv_cache.data, plan.prefill.block_n, common["BLOCK_D"])
-        self._prefill(plan, tiles, k_src, v_src, k_strides, v_strides, *args,
+            k_src, v_src = kv_page_descriptors(kv_cache.data, cfg.block_n, common["BLOCK_D"])
+        self._prefill(plan, cfg, tiles, k_src, v_src, k_strides, v_strides, *args,
                       dict(common, KV_DESC=kv_desc), paged=self.spec.uses_kv_cache)  # fmt: skip
 
-    def _fresh_prefill(self, plan, tiles, key, value, args, common) -> None:
+    def _fresh_prefill(self, plan, cfg, tiles, key, value, args, common) -> None:
         """The tiles of sequences with no cached context, over the step's own K/V rows: through row
         descriptors where they apply (one load per tile at any page size), else by pointers."""
         key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
         k_strides, v_strides = (0, key.stride(0), key.stride(1)), (0, value.stride(0), value.stride(1))
-        kv_desc = not self.fresh_descriptor_reasons(plan.prefill, key, value)
+        kv_desc = not self.fresh_descriptor_reasons(cfg, key, value)
         if kv_desc:
             from meshserve.attention.kernels.kv_rows import kv_row_descriptors
 
-            key, value = kv_row_descriptors(key, value, plan.prefill.block_n, common["BLOCK_D"])
-        self._prefill(plan, tiles, key, value, k_strides, v_strides, *args, dict(common, KV_DESC=kv_desc),
+            key, value = kv_row_descriptors(key, value, cfg.block_n, common["BLOCK_D"])
+        self._prefill(plan, cfg, tiles, key, value, k_strides, v_strides, *args, dict(common, KV_DESC=kv_desc),
                       paged=False)  # fmt: skip
 
-    def _prefill(self, plan, tiles, k_src, v_src, k_strides, v_strides, query, out, lse, return_lse,
+    def _prefill(self, plan, cfg, tiles, k_src, v_src, k_strides, v_strides, query, out, lse, return_lse,
                  tensors, scalars, common, *, paged: bool) -> None:  # fmt: skip
         from meshserve.attention.kernels.prefill import prefill_kernel
 
-        cfg = plan.prefill
         tile_seq, tile_q0 = tiles
         # Heads vary fastest: the query heads of one tile run together and share K/V through L2.
         grid = (self.spec.num_heads, tile_seq.numel())
@@ -373,14 +382,26 @@ class TritonBackend(AttentionBackend):
         return descriptor_reasons(kv_cache.data, self.spec.head_size, block_d, cfg.block_n,
                                   self.problem.compute_capability)  # fmt: skip
 
-    def fresh_kv_reasons(self, cfg: PrefillConfig, *, dcp_size: int = 1) -> list[str]:
+    def fresh_cfg(self) -> PrefillConfig | None:
+        """The config of the tiles of fresh sequences (no cached context), which read the step's
+        own K/V: the prefill config if it asks for that (fresh_kv), else the measured default
+        (kernels/config.py fresh_prefill_config; None on CPU, below sm_90, for FP8 caches and
+        wide heads, or when a prefill config was given: fresh sequences then read the pages)."""
+        return self.prefill_cfg if self.prefill_cfg.fresh_kv else self.default_fresh_cfg
+
+    def fresh_kv_reasons(self, cfg: PrefillConfig | None = None, *, dcp_size: int = 1) -> list[str]:
         """Why no prefill sequence reads its keys from the step's own K/V (empty: every prefill
         sequence of a step whose first query is at position 0 does; one with cached context, a
-        prefix-cache hit or a later chunk, always reads the pages). dcp_size: the step's."""
+        prefix-cache hit or a later chunk, always reads the pages). cfg: the fresh tiles' config
+        (default: fresh_cfg()); dcp_size: the step's."""
         spec, out = self.spec, []
         if not spec.uses_kv_cache:
             return ["no KV cache (encoder-only attention always reads the step's K/V)"]
-        if not cfg.fresh_kv:
+        cfg = cfg or self.fresh_cfg()
+        if cfg is None:
+            out.append("no fresh-prefill tiles for this problem (measured on CUDA sm_90+ for 16-bit K/V and heads "
+                       "<= 128; a given prefill config must set fresh_kv)")  # fmt: skip
+        elif not cfg.fresh_kv:
             out.append("the prefill config does not ask for it (fresh_kv=False)")
         if spec.attn_type is AttentionType.CROSS:
             out.append("cross attention attends over the encoder's cached keys, not the step's")

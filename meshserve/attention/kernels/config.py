@@ -26,7 +26,7 @@ class PrefillConfig:
     # the step's own contiguous K/V (the `key`/`value` given to forward) instead of the pages it
     # was just written to: one descriptor load per tile at any page size with kv_desc
     # (kernels/kv_rows.py). 16-bit caches without DCP only (TritonBackend.fresh_kv_reasons).
-    # Off in the CUDA defaults until measured on a GPU (bench/prefill_sweep.py's fresh variants).
+    # On CUDA such sequences get tiles of their own by default (fresh_prefill_config).
     fresh_kv: bool = False
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
 
@@ -57,6 +57,24 @@ def _descriptor_tiles(block_d: int, dtype: str, kv_fp8: bool, page: int | None,
     if dtype not in ("bfloat16", "float16") or compute_capability is None or compute_capability < (9, 0):
         return None
     return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True)
+
+
+def fresh_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool,
+                         compute_capability: tuple[int, int] | None) -> PrefillConfig | None:
+    """Tiles for the prefill sequences with no cached context, which read the step's own K/V
+    through row descriptors (kernels/kv_rows.py), or None: they read the pages like the rest.
+
+    H100 sweep (bench/prefill_sweep.py, 2026-12-06, bf16, GQA 32/8 x 128, docs/performance.md):
+    64 x 64 tiles, 4 warps, 3 stages (no spills, two CTAs per SM) ran 459 / 472 TFLOP/s at
+    4 x 4096 / 1 x 16384, against 324 / 343 for the gather tiles that pages of 16 get and 413 /
+    441 for page descriptors at pages of 64; 128 x 64 at 3 stages fits one CTA per SM (322 /
+    353), at 2 stages 433 / 490. Hopper or later, 16-bit, head <= 128, as the descriptor tiles."""
+    block_d = max(16, 1 << (head_size - 1).bit_length())
+    if device != "cuda" or dtype not in ("bfloat16", "float16") or kv_fp8 or block_d > 128:
+        return None
+    if compute_capability is None or compute_capability < (9, 0):
+        return None
+    return PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=3, kv_desc=True, fresh_kv=True)
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,17 @@ def test_cli_explains_refusal(capsys):
     assert "block_size=24 is not a power of two" in err
 
 
+def _selected(capsys, *flags: str) -> str:
+    assert main(["backends", "--quiet", "--head-size", "128", *flags]) == 0
+    return next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Selected"))
+
+
 def test_cli_says_whether_fresh_prompts_read_the_steps_kv(capsys):
-    """Off by default, with the reason (TRITON's config, or FLASHINFER's option where it is installed)."""
-    assert main(["backends", "--quiet", "--device", "cuda", "--compute-capability", "9.0", "--head-size", "128"]) == 0
-    selected = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Selected"))
-    assert ("fresh prompts from the step's K/V: off (the prefill config does not ask for it (fresh_kv=False))"
-            in selected or "fresh prompts from the step's K/V: off (not asked for (ragged_prefill=False))" in selected)
+    """On by default from sm_90 (TRITON's fresh tiles, FLASHINFER's ragged wrapper where it is installed);
+    below, off with the reason."""
+    hopper = _selected(capsys, "--device", "cuda", "--compute-capability", "9.0")
+    assert "fresh prompts from the step's K/V: on" in hopper
+    ampere = _selected(capsys, "--device", "cuda", "--compute-capability", "8.0")
+    assert "fresh prompts from the step's K/V: off (" in ampere
+    if "Selected: TRITON" in ampere:  # FLASHINFER where it is installed: off below sm_90 too
+        assert "no fresh-prefill tiles for this problem" in ampere

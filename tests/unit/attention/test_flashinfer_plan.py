@@ -103,12 +103,13 @@ def install_fake_flashinfer(monkeypatch, **wrappers) -> types.ModuleType:
     return module
 
 
-def backend(dcp_size: int = 1, **spec) -> FlashInferBackend:
+def backend(dcp_size: int = 1, ragged_prefill: bool | None = False, **spec) -> FlashInferBackend:
+    """The paged wrappers' backend (ragged_prefill off: test_flashinfer_ragged_plan.py has the ragged one)."""
     spec = dict(num_heads=8, num_kv_heads=2, head_size=64) | spec
     problem = AttentionProblem(spec=AttentionSpec(**spec), dtype="bfloat16", block_size=PAGE, max_model_len=1024,
                                device="cuda", compute_capability=(9, 0), dcp_size=dcp_size)
     assert FlashInferBackend.validate_configuration(problem) == []
-    return FlashInferBackend(problem)
+    return FlashInferBackend(problem, ragged_prefill=ragged_prefill)
 
 
 def batch(query_lens, seq_lens, *, kv_group=0, seed=0, **kwargs) -> AttentionMetadata:
@@ -391,7 +392,7 @@ def test_wrappers_are_built_with_the_named_flashinfer_kernels(fake_flashinfer, c
     spec = dict(num_heads=8, num_kv_heads=2, head_size=64) | spec
     problem = AttentionProblem(spec=AttentionSpec(**spec), dtype="bfloat16", block_size=PAGE, max_model_len=1024,
                                device="cuda", compute_capability=cc, dcp_size=dcp)  # fmt: skip
-    fi = FlashInferBackend(problem)
+    fi = FlashInferBackend(problem, ragged_prefill=False)
     fi.plan(batch((5, 1), (5, 40), dcp_size=dcp, dcp_rank=0) if dcp > 1 else batch((5, 1), (5, 40)))
     prefill, decode = fake_flashinfer.built
     assert prefill.kwargs["backend"] == want_prefill

@@ -107,3 +107,12 @@ def test_forward_without_the_steps_kv_names_the_field(fake_flashinfer):
         be.forward(q, None, None, cache, plan)
     with pytest.raises(ConfigError, match="value"):
         be.forward(q, k, v.float(), cache, plan)
+
+
+def test_ragged_is_the_default_from_sm90_only(fake_flashinfer):
+    """Measured faster on an H100 (docs/performance.md); older GPUs keep the paged wrapper, saying why."""
+    md = batch((7,), (7,))
+    assert backend(ragged_prefill=None).plan(md).ragged
+    sm80 = FlashInferBackend(dataclasses.replace(backend().problem, compute_capability=(8, 0)))
+    assert not sm80.plan(md).ragged
+    assert "the default below sm_90" in sm80.ragged_prefill_reasons(md)[0]

@@ -158,9 +158,10 @@ def test_long_prefills_plan_the_long_prefill_tiles():
     from meshserve.attention.kernels.config import LONG_PREFILL_QUERIES, PrefillConfig
     from meshserve.attention.metadata import AttentionMetadata
 
-    def plan(backend, query_len):
-        blocks = [list(range(1, 2 + query_len // 16))]
-        meta = AttentionMetadata.build(query_lens=[query_len, 1], seq_lens=[query_len, 40],
+    def plan(backend, query_len, cached=16):
+        """A prefill of query_len after `cached` tokens (0: a fresh prompt, in the fresh tiles), and a decode."""
+        blocks = [list(range(1, 2 + (cached + query_len) // 16))]
+        meta = AttentionMetadata.build(query_lens=[query_len, 1], seq_lens=[cached + query_len, 40],
                                        block_tables=blocks + [[0, 0, 0]], block_size=16)
         return backend.plan(meta)
 
@@ -170,7 +171,10 @@ def test_long_prefills_plan_the_long_prefill_tiles():
     backend = TritonBackend(problem, num_sms=132)
     long_plan = plan(backend, LONG_PREFILL_QUERIES)
     assert long_plan.prefill == backend.long_prefill_cfg and backend.long_prefill_cfg.block_m == 256
-    assert long_plan.tile_seq.numel() == LONG_PREFILL_QUERIES // 256
+    assert long_plan.tile_seq.numel() == LONG_PREFILL_QUERIES // 256 and long_plan.fresh_tile_seq is None
+    fresh = plan(backend, LONG_PREFILL_QUERIES, cached=0)  # a fresh prompt: the fresh tiles, whatever its length
+    assert fresh.tile_seq.numel() == 0 and fresh.fresh_prefill == backend.fresh_cfg()
+    assert fresh.fresh_tile_seq.numel() == LONG_PREFILL_QUERIES // backend.fresh_cfg().block_m
     assert plan(backend, LONG_PREFILL_QUERIES - 1).prefill == backend.prefill_cfg != backend.long_prefill_cfg
     fixed = PrefillConfig(64, 32, 4, 2)
     assert plan(TritonBackend(problem, prefill_config=fixed), LONG_PREFILL_QUERIES).prefill == fixed
