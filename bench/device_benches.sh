@@ -37,6 +37,10 @@
 #   . bench/device_setup.sh && bash bench/device_benches.sh fp8head    (carry .whlfi07, as e2e42)
 #       issue 42 item 4 alone: the 8B bs-1 decode step in bf16, FP8 weights, FP8 weights + FP8 LM head,
 #       no TTFT (the three e2e.py runs of e2e42 that item 4 needs, side by side in one call)
+#   . bench/device_setup.sh && bash bench/device_benches.sh ttft      (carry .whlfi07)
+#       issue 42 item 5 after the fresh-prefill defaults: the 8B shape's TTFT at 4k/16k and bs-1 step, TRITON
+#       forced then the default (FLASHINFER's ragged prefill), then the GPU tests of the new defaults (fresh
+#       prefill, TRITON's FlashMLA-structured MLA decode, FlashInfer's kernels) within the call
 #   . bench/device_setup.sh && bash bench/device_benches.sh fresh     (carry .whlfi07)
 #       issue 42: prefill of fresh prompts from the step's own K/V (bench/prefill_sweep.py, every output
 #       checked first): FlashInfer 0.7's ragged prefill beside its paged one, TRITON fresh-desc and
@@ -64,7 +68,7 @@ e2e_bs1() {  # "name bench/e2e.py flags..." per run: the 8B shape at bs 1, the l
         echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
     done
 }
-case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, fresh or moe}" in
+case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -110,6 +114,9 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, fres
         sed -n '/^| case/,$p' "$OUT/prefill-fresh.log"
         tests fresh_prefill_gpu $((570 - SECONDS)) tests/gpu/test_fresh_prefill_gpu.py tests/gpu/test_prefill_desc_gpu.py \
             -k "fresh" ;;
+    ttft)
+        e2e_bs1 "triton --attention-backend TRITON" "default"
+        BUDGET=$((590 - SECONDS)) bash "$0" tests fresh_prefill mla flashinfer_kernels ;;
     fp8head)  # issue 42 item 4 alone: the bs-1 decode step, bf16 / FP8 weights / FP8 weights + FP8 LM head, no TTFT
         e2e_bs1 "default --ttft-lens=" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;

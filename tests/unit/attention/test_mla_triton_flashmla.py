@@ -16,6 +16,7 @@ from meshserve.attention.mla.backends.triton_common import (
     MLADecodeKernel,
     decode_config,
     flashmla_decode_config,
+    measured_decode_config,
 )
 from meshserve.attention.mla.backends.triton_decode import TritonMLADecodeBackend
 from meshserve.attention.mla.cache import write_latent_kv_torch
@@ -116,9 +117,18 @@ def test_graph_plan_serves_shorter_rows(variant):
     assert used == [math.ceil(k / (math.ceil(math.ceil(k / ns) / bn) * bn)) for k in meta.seq_lens.tolist()]
 
 
-def test_flashmla_is_a_switch_not_the_default():
+def test_flashmla_is_the_default_only_where_it_was_measured():
+    """CUDA sm_90+, 16-bit latents, >= 64 heads: FlashMLA's cut with 64-key tiles at 2 stages; anywhere else
+    (CPU, fp32, FP8 latents, few heads, older GPUs) the shared-rows kernel."""
     for device, dtype in (("cuda", "bfloat16"), ("cuda", "float32"), ("cpu", "float32")):
         assert decode_config(128, dtype, device).kernel is MLADecodeKernel.SHARED_ROWS
+    chosen = measured_decode_config(128, "bfloat16", "cuda", False, (9, 0))
+    assert (chosen.kernel, chosen.value_split, chosen.block_h, chosen.block_n, chosen.num_warps,
+            chosen.num_stages) == (MLADecodeKernel.FLASHMLA, 1, 64, 64, 8, 2)  # fmt: skip
+    for args in ((128, "float32", "cuda", False, (9, 0)), (128, "bfloat16", "cuda", True, (9, 0)),
+                 (16, "bfloat16", "cuda", False, (9, 0)), (128, "bfloat16", "cuda", False, (8, 0)),
+                 (128, "float32", "cpu", False, None)):  # fmt: skip
+        assert measured_decode_config(*args) == decode_config(*args[:3]), args
     cfg = flashmla_decode_config(128, "bfloat16", "cuda")
     assert (cfg.kernel, cfg.value_split, cfg.block_h, cfg.block_n, cfg.num_warps, cfg.num_stages) == (
         MLADecodeKernel.FLASHMLA, 1, 64, 32, 8, 3)

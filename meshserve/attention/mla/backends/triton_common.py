@@ -63,7 +63,7 @@ class MLADecodeKernel(enum.StrEnum):
     """Which Triton kernel the TRITON MLA decode backend launches (a str: configs dump to JSON)."""
 
     SHARED_ROWS = "shared_rows"  # kernels/mla_decode.py: the default, measured (docs/performance.md)
-    FLASHMLA = "flashmla"  # kernels/mla_decode_fm.py: FlashMLA's cut (64-key tiles, split columns); not measured
+    FLASHMLA = "flashmla"  # kernels/mla_decode_fm.py: FlashMLA's cut (64-key tiles, split columns); sm_90 default
 
 
 @dataclass(frozen=True)
@@ -111,17 +111,31 @@ def decode_config(num_heads: int, dtype: str, device: str) -> MLADecodeConfig:
 
 def flashmla_decode_config(num_heads: int, dtype: str, device: str, *, value_split: int = 1,
                            block_n: int | None = None, num_stages: int = 3, prefetch: bool = False) -> MLADecodeConfig:
-    """The switch to the FlashMLA-structured decode kernel (kernels/mla_decode_fm.py): prepared,
-    not measured, so no default uses it; bench/mla_decode_device.py times it against the default
-    and FlashInfer. On the GPU 64 heads x 32-key tiles at 8 warps and 3 stages: the default
-    kernel's tiles with the copies really two tiles deep (the default's wait for all copies at
-    the top of every tile: docs/performance.md). value_split 2: two programs keep 256 output
-    columns each and both compute the scores; prefetch: the next tile through registers."""
+    """The FlashMLA-structured decode kernel (kernels/mla_decode_fm.py) with these tiles;
+    bench/mla_decode_device.py times its variants against the shared-rows kernel and FlashInfer
+    (measured_decode_config picks the default). On the GPU 64 heads x 32-key tiles at 8 warps
+    and 3 stages unless told: the shared-rows kernel's tiles with the copies really two tiles
+    deep. value_split 2: two programs keep 256 output columns each and both compute the scores;
+    prefetch: the next tile through registers."""
     base = decode_config(num_heads, dtype, device)
     if block_n is None:
         block_n = base.block_n if device != "cuda" or dtype == "float32" else 32
     return dataclasses.replace(base, kernel=MLADecodeKernel.FLASHMLA, value_split=value_split, block_n=block_n,
                                num_stages=num_stages if device == "cuda" else base.num_stages, prefetch=prefetch)
+
+
+def measured_decode_config(num_heads: int, dtype: str, device: str, kv_fp8: bool,
+                           compute_capability: tuple[int, int] | None) -> MLADecodeConfig:
+    """The TRITON MLA decode default: where it was measured (CUDA sm_90+, 16-bit latents, 64 heads
+    or more), the FlashMLA-structured kernel with one head block of 64 x [64-key tiles], 8 warps,
+    2 stages: on an H100 (bench/mla_decode_device.py, 2026-12-06, 128 heads, latent 512 + 64,
+    pages of 64) 1.30-1.62x the shared-rows kernel at 64 x 4k, 128 x 2k, 32 x 8k and 8 x 32k
+    (347 / 366 / 389 / 339 against 458 / 476 / 518 / 549 µs), the fastest of the eleven variants
+    timed at every shape. Elsewhere (FP8 latents, fewer heads, other GPUs: not measured) decode_config."""
+    hopper = compute_capability is not None and compute_capability >= (9, 0)
+    if device == "cuda" and hopper and dtype in ("bfloat16", "float16") and not kv_fp8 and num_heads >= 64:
+        return flashmla_decode_config(num_heads, dtype, device, block_n=64, num_stages=2)
+    return decode_config(num_heads, dtype, device)
 
 
 def prefill_config(dtype: str, device: str) -> MLAPrefillConfig:

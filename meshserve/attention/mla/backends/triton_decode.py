@@ -21,7 +21,7 @@ from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.backends.triton_common import (
     MLADecodeConfig,
     MLADecodeKernel,
-    decode_config,
+    measured_decode_config,
     pow2,
     triton_reasons,
     with_notes,
@@ -70,13 +70,14 @@ class TritonMLADecodeBackend(MLABackend):
         partition: int | None = None,
         num_sms: int | None = None,
     ) -> None:
-        """config: kernel and tile shapes (tuning; `flashmla_decode_config` switches to the
-        FlashMLA-structured kernel, not the default until measured); partition: fixed keys per
-        split (tests); num_sms: SMs to fill."""
+        """config: kernel and tile shapes (tuning; default `measured_decode_config`: the
+        FlashMLA-structured kernel where it was measured, else the shared-rows one); partition:
+        fixed keys per split (tests); num_sms: SMs to fill."""
         super().__init__(problem)
         if partition is not None:
             check(partition >= 1, "partition", partition, "an integer >= 1 or None")
-        self.config = config or decode_config(self.spec.num_heads, problem.dtype, problem.device)
+        self.config = config or measured_decode_config(self.spec.num_heads, problem.dtype, problem.device,
+                                                       self.spec.kv_cache_dtype.is_fp8, problem.compute_capability)
         self.partition = partition
         self.num_sms = num_sms
 
