@@ -212,6 +212,14 @@ class ModelRunner:
             wait_for_any([c.grammar for c in self._compiling.values()], GRAMMAR_POLL_S)
         return self._read(flight)
 
+    def step_ready(self) -> bool:
+        """Whether `collect` would return without waiting for the device: the oldest step in
+        flight drew nothing here (another rank samples) or its draw reached the host. Never blocks."""
+        if not self._in_flight:
+            return True
+        flight = self._in_flight[0]
+        return flight.result is not None or flight.draw is None or flight.draw.is_ready()
+
     def _grammar_outcomes(self, result: StepOutput) -> None:
         """Report the grammars whose compile ended or passed its bound (once each) in `result`.
         (A compile past its bound runs on to its end: xgrammar cannot stop it; its thread is

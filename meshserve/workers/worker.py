@@ -64,6 +64,7 @@ class WorkerInfo:
     # the longest encoder input; () and 0 for decoder-only models.
     decoder_prompt: tuple[int, ...] = ()
     max_encoder_len: int = 0
+    device: str = "cpu"  # the rank's device type: on "cuda" a submitted step runs while the host plans the next
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -192,7 +193,8 @@ class Worker:
                                dtype=str(dtype).removeprefix("torch."),
                                kv_groups=tuple((r.sliding_window, r.num_sink_tokens)
                                                for r in layout.decoder_retentions),
-                               decoder_prompt=loaded.decoder_prompt, max_encoder_len=loaded.max_encoder_len)
+                               decoder_prompt=loaded.decoder_prompt, max_encoder_len=loaded.max_encoder_len,
+                               device=self.device.type)
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks, %d KV layer group(s)", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
@@ -271,6 +273,10 @@ class Worker:
     def collect(self) -> StepOutput:
         check(self.runner is not None, "worker", "not started", "start() before collect()")
         return self.runner.collect()
+
+    def step_ready(self) -> bool:
+        """Whether `collect` would return without waiting for the device (a query: never blocks)."""
+        return self.runner is None or self.runner.step_ready()
 
     def expert_load(self) -> list[list[int]]:
         """Rows routed to each expert since start, one list of num_experts counts per MoE layer.
