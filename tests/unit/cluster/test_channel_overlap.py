@@ -11,14 +11,14 @@ import pytest
 
 from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
 from meshserve.cluster.executors.executor import RankError, WorkerSpec
-from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from tests.null_worker import POISON_TOKEN, next_token
 from tests.tiny_models import prompts
-from tests.unit.cluster.cases import assert_same, mixed_requests, reference, serve, threads
+from tests.unit.cluster.cases import assert_no_held_blocks, assert_same, mixed_requests, reference, run_all, serve, threads
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
@@ -160,8 +160,6 @@ def test_disaggregated_hand_over_with_overlap_forced_matches(tiny_llama):
     want = reference(tiny_llama, requests)
 
     async def body(c):
-        from tests.unit.cluster.cases import assert_no_held_blocks, run_all
-
         (prefill,), (decode,) = c.replicas("prefill"), c.replicas("decode")
         assert prefill.core.overlap and decode.core.overlap
         got = await run_all(c, requests)
