@@ -18,7 +18,15 @@ from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from tests.null_worker import POISON_TOKEN, next_token
 from tests.tiny_models import prompts
-from tests.unit.cluster.cases import assert_no_held_blocks, assert_same, mixed_requests, reference, run_all, serve, threads
+from tests.unit.cluster.cases import (
+    assert_no_held_blocks,
+    assert_same,
+    mixed_requests,
+    reference,
+    run_all,
+    serve,
+    threads,
+)
 
 PARAMS = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
           SamplingParams(temperature=0.9, top_k=40, seed=7, max_tokens=10, ignore_eos=True),
