@@ -80,12 +80,8 @@ class EngineCore:
         # where the submit returns before the step is done (CUDA): on a CPU the submit of step N+1
         # computes it whole before step N's tokens are read, which delays every token by a step
         # (a request's first one too: docs/performance.md, "Served time to first token").
-        # An executor may refuse overlap (`overlap_refusal`: a tp > 1 channel replica).
         wanted = config.scheduler.async_scheduling
-        refusal = getattr(self.executor, "overlap_refusal", None)
-        can = callable(getattr(self.executor, "submit_step", None)) and refusal is None
-        if wanted and refusal is not None:
-            log.warning("async_scheduling is set but this replica steps without overlap: %s", refusal)
+        can = callable(getattr(self.executor, "submit_step", None))
         self.overlap = can and (wanted if wanted is not None else bool(getattr(self.executor, "runs_async", False)))
         self._in_flight: ScheduledStep | None = None  # submitted, results not applied yet
         self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls

@@ -171,7 +171,8 @@ class Worker:
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
                                   dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)),
                                   encoder_backend=encoder_backend,
-                                  constraints=self._constraint_builder(loaded.arch))
+                                  constraints=self._constraint_builder(loaded.arch),
+                                  tp_group=ctx.tp_group if par.tp > 1 else None)
         if use_graphs:
             graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                   block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,

@@ -96,19 +96,10 @@ class ChannelExecutor:
                 what=f"step {plan.step_id} ({tokens} tokens)"))
 
     @property
-    def overlap_refusal(self) -> str | None:
-        """Why this replica cannot overlap scheduling with its steps (None: it can). A step's
-        `from_last_step` input token is the previous step's draw on rank 0's device; the other
-        ranks of a tp > 1 replica do not have it (it is not broadcast yet)."""
-        if self.ranks.world > 1:
-            return f"tp={self.ranks.world}: the ranks other than 0 do not receive the previous step's draw"
-        return None
-
-    @property
     def runs_async(self) -> bool:
         """Whether a submitted step runs while the driver plans the next: the ranks run on CUDA
         (their start-up WorkerInfo says). On a CPU a rank computes a step whole when it arrives."""
-        return self.info is not None and self.info.device == "cuda" and self.overlap_refusal is None
+        return self.info is not None and self.info.device == "cuda"
 
     def submit_step(self, plan: StepPlan) -> None:
         """Send a step and return at once (overlap scheduling): the ranks queue it behind the step

@@ -2,16 +2,20 @@
 (channel.py SUBMIT); the rank queues N+1, answers N, and answers the last step when no message follows.
 
 Oracle: the in-process engine without overlap on the same tiny checkpoint (greedy and seeded
-tokens identical), NullWorker's deterministic tokens for the failure paths.
+tokens identical; ranks on a thread, and tp=2 subprocess ranks over gloo), NullWorker's
+deterministic tokens for the failure paths.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from meshserve.cluster.executors.channel_executor import ChannelExecutor, ThreadRanks
 from meshserve.cluster.executors.executor import RankError, WorkerSpec
-from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, SchedulerConfig
+from meshserve.cluster.executors.multiproc import MultiprocExecutor
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from meshserve.core.outputs import FinishReason
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.engine_config import EngineConfig
@@ -180,12 +184,22 @@ def test_disaggregated_hand_over_with_overlap_forced_matches(tiny_llama):
     assert all(r.finish_reason in (FinishReason.LENGTH, FinishReason.STOP) for r in got.values())
 
 
-class _TwoRanks:
-    world = 2
+def test_tp2_subprocess_ranks_overlap_with_rank0s_draw_broadcast(tiny_llama):
+    """tp=2 over gloo: rank 1 takes a `from_last_step` token from rank 0's draw (broadcast in the
+    TP group), so both ranks compute the same step; tokens as the one-rank engine's."""
+    requests = [(f"r{i}", p, PARAMS[i % len(PARAMS)])
+                for i, p in enumerate(prompts(4, seed=3, min_len=3, max_len=40))]
+    oracle = EngineCore(engine_config(str(tiny_llama), overlap=False), progress=False)
+    want = run(oracle, requests)
+    oracle.shutdown()
 
-
-@pytest.mark.xfail(strict=True, reason="tp > 1: the ranks other than 0 do not receive the previous step's "
-                   "draw (ModelRunner._from_last_step reads rank 0's device tokens); needs a broadcast of the "
-                   "draw in the TP group before a step with from_last_step rows")
-def test_tp2_channel_replicas_overlap():
-    assert ChannelExecutor(_TwoRanks()).overlap_refusal is None
+    cfg = dataclasses.replace(engine_config(str(tiny_llama), overlap=True), parallel=ParallelConfig(tp=2))
+    executor = MultiprocExecutor(cfg, device="cpu")
+    core = EngineCore(cfg, executor=executor)
+    try:
+        assert core.overlap
+        spy = Spy(executor)
+        assert run(core, requests) == want
+        assert spy.max_outstanding == 2 and spy.rows_from_last_step > 0
+    finally:
+        core.shutdown()
