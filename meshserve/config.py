@@ -248,7 +248,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     max_queue: int = field(default=1024, metadata={"help": "waiting requests per pool before refusal"})
     async_scheduling: bool | None = field(default=None, metadata={
-        "help": "plan step N+1 while step N runs (single-rank replicas; docs/engine.md). None: where the rank's "
+        "help": "plan step N+1 while step N runs (docs/engine.md). None: where the rank's "
                 "device runs a step asynchronously to the host (CUDA); on a CPU a step's submit computes it whole, "
                 "so overlap would only hand every token out one step later"})
     max_sequences_per_caller: int = field(default=512, metadata={

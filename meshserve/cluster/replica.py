@@ -185,6 +185,8 @@ class Replica:
         rid = ticket.request_id
         self._held[rid] = ticket
         ticket.holder = self.name
+        # A prefill-only request is handed over at its next token: the scheduler plans no step past it.
+        ticket.request.hand_over_at = len(ticket.request.output_ids) + 1 if ticket.prefill_only else 0
         self._idle.clear()
         self._inbox.append(rid)
         request_event(rid, "queued", replica=self.name, prefill_only=ticket.prefill_only)
@@ -194,6 +196,7 @@ class Replica:
         ticket = handoff.ticket
         rid = ticket.request_id
         ticket.prefill_only, ticket.holder = False, self.name
+        ticket.request.hand_over_at = 0
         self._held[rid] = ticket
         self._idle.clear()
         self._adoptions.append(handoff)

@@ -76,7 +76,7 @@ class EngineCore:
         self._arrivals = itertools.count()
         self._ids = itertools.count()
         # Overlap scheduling: the next step is planned and submitted while this one runs, with
-        # executors that can submit a step before collecting the previous one (one rank). Unset, only
+        # executors that can submit a step before collecting the previous one. Unset, only
         # where the submit returns before the step is done (CUDA): on a CPU the submit of step N+1
         # computes it whole before step N's tokens are read, which delays every token by a step
         # (a request's first one too: docs/performance.md, "Served time to first token").

@@ -48,6 +48,11 @@ class Request:
     # compiled, the request is given no step (engine/scheduler.py).
     awaiting_grammar: bool = False
     error: Exception | None = None  # why it finished with FinishReason.ERROR
+    # On a disaggregated prefill replica: the number of output tokens at which it is detached and
+    # handed over (0: never), so never scheduled for more (under overlap scheduling a step planned
+    # before the last one is applied would compute one more token, which the detach drops: the
+    # decode replica would go on after it).
+    hand_over_at: int = 0
     beam: BeamSearchParams | None = None  # set: the request is searched (engine/beam_search.py)
     # The prompt-only root of an n / best_of group: it computes these tokens' K/V, samples
     # nothing, and once they are scheduled the scheduler forks these requests off its blocks.

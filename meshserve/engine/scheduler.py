@@ -189,6 +189,8 @@ class Scheduler:
             num_tokens = len(all_ids)  # = req.num_tokens
             if (pending and len(req.output_ids) + pending >= req.params.max_tokens) or num_tokens + pending >= max_len:
                 continue  # the token being drawn surely finishes it (max_tokens, max_model_len): not past it
+            if req.hand_over_at and len(req.output_ids) + pending >= req.hand_over_at:
+                continue  # handed over (cluster/handover.py) once the tokens drawn so far are known
             n = num_tokens + pending - req.num_computed_tokens  # its uncomputed tokens
             if n > budget:
                 n = budget

@@ -16,6 +16,7 @@ from itertools import chain, compress
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from meshserve.attention.backend import AttentionBackend, KVCache
 from meshserve.attention.metadata import AttentionMetadata
@@ -93,14 +94,17 @@ class ModelRunner:
     def __init__(self, model: GenerativeModel, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  block_size: int, device: torch.device | str, is_driver: bool = True, seed: int = 0,
                  dcp_size: int = 1, dcp_rank: int = 0, layer_groups: Sequence[int] | None = None,
-                 encoder_backend: AttentionBackend | None = None, constraints: ConstraintBuilder | None = None) -> None:
+                 encoder_backend: AttentionBackend | None = None, constraints: ConstraintBuilder | None = None,
+                 tp_group: dist.ProcessGroup | None = None) -> None:
         """block_size: physical tokens per block of this rank's cache. Under DCP (dcp_size > 1) the
         block tables in step plans are logical (block_size * dcp_size tokens per block) and this
         rank stores positions dcp_rank, dcp_rank + dcp_size, ...
         layer_groups: per layer, the KV group whose block tables it reads (KVGroupLayout.group_of_layer);
         default: one group.
         encoder_backend: encoder-decoder models: the backend of the encoder's self-attention.
-        constraints: makes the driver's per-request constraints (None: requests with any are refused)."""
+        constraints: makes the driver's per-request constraints (None: requests with any are refused).
+        tp_group: the replica's ranks when tp > 1: a step whose rows take their input token from the
+        previous step's draw gets rank 0's drawn tokens by a broadcast in it (overlap scheduling)."""
         num_layers = len(backends)  # one per cached attention layer (the model's attention_specs)
         check(len(kv_caches) == num_layers, "kv_caches", len(kv_caches), f"one per attention layer ({num_layers})")
         self.layer_groups = list(layer_groups) if layer_groups is not None else [0] * num_layers
@@ -116,6 +120,7 @@ class ModelRunner:
         self.device = torch.device(device)
         self.is_driver = is_driver
         self.sampler = Sampler(seed=seed, device=self.device) if is_driver else None
+        self.tp_group = tp_group
         self.requests: dict[str, _Request] = {}
         self.tables = RequestTables(self.num_groups)  # every known request's block tables, one row each
         # Set by the worker when decode steps replay CUDA graphs (workers/decode_graphs.py).
@@ -212,6 +217,14 @@ class ModelRunner:
             wait_for_any([c.grammar for c in self._compiling.values()], GRAMMAR_POLL_S)
         return self._read(flight)
 
+    def step_ready(self) -> bool:
+        """Whether `collect` would return without waiting for the device: the oldest step in
+        flight drew nothing here (another rank samples) or its draw reached the host. Never blocks."""
+        if not self._in_flight:
+            return True
+        flight = self._in_flight[0]
+        return flight.result is not None or flight.draw is None or flight.draw.is_ready()
+
     def _grammar_outcomes(self, result: StepOutput) -> None:
         """Report the grammars whose compile ended or passed its bound (once each) in `result`.
         (A compile past its bound runs on to its end: xgrammar cannot stop it; its thread is
@@ -295,6 +308,8 @@ class ModelRunner:
             sample_ids = [ids[i] for i in to_sample]
         if sample_ids and self.is_driver:
             self._draw(sample_ids, logits, flight)
+        elif sample_ids:  # rank 0 draws; the next step may take these rows' tokens (_previous_draw)
+            self._last_rows = dict(zip(sample_ids, range(len(sample_ids))))
 
     def _check_cached(self, cached: CachedRows) -> np.ndarray:
         """[n] the RequestTables rows of a plan's cached rows, after checking that the runner knows
@@ -305,7 +320,7 @@ class ModelRunner:
         drawn = list(compress(ids, cached.from_last_step.tolist()))
         if not all(map(last_rows.__contains__, drawn)):
             check(False, "from_last_step", next(r for r in drawn if r not in last_rows),
-                  "set only for a request that drew a token in the previous step on this (driver) rank")
+                  "set only for a request that drew a token in the previous step that sampled")
         rows = np.fromiter(map(self.tables.row_of.__getitem__, ids), np.int64, len(ids))
         self.tables.check_changes(rows, ids, cached.table_offsets)
         return rows
@@ -317,7 +332,7 @@ class ModelRunner:
         which = np.flatnonzero(cols.from_last_step)
         if not len(which):
             return None
-        tokens = self._last.draw.tokens
+        tokens = self._previous_draw()
         last_rows = self._last_rows
         dst = to_device(torch.from_numpy(ends[which]), self.device)
         src = np.fromiter(map(last_rows.__getitem__, map(ids.__getitem__, which.tolist())), np.int64, len(which))
@@ -327,6 +342,19 @@ class ModelRunner:
             input_ids.index_copy_(0, dst, tokens.index_select(0, src))
 
         return fill
+
+    def _previous_draw(self) -> torch.Tensor:
+        """[n] the tokens the previous sampling step drew, on this rank's device: rank 0's draw,
+        which a tp > 1 replica broadcasts to its other ranks here (every rank runs the same plan,
+        so all of them join; on CUDA the broadcast is queued in stream order: the host waits for nothing)."""
+        if self.tp_group is None:
+            return self._last.draw.tokens
+        if self.is_driver:
+            tokens = self._last.draw.tokens
+        else:
+            tokens = torch.empty(len(self._last_rows), dtype=torch.int64, device=self.device)
+        dist.broadcast(tokens, group=self.tp_group, group_src=0)
+        return tokens
 
     def _run_eager(self, ids: Sequence[str], cols: _Columns, tokens: np.ndarray, tables: list[np.ndarray],
                    batch: _PackedBatch, to_sample: list[int], fill, flight: _InFlight | None = None

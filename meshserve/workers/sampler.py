@@ -77,6 +77,10 @@ class Draw:
         self._copied = torch.cuda.Event()
         self._copied.record()
 
+    def is_ready(self) -> bool:
+        """Whether `to_host` would return without waiting for the device (an event query)."""
+        return self._copied is None or self._copied.query()
+
     def to_host(self) -> tuple[list[int], list[TokenLogprobs | None]]:
         if self._copied is not None:
             self._copied.synchronize()

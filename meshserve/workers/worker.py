@@ -64,6 +64,7 @@ class WorkerInfo:
     # the longest encoder input; () and 0 for decoder-only models.
     decoder_prompt: tuple[int, ...] = ()
     max_encoder_len: int = 0
+    device: str = "cpu"  # the rank's device type: on "cuda" a submitted step runs while the host plans the next
 
     @property
     def is_encoder_decoder(self) -> bool:
@@ -170,7 +171,8 @@ class Worker:
                                   is_driver=ctx.is_driver, seed=self.model_config.seed, dcp_size=par.dcp,
                                   dcp_rank=ctx.dcp_rank, layer_groups=layout.group_of_layer(len(specs)),
                                   encoder_backend=encoder_backend,
-                                  constraints=self._constraint_builder(loaded.arch))
+                                  constraints=self._constraint_builder(loaded.arch),
+                                  tp_group=ctx.tp_group if par.tp > 1 else None)
         if use_graphs:
             graphs = DecodeGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                   block_size=bs, max_local_len=capacity, device=self.device, dcp_size=par.dcp,
@@ -192,7 +194,8 @@ class Worker:
                                dtype=str(dtype).removeprefix("torch."),
                                kv_groups=tuple((r.sliding_window, r.num_sink_tokens)
                                                for r in layout.decoder_retentions),
-                               decoder_prompt=loaded.decoder_prompt, max_encoder_len=loaded.max_encoder_len)
+                               decoder_prompt=loaded.decoder_prompt, max_encoder_len=loaded.max_encoder_len,
+                               device=self.device.type)
         log.info("worker %d ready in %.1fs: %s, backend %s, %d KV blocks, %d KV layer group(s)", self.rank,
                  time.perf_counter() - t0, arch.architecture, backends[0].name, num_blocks, layout.num_groups)
         return self.info
@@ -271,6 +274,10 @@ class Worker:
     def collect(self) -> StepOutput:
         check(self.runner is not None, "worker", "not started", "start() before collect()")
         return self.runner.collect()
+
+    def step_ready(self) -> bool:
+        """Whether `collect` would return without waiting for the device (a query: never blocks)."""
+        return self.runner is None or self.runner.step_ready()
 
     def expert_load(self) -> list[list[int]]:
         """Rows routed to each expert since start, one list of num_experts counts per MoE layer.

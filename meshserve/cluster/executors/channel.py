@@ -10,9 +10,18 @@ on every rank, and whichever read meets its answers keeps them (a started call's
 call, not the step being read). The prefill replica offers a request's KV this way while its
 first token is delivered (cluster/handover.py).
 
+Overlap scheduling (`step_start`, `step_finish`): SUBMIT sends a step whose answer is read later,
+so the driver plans step N+1 while the ranks run step N. On SUBMIT N a rank queues N's kernels
+(Worker.submit), then collects step N-1 if it is still uncollected and (rank 0) sends OUT(N-1);
+a step still uncollected when no message comes is collected as soon as its draw is on the host
+(Worker.step_ready, a CUDA event query between 1 ms polls) and its OUT sent unasked. OUTs leave
+in step order; a STEP or CALL is handled only after every submitted step before it is collected
+(a call such as kv_offer reads KV the step writes). Whichever read meets a submitted step's OUT
+or ERR keeps it for `step_finish`, as for started calls.
+
 Frames: driver -> rank  [routing id, kind, seq, payload, tag]
         rank -> driver  [kind, seq, payload, tag]   (the ROUTER prepends the routing id)
-kind: HELLO, STEP, OUT (rank 0's step result), CALL, RET, ERR, STOP, PULLED; seq: 8-byte counter so a
+kind: HELLO, STEP, SUBMIT, OUT (rank 0's step result), CALL, RET, ERR, STOP, PULLED; seq: 8-byte counter so a
 late answer to an abandoned request is recognised and dropped. An ERR from any rank fails the
 driver's current request (a rank that failed a step has diverged from the others); the same
 request's ERRs from the other ranks are dropped afterwards.
@@ -62,7 +71,9 @@ from meshserve.core.secret import ClusterSecret, RejectedFrames
 log = logging.getLogger("meshserve.channel")
 
 HELLO, STEP, OUT, CALL, RET, ERR, STOP, PULLED = (b"H", b"S", b"O", b"C", b"R", b"E", b"X", b"P")
+SUBMIT = b"U"  # a step answered later (overlap scheduling): the rank collects it at the next message or when done
 POLL_MS = 100
+STEP_POLL_MS = 1  # a rank's poll while a submitted step runs: how late its OUT may leave once the step is done
 # Largest message part each end accepts (zmq.MAXMSGSIZE): zmq drops a peer that announces a bigger
 # one before buffering it, so whoever reaches the driver's port cannot make it allocate what it
 # sends ahead of the HMAC check. A rank's answer is a step output (tokens, logprobs; prompt
@@ -130,6 +141,7 @@ class DriverChannel:
         self._pulled_seq = [0] * world  # per rank, the last PULLED taken
         self.num_pulled = 0  # PULLED messages taken (tests, benches)
         self._calls: dict[int, _Answers] = {}  # calls sent and not finished, by seq (call_start)
+        self._steps: dict[int, _StepAnswer] = {}  # steps submitted and not finished, by seq (step_start)
         self.rejected = RejectedFrames(f"step channel {self.address}")
 
     def wait_ready(self, check: Callable[[], None], *, timeout_s: float) -> None:
@@ -149,6 +161,35 @@ class DriverChannel:
             rank, kind, rseq, payload = self._recv(check, hung=hung)
             if kind == OUT and rseq == seq and rank == 0:
                 return payload
+
+    def step_start(self, plan: bytes, check: Callable[[], None]) -> int:
+        """Send a msgpack StepPlan to every rank to be answered later (SUBMIT) and return at once:
+        the step's seq, for `step_finish`. The ranks queue it behind the previous step and answer
+        that one meanwhile; whichever read meets this step's OUT (or an ERR) keeps it."""
+        seq = self._send_all(SUBMIT, [plan] * self.world, check)
+        self._steps[seq] = _StepAnswer()
+        return seq
+
+    def step_finish(self, seq: int, check: Callable[[], None], *, timeout_s: float | None = None,
+                    what: str = "step") -> bytes:
+        """Rank 0's msgpack StepOutput of the step `step_start` sent as `seq`, waiting for it
+        (timeout_s counts from now: WorkerHungError). A rank that failed it: RankError."""
+        answer = self._steps[seq]
+        hung = _Hung(timeout_s, lambda: f"{what} got no answer from rank 0")
+        try:
+            while answer.payload is None and answer.error is None:
+                if self._sock.poll(POLL_MS, zmq.POLLIN):
+                    self._read_one()  # keeps the answers to submitted steps and started calls
+                else:
+                    check()
+                    hung.check()
+        finally:
+            del self._steps[seq]
+            if answer.payload is None:  # failed or abandoned: the other ranks' late ERRs are dropped
+                self._reported.add(seq)
+        if answer.error is not None:
+            raise RankError(answer.error)
+        return answer.payload
 
     def call(self, method: str, args: Sequence[dict[str, Any]], check: Callable[[], None], *,
              timeout_s: float | None = None) -> list[Any]:
@@ -266,6 +307,10 @@ class DriverChannel:
         if answers is not None:  # a started call's: kept for call_finish
             answers.take(rank, kind, payload)
             return None
+        step = self._steps.get(n) if kind in (OUT, ERR) else None
+        if step is not None:  # a submitted step's: kept for step_finish
+            step.take(rank, kind, payload)
+            return None
         if kind == ERR and n not in self._reported:  # other ranks' errors for the same request: reported
             self._reported.add(n)
             err = msgpack.unpackb(payload)
@@ -327,6 +372,25 @@ class _Answers:
             self.error = f"rank {rank} failed: {err['error']}"
 
 
+class _StepAnswer:
+    """A submitted step's answer as it comes in: rank 0's OUT, or the first rank's error."""
+
+    def __init__(self) -> None:
+        self.payload: bytes | None = None
+        self.error: str | None = None
+
+    def take(self, rank: int, kind: bytes, payload: bytes) -> None:
+        if self.payload is not None or self.error is not None:
+            return
+        if kind == OUT:
+            if rank == 0:
+                self.payload = payload
+            return
+        err = msgpack.unpackb(payload)
+        log.debug("rank error traceback:\n%s", err.get("traceback", ""))
+        self.error = f"rank {rank} failed: {err['error']}"
+
+
 class _Hung:
     """The deadline of one step or call: check() raises WorkerHungError once it has passed."""
 
@@ -346,11 +410,12 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                context: zmq.Context | None = None) -> None:  # fmt: skip
     """Rank end: answer the driver at `address` until it says stop (or keep_going() is False).
 
-    host: a RankHost (execute_step, call, poll_exports, has_pending_exports, pulls_done,
-    kv_pull_done, shutdown); it gets the cluster secret (its KV export server and pulls sign with
-    it). Between messages it serves KV pulls from peers; while an offer is pending it polls every
-    millisecond. When the host's `pulls_done` doorbell rings (a background KV pull finished) it
-    sends the finished pulls' results to the driver unasked (PULLED).
+    host: a RankHost (execute_step, submit_step, collect_step, step_ready, call, poll_exports,
+    has_pending_exports, pulls_done, kv_pull_done, shutdown); it gets the cluster secret (its KV
+    export server and pulls sign with it). Between messages it serves KV pulls from peers; while an
+    offer is pending it polls every millisecond. When the host's `pulls_done` doorbell rings (a
+    background KV pull finished) it sends the finished pulls' results to the driver unasked
+    (PULLED). A submitted step (SUBMIT) is answered at the next message or as soon as it is done.
     """
     name = rank_identity(rank)
     host.secret = auth.secret
@@ -365,10 +430,26 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
     pulled = _PulledSender(sock, auth, name)
     poller = zmq.Poller()
     poller.register(sock, zmq.POLLIN)
+    submitted: list[bytes] = []  # seqs of the steps submitted (SUBMIT) and not collected yet, oldest first
+
+    def send(reply: list[bytes] | None) -> None:
+        if pulled.waiting():
+            pulled.send(host)  # a pull that ended during the step goes ahead of its answer
+        if reply is not None:
+            reply.append(auth.sign(_TO_DRIVER, name, *reply))
+            sock.send_multipart(reply)
+
+    def collect_submitted() -> None:
+        while submitted:
+            send(_collect(host, rank, submitted.pop(0)))
+
     try:
         while keep_going is None or keep_going():
             pulled.watch(host.pulls_done, poller)  # the KV agent (and its doorbell) comes with the worker
-            events = dict(poller.poll(1 if host.has_pending_exports else POLL_MS))
+            if submitted and host.step_ready():  # no next message came before the step ended: answer it now
+                collect_submitted()
+            wait_ms = 1 if host.has_pending_exports else (STEP_POLL_MS if submitted else POLL_MS)
+            events = dict(poller.poll(wait_ms))
             if pulled.rung(events):  # before a message: a kv_pull_done call may take them anyway
                 pulled.send(host)
             if sock in events:
@@ -384,12 +465,16 @@ def serve_rank(host, address: str, auth: ChannelAuth, *, rank: int, keep_going: 
                 last_seq = n
                 if kind == STOP:
                     break
-                reply = _handle(host, rank, kind, seq, payload)
-                if pulled.waiting():
-                    pulled.send(host)  # a pull that ended during the step goes ahead of its answer
-                if reply is not None:
-                    reply.append(auth.sign(_TO_DRIVER, name, *reply))
-                    sock.send_multipart(reply)
+                if kind == SUBMIT:  # queue this step's kernels first, then answer the steps before it
+                    failed = _submit(host, rank, seq, payload)
+                    collect_submitted()
+                    if failed is None:
+                        submitted.append(seq)
+                    else:
+                        send(failed)
+                else:  # a step or call runs after every step submitted before it is collected
+                    collect_submitted()
+                    send(_handle(host, rank, kind, seq, payload))
             host.poll_exports()
     finally:
         host.shutdown()
@@ -441,6 +526,30 @@ class _PulledSender:
         self.sock.send_multipart(reply)
 
 
+def _submit(host, rank: int, seq: bytes, payload: bytes) -> list[bytes] | None:
+    """Submit a step (SUBMIT); None, or the ERR to send once the steps before it are answered."""
+    try:
+        host.submit_step(payload)
+        return None
+    except Exception as exc:
+        return _error(rank, seq, exc)
+
+
+def _collect(host, rank: int, seq: bytes) -> list[bytes] | None:
+    """The oldest submitted step's answer: OUT (rank 0), nothing (other ranks), or ERR."""
+    try:
+        out = host.collect_step()
+        return [OUT, seq, out] if rank == 0 else None
+    except Exception as exc:
+        return _error(rank, seq, exc)
+
+
+def _error(rank: int, seq: bytes, exc: Exception) -> list[bytes]:
+    log.warning("rank %d failed: %r", rank, exc)  # reported to the driver, which fails the replica
+    return [ERR, seq, msgpack.packb({"rank": rank, "error": f"{type(exc).__name__}: {exc}",
+                                     "traceback": traceback.format_exc()})]
+
+
 def _handle(host, rank: int, kind: bytes, seq: bytes, payload: bytes) -> list[bytes] | None:
     try:
         if kind == STEP:
@@ -451,6 +560,4 @@ def _handle(host, rank: int, kind: bytes, seq: bytes, payload: bytes) -> list[by
             return [RET, seq, msgpack.packb(host.call(msg["method"], msg["args"]))]
         raise ValueError(f"unknown message kind {kind!r}")
     except Exception as exc:  # reported to the driver, which fails the replica
-        log.warning("rank %d failed: %r", rank, exc)
-        return [ERR, seq, msgpack.packb({"rank": rank, "error": f"{type(exc).__name__}: {exc}",
-                                         "traceback": traceback.format_exc()})]
+        return _error(rank, seq, exc)

@@ -1,8 +1,10 @@
 """The executor whose ranks serve a persistent step channel, and the group that launches them.
 
 `ChannelExecutor` is the one used across processes: steps travel over a persistent zmq channel
-(channel.py), never as one remote call per rank per step; a `RankGroup` launches and watches
-the ranks (threads here, subprocesses in multiproc.py, Ray actors in ray_executor.py).
+(channel.py), never as one remote call per rank per step, and, with overlap scheduling
+(`submit_step` / `collect_step`), the driver plans the next step while the ranks run this one;
+a `RankGroup` launches and watches the ranks (threads here, subprocesses in multiproc.py, Ray
+actors in ray_executor.py).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -71,6 +74,7 @@ class ChannelExecutor:
         self.start_timeout_s = start_timeout_s
         self.channel = None
         self.info: WorkerInfo | None = None
+        self._submitted: deque[tuple[int, int, str]] = deque()  # (seq, tokens, name) of steps not collected
 
     def start(self) -> WorkerInfo:
         auth = ChannelAuth.new(self.secret)
@@ -90,6 +94,28 @@ class ChannelExecutor:
             return StepOutput.from_msgpack(self.channel.step(
                 plan.to_msgpack(), self.ranks.check, timeout_s=self.deadline.seconds(tokens),
                 what=f"step {plan.step_id} ({tokens} tokens)"))
+
+    @property
+    def runs_async(self) -> bool:
+        """Whether a submitted step runs while the driver plans the next: the ranks run on CUDA
+        (their start-up WorkerInfo says). On a CPU a rank computes a step whole when it arrives."""
+        return self.info is not None and self.info.device == "cuda"
+
+    def submit_step(self, plan: StepPlan) -> None:
+        """Send a step and return at once (overlap scheduling): the ranks queue it behind the step
+        before it and answer that one meanwhile; `collect_step` reads the outputs in order."""
+        tokens = plan.num_new_tokens
+        with self._watch():
+            seq = self.channel.step_start(plan.to_msgpack(), self.ranks.check)
+        self._submitted.append((seq, tokens, f"step {plan.step_id} ({tokens} tokens)"))
+
+    def collect_step(self) -> StepOutput:
+        """The oldest submitted step's output, waiting for it within the step's deadline; a rank
+        that failed it: RankError (the replica then fails, as for execute_step)."""
+        seq, tokens, what = self._submitted.popleft()
+        with self._watch():
+            return StepOutput.from_msgpack(self.channel.step_finish(
+                seq, self.ranks.check, timeout_s=self.deadline.seconds(tokens), what=what))
 
     def call(self, method: str, args: Sequence[dict[str, Any]]) -> list[Any]:
         with self._watch():

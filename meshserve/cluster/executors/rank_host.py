@@ -27,6 +27,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -38,6 +39,7 @@ from meshserve.errors import check
 from meshserve.kvtransfer.rank_agent import KVRankAgent, RankCaches
 from meshserve.parallel.groups import local_rendezvous, remove_rendezvous
 from meshserve.workers.checkpoint import read_arch
+from meshserve.workers.step import StepPlan
 
 log = logging.getLogger("meshserve.rank")
 
@@ -52,6 +54,7 @@ class RankHost:
         self.worker = None
         self._kv_agent: KVRankAgent | None = None
         self._rendezvous = ""  # the FileStore rendezvous this rank made (rank 0), removed at shutdown
+        self._done: deque[bytes] = deque()  # outputs of submitted steps a worker without submit ran whole
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -60,6 +63,27 @@ class RankHost:
         out = self.worker.execute_step(plan)
         hop_trace.mark("rank.step_end")
         return out
+
+    def submit_step(self, plan: bytes) -> None:
+        """Start a step (overlap scheduling, channel.py SUBMIT); `collect_step` returns its output.
+        A worker without submit/collect (a stand-in such as tests' NullWorker) runs it whole here."""
+        check(self.worker is not None, "rank", self.rank, "started before its first step")
+        hop_trace.mark("rank.step_begin")
+        if hasattr(self.worker, "submit"):
+            self.worker.submit(StepPlan.from_msgpack(plan))
+        else:
+            self._done.append(self.worker.execute_step(plan))
+        hop_trace.mark("rank.step_end")
+
+    def step_ready(self) -> bool:
+        """Whether the oldest submitted step can be collected without waiting for the device."""
+        return bool(self._done) or not hasattr(self.worker, "step_ready") or self.worker.step_ready()
+
+    def collect_step(self) -> bytes:
+        """The oldest submitted step's msgpack StepOutput (waits for its draw to reach the host)."""
+        if self._done:
+            return self._done.popleft()
+        return self.worker.collect().to_msgpack()
 
     def call(self, method: str, args: dict[str, Any]) -> Any:
         check(method in RANK_METHODS, "method", method, f"one of {sorted(RANK_METHODS)}")
