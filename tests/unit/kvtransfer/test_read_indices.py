@@ -15,8 +15,8 @@ from meshserve.attention.spec import AttentionSpec
 from meshserve.kvstore.cache_tensors import allocate_caches
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvtransfer.nixl_agent import Region, _offsets
-from meshserve.kvtransfer.read_indices import RegionTable, read_indices
 from meshserve.kvtransfer.rank_io import KVRankIO
+from meshserve.kvtransfer.read_indices import RegionTable, read_indices
 from meshserve.kvtransfer.reshard import Layout, sources_of, staging_caches
 from meshserve.kvtransfer.wire import KVHeader, KVTransferError
 from tests.kv_connector import KVConnector
