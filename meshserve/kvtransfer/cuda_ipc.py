@@ -15,8 +15,11 @@ carried with the offer's endpoint), so a pull asks the exporter nothing before i
 `copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle; kept) and copies
 every frame (a run of consecutive blocks of one layer) on a side stream of the importer
 (`copy_described`): straight into the destination blocks where they form one run too (one batched
-launch for a pull of up to BATCH_BYTES, a memcpy per frame above), else one index_copy_ per frame
-(ImportSession.accept). Then it waits for an event recorded after its own copies (one host wait
+launch for a pull of up to BATCH_BYTES, a memcpy per frame above; as int64 words where the ranges
+allow), else one index_copy_ per frame (ImportSession.accept). The host work per pull is a slice
+per frame and side: an exporter's storages list is resolved once (`SharedSources`: each mapping's
+byte and word views, kept while its mappings are open), our caches' views are made once
+(`KVRankIO.word_views`), and the ranges and runs are checked and found in array passes. Then it waits for an event recorded after its own copies (one host wait
 per pull, on the pull's thread: the decode step thread never waits for it).
 
 No checksum by default: the bytes go from one GPU allocation to another by the copy engine and
