@@ -106,6 +106,10 @@ def _same_runs_per_layer(starts: np.ndarray, sent_first: np.ndarray, count: np.n
     if num_layers == 0 or num_frames % num_layers:
         return None
     per = num_frames // num_layers
+    if per == 1:  # a frame per layer (frames of a GPU's size): one run each, from its start
+        if not (count == count[0]).all():
+            return None
+        return (starts.astype(np.int32)[:, None] + np.arange(count[0], dtype=np.int32)[None, :]).reshape(-1)
     shape = (num_layers, per)
     st, sf, ct = (a.reshape(shape) for a in (starts, sent_first, count))
     base = st - st[:, :1]  # each frame's start relative to its layer's first frame's
