@@ -19,8 +19,9 @@ launch for a pull of up to BATCH_BYTES, a memcpy per frame above; as int64 words
 allow), else one index_copy_ per frame (ImportSession.accept). The host work per pull is a slice
 per frame and side: an exporter's storages list is resolved once (`SharedSources`: each mapping's
 byte and word views, kept while its mappings are open), our caches' views are made once
-(`KVRankIO.word_views`), and the ranges and runs are checked and found in array passes. Then it waits for an event recorded after its own copies (one host wait
-per pull, on the pull's thread: the decode step thread never waits for it).
+(`KVRankIO.word_views`), and the ranges and runs are checked and found in array passes.
+Then it waits for an event recorded after its own copies (one host wait per pull, on the pull's
+thread: the decode step thread never waits for it).
 
 No checksum by default: the bytes go from one GPU allocation to another by the copy engine and
 never leave device memory (no socket, no host buffer), so what a checksum guards against elsewhere

@@ -11,9 +11,10 @@ its name, generation, metadata, regions, and each frame as whole blocks of one r
 (direct_offer.pull_direct: MAC, one-use capability, header check and blocks, the done notice)
 loads the exporter's agent and its regions' prepared descriptor list (once per agent generation:
 nixl_agent.py), checks the description's frames and computes the two index arrays of every block
-they move (read_indices.py: array passes, no Python per frame or per block), and posts one READ, polled until done, cancelled or past the deadline; a
-cancelled or timed-out READ is released (NIXL cancels it) and, if it cannot be, waited for before
-the session frees its blocks, so no late write lands in a block that was given back. An importer
+they move (read_indices.py: array passes, no Python per frame or per block), and posts one READ,
+polled until done, cancelled or past the deadline; a cancelled or timed-out READ is released
+(NIXL cancels it) and, if it cannot be, waited for before the session frees its blocks, so no
+late write lands in a block that was given back. An importer
 without NIXL, or an offer without a NIXL part (frames outside registered memory), pulls the
 bytes over zmq (export_server.py) by the same capability.
 
