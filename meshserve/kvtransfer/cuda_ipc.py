@@ -185,9 +185,10 @@ class IpcImporter:
         keys = [(process, bytes(entry[1]), int(entry[3])) for entry in storages]
         sources = SharedSources.of([self._open(process, entry) for entry in storages])
         with self._lock:
-            if len(self._resolved) >= self.max_open:
-                self._resolved.clear()
-            self._resolved[key] = (keys, sources)
+            if all(k in self._opened for k in keys):  # not kept if another pull closed one meanwhile
+                if len(self._resolved) >= self.max_open:
+                    self._resolved.clear()
+                self._resolved[key] = (keys, sources)
         return sources
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
