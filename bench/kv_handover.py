@@ -69,9 +69,11 @@ from meshserve.kvtransfer.transport import Endpoint, puller_for  # noqa: E402
 from tests.kv_connector import KVConnector  # noqa: E402
 
 BLOCK = 16
-# (layers, KV heads, head size) of the cache shapes: Llama-3-8B (128 KiB a token) and the bundled
-# demo model (meshserve/demo_model: 3 KiB a token, so a 1k-token hand-over is all fixed cost).
-SHAPES = {"llama3-8b": (32, 8, 128), "demo": (6, 2, 64)}
+# (layers, KV heads, head size) of the cache shapes: Llama-3-8B (128 KiB a token), the bundled
+# demo model (meshserve/demo_model: 3 KiB a token, so a 1k-token hand-over is all fixed cost), and
+# Llama-3-8B's blocks with one KV head (16 KiB a token): the same layers and blocks, so the same
+# host work per pull, in an eighth of the memory (a 2-core CPU machine can hold 32k tokens of it).
+SHAPES = {"llama3-8b": (32, 8, 128), "demo": (6, 2, 64), "llama3-8b-1kv": (32, 1, 128)}
 
 
 def token_bytes(shape: str) -> int:
@@ -128,7 +130,8 @@ def exporter() -> None:
     for size in sizes:
         kv.allocate_slots(f"r{size}", size, list(range(size, 2 * size)))  # no prefix shared between sizes
         t0 = time.perf_counter()
-        export = conn.export(f"r{size}", max_frame_bytes=frame_bytes_for(torch.device(device)), checksum=False)
+        frame_bytes = int(cfg["frame_mib"] * 2**20) if cfg.get("frame_mib") else frame_bytes_for(torch.device(device))
+        export = conn.export(f"r{size}", max_frame_bytes=frame_bytes, checksum=False)
         export_ms[size] = (time.perf_counter() - t0) * 1e3  # pin + frame plan and views, no checksum
         caps = [capability(t, size, i) for t in cfg["transports"] for i in range(cfg["reps"] + 1)]
         caps += [capability(f"{t}-burst", size, i) for t in cfg["burst_transports"]
@@ -339,6 +342,7 @@ def run(args) -> tuple[list[dict], list[dict]]:
     where = f"cuda:{args.exporter_gpu}" if args.device == "cuda" else "cpu"
     bursts = burst_sizes(args)
     proc.stdin.write(json.dumps({"device": where, "sizes": args.sizes, "reps": args.reps, "shape": args.shape,
+                                 "frame_mib": args.frame_mib,
                                  "transports": args.transports, "burst_transports": args.burst_transports,
                                  "burst_reps": args.burst_reps, "burst": bursts}) + "\n")
     proc.stdin.flush()
@@ -434,6 +438,9 @@ def main() -> None:
                         "on CUDA (-verify: with the checksum over the copied bytes), zmq,nixl,nixl-verify on CPU")
     parser.add_argument("--burst-transports", default=None, help="pipelined bursts; default: nixl,cuda_ipc on CUDA, "
                         "zmq,nixl on CPU; 'none' for no bursts")
+    parser.add_argument("--frame-mib", type=float, default=None, help="the exporter's frame size (default: the "
+                        "device's, rank_io.frame_bytes_for: 1 MiB on CPU, 256 MiB on CUDA; --frame-mib 256 on CPU "
+                        "gives a pull the frames, hence the per-frame host work, of one on a GPU)")
     parser.add_argument("--burst", type=int, default=8, help="requests per burst (default 8)")
     parser.add_argument("--burst-gib", type=float, default=16.0, help="at most this much receiving cache per "
                         "burst: fewer requests per burst for large sizes (default 16)")

@@ -15,9 +15,13 @@ carried with the offer's endpoint), so a pull asks the exporter nothing before i
 `copy_into` maps each allocation (`_new_shared_cuda`, i.e. cudaIpcOpenMemHandle; kept) and copies
 every frame (a run of consecutive blocks of one layer) on a side stream of the importer
 (`copy_described`): straight into the destination blocks where they form one run too (one batched
-launch for a pull of up to BATCH_BYTES, a memcpy per frame above), else one index_copy_ per frame
-(ImportSession.accept). Then it waits for an event recorded after its own copies (one host wait
-per pull, on the pull's thread: the decode step thread never waits for it).
+launch for a pull of up to BATCH_BYTES, a memcpy per frame above; as int64 words where the ranges
+allow), else one index_copy_ per frame (ImportSession.accept). The host work per pull is a slice
+per frame and side: an exporter's storages list is resolved once (`SharedSources`: each mapping's
+byte and word views, kept while its mappings are open), our caches' views are made once
+(`KVRankIO.word_views`), and the ranges and runs are checked and found in array passes.
+Then it waits for an event recorded after its own copies (one host wait per pull, on the pull's
+thread: the decode step thread never waits for it).
 
 No checksum by default: the bytes go from one GPU allocation to another by the copy engine and
 never leave device memory (no socket, no host buffer), so what a checksum guards against elsewhere
@@ -47,6 +51,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -129,6 +134,9 @@ class IpcImporter:
         self.verify = verify
         self.batch_bytes = batch_bytes
         self._opened: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # a mapping's bytes as a uint8 tensor
+        # an exporter's storages list (process, handles) -> its mappings' keys and SharedSources: an
+        # exporter shares each cache tensor once, so every pull from it lists the same allocations
+        self._resolved: dict[tuple, tuple[list[tuple], SharedSources]] = {}
         self._last_use: dict[str, float] = {}  # exporter process -> monotonic time of its last pull
         self._lock = threading.Lock()
         self._streams: dict[int, torch.cuda.Stream] = {}
@@ -146,7 +154,7 @@ class IpcImporter:
         try:
             process, storages, ranges = str(desc["process"]), desc["storages"], desc["frames"]
             self._close_idle(process)
-            sources = [self._open(process, entry) for entry in storages]
+            sources = self._sources(process, storages)
         except KVTransferError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -162,6 +170,26 @@ class IpcImporter:
         phases.mark("launch")
         copied.synchronize()  # this pull's copies only (other pulls' later ones share the stream)
         phases.mark("wait")
+
+    def _sources(self, process: str, storages: list) -> SharedSources:
+        """The described allocations mapped (`_open`), as SharedSources: made once per exporter's
+        storages list and kept while every mapping of it stays open (its views are then reused:
+        making 32 of them, and their word views, cost ~0.1 ms a pull)."""
+        key = (process, tuple(bytes(entry[1]) for entry in storages))
+        with self._lock:
+            known = self._resolved.get(key)
+            if known is not None and all(k in self._opened for k in known[0]):
+                for k in known[0]:
+                    self._opened.move_to_end(k)
+                return known[1]
+        keys = [(process, bytes(entry[1]), int(entry[3])) for entry in storages]
+        sources = SharedSources.of([self._open(process, entry) for entry in storages])
+        with self._lock:
+            if all(k in self._opened for k in keys):  # not kept if another pull closed one meanwhile
+                if len(self._resolved) >= self.max_open:
+                    self._resolved.clear()
+                self._resolved[key] = (keys, sources)
+        return sources
 
     def _stream(self, device: torch.device) -> torch.cuda.Stream:
         with self._lock:
@@ -187,7 +215,9 @@ class IpcImporter:
                     view.set_(storage, 0, (storage.nbytes(),), (1,))  # made once per mapping, not per pull
                     self._opened[key] = view
                     while len(self._opened) > self.max_open:
-                        self._opened.popitem(last=False)  # closes the mapping once no copy uses it
+                        gone, _ = self._opened.popitem(last=False)  # closes the mapping once no copy uses it
+                        for k in [k for k, (keys, _) in self._resolved.items() if gone in keys]:
+                            del self._resolved[k]  # its views would hold the mapping open
                 else:  # mapped already (the exporter shares each tensor once: nothing to count)
                     self._opened.move_to_end(key)
             except RuntimeError as exc:
@@ -207,7 +237,27 @@ class IpcImporter:
         with self._lock:
             for key in [k for k in self._opened if k[0] == process]:
                 del self._opened[key]
+            for key in [k for k in self._resolved if k[0] == process]:
+                del self._resolved[key]  # its views hold the mappings open
             self._last_use.pop(process, None)
+
+
+@dataclass(frozen=True)
+class SharedSources:
+    """The exporter's allocations a pull copies from: each as flat bytes (uint8), as int64 words
+    where it is 8-byte aligned and sized (else None), its size and its device. Made once per
+    exporter's storages list (IpcImporter keeps it), or per call from plain tensors (the tests)."""
+
+    flat: tuple[torch.Tensor, ...]
+    words: tuple[torch.Tensor | None, ...]
+    nbytes: np.ndarray  # [S] int64
+    devices: frozenset
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> SharedSources:
+        flat = tuple(tensors)
+        words = tuple(None if t.numel() % 8 or t.data_ptr() % 8 else t.view(torch.int64) for t in flat)
+        return cls(flat, words, np.array([t.numel() for t in flat], dtype=np.int64), frozenset(t.device for t in flat))
 
 
 def check_ranges(ranges: object, source_nbytes: Sequence[int], frame_nbytes: Sequence[int]) -> list[list[int]]:
@@ -215,6 +265,12 @@ def check_ranges(ranges: object, source_nbytes: Sequence[int], frame_nbytes: Seq
     passes against the shared allocations' sizes and the header's frame sizes: KVTransferError
     "bad_header" (undecodable, or a range outside its allocation) or "truncated" (another number of
     frames, or a frame of another size) before any copy is queued, so none writes freed blocks."""
+    return _range_table(ranges, source_nbytes, frame_nbytes).tolist()
+
+
+def _range_table(ranges: object, source_nbytes: Sequence[int] | np.ndarray,
+                 frame_nbytes: Sequence[int]) -> np.ndarray:  # fmt: skip
+    """check_ranges' table as an [F, 3] int64 array."""
     try:
         table = np.array(ranges, dtype=np.int64)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -236,30 +292,73 @@ def check_ranges(ranges: object, source_nbytes: Sequence[int], frame_nbytes: Seq
     if wrong.any():
         i = int(np.flatnonzero(wrong)[0])
         raise KVTransferError("truncated", f"frame {i} has {int(nbytes[i])} bytes, expected {frame_nbytes[i]}")
-    return table.tolist()
+    return table
 
 
-def copy_described(session: ImportSession, sources: Sequence[torch.Tensor], ranges: object, *,
+def copy_described(session: ImportSession, sources: SharedSources | Sequence[torch.Tensor], ranges: object, *,
                    batch_bytes: int = BATCH_BYTES, phases: PullPhases = UNTIMED) -> None:  # fmt: skip
     """Queue the copies of every described frame (check_ranges; sources: each shared allocation's
-    bytes, flat uint8) into the session's blocks, on the current stream, and take the frames.
-    Where our blocks of every frame form one run (a fresh reservation), the frames are copied
-    straight into them (one batched launch up to batch_bytes in all, else a memcpy each) and taken
-    at once; else frame by frame, scattered ones by one index_copy_ each (ImportSession.accept).
+    bytes, flat uint8, or their SharedSources) into the session's blocks, on the current stream,
+    and take the frames. Where our blocks of every frame form one run (a fresh reservation), the
+    frames are copied straight into them (one batched launch up to batch_bytes in all, else a
+    memcpy each; as int64 words where every range allows) and taken at once; else frame by frame,
+    scattered ones by one index_copy_ each (ImportSession.accept). One view a frame on each side,
+    sliced from views made once (SharedSources, KVRankIO.word_views); the checks are array passes.
     Device independent: CUDA IPC runs it on its side stream, the tests on CPU tensors."""
-    table = check_ranges(ranges, [s.numel() for s in sources], session.frame_nbytes)
-    srcs = [sources[s][offset : offset + n] for s, offset, n in table]
-    dsts = session.destinations()
-    phases.mark("map")
-    if all(d is not None for d in dsts):
-        _copy_all(dsts, srcs, batch_bytes=batch_bytes)
+    if not isinstance(sources, SharedSources):
+        sources = SharedSources.of(sources)
+    table = _range_table(ranges, sources.nbytes, session.frame_nbytes)
+    in_place, dst_start = session.destination_runs
+    if in_place.all():
+        _copy_in_place(session, sources, table, dst_start, batch_bytes=batch_bytes, phases=phases)
         session.accept_written()
         return
+    srcs = [sources.flat[s][offset : offset + n] for s, offset, n in table.tolist()]
+    dsts = session.destinations()
+    phases.mark("map")
     direct = [d is not None for d in dsts]
     _copy_all([d for d, ok in zip(dsts, direct) if ok], [s for s, ok in zip(srcs, direct) if ok],
               batch_bytes=batch_bytes)
     for i, src in enumerate(srcs):  # in order: checksums after the copies on this stream
         session.accept(i, None if direct[i] else src)  # scattered blocks: one index_copy_ each
+
+
+def _copy_in_place(session: ImportSession, sources: SharedSources, table: np.ndarray, dst_start: np.ndarray, *,
+                   batch_bytes: int, phases: PullPhases) -> None:  # fmt: skip
+    """Every frame straight into its run of our blocks: one slice of a kept view per frame and
+    side (words where every range and view allows), then `_copy_pairs`."""
+    storage, offset, nbytes = table.T
+    layers = session.frame_table[:, 0]
+    ours, theirs = session.io.word_views, sources.words
+    words = (not ((offset | nbytes | dst_start) % 8).any()
+             and all(theirs[s] is not None for s in set(storage.tolist()))
+             and all(ours[layer] is not None for layer in set(layers.tolist())))  # fmt: skip
+    if words:
+        src_views, dst_views, unit = theirs, ours, 8
+    else:
+        src_views, dst_views, unit = sources.flat, session.io.byte_views, 1
+    rows = zip(storage.tolist(), (offset // unit).tolist(), layers.tolist(), (dst_start // unit).tolist(),
+               (nbytes // unit).tolist())  # fmt: skip
+    srcs, dsts = [], []
+    for s, a, layer, d, n in rows:
+        srcs.append(src_views[s][a : a + n])
+        dsts.append(dst_views[layer][d : d + n])
+    phases.mark("map")
+    same_device = sources.devices <= {session.io.device}
+    _copy_pairs(dsts, srcs, batched=same_device and int(nbytes.sum()) <= batch_bytes)
+
+
+def _copy_pairs(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, batched: bool) -> None:
+    """dst.copy_(src) for every pair, in one `torch._foreach_copy_` launch when `batched` (one
+    device), else one by one (each a plain memcpy)."""
+    if batched and dsts:
+        try:
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            return
+        except (RuntimeError, TypeError):  # an unsupported combination: copy one by one
+            pass
+    for d, s in zip(dsts, srcs):
+        d.copy_(s, non_blocking=True)
 
 
 def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, batch_bytes: int) -> None:

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
+from meshserve.kvtransfer.read_indices import RegionTable
 from meshserve.kvtransfer.wire import KVTransferError
 
 log = logging.getLogger("meshserve.kvtransfer")
@@ -170,6 +171,12 @@ class Peer:
     offsets: list[int]
     dlist: Any  # NIXL's prepared list handle
     described: list = field(default_factory=list, repr=False)  # the regions as the description listed them
+
+    @functools.cached_property
+    def region_table(self) -> RegionTable:
+        """The regions as arrays (read_indices.py checks a pull's frames against them), made once."""
+        return RegionTable.of(self.offsets, [r.block_nbytes for r in self.regions],
+                              [r.num_blocks for r in self.regions])
 
 
 @dataclass

@@ -10,10 +10,11 @@ The direct offer's "nixl" part is the exporter agent's description (nixl_agent.N
 its name, generation, metadata, regions, and each frame as whole blocks of one region). The pull
 (direct_offer.pull_direct: MAC, one-use capability, header check and blocks, the done notice)
 loads the exporter's agent and its regions' prepared descriptor list (once per agent generation:
-nixl_agent.py), computes the two index arrays of every block the frames move (array passes, no
-Python per block), and posts one READ, polled until done, cancelled or past the deadline; a
-cancelled or timed-out READ is released (NIXL cancels it) and, if it cannot be, waited for before
-the session frees its blocks, so no late write lands in a block that was given back. An importer
+nixl_agent.py), checks the description's frames and computes the two index arrays of every block
+they move (read_indices.py: array passes, no Python per frame or per block), and posts one READ,
+polled until done, cancelled or past the deadline; a cancelled or timed-out READ is released
+(NIXL cancels it) and, if it cannot be, waited for before the session frees its blocks, so no
+late write lands in a block that was given back. An importer
 without NIXL, or an offer without a NIXL part (frames outside registered memory), pulls the
 bytes over zmq (export_server.py) by the same capability.
 
@@ -48,6 +49,7 @@ from meshserve.kvtransfer.nixl_agent import (  # noqa: F401  (nixl_available, ni
     nixl_module,
 )
 from meshserve.kvtransfer.pull_phases import UNTIMED, PullPhases
+from meshserve.kvtransfer.read_indices import read_indices
 from meshserve.kvtransfer.wire import KVTransferError
 
 
@@ -114,28 +116,7 @@ class NixlPuller:
 def _indices(session, frames: list, layer_offsets: np.ndarray, peer: Peer) -> tuple[np.ndarray, np.ndarray]:
     """Our and the peer's descriptor indices of every block the frames move, in the same order.
     frames: the description's [region, first block, count] per frame; layer_offsets: where each of
-    our cache tensors' block 0 is in our prepared list. A check per frame, then a few array passes
-    over the blocks (no Python per block: a 32k-token pull moves 65536 blocks)."""
-    regions, sent = peer.regions, session.header.frames
-    block_nbytes, frame_nbytes = session.io.block_nbytes, session.frame_nbytes
-    starts, counts, firsts, offsets = [], [], [], []
-    for i, frame in enumerate(frames):
-        try:
-            region, first, count = (int(v) for v in frame)
-            r = regions[region] if 0 <= region else None
-        except (TypeError, ValueError, IndexError) as exc:
-            raise KVTransferError("bad_header", f"NIXL frame {i}: not [region, first block, count]") from exc
-        layer, sent_first, _ = sent[i]
-        if (r is None or first < 0 or count < 1 or first + count > r.num_blocks
-                or r.block_nbytes != block_nbytes[layer] or count * r.block_nbytes != frame_nbytes[i]):
-            raise KVTransferError("bad_header", f"NIXL frame {i} does not match the header's frame or its region")
-        starts.append(peer.offsets[region] + first)
-        counts.append(count)  # == the header's count: same block size, same frame size
-        firsts.append(sent_first)
-        offsets.append(layer_offsets[layer])
-    count = np.array(counts, dtype=np.int64)
-    within = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
-    theirs = np.repeat(np.array(starts, dtype=np.int64), count) + within
-    ours = (session.flat_blocks[np.repeat(np.array(firsts, dtype=np.int64), count) + within]
-            + np.repeat(np.array(offsets, dtype=np.int64), count))
-    return ours.astype(np.int32), theirs.astype(np.int32)
+    our cache tensors' block 0 is in our prepared list. Checked and built in array passes
+    (read_indices.py): no Python per frame or per block."""
+    return read_indices(session.frame_table, frames, session.flat_blocks, layer_offsets,
+                        session.io.block_nbytes_array, peer.region_table)

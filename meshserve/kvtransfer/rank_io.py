@@ -33,7 +33,15 @@ from meshserve.kvstore.cache_tensors import LayerCache, MLACache, block_tensors
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvtransfer.nixl_agent import Region
 from meshserve.kvtransfer.pins import HandoverBlocks
-from meshserve.kvtransfer.wire import FrameDigest, KVHeader, KVLayout, KVTransferError, as_bytes, plan_frames
+from meshserve.kvtransfer.wire import (
+    HASH_BYTES,
+    FrameDigest,
+    KVHeader,
+    KVLayout,
+    KVTransferError,
+    as_bytes,
+    plan_frames,
+)
 
 DEFAULT_FRAME_BYTES = 1 << 20  # small enough to pipeline sender and receiver copies
 # Caches on a GPU: a frame per run of blocks up to this size. Per frame the device transports
@@ -163,6 +171,17 @@ class KVRankIO:
         return [as_bytes(c.data) for c in self.caches]
 
     @functools.cached_property
+    def word_views(self) -> list[torch.Tensor | None]:
+        """Each cache tensor as flat int64 words where it is 8-byte aligned and sized (else None),
+        made once: a device copy of a frame moves words, not bytes (a thread per element)."""
+        return [_as_words(v) for v in self.byte_views]
+
+    @functools.cached_property
+    def block_nbytes_array(self) -> np.ndarray:
+        """`block_nbytes` as an int64 array (made once; a NIXL pull checks its frames against it)."""
+        return np.array(self.block_nbytes, dtype=np.int64)
+
+    @functools.cached_property
     def regions(self) -> tuple[Region, ...]:
         """Each cache tensor as a registered-memory region (a NIXL READ's side of it), made once:
         the tensors are this object's for its lifetime."""
@@ -228,8 +247,10 @@ class KVRankIO:
             raise KVTransferError("bad_header", f"nbytes {header.nbytes} != the sum of the frame sizes")
         full = header.num_tokens // self.tokens_per_block
         counts = {len(g) for g in header.block_hashes}
-        if len(counts) > 1 or max(counts) > full or any(set(map(len, g)) - {32} for g in header.block_hashes):
-            raise KVTransferError("bad_header", f"block_hashes: as many in every group, at most {full} of 32 bytes")
+        sized = header.hashes_sized or not any(set(map(len, g)) - {HASH_BYTES} for g in header.block_hashes)
+        if len(counts) > 1 or max(counts) > full or not sized:
+            raise KVTransferError("bad_header", f"block_hashes: as many in every group, at most {full} of "
+                                  f"{HASH_BYTES} bytes")  # fmt: skip
 
     def begin_import(self, header: KVHeader | bytes | memoryview, blocks: Sequence[Sequence[int]], *,
                      on_finish: Callable[[], None] | None = None, on_abort: Callable[[], None] | None = None,
@@ -316,7 +337,13 @@ class ImportSession:
     @functools.cached_property
     def flat_blocks(self) -> np.ndarray:
         """Our blocks in the sent order (frame i covers flat_blocks[first:first + count])."""
-        return np.array(self._flat, dtype=np.int64)
+        return np.fromiter(self._flat, dtype=np.int64, count=len(self._flat))
+
+    @functools.cached_property
+    def frame_table(self) -> np.ndarray:
+        """The header's frames as an [F, 3] int64 array: (cache tensor, first sent block, count)."""
+        frames = self.header.frames
+        return np.array(frames, dtype=np.int64).reshape(len(frames), 3)
 
     def destinations(self) -> list[torch.Tensor | None]:
         """`destination(i)` of every frame, made once per import (a device transport asks for all
@@ -330,6 +357,19 @@ class ImportSession:
                 out.append(views[layer][start * size : (start + n) * size] if end - start == n - 1 else None)
             self._destinations = out
         return self._destinations
+
+    @functools.cached_property
+    def destination_runs(self) -> tuple[np.ndarray, np.ndarray]:
+        """(in_place, start): per frame, whether our blocks for it form one run (`destination` is
+        not None), and where that run starts in its cache tensor's flat bytes. Array passes, no
+        tensor made (a device transport slices the words it copies into itself)."""
+        table, flat = self.frame_table, self.flat_blocks
+        layer, first, count = table.T
+        if not len(table):
+            return np.zeros(0, dtype=bool), np.zeros(0, dtype=np.int64)
+        start = flat[first]
+        in_place = flat[first + count - 1] - start == count - 1
+        return in_place, start * self.io.block_nbytes_array[layer]
 
     def destination(self, index: int) -> torch.Tensor | None:
         """Our cache bytes for frame `index` (flat uint8, writable) when its blocks are one run."""
@@ -437,6 +477,13 @@ class ImportSession:
 
     def __exit__(self, *exc: object) -> None:
         self.abort()
+
+
+def _as_words(flat: torch.Tensor) -> torch.Tensor | None:
+    """A flat uint8 tensor as int64 words (no copy), or None where it is not 8-byte aligned and sized."""
+    if flat.numel() % 8 or flat.data_ptr() % 8:
+        return None
+    return flat.view(torch.int64)
 
 
 def _frombuffer(data: object) -> torch.Tensor:

@@ -201,3 +201,34 @@ def test_a_direct_pull_asks_nothing_first_spends_its_capability_and_lets_the_exp
     finally:
         server.close()
         sockets.close()
+
+
+def test_an_importer_reuses_an_exporters_mapped_views_until_a_mapping_closes(monkeypatch):
+    """IpcImporter resolves an exporter's storages list (each allocation mapped, its views made)
+    once and reuses it at later pulls; once a mapping of it is closed (the exporter forgotten, or
+    evicted beyond max_open) the list is resolved afresh, so no kept view holds a closed mapping
+    open. Mapping is faked with CPU storages (no GPU here)."""
+    from meshserve.kvtransfer import cuda_ipc
+
+    opened = []
+
+    def new_shared(device, handle, size, *rest):
+        opened.append(bytes(handle))
+        return torch.UntypedStorage(size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "_new_shared_cuda", staticmethod(new_shared), raising=False)
+    monkeypatch.setattr(torch.cuda, "_lazy_init", lambda: None)
+    monkeypatch.setattr(cuda_ipc, "local_gpus", lambda: {"gpu-0": 0})
+    entry = lambda h, size: ["gpu-0", h, size, 0, b"rc", 0, None, False]  # noqa: E731
+    storages = [entry(b"handle-a", 64), entry(b"handle-b", 40)]
+    importer = cuda_ipc.IpcImporter(max_open=2)
+    first = importer._sources("p1", storages)
+    assert opened == [b"handle-a", b"handle-b"] and first.nbytes.tolist() == [64, 40]
+    assert first.words[0] is not None and first.words[1] is not None  # 8-byte sized: copied as words
+    assert importer._sources("p1", [list(e) for e in storages]) is first and len(opened) == 2  # kept
+    importer.forget("p1")
+    assert importer.num_open == 0 and importer._sources("p1", storages) is not first and len(opened) == 4
+    importer._sources("p2", [entry(b"handle-c", 8)])  # a third mapping: handle-a's is closed (max_open 2)
+    assert importer.num_open == 2
+    again = importer._sources("p1", storages)  # mapped afresh, not served from the kept list
+    assert opened[-2:] == [b"handle-a", b"handle-b"] and again is not first and again.flat[0].numel() == 64
