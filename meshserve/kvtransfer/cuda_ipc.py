@@ -369,13 +369,7 @@ def _copy_all(dsts: list[torch.Tensor], srcs: list[torch.Tensor], *, batch_bytes
     if not dsts:
         return
     total = sum(d.numel() for d in dsts)
-    if total <= batch_bytes and all(d.device == s.device for d, s in zip(dsts, srcs)):
-        if all(t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 for t in (*dsts, *srcs)):
-            dsts, srcs = [d.view(torch.int64) for d in dsts], [s.view(torch.int64) for s in srcs]
-        try:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            return
-        except (RuntimeError, TypeError):  # an unsupported combination: copy one by one
-            pass
-    for d, s in zip(dsts, srcs):
-        d.copy_(s, non_blocking=True)
+    batched = total <= batch_bytes and all(d.device == s.device for d, s in zip(dsts, srcs))
+    if batched and all(t.numel() % 8 == 0 and t.data_ptr() % 8 == 0 for t in (*dsts, *srcs)):
+        dsts, srcs = [d.view(torch.int64) for d in dsts], [s.view(torch.int64) for s in srcs]
+    _copy_pairs(dsts, srcs, batched=batched)
