@@ -147,6 +147,20 @@ class BackendCapabilities:
         return out
 
 
+def step_kv_refusals(spec: AttentionSpec, dcp_size: int) -> list[str]:
+    """Why a prefill's keys cannot be read from the step's own K/V (what forward is given beside
+    the query) instead of the cache, whatever the step: the fresh-prefill paths of TRITON and
+    FLASHINFER check this first. Empty: they can, for sequences with no cached context."""
+    out = []
+    if spec.attn_type is AttentionType.CROSS:
+        out.append("cross attention attends over the encoder's cached keys, not the step's")
+    if spec.kv_cache_dtype.is_fp8:
+        out.append(f"an {spec.kv_cache_dtype} cache: prefill must read the quantized keys decode reads")
+    if dcp_size > 1:
+        out.append("DCP: a rank stores only its share of the step's keys")
+    return out
+
+
 def _cc(cc: tuple[int, int] | None) -> str:
     return "any" if cc is None else f"{cc[0]}.{cc[1]}"
 

@@ -43,6 +43,7 @@ from meshserve.attention.backend import (
     BackendCapabilities,
     KVCache,
     LayerParams,
+    step_kv_refusals,
 )
 from meshserve.attention.backends.flashinfer_dcp import dcp_mask_plan, empty_decode_rows
 from meshserve.attention.backends.flashinfer_kernels import decode_kernel, prefill_kernel
@@ -203,13 +204,7 @@ class FlashInferBackend(AttentionBackend):
         spec, out = self.spec, []
         if not self.ragged_prefill:
             out.append("not asked for (ragged_prefill=False; the default below sm_90, where it was not measured)")
-        if spec.attn_type is AttentionType.CROSS:
-            out.append("cross attention attends over the encoder's cached keys, not the step's")
-        if spec.kv_cache_dtype.is_fp8:
-            out.append(f"an {spec.kv_cache_dtype} cache: prefill must read the quantized keys decode reads")
-        dcp = max(self.problem.dcp_size, metadata.dcp_size if metadata is not None else 1)
-        if dcp > 1:
-            out.append("DCP: a rank stores only its share of the step's keys")
+        out += step_kv_refusals(spec, max(self.problem.dcp_size, metadata.dcp_size if metadata is not None else 1))
         if metadata is not None and spec.attn_type is not AttentionType.CROSS:
             num_p = metadata.num_prefills
             cached = [s for s in range(num_p) if metadata.seq_lens_host[s] != metadata.query_lens_host[s]]

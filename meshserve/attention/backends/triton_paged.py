@@ -23,6 +23,7 @@ from meshserve.attention.backend import (
     BackendCapabilities,
     KVCache,
     LayerParams,
+    step_kv_refusals,
 )
 from meshserve.attention.kernels.config import (
     LONG_PREFILL_QUERIES,
@@ -403,13 +404,7 @@ class TritonBackend(AttentionBackend):
                        "<= 128; a given prefill config must set fresh_kv)")  # fmt: skip
         elif not cfg.fresh_kv:
             out.append("the prefill config does not ask for it (fresh_kv=False)")
-        if spec.attn_type is AttentionType.CROSS:
-            out.append("cross attention attends over the encoder's cached keys, not the step's")
-        if spec.kv_cache_dtype.is_fp8:
-            out.append(f"an {spec.kv_cache_dtype} cache: prefill must read the quantized keys decode reads")
-        if max(dcp_size, self.problem.dcp_size) > 1:
-            out.append("DCP: a rank stores only its share of the step's keys")
-        return out
+        return out + step_kv_refusals(spec, max(dcp_size, self.problem.dcp_size))
 
     def fresh_input_reasons(self, key: torch.Tensor | None, value: torch.Tensor | None, kv_cache: KVCache | None,
                             num_tokens: int) -> list[str]:  # fmt: skip
