@@ -27,6 +27,7 @@ import select
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from bench.served import GreedyGrpc, GreedyOpenAI
 from meshserve.api.bench.loadgen import BenchRequest, Sample
@@ -140,7 +141,9 @@ class BackgroundStreams:
 
     def start(self) -> list[float]:
         """The gaps seen so far (the streams decode when this returns)."""
-        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # cwd: the checkout this module is in, where `-m bench.background_streams` finds it
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     cwd=Path(__file__).resolve().parents[1])
         try:
             gaps, lines = self._read(deadline=time.monotonic() + READY_TIMEOUT_S, lines=1)
             if not lines:

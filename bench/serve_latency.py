@@ -18,9 +18,14 @@ HTTP body and tokenizing, the channel to the engine process, admission, the repl
 step thread, the steps, delivery, the BATCH back, the framing and the write, the client.
 JSON + PNG go to --out.
 
+--background N: N streams of long requests keep decoding while the measured requests arrive;
+served, they run in a child process (bench/background_streams.py), so that the measured
+request's reader is idle as a real client's would be (--background-client loop: in this loop).
+
     python -m bench.serve_latency                              # CPU, demo model, ~3 min
     python -m bench.serve_latency --paths offline,grpc,grpc-inproc --repeats 50
     python -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512   # the H100/H200 run
+    python -m bench.serve_latency --paths offline,http,grpc --background "0 15" --max-tokens 1 --repeats 60
 """
 
 from __future__ import annotations
