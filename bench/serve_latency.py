@@ -18,9 +18,14 @@ HTTP body and tokenizing, the channel to the engine process, admission, the repl
 step thread, the steps, delivery, the BATCH back, the framing and the write, the client.
 JSON + PNG go to --out.
 
+--background N: N streams of long requests keep decoding while the measured requests arrive;
+served, they run in a child process (bench/background_streams.py), so that the measured
+request's reader is idle as a real client's would be (--background-client loop: in this loop).
+
     python -m bench.serve_latency                              # CPU, demo model, ~3 min
     python -m bench.serve_latency --paths offline,grpc,grpc-inproc --repeats 50
     python -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512   # the H100/H200 run
+    python -m bench.serve_latency --paths offline,http,grpc --background "0 15" --max-tokens 1 --repeats 60
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import meshserve.core.hop_trace as hop_trace  # imported before MESHSERVE_HOP_TRACE is set: not traced here
+from bench.background_streams import BackgroundStreams
 from bench.report import pyplot
 from bench.serve_vs_offline import LAYOUTS as SERVE_LAYOUTS
 from bench.serve_vs_offline import face_of, layout_of
@@ -71,11 +77,14 @@ HOPS = [
     ("replica.delivered", "step thread -> loop, delta to the stream's sink"),
     ("engine.batch", "engine: the pass ends, flush: state snapshot"),
     ("frontend.batch_received", "channel: BATCH packed, signed, sent -> front-end, verified"),
-    ("frontend.delta_out", "front-end: BATCH decoded, stream's queue wakes"),
+    ("frontend.delta_out", "front-end: BATCH decoded, stream's queue wakes (after the streams before it, "
+                           "each handed its delta and written)"),
     ("http.write", "HTTP: chunk shaped, SSE framed"),
     ("grpc.write", "gRPC: response message built"),
     ("client", "written -> client: first token read"),
 ]
+# Hops that every stream of a pass crosses in turn (one mark each): see attribute
+PER_STREAM = ("frontend.delta_out", "http.write", "grpc.write")
 
 
 @dataclass
@@ -102,13 +111,14 @@ def pct(values: list[float], q: float) -> float | None:
 # -- offline ---------------------------------------------------------------------------------------
 
 
-def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: int, background: int = 0) -> PathRun:
+def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: int, background: int = 0,
+                background_tokens: int = BACKGROUND_TOKENS) -> PathRun:
     from meshserve.core.sampling_params import SamplingParams
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     run = PathRun(path, max_tokens, background)
     if background:
-        return _offline_beside(llm, run, prompt, params, repeats, warmup)
+        return _offline_beside(llm, run, prompt, params, repeats, warmup, background_tokens)
     core = llm.core
     for i in range(warmup + repeats):
         t0 = time.perf_counter()
@@ -128,13 +138,13 @@ def run_offline(llm, path: str, prompt, max_tokens: int, repeats: int, warmup: i
     return run
 
 
-def _offline_beside(llm, run: PathRun, prompt, params, repeats: int, warmup: int) -> PathRun:
+def _offline_beside(llm, run: PathRun, prompt, params, repeats: int, warmup: int, background_tokens: int) -> PathRun:
     """The engine stepped with `run.background` long requests decoding: each measured request is
     added between two steps (in one thread nothing arrives mid-step) and timed to its first token."""
     from meshserve.core.sampling_params import SamplingParams
 
     core = llm.core
-    long = SamplingParams(temperature=0.0, max_tokens=BACKGROUND_TOKENS, ignore_eos=True)
+    long = SamplingParams(temperature=0.0, max_tokens=background_tokens, ignore_eos=True)
     others: set[str] = set()
 
     def step() -> list:
@@ -179,20 +189,28 @@ def _offline_beside(llm, run: PathRun, prompt, params, repeats: int, warmup: int
 
 
 async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: int, warmup: int,
-                  background: int = 0) -> tuple[PathRun, list[tuple[int, int]]]:
+                  background: int = 0, background_client: str = "process",
+                  background_tokens: int = BACKGROUND_TOKENS) -> tuple[PathRun, list[tuple[int, int]]]:
     """(the run, each measured request's (sent, first token) in perf_counter_ns). background:
-    streams of long requests kept decoding meanwhile (each sent again when it ends); the measured
-    requests are then sent at a random moment of a step (a pause of up to two of its steps)."""
+    streams of long requests kept decoding meanwhile (each sent again when it ends), from a
+    process of their own (background_client "process": bench/background_streams.py; "loop": from
+    this loop, as before 2026-12-06, whose reading of their tokens delays the measured one's);
+    the measured requests are then sent at a random moment of a step (a pause of up to two of
+    its steps)."""
     face = face_of(path)
-    backend = GreedyOpenAI(server.base_url, token=None, model="") if face == "http" else GreedyGrpc(
-        server.grpc_address, token=None, model="")
+    address = server.base_url if face == "http" else server.grpc_address
+    backend = GreedyOpenAI(address, token=None, model="") if face == "http" else GreedyGrpc(
+        address, token=None, model="")
     run, windows = PathRun(path, max_tokens, background), []
     stop = asyncio.Event()
+    in_loop = background and background_client == "loop"
+    child = BackgroundStreams(face, address, prompt, background, background_tokens) if (
+        background and not in_loop) else None
 
     async def keep_decoding(k: int) -> None:
-        long = BenchRequest(prompt, BACKGROUND_TOKENS, seed=1 + k)
+        long = BenchRequest(prompt, background_tokens, seed=1 + k)
         while not stop.is_set():
-            sample = Sample(0, BACKGROUND_TOKENS)
+            sample = Sample(0, background_tokens)
             await backend.send(long, sample, 0.0)
             run.step_ms += [1e3 * (b - a) for a, b in zip(sample.arrivals, sample.arrivals[1:])]
 
@@ -200,12 +218,16 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
     rng = random.Random(0)
     try:
         backend.model, _, _ = await backend.model_info()
-        tasks = [asyncio.ensure_future(keep_decoding(k)) for k in range(background)]
-        if background:
+        if in_loop:
+            tasks = [asyncio.ensure_future(keep_decoding(k)) for k in range(background)]
             await asyncio.sleep(0.5)  # the background decoding
+        elif child is not None:
+            run.step_ms += child.start()  # returns once every stream decodes
         request = BenchRequest(prompt, max_tokens, seed=0)
         for i in range(warmup + repeats):
             if background:
+                if child is not None:
+                    run.step_ms += child.drain()  # between requests: nothing wakes this loop meanwhile
                 step = pct(run.step_ms, 0.5) or 10.0
                 await asyncio.sleep(rng.uniform(0, 2 * step) / 1e3)
             sample = Sample(0, max_tokens)
@@ -220,6 +242,8 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
                 windows.append((int(sent * 1e9), int(sample.arrivals[0] * 1e9)))
     finally:
         stop.set()
+        if child is not None:
+            run.step_ms += child.stop()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -243,19 +267,32 @@ def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[in
     name at or after the hop before it, so that marks of other streams (--background) that come
     earlier are passed over; step.end is the first step that returned deltas. With background
     and overlap scheduling that step may be one whose deltas are the others' (the token comes a
-    step later): the intervals after it then shift into "client"."""
+    step later): the intervals after it then shift into "client". The hops every stream of a
+    pass crosses in turn (PER_STREAM: the front-end hands each its delta and writes it) are the
+    last of their name before the first token within that pass: with background, the first of
+    them are the other streams', and the time the front-end spends on those belongs to the
+    request's wait in the front-end, not to "client" (until 2026-12-06 the bench took the first
+    ones, and "client" held the other streams' writes)."""
     import bisect
 
     times = [m[0] for m in marks]
     for sent, first in windows:
         inside = marks[bisect.bisect_left(times, sent):bisect.bisect_right(times, first)]
         at: dict[str, int] = {}
-        k, prev = 0, sent
+        k, prev, pass_mark = 0, sent, None
         for hop, _what in HOPS[:-1]:
+            if hop in PER_STREAM:
+                continue
             j = next((n for n in range(k, len(inside)) if inside[n][1] == hop), None)
             if j is None:
                 continue
-            at[hop], k = inside[j][0], j + 1
+            at[hop], k, pass_mark = inside[j][0], j + 1, hop
+        # the pass the hops above reached ends where the next pass's mark of the same name is
+        limit = next((n for n in range(k, len(inside)) if inside[n][1] == pass_mark), len(inside))
+        for hop in reversed([h for h, _what in HOPS if h in PER_STREAM]):
+            j = next((n for n in range(limit - 1, k - 1, -1) if inside[n][1] == hop), None)
+            if j is not None:
+                at[hop], limit = inside[j][0], j
         at["client"] = first
         for hop, _what in HOPS:
             if hop in at:
@@ -278,8 +315,10 @@ def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[in
 
 def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list: list[int], *, repeats: int,
             warmup: int, log_dir: Path, trace: bool, backgrounds: tuple[int, ...] = (0,),
+            background_client: str = "process", background_tokens: int = BACKGROUND_TOKENS,
             ) -> tuple[list[PathRun], list[PathRun]]:
-    """(untraced runs, traced runs). Each background count is a run of its own."""
+    """(untraced runs, traced runs). Each background count is a run of its own; background_client:
+    where the served paths' background streams run ("process" or "loop", see _served)."""
     runs, traced = [], []
     for path in (p for p in OFFLINE if p in paths):
         from meshserve.api.llm import LLM
@@ -289,7 +328,7 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
         try:
             for bg in backgrounds:
                 for mt in max_tokens_list:
-                    runs.append(run_offline(llm, path, prompt, mt, repeats, warmup, bg))
+                    runs.append(run_offline(llm, path, prompt, mt, repeats, warmup, bg, background_tokens))
                     print(f"  {path} max_tokens={mt} background={bg}: TTFT p50 {pct(runs[-1].ttft_ms, 0.5):.2f} ms",
                           flush=True)
         finally:
@@ -304,7 +343,8 @@ def run_all(settings: EngineSettings, paths: list[str], prompt, max_tokens_list:
                 for bg in backgrounds:
                     for mt in max_tokens_list:
                         for path in (p for p in served if layout_of(p) == layout):
-                            run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup, bg))
+                            run, windows = asyncio.run(_served(server, path, prompt, mt, repeats, warmup, bg,
+                                                               background_client, background_tokens))
                             if traced_pass:
                                 attribute(run, read_trace(trace_file), windows)
                             (traced if traced_pass else runs).append(run)
@@ -415,6 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--background", default="0",
                     help="space-separated counts of streams kept decoding while the measured requests arrive "
                          "(default '0': nothing else runs; e.g. '0 4': a request arriving mid-step waits for it)")
+    ap.add_argument("--background-client", default="process", choices=["process", "loop"],
+                    help="where the served paths' background streams run: 'process' (default), a child process "
+                         "of their own (bench/background_streams.py), so that the measured request's reader is "
+                         "idle as a real client's is; 'loop': the bench's own asyncio loop, as before 2026-12-06 "
+                         "(reading their tokens delays the measured request's: a bench artefact in 'client')")
     ap.add_argument("--repeats", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--no-trace", action="store_true", help="skip the traced server (the hop breakdown)")
@@ -453,7 +498,8 @@ def main(argv: list[str] | None = None) -> int:
                                   max_model_len=(args.input_len or 64) + max(*max_tokens_list, BACKGROUND_TOKENS) + 64,
                                   kv_cache_memory_bytes=(4 << 30) if gpu else (64 << 20))
         runs, traced = run_all(settings, paths, prompt, max_tokens_list, repeats=args.repeats, warmup=args.warmup,
-                               log_dir=tmp, trace=not args.no_trace, backgrounds=backgrounds)
+                               log_dir=tmp, trace=not args.no_trace, backgrounds=backgrounds,
+                               background_client=args.background_client)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     where = device_name(args.device)
@@ -464,6 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"serve-latency-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
         "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
+        "background_client": args.background_client,
         "settings": asdict(settings), "load_average": os.getloadavg(),
         "runs": [_rounded(asdict(r)) for r in runs], "traced": [_rounded(asdict(r)) for r in traced]}) + "\n")
     plot(runs, traced, out / f"{stem}.png", title)
