@@ -7,7 +7,10 @@ process; models, health and stats from the engine's latest state (carried by eve
 and sent every STATE_PERIOD_S).
 Streams: `generate` sends one OPEN frame and reads its deltas from a queue that the reader task
 fills from the engine's per-step BATCH frames; leaving a stream early sends CANCEL (the engine
-aborts the request and frees its blocks).
+aborts the request and frees its blocks). Within a BATCH, streams that get their first delta are
+handed it before the others get theirs: each stream's reader then writes its chunk in that order
+(SSE or gRPC, ~0.1 ms of this process a stream), so a new request's time to first token does not
+wait for every running stream's write (a running stream's next token moves by as much, once).
 
 If the engine's process exits, or stops reporting for STALE_S, health says so (serving False,
 with the reason: readiness NOT_SERVING, /health 503), every open stream ends with
@@ -72,6 +75,7 @@ class EngineClient:
         self._seq = 0
         self._last_seq = 0
         self._streams: dict[int, tuple[asyncio.Queue, str]] = {}
+        self._awaiting_first: set[int] = set()  # streams that have not been handed a delta yet
         self._numbers = itertools.count(1)
         self._calls: dict[int, asyncio.Future] = {}
         self._health = ServiceHealth(False, 0, 0, "starting: the engine process is loading the model",
@@ -182,6 +186,7 @@ class EngineClient:
         number = next(self._numbers)
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[number] = (queue, request_id)
+        self._awaiting_first.add(number)
         hop_trace.mark("frontend.open")  # (before the send: the peer may well run first)
         self._send(wire.OPEN, msgpack.packb(wire.encode_open(number, prompt, params, beam, request_id, caller,
                                                              priority)))
@@ -202,6 +207,7 @@ class EngineClient:
                         return
         finally:
             self._streams.pop(number, None)
+            self._awaiting_first.discard(number)
             if not finished and self._gone is None:
                 self._send(wire.CANCEL, msgpack.packb([number]))
 
@@ -250,8 +256,11 @@ class EngineClient:
         if kind == wire.BATCH:
             hop_trace.mark("frontend.batch_received")
             items, state = msgpack.unpackb(payload)
-            streams = self._streams
+            streams, fresh = self._streams, self._awaiting_first
+            if fresh:  # first deltas first: stable, the rest keep their order
+                items = sorted(items, key=lambda item: item[0] not in fresh)
             for item in items:
+                fresh.discard(item[0])
                 entry = streams.get(item[0])
                 if entry is None:  # its reader left
                     continue

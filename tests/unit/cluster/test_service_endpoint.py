@@ -184,3 +184,35 @@ def test_the_stats_a_front_end_answers_count_every_token_its_streams_have_seen(t
         assert all(running == 1 for _, _, running, finished in rows if not finished), rows
 
     split(threads(tiny_llama), body, tmp_path)
+
+
+def test_a_first_delta_wakes_its_stream_before_the_running_streams_next_ones(tiny_llama):
+    """Within one BATCH the streams getting their first delta are handed it first (each stream's
+    reader writes its chunk in wake order, so a new request's first token does not wait for every
+    running stream's write); the running streams keep their order among themselves."""
+    import msgpack
+
+    from meshserve.core.outputs import CompletionDelta
+
+    async def main():
+        client = EngineClient("ipc:///unused", wire.ChannelKey(ClusterSecret.generate(), secrets.token_bytes(16)),
+                              model_dir=str(tiny_llama))
+        queues = {n: asyncio.Queue() for n in (1, 2, 3, 4)}
+        for n, queue in queues.items():
+            client._streams[n] = (queue, f"r{n}")
+        client._awaiting_first |= {3, 4}  # 1 and 2 have streamed already; 3 and 4 are new
+        woken = []
+
+        async def reader(n):
+            delta = await queues[n].get()
+            woken.append((n, delta.token_ids))
+
+        readers = [asyncio.create_task(reader(n)) for n in queues]
+        await asyncio.sleep(0)  # every reader waits on its queue
+        items = [wire.encode_delta(n, CompletionDelta(f"r{n}", [10 + n], "")) for n in (1, 4, 2, 3)]
+        client._handle(wire.BATCH, msgpack.packb([items, None]))
+        await asyncio.gather(*readers)
+        assert woken == [(4, [14]), (3, [13]), (1, [11]), (2, [12])]
+        assert not client._awaiting_first  # a stream's later deltas keep the engine's order
+
+    asyncio.run(main())
