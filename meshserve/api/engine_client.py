@@ -7,10 +7,11 @@ process; models, health and stats from the engine's latest state (carried by eve
 and sent every STATE_PERIOD_S).
 Streams: `generate` sends one OPEN frame and reads its deltas from a queue that the reader task
 fills from the engine's per-step BATCH frames; leaving a stream early sends CANCEL (the engine
-aborts the request and frees its blocks). Within a BATCH, streams that get their first delta are
-handed it before the others get theirs: each stream's reader then writes its chunk in that order
-(SSE or gRPC, ~0.1 ms of this process a stream), so a new request's time to first token does not
-wait for every running stream's write (a running stream's next token moves by as much, once).
+aborts the request and frees its blocks). The reader task only routes a BATCH's items to their
+queues, streams getting their first delta first; each stream's reader decodes its own and writes
+its chunk (SSE or gRPC, ~0.1 ms of this process a stream) in that order, so a new request's time
+to first token does not wait for every running stream's decode and write (a running stream's
+next token moves by as much, once).
 
 If the engine's process exits, or stops reporting for STALE_S, health says so (serving False,
 with the reason: readiness NOT_SERVING, /health 503), every open stream ends with
@@ -51,6 +52,14 @@ STALE_S = 10.0  # no report from a live engine process for this long: it is hung
 SHUTDOWN_TIMEOUT_S = 60.0
 WATCH_PERIOD_S = 0.1
 MAX_BATCH_BYTES = 256 << 20  # one step's deltas, prompt logprobs of long prompts included
+
+
+def _decoded(item: list | BaseException, request_id: str) -> CompletionDelta | BaseException:
+    """A stream's queue entry as its reader hands it on: a BATCH item decoded (a delta, or the
+    error that ends the stream), or an exception put there when the engine went away."""
+    if isinstance(item, BaseException):
+        return item
+    return wire.decode_error(*item[2:]) if item[1] is None else wire.decode_delta(item, request_id)
 
 
 class EngineClient:
@@ -196,6 +205,7 @@ class EngineClient:
                 items = [await queue.get()]
                 while not queue.empty():
                     items.append(queue.get_nowait())
+                items = [_decoded(item, request_id) for item in items]  # here: each stream decodes its own
                 for item in coalesce(items) if len(items) > 1 else items:
                     if isinstance(item, BaseException):
                         finished = True
@@ -262,13 +272,8 @@ class EngineClient:
             for item in items:
                 fresh.discard(item[0])
                 entry = streams.get(item[0])
-                if entry is None:  # its reader left
-                    continue
-                queue, request_id = entry
-                if item[1] is None:
-                    queue.put_nowait(wire.decode_error(*item[2:]))
-                else:
-                    queue.put_nowait(wire.decode_delta(item, request_id))
+                if entry is not None:  # else its reader left
+                    entry[0].put_nowait(item)  # as it came: its reader decodes it
             if state is not None:  # before any stream's reader runs: the stats as of its deltas
                 self._take_state(state)
         elif kind == wire.STATE:
