@@ -57,13 +57,15 @@ class _GpuProbe:
 
 @pytest.fixture
 def one_gpu_node():
+    """An embedded one-node cluster that says it has one GPU, started as the server starts its own
+    (rx.ray_init: loopback, and tried again when a loaded machine misses Ray's start-up deadlines)."""
     temp = tempfile.mkdtemp(prefix="msray-", dir="/tmp")
-    with _no_auth(), rx._node_on_loopback():
-        ray.init(num_cpus=1, num_gpus=1, include_dashboard=False, logging_level="WARNING", _temp_dir=temp)
+    with _no_auth():
+        rx.ray_init(num_cpus=1, num_gpus=1, temp_dir=temp)
     try:
         yield
     finally:
-        ray.shutdown()
+        rx.ray_shutdown()
         shutil.rmtree(temp, ignore_errors=True)
 
 

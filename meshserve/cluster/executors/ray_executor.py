@@ -42,10 +42,12 @@ CPU_PER_RANK = 0.01  # without pool resources: ranks are placed, not CPU-limited
 PLACEMENT_LOG_PERIOD_S = 30.0  # how often a replica still waiting for placement says so
 
 
-def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None) -> bool:
+def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_dir: str | None = None,
+             num_gpus: int | None = None) -> bool:
     """Connect to Ray unless already connected. Returns True when this call connected (the
     caller then owns the connection and calls ray_shutdown()). address None starts an embedded
-    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one.
+    cluster (unless RAY_ADDRESS is set); "auto" or "host:port" joins an existing one. num_cpus,
+    num_gpus: the embedded node's resources (None: Ray counts the machine's).
 
     An embedded start that times out (Ray's GCS or raylet slow to come up on a loaded machine;
     Ray says so in several ways: START_UP_TIMEOUTS) is tried again after a back-off, up to
@@ -61,7 +63,7 @@ def ray_init(address: str | None = None, *, num_cpus: int | None = None, temp_di
         return False
     kwargs: dict[str, Any] = {"logging_level": logging.WARNING, "log_to_driver": True}
     if address is None:
-        kwargs.update(include_dashboard=False, num_cpus=num_cpus, _temp_dir=temp_dir)
+        kwargs.update(include_dashboard=False, num_cpus=num_cpus, num_gpus=num_gpus, _temp_dir=temp_dir)
     if address is not None or os.environ.get("RAY_ADDRESS"):
         probe_cluster(address or os.environ["RAY_ADDRESS"])
         ray.init(address=address, **kwargs)
