@@ -22,7 +22,15 @@ from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.kernels.config import PrefillConfig
 from meshserve.attention.registry import load_backend
 from tests.gpu.test_backends_gpu import _fresh, _to_cuda
-from tests.unit.attention.scenarios import Scenario, assert_matches, make_case, poison_unowned_slots, run_backend
+from tests.unit.attention.scenarios import (
+    Scenario,
+    assert_matches,
+    forward_with_fresh_slots_poisoned,
+    make_case,
+    poison_unowned_slots,
+    run_backend,
+    strided_view,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -58,27 +66,6 @@ def _fresh_seqs(scenario) -> list[int]:
     return [s for s, (q, c) in enumerate(zip(scenario.query_lens, scenario.context_lens)) if c == 0 and q > 1]
 
 
-def _run_poisoning_fresh(backend, case, fresh_seqs):
-    """plan, write_kv, NaN over the given sequences' own slots, forward with the LSE."""
-    meta, data, bs = case.metadata, case.kv_cache.data, case.scenario.block_size
-    plan = backend.plan(meta)
-    backend.write_kv(case.key, case.value, case.kv_cache, meta.slot_mapping, plan=plan)
-    qsl = meta.query_start_loc.tolist()
-    for s in fresh_seqs:
-        slots = meta.slot_mapping[qsl[s]: qsl[s + 1]].long()
-        data[slots // bs, :, slots % bs] = float("nan")
-    out, lse = backend.forward(case.query, case.key, strided_view(case.value), case.kv_cache, plan,
-                               layer=case.layer, return_lse=True)  # fmt: skip
-    return out, lse, plan
-
-
-def strided_view(value):
-    """value [T, Hkv, D] as the model hands it over: a view into a wider fused projection
-    (row stride 2 * Hkv * D), so the step's K/V rows are read by their strides."""
-    wide = torch.cat([torch.zeros_like(value).flatten(1), value.flatten(1)], dim=1)
-    return wide[:, value[0].numel():].view(value.shape)
-
-
 def _case(scenario):
     problem = scenario.problem("bfloat16", device="cuda", needs_lse=True,
                                compute_capability=torch.cuda.get_device_capability())  # fmt: skip
@@ -93,7 +80,7 @@ def _case(scenario):
 def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenario):
     problem, case, ref = _case(scenario)
     backend = _backend(kind, problem)
-    out, lse, plan = _run_poisoning_fresh(backend, _fresh(case), _fresh_seqs(scenario))
+    out, lse, plan = forward_with_fresh_slots_poisoned(backend, _fresh(case), _fresh_seqs(scenario))
     assert_matches(out, lse, *ref, torch.bfloat16)
     if kind == "flashinfer_ragged":
         assert plan.ragged and plan.prefill._backend == backend.prefill_kernel
@@ -113,7 +100,7 @@ def test_mixed_step_with_cached_context_stays_right(kind):
     problem, case, ref = _case(MIXED)
     backend = _backend(kind, problem)
     fresh = [] if kind == "flashinfer_ragged" else [1]
-    out, lse, plan = _run_poisoning_fresh(backend, _fresh(case), fresh)
+    out, lse, plan = forward_with_fresh_slots_poisoned(backend, _fresh(case), fresh)
     assert_matches(out, lse, *ref, torch.bfloat16)
     if kind == "flashinfer_ragged":
         assert not plan.ragged and backend.ragged_prefill_reasons(case.metadata)

@@ -305,3 +305,30 @@ def assert_matches(
     if finite.any():
         lse_err = ((lse[finite] - ref_lse[finite]).abs() / ref_lse[finite].abs().clamp(min=1.0)).max().item()
         assert lse_err <= tol, f"LSE relative error {lse_err:.3g} > {tol}"
+
+
+def strided_view(value: torch.Tensor) -> torch.Tensor:
+    """value [T, Hkv, D] as the model hands it over: a view into a wider fused projection
+    (row stride 2 * Hkv * D), so the step's K/V rows are read by their strides."""
+    wide = torch.cat([torch.zeros_like(value).flatten(1), value.flatten(1)], dim=1)
+    return wide[:, value[0].numel():].view(value.shape)
+
+
+def forward_with_fresh_slots_poisoned(backend, case: Case, fresh_seqs=None):
+    """plan, write_kv, NaN over the own cache slots of the sequences that must read the step's
+    K/V (fresh_seqs; None: those TRITON's plan gave fresh tiles), then forward with the LSE and
+    the values as a strided view: a fresh sequence that read the pages shows up as NaN.
+    Returns (out, lse, plan)."""
+    meta = case.metadata
+    plan = backend.plan(meta)
+    backend.write_kv(case.key, case.value, case.kv_cache, meta.slot_mapping, plan=plan)
+    if fresh_seqs is None:
+        fresh_seqs = set(plan.fresh_tile_seq.tolist() if plan.fresh_tile_seq is not None else [])
+    data, bs = case.kv_cache.data, case.scenario.block_size
+    qsl = meta.query_start_loc.tolist()
+    for s in fresh_seqs:
+        slots = meta.slot_mapping[qsl[s]: qsl[s + 1]].long()
+        data[slots // bs, :, slots % bs] = float("nan")
+    out, lse = backend.forward(case.query, case.key, strided_view(case.value), case.kv_cache, plan,
+                               layer=case.layer, return_lse=True)  # fmt: skip
+    return out, lse, plan

@@ -23,6 +23,7 @@ from tests.unit.attention.scenarios import (
     SCENARIO_BY_NAME,
     Scenario,
     assert_matches,
+    forward_with_fresh_slots_poisoned,
     make_case,
     oracle,
     poison_unowned_slots,
@@ -43,27 +44,9 @@ FEATURES = ("sliding_window", "sinks", "streaming_sinks", "alibi", "softcap")
 
 
 def run_fresh(case, cfg):
-    """plan, write_kv, NaN over the fresh sequences' own slots, forward (the values as a strided
-    view); returns (out, lse, plan)."""
+    """TRITON with `cfg` through forward_with_fresh_slots_poisoned: (out, lse, plan)."""
     backend = TritonBackend(case.scenario.problem(needs_lse=True), prefill_config=cfg)
-    meta = case.metadata
-    plan = backend.plan(meta)
-    backend.write_kv(case.key, case.value, case.kv_cache, meta.slot_mapping, plan=plan)
-    data, bs = case.kv_cache.data, case.scenario.block_size
-    qsl = meta.query_start_loc.tolist()
-    for s in set(plan.fresh_tile_seq.tolist() if plan.fresh_tile_seq is not None else []):
-        slots = meta.slot_mapping[qsl[s]: qsl[s + 1]].long()
-        data[slots // bs, :, slots % bs] = float("nan")
-    out, lse = backend.forward(case.query, case.key, strided_view(case.value), case.kv_cache, plan,
-                               layer=case.layer, return_lse=True)  # fmt: skip
-    return out, lse, plan
-
-
-def strided_view(value):
-    """value [T, Hkv, D] as the model hands it over: a view into a wider fused projection
-    (row stride 2 * Hkv * D), so the step's K/V rows are read by their strides."""
-    wide = torch.cat([torch.zeros_like(value).flatten(1), value.flatten(1)], dim=1)
-    return wide[:, value[0].numel():].view(value.shape)
+    return forward_with_fresh_slots_poisoned(backend, case)
 
 
 def check(scenario, cfg, *, seed=4):
