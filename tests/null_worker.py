@@ -44,6 +44,7 @@ class NullWorker:
         self.info: WorkerInfo | None = None
         self._seqs: dict[str, list[int]] = {}
         self._group = None
+        self._done: list[bytes] = []  # outputs of submitted steps, oldest first
 
     def start(self) -> WorkerInfo:
         if self.parallel.tp > 1:
@@ -57,6 +58,17 @@ class NullWorker:
                                block_size=self.cache.block_size, max_model_len=MAX_MODEL_LEN, vocab_size=VOCAB,
                                eos_token_ids=(0,), backend="NULL", dtype="float32")
         return self.info
+
+    def submit(self, plan: StepPlan) -> None:
+        """The Worker's overlap pair (submit, then collect), each step computed at once as a CPU
+        worker computes it: a poisoned step fails here, at its submit."""
+        self._done.append(self.execute_step(plan.to_msgpack()))
+
+    def step_ready(self) -> bool:
+        return True
+
+    def collect(self) -> StepOutput:
+        return StepOutput.from_msgpack(self._done.pop(0))
 
     def execute_step(self, plan_bytes: bytes) -> bytes:
         plan = StepPlan.from_msgpack(plan_bytes)

@@ -27,7 +27,6 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -54,7 +53,6 @@ class RankHost:
         self.worker = None
         self._kv_agent: KVRankAgent | None = None
         self._rendezvous = ""  # the FileStore rendezvous this rank made (rank 0), removed at shutdown
-        self._done: deque[bytes] = deque()  # outputs of submitted steps a worker without submit ran whole
 
     # -- dispatch -------------------------------------------------------------------------------
     def execute_step(self, plan: bytes) -> bytes:
@@ -65,24 +63,18 @@ class RankHost:
         return out
 
     def submit_step(self, plan: bytes) -> None:
-        """Start a step (overlap scheduling, channel.py SUBMIT); `collect_step` returns its output.
-        A worker without submit/collect (a stand-in such as tests' NullWorker) runs it whole here."""
+        """Start a step (overlap scheduling, channel.py SUBMIT); `collect_step` returns its output."""
         check(self.worker is not None, "rank", self.rank, "started before its first step")
         hop_trace.mark("rank.step_begin")
-        if hasattr(self.worker, "submit"):
-            self.worker.submit(StepPlan.from_msgpack(plan))
-        else:
-            self._done.append(self.worker.execute_step(plan))
+        self.worker.submit(StepPlan.from_msgpack(plan))
         hop_trace.mark("rank.step_end")
 
     def step_ready(self) -> bool:
         """Whether the oldest submitted step can be collected without waiting for the device."""
-        return bool(self._done) or not hasattr(self.worker, "step_ready") or self.worker.step_ready()
+        return self.worker.step_ready()
 
     def collect_step(self) -> bytes:
         """The oldest submitted step's msgpack StepOutput (waits for its draw to reach the host)."""
-        if self._done:
-            return self._done.popleft()
         return self.worker.collect().to_msgpack()
 
     def call(self, method: str, args: dict[str, Any]) -> Any:

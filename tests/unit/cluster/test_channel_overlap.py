@@ -120,7 +120,7 @@ def expected(prompt, n):
     return seq[len(prompt):]
 
 
-@pytest.mark.parametrize("worker", ["tests.null_worker:NullWorker",  # fails at submit (the rank runs it whole)
+@pytest.mark.parametrize("worker", ["tests.null_worker:NullWorker",  # fails at submit (computed there)
                                     "tests.unit.cluster.fault_workers:OverlapNullWorker"])  # fails at collect
 def test_a_failed_step_fails_its_own_collect_and_nothing_hangs(tmp_path, worker):
     cfg = null_config(tmp_path)
