@@ -265,6 +265,7 @@ def test_a_description_naming_blocks_outside_the_exporters_region_is_refused_bef
     with exporter(agents[0]) as (src, server), contextlib.ExitStack() as stack:
         dst = stack.enter_context(registered(Replica("gqa", seed=2), agents[1]))
         free = dst.kv.num_free_blocks
+        puller = NixlPuller(agents[1])  # kept, as a rank keeps it: a dropped one's socket drops its queued notice
         for bad in ("past the end", "a block more"):
             cap, endpoint, _ = offer(src, server, f"r-{bad}")
             opened = open_offer(SECRET, cap, endpoint.direct_offer)
@@ -275,8 +276,8 @@ def test_a_description_naming_blocks_outside_the_exporters_region_is_refused_bef
                                                     else [region, first, count + 1]]
             forged = pack_offer(SECRET, [cap], opened.header, {"nixl": desc})
             with pytest.raises(KVTransferError) as info:
-                NixlPuller(agents[1]).pull(dst.connector, dataclasses.replace(endpoint, direct_offer=forged), cap,
-                                           secret=SECRET, timeout_s=30)
+                puller.pull(dst.connector, dataclasses.replace(endpoint, direct_offer=forged), cap, secret=SECRET,
+                            timeout_s=30)
             assert info.value.reason == "bad_header"
             assert dst.kv.num_free_blocks == free and dst.kv.num_requests == 0
         assert drained(server) and src.connector.pins.num_pinned == 0
