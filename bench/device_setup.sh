@@ -31,3 +31,6 @@ export FLASHINFER_CUDA_ARCH_LIST=9.0a TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16
 nvidia-smi -L
 [ -d /tmp/site/ray ] && python3 -c 'import ray, aiohttp; print("ray", ray.__version__, "from /tmp/site; aiohttp", aiohttp.__version__)'
 python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__, torch.cuda.get_device_name())'
+# The host's speed at host-side work (bench/host_probe.py): host-bound timings compare across calls
+# only where this line agrees (2026-12-06: two H100 hosts ran the same host code 1.4-2x apart).
+python3 -m bench.host_probe --out "${OUT:-/tmp}/host_probe.json"
