@@ -104,6 +104,9 @@ class ModelConfig:
     max_model_len: int | None = field(default=None, metadata={"help": "None = the model's own limit"})
     seed: int = 0
     enforce_eager: bool = field(default=False, metadata={"help": "never replay decode steps as CUDA graphs"})
+    warmup: bool | None = field(default=None, metadata={
+        "help": "run three short greedy requests through each replica's engine before it takes requests, so that "
+                "kernels built or compiled at first use are built at start (engine/warmup.py). None: on CUDA"})
     cuda_graph_max_batch: int = field(default=256, metadata={
         "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
     quantization: Quantization = field(default=Quantization.NONE, metadata={
@@ -120,6 +123,8 @@ class ModelConfig:
               "only together with the other linears: quantization='fp8', --quantization fp8)")
         object.__setattr__(self, "small_m_gemm", as_enum(SmallMGemm, "small_m_gemm", self.small_m_gemm))
         check(isinstance(self.enforce_eager, bool), "enforce_eager", self.enforce_eager, "true or false")
+        check(self.warmup is None or isinstance(self.warmup, bool), "warmup", self.warmup,
+              "true, false or unset (on CUDA)")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)
         if self.model is not None:
             check(Path(self.model).is_dir(), "model", self.model, "an existing checkpoint directory")

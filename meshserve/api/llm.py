@@ -59,6 +59,8 @@ class LLM:
     model: HF checkpoint directory, or a hub model id "org/name" at `revision` (None: the bundled demo model).
     num_kv_blocks / kv_cache_memory_bytes: KV pool size (default: 85% of free GPU memory, or
     256 MiB on CPU). The other settings are those of ModelConfig, CacheConfig, SchedulerConfig.
+    warmup: three short greedy requests through the engine at start, so that kernels built or
+    compiled at first use are built then (None: on CUDA; engine/warmup.py).
     block_size: default 16 for generative models; for embedding models the naive layout
     (block_size == max_model_len) unless a smaller block size asks for the paged flash path.
     `task` is "generate" or "embed" (read from the checkpoint's architecture).
@@ -71,7 +73,7 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None, progress: bool = True,
                  revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto",
-                 quantize_lm_head: bool = False) -> None:
+                 quantize_lm_head: bool = False, warmup: bool | None = None) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -100,7 +102,7 @@ class LLM:
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
                               quantization=quantization, small_m_gemm=small_m_gemm,
-                              quantize_lm_head=quantize_lm_head),
+                              quantize_lm_head=quantize_lm_head, warmup=warmup),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),
@@ -312,7 +314,8 @@ def generate_main(args: argparse.Namespace) -> int:
               enforce_eager=args.enforce_eager, async_scheduling=False if args.no_async_scheduling else None,
               max_model_len=args.max_model_len, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               device=args.device, progress=sys.stderr.isatty(), quantization=args.quantization,
-              small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head)
+              small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head,
+              warmup=False)  # one request: a warm-up would only run before it what it builds anyway
     try:
         _stream(llm.core, args, echo=True)
     finally:
@@ -358,7 +361,7 @@ def _generate_rank(rank: int, args: argparse.Namespace, init_method: str, errors
     config = EngineConfig(
         model=ModelConfig(model=args.model, dtype=args.dtype, max_model_len=args.max_model_len,
                           enforce_eager=args.enforce_eager, quantization=args.quantization,
-                          small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head),
+                          small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head, warmup=False),
         cache=CacheConfig(block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
         attention=AttentionConfig(backend=args.attention_backend),
         parallel=ParallelConfig(tp=args.tp, dcp=args.dcp, dcp_comm=args.dcp_comm, ep=args.ep),

@@ -105,6 +105,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     m.add_argument("--enforce-eager", action="store_true",
                    help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
+    m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
+                   help="each replica runs three short greedy requests through its engine before readiness turns "
+                        "SERVING, so that kernels built or compiled at first use are built then, not in a client's "
+                        "first request (default: on CUDA)")
     m.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one returned (default: overlap them where the device "
                         "runs steps asynchronously, i.e. CUDA; on a CPU overlap only delays each token by a step)")
@@ -233,7 +237,7 @@ def configs_of(args: argparse.Namespace):
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
                           small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head,
-                          cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512))),
+                          cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512)), warmup=args.warmup),
         cache=CacheConfig(block_size=args.block_size or DEFAULT_BLOCK_SIZE, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           memory_utilization=args.gpu_memory_utilization,

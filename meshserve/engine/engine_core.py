@@ -26,6 +26,7 @@ from meshserve.engine.request import Request, RequestStatus
 from meshserve.engine.sample_group import SampleGroup
 from meshserve.engine.scheduler import ScheduledStep, Scheduler
 from meshserve.engine.token_bytes import TokenBytes
+from meshserve.engine.warmup import WarmupReport, wants_warmup, warm_up
 from meshserve.errors import check
 from meshserve.kvstore.manager import KVCacheManager
 from meshserve.kvstore.retention import RetentionPolicy
@@ -85,6 +86,13 @@ class EngineCore:
         self.overlap = can and (wanted if wanted is not None else bool(getattr(self.executor, "runs_async", False)))
         self._in_flight: ScheduledStep | None = None  # submitted, results not applied yet
         self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls
+        self.warmup: WarmupReport | None = None  # set where the warm-up ran (engine/warmup.py)
+        if wants_warmup(config.model.warmup, self.info.device):
+            try:
+                self.warmup = warm_up(self)
+            except BaseException:  # a kernel that cannot run fails the start, with no rank left behind
+                self.executor.shutdown()
+                raise
 
     # -- requests --------------------------------------------------------------------------
 

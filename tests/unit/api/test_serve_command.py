@@ -195,3 +195,13 @@ def test_a_shared_port_must_be_free_even_of_a_server_that_would_share_it():
         with pytest.raises(ConfigError, match=f"^http_port={port} is not allowed: a free port on 127.0.0.1"):
             check_port_free("127.0.0.1", port, "http_port")
     check_port_free("127.0.0.1", port, "http_port")  # free again
+
+
+@pytest.mark.parametrize(("flags", "want"), [([], None), (["--warmup"], True), (["--no-warmup"], False)])
+def test_warmup_flag_reaches_the_engine_config(flags, want):
+    """--warmup / --no-warmup: ModelConfig.warmup, which each replica's EngineCore reads at start
+    (unset: on CUDA only; tests/unit/engine/test_warmup.py runs it)."""
+    from meshserve.api.serve import configs_of
+
+    engine, _, _ = configs_of(build_parser().parse_args(["serve", *flags]))
+    assert engine.model.warmup is want
