@@ -26,41 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.null_worker import NullWorker  # noqa: E402
-
-WORKER = "bench.channel_overlap:SimulatedDeviceWorker"
-DEVICE_ENV = "MESHSERVE_BENCH_DEVICE_MS"  # read by the worker, in a rank subprocess too
-
-
-class SimulatedDeviceWorker(NullWorker):
-    """NullWorker (no agreement check: tp=1) whose steps take DEVICE_ENV ms of "device" time."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.device_s = float(os.environ.get(DEVICE_ENV, "0")) / 1e3
-        self._busy_until = 0.0
-        self._submitted: list[tuple[bytes, float]] = []
-
-    def _queue(self) -> float:
-        self._busy_until = max(self._busy_until, time.monotonic()) + self.device_s
-        return self._busy_until
-
-    def execute_step(self, plan_bytes: bytes) -> bytes:  # without overlap: the host waits for the step
-        time.sleep(max(0.0, self._queue() - time.monotonic()))
-        return super().execute_step(plan_bytes)
-
-    def submit(self, plan) -> None:
-        self._submitted.append((plan.to_msgpack(), self._queue()))
-
-    def step_ready(self) -> bool:
-        return not self._submitted or time.monotonic() >= self._submitted[0][1]
-
-    def collect(self):
-        from meshserve.workers.step import StepOutput
-
-        plan, done = self._submitted.pop(0)
-        time.sleep(max(0.0, done - time.monotonic()))
-        return StepOutput.from_msgpack(NullWorker.execute_step(self, plan))
+from tests.simulated_device import DEVICE_ENV, WORKER  # noqa: E402
 
 
 def decode_tpot(runtime: str, overlap: bool, args, model_dir: str) -> float:

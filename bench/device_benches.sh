@@ -22,7 +22,8 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlray)
 #       `serve --pools disaggregated --gpus-per-rank 0.5` on one GPU (tests/gpu/test_gpu_share_gpu.py): Ray too
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh latency
-#       issue 41: served time to first token against offline, one request at a time, hop by hop
+#       issue 41: served time to first token against offline, one request at a time, hop by hop; with
+#       serve --paced-overlap beside serve's defaults (-paced paths)
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)
 #       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
 #       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),
@@ -136,8 +137,11 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, ttft
         done ;;
     latency)  # issue 41's TTFT target: one request at a time (then 15 streams decoding beside it), served
         # HTTP/gRPC against offline, and each hop's share from a traced server (bench/serve_latency.py)
+        # (-paced: serve --paced-overlap, an arrival mid-step joins the next step; off by default until this says)
+        uptime
         timeout 560 python3 -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512 \
-            --background "0 15" --repeats 40 --out "$OUT" 2>&1 | tail -40 ;;
+            --paths offline,http,grpc,http-paced,grpc-paced --background "0 15" --repeats 40 --out "$OUT" \
+            2>&1 | tail -48 ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;

@@ -256,6 +256,10 @@ class SchedulerConfig:
         "help": "plan step N+1 while step N runs (docs/engine.md). None: where the rank's "
                 "device runs a step asynchronously to the host (CUDA); on a CPU a step's submit computes it whole, "
                 "so overlap would only hand every token out one step later"})
+    paced_overlap: bool = field(default=False, metadata={
+        "help": "with overlap scheduling, a replica in a steady decode waits for arrivals for most of the time its "
+                "last step waited for the device before it plans the next one, so that a request arriving while a "
+                "step runs joins the next step, not the one after (cluster/replica.py; off until measured on a GPU)"})
     max_sequences_per_caller: int = field(default=512, metadata={
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
                 "beyond it 429 with Retry-After (a caller's only request is always let in)"})
@@ -266,6 +270,7 @@ class SchedulerConfig:
     def __post_init__(self) -> None:
         check(self.async_scheduling is None or isinstance(self.async_scheduling, bool), "async_scheduling",
               self.async_scheduling, "true, false or unset (where the device runs steps asynchronously)")
+        check(isinstance(self.paced_overlap, bool), "paced_overlap", self.paced_overlap, "true or false")
         t = self.grammar_compile_timeout_s
         check(isinstance(t, int | float) and not isinstance(t, bool) and 0 < t <= 86400, "grammar_compile_timeout_s",
               t, "a number of seconds in (0, 86400]")

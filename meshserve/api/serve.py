@@ -112,6 +112,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--no-async-scheduling", action="store_true",
                    help="plan each step only after the previous one returned (default: overlap them where the device "
                         "runs steps asynchronously, i.e. CUDA; on a CPU overlap only delays each token by a step)")
+    m.add_argument("--paced-overlap", action="store_true",
+                   help="with overlap scheduling, in a steady decode wait for arrivals for most of the time the last "
+                        "step waited for the device before planning the next, so a request arriving mid-step joins "
+                        "the next step (docs/engine.md; off by default until measured on a GPU)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     c = p.add_argument_group("cluster")
     c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
@@ -246,6 +250,7 @@ def configs_of(args: argparse.Namespace):
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue,
                                   async_scheduling=False if args.no_async_scheduling else None,
+                                  paced_overlap=args.paced_overlap,
                                   max_sequences_per_caller=args.max_sequences_per_caller,
                                   grammar_compile_timeout_s=args.grammar_compile_timeout_s),
         attention=AttentionConfig(backend=None if backend in (None, "", "auto") else backend),

@@ -57,6 +57,11 @@ class ReplicaState(enum.Enum):
 RANK_COUNTERS_PERIOD = 64
 WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
 STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
+# Paced overlap (SchedulerConfig.paced_overlap): of the time the last decode step waited for the
+# device, the part spent waiting for arrivals before the next step is planned; the rest (and the
+# margin) absorbs a step a little shorter than the one before, so the device never waits for it.
+PACE_FRACTION = 0.75
+PACE_MARGIN_S = 0.5e-3
 
 
 class Replica:
@@ -285,6 +290,7 @@ class Replica:
                 self._apply()
                 if self.core.has_unfinished():
                     self._idle.clear()
+                    await self._pace()
                     # hand-overs ride along in the step's trip to the thread (_step ticks them first;
                     # a prefill step's first tokens are delivered while it waits for their KV offers)
                     self._after_step(*await self._with_adoptions(self._step))
@@ -305,6 +311,24 @@ class Replica:
             raise
         except Exception as exc:
             self._fail(exc)
+
+    async def _pace(self) -> None:
+        """Paced overlap (SchedulerConfig.paced_overlap). With overlap the next step is planned as
+        soon as the last one returns, while the device still runs the step before: a request
+        that arrives after that planning waits for the running step and the planned one. In a
+        steady decode (core.decode_slack_s: the time the last step() waited in collect), wait
+        here for most of that slack first, so that an arrival meanwhile joins the next step;
+        any wake (an arrival, an abort, a hand-over) ends the wait, and what came is applied."""
+        slack = self.core.decode_slack_s
+        if not self.config.scheduler.paced_overlap or slack is None:
+            return
+        wait = slack * PACE_FRACTION - PACE_MARGIN_S
+        if wait <= 0 or self._inbox or self._aborts or self._releases or self._adoptions or self.handover.imports:
+            return
+        self._wakeup.clear()  # (no await since the checks above: nothing can have come in between)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._wakeup.wait(), wait)
+        self._apply()
 
     async def _with_adoptions(self, fn: Callable[[list[Handoff]], object]):
         """fn(the hand-overs adopted since the last tick) in the step thread; then the settled

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,6 +35,11 @@ from meshserve.workers.step import StepOutput
 from meshserve.workers.worker import WorkerInfo
 
 log = logging.getLogger("meshserve.engine")
+
+
+def _decode_only(step: ScheduledStep) -> bool:
+    """A step of rows that each compute one token (no prompt being prefilled, no grammar poll)."""
+    return bool(step.requests) and not step.polls and all(n == 1 for _, n in step.requests)
 
 
 def kv_manager_for(info: WorkerInfo, *, enable_prefix_caching: bool) -> KVCacheManager:
@@ -85,6 +91,10 @@ class EngineCore:
         can = callable(getattr(self.executor, "submit_step", None))
         self.overlap = can and (wanted if wanted is not None else bool(getattr(self.executor, "runs_async", False)))
         self._in_flight: ScheduledStep | None = None  # submitted, results not applied yet
+        # Overlap: how long the last step() waited in collect for the device, where the step it
+        # collected and the one it submitted were both decode-only (else None): the host's slack
+        # in a steady decode, which the replica's paced overlap spends waiting for arrivals.
+        self.decode_slack_s: float | None = None
         self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls
         self.warmup: WarmupReport | None = None  # set where the warm-up ran (engine/warmup.py)
         if wants_warmup(config.model.warmup, self.info.device):
@@ -228,8 +238,13 @@ class EngineCore:
         if not step.is_empty:
             self.executor.submit_step(step.plan)
         previous, self._in_flight = self._in_flight, (None if step.is_empty else step)
+        self.decode_slack_s = None
         if previous is not None:
-            deltas += self._apply(previous, self.executor.collect_step())
+            started = time.perf_counter()
+            output = self.executor.collect_step()
+            if _decode_only(previous) and _decode_only(step):
+                self.decode_slack_s = time.perf_counter() - started
+            deltas += self._apply(previous, output)
         return deltas
 
     def _apply(self, step: ScheduledStep, output: StepOutput) -> list[CompletionDelta]:
