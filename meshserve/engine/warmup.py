@@ -9,8 +9,9 @@ over cached context), and decode steps with more than one row. A kernel that can
 start here, not a client's request.
 
 Nothing is left behind: the requests finish, their blocks are free again, the prefix hashes of
-their random tokens are forgotten, and greedy rows draw nothing from the sampler's generator (a
-request without a seed gets the tokens it would have got without the warm-up).
+their random tokens are forgotten, the scheduler's counters (metrics) start from zero, and greedy
+rows draw nothing from the sampler's generator (a request without a seed gets the tokens it
+would have got without the warm-up).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from meshserve.core.sampling_params import SamplingParams
+from meshserve.engine.scheduler import SchedulerStats
 from meshserve.errors import MeshserveError
 
 if TYPE_CHECKING:
@@ -82,6 +84,7 @@ def warm_up(core: EngineCore) -> WarmupReport | None:
     _run(core, rounds[0])
     cached = _run(core, rounds[1])
     core.kv.reset_prefix_cache()
+    core.scheduler.stats = SchedulerStats()  # the metrics count clients' requests only
     report = WarmupReport(time.perf_counter() - started, 3, cached)
     log.info("warm-up: %d requests through the engine in %.2f s (%d prompt tokens from the prefix cache)",
              report.requests, report.seconds, report.cached_tokens)

@@ -65,6 +65,7 @@ def test_warmup_runs_the_cached_prefix_path_and_leaves_nothing_behind(engines):
     assert warm.kv.num_free_blocks == cold.kv.num_free_blocks == cold.kv.num_total_blocks
     tokens = warmup_module._tokens(warm.info.vocab_size, 40)
     assert warm.kv.lookup_prefix(tokens).num_tokens == 0  # its hashes were forgotten
+    assert warm.scheduler.stats == cold.scheduler.stats  # the metrics' counters start from zero
     warm.kv.check_invariants()
 
 
