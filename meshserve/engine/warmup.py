@@ -19,15 +19,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.engine.scheduler import SchedulerStats
 from meshserve.errors import MeshserveError
 
 if TYPE_CHECKING:
-    from meshserve.engine.engine_core import EngineCore
+    from collections.abc import Sequence
+
+    from meshserve.core.outputs import CompletionDelta
     from meshserve.engine.request import Request
+    from meshserve.engine.scheduler import Scheduler
+    from meshserve.kvstore.manager import KVCacheManager
+    from meshserve.workers.worker import WorkerInfo
 
 log = logging.getLogger("meshserve.engine")
 
@@ -37,6 +42,19 @@ FIRST_ROUND = (40, 77)
 EXTENSION = 21
 OUTPUT_TOKENS = 2
 MAX_STEPS = 64  # far above what the three requests need: a scheduler that never finishes them is a bug
+
+
+class Engine(Protocol):
+    """What the warm-up uses of an EngineCore (engine_core.py runs it; no import back)."""
+
+    info: WorkerInfo
+    kv: KVCacheManager
+    scheduler: Scheduler
+
+    def make_request(self, prompt: Sequence[int], params: SamplingParams, *, request_id: str) -> Request: ...
+    def add(self, request: Request) -> None: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> list[CompletionDelta]: ...
 
 
 @dataclass(frozen=True)
@@ -54,7 +72,7 @@ def wants_warmup(setting: bool | None, device: str) -> bool:
     return setting if setting is not None else device == "cuda"
 
 
-def warm_up(core: EngineCore) -> WarmupReport | None:
+def warm_up(core: Engine) -> WarmupReport | None:
     """Run the warm-up requests to their end; None where this engine cannot hold them (a KV pool
     or context too small: logged, nothing run)."""
     info = core.info
@@ -98,7 +116,7 @@ def _tokens(vocab_size: int, count: int) -> list[int]:
     return [low + (i * 7919 + 13) % span for i in range(count)]
 
 
-def _run(core: EngineCore, requests: list[Request]) -> int:
+def _run(core: Engine, requests: list[Request]) -> int:
     """Run the requests to their end; the prompt tokens they found cached."""
     for request in requests:
         core.add(request)
