@@ -16,8 +16,14 @@ process, step by step as `direct_offer.pull_direct` and the pullers take them (p
             allocations as they are kept after the first pull: plain tensors here)
   launch    CUDA IPC: the copies queued (the copy kernels themselves patched out: no bytes move)
   finish    the import finished (the bench's commit of the sender's hashes)
+and, on the prefill side, before the pull (one table of its own):
+  blocks out  the driver's HandoverBlocks.to_wire() packed by msgpack (kv_offer's message to its ranks)
+  blocks in   a rank's msgpack unpack and HandoverBlocks.from_wire()
+  export      the rank's export of them (`KVRankIO.export`: the frame plan, the header packed)
+  offer out   the exporter's direct offer made (`pack_offer`: the description packed, its MAC)
 Not here: NIXL's own calls (prep, post, wait, release), the CUDA IPC mapping itself, the done
-notice; bench/kv_handover.py --phases times a real pull between two processes.
+notice, the step channel's own framing and MAC; bench/kv_handover.py --phases times a real pull
+between two processes.
 `--compare OLD_ROOT` runs this script under OLD_ROOT's meshserve (e.g. `git archive <commit> |
 tar -x -C OLD_ROOT`) and this tree's, alternating process by process, and prints both with the
 spread (min-max of the per-process medians).
@@ -36,11 +42,13 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PHASES = ("offer", "header", "indices", "map", "launch", "finish")
+PREFILL = ("blocks out", "blocks in", "export", "offer out")
 LAYERS, KV_HEADS, HEAD, BLOCK = 32, 1, 128, 16
 
 
 def measure(tokens: int, reps: int) -> dict[str, float]:
     """Median µs per phase of `reps` warm pulls of a `tokens`-token request."""
+    import msgpack
     import torch
 
     from meshserve.attention.spec import AttentionSpec
@@ -50,6 +58,7 @@ def measure(tokens: int, reps: int) -> dict[str, float]:
     from meshserve.kvtransfer import cuda_ipc, nixl_transport
     from meshserve.kvtransfer.direct_offer import SpentCapabilities, open_offer, pack_offer
     from meshserve.kvtransfer.nixl_agent import LocalList, Peer, Region, _offsets
+    from meshserve.kvtransfer.pins import HandoverBlocks
     from meshserve.kvtransfer.pull_phases import PullPhases
     from tests.kv_connector import KVConnector
 
@@ -81,8 +90,19 @@ def measure(tokens: int, reps: int) -> dict[str, float]:
     sources = [c.data.view(torch.uint8).reshape(-1) for c in src.io.caches]
     if hasattr(cuda_ipc, "SharedSources"):  # kept per exporter by IpcImporter since it exists
         sources = cuda_ipc.SharedSources.of(sources)
-    times: dict[str, list[float]] = {p: [] for p in PHASES}
+    pinned = src.pins.pin("r").blocks
+    times: dict[str, list[float]] = {p: [] for p in (*PHASES, *PREFILL)}
+    clock = time.perf_counter
     for i in range(reps + 3):
+        t0 = clock()
+        message = msgpack.packb(pinned.to_wire(), use_bin_type=True)
+        t1 = clock()
+        received = HandoverBlocks.from_wire(msgpack.unpackb(message, raw=False))
+        t2 = clock()
+        exported = src.io.export(received, max_frame_bytes=256 << 20, checksum=False)
+        t3 = clock()
+        pack_offer(secret, ["capability"], exported.header_bytes, {"nixl": nixl})
+        t4 = clock()
         phases = PullPhases()
         offer = open_offer(secret, "capability", blob)
         SpentCapabilities().spend("exporter", "capability")
@@ -99,6 +119,8 @@ def measure(tokens: int, reps: int) -> dict[str, float]:
             phases.mark("finish")
         dst_kv.free("r", keep_cache=False)
         if i >= 3:
+            for name, seconds in zip(PREFILL, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+                times[name].append(seconds * 1e6)
             for name, seconds in phases.durations().items():
                 if name in times:
                     times[name].append(seconds * 1e6)
@@ -125,11 +147,16 @@ def run_child(root: str, args) -> dict:
 
 def table(label: str, runs: list[dict], sizes: list[int]) -> None:
     print(f"{label}: µs per pull, median over processes (min-max of the per-process medians)")
-    print(f"{'tokens':>7} " + " ".join(f"{p:>15}" for p in (*PHASES, "total")))
+    for names in (PHASES, PREFILL):
+        _rows(runs, sizes, names)
+
+
+def _rows(runs: list[dict], sizes: list[int], names: tuple[str, ...]) -> None:
+    print(f"{'tokens':>7} " + " ".join(f"{p:>15}" for p in (*names, "total")))
     for n in sizes:
         cells = []
-        for p in (*PHASES, "total"):
-            vals = [sum(r[n].values()) if p == "total" else r[n][p] for r in runs]
+        for p in (*names, "total"):
+            vals = [sum(r[n][q] for q in names) if p == "total" else r[n][p] for r in runs]
             cells.append(f"{statistics.median(vals):.0f} ({min(vals):.0f}-{max(vals):.0f})")
         print(f"{n:>7} " + " ".join(f"{c:>15}" for c in cells))
 

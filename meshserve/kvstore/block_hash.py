@@ -47,15 +47,6 @@ def group_salt(group: int) -> bytes:
     return b"" if group == 0 else b"\xc1" + group.to_bytes(2, "little")
 
 
-def as_hashes(items: Sequence[object]) -> tuple[BlockHash, ...]:
-    """Block hashes decoded from msgpack (bin items) as a tuple, their types checked in one pass
-    (TypeError otherwise) instead of a conversion per hash: a 32k-token hand-over lists 2048 per
-    KV layer group. Lengths are the receiver's check (rank_io)."""
-    if not set(map(type, items)) <= {bytes}:
-        raise TypeError(f"block hashes must be bytes, got {sorted({type(i).__name__ for i in items})}")
-    return tuple(items)  # type: ignore[arg-type]
-
-
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
     """Hash of one full block given its parent's hash (None for the first block).
 

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain, compress, count
 from typing import Any
 
 from meshserve.errors import check
-from meshserve.kvstore.block_hash import BlockHash, as_hashes
+from meshserve.kvstore.block_hash import BlockHash
 from meshserve.kvstore.manager import KVCacheManager, RequestId
+from meshserve.kvtransfer.packed import pack_hashes, pack_u32, unpack_hashes, unpack_u32
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class HandoverBlocks:
     block_tables: tuple[tuple[int, ...], ...]
     block_hashes: tuple[tuple[BlockHash, ...], ...]
     extra_keys: tuple = ()
+    # True when from_wire split the hashes from a packed bin (each HASH_BYTES by construction, checked
+    # by the sender's to_wire): the rank's export packs them into its header without checking again
+    hashes_sized: bool = field(default=False, compare=False, repr=False)
 
     # NULL_BLOCK is 0 (block_pool.py), the only false block id: compress/filter pick the held entries in C,
     # without Python per block (a 32k-token request holds 2048 per group).
@@ -51,15 +55,19 @@ class HandoverBlocks:
         return list(filter(None, chain.from_iterable(self.block_tables)))
 
     def to_wire(self) -> dict[str, Any]:
+        """A msgpack-able map (driver to ranks: `kv_offer`): per group, the table as one bin of
+        packed uint32 block ids and the hashes as one bin (packed.py), not 2048 items each a group
+        at 32k tokens. The keys name the packed form, so a rank that expects another form fails
+        with a KeyError (the offer fails, the prompt is recomputed) rather than misreading it."""
         return {"request_id": self.request_id, "num_tokens": self.num_tokens,
-                "block_tables": [list(t) for t in self.block_tables],
-                "block_hashes": [list(h) for h in self.block_hashes], "extra_keys": list(self.extra_keys)}
+                "block_tables_u32": [pack_u32(t) for t in self.block_tables],
+                "block_hashes_packed": [pack_hashes(h) for h in self.block_hashes],
+                "extra_keys": list(self.extra_keys)}
 
     @classmethod
     def from_wire(cls, obj: dict[str, Any]) -> HandoverBlocks:
-        return cls(obj["request_id"], int(obj["num_tokens"]),
-                   tuple(tuple(map(int, t)) for t in obj["block_tables"]),
-                   tuple(map(as_hashes, obj["block_hashes"])), tuple(obj["extra_keys"]))
+        return cls(obj["request_id"], int(obj["num_tokens"]), tuple(map(unpack_u32, obj["block_tables_u32"])),
+                   tuple(map(unpack_hashes, obj["block_hashes_packed"])), tuple(obj["extra_keys"]), hashes_sized=True)
 
 
 @dataclass(frozen=True)

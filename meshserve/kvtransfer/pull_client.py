@@ -81,15 +81,12 @@ def pull_kv(
 def send_done(address: str, capability: str, *, secret: ClusterSecret, sockets: PullSockets) -> None:
     """Tell the export server at `address` that this pull of `capability`, made without asking it
     (a NIXL READ, a CUDA IPC copy: direct_offer.py), has ended: it spends the capability and lets
-    go of the export. Nothing is answered; the message leaves from zmq's I/O thread."""
-    sock = sockets.take(address)
+    go of the export. Nothing is answered; the message leaves from zmq's I/O thread, on the pool's
+    notice socket for that exporter, which still delivers it if the pool is closed at once
+    (PullSockets.notify). Not queued (the exporter is gone or not reading): it lets go at the
+    offer's TTL."""
     body = msgpack.packb({"op": "done", "capability": capability})
-    try:
-        sock.send_multipart([body, secret.sign(_DONE, body)], zmq.NOBLOCK)
-    except zmq.Again:  # the exporter is gone or not reading: it lets go at the offer's TTL
-        sock.close(linger=0)
-        return
-    sockets.give_back(address, sock)
+    sockets.notify(address, [body, secret.sign(_DONE, body)])
 
 
 MIN_CAPABILITY_CHARS = 16

@@ -11,6 +11,17 @@ prefill rank on a new port, must not keep sockets reconnecting to it forever).
 
 Sockets are used by one thread at a time (handed over under the lock, which orders the memory
 as zmq asks of a socket that changes threads).
+
+Done notices (pull_client.send_done) go by `notify`, on one socket per exporter that carries
+nothing else and lingers NOTICE_LINGER_MS when closed; pull sockets linger 0. A notice needs no
+answer, so it is sent and forgotten: a puller closed (or dropped) right after queueing one must
+not discard it, or the exporter keeps that hand-over's pinned blocks until the offer's TTL. zmq's
+own linger is the flush: `zmq_close` returns at once and the I/O thread goes on delivering what is
+queued for at most the linger, so closing never waits on a dead exporter (only a context's term
+waits, and for the linger at most). Pull sockets keep LINGER 0: what they may hold queued is a
+pull request that nobody will read the answer of, and it must not keep reconnecting to a dead
+exporter. The notices get their own socket rather than a linger on every socket for that reason:
+only what must be delivered lingers.
 """
 
 from __future__ import annotations
@@ -23,6 +34,10 @@ import zmq
 MAX_ANSWER_PART_BYTES = (256 << 20) + (64 << 10)  # a device-sized frame (rank_io.DEVICE_FRAME_BYTES), a margin
 MAX_IDLE_PER_ADDRESS = 8  # idle sockets kept per exporter (concurrent pulls of a burst each hold one)
 IDLE_S = 60.0  # an idle socket unused this long is closed
+# How long a closed notice socket still tries to deliver its queued done notices: a notice to a live
+# exporter leaves within a millisecond, a first connection (or a reconnect, 100 ms apart) within a
+# few hundred; beyond that the exporter is taken for gone and lets go at the offer's TTL anyway.
+NOTICE_LINGER_MS = 2000
 
 
 class PullSockets:
@@ -32,6 +47,7 @@ class PullSockets:
         self.max_idle = max_idle
         self.idle_s = idle_s
         self._idle: dict[str, list[tuple[zmq.Socket, float]]] = {}  # address -> (socket, when given back)
+        self._notices: dict[str, tuple[zmq.Socket, float]] = {}  # address -> (notice socket, when last used)
         self._lock = threading.Lock()
         self.num_created = 0  # sockets made (a reused one is not counted again)
 
@@ -66,15 +82,43 @@ class PullSockets:
                 stale.append(sock)
         _close(stale)
 
+    def notify(self, address: str, parts: list[bytes]) -> bool:
+        """Queue a message that gets no answer (a done notice) to `address` on its notice socket,
+        which delivers it even when closed right after (NOTICE_LINGER_MS, the module docstring);
+        False when it cannot be queued (the exporter has not read a thousand notices: it is gone
+        or stuck, and lets go at its offers' TTL)."""
+        now = time.monotonic()
+        with self._lock:  # held while sending: one notice socket serves every thread of the puller
+            stale = self._prune(now)
+            sock = self._notices.pop(address, (None, now))[0]
+            if sock is None:
+                self.num_created += 1
+                sock = self.context.socket(zmq.DEALER)
+                sock.setsockopt(zmq.LINGER, NOTICE_LINGER_MS)
+                sock.connect(address)
+            try:
+                sock.send_multipart(parts, zmq.NOBLOCK)
+            except zmq.Again:
+                stale.append(sock)  # a fresh socket next time; its queue was for a peer that does not read
+                sent = False
+            else:
+                self._notices[address] = (sock, now)
+                sent = True
+        _close(stale)
+        return sent
+
     def num_idle(self, address: str) -> int:
         with self._lock:
             return len(self._idle.get(address, ()))
 
     def close(self) -> None:
-        """Close every idle socket (a context is terminated only once its sockets are closed)."""
+        """Close every idle socket and every notice socket (a context is terminated only once its
+        sockets are closed). Returns at once: queued notices leave from zmq's I/O thread, for
+        NOTICE_LINGER_MS at most."""
         with self._lock:
             idle, self._idle = self._idle, {}
-        _close([sock for socks in idle.values() for sock, _ in socks])
+            notices, self._notices = self._notices, {}
+        _close([sock for socks in idle.values() for sock, _ in socks] + [sock for sock, _ in notices.values()])
 
     def _prune(self, now: float) -> list[zmq.Socket]:
         """Take out the sockets idle longer than idle_s (under the lock; the caller closes them)."""
@@ -87,9 +131,13 @@ class PullSockets:
                 self._idle[address] = keep
             else:
                 del self._idle[address]
+        for address, (sock, since) in list(self._notices.items()):
+            if now - since > self.idle_s:
+                del self._notices[address]
+                stale.append((sock, since))
         return [sock for sock, _ in stale]
 
 
 def _close(socks: list[zmq.Socket]) -> None:
     for sock in socks:
-        sock.close(linger=0)
+        sock.close()  # each with its own LINGER: 0 for pull sockets, NOTICE_LINGER_MS for notice sockets

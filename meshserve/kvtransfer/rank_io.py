@@ -32,9 +32,9 @@ from meshserve.errors import ConfigError, check
 from meshserve.kvstore.cache_tensors import LayerCache, MLACache, block_tensors
 from meshserve.kvstore.retention import RetentionPolicy
 from meshserve.kvtransfer.nixl_agent import Region
+from meshserve.kvtransfer.packed import HASH_BYTES
 from meshserve.kvtransfer.pins import HandoverBlocks
 from meshserve.kvtransfer.wire import (
-    HASH_BYTES,
     FrameDigest,
     KVHeader,
     KVLayout,
@@ -216,6 +216,7 @@ class KVRankIO:
             nbytes=sum(f.numel() for f in frames),
             checksum=None if digest is None else digest.value,
             fingerprint=self.layout.fingerprint,
+            hashes_sized=blocks.hashes_sized,  # split from a packed bin: its pack joins them unchecked
         )
         return KVExport(header=header, frames=frames)
 

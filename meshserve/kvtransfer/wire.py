@@ -35,12 +35,12 @@ import numpy as np
 import torch
 
 from meshserve.errors import MeshserveError
+from meshserve.kvtransfer.packed import HASH_BYTES, pack_hashes, pack_u32, unpack_hashes, unpack_u32
 
 # 2: KV layer groups (per-group positions and hashes); 3: the checksum may be nil; 4: positions and
 # hashes packed, one bin per group (a 32k-token header listed 2048 of each per group: decoding them
 # as msgpack items and checking them one by one cost ~0.3 ms of every pull)
 WIRE_VERSION = 4
-HASH_BYTES = 32  # a block hash (kvstore/block_hash.py: sha256)
 _MASK = (1 << 64) - 1
 _CHUNK_WORDS = 4096  # 32 KiB per weighted chunk
 
@@ -159,8 +159,9 @@ class KVHeader:
     checksum: int | None  # None: not computed (KVExport.ensure_checksum computes it where it is checked)
     fingerprint: str = ""
     version: int = WIRE_VERSION
-    # True when `unpack` made it: every hash is HASH_BYTES by construction (KVRankIO.check then
-    # checks the counts only); a header built in process has them checked one by one
+    # True when every hash is HASH_BYTES by construction, split from a packed bin (`unpack`, or an
+    # export of a HandoverBlocks.from_wire): KVRankIO.check then checks the counts only and `pack`
+    # joins them unchecked; a header built from other hashes has them checked one by one
     hashes_sized: bool = field(default=False, compare=False, repr=False)
 
     def pack(self) -> bytes:
@@ -172,7 +173,7 @@ class KVHeader:
                 "layout": self.layout.to_wire(),
                 "num_tokens": self.num_tokens,
                 "block_positions": [_pack_positions(p) for p in self.block_positions],
-                "block_hashes": [_pack_hashes(h) for h in self.block_hashes],
+                "block_hashes": [_pack_hashes(h, sized=self.hashes_sized) for h in self.block_hashes],
                 "extra_keys": list(self.extra_keys),
                 "scales": [list(s) for s in self.scales],
                 "frames": [list(f) for f in self.frames],
@@ -237,31 +238,26 @@ def _block_nbytes(layers: tuple) -> tuple[int, ...]:
 def _pack_positions(positions: Sequence[int]) -> bytes:
     """A group's block positions as packed little-endian uint32s."""
     try:
-        return np.fromiter(positions, dtype="<u4", count=len(positions)).tobytes()
+        return pack_u32(positions)
     except (OverflowError, TypeError, ValueError) as exc:
         raise KVTransferError("bad_header", f"block positions must be integers in [0, 2**32): {exc}") from exc
 
 
-def _unpack_positions(packed: object) -> tuple[int, ...]:
-    if type(packed) is not bytes or len(packed) % 4:
-        raise TypeError(f"block positions: packed uint32s, got {type(packed).__name__}")
-    return tuple(np.frombuffer(packed, dtype="<u4").tolist())
+def _pack_hashes(hashes: Sequence[bytes], *, sized: bool = False) -> bytes:
+    """A group's block hashes concatenated (each HASH_BYTES: a sender never packs another size).
+    sized: each is HASH_BYTES by construction (KVHeader.hashes_sized): only their total is checked."""
+    try:
+        if not sized:
+            return pack_hashes(hashes)
+        packed = b"".join(hashes)
+        if len(packed) != HASH_BYTES * len(hashes):
+            raise ValueError(f"block hashes must be {HASH_BYTES} bytes each")
+        return packed
+    except ValueError as exc:
+        raise KVTransferError("bad_header", str(exc)) from exc
 
 
-def _pack_hashes(hashes: Sequence[bytes]) -> bytes:
-    """A group's block hashes concatenated (each HASH_BYTES: a sender never packs another size)."""
-    packed = b"".join(hashes)
-    if len(packed) != HASH_BYTES * len(hashes) or set(map(len, hashes)) - {HASH_BYTES}:
-        raise KVTransferError("bad_header", f"block hashes must be {HASH_BYTES} bytes each")
-    return packed
-
-
-def _unpack_hashes(packed: object) -> tuple[bytes, ...]:
-    """A group's hashes, HASH_BYTES each (split in C: a void dtype's items are bytes, trailing
-    zero bytes kept)."""
-    if type(packed) is not bytes or len(packed) % HASH_BYTES:
-        raise TypeError(f"block hashes: {HASH_BYTES} bytes each, concatenated; got {type(packed).__name__}")
-    return tuple(np.frombuffer(packed, dtype=f"V{HASH_BYTES}").tolist())
+_unpack_positions, _unpack_hashes = unpack_u32, unpack_hashes  # TypeError: KVHeader.unpack says bad_header
 
 
 def _checksum(value: object) -> int | None:
