@@ -8,11 +8,12 @@ read and a return. The serving processes inherit the environment, so one variabl
 of them; each line is one O_APPEND write, whole even with several processes writing.
 
 The keys say which requests a mark is about, so that a reader attributes marks by identity,
-not by their order among other streams' marks: a per-request mark carries its request's id
-(the face's marks the client's id — gRPC's request_id, HTTP's x-request-id — the others the
-service's id; a mark that knows both carries both, which links them), a per-step or per-pass
-mark (step.end, engine.batch, frontend.batch_received) the ids of the requests whose first
-token it carried (only those: one is rarely more than a few). A key that costs work to compute
+not by their order among other streams' marks. A per-request mark carries its request's id:
+the face's marks the client's (gRPC's request_id, HTTP's x-request-id), the front-end's and
+the endpoint's the service's, the replica's the engine's; a mark that knows two carries both,
+which links them (grpc.write, http.tokenized, coordinator.submitted). A per-step or per-pass
+mark (step.end, engine.batch, frontend.batch_received) carries the ids of the requests whose
+first token it carried (only those: rarely more than a few). A key that costs work to compute
 is computed only under `enabled()`.
 
 The marks are placed where a request crosses from one part to the next (api/, the front-end
