@@ -3,8 +3,11 @@
 bench/serve_latency.py --background measures one request's time to first token while other
 streams decode beside it. Driven from the bench's own asyncio loop, those streams' tokens keep
 that loop busy when the measured request's first token arrives, and the wait to read it is the
-bench's, not the server's (3-4 ms of the H100's "client" hop, 2026-12-06). A real client of the
-measured request has a loop of its own: so the streams run here, in a child process.
+bench's, not the server's (a part of the H100's 3-4 ms "client" hop, 2026-12-06; the rest was
+the bench attributing other streams' marks to the measured request, exact since: see
+serve_latency.attribute). A real client of the measured request has a loop of its own: so the
+streams run here, in a child process (they send no request id: none of the trace's marks that
+carry the measured request's ids are theirs).
 
     python -m bench.background_streams --face grpc --address 127.0.0.1:PORT --streams 15 \
         --max-tokens 200 --prompt '"The for statement is used to"'

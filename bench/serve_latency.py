@@ -12,15 +12,18 @@ ignored), many repetitions, through:
 
 Printed: TTFT p50 / p90 per path and max_tokens, and the served excess over offline. Then, with
 a second server started with MESHSERVE_HOP_TRACE (core/hop_trace.py: every process of the
-server appends a time stamp where a request crosses a hop, on the clock the client reads), the
-same requests again and the p50 of each interval between consecutive hops: client -> front-end,
-HTTP body and tokenizing, the channel to the engine process, admission, the replica's loop and
-step thread, the steps, delivery, the BATCH back, the framing and the write, the client.
-JSON + PNG go to --out.
+server appends a time stamp where a request crosses a hop, on the clock the client reads, keyed
+by the ids of the requests it is about), the same requests again, each with a request id of its
+own, and the p50 of each interval between consecutive hops of that request (`attribute`: by its
+ids, not by the order of other streams' marks): client -> front-end, HTTP body and tokenizing,
+the channel to the engine process, admission, the replica's loop and step thread, the steps
+until the one that gave its first token, delivery, the BATCH back, the framing and its own
+write, the client. JSON + PNG go to --out.
 
 --background N: N streams of long requests keep decoding while the measured requests arrive;
 served, they run in a child process (bench/background_streams.py), so that the measured
 request's reader is idle as a real client's would be (--background-client loop: in this loop).
+Their marks fall inside the measured requests' windows; the attribution by id leaves them out.
 
     python -m bench.serve_latency                              # CPU, demo model, ~3 min
     python -m bench.serve_latency --paths offline,grpc,grpc-inproc --repeats 50
@@ -41,6 +44,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import meshserve.core.hop_trace as hop_trace  # imported before MESHSERVE_HOP_TRACE is set: not traced here
 from bench.background_streams import BackgroundStreams
@@ -58,33 +62,35 @@ KNOWN = (*OFFLINE, *(face + layout for layout in LAYOUTS for face in ("http", "g
 DEFAULT_PROMPT = "The for statement is used to"
 BACKGROUND_TOKENS = 200  # a background request's length (--background): sent again when it ends
 
-# The hops in the order a request crosses them; an interval is named by the hop it ends at.
-# (first: the first mark of that name in the request's window; the step marks are handled apart)
+# The hops in the order a request crosses them; an interval is named by the hop it ends at. Each is
+# the request's first mark of that name (see attribute; step.start is handled apart).
 HOPS = [
     ("http.asgi", "client -> HTTP front-end (connection, h11 parse)"),
     ("http.route", "ASGI middleware, FastAPI routing"),
     ("http.body_parsed", "body: read, JSON + pydantic (worker thread)"),
-    ("http.tokenized", "prompt tokenized"),
+    ("http.tokenized", "prompt tokenized, its jobs made"),
     ("grpc.handler", "client -> gRPC handler (HTTP/2, protobuf parse)"),
     ("frontend.open", "front-end: checks, prompt params converted, stream opened"),
-    ("engine.open_received", "channel: OPEN packed, signed, sent -> engine process, verified"),
+    ("engine.open_received", "channel: OPEN packed, signed, sent -> engine process, verified, decoded"),
     ("coordinator.submitted", "coordinator: validate, admit, submit to the replica (one process: + the "
                               "front-end's checks)"),
     ("engine.admitted", "endpoint: the stream's sink registered"),
     ("replica.added", "replica loop wakes, request added to the scheduler"),
     ("step.start", "loop -> step thread (to_thread)"),
-    ("step.end", "engine steps until the token's step returns"),
+    ("step.end", "engine steps until the step that gave the token returns"),
     ("replica.delivered", "step thread -> loop, delta to the stream's sink"),
     ("engine.batch", "engine: the pass ends, flush: state snapshot"),
-    ("frontend.batch_received", "channel: BATCH packed, signed, sent -> front-end, verified"),
-    ("frontend.delta_out", "front-end: BATCH decoded, stream's queue wakes (after the streams before it, "
-                           "each handed its delta and written)"),
+    ("frontend.batch_received", "channel: BATCH packed, signed, sent -> front-end, verified, unpacked"),
+    ("frontend.delta_out", "front-end: items routed, the stream's reader wakes (first tokens first), "
+                           "its delta decoded"),
     ("http.write", "HTTP: chunk shaped, SSE framed"),
     ("grpc.write", "gRPC: response message built"),
-    ("client", "written -> client: first token read"),
+    ("client", "its own write -> client: first token read"),
 ]
-# Hops that every stream of a pass crosses in turn (one mark each): see attribute
-PER_STREAM = ("frontend.delta_out", "http.write", "grpc.write")
+# Marks about a step or a pass of several streams: keyed by the requests whose first token they
+# carry. Any other keyed mark is about one request, and one that carries two ids links them.
+PER_PASS = ("step.end", "engine.batch", "frontend.batch_received")
+STEP_MARKS = ("step.start", "step.end", "step.end_empty")
 
 
 @dataclass
@@ -188,10 +194,15 @@ def _offline_beside(llm, run: PathRun, prompt, params, repeats: int, warmup: int
 # -- served ----------------------------------------------------------------------------------------
 
 
+def measured_request_id(path: str, max_tokens: int, background: int, i: int) -> str:
+    """The id the i-th measured request of a run is sent with (warm-ups counted)."""
+    return f"hop-{path}-mt{max_tokens}-bg{background}-{i}"
+
+
 async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: int, warmup: int,
                   background: int = 0, background_client: str = "process",
-                  background_tokens: int = BACKGROUND_TOKENS) -> tuple[PathRun, list[tuple[int, int]]]:
-    """(the run, each measured request's (sent, first token) in perf_counter_ns). background:
+                  background_tokens: int = BACKGROUND_TOKENS) -> tuple[PathRun, list[Window]]:
+    """(the run, each measured request's window: its request id, sent and first token). background:
     streams of long requests kept decoding meanwhile (each sent again when it ends), from a
     process of their own (background_client "process": bench/background_streams.py; "loop": from
     this loop, as before 2026-12-06, whose reading of their tokens delays the measured one's);
@@ -225,6 +236,7 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
             run.step_ms += child.start()  # returns once every stream decodes
         request = BenchRequest(prompt, max_tokens, seed=0)
         for i in range(warmup + repeats):
+            request_id = measured_request_id(path, max_tokens, background, i)  # the key of its marks (attribute)
             if background:
                 if child is not None:
                     run.step_ms += child.drain()  # between requests: nothing wakes this loop meanwhile
@@ -232,14 +244,14 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
                 await asyncio.sleep(rng.uniform(0, 2 * step) / 1e3)
             sample = Sample(0, max_tokens)
             sent = time.perf_counter()
-            await backend.send(request, sample, 0.0)  # arrivals in perf_counter seconds
+            await backend.send(request, sample, 0.0, request_id=request_id)  # arrivals in perf_counter seconds
             done = time.perf_counter()
             if not sample.arrivals:
                 raise RuntimeError(f"{path}: a request came back with no token")
             if i >= warmup:
                 run.ttft_ms.append(1e3 * (sample.arrivals[0] - sent))
                 run.total_ms.append(1e3 * (done - sent))
-                windows.append((int(sent * 1e9), int(sample.arrivals[0] * 1e9)))
+                windows.append(Window(request_id, int(sent * 1e9), int(sample.arrivals[0] * 1e9)))
     finally:
         stop.set()
         if child is not None:
@@ -251,61 +263,92 @@ async def _served(server: Server, path: str, prompt, max_tokens: int, repeats: i
     return run, windows
 
 
-def read_trace(path: Path) -> list[tuple[int, str]]:
+class Mark(NamedTuple):
+    """One line of the trace (core/hop_trace.py)."""
+
+    ns: int  # perf_counter_ns: CLOCK_MONOTONIC, shared by the machine's processes
+    pid: int
+    stage: str
+    keys: frozenset[str]  # the ids of the requests it is about
+
+
+class Window(NamedTuple):
+    """A measured request as its client saw it (perf_counter_ns)."""
+
+    request_id: str  # the id the client sent (gRPC's request_id, HTTP's x-request-id)
+    sent: int
+    first: int  # its first token read
+
+
+def read_trace(path: Path) -> list[Mark]:
     marks = []
     for line in path.read_text().splitlines():
-        ns, _pid, stage = line.split(" ", 2)
-        marks.append((int(ns), stage))
+        ns, pid, stage, *keys = line.split(" ")
+        marks.append(Mark(int(ns), int(pid), stage, frozenset(keys)))
     marks.sort()
     return marks
 
 
-def attribute(run: PathRun, marks: list[tuple[int, str]], windows: list[tuple[int, int]]) -> None:
+def _identity(request_id: str, inside: list[Mark]) -> set[str]:
+    """The request's ids: the client's, and those a mark about one request links to it (gRPC's
+    scoped id on grpc.write, the service's ids of an HTTP request's prompts on http.tokenized,
+    the engine's on coordinator.submitted)."""
+    ids = {request_id}
+    grown = True
+    while grown:
+        grown = False
+        for m in inside:
+            if len(m.keys) > 1 and m.stage not in PER_PASS and ids & m.keys and not m.keys <= ids:
+                ids |= m.keys
+                grown = True
+    return ids
+
+
+def attribute(run: PathRun, marks: list[Mark], windows: list[Window]) -> None:
     """Each request's marks -> the interval ending at each hop, the step time, the number of steps.
 
-    Within the request's window (its send to its first token), each hop is the first mark of its
-    name at or after the hop before it, so that marks of other streams (--background) that come
-    earlier are passed over; step.end is the first step that returned deltas. With background
-    and overlap scheduling that step may be one whose deltas are the others' (the token comes a
-    step later): the intervals after it then shift into "client". The hops every stream of a
-    pass crosses in turn (PER_STREAM: the front-end hands each its delta and writes it) are the
-    last of their name before the first token within that pass: with background, the first of
-    them are the other streams', and the time the front-end spends on those belongs to the
-    request's wait in the front-end, not to "client" (until 2026-12-06 the bench took the first
-    ones, and "client" held the other streams' writes)."""
+    Exact, by the marks' keys (core/hop_trace.py): within the request's window (its send to its
+    first token), a hop is the first mark of its name that names the request, by the id its
+    client sent or one linked to it (`_identity`). Per request, that is its own mark — its
+    first delta's for the per-delta hops (replica.delivered, frontend.delta_out, the writes),
+    so "client" is its own write -> its read; per step or pass (step.end, engine.batch,
+    frontend.batch_received), the first that carried its first token. step.start is the first
+    step of that thread after the request was added (replica.added), and the steps counted are
+    those from there to the step that gave its token. Marks of other streams (--background)
+    are never taken, wherever they fall in the window. (Until 2026-12-06 the bench went by
+    names and order: step.end was the first step that returned any deltas, with background and
+    overlap scheduling often the other streams' with the token a step later, the intervals after
+    it shifting into "client"; the per-stream hops were the last of their name in that pass.)"""
     import bisect
 
-    times = [m[0] for m in marks]
-    for sent, first in windows:
+    times = [m.ns for m in marks]
+    for request_id, sent, first in windows:
         inside = marks[bisect.bisect_left(times, sent):bisect.bisect_right(times, first)]
-        at: dict[str, int] = {}
-        k, prev, pass_mark = 0, sent, None
-        for hop, _what in HOPS[:-1]:
-            if hop in PER_STREAM:
-                continue
-            j = next((n for n in range(k, len(inside)) if inside[n][1] == hop), None)
-            if j is None:
-                continue
-            at[hop], k, pass_mark = inside[j][0], j + 1, hop
-        # the pass the hops above reached ends where the next pass's mark of the same name is
-        limit = next((n for n in range(k, len(inside)) if inside[n][1] == pass_mark), len(inside))
-        for hop in reversed([h for h, _what in HOPS if h in PER_STREAM]):
-            j = next((n for n in range(limit - 1, k - 1, -1) if inside[n][1] == hop), None)
-            if j is not None:
-                at[hop], limit = inside[j][0], j
-        at["client"] = first
-        for hop, _what in HOPS:
-            if hop in at:
-                run.hops.setdefault(hop, []).append((at[hop] - prev) / 1e6)
-                prev = at[hop]
-        begin, end = at.get("replica.added", sent), at.get("step.end", first)
+        ids = _identity(request_id, inside)
+        at: dict[str, Mark] = {}
+        for m in inside:
+            if m.stage not in at and not m.keys.isdisjoint(ids):
+                at[m.stage] = m
+        token_step = at.get("step.end")
+        begin = at["replica.added"].ns if "replica.added" in at else sent
+        end = token_step.ns if token_step is not None else first
         steps, step_start = [], None
-        for ns, stage in inside:
-            if stage == "step.start" and ns >= begin:
-                step_start = ns
-            elif stage in ("step.end", "step.end_empty") and step_start is not None and ns <= end:
-                steps.append(ns - step_start)
+        for m in inside:  # the steps of the thread that gave the token (one replica per engine process here)
+            if m.stage not in STEP_MARKS or (token_step is not None and m.pid != token_step.pid):
+                continue
+            if m.stage == "step.start" and begin <= m.ns:
+                if not steps and step_start is None and token_step is not None:
+                    at["step.start"] = m
+                step_start = m.ns
+            elif m.stage != "step.start" and step_start is not None and m.ns <= end:
+                steps.append(m.ns - step_start)
                 step_start = None
+        prev = sent
+        for hop, _what in HOPS[:-1]:
+            if hop in at:
+                run.hops.setdefault(hop, []).append((at[hop].ns - prev) / 1e6)
+                prev = at[hop].ns
+        run.hops.setdefault("client", []).append((first - prev) / 1e6)
         run.num_steps.append(len(steps))
         run.steps_ms.append(sum(steps) / 1e6)
 

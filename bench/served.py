@@ -40,10 +40,11 @@ class GreedyGrpc(GrpcBackend):
         super().__init__(*args, **kwargs)
         self.outputs: dict[int, list[int]] = {}
 
-    async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
+    async def send(self, request: BenchRequest, sample: Sample, t0: float, *, request_id: str = "") -> None:
+        """request_id: the request's id on the server ("": the server makes one)."""
         tokens = self.outputs.setdefault(request.seed, [])
         async for r in self.client.stream(request.prompt, model=self.model, max_tokens=request.max_tokens,
-                                          ignore_eos=True, temperature=0.0):
+                                          ignore_eos=True, temperature=0.0, request_id=request_id):
             if r.token_ids:
                 sample.arrivals.append(time.perf_counter() - t0)
                 sample.output_tokens += len(r.token_ids)
@@ -57,11 +58,13 @@ class GreedyOpenAI(OpenAIBackend):
         super().__init__(*args, **kwargs)
         self.outputs: dict[int, str] = {}
 
-    async def send(self, request: BenchRequest, sample: Sample, t0: float) -> None:
+    async def send(self, request: BenchRequest, sample: Sample, t0: float, *, request_id: str = "") -> None:
+        """request_id: sent as x-request-id ("": none, the server makes one)."""
         body = {"model": self.model, "prompt": request.prompt, "max_tokens": request.max_tokens,
                 "ignore_eos": True, "temperature": 0.0, "stream": True, "stream_options": {"include_usage": True}}
+        headers = {"x-request-id": request_id} if request_id else None
         pieces: list[str] = []
-        async with self.session.post(f"{self.base}/v1/completions", json=body) as response:
+        async with self.session.post(f"{self.base}/v1/completions", json=body, headers=headers) as response:
             if response.status != 200:
                 raise RuntimeError(f"HTTP {response.status}: {(await response.text())[:200]}")
             async for line in response.content:

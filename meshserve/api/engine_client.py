@@ -196,7 +196,7 @@ class EngineClient:
         queue: asyncio.Queue = asyncio.Queue()
         self._streams[number] = (queue, request_id)
         self._awaiting_first.add(number)
-        hop_trace.mark("frontend.open")  # (before the send: the peer may well run first)
+        hop_trace.mark("frontend.open", request_id)  # (before the send: the peer may well run first)
         self._send(wire.OPEN, msgpack.packb(wire.encode_open(number, prompt, params, beam, request_id, caller,
                                                              priority)))
         finished = False
@@ -210,7 +210,7 @@ class EngineClient:
                     if isinstance(item, BaseException):
                         finished = True
                         raise item
-                    hop_trace.mark("frontend.delta_out")
+                    hop_trace.mark("frontend.delta_out", request_id)
                     yield item
                     if item.finished:
                         finished = True
@@ -264,9 +264,11 @@ class EngineClient:
 
     def _handle(self, kind: bytes, payload: bytes) -> None:
         if kind == wire.BATCH:
-            hop_trace.mark("frontend.batch_received")
             items, state = msgpack.unpackb(payload)
             streams, fresh = self._streams, self._awaiting_first
+            if hop_trace.enabled():  # keyed by the requests whose first token it carries (item: [number, token ids...])
+                hop_trace.mark("frontend.batch_received", *(streams[item[0]][1] for item in items
+                                                            if item[0] in fresh and item[1] and item[0] in streams))
             if fresh:  # first deltas first: stable, the rest keep their order
                 items = sorted(items, key=lambda item: item[0] not in fresh)
             for item in items:

@@ -93,7 +93,8 @@ class InferenceServicer:
     # -- Generate ---------------------------------------------------------------------------------
 
     async def Generate(self, request: pb.GenerateRequest | Malformed, context: grpc.aio.ServicerContext) -> None:
-        hop_trace.mark("grpc.handler")
+        if hop_trace.enabled():  # keyed by the client's request_id (a malformed request has none)
+            hop_trace.mark("grpc.handler", getattr(request, "request_id", None))
         timer = self.metrics.timer()
         code, completed = grpc.StatusCode.OK, False
         stream = scoped = None
@@ -130,7 +131,7 @@ class InferenceServicer:
                 usage = pb.Usage(prompt_tokens=len(ids), completion_tokens=num_tokens,
                                  cached_tokens=delta.num_cached_tokens) if delta.finished else None
                 response = convert.response_of(delta, request_id, usage)
-                hop_trace.mark("grpc.write")
+                hop_trace.mark("grpc.write", request_id, scoped)  # the client's id and the service's: links them
                 await context.write(response)
                 if delta.finished:
                     completed = True

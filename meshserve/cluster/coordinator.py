@@ -372,7 +372,7 @@ class Coordinator:
         self._live[request_id] = ticket
         request_event(request.request_id, "admitted", pool=pool.role, prompt_tokens=request.num_input_tokens)
         pool.submit(ticket)
-        hop_trace.mark("coordinator.submitted")
+        hop_trace.mark("coordinator.submitted", request_id, request.request_id)  # the stream's id and the engine's
         return OpenStream(ticket, caller, sequences)
 
     def close_stream(self, stream: OpenStream, *, finished: bool) -> None:

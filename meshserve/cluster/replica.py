@@ -409,7 +409,7 @@ class Replica:
                 continue
             if not ticket.migrations:  # a moved request's prompt was counted where it arrived
                 self.counters.prompt_tokens += ticket.request.num_input_tokens
-            hop_trace.mark("replica.added")
+            hop_trace.mark("replica.added", rid)
 
     def _end_aborted(self, rid: str) -> None:
         ticket = self._held.pop(rid)
@@ -418,7 +418,8 @@ class Replica:
 
     def _deliver(self, deltas: list[CompletionDelta]) -> None:
         for delta in deltas:
-            ticket = self._held.get(delta.request_id)
+            rid = delta.request_id
+            ticket = self._held.get(rid)
             if ticket is None:
                 continue
             self.counters.generated_tokens += len(delta.token_ids)
@@ -426,10 +427,10 @@ class Replica:
             # A request the engine refused after admission (its grammar did not compile) ends its
             # stream with that error: a 400 / INVALID_ARGUMENT before anything streamed.
             ticket.sink.put_nowait(delta if delta.error is None else delta.error)
-            hop_trace.mark("replica.delivered")
+            hop_trace.mark("replica.delivered", rid)
             if delta.finished:
-                del self._held[delta.request_id]
-                request_event(delta.request_id, "finished" if delta.error is None else "failed", replica=self.name,
+                del self._held[rid]
+                request_event(rid, "finished" if delta.error is None else "failed", replica=self.name,
                               reason=delta.finish_reason)
 
     async def _in_thread(self, fn: Callable, *args):
@@ -460,7 +461,10 @@ class Replica:
             self._handover_tick(adoptions)
         hop_trace.mark("step.start")
         deltas = self.core.step()
-        hop_trace.mark("step.end" if deltas else "step.end_empty")
+        if deltas and hop_trace.enabled():  # keyed by the requests whose first token this step gave
+            hop_trace.mark("step.end", *self._first_tokens(deltas))
+        else:
+            hop_trace.mark("step.end" if deltas else "step.end_empty")
         self.counters.steps += 1
         if self.counters.steps % RANK_COUNTERS_PERIOD == 0:
             self._read_rank_counters()
@@ -474,6 +478,13 @@ class Replica:
         self._loop.call_soon_threadsafe(self._deliver, deltas)
         handoffs = [self.handover.offer_finish(p) for p in offers]
         return [], [h for h in handoffs if h is not None]
+
+    def _first_tokens(self, deltas: list[CompletionDelta]) -> list[str]:
+        """(Traced, step thread) The ids of the requests whose first token `deltas` carry: nothing
+        of theirs streamed yet (the loop delivers a step's deltas before the next step runs)."""
+        held = self._held
+        return [d.request_id for d in deltas
+                if d.token_ids and (t := held.get(d.request_id)) is not None and t.num_streamed == 0]
 
     def _await_imports(self, adoptions: list[Handoff]) -> tuple[bool, tuple | None]:
         """(Step thread, nothing to step) Start the imports of `adoptions`; while KV is still on its

@@ -41,10 +41,11 @@ HELLO_GRACE_S = 0.2
 class _Sink:
     """Where one stream's deltas go (Ticket.sink): into its front-end's next BATCH."""
 
-    __slots__ = ("endpoint", "route", "number", "stream", "done", "started")
+    __slots__ = ("endpoint", "route", "number", "request_id", "stream", "done", "started")
 
     def __init__(self, endpoint: ServiceEndpoint, route: bytes, number: int) -> None:
         self.endpoint, self.route, self.number = endpoint, route, number
+        self.request_id = ""  # the service's id, once decoded (the key of its trace marks)
         self.stream = None  # the coordinator's OpenStream, once admitted
         self.done = False
         self.started = False
@@ -55,6 +56,8 @@ class _Sink:
         if not self.started:  # its first delta: every front-end's stats should show it running
             self.started = True
             self.endpoint._streams_changed = True
+            if hop_trace.enabled() and not isinstance(item, BaseException) and item.token_ids:
+                self.endpoint._first_tokens.append(self.request_id)  # the key of this pass's engine.batch
         if isinstance(item, BaseException):
             self.endpoint._emit(self.route, [self.number, None, *wire.encode_error(item)])
             self.endpoint._close(self, finished=True)
@@ -83,6 +86,7 @@ class ServiceEndpoint:
         self._seq = 0
         self._streams: dict[tuple[bytes, int], _Sink] = {}
         self._outbox: dict[bytes, list] = {}
+        self._first_tokens: list[str] = []  # traced (core/hop_trace.py): requests whose first token this pass sends
         self._stop = asyncio.Event()
         self._failed: str | None = None
         self._models = None  # the service's models once it serves (they do not change after)
@@ -164,7 +168,10 @@ class ServiceEndpoint:
         except Exception:  # the deltas go out all the same; the period's STATE tries again
             log.exception("engine state snapshot failed")
             state = None
-        hop_trace.mark("engine.batch")  # (before the sends: the front-end may well run first)
+        firsts = self._first_tokens  # (filled only while tracing)
+        if firsts:
+            self._first_tokens = []
+        hop_trace.mark("engine.batch", *firsts)  # (before the sends: the front-end may well run first)
         for route, items in outbox.items():
             self._send(route, wire.BATCH, msgpack.packb([items, state]))
         if self._streams_changed and state is not None:
@@ -239,15 +246,16 @@ class ServiceEndpoint:
             self.rejected.add(f"unknown kind {kind!r}")
 
     def _open(self, route: bytes, msg: list) -> None:
-        hop_trace.mark("engine.open_received")
         number = msg[0]
         sink = _Sink(self, route, number)
         try:
             _, prompt, params, beam, request_id, caller, priority = wire.decode_open(msg)
+            sink.request_id = request_id
+            hop_trace.mark("engine.open_received", request_id)
             self._streams[(route, number)] = sink
             sink.stream = self.service.open_stream(prompt, params, request_id=request_id, sink=sink, beam=beam,
                                                    caller=caller, priority=priority)
-            hop_trace.mark("engine.admitted")
+            hop_trace.mark("engine.admitted", request_id)
         except Exception as exc:  # a refusal: nothing was queued
             self._streams.pop((route, number), None)
             sink.done = True

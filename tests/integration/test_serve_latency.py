@@ -45,10 +45,23 @@ def test_every_hop_is_marked_once_per_request_on_the_clients_clock(tmp_path):
     assert "engine.open_received" in text and "grpc mt=1" in text and "http mt=1" in text
 
 
+def _own_marks(marks: list[sl.Mark], request_id: str, face: str) -> tuple[int, int]:
+    """(the request's first face mark, its first write) in the trace, found by the id its client
+    sent: gRPC's write carries it; HTTP's carries the service's id, which http.tokenized links."""
+    first, write = ("grpc.handler", "grpc.write") if face == "grpc" else ("http.asgi", "http.write")
+    ids = {request_id}
+    if face == "http":
+        ids |= next(m.keys for m in marks if m.stage == "http.tokenized" and request_id in m.keys)
+    start = next(m.ns for m in marks if m.stage == first and request_id in m.keys)
+    return start, next(m.ns for m in marks if m.stage == write and ids & m.keys)
+
+
 def test_background_streams_decode_from_a_child_process_beside_the_measured_requests(tmp_path):
     """--background: the streams run in a child process (bench/background_streams.py) whose
     reports of their token gaps come back; each measured request still gets its first token and
-    its traced intervals add up to its TTFT, over both faces."""
+    its traced intervals add up to its TTFT, over both faces. The intervals from its own first
+    face mark to "client" end at its own write (the trace's mark with its id), whatever the
+    background stream wrote in its window: "client" is its write -> its read."""
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     settings = EngineSettings(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", max_num_seqs=2,
                               max_model_len=64, kv_cache_memory_bytes=16 << 20)
@@ -61,27 +74,89 @@ def test_background_streams_decode_from_a_child_process_beside_the_measured_requ
     for run in traced:
         for hop in FACE_HOPS[run.path][-1:] + ["frontend.delta_out", "client"]:
             assert len(run.hops.get(hop, [])) == REPEATS, (run.path, hop, run.hops)
+        marks = sl.read_trace(tmp_path / "hops.txt")
+        first_hop = FACE_HOPS[run.path][0]
         for k in range(REPEATS):
             assert sum(v[k] for v in run.hops.values()) == pytest.approx(run.ttft_ms[k], abs=1e-3)
+            start, write = _own_marks(marks, sl.measured_request_id(run.path, 1, 1, 1 + k), run.path)  # (1 warm-up)
+            between = sum(v[k] for hop, v in run.hops.items() if hop not in (first_hop, "client"))
+            assert between == pytest.approx((write - start) / 1e6, abs=1e-3), (run.path, k, run.hops)
+        assert all(n >= 1 for n in run.num_steps)
 
 
-def test_the_per_stream_hops_are_the_measured_requests_last_marks_of_the_pass():
-    """Three streams handed and written in turn after one BATCH, the measured request's last:
-    its delta_out / write are the last pair before its first token, so "client" is its own
-    write -> read, and the other two streams' turns count in its wait in the front-end. A second
-    BATCH inside the window (a later pass) is not taken."""
-    ms = 1_000_000
-    marks = [(0 * ms, "grpc.handler"), (1 * ms, "frontend.batch_received"),
-             (2 * ms, "frontend.delta_out"), (3 * ms, "grpc.write"),   # stream A
-             (4 * ms, "frontend.delta_out"), (5 * ms, "grpc.write"),   # stream B
-             (6 * ms, "frontend.delta_out"), (7 * ms, "grpc.write"),   # the measured request
-             (8 * ms, "frontend.batch_received"),                      # the next pass, read after
-             (9 * ms, "frontend.delta_out"), (10 * ms, "grpc.write")]
+def _trace(tmp_path, lines: list[tuple[float, int, str]]) -> list[sl.Mark]:
+    """A trace file as the server writes it (ms -> ns), read back by the bench."""
+    path = tmp_path / "hops.txt"
+    path.write_text("".join(f"{int(t * MS)} {pid} {rest}\n" for t, pid, rest in lines))
+    return sl.read_trace(path)
+
+
+MS = 1_000_000
+FRONT, ENGINE = 100, 200  # pids
+
+
+@pytest.mark.parametrize("read_at", [7.5, 10.5])
+def test_the_per_stream_hops_are_the_measured_requests_own_marks(tmp_path, read_at):
+    """Three streams handed and written in turn after one BATCH, the measured request's last: its
+    delta_out / write are the ones its ids name, so "client" is its own write -> read, and the
+    other two streams' turns count in its wait in the front-end. Read after the next pass's
+    marks (a second BATCH inside the window), still its first pass's: a hop is the request's
+    first mark of that name."""
+    marks = _trace(tmp_path, [
+        (0, FRONT, "grpc.handler m"), (1, FRONT, "frontend.batch_received pub:m"),
+        (2, FRONT, "frontend.delta_out pub:a"), (3, FRONT, "grpc.write a pub:a"),  # stream A
+        (4, FRONT, "frontend.delta_out pub:b"), (5, FRONT, "grpc.write b pub:b"),  # stream B
+        (6, FRONT, "frontend.delta_out pub:m"), (7, FRONT, "grpc.write m pub:m"),  # the measured request
+        (8, FRONT, "frontend.batch_received"),                                     # the next pass
+        (9, FRONT, "frontend.delta_out pub:m"), (10, FRONT, "grpc.write m pub:m")])
     run = sl.PathRun("grpc", 1)
-    sl.attribute(run, marks, [(0, int(7.5 * ms))])
+    sl.attribute(run, marks, [sl.Window("m", 0, int(read_at * MS))])
     assert run.hops["frontend.batch_received"] == [1.0]
     assert run.hops["frontend.delta_out"] == [5.0] and run.hops["grpc.write"] == [1.0]
-    assert run.hops["client"] == [0.5]
-    run = sl.PathRun("grpc", 1)  # read after the next pass's marks: still the first pass's last pair
-    sl.attribute(run, marks, [(0, int(10.5 * ms))])
-    assert run.hops["frontend.delta_out"] == [5.0] and run.hops["client"] == [3.5]
+    assert run.hops["client"] == [pytest.approx(read_at - 7)]
+
+
+def _overlap_trace(face: str) -> list[tuple[float, int, str]]:
+    """Overlap scheduling beside a decoding stream b: the measured request m is added while a
+    step runs; the next step returns b's token only (m's prefill is the step it submitted),
+    and its deltas go out first in m's window; m's first token comes a step later."""
+    if face == "grpc":  # the client's id m, the service's pub:m (grpc.write links them)
+        head, mine = [(0.5, FRONT, "grpc.handler m")], "pub:m"
+        own_write, other_write = "grpc.write m pub:m", "grpc.write b pub:b"
+    else:  # x-request-id m; the service's id cmpl-m, linked on http.tokenized
+        head = [(0.2, FRONT, "http.asgi m"), (0.3, FRONT, "http.route m"), (0.4, FRONT, "http.body_parsed m"),
+                (0.5, FRONT, "http.tokenized m cmpl-m")]
+        mine = "cmpl-m"
+        own_write, other_write = "http.write cmpl-m", "http.write cmpl-b"
+    other = "pub:b" if face == "grpc" else "cmpl-b"
+    return [*head, (1.0, FRONT, f"frontend.open {mine}"), (1.3, ENGINE, f"engine.open_received {mine}"),
+            (1.5, ENGINE, f"coordinator.submitted {mine}"), (1.6, ENGINE, f"engine.admitted {mine}"),
+            (2.0, ENGINE, f"replica.added {mine}"),
+            (2.2, ENGINE, "step.start"), (4.0, ENGINE, "step.end"),  # b's token (not its first: no key)
+            (4.1, ENGINE, f"replica.delivered {other}"), (4.2, ENGINE, "engine.batch"),
+            (4.5, FRONT, "frontend.batch_received"), (4.7, FRONT, f"frontend.delta_out {other}"),
+            (4.8, FRONT, other_write),
+            (5.0, ENGINE, "step.start"), (7.0, ENGINE, f"step.end {mine}"),  # m's first token
+            (7.1, ENGINE, f"replica.delivered {other}"), (7.15, ENGINE, f"replica.delivered {mine}"),
+            (7.3, ENGINE, f"engine.batch {mine}"), (7.6, FRONT, f"frontend.batch_received {mine}"),
+            (7.8, FRONT, f"frontend.delta_out {mine}"), (7.9, FRONT, own_write),  # first tokens first
+            (8.0, FRONT, f"frontend.delta_out {other}"), (8.1, FRONT, other_write),
+            (8.3, ENGINE, "step.start")]  # the next step, under way when m's token is read at 8.5
+
+
+@pytest.mark.parametrize("face", ["grpc", "http"])
+def test_the_step_that_gave_the_token_is_taken_not_the_first_with_deltas(tmp_path, face):
+    """The first step returning deltas in the window is b's; m's token is the next step's. The
+    hops are m's: step.end at the step its key names (two steps counted, their time inside
+    `core.step()` summed), delivery, BATCH and writes of that pass, "client" from m's own
+    write. (By names and order, the bench took the first step, b's pass, and b's write: "client"
+    was 3.7 ms of an 8.5 ms TTFT.)"""
+    run = sl.PathRun(face, 1)
+    sl.attribute(run, _trace(tmp_path, _overlap_trace(face)), [sl.Window("m", 0, int(8.5 * MS))])
+    got = {hop: v[0] for hop, v in run.hops.items()}
+    want = {"replica.added": 0.4, "step.start": 0.2, "step.end": 4.8, "replica.delivered": 0.15,
+            "engine.batch": 0.15, "frontend.batch_received": 0.3, "frontend.delta_out": 0.2,
+            f"{face}.write": 0.1, "client": 0.6}
+    assert {hop: got[hop] for hop in want} == {hop: pytest.approx(v) for hop, v in want.items()}
+    assert sum(got.values()) == pytest.approx(8.5)  # every interval is m's: they add up to its TTFT
+    assert run.num_steps == [2] and run.steps_ms == [pytest.approx(1.8 + 2.0)]

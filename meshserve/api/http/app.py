@@ -249,9 +249,11 @@ class OpenAIFrontend:
         yield sse("[DONE]")
 
     async def completions(self, request: Request) -> Response:
-        hop_trace.mark("http.route")
+        traced = hop_trace.enabled()
+        client_id = request.headers.get("x-request-id") if traced else None  # the marks' key (request_id.py)
+        hop_trace.mark("http.route", client_id)
         body = await parse_body(request, CompletionRequest, self._shape_limits())
-        hop_trace.mark("http.body_parsed")
+        hop_trace.mark("http.body_parsed", client_id)
         body.check()
         body = self.sampling_defaults.apply(body)
         card = self._generate_card(body.model)
@@ -259,10 +261,11 @@ class OpenAIFrontend:
         convert.check_prompt_count(len(prompts), body.width, self.limits)
         ids = [body.truncated(x) for x in await self._prompt_ids(prompts, card,
                                                                  truncate_prompt_tokens=body.truncate_prompt_tokens)]
-        hop_trace.mark("http.tokenized")
         request_id = new_id("cmpl")
         jobs = self._jobs(request_id, ids, body, card, max_tokens=body.max_tokens, logprobs=body.logprobs,
                           request=request)
+        if traced:  # the client's id and the service's ids of its prompts, on one mark: one request
+            hop_trace.mark("http.tokenized", client_id, *(job.request_id for job in jobs))
         shaper = Shaper(request_id, card.name, self.service.detokenize)
         want_logprobs = body.logprobs is not None
         echo = [p if isinstance(p, str) else self.service.detokenize(p) for p in prompts] if body.echo else None

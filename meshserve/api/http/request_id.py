@@ -28,9 +28,9 @@ class RequestIdMiddleware:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        hop_trace.mark("http.asgi")
         given = [v for k, v in scope["headers"] if k == HEADER]
         request_id = given[0] if len(given) == 1 and _acceptable(given[0]) else uuid.uuid4().hex.encode()
+        hop_trace.mark("http.asgi", request_id)  # (keyed by the client's id: bench/serve_latency.py sends one)
 
         async def send_with_id(message: Message) -> None:
             if message["type"] == "http.response.start":

@@ -261,12 +261,13 @@ class SSEResponse(StreamingResponse):
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = drained = ended = False
+        keys = [job.request_id for job in self.jobs] if hop_trace.enabled() else ()  # its writes' trace keys
 
         async def sending(message) -> None:
             nonlocal started, ended
             started = True
             ended = message["type"] == "http.response.body" and not message.get("more_body", False)
-            hop_trace.mark("http.write" if message["type"] == "http.response.body" else "http.head")
+            hop_trace.mark("http.write" if message["type"] == "http.response.body" else "http.head", *keys)
             await send(message)
 
         try:
