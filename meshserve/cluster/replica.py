@@ -114,6 +114,8 @@ class Replica:
         self._idle = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop that runs _run (start)
+        self._paced_s = 0.0  # how long _pace waited before the step now running (paced overlap)
+        self._slack_s: float | None = None  # the host's slack in the last steady decode (paced overlap)
 
     # -- life cycle -----------------------------------------------------------------------------
     async def start(self) -> None:
@@ -319,15 +321,26 @@ class Replica:
         steady decode (core.decode_slack_s: the time the last step() waited in collect), wait
         here for most of that slack first, so that an arrival meanwhile joins the next step;
         any wake (an arrival, an abort, a hand-over) ends the wait, and what came is applied."""
-        slack = self.core.decode_slack_s
-        if not self.config.scheduler.paced_overlap or slack is None:
+        core, paced, self._paced_s = self.core, self._paced_s, 0.0
+        if not self.config.scheduler.paced_overlap:
             return
-        wait = slack * PACE_FRACTION - PACE_MARGIN_S
+        if core.decode_slack_s is not None:
+            # The host's slack in a steady decode: what the step waited in collect plus what this
+            # loop waited before it (the wait alone would shrink by the pace: every other step paced).
+            self._slack_s = core.decode_slack_s + paced
+        # Paced while a step runs: one with a prompt in it runs longer than a decode step, so the
+        # last decode's slack is a safe wait then too (arrivals come in bursts: right after one's
+        # prefill is where the next one most needs it).
+        if self._slack_s is None or not core.step_in_flight:
+            return
+        wait = self._slack_s * PACE_FRACTION - PACE_MARGIN_S
         if wait <= 0 or self._inbox or self._aborts or self._releases or self._adoptions or self.handover.imports:
             return
         self._wakeup.clear()  # (no await since the checks above: nothing can have come in between)
+        started = self._loop.time()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), wait)
+        self._paced_s = self._loop.time() - started
         self._apply()
 
     async def _with_adoptions(self, fn: Callable[[list[Handoff]], object]):

@@ -183,6 +183,11 @@ class EngineCore:
         self._tracked.pop(request_id, None)
         return CompletionDelta(request_id, [], "", True, FinishReason.ABORT)
 
+    @property
+    def step_in_flight(self) -> bool:
+        """Overlap: a step is submitted and its results not collected yet (the device runs it)."""
+        return self._in_flight is not None
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._carried)
 
