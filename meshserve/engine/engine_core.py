@@ -185,8 +185,9 @@ class EngineCore:
 
     @property
     def step_in_flight(self) -> bool:
-        """Overlap: a step is submitted and its results not collected yet (the device runs it)."""
-        return self._in_flight is not None
+        """Overlap: a step with rows is submitted and its results not collected yet (the device
+        runs it; a step that only polls for grammars has nothing to run)."""
+        return self._in_flight is not None and bool(self._in_flight.requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._in_flight is not None or bool(self._carried)
