@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Sequence
 from dataclasses import dataclass, field
@@ -118,8 +119,9 @@ async def open_jobs(service: InferenceService, jobs: Sequence[Job], metrics: Ser
     """Start every job and wait for its first delta; on any refusal close them all and raise it."""
     for job in jobs:
         job.timer = metrics.timer() if metrics is not None else None
-    try:
-        results = await asyncio.gather(*(_first(service, job) for job in jobs), return_exceptions=True)
+    try:  # one job (the common case) in this task: see Drain.unless_expired for why no task
+        results = ([await _outcome(_first(service, jobs[0]))] if len(jobs) == 1
+                   else await asyncio.gather(*(_first(service, job) for job in jobs), return_exceptions=True))
     except BaseException:  # cancelled (the client left): nothing may keep running
         await close_jobs(jobs)
         raise
@@ -127,6 +129,14 @@ async def open_jobs(service: InferenceService, jobs: Sequence[Job], metrics: Ser
     if errors:
         await close_jobs(jobs)
         raise errors[0]
+
+
+async def _outcome(work: Awaitable) -> object:
+    """What asyncio.gather(work, return_exceptions=True) gives for it: its result or its Exception."""
+    try:
+        return await work
+    except Exception as exc:
+        return exc
 
 
 async def merged(jobs: Sequence[Job]) -> AsyncIterator[tuple[Job, CompletionDelta]]:
@@ -231,18 +241,36 @@ class Drain:
         return UnavailableError(self.MESSAGE)
 
     async def unless_expired(self, work: Awaitable):
-        """`work`'s result, or (with `work` cancelled) UnavailableError once the drain time is over."""
-        task = asyncio.ensure_future(work)
-        watch = asyncio.ensure_future(self.expired.wait())
-        try:
-            await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-            if task.done():
-                return task.result()
+        """`work`'s result, or (with `work` cancelled) UnavailableError once the drain time is over.
+
+        `work` runs in this task, and the drain's end cancels it (as asyncio.timeout does): a
+        task for it would hand its result back through the loop's ready queue, behind every
+        other ready task (the running streams' writes of the same BATCH), which a stream's first
+        token then waits for."""
+        if self.expired.is_set():
+            if inspect.iscoroutine(work):
+                work.close()
             raise self.error()
+        task = asyncio.current_task()
+        fired = False
+
+        def expire(watch: asyncio.Future) -> None:
+            nonlocal fired
+            if not watch.cancelled():
+                fired = True
+                task.cancel()
+
+        watch = asyncio.ensure_future(self.expired.wait())
+        watch.add_done_callback(expire)
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if fired and task.uncancel() == 0:  # ours, not a cancellation from outside as well
+                raise self.error() from None
+            raise
         finally:
-            for t in (task, watch):
-                t.cancel()
-            await asyncio.gather(task, watch, return_exceptions=True)
+            watch.remove_done_callback(expire)
+            watch.cancel()
 
 
 class SSEResponse(StreamingResponse):
@@ -272,9 +300,8 @@ class SSEResponse(StreamingResponse):
 
         try:
             async with anyio.create_task_group() as group:
-                async def body() -> None:
-                    with contextlib.suppress(OSError):
-                        await self.stream_response(sending)
+                async def disconnected() -> None:
+                    await _wait_disconnect(receive)
                     group.cancel_scope.cancel()
 
                 async def deadline() -> None:
@@ -283,10 +310,11 @@ class SSEResponse(StreamingResponse):
                     drained = True
                     group.cancel_scope.cancel()
 
-                group.start_soon(body)
+                group.start_soon(disconnected)
                 if self.drain is not None:
                     group.start_soon(deadline)
-                await _wait_disconnect(receive)
+                with contextlib.suppress(OSError):  # the body in this task, its first chunk at once
+                    await self.stream_response(sending)
                 group.cancel_scope.cancel()
             if drained and not ended:
                 await self._end_drained(send, started)
