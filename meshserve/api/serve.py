@@ -109,9 +109,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="each replica runs three short greedy requests through its engine before readiness turns "
                         "SERVING, so that kernels built or compiled at first use are built then, not in a client's "
                         "first request (default: on CUDA)")
-    m.add_argument("--no-async-scheduling", action="store_true",
-                   help="plan each step only after the previous one returned (default: overlap them where the device "
-                        "runs steps asynchronously, i.e. CUDA; on a CPU overlap only delays each token by a step)")
+    m.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap scheduling: plan step N+1 while step N runs (vLLM's flag). Default: on where the "
+                        "device runs steps asynchronously, i.e. CUDA; --no-async-scheduling plans each step only "
+                        "after the previous one returned; --async-scheduling forces it on a CPU too, where it only "
+                        "delays each token by a step (for tests and benches)")
     m.add_argument("--paced-overlap", action="store_true",
                    help="with overlap scheduling, in a steady decode wait for arrivals for most of the time the last "
                         "step waited for the device before planning the next, so a request arriving mid-step joins "
@@ -249,7 +251,7 @@ def configs_of(args: argparse.Namespace):
                           kv_verify_checksum=args.kv_verify_checksum),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                                   max_queue=args.max_queue,
-                                  async_scheduling=False if args.no_async_scheduling else None,
+                                  async_scheduling=args.async_scheduling,
                                   paced_overlap=args.paced_overlap,
                                   max_sequences_per_caller=args.max_sequences_per_caller,
                                   grammar_compile_timeout_s=args.grammar_compile_timeout_s),

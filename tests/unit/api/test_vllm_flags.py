@@ -107,3 +107,11 @@ def test_gpu_memory_utilization_on_cpu_is_a_share_of_the_hosts_available_memory(
     assert num_kv_blocks(CacheConfig(), cpu, per_block) == CPU_DEFAULT_KV_BYTES // per_block
     with pytest.raises(ConfigError, match="gpu_memory_utilization=0.5 is not allowed: unset when"):
         CacheConfig(memory_utilization=0.5, num_kv_blocks=8)
+
+
+@pytest.mark.parametrize(("flags", "want"), [([], None), (["--async-scheduling"], True),
+                                             (["--no-async-scheduling"], False)])
+def test_async_scheduling_spellings(flags, want):
+    """vLLM's --async-scheduling forces overlap (a CPU too); --no-async-scheduling turns it off; unset:
+    where the device runs steps asynchronously (EngineCore)."""
+    assert _configs(*flags)[0].scheduler.async_scheduling is want
