@@ -27,6 +27,7 @@ import contextlib
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from meshserve.cluster.executors.executor import Executor, StepDeadline, WorkerHungError, sum_expert_load
@@ -333,14 +334,17 @@ class Replica:
         # prefill is where the next one most needs it).
         if self._slack_s is None or not core.step_in_flight:
             return
-        wait = self._slack_s * PACE_FRACTION - PACE_MARGIN_S
+        # Counted from when the running step began (the last collect's return), not from now: this
+        # task may resume late after the step thread returned (other tasks ran first), and the
+        # device must not run dry meanwhile.
+        started = time.monotonic()
+        wait = core.collected_at + self._slack_s * PACE_FRACTION - PACE_MARGIN_S - started
         if wait <= 0 or self._inbox or self._aborts or self._releases or self._adoptions or self.handover.imports:
             return
         self._wakeup.clear()  # (no await since the checks above: nothing can have come in between)
-        started = self._loop.time()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._wakeup.wait(), wait)
-        self._paced_s = self._loop.time() - started
+        self._paced_s = time.monotonic() - started
         self._apply()
 
     async def _with_adoptions(self, fn: Callable[[list[Handoff]], object]):

@@ -95,6 +95,7 @@ class EngineCore:
         # collected and the one it submitted were both decode-only (else None): the host's slack
         # in a steady decode, which the replica's paced overlap spends waiting for arrivals.
         self.decode_slack_s: float | None = None
+        self.collected_at = 0.0  # time.monotonic() at the last collect's return: the step in flight runs from then
         self._carried: list[CompletionDelta] = []  # deltas of a step applied between two step() calls
         self.warmup: WarmupReport | None = None  # set where the warm-up ran (engine/warmup.py)
         if wants_warmup(config.model.warmup, self.info.device):
@@ -246,10 +247,11 @@ class EngineCore:
         previous, self._in_flight = self._in_flight, (None if step.is_empty else step)
         self.decode_slack_s = None
         if previous is not None:
-            started = time.perf_counter()
+            started = time.monotonic()
             output = self.executor.collect_step()
+            self.collected_at = time.monotonic()
             if _decode_only(previous) and _decode_only(step):
-                self.decode_slack_s = time.perf_counter() - started
+                self.decode_slack_s = self.collected_at - started
             deltas += self._apply(previous, output)
         return deltas
 
