@@ -58,9 +58,10 @@ class ReplicaState(enum.Enum):
 RANK_COUNTERS_PERIOD = 64
 WATCHDOG_MARGIN_S = 1.0  # the replica's watchdog fires this long after an executor's deadline would
 STOP_TIMEOUT_S = 30.0  # stopping the ranks of a hung replica is not waited for longer
-# Paced overlap (SchedulerConfig.paced_overlap): of the time the last decode step waited for the
-# device, the part spent waiting for arrivals before the next step is planned; the rest (and the
-# margin) absorbs a step a little shorter than the one before, so the device never waits for it.
+# Paced overlap (SchedulerConfig.paced_overlap): of the host's slack in a steady decode (the time a
+# step waited for the device), the part spent waiting for arrivals before the next step is planned;
+# the rest (and the margin) absorbs a step a little shorter than the one before and the loop's
+# timer granularity, so the device never waits for the plan.
 PACE_FRACTION = 0.75
 PACE_MARGIN_S = 0.5e-3
 
@@ -318,10 +319,11 @@ class Replica:
     async def _pace(self) -> None:
         """Paced overlap (SchedulerConfig.paced_overlap). With overlap the next step is planned as
         soon as the last one returns, while the device still runs the step before: a request
-        that arrives after that planning waits for the running step and the planned one. In a
-        steady decode (core.decode_slack_s: the time the last step() waited in collect), wait
-        here for most of that slack first, so that an arrival meanwhile joins the next step;
-        any wake (an arrival, an abort, a hand-over) ends the wait, and what came is applied."""
+        that arrives after that planning waits for the running step and the planned one. While
+        a step runs, wait here until most of the host's slack of the last steady decode has
+        passed since that step began (docs/engine.md "Paced overlap"), so that an arrival
+        meanwhile joins the next step; any wake (an arrival, an abort, a hand-over) ends the
+        wait, and what came is applied."""
         core, paced, self._paced_s = self.core, self._paced_s, 0.0
         if not self.config.scheduler.paced_overlap:
             return
