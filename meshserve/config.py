@@ -257,8 +257,8 @@ class SchedulerConfig:
                 "device runs a step asynchronously to the host (CUDA); on a CPU a step's submit computes it whole, "
                 "so overlap would only hand every token out one step later"})
     paced_overlap: bool = field(default=False, metadata={
-        "help": "with overlap scheduling, a replica in a steady decode waits for arrivals for most of the time its "
-                "last step waited for the device before it plans the next one, so that a request arriving while a "
+        "help": "with overlap scheduling, a replica waits for arrivals while a step runs, for most of the host's "
+                "slack in the last steady decode, before it plans the next one, so that a request arriving while a "
                 "step runs joins the next step, not the one after (cluster/replica.py; off until measured on a GPU)"})
     max_sequences_per_caller: int = field(default=512, metadata={
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "

@@ -73,18 +73,13 @@ def wants_warmup(setting: bool | None, device: str) -> bool:
 
 
 def warm_up(core: Engine) -> WarmupReport | None:
-    """Run the warm-up requests to their end; None where this engine cannot hold them (a KV pool
-    or context too small: logged, nothing run)."""
+    """Run the warm-up requests to their end; None where this engine refuses them (admission's
+    checks: a context shorter than a prompt, a scheduler that cannot take one; logged, nothing
+    run). Each fits the KV pool alone (a pool holds a max_model_len sequence); together the
+    scheduler runs them as the pool allows."""
     info = core.info
     if info.is_encoder_decoder:
         log.info("warm-up skipped: encoder-decoder model")
-        return None
-    block = info.block_size
-    longest = FIRST_ROUND[0] + EXTENSION
-    needed = sum(-(-(n + OUTPUT_TOKENS) // block) for n in FIRST_ROUND) + -(-(longest + OUTPUT_TOKENS) // block)
-    if longest + OUTPUT_TOKENS > info.max_model_len or needed > core.kv.num_free_blocks:
-        log.info("warm-up skipped: its %d tokens of context or %d KV blocks do not fit (max_model_len %d, %d "
-                 "free blocks)", longest + OUTPUT_TOKENS, needed, info.max_model_len, core.kv.num_free_blocks)
         return None
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT_TOKENS, ignore_eos=True)
     tokens = _tokens(info.vocab_size, sum(FIRST_ROUND) + EXTENSION)
@@ -95,7 +90,7 @@ def warm_up(core: Engine) -> WarmupReport | None:
         rounds = [[core.make_request(first, params, request_id="warmup-0"),
                    core.make_request(second, params, request_id="warmup-1")],
                   [core.make_request(third, params, request_id="warmup-2")]]  # reads the first one's cached blocks
-    except MeshserveError as exc:  # e.g. no chunked prefill and fewer batched tokens than a prompt
+    except MeshserveError as exc:  # a short context, no chunked prefill with fewer batched tokens, ...
         log.info("warm-up skipped: %s", exc)
         return None
     started = time.perf_counter()

@@ -81,7 +81,7 @@ def test_tokens_after_the_warmup_are_those_without_it(engines):
 
 def test_warmup_is_skipped_where_the_engine_cannot_hold_it(caplog):
     with caplog.at_level(logging.INFO, logger="meshserve.engine"):
-        # 3 usable blocks of 16 and 48 tokens of context; the warm-up needs 12 blocks and 63 tokens
+        # 48 tokens of context: the warm-up's 77- and 61-token prompts are refused by admission
         core = _engine(True, num_kv_blocks=4, max_model_len=48)
     try:
         assert core.warmup is None
