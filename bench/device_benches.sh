@@ -69,7 +69,7 @@ e2e_bs1() {  # "name bench/e2e.py flags..." per run: the 8B shape at bs 1, the l
         echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
     done
 }
-case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh or moe}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh or moe}" in
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
@@ -142,6 +142,14 @@ case "${1:?part: serve, latency, nixl, tests, disagg, fi07, e2e42, fp8head, ttft
         timeout 560 python3 -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512 \
             --paths offline,http,grpc,http-paced,grpc-paced --background "0 15" --repeats 40 --out "$OUT" \
             2>&1 | tail -48 ;;
+    piecewise)  # the piecewise graphs of steps with prefill tokens: their GPU tests, then where a lone prompt's TTFT goes
+        tests gpu_piecewise 150 tests/gpu/test_piecewise_graphs_gpu.py
+        timeout 200 python3 -m bench.prefill_probe --variants default,eager-prefill,sync --repeats 10 --out "$OUT" \
+            2>&1 | grep -v Warning | tail -50
+        tests gpu_decode_graphs $((580 - SECONDS)) tests/gpu/test_decode_graphs_gpu.py -k "not deepseek" ;;
+    probe)  # where a lone 512-token prompt's offline TTFT goes (bench/prefill_probe.py), then the warm-up's GPU test
+        timeout 420 python3 -m bench.prefill_probe --out "$OUT" 2>&1 | tail -70
+        BUDGET=$((590 - SECONDS)) bash "$0" tests warmup ;;
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;

@@ -103,12 +103,16 @@ class ModelConfig:
     dtype: Dtype = Dtype.AUTO
     max_model_len: int | None = field(default=None, metadata={"help": "None = the model's own limit"})
     seed: int = 0
-    enforce_eager: bool = field(default=False, metadata={"help": "never replay decode steps as CUDA graphs"})
+    enforce_eager: bool = field(default=False, metadata={
+        "help": "never replay CUDA graphs (decode steps, or the piecewise graphs of steps with prefill tokens)"})
     warmup: bool | None = field(default=None, metadata={
         "help": "run three short greedy requests through each replica's engine before it takes requests, so that "
                 "kernels built or compiled at first use are built at start (engine/warmup.py). None: on CUDA"})
     cuda_graph_max_batch: int = field(default=256, metadata={
         "help": "decode batches up to this size replay CUDA graphs (buckets 1, 2, 4, 8, 16, ...); larger run eager"})
+    piecewise_graph_tokens: int = field(default=1024, metadata={
+        "help": "steps with prefill tokens, up to this many new tokens, replay CUDA graphs of the work between "
+                "attention calls (workers/piecewise_graphs.py); larger steps run eager; 0: always eager"})
     quantization: Quantization = field(default=Quantization.NONE, metadata={
         "help": "fp8: quantize a bf16/fp32 checkpoint's linear weights to FP8 at load (per-channel scales)"})
     small_m_gemm: SmallMGemm = field(default=SmallMGemm.AUTO, metadata={"help": SMALL_M_GEMM_HELP})
@@ -126,6 +130,9 @@ class ModelConfig:
         check(self.warmup is None or isinstance(self.warmup, bool), "warmup", self.warmup,
               "true, false or unset (on CUDA)")
         _positive("cuda_graph_max_batch", self.cuda_graph_max_batch, upper=4096)
+        check(isinstance(self.piecewise_graph_tokens, int) and not isinstance(self.piecewise_graph_tokens, bool)
+              and 0 <= self.piecewise_graph_tokens <= 16384, "piecewise_graph_tokens", self.piecewise_graph_tokens,
+              "an integer in [0, 16384] (0: steps with prefill tokens run eager)")
         if self.model is not None:
             check(Path(self.model).is_dir(), "model", self.model, "an existing checkpoint directory")
         if self.max_model_len is not None:

@@ -73,7 +73,8 @@ class LLM:
                  enable_prefix_caching: bool = True, seed: int = 0, device: str | None = None,
                  enforce_eager: bool = False, async_scheduling: bool | None = None, progress: bool = True,
                  revision: str | None = None, quantization: str = "none", small_m_gemm: str = "auto",
-                 quantize_lm_head: bool = False, warmup: bool | None = None) -> None:
+                 quantize_lm_head: bool = False, warmup: bool | None = None,
+                 piecewise_graph_tokens: int = 1024) -> None:
         if model is None:
             from meshserve.demo_model import DEMO_MODEL_DIR
 
@@ -102,7 +103,8 @@ class LLM:
             model=ModelConfig(model=str(model), dtype=dtype, max_model_len=max_model_len, seed=seed,
                               enforce_eager=enforce_eager, cuda_graph_max_batch=max(1, min(max_num_seqs, 512)),
                               quantization=quantization, small_m_gemm=small_m_gemm,
-                              quantize_lm_head=quantize_lm_head, warmup=warmup),
+                              quantize_lm_head=quantize_lm_head, warmup=warmup,
+                              piecewise_graph_tokens=piecewise_graph_tokens),
             cache=CacheConfig(block_size=block_size, num_kv_blocks=num_kv_blocks,
                               kv_cache_memory_bytes=kv_cache_memory_bytes,
                               enable_prefix_caching=enable_prefix_caching),

@@ -104,7 +104,12 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                    help="as --no-enable-prefix-caching")
     m.add_argument("--seed", type=int, default=0, help="seed of the sampler for requests without their own")
     m.add_argument("--enforce-eager", action="store_true",
-                   help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs)")
+                   help="run every step eagerly (default on CUDA: decode steps replay CUDA graphs, and steps with "
+                        "prefill tokens replay the piecewise graphs of --piecewise-graph-tokens)")
+    m.add_argument("--piecewise-graph-tokens", type=int, default=1024,
+                   help="on CUDA, steps with prefill tokens of up to this many new tokens replay CUDA graphs of the "
+                        "work between attention calls (vLLM's piecewise graphs); larger steps run eagerly; "
+                        "0: every such step eagerly (default: 1024)")
     m.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=None,
                    help="each replica runs three short greedy requests through its engine before readiness turns "
                         "SERVING, so that kernels built or compiled at first use are built then, not in a client's "
@@ -243,7 +248,8 @@ def configs_of(args: argparse.Namespace):
         model=ModelConfig(model=model, dtype=args.dtype, max_model_len=args.max_model_len,
                           seed=args.seed, enforce_eager=args.enforce_eager, quantization=args.quantization,
                           small_m_gemm=args.small_m_gemm, quantize_lm_head=args.quantize_lm_head,
-                          cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512)), warmup=args.warmup),
+                          cuda_graph_max_batch=max(1, min(args.max_num_seqs, 512)), warmup=args.warmup,
+                          piecewise_graph_tokens=args.piecewise_graph_tokens),
         cache=CacheConfig(block_size=args.block_size or DEFAULT_BLOCK_SIZE, num_kv_blocks=args.num_kv_blocks,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           memory_utilization=args.gpu_memory_utilization,

@@ -30,6 +30,7 @@ from meshserve.workers.decode_graphs import DecodeGraphs
 from meshserve.workers.grammar import GrammarState, wait_for_any
 from meshserve.workers.models.contract import GenerativeModel
 from meshserve.workers.models.transformer import EncoderStep, ForwardContext, LayerAttention
+from meshserve.workers.piecewise_graphs import PiecewiseGraphs
 from meshserve.workers.prompt_logprobs import PromptLogprobs, prompt_logprobs, wanted_rows
 from meshserve.workers.request_tables import RequestTables
 from meshserve.workers.sampler import Draw, Sampler, SamplingRow
@@ -125,6 +126,8 @@ class ModelRunner:
         self.tables = RequestTables(self.num_groups)  # every known request's block tables, one row each
         # Set by the worker when decode steps replay CUDA graphs (workers/decode_graphs.py).
         self.decode_graphs: DecodeGraphs | None = None
+        # Set by the worker when steps with prefill tokens replay piecewise graphs (workers/piecewise_graphs.py).
+        self.piecewise_graphs: PiecewiseGraphs | None = None
         self._in_flight: deque[_InFlight] = deque()
         self._last: _InFlight | None = None  # the latest submitted step that drew tokens
         self._last_rows: dict[str, int] = {}  # request id -> its row in self._last.draw.tokens
@@ -393,7 +396,18 @@ class ModelRunner:
     def _forward(self, query_lens: list[int], seq_lens: list[int], tables: list[np.ndarray], input_ids: torch.Tensor,
                  positions: torch.Tensor, encoder: EncoderStep | None, cross: dict) -> torch.Tensor:
         """The model's forward over these sequences' new tokens ([T] ids and positions): metadata
-        per KV group, one plan per backend instance and group. Returns [T, hidden]."""
+        per KV group, one plan per backend instance and group. Returns [T, hidden]: from the
+        piecewise graphs (a view of their buffer) where they serve the step."""
+        layers = self._step_layers(query_lens, seq_lens, tables, cross)
+        graphs = self.piecewise_graphs
+        if graphs is not None and encoder is None and not cross and graphs.serves(input_ids.shape[0]):
+            return graphs.run(input_ids, positions, layers)
+        return self.model(input_ids, positions, ForwardContext(layers=layers, encoder=encoder))
+
+    def _step_layers(self, query_lens: list[int], seq_lens: list[int], tables: list[np.ndarray],
+                     cross: dict) -> list[LayerAttention]:
+        """Each layer's attention for this step: metadata per KV group, one plan per backend
+        instance and group."""
         metas = [
             AttentionMetadata.build(query_lens=query_lens, seq_lens=seq_lens,
                                     block_tables=tables[g], block_size=self.block_size,
@@ -408,7 +422,7 @@ class ModelRunner:
             if plan is None:
                 plan = plans[id(b), g] = b.plan(metas[g])
             layers.append(LayerAttention(b, plan, kv, metas[g].slot_mapping))
-        return self.model(input_ids, positions, ForwardContext(layers=layers, encoder=encoder))
+        return layers
 
     def _forward_parts(self, query_lens: list[int]) -> list[tuple[int, int, int, int]] | None:
         """On a CPU, a step of more than CPU_FORWARD_TOKENS new tokens runs in `forward_parts`;

@@ -36,6 +36,7 @@ from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.bart import BartArch, is_encoder_decoder_dir, load_bart, read_bart_arch
 from meshserve.workers.models.contract import GenerativeModel
 from meshserve.workers.models.expert_layer import ExpertLayer
+from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal
 from meshserve.workers.runner import ModelRunner
 from meshserve.workers.sharding import routed_experts
 from meshserve.workers.step import StepOutput, StepPlan
@@ -149,10 +150,12 @@ class Worker:
         # A block id holds one group's worth of layers (kvstore/groups.py: the groups share tensors).
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
         use_graphs = self._graph_refusals(backends, model) == []
+        piecewise_tokens = self._piecewise_tokens(model, par.dcp)
         reserve = 0
-        if use_graphs:  # the graphs' activation pool comes out of the KV budget
-            reserve = decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
-                                        device=self.device, batch=self.model_config.cuda_graph_max_batch)
+        for batch in ((self.model_config.cuda_graph_max_batch,) if use_graphs else ()) + (
+                (piecewise_tokens,) if piecewise_tokens else ()):  # each graph pool comes out of the KV budget
+            reserve += decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
+                                         device=self.device, batch=batch)
         num_blocks = num_kv_blocks(self.cache_config, self.device,
                                    block_bytes([specs[i] for i in layout.groups[0]], bs, dtype), reserve=reserve,
                                    gpus_per_rank=par.gpus_per_rank)
@@ -181,6 +184,11 @@ class Worker:
             log.info("decode graphs hold %.0f MiB (%.0f MiB reserved before the KV cache was sized)",
                      graphs.capture_bytes / 2**20, reserve / 2**20)
             self.runner.decode_graphs = graphs
+        if piecewise_tokens:
+            pieces = PiecewiseGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
+                                     max_tokens=piecewise_tokens, device=self.device)
+            pieces.capture_all()
+            self.runner.piecewise_graphs = pieces
         if self.device.type == "cuda":
             # A decode step allocates thousands of small objects; the collector's full passes
             # would otherwise walk everything start-up made (a host profile at batch 256 showed ~28 ms
@@ -260,6 +268,22 @@ class Worker:
         if why and self.device.type == "cuda":
             log.info("decode steps run eagerly: %s", "; ".join(why))
         return why
+
+    def _piecewise_tokens(self, model: GenerativeModel, dcp: int) -> int:
+        """The largest step with prefill tokens that replays piecewise graphs here (0: none); why not, logged once."""
+        tokens = self.model_config.piecewise_graph_tokens
+        why = []
+        if self.device.type != "cuda" or self.model_config.enforce_eager or not tokens:
+            return 0  # (the decode graphs' refusal says why for the first two)
+        if self.parallel.tp > 1:
+            why.append(f"tp={self.parallel.tp}: collectives inside graphs are not captured yet")
+        refusal = piecewise_refusal(model, dcp)
+        if refusal is not None:
+            why.append(refusal)
+        if why:
+            log.info("steps with prefill tokens run eagerly: %s", "; ".join(why))
+            return 0
+        return tokens
 
     def execute_step(self, plan: bytes) -> bytes:
         check(self.runner is not None, "worker", "not started", "start() before execute_step()")

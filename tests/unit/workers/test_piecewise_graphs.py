@@ -1,0 +1,163 @@
+"""The static path of steps with prefill tokens (workers/piecewise_graphs.py) on CPU, without
+capture: token buckets, padding, the split at every attention call, and tokens and K/V equal to
+the eager path's (on CUDA the graphs replay exactly this path, attention eager in between).
+
+Oracle: the eager ModelRunner on the same checkpoint, fed the same step plans.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
+from meshserve.core.sampling_params import SamplingParams
+from meshserve.errors import ConfigError
+from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal, token_buckets
+from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.worker import Worker
+from tests.deepseek_models import write_deepseek
+from tests.tiny_models import write_checkpoint
+
+BLOCK = 16
+NUM_BLOCKS = 64
+
+
+def test_token_buckets_are_the_documented_sizes():
+    assert token_buckets(16) == [16]
+    assert token_buckets(40) == [16, 32, 40]
+    assert token_buckets(512) == [16, 32, 64, 128, 256, 320, 384, 448, 512]
+    assert token_buckets(600) == [16, 32, 64, 128, 256, 320, 384, 448, 512, 576, 600]
+    with pytest.raises(ConfigError, match="max_tokens"):
+        token_buckets(0)
+
+
+def test_model_config_checks_the_token_limit():
+    assert ModelConfig(piecewise_graph_tokens=0).piecewise_graph_tokens == 0
+    for bad in (-1, 16385, 2.5, True):
+        with pytest.raises(ConfigError, match="piecewise_graph_tokens"):
+            ModelConfig(piecewise_graph_tokens=bad)
+
+
+def _worker(path, backend: str) -> Worker:
+    w = Worker(ModelConfig(model=str(path), dtype="float32"), CacheConfig(block_size=BLOCK, num_kv_blocks=NUM_BLOCKS),
+               AttentionConfig(backend=backend), device="cpu", progress=False)  # fmt: skip
+    w.start()
+    return w
+
+
+def _pieces(w: Worker, max_tokens: int) -> PiecewiseGraphs:
+    r = w.runner
+    graphs = PiecewiseGraphs(r.model, backends=r.backends, kv_caches=r.kv_caches, layer_groups=r.layer_groups,
+                             max_tokens=max_tokens, device=torch.device("cpu"), capture=False)  # fmt: skip
+    graphs.capture_all()  # without capture: makes the buffers (a warm-up run of the largest bucket)
+    return graphs
+
+
+class _Driver:
+    """Identical step plans for several runners: whole prompts, a prompt in two chunks, decodes
+    beside prefills, requests leaving."""
+
+    def __init__(self, num_groups: int) -> None:
+        self.num_groups = num_groups
+        self.rng = random.Random(0)
+        self.free = list(range(1, NUM_BLOCKS))  # block 0 is the null block
+        self.rng.shuffle(self.free)
+        self.tables: dict[str, list[list[int]]] = {}
+        self.lens: dict[str, int] = {}
+        self.last: dict[str, int] = {}
+        self.step = 0
+
+    def _blocks(self, rid: str, seq_len: int) -> list[list[int]]:
+        tables = self.tables.setdefault(rid, [[] for _ in range(self.num_groups)])
+        for t in tables:
+            while len(t) * BLOCK < seq_len:
+                t.append(self.free.pop())
+        return [list(t) for t in tables]
+
+    def plan(self, prompts: dict[str, list[int]], decodes: list[str] = (), finished: list[str] = ()) -> StepPlan:
+        """prompts: request -> the prompt tokens this step computes (a new request's first chunk,
+        or a later chunk of one already announced)."""
+        self.step += 1
+        seqs, new = [], []
+        for rid, toks in prompts.items():
+            ctx = self.lens.get(rid, 0)
+            self.lens[rid] = ctx + len(toks)
+            seqs.append(ScheduledSeq(rid, toks, ctx, self._blocks(rid, ctx + len(toks))))
+            if ctx == 0:
+                new.append(NewRequest(rid, toks, SamplingParams(max_tokens=64).to_dict()))
+        for rid in decodes:
+            ctx = self.lens[rid]
+            self.lens[rid] += 1
+            seqs.append(ScheduledSeq(rid, [self.last[rid]], ctx, self._blocks(rid, ctx + 1)))
+        return StepPlan.from_seqs(self.step, seqs, new, finished=list(finished))
+
+
+def _run_both(eager, static, graphs: PiecewiseGraphs) -> list[tuple[int, int]]:
+    """Drive both runners; return (tokens, bucket) of every step the static path served."""
+    drv = _Driver(static.num_groups)
+    rng = random.Random(1)
+    prompt = {f"r{i}": [rng.randrange(1, 300) for _ in range(n)] for i, n in enumerate((5, 23, 40, 9, 61))}
+    seen = []
+
+    def both(plan: StepPlan) -> None:
+        before = graphs.num_steps
+        a, b = eager.execute(plan), static.execute(plan)
+        ta, tb = {s.request_id: s.token_id for s in a.sampled}, {s.request_id: s.token_id for s in b.sampled}
+        assert ta == tb, f"step {plan.step_id}: eager {ta} != static {tb}"
+        drv.last.update(ta)
+        if graphs.num_steps > before:
+            n = sum(len(s.token_ids) for s in plan.all_seqs())
+            seen.append((n, graphs.bucket(n)))
+
+    both(drv.plan({"r0": prompt["r0"]}))  # 5 tokens in bucket 16
+    both(drv.plan({"r1": prompt["r1"], "r2": prompt["r2"][:20]}, decodes=["r0"]))  # 44 tokens: a chunk, a decode
+    for _ in range(2):
+        both(drv.plan({}, decodes=["r0", "r1"]))  # decode-only (no decode graphs on this runner): here too
+    both(drv.plan({"r2": prompt["r2"][20:]}, decodes=["r0", "r1"]))  # the rest of r2 over its cached chunk
+    both(drv.plan({"r3": prompt["r3"], "r4": prompt["r4"]}, decodes=["r0", "r1", "r2"]))  # 73 tokens: over the limit
+    both(drv.plan({}, decodes=["r1", "r2", "r3", "r4"], finished=["r0"]))
+    return seen
+
+
+@pytest.mark.parametrize("arch,backend", [("llama", "TRITON"), ("qwen3", "TORCH"), ("gemma2", "TORCH")])
+def test_static_steps_with_prefill_equal_eager_and_keep_their_contract(tmp_path, arch, backend):
+    """llama on TRITON: the model stores K/V in its fused rotary kernel (inside a graph on CUDA);
+    qwen3 (q/k norms) and gemma2 (sliding window + soft-cap, sandwich norms) on TORCH: the split
+    backend defers write_kv to the eager attention beside it."""
+    write_checkpoint(tmp_path / arch, arch)
+    eager_w, static_w = _worker(tmp_path / arch, backend), _worker(tmp_path / arch, backend)
+    static = static_w.runner
+    graphs = static.piecewise_graphs = _pieces(static_w, max_tokens=64)
+    ptrs = [t.data_ptr() for t in (graphs.input_ids, graphs.positions, *graphs.slot_mappings,
+                                   *graphs._buffers.values())]  # fmt: skip
+    seen = _run_both(eager_w.runner, static, graphs)
+    assert seen == [(5, 16), (44, 64), (2, 16), (2, 16), (22, 32), (4, 16)]  # the 73-token step ran eager
+    assert [t.data_ptr() for t in (graphs.input_ids, graphs.positions, *graphs.slot_mappings,
+                                   *graphs._buffers.values())] == ptrs  # the addresses a graph holds  # fmt: skip
+    # Padded rows wrote no K/V: the caches equal the eager run's everywhere, the null block included.
+    for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):
+        torch.testing.assert_close(a.data, b.data, rtol=1e-5, atol=1e-5)
+        assert torch.count_nonzero(b.data[0]) == 0
+    # After a 4-token step in bucket 16, rows 4..15 of the slot mapping skip the write.
+    assert (graphs.slot_mappings[0][4:16] == -1).all()
+
+
+def test_piecewise_refusals_name_the_model_and_the_layout(tmp_path):
+    path = tmp_path / "deepseek_v3"
+    write_deepseek(path, "deepseek_v3")
+    w = _worker(path, "TRITON")
+    why = piecewise_refusal(w.runner.model, 1)
+    assert why is not None and "MLA" in why
+    with pytest.raises(ConfigError, match="model"):
+        _pieces(w, max_tokens=32)
+    write_checkpoint(tmp_path / "llama", "llama")
+    llama = _worker(tmp_path / "llama", "TORCH")
+    assert piecewise_refusal(llama.runner.model, 1) is None
+    assert "decode context parallel" in piecewise_refusal(llama.runner.model, 2)
+    graphs = _pieces(llama, max_tokens=32)
+    with pytest.raises(ConfigError, match="num_tokens"):
+        graphs.bucket(33)
+    assert not graphs.serves(0) and graphs.serves(32) and not graphs.serves(33)
