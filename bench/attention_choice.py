@@ -6,13 +6,20 @@ kernel-choice table the registry reads (meshserve/attention/kernel_choice.json).
 
 Per class (Llama-3-8B-shaped GQA 32/8 x 128, or DeepSeek-V3-shaped MLA 128 heads, latent 512 +
 rope 64; bf16 activations) and phase, every registered backend of the kind that validates on
-this device is first run on a small mixed batch of the same class against the TORCH reference
+this device is first run on small batches of the same class against the TORCH reference
 (float32 math): a backend whose output or LSE is off by more than the class's tolerance is
 dropped from that class and reported (a wrong kernel never wins). The rest are timed as the
 engine runs them (plan once on the host, then `forward`; CUDA events, L2 flushed, median) on
 the shapes below, and each backend's relative time is its time over the fastest one's, the
 mean over the shapes. TORCH itself is the oracle (one sequence at a time, float32): it is
 checked against but timed only with --time-reference.
+
+Prefill runs as in the engine's layers (workers/models/transformer.py): forward gets the step's
+own K/V beside the query (the new tokens' rows of the cache, in the activation dtype), so whole
+fresh prompts take the paths that read them instead of the pages (FLASHINFER's ragged prefill,
+TRITON's fresh tiles) and chunks over a cached prefix read the pages; the shapes and the check
+batches hold both. FP8 caches: the step's K/V are the dequantized cache rows, and prefill reads
+the quantized pages (attention/backend.py step_kv_refusals).
 
 Prints a table, writes attention_choice.json (raw times) and attention_choice.png under --out;
 --write merges the measured entries into a kernel-choice table (same class: replaced).
@@ -41,13 +48,39 @@ from meshserve.attention.spec import AttentionSpec, KVCacheDtype, MLADims
 HEADS, KV_HEADS, HEAD = 32, 8, 128
 MLA_HEADS = 128
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
-DECODE_SHAPES = ((64, 4096), (256, 2048), (8, 32768))
-PREFILL_SHAPES = ((4, 4096), (1, 16384))
+DECODE_SHAPES = ((64, 4096), (256, 2048), (8, 32768))  # (batch, keys)
+# (batch, new tokens, cached tokens): whole fresh prompts, and chunks over a cached prefix (a
+# prefix-cache hit, or a later chunk of a long prompt).
+PREFILL_SHAPES = ((4, 4096, 0), (1, 16384, 0), (4, 1024, 3072))
 MLA_DECODE_SHAPES = ((64, 4096), (8, 32768))
-QUICK = {"decode": ((64, 4096),), "prefill": ((4, 4096),), "mla": ((64, 4096),)}
+QUICK = {"decode": ((64, 4096),), "prefill": ((4, 4096, 0), (4, 1024, 3072)), "mla": ((64, 4096),)}
+# Check batches (query lengths, sequence lengths), decode rows last. Prefill: a chunk over cached
+# context beside a whole prompt (paged paths), and whole prompts only (FLASHINFER's ragged prefill
+# needs every prefill of the step fresh).
+CHECK_BATCHES = {
+    "prefill": {"chunk over cached context + fresh prompt": ((37, 64, 1, 1), (300, 64, 1000, 17)),
+                "fresh prompts": ((130, 64, 1), (130, 64, 700))},
+    "decode": {"decodes": ((1,) * 6, (5, 300, 1000, 17, 64, 700))},
+}
 TOLERANCE = {"bfloat16": 3e-2, "fp8": 8e-2}  # max |o - ref| / max |ref|, and the same bound on LSE
 REFERENCE = "TORCH"
 CLASSES = ("gqa-bf16-16", "gqa-bf16-64", "gqa-fp8-16", "gqa-fp8-64", "mla-bf16-64", "mla-fp8-64")
+
+
+@dataclass(frozen=True)
+class Rig:
+    """Where the classes run and at what size: the GPU at the Llama-3-8B shape (the bench), or the
+    CPU at a toy size under TRITON_INTERPRET=1 (tests: the bench's batches and checks, not speed;
+    float16 there, as the interpreter computes bf16 wrongly; a "bf16" class's cache holds `dtype`)."""
+
+    device: str = "cuda"
+    dtype: torch.dtype = torch.bfloat16  # activations
+    heads: int = HEADS
+    kv_heads: int = KV_HEADS
+    head: int = HEAD
+
+
+GPU = Rig()
 
 
 @dataclass(frozen=True)
@@ -79,15 +112,16 @@ class ProblemClassSpec:
             return (("mla_decode", "decode"),)
         return (("attention", "prefill"), ("attention", "decode"))
 
-    def problem(self, max_len: int) -> AttentionProblem:
-        cc = torch.cuda.get_device_capability()
+    def problem(self, max_len: int, rig: Rig = GPU) -> AttentionProblem:
+        cc = torch.cuda.get_device_capability() if rig.device == "cuda" else None
         if self.attention == "mla":
             from meshserve.attention.mla.spec import mla_spec
 
             spec = mla_spec(MLA_HEADS, V3, kv_cache_dtype=self.kv_dtype)
         else:
-            spec = AttentionSpec(HEADS, KV_HEADS, HEAD, kv_cache_dtype=self.kv_dtype)
-        return AttentionProblem(spec, dtype="bfloat16", block_size=self.page, max_model_len=max_len, device="cuda",
+            spec = AttentionSpec(rig.heads, rig.kv_heads, rig.head, kv_cache_dtype=self.kv_dtype)
+        dtype = str(rig.dtype).removeprefix("torch.")
+        return AttentionProblem(spec, dtype=dtype, block_size=self.page, max_model_len=max_len, device=rig.device,
                                 compute_capability=cc)  # fmt: skip
 
 
@@ -103,52 +137,96 @@ class Result:
 
 
 # ------------------------------------------------------------------------- standard attention
-def _gqa_cache(cls: ProblemClassSpec, num_blocks: int, gen: torch.Generator) -> KVCache:
-    data = torch.randn(num_blocks, 2, cls.page, KV_HEADS, HEAD, device="cuda", dtype=torch.bfloat16, generator=gen)
+@dataclass
+class GqaBatch:
+    """One step of a class as the engine's layer sees it after write_kv: the cache already holds
+    every token, the new ones included (metadata write_kv off); `key`/`value` are the new tokens'
+    rows of that cache in the activation dtype (FP8: dequantized), what forward gets beside q."""
+
+    cache: KVCache
+    meta: AttentionMetadata
+    query: torch.Tensor  # [T, H, D]
+    key: torch.Tensor  # [T, KV_H, D]
+    value: torch.Tensor  # [T, KV_H, D]
+
+
+def _gqa_cache(cls: ProblemClassSpec, num_blocks: int, gen: torch.Generator, rig: Rig) -> KVCache:
+    shape = (num_blocks, 2, cls.page, rig.kv_heads, rig.head)
+    data = torch.randn(shape, device=rig.device, dtype=rig.dtype, generator=gen)
     if cls.kv != "fp8":
-        return KVCache(data, torch.tensor(1.0, device="cuda"), torch.tensor(1.0, device="cuda"))
-    scale = torch.tensor(0.25, device="cuda")
+        return KVCache(data, torch.tensor(1.0, device=rig.device), torch.tensor(1.0, device=rig.device))
+    scale = torch.tensor(0.25, device=rig.device)
     return KVCache((data / scale).to(torch.float8_e4m3fn), scale, scale.clone())
 
 
-def _gqa_batch(cls: ProblemClassSpec, query_lens, seq_lens, seed: int):
-    """A cache already holding every token (write_kv off), its metadata and random queries."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def _step_kv(cache: KVCache, tables_: list[list[int]], query_lens, seq_lens, dtype: torch.dtype):
+    """The new tokens' (key, value) [T, KV_H, D] read back from the cache, in `dtype`."""
+    page = cache.block_size
+    blocks, offsets = [], []
+    for table, q_len, seq_len in zip(tables_, query_lens, seq_lens):
+        for pos in range(seq_len - q_len, seq_len):
+            blocks.append(table[pos // page])
+            offsets.append(pos % page)
+    device = cache.data.device
+    rows = cache.data[torch.tensor(blocks, device=device), :, torch.tensor(offsets, device=device)]  # [T, 2, KV_H, D]
+    scales = (cache.k_scale, cache.v_scale)
+    return tuple((rows[:, i].float() * scales[i].float()).to(dtype).contiguous() for i in (0, 1))
+
+
+def gqa_batch(cls: ProblemClassSpec, query_lens, seq_lens, seed: int, rig: Rig = GPU) -> GqaBatch:
+    """Random queries over a random cache of this class, shuffled block tables."""
+    gen = torch.Generator(device=rig.device).manual_seed(seed)
     per_seq = -(-max(seq_lens) // cls.page)
-    cache = _gqa_cache(cls, len(seq_lens) * per_seq, gen)
+    cache = _gqa_cache(cls, len(seq_lens) * per_seq, gen, rig)
     tables_ = shuffled_tables(len(seq_lens), per_seq, torch.Generator().manual_seed(seed))
     meta = AttentionMetadata.build(query_lens=list(query_lens), seq_lens=list(seq_lens), block_tables=tables_,
-                                   block_size=cls.page, device="cuda", write_kv=False)  # fmt: skip
-    q = torch.randn(sum(query_lens), HEADS, HEAD, device="cuda", dtype=torch.bfloat16, generator=gen)
-    return cache, meta, q
+                                   block_size=cls.page, device=rig.device, write_kv=False)  # fmt: skip
+    q = torch.randn(sum(query_lens), rig.heads, rig.head, device=rig.device, dtype=rig.dtype, generator=gen)
+    return GqaBatch(cache, meta, q, *_step_kv(cache, tables_, query_lens, seq_lens, rig.dtype))
 
 
-def _gqa_run(backend, cache, meta, q):
-    plan = backend.plan(meta)
-    return lambda: backend.forward(q, None, None, cache, plan, return_lse=True)
+def gqa_run(backend, batch: GqaBatch):
+    """One layer's attention as the engine calls it (plan once per step, then forward with q, k, v)."""
+    plan = backend.plan(batch.meta)
+    return lambda: backend.forward(batch.query, batch.key, batch.value, batch.cache, plan, return_lse=True)
 
 
-def check_gqa(cls: ProblemClassSpec, name: str, phase: str) -> str | None:
-    """None when `name` matches the reference on a small mixed batch of this class, else why not."""
-    if phase == "prefill":  # a chunk over cached context, a whole prompt, and decodes behind them
-        query_lens, seq_lens = (37, 64, 1, 1), (300, 64, 1000, 17)
-    else:
-        query_lens, seq_lens = (1,) * 6, (5, 300, 1000, 17, 64, 700)
-    cache, meta, q = _gqa_batch(cls, query_lens, seq_lens, seed=11)
-    prob = cls.problem(2048)
-    out, lse = _gqa_run(load_backend(name)(prob), cache, meta, q)()
-    ref_out, ref_lse = _gqa_run(load_backend(REFERENCE)(prob), cache, meta, q)()
-    return _compare(out, lse, ref_out, ref_lse, TOLERANCE[cls.kv_class])
+def check_gqa(cls: ProblemClassSpec, name: str, phase: str, rig: Rig = GPU) -> str | None:
+    """None when `name` matches the reference on every check batch of the phase, else why not."""
+    prob = cls.problem(2048, rig)
+    for what, (query_lens, seq_lens) in CHECK_BATCHES[phase].items():
+        batch = gqa_batch(cls, query_lens, seq_lens, seed=11, rig=rig)
+        out, lse = gqa_run(load_backend(name)(prob), batch)()
+        ref_out, ref_lse = gqa_run(load_backend(REFERENCE)(prob), batch)()
+        wrong = _compare(out, lse, ref_out, ref_lse, TOLERANCE[cls.kv_class])
+        if wrong:
+            return f"{what}: {wrong}"
+    return None
+
+
+def shape_label(phase: str, shape: tuple[int, ...]) -> str:
+    """'prefill 4x4096' (fresh prompts), 'prefill 4x1024+3072' (chunks over 3072 cached), 'decode 64x4096'."""
+    batch, n, *cached = shape
+    return f"{phase} {batch}x{n}" + (f"+{cached[0]}" if cached and cached[0] else "")
+
+
+def step_lens(phase: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(query lengths, sequence lengths) of a timed shape: prefill (batch, new, cached) or decode (batch, keys)."""
+    if phase == "prefill":
+        batch, new, cached = shape
+        return (new,) * batch, (new + cached,) * batch
+    batch, seq = shape
+    return (1,) * batch, (seq,) * batch
 
 
 def time_gqa(cls: ProblemClassSpec, name: str, phase: str, shapes) -> dict[str, float]:
     out = {}
-    for batch, seq in shapes:
-        query_lens = (seq,) * batch if phase == "prefill" else (1,) * batch
-        cache, meta, q = _gqa_batch(cls, query_lens, (seq,) * batch, seed=batch * seq)
-        fn = _gqa_run(load_backend(name)(cls.problem(2 * seq)), cache, meta, q)
-        out[f"{phase} {batch}x{seq}"] = time_us_l2_flushed(fn, warmup=3, iters=15 if phase == "prefill" else 30)
-        del cache, meta, q, fn
+    for shape in shapes:
+        query_lens, seq_lens = step_lens(phase, shape)
+        step = gqa_batch(cls, query_lens, seq_lens, seed=len(seq_lens) * seq_lens[0])
+        fn = gqa_run(load_backend(name)(cls.problem(2 * seq_lens[0])), step)
+        out[shape_label(phase, shape)] = time_us_l2_flushed(fn, warmup=3, iters=15 if phase == "prefill" else 30)
+        del step, fn
         torch.cuda.empty_cache()
     return out
 
@@ -278,11 +356,12 @@ def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool) -> list
         else:
             check, timer = check_gqa, time_gqa
             shapes = QUICK[phase] if quick else (PREFILL_SHAPES if phase == "prefill" else DECODE_SHAPES)
+        longest = max(max(step_lens(phase, shape)[1]) for shape in shapes)
         for name in backends:
             if name == REFERENCE and not time_reference:
                 continue
             try:
-                reasons = load_backend(name, kind).validate_configuration(cls.problem(2 * max(s for _, s in shapes)))
+                reasons = load_backend(name, kind).validate_configuration(cls.problem(2 * longest))
             except ImportError as exc:
                 reasons = [f"cannot be imported: {exc}"]
             if reasons:
@@ -345,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated, from {', '.join(CLASSES)}")
     ap.add_argument("--write", type=Path, default=None, help="merge the entries into this kernel-choice table")
-    ap.add_argument("--quick", action="store_true", help="one shape per phase (less device time)")
+    ap.add_argument("--quick", action="store_true", help="one shape per phase and prefill path (less device time)")
     ap.add_argument("--time-reference", action="store_true", help=f"time {REFERENCE} too (slow)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():

@@ -1,14 +1,37 @@
-"""bench/attention_choice.py's table writing, on hand-made timings (the timing itself needs a GPU).
+"""bench/attention_choice.py: its table writing, on hand-made timings (the timing itself needs a
+GPU), and its batches and reference checks on the CPU (TRITON under the interpreter, toy sizes).
 
 The entries it writes must parse as a kernel-choice table, name the fastest of the backends that
 passed the reference check (a dropped backend never wins, even with the smallest time), and
-replace the entry of the same class when merged into an existing table.
+replace the entry of the same class when merged into an existing table. Its prefill steps must
+hand forward the step's own K/V, equal to what the cache holds, as the engine's layers do.
 """
 
 import json
 
-from bench.attention_choice import ProblemClassSpec, Result, entries, merge, relative_times
+import pytest
+import torch
+
+from bench.attention_choice import (
+    CHECK_BATCHES,
+    PREFILL_SHAPES,
+    ProblemClassSpec,
+    Result,
+    Rig,
+    check_gqa,
+    entries,
+    gqa_batch,
+    gqa_run,
+    merge,
+    relative_times,
+    shape_label,
+)
+from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.kernel_choice import TABLE_PATH, parse_table
+from meshserve.attention.kernels.config import PrefillConfig
+from meshserve.attention.registry import load_backend
+
+CPU = Rig(device="cpu", dtype=torch.float16, heads=4, kv_heads=2, head=32)
 
 STAMP = dict(device="NVIDIA H200", capability="9.0", date="2026-12-05", command="python3 -m bench.attention_choice")
 
@@ -38,3 +61,37 @@ def test_merge_replaces_the_same_class_and_keeps_the_rest():
     decode16 = [e for e in parsed if (e.key.phase, e.key.kv, e.key.page_size) == ("decode", "bfloat16", 16)]
     assert len(decode16) == 1 and decode16[0].fastest == "TRITON"
     assert len(parsed) == len(shipped["entries"])  # replaced, not added
+
+
+@pytest.mark.parametrize("kv,phase", [("bf16", "prefill"), ("fp8", "prefill"), ("bf16", "decode")])
+def test_triton_passes_the_benchs_reference_checks_on_cpu(kv, phase):
+    """Every check batch of the phase (prefill: a chunk over cached context beside a fresh
+    prompt, and fresh prompts only) through TRITON against TORCH, as the GPU run does first."""
+    assert check_gqa(ProblemClassSpec("gqa", kv, 16), "TRITON", phase, CPU) is None
+
+
+def test_prefill_hands_forward_the_steps_kv_equal_to_the_cache():
+    """A fresh prompt's tiles read the K/V forward is given (fresh_kv tiles, forced on here: CPU
+    defaults have none): they must be the cache's rows, and the bench must pass them. The fresh
+    prompt's cache rows are NaN by the time forward runs: reading the pages instead would show."""
+    cls = ProblemClassSpec("gqa", "bf16", 16)
+    prob = cls.problem(2048, CPU)
+    query_lens, seq_lens = CHECK_BATCHES["prefill"]["chunk over cached context + fresh prompt"]
+    batch = gqa_batch(cls, query_lens, seq_lens, seed=3, rig=CPU)
+    ref_out, ref_lse = gqa_run(load_backend("TORCH")(prob), batch)()
+    fresh = PrefillConfig(block_m=32, block_n=32, num_warps=4, num_stages=1, kv_desc=True, fresh_kv=True)
+    triton = TritonBackend(prob, prefill_config=fresh)
+    assert set(triton.plan(batch.meta).fresh_tile_seq.tolist()) == {1}  # the 64-token prompt
+    run = gqa_run(triton, batch)
+    blocks = batch.meta.block_table[1, : seq_lens[1] // cls.page].long()
+    batch.cache.data[blocks] = float("nan")
+    out, lse = run()
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=2e-3, rtol=2e-3)
+    torch.testing.assert_close(lse, ref_lse, atol=2e-3, rtol=2e-3)
+
+
+def test_prefill_shapes_hold_fresh_prompts_and_chunks_over_cached_context():
+    labels = [shape_label("prefill", s) for s in PREFILL_SHAPES]
+    assert "prefill 4x4096" in labels and any("+" in label for label in labels)
+    assert shape_label("decode", (64, 4096)) == "decode 64x4096"

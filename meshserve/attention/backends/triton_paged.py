@@ -12,6 +12,7 @@ the lengths stay within those the plan was made for.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -76,6 +77,20 @@ class TritonPlan:
     fresh_tile_seq: torch.Tensor | None = None
     fresh_tile_q0: torch.Tensor | None = None
     fresh_prefill: PrefillConfig | None = None  # the fresh tiles' config
+    # Host lengths of the prefill sequences (query lengths 0 but for the fresh ones, keys), for
+    # paged_fresh_tiles.
+    fresh_query_lens: tuple[int, ...] = ()
+    prefill_kv_lens: tuple[int, ...] = ()
+    causal: bool = True
+
+    @functools.cached_property
+    def paged_fresh_tiles(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(tile_seq, tile_q0) of the fresh sequences as ordinary paged tiles of `prefill`, for a
+        forward whose key/value cannot stand in for the cache (fresh_input_reasons). Made on first
+        use, once per step: the engine always passes its K/V and never needs them."""
+        seqs, q0s = prefill_tiles(self.fresh_query_lens, self.prefill_kv_lens, self.prefill.block_m, self.causal)
+        device = self.tile_seq.device
+        return to_device(seqs, device, torch.int32), to_device(q0s, device, torch.int32)
 
 
 class TritonBackend(AttentionBackend):
@@ -195,9 +210,9 @@ class TritonBackend(AttentionBackend):
         tile_seq = to_device(seqs, device, torch.int32)
         tile_q0 = to_device(q0s, device, torch.int32)
         fresh_seq = fresh_q0 = None
+        fresh_query_lens = tuple(q if f else 0 for q, f in zip(query_lens, fresh))
         if any(fresh):
-            fseqs, fq0s = prefill_tiles(tuple(q if f else 0 for q, f in zip(query_lens, fresh)), kv_prefill,
-                                        fcfg.block_m, spec.is_causal)  # fmt: skip
+            fseqs, fq0s = prefill_tiles(fresh_query_lens, kv_prefill, fcfg.block_m, spec.is_causal)
             fresh_seq, fresh_q0 = to_device(fseqs, device, torch.int32), to_device(fq0s, device, torch.int32)
 
         partition, splits, partial_o, partial_lse = 0, 0, None, None
@@ -220,7 +235,7 @@ class TritonBackend(AttentionBackend):
         return TritonPlan(
             metadata, kv_lens, metadata.seq_lens, block_table, cfg, tile_seq, tile_q0,
             self.decode_cfg, partition, splits, partial_o, partial_lse, fresh_seq, fresh_q0,
-            fcfg if fresh_seq is not None else None,
+            fcfg if fresh_seq is not None else None, fresh_query_lens, kv_prefill, spec.is_causal,
         )  # fmt: skip
 
     def plan_for_graph(self, metadata: AttentionMetadata) -> TritonPlan:
@@ -316,9 +331,13 @@ class TritonBackend(AttentionBackend):
         args = (query, out, lse, return_lse, tensors, scalars)
         fresh_tiles = (plan.fresh_tile_seq, plan.fresh_tile_q0) if plan.fresh_tile_seq is not None else None
         if fresh_tiles and self.fresh_input_reasons(key, value, kv_cache, num_tokens):
-            # The step's K/V cannot stand in for the cache here; the pages hold the same keys.
-            self._paged_prefill(plan, plan.fresh_prefill, fresh_tiles, kv_cache, k_src, v_src, k_strides, v_strides,
-                                args, common)  # fmt: skip
+            # The step's K/V cannot stand in for the cache here; the pages hold the same keys, read
+            # by the paged tiles and config the pages were tuned for. Not the fresh tiles' config:
+            # its tiles are one row-descriptor load of the step's K/V each, and over the pages its
+            # descriptors (kv_desc) stack BLOCK_N / page loads per tile (four at pages of 16: 6-7x
+            # slower than the gather tiles on an H100, docs/performance.md).
+            self._paged_prefill(plan, plan.prefill, plan.paged_fresh_tiles, kv_cache, k_src, v_src, k_strides,
+                                v_strides, args, common)  # fmt: skip
         elif fresh_tiles:
             self._fresh_prefill(plan, plan.fresh_prefill, fresh_tiles, key, value, args, common)
         if plan.tile_seq.numel():

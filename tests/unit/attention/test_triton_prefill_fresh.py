@@ -142,6 +142,36 @@ def test_reasons_say_why_not_and_forward_without_kv_falls_back_to_pages():
     assert_matches(out, lse, *oracle(case), torch.float32)
 
 
+
+def test_forward_without_kv_reads_fresh_sequences_as_ordinary_paged_tiles(monkeypatch):
+    """With no usable key/value, the fresh sequences read the pages through the step's paged
+    config and tiles (plan.prefill), not the fresh config: its 64-key tiles with descriptors
+    stack four page loads at pages of 16 (about 7x slower than the gather tiles on an H100).
+    Here the fresh config is the CUDA shape of it (CPU has none by default); the regular one
+    the CPU's gather tiles."""
+    backend = TritonBackend(MIXED.problem(needs_lse=True))
+    backend.default_fresh_cfg = _cfg(32, 64)
+    case = make_case(MIXED, seed=9)
+    plan = backend.plan(case.metadata)
+    assert plan.fresh_prefill == _cfg(32, 64) and _seqs(plan.fresh_tile_seq) == {0, 2}
+    assert backend.prefill_descriptor_reasons(plan.fresh_prefill, case.kv_cache) == []  # would stack 4 pages
+    assert backend.prefill_descriptor_reasons(plan.prefill, case.kv_cache)  # the gather tiles
+    backend.write_kv(case.key, case.value, case.kv_cache, case.metadata.slot_mapping, plan=plan)
+    launched = []
+    prefill = TritonBackend._prefill
+
+    def recording_prefill(self, plan_, cfg, tiles, *args, **kwargs):
+        launched.append((cfg, tiles[0].tolist()))
+        return prefill(self, plan_, cfg, tiles, *args, **kwargs)
+
+    monkeypatch.setattr(TritonBackend, "_prefill", recording_prefill)
+    out, lse = backend.forward(case.query, None, None, case.kv_cache, plan, layer=case.layer, return_lse=True)
+    assert_matches(out, lse, *oracle(case), torch.float32)
+    assert {cfg for cfg, _ in launched} == {plan.prefill}
+    block_m = plan.prefill.block_m  # every prefill sequence in tiles of the paged config, once
+    tiles = sorted(s for _, seqs in launched for s in seqs)
+    assert tiles == sorted(s for s, q in enumerate(MIXED.query_lens[:3]) for _ in range(0, q, block_m))
+
 def test_row_descriptor_reasons():
     packed = torch.zeros(10, 2, 32)
     assert row_descriptor_reasons(packed, 32, 32, None) == []
