@@ -49,9 +49,11 @@ PATHS = ("offline", "http", "grpc")  # the default run
 # A served path is a face and the server's process layout: bare, `meshserve serve` as it defaults;
 # -split, with --engine-process (front-ends and engine in two processes); -inproc, without; -x2,
 # two front-end processes sharing the ports (--api-server-count 2) over one engine process; -paced,
-# as it defaults with --paced-overlap (an arrival mid-step joins the next step: cluster/replica.py).
+# with --paced-overlap (an arrival mid-step joins the next step: cluster/replica.py; the default since
+# 2026-12-06), -unpaced without it.
 LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"],
-           "-x2": ["--engine-process", "--api-server-count", "2"], "-paced": ["--paced-overlap"]}
+           "-x2": ["--engine-process", "--api-server-count", "2"], "-paced": ["--paced-overlap"],
+           "-unpaced": ["--no-paced-overlap"]}
 KNOWN_PATHS = ("offline", *(face + layout for layout in LAYOUTS for face in FACES))
 
 

@@ -263,10 +263,11 @@ class SchedulerConfig:
         "help": "plan step N+1 while step N runs (docs/engine.md). None: where the rank's "
                 "device runs a step asynchronously to the host (CUDA); on a CPU a step's submit computes it whole, "
                 "so overlap would only hand every token out one step later"})
-    paced_overlap: bool = field(default=False, metadata={
+    paced_overlap: bool = field(default=True, metadata={
         "help": "with overlap scheduling, a replica waits for arrivals while a step runs, for most of the host's "
                 "slack in the last steady decode, before it plans the next one, so that a request arriving while a "
-                "step runs joins the next step, not the one after (cluster/replica.py; off until measured on a GPU)"})
+                "step runs joins the next step, not the one after (cluster/replica.py; H100 2026-12-06: TTFT with 15 "
+                "streams -1.1 to -2.1 ms, their TPOT unchanged)"})
     max_sequences_per_caller: int = field(default=512, metadata={
         "help": "sequences (n / best_of / beams of each request) one caller may have waiting or running; "
                 "beyond it 429 with Retry-After (a caller's only request is always let in)"})

@@ -119,10 +119,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "device runs steps asynchronously, i.e. CUDA; --no-async-scheduling plans each step only "
                         "after the previous one returned; --async-scheduling forces it on a CPU too, where it only "
                         "delays each token by a step (for tests and benches)")
-    m.add_argument("--paced-overlap", action="store_true",
+    m.add_argument("--paced-overlap", action=argparse.BooleanOptionalAction, default=True,
                    help="with overlap scheduling, wait for arrivals while a step runs, for most of the host's slack "
                         "in the last steady decode, before planning the next, so a request arriving mid-step joins "
-                        "the next step (docs/engine.md \"Paced overlap\"; off by default until measured on a GPU)")
+                        "the next step (docs/engine.md \"Paced overlap\"; default: on; --no-paced-overlap plans the "
+                        "next step as soon as the last one's results are back)")
     m.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
     c = p.add_argument_group("cluster")
     c.add_argument("--pools", default="unified", choices=[m.value for m in PoolMode])
