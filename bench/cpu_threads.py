@@ -92,7 +92,8 @@ def main() -> int:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "cpu-threads.json").write_text(json.dumps(
             {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="minutes"),
-             "command": " ".join(sys.argv), "runs": runs, "table": text}, indent=1))
+             "command": "python -m bench.cpu_threads " + " ".join(sys.argv[1:]), "runs": runs, "table": text},
+            indent=1))
     return 0
 
 

@@ -410,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y-%m-%d")
     stem = f"disagg-ttft-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
-        "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
+        "title": title, "date": stamp, "device": where,
+        "command": "python -m bench.disagg_ttft " + " ".join(sys.argv[1:]),
         "load_average": os.getloadavg(), "settings": asdict(settings), "workload": asdict(workload),
         "face": args.face, "kv_transport": args.kv_transport, "gpus_per_rank": gpus_per_rank,
         "server_startup_s": startup,

@@ -552,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y-%m-%d")
     stem = f"serve-latency-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
-        "title": title, "date": stamp, "device": where, "command": " ".join(sys.argv),
+        "title": title, "date": stamp, "device": where,
+        "command": "python -m bench.serve_latency " + " ".join(sys.argv[1:]),
         "background_client": args.background_client,
         "settings": asdict(settings), "load_average": os.getloadavg(),
         "runs": [_rounded(asdict(r)) for r in runs], "traced": [_rounded(asdict(r)) for r in traced]}) + "\n")

@@ -494,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"serve-vs-offline-{args.device}-{args.shape}-{stamp}"
     (out / f"{stem}.json").write_text(json.dumps({
         "title": title, "date": stamp, "device": where, "settings": asdict(settings), "workload": asdict(workload),
-        "command": " ".join(sys.argv),
+        "command": "python -m bench.serve_vs_offline " + " ".join(sys.argv[1:]),
         "runs": [{"path": r.path, "concurrency": r.concurrency, "round": r.round, "summary": r.summary,
                   "engine_cpu_s": r.engine_cpu_s, "client_cpu_s": r.client_cpu_s,
                   "frontend_cpu_s": r.frontend_cpu_s, "tokens_made": r.tokens_made,
