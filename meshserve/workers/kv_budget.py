@@ -77,9 +77,11 @@ def num_kv_blocks(cache: CacheConfig, device: torch.device, per_block: int, *, r
 
 def decode_peak_bytes(model: GenerativeModel, backends: Sequence[AttentionBackend], specs: Sequence[AttentionSpec],
                       layout: KVGroupLayout, *, block_size: int, dtype: torch.dtype, device: torch.device,
-                      batch: int) -> int:
+                      batch: int, sample: bool = True) -> int:
     """Peak activation bytes of one eager decode step of `batch` sequences (the largest graph
-    batch), over a two-block scratch cache: what the graphs' shared memory pool will hold, plus a margin."""
+    batch), over a two-block scratch cache: what the graphs' shared memory pool will hold, plus a
+    margin. sample=False: the forward pass alone, no logits (the piecewise graphs' pool: their
+    LM head runs outside them)."""
     scratch = allocate_caches(specs, num_blocks=2, block_size=block_size, dtype=dtype, device=device,
                               layer_slots=layout.layer_slots(len(specs)))
     probe = ModelRunner(model, backends=backends, kv_caches=scratch, block_size=block_size, device=device,
@@ -87,7 +89,7 @@ def decode_peak_bytes(model: GenerativeModel, backends: Sequence[AttentionBacken
     ids = [f"probe-{i}" for i in range(batch)]
     params = SamplingParams(max_tokens=1).to_dict()
     # Decode rows (one token after one cached) of requests it announces.
-    plan = StepPlan(0, [NewRequest(r, [0, 0], params, context_len=1, num_tokens=1,
+    plan = StepPlan(0, [NewRequest(r, [0, 0], params, context_len=1, num_tokens=1, sample=sample,
                                    block_tables=[[1]] * layout.num_groups) for r in ids], finished=ids)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)

@@ -151,11 +151,13 @@ class Worker:
         self.kv_layout = layout = KVGroupLayout.from_specs(specs)
         use_graphs = self._graph_refusals(backends, model) == []
         piecewise_tokens = self._piecewise_tokens(model, par.dcp)
-        reserve = 0
-        for batch in ((self.model_config.cuda_graph_max_batch,) if use_graphs else ()) + (
-                (piecewise_tokens,) if piecewise_tokens else ()):  # each graph pool comes out of the KV budget
+        reserve = 0  # each graph pool comes out of the KV budget
+        if use_graphs:
             reserve += decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
-                                         device=self.device, batch=batch)
+                                         device=self.device, batch=self.model_config.cuda_graph_max_batch)
+        if piecewise_tokens:  # (their pool holds the forward's activations; the LM head runs outside)
+            reserve += decode_peak_bytes(model, backends, specs, layout, block_size=bs, dtype=dtype,
+                                         device=self.device, batch=piecewise_tokens, sample=False)
         num_blocks = num_kv_blocks(self.cache_config, self.device,
                                    block_bytes([specs[i] for i in layout.groups[0]], bs, dtype), reserve=reserve,
                                    gpus_per_rank=par.gpus_per_rank)
