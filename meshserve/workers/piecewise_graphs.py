@@ -27,6 +27,7 @@ that is how the CPU tests check the contract (tokens equal to the plain eager fo
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Sequence
@@ -222,8 +223,14 @@ class PiecewiseGraphs:
                     self._forward(t)
                     self._end_segment()
                     self._graphs[t], self._calls[t] = self._segments, self._recorded
+        except BaseException:
+            if self._segment is not None:  # end the stream's capture mode, whatever made it fail
+                with contextlib.suppress(Exception):
+                    self._segment.capture_end()
+            self._graphs.clear()
+            raise
         finally:
-            self._mode, self._segments, self._recorded = "static", [], []
+            self._mode, self._segments, self._recorded, self._segment = "static", [], [], None
         torch.cuda.current_stream(self.device).wait_stream(side)
         torch.cuda.synchronize(self.device)
         self.capture_seconds = time.perf_counter() - t0

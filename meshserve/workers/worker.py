@@ -189,8 +189,12 @@ class Worker:
         if piecewise_tokens:
             pieces = PiecewiseGraphs(model, backends=backends, kv_caches=caches, layer_groups=self.runner.layer_groups,
                                      max_tokens=piecewise_tokens, device=self.device)
-            pieces.capture_all()
-            self.runner.piecewise_graphs = pieces
+            try:
+                pieces.capture_all()
+                self.runner.piecewise_graphs = pieces
+            except Exception as exc:  # (a model whose forward cannot be captured serves eagerly, not fail)
+                log.warning("steps with prefill tokens run eagerly: their piecewise graphs could not be captured "
+                            "(%s: %s)", type(exc).__name__, exc)
         if self.device.type == "cuda":
             # A decode step allocates thousands of small objects; the collector's full passes
             # would otherwise walk everything start-up made (a host profile at batch 256 showed ~28 ms
