@@ -7,20 +7,18 @@ the eager TORCH MLA reference).
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes, graph_refusal
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.step import ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
 from tests.tiny_models import write_checkpoint
+from tests.unit.workers.step_driver import StepDriver
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -49,54 +47,11 @@ def _graphs(w: Worker, max_batch: int) -> DecodeGraphs:
                         device=torch.device("cpu"), capture=False)  # fmt: skip
 
 
-class _Driver:
-    """Feeds identical step plans to several runners: prompts, then decodes, with requests
-    joining and leaving so that the batch moves between buckets."""
-
-    def __init__(self, num_groups: int, seed: int = 0) -> None:
-        self.rng = random.Random(seed)
-        self.free = list(range(1, NUM_BLOCKS))  # block 0 is the null block
-        self.rng.shuffle(self.free)
-        self.num_groups = num_groups
-        self.tables: dict[str, list[list[int]]] = {}
-        self.lens: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-        self.step = 0
-
-    def blocks_for(self, rid: str, seq_len: int) -> list[list[int]]:
-        tables = self.tables.setdefault(rid, [[] for _ in range(self.num_groups)])
-        for t in tables:
-            while len(t) * BLOCK < seq_len:
-                t.append(self.free.pop())
-        return [list(t) for t in tables]
-
-    def prefill(self, rid: str, prompt: list[int]) -> StepPlan:
-        self.step += 1
-        self.lens[rid] = len(prompt)
-        new = NewRequest(rid, prompt, SamplingParams(max_tokens=64).to_dict())
-        seq = ScheduledSeq(rid, prompt, 0, self.blocks_for(rid, len(prompt)))
-        return StepPlan.from_seqs(self.step, [seq], [new])
-
-    def decode(self, rids: list[str], finished: list[str] = ()) -> StepPlan:
-        self.step += 1
-        seqs = []
-        for rid in rids:
-            ctx = self.lens[rid]
-            self.lens[rid] += 1
-            seqs.append(ScheduledSeq(rid, [self.last[rid]], ctx, self.blocks_for(rid, ctx + 1)))
-        return StepPlan.from_seqs(self.step, seqs, finished=list(finished))
-
-    def record(self, out) -> dict[str, int]:
-        toks = {s.request_id: s.token_id for s in out.sampled}
-        self.last.update(toks)
-        return toks
-
-
 def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
               others=()) -> tuple[list[tuple[int, int]], set[int]]:  # fmt: skip
     """Drive both runners (and `others`, more eager oracles); return (batch, bucket) of every static
     step and the blocks handed out."""
-    drv = _Driver(num_groups)
+    drv = StepDriver(num_groups, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     sampled_rows: list[int] = []
     real_draw = static.sampler.draw
 

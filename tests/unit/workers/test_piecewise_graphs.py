@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
-from meshserve.core.sampling_params import SamplingParams
 from meshserve.errors import ConfigError
 from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal, token_buckets
-from meshserve.workers.step import NewRequest, ScheduledSeq, StepPlan
+from meshserve.workers.step import StepPlan
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
 from tests.tiny_models import write_checkpoint
+from tests.unit.workers.step_driver import StepDriver
 
 BLOCK = 16
 NUM_BLOCKS = 64
@@ -56,48 +56,9 @@ def _pieces(w: Worker, max_tokens: int) -> PiecewiseGraphs:
     return graphs
 
 
-class _Driver:
-    """Identical step plans for several runners: whole prompts, a prompt in two chunks, decodes
-    beside prefills, requests leaving."""
-
-    def __init__(self, num_groups: int) -> None:
-        self.num_groups = num_groups
-        self.rng = random.Random(0)
-        self.free = list(range(1, NUM_BLOCKS))  # block 0 is the null block
-        self.rng.shuffle(self.free)
-        self.tables: dict[str, list[list[int]]] = {}
-        self.lens: dict[str, int] = {}
-        self.last: dict[str, int] = {}
-        self.step = 0
-
-    def _blocks(self, rid: str, seq_len: int) -> list[list[int]]:
-        tables = self.tables.setdefault(rid, [[] for _ in range(self.num_groups)])
-        for t in tables:
-            while len(t) * BLOCK < seq_len:
-                t.append(self.free.pop())
-        return [list(t) for t in tables]
-
-    def plan(self, prompts: dict[str, list[int]], decodes: list[str] = (), finished: list[str] = ()) -> StepPlan:
-        """prompts: request -> the prompt tokens this step computes (a new request's first chunk,
-        or a later chunk of one already announced)."""
-        self.step += 1
-        seqs, new = [], []
-        for rid, toks in prompts.items():
-            ctx = self.lens.get(rid, 0)
-            self.lens[rid] = ctx + len(toks)
-            seqs.append(ScheduledSeq(rid, toks, ctx, self._blocks(rid, ctx + len(toks))))
-            if ctx == 0:
-                new.append(NewRequest(rid, toks, SamplingParams(max_tokens=64).to_dict()))
-        for rid in decodes:
-            ctx = self.lens[rid]
-            self.lens[rid] += 1
-            seqs.append(ScheduledSeq(rid, [self.last[rid]], ctx, self._blocks(rid, ctx + 1)))
-        return StepPlan.from_seqs(self.step, seqs, new, finished=list(finished))
-
-
 def _run_both(eager, static, graphs: PiecewiseGraphs) -> list[tuple[int, int]]:
     """Drive both runners; return (tokens, bucket) of every step the static path served."""
-    drv = _Driver(static.num_groups)
+    drv = StepDriver(static.num_groups, block_size=BLOCK, num_blocks=NUM_BLOCKS)
     rng = random.Random(1)
     prompt = {f"r{i}": [rng.randrange(1, 300) for _ in range(n)] for i, n in enumerate((5, 23, 40, 9, 61))}
     seen = []
@@ -105,9 +66,8 @@ def _run_both(eager, static, graphs: PiecewiseGraphs) -> list[tuple[int, int]]:
     def both(plan: StepPlan) -> None:
         before = graphs.num_steps
         a, b = eager.execute(plan), static.execute(plan)
-        ta, tb = {s.request_id: s.token_id for s in a.sampled}, {s.request_id: s.token_id for s in b.sampled}
+        ta, tb = drv.record(a), {s.request_id: s.token_id for s in b.sampled}
         assert ta == tb, f"step {plan.step_id}: eager {ta} != static {tb}"
-        drv.last.update(ta)
         if graphs.num_steps > before:
             n = sum(len(s.token_ids) for s in plan.all_seqs())
             seen.append((n, graphs.bucket(n)))
