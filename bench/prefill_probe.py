@@ -33,6 +33,7 @@ import torch
 
 from bench.common import random_prompts, sync
 from bench.e2e import LLAMA3_8B, TINY, gpu_profile, write_checkpoint
+from bench.report import pyplot
 
 VARIANTS = ("default", "eager-prefill", "no-warmup", "no-fresh", "sync", "page64")
 
@@ -149,6 +150,26 @@ def probe(path: Path, variant: str, args: argparse.Namespace, vocab: int) -> dic
     return row
 
 
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    """TTFT p50 (min-max as the error bar) beside GPU-busy ms, one pair of bars per variant."""
+    plt = pyplot()
+    if plt is None or not rows:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = range(len(rows))
+    p50 = [r["ttft_p50"] for r in rows]
+    err = [[p - r["ttft_min"] for p, r in zip(p50, rows)], [r["ttft_max"] - p for p, r in zip(p50, rows)]]
+    ax.bar([x - 0.2 for x in xs], p50, 0.4, yerr=err, capsize=3, label="TTFT p50 (min-max)")
+    ax.bar([x + 0.2 for x in xs], [r["busy_ms"] for r in rows], 0.4, label="GPU busy")
+    ax.set_xticks(list(xs), [r["variant"] for r in rows], rotation=20)
+    ax.set(ylabel="ms", title=title)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--input-len", type=int, default=512)
@@ -188,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "prefill_probe.json").write_text(json.dumps(rows, indent=1))
+        title = f"a lone {args.input_len}-token prompt ({args.attention_backend})"
+        plot(rows, Path(args.out) / "prefill_probe.png", title)
     return 0
 
 
