@@ -28,8 +28,10 @@ from meshserve.workers.models.yarn_rope import rotate_pairs
 
 
 @triton.jit
-def _rotate(x1, x2, cos, sin, dtype: tl.constexpr):
-    """(x1 cos - x2 sin, x2 cos + x1 sin), every product and sum rounded to dtype (torch's ops)."""
+def _rotate(x1, x2, cos, sin, out_ptr):
+    """(x1 cos - x2 sin, x2 cos + x1 sin), every product and sum rounded to out_ptr's element
+    type (as torch's ops round them)."""
+    dtype = out_ptr.dtype.element_ty
     a = (x1 * cos).to(dtype).to(tl.float32)
     b = (x2 * sin).to(dtype).to(tl.float32)
     c = (x2 * cos).to(dtype).to(tl.float32)
@@ -48,7 +50,6 @@ def _mla_rope_kernel(
     # (g * BLOCK_H >= num_heads) rotates its k_pe instead.
     t = tl.program_id(0).to(tl.int64)
     g = tl.program_id(1)
-    dtype = q_ptr.dtype.element_ty
     d = tl.arange(0, BLOCK_HALF)
     in_d = d < HALF
     cos = tl.load(cos_ptr + t * stride_cos + d, mask=in_d, other=0.0).to(tl.float32)
@@ -58,28 +59,29 @@ def _mla_rope_kernel(
         first, second = 2 * d, 2 * d + 1
     else:
         first, second = d, HALF + d
+    # (Names differ between the branches: the compiler wants one type per name across an if.)
     if g * BLOCK_H >= num_heads:
-        src = c_ptr + t * stride_ct + RANK
-        x1 = tl.load(src + first, mask=in_d, other=0.0).to(tl.float32)
-        x2 = tl.load(src + second, mask=in_d, other=0.0).to(tl.float32)
-        out1, out2 = _rotate(x1, x2, cos, sin, dtype)
-        dst = k_ptr + t * (2 * HALF)
-        tl.store(dst + d, out1, mask=in_d)
-        tl.store(dst + HALF + d, out2, mask=in_d)
+        k_src = c_ptr + t * stride_ct + RANK
+        k1 = tl.load(k_src + first, mask=in_d, other=0.0).to(tl.float32)
+        k2 = tl.load(k_src + second, mask=in_d, other=0.0).to(tl.float32)
+        k_out1, k_out2 = _rotate(k1, k2, cos, sin, k_ptr)
+        k_dst = k_ptr + t * (2 * HALF)
+        tl.store(k_dst + d, k_out1, mask=in_d)
+        tl.store(k_dst + HALF + d, k_out2, mask=in_d)
     else:
         h = g * BLOCK_H + tl.arange(0, BLOCK_H)
         mask = (h < num_heads)[:, None] & in_d[None, :]
         row = q_ptr + t * stride_qt + h[:, None].to(tl.int64) * stride_qh + NOPE
-        x1 = tl.load(row + first[None, :], mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(row + second[None, :], mask=mask, other=0.0).to(tl.float32)
-        out1, out2 = _rotate(x1, x2, cos[None, :], sin[None, :], dtype)
+        q1 = tl.load(row + first[None, :], mask=mask, other=0.0).to(tl.float32)
+        q2 = tl.load(row + second[None, :], mask=mask, other=0.0).to(tl.float32)
+        q_out1, q_out2 = _rotate(q1, q2, cos[None, :], sin[None, :], q_ptr)
         if INTERLEAVED:
             # In place: a thread stores to values other threads loaded (2i, 2i + 1 -> i, i + HALF);
             # every load of the block is done before any store. (Halves: each thread stores
             # exactly the two values it loaded.)
             tl.debug_barrier()
-        tl.store(row + d[None, :], out1, mask=mask)
-        tl.store(row + HALF + d[None, :], out2, mask=mask)
+        tl.store(row + d[None, :], q_out1, mask=mask)
+        tl.store(row + HALF + d[None, :], q_out2, mask=mask)
 
 
 def rotary_mla_qk(q: torch.Tensor, compressed: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *,
