@@ -115,3 +115,39 @@ def test_deepseek_on_the_fused_kernels_matches_the_torch_ops(tmp_path, monkeypat
     assert len(got) == len(want) == 2 and len(calls) == 2 * 2  # two steps, two layers
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from meshserve.workers.models.mla_rope import _mla_rope_kernel
+out = {}
+for interleaved in (True, False):
+    sig = {n: "*bf16" for n in ("q_ptr", "c_ptr", "k_ptr", "cos_ptr", "sin_ptr")}
+    sig |= {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ct", "stride_cos", "stride_sin", "num_heads")}
+    consts = dict(NOPE=128, RANK=512, HALF=32, BLOCK_H=16, BLOCK_HALF=32, INTERLEAVED=interleaved)
+    sig |= {n: "constexpr" for n in consts}
+    src = ASTSource(_mla_rope_kernel, sig, constexprs=consts)
+    options = {"num_warps": 4, "enable_fp_fusion": False}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    out[str(interleaved)] = [ptx.count("bar.sync"), ptx.count("fma.")]
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_fma(tmp_path):
+    """The interpreter accepts code the GPU compiler refuses: compile for sm_90 here (no GPU
+    needed). No product may fuse into an FMA (torch rounds each), and only the interleaved
+    variant, which stores to values other threads loaded, waits at a barrier."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts == {"True": [1, 0], "False": [0, 0]}
