@@ -11,7 +11,9 @@ per parameter. Attention per token (DeepSeek-V2 paper, section 2.1):
     out          = o_proj(o)
 
 The cache write and the attention go through the layer's MLAAttention (decode and prefill
-backends chosen separately); this module never sees the latent layout or the kernels. V3.2
+backends chosen separately); this module never sees the latent layout or the kernels. On CUDA
+one kernel rotates q's rope part and k_pe (mla_rope.py), and the residual adds run inside the
+norms (fused_ops.add_rms_norm: layers pass (output, residual) pairs, as transformer.py). V3.2
 layers also run the lightning indexer (deepseek_indexer.py) and attend through a
 SparseMLAAttention to the top-k tokens it scores best.
 """
@@ -28,6 +30,7 @@ from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.deepseek_indexer import Indexer
 from meshserve.workers.models.expert_layer import experts_graph_safe
+from meshserve.workers.models.mla_rope import rotary_mla_qk
 from meshserve.workers.models.moe import GatedMLP, MoE
 from meshserve.workers.models.transformer import ForwardContext, LayerAttention, RMSNorm
 from meshserve.workers.models.yarn_rope import YarnRotary
@@ -61,7 +64,7 @@ class MLAttention(nn.Module):
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
         T, H, dims = x.shape[0], self.num_heads, self.dims
-        dn, r = dims.qk_nope_head_dim, dims.kv_lora_rank
+        r = dims.kv_lora_rank
         if dims.q_lora_rank is None:
             q, q_resid = self.q_proj(x), None
         else:
@@ -70,8 +73,8 @@ class MLAttention(nn.Module):
         q = q.view(T, H, dims.qk_head_dim)
         compressed = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
         latent = self.kv_a_layernorm(compressed[:, :r])
-        k_pe = rotary.apply(compressed[:, None, r:], *rope)[:, 0]  # [T, rope], shared by every head
-        q = torch.cat((q[..., :dn], rotary.apply(q[..., dn:], *rope)), dim=-1)
+        # q's rope part and k_pe [T, rope] (shared by every head) rotated: one kernel on CUDA.
+        q, k_pe = rotary_mla_qk(q, compressed, *rope, kv_lora_rank=r, interleaved=rotary.rope.interleaved)
         layer = ctx.layers[self.layer_idx]
         if self.indexer is None:
             o = self.attend(q, latent, k_pe, layer)  # [T, H, v]
@@ -107,10 +110,17 @@ class DeepseekDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
-                ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
-        x = x + self.self_attn(self.input_layernorm(x), rope, rotary, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor],
+                rotary: YarnRotary, ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x: the previous layer's output and `residual` the stream it is still to be added to
+        (layer 0: the embeddings and None). Returns (output, residual) in the same sense, as
+        transformer.DecoderLayer: each residual add runs inside the next norm (fused_ops)."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm.add_and_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, rotary, ctx), residual)
+        return self.mlp(h), residual
 
 
 class DeepseekBody(nn.Module):
@@ -152,9 +162,10 @@ class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
         x = self.model.embed_tokens(input_ids)
         rotary = self.model.rotary
         rope = rotary(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, rope, rotary, ctx)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, rotary, ctx)
+        return self.model.norm(x) if residual is None else self.model.norm.add_and_norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""

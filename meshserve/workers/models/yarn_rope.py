@@ -42,9 +42,16 @@ class YarnRotary(torch.nn.Module):
               interleaved: bool | None = None) -> torch.Tensor:  # fmt: skip
         """Rotate x [T, heads, dim] by the step's tables; interleaved None: the model's layout
         (DeepSeek-V3.2's indexer rotates halves whatever its MLA does)."""
-        if self.rope.interleaved if interleaved is None else interleaved:
-            x1, x2 = x[..., 0::2], x[..., 1::2]
-        else:
-            half = x.shape[-1] // 2
-            x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return rotate_pairs(x, cos, sin, interleaved=self.rope.interleaved if interleaved is None else interleaved)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool) -> torch.Tensor:
+    """x [..., dim] rotated pairwise by cos, sin [..., dim / 2] (broadcast): pairs (x[2i], x[2i + 1])
+    when interleaved, else (x[i], x[i + dim / 2]); returns (x1 cos - x2 sin, x2 cos + x1 sin) side
+    by side, each product and sum rounded to the result dtype (torch's elementwise ops)."""
+    if interleaved:
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+    else:
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

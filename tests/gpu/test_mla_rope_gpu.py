@@ -1,0 +1,47 @@
+"""MLA's fused q/k_pe rotation on CUDA at DeepSeek's sizes, bf16 included (the interpreter
+computes bf16 wrongly): bit for bit the torch ops it replaces, both rope layouts, and enough
+tokens and heads that a race between the in-place loads and stores would show. The model
+on the fused path against its torch ops. Skipped without CUDA; the CPU tests (interpreter)
+are tests/unit/workers/test_mla_rope.py.
+"""
+
+import pytest
+import torch
+
+from meshserve.workers.models import fused_ops
+from meshserve.workers.models.mla_rope import rotary_mla_qk
+from tests.deepseek_models import write_deepseek
+from tests.unit.workers.test_fused_ops import step_logits
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+HEADS, NOPE, ROPE, RANK = 16, 128, 64, 512  # DeepSeek-V2-Lite's MLA
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens", [1, 1000])
+def test_kernel_equals_the_torch_ops_on_cuda(interleaved, dtype, tokens):
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    q = torch.randn(tokens, HEADS * (NOPE + ROPE), generator=g, device="cuda").to(dtype)
+    q = q.view(tokens, HEADS, NOPE + ROPE)
+    compressed = torch.randn(tokens, RANK + ROPE, generator=g, device="cuda").to(dtype)
+    angles = torch.rand(tokens, 1, ROPE // 2, generator=g, device="cuda") * 6.3
+    cos, sin = (angles.cos() * 1.2).to(dtype), (angles.sin() * 1.2).to(dtype)
+    want_q, want_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved,
+                                   use_triton=False)  # fmt: skip
+    got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved)
+    assert got_q.data_ptr() == q.data_ptr()
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_deepseek_on_fused_kernels_matches_unfused_on_cuda(tmp_path, monkeypatch, dtype):
+    write_deepseek(tmp_path, "deepseek_v3")
+    got = step_logits(tmp_path, backend="TRITON", dtype=dtype, device="cuda")
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: False)
+    want = step_logits(tmp_path, backend="TRITON", dtype=dtype, device="cuda")
+    # The rotation is exact; the norms differ from F.rms_norm by float32 rounding.
+    tol = dict(atol=1e-4, rtol=1e-4) if dtype == "float32" else dict(atol=5e-2, rtol=5e-2)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, **tol)

@@ -1,0 +1,153 @@
+"""MLA's fused q/k_pe rotation (Triton interpreter on CPU) against the torch ops it replaces
+(YarnRotary.apply on k_pe and q's rope part, then torch.cat), and against a float64 oracle.
+
+fp32 and fp16 only: bf16 arithmetic is wrong in the interpreter (tests/gpu covers bf16). The
+kernel rounds every product and sum as torch's ops do, so it must equal them bit for bit.
+"""
+
+import pytest
+import torch
+
+from meshserve.workers.models.mla_rope import rotary_mla_qk
+
+HEADS, NOPE, ROPE, RANK = 5, 12, 8, 16  # 5 heads: a partly filled head block
+LAYOUTS = [True, False]
+
+
+def _case(tokens: int, dtype: torch.dtype, seed: int, *, pad: int = 0):
+    """q as the model passes it: a [T, H, nope + rope] view of a projection's output rows (pad:
+    extra values per row, so that q's rows are strided); compressed [T, rank + rope]; the tables."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(tokens, HEADS * (NOPE + ROPE) + pad, generator=g).to(dtype)
+    q = rows[:, : HEADS * (NOPE + ROPE)].view(tokens, HEADS, NOPE + ROPE)
+    compressed = torch.randn(tokens, RANK + ROPE, generator=g).to(dtype)
+    angles = torch.rand(tokens, 1, ROPE // 2, generator=g, dtype=torch.float64) * 6.3
+    scale = 1.3  # YaRN's attention factor multiplies the tables
+    return q, compressed, (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+
+
+def _torch_ops(q, compressed, cos, sin, interleaved):
+    """What MLAttention ran before the kernel: YarnRotary.apply's ops, then the cat."""
+    def apply(x):
+        x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else (x[..., : ROPE // 2], x[..., ROPE // 2 :])
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    return torch.cat((q[..., :NOPE], apply(q[..., NOPE:])), dim=-1), apply(compressed[:, None, RANK:])[:, 0]
+
+
+def _oracle(x, cos, sin, interleaved):
+    """Exact rotation in float64, the halves layout the model stores (even pair members first)."""
+    x, cos, sin = x.double(), cos.double(), sin.double()
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleaved else x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["interleaved", "halves"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_kernel_equals_the_torch_ops(interleaved, dtype, tokens):
+    q, compressed, cos, sin = _case(tokens, dtype, seed=tokens, pad=3)
+    compressed_before = compressed.clone()
+    want_q, want_k = _torch_ops(q, compressed, cos, sin, interleaved)
+    got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK,
+                                 interleaved=interleaved, use_triton=True)
+    assert got_q.data_ptr() == q.data_ptr()  # rotated in place: q's nope values are not copied
+    assert got_k.shape == (tokens, ROPE) and got_k.is_contiguous() and got_k.dtype == dtype
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(compressed, compressed_before)  # the latent's source is left alone
+    # And the rotation itself is right (not only equal to the reference's ops).
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=4e-3, rtol=4e-3)
+    torch.testing.assert_close(got_k.double(), _oracle(compressed[:, None, RANK:], cos, sin, interleaved)[:, 0], **tol)
+
+
+@pytest.mark.parametrize("interleaved", LAYOUTS, ids=["interleaved", "halves"])
+def test_torch_path_is_yarn_rotary_apply_and_cat(interleaved):
+    q, compressed, cos, sin = _case(4, torch.float32, seed=3)
+    before = q.clone()
+    got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved,
+                                 use_triton=False)
+    want_q, want_k = _torch_ops(before, compressed, cos, sin, interleaved)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(q, before)  # the torch path returns new tensors
+    torch.testing.assert_close(got_q[..., NOPE:].double(), _oracle(before[..., NOPE:], cos, sin, interleaved))
+
+
+def test_kernel_takes_2d_tables_and_no_tokens():
+    q, compressed, cos, sin = _case(3, torch.float32, seed=5)
+    want_q, want_k = _torch_ops(q, compressed, cos, sin, True)
+    got_q, got_k = rotary_mla_qk(q, compressed, cos[:, 0], sin[:, 0], kv_lora_rank=RANK, interleaved=True,
+                                 use_triton=True)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    q, compressed, cos, sin = _case(0, torch.float32, seed=5)
+    got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=True, use_triton=True)
+    assert got_q.shape == (0, HEADS, NOPE + ROPE) and got_k.shape == (0, ROPE)
+
+
+@pytest.mark.parametrize(("change", "field"), [
+    (lambda q, c, cos, sin: (q, c, cos.half(), sin), "dtypes"),
+    (lambda q, c, cos, sin: (q, c[:, :-1], cos, sin), "rope dim"),
+    (lambda q, c, cos, sin: (q, c, cos[:, :, :2], sin), "cos/sin"),
+    (lambda q, c, cos, sin: (q.transpose(1, 2), c, cos, sin), "q"),
+])  # fmt: skip
+def test_bad_inputs_name_the_field(change, field):
+    q, compressed, cos, sin = change(*_case(2, torch.float32, seed=1))
+    before = q.clone()
+    with pytest.raises(ValueError, match=field):
+        rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=True, use_triton=True)
+    assert torch.equal(q, before)  # nothing written
+
+
+@pytest.mark.parametrize(("name", "overrides"), [("deepseek_v2", {}), ("deepseek_v3", {"rope_interleave": False})],
+                         ids=["v2-interleaved", "v3-halves"])
+def test_deepseek_on_the_fused_kernels_matches_the_torch_ops(tmp_path, monkeypatch, name, overrides):
+    """The model's CUDA wiring (this kernel, the residual adds in the norms), run in the
+    interpreter by making the fused ops take the Triton path."""
+    from meshserve.workers.models import deepseek, fused_ops
+    from tests.deepseek_models import write_deepseek
+    from tests.unit.workers.test_fused_ops import step_logits
+
+    write_deepseek(tmp_path, name, **overrides)
+    want = step_logits(tmp_path, backend="TORCH")
+    calls = []
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(deepseek, "rotary_mla_qk", lambda *a, **kw: calls.append(1) or rotary_mla_qk(*a, **kw))
+    got = step_logits(tmp_path, backend="TORCH")
+    assert len(got) == len(want) == 2 and len(calls) == 2 * 2  # two steps, two layers
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+_COMPILE = """
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from meshserve.workers.models.mla_rope import _mla_rope_kernel
+out = {}
+for interleaved in (True, False):
+    sig = {n: "*bf16" for n in ("q_ptr", "c_ptr", "k_ptr", "cos_ptr", "sin_ptr")}
+    sig |= {n: "i32" for n in ("stride_qt", "stride_qh", "stride_ct", "stride_cos", "stride_sin", "num_heads")}
+    consts = dict(NOPE=128, RANK=512, HALF=32, BLOCK_H=16, BLOCK_HALF=32, INTERLEAVED=interleaved)
+    sig |= {n: "constexpr" for n in consts}
+    src = ASTSource(_mla_rope_kernel, sig, constexprs=consts)
+    options = {"num_warps": 4, "enable_fp_fusion": False}
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    out[str(interleaved)] = [ptx.count("bar.sync"), ptx.count("fma.")]
+print(json.dumps(out))
+"""
+
+
+def test_kernel_compiles_for_sm90_without_fma(tmp_path):
+    """The interpreter accepts code the GPU compiler refuses: compile for sm_90 here (no GPU
+    needed). No product may fuse into an FMA (torch rounds each), and only the interleaved
+    variant, which stores to values other threads loaded, waits at a barrier."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_CACHE_DIR": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert counts == {"True": [1, 0], "False": [0, 0]}
