@@ -36,7 +36,9 @@ from dataclasses import dataclass
 import torch
 
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
+from meshserve.attention.mla.layer import MLAAttention
 from meshserve.errors import check
+from meshserve.workers.models.deepseek import DeepseekForCausalLM
 from meshserve.workers.models.transformer import CausalLM, ForwardContext, LayerAttention
 
 log = logging.getLogger("meshserve.graphs")
@@ -54,10 +56,22 @@ def token_buckets(max_tokens: int) -> list[int]:
     return sizes
 
 
+def split_refusal(model: object) -> str | None:
+    """Why `model`'s forward cannot be split at its attention calls (None: it can)."""
+    if isinstance(model, DeepseekForCausalLM):
+        if any(layer.self_attn.indexer is not None for layer in model.model.layers):
+            return "sparse MLA (DeepSeek-V3.2): its indexer's top-k choice is not split out of the graphs yet"
+        return None
+    if not isinstance(model, CausalLM):
+        return f"{type(model).__name__} does not split at an attention call (encoder models)"
+    return None
+
+
 def piecewise_refusal(model: object, dcp_size: int) -> str | None:
     """Why steps with prefill tokens cannot replay piecewise graphs here (None: they can)."""
-    if not isinstance(model, CausalLM):
-        return f"{type(model).__name__} does not split at a standard attention call (MLA and encoder models)"
+    why = split_refusal(model)
+    if why is not None:
+        return why
     if not model.cuda_graph_safe:
         return f"{type(model).__name__} syncs with the host in its forward pass (MoE routing)"
     if dcp_size > 1:
@@ -70,8 +84,9 @@ class _AttentionCall:
     """One split point: the layer whose attention runs there, and what the model passed to it."""
 
     layer: int
-    params: LayerParams
+    params: LayerParams | None  # a standard layer's (None: an MLA layer's call)
     write: bool  # the model asked the backend to store K/V (it does not store them itself)
+    weights: object | None = None  # an MLA layer's per-head kv_b_proj views (MLAWeights)
 
 
 class _SplitBackend:
@@ -94,14 +109,33 @@ class _SplitBackend:
         return self.graphs._split(self.index, query, key, value, layer)
 
 
+class _SplitMLA:
+    """_SplitBackend for an MLA layer (DeepSeek's MLAAttention: write_kv(latent, k_pe, cache,
+    plan), then forward(q, cache, plan, weights)): the latent rows and q go to static buffers."""
+
+    def __init__(self, graphs: PiecewiseGraphs, backend: object, index: int) -> None:
+        self.graphs, self.backend, self.index = graphs, backend, index
+
+    def write_kv(self, latent: torch.Tensor, k_pe: torch.Tensor, cache: object, plan: object) -> None:
+        self.graphs._copy_in("latent", latent)
+        self.graphs._copy_in("k_pe", k_pe)
+        self.graphs._write_requested = True  # done eagerly beside the attention, with the step's plan
+
+    def forward(self, query: torch.Tensor, cache: object, plan: object, weights: object, *,
+                return_lse: bool = False) -> torch.Tensor:
+        check(not return_lse, "attention call", "return_lse", "a plain MLA call (the model's layers make it)")
+        return self.graphs._split_mla(self.index, query, weights)
+
+
 class PiecewiseGraphs:
     """Static buffers and, on CUDA, per-bucket segment graphs for the steps with prefill tokens
     of one rank (tp = 1)."""
 
-    def __init__(self, model: CausalLM, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
+    def __init__(self, model: torch.nn.Module, *, backends: Sequence[AttentionBackend], kv_caches: Sequence[KVCache],
                  layer_groups: Sequence[int], max_tokens: int, device: torch.device, capture: bool = True) -> None:
-        check(piecewise_refusal(model, 1) is None, "model", type(model).__name__, "a CausalLM whose forward is "
-              "graph-safe")  # fmt: skip
+        why = split_refusal(model)
+        check(why is None, "model", type(model).__name__,
+              f"a model whose forward splits at its attention calls (not: {why})")
         check(not capture or device.type == "cuda", "device", device.type, "cuda to capture CUDA graphs")
         self.model, self.backends, self.kv_caches = model, list(backends), list(kv_caches)
         self.layer_groups = list(layer_groups)
@@ -163,7 +197,15 @@ class PiecewiseGraphs:
         for name, x in (("q", query), ("k", key), ("v", value)):
             self._copy_in(name, x)
         out = self._buffer("o", query.shape[0], (query.shape[1], value.shape[2]), query.dtype)
-        call = _AttentionCall(index, params, self._write_requested)
+        return self._at_split(_AttentionCall(index, params, self._write_requested), out)
+
+    def _split_mla(self, index: int, query: torch.Tensor, weights: object) -> torch.Tensor:
+        """_split for an MLA layer (its latent rows came with write_kv)."""
+        self._copy_in("q", query)
+        out = self._buffer("o", query.shape[0], (query.shape[1], weights.w_uv.shape[1]), query.dtype)
+        return self._at_split(_AttentionCall(index, None, self._write_requested, weights), out)
+
+    def _at_split(self, call: _AttentionCall, out: torch.Tensor) -> torch.Tensor:
         self._write_requested = False
         if self._mode == "capture":
             self._end_segment()
@@ -177,6 +219,12 @@ class PiecewiseGraphs:
         """Layer call.layer's attention over the step's n rows, with the step's own plan."""
         layers, n = self._step
         real = layers[call.layer]
+        if call.weights is not None:  # MLA
+            q, latent, k_pe = (self._buffers[name][:n] for name in ("q", "latent", "k_pe"))
+            if call.write:
+                real.backend.write_kv(latent, k_pe, real.kv_cache, real.plan)
+            self._buffers["o"][:n].copy_(real.backend.forward(q, real.kv_cache, real.plan, call.weights))
+            return
         q, k, v = (self._buffers[name][:n] for name in ("q", "k", "v"))
         if call.write:
             real.backend.write_kv(k, v, real.kv_cache, real.slot_mapping, plan=real.plan)
@@ -184,8 +232,9 @@ class PiecewiseGraphs:
 
     def _forward(self, t: int) -> None:
         """The model over the static rows [:t], its attention calls split; hidden states -> buffer."""
-        layers = [LayerAttention(_SplitBackend(self, b, i), None, kv, self.slot_mappings[g][:t])
-                  for i, (b, kv, g) in enumerate(zip(self.backends, self.kv_caches, self.layer_groups))]
+        layers = [LayerAttention((_SplitMLA if isinstance(b, MLAAttention) else _SplitBackend)(self, b, i), None, kv,
+                                 self.slot_mappings[g][:t])
+                  for i, (b, kv, g) in enumerate(zip(self.backends, self.kv_caches, self.layer_groups))]  # fmt: skip
         hidden = self.model(self.input_ids[:t], self.positions[:t], ForwardContext(layers=layers))
         self._copy_in("hidden", hidden)
 

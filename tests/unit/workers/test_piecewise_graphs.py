@@ -14,10 +14,10 @@ import torch
 
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.errors import ConfigError
-from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal, token_buckets
+from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal, split_refusal, token_buckets
 from meshserve.workers.step import StepPlan
 from meshserve.workers.worker import Worker
-from tests.deepseek_models import write_deepseek
+from tests.deepseek_models import write_deepseek, write_deepseek_v32
 from tests.tiny_models import write_checkpoint
 from tests.unit.workers.step_driver import StepDriver
 
@@ -105,12 +105,31 @@ def test_static_steps_with_prefill_equal_eager_and_keep_their_contract(tmp_path,
     assert (graphs.slot_mappings[0][4:16] == -1).all()
 
 
+@pytest.mark.parametrize("variant", ["deepseek_v2", "deepseek_v3"])
+def test_deepseek_static_steps_with_prefill_equal_eager(tmp_path, variant):
+    """MLA layers split at their MLAAttention's write_kv + forward: the latent rows, k_pe and q go
+    to static buffers, the latent write and the attention run eagerly with the step's plan
+    (TRITON MLA under the interpreter; V2: rope pairs interleaved, V3: halves, and MoE)."""
+    path = tmp_path / variant
+    write_deepseek(path, variant)
+    eager_w, static_w = _worker(path, "TRITON"), _worker(path, "TRITON")
+    static = static_w.runner
+    assert split_refusal(static.model) is None  # (on CUDA its MoE runs fused: graph-safe; not on a CPU)
+    assert "MoE routing" in piecewise_refusal(static.model, 1)
+    graphs = static.piecewise_graphs = _pieces(static_w, max_tokens=64)
+    seen = _run_both(eager_w.runner, static, graphs)
+    assert seen == [(5, 16), (44, 64), (2, 16), (2, 16), (22, 32), (4, 16)]
+    assert {"latent", "k_pe", "q", "o"} <= graphs._buffers.keys()  # the MLA split, not a standard one
+    for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):  # the latent caches: nothing padded wrote
+        torch.testing.assert_close(a.data, b.data, rtol=1e-5, atol=1e-5)
+
+
 def test_piecewise_refusals_name_the_model_and_the_layout(tmp_path):
-    path = tmp_path / "deepseek_v3"
-    write_deepseek(path, "deepseek_v3")
+    path = tmp_path / "deepseek_v32"
+    write_deepseek_v32(path)
     w = _worker(path, "TRITON")
     why = piecewise_refusal(w.runner.model, 1)
-    assert why is not None and "MLA" in why
+    assert why is not None and "sparse MLA" in why
     with pytest.raises(ConfigError, match="model"):
         _pieces(w, max_tokens=32)
     write_checkpoint(tmp_path / "llama", "llama")
