@@ -137,10 +137,12 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         done ;;
     latency)  # issue 41's TTFT target: one request at a time (then 15 streams decoding beside it), served
         # HTTP/gRPC against offline, and each hop's share from a traced server (bench/serve_latency.py)
-        # (serve paces its overlap by default since 2026-12-06: -unpaced is serve --no-paced-overlap)
+        # (serve paces its overlap by default since 2026-12-06: -unpaced is serve --no-paced-overlap; LATENCY_PATHS
+        # picks others, e.g. offline,http,grpc,http-uvloop,grpc-uvloop with .whluv carried: serve --uvloop)
         uptime
         timeout 560 python3 -m bench.serve_latency --device cuda --shape llama3-8b --input-len 512 \
-            --paths offline,http,grpc,http-unpaced,grpc-unpaced --background "0 15" --repeats 40 --out "$OUT" \
+            --paths "${LATENCY_PATHS:-offline,http,grpc,http-unpaced,grpc-unpaced}" --background "0 15" --repeats 40 \
+            --out "$OUT" \
             2>&1 | tail -48 ;;
     piecewise)  # the piecewise graphs of steps with prefill tokens: their GPU tests, then where a lone prompt's TTFT goes
         tests gpu_piecewise 150 tests/gpu/test_piecewise_graphs_gpu.py

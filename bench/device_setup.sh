@@ -1,9 +1,10 @@
 # Source at the start of a device call (bench/README: the device has no network): installs the
 # wheels carried in .whl/ (xgrammar and its apache_tvm_ffi, pydantic, FastAPI with opentelemetry-api,
-# uvicorn, pyzmq, grpc extras for the serving
+# uvicorn with httptools, pyzmq, grpc extras for the serving
 # benches) and in whichever of these ignored folders the call carries: .whlnixl/ (the repacked NIXL
 # wheel), .whlray/ (the repacked Ray), .whlfi053/ (FlashInfer 0.5.3, cudnn-frontend) or .whlfi07/ (the repacked
-# FlashInfer 0.7.x; bench/flashinfer_aot.sh) into /tmp/site, and sets the environment.
+# FlashInfer 0.7.x; bench/flashinfer_aot.sh) or .whluv/ (uvloop, for serve --uvloop A/B runs: 4.5 MB) into
+# /tmp/site, and sets the environment.
 # NIXL (the KV data plane) travels as a repacked wheel of 7.9 MB (the stock one is 59 MB), made here first:
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #       --platform manylinux_2_28_x86_64 nixl-cu13==1.5.1 -d /tmp/nixlwhl     # (no manylinux_2_17 build exists)
@@ -19,7 +20,7 @@
 # --check runs Ray Core from a cp311 repack here. .whl + .whlnixl + .whlray + the tree: about 63.5 of the 64 MiB.)
 # NO_FLASHINFER=1 leaves FlashInfer out (its tests then skip): 0.5.3 JIT-builds every module on
 # first use, minutes per configuration, which a 10-minute call cannot afford without a prebuilt cache.
-wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlray/*.whl .whlfi053/*.whl .whlfi07/*.whl 2>/dev/null)
+wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlray/*.whl .whlfi053/*.whl .whlfi07/*.whl .whluv/*.whl 2>/dev/null)
 [ "${NO_FLASHINFER:-0}" = 1 ] && wheels=$(echo "$wheels" | grep -v -e flashinfer -e cudnn_frontend)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || return 1
