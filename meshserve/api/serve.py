@@ -24,6 +24,7 @@ import shutil
 import signal
 import sys
 
+from meshserve.api import event_loop
 from meshserve.api.api_servers import (
     ApiServerGroup,
     FrontendProcess,
@@ -198,6 +199,10 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "per-token work of the front-ends does not share a GIL with the engine's step; "
                         "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
                         "are served in one process either way (default: on)")
+    s.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the server's event loops (front-ends and engine process) on uvloop where it is "
+                        "installed; --no-uvloop: asyncio's own loop (docs/performance.md, api/event_loop.py) "
+                        "(default: on)")
     s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each with its "
                         "own connection to the one engine process (vLLM's flag): more streams a second than one "
@@ -593,9 +598,10 @@ def _serve(args: argparse.Namespace, level: str, metrics_dir: str | None) -> int
     announce = lambda line: print(line, flush=True)
     frontend = FrontendProcess(index=0, count=args.api_server_count, metrics_dir=metrics_dir)
     try:
-        asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                               announce=announce, chat_template=chat_template, sampling_defaults=sampling_defaults,
-                               frontend=frontend, api_servers=api_servers))
+        event_loop.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
+                                  announce=announce, chat_template=chat_template,
+                                  sampling_defaults=sampling_defaults, frontend=frontend, api_servers=api_servers),
+                       use_uvloop=args.uvloop)
     finally:
         if api_servers is not None:
             api_servers.close()

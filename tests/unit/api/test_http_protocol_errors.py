@@ -1,6 +1,7 @@
 """HTTP/1.1 protocol errors, which never reach the ASGI app, come in OpenAI's JSON error shape with
 either connection protocol (api/http/protocol_errors.py: uvicorn's h11 one, and its httptools
-one where httptools is installed), and the httptools one refuses a head over 16 KiB as h11 does.
+one where httptools is installed) on either event loop (asyncio's, uvloop), and the httptools one
+refuses a head over 16 KiB as h11 does.
 The oracle is the raw bytes a socket reads back from a served HttpServer."""
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 
 import pytest
 
+from meshserve.api import event_loop
 from meshserve.api.http.protocol_errors import HEAD_LIMIT_BYTES, PROTOCOLS, http_protocol
 from meshserve.api.http.server import HttpServer
 from meshserve.cluster.service import ModelCard
@@ -25,9 +27,12 @@ class _ModelsOnly:
 
 
 HAVE_HTTPTOOLS = importlib.util.find_spec("httptools") is not None
-PROTOCOL_NAMES = [pytest.param(name, marks=pytest.mark.skipif(name == "httptools" and not HAVE_HTTPTOOLS,
-                                                              reason="httptools is not installed"))
-                  for name in PROTOCOLS]
+HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
+# each protocol on each event loop `meshserve serve` may run (api/event_loop.py)
+SERVED = [pytest.param(name, use_uvloop, id=f"{name}-{'uvloop' if use_uvloop else 'asyncio'}",
+                       marks=pytest.mark.skipif((name == "httptools" and not HAVE_HTTPTOOLS)
+                                                or (use_uvloop and not HAVE_UVLOOP), reason="not installed"))
+          for name in PROTOCOLS for use_uvloop in (False, True)]
 
 
 async def _exchange(port: int, request: bytes) -> bytes:
@@ -53,7 +58,7 @@ def _responses(data: bytes) -> list[tuple[str, dict]]:
     return out
 
 
-def _served(name: str, *requests: bytes) -> list[bytes]:
+def _served(name: str, use_uvloop: bool, *requests: bytes) -> list[bytes]:
     async def run() -> list[bytes]:
         server = HttpServer(_ModelsOnly(), port=0, http_protocol_name=name)
         await server.start()
@@ -62,16 +67,16 @@ def _served(name: str, *requests: bytes) -> list[bytes]:
         finally:
             await server.stop(grace=0)
 
-    return asyncio.run(run())
+    return event_loop.run(run(), use_uvloop=use_uvloop)
 
 
-@pytest.mark.parametrize("name", PROTOCOL_NAMES)
-def test_protocol_errors_are_openai_json_with_the_parsers_reason(name):
+@pytest.mark.parametrize(("name", "use_uvloop"), SERVED)
+def test_protocol_errors_are_openai_json_with_the_parsers_reason(name, use_uvloop):
     bad_length = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n"
     bad_line = b"NOT AN HTTP REQUEST\r\n\r\n"
     # one header never ended, over the limit (and all of it read by the server: a clean close)
     huge = b"GET /version HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"a" * (HEAD_LIMIT_BYTES + 4000)
-    answers = [_responses(data) for data in _served(name, bad_length, bad_line, huge)]
+    answers = [_responses(data) for data in _served(name, use_uvloop, bad_length, bad_line, huge)]
     (status, body), = answers[0]
     assert status == "HTTP/1.1 400 Bad Request", status
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == 400
@@ -83,8 +88,8 @@ def test_protocol_errors_are_openai_json_with_the_parsers_reason(name):
     assert body["error"]["code"] == 431 and str(HEAD_LIMIT_BYTES) in body["error"]["message"]
 
 
-@pytest.mark.parametrize("name", PROTOCOL_NAMES)
-def test_a_body_over_the_head_limit_and_pipelined_requests_are_served(name):
+@pytest.mark.parametrize(("name", "use_uvloop"), SERVED)
+def test_a_body_over_the_head_limit_and_pipelined_requests_are_served(name, use_uvloop):
     """The head limit counts the head alone: a big body in the same read reaches the app (whose
     own 400 for a broken JSON body comes back), and two requests sent at once both get answers."""
     body = b'{"prompt": "' + b"a" * (2 * HEAD_LIMIT_BYTES)  # never closed: the app's JSON error
@@ -92,7 +97,7 @@ def test_a_body_over_the_head_limit_and_pipelined_requests_are_served(name):
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
     get = b"GET /version HTTP/1.1\r\nHost: x\r\n\r\n"
     close = b"GET /version HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    posted, pipelined = _served(name, post, get + close)
+    posted, pipelined = _served(name, use_uvloop, post, get + close)
     (status, answer), = _responses(posted)
     assert status == "HTTP/1.1 400 Bad Request" and "not valid HTTP/1.1" not in answer["error"]["message"], answer
     assert [status for status, _ in _responses(pipelined)] == ["HTTP/1.1 200 OK"] * 2
