@@ -1,11 +1,14 @@
-"""The event loop of `meshserve serve`'s processes: uvloop (libuv, in C) where it is installed,
-unless --no-uvloop; asyncio's own loop otherwise.
+"""The event loop of `meshserve serve`'s processes: asyncio's own, or with `serve --uvloop`
+uvloop's (libuv, in C; not a dependency: `pip install uvloop`).
 
 Everything that runs on these loops works on both: uvicorn (both HTTP protocols), grpc.aio (its
 completion-queue poller reads a socket pair through `loop.add_reader`, which uvloop has), the
 engine channel on zmq.asyncio (`add_reader` on the zmq fd), the replica's step thread handing
-results back with `call_soon_threadsafe`, signal handlers. The serving tests run with the
-default, uvloop; docs/performance.md has what it changes ("uvloop", CPU).
+results back with `call_soon_threadsafe`, signal handlers, TLS (the API tests pass on uvloop:
+MESHSERVE_TEST_UVLOOP=1, tests/integration/api_harness.py). It is not the default because on
+the 2-core CPU it shortened a lone request's HTTP hops but not those of a request arriving among
+15 decoding streams, the case issue 41's TTFT target is about (docs/performance.md, "HTTP parser
+and event loop"); the GPU host, where Python runs slower, may decide otherwise.
 """
 
 from __future__ import annotations
@@ -20,14 +23,12 @@ T = TypeVar("T")
 
 
 def loop_factory(use_uvloop: bool) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """uvloop's loop maker if asked for and installed; None: asyncio's default loop."""
+    """uvloop's loop maker if asked for (ImportError where it is not installed: `serve` checks
+    the flag first); None: asyncio's default loop."""
     if not use_uvloop:
         return None
-    try:
-        import uvloop
-    except ImportError:
-        log.debug("uvloop is not installed: asyncio's event loop")
-        return None
+    import uvloop
+
     return uvloop.new_event_loop
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -199,10 +200,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "per-token work of the front-ends does not share a GIL with the engine's step; "
                         "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
                         "are served in one process either way (default: on)")
-    s.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the server's event loops (front-ends and engine process) on uvloop where it is "
-                        "installed; --no-uvloop: asyncio's own loop (docs/performance.md, api/event_loop.py) "
-                        "(default: on)")
+    s.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the server's event loops (front-end processes and the engine process) on uvloop "
+                        "(needs `pip install uvloop`) instead of asyncio's own: on the 2-core CPU it shortened "
+                        "a lone request's HTTP hops but not a request's among 15 decoding streams "
+                        "(docs/performance.md, \"HTTP parser and event loop\") (default: off)")
     s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each with its "
                         "own connection to the one engine process (vLLM's flag): more streams a second than one "
@@ -289,6 +291,8 @@ def configs_of(args: argparse.Namespace):
                           max_sequences_per_request=args.max_sequences_per_request,
                           max_tokens_per_request=args.max_tokens_per_request)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
+    check(not args.uvloop or importlib.util.find_spec("uvloop") is not None, "uvloop", True,
+          "off unless uvloop is installed (pip install uvloop)")
     names = args.served_model_name or []
     check(len(names) == len(set(names)) and all(n.strip() for n in names), "served_model_name", names,
           "distinct non-empty names")

@@ -9,8 +9,8 @@ MESHSERVE_TEST_ENGINE_PROCESS=1 puts the front-end channel of `serve --engine-pr
 the servers and the Coordinator (`ServerLoop.front`: an EngineClient over a ServiceEndpoint, on
 a real ipc socket), so that the same tests check the split.
 
-The loop is the one `meshserve serve` runs on by default (api/event_loop.py: uvloop where it is
-installed); MESHSERVE_TEST_ASYNCIO_LOOP=1 runs the same tests on asyncio's own loop.
+The loop is asyncio's, as `meshserve serve` runs by default; MESHSERVE_TEST_UVLOOP=1 runs the same
+tests on uvloop's (`serve --uvloop`, api/event_loop.py).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def demo_service(*, max_model_len: int = 512, num_kv_blocks: int | None = 200, m
 
 
 SPLIT = os.environ.get("MESHSERVE_TEST_ENGINE_PROCESS") == "1"
-LOOP_FACTORY = loop_factory(use_uvloop=os.environ.get("MESHSERVE_TEST_ASYNCIO_LOOP") != "1") or asyncio.new_event_loop
+LOOP_FACTORY = loop_factory(use_uvloop=os.environ.get("MESHSERVE_TEST_UVLOOP") == "1") or asyncio.new_event_loop
 
 
 class ServerLoop:
