@@ -65,7 +65,7 @@ BACKGROUND_TOKENS = 200  # a background request's length (--background): sent ag
 # The hops in the order a request crosses them; an interval is named by the hop it ends at. Each is
 # the request's first mark of that name (see attribute; step.start is handled apart).
 HOPS = [
-    ("http.asgi", "client -> HTTP front-end (connection, h11 parse)"),
+    ("http.asgi", "client -> HTTP front-end (connection, HTTP parse)"),
     ("http.route", "ASGI middleware, FastAPI routing"),
     ("http.body_parsed", "body: read, JSON + pydantic (worker thread)"),
     ("http.tokenized", "prompt tokenized, its jobs made"),

@@ -50,10 +50,11 @@ PATHS = ("offline", "http", "grpc")  # the default run
 # -split, with --engine-process (front-ends and engine in two processes); -inproc, without; -x2,
 # two front-end processes sharing the ports (--api-server-count 2) over one engine process; -paced,
 # with --paced-overlap (an arrival mid-step joins the next step: cluster/replica.py; the default since
-# 2026-12-06), -unpaced without it.
+# 2026-12-06), -unpaced without it; -uvloop, the event loops on uvloop (serve --uvloop; needs uvloop
+# installed), -asyncio, on asyncio's own (--no-uvloop, the default).
 LAYOUTS = {"": [], "-split": ["--engine-process"], "-inproc": ["--no-engine-process"],
            "-x2": ["--engine-process", "--api-server-count", "2"], "-paced": ["--paced-overlap"],
-           "-unpaced": ["--no-paced-overlap"]}
+           "-unpaced": ["--no-paced-overlap"], "-uvloop": ["--uvloop"], "-asyncio": ["--no-uvloop"]}
 KNOWN_PATHS = ("offline", *(face + layout for layout in LAYOUTS for face in FACES))
 
 

@@ -12,7 +12,6 @@ separate --metrics-port is process 0's alone.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import shutil
@@ -22,6 +21,7 @@ import threading
 
 import msgpack
 
+from meshserve.api import event_loop
 from meshserve.api.api_servers import MULTIPROC_ENV, READY, WATCH_PERIOD_S, FrontendProcess
 
 log = logging.getLogger("meshserve.serve")
@@ -71,9 +71,9 @@ def main() -> int:
         os.write(ready_fd, READY)
         os.close(ready_fd)
 
-    asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                           announce=log.info, chat_template=chat_template, sampling_defaults=sampling_defaults,
-                           frontend=frontend, on_serving=ready))
+    event_loop.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
+                              announce=log.info, chat_template=chat_template, sampling_defaults=sampling_defaults,
+                              frontend=frontend, on_serving=ready), use_uvloop=args.uvloop)
     if os.getppid() != config["parent"]:  # process 0 was killed: nobody else removes the metrics files
         shutil.rmtree(config["metrics_dir"], ignore_errors=True)
     return 0

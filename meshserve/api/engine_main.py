@@ -68,7 +68,9 @@ def main() -> int:
     from meshserve.cluster.logs import configure_logging
 
     configure_logging(os.environ.get("MESHSERVE_LOG") or "info", config["args"].get("log_format"))
-    return asyncio.run(_serve(config))
+    from meshserve.api import event_loop
+
+    return event_loop.run(_serve(config), use_uvloop=config["args"]["uvloop"])
 
 
 if __name__ == "__main__":

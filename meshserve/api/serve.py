@@ -18,12 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import importlib.util
 import logging
 import os
 import shutil
 import signal
 import sys
 
+from meshserve.api import event_loop
 from meshserve.api.api_servers import (
     ApiServerGroup,
     FrontendProcess,
@@ -198,6 +200,11 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
                         "per-token work of the front-ends does not share a GIL with the engine's step; "
                         "docs/performance.md). --no-engine-process: everything in one process. Embedding models "
                         "are served in one process either way (default: on)")
+    s.add_argument("--uvloop", action=argparse.BooleanOptionalAction, default=False,
+                   help="run the server's event loops (front-end processes and the engine process) on uvloop "
+                        "(needs `pip install uvloop`) instead of asyncio's own: on the 2-core CPU it shortened "
+                        "a lone request's HTTP hops but not a request's among 15 decoding streams "
+                        "(docs/performance.md, \"HTTP parser and event loop\") (default: off)")
     s.add_argument("--api-server-count", "-asc", type=int, default=1, metavar="N",
                    help="front-end processes serving gRPC and HTTP on the same ports (SO_REUSEPORT), each with its "
                         "own connection to the one engine process (vLLM's flag): more streams a second than one "
@@ -284,6 +291,8 @@ def configs_of(args: argparse.Namespace):
                           max_sequences_per_request=args.max_sequences_per_request,
                           max_tokens_per_request=args.max_tokens_per_request)
     check(args.drain_seconds >= 0, "drain_seconds", args.drain_seconds, "a number of seconds >= 0")
+    check(not args.uvloop or importlib.util.find_spec("uvloop") is not None, "uvloop", True,
+          "off unless uvloop is installed (pip install uvloop)")
     names = args.served_model_name or []
     check(len(names) == len(set(names)) and all(n.strip() for n in names), "served_model_name", names,
           "distinct non-empty names")
@@ -593,9 +602,10 @@ def _serve(args: argparse.Namespace, level: str, metrics_dir: str | None) -> int
     announce = lambda line: print(line, flush=True)
     frontend = FrontendProcess(index=0, count=args.api_server_count, metrics_dir=metrics_dir)
     try:
-        asyncio.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
-                               announce=announce, chat_template=chat_template, sampling_defaults=sampling_defaults,
-                               frontend=frontend, api_servers=api_servers))
+        event_loop.run(run_server(service, server, max_queue=args.max_queue, drain_seconds=args.drain_seconds,
+                                  announce=announce, chat_template=chat_template,
+                                  sampling_defaults=sampling_defaults, frontend=frontend, api_servers=api_servers),
+                       use_uvloop=args.uvloop)
     finally:
         if api_servers is not None:
             api_servers.close()

@@ -8,6 +8,9 @@ channels for bytes a client would never send).
 MESHSERVE_TEST_ENGINE_PROCESS=1 puts the front-end channel of `serve --engine-process` between
 the servers and the Coordinator (`ServerLoop.front`: an EngineClient over a ServiceEndpoint, on
 a real ipc socket), so that the same tests check the split.
+
+The loop is asyncio's, as `meshserve serve` runs by default; MESHSERVE_TEST_UVLOOP=1 runs the same
+tests on uvloop's (`serve --uvloop`, api/event_loop.py).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import grpc
 
 from meshserve.api.client import InferenceClient, ServerStats
 from meshserve.api.convert import ApiLimits
+from meshserve.api.event_loop import loop_factory
 from meshserve.api.server import ApiServer
 from meshserve.cluster.coordinator import ClusterConfig, Coordinator
 from meshserve.config import CacheConfig, ModelConfig, SchedulerConfig, ServerConfig
@@ -49,13 +53,14 @@ def demo_service(*, max_model_len: int = 512, num_kv_blocks: int | None = 200, m
 
 
 SPLIT = os.environ.get("MESHSERVE_TEST_ENGINE_PROCESS") == "1"
+LOOP_FACTORY = loop_factory(use_uvloop=os.environ.get("MESHSERVE_TEST_UVLOOP") == "1") or asyncio.new_event_loop
 
 
 class ServerLoop:
     """An asyncio loop in a thread that hosts ApiServers; `run(coro)` from the test thread."""
 
     def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
+        self.loop = LOOP_FACTORY()
         self.thread = threading.Thread(target=self.loop.run_forever, name="api-test-loop", daemon=True)
         self.thread.start()
         self.servers: list[ApiServer] = []

@@ -134,8 +134,8 @@ def test_protocol_errors_come_in_openais_json_shape(server):
     status, body = _raw(server["port"], b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: ten\r\n\r\n")
     assert status.startswith("HTTP/1.1 400") and body["error"]["type"] == "invalid_request_error"
     assert "Content-Length" in body["error"]["message"]
-    # 20 KB of one header, not yet ended: over h11's 16 KiB limit for an incomplete head (and all of it
-    # read by the server, so that its close is a clean one)
+    # 20 KB of one header, not yet ended: over the 16 KiB limit for an incomplete head (h11's, and
+    # api/http/protocol_httptools.py's) (and all of it read by the server, so that its close is a clean one)
     huge = b"GET /version HTTP/1.1\r\nHost: x\r\nX-Filler: " + b"a" * 20_000
     status, body = _raw(server["port"], huge)
     assert status.startswith("HTTP/1.1 431") and body["error"]["code"] == 431

@@ -1,7 +1,9 @@
 """HttpServer: uvicorn serving the OpenAI-compatible app on the server's own event loop.
 
 The socket is bound here first (a busy port is a ConfigError naming the flag, before anything
-runs; port 0 picks a free one, `port` says which). uvicorn runs without its signal handlers
+runs; port 0 picks a free one, `port` says which). The connection protocol is uvicorn's httptools
+one where httptools is installed, else its h11 one (`http_protocol_name`: "h11" or "httptools" to
+choose; api/http/protocol_errors.py). uvicorn runs without its signal handlers
 (the `meshserve serve` loop owns SIGINT/SIGTERM) and without its logging set-up (ours is one
 format, see meshserve/logs.py). `stop(grace)` stops accepting, gives responses in flight
 `grace` seconds, then cancels them (which aborts their requests).
@@ -20,7 +22,7 @@ from meshserve.api.convert import ApiLimits
 from meshserve.api.generation_defaults import SamplingDefaults
 from meshserve.api.http.app import OpenAIFrontend
 from meshserve.api.http.chat import ChatTemplate
-from meshserve.api.http.protocol_errors import JsonErrorH11Protocol
+from meshserve.api.http.protocol_errors import HEAD_LIMIT_BYTES, http_protocol
 from meshserve.api.metrics import ServerMetrics
 from meshserve.cluster.service import InferenceService
 from meshserve.errors import ConfigError
@@ -52,7 +54,8 @@ class HttpServer:
                  metrics: ServerMetrics | None = None, limits: ApiLimits = ApiLimits(), tokens: Sequence[str] = (),
                  chat_template: ChatTemplate | None = None, max_body_bytes: int = 16 << 20,
                  tls_cert: str | None = None, tls_key: str | None = None, metrics_token: str | None = None,
-                 sampling_defaults: SamplingDefaults = SamplingDefaults(), reuse_port: bool = False) -> None:
+                 sampling_defaults: SamplingDefaults = SamplingDefaults(), reuse_port: bool = False,
+                 http_protocol_name: str = "auto") -> None:
         self.reuse_port = reuse_port
         self.frontend = OpenAIFrontend(service, metrics=metrics, limits=limits, tokens=tokens,
                                        chat_template=chat_template, max_body_bytes=max_body_bytes,
@@ -61,7 +64,10 @@ class HttpServer:
         self.requested_port = port
         self.tls = tls_cert is not None
         self.config = uvicorn.Config(self.frontend.app, host=host, port=port, log_config=None, lifespan="off",
-                                     http=JsonErrorH11Protocol,  # protocol errors in OpenAI's JSON shape too
+                                     # httptools' C parser where installed, else h11; protocol errors
+                                     # in OpenAI's JSON shape either way (api/http/protocol_errors.py)
+                                     http=http_protocol(http_protocol_name),
+                                     h11_max_incomplete_event_size=HEAD_LIMIT_BYTES,
                                      access_log=False, ssl_certfile=tls_cert, ssl_keyfile=tls_key,
                                      timeout_graceful_shutdown=30)
         self._server: uvicorn.Server | None = None

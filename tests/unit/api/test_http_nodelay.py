@@ -1,12 +1,17 @@
-"""Every HTTP connection of the OpenAI-compatible server runs with TCP_NODELAY
-(api/http/protocol_errors.py): without it Nagle's algorithm held each stream's first SSE chunk
-until the client's delayed ACK (~40 ms). Read back from the server's own accepted socket."""
+"""Every HTTP connection of the OpenAI-compatible server runs with TCP_NODELAY, with either
+connection protocol (api/http/protocol_errors.py): without it Nagle's algorithm held each stream's
+first SSE chunk until the client's delayed ACK (~40 ms). Read back from the server's own accepted
+socket."""
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import socket
 
+import pytest
+
+from meshserve.api.http.protocol_errors import PROTOCOLS
 from meshserve.api.http.server import HttpServer
 
 
@@ -14,9 +19,12 @@ class _NoService:
     """A connection is accepted before the service is asked anything."""
 
 
-def test_accepted_connections_have_tcp_nodelay():
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.skipif(name == "httptools" and importlib.util.find_spec("httptools") is None,
+                                                reason="httptools is not installed")) for name in PROTOCOLS])
+def test_accepted_connections_have_tcp_nodelay(name):
     async def run() -> list[int]:
-        server = HttpServer(_NoService(), port=0)
+        server = HttpServer(_NoService(), port=0, http_protocol_name=name)
         await server.start()
         try:
             _, writer = await asyncio.open_connection("127.0.0.1", server.port)
