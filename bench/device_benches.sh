@@ -122,12 +122,12 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         e2e_bs1 "default --ttft-lens=" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
     moe)  # one process per shape (each frees its GPU memory), 12 GiB of KV (256 sequences of <= 512 tokens
-        # need 4.1 GB for DeepSeek's latents, 6.4 GB for GPT-OSS), no TTFT; the log of each in $OUT, the tables last
+        # need 4.1 GB for DeepSeek's latents, 6.4 GB for GPT-OSS), TTFT of a 512-token prompt; the log of each in $OUT, the tables last
         for run in "deepseek-v2-lite 270" "gpt-oss-20b 570"; do  # seconds at most (DeepSeek first: the new shape)
             set -- $run
             left=$((570 - SECONDS))
             timeout $(($2 < left ? $2 : left)) python3 -m bench.e2e --model "$1" --batch-sizes 1,64,256 \
-                --throughput-sizes 64 --ttft-lens= --kv-bytes $((12 << 30)) --out "$OUT/e2e-$1" > "$OUT/e2e-$1.log" 2>&1
+                --throughput-sizes 64 --ttft-lens 512 --kv-bytes $((12 << 30)) --out "$OUT/e2e-$1" > "$OUT/e2e-$1.log" 2>&1
             echo "e2e $1: exit $? at ${SECONDS}s"
             grep -E "^(roofline|checkpoint|meshserve)|Error|error:" "$OUT/e2e-$1.log" | cut -c1-220 | head -12
         done
