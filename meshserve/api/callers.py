@@ -22,8 +22,10 @@ def _host_of_grpc_peer(peer: str) -> str:
     return address.strip("[]") or peer
 
 
-def grpc_caller(context, *, auth_required: bool) -> str:
-    scope = scope_of(context.invocation_metadata(), auth_required=auth_required)
+def grpc_caller(context, *, auth_required: bool, scope: str | None = None) -> str:
+    """scope: the call's auth.scope_of, when the caller has it already (Generate: for its request id)."""
+    if scope is None:
+        scope = scope_of(context.invocation_metadata(), auth_required=auth_required)
     if scope != PUBLIC_SCOPE:
         return f"token:{scope}"
     return f"peer:{_host_of_grpc_peer(context.peer() or '')}"

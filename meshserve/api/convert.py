@@ -214,19 +214,26 @@ def request_id_of(text: str, limits: ApiLimits) -> str:
 
 
 def sampling_params_of(msg: pb.SamplingParams, vocab_size: int, limits: ApiLimits) -> SamplingParams:
-    kw: dict[str, object] = {name: getattr(msg, name) for name in _PLAIN if msg.HasField(name)}
-    if msg.HasField("top_k"):
+    # One ListFields call names the fields the client set (a repeated or map field: when not
+    # empty): a request sets few, and a HasField / list() per field is ~30 upb calls (issue 41).
+    present = {f.name: value for f, value in msg.ListFields()}
+    kw: dict[str, object] = {name: present[name] for name in _PLAIN if name in present}
+    if "top_k" in present:
         check(msg.top_k >= -1, "top_k", msg.top_k, "-1 or 0 (off), or an integer >= 1")
         kw["top_k"] = msg.top_k if msg.top_k >= 1 else None
-    stop, ids = check_stops(list(msg.stop), list(msg.stop_token_ids), vocab_size, limits)
-    bad = [t for t in [*msg.logit_bias, *msg.allowed_token_ids] if not 0 <= t < vocab_size]
-    check(not bad, "logit_bias" if set(bad) & set(msg.logit_bias) else "allowed_token_ids", bad[:5],
-          f"token ids in [0, {vocab_size})")
+    stop, ids = check_stops(list(present.get("stop", ())), list(present.get("stop_token_ids", ())), vocab_size,
+                            limits)
+    logit_bias, allowed = present.get("logit_bias", {}), present.get("allowed_token_ids", ())
+    if logit_bias or allowed:
+        bad = [t for t in [*logit_bias, *allowed] if not 0 <= t < vocab_size]
+        check(not bad, "logit_bias" if set(bad) & set(logit_bias) else "allowed_token_ids", bad[:5],
+              f"token ids in [0, {vocab_size})")
     return SamplingParams(stop=stop, stop_token_ids=ids, ignore_eos=msg.ignore_eos,
                           include_stop_str_in_output=msg.include_stop_str_in_output,
-                          logit_bias=dict(sorted(msg.logit_bias.items())),
-                          allowed_token_ids=list(msg.allowed_token_ids) or None, bad_words=list(msg.bad_words),
-                          structured_outputs=structured_outputs_of(msg), **kw)
+                          logit_bias=dict(sorted(logit_bias.items())),
+                          allowed_token_ids=list(allowed) or None, bad_words=list(present.get("bad_words", ())),
+                          structured_outputs=structured_outputs_of(msg) if "structured_outputs" in present else None,
+                          **kw)
 
 
 def structured_outputs_of(msg: pb.SamplingParams) -> StructuredOutputs | None:

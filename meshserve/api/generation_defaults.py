@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, fields
+from functools import cached_property
 from pathlib import Path
 
 from meshserve.errors import ConfigError
@@ -34,7 +35,11 @@ class SamplingDefaults:
     max_tokens: int | None = None  # chat requests only (completions keep OpenAI's 16)
 
     def as_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        return dict(self._set)
+
+    @cached_property  # (frozen: computed once, not per request)
+    def _set(self) -> tuple[tuple[str, object], ...]:
+        return tuple((f.name, getattr(self, f.name)) for f in fields(self) if getattr(self, f.name) is not None)
 
     def apply(self, body):
         """`body` (a request model) with its unset sampling fields filled in; the same object when none apply."""
@@ -51,8 +56,7 @@ class SamplingDefaults:
     def apply_proto(self, sampling):
         """A gRPC SamplingParams message with its unset sampling fields filled in (a copy; the same
         message when none apply). max_tokens stays the API's default: gRPC has no chat requests."""
-        update = {name: value for name, value in self.as_dict().items()
-                  if name != "max_tokens" and not sampling.HasField(name)}
+        update = {name: value for name, value in self._set if name != "max_tokens" and not sampling.HasField(name)}
         if not update:
             return sampling
         filled = type(sampling)()

@@ -118,8 +118,9 @@ class InferenceServicer:
                 ids = ids[-params.truncate_prompt_tokens:]  # (the engine would too: usage counts what runs)
             convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits,
                                        max_model_len=card.max_model_len)
-            scoped = self._scoped(request_id, context)
-            caller = grpc_caller(context, auth_required=self._info["auth_required"])
+            scope = scope_of(context.invocation_metadata(), auth_required=self._info["auth_required"])
+            scoped = f"{scope}:{request_id}"  # (as _scoped; the scope read once, for the caller too)
+            caller = grpc_caller(context, auth_required=self._info["auth_required"], scope=scope)
             stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller,
                                            priority=request.priority)
             num_tokens = 0

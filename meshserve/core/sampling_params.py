@@ -12,7 +12,7 @@ penalties, constraints and temperature), as in vLLM.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from functools import cached_property
 from typing import Any
 
@@ -176,8 +176,10 @@ class SamplingParams:
                 check(t < vocab_size, name, t, f"token ids in [0, {vocab_size})")
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain types only (msgpack-able); tuples become lists."""
-        out = asdict(self)
+        """Plain types only (msgpack-able); tuples become lists. (A shallow copy: every field that
+        is not a scalar is converted below; dataclasses.asdict's deep copy cost ~20 us of a served
+        request's time to first token, issue 41.)"""
+        out = {name: getattr(self, name) for name in _FIELD_NAMES}
         out["stop"], out["stop_token_ids"] = list(self.stop), list(self.stop_token_ids)
         out["logit_bias"] = [[t, b] for t, b in self.logit_bias]
         out["allowed_token_ids"] = None if self.allowed_token_ids is None else list(self.allowed_token_ids)
@@ -187,7 +189,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SamplingParams:
-        names = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - names)
-        check(not unknown, "sampling_params", unknown, f"known fields: {sorted(names)}")
+        unknown = sorted(set(data).difference(_FIELD_NAMES))
+        check(not unknown, "sampling_params", unknown, f"known fields: {sorted(_FIELD_NAMES)}")
         return cls(**data)
+
+
+_FIELD_NAMES = tuple(f.name for f in fields(SamplingParams))

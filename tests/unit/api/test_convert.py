@@ -38,6 +38,24 @@ def test_every_field_arrives():
         skip_special_tokens=False)
 
 
+def test_fields_set_to_their_zero_value_arrive():
+    """Presence, not value, says a field was set: 0 is a setting for these (their defaults differ)."""
+    msg = pb.SamplingParams(temperature=0.0, seed=0, logprobs=0, prompt_logprobs=0, min_tokens=0, max_tokens=3,
+                            skip_special_tokens=False, logit_bias={7: 0.0}, allowed_token_ids=[0, 7],
+                            bad_words=["x"])
+    assert sampling_params_of(msg, 100, LIMITS) == SamplingParams(
+        temperature=0.0, seed=0, logprobs=0, prompt_logprobs=0, min_tokens=0, max_tokens=3,
+        skip_special_tokens=False, logit_bias={7: 0.0}, allowed_token_ids=[0, 7], bad_words=["x"])
+
+
+@pytest.mark.parametrize("msg, field", [(pb.SamplingParams(logit_bias={100: 1.0}), "logit_bias=[100]"),
+                                        (pb.SamplingParams(allowed_token_ids=[3, 100]), "allowed_token_ids=[100]")])
+def test_token_ids_out_of_the_vocabulary(msg, field):
+    with pytest.raises(ConfigError) as err:
+        sampling_params_of(msg, 100, LIMITS)
+    assert str(err.value).startswith(field)
+
+
 @pytest.mark.parametrize("top_k, expected", [(-1, None), (0, None), (1, 1), (50, 50)])
 def test_top_k_off_values(top_k, expected):
     assert sampling_params_of(pb.SamplingParams(top_k=top_k), 100, LIMITS).top_k == expected
