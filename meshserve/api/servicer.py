@@ -73,10 +73,13 @@ class InferenceServicer:
     async def _tokenize(self, text: str, card: ModelCard) -> list[int]:
         return await convert.tokenize(self.service, text, card=card, limits=self.limits, field="text")
 
-    def _scoped(self, request_id: str, context: grpc.aio.ServicerContext) -> str:
-        """The service's id of the caller's `request_id` (see the module doc)."""
-        scope = scope_of(context.invocation_metadata(), auth_required=self._info["auth_required"])
-        return f"{scope}:{request_id}"
+    def _scope(self, context: grpc.aio.ServicerContext) -> str:
+        return scope_of(context.invocation_metadata(), auth_required=self._info["auth_required"])
+
+    def _scoped(self, request_id: str, context: grpc.aio.ServicerContext, scope: str | None = None) -> str:
+        """The service's id of the caller's `request_id` (see the module doc); scope: the call's,
+        when the caller has read it already."""
+        return f"{self._scope(context) if scope is None else scope}:{request_id}"
 
     @staticmethod
     def _parsed(request):
@@ -118,8 +121,8 @@ class InferenceServicer:
                 ids = ids[-params.truncate_prompt_tokens:]  # (the engine would too: usage counts what runs)
             convert.check_token_budget([len(ids)], width, [convert.max_tokens_of(params, beam)], self.limits,
                                        max_model_len=card.max_model_len)
-            scope = scope_of(context.invocation_metadata(), auth_required=self._info["auth_required"])
-            scoped = f"{scope}:{request_id}"  # (as _scoped; the scope read once, for the caller too)
+            scope = self._scope(context)  # read once: for the stream's id and the caller's name
+            scoped = self._scoped(request_id, context, scope)
             caller = grpc_caller(context, auth_required=self._info["auth_required"], scope=scope)
             stream = self.service.generate(ids, params, request_id=scoped, beam=beam, caller=caller,
                                            priority=request.priority)
