@@ -154,7 +154,8 @@ class PiecewiseGraphs:
         self._graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._calls: dict[int, list[_AttentionCall]] = {}
         self._mode = "static"  # "warm" (no attention), "capture", "static" (attention in between)
-        self._step: tuple[Sequence[LayerAttention], int] | None = None  # the step's layers and token count
+        # The step's layers and its rows [:n] of every buffer (views made once a step, not once a layer).
+        self._step: tuple[Sequence[LayerAttention], dict[str, torch.Tensor]] | None = None
         self._segment: torch.cuda.CUDAGraph | None = None
         self._segments: list[torch.cuda.CUDAGraph] = []
         self._recorded: list[_AttentionCall] = []
@@ -217,18 +218,17 @@ class PiecewiseGraphs:
 
     def _attend(self, call: _AttentionCall) -> None:
         """Layer call.layer's attention over the step's n rows, with the step's own plan."""
-        layers, n = self._step
+        layers, rows = self._step
         real = layers[call.layer]
         if call.weights is not None:  # MLA
-            q, latent, k_pe = (self._buffers[name][:n] for name in ("q", "latent", "k_pe"))
             if call.write:
-                real.backend.write_kv(latent, k_pe, real.kv_cache, real.plan)
-            self._buffers["o"][:n].copy_(real.backend.forward(q, real.kv_cache, real.plan, call.weights))
+                real.backend.write_kv(rows["latent"], rows["k_pe"], real.kv_cache, real.plan)
+            rows["o"].copy_(real.backend.forward(rows["q"], real.kv_cache, real.plan, call.weights))
             return
-        q, k, v = (self._buffers[name][:n] for name in ("q", "k", "v"))
+        q, k, v = rows["q"], rows["k"], rows["v"]
         if call.write:
             real.backend.write_kv(k, v, real.kv_cache, real.slot_mapping, plan=real.plan)
-        self._buffers["o"][:n].copy_(real.backend.forward(q, k, v, real.kv_cache, real.plan, layer=call.params))
+        rows["o"].copy_(real.backend.forward(q, k, v, real.kv_cache, real.plan, layer=call.params))
 
     def _forward(self, t: int) -> None:
         """The model over the static rows [:t], its attention calls split; hidden states -> buffer."""
@@ -303,7 +303,7 @@ class PiecewiseGraphs:
             self.slot_mappings[g][:n].copy_(layers[first].slot_mapping)
             if t > n:
                 self.slot_mappings[g][n:t].fill_(SKIP_SLOT)
-        self._step = (layers, n)
+        self._step = (layers, {name: buf[:n] for name, buf in self._buffers.items()})
         self.num_steps += 1
         try:
             if not self.capture:
