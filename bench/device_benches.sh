@@ -1,16 +1,17 @@
 # Device calls (<= 10 minutes each), one part per call; each prints its table last and leaves
 # JSON/PNG/logs under $OUT. Source bench/device_setup.sh first (NO_FLASHINFER=1 unless the call
-# carries a FlashInfer folder):
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh serve
+# carries a FlashInfer folder). Every call carries .whl; the parts that start `meshserve serve`
+# (serve, latency, disagg, tests gpu_share) carry .whlserve too; bench/device_wheels.sh makes them:
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh serve      (carry .whl .whlserve)
 #       issue 41: the serving path (serve's defaults, HTTP and gRPC) against the in-process engine on
 #       the Llama-3-8B shape, three alternating rounds, then structured outputs at batch 64 (issue 38)
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whlnixl)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh nixl      (carry .whl .whlnixl)
 #       issue 37: the NIXL GPU tests, then the fixed cost of a pull step by step (NIXL, CUDA IPC batched
 #       and a memcpy per frame; VRAM, two processes on one GPU, 1k/8k/32k tokens of Llama-3-8B against a
 #       device copy), then the GPU tests no call has finished yet
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests mla fused_moe ...
 #       the GPU test files named (tests/gpu/test_<name>_gpu.py), each under 120 s, logs in $OUT
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whl .whlray)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh disagg    (carry .whl .whlserve .whlray)
 #       issue 37: TTFT of `serve --pools disaggregated` against unified, 8k-token prompts of the
 #       Llama-3-8B shape, C = 1 and 4 (bench/disagg_ttft.py; on one GPU the disaggregated server runs
 #       with --gpus-per-rank 0.5, both replicas on the GPU, KV by CUDA IPC, 8 GiB of KV per replica).
@@ -18,13 +19,13 @@
 #       Ray Core repack (bench/repack_ray.py; recipe in bench/device_setup.sh). .whl, .whlray and the
 #       tree come to 59.4 MB of the 64 MiB (67.1 MB) a call carries, with .whlnixl too to 67.4 MB
 #       (2026-12-05): on one GPU `auto` moves KV by CUDA IPC, so leave .whlnixl out. Check with
-#       `du -cb .whl .whlray $(git ls-files)` first.
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlray)
+#       `du -cb .whl .whlserve .whlray $(git ls-files)` first (2026-12-06: the serving wheels moved to .whlserve).
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh tests gpu_share    (carry .whl .whlserve .whlray)
 #       `serve --pools disaggregated --gpus-per-rank 0.5` on one GPU (tests/gpu/test_gpu_share_gpu.py): Ray too
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh latency
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh latency    (carry .whl .whlserve; + .whluv for the uvloop paths)
 #       issue 41: served time to first token against offline, one request at a time, hop by hop; with
 #       serve --paced-overlap beside serve's defaults (-paced paths)
-#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whlfi07)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh fi07      (carry .whl .whlfi07)
 #       issue 42: FlashInfer 0.7 modules built or completed (bench/flashinfer_aot.sh, resumes from
 #       .whlfi07/fi07_cache.tgz), then every backend timed per problem class (bench/attention_choice.py),
 #       merged into a copy of the kernel-choice table under $OUT
@@ -32,17 +33,17 @@
 #       issue 41 item 3: the MoE shapes end to end at full depth (bench/e2e.py: DeepSeek-V2-Lite, 27
 #       layers, 31.4 GB bf16; GPT-OSS-20B, 24 layers, 41.8 GB), decode steps at bs 1/64/256 against
 #       their bytes roofline (bandwidth: a device copy measured in each run), `generate` at bs 64
-#   . bench/device_setup.sh && bash bench/device_benches.sh e2e42      (carry .whlfi07)
+#   . bench/device_setup.sh && bash bench/device_benches.sh e2e42      (carry .whl .whlfi07)
 #       issue 42 item 5: 8B shape, TTFT 4k/16k and the bs-1 step, TRITON then the default, then FP8
 #       weights (--quantization fp8), then FP8 weights with the LM head in FP8 (--quantize-lm-head)
-#   . bench/device_setup.sh && bash bench/device_benches.sh fp8head    (carry .whlfi07, as e2e42)
+#   . bench/device_setup.sh && bash bench/device_benches.sh fp8head    (carry .whl .whlfi07, as e2e42)
 #       issue 42 item 4 alone: the 8B bs-1 decode step in bf16, FP8 weights, FP8 weights + FP8 LM head,
 #       no TTFT (the three e2e.py runs of e2e42 that item 4 needs, side by side in one call)
-#   . bench/device_setup.sh && bash bench/device_benches.sh ttft      (carry .whlfi07)
+#   . bench/device_setup.sh && bash bench/device_benches.sh ttft      (carry .whl .whlfi07)
 #       issue 42 item 5 after the fresh-prefill defaults: the 8B shape's TTFT at 4k/16k and bs-1 step, TRITON
 #       forced then the default (FLASHINFER's ragged prefill), then the GPU tests of the new defaults (fresh
 #       prefill, TRITON's FlashMLA-structured MLA decode, FlashInfer's kernels) within the call
-#   . bench/device_setup.sh && bash bench/device_benches.sh fresh     (carry .whlfi07)
+#   . bench/device_setup.sh && bash bench/device_benches.sh fresh     (carry .whl .whlfi07)
 #       issue 42: prefill of fresh prompts from the step's own K/V (bench/prefill_sweep.py, every output
 #       checked first): FlashInfer 0.7's ragged prefill beside its paged one, TRITON fresh-desc and
 #       fresh-gather beside today's gather (p16) and page-descriptor (p64) paths, pages 16 and 64, at

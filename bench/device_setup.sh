@@ -1,7 +1,9 @@
 # Source at the start of a device call (bench/README: the device has no network): installs the
-# wheels carried in .whl/ (xgrammar and its apache_tvm_ffi, pydantic, FastAPI with opentelemetry-api,
-# uvicorn with httptools, pyzmq, grpc extras for the serving
-# benches) and in whichever of these ignored folders the call carries: .whlnixl/ (the repacked NIXL
+# wheels carried in .whl/ (what the engine imports: xgrammar and its apache_tvm_ffi and pydantic,
+# msgpack, pyzmq, orjson, prometheus-client), .whlserve/ (what `meshserve serve` adds: grpc, protobuf,
+# FastAPI with opentelemetry-api, uvicorn with httptools; carry it to serve/latency/disagg calls and to
+# GPU tests that start a server) and in whichever of these ignored folders the call carries
+# (bench/device_wheels.sh rebuilds them all on a fresh checkout): .whlnixl/ (the repacked NIXL
 # wheel), .whlray/ (the repacked Ray), .whlfi053/ (FlashInfer 0.5.3, cudnn-frontend) or .whlfi07/ (the repacked
 # FlashInfer 0.7.x; bench/flashinfer_aot.sh) or .whluv/ (uvloop, for serve --uvloop A/B runs: 4.5 MB) into
 # /tmp/site, and sets the environment.
@@ -20,7 +22,7 @@
 # --check runs Ray Core from a cp311 repack here. .whl + .whlnixl + .whlray + the tree: about 63.5 of the 64 MiB.)
 # NO_FLASHINFER=1 leaves FlashInfer out (its tests then skip): 0.5.3 JIT-builds every module on
 # first use, minutes per configuration, which a 10-minute call cannot afford without a prebuilt cache.
-wheels=$(ls .whl/*.whl .whlnixl/*.whl .whlray/*.whl .whlfi053/*.whl .whlfi07/*.whl .whluv/*.whl 2>/dev/null)
+wheels=$(ls .whl/*.whl .whlserve/*.whl .whlnixl/*.whl .whlray/*.whl .whlfi053/*.whl .whlfi07/*.whl .whluv/*.whl 2>/dev/null)
 [ "${NO_FLASHINFER:-0}" = 1 ] && wheels=$(echo "$wheels" | grep -v -e flashinfer -e cudnn_frontend)
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     || return 1

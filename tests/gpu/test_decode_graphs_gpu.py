@@ -20,6 +20,7 @@ from meshserve.attention.mla.spec import mla_spec
 from meshserve.attention.registry import BackendKind, load_backend
 from meshserve.attention.spec import AttentionSpec, MLADims
 from tests.deepseek_models import write_deepseek
+from tests.gpu import FLASHINFER_HEAD_DIM
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -37,7 +38,7 @@ def cases(tmp_path_factory):
     assert max(map(len, batch)) > MAX_BATCHED_TOKENS  # some prompts are prefilled in chunks
     out = {}
     for name in ARCHS:
-        hf = write_checkpoint(root / name, name, overrides={"head_dim": 64})
+        hf = write_checkpoint(root / name, name, overrides={"head_dim": FLASHINFER_HEAD_DIM})
         out[name] = (root / name, batch, hf)
     hf = write_deepseek(root / "deepseek_v3", "deepseek_v3", **DEEPSEEK_SHAPE)
     out["deepseek_v3"] = (root / "deepseek_v3", batch, hf)

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from tests.gpu import FLASHINFER_HEAD_DIM
 from tests.tiny_models import HYBRID_ARCHS, hf_greedy, prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,7 +28,7 @@ def cases(tmp_path_factory):
     root = tmp_path_factory.mktemp("hybrid_gpu")
     out = {}
     for name in HYBRID_ARCHS:
-        hf = write_checkpoint(root / name, name, overrides={"head_dim": 64})
+        hf = write_checkpoint(root / name, name, overrides={"head_dim": FLASHINFER_HEAD_DIM})
         out[name] = (root / name, prompts(6, seed=5, min_len=12, max_len=60), hf)
     return out
 

@@ -14,6 +14,7 @@ import torch
 
 from meshserve import LLM, SamplingParams
 from tests.deepseek_models import write_deepseek
+from tests.gpu import FLASHINFER_HEAD_DIM
 from tests.gpu.test_decode_graphs_gpu import DEEPSEEK_SHAPE, _skip_unless_served
 from tests.tiny_models import hf_greedy, prompts, write_checkpoint
 
@@ -30,7 +31,7 @@ def cases(tmp_path_factory):
     shared = prompts(1, seed=9, min_len=40, max_len=40)[0]
     batch = [shared + p for p in prompts(10, seed=4, min_len=4, max_len=70)]  # a common 40-token prefix
     assert max(map(len, batch)) > MAX_BATCHED_TOKENS  # some prompts are prefilled in chunks
-    out = {arch: (root / arch, batch, write_checkpoint(root / arch, arch, overrides={"head_dim": 64}))
+    out = {arch: (root / arch, batch, write_checkpoint(root / arch, arch, overrides={"head_dim": FLASHINFER_HEAD_DIM}))
            for arch in ("llama", "gemma2")}  # fmt: skip
     out["deepseek_v3"] = (root / "deepseek_v3", batch, write_deepseek(root / "deepseek_v3", "deepseek_v3",
                                                                       **DEEPSEEK_SHAPE))  # fmt: skip

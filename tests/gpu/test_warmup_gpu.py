@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from meshserve import LLM, SamplingParams
+from tests.gpu import FLASHINFER_HEAD_DIM
 from tests.tiny_models import prompts, write_checkpoint
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,7 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_warmup_runs_by_default_and_changes_no_token(tmp_path, arch):
     path = tmp_path / arch
-    write_checkpoint(path, arch, overrides={"head_dim": 64})
+    write_checkpoint(path, arch, overrides={"head_dim": FLASHINFER_HEAD_DIM})
     batch = prompts(6, seed=5, min_len=8, max_len=60)
     outs, engines = [], []
     for warmup in (None, False):  # None: CUDA's default, on
