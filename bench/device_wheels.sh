@@ -14,10 +14,10 @@
 set -eu
 cd "$(dirname "$0")/.."
 LOCK=requirements/gpu.txt
-ENGINE="apache-tvm-ffi msgpack pyzmq orjson prometheus-client xgrammar pydantic pydantic-core annotated-types
-        typing-inspection typing-extensions"
-SERVE="grpcio grpcio-health-checking grpcio-reflection protobuf fastapi starlette annotated-doc anyio uvicorn h11
-       httptools click opentelemetry-api"
+ENGINE=(apache-tvm-ffi msgpack pyzmq orjson prometheus-client xgrammar pydantic pydantic-core annotated-types
+        typing-inspection typing-extensions)
+SERVE=(grpcio grpcio-health-checking grpcio-reflection protobuf fastapi starlette annotated-doc anyio uvicorn h11
+       httptools click opentelemetry-api)
 grep -qx '/.whl\*/' .git/info/exclude 2>/dev/null || echo '/.whl*/' >> .git/info/exclude
 
 pinned() {  # the lock's NAME==VERSION for each name given
@@ -35,16 +35,18 @@ download() {  # DIR SPEC...: manylinux wheels for CPython 3.12, no dependencies 
         --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_26_x86_64 \
         --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         --platform manylinux_2_5_x86_64 --platform manylinux1_x86_64 -d "$dir" "$@" 2>&1 | grep -v "^WARNING: Location" || true
-    echo "$dir: $(ls "$dir" | wc -l) wheels, $(du -sh "$dir" | cut -f1)"
+    echo "$dir: $(find "$dir" -type f -name '*.whl' | wc -l) wheels, $(du -sh "$dir" | cut -f1)"
 }
 
-download .whl $(pinned $ENGINE)
-download .whlserve $(pinned $SERVE)
+mapfile -t specs < <(pinned "${ENGINE[@]}")
+download .whl "${specs[@]}"
+mapfile -t specs < <(pinned "${SERVE[@]}")
+download .whlserve "${specs[@]}"
 for extra in "$@"; do
     case $extra in
         fi07)
             tmp=$(mktemp -d)
-            download "$tmp" $(pinned flashinfer-python)
+            download "$tmp" "$(pinned flashinfer-python)"
             python3 bench/repack_flashinfer.py "$tmp"/flashinfer_python-*.whl --out .whlfi07
             rm -rf "$tmp"
             [ -f .whlfi07/fi07_cache.tgz ] || echo "no .whlfi07/fi07_cache.tgz: build it on the device with" \
