@@ -1,7 +1,7 @@
 """FP8 kernels on CUDA (sm89+) at model shapes, bf16 included (the interpreter's CPU tests cannot
 cover bf16): the Triton per-token-group and per-token quantization and block GEMM against
 float64 oracles, the weight-streaming small-M kernel (FP8 W8A16 and bf16/fp16, incl. split-K and
-CUDA-graph replay), the one-launch split-K FP8 GEMV (fp8_gemv.py, the same checks), every
+CUDA-graph replay), the one-launch split-K FP8 GEMV (gemv.py, the same checks), every
 fp8_linear path at M = 1, 16, 64, 4096 and its determinism, the online
 per-channel path, Fp8Linear / StreamedLinear, and MXFP4 dequantization on the GPU. Skipped
 without CUDA; FP8 cases skip where quant/support.py says the GPU cannot serve them."""
@@ -285,10 +285,10 @@ def test_stream_linear_matches_float64(fmt, m, n, k):
 @pytest.mark.parametrize("config", ["default", "tma", "pdl"])
 @pytest.mark.parametrize("fmt", ["block", "per_channel", "fp8_fp16_act"])
 def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
-    """The split-K GEMV (fp8_gemv.py) on the GPU's own dtypes against float64, with a bias and,
+    """The split-K GEMV (gemv.py) on the GPU's own dtypes against float64, with a bias and,
     at M = 5, one row of activations ~2**18 (past fp16 before the operand's 2**-8 scale); output
     memory poisoned with NaN first; two calls give identical bits; the tile counters end zeroed."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     _skip_unless(WeightFormat.FP8_BLOCK if fmt == "block" else WeightFormat.FP8_CHANNEL)
     act = torch.float16 if fmt == "fp8_fp16_act" else torch.bfloat16
@@ -300,31 +300,31 @@ def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
     cfg = {"default": gv.DEFAULT_CONFIG, "tma": gv.GemvConfig(64, 256, 4, 4, 4, tma=True),
            "pdl": gv.GemvConfig(64, 256, 4, 4, 4, pdl=True)}[config]
     torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: NaN where outputs land
-    y = gv.fp8_gemv(x, wq, scale, block, bias, config=cfg)
+    y = gv.weight_gemv(x, wq, scale, block, bias, config=cfg)
     ref = x.double() @ w64.T + bias.double()
     assert y.dtype == act and y.shape == (m, n) and bool(torch.isfinite(y).all())
     eps = 2**-8 if act == torch.bfloat16 else 2**-10
     # per-row absolute tolerance (row 2 at M = 5 is 2**18 larger); assert_close takes a scalar atol only
     err = (y.double() - ref).abs() - (eps * ref.abs() + 1e-3 * ref.abs().amax(1, keepdim=True))
     assert bool((err <= 0).all()), f"{int((err > 0).sum())} outputs past the tolerance, worst by {err.max().item():.3g}"
-    assert torch.equal(y, gv.fp8_gemv(x, wq, scale, block, bias, config=cfg))
+    assert torch.equal(y, gv.weight_gemv(x, wq, scale, block, bias, config=cfg))
     assert not bool(gv._COUNTERS[str(x.device)].any()) if str(x.device) in gv._COUNTERS else True
 
 
 def test_fp8_gemv_under_cuda_graph_replays_the_eager_bits():
     """Captured split GEMVs (768 rows: split-K, the last split sums) replay the eager bits."""
     _skip_unless(WeightFormat.FP8_BLOCK)
-    from meshserve.workers.quant.fp8_gemv import fp8_gemv, plan_gemv
+    from meshserve.workers.quant.gemv import plan_gemv, weight_gemv
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert plan_gemv(768, 4096, scale_k=128, num_sms=sms).splits > 1
     x = _randn(4, 4096, seed=5)
     for (wq, scale, _), block in [(_fp8_weight(768, 4096, (128, 128)), (128, 128)), (_fp8_weight(4096, 4096, None),
                                                                                     None)]:
-        eager = fp8_gemv(x, wq, scale, block)
+        eager = weight_gemv(x, wq, scale, block)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = fp8_gemv(x, wq, scale, block)
+            captured = weight_gemv(x, wq, scale, block)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
