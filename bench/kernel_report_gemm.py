@@ -1,4 +1,5 @@
-"""Compile the GEMM kernels (workers/quant: small-M streaming, activation quantizers, block GEMM)
+"""Compile the GEMM kernels (workers/quant: small-M streaming, the split-K GEMV on FP8 and bf16 weights,
+activation quantizers, block GEMM)
 for a GPU target on a machine without one, and report registers, stack (spills) and shared memory.
 
     python -m bench.kernel_report_gemm [--arch 90] [--sass DIR]
@@ -45,6 +46,9 @@ def launches() -> Iterator[tuple[str, Callable[[], object]]]:
                                     "fp8_channel": (torch.empty(n), None)}.items():
                 yield f"{name} gemv[{i}] {fmt} {cfg}", lambda x=x, w=w, s=s, b=block, c=cfg: (
                     weight_gemv(x, w, s, b, config=c, num_sms=132))
+            wd, xd = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(1 if cfg.cores else 16, k,
+                                                                          dtype=torch.bfloat16)
+            yield f"{name} gemv[{i}] bf16 {cfg}", lambda x=xd, w=wd, c=cfg: weight_gemv(x, w, config=c, num_sms=132)
         x = torch.empty(4096, k, dtype=torch.bfloat16)
         yield f"{name} quantize_rows", lambda x=x: quantize_rows(x)
         yield f"{name} quantize_groups", lambda x=x: quantize_groups(x, 128)

@@ -4,6 +4,10 @@ checked, then timed against its predecessor and its peers.
     . bench/device_setup.sh && python3 bench/kernels_device.py --out $OUT      (~4-6 min cold)
     PYTHONPATH=$PWD python bench/kernels_device.py --smoke                     (CPU, interpreter)
 
+`--part gemv16`: the same GEMV on bf16 weights against bf16 cuBLAS and small_m.py, per projection
+of the Llama-3-8B, GPT-OSS-20B attention and DeepSeek-V2-Lite decode GEMVs
+(bench/kernels_device_gemv16.py). The FP8 part (the default, `--part fp8`):
+
 1. check: every GemvConfig in gemv.CONFIGS, both scale layouts, at the Llama-3-8B shapes (and
    TP-8 qkv and DeepSeek's kv_a for the default), M = 1, 5, 16, against a float64 matmul of the
    dequantized weight: ||y - ref|| / ||ref|| < 5e-3 (bf16 output; at M = 5 one row of
@@ -424,8 +428,16 @@ def main() -> int:
                     help="seconds for the whole run: the graphs shrink to M = 1 and 16 when less than 150 are left")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET (times meaningless)")
+    ap.add_argument("--part", choices=["fp8", "gemv16"], default="fp8",
+                    help="fp8: FP8 weights (the default); gemv16: bf16 weights (bench/kernels_device_gemv16.py; "
+                         "--budget: seconds after which only cuBLAS, the dense default configs and small_m.py are "
+                         "timed)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "gemv16":
+        from bench.kernels_device_gemv16 import run
+
+        return run(args.out, smoke=args.smoke, budget=args.budget)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter has no bf16 math
     shapes = SMOKE_SHAPES if args.smoke else SHAPES

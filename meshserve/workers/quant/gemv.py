@@ -119,8 +119,18 @@ class GemvConfig:
 # (F2FP + HADD2 + FFMA per weight), about half the sm_90's issue rate at 4 TB/s.
 DEFAULT_CONFIG = GemvConfig(64, 256, 4, 3, 4)
 CORES_CONFIG = GemvConfig(8, 1024, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
+# bf16/fp16 weights: NOT measured on a GPU (2026-12-06); `bench/kernels_device.py --part gemv16` prints
+# the best of CONFIGS for 16-bit weights. Chosen from the sm_90 compile (bench/kernel_report_gemm.py,
+# Triton 3.7): DEFAULT_CONFIG on a bf16 weight streams 512 bytes a row per step and takes 120 KB of
+# shared memory (one program per SM resident, where FP8's takes 60 KB: three); 128 bf16 columns a
+# step are FP8's measured 256 bytes a row, 60 KB at 3 stages (three resident), 40 registers, no stack.
+# The cores kernel keeps CORES_CONFIG (8 rows x 1024 columns: 2 KB a row per step, 48 registers).
+DENSE_CONFIG = GemvConfig(64, 128, 4, 3, 4)  # what weight_gemv runs for a bf16/fp16 weight when config is None
+DENSE_CORES_CONFIG = CORES_CONFIG  # one row of a bf16/fp16 weight (gemm_table's GEMV_CORES)
 CONFIGS = (
     DEFAULT_CONFIG,
+    DENSE_CONFIG,
+    GemvConfig(64, 128, 4, 4, 4),
     GemvConfig(64, 256, 4, 4, 4),
     GemvConfig(64, 128, 4, 6, 4),
     GemvConfig(64, 512, 4, 3, 2),
@@ -134,6 +144,7 @@ CONFIGS = (
     GemvConfig(64, 256, 4, 4, 4, pdl=True),
     GemvConfig(64, 256, 4, 4, 4, tma=True, pdl=True),
     CORES_CONFIG,
+    GemvConfig(8, 512, 4, 1, 8, cores=True),  # FP8's CORES_CONFIG bytes a step, for 16-bit weights
     GemvConfig(32, 512, 8, 1, 4, cores=True),
     GemvConfig(16, 512, 4, 1, 8, cores=True),
 )
@@ -337,8 +348,9 @@ def weight_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     - float8_e4m3fn with `scale` float32: block scales [ceil(N / bn), ceil(K / bk)] with `block` =
       (bn, bk), or one per output channel [N] with `block` None; x bf16/fp16 (fp32 in tests);
     - bfloat16 / float16 with `scale` and `block` None; x in the weight's dtype.
-    bias [N] or None. config None: DEFAULT_CONFIG. num_sms None: the GPU's (8 under the
-    interpreter; bench/kernel_report_gemm.py passes the H200's to compile its real splits)."""
+    bias [N] or None. config None: DEFAULT_CONFIG (FP8) or DENSE_CONFIG (bf16/fp16). num_sms None:
+    the GPU's (8 under the interpreter; bench/kernel_report_gemm.py passes the H200's to compile its
+    real splits)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SMALL_M_MAX:
@@ -381,7 +393,7 @@ def weight_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | Non
     if x.stride(1) != 1:
         x = x.contiguous()
     sms = num_sms or (8 if _interpreting() or not x.is_cuda else _num_sms(x.device.index or 0))
-    plan = plan_gemv(n, k, scale_k=scale_k, num_sms=sms, config=config or DEFAULT_CONFIG)
+    plan = plan_gemv(n, k, scale_k=scale_k, num_sms=sms, config=config or (DENSE_CONFIG if dense else DEFAULT_CONFIG))
     counters = _counters(x.device) if plan.splits > 1 else None
     if plan.splits > 1 and (counters is None or triton.cdiv(n, plan.config.block_n) > MAX_COUNTERS):
         plan = GemvPlan(plan.config, 1, plan.k_per_split * plan.splits, plan.subs)

@@ -216,7 +216,8 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                  table: Fp8GemmTable | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias [N]) -> [..., N] for a bf16/fp16 `weight` [N, K], by `dense_way`
     (table None: gemm_table.DEFAULT_TABLE): at most SMALL_M_MAX rows on CUDA by default the split-K
-    GEMV (the CUDA-core kernel at one row; bias fused), everything else F.linear."""
+    GEMV (gemv.DENSE_CONFIG; the CUDA-core kernel at one row, gemv.DENSE_CORES_CONFIG; bias fused),
+    everything else F.linear."""
     way = dense_way(x, weight, table)
     if way is Fp8Gemm.DENSE_CUBLAS:
         return nn.functional.linear(x, weight, bias)
@@ -226,9 +227,9 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
         y = stream_linear(x2, weight, bias=bias)
     else:
-        from meshserve.workers.quant.gemv import CORES_CONFIG, weight_gemv
+        from meshserve.workers.quant.gemv import DENSE_CORES_CONFIG, weight_gemv
 
-        y = weight_gemv(x2, weight, bias=bias, config=CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None)
+        y = weight_gemv(x2, weight, bias=bias, config=DENSE_CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 

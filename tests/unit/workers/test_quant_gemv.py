@@ -18,7 +18,7 @@ import torch
 
 from meshserve.workers.quant import gemv as gemv_mod
 from meshserve.workers.quant.formats import SMALL_M_MAX
-from meshserve.workers.quant.gemv import CORES_CONFIG, GemvConfig, plan_gemv, weight_gemv
+from meshserve.workers.quant.gemv import GemvConfig, plan_gemv, weight_gemv
 
 # The inputs and float64 oracles of the streaming kernel's tests (the same shapes: N, K ragged
 # against every tile and scale block below).
@@ -161,11 +161,12 @@ def test_descriptor_loads_agree_with_pointer_loads(fmt):
 # --- bf16 / fp16 weights ---------------------------------------------------------------------
 
 DENSE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Under the interpreter's 8 "SMs" (N = 100, K = 300): split: 2 tiles of 64 rows x 3 steps of 128
-# columns -> 3 splits; default (64 x 256): 2 splits; unsplit: 7 tiles of 16 rows, one program each.
-DENSE_CONFIGS = {"default": None, "split": GemvConfig(64, 128, 4, 2, programs_per_sm=4),
+# Under the interpreter's 8 "SMs" (N = 100, K = 300): default (gemv.DENSE_CONFIG, 64 x 128): 2 tiles x
+# 3 steps -> 3 splits; split: 4 tiles of 32 rows x 5 steps of 64 columns -> 5 splits; unsplit: 7
+# tiles of 16 rows, one program each.
+DENSE_CONFIGS = {"default": None, "split": GemvConfig(32, 64, 4, 2, programs_per_sm=4),
                  "unsplit": GemvConfig(16, 64, 4, 2, programs_per_sm=1)}
-DENSE_SPLITS = {"default": 2, "split": 3, "unsplit": 1}
+DENSE_SPLITS = {"default": 3, "split": 5, "unsplit": 1}
 
 
 def _dense(dtype, n=N, k=K, pad=0, seed=1):
@@ -196,7 +197,7 @@ def test_dense_gemv_matches_float64(dtype, m, bias, config):
     w = _dense(dt, pad=24 if config == "split" else 0)  # the split launches read rows of stride K + 24
     x = _x(m).to(dt)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(4)) * 0.5).to(dt) if bias else None
-    cfg = DENSE_CONFIGS[config] or gemv_mod.DEFAULT_CONFIG
+    cfg = DENSE_CONFIGS[config] or gemv_mod.DENSE_CONFIG
     assert plan_gemv(N, K, scale_k=None, num_sms=8, config=cfg).splits == DENSE_SPLITS[config]
     y = weight_gemv(x, w, bias=b, config=DENSE_CONFIGS[config])
     assert y.shape == (m, N) and y.dtype == dt
@@ -297,7 +298,7 @@ def test_streamed_linear_runs_the_chosen_dense_kernel(monkeypatch):
     b = torch.nn.Parameter((torch.randn(N, generator=torch.Generator().manual_seed(4)) * 0.5).to(dt),
                            requires_grad=False)
     layer = layers.StreamedLinear(w, b, None)
-    for lead, want in [((1, 1), ("gemv", CORES_CONFIG, True)), ((3,), ("gemv", None, True)),
+    for lead, want in [((1, 1), ("gemv", gemv_mod.DENSE_CORES_CONFIG, True)), ((3,), ("gemv", None, True)),
                        ((2, 8), ("gemv", None, True))]:
         x = _x(math.prod(lead)).to(dt).view(*lead, K)
         ran.clear()
