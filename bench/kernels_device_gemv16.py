@@ -202,45 +202,49 @@ def _graph_ms(step, device: str) -> float:
 
 
 def graphs(shapes: dict, device: str, dtype: torch.dtype, failed: set[int], deadline: float) -> list[dict]:
-    """Per shape, M and method: µs per projection in a graph of L distinct copies."""
+    """Per shape, M and method: µs per projection in a graph of L distinct copies. Two passes: cuBLAS,
+    the dense default configs and small_m.py on every shape first, then the other passing configs
+    until `deadline` (time.perf_counter())."""
     methods = _methods(failed)
-    essential = list(methods)[:4]  # cuBLAS, DENSE_CONFIG, DENSE_CORES_CONFIG, small_m.py: always timed
+    essential = list(methods)[:4]  # cuBLAS, DENSE_CONFIG, DENSE_CORES_CONFIG, small_m.py (those that passed)
     rows = []
-    for model, projections in shapes.items():
-        for name, (n, k, has_bias) in projections.items():
-            nbytes = n * k * 2
-            layers = 1 if device == "cpu" else max(4, min(MAX_LAYERS, -(-GRAPH_BYTES // nbytes)))
-            g = torch.Generator(device=device).manual_seed(7)
-            stack = [((torch.randn(n, k, device=device, generator=g) * 0.02).to(dtype),
-                      (torch.randn(n, device=device, generator=g) * 0.1).to(dtype) if has_bias else None)
-                     for _ in range(layers)]
-            for m in MS:
-                x = torch.randn(m, k, device=device).to(dtype)
-                for method, fn in methods.items():
-                    if _cores(method) and m != 1:
-                        continue
-                    if method not in essential and time.perf_counter() > deadline:
-                        continue  # out of budget: the other configs are left out (said in the summary)
+    for names in (essential, [m for m in methods if m not in essential]):
+        for model, projections in shapes.items():
+            for name, (n, k, has_bias) in projections.items():
+                if names is not essential and time.perf_counter() > deadline:
+                    break  # out of budget: the other configs are left out (the summary says which)
+                rows += _time_shape(model, name, n, k, has_bias, {m: methods[m] for m in names}, device, dtype)
+    return rows
 
-                    def step(fn=fn, x=x, stack=stack):
-                        for w, b in stack:
-                            fn(x, w, b)
 
-                    try:
-                        ms = _graph_ms(step, device)
-                    except Exception as exc:  # noqa: BLE001 - one method's failure must not lose the rest
-                        print(f"graph {model} {name} M={m} {method}: failed ({str(exc).splitlines()[0][:120]})",
-                              flush=True)
-                        continue
-                    us = ms * 1e3 / layers
-                    rows.append({"model": model, "shape": name, "m": m, "method": method, "us": us, "layers": layers,
-                                 "tbs": nbytes / us / 1e6})
-                base = next((r["us"] for r in rows if (r["model"], r["shape"], r["m"], r["method"])
-                             == (model, name, m, CUBLAS)), float("nan"))
-                cells = "  ".join(f"{r['method']} {r['us']:.1f} ({r['tbs']:.2f} TB/s, {base / r['us']:.2f}x)"
-                                  for r in rows if (r["model"], r["shape"], r["m"]) == (model, name, m))
-                print(f"graph {model} {name} {n}x{k} M={m} ({layers} layers) us: {cells}", flush=True)
-            del stack
+def _time_shape(model, name, n, k, has_bias, methods, device, dtype) -> list[dict]:
+    nbytes = n * k * 2
+    layers = 1 if device == "cpu" else max(4, min(MAX_LAYERS, -(-GRAPH_BYTES // nbytes)))
+    g = torch.Generator(device=device).manual_seed(7)
+    stack = [((torch.randn(n, k, device=device, generator=g) * 0.02).to(dtype),
+              (torch.randn(n, device=device, generator=g) * 0.1).to(dtype) if has_bias else None)
+             for _ in range(layers)]
+    rows = []
+    for m in MS:
+        x = torch.randn(m, k, device=device).to(dtype)
+        for method, fn in methods.items():
+            if _cores(method) and m != 1:
+                continue
+
+            def step(fn=fn, x=x):
+                for w, b in stack:
+                    fn(x, w, b)
+
+            try:
+                ms = _graph_ms(step, device)
+            except Exception as exc:  # noqa: BLE001 - one method's failure must not lose the rest
+                print(f"graph {model} {name} M={m} {method}: failed ({str(exc).splitlines()[0][:120]})", flush=True)
+                continue
+            us = ms * 1e3 / layers
+            rows.append({"model": model, "shape": name, "m": m, "method": method, "us": us, "layers": layers,
+                         "tbs": nbytes / us / 1e6})
+        cells = "  ".join(f"{r['method']} {r['us']:.1f} ({r['tbs']:.2f} TB/s)" for r in rows if r["m"] == m)
+        print(f"graph {model} {name} {n}x{k} M={m} ({layers} layers) us: {cells}", flush=True)
     return rows
 
 
@@ -297,6 +301,24 @@ def summary(check_rows: list[dict], rows: list[dict], failed: set[int], shapes: 
     tips = suggest(rows)
     best_tc = next((f"gemv[{i}]" for i, c in enumerate(gv.CONFIGS) if str(c) == tips["dense_config"]), None)
     dense, cores = _gemv_name(gv.CONFIGS.index(gv.DENSE_CONFIG)), _gemv_name(gv.CONFIGS.index(gv.DENSE_CORES_CONFIG))
+    print("| model | projection | M | cuBLAS µs (TB/s) | GEMV DENSE_CONFIG | GEMV best config | cores (M = 1) | "
+          "small_m.py |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for model, projections in shapes.items():
+        for name, (n, k, _) in projections.items():
+            for m in MS:
+                mine = {r["method"]: r for r in rows if (r["model"], r["shape"], r["m"]) == (model, name, m)}
+                if CUBLAS not in mine:
+                    continue
+                base = mine[CUBLAS]["us"]
+
+                def one(method, mine=mine, base=base):
+                    r = mine.get(method)
+                    return f"{r['tbs']:.2f} TB/s ({base / r['us']:.2f}x)" if r else "-"
+
+                print(f"| {model} | {name} {n}x{k} | {m} | {base:.1f} ({mine[CUBLAS]['tbs']:.2f}) | {one(dense)} | "
+                      f"{one(best_tc)} | {one(cores) if m == 1 else '-'} | {one(STREAM)} |")
+    print("\nper model (one layer: the sum of its projections), µs and ratio to cuBLAS")
     print("| model | M | cuBLAS µs | GEMV (DENSE_CONFIG) | GEMV best config | cores (M = 1) | small_m.py | "
           "cuBLAS TB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

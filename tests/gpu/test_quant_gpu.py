@@ -1,7 +1,7 @@
 """FP8 kernels on CUDA (sm89+) at model shapes, bf16 included (the interpreter's CPU tests cannot
 cover bf16): the Triton per-token-group and per-token quantization and block GEMM against
 float64 oracles, the weight-streaming small-M kernel (FP8 W8A16 and bf16/fp16, incl. split-K and
-CUDA-graph replay), the one-launch split-K FP8 GEMV (gemv.py, the same checks), every
+CUDA-graph replay), the one-launch split-K GEMV on FP8 and bf16/fp16 weights (gemv.py, the same checks), every
 fp8_linear path at M = 1, 16, 64, 4096 and its determinism, the online
 per-channel path, Fp8Linear / StreamedLinear, and MXFP4 dequantization on the GPU. Skipped
 without CUDA; FP8 cases skip where quant/support.py says the GPU cannot serve them."""
@@ -329,6 +329,66 @@ def test_fp8_gemv_under_cuda_graph_replays_the_eager_bits():
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, eager)
+
+
+# bf16/fp16 weights on the GEMV (gemv.py): Llama-3-8B's projections, GPT-OSS-20B's attention (with
+# bias), DeepSeek-V2-Lite's kv_a and shared-expert down (N, K, bias).
+DENSE_SHAPES = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, False), (4096, 14336, False),
+                (5120, 2880, True), (2880, 4096, True), (576, 2048, False), (2048, 2816, False)]
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), DENSE_SHAPES, ids=str)
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dense_gemv_matches_float64(dtype, m, n, k, bias):
+    """The GEMV on a 16-bit weight (the dot in the weight's own dtype) against float64: every output
+    within half an ulp of the output dtype plus 2**-16 of the sum of |terms| (float32 sums over K
+    terms), over NaN-poisoned memory; DENSE_CONFIG (split for the narrow shapes), a descriptor-load
+    config and, at M = 1, the cores kernel; two calls bitwise equal; the tile counters end zeroed."""
+    from meshserve.workers.quant import gemv as gv
+
+    w = _randn(n, k, scale=0.02, seed=2, dtype=dtype)
+    x = _randn(m, k, seed=3, dtype=dtype)
+    b = _randn(n, seed=4, dtype=dtype, scale=0.1) if bias else None
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    terms = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    bound = torch.finfo(dtype).eps / 2 * ref.abs() + 2.0**-16 * terms
+    configs = [gv.DENSE_CONFIG, gv.GemvConfig(64, 128, 4, 4, 4, tma=True)] + ([gv.DENSE_CORES_CONFIG] if m == 1 else [])
+    for cfg in configs:
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: NaN where outputs land
+        y = gv.weight_gemv(x, w, bias=b, config=cfg)
+        assert y.dtype == dtype and y.shape == (m, n) and bool(torch.isfinite(y).all()), cfg
+        err = (y.double() - ref).abs() - bound
+        assert bool((err <= 0).all()), f"{cfg}: {int((err > 0).sum())} outputs past the bound, worst by " \
+            f"{err.max().item():.3g}"
+        assert torch.equal(y, gv.weight_gemv(x, w, bias=b, config=cfg)), cfg
+        assert not bool(gv._COUNTERS[str(x.device)].any()) if str(x.device) in gv._COUNTERS else True
+
+
+def test_dense_gemv_under_cuda_graph_replays_the_eager_bits():
+    """Captured split GEMVs on a bf16 weight (the 8B o_proj: split-K at every config) replay the
+    eager bits, and StreamedLinear takes the GEMV on CUDA (the table's choice) inside the graph."""
+    from meshserve.workers.quant import gemv as gv
+    from meshserve.workers.quant.gemm_table import Fp8Gemm
+    from meshserve.workers.quant.layers import StreamedLinear, dense_way
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gv.plan_gemv(4096, 4096, scale_k=None, num_sms=sms, config=gv.DENSE_CONFIG).splits > 1
+    w = _randn(4096, 4096, scale=0.02, seed=5)
+    layer = StreamedLinear(torch.nn.Parameter(w, requires_grad=False), None, None)
+    for m, cfg, way in ((4, gv.DENSE_CONFIG, Fp8Gemm.GEMV), (1, gv.DENSE_CORES_CONFIG, Fp8Gemm.GEMV_CORES)):
+        x = _randn(m, 4096, seed=6)
+        assert dense_way(x, w) is way
+        eager = gv.weight_gemv(x, w, config=cfg)
+        assert torch.equal(layer(x), eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gv.weight_gemv(x, w, config=cfg)
+            captured_layer = layer(x)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager) and torch.equal(captured_layer, eager)
 
 
 def test_stream_linear_under_cuda_graph_replays_the_eager_bits():
