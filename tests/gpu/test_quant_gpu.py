@@ -579,8 +579,9 @@ def test_fp8_linear_per_channel_at_lm_head_shapes(m, n, k):
 
 def test_bf16_model_with_streamed_linears_tracks_cublas_and_the_reference(tmp_path):
     """small_m_gemm="on": the decode steps (CUDA graphs, M = 1) run every decoder projection on the
-    streaming kernel. Logits stay as close to the float32 CPU reference as cuBLAS's are (both
-    are bf16 models: ~1% on this tiny random model; a wrong column or scale is ~100%)."""
+    GEMV (gemm_table's small_m_dense: the cores kernel at one row). Logits stay as close to the
+    float32 CPU reference as cuBLAS's are (both are bf16 models: ~1% on this tiny random model; a
+    wrong column or scale is ~100%)."""
     from tests.tiny_models import prompts, write_checkpoint
 
     write_checkpoint(tmp_path / "model", "llama", overrides={"head_dim": 64})
