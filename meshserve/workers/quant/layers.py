@@ -204,11 +204,13 @@ def dense_way(x: torch.Tensor, weight: torch.Tensor, table: Fp8GemmTable | None 
     """The formulation dense_linear runs for x [..., K] and a weight [N, K]: the table's small_m_dense
     choice for x's rows where a decode kernel can take it (x and weight both bf16 or both fp16, on
     CUDA, a weight within 32-bit offsets), else DENSE_CUBLAS."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > SMALL_M_MAX or not _runs_decode_kernels(x) or x.dtype != weight.dtype:
+        return Fp8Gemm.DENSE_CUBLAS
     from meshserve.workers.quant.gemv import DENSE, fits_gemv
 
-    if not (_runs_decode_kernels(x) and x.dtype == weight.dtype and x.dtype in DENSE and fits_gemv(weight)):
+    if x.dtype not in DENSE or not fits_gemv(weight):
         return Fp8Gemm.DENSE_CUBLAS
-    rows = x.numel() // max(x.shape[-1], 1)
     return choose_dense(gemm_table.DEFAULT_TABLE if table is None else table, rows=rows)
 
 

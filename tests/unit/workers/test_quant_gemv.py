@@ -314,6 +314,9 @@ def test_streamed_linear_runs_the_chosen_dense_kernel(monkeypatch):
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b)) and ran == []
     assert layers.dense_way(_x(3), w) is Fp8Gemm.DENSE_CUBLAS  # x's dtype is not the weight's
     assert layers.dense_way(_x(3).bfloat16(), w.bfloat16(), Fp8GemmTable(small_m_dense=())) is Fp8Gemm.DENSE_CUBLAS
+    big = torch.empty((1 << 20, 2048), dtype=torch.bfloat16, device="meta")  # past 32-bit offsets: cuBLAS
+    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big) is Fp8Gemm.DENSE_CUBLAS
+    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big[:-1]) is Fp8Gemm.GEMV_CORES
     streamed = layers.StreamedLinear(w, b, None, table=Fp8GemmTable(small_m_dense=((16, Fp8Gemm.STREAM),)))
     ran.clear()
     _assert_within_rounding(streamed(_x(4).to(dt)), _x(4).to(dt), w, b)
