@@ -55,7 +55,8 @@
 #       lasts (GEMV16_E2E: the models, default "llama3-8b gpt-oss-20b"; GEMV16_BUDGET: the kernel bench's
 #       seconds, default 200)
 #   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
-#       the e2e half alone (what the first call had no time for)
+#       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
+#       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -100,8 +101,10 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         grep -E "CHECK FAILED|graph replay|^check:" "$OUT/kernels_device_gemv16.log" | cut -c1-220 | head -12
         sed -n '/^summary/,$p' "$OUT/kernels_device_gemv16.log" | cut -c1-260
         e2e_small_m ${GEMV16_E2E:-llama3-8b gpt-oss-20b} ;;
-    gemv16e2e)
-        e2e_small_m ${GEMV16_E2E:-llama3-8b gpt-oss-20b} ;;
+    gemv16e2e)  # the e2e runs, then the bf16/fp16 GEMV's GPU tests with the time left
+        e2e_small_m ${GEMV16_E2E:-llama3-8b gpt-oss-20b}
+        left=$((580 - SECONDS))
+        [ "$left" -ge 30 ] && tests gpu_quant_dense "$left" tests/gpu/test_quant_gpu.py -k "dense or streamed" ;;
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,
