@@ -48,6 +48,16 @@
 #       checked first): FlashInfer 0.7's ragged prefill beside its paged one, TRITON fresh-desc and
 #       fresh-gather beside today's gather (p16) and page-descriptor (p64) paths, pages 16 and 64, at
 #       4 x 4096 and 1 x 16384; then tests/gpu/test_fresh_prefill_gpu.py and the fresh prefill_desc cases
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh gemv16
+#       bf16 weights on the split-K GEMV (workers/quant/gemv.py): checked, then timed against bf16 cuBLAS and
+#       small_m.py per projection of the 8B, GPT-OSS-20B attention and DeepSeek-V2-Lite decode GEMVs in CUDA
+#       graphs (bench/kernels_device.py --part gemv16, ~4 min), then the bs-1 decode step end to end with
+#       --small-m-gemm on against auto (the baseline), 8B shape first, then GPT-OSS-20B, as long as the call
+#       lasts (GEMV16_E2E: the models, default "llama3-8b gpt-oss-20b"; GEMV16_BUDGET: the kernel bench's
+#       seconds, default 200)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
+#       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
+#       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -70,7 +80,32 @@ e2e_bs1() {  # "name bench/e2e.py flags..." per run: the 8B shape at bs 1, the l
         echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -14
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh or moe}" in
+e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (the baseline), per model
+    local model mode left
+    for model in "$@"; do
+        for mode in on auto; do
+            left=$((590 - SECONDS))
+            [ "$left" -lt 60 ] && { echo "e2e $model small_m_gemm $mode: not run (time)"; continue; }
+            timeout "$left" python3 -m bench.e2e --model "$model" --batch-sizes 1 --throughput-sizes 1 --no-baseline \
+                --ttft-lens= --small-m-gemm "$mode" --kv-bytes $((8 << 30)) --out "$OUT/e2e-$model-$mode" \
+                > "$OUT/e2e-$model-$mode.log" 2>&1
+            echo "e2e $model small_m_gemm $mode: exit $? at ${SECONDS}s"
+            grep -vE "^\s*$" "$OUT/e2e-$model-$mode.log" | tail -14
+        done
+    done
+}
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16 or gemv16e2e}" in
+    gemv16)
+        timeout $((${GEMV16_BUDGET:-200} + 120)) python3 bench/kernels_device.py --part gemv16 \
+            --budget "${GEMV16_BUDGET:-200}" --out "$OUT" > "$OUT/kernels_device_gemv16.log" 2>&1
+        echo "kernels_device --part gemv16: exit $? at ${SECONDS}s"
+        grep -E "CHECK FAILED|graph replay|^check:" "$OUT/kernels_device_gemv16.log" | cut -c1-220 | head -12
+        sed -n '/^summary/,$p' "$OUT/kernels_device_gemv16.log" | cut -c1-260
+        e2e_small_m ${GEMV16_E2E:-llama3-8b gpt-oss-20b} ;;
+    gemv16e2e)  # the e2e runs, then the bf16/fp16 GEMV's GPU tests with the time left
+        e2e_small_m ${GEMV16_E2E:-llama3-8b gpt-oss-20b}
+        left=$((580 - SECONDS))
+        [ "$left" -ge 30 ] && tests gpu_quant_dense "$left" tests/gpu/test_quant_gpu.py -k "dense or streamed" ;;
     serve)
         # Three alternating rounds (medians): the offline engine and the server side by side on one GPU,
         # so each gets 12 GiB of KV (two 16 GB weight copies + 2 x 12 GiB fit 80 GB). The one-round,

@@ -1,4 +1,5 @@
-"""Compile the GEMM kernels (workers/quant: small-M streaming, activation quantizers, block GEMM)
+"""Compile the GEMM kernels (workers/quant: small-M streaming, the split-K GEMV on FP8 and bf16 weights,
+activation quantizers, block GEMM)
 for a GPU target on a machine without one, and report registers, stack (spills) and shared memory.
 
     python -m bench.kernel_report_gemm [--arch 90] [--sass DIR]
@@ -22,8 +23,8 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def launches() -> Iterator[tuple[str, Callable[[], object]]]:
     """Every kernel variant the serving path can launch for these shapes (weights empty: nothing runs)."""
-    from meshserve.workers.quant.fp8_gemv import CONFIGS, fp8_gemv
     from meshserve.workers.quant.fp8_triton import block_gemm, quantize_groups, quantize_rows
+    from meshserve.workers.quant.gemv import CONFIGS, weight_gemv
     from meshserve.workers.quant.small_m import plan_stream, stream_linear
 
     fp8 = torch.float8_e4m3fn
@@ -44,7 +45,10 @@ def launches() -> Iterator[tuple[str, Callable[[], object]]]:
             for fmt, (s, block) in {"fp8_block": (torch.empty(-(-n // 128), -(-k // 128)), (128, 128)),
                                     "fp8_channel": (torch.empty(n), None)}.items():
                 yield f"{name} gemv[{i}] {fmt} {cfg}", lambda x=x, w=w, s=s, b=block, c=cfg: (
-                    fp8_gemv(x, w, s, b, config=c, num_sms=132))
+                    weight_gemv(x, w, s, b, config=c, num_sms=132))
+            wd, xd = torch.empty(n, k, dtype=torch.bfloat16), torch.empty(1 if cfg.cores else 16, k,
+                                                                          dtype=torch.bfloat16)
+            yield f"{name} gemv[{i}] bf16 {cfg}", lambda x=xd, w=wd, c=cfg: weight_gemv(x, w, config=c, num_sms=132)
         x = torch.empty(4096, k, dtype=torch.bfloat16)
         yield f"{name} quantize_rows", lambda x=x: quantize_rows(x)
         yield f"{name} quantize_groups", lambda x=x: quantize_groups(x, 128)

@@ -1,10 +1,14 @@
-"""Issue 42 items 3-4 on the H200 in one device call: the FP8 split-K GEMV (workers/quant/fp8_gemv.py)
+"""Issue 42 items 3-4 on the H200 in one device call: the FP8 split-K GEMV (workers/quant/gemv.py)
 checked, then timed against its predecessor and its peers.
 
     . bench/device_setup.sh && python3 bench/kernels_device.py --out $OUT      (~4-6 min cold)
     PYTHONPATH=$PWD python bench/kernels_device.py --smoke                     (CPU, interpreter)
 
-1. check: every GemvConfig in fp8_gemv.CONFIGS, both scale layouts, at the Llama-3-8B shapes (and
+`--part gemv16`: the same GEMV on bf16 weights against bf16 cuBLAS and small_m.py, per projection
+of the Llama-3-8B, GPT-OSS-20B attention and DeepSeek-V2-Lite decode GEMVs
+(bench/kernels_device_gemv16.py). The FP8 part (the default, `--part fp8`):
+
+1. check: every GemvConfig in gemv.CONFIGS, both scale layouts, at the Llama-3-8B shapes (and
    TP-8 qkv and DeepSeek's kv_a for the default), M = 1, 5, 16, against a float64 matmul of the
    dequantized weight: ||y - ref|| / ||ref|| < 5e-3 (bf16 output; at M = 5 one row of
    activations ~2**18, past fp16's range before the kernel's 2**-8 scale), every element written (the
@@ -73,7 +77,7 @@ def _poison(device: str) -> None:
 
 def check(shapes, extra, device: str, dtype: torch.dtype) -> tuple[list[dict], set[int]]:
     """Correctness of every config; returns the rows and the indexes of configs that failed."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     rows, failed = [], set()
     g = torch.Generator(device=device).manual_seed(0)
@@ -92,8 +96,8 @@ def check(shapes, extra, device: str, dtype: torch.dtype) -> tuple[list[dict], s
                     ref = x.double() @ ref_w.T + bias.double()
                     try:
                         _poison(device)
-                        y = gv.fp8_gemv(x, wq, scale, block, bias, config=cfg)
-                        y2 = gv.fp8_gemv(x, wq, scale, block, bias, config=cfg)
+                        y = gv.weight_gemv(x, wq, scale, block, bias, config=cfg)
+                        y2 = gv.weight_gemv(x, wq, scale, block, bias, config=cfg)
                         err = ((y.double() - ref).norm() / ref.norm()).item()
                         ok = bool(torch.isfinite(y).all()) and err < TOL and torch.equal(y, y2)
                         counters = gv._COUNTERS.get(str(x.device))
@@ -120,7 +124,7 @@ def _graph_check(dtype) -> list[dict]:
     """Graphs replay the eager bits: a split GEMV (qkv shape, default config), and a chain of
     three dependent GEMVs (o-shaped: each one's output is the next one's input) on every pdl
     config, captured, against the same chain eager on the default config (same tiles, same bits)."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     n, k = SHAPES["qkv"]
     wq, scale, block = _formats((torch.randn(n, k, device="cuda") * 0.02).to(dtype))["block"]
@@ -130,10 +134,10 @@ def _graph_check(dtype) -> list[dict]:
     def run_chain(cfg):
         y = x[:, :4096]
         for w, s, b in chain:
-            y = gv.fp8_gemv(y, w, s, b, config=cfg)
+            y = gv.weight_gemv(y, w, s, b, config=cfg)
         return y
 
-    cases = [(0, lambda: gv.fp8_gemv(x, wq, scale, block), lambda: gv.fp8_gemv(x, wq, scale, block))]
+    cases = [(0, lambda: gv.weight_gemv(x, wq, scale, block), lambda: gv.weight_gemv(x, wq, scale, block))]
     cases += [(i, lambda: run_chain(None), lambda c=c: run_chain(c)) for i, c in enumerate(gv.CONFIGS) if c.pdl]
     rows = []
     for index, eager_fn, graph_fn in cases:
@@ -168,8 +172,8 @@ def _bench(fn, device: str) -> float:
 
 def _calls(dtype):
     """method -> (weight format, fn(x, *weights)) for the per-projection and graph timings."""
-    from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fp8_gemv
     from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable
+    from meshserve.workers.quant.gemv import CORES_CONFIG, weight_gemv
     from meshserve.workers.quant.layers import fp8_linear
 
     def table(block_way=Fp8Gemm.TRITON_BLOCK, channel_way=Fp8Gemm.CHANNEL_ROWWISE):
@@ -180,13 +184,13 @@ def _calls(dtype):
     t_tiled = table()
     return {
         "bf16_cublas": ("bf16", lambda x, w: torch.matmul(x, w.t())),
-        "channel_gemv": ("channel", lambda x, w, s, b: fp8_gemv(x, w, s, b)),
+        "channel_gemv": ("channel", lambda x, w, s, b: weight_gemv(x, w, s, b)),
         "channel_stream": ("channel", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_stream)),
         "channel_rowwise": ("channel", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_tiled)),
         "channel_rescale": ("channel", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_rescale)),
-        "block_gemv": ("block", lambda x, w, s, b: fp8_gemv(x, w, s, b)),
-        "channel_gemv_cores": ("channel", lambda x, w, s, b: fp8_gemv(x, w, s, b, config=CORES_CONFIG)),
-        "block_gemv_cores": ("block", lambda x, w, s, b: fp8_gemv(x, w, s, b, config=CORES_CONFIG)),
+        "block_gemv": ("block", lambda x, w, s, b: weight_gemv(x, w, s, b)),
+        "channel_gemv_cores": ("channel", lambda x, w, s, b: weight_gemv(x, w, s, b, config=CORES_CONFIG)),
+        "block_gemv_cores": ("block", lambda x, w, s, b: weight_gemv(x, w, s, b, config=CORES_CONFIG)),
         "block_stream": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_stream)),
         "block_triton": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_tiled)),
         "block_cublas": ("block", lambda x, w, s, b: fp8_linear(x, w, s, b, small_m=True, table=t_blockwise)),
@@ -234,7 +238,7 @@ def layer(shapes, device: str, dtype, ms=(1, 4, 16)) -> list[dict]:
 def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int, int | None]:
     """Each passing config over one layer's four projections at M = 1; returns the rows, the best
     tensor-core config and the best cores config (None: none passed)."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     rows = []
     g = torch.Generator(device=device).manual_seed(2)
@@ -246,7 +250,7 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
         for fmt in ("channel", "block"):
             wq, scale, block = quant[fmt]
             for i in list(totals):
-                us = _bench(lambda c=gv.CONFIGS[i], a=(x, wq, scale, block): gv.fp8_gemv(*a, config=c), device)
+                us = _bench(lambda c=gv.CONFIGS[i], a=(x, wq, scale, block): gv.weight_gemv(*a, config=c), device)
                 totals[i] += us
                 rows.append({"shape": name, "format": fmt, "config": i, "us": us, "tbs": wq.numel() / us / 1e6})
     tensor_core = {i: t for i, t in totals.items() if not gv.CONFIGS[i].cores}
@@ -273,22 +277,22 @@ def sweep(shapes, device: str, dtype, failed: set[int]) -> tuple[list[dict], int
 def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, failed: set[int], layers: int,
            ms=(1, 4, 8, 16)) -> list[dict]:
     """Per method and M: `layers` x the four projections in one CUDA graph, median of 20 replays."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     calls = _calls(dtype)
     best_cfg = gv.CONFIGS[best]
     if not best_cfg.cores:  # the sweep's best over every M; the cores kernel has its own rows (M = 1)
-        calls["channel_gemv_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
-        calls["block_gemv_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=best_cfg))
+        calls["channel_gemv_best"] = ("channel", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=best_cfg))
+        calls["block_gemv_best"] = ("block", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=best_cfg))
     pdl = next((i for i, c in enumerate(gv.CONFIGS) if c.pdl and not c.tma), None)
     if pdl is not None and pdl not in failed:  # back-to-back launches: where programmatic dependent launch shows
         pcfg = gv.CONFIGS[pdl]
-        calls["channel_gemv_pdl"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=pcfg))
-        calls["block_gemv_pdl"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=pcfg))
+        calls["channel_gemv_pdl"] = ("channel", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=pcfg))
+        calls["block_gemv_pdl"] = ("block", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=pcfg))
     if best_cores is not None and gv.CONFIGS[best_cores] != gv.CORES_CONFIG:
         cfg = gv.CONFIGS[best_cores]
-        calls["channel_gemv_cores_best"] = ("channel", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=cfg))
-        calls["block_gemv_cores_best"] = ("block", lambda x, w, s, b: gv.fp8_gemv(x, w, s, b, config=cfg))
+        calls["channel_gemv_cores_best"] = ("channel", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=cfg))
+        calls["block_gemv_cores_best"] = ("block", lambda x, w, s, b: gv.weight_gemv(x, w, s, b, config=cfg))
     t0 = time.perf_counter()
     stack = []  # per layer: {name: (bf16 w, quant formats)}
     for i in range(layers):
@@ -370,7 +374,7 @@ def suggest(graph_rows: list[dict]) -> dict[str, list]:
 
 
 def summary(layer_rows, graph_rows, best: int, check_rows) -> None:
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     print("\nsummary")
     failed = sorted({r["config"] for r in check_rows if not r["ok"]})
@@ -424,8 +428,16 @@ def main() -> int:
                     help="seconds for the whole run: the graphs shrink to M = 1 and 16 when less than 150 are left")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes on CPU under TRITON_INTERPRET (times meaningless)")
+    ap.add_argument("--part", choices=["fp8", "gemv16"], default="fp8",
+                    help="fp8: FP8 weights (the default); gemv16: bf16 weights (bench/kernels_device_gemv16.py; "
+                         "--budget: seconds after which only cuBLAS, the dense default configs and small_m.py are "
+                         "timed)")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.part == "gemv16":
+        from bench.kernels_device_gemv16 import run
+
+        return run(args.out, smoke=args.smoke, budget=args.budget)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16  # the interpreter has no bf16 math
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
@@ -435,7 +447,7 @@ def main() -> int:
 
         print(f"torch {torch.__version__} triton {triton.__version__} {torch.cuda.get_device_name()}", flush=True)
     t0 = time.perf_counter()
-    from meshserve.workers.quant.fp8_gemv import CONFIGS, CORES_CONFIG
+    from meshserve.workers.quant.gemv import CONFIGS, CORES_CONFIG
 
     check_rows, failed = check(shapes, extra, device, dtype)
     print(f"[{time.perf_counter() - t0:.0f} s] check done", flush=True)

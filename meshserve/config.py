@@ -29,17 +29,18 @@ class Quantization(StrEnum):
 class SmallMGemm(StrEnum):
     """Which linears run the weight-streaming kernel for decode-sized inputs (<= 16 rows, CUDA)."""
 
-    # auto: none for now. On the H200 (2026-12-02) the kernel was slower than cuBLAS for bf16 and
-    # only 1.21x bf16 for FP8, and three of its FP8 GPU tests failed once (a fresh Triton cache)
-    # and passed on two reruns: it stays opt-in until that is explained (docs/engine.md).
+    # auto: FP8 linears only (the kernel per rows bucket: workers/quant/gemm_table.py; the split-K
+    # GEMV measured 1.5-1.75x bf16 cuBLAS on an H100, 2026-12-05). bf16/fp16 weights stay on cuBLAS:
+    # the GEMV on 16-bit weights (2026-12-06) is not measured on a GPU yet, and small_m.py's kernel
+    # was 0.88x cuBLAS for bf16 in a decode graph (docs/engine.md).
     AUTO = "auto"
-    ON = "on"  # FP8 decode rows as W8A16, and bf16/fp16 decoder-layer projections (no split-K reduction)
+    ON = "on"  # as auto, and the bf16/fp16 decoder-layer projections on the GEMV (gemm_table's small_m_dense)
     OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs
 
 
-SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on weight-streaming kernels: auto (the default: FP8 weights, "
+SMALL_M_GEMM_HELP = ("decode GEMMs (<= 16 rows, CUDA) on one-launch GEMV kernels: auto (the default: FP8 weights, "
                      "the kernel per rows bucket from workers/quant/gemm_table.py), on (those and the bf16/fp16 "
-                     "decoder projections), off (never)")
+                     "decoder projections: not measured on a GPU yet), off (never)")
 QUANTIZATION_HELP = ("none (default: weights as the checkpoint stores them; FP8 and MXFP4 checkpoints load as "
                      "published) or fp8 (quantize a bf16/fp32 checkpoint's linears to FP8 at load; the LM head "
                      "stays in the model dtype unless --quantize-lm-head)")

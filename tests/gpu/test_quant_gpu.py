@@ -1,7 +1,7 @@
 """FP8 kernels on CUDA (sm89+) at model shapes, bf16 included (the interpreter's CPU tests cannot
 cover bf16): the Triton per-token-group and per-token quantization and block GEMM against
 float64 oracles, the weight-streaming small-M kernel (FP8 W8A16 and bf16/fp16, incl. split-K and
-CUDA-graph replay), the one-launch split-K FP8 GEMV (fp8_gemv.py, the same checks), every
+CUDA-graph replay), the one-launch split-K GEMV on FP8 and bf16/fp16 weights (gemv.py, the same checks), every
 fp8_linear path at M = 1, 16, 64, 4096 and its determinism, the online
 per-channel path, Fp8Linear / StreamedLinear, and MXFP4 dequantization on the GPU. Skipped
 without CUDA; FP8 cases skip where quant/support.py says the GPU cannot serve them."""
@@ -285,10 +285,10 @@ def test_stream_linear_matches_float64(fmt, m, n, k):
 @pytest.mark.parametrize("config", ["default", "tma", "pdl"])
 @pytest.mark.parametrize("fmt", ["block", "per_channel", "fp8_fp16_act"])
 def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
-    """The split-K GEMV (fp8_gemv.py) on the GPU's own dtypes against float64, with a bias and,
+    """The split-K GEMV (gemv.py) on the GPU's own dtypes against float64, with a bias and,
     at M = 5, one row of activations ~2**18 (past fp16 before the operand's 2**-8 scale); output
     memory poisoned with NaN first; two calls give identical bits; the tile counters end zeroed."""
-    from meshserve.workers.quant import fp8_gemv as gv
+    from meshserve.workers.quant import gemv as gv
 
     _skip_unless(WeightFormat.FP8_BLOCK if fmt == "block" else WeightFormat.FP8_CHANNEL)
     act = torch.float16 if fmt == "fp8_fp16_act" else torch.bfloat16
@@ -300,35 +300,95 @@ def test_fp8_gemv_matches_float64(fmt, config, m, n, k):
     cfg = {"default": gv.DEFAULT_CONFIG, "tma": gv.GemvConfig(64, 256, 4, 4, 4, tma=True),
            "pdl": gv.GemvConfig(64, 256, 4, 4, 4, pdl=True)}[config]
     torch.empty(64 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: NaN where outputs land
-    y = gv.fp8_gemv(x, wq, scale, block, bias, config=cfg)
+    y = gv.weight_gemv(x, wq, scale, block, bias, config=cfg)
     ref = x.double() @ w64.T + bias.double()
     assert y.dtype == act and y.shape == (m, n) and bool(torch.isfinite(y).all())
     eps = 2**-8 if act == torch.bfloat16 else 2**-10
     # per-row absolute tolerance (row 2 at M = 5 is 2**18 larger); assert_close takes a scalar atol only
     err = (y.double() - ref).abs() - (eps * ref.abs() + 1e-3 * ref.abs().amax(1, keepdim=True))
     assert bool((err <= 0).all()), f"{int((err > 0).sum())} outputs past the tolerance, worst by {err.max().item():.3g}"
-    assert torch.equal(y, gv.fp8_gemv(x, wq, scale, block, bias, config=cfg))
+    assert torch.equal(y, gv.weight_gemv(x, wq, scale, block, bias, config=cfg))
     assert not bool(gv._COUNTERS[str(x.device)].any()) if str(x.device) in gv._COUNTERS else True
 
 
 def test_fp8_gemv_under_cuda_graph_replays_the_eager_bits():
     """Captured split GEMVs (768 rows: split-K, the last split sums) replay the eager bits."""
     _skip_unless(WeightFormat.FP8_BLOCK)
-    from meshserve.workers.quant.fp8_gemv import fp8_gemv, plan_gemv
+    from meshserve.workers.quant.gemv import plan_gemv, weight_gemv
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert plan_gemv(768, 4096, scale_k=128, num_sms=sms).splits > 1
     x = _randn(4, 4096, seed=5)
     for (wq, scale, _), block in [(_fp8_weight(768, 4096, (128, 128)), (128, 128)), (_fp8_weight(4096, 4096, None),
                                                                                     None)]:
-        eager = fp8_gemv(x, wq, scale, block)
+        eager = weight_gemv(x, wq, scale, block)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            captured = fp8_gemv(x, wq, scale, block)
+            captured = weight_gemv(x, wq, scale, block)
         for _ in range(3):
             graph.replay()
             torch.cuda.synchronize()
             assert torch.equal(captured, eager)
+
+
+# bf16/fp16 weights on the GEMV (gemv.py): Llama-3-8B's projections, GPT-OSS-20B's attention (with
+# bias), DeepSeek-V2-Lite's kv_a and shared-expert down (N, K, bias).
+DENSE_SHAPES = [(6144, 4096, False), (4096, 4096, False), (28672, 4096, False), (4096, 14336, False),
+                (5120, 2880, True), (2880, 4096, True), (576, 2048, False), (2048, 2816, False)]
+
+
+@pytest.mark.parametrize(("n", "k", "bias"), DENSE_SHAPES, ids=str)
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_dense_gemv_matches_float64(dtype, m, n, k, bias):
+    """The GEMV on a 16-bit weight (the dot in the weight's own dtype) against float64: every output
+    within half an ulp of the output dtype plus 2**-16 of the sum of |terms| (float32 sums over K
+    terms), over NaN-poisoned memory; DENSE_CONFIG (split for the narrow shapes), a descriptor-load
+    config and, at M = 1, the cores kernel; two calls bitwise equal; the tile counters end zeroed."""
+    from meshserve.workers.quant import gemv as gv
+
+    w = _randn(n, k, scale=0.02, seed=2, dtype=dtype)
+    x = _randn(m, k, seed=3, dtype=dtype)
+    b = _randn(n, seed=4, dtype=dtype, scale=0.1) if bias else None
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    terms = x.double().abs() @ w.double().abs().T + (0 if b is None else b.double().abs())
+    bound = torch.finfo(dtype).eps / 2 * ref.abs() + 2.0**-16 * terms
+    configs = [gv.DENSE_CONFIG, gv.GemvConfig(64, 128, 4, 4, 4, tma=True)] + ([gv.DENSE_CORES_CONFIG] if m == 1 else [])
+    for cfg in configs:
+        torch.empty(256 << 20, dtype=torch.uint8, device="cuda").fill_(0xFF)  # freed: NaN where outputs land
+        y = gv.weight_gemv(x, w, bias=b, config=cfg)
+        assert y.dtype == dtype and y.shape == (m, n) and bool(torch.isfinite(y).all()), cfg
+        err = (y.double() - ref).abs() - bound
+        assert bool((err <= 0).all()), f"{cfg}: {int((err > 0).sum())} outputs past the bound, worst by " \
+            f"{err.max().item():.3g}"
+        assert torch.equal(y, gv.weight_gemv(x, w, bias=b, config=cfg)), cfg
+        assert not bool(gv._COUNTERS[str(x.device)].any()) if str(x.device) in gv._COUNTERS else True
+
+
+def test_dense_gemv_under_cuda_graph_replays_the_eager_bits():
+    """Captured split GEMVs on a bf16 weight (the 8B o_proj: split-K at every config) replay the
+    eager bits, and StreamedLinear takes the GEMV on CUDA (the table's choice) inside the graph."""
+    from meshserve.workers.quant import gemv as gv
+    from meshserve.workers.quant.gemm_table import Fp8Gemm
+    from meshserve.workers.quant.layers import StreamedLinear, dense_way
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert gv.plan_gemv(4096, 4096, scale_k=None, num_sms=sms, config=gv.DENSE_CONFIG).splits > 1
+    w = _randn(4096, 4096, scale=0.02, seed=5)
+    layer = StreamedLinear(torch.nn.Parameter(w, requires_grad=False), None, None)
+    for m, cfg, way in ((4, gv.DENSE_CONFIG, Fp8Gemm.GEMV), (1, gv.DENSE_CORES_CONFIG, Fp8Gemm.GEMV_CORES)):
+        x = _randn(m, 4096, seed=6)
+        assert dense_way(x, w) is way
+        eager = gv.weight_gemv(x, w, config=cfg)
+        assert torch.equal(layer(x), eager)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = gv.weight_gemv(x, w, config=cfg)
+            captured_layer = layer(x)
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(captured, eager) and torch.equal(captured_layer, eager)
 
 
 def test_stream_linear_under_cuda_graph_replays_the_eager_bits():
@@ -519,8 +579,9 @@ def test_fp8_linear_per_channel_at_lm_head_shapes(m, n, k):
 
 def test_bf16_model_with_streamed_linears_tracks_cublas_and_the_reference(tmp_path):
     """small_m_gemm="on": the decode steps (CUDA graphs, M = 1) run every decoder projection on the
-    streaming kernel. Logits stay as close to the float32 CPU reference as cuBLAS's are (both
-    are bf16 models: ~1% on this tiny random model; a wrong column or scale is ~100%)."""
+    GEMV (gemm_table's small_m_dense: the cores kernel at one row). Logits stay as close to the
+    float32 CPU reference as cuBLAS's are (both are bf16 models: ~1% on this tiny random model; a
+    wrong column or scale is ~100%)."""
     from tests.tiny_models import prompts, write_checkpoint
 
     write_checkpoint(tmp_path / "model", "llama", overrides={"head_dim": 64})

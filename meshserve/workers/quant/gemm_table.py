@@ -1,14 +1,21 @@
-"""Which FP8 GEMM formulation an FP8 linear runs on CUDA, by rows (M): one table, flipped after
-an H200 measurement (`bash bench/h200_gemm.sh` prints the table its numbers suggest).
+"""Which GEMM formulation an FP8 linear runs on CUDA, by rows (M), and which one a bf16/fp16
+decoder projection runs at decode rows (StreamedLinear, ModelConfig.small_m_gemm "on"): one
+table, flipped after a GPU measurement (`bench/kernels_device.py` prints the rows its numbers
+suggest: the FP8 rows by default, the dense rows with `--part gemv16`).
 
-Formulations (fp8_linear in layers.py dispatches; fp8_cublas.py / fp8_triton.py / small_m.py run):
-- GEMV               W8A16 split-K GEMV, one launch, activations unquantized (fp8_gemv.py);
-                     M <= SMALL_M_MAX on linears built with small_m (ModelConfig.small_m_gemm
-                     auto or on), where the table's small-M rows name it.
-- GEMV_CORES         the GEMV's CUDA-core kernel for ONE row (fp8_gemv.CORES_CONFIG: float32
+Formulations (fp8_linear / dense_linear in layers.py dispatch; gemv.py / fp8_cublas.py /
+fp8_triton.py / small_m.py run):
+- GEMV               split-K GEMV, one launch (gemv.py): FP8 weights as W8A16 (activations
+                     unquantized), bf16/fp16 weights in their own dtype; M <= SMALL_M_MAX on
+                     linears built with small_m (ModelConfig.small_m_gemm auto or on for FP8, on
+                     for bf16/fp16), where the table's small-M rows name it.
+- GEMV_CORES         the GEMV's CUDA-core kernel for ONE row (gemv.CORES_CONFIG: float32
                      FMAs, no tensor cores); only in a small-M bucket of max_rows 1.
-- STREAM             W8A16 weight-streaming kernel, activations unquantized (small_m.py), the
-                     GEMV's predecessor (2.2 TB/s on the H200); where the small-M rows name it.
+- STREAM             the weight-streaming kernel (small_m.py; FP8 as W8A16, bf16/fp16 as they
+                     are), the GEMV's predecessor (2.2 TB/s on the H200 for FP8, 0.88x cuBLAS for
+                     bf16 in a graph); where the small-M rows name it.
+- DENSE_CUBLAS       bf16/fp16 weights only: F.linear (cuBLAS), what every other row of a dense
+                     linear runs; a small_m_dense bucket may name it to keep cuBLAS.
 - CUBLAS_BLOCKWISE   block scales: per-token-group activation quantization straight into the
                      outer-dim-major scale layout, then torch's 1x128 x 128x128 blockwise
                      scaled_mm (cuBLASLt, sm90); gated by a one-time probe per weight shape that
@@ -39,20 +46,25 @@ class Fp8Gemm(StrEnum):
     TRITON_BLOCK = "triton_block"
     CHANNEL_RESCALE = "channel_rescale"
     CHANNEL_ROWWISE = "channel_rowwise"
+    DENSE_CUBLAS = "dense_cublas"
 
 
 _BLOCK_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CUBLAS_BLOCKWISE, Fp8Gemm.TRITON_BLOCK)
 _CHANNEL_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE)
+_DENSE_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.DENSE_CUBLAS)
 
 # Rows bucket -> formulation for linears built with small_m, up to SMALL_M_MAX rows: ((max_rows,
-# way), ...) in increasing max_rows; rows above the last bucket take the large-M rules below.
+# way), ...) in increasing max_rows; rows above the last bucket take the large-M rules below
+# (dense weights: F.linear).
 SmallMRows = tuple[tuple[int, Fp8Gemm], ...]
 
 
 @dataclass(frozen=True)
 class Fp8GemmTable:
     """small_m_block / small_m_channel: for linears built with small_m, the formulation per rows
-    bucket up to SMALL_M_MAX (block-scaled / per-channel weights). block_cublas_min_rows:
+    bucket up to SMALL_M_MAX (block-scaled / per-channel weights). small_m_dense: the same for
+    bf16/fp16 weights (StreamedLinear, small_m_gemm "on" only: "auto" leaves dense linears on
+    nn.Linear, whatever this says). block_cublas_min_rows:
     block-scaled linears with at least this many rows try torch's blockwise scaled_mm (fewer: the
     Triton block GEMM). channel_rescale_max_rows: per-channel
     linears with at most this many rows run the unit-scale `_scaled_mm` + rank-1 rescale (more:
@@ -61,12 +73,14 @@ class Fp8GemmTable:
 
     small_m_block: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
     small_m_channel: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
+    small_m_dense: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
     block_cublas_min_rows: int = SMALL_M_MAX + 1
     channel_rescale_max_rows: int = 0
     rescale_raw_dtype: torch.dtype = torch.float32
 
     def __post_init__(self) -> None:
-        for name, allowed in (("small_m_block", _BLOCK_WAYS), ("small_m_channel", _CHANNEL_WAYS)):
+        for name, allowed in (("small_m_block", _BLOCK_WAYS), ("small_m_channel", _CHANNEL_WAYS),
+                              ("small_m_dense", _DENSE_WAYS)):
             rows = getattr(self, name)
             bounds = [r for r, _ in rows]
             if bounds != sorted(set(bounds)) or any(not 1 <= r <= SMALL_M_MAX for r in bounds):
@@ -89,8 +103,12 @@ class Fp8GemmTable:
 # the Llama-3-8B projections, against bf16 cuBLAS (5.24 ms at M = 1): at M = 1 GEMV_CORES 1.75x
 # (per-channel) / 1.71x (block), GEMV 1.54x / 1.53x, STREAM 1.47x / 1.20x, cuBLASLt blockwise
 # 1.31x; at M = 16 GEMV 1.52x / 1.50x, STREAM 1.50x / 1.23x, cuBLASLt blockwise 1.43x (GEMV with
-# fp8_gemv.DEFAULT_CONFIG; M = 4 was timed per layer only, where GEMV led STREAM per-channel).
+# gemv.DEFAULT_CONFIG; M = 4 was timed per layer only, where GEMV led STREAM per-channel).
 # Not yet timed on the H200.
+# small_m_dense: NOT measured (written 2026-12-06). GEMV_CORES at one row and GEMV up to 16 by
+# analogy with FP8, where the same kernels led; `bench/kernels_device.py --part gemv16` times
+# them against bf16 cuBLAS and small_m.py and prints the rows to set. Only small_m_gemm "on"
+# reads them.
 # The large-M defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
 # blockwise scaled_mm measured 1.25x bf16 at M = 64 and 1.50x at M = 4096, so block-scaled layers
 # take it above the small-M rows. The per-channel rescale formulation is NOT measured yet: off
@@ -110,3 +128,13 @@ def choose(table: Fp8GemmTable, *, block: bool, rows: int, small_m: bool) -> Fp8
     if block:
         return Fp8Gemm.CUBLAS_BLOCKWISE if rows >= table.block_cublas_min_rows else Fp8Gemm.TRITON_BLOCK
     return Fp8Gemm.CHANNEL_RESCALE if rows <= table.channel_rescale_max_rows else Fp8Gemm.CHANNEL_ROWWISE
+
+
+def choose_dense(table: Fp8GemmTable, *, rows: int) -> Fp8Gemm:
+    """The formulation a bf16/fp16 StreamedLinear of `rows` rows runs on CUDA: the small_m_dense
+    bucket holding `rows`, else DENSE_CUBLAS (F.linear)."""
+    if rows <= SMALL_M_MAX:
+        for max_rows, way in table.small_m_dense:
+            if rows <= max_rows:
+                return way
+    return Fp8Gemm.DENSE_CUBLAS

@@ -5,7 +5,7 @@
 (`weight_scale` [out], online FP8). Its compute, by device:
 - CUDA sm89+, at most SMALL_M_MAX rows (decode), on linears built with small_m
   (ModelConfig.small_m_gemm auto or on, docs/engine.md): what gemm_table.py's small-M rows name,
-  by default the one-launch split-K W8A16 GEMV (fp8_gemv.py; activations stay bf16/fp16), or
+  by default the one-launch split-K W8A16 GEMV (gemv.py; activations stay bf16/fp16), or
   small_m.py's older streaming kernel, or a tiled formulation below.
 - CUDA sm89+, more rows (or small_m_gemm off), by gemm_table.py's table: block scales ->
   per-token-group activation quantization, then torch's blockwise scaled_mm (cuBLASLt, sm90,
@@ -16,8 +16,10 @@
 With `ctx` it is row-parallel: partial products all-reduced, bias added once afterwards.
 `Fp8ParallelLMHead` is the vocabulary-split LM head with FP8 rows (ModelConfig.quantize_lm_head
 at tp > 1): its rank's logits through the same fp8_linear, then ParallelLMHead's all-gather.
-`StreamedLinear` is the bf16/fp16 sibling: the same small-M kernel for dense weights, swapped
-in by `stream_dense_linears` when ModelConfig.small_m_gemm is "on" (off by default until measured).
+`StreamedLinear` is the bf16/fp16 sibling (`dense_linear`): at most SMALL_M_MAX rows on CUDA run
+what gemm_table.py's small_m_dense rows name (by default the same split-K GEMV on the 16-bit
+weight, gemv.py; or small_m.py's streaming kernel, or cuBLAS), swapped in by
+`stream_dense_linears` when ModelConfig.small_m_gemm is "on" (not "auto": unmeasured on a GPU).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear
 from meshserve.workers.quant import gemm_table
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, dequantize_fp8_block, fp8_linear_reference
-from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable, choose
+from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable, choose, choose_dense
 
 
 @functools.cache
@@ -93,7 +95,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
 
     On CUDA the formulation follows `table` (None: gemm_table.DEFAULT_TABLE) by rows: with
     `small_m` (ModelConfig.small_m_gemm auto or on) up to SMALL_M_MAX rows run what the table's
-    small-M rows name (default: the split-K W8A16 GEMV, fp8_gemv.py); other rows quantize the
+    small-M rows name (default: the split-K W8A16 GEMV, gemv.py); other rows quantize the
     activations (block: per token per bk features, then torch's blockwise scaled_mm where its
     probe passed, else the Triton block GEMM; per-channel: per token, then `_scaled_mm` row-wise
     or unit-scale + rank-1 rescale)."""
@@ -107,13 +109,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     table = gemm_table.DEFAULT_TABLE if table is None else table
     way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
     if way in (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES):
-        from meshserve.workers.quant.fp8_gemv import CORES_CONFIG, fits_gemv, fp8_gemv
+        from meshserve.workers.quant.gemv import CORES_CONFIG, fits_gemv, weight_gemv
 
         if not fits_gemv(weight):  # past 32-bit offsets: the activation-quantized GEMM of larger M
             return fp8_linear(x, weight, scale, block, small_m=False, bias=bias, table=table)
 
         config = CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None
-        return fp8_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused
+        return weight_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused
     if way is Fp8Gemm.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 
@@ -192,41 +194,76 @@ class Fp8ParallelLMHead(ParallelLMHead):
         return f"rows={self.weight.shape[0]} of vocab={self.vocab_size}, format={self.weight_format}"
 
 
+def _runs_decode_kernels(x: torch.Tensor) -> bool:
+    """Whether x's device runs dense_linear's Triton decode kernels: CUDA (the CPU tests patch this
+    to run them under TRITON_INTERPRET)."""
+    return x.is_cuda
+
+
+def dense_way(x: torch.Tensor, weight: torch.Tensor, table: Fp8GemmTable | None = None) -> Fp8Gemm:
+    """The formulation dense_linear runs for x [..., K] and a weight [N, K]: the table's small_m_dense
+    choice for x's rows where a decode kernel can take it (x and weight both bf16 or both fp16, on
+    CUDA, a weight within 32-bit offsets), else DENSE_CUBLAS."""
+    rows = x.numel() // max(x.shape[-1], 1)
+    if rows > SMALL_M_MAX or not _runs_decode_kernels(x) or x.dtype != weight.dtype:
+        return Fp8Gemm.DENSE_CUBLAS
+    from meshserve.workers.quant.gemv import DENSE, fits_gemv
+
+    if x.dtype not in DENSE or not fits_gemv(weight):
+        return Fp8Gemm.DENSE_CUBLAS
+    return choose_dense(gemm_table.DEFAULT_TABLE if table is None else table, rows=rows)
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 table: Fp8GemmTable | None = None) -> torch.Tensor:
+    """x [..., K] @ weight^T (+ bias [N]) -> [..., N] for a bf16/fp16 `weight` [N, K], by `dense_way`
+    (table None: gemm_table.DEFAULT_TABLE): at most SMALL_M_MAX rows on CUDA by default the split-K
+    GEMV (gemv.DENSE_CONFIG; the CUDA-core kernel at one row, gemv.DENSE_CORES_CONFIG; bias fused),
+    everything else F.linear."""
+    way = dense_way(x, weight, table)
+    if way is Fp8Gemm.DENSE_CUBLAS:
+        return nn.functional.linear(x, weight, bias)
+    x2 = x.reshape(-1, x.shape[-1])
+    if way is Fp8Gemm.STREAM:
+        from meshserve.workers.quant.small_m import stream_linear
+
+        y = stream_linear(x2, weight, bias=bias)
+    else:
+        from meshserve.workers.quant.gemv import DENSE_CORES_CONFIG, weight_gemv
+
+        y = weight_gemv(x2, weight, bias=bias, config=DENSE_CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None)
+    return y.view(*x.shape[:-1], weight.shape[0])
+
+
 class StreamedLinear(nn.Module):
     """A bf16/fp16 linear (row-parallel when `ctx` is given) whose decode-sized inputs (at most
-    SMALL_M_MAX rows, on CUDA) run the weight-streaming kernel (small_m.py): one launch, no
+    SMALL_M_MAX rows, on CUDA) run a one-launch decode kernel (`dense_linear`: by default the
+    split-K GEMV, gemv.py; `table` None: gemm_table.DEFAULT_TABLE's small_m_dense rows), with no
     cuBLAS split-K reduction kernel. Larger inputs and other devices run F.linear. Parameters
     keep nn.Linear's names and shapes (weight [out, in], bias [out]), so loading is unchanged."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: ParallelContext | None) -> None:
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: ParallelContext | None, *,
+                 table: Fp8GemmTable | None = None) -> None:
         super().__init__()
-        self.weight, self.bias, self.ctx = weight, bias, ctx
+        self.weight, self.bias, self.ctx, self.table = weight, bias, ctx, table
         self.out_features, self.in_features = weight.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local_bias = self.bias if self.ctx is None else None  # row-parallel: the bias once, after the sum
-        rows = x.numel() // max(x.shape[-1], 1)
-        if x.is_cuda and rows <= SMALL_M_MAX and x.dtype in (torch.bfloat16, torch.float16) \
-                and x.dtype == self.weight.dtype:
-            from meshserve.workers.quant.small_m import stream_linear
-
-            y = stream_linear(x.reshape(rows, x.shape[-1]), self.weight, bias=local_bias)
-            y = y.view(*x.shape[:-1], self.out_features)
-        else:
-            y = nn.functional.linear(x, self.weight, local_bias)
-        if self.ctx is not None:
-            y = all_reduce(y, self.ctx)
-            y = y if self.bias is None else y + self.bias
-        return y
+        if self.ctx is None:  # the bias joins the kernel
+            return dense_linear(x, self.weight, self.bias, table=self.table)
+        y = all_reduce(dense_linear(x, self.weight, table=self.table), self.ctx)
+        return y if self.bias is None else y + self.bias  # row-parallel: the bias once, after the sum
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, small_m<={SMALL_M_MAX}"
 
 
-# The decoder-layer projections the bf16 switch streams (fused and unfused names); experts are
-# left to the fused MoE, which reads their weights as banks.
+# The decoder-layer projections the bf16 switch streams (fused and unfused names; DeepSeek's MLA
+# projections but kv_b_proj, which the attention folds into matrices, and its shared experts);
+# routed experts (a module list `experts`) are left to the fused MoE, which reads their weights
+# as banks; routers, V3.2's indexer and the LM head stay on cuBLAS.
 STREAMED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "q_proj", "k_proj",
-            "v_proj")
+            "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 def stream_dense_linears(model: nn.Module) -> list[str]:
@@ -238,7 +275,7 @@ def stream_dense_linears(model: nn.Module) -> list[str]:
     for name, old in modules.items():
         parent, _, child = name.rpartition(".")
         dense = type(old) is nn.Linear or isinstance(old, RowParallelLinear)
-        if child not in STREAMED or "experts" in name or not dense:
+        if child not in STREAMED or ".experts." in f".{name}" or not dense:
             continue
         new = StreamedLinear(old.weight, old.bias, old.ctx if isinstance(old, RowParallelLinear) else None)
         setattr(modules[parent] if parent else model, child, new)

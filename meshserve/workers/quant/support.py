@@ -31,7 +31,7 @@ SUPPORT: tuple[FormatSupport, ...] = (
     FormatSupport(WeightFormat.FP8_BLOCK, "cuda", "activations quantized per token per block_k features, then "
                   "torch's blockwise scaled_mm (cuBLASLt, 128x128 blocks, sm90, probed once per shape; "
                   "fp8_cublas.py) or the Triton block GEMM (fp8_triton.py), by rows (gemm_table.py); <= 16 rows "
-                  "(--small-m-gemm auto or on): one-launch split-K W8A16 GEMV (fp8_gemv.py)",
+                  "(--small-m-gemm auto or on): one-launch split-K W8A16 GEMV (gemv.py)",
                   "1 + 4 / (bn * bk)", (8, 9), min_block_k=16,
                   notes="bf16/fp16 activations; fp32 activations take the reference path"),
     FormatSupport(WeightFormat.FP8_BLOCK, "cpu", "reference: the weight dequantized every call (exact, slow)",
@@ -39,7 +39,7 @@ SUPPORT: tuple[FormatSupport, ...] = (
     FormatSupport(WeightFormat.FP8_CHANNEL, "cuda", "activations quantized per token (one Triton kernel), then "
                   "torch._scaled_mm with row-wise scales, or per-tensor with unit scales + a rank-1 rescale "
                   "kernel, by rows (gemm_table.py); <= 16 rows (--small-m-gemm auto or on): one-launch split-K "
-                  "W8A16 GEMV (fp8_gemv.py)",
+                  "W8A16 GEMV (gemv.py)",
                   "1 + 4 / in_features", (9, 0), notes="row-wise _scaled_mm needs sm90"),
     FormatSupport(WeightFormat.FP8_CHANNEL, "cpu", "reference: the weight dequantized every call (exact, slow)",
                   "1 + 4 / in_features"),

@@ -17,7 +17,7 @@ from meshserve.workers.quant.fp8 import (
     quantize_fp8_per_channel,
     quantize_per_token_group,
 )
-from meshserve.workers.quant.gemm_table import DEFAULT_TABLE, Fp8Gemm, Fp8GemmTable, choose
+from meshserve.workers.quant.gemm_table import DEFAULT_TABLE, Fp8Gemm, Fp8GemmTable, choose, choose_dense
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -218,3 +218,16 @@ def test_dispatch_table():
         Fp8GemmTable(channel_rescale_max_rows=-1)
     with pytest.raises(ValueError, match="rescale_raw_dtype must be"):
         Fp8GemmTable(rescale_raw_dtype=torch.float16)
+    # bf16/fp16 weights (StreamedLinear, small_m_gemm "on"): NOT measured; the GEMV's kernels by default
+    assert [choose_dense(DEFAULT_TABLE, rows=r) for r in (1, 2, 16, 17)] == \
+        [Fp8Gemm.GEMV_CORES, Fp8Gemm.GEMV, Fp8Gemm.GEMV, Fp8Gemm.DENSE_CUBLAS]
+    dense = Fp8GemmTable(small_m_dense=((1, Fp8Gemm.DENSE_CUBLAS), (4, Fp8Gemm.STREAM), (8, Fp8Gemm.GEMV)))
+    assert [choose_dense(dense, rows=r) for r in (1, 4, 5, 8, 9)] == \
+        [Fp8Gemm.DENSE_CUBLAS, Fp8Gemm.STREAM, Fp8Gemm.GEMV, Fp8Gemm.GEMV, Fp8Gemm.DENSE_CUBLAS]
+    with pytest.raises(ValueError, match=r"small_m_dense names \['triton_block'\]; allowed: \['gemv', 'gemv_cores', "
+                                         r"'stream', 'dense_cublas'\]"):
+        Fp8GemmTable(small_m_dense=((16, Fp8Gemm.TRITON_BLOCK),))
+    with pytest.raises(ValueError, match=r"small_m_channel names \['dense_cublas'\]"):
+        Fp8GemmTable(small_m_channel=((16, Fp8Gemm.DENSE_CUBLAS),))
+    with pytest.raises(ValueError, match="small_m_dense: gemv_cores serves one row"):
+        Fp8GemmTable(small_m_dense=((2, Fp8Gemm.GEMV_CORES),))

@@ -184,3 +184,27 @@ def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
         assert layers and all(m.block == block and m.small_m is want for m in layers), setting
     with pytest.raises(ConfigError, match="small_m_gemm.*one of"):
         ModelConfig(small_m_gemm="maybe")
+
+
+def test_small_m_gemm_on_swaps_deepseeks_mla_projections_and_shared_experts(tmp_path):
+    """"on" on DeepSeek: MLA's q_a/q_b/kv_a/o projections, the dense layer's MLP and the shared
+    experts become StreamedLinear (same parameters: the same logits on CPU, where they run
+    F.linear); kv_b_proj (folded into matrices by the attention), the routed experts (banks of
+    the fused MoE), the router and the LM head do not."""
+    from meshserve.workers.loader import load_model
+    from tests.deepseek_models import write_deepseek
+
+    write_deepseek(tmp_path / "ds", "deepseek_v3")
+    on = load_model(tmp_path / "ds", small_m_gemm="on", progress=False)
+    auto = load_model(tmp_path / "ds", progress=False)
+    streamed = {n for n, m in on.named_modules() if isinstance(m, StreamedLinear)}
+    attn = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_a_proj", "q_b_proj",
+                                                                          "kv_a_proj_with_mqa", "o_proj")}
+    mlp = {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    shared = {f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    assert streamed == attn | mlp | shared, sorted(streamed ^ (attn | mlp | shared))
+    assert not any(isinstance(m, StreamedLinear) for m in auto.modules())
+    tokens = torch.tensor([[3, 5, 7, 11]])
+    h_on, h_auto = on.model.embed_tokens(tokens), auto.model.embed_tokens(tokens)
+    layer_on, layer_auto = on.model.layers[1], auto.model.layers[1]
+    torch.testing.assert_close(layer_on.mlp.shared_experts(h_on), layer_auto.mlp.shared_experts(h_auto))

@@ -1,7 +1,8 @@
-"""FP8 weight GEMV for decode rows: y [M, N] = x [M, K] @ dequant(W)^T (+ bias), M <= SMALL_M_MAX.
+"""Weight GEMV for decode rows: y [M, N] = x [M, K] @ W^T (+ bias), M <= SMALL_M_MAX, W in FP8
+(with block or per-channel scales: dequant(W)) or in bf16/fp16 (no scale).
 
-At M <= 16 a linear is a read of its FP8 weight: the kernel's job is to keep enough weight bytes
-in flight on every SM to stream W at HBM speed, in ONE launch. What differs from small_m.py's
+At M <= 16 a linear is a read of its weight: the kernel's job is to keep enough weight bytes in
+flight on every SM to stream W at HBM speed, in ONE launch. What differs from small_m.py's
 streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
 - Swapped operands: the weight tile is the dot's wide M side, out^T [BLOCK_N, 16] =
   W [BLOCK_N, BLOCK_K] @ x^T [BLOCK_K, 16], with BLOCK_N 64..128 rows per program, so the
@@ -13,23 +14,31 @@ streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
   partial, and the LAST split of a column tile to arrive (an acq_rel atomic counter per tile)
   sums all partials in split order, adds the bias, writes the output and resets its counter.
   No second launch, no float atomics: the bits are the same run to run and graph replay equals
-  eager.
-- Numerics as small_m.py (W8A16): FP8 -> fp16 in registers (exact), bf16 activations scaled by
+  eager. (cuBLAS at M = 1 picks split-K GEMMs followed by a separate reduction kernel.)
+- FP8 numerics as small_m.py (W8A16): FP8 -> fp16 in registers (exact), bf16 activations scaled by
   2**-8 into fp16 (exact for 2**-6 <= |x| < 2**24, docs/quantization.md: the scale is applied
   in float32 before the fp16 rounding, and a run-time argument so the compiler keeps that order),
   float32 accumulation; a block scale multiplies each partial product of its scale block, a
   per-channel scale the finished row.
-- For ONE row, a second design (`_fp8_gemv_row`, GemvConfig.cores, Fp8Gemm.GEMV_CORES; not the
-  default): no tensor cores, 16-byte weight loads straight into registers, float32 FMAs, the
-  same split-K epilogue.
+- bf16/fp16 weights (no scale, `SCALE == _NONE`): the weight tile goes to the dot in its own
+  dtype with x in the same dtype (bf16 with bf16, fp16 with fp16: no conversion, no 2**-8
+  scaling), float32 accumulation, the same split-K epilogue and bias. Under TRITON_INTERPRET
+  (CPU tests) a bf16 dot runs on the float32 values instead (the interpreter's bf16 dot is wrong,
+  a known interpreter bug; the products of two bf16 values are exact in float32 either way).
+- For ONE row, a second design (`_gemv_row`, GemvConfig.cores, Fp8Gemm.GEMV_CORES): no tensor
+  cores, 16-byte weight loads straight into registers (16 FP8 or 8 bf16/fp16 weights), float32
+  FMAs, the same split-K epilogue.
 
 The counters live in one zero-initialised int32 buffer per device (`_counters`), allocated on
 first use outside CUDA-graph capture; every launch leaves it zeroed. Two GEMVs must not run at
 the same time on one device from two streams (they would share counters): the model runs its
 linears on one stream.
 
-Configs (GemvConfig) are data; `DEFAULT_CONFIG` is the one the serving path uses (NOT measured
-yet) and bench/kernels_device.py sweeps CONFIGS on the H200 and prints which wins per shape.
+Configs (GemvConfig) are data; `DEFAULT_CONFIG` is the one the serving path uses (measured for FP8
+weights on an H100, 2026-12-05; NOT for bf16/fp16 weights) and bench/kernels_device.py sweeps
+CONFIGS (`--part gemv16`: on bf16 weights) and prints which wins per shape. A config is in weight
+columns: a bf16 tile of block_n x block_k takes twice an FP8 tile's shared memory, so the widest
+configs may not compile for 16-bit weights (the bench reports them as failed).
 """
 
 from __future__ import annotations
@@ -45,7 +54,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from meshserve.workers.quant.formats import SMALL_M_MAX
 
-_CHANNEL, _BLOCK = 1, 2
+_NONE, _CHANNEL, _BLOCK = 0, 1, 2  # the weight's scales: none (bf16/fp16), per output channel, per block
+DENSE = (torch.bfloat16, torch.float16)  # weight dtypes that take no scale
 # bf16 activations -> fp16 operand range (as small_m.py). A run-time argument, not a constexpr: with
 # a constant power of two, the sm_90 build (Triton 3.6) rounds x to fp16 FIRST and then scales
 # (F2FP.F16.F32 + HMUL2 in the SASS), so |x| > 65504 would overflow to inf.
@@ -53,7 +63,7 @@ _X_SCALE = 2.0**-8
 # Widest sub-step: a [128 rows, 256 columns] fp16 operand in registers spilled per-channel at 4 warps
 # (sm_90, Triton 3.6); 128 columns keep 64-row tiles near 90-120 registers.
 SUB_MAX = 128
-PREFETCH_BYTES = 512  # per weight row, prefetched into L2 before a pdl program waits for its predecessor
+PREFETCH_BYTES = 512  # bytes per weight row, prefetched into L2 before a pdl program waits for its predecessor
 MAX_COUNTERS = 1 << 16  # column tiles one launch may split (N <= 4M at 64 rows a tile)
 
 
@@ -64,7 +74,7 @@ class GemvConfig:
     tiles) the grid aims at per SM; K is split only when the column tiles alone fall short. tma:
     weight tiles arrive through a tensor descriptor (the copy engine, one request per tile;
     Hopper+; a weight whose row stride or address is not 16-byte aligned takes pointer loads).
-    cores: the CUDA-core kernel for ONE row (`_fp8_gemv_row`: no tensor cores, no shared memory,
+    cores: the CUDA-core kernel for ONE row (`_gemv_row`: no tensor cores, no shared memory,
     float32 FMAs; latency hidden by resident programs, not by a software pipeline; num_stages
     unused); block_n may then be 4 or 8. pdl: programmatic dependent launch (sm_90+): the
     program prefetches its first PREFETCH_BYTES of weight rows into L2 and only then waits for
@@ -109,8 +119,18 @@ class GemvConfig:
 # (F2FP + HADD2 + FFMA per weight), about half the sm_90's issue rate at 4 TB/s.
 DEFAULT_CONFIG = GemvConfig(64, 256, 4, 3, 4)
 CORES_CONFIG = GemvConfig(8, 1024, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
+# bf16/fp16 weights: NOT measured on a GPU (2026-12-06); `bench/kernels_device.py --part gemv16` prints
+# the best of CONFIGS for 16-bit weights. Chosen from the sm_90 compile (bench/kernel_report_gemm.py,
+# Triton 3.7): DEFAULT_CONFIG on a bf16 weight streams 512 bytes a row per step and takes 120 KB of
+# shared memory (one program per SM resident, where FP8's takes 60 KB: three); 128 bf16 columns a
+# step are FP8's measured 256 bytes a row, 60 KB at 3 stages (three resident), 40 registers, no stack.
+# The cores kernel keeps CORES_CONFIG (8 rows x 1024 columns: 2 KB a row per step, 48 registers).
+DENSE_CONFIG = GemvConfig(64, 128, 4, 3, 4)  # what weight_gemv runs for a bf16/fp16 weight when config is None
+DENSE_CORES_CONFIG = CORES_CONFIG  # one row of a bf16/fp16 weight (gemm_table's GEMV_CORES)
 CONFIGS = (
     DEFAULT_CONFIG,
+    DENSE_CONFIG,
+    GemvConfig(64, 128, 4, 4, 4),
     GemvConfig(64, 256, 4, 4, 4),
     GemvConfig(64, 128, 4, 6, 4),
     GemvConfig(64, 512, 4, 3, 2),
@@ -124,6 +144,7 @@ CONFIGS = (
     GemvConfig(64, 256, 4, 4, 4, pdl=True),
     GemvConfig(64, 256, 4, 4, 4, tma=True, pdl=True),
     CORES_CONFIG,
+    GemvConfig(8, 512, 4, 1, 8, cores=True),  # FP8's CORES_CONFIG bytes a step, for 16-bit weights
     GemvConfig(32, 512, 8, 1, 4, cores=True),
     GemvConfig(16, 512, 4, 1, 8, cores=True),
 )
@@ -143,11 +164,13 @@ class GemvPlan:
 
 
 @triton.jit
-def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
-              stride_out, s_row_stride, k_per_split, splits, x_scale, SPLIT: tl.constexpr, SCALE: tl.constexpr,
-              SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, MP: tl.constexpr,
-              BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr, W_DESC: tl.constexpr,
-              PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+def _gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, M, N, K, stride_x, stride_w,
+          stride_out, s_row_stride, k_per_split, splits, x_scale, SPLIT: tl.constexpr, SCALE: tl.constexpr,
+          SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, DOT: tl.constexpr,
+          W_BYTES: tl.constexpr, MP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SUBS: tl.constexpr,
+          W_DESC: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr):  # fmt: skip
+    # SCALE: _NONE (a bf16/fp16 weight: the dot takes it and x in DOT, their own dtype), _CHANNEL or
+    # _BLOCK (FP8: converted to fp16, x scaled by x_scale into fp16). W_BYTES: bytes per weight.
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     SUB: tl.constexpr = BK // SUBS
@@ -161,7 +184,7 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
     x_rows = x_ptr + rm[:, None] * stride_x + rk[None, :]  # [MP, SUB]
     s_rows = s_ptr + (rn // SCALE_N) * s_row_stride  # block scales of these rows (SCALE == _BLOCK)
     if PDL:  # weights never change: warm L2 with them while the previous kernel finishes
-        lines = k0 + tl.arange(0, PREFETCH // 128) * 128  # one address per 128-byte line of a row
+        lines = k0 + tl.arange(0, PREFETCH // 128) * (128 // W_BYTES)  # one address per 128-byte line of a row
         ok = (n_ok[:, None] & (lines < k1)[None, :]).to(tl.int32)
         tl.inline_asm_elementwise(
             "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.u32 $0, 0;", "=r,l,r",
@@ -177,8 +200,11 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
             else:
                 w = tl.load(w_rows + kj, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_rows + kj, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            xt = tl.trans((x.to(tl.float32) * x_scale).to(tl.float16))  # [SUB, MP]
-            part = tl.dot(w.to(tl.float16), xt)  # [BN, MP] float32
+            if SCALE == 0:  # the weight's own dtype on both sides (DOT: float32 only under the interpreter)
+                part = tl.dot(w.to(DOT), tl.trans(x.to(DOT)))  # [BN, MP] float32
+            else:
+                xt = tl.trans((x.to(tl.float32) * x_scale).to(tl.float16))  # [SUB, MP]
+                part = tl.dot(w.to(tl.float16), xt)  # [BN, MP] float32
             if SCALE == 2:  # a sub-step past K (its part is 0) reads the row's last scale, not past it
                 acc += part * tl.load(s_rows + tl.minimum(kj, k1 - 1) // SCALE_K, mask=n_ok, other=0.0)[:, None]
             else:
@@ -187,7 +213,7 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
         gdc_launch_dependents()
     if SCALE == 1:
         acc *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)[:, None] * (1.0 / x_scale)
-    else:
+    elif SCALE == 2:
         acc *= 1.0 / x_scale
     ok = n_ok[:, None] & m_ok[None, :]
     out = out_ptr + rm[None, :] * stride_out + rn[:, None]  # out [M, N] written as its transpose
@@ -213,13 +239,14 @@ def _fp8_gemv(x_ptr, w_ptr, w_desc, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, 
 
 
 @triton.jit
-def _fp8_gemv_row(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, s_row_stride,
-                  k_per_split, splits, SPLIT: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr,
-                  SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
-    # One activation row on CUDA cores: each thread holds 16 consecutive weights of a row (one
-    # 16-byte load), sums their products with x in float32 in its own registers, and keeps one
-    # partial per (row, 16-column chunk); the cross-thread sum runs once, after the K loop.
-    VEC: tl.constexpr = 16
+def _gemv_row(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K, stride_w, s_row_stride,
+              k_per_split, splits, SPLIT: tl.constexpr, SCALE: tl.constexpr, SCALE_N: tl.constexpr,
+              SCALE_K: tl.constexpr, HAS_BIAS: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              VEC: tl.constexpr):  # fmt: skip
+    # One activation row on CUDA cores: each thread holds VEC consecutive weights of a row (one
+    # 16-byte load: 16 FP8 or 8 bf16/fp16 weights), sums their products with x in float32 in its own
+    # registers, and keeps one partial per (row, VEC-column chunk); the cross-thread sum runs once,
+    # after the K loop. SCALE: _NONE, _CHANNEL or _BLOCK, as _gemv.
     C: tl.constexpr = BK // VEC
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
@@ -236,7 +263,7 @@ def _fp8_gemv_row(x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, part_ptr, count_ptr, N, K
         w = tl.load(w_rows + kk[None, :, :], mask=n_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
         part = tl.sum(w.to(tl.float32) * x[None, :, :], axis=2)  # [BN, C]
-        if SCALE == 2:  # a 16-column chunk lies inside one scale block (SCALE_K >= 16, k aligned)
+        if SCALE == 2:  # a VEC-column chunk lies inside one scale block (SCALE_K >= 16, k aligned)
             kb = tl.minimum(k + tl.arange(0, C) * VEC, k1 - 1) // SCALE_K
             s = tl.load(s_ptr + (rn // SCALE_N)[:, None] * s_row_stride + kb[None, :], mask=n_ok[:, None], other=0.0)
             acc += part * s
@@ -287,9 +314,10 @@ def _counters(device: torch.device) -> torch.Tensor | None:
 
 
 def plan_gemv(n: int, k: int, *, scale_k: int | None, num_sms: int, config: GemvConfig = DEFAULT_CONFIG) -> GemvPlan:
-    """How to cut an [N, K] FP8 weight: split K only when cdiv(N, block_n) column tiles are fewer
-    than programs_per_sm x num_sms, into at most that many programs, each split a whole number of
-    block_k steps (and of scale blocks: block_k and the scale block divide one another)."""
+    """How to cut an [N, K] weight: split K only when cdiv(N, block_n) column tiles are fewer than
+    programs_per_sm x num_sms, into at most that many programs, each split a whole number of
+    block_k steps (and of scale blocks: block_k and the scale block along K, `scale_k`, divide one
+    another; scale_k None: per-channel scales or none)."""
     if scale_k is not None and scale_k % config.block_k and config.block_k % scale_k:
         raise ValueError(f"GemvConfig.block_k={config.block_k} must divide or be a multiple of the scale "
                          f"block along K ({scale_k})")
@@ -307,42 +335,57 @@ INT32_OFFSETS = (1 << 31) - 1
 
 
 def fits_gemv(weight: torch.Tensor) -> bool:
-    """Whether fp8_gemv can address every element of `weight` [N, K] (INT32_OFFSETS)."""
+    """Whether weight_gemv can address every element of `weight` [N, K] (INT32_OFFSETS)."""
     return (weight.shape[0] - 1) * weight.stride(0) + weight.shape[1] <= INT32_OFFSETS
 
 
-def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
-             bias: torch.Tensor | None = None, *, config: GemvConfig | None = None,
-             num_sms: int | None = None) -> torch.Tensor:
-    """x [M, K] (M <= SMALL_M_MAX; bf16/fp16, fp32 in tests) @ dequant(weight)^T (+ bias) -> [M, N]
-    in x's dtype, one launch.
+def weight_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor | None = None,
+                block: tuple[int, int] | None = None, bias: torch.Tensor | None = None, *,
+                config: GemvConfig | None = None, num_sms: int | None = None) -> torch.Tensor:
+    """x [M, K] (M <= SMALL_M_MAX) @ W^T (+ bias) -> [M, N] in x's dtype, one launch.
 
-    weight float8_e4m3fn [N, K] (row stride may exceed K); scale float32: block scales
-    [ceil(N / bn), ceil(K / bk)] with `block` = (bn, bk), or one per output channel [N] with
-    `block` None. bias [N] or None. config None: DEFAULT_CONFIG. num_sms None: the GPU's (8 under
-    the interpreter; bench/kernel_report_gemm.py passes the H200's to compile its real splits)."""
+    weight [N, K] (row stride may exceed K), one of:
+    - float8_e4m3fn with `scale` float32: block scales [ceil(N / bn), ceil(K / bk)] with `block` =
+      (bn, bk), or one per output channel [N] with `block` None; x bf16/fp16 (fp32 in tests);
+    - bfloat16 / float16 with `scale` and `block` None; x in the weight's dtype.
+    bias [N] or None. config None: DEFAULT_CONFIG (FP8) or DENSE_CONFIG (bf16/fp16). num_sms None:
+    the GPU's (8 under the interpreter; bench/kernel_report_gemm.py passes the H200's to compile its
+    real splits)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > SMALL_M_MAX:
-        raise ValueError(f"fp8_gemv takes x with 0..{SMALL_M_MAX} rows (x.shape[0]), not {m}")
-    if weight.dtype != torch.float8_e4m3fn:
-        raise ValueError(f"fp8_gemv takes a float8_e4m3fn weight, not {weight.dtype}")
+        raise ValueError(f"weight_gemv takes x with 0..{SMALL_M_MAX} rows (x.shape[0]), not {m}")
+    dense = weight.dtype in DENSE
+    if weight.dtype != torch.float8_e4m3fn and not dense:
+        raise ValueError(f"weight_gemv takes a float8_e4m3fn (with scale), bfloat16 or float16 weight, not "
+                         f"{weight.dtype}")
     if weight.shape[1] != k or weight.stride(1) != 1:
         raise ValueError(f"weight must be [N, {k}] with contiguous rows (x has {k} features), not "
                          f"{list(weight.shape)} with strides {weight.stride()}")
     if not fits_gemv(weight):
-        raise ValueError(f"fp8_gemv computes weight offsets in 32 bits: a weight {list(weight.shape)} with row "
-                         f"stride {weight.stride(0)} reaches past {INT32_OFFSETS} elements (fp8_linear takes "
+        raise ValueError(f"weight_gemv computes weight offsets in 32 bits: a weight {list(weight.shape)} with row "
+                         f"stride {weight.stride(0)} reaches past {INT32_OFFSETS} elements (the linears take "
                          "another GEMM for it)")
-    scale_n, scale_k = block if block is not None else (1, None)
-    want = (triton.cdiv(n, scale_n), triton.cdiv(k, scale_k)) if block is not None else (n,)
-    if tuple(scale.shape) != want or scale.dtype != torch.float32:
-        raise ValueError(f"scale must be float32 {list(want)} for block {block}, not {scale.dtype} "
-                         f"{list(scale.shape)}")
-    if block is None and not scale.is_contiguous():
-        raise ValueError("per-channel scale must be contiguous")
-    if block is not None and scale.stride(1) != 1:
-        raise ValueError("block scales must have contiguous rows")
+    if dense:
+        if scale is not None or block is not None:
+            raise ValueError(f"a {weight.dtype} weight takes no scale: scale and block must be None, not "
+                             f"{None if scale is None else list(scale.shape)} and {block}")
+        if x.dtype != weight.dtype:
+            raise ValueError(f"x must be {weight.dtype} like the weight (a 16-bit weight meets x in its own "
+                             f"dtype on the tensor cores), not {x.dtype}")
+        scale_n, scale_k = 1, None
+    else:
+        if scale is None:
+            raise ValueError("a float8_e4m3fn weight needs its scale: float32 [N] (block None) or block scales")
+        scale_n, scale_k = block if block is not None else (1, None)
+        want = (triton.cdiv(n, scale_n), triton.cdiv(k, scale_k)) if block is not None else (n,)
+        if tuple(scale.shape) != want or scale.dtype != torch.float32:
+            raise ValueError(f"scale must be float32 {list(want)} for block {block}, not {scale.dtype} "
+                             f"{list(scale.shape)}")
+        if block is None and not scale.is_contiguous():
+            raise ValueError("per-channel scale must be contiguous")
+        if block is not None and scale.stride(1) != 1:
+            raise ValueError("block scales must have contiguous rows")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"bias must be [{n}], not {list(bias.shape)}")
     if m == 0:
@@ -350,39 +393,49 @@ def fp8_gemv(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: 
     if x.stride(1) != 1:
         x = x.contiguous()
     sms = num_sms or (8 if _interpreting() or not x.is_cuda else _num_sms(x.device.index or 0))
-    plan = plan_gemv(n, k, scale_k=scale_k, num_sms=sms, config=config or DEFAULT_CONFIG)
+    plan = plan_gemv(n, k, scale_k=scale_k, num_sms=sms, config=config or (DENSE_CONFIG if dense else DEFAULT_CONFIG))
     counters = _counters(x.device) if plan.splits > 1 else None
     if plan.splits > 1 and (counters is None or triton.cdiv(n, plan.config.block_n) > MAX_COUNTERS):
         plan = GemvPlan(plan.config, 1, plan.k_per_split * plan.splits, plan.subs)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     parts = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if plan.splits > 1 else out
-    x_scale = 1.0 if x.dtype == torch.float16 else _X_SCALE
+    kind = _NONE if dense else _CHANNEL if block is None else _BLOCK
+    s_arg = out if scale is None else scale  # never read without a scale (a constexpr-disabled operand)
+    s_row_stride = scale.stride(0) if block is not None else 0
+    x_scale = 1.0 if x.dtype == torch.float16 or dense else _X_SCALE
     cfg = plan.config
     if cfg.cores:
         if m != 1:
             raise ValueError(f"a GemvConfig with cores=True takes one row (x.shape[0] == 1), not {m}")
         if x.stride(0) != k:
             x = x.contiguous()
-        _fp8_gemv_row[(triton.cdiv(n, cfg.block_n), plan.splits)](
-            x, weight, scale, out if bias is None else bias, out, parts, out if counters is None else counters,
-            n, k, weight.stride(0), scale.stride(0) if block is not None else 0, plan.k_per_split, plan.splits,
-            SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n,
-            SCALE_K=scale_k or 1, HAS_BIAS=bias is not None, BN=cfg.block_n, BK=cfg.block_k,
-            num_warps=cfg.num_warps)
+        _gemv_row[(triton.cdiv(n, cfg.block_n), plan.splits)](
+            x, weight, s_arg, out if bias is None else bias, out, parts, out if counters is None else counters,
+            n, k, weight.stride(0), s_row_stride, plan.k_per_split, plan.splits,
+            SPLIT=plan.splits > 1, SCALE=kind, SCALE_N=scale_n, SCALE_K=scale_k or 1, HAS_BIAS=bias is not None,
+            BN=cfg.block_n, BK=cfg.block_k, VEC=16 // weight.element_size(), num_warps=cfg.num_warps)
         return out
     desc = None
-    if cfg.tma and weight.stride(0) % 16 == 0 and weight.data_ptr() % 16 == 0:
+    if cfg.tma and (weight.stride(0) * weight.element_size()) % 16 == 0 and weight.data_ptr() % 16 == 0:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         desc = TensorDescriptor(weight, [n, k], [weight.stride(0), 1], [cfg.block_n, cfg.block_k // plan.subs])
     pdl = cfg.pdl and not _interpreting()
     launch = {"launch_pdl": True} if pdl else {}
-    _fp8_gemv[(triton.cdiv(n, cfg.block_n), plan.splits)](
-        x, weight, weight if desc is None else desc, scale, out if bias is None else bias, out, parts,
+    _gemv[(triton.cdiv(n, cfg.block_n), plan.splits)](
+        x, weight, weight if desc is None else desc, s_arg, out if bias is None else bias, out, parts,
         out if counters is None else counters, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        scale.stride(0) if block is not None else 0, plan.k_per_split, plan.splits, x_scale,
-        SPLIT=plan.splits > 1, SCALE=_CHANNEL if block is None else _BLOCK, SCALE_N=scale_n, SCALE_K=scale_k or 1,
-        HAS_BIAS=bias is not None, MP=16, BN=cfg.block_n, BK=cfg.block_k, SUBS=plan.subs,
-        W_DESC=desc is not None, PDL=pdl, PREFETCH=PREFETCH_BYTES, num_warps=cfg.num_warps,
+        s_row_stride, plan.k_per_split, plan.splits, x_scale,
+        SPLIT=plan.splits > 1, SCALE=kind, SCALE_N=scale_n, SCALE_K=scale_k or 1, HAS_BIAS=bias is not None,
+        DOT=_dot_dtype(weight), W_BYTES=weight.element_size(), MP=16, BN=cfg.block_n, BK=cfg.block_k,
+        SUBS=plan.subs, W_DESC=desc is not None, PDL=pdl, PREFETCH=PREFETCH_BYTES, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **launch)
     return out
+
+
+def _dot_dtype(weight: torch.Tensor) -> tl.dtype:
+    """The dot's operand dtype for a 16-bit weight: its own; float32 for bf16 under the interpreter
+    (whose bf16 dot is wrong; float32 holds bf16 values and their products exactly). FP8: unused."""
+    if weight.dtype == torch.float16:
+        return tl.float16
+    return tl.float32 if _interpreting() else tl.bfloat16
