@@ -137,7 +137,8 @@ class DeepseekBody(nn.Module):
 class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
     """DeepSeek-V2/V3 over a packed batch of new tokens (a contract.GenerativeModel)."""
 
-    STACKED: dict[str, tuple[str, int]] = {}  # no fused parameters: every checkpoint tensor loads as is
+    # The MLPs' gate and up (dense, shared and routed experts) load into one gate_up_proj each.
+    STACKED: dict[str, tuple[str, int]] = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from meshserve.attention.backend import KVCache
 from meshserve.attention.backends import cpu_step_ops
@@ -186,13 +187,27 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 # ---------------------------------------------------------------------------------- act_and_mul
 @triton.jit
-def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _exact_exp(x, INTERPRETED: tl.constexpr):
+    """expf as CUDA's math library computes it (libdevice; tl.exp is ex2.approx on the GPU). The
+    interpreter (CPU tensors) has no libdevice: numpy's exp there."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, ROUND_ACT: tl.constexpr,
+                        INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(gu_ptr + t * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:  # silu; exp of -|gate| only, so that nothing overflows
+    if ROUND_ACT:  # torch's F.silu(gate) * up: x / (1 + expf(-x)) (IEEE division), rounded, times up, rounded
+        act = tl.math.div_rn(gate, 1.0 + _exact_exp(-gate, INTERPRETED))
+        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    elif ACT == 0:  # silu; exp of -|gate| only, so that nothing overflows
         e = tl.exp(-tl.abs(gate))
         act = gate * tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     elif ACT == 1:  # gelu, erf form
@@ -205,15 +220,21 @@ def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, BL
     tl.store(out_ptr + t * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = None) -> torch.Tensor:
+def act_and_mul(gate_up: torch.Tensor, act: str, *, round_act: bool = False,
+                use_triton: bool | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up [T, 2I] (gate, then up) -> act(gate) * up [T, I] in gate_up's dtype.
 
     act: one of TORCH_ACTIVATIONS. The kernel computes in float32 and rounds once; the torch
-    path rounds act(gate) and the product separately, as the unfused MLP did.
+    path rounds act(gate) and the product separately, as the unfused MLP did. round_act (silu
+    only): the kernel too rounds silu(gate) before the product, with torch's CUDA formula
+    (x / (1 + expf(-x)), IEEE division), so that it gives F.silu(gate) * up bit for bit on the
+    GPU; the CPU takes the torch ops (the compiled CPU op is not bit-exact).
     """
     if act not in _ACT_CODE:  # (the message is built on failure only: this runs per layer per step)
         check(False, "act", act, f"one of {sorted(_ACT_CODE)}")
-    if act == "silu" and _cpu_ops(use_triton, gate_up) is not None:
+    if round_act and act != "silu":
+        check(False, "act", act, "'silu' with round_act")
+    if act == "silu" and not round_act and _cpu_ops(use_triton, gate_up) is not None:
         return cpu_step_ops.silu_and_mul(gate_up)
     if not _on_triton(use_triton, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
@@ -228,7 +249,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     grid = (gu.shape[0], triton.cdiv(inter, block))
-    _act_and_mul_kernel[grid](gu, out, gu.stride(0), inter, ACT=_ACT_CODE[act], BLOCK=block, num_warps=4)
+    _act_and_mul_kernel[grid](gu, out, gu.stride(0), inter, ACT=_ACT_CODE[act], ROUND_ACT=round_act,
+                              INTERPRETED=not gu.is_cuda, BLOCK=block, num_warps=4)  # fmt: skip
     return out
 
 

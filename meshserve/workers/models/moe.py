@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meshserve.workers.models.fused_ops as fused_ops
 from meshserve.errors import check
 from meshserve.workers.models.deepseek_arch import MoEConfig
 from meshserve.workers.models.expert_layer import ExpertLayer
@@ -108,16 +109,51 @@ def _plain(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense layers, each routed expert and the shared experts."""
+    """down(silu(gate(x)) * up(x)): the dense layers, each routed expert and the shared experts.
+
+    gate and up are one matrix, gate_up_proj [2I, hidden] (gate rows, then up: the loader stacks
+    HF's gate_proj and up_proj, DeepseekForCausalLM.STACKED), and silu(gate) * up one kernel on
+    CUDA (fused_ops.act_and_mul with round_act: bit for bit F.silu(gate) * up). `split()` goes
+    back to two matrices where a fused one cannot hold the checkpoint's FP8 block scales.
+    """
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate_size = intermediate
+        self.gate_up_proj: nn.Module | None = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def split(self) -> None:
+        """gate_proj and up_proj [I, hidden] as separate (new, uninitialised) linears, in the
+        fused one's dtype and device: for FP8 block scales whose blocks I does not fill."""
+        fused = self.gate_up_proj
+        hidden, like = fused.in_features, dict(dtype=fused.weight.dtype, device=fused.weight.device)
+        self.gate_proj = nn.Linear(hidden, self.intermediate_size, bias=False, **like)
+        self.up_proj = nn.Linear(hidden, self.intermediate_size, bias=False, **like)
+        self.gate_up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_ops.act_and_mul(self.gate_up_proj(x), "silu", round_act=True))
+
+    def gate_up_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[2I, hidden]: gate rows, then up, as the fused kernels read them (FP8 dequantized)."""
+        if self.gate_up_proj is not None:
+            return _plain(self.gate_up_proj, dtype)
+        return torch.cat((_plain(self.gate_proj, dtype), _plain(self.up_proj, dtype)))
+
+
+def split_unaligned_mlps(model: nn.Module, block_rows: int) -> list[str]:
+    """Split the fused gate_up of every GatedMLP of the (meta-device) `model` whose I rows per
+    part are not a multiple of block_rows, the FP8 scale blocks' rows: one block scale cannot
+    cover the end of gate and the start of up. Returns the modules split."""
+    split = []
+    for name, module in model.named_modules():
+        if isinstance(module, GatedMLP) and module.gate_up_proj is not None and module.intermediate_size % block_rows:
+            module.split()
+            split.append(name)
+    return split
 
 
 class Router(nn.Module):
@@ -162,7 +198,7 @@ class MoE(ExpertLayer):
         """Switch to the fused kernels: the experts move to their layout; the modules are freed."""
         experts, dtype = self.experts, self.gate.weight.dtype
         self.fused = ExpertWeights(
-            w13=torch.stack([torch.cat((_plain(e.gate_proj, dtype), _plain(e.up_proj, dtype))) for e in experts]),
+            w13=torch.stack([e.gate_up_weight(dtype) for e in experts]),
             w2=torch.stack([_plain(e.down_proj, dtype) for e in experts]), b13=None, b2=None,
             activation=ExpertActivation(ACT_SILU))  # fmt: skip
         self.experts = None

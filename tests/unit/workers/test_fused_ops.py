@@ -11,6 +11,7 @@ from meshserve.attention.backend import KVCache
 from meshserve.attention.backends.torch_ref import quantize_fp8
 from meshserve.attention.kernels.write_kv import write_kv
 from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import ConfigError
 from meshserve.workers.models.arch import RopeScaling
 from meshserve.workers.models.fused_ops import (
     TORCH_ACTIVATIONS,
@@ -137,6 +138,30 @@ def test_act_and_mul(dtype, tokens, inter, act):
     gate, up = gate_up.double().chunk(2, dim=-1)
     torch.testing.assert_close(out.double(), _oracle_act(act, gate) * up, **ORACLE_TOL[dtype])
     torch.testing.assert_close(out, act_and_mul(gate_up, act, use_triton=False), **TORCH_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_silu_and_mul_round_act_is_the_torch_ops(dtype, tokens):
+    """round_act (DeepSeek's MLPs): silu(gate) rounded before the product, as torch's CUDA
+    F.silu(gate) * up computes it (x / (1 + exp(-x)) in float32, rounded, times up, rounded).
+    Here the interpreter's exp (numpy's) meets torch's CPU exp: an ulp apart at times, which a
+    near-tie of the rounding can show; on the GPU both are CUDA's expf, and tests/gpu checks the
+    kernel bit for bit against F.silu(gate) * up, bf16 included. So: fp16 equal but for a few in
+    a thousand; fp32 (no rounding to absorb the exp's ulp) within an ulp or two."""
+    gate_up = (torch.randn(tokens, 2 * 1100, generator=_gen(tokens)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # saturation and the origin
+    out = act_and_mul(gate_up, "silu", round_act=True, use_triton=True)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = ((gate / (1.0 + torch.exp(-gate))).to(dtype).float() * up).to(dtype)
+    if dtype == torch.float16:
+        assert (out != want).float().mean() < 2e-3
+    torch.testing.assert_close(out, want, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(act_and_mul(gate_up, "silu", round_act=True, use_triton=False),
+                       torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ConfigError, match="round_act"):
+        act_and_mul(gate_up, "gelu", round_act=True)
 
 
 # -------------------------------------------------------------------------- rotary + KV write
