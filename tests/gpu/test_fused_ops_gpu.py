@@ -86,6 +86,24 @@ def test_deepseek_mlp_fused_gate_up_is_the_unfused_mlp_bit_for_bit(tokens, inter
         assert torch.equal(mlp(x), want)
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 256])
+@pytest.mark.parametrize(("hidden", "k", "shared"), [(2048, 6, True), (2880, 4, False), (7168, 8, True)],
+                         ids=["v2_lite", "gpt_oss", "v3"])  # fmt: skip
+def test_add_rms_norm_forms_a_deferred_moe_sum_as_torch_bit_for_bit(tokens, hidden, k, shared):
+    """bf16 MoE rows (weighted like the router's: 0..1) summed inside the norm, against the MoE's
+    own torch.sum over k (+ shared experts) then the norm: equal bit for bit (docs/engine.md:
+    the float32 partial sums are exact for bf16 rows within about 2^13 of each other)."""
+    parts = _randn(tokens, k, hidden, dtype=torch.float32, scale=0.3, seed=1)
+    parts = (parts * torch.rand(tokens, k, 1, device="cuda")).to(torch.bfloat16)
+    extra = _randn(tokens, hidden, dtype=torch.bfloat16, scale=0.3, seed=2) if shared else None
+    residual = _randn(tokens, hidden, dtype=torch.bfloat16, scale=1.0, seed=3)
+    weight = _randn(hidden, dtype=torch.bfloat16, scale=1.0, seed=4)
+    deferred = fused_ops.DeferredSum(parts, extra)
+    out, total = fused_ops.add_rms_norm(deferred, residual, weight, 1e-6)
+    want_out, want_total = fused_ops.add_rms_norm(deferred.total(), residual, weight, 1e-6)
+    assert int((total != want_total).sum()) == 0 and int((out != want_out).sum()) == 0
+
+
 def _fp8_ok() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 

@@ -107,6 +107,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         else:
             self.mlp = MoE(arch.hidden_size, moe)
+            self.mlp.sum_in_norm = True  # its output goes straight to the next add_and_norm
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 

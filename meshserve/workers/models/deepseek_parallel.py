@@ -49,6 +49,7 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
         _shard_mlp(expert, ctx.expert_tp, None)
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, ctx.expert_tp, None)
+    moe.sum_in_norm = False  # the all-reduce hook reads the summed output
     moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
 
 

@@ -253,7 +253,8 @@ def tile_config(num_rows: int, num_experts: int) -> TileConfig:
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
               config: TileConfig | None = None, alignment: Alignment | None = None,
-              may_drop: bool = False, expert_load: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              may_drop: bool = False, expert_load: torch.Tensor | None = None,
+              sum_rows: bool = True) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
 
     x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
@@ -261,6 +262,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     lives on another rank). Returns [T, H] in x's dtype. Rows are sorted by expert
     (`alignment`, from align_rows with config.block_m, may be passed). expert_load [E] int64,
     when given, gets each expert's row count added (load statistics, from the alignment).
+    sum_rows False: the weighted rows [T, k, H] unsummed (torch.sum over k is the caller's, or
+    fused_ops.add_rms_norm's given them as a DeferredSum: one launch less).
     """
     T, k = ids.shape
     H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
@@ -273,9 +276,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     if expert_load is not None:
         expert_load += align.tokens_per_expert
     n = T * k
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if n == 0:
-        return out
+        return torch.empty((T, H) if sum_rows else (T, k, H), dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32: exact, as the reference
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)
@@ -300,6 +302,5 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
         BLOCK_M=cfg.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
         num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
-    torch.sum(y.view(T, k, H), dim=1, out=out)
-    return out
+    return torch.sum(y.view(T, k, H), dim=1) if sum_rows else y.view(T, k, H)
 

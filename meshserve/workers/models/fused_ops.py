@@ -22,6 +22,8 @@ dtype, compute in float32 and round once when they store.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -75,20 +77,48 @@ def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
     return data.dtype == torch.float32 and data.is_contiguous() and _cpu_ops(None, qkv) is not None
 
 
+@dataclass(frozen=True)
+class DeferredSum:
+    """A layer output not yet formed: sum_j parts[:, j] (+ extra), in the activation dtype.
+
+    parts: [T, k, N] (an MoE layer's weighted expert rows, fused_moe(sum_rows=False));
+    extra: [T, N] or None (DeepSeek's shared experts). `total()` forms it as the MoE did,
+    torch.sum over k (float32 accumulation, rounded) then `+ extra` (rounded); `add_rms_norm`
+    on CUDA forms it inside its kernel instead, saving those launches.
+    """
+
+    parts: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def total(self) -> torch.Tensor:
+        out = torch.sum(self.parts, dim=1)
+        return out if self.extra is None else out + self.extra
+
+
 # ------------------------------------------------------------------------------------ rms_norm
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    stride_x_outer, stride_x_inner, rows_inner, stride_res,
+    x_ptr, extra_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    stride_x_outer, stride_x_inner, rows_inner, stride_res, stride_extra,
     n, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     # Row `row` of x viewed as [outer, inner, n]: a q/k norm reads heads of a strided qkv view.
     x_row = x_ptr + (row // rows_inner) * stride_x_outer + (row % rows_inner) * stride_x_inner
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:  # a DeferredSum: x = round(sum_j parts[row, j]) (+ extra, rounded), as torch forms it
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(NUM_PARTS):  # parts [T, k, n]: rows_inner == 1, part j at j * n
+            acc += tl.load(x_row + j * n + cols, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(out_ptr.dtype.element_ty)
+        if HAS_EXTRA:
+            e = tl.load(extra_ptr + row * stride_extra + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + e.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = x.to(tl.float32) + r.to(tl.float32)
@@ -141,9 +171,16 @@ def _norm_constants(n: int, eps: float, device: torch.device) -> tuple[torch.Ten
                 torch.tensor(eps, dtype=torch.float32, device=device))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+def add_rms_norm(x: torch.Tensor | DeferredSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
+    """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s).
+
+    x may be a DeferredSum (an MoE layer's unsummed output): the Triton kernel forms it as
+    DeferredSum.total() would, bit for bit, before the add; elsewhere total() runs first."""
+    if isinstance(x, DeferredSum):
+        if _on_triton(use_triton, x.parts):
+            return _launch_norm(x.parts, residual, weight, eps, unit_offset, deferred=x)
+        x = x.total()
     if not unit_offset and _cpu_ops(use_triton, x) is not None and residual.is_contiguous():
         return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
     if not _on_triton(use_triton, x):
@@ -153,34 +190,51 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 
 
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 unit_offset: bool, *, deferred: DeferredSum | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """x [..., N] (q/k norms: [T, heads, N], strided); `deferred` given: x is its parts [T, k, N]
+    and the normed rows are their sums [T, N] (+ deferred.extra)."""
     n = x.shape[-1]
     check(0 < n <= MAX_HIDDEN, "hidden size", n, f"1..{MAX_HIDDEN} for the fused rms_norm")
     check(tuple(weight.shape) == (n,), "weight", tuple(weight.shape), f"shape [{n}]")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if x.dim() == 3:  # [T, heads, D]: a strided view of qkv (q/k norm) is read in place
-        rows, rows_inner, stride_outer, stride_inner = x, x.shape[1], x.stride(0), x.stride(1)
+    parts, extra = 0, None
+    if deferred is not None:  # the parts [T, k, N] read whole
+        check(x.dim() == 3, "parts", tuple(x.shape), "[T, k, N]")
+        parts, extra = x.shape[1], deferred.extra
+        x = x.contiguous()
+        rows, rows_inner, stride_outer, stride_inner = x, 1, x.stride(0), 0
+        shape = (x.shape[0], n)
+        if extra is not None:
+            check(tuple(extra.shape) == shape and extra.dtype == x.dtype, "extra",
+                  f"{tuple(extra.shape)} {extra.dtype}", f"shape {list(shape)} and dtype {x.dtype}")  # fmt: skip
+            extra = extra if extra.stride(-1) == 1 else extra.contiguous()
     else:
-        rows = x.reshape(-1, n)
-        rows_inner, stride_outer, stride_inner = 1, rows.stride(0), 0
-    num_rows = x.numel() // n
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if x.dim() == 3:  # [T, heads, D]: a strided view of qkv (q/k norm) is read in place
+            rows, rows_inner, stride_outer, stride_inner = x, x.shape[1], x.stride(0), x.stride(1)
+        else:
+            rows = x.reshape(-1, n)
+            rows_inner, stride_outer, stride_inner = 1, rows.stride(0), 0
+        shape = x.shape
+    num_rows = math.prod(shape) // n
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     total = None
     if residual is not None:
-        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual",
-              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(x.shape)} and dtype {x.dtype}")
+        check(tuple(residual.shape) == tuple(shape) and residual.dtype == x.dtype, "residual",
+              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(shape)} and dtype {x.dtype}")
         residual = residual.reshape(-1, n)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        total = torch.empty(shape, dtype=x.dtype, device=x.device)
     if num_rows == 0:
         return out, total
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(num_rows,)](
-        rows, residual if residual is not None else rows, weight, out, total if total is not None else out,
+        rows, extra if extra is not None else rows, residual if residual is not None else rows, weight, out,
+        total if total is not None else out,
         stride_outer, stride_inner, rows_inner, residual.stride(0) if residual is not None else 0,
-        n, eps,
+        extra.stride(0) if extra is not None else 0, n, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-        num_warps=min(max(block // 512, 1), 16),
+        NUM_PARTS=parts, HAS_EXTRA=extra is not None, num_warps=min(max(block // 512, 1), 16),
     )  # fmt: skip
     return out, total
 

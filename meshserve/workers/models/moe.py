@@ -29,6 +29,7 @@ from meshserve.workers.models.fused_moe import (
     ExpertWeights,
     fused_moe,
 )
+from meshserve.workers.models.fused_ops import DeferredSum
 from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
 from meshserve.workers.models.routing_kernel import route_triton
 
@@ -66,14 +67,15 @@ def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor |
 
 
 def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  run_expert: ExpertFn | None, *, may_drop: bool = False) -> torch.Tensor:
+                  run_expert: ExpertFn | None, *, may_drop: bool = False, sum_rows: bool = True) -> torch.Tensor:
     """The experts this rank holds on x [T, hidden] routed by (weights, ids) [T, k], fused when
     packed; counts each expert's rows into module.expert_load. ids past the local experts
-    (may_drop) contribute 0."""
+    (may_drop) contribute 0. sum_rows False (fused only): the weighted rows [T, k, hidden]."""
     num = module.expert_load.numel()
     fused: ExpertWeights | None = module.fused
     if fused is not None:
-        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load)
+        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load,
+                         sum_rows=sum_rows)  # fmt: skip
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < num), flat, num)
     module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -81,13 +83,15 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
     return combine_experts(x, weights, ids, run_expert, num_experts=num)
 
 
-def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> torch.Tensor:  # fmt: skip
+            ) -> torch.Tensor | DeferredSum:  # fmt: skip
     """Routed experts (+ shared experts) of x [T, hidden]; weights, ids [T, k] from the router.
 
     Under expert parallelism (module.expert_shard set) the result holds only this rank's share
-    of the tokens, zeros elsewhere: the layer's all-reduce completes it.
+    of the tokens, zeros elsewhere: the layer's all-reduce completes it. Fused experts of a layer
+    whose output goes straight to the next add_and_norm (module.sum_in_norm) return a
+    DeferredSum: the weighted rows and the shared experts' output, summed inside that norm.
     """
     shard = module.expert_shard
     if shard is not None:
@@ -97,6 +101,9 @@ def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torc
             return local_experts(module, xs, ws, ls, run_expert, may_drop=True)
 
         return dispatch_combine(x, weights, ids, shard, run_local, shared)
+    if module.sum_in_norm and module.fused is not None:
+        rows = local_experts(module, x, weights, ids, run_expert, sum_rows=False)  # [T, k, hidden]
+        return DeferredSum(rows, None if shared is None else shared(x))
     out = local_experts(module, x, weights, ids, run_expert)
     return out if shared is None else out + shared(x)
 
@@ -203,8 +210,8 @@ class MoE(ExpertLayer):
             activation=ExpertActivation(ACT_SILU))  # fmt: skip
         self.experts = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
+    def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredSum:
+        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe)."""
         weights, ids = self.gate(x)  # [T, k] each
         experts = self.experts
         return run_moe(self, x, weights, ids, None if experts is None else (lambda e, xe: experts[e](xe)),

@@ -91,8 +91,10 @@ class RMSNorm(nn.Module):
         # Statistics in float32; with unit_offset, as Gemma, normalised and scaled in float32.
         return fused.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); the sum is in the activation dtype."""
+    def add_and_norm(self, x: torch.Tensor | fused.DeferredSum,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(norm(x + residual), x + residual); the sum is in the activation dtype. x may be an MoE
+        layer's unsummed output (fused_ops.DeferredSum), summed first."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
 
 
@@ -169,6 +171,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(arch, layer_idx)
         self.mlp = _mlp(arch)
+        if arch.experts is not None and not arch.sandwich_norms:
+            self.mlp.sum_in_norm = True  # its output goes straight to the next add_and_norm
 
         def norm() -> RMSNorm:
             return RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset)
@@ -254,6 +258,7 @@ class CausalLM(DecoderOnlyLM, nn.Module):
         super().finish_loading(device)
         if self.model.local_rotary is not None:
             self.model.local_rotary.reset_tables(device)
+
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""

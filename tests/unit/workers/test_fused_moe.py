@@ -201,3 +201,35 @@ def test_deepseek_moe_packed_matches_its_torch_code(scoring):
         moe.pack_experts()
         got = moe(x)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monkeypatch, name):
+    """The CUDA wiring in the interpreter (fused norms, experts packed): each MoE layer hands its
+    k weighted rows (+ shared experts) to the next layer's norm, and the last to the final norm;
+    the logits equal, bit for bit, those of the layers summing first (sum_in_norm off)."""
+    from meshserve.workers.models import expert_layer, fused_ops
+    from tests.deepseek_models import write_deepseek
+    from tests.tiny_models import write_checkpoint
+    from tests.unit.workers.test_fused_ops import step_logits
+
+    if name == "gpt_oss":
+        write_checkpoint(tmp_path, name)
+    else:
+        write_deepseek(tmp_path, name)
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(expert_layer, "runs_fused", lambda device: True)
+    deferred = []
+    norm = fused_ops.add_rms_norm
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: deferred.append(
+        isinstance(x, fused_ops.DeferredSum)) or norm(x, *a, **kw))
+    got = step_logits(tmp_path, backend="TORCH")
+    assert any(deferred)  # MoE outputs arrived unsummed
+    # As before: each MoE layer sums its rows (torch.sum over k, + shared) and the norm kernel
+    # adds that (use_triton: where the compiled CPU ops would take the sum otherwise).
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: norm(
+        x.total(), *a, **kw, use_triton=True) if isinstance(x, fused_ops.DeferredSum) else norm(x, *a, **kw))
+    want = step_logits(tmp_path, backend="TORCH")
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

@@ -127,6 +127,34 @@ def _oracle_act(name: str, gate: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("extra", [False, True], ids=["routed", "routed+shared"])
+def test_add_rms_norm_sums_a_deferred_moe_output_as_torch_did(dtype, k, extra):
+    """An MoE layer's unsummed output (k weighted rows per token, + the shared experts' row) summed
+    inside the norm kernel: out and the new residual equal, bit for bit, the kernel run on
+    torch.sum over k then `+ extra` (the MoE's own combine before). The kernel adds the k rows in
+    order in float32, torch.sum in its own order: the two agree whenever the float32 partial sums
+    are exact (bf16 rows within about 2^13 of each other in a column; docs/engine.md), so the rows
+    here lie on a grid of 2^-8 below 8 (exact sums, which still round to fp16: 14 bits)."""
+    from meshserve.workers.models.fused_ops import DeferredSum
+
+    g = _gen(k + 10 * extra)
+    T, N = 5, 300
+    parts = (torch.randint(-2047, 2048, (T, k, N), generator=g) / 256).to(dtype)
+    shared = torch.randn(T, N, generator=g).to(dtype) if extra else None
+    residual, weight = torch.randn(T, N, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    deferred = DeferredSum(parts, shared)
+    out, total = add_rms_norm(deferred, residual, weight, 1e-6, use_triton=True)
+    want_out, want_total = add_rms_norm(deferred.total(), residual, weight, 1e-6, use_triton=True)
+    assert torch.equal(total, want_total) and torch.equal(out, want_out)
+    summed = parts.sum(1) if shared is None else parts.sum(1) + shared
+    assert torch.equal(deferred.total(), summed)
+    cpu_out, cpu_total = add_rms_norm(deferred, residual, weight, 1e-6, use_triton=False)  # the torch path
+    assert torch.equal(cpu_total, summed + residual)
+    torch.testing.assert_close(cpu_out, want_out, **TORCH_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("inter", [64, 300, 1100])  # 1100: more than one column block
 @pytest.mark.parametrize("act", sorted(TORCH_ACTIVATIONS))
