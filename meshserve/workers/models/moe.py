@@ -181,6 +181,14 @@ class Router(nn.Module):
             nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
 
+    def hold_float32(self) -> None:
+        """Keep weight and bias in float32 (exactly their loaded values), as forward reads them:
+        no cast kernel per step (the fused path calls this once the experts are packed)."""
+        self.weight = nn.Parameter(self.weight.detach().float(), requires_grad=False)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.detach().float(),
+                                                        requires_grad=False)  # fmt: skip
+
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
         routing itself is moe_routing's (one Triton launch on CUDA)."""
@@ -209,6 +217,7 @@ class MoE(ExpertLayer):
             w2=torch.stack([_plain(e.down_proj, dtype) for e in experts]), b13=None, b2=None,
             activation=ExpertActivation(ACT_SILU))  # fmt: skip
         self.experts = None
+        self.gate.hold_float32()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredSum:
         """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe)."""

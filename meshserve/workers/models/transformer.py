@@ -258,7 +258,12 @@ class CausalLM(DecoderOnlyLM, nn.Module):
         super().finish_loading(device)
         if self.model.local_rotary is not None:
             self.model.local_rotary.reset_tables(device)
-
+        for layer in self.model.layers:
+            sinks = layer.self_attn.sinks
+            if sinks is not None and sinks.dtype != torch.float32:
+                # Every backend reads the sink logits in float32: held so (exactly the loaded values),
+                # not cast by a kernel per layer per step.
+                layer.self_attn.sinks = nn.Parameter(sinks.detach().float(), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""
