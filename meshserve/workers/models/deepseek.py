@@ -120,7 +120,11 @@ class DeepseekDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, rotary, ctx), residual)
+        attn = self.self_attn(h, rope, rotary, ctx)
+        if isinstance(self.mlp, MoE):  # the router computes in float32: the norm writes that copy too
+            h, residual, h_float = self.post_attention_layernorm.add_and_norm_float(attn, residual)
+            return self.mlp(h, h_float), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 

@@ -98,11 +98,11 @@ class DeferredSum:
 # ------------------------------------------------------------------------------------ rms_norm
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, extra_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
+    x_ptr, extra_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, float_ptr,
     stride_x_outer, stride_x_inner, rows_inner, stride_res, stride_extra,
     n, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
-    NUM_PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr,
+    NUM_PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr, FLOAT_OUT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -129,7 +129,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
-    tl.store(out_ptr + row * n + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n + cols, y, mask=mask)
+    if FLOAT_OUT:  # the rounded output once more, in float32 (out.float(), for a float32 consumer)
+        tl.store(float_ptr + row * n + cols, y.to(tl.float32), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
@@ -189,11 +192,29 @@ def add_rms_norm(x: torch.Tensor | DeferredSum, residual: torch.Tensor, weight: 
     return _launch_norm(x, residual, weight, eps, unit_offset)
 
 
+def add_rms_norm_float(x: torch.Tensor | DeferredSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """add_rms_norm's (out, s), and out in float32 too (exactly out.float()) for a consumer that
+    computes in float32 (DeepSeek's MoE router): the Triton kernel stores it beside out, which
+    saves the cast's launch; elsewhere it is out.float() (out itself for a float32 out)."""
+    parts = x.parts if isinstance(x, DeferredSum) else x
+    if parts.dtype != torch.float32 and _on_triton(use_triton, parts):
+        float_out = torch.empty((parts.shape[0], parts.shape[-1]), dtype=torch.float32, device=parts.device)
+        if isinstance(x, DeferredSum):
+            out, total = _launch_norm(x.parts, residual, weight, eps, False, deferred=x, float_out=float_out)
+        else:
+            out, total = _launch_norm(x, residual, weight, eps, False, float_out=float_out)
+        return out, total, float_out
+    out, total = add_rms_norm(x, residual, weight, eps, use_triton=use_triton)
+    return out, total, out.float()
+
+
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 unit_offset: bool, *, deferred: DeferredSum | None = None,
+                 unit_offset: bool, *, deferred: DeferredSum | None = None, float_out: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """x [..., N] (q/k norms: [T, heads, N], strided); `deferred` given: x is its parts [T, k, N]
-    and the normed rows are their sums [T, N] (+ deferred.extra)."""
+    and the normed rows are their sums [T, N] (+ deferred.extra). float_out (float32, shaped as
+    the output) receives the output again in float32."""
     n = x.shape[-1]
     check(0 < n <= MAX_HIDDEN, "hidden size", n, f"1..{MAX_HIDDEN} for the fused rms_norm")
     check(tuple(weight.shape) == (n,), "weight", tuple(weight.shape), f"shape [{n}]")
@@ -225,16 +246,20 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
         residual = residual.reshape(-1, n)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
         total = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if float_out is not None:
+        ok = tuple(float_out.shape) == tuple(shape) and float_out.dtype == torch.float32 and float_out.is_contiguous()
+        check(ok, "float_out", f"{tuple(float_out.shape)} {float_out.dtype}", f"a contiguous float32 {list(shape)}")
     if num_rows == 0:
         return out, total
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(num_rows,)](
         rows, extra if extra is not None else rows, residual if residual is not None else rows, weight, out,
-        total if total is not None else out,
+        total if total is not None else out, float_out if float_out is not None else out,
         stride_outer, stride_inner, rows_inner, residual.stride(0) if residual is not None else 0,
         extra.stride(0) if extra is not None else 0, n, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
-        NUM_PARTS=parts, HAS_EXTRA=extra is not None, num_warps=min(max(block // 512, 1), 16),
+        NUM_PARTS=parts, HAS_EXTRA=extra is not None, FLOAT_OUT=float_out is not None,
+        num_warps=min(max(block // 512, 1), 16),
     )  # fmt: skip
     return out, total
 

@@ -189,11 +189,12 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.detach().float(),
                                                         requires_grad=False)  # fmt: skip
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
-        routing itself is moe_routing's (one Triton launch on CUDA)."""
+        routing itself is moe_routing's (one Triton launch on CUDA). x_float: x.float() when
+        the caller has it already (the norm before writes it: no cast launch)."""
         bias = self.e_score_correction_bias
-        return select_experts(F.linear(x.float(), self.weight.float()), self.spec,
+        return select_experts(F.linear(x.float() if x_float is None else x_float, self.weight.float()), self.spec,
                               None if bias is None else bias.float())  # fmt: skip
 
 
@@ -219,9 +220,10 @@ class MoE(ExpertLayer):
         self.experts = None
         self.gate.hold_float32()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredSum:
-        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe)."""
-        weights, ids = self.gate(x)  # [T, k] each
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor | DeferredSum:
+        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe); x_float: x in
+        float32 (exactly x.float()) for the router, when the caller has it."""
+        weights, ids = self.gate(x, x_float)  # [T, k] each
         experts = self.experts
         return run_moe(self, x, weights, ids, None if experts is None else (lambda e, xe: experts[e](xe)),
                        self.shared_experts)

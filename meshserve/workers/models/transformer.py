@@ -25,6 +25,7 @@ from torch import nn
 import meshserve.workers.models.fused_ops as fused
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import check
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.expert_layer import experts_graph_safe
@@ -96,6 +97,13 @@ class RMSNorm(nn.Module):
         """(norm(x + residual), x + residual); the sum is in the activation dtype. x may be an MoE
         layer's unsummed output (fused_ops.DeferredSum), summed first."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
+
+    def add_and_norm_float(self, x: torch.Tensor | fused.DeferredSum,
+                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """add_and_norm's pair and the normed rows in float32 too (for DeepSeek's router; plain
+        norms only), stored by the same kernel on CUDA."""
+        check(not self.unit_offset, "unit_offset", True, "False for add_and_norm_float")
+        return fused.add_rms_norm_float(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):

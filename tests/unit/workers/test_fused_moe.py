@@ -239,12 +239,14 @@ def test_gpt_oss_sinks_held_in_float32_after_loading(tmp_path):
         assert torch.equal(s, state[f"model.layers.{i}.self_attn.sinks"].to(torch.float16).float())
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
-def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monkeypatch, name):
+@pytest.mark.parametrize(("name", "dtype"), [("deepseek_v3", "float32"), ("deepseek_v3", "float16"),
+                                           ("gpt_oss", "float32")])  # fmt: skip
+def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monkeypatch, name, dtype):
     """The CUDA wiring in the interpreter (fused norms, experts packed): each MoE layer hands its
-    k weighted rows (+ shared experts) to the next layer's norm, and the last to the final norm;
-    the logits equal, bit for bit, those of the layers summing first (sum_in_norm off)."""
-    from meshserve.workers.models import expert_layer, fused_ops
+    k weighted rows (+ shared experts) to the next layer's norm, and the last to the final norm
+    (DeepSeek's norm before the router writes its float32 copy too: float16); the logits equal,
+    bit for bit, those of the layers summing first, as the MoE did before."""
+    from meshserve.workers.models import expert_layer, fused_ops, moe
     from tests.deepseek_models import write_deepseek
     from tests.tiny_models import write_checkpoint
     from tests.unit.workers.test_fused_ops import step_logits
@@ -259,13 +261,17 @@ def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monk
     norm = fused_ops.add_rms_norm
     monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: deferred.append(
         isinstance(x, fused_ops.DeferredSum)) or norm(x, *a, **kw))
-    got = step_logits(tmp_path, backend="TORCH")
+    got = step_logits(tmp_path, backend="TORCH", dtype=dtype)
     assert any(deferred)  # MoE outputs arrived unsummed
     # As before: each MoE layer sums its rows (torch.sum over k, + shared) and the norm kernel
     # adds that (use_triton: where the compiled CPU ops would take the sum otherwise).
     monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: norm(
         x.total(), *a, **kw, use_triton=True) if isinstance(x, fused_ops.DeferredSum) else norm(x, *a, **kw))
-    want = step_logits(tmp_path, backend="TORCH")
+    # and the router casts the norm's output itself
+    monkeypatch.setattr(fused_ops, "add_rms_norm_float", lambda x, r, w, eps: (*norm(x, r, w, eps), None))
+    router = moe.Router.forward
+    monkeypatch.setattr(moe.Router, "forward", lambda self, x, x_float=None: router(self, x))
+    want = step_logits(tmp_path, backend="TORCH", dtype=dtype)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):
         assert torch.equal(g, w)

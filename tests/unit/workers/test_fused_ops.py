@@ -127,6 +127,25 @@ def _oracle_act(name: str, gate: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("deferred", [False, True], ids=["tensor", "deferred"])
+def test_add_rms_norm_float_writes_the_output_again_in_float32(dtype, deferred):
+    """DeepSeek's norm before the MoE router: the kernel stores out and out.float() (exactly)."""
+    from meshserve.workers.models.fused_ops import DeferredSum, add_rms_norm_float
+
+    g = _gen(3 + deferred)
+    T, N = 4, 200
+    x = torch.randn(T, N, generator=g).to(dtype)
+    given = DeferredSum(torch.randn(T, 2, N, generator=g).to(dtype), x) if deferred else x
+    residual, weight = torch.randn(T, N, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    out, total, out_float = add_rms_norm_float(given, residual, weight, 1e-6, use_triton=True)
+    want_out, want_total = add_rms_norm(given, residual, weight, 1e-6, use_triton=True)
+    assert torch.equal(out, want_out) and torch.equal(total, want_total)
+    assert out_float.dtype == torch.float32 and torch.equal(out_float, out.float())
+    cpu = add_rms_norm_float(given, residual, weight, 1e-6, use_triton=False)
+    assert torch.equal(cpu[2], cpu[0].float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("k", [1, 2, 6])
 @pytest.mark.parametrize("extra", [False, True], ids=["routed", "routed+shared"])
 def test_add_rms_norm_sums_a_deferred_moe_output_as_torch_did(dtype, k, extra):
