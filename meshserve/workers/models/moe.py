@@ -29,7 +29,6 @@ from meshserve.workers.models.fused_moe import (
     ExpertWeights,
     fused_moe,
 )
-from meshserve.workers.models.fused_ops import DeferredSum
 from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
 from meshserve.workers.models.routing_kernel import route_triton
 
@@ -85,7 +84,7 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
 
 def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> torch.Tensor | DeferredSum:  # fmt: skip
+            ) -> torch.Tensor | fused_ops.DeferredSum:  # fmt: skip
     """Routed experts (+ shared experts) of x [T, hidden]; weights, ids [T, k] from the router.
 
     Under expert parallelism (module.expert_shard set) the result holds only this rank's share
@@ -103,7 +102,7 @@ def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: to
         return dispatch_combine(x, weights, ids, shard, run_local, shared)
     if module.sum_in_norm and module.fused is not None:
         rows = local_experts(module, x, weights, ids, run_expert, sum_rows=False)  # [T, k, hidden]
-        return DeferredSum(rows, None if shared is None else shared(x))
+        return fused_ops.DeferredSum(rows, None if shared is None else shared(x))
     out = local_experts(module, x, weights, ids, run_expert)
     return out if shared is None else out + shared(x)
 
@@ -220,7 +219,7 @@ class MoE(ExpertLayer):
         self.experts = None
         self.gate.hold_float32()
 
-    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor | DeferredSum:
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor | fused_ops.DeferredSum:
         """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe); x_float: x in
         float32 (exactly x.float()) for the router, when the caller has it."""
         weights, ids = self.gate(x, x_float)  # [T, k] each
