@@ -92,6 +92,11 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             t = torch.ones(p.shape, dtype=dtype)
         else:
             t = (torch.randn(p.shape, generator=g, device=device) * 0.02).to(dtype).cpu()
+        if ".gate_up_proj." in name:  # HF keeps gate and up apart (the loader stacks them)
+            gate, up = t.chunk(2)
+            shards.setdefault(layer, {}).update({name.replace("gate_up_proj", "gate_proj"): gate.contiguous(),
+                                                 name.replace("gate_up_proj", "up_proj"): up.contiguous()})  # fmt: skip
+            continue
         shards.setdefault(layer, {})[name] = t
     return save_shards(path, list(shards.values()))
 

@@ -31,6 +31,7 @@ from meshserve.errors import ConfigError, MeshserveError, as_enum, check
 from meshserve.workers.checkpoint import Checkpoint, read_arch
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.moe import split_unaligned_mlps
 from meshserve.workers.models.transformer import STACKED, CausalLM
 from meshserve.workers.quant import loading as qload
 from meshserve.workers.quant.formats import (
@@ -73,22 +74,26 @@ def resolve_dtype(dtype: str | Dtype | torch.dtype | None, arch: ModelArch, devi
     return torch.float32 if torch.device(device).type == "cpu" else native
 
 
-def part_sizes(fused: str, arch: ModelArch, world: int, dcp: int = 1) -> tuple[int, ...]:
-    """Rows of each part inside this rank's fused matrix."""
+def part_sizes(fused: str, arch: ModelArch, world: int, dcp: int, rows: int) -> tuple[int, ...]:
+    """Rows of each part inside this rank's fused matrix of `rows` rows (gate_up: two halves,
+    whatever the MLP's width: DeepSeek's dense, shared and routed MLPs differ)."""
     if fused == "qkv_proj":
         kv = kv_heads_per_rank(arch, world, dcp) * arch.head_dim
         return (arch.q_size // world, kv, kv)
-    return (arch.intermediate_size // world,) * 2
+    return (rows // 2,) * 2
 
 
-def _target(name: str, arch: ModelArch, world: int, dcp: int,
+def _target(name: str, arch: ModelArch, world: int, dcp: int, params: dict[str, torch.nn.Parameter],
             stacked: dict[str, tuple[str, int]] = STACKED) -> tuple[str, int | None, int | None]:  # fmt: skip
-    """Checkpoint name -> (model parameter name, row offset, rows) inside a fused parameter."""
+    """Checkpoint name -> (model parameter name, row offset, rows) inside a fused parameter. A
+    part whose fused parameter the model lacks loads as itself (an MLP split for FP8 block scales)."""
     parts = name.split(".")
     if len(parts) >= 2 and parts[-2] in stacked:
         fused, index = stacked[parts[-2]]
-        sizes = part_sizes(fused, arch, world, dcp)
-        return ".".join([*parts[:-2], fused, parts[-1]]), sum(sizes[:index]), sizes[index]
+        target = ".".join([*parts[:-2], fused, parts[-1]])
+        if target in params or name not in params:
+            sizes = part_sizes(fused, arch, world, dcp, params[target].shape[0] if target in params else 0)
+            return target, sum(sizes[:index]), sizes[index]
     return name, None, None
 
 
@@ -194,13 +199,13 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
         place = place_expert(pname, ckpt.shape(name), arch, rank, world, ep)
         if place is not None and place.target is None:
             continue  # another EP rank's expert
-        target, offset, rows = (place.target, None, None) if place else _target(pname, arch, world, dcp, stacked)
+        target, offset, rows = _target(place.target if place else pname, arch, world, dcp, params, stacked)
         if target not in params:
             raise WeightError(f"checkpoint tensor '{name}' {ckpt.shape(name)} has no place in the "
                               f"{arch.architecture} model (unexpected tensor in {ckpt.model_dir})")
         dest = params[target].data
         if place is not None:  # an expert tensor under EP (load_model refuses EP with quantized weights)
-            read = qload.Loaded(ckpt.read_box(name, place.box), None, (target,))
+            read = qload.Loaded(ckpt.read_box(name, place.box), None, (place.target,))
         else:
             read = qload.read_quantized(ckpt, name, name_set, quant=quant, dest=dest, world=world, rank=rank,
                                         shard_fn=shard_fn)
@@ -327,6 +332,8 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
 
         def convert(model: CausalLM) -> None:
             if fp8:
+                if quant.block is not None:  # a block scale must not straddle gate and up
+                    split_unaligned_mlps(model, quant.block[0])
                 small_m = streaming is not SmallMGemm.OFF
                 chosen = fp8_modules(model, quant, names)
                 convert_linears(model, chosen, quant.block, small_m=small_m)

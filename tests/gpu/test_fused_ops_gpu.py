@@ -59,6 +59,51 @@ def test_act_and_mul_on_cuda(dtype, act):
     torch.testing.assert_close(out, fused_ops.act_and_mul(gate_up, act, use_triton=False), **TORCH_TOL[dtype])
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("inter", [1408, 10944])  # DeepSeek-V2-Lite's routed/shared experts (x2) and dense MLP
+def test_silu_and_mul_round_act_is_torch_bit_for_bit(dtype, inter):
+    """DeepSeek's GatedMLP: the fused kernel (round_act) must equal F.silu(gate) * up exactly."""
+    gate_up = _randn(64, 2 * inter, dtype=dtype, scale=4.0)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # saturation and the origin
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(fused_ops.act_and_mul(gate_up, "silu", round_act=True), torch.nn.functional.silu(gate) * up)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 64, 512])
+@pytest.mark.parametrize("inter", [1408 * 2, 10944])  # DeepSeek-V2-Lite: shared experts, dense layer 0
+def test_deepseek_mlp_fused_gate_up_is_the_unfused_mlp_bit_for_bit(tokens, inter):
+    """One gate_up GEMM and the round_act kernel against HF's gate GEMM, up GEMM, silu, mul (bf16)."""
+    from meshserve.workers.models.moe import GatedMLP
+
+    mlp = GatedMLP(2048, inter).to(device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(_randn(*p.shape, dtype=torch.bfloat16, scale=0.02))
+        x = _randn(tokens, 2048, dtype=torch.bfloat16, scale=1.0)
+        gate, up = mlp.gate_up_proj.weight.chunk(2)
+        F = torch.nn.functional
+        want = mlp.down_proj(F.silu(F.linear(x, gate)) * F.linear(x, up))
+        assert torch.equal(mlp(x), want)
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 256])
+@pytest.mark.parametrize(("hidden", "k", "shared"), [(2048, 6, True), (2880, 4, False), (7168, 8, True)],
+                         ids=["v2_lite", "gpt_oss", "v3"])  # fmt: skip
+def test_add_rms_norm_forms_a_deferred_moe_sum_as_torch_bit_for_bit(tokens, hidden, k, shared):
+    """bf16 MoE rows (weighted like the router's: 0..1) summed inside the norm, against the MoE's
+    own torch.sum over k (+ shared experts) then the norm: equal bit for bit (docs/engine.md:
+    the float32 partial sums are exact for bf16 rows within about 2^13 of each other)."""
+    parts = _randn(tokens, k, hidden, dtype=torch.float32, scale=0.3, seed=1)
+    parts = (parts * torch.rand(tokens, k, 1, device="cuda")).to(torch.bfloat16)
+    extra = _randn(tokens, hidden, dtype=torch.bfloat16, scale=0.3, seed=2) if shared else None
+    residual = _randn(tokens, hidden, dtype=torch.bfloat16, scale=1.0, seed=3)
+    weight = _randn(hidden, dtype=torch.bfloat16, scale=1.0, seed=4)
+    deferred = fused_ops.DeferredSum(parts, extra)
+    out, total = fused_ops.add_rms_norm(deferred, residual, weight, 1e-6)
+    want_out, want_total = fused_ops.add_rms_norm(deferred.total(), residual, weight, 1e-6)
+    assert int((total != want_total).sum()) == 0 and int((out != want_out).sum()) == 0
+
+
 def _fp8_ok() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 

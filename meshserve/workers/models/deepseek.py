@@ -107,6 +107,7 @@ class DeepseekDecoderLayer(nn.Module):
             self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
         else:
             self.mlp = MoE(arch.hidden_size, moe)
+            self.mlp.sum_in_norm = True  # its output goes straight to the next add_and_norm
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
 
@@ -119,7 +120,11 @@ class DeepseekDecoderLayer(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm.add_and_norm(x, residual)
-        h, residual = self.post_attention_layernorm.add_and_norm(self.self_attn(h, rope, rotary, ctx), residual)
+        attn = self.self_attn(h, rope, rotary, ctx)
+        if isinstance(self.mlp, MoE):  # the router computes in float32: the norm writes that copy too
+            h, residual, h_float = self.post_attention_layernorm.add_and_norm_float(attn, residual)
+            return self.mlp(h, h_float), residual
+        h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 
 
@@ -137,7 +142,8 @@ class DeepseekBody(nn.Module):
 class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
     """DeepSeek-V2/V3 over a packed batch of new tokens (a contract.GenerativeModel)."""
 
-    STACKED: dict[str, tuple[str, int]] = {}  # no fused parameters: every checkpoint tensor loads as is
+    # The MLPs' gate and up (dense, shared and routed experts) load into one gate_up_proj each.
+    STACKED: dict[str, tuple[str, int]] = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()

@@ -27,10 +27,10 @@ from meshserve.workers.models.moe import GatedMLP, MoE
 
 def _shard_mlp(mlp: GatedMLP, tp: int, ctx: ParallelContext | None) -> None:
     """Split the intermediate features; ctx given: the down projection all-reduces itself."""
-    hidden, inter = mlp.gate_proj.in_features, mlp.gate_proj.out_features
+    hidden, inter = mlp.gate_up_proj.in_features, mlp.intermediate_size
     check(inter % tp == 0, "tp", tp, f"a divisor of the MLP intermediate size {inter}")
-    mlp.gate_proj = nn.Linear(hidden, inter // tp, bias=False)
-    mlp.up_proj = nn.Linear(hidden, inter // tp, bias=False)
+    mlp.intermediate_size = inter // tp
+    mlp.gate_up_proj = nn.Linear(hidden, 2 * (inter // tp), bias=False)  # this rank's gate rows, then its up rows
     if ctx is None:
         mlp.down_proj = nn.Linear(inter // tp, hidden, bias=False)  # partial: the MoE sums once
     else:
@@ -49,6 +49,7 @@ def _shard_moe(moe: MoE, ctx: ParallelContext) -> None:
         _shard_mlp(expert, ctx.expert_tp, None)
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, ctx.expert_tp, None)
+    moe.sum_in_norm = False  # the all-reduce hook reads the summed output
     moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))
 
 

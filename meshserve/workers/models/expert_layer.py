@@ -25,6 +25,10 @@ class ExpertLayer(nn.Module, abc.ABC):
         super().__init__()
         self.fused = None  # fused_moe.ExpertWeights, set by pack_experts (CUDA)
         self.expert_shard = None  # expert_parallel.ExpertShard under --ep
+        # Whether the fused path may return its output unsummed (fused_ops.DeferredSum), for the
+        # next norm to sum: set by a decoder layer whose MoE output goes straight to the next
+        # add_and_norm; cleared where anything reads the output first (the TP all-reduce hook).
+        self.sum_in_norm = False
         # Rows routed to each local expert since start (load-balance statistics), on the device.
         self.register_buffer("expert_load", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
 

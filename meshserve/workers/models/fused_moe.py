@@ -68,22 +68,33 @@ class Alignment:
 ALIGN_KERNEL_MAX_ROWS = 2048  # up to here (decode batches) one Triton program aligns; torch ops beyond
 
 
-def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton: bool | None = None) -> Alignment:
+def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton: bool | None = None,
+               expert_load: torch.Tensor | None = None) -> Alignment:  # fmt: skip
     """Sort the T*k rows of ids [T, k] by expert, each expert's rows padded to block_m; ids
     outside [0, num_experts) are dropped. Graph-safe: no host sync, sizes from T, k, E only.
 
     use_triton None: on CUDA, for at most ALIGN_KERNEL_MAX_ROWS rows, one single-program kernel
     (a decode step's alignment in one launch instead of about fifteen); otherwise torch ops.
-    Both give the same result (rows of an expert in their original order).
+    Both give the same result (rows of an expert in their original order). expert_load [E]
+    int64, when given, gets each expert's row count added (the kernel adds them itself: no
+    launch of its own).
     """
     flat = ids.reshape(-1)
     n = flat.numel()
     max_padded = triton.cdiv(n + min(num_experts, n) * (block_m - 1), block_m) * block_m
     if n > 0 and (use_triton if use_triton is not None else (ids.is_cuda and n <= ALIGN_KERNEL_MAX_ROWS)):
-        return _align_with_kernel(flat, num_experts, block_m, max_padded)
+        return _align_with_kernel(flat, num_experts, block_m, max_padded, expert_load)
+    align = _align_with_torch(flat, num_experts, block_m, max_padded)
+    if expert_load is not None:
+        expert_load += align.tokens_per_expert
+    return align
+
+
+def _align_with_torch(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int) -> Alignment:
+    n = flat.numel()
     dropped = (flat < 0) | (flat >= num_experts)
     bucket = torch.where(dropped, num_experts, flat)  # dropped rows sort last, into bucket E
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, bucket, torch.ones_like(bucket))
     counts = counts[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
@@ -93,11 +104,11 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton:
     order = torch.argsort(bucket, stable=True)
     expert = bucket[order]
     safe = expert.clamp(max=num_experts - 1)
-    dest = padded_start[safe] + torch.arange(n, device=ids.device) - start[safe]
+    dest = padded_start[safe] + torch.arange(n, device=flat.device) - start[safe]
     dest = torch.where(expert == num_experts, max_padded, dest)  # dropped rows land past the end
-    sorted_rows = torch.full((max_padded + 1,), n, dtype=torch.int32, device=ids.device)
+    sorted_rows = torch.full((max_padded + 1,), n, dtype=torch.int32, device=flat.device)
     sorted_rows.scatter_(0, dest, order.to(torch.int32))
-    tile_start = torch.arange(0, max_padded, block_m, device=ids.device)
+    tile_start = torch.arange(0, max_padded, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, tile_start, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     return Alignment(sorted_rows[:max_padded], block_expert, counts, block_m)
@@ -105,8 +116,8 @@ def align_rows(ids: torch.Tensor, num_experts: int, block_m: int, *, use_triton:
 
 @triton.jit
 def _align_kernel(
-    ids_ptr, rows_ptr, block_expert_ptr, counts_ptr, n, num_experts, max_padded, num_tiles,
-    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+    ids_ptr, rows_ptr, block_expert_ptr, counts_ptr, load_ptr, n, num_experts, max_padded, num_tiles,
+    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr, ADD_LOAD: tl.constexpr,
 ):  # fmt: skip
     # One program. Rows are matched against every expert as a [CHUNK, E] one-hot, so counts,
     # ranks among an expert's rows and tile owners are sums and prefix sums of it.
@@ -121,6 +132,8 @@ def _align_kernel(
     padded_end = tl.cumsum(padded, axis=0)
     padded_start = padded_end - padded
     tl.store(counts_ptr + experts, counts.to(tl.int64), mask=e_ok)
+    if ADD_LOAD:  # the layer's load counters (one program: no other writer)
+        tl.store(load_ptr + experts, tl.load(load_ptr + experts, mask=e_ok, other=0) + counts.to(tl.int64), mask=e_ok)
     for start in range(0, max_padded, FILL):  # padding everywhere, then the rows over it
         p = start + tl.arange(0, FILL)
         tl.store(rows_ptr + p, tl.zeros([FILL], dtype=tl.int32) + n, mask=p < max_padded)
@@ -141,7 +154,8 @@ def _align_kernel(
         tl.store(block_expert_ptr + t, tl.where(owner < num_experts, owner, -1), mask=t < num_tiles)
 
 
-def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int) -> Alignment:
+def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_padded: int,
+                       expert_load: torch.Tensor | None) -> Alignment:  # fmt: skip
     device = flat.device
     rows = torch.empty(max_padded, dtype=torch.int32, device=device)
     tiles = max_padded // block_m
@@ -149,8 +163,13 @@ def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_p
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     e_pow2 = triton.next_power_of_2(num_experts)
     width = max(16, 8192 // e_pow2)  # [width, E] one-hot tiles of at most 8192 entries
-    _align_kernel[(1,)](flat.contiguous(), rows, block_expert, counts, flat.numel(), num_experts, max_padded,
-                        tiles, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=width, FILL=width, num_warps=4)  # fmt: skip
+    if expert_load is not None:
+        check(tuple(expert_load.shape) == (num_experts,) and expert_load.dtype == torch.int64, "expert_load",
+              f"{tuple(expert_load.shape)} {expert_load.dtype}", f"[{num_experts}] int64")  # fmt: skip
+    load = expert_load if expert_load is not None else counts  # (not read without ADD_LOAD)
+    _align_kernel[(1,)](flat.contiguous(), rows, block_expert, counts, load, flat.numel(), num_experts, max_padded,
+                        tiles, BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=width, FILL=width,
+                        ADD_LOAD=expert_load is not None, num_warps=4)  # fmt: skip
     return Alignment(rows, block_expert, counts, block_m)
 
 
@@ -253,7 +272,8 @@ def tile_config(num_rows: int, num_experts: int) -> TileConfig:
 
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
               config: TileConfig | None = None, alignment: Alignment | None = None,
-              may_drop: bool = False, expert_load: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+              may_drop: bool = False, expert_load: torch.Tensor | None = None,
+              sum_rows: bool = True) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
 
     x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
@@ -261,6 +281,8 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     lives on another rank). Returns [T, H] in x's dtype. Rows are sorted by expert
     (`alignment`, from align_rows with config.block_m, may be passed). expert_load [E] int64,
     when given, gets each expert's row count added (load statistics, from the alignment).
+    sum_rows False: the weighted rows [T, k, H] unsummed (torch.sum over k is the caller's, or
+    fused_ops.add_rms_norm's given them as a DeferredSum: one launch less).
     """
     T, k = ids.shape
     H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
@@ -268,14 +290,16 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     check(x.shape[0] == T and experts.w13.shape[2] == H, "x", tuple(x.shape), f"[{T}, {experts.w13.shape[2]}]")
     check(experts.w13.dtype == x.dtype, "x", x.dtype, f"the experts' dtype {experts.w13.dtype}")
     cfg = config or tile_config(T * k, E)
-    align = alignment or align_rows(ids, E, cfg.block_m)
+    if alignment is None:
+        align = align_rows(ids, E, cfg.block_m, expert_load=expert_load)
+    else:
+        align = alignment
+        if expert_load is not None:
+            expert_load += align.tokens_per_expert
     check(align.block_m == cfg.block_m, "alignment", align.block_m, f"block_m={cfg.block_m} of the tile config")
-    if expert_load is not None:
-        expert_load += align.tokens_per_expert
     n = T * k
-    out = torch.empty((T, H), dtype=x.dtype, device=x.device)
     if n == 0:
-        return out
+        return torch.empty((T, H) if sum_rows else (T, k, H), dtype=x.dtype, device=x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else None  # fp32: exact, as the reference
     h = torch.empty((n, inter), dtype=x.dtype, device=x.device)
@@ -300,6 +324,5 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
         BLOCK_M=cfg.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
         num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip
-    torch.sum(y.view(T, k, H), dim=1, out=out)
-    return out
+    return torch.sum(y.view(T, k, H), dim=1) if sum_rows else y.view(T, k, H)
 

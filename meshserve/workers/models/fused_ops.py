@@ -22,11 +22,14 @@ dtype, compute in float32 and round once when they store.
 from __future__ import annotations
 
 import functools
+import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from meshserve.attention.backend import KVCache
 from meshserve.attention.backends import cpu_step_ops
@@ -74,20 +77,48 @@ def fuses_rotary_write(qkv: torch.Tensor, kv_cache: KVCache | None) -> bool:
     return data.dtype == torch.float32 and data.is_contiguous() and _cpu_ops(None, qkv) is not None
 
 
+@dataclass(frozen=True)
+class DeferredSum:
+    """A layer output not yet formed: sum_j parts[:, j] (+ extra), in the activation dtype.
+
+    parts: [T, k, N] (an MoE layer's weighted expert rows, fused_moe(sum_rows=False));
+    extra: [T, N] or None (DeepSeek's shared experts). `total()` forms it as the MoE did,
+    torch.sum over k (float32 accumulation, rounded) then `+ extra` (rounded); `add_rms_norm`
+    on CUDA forms it inside its kernel instead, saving those launches.
+    """
+
+    parts: torch.Tensor
+    extra: torch.Tensor | None = None
+
+    def total(self) -> torch.Tensor:
+        out = torch.sum(self.parts, dim=1)
+        return out if self.extra is None else out + self.extra
+
+
 # ------------------------------------------------------------------------------------ rms_norm
 @triton.jit
 def _rms_norm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr,
-    stride_x_outer, stride_x_inner, rows_inner, stride_res,
+    x_ptr, extra_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, float_ptr,
+    stride_x_outer, stride_x_inner, rows_inner, stride_res, stride_extra,
     n, eps,
     HAS_RESIDUAL: tl.constexpr, UNIT_OFFSET: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PARTS: tl.constexpr, HAS_EXTRA: tl.constexpr, FLOAT_OUT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     # Row `row` of x viewed as [outer, inner, n]: a q/k norm reads heads of a strided qkv view.
     x_row = x_ptr + (row // rows_inner) * stride_x_outer + (row % rows_inner) * stride_x_inner
-    x = tl.load(x_row + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:  # a DeferredSum: x = round(sum_j parts[row, j]) (+ extra, rounded), as torch forms it
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(NUM_PARTS):  # parts [T, k, n]: rows_inner == 1, part j at j * n
+            acc += tl.load(x_row + j * n + cols, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(out_ptr.dtype.element_ty)
+        if HAS_EXTRA:
+            e = tl.load(extra_ptr + row * stride_extra + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + e.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_row + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         x = x.to(tl.float32) + r.to(tl.float32)
@@ -98,7 +129,10 @@ def _rms_norm_kernel(
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if UNIT_OFFSET:
         w = w + 1.0
-    tl.store(out_ptr + row * n + cols, (x * rstd * w).to(out_ptr.dtype.element_ty), mask=mask)
+    y = (x * rstd * w).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * n + cols, y, mask=mask)
+    if FLOAT_OUT:  # the rounded output once more, in float32 (out.float(), for a float32 consumer)
+        tl.store(float_ptr + row * n + cols, y.to(tl.float32), mask=mask)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, unit_offset: bool = False,
@@ -140,9 +174,16 @@ def _norm_constants(n: int, eps: float, device: torch.device) -> tuple[torch.Ten
                 torch.tensor(eps, dtype=torch.float32, device=device))
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+def add_rms_norm(x: torch.Tensor | DeferredSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
                  unit_offset: bool = False, use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s)."""
+    """s = x + residual (both [T, N], in their dtype); returns (rms_norm(s, weight), s).
+
+    x may be a DeferredSum (an MoE layer's unsummed output): the Triton kernel forms it as
+    DeferredSum.total() would, bit for bit, before the add; elsewhere total() runs first."""
+    if isinstance(x, DeferredSum):
+        if _on_triton(use_triton, x.parts):
+            return _launch_norm(x.parts, residual, weight, eps, unit_offset, deferred=x)
+        x = x.total()
     if not unit_offset and _cpu_ops(use_triton, x) is not None and residual.is_contiguous():
         return cpu_step_ops.add_rms_norm(x, residual, weight, eps)
     if not _on_triton(use_triton, x):
@@ -151,34 +192,73 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     return _launch_norm(x, residual, weight, eps, unit_offset)
 
 
+def add_rms_norm_float(x: torch.Tensor | DeferredSum, residual: torch.Tensor, weight: torch.Tensor, eps: float, *,
+                       use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """add_rms_norm's (out, s), and out in float32 too (exactly out.float()) for a consumer that
+    computes in float32 (DeepSeek's MoE router): the Triton kernel stores it beside out, which
+    saves the cast's launch; elsewhere it is out.float() (out itself for a float32 out)."""
+    parts = x.parts if isinstance(x, DeferredSum) else x
+    if parts.dtype != torch.float32 and _on_triton(use_triton, parts):
+        float_out = torch.empty((parts.shape[0], parts.shape[-1]), dtype=torch.float32, device=parts.device)
+        if isinstance(x, DeferredSum):
+            out, total = _launch_norm(x.parts, residual, weight, eps, False, deferred=x, float_out=float_out)
+        else:
+            out, total = _launch_norm(x, residual, weight, eps, False, float_out=float_out)
+        return out, total, float_out
+    out, total = add_rms_norm(x, residual, weight, eps, use_triton=use_triton)
+    return out, total, out.float()
+
+
 def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-                 unit_offset: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 unit_offset: bool, *, deferred: DeferredSum | None = None, float_out: torch.Tensor | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """x [..., N] (q/k norms: [T, heads, N], strided); `deferred` given: x is its parts [T, k, N]
+    and the normed rows are their sums [T, N] (+ deferred.extra). float_out (float32, shaped as
+    the output) receives the output again in float32."""
     n = x.shape[-1]
     check(0 < n <= MAX_HIDDEN, "hidden size", n, f"1..{MAX_HIDDEN} for the fused rms_norm")
     check(tuple(weight.shape) == (n,), "weight", tuple(weight.shape), f"shape [{n}]")
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    if x.dim() == 3:  # [T, heads, D]: a strided view of qkv (q/k norm) is read in place
-        rows, rows_inner, stride_outer, stride_inner = x, x.shape[1], x.stride(0), x.stride(1)
+    parts, extra = 0, None
+    if deferred is not None:  # the parts [T, k, N] read whole
+        check(x.dim() == 3, "parts", tuple(x.shape), "[T, k, N]")
+        parts, extra = x.shape[1], deferred.extra
+        x = x.contiguous()
+        rows, rows_inner, stride_outer, stride_inner = x, 1, x.stride(0), 0
+        shape = (x.shape[0], n)
+        if extra is not None:
+            check(tuple(extra.shape) == shape and extra.dtype == x.dtype, "extra",
+                  f"{tuple(extra.shape)} {extra.dtype}", f"shape {list(shape)} and dtype {x.dtype}")  # fmt: skip
+            extra = extra if extra.stride(-1) == 1 else extra.contiguous()
     else:
-        rows = x.reshape(-1, n)
-        rows_inner, stride_outer, stride_inner = 1, rows.stride(0), 0
-    num_rows = x.numel() // n
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        if x.dim() == 3:  # [T, heads, D]: a strided view of qkv (q/k norm) is read in place
+            rows, rows_inner, stride_outer, stride_inner = x, x.shape[1], x.stride(0), x.stride(1)
+        else:
+            rows = x.reshape(-1, n)
+            rows_inner, stride_outer, stride_inner = 1, rows.stride(0), 0
+        shape = x.shape
+    num_rows = math.prod(shape) // n
+    out = torch.empty(shape, dtype=x.dtype, device=x.device)
     total = None
     if residual is not None:
-        check(residual.shape == x.shape and residual.dtype == x.dtype, "residual",
-              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(x.shape)} and dtype {x.dtype}")
+        check(tuple(residual.shape) == tuple(shape) and residual.dtype == x.dtype, "residual",
+              f"{tuple(residual.shape)} {residual.dtype}", f"shape {list(shape)} and dtype {x.dtype}")
         residual = residual.reshape(-1, n)
         residual = residual if residual.stride(-1) == 1 else residual.contiguous()
-        total = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        total = torch.empty(shape, dtype=x.dtype, device=x.device)
+    if float_out is not None:
+        ok = tuple(float_out.shape) == tuple(shape) and float_out.dtype == torch.float32 and float_out.is_contiguous()
+        check(ok, "float_out", f"{tuple(float_out.shape)} {float_out.dtype}", f"a contiguous float32 {list(shape)}")
     if num_rows == 0:
         return out, total
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(num_rows,)](
-        rows, residual if residual is not None else rows, weight, out, total if total is not None else out,
+        rows, extra if extra is not None else rows, residual if residual is not None else rows, weight, out,
+        total if total is not None else out, float_out if float_out is not None else out,
         stride_outer, stride_inner, rows_inner, residual.stride(0) if residual is not None else 0,
-        n, eps,
+        extra.stride(0) if extra is not None else 0, n, eps,
         HAS_RESIDUAL=residual is not None, UNIT_OFFSET=unit_offset, BLOCK=block,
+        NUM_PARTS=parts, HAS_EXTRA=extra is not None, FLOAT_OUT=float_out is not None,
         num_warps=min(max(block // 512, 1), 16),
     )  # fmt: skip
     return out, total
@@ -186,13 +266,27 @@ def _launch_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 # ---------------------------------------------------------------------------------- act_and_mul
 @triton.jit
-def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, BLOCK: tl.constexpr):
+def _exact_exp(x, INTERPRETED: tl.constexpr):
+    """expf as CUDA's math library computes it (libdevice; tl.exp is ex2.approx on the GPU). The
+    interpreter (CPU tensors) has no libdevice: numpy's exp there."""
+    if INTERPRETED:
+        return tl.exp(x)
+    else:
+        return libdevice.exp(x)
+
+
+@triton.jit
+def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, ROUND_ACT: tl.constexpr,
+                        INTERPRETED: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     gate = tl.load(gu_ptr + t * stride_gu + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + t * stride_gu + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    if ACT == 0:  # silu; exp of -|gate| only, so that nothing overflows
+    if ROUND_ACT:  # torch's F.silu(gate) * up: x / (1 + expf(-x)) (IEEE division), rounded, times up, rounded
+        act = tl.math.div_rn(gate, 1.0 + _exact_exp(-gate, INTERPRETED))
+        act = act.to(out_ptr.dtype.element_ty).to(tl.float32)
+    elif ACT == 0:  # silu; exp of -|gate| only, so that nothing overflows
         e = tl.exp(-tl.abs(gate))
         act = gate * tl.where(gate >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     elif ACT == 1:  # gelu, erf form
@@ -205,15 +299,21 @@ def _act_and_mul_kernel(gu_ptr, out_ptr, stride_gu, inter, ACT: tl.constexpr, BL
     tl.store(out_ptr + t * inter + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = None) -> torch.Tensor:
+def act_and_mul(gate_up: torch.Tensor, act: str, *, round_act: bool = False,
+                use_triton: bool | None = None) -> torch.Tensor:  # fmt: skip
     """gate_up [T, 2I] (gate, then up) -> act(gate) * up [T, I] in gate_up's dtype.
 
     act: one of TORCH_ACTIVATIONS. The kernel computes in float32 and rounds once; the torch
-    path rounds act(gate) and the product separately, as the unfused MLP did.
+    path rounds act(gate) and the product separately, as the unfused MLP did. round_act (silu
+    only): the kernel too rounds silu(gate) before the product, with torch's CUDA formula
+    (x / (1 + expf(-x)), IEEE division), so that it gives F.silu(gate) * up bit for bit on the
+    GPU; the CPU takes the torch ops (the compiled CPU op is not bit-exact).
     """
     if act not in _ACT_CODE:  # (the message is built on failure only: this runs per layer per step)
         check(False, "act", act, f"one of {sorted(_ACT_CODE)}")
-    if act == "silu" and _cpu_ops(use_triton, gate_up) is not None:
+    if round_act and act != "silu":
+        check(False, "act", act, "'silu' with round_act")
+    if act == "silu" and not round_act and _cpu_ops(use_triton, gate_up) is not None:
         return cpu_step_ops.silu_and_mul(gate_up)
     if not _on_triton(use_triton, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
@@ -228,7 +328,8 @@ def act_and_mul(gate_up: torch.Tensor, act: str, *, use_triton: bool | None = No
         return out
     block = min(triton.next_power_of_2(inter), 1024)
     grid = (gu.shape[0], triton.cdiv(inter, block))
-    _act_and_mul_kernel[grid](gu, out, gu.stride(0), inter, ACT=_ACT_CODE[act], BLOCK=block, num_warps=4)
+    _act_and_mul_kernel[grid](gu, out, gu.stride(0), inter, ACT=_ACT_CODE[act], ROUND_ACT=round_act,
+                              INTERPRETED=not gu.is_cuda, BLOCK=block, num_warps=4)  # fmt: skip
     return out
 
 

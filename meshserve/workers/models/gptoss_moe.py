@@ -27,6 +27,7 @@ from meshserve.workers.models.arch import SwigluExperts
 from meshserve.workers.models.expert_layer import ExpertLayer
 from meshserve.workers.models.expert_parallel import shard_experts_for
 from meshserve.workers.models.fused_moe import ACT_SWIGLU_CLAMP, ExpertActivation, ExpertWeights
+from meshserve.workers.models.fused_ops import DeferredSum
 from meshserve.workers.models.moe import run_moe, select_experts
 from meshserve.workers.models.moe_routing import RoutingSpec
 
@@ -89,7 +90,8 @@ class SwigluMoE(ExpertLayer):
         self.fused = self.experts.packed()
         self.experts = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredSum:
+        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: moe.run_moe)."""
         weights, ids = self.route(x)
         return run_moe(self, x, weights, ids, None if self.experts is None else self.experts.run)
 
@@ -113,4 +115,5 @@ def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:
     bank.add_down_bias = ctx.expert_tp_rank == 0
     moe.expert_shard = shard
     moe.expert_load = torch.zeros(num, dtype=torch.int64)
+    moe.sum_in_norm = False  # the all-reduce hook reads the summed output
     moe.register_forward_hook(lambda module, args, out: all_reduce(out, ctx))

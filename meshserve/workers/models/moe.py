@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import meshserve.workers.models.fused_ops as fused_ops
 from meshserve.errors import check
 from meshserve.workers.models.deepseek_arch import MoEConfig
 from meshserve.workers.models.expert_layer import ExpertLayer
@@ -65,14 +66,15 @@ def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor |
 
 
 def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  run_expert: ExpertFn | None, *, may_drop: bool = False) -> torch.Tensor:
+                  run_expert: ExpertFn | None, *, may_drop: bool = False, sum_rows: bool = True) -> torch.Tensor:
     """The experts this rank holds on x [T, hidden] routed by (weights, ids) [T, k], fused when
     packed; counts each expert's rows into module.expert_load. ids past the local experts
-    (may_drop) contribute 0."""
+    (may_drop) contribute 0. sum_rows False (fused only): the weighted rows [T, k, hidden]."""
     num = module.expert_load.numel()
     fused: ExpertWeights | None = module.fused
     if fused is not None:
-        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load)
+        return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load,
+                         sum_rows=sum_rows)  # fmt: skip
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < num), flat, num)
     module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -80,13 +82,15 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
     return combine_experts(x, weights, ids, run_expert, num_experts=num)
 
 
-def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
             run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> torch.Tensor:  # fmt: skip
+            ) -> torch.Tensor | fused_ops.DeferredSum:  # fmt: skip
     """Routed experts (+ shared experts) of x [T, hidden]; weights, ids [T, k] from the router.
 
     Under expert parallelism (module.expert_shard set) the result holds only this rank's share
-    of the tokens, zeros elsewhere: the layer's all-reduce completes it.
+    of the tokens, zeros elsewhere: the layer's all-reduce completes it. Fused experts of a layer
+    whose output goes straight to the next add_and_norm (module.sum_in_norm) return a
+    DeferredSum: the weighted rows and the shared experts' output, summed inside that norm.
     """
     shard = module.expert_shard
     if shard is not None:
@@ -96,6 +100,9 @@ def run_moe(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torc
             return local_experts(module, xs, ws, ls, run_expert, may_drop=True)
 
         return dispatch_combine(x, weights, ids, shard, run_local, shared)
+    if module.sum_in_norm and module.fused is not None:
+        rows = local_experts(module, x, weights, ids, run_expert, sum_rows=False)  # [T, k, hidden]
+        return fused_ops.DeferredSum(rows, None if shared is None else shared(x))
     out = local_experts(module, x, weights, ids, run_expert)
     return out if shared is None else out + shared(x)
 
@@ -108,16 +115,51 @@ def _plain(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)): the dense layers, each routed expert and the shared experts."""
+    """down(silu(gate(x)) * up(x)): the dense layers, each routed expert and the shared experts.
+
+    gate and up are one matrix, gate_up_proj [2I, hidden] (gate rows, then up: the loader stacks
+    HF's gate_proj and up_proj, DeepseekForCausalLM.STACKED), and silu(gate) * up one kernel on
+    CUDA (fused_ops.act_and_mul with round_act: bit for bit F.silu(gate) * up). `split()` goes
+    back to two matrices where a fused one cannot hold the checkpoint's FP8 block scales.
+    """
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.intermediate_size = intermediate
+        self.gate_up_proj: nn.Module | None = nn.Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
+    def split(self) -> None:
+        """gate_proj and up_proj [I, hidden] as separate (new, uninitialised) linears, in the
+        fused one's dtype and device: for FP8 block scales whose blocks I does not fill."""
+        fused = self.gate_up_proj
+        hidden, like = fused.in_features, dict(dtype=fused.weight.dtype, device=fused.weight.device)
+        self.gate_proj = nn.Linear(hidden, self.intermediate_size, bias=False, **like)
+        self.up_proj = nn.Linear(hidden, self.intermediate_size, bias=False, **like)
+        self.gate_up_proj = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(fused_ops.act_and_mul(self.gate_up_proj(x), "silu", round_act=True))
+
+    def gate_up_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """[2I, hidden]: gate rows, then up, as the fused kernels read them (FP8 dequantized)."""
+        if self.gate_up_proj is not None:
+            return _plain(self.gate_up_proj, dtype)
+        return torch.cat((_plain(self.gate_proj, dtype), _plain(self.up_proj, dtype)))
+
+
+def split_unaligned_mlps(model: nn.Module, block_rows: int) -> list[str]:
+    """Split the fused gate_up of every GatedMLP of the (meta-device) `model` whose I rows per
+    part are not a multiple of block_rows, the FP8 scale blocks' rows: one block scale cannot
+    cover the end of gate and the start of up. Returns the modules split."""
+    split = []
+    for name, module in model.named_modules():
+        if isinstance(module, GatedMLP) and module.gate_up_proj is not None and module.intermediate_size % block_rows:
+            module.split()
+            split.append(name)
+    return split
 
 
 class Router(nn.Module):
@@ -138,11 +180,20 @@ class Router(nn.Module):
             nn.Parameter(torch.empty(moe.num_experts), requires_grad=False) if moe.correction_bias else None
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def hold_float32(self) -> None:
+        """Keep weight and bias in float32 (exactly their loaded values), as forward reads them:
+        no cast kernel per step (the fused path calls this once the experts are packed)."""
+        self.weight = nn.Parameter(self.weight.detach().float(), requires_grad=False)
+        if self.e_score_correction_bias is not None:
+            self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.detach().float(),
+                                                        requires_grad=False)  # fmt: skip
+
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
-        routing itself is moe_routing's (one Triton launch on CUDA)."""
+        routing itself is moe_routing's (one Triton launch on CUDA). x_float: x.float() when
+        the caller has it already (the norm before writes it: no cast launch)."""
         bias = self.e_score_correction_bias
-        return select_experts(F.linear(x.float(), self.weight.float()), self.spec,
+        return select_experts(F.linear(x.float() if x_float is None else x_float, self.weight.float()), self.spec,
                               None if bias is None else bias.float())  # fmt: skip
 
 
@@ -162,14 +213,16 @@ class MoE(ExpertLayer):
         """Switch to the fused kernels: the experts move to their layout; the modules are freed."""
         experts, dtype = self.experts, self.gate.weight.dtype
         self.fused = ExpertWeights(
-            w13=torch.stack([torch.cat((_plain(e.gate_proj, dtype), _plain(e.up_proj, dtype))) for e in experts]),
+            w13=torch.stack([e.gate_up_weight(dtype) for e in experts]),
             w2=torch.stack([_plain(e.down_proj, dtype) for e in experts]), b13=None, b2=None,
             activation=ExpertActivation(ACT_SILU))  # fmt: skip
         self.experts = None
+        self.gate.hold_float32()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        weights, ids = self.gate(x)  # [T, k] each
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor | fused_ops.DeferredSum:
+        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe); x_float: x in
+        float32 (exactly x.float()) for the router, when the caller has it."""
+        weights, ids = self.gate(x, x_float)  # [T, k] each
         experts = self.experts
         return run_moe(self, x, weights, ids, None if experts is None else (lambda e, xe: experts[e](xe)),
                        self.shared_experts)

@@ -25,6 +25,7 @@ from torch import nn
 import meshserve.workers.models.fused_ops as fused
 from meshserve.attention.backend import AttentionBackend, KVCache, LayerParams
 from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import check
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.decoder_only import DecoderOnlyLM
 from meshserve.workers.models.expert_layer import experts_graph_safe
@@ -91,9 +92,18 @@ class RMSNorm(nn.Module):
         # Statistics in float32; with unit_offset, as Gemma, normalised and scaled in float32.
         return fused.rms_norm(x, self.weight, self.eps, unit_offset=self.unit_offset)
 
-    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(norm(x + residual), x + residual); the sum is in the activation dtype."""
+    def add_and_norm(self, x: torch.Tensor | fused.DeferredSum,
+                     residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(norm(x + residual), x + residual); the sum is in the activation dtype. x may be an MoE
+        layer's unsummed output (fused_ops.DeferredSum), summed first."""
         return fused.add_rms_norm(x, residual, self.weight, self.eps, unit_offset=self.unit_offset)
+
+    def add_and_norm_float(self, x: torch.Tensor | fused.DeferredSum,
+                           residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        """add_and_norm's pair and the normed rows in float32 too (for DeepSeek's router; plain
+        norms only), stored by the same kernel on CUDA."""
+        check(not self.unit_offset, "unit_offset", True, "False for add_and_norm_float")
+        return fused.add_rms_norm_float(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -169,6 +179,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(arch, layer_idx)
         self.mlp = _mlp(arch)
+        if arch.experts is not None and not arch.sandwich_norms:
+            self.mlp.sum_in_norm = True  # its output goes straight to the next add_and_norm
 
         def norm() -> RMSNorm:
             return RMSNorm(arch.hidden_size, arch.rms_norm_eps, arch.norm_unit_offset)
@@ -254,6 +266,12 @@ class CausalLM(DecoderOnlyLM, nn.Module):
         super().finish_loading(device)
         if self.model.local_rotary is not None:
             self.model.local_rotary.reset_tables(device)
+        for layer in self.model.layers:
+            sinks = layer.self_attn.sinks
+            if sinks is not None and sinks.dtype != torch.float32:
+                # Every backend reads the sink logits in float32: held so (exactly the loaded values),
+                # not cast by a kernel per layer per step.
+                layer.self_attn.sinks = nn.Parameter(sinks.detach().float(), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """input_ids, positions: [T] int64. Returns final-normed hidden states [T, hidden]."""

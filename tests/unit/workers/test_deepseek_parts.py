@@ -71,6 +71,9 @@ def test_moe_layer_matches_hf(name):
             hf_names[f"experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
             hf_names[f"experts.{e}.up_proj.weight"] = gate_up[e, inter:]
             hf_names[f"experts.{e}.down_proj.weight"] = down[e]
+    for key in [k for k in hf_names if k.endswith("gate_proj.weight")]:  # our MLPs stack gate and up
+        stem = key.removesuffix("gate_proj.weight")
+        hf_names[f"{stem}gate_up_proj.weight"] = torch.cat((hf_names.pop(key), hf_names.pop(f"{stem}up_proj.weight")))
     missing = moe.load_state_dict(hf_names, strict=True)
     assert not missing.missing_keys
     x = torch.randn(9, arch.hidden_size, generator=torch.Generator().manual_seed(0))

@@ -82,7 +82,8 @@ def _oracle(x, weights, ids, ew: ExpertWeights) -> torch.Tensor:
 def test_align_rows_sorts_pads_and_counts(kind, T, use_triton):
     ids = _routing(kind, T, torch.Generator().manual_seed(T))
     block = 8
-    a = align_rows(ids, E, block, use_triton=use_triton)
+    load = torch.arange(E, dtype=torch.int64)  # counters so far: the kernel adds this step's in place
+    a = align_rows(ids, E, block, use_triton=use_triton, expert_load=load)
     flat = ids.reshape(-1)
     n = flat.numel()
     rows = a.sorted_rows.view(-1, block)
@@ -103,6 +104,7 @@ def test_align_rows_sorts_pads_and_counts(kind, T, use_triton):
     assert a.block_expert.tolist()[len(used) :] == [-1] * (len(a.block_expert) - len(used))
     want = torch.bincount(flat[(flat >= 0) & (flat < E)], minlength=E)
     assert torch.equal(a.tokens_per_expert, want)
+    assert torch.equal(load, torch.arange(E) + want)
     if use_triton:  # the one-program kernel and the torch ops agree exactly
         b = align_rows(ids, E, block, use_triton=False)
         assert torch.equal(a.sorted_rows, b.sorted_rows) and torch.equal(a.block_expert, b.block_expert)
@@ -201,3 +203,75 @@ def test_deepseek_moe_packed_matches_its_torch_code(scoring):
         moe.pack_experts()
         got = moe(x)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_router_held_in_float32_once_packed_routes_alike():
+    """Packing keeps the router's weight and correction bias in float32 (no cast per step): the
+    exact values of the model-dtype ones, so weights and ids do not change."""
+    cfg = MoEConfig(num_experts=8, top_k=2, moe_intermediate_size=INTER, num_shared_experts=1, num_groups=4,
+                    topk_groups=2, routed_scaling_factor=2.5, scoring="sigmoid", group_by="top2_sum",
+                    norm_topk_prob=True, correction_bias=True, first_k_dense_replace=0)  # fmt: skip
+    moe = MoE(H, cfg)
+    _fill(moe, 7)
+    moe = moe.to(torch.float16)
+    x = torch.randn(13, H, generator=torch.Generator().manual_seed(8)).to(torch.float16)
+    with torch.no_grad():
+        weights, ids = moe.gate(x)
+        moe.pack_experts()
+        assert moe.gate.weight.dtype == moe.gate.e_score_correction_bias.dtype == torch.float32
+        again, again_ids = moe.gate(x)
+    assert torch.equal(weights, again) and torch.equal(ids, again_ids)
+
+
+def test_gpt_oss_sinks_held_in_float32_after_loading(tmp_path):
+    """The sink logits every backend reads in float32 are kept so (the loaded values, exactly)."""
+    from safetensors.torch import load_file
+
+    from meshserve.workers.loader import load_model
+    from tests.tiny_models import write_checkpoint
+
+    write_checkpoint(tmp_path, "gpt_oss")
+    model = load_model(tmp_path, dtype="float16", progress=False)
+    sinks = [layer.self_attn.sinks for layer in model.model.layers]
+    assert all(s.dtype == torch.float32 for s in sinks)
+    state = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    for i, s in enumerate(sinks):
+        assert torch.equal(s, state[f"model.layers.{i}.self_attn.sinks"].to(torch.float16).float())
+
+
+@pytest.mark.parametrize(("name", "dtype"), [("deepseek_v3", "float32"), ("deepseek_v3", "float16"),
+                                           ("gpt_oss", "float32")])  # fmt: skip
+def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monkeypatch, name, dtype):
+    """The CUDA wiring in the interpreter (fused norms, experts packed): each MoE layer hands its
+    k weighted rows (+ shared experts) to the next layer's norm, and the last to the final norm
+    (DeepSeek's norm before the router writes its float32 copy too: float16); the logits equal,
+    bit for bit, those of the layers summing first, as the MoE did before."""
+    from meshserve.workers.models import expert_layer, fused_ops, moe
+    from tests.deepseek_models import write_deepseek
+    from tests.tiny_models import write_checkpoint
+    from tests.unit.workers.test_fused_ops import step_logits
+
+    if name == "gpt_oss":
+        write_checkpoint(tmp_path, name)
+    else:
+        write_deepseek(tmp_path, name)
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(expert_layer, "runs_fused", lambda device: True)
+    deferred = []
+    norm = fused_ops.add_rms_norm
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: deferred.append(
+        isinstance(x, fused_ops.DeferredSum)) or norm(x, *a, **kw))
+    got = step_logits(tmp_path, backend="TORCH", dtype=dtype)
+    assert any(deferred)  # MoE outputs arrived unsummed
+    # As before: each MoE layer sums its rows (torch.sum over k, + shared) and the norm kernel
+    # adds that (use_triton: where the compiled CPU ops would take the sum otherwise).
+    monkeypatch.setattr(fused_ops, "add_rms_norm", lambda x, *a, **kw: norm(
+        x.total(), *a, **kw, use_triton=True) if isinstance(x, fused_ops.DeferredSum) else norm(x, *a, **kw))
+    # and the router casts the norm's output itself
+    monkeypatch.setattr(fused_ops, "add_rms_norm_float", lambda x, r, w, eps: (*norm(x, r, w, eps), None))
+    router = moe.Router.forward
+    monkeypatch.setattr(moe.Router, "forward", lambda self, x, x_float=None: router(self, x))
+    want = step_logits(tmp_path, backend="TORCH", dtype=dtype)
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)

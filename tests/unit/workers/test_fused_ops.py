@@ -11,6 +11,7 @@ from meshserve.attention.backend import KVCache
 from meshserve.attention.backends.torch_ref import quantize_fp8
 from meshserve.attention.kernels.write_kv import write_kv
 from meshserve.attention.spec import AttentionSpec
+from meshserve.errors import ConfigError
 from meshserve.workers.models.arch import RopeScaling
 from meshserve.workers.models.fused_ops import (
     TORCH_ACTIVATIONS,
@@ -126,6 +127,53 @@ def _oracle_act(name: str, gate: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("deferred", [False, True], ids=["tensor", "deferred"])
+def test_add_rms_norm_float_writes_the_output_again_in_float32(dtype, deferred):
+    """DeepSeek's norm before the MoE router: the kernel stores out and out.float() (exactly)."""
+    from meshserve.workers.models.fused_ops import DeferredSum, add_rms_norm_float
+
+    g = _gen(3 + deferred)
+    T, N = 4, 200
+    x = torch.randn(T, N, generator=g).to(dtype)
+    given = DeferredSum(torch.randn(T, 2, N, generator=g).to(dtype), x) if deferred else x
+    residual, weight = torch.randn(T, N, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    out, total, out_float = add_rms_norm_float(given, residual, weight, 1e-6, use_triton=True)
+    want_out, want_total = add_rms_norm(given, residual, weight, 1e-6, use_triton=True)
+    assert torch.equal(out, want_out) and torch.equal(total, want_total)
+    assert out_float.dtype == torch.float32 and torch.equal(out_float, out.float())
+    cpu = add_rms_norm_float(given, residual, weight, 1e-6, use_triton=False)
+    assert torch.equal(cpu[2], cpu[0].float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("k", [1, 2, 6])
+@pytest.mark.parametrize("extra", [False, True], ids=["routed", "routed+shared"])
+def test_add_rms_norm_sums_a_deferred_moe_output_as_torch_did(dtype, k, extra):
+    """An MoE layer's unsummed output (k weighted rows per token, + the shared experts' row) summed
+    inside the norm kernel: out and the new residual equal, bit for bit, the kernel run on
+    torch.sum over k then `+ extra` (the MoE's own combine before). The kernel adds the k rows in
+    order in float32, torch.sum in its own order: the two agree whenever the float32 partial sums
+    are exact (bf16 rows within about 2^13 of each other in a column; docs/engine.md), so the rows
+    here lie on a grid of 2^-8 below 8 (exact sums, which still round to fp16: 14 bits)."""
+    from meshserve.workers.models.fused_ops import DeferredSum
+
+    g = _gen(k + 10 * extra)
+    T, N = 5, 300
+    parts = (torch.randint(-2047, 2048, (T, k, N), generator=g) / 256).to(dtype)
+    shared = torch.randn(T, N, generator=g).to(dtype) if extra else None
+    residual, weight = torch.randn(T, N, generator=g).to(dtype), torch.randn(N, generator=g).to(dtype)
+    deferred = DeferredSum(parts, shared)
+    out, total = add_rms_norm(deferred, residual, weight, 1e-6, use_triton=True)
+    want_out, want_total = add_rms_norm(deferred.total(), residual, weight, 1e-6, use_triton=True)
+    assert torch.equal(total, want_total) and torch.equal(out, want_out)
+    summed = parts.sum(1) if shared is None else parts.sum(1) + shared
+    assert torch.equal(deferred.total(), summed)
+    cpu_out, cpu_total = add_rms_norm(deferred, residual, weight, 1e-6, use_triton=False)  # the torch path
+    assert torch.equal(cpu_total, summed + residual)
+    torch.testing.assert_close(cpu_out, want_out, **TORCH_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("inter", [64, 300, 1100])  # 1100: more than one column block
 @pytest.mark.parametrize("act", sorted(TORCH_ACTIVATIONS))
@@ -137,6 +185,30 @@ def test_act_and_mul(dtype, tokens, inter, act):
     gate, up = gate_up.double().chunk(2, dim=-1)
     torch.testing.assert_close(out.double(), _oracle_act(act, gate) * up, **ORACLE_TOL[dtype])
     torch.testing.assert_close(out, act_and_mul(gate_up, act, use_triton=False), **TORCH_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_silu_and_mul_round_act_is_the_torch_ops(dtype, tokens):
+    """round_act (DeepSeek's MLPs): silu(gate) rounded before the product, as torch's CUDA
+    F.silu(gate) * up computes it (x / (1 + exp(-x)) in float32, rounded, times up, rounded).
+    Here the interpreter's exp (numpy's) meets torch's CPU exp: an ulp apart at times, which a
+    near-tie of the rounding can show; on the GPU both are CUDA's expf, and tests/gpu checks the
+    kernel bit for bit against F.silu(gate) * up, bf16 included. So: fp16 equal but for a few in
+    a thousand; fp32 (no rounding to absorb the exp's ulp) within an ulp or two."""
+    gate_up = (torch.randn(tokens, 2 * 1100, generator=_gen(tokens)) * 4).to(dtype)
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -1e-3])  # saturation and the origin
+    out = act_and_mul(gate_up, "silu", round_act=True, use_triton=True)
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    want = ((gate / (1.0 + torch.exp(-gate))).to(dtype).float() * up).to(dtype)
+    if dtype == torch.float16:
+        assert (out != want).float().mean() < 2e-3
+    torch.testing.assert_close(out, want, rtol=2 * torch.finfo(dtype).eps, atol=0)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(act_and_mul(gate_up, "silu", round_act=True, use_triton=False),
+                       torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ConfigError, match="round_act"):
+        act_and_mul(gate_up, "gelu", round_act=True)
 
 
 # -------------------------------------------------------------------------- rotary + KV write

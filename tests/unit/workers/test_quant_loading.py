@@ -183,10 +183,12 @@ def test_deepseek_fp8_tp_slices_mla_and_experts(tmp_path):
         torch.testing.assert_close(_deq(attn.o_proj), _deq(f_attn.o_proj)[:, r * 32:(r + 1) * 32], rtol=0, atol=0)
         torch.testing.assert_close(attn.kv_b_proj.weight, f_attn.kv_b_proj.weight[r * 64:(r + 1) * 64], rtol=0, atol=0)
         torch.testing.assert_close(_deq(attn.kv_a_proj_with_mqa), _deq(f_attn.kv_a_proj_with_mqa), rtol=0, atol=0)
-        for e in (0, 7):
-            torch.testing.assert_close(_deq(moe.experts[e].gate_proj),
-                                       _deq(f_moe.experts[e].gate_proj)[r * 16:(r + 1) * 16], rtol=0, atol=0)
+        for e in (0, 7):  # gate_up [2I, hidden]: a rank holds its slice of gate, then of up (16-row blocks)
+            gate, _ = _deq(moe.experts[e].gate_up_proj).chunk(2)
+            torch.testing.assert_close(gate, _deq(f_moe.experts[e].gate_up_proj).chunk(2)[0][r * 16:(r + 1) * 16],
+                                       rtol=0, atol=0)
             torch.testing.assert_close(_deq(moe.experts[e].down_proj),
                                        _deq(f_moe.experts[e].down_proj)[:, r * 16:(r + 1) * 16], rtol=0, atol=0)
-        torch.testing.assert_close(_deq(moe.shared_experts.up_proj),
-                                   _deq(f_moe.shared_experts.up_proj)[r * 16:(r + 1) * 16], rtol=0, atol=0)
+        _, up = _deq(moe.shared_experts.gate_up_proj).chunk(2)
+        torch.testing.assert_close(up, _deq(f_moe.shared_experts.gate_up_proj).chunk(2)[1][r * 16:(r + 1) * 16],
+                                   rtol=0, atol=0)

@@ -107,7 +107,7 @@ def test_quantized_checkpoint_matches_dequantized_oracle(tmp_path, case):
             # On CUDA finish_loading packs the experts for the fused kernels: FP8 experts must arrive
             # there dequantized (scales applied), equal to the float twin's experts.
             twin = ref_model.model.layers[1].mlp.experts
-            want = torch.stack([torch.cat((e.gate_proj.weight, e.up_proj.weight)) for e in twin])
+            want = torch.stack([e.gate_up_proj.weight for e in twin])  # the float twin's MLPs stay fused
             layer.mlp.pack_experts()
             assert layer.mlp.fused.w13.dtype == torch.float32
             torch.testing.assert_close(layer.mlp.fused.w13, want, atol=1e-6, rtol=1e-6)
