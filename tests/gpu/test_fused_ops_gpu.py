@@ -71,8 +71,10 @@ def test_silu_and_mul_round_act_is_torch_bit_for_bit(dtype, inter):
 
 @pytest.mark.parametrize("tokens", [1, 8, 64, 512])
 @pytest.mark.parametrize("inter", [1408 * 2, 10944])  # DeepSeek-V2-Lite: shared experts, dense layer 0
-def test_deepseek_mlp_fused_gate_up_is_the_unfused_mlp_bit_for_bit(tokens, inter):
-    """One gate_up GEMM and the round_act kernel against HF's gate GEMM, up GEMM, silu, mul (bf16)."""
+def test_deepseek_mlp_fused_gate_up_matches_the_unfused_mlp(tokens, inter):
+    """One gate_up GEMM and the round_act kernel against HF's gate GEMM, up GEMM, silu, mul (bf16),
+    and both against float64. Not bit for bit: cuBLAS may reduce a [2I] GEMM's K in another order
+    (another split-K choice) than an [I] one, which moves a bf16 output by one rounding."""
     from meshserve.workers.models.moe import GatedMLP
 
     mlp = GatedMLP(2048, inter).to(device="cuda", dtype=torch.bfloat16)
@@ -83,7 +85,13 @@ def test_deepseek_mlp_fused_gate_up_is_the_unfused_mlp_bit_for_bit(tokens, inter
         gate, up = mlp.gate_up_proj.weight.chunk(2)
         F = torch.nn.functional
         want = mlp.down_proj(F.silu(F.linear(x, gate)) * F.linear(x, up))
-        assert torch.equal(mlp(x), want)
+        got = mlp(x)
+        g64, u64 = (F.linear(x.double(), w.double()) for w in (gate, up))
+        ref = F.linear(F.silu(g64) * u64, mlp.down_proj.weight.double())
+        scale = ref.abs().max().item()
+        for out in (got, want):  # the same bf16 error budget for both formulations
+            torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2 * scale)
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=1e-2 * scale)
 
 
 @pytest.mark.parametrize("tokens", [1, 8, 256])

@@ -200,8 +200,8 @@ def test_small_m_gemm_on_swaps_deepseeks_mla_projections_and_shared_experts(tmp_
     streamed = {n for n, m in on.named_modules() if isinstance(m, StreamedLinear)}
     attn = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_a_proj", "q_b_proj",
                                                                           "kv_a_proj_with_mqa", "o_proj")}
-    mlp = {f"model.layers.0.mlp.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
-    shared = {f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")}
+    mlp = {f"model.layers.0.mlp.{p}" for p in ("gate_up_proj", "down_proj")}  # gate and up stacked
+    shared = {f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_up_proj", "down_proj")}
     assert streamed == attn | mlp | shared, sorted(streamed ^ (attn | mlp | shared))
     assert not any(isinstance(m, StreamedLinear) for m in auto.modules())
     tokens = torch.tensor([[3, 5, 7, 11]])
