@@ -162,7 +162,9 @@ def _align_with_kernel(flat: torch.Tensor, num_experts: int, block_m: int, max_p
     block_expert = torch.empty(tiles, dtype=torch.int32, device=device)
     counts = torch.empty(num_experts, dtype=torch.int64, device=device)
     e_pow2 = triton.next_power_of_2(num_experts)
-    width = max(16, 8192 // e_pow2)  # [width, E] one-hot tiles of at most 8192 entries
+    # [width, E] one-hot tiles of at most 8192 entries, and no wider than the rows need: a decode
+    # step's few rows (k at bs 1) take [16, E] tiles, not [8192 / E, E] ones mostly masked.
+    width = max(16, min(triton.next_power_of_2(max(flat.numel(), tiles)), 8192 // e_pow2))
     if expert_load is not None:
         check(tuple(expert_load.shape) == (num_experts,) and expert_load.dtype == torch.int64, "expert_load",
               f"{tuple(expert_load.shape)} {expert_load.dtype}", f"[{num_experts}] int64")  # fmt: skip

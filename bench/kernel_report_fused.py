@@ -1,0 +1,68 @@
+"""Compile the model-side fused kernels (workers/models/fused_ops.py, fused_moe.py) for a GPU
+target, with or without a GPU, and report registers, stack (spills) and shared memory.
+
+    python -m bench.kernel_report_fused [--arch 90] [--sass DIR]
+
+The launch interception of bench/kernel_report.py, at DeepSeek-V2-Lite / GPT-OSS-20B / V3 decode
+shapes: the norm that sums an MoE layer's deferred rows (k = 4, 6, 8, with and without the shared
+experts' row, with the float32 copy for the router), silu-and-mul with torch's rounding
+(`round_act`: libdevice's expf and IEEE division, which the CPU interpreter never compiles),
+and the MoE alignment that adds the load counters. A kernel that does not compile for sm_90
+fails here, not inside a device call. Put the device's Triton first on the path to match it
+(bench/kernel_report.py says how).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from bench.kernel_report import compile_report
+from meshserve.workers.models import fused_moe, fused_ops
+
+BF16 = torch.bfloat16
+
+
+def _launches():
+    def norm(tokens: int, k: int, hidden: int, shared: bool, router_copy: bool):
+        def run():
+            parts = torch.zeros(tokens, k, hidden, dtype=BF16)
+            extra = torch.zeros(tokens, hidden, dtype=BF16) if shared else None
+            residual, weight = torch.zeros(tokens, hidden, dtype=BF16), torch.ones(hidden, dtype=BF16)
+            float_out = torch.empty(tokens, hidden) if router_copy else None
+            fused_ops._launch_norm(parts, residual, weight, 1e-6, False, deferred=fused_ops.DeferredSum(parts, extra),
+                                   float_out=float_out)  # fmt: skip
+
+        return run
+
+    def act_and_mul(tokens: int, inter: int):
+        def run():
+            gate_up, out = torch.zeros(tokens, 2 * inter, dtype=BF16), torch.empty(tokens, inter, dtype=BF16)
+            block = min(triton.next_power_of_2(inter), 1024)
+            fused_ops._act_and_mul_kernel[(tokens, triton.cdiv(inter, block))](
+                gate_up, out, gate_up.stride(0), inter, ACT=0, ROUND_ACT=True, INTERPRETED=False, BLOCK=block,
+                num_warps=4)  # fmt: skip
+
+        return run
+
+    def align(tokens: int, k: int, experts: int, block_m: int):
+        def run():
+            ids = torch.zeros(tokens * k, dtype=torch.int64)
+            max_padded = triton.cdiv(tokens * k + min(experts, tokens * k) * (block_m - 1), block_m) * block_m
+            fused_moe._align_with_kernel(ids, experts, block_m, max_padded, torch.zeros(experts, dtype=torch.int64))
+
+        return run
+
+    return [
+        ("norm v2-lite k6+shared+router", norm(1, 6, 2048, True, True)),
+        ("norm gpt-oss k4", norm(64, 4, 2880, False, False)),
+        ("norm v3 k8+shared+router", norm(256, 8, 7168, True, True)),
+        ("silu*up round_act 1408x2", act_and_mul(1, 2816)),
+        ("silu*up round_act 10944", act_and_mul(64, 10944)),
+        ("align k6 E64 +load", align(1, 6, 64, 16)),
+        ("align k4 E32 +load", align(256, 4, 32, 64)),
+    ]
+
+
+if __name__ == "__main__":
+    raise SystemExit(compile_report(_launches(), __doc__.splitlines()[0]))
