@@ -82,6 +82,33 @@ def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
     return graph.replay
 
 
+def graph_replay_ms(step: Callable[[], object], *, warmups: int = 2,
+                    replays: int = 20) -> tuple[list[float], torch.cuda.CUDAGraph]:  # fmt: skip
+    """step() captured in one CUDA graph (after `warmups` runs on a side stream: compiles, probes
+    and lazily allocated buffers stay outside the capture), then ms of each of `replays` timed
+    replays (CUDA events), and the graph (for its kernel count; the caller drops it)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times, graph
+
+
 def time_us(fn: Callable[[], object], device: str, iters: int) -> float:
     """Median time of fn() in microseconds: CUDA events on CUDA, the host clock elsewhere."""
     for _ in range(3):

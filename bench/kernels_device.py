@@ -42,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.common import graph_replay_ms  # noqa: E402 (the repository on the path first: run as a script)
+
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 EXTRA_SHAPES = {"qkv_tp8": (768, 4096), "kv_a_mla": (576, 7168)}
 SMOKE_SHAPES = {"qkv": (192, 256), "o": (128, 128), "gate_up": (320, 128), "down": (128, 384)}
@@ -323,26 +325,7 @@ def graphs(shapes, device: str, dtype, best: int, best_cores: int | None, failed
                     step()
                     rows.append({"m": m, "method": method, "ms": float("nan"), "tbs": 0.0})
                     continue
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    step()
-                    step()  # compiles, probes and counters outside the capture
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                graph.replay()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(20):
-                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    start.record()
-                    graph.replay()
-                    end.record()
-                    end.synchronize()
-                    times.append(start.elapsed_time(end))
-                del graph
+                times, _ = graph_replay_ms(step)  # compiles, probes and counters outside the capture
             except Exception as exc:  # noqa: BLE001 - one method's failure must not lose the rest
                 print(f"graph M={m} {method}: failed ({str(exc).splitlines()[0][:120]})", flush=True)
                 continue

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import graph_replay_ms
+
 SHAPES = {
     "llama3-8b": {"qkv": (6144, 4096, False), "o": (4096, 4096, False), "gate_up": (28672, 4096, False),
                   "down": (4096, 14336, False)},
@@ -179,25 +181,7 @@ def _graph_ms(step, device: str) -> float:
     if device == "cpu":
         step()
         return float("nan")
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()  # compiles and counters outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
+    times, _ = graph_replay_ms(step, warmups=1)  # compiles and counters outside the capture
     return statistics.median(times)
 
 

@@ -12,6 +12,8 @@ import time
 
 import torch
 
+from bench.common import graph_replay_ms
+
 GRAPH_METHODS = ("bf16_cublas", "bf16_small_m", "fp8_small_m_block", "fp8_small_m_channel", "fp8_block_wired",
                  "fp8_block_cublas", "fp8_channel_wired", "fp8_channel_rescale")
 _BLOCK_METHODS = ("fp8_small_m_block", "fp8_block_wired", "fp8_block_cublas")
@@ -94,25 +96,7 @@ def decode_graphs(shapes, *, layers: int, device: str) -> list[dict]:
             step()
             results.append({"method": method, "ms": (time.perf_counter() - t) * 1e3, "tbs": 0.0, "kernels": "?"})
             continue
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                step()  # compile and warm up outside the capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(20):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times, graph = graph_replay_ms(step)  # compile and warm up outside the capture
         ms = statistics.median(times)
         results.append({"method": method, "ms": ms, "tbs": nbytes / ms / 1e9, "weight_gb": nbytes / 1e9,
                         "kernels": _kernels_per_replay(graph)})
