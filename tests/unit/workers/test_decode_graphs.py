@@ -14,6 +14,7 @@ from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.errors import ConfigError
 from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes, graph_refusal
+from meshserve.workers.models.expert_layer import expert_layers
 from meshserve.workers.step import ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
@@ -94,8 +95,8 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
 
 
 def _buffers(graphs: DecodeGraphs) -> list[torch.Tensor]:
-    return [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens, *graphs.block_tables,
-            *graphs.slot_mappings]  # fmt: skip
+    return [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens, graphs.num_real_tokens,
+            *graphs.block_tables, *graphs.slot_mappings]  # fmt: skip
 
 
 def _check_contract(eager, static, graphs: DecodeGraphs, seen, used, ptrs) -> None:
@@ -111,9 +112,13 @@ def _check_contract(eager, static, graphs: DecodeGraphs, seen, used, ptrs) -> No
         torch.testing.assert_close(a.data[1:], b.data[1:], rtol=1e-5, atol=1e-5)
     # Padded rows' slot mapping points at the null slot.
     assert graphs.slot_mappings[0][3].item() == NULL_SLOT
+    # MoE layers: padded rows went to no expert, so every layer counted what the eager run did.
+    loads = [m.expert_load.tolist() for m in expert_layers(static.model)]
+    assert loads == [m.expert_load.tolist() for m in expert_layers(eager.model)]
+    assert graphs.num_real_tokens.item() == 1  # the last step: one row (bucket 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
 def test_static_decode_equals_eager_and_keeps_its_contract(tmp_path, arch):
     write_checkpoint(tmp_path / arch, arch)
     eager_w, static_w = _worker(tmp_path / arch), _worker(tmp_path / arch)
