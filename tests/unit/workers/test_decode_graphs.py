@@ -149,6 +149,43 @@ def test_deepseek_static_decode_equals_eager_and_the_torch_mla_reference(tmp_pat
     assert plan.decode_plan.partition == 0 and plan.decode_plan.num_splits > 1
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_moe_static_decode_on_the_fused_kernels_drops_padding_rows(tmp_path, monkeypatch, name):
+    """The CUDA wiring in the interpreter: the routing kernel, fused_moe and the MoE sum deferred
+    into the next norm kernel. A padded bucket's rows come out of the routing with no expert and
+    out of fused_moe as zeros (not the output buffer's garbage: that sum is in the real rows'
+    norm kernel launch); tokens and every layer's load equal the eager fused run's."""
+    import meshserve.workers.models.expert_layer as expert_layer
+    import meshserve.workers.models.fused_ops as fused_ops
+    import meshserve.workers.models.moe as moe
+    from meshserve.workers.models.routing_kernel import route_triton
+
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(expert_layer, "runs_fused", lambda device: True)
+    monkeypatch.setattr(moe, "route_torch", route_triton)  # select_experts' CPU branch: the kernel
+    fused = moe.fused_moe
+    padded = []
+
+    def spy(x, weights, ids, experts, **kw):
+        out = fused(x, weights, ids, experts, **kw)
+        real = kw.get("num_real_tokens")
+        if real is not None and int(real) < x.shape[0]:
+            padded.append(bool((ids[int(real) :] == -1).all() and (out[int(real) :] == 0).all()))
+        return out
+
+    monkeypatch.setattr(moe, "fused_moe", spy)
+    path = tmp_path / name
+    write_deepseek(path, name) if name.startswith("deepseek") else write_checkpoint(path, name)
+    eager_w, static_w = _worker(path), _worker(path)
+    static = static_w.runner
+    assert all(m.fused is not None for m in expert_layers(static.model))  # packed: the fused path
+    graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
+    ptrs = [t.data_ptr() for t in _buffers(graphs)]
+    seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups)
+    _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
+    assert padded and all(padded)
+
+
 def test_mla_graph_refusals_name_the_backend(tmp_path):
     from meshserve.attention.mla.sparse_layer import SparseMLAAttention
     from tests.unit.attention.mla_cases import MLA_BY_NAME
