@@ -3,14 +3,15 @@ target, with or without a GPU, and report registers, stack (spills) and shared m
 
     python -m bench.kernel_report_fused [--arch 90] [--sass DIR]
 
-The launch interception of bench/kernel_report.py, at DeepSeek-V2-Lite / GPT-OSS-20B / V3 decode
-shapes: the routing kernel with and without a graph bucket's real-row count, a padded bucket's
-fused MoE (the down kernel's extra programs that zero the padding rows), the norm that sums an MoE layer's deferred rows (k = 4, 6, 8, with and without the shared
-experts' row, with the float32 copy for the router), silu-and-mul with torch's rounding
-(`round_act`: libdevice's expf and IEEE division, which the CPU interpreter never compiles),
-and the MoE alignment that adds the load counters. A kernel that does not compile for sm_90
-fails here, not inside a device call. Put the device's Triton first on the path to match it
-(bench/kernel_report.py says how).
+The launch interception of bench/kernel_report.py, at DeepSeek-V2-Lite / GPT-OSS-20B / V3
+decode shapes: the routing kernel with and without a graph bucket's real-row count, a padded
+bucket's fused MoE (the down kernel's extra programs that zero the padding rows), the norm that
+sums an MoE layer's deferred rows (k = 4, 6, 8, with and without the shared experts' row, with
+the float32 copy for the router), silu-and-mul with torch's rounding (`round_act`: libdevice's
+expf and IEEE division, which the CPU interpreter never compiles), and the MoE alignment that
+adds the load counters. A kernel that does not compile for sm_90 fails here, not inside a
+device call. Put the device's Triton first on the path to match it (bench/kernel_report.py says
+how).
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ def _launches():
             ew = fused_moe.ExpertWeights(w13=torch.zeros(experts, 2 * inter, hidden, dtype=BF16),
                                          w2=torch.zeros(experts, hidden, inter, dtype=BF16), b13=None, b2=None,
                                          activation=fused_moe.ExpertActivation(fused_moe.ACT_SILU))  # fmt: skip
-            ids = torch.zeros(tokens, k, dtype=torch.int64)
+            ids, real = torch.zeros(tokens, k, dtype=torch.int64), torch.full((1,), tokens - 1, dtype=torch.int32)
             fused_moe.fused_moe(torch.zeros(tokens, hidden, dtype=BF16), torch.zeros(tokens, k), ids, ew,
-                                sum_rows=False, num_real_tokens=torch.full((1,), tokens - 1, dtype=torch.int32))
+                                sum_rows=False, num_real_tokens=real)  # fmt: skip
 
         return run
 
