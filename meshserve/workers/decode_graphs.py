@@ -6,7 +6,9 @@ static buffers that every graph reads (token ids, positions, sequence lengths, b
 and slot mappings per KV layer group), so a replay launches the whole forward pass — every
 layer and the LM head — as one graph. Rows n..b-1 are padding: token 0 at position 0 with one
 key, block table row [0] and slot 0, i.e. they read and write only the null block 0 that the
-KV store never hands out, and their logits are never sampled. MLA layers (DeepSeek) take part
+KV store never hands out, and their logits are never sampled; MoE layers route them to no
+expert (ForwardContext.num_real_tokens: n, a static buffer too), so no expert's weights are
+read for them and the load counters count only the n real rows. MLA layers (DeepSeek) take part
 through their MLAAttention, whose decode backend plans for the graph; their one latent row per
 token goes to the same null slot.
 
@@ -87,13 +89,16 @@ class DecodeGraphs:
         # Device buffers, written in place before every replay (their addresses are in the graphs).
         # The per-row inputs are rows of two slabs, so that one host-to-device copy per dtype
         # fills them all: int64 [input_ids, positions, slot mapping per group], int32 [seq_lens,
-        # context_lens]; block tables have one buffer per group.
+        # context_lens, (the step's real row count n, then unused)]; block tables have one buffer per group.
         self._slab64 = torch.zeros(2 + self.num_groups, b, dtype=torch.int64, device=device)
-        self._slab32 = torch.zeros(2, b, dtype=torch.int32, device=device)
+        self._slab32 = torch.zeros(3, b, dtype=torch.int32, device=device)
         self.input_ids, self.positions = self._slab64[0], self._slab64[1]
         self.slot_mappings = [self._slab64[2 + g] for g in range(self.num_groups)]  # NULL_SLOT when unused
         self.seq_lens, self.context_lens = self._slab32[0], self._slab32[1]
+        self.num_real_tokens = self._slab32[2, :1]  # [1]: rows [n, b) of a bucket b are padding
         self.seq_lens.fill_(1)
+        # 0 until the first step: the warm-ups before capture route every row to no expert (they
+        # compile the same kernels) and leave the MoE load counters as they were.
         self.query_start_loc = torch.arange(b + 1, dtype=torch.int32, device=device)  # one token per row
         self.block_tables = [torch.zeros(b, width, dtype=torch.int32, device=device) for _ in range(self.num_groups)]
         self._decode_qsl = np.arange(b + 1)  # one new token per row
@@ -140,7 +145,7 @@ class DecodeGraphs:
                     plans[key] = (backend, backend.plan_for_graph(metas[g]))
                 layers.append(LayerAttention(backend, plans[key][1], kv, self.slot_mappings[g][:b]))
             self._plans[b] = [(backend, g, plan) for (_, g), (backend, plan) in plans.items()]
-            self._contexts[b] = ForwardContext(layers=layers)
+            self._contexts[b] = ForwardContext(layers=layers, num_real_tokens=self.num_real_tokens)
         return self._contexts[b]
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -214,10 +219,11 @@ class DecodeGraphs:
         slab64 = np.zeros((2 + self.num_groups, self.max_batch), np.int64)  # padding: token 0, position 0, NULL_SLOT
         slab64[0, :n] = token_ids
         slab64[1, :n] = context_lens
-        slab32 = np.zeros((2, self.max_batch), np.int32)
+        slab32 = np.zeros((3, self.max_batch), np.int32)
         slab32[0] = 1  # padding rows: one key (the null slot)
         slab32[0, :n] = context_lens + 1
         slab32[1, :n] = context_lens
+        slab32[2, 0] = n  # num_real_tokens: MoE layers route rows n.. to no expert
         seq_lens = slab32[0, :b]
         padded = []
         for g in range(self.num_groups):

@@ -19,7 +19,9 @@ one graph and one attention kernel per layer.
 
 Rows n..T-1 are padding: they compute on stale token ids and positions (whatever an earlier
 step left there: valid values), write no K/V (slot -1 skips the write), are never attended to
-(the attention runs on rows [:n] only) and never reach the sampler.
+(the attention runs on rows [:n] only) and never reach the sampler. MoE layers route them to no
+expert (ForwardContext.num_real_tokens: n, in a static buffer filled before each replay), so
+they cost no expert weight reads and are not counted in the load counters.
 
 Without capture (`capture=False`) the same static path runs eagerly, attention in between:
 that is how the CPU tests check the contract (tokens equal to the plain eager forward's).
@@ -147,6 +149,9 @@ class PiecewiseGraphs:
         num_groups = max(self.layer_groups) + 1
         self.slot_mappings = [torch.full((t,), SKIP_SLOT, dtype=torch.int64, device=device)
                               for _ in range(num_groups)]  # fmt: skip
+        # [1] the step's token count n: MoE layers route the bucket's rows n.. to no expert. 0 until
+        # the first step: the warm-ups route every row to no expert and count nothing.
+        self.num_real_tokens = torch.zeros(1, dtype=torch.int32, device=device)
         self._first_layer = [self.layer_groups.index(g) for g in range(num_groups)]
         # q, k, v in, the attention output back, the final hidden states out: one buffer each of
         # max_tokens rows, made at the first (uncaptured) run; every bucket's graphs use its rows [:T].
@@ -235,7 +240,8 @@ class PiecewiseGraphs:
         layers = [LayerAttention((_SplitMLA if isinstance(b, MLAAttention) else _SplitBackend)(self, b, i), None, kv,
                                  self.slot_mappings[g][:t])
                   for i, (b, kv, g) in enumerate(zip(self.backends, self.kv_caches, self.layer_groups))]  # fmt: skip
-        hidden = self.model(self.input_ids[:t], self.positions[:t], ForwardContext(layers=layers))
+        ctx = ForwardContext(layers=layers, num_real_tokens=self.num_real_tokens)
+        hidden = self.model(self.input_ids[:t], self.positions[:t], ctx)
         self._copy_in("hidden", hidden)
 
     def _begin_segment(self) -> None:
@@ -299,6 +305,7 @@ class PiecewiseGraphs:
         check(len(layers) == len(self.backends), "layers", len(layers), f"{len(self.backends)} (one per layer)")
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
+        self.num_real_tokens.fill_(n)
         for g, first in enumerate(self._first_layer):
             self.slot_mappings[g][:n].copy_(layers[first].slot_mapping)
             if t > n:

@@ -195,6 +195,8 @@ class Worker:
             except Exception as exc:  # (a model whose forward cannot be captured serves eagerly, not fail)
                 log.warning("steps with prefill tokens run eagerly: their piecewise graphs could not be captured "
                             "(%s: %s)", type(exc).__name__, exc)
+        for layer in self.runner.model.expert_layers():  # start-up's forwards (the peak's probe) served no request
+            layer.expert_load.zero_()
         if self.device.type == "cuda":
             # A decode step allocates thousands of small objects; the collector's full passes
             # would otherwise walk everything start-up made (a host profile at batch 256 showed ~28 ms

@@ -177,6 +177,43 @@ def test_moe_layer_with_routing_kernel_replays_in_a_cuda_graph(request, family, 
             torch.testing.assert_close(out, moe(static))
 
 
+@pytest.mark.parametrize("T, real", [(4, 3), (64, 41)])
+@pytest.mark.parametrize("family", ["gpt_oss", "deepseek"])
+def test_moe_layer_drops_padding_rows_in_a_cuda_graph(request, family, T, real):
+    """A graph bucket of T rows whose first `real` are tokens (num_real_tokens, a static buffer
+    written before each replay): the real rows equal an eager run without the count, the padding
+    rows' routed output is 0 (DeepSeek: the shared experts' alone), and the counters advance by
+    real * k (the eager references count too: read before them)."""
+    moe = copy.deepcopy(request.getfixturevalue(f"{family}_layer"))
+    moe.pack_experts()
+    hidden, k = (2880, 4) if family == "gpt_oss" else (2048, 6)
+    static = torch.randn(T, hidden, device="cuda", dtype=torch.bfloat16)
+    count = torch.full((1,), T, dtype=torch.int32, device="cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                moe(static, num_real_tokens=count)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(static, num_real_tokens=count)
+        shared = moe.shared_experts if family == "deepseek" else None
+        for n in (real, T, 0):
+            static.copy_(torch.randn(T, hidden, device="cuda", generator=torch.Generator(device="cuda").manual_seed(n)))
+            count.fill_(n)
+            before = moe.expert_load.sum().item()
+            graph.replay()
+            torch.cuda.synchronize()
+            assert moe.expert_load.sum().item() == before + n * k
+            # References over the same T rows (the same router GEMM: no near-tie flips between shapes).
+            torch.testing.assert_close(out[:n], moe(static)[:n])
+            pad = out[n:]
+            assert torch.isfinite(pad).all()
+            torch.testing.assert_close(pad, torch.zeros_like(pad) if shared is None else shared(static)[n:])
+
+
 NEW_TOKENS = 16
 
 
@@ -196,20 +233,30 @@ def _llm(path, dtype, *, enforce_eager, backend=None):
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])
 def test_moe_decode_graphs_equal_eager(tiny, arch):
-    """Attention (DeepSeek: MLA, TRITON decode) and the fused experts in one decode graph per bucket."""
+    """Attention (DeepSeek: MLA, TRITON decode) and the fused experts in one decode graph per bucket.
+    6 sequences fill bucket 8 with 2 padding rows: they run on no expert, so each MoE layer counts
+    k rows per real token, as the eager run does (and start-up's warm-ups count nothing)."""
     path, _ = tiny[arch]
     batch = prompts(6, seed=3, min_len=5, max_len=40)
     params = SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True)
+
+    def routed_rows(llm) -> list[int]:  # per MoE layer (sums: near-tie choices may differ, counts may not)
+        return [int(m.expert_load.sum()) for m in llm.core.executor.worker.runner.model.expert_layers()]
+
     graphs = _llm(path, "bfloat16", enforce_eager=False, backend="TRITON")
     worker = graphs.core.executor.worker
     assert worker.runner.model.cuda_graph_safe  # the experts run fused
     assert worker.runner.decode_graphs is not None, "the decode steps did not capture graphs"
+    assert set(routed_rows(graphs)) == {0}  # the warm-ups and the activation probe counted nothing
     got = [o.token_ids for o in graphs.generate(batch, params)]
     assert worker.runner.decode_graphs.num_steps > 0
+    got_rows = routed_rows(graphs)
     graphs.shutdown()
     eager = _llm(path, "bfloat16", enforce_eager=True, backend="TRITON")
     want = [o.token_ids for o in eager.generate(batch, params)]
     assert got == want
+    want_rows = routed_rows(eager)
+    assert got_rows == want_rows and want_rows[0] > 0
 
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "deepseek_v3"])

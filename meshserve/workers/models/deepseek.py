@@ -123,7 +123,7 @@ class DeepseekDecoderLayer(nn.Module):
         attn = self.self_attn(h, rope, rotary, ctx)
         if isinstance(self.mlp, MoE):  # the router computes in float32: the norm writes that copy too
             h, residual, h_float = self.post_attention_layernorm.add_and_norm_float(attn, residual)
-            return self.mlp(h, h_float), residual
+            return self.mlp(h, h_float, num_real_tokens=ctx.num_real_tokens), residual
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
         return self.mlp(h), residual
 

@@ -12,7 +12,8 @@ a one-row-per-program decode path lost to it on the H200 and was removed, docs/p
 Nothing here reads a value back to the host: every buffer is sized by the worst case (each
 non-empty expert pads at most BLOCK_M - 1 rows) and tiles past the used ones exit at once, so a
 CUDA graph can capture the whole layer. Empty experts own no tile; a token whose id is outside
-[0, E) (expert parallelism: an expert another rank holds) is dropped and contributes 0.
+[0, E) (expert parallelism: an expert another rank holds; a row padding a CUDA-graph bucket)
+is dropped and contributes 0.
 
 Weights use the kernel's layout, built once at load time by the model (`ExpertWeights`): both
 projections row-major with the reduction dimension contiguous, gate rows before up rows. The
@@ -219,14 +220,23 @@ def _gate_up_kernel(
              mask=row_ok[:, None] & col_ok[None, :])  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tiles", "top_k"])  # (read only with ZERO_PADDING: no variants)
 def _down_kernel(
-    h_ptr, w_ptr, b_ptr, route_ptr, y_ptr, rows_ptr, block_expert_ptr,
-    num_rows, hidden, inter, stride_we, stride_wn,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr,
+    h_ptr, w_ptr, b_ptr, route_ptr, y_ptr, rows_ptr, block_expert_ptr, real_ptr,
+    num_rows, hidden, inter, stride_we, stride_wn, num_tiles, top_k,
+    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, ZERO_PADDING: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     # Program (m, n): tile m of the sorted rows, output columns n*BLOCK_N...; y[row] is weighted.
+    if ZERO_PADDING:
+        if tl.program_id(0) == num_tiles:  # the extra programs: the padding tokens' rows (no tile) get 0
+            cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+            zeros = tl.zeros((BLOCK_M, BLOCK_N), dtype=y_ptr.dtype.element_ty)
+            for r0 in range(tl.load(real_ptr).to(tl.int32) * top_k, num_rows, BLOCK_M):
+                r = (r0 + tl.arange(0, BLOCK_M)).to(tl.int64)
+                tl.store(y_ptr + r[:, None] * hidden + cols[None, :], zeros,
+                         mask=(r < num_rows)[:, None] & (cols < hidden)[None, :])  # fmt: skip
+            return
     expert, rows, row_ok, cols, col_ok = _tile(rows_ptr, block_expert_ptr, num_rows, hidden, BLOCK_M, BLOCK_N)
     if expert < 0:
         return
@@ -275,7 +285,7 @@ def tile_config(num_rows: int, num_experts: int) -> TileConfig:
 def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: ExpertWeights, *,
               config: TileConfig | None = None, alignment: Alignment | None = None,
               may_drop: bool = False, expert_load: torch.Tensor | None = None,
-              sum_rows: bool = True) -> torch.Tensor:  # fmt: skip
+              sum_rows: bool = True, num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """sum_j weights[t, j] * expert_{ids[t, j]}(x[t]) for every token t, in two grouped GEMMs.
 
     x: [T, H] (fp32/fp16/bf16); weights: [T, k] (any float dtype); ids: [T, k] int64 in
@@ -285,6 +295,10 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     when given, gets each expert's row count added (load statistics, from the alignment).
     sum_rows False: the weighted rows [T, k, H] unsummed (torch.sum over k is the caller's, or
     fused_ops.add_rms_norm's given them as a DeferredSum: one launch less).
+    num_real_tokens ([1] int32/int64 on the device, or None): tokens at and after it pad a
+    CUDA-graph bucket, their ids all dropped (the router's doing): no tile computes them and
+    one extra row of down-projection programs writes their rows as 0 (no launch of its own, and
+    no memset of y), so that the sum, or the norm summing a DeferredSum, reads zeros there.
     """
     T, k = ids.shape
     H, E, inter = x.shape[1], experts.num_experts, experts.intermediate
@@ -319,10 +333,11 @@ def fused_moe(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts
     # Rows of dropped slots are never written: zeros, so that the sum ignores them.
     y = (torch.zeros if may_drop else torch.empty)((n, H), dtype=x.dtype, device=x.device)
     route = weights.reshape(-1).contiguous()
-    _down_kernel[(tiles, triton.cdiv(H, dn.block_n))](
+    zero_padding = num_real_tokens is not None and not may_drop  # (may_drop: y is zeros already)
+    _down_kernel[(tiles + zero_padding, triton.cdiv(H, dn.block_n))](
         h, w2, experts.b2 if experts.b2 is not None else w2, route, y, align.sorted_rows, align.block_expert,
-        n, H, inter, w2.stride(0), w2.stride(1),
-        HAS_BIAS=experts.b2 is not None, PRECISION=precision,
+        num_real_tokens if zero_padding else align.block_expert, n, H, inter, w2.stride(0), w2.stride(1), tiles, k,
+        HAS_BIAS=experts.b2 is not None, PRECISION=precision, ZERO_PADDING=zero_padding,
         BLOCK_M=cfg.block_m, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
         num_warps=dn.num_warps, num_stages=dn.num_stages,
     )  # fmt: skip

@@ -81,19 +81,23 @@ class SwigluMoE(ExpertLayer):
         self.router = nn.Linear(hidden, cfg.num_experts, bias=True)
         self.experts: SwigluExpertBank | None = SwigluExpertBank(hidden, intermediate, cfg)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        return select_experts(self.router(x), self.routing)
+    def route(self, x: torch.Tensor, *, num_real_tokens: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x [T, hidden] -> (weights [T, k] in x's dtype, expert ids [T, k] int64); rows at and
+        after num_real_tokens (padding) get DROPPED ids."""
+        return select_experts(self.router(x), self.routing, num_real_tokens=num_real_tokens)
 
     def pack_experts(self) -> None:
         """Switch to the fused kernels: the experts move to their layout; HF's copy is freed."""
         self.fused = self.experts.packed()
         self.experts = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor | DeferredSum:
-        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: moe.run_moe)."""
-        weights, ids = self.route(x)
-        return run_moe(self, x, weights, ids, None if self.experts is None else self.experts.run)
+    def forward(self, x: torch.Tensor, *, num_real_tokens: torch.Tensor | None = None) -> torch.Tensor | DeferredSum:
+        """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: moe.run_moe);
+        num_real_tokens: ForwardContext's (padding rows run no expert)."""
+        weights, ids = self.route(x, num_real_tokens=num_real_tokens)
+        return run_moe(self, x, weights, ids, None if self.experts is None else self.experts.run,
+                       num_real_tokens=num_real_tokens)  # fmt: skip
 
 
 def shard_swiglu_moe(moe: SwigluMoE, ctx: ParallelContext) -> None:

@@ -55,26 +55,31 @@ def combine_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, r
 
 
 def select_experts(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
-                   use_triton: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   use_triton: bool | None = None, num_real_tokens: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Router logits [T, E] -> (weights, ids) [T, k] as moe_routing.route_torch computes them; on
-    CUDA (use_triton None) in one Triton launch (routing_kernel.py)."""
+    CUDA (use_triton None) in one Triton launch (routing_kernel.py). num_real_tokens ([1] int on
+    the device; ForwardContext's): the rows at and after it get DROPPED ids and weight 0."""
     check(logits.dim() == 2 and logits.shape[1] == spec.num_experts, "logits", tuple(logits.shape),
           f"[T, {spec.num_experts}]")  # fmt: skip
     if use_triton if use_triton is not None else logits.is_cuda:
-        return route_triton(logits, spec, bias)
-    return route_torch(logits, spec, bias)
+        return route_triton(logits, spec, bias, num_real_tokens=num_real_tokens)
+    return route_torch(logits, spec, bias, num_real_tokens=num_real_tokens)
 
 
 def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  run_expert: ExpertFn | None, *, may_drop: bool = False, sum_rows: bool = True) -> torch.Tensor:
+                  run_expert: ExpertFn | None, *, may_drop: bool = False, sum_rows: bool = True,
+                  num_real_tokens: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The experts this rank holds on x [T, hidden] routed by (weights, ids) [T, k], fused when
     packed; counts each expert's rows into module.expert_load. ids past the local experts
-    (may_drop) contribute 0. sum_rows False (fused only): the weighted rows [T, k, hidden]."""
+    (may_drop) contribute 0. sum_rows False (fused only): the weighted rows [T, k, hidden].
+    num_real_tokens: the rows at and after it are padding, routed to DROPPED ids: their
+    output rows are 0 (the fused down kernel writes them; the loop path never touches them)."""
     num = module.expert_load.numel()
     fused: ExpertWeights | None = module.fused
     if fused is not None:
         return fused_moe(x, weights, ids, fused, may_drop=may_drop, expert_load=module.expert_load,
-                         sum_rows=sum_rows)  # fmt: skip
+                         sum_rows=sum_rows, num_real_tokens=num_real_tokens)  # fmt: skip
     flat = ids.reshape(-1)
     bucket = torch.where((flat >= 0) & (flat < num), flat, num)
     module.expert_load += torch.zeros(num + 1, dtype=torch.int64, device=ids.device).scatter_add_(
@@ -83,9 +88,14 @@ def local_experts(module: nn.Module, x: torch.Tensor, weights: torch.Tensor, ids
 
 
 def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-            run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None
-            ) -> torch.Tensor | fused_ops.DeferredSum:  # fmt: skip
+            run_expert: ExpertFn | None, shared: Callable[[torch.Tensor], torch.Tensor] | None = None, *,
+            num_real_tokens: torch.Tensor | None = None) -> torch.Tensor | fused_ops.DeferredSum:  # fmt: skip
     """Routed experts (+ shared experts) of x [T, hidden]; weights, ids [T, k] from the router.
+
+    num_real_tokens (ForwardContext's): the rows at and after it pad a CUDA-graph bucket; the
+    router gave them DROPPED ids, so no expert runs or counts them and their routed output is 0
+    (the shared experts still see them: a dense GEMM over the bucket costs the same).
+    Under expert parallelism DROPPED rows are not dispatched to any rank.
 
     Under expert parallelism (module.expert_shard set) the result holds only this rank's share
     of the tokens, zeros elsewhere: the layer's all-reduce completes it. Fused experts of a layer
@@ -101,9 +111,10 @@ def run_moe(module: ExpertLayer, x: torch.Tensor, weights: torch.Tensor, ids: to
 
         return dispatch_combine(x, weights, ids, shard, run_local, shared)
     if module.sum_in_norm and module.fused is not None:
-        rows = local_experts(module, x, weights, ids, run_expert, sum_rows=False)  # [T, k, hidden]
+        rows = local_experts(module, x, weights, ids, run_expert, sum_rows=False,
+                             num_real_tokens=num_real_tokens)  # [T, k, hidden]  # fmt: skip
         return fused_ops.DeferredSum(rows, None if shared is None else shared(x))
-    out = local_experts(module, x, weights, ids, run_expert)
+    out = local_experts(module, x, weights, ids, run_expert, num_real_tokens=num_real_tokens)
     return out if shared is None else out + shared(x)
 
 
@@ -188,13 +199,15 @@ class Router(nn.Module):
             self.e_score_correction_bias = nn.Parameter(self.e_score_correction_bias.detach().float(),
                                                         requires_grad=False)  # fmt: skip
 
-    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None, *,
+                num_real_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """x [T, hidden] -> (weights [T, top_k] float32, expert ids [T, top_k] int64); the
         routing itself is moe_routing's (one Triton launch on CUDA). x_float: x.float() when
-        the caller has it already (the norm before writes it: no cast launch)."""
+        the caller has it already (the norm before writes it: no cast launch). Rows at and
+        after num_real_tokens (padding) get DROPPED ids."""
         bias = self.e_score_correction_bias
         return select_experts(F.linear(x.float() if x_float is None else x_float, self.weight.float()), self.spec,
-                              None if bias is None else bias.float())  # fmt: skip
+                              None if bias is None else bias.float(), num_real_tokens=num_real_tokens)  # fmt: skip
 
 
 class MoE(ExpertLayer):
@@ -219,10 +232,12 @@ class MoE(ExpertLayer):
         self.experts = None
         self.gate.hold_float32()
 
-    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None) -> torch.Tensor | fused_ops.DeferredSum:
+    def forward(self, x: torch.Tensor, x_float: torch.Tensor | None = None, *,
+                num_real_tokens: torch.Tensor | None = None) -> torch.Tensor | fused_ops.DeferredSum:  # fmt: skip
         """x [T, hidden] -> [T, hidden] (or unsummed, for the next norm: run_moe); x_float: x in
-        float32 (exactly x.float()) for the router, when the caller has it."""
-        weights, ids = self.gate(x, x_float)  # [T, k] each
+        float32 (exactly x.float()) for the router, when the caller has it; num_real_tokens:
+        ForwardContext's (padding rows run no routed expert)."""
+        weights, ids = self.gate(x, x_float, num_real_tokens=num_real_tokens)  # [T, k] each
         experts = self.experts
         return run_moe(self, x, weights, ids, None if experts is None else (lambda e, xe: experts[e](xe)),
-                       self.shared_experts)
+                       self.shared_experts, num_real_tokens=num_real_tokens)  # fmt: skip

@@ -69,13 +69,26 @@ def _top(values: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ordered[:, :k], index[:, :k]
 
 
-def route_torch(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+DROPPED = -1  # the expert id of a padding row's slots: outside [0, E), so no expert runs it
+
+
+def route_torch(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
+                num_real_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """logits [T, E] (any float dtype), bias [E] or None -> (weights [T, k], ids [T, k] int64).
 
     Scores are computed in the logits' dtype: float32 for DeepSeek (its router runs in float32),
     the model dtype for GPT-OSS (its router is a plain linear layer). weights have that dtype.
+    num_real_tokens ([1] int tensor, or None: all rows): rows at and after it pad a CUDA-graph
+    bucket; their ids are DROPPED and their weights 0.
     """
+    weights, ids = _route(logits, spec, bias)
+    if num_real_tokens is None:
+        return weights, ids
+    padding = (torch.arange(ids.shape[0], device=ids.device) >= num_real_tokens)[:, None]  # [T, 1]
+    return weights.masked_fill(padding, 0.0), ids.masked_fill(padding, DROPPED)
+
+
+def _route(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     if spec.scoring == "topk_softmax":
         top, ids = _top(logits, spec.top_k)
         weights = top.softmax(dim=-1)

@@ -16,9 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from meshserve.workers.models.moe_routing import GROUP_BY, SCORINGS, RoutingSpec
+from meshserve.workers.models.moe_routing import DROPPED, GROUP_BY, SCORINGS, RoutingSpec
 
 _TILE = 4096  # experts x tokens per program
+_DROPPED = tl.constexpr(DROPPED)
 
 
 @triton.jit
@@ -32,8 +33,9 @@ def _pick(values, taken, index, valid, SIZE: tl.constexpr):
 
 @triton.jit
 def _route_kernel(
-    logits_ptr, bias_ptr, weights_ptr, ids_ptr, T, stride_t, scale,
+    logits_ptr, bias_ptr, weights_ptr, ids_ptr, real_ptr, T, stride_t, scale,
     NUM_EXPERTS: tl.constexpr, TOP_K: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
+    HAS_REAL: tl.constexpr,
     GROUP_BY: tl.constexpr, NUM_GROUPS: tl.constexpr, TOPK_GROUPS: tl.constexpr, RENORM: tl.constexpr,
     E_POW2: tl.constexpr, G_POW2: tl.constexpr, K_POW2: tl.constexpr, BLOCK_T: tl.constexpr,
 ):  # fmt: skip
@@ -96,14 +98,20 @@ def _route_kernel(
     if RENORM:
         weight = weight / (tl.sum(tl.where(k_ok, weight, 0.0), axis=1)[:, None] + 1e-20)
     weight = weight * scale
+    if HAS_REAL:  # rows at and after the real count pad a graph bucket: no expert, no weight
+        real = (t < tl.load(real_ptr))[:, None]
+        weight = tl.where(real, weight, 0.0)
+        ids = tl.where(real, ids, _DROPPED)
     out = t[:, None] * TOP_K + k
     tl.store(weights_ptr + out, weight.to(weights_ptr.dtype.element_ty), mask=t_ok[:, None] & k_ok)
     tl.store(ids_ptr + out, ids, mask=t_ok[:, None] & k_ok)
 
 
-def route_triton(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """route_torch(logits, spec, bias) in one launch: (weights [T, k] in logits' dtype, ids [T, k] int64)."""
+def route_triton(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | None = None, *,
+                 num_real_tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """route_torch(logits, spec, bias, num_real_tokens=...) in one launch: (weights [T, k] in
+    logits' dtype, ids [T, k] int64). num_real_tokens: a [1] int32/int64 device tensor read by
+    the kernel itself (padding rows' DROPPED ids cost no launch of their own)."""
     T, E = logits.shape
     weights = torch.empty((T, spec.top_k), dtype=logits.dtype, device=logits.device)
     ids = torch.empty((T, spec.top_k), dtype=torch.int64, device=logits.device)
@@ -114,9 +122,11 @@ def route_triton(logits: torch.Tensor, spec: RoutingSpec, bias: torch.Tensor | N
     block_t = min(max(1, _TILE // e_pow2), 32, triton.next_power_of_2(T))
     grouped = spec.group_by != "none"
     _route_kernel[(triton.cdiv(T, block_t),)](
-        logits, bias if bias is not None else logits, weights, ids, T, logits.stride(0),
+        logits, bias if bias is not None else logits, weights, ids,
+        num_real_tokens if num_real_tokens is not None else ids, T, logits.stride(0),
         float(spec.routed_scaling_factor),
         NUM_EXPERTS=E, TOP_K=spec.top_k, SCORING=SCORINGS.index(spec.scoring), HAS_BIAS=bias is not None,
+        HAS_REAL=num_real_tokens is not None,
         GROUP_BY=GROUP_BY.index(spec.group_by), NUM_GROUPS=spec.num_groups if grouped else 1,
         TOPK_GROUPS=spec.topk_groups if grouped else 1, RENORM=spec.norm_topk_prob, E_POW2=e_pow2,
         G_POW2=triton.next_power_of_2(spec.num_groups if grouped else 1),

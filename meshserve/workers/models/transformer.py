@@ -28,7 +28,7 @@ from meshserve.attention.spec import AttentionSpec
 from meshserve.errors import check
 from meshserve.workers.models.arch import ModelArch
 from meshserve.workers.models.decoder_only import DecoderOnlyLM
-from meshserve.workers.models.expert_layer import experts_graph_safe
+from meshserve.workers.models.expert_layer import ExpertLayer, experts_graph_safe
 from meshserve.workers.models.rope import RotaryEmbedding, apply_rotary
 
 _NO_LAYER_PARAMS = LayerParams()  # (frozen: one shared instance, not one per layer per step)
@@ -73,10 +73,21 @@ class ForwardContext:
 
     layers: one LayerAttention per cached attention layer (the model's attention_specs order).
     encoder: encoder-decoder models only: the encoder inputs this step runs (None: none).
+    num_real_tokens: [1] int32 or int64 on the device: how many leading rows of the step are
+        real tokens; the rows at and after it pad a CUDA-graph bucket (decode_graphs.py,
+        piecewise_graphs.py write it before every replay). MoE layers route those rows to no
+        expert (nothing computed, nothing counted in expert_load). None: every row is real.
     """
 
     layers: Sequence[LayerAttention]
     encoder: EncoderStep | None = None
+    num_real_tokens: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        n = self.num_real_tokens
+        if n is not None:
+            check(n.numel() == 1 and n.dtype in (torch.int32, torch.int64), "num_real_tokens",
+                  f"{tuple(n.shape)} {n.dtype}", "a one-element int32/int64 tensor or None")  # fmt: skip
 
 
 class RMSNorm(nn.Module):
@@ -204,9 +215,14 @@ class DecoderLayer(nn.Module):
         attn = self.self_attn(h, rope, ctx)
         if self.sandwich:  # the attention output is normed before it joins the stream
             h, residual = self.pre_feedforward_layernorm.add_and_norm(self.post_attention_layernorm(attn), residual)
-            return self.post_feedforward_layernorm(self.mlp(h)), residual
+            return self.post_feedforward_layernorm(self._feed_forward(h, ctx)), residual
         h, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
-        return self.mlp(h), residual
+        return self._feed_forward(h, ctx), residual
+
+    def _feed_forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor | fused.DeferredSum:
+        if ctx.num_real_tokens is not None and isinstance(self.mlp, ExpertLayer):  # padding rows: no experts
+            return self.mlp(h, num_real_tokens=ctx.num_real_tokens)
+        return self.mlp(h)
 
 
 class DecoderBody(nn.Module):

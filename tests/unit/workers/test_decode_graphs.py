@@ -14,6 +14,7 @@ from meshserve.attention.mla.layer import MLAAttention
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.errors import ConfigError
 from meshserve.workers.decode_graphs import NULL_SLOT, DecodeGraphs, capture_sizes, graph_refusal
+from meshserve.workers.models.expert_layer import expert_layers
 from meshserve.workers.step import ScheduledSeq, StepPlan
 from meshserve.workers.worker import Worker
 from tests.deepseek_models import write_deepseek
@@ -94,8 +95,8 @@ def _run_both(eager, static, graphs: DecodeGraphs, num_groups: int, *,
 
 
 def _buffers(graphs: DecodeGraphs) -> list[torch.Tensor]:
-    return [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens, *graphs.block_tables,
-            *graphs.slot_mappings]  # fmt: skip
+    return [graphs.input_ids, graphs.positions, graphs.seq_lens, graphs.context_lens, graphs.num_real_tokens,
+            *graphs.block_tables, *graphs.slot_mappings]  # fmt: skip
 
 
 def _check_contract(eager, static, graphs: DecodeGraphs, seen, used, ptrs) -> None:
@@ -111,9 +112,13 @@ def _check_contract(eager, static, graphs: DecodeGraphs, seen, used, ptrs) -> No
         torch.testing.assert_close(a.data[1:], b.data[1:], rtol=1e-5, atol=1e-5)
     # Padded rows' slot mapping points at the null slot.
     assert graphs.slot_mappings[0][3].item() == NULL_SLOT
+    # MoE layers: padded rows went to no expert, so every layer counted what the eager run did.
+    loads = [m.expert_load.tolist() for m in expert_layers(static.model)]
+    assert loads == [m.expert_load.tolist() for m in expert_layers(eager.model)]
+    assert graphs.num_real_tokens.item() == 1  # the last step: one row (bucket 1)
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "gpt_oss"])
 def test_static_decode_equals_eager_and_keeps_its_contract(tmp_path, arch):
     write_checkpoint(tmp_path / arch, arch)
     eager_w, static_w = _worker(tmp_path / arch), _worker(tmp_path / arch)
@@ -142,6 +147,43 @@ def test_deepseek_static_decode_equals_eager_and_the_torch_mla_reference(tmp_pat
     (_, _, plan), = graphs._plans[4]
     assert plan.decode_plan.kv_lens.data_ptr() == graphs.seq_lens.data_ptr()
     assert plan.decode_plan.partition == 0 and plan.decode_plan.num_splits > 1
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "gpt_oss"])
+def test_moe_static_decode_on_the_fused_kernels_drops_padding_rows(tmp_path, monkeypatch, name):
+    """The CUDA wiring in the interpreter: the routing kernel, fused_moe and the MoE sum deferred
+    into the next norm kernel. A padded bucket's rows come out of the routing with no expert and
+    out of fused_moe as zeros (not the output buffer's garbage: that sum is in the real rows'
+    norm kernel launch); tokens and every layer's load equal the eager fused run's."""
+    import meshserve.workers.models.expert_layer as expert_layer
+    import meshserve.workers.models.fused_ops as fused_ops
+    import meshserve.workers.models.moe as moe
+    from meshserve.workers.models.routing_kernel import route_triton
+
+    monkeypatch.setattr(fused_ops, "runs_triton", lambda x: True)
+    monkeypatch.setattr(expert_layer, "runs_fused", lambda device: True)
+    monkeypatch.setattr(moe, "route_torch", route_triton)  # select_experts' CPU branch: the kernel
+    fused = moe.fused_moe
+    padded = []
+
+    def spy(x, weights, ids, experts, **kw):
+        out = fused(x, weights, ids, experts, **kw)
+        real = kw.get("num_real_tokens")
+        if real is not None and int(real) < x.shape[0]:
+            padded.append(bool((ids[int(real) :] == -1).all() and (out[int(real) :] == 0).all()))
+        return out
+
+    monkeypatch.setattr(moe, "fused_moe", spy)
+    path = tmp_path / name
+    write_deepseek(path, name) if name.startswith("deepseek") else write_checkpoint(path, name)
+    eager_w, static_w = _worker(path), _worker(path)
+    static = static_w.runner
+    assert all(m.fused is not None for m in expert_layers(static.model))  # packed: the fused path
+    graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
+    ptrs = [t.data_ptr() for t in _buffers(graphs)]
+    seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups)
+    _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
+    assert padded and all(padded)
 
 
 def test_mla_graph_refusals_name_the_backend(tmp_path):

@@ -155,6 +155,46 @@ def test_fused_moe_default_tiles_and_no_tokens(T):
     assert empty.shape == (0, H) and load.sum() == T * TOP_K
 
 
+class _GarbageEmpty:
+    """fused_moe's `torch` with torch.empty returning NaN-filled float tensors: what uninitialised
+    memory may hold on CUDA (a CPU allocation mostly comes back zeroed)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*shape, **kw):
+        out = torch.empty(*shape, **kw)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+
+@pytest.mark.parametrize("sum_rows", [True, False])
+@pytest.mark.parametrize(("T", "real"), [(4, 3), (33, 20), (16, 0)])
+def test_padding_rows_past_the_real_count_come_out_zero(monkeypatch, T, real, sum_rows):
+    """Rows of a CUDA-graph bucket's padding tokens (the router gave them DROPPED ids) run on no
+    expert, are not counted, and come out 0 (the down kernel's extra programs write them), not
+    whatever the output buffer held; the real rows are exact (the float64 oracle)."""
+    import meshserve.workers.models.fused_moe as fm
+    from meshserve.workers.models.moe_routing import DROPPED
+
+    monkeypatch.setattr(fm, "torch", _GarbageEmpty())
+    gen = torch.Generator().manual_seed(5 * T + real)
+    ew = _experts(ACT_SWIGLU_CLAMP, torch.float32, gen, bias=True)
+    x = torch.randn(T, H, generator=gen)
+    ids, weights = _routing("random", T, gen), torch.rand(T, TOP_K, generator=gen)
+    ids[real:], weights[real:] = DROPPED, 0.0
+    count = torch.tensor([real], dtype=torch.int32)
+    load = torch.zeros(E, dtype=torch.int64)
+    got = fused_moe(x, weights, ids, ew, config=SMALL, expert_load=load, sum_rows=sum_rows, num_real_tokens=count)
+    got = got if sum_rows else got.sum(dim=1)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    torch.testing.assert_close(got[:real].double(), _oracle(x[:real], weights[:real], ids[:real], ew),
+                               **ORACLE_TOL[torch.float32])  # fmt: skip
+    assert torch.equal(load, torch.bincount(ids[:real].reshape(-1), minlength=E))
+    if real < T:  # without the count those rows would hold the buffer's garbage
+        assert fused_moe(x, weights, ids, ew, config=SMALL)[real:].isnan().all()
+
+
 def test_fused_moe_refuses_mismatched_inputs():
     gen = torch.Generator().manual_seed(4)
     ew = _experts(ACT_SILU, torch.float32, gen, bias=False)
@@ -270,7 +310,7 @@ def test_moe_output_summed_in_the_next_norm_gives_the_same_logits(tmp_path, monk
     # and the router casts the norm's output itself
     monkeypatch.setattr(fused_ops, "add_rms_norm_float", lambda x, r, w, eps: (*norm(x, r, w, eps), None))
     router = moe.Router.forward
-    monkeypatch.setattr(moe.Router, "forward", lambda self, x, x_float=None: router(self, x))
+    monkeypatch.setattr(moe.Router, "forward", lambda self, x, x_float=None, **kw: router(self, x, **kw))
     want = step_logits(tmp_path, backend="TORCH", dtype=dtype)
     assert len(got) == len(want) == 2
     for g, w in zip(got, want):

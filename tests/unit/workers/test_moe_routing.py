@@ -10,7 +10,7 @@ import torch
 
 from meshserve.errors import ConfigError
 from meshserve.workers.models.moe import select_experts
-from meshserve.workers.models.moe_routing import RoutingSpec, route_torch
+from meshserve.workers.models.moe_routing import DROPPED, RoutingSpec, route_torch
 
 SPECS = {
     "gpt_oss": RoutingSpec(32, 4, scoring="topk_softmax"),
@@ -49,6 +49,26 @@ def test_kernel_matches_torch_routing(name, T, ties):
     assert torch.equal(got_ids, want_ids)
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-5)
     assert torch.equal(select_experts(logits, spec, bias)[1], want_ids)  # CPU default: route_torch
+
+
+@pytest.mark.filterwarnings("ignore:All-NaN slice")  # (the interpreter's numpy on the NaN padding rows)
+@pytest.mark.parametrize("count_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize(("T", "real"), [(4, 3), (45, 40), (45, 0), (7, 7)])
+@pytest.mark.parametrize("name", ["gpt_oss", "v3_wide"])
+def test_rows_past_the_real_count_get_dropped_ids_and_no_weight(name, T, real, count_dtype):
+    """A CUDA-graph bucket's padding rows (at and after num_real_tokens, read on the device):
+    ids DROPPED (outside [0, E): no expert runs them) and weight 0, in the kernel and in torch;
+    the real rows route exactly as without the count."""
+    spec, logits, bias = _inputs(name, T, ties=False)
+    logits[real:] = float("nan")  # a padding row's logits may be anything: nothing of them comes out
+    count = torch.tensor([real], dtype=count_dtype)
+    want_w, want_ids = route_torch(logits[:real], spec, bias)
+    for use_triton in (False, True):
+        w, ids = select_experts(logits, spec, bias, use_triton=use_triton, num_real_tokens=count)
+        assert torch.equal(ids[:real], want_ids), use_triton
+        torch.testing.assert_close(w[:real], want_w, atol=1e-6, rtol=1e-5)
+        assert (ids[real:] == DROPPED).all() and not (0 <= DROPPED < spec.num_experts), use_triton
+        assert torch.equal(w[real:], torch.zeros_like(w[real:])), use_triton
 
 
 def test_ties_go_to_the_lower_index_in_descending_order():

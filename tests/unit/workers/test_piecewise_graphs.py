@@ -14,6 +14,7 @@ import torch
 
 from meshserve.config import AttentionConfig, CacheConfig, ModelConfig
 from meshserve.errors import ConfigError
+from meshserve.workers.models.expert_layer import expert_layers
 from meshserve.workers.piecewise_graphs import PiecewiseGraphs, piecewise_refusal, split_refusal, token_buckets
 from meshserve.workers.step import StepPlan
 from meshserve.workers.worker import Worker
@@ -82,21 +83,33 @@ def _run_both(eager, static, graphs: PiecewiseGraphs) -> list[tuple[int, int]]:
     return seen
 
 
-@pytest.mark.parametrize("arch,backend", [("llama", "TRITON"), ("qwen3", "TORCH"), ("gemma2", "TORCH")])
+def _check_expert_loads(eager, static, graphs: PiecewiseGraphs) -> None:
+    """MoE layers: the padded rows went to no expert, so every layer counted what the eager run did."""
+    loads = [m.expert_load.tolist() for m in expert_layers(static.model)]
+    assert loads == [m.expert_load.tolist() for m in expert_layers(eager.model)]
+    assert graphs.num_real_tokens.item() == 4  # the last static step's 4 tokens (bucket 16)
+
+
+CASES = [("llama", "TRITON"), ("qwen3", "TORCH"), ("gemma2", "TORCH"), ("gpt_oss", "TORCH")]
+
+
+@pytest.mark.parametrize("arch,backend", CASES)
 def test_static_steps_with_prefill_equal_eager_and_keep_their_contract(tmp_path, arch, backend):
     """llama on TRITON: the model stores K/V in its fused rotary kernel (inside a graph on CUDA);
     qwen3 (q/k norms) and gemma2 (sliding window + soft-cap, sandwich norms) on TORCH: the split
-    backend defers write_kv to the eager attention beside it."""
+    backend defers write_kv to the eager attention beside it; gpt_oss: MoE layers, whose padded
+    rows run no expert and are not counted."""
     write_checkpoint(tmp_path / arch, arch)
     eager_w, static_w = _worker(tmp_path / arch, backend), _worker(tmp_path / arch, backend)
     static = static_w.runner
     graphs = static.piecewise_graphs = _pieces(static_w, max_tokens=64)
-    ptrs = [t.data_ptr() for t in (graphs.input_ids, graphs.positions, *graphs.slot_mappings,
-                                   *graphs._buffers.values())]  # fmt: skip
+    ptrs = [t.data_ptr() for t in (graphs.input_ids, graphs.positions, graphs.num_real_tokens,
+                                   *graphs.slot_mappings, *graphs._buffers.values())]  # fmt: skip
     seen = _run_both(eager_w.runner, static, graphs)
     assert seen == [(5, 16), (44, 64), (2, 16), (2, 16), (22, 32), (4, 16)]  # the 73-token step ran eager
-    assert [t.data_ptr() for t in (graphs.input_ids, graphs.positions, *graphs.slot_mappings,
+    assert [t.data_ptr() for t in (graphs.input_ids, graphs.positions, graphs.num_real_tokens, *graphs.slot_mappings,
                                    *graphs._buffers.values())] == ptrs  # the addresses a graph holds  # fmt: skip
+    _check_expert_loads(eager_w.runner, static, graphs)
     # Padded rows wrote no K/V: the caches equal the eager run's everywhere, the null block included.
     for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):
         torch.testing.assert_close(a.data, b.data, rtol=1e-5, atol=1e-5)
@@ -120,6 +133,7 @@ def test_deepseek_static_steps_with_prefill_equal_eager(tmp_path, variant):
     seen = _run_both(eager_w.runner, static, graphs)
     assert seen == [(5, 16), (44, 64), (2, 16), (2, 16), (22, 32), (4, 16)]
     assert {"latent", "k_pe", "q", "o"} <= graphs._buffers.keys()  # the MLA split, not a standard one
+    _check_expert_loads(eager_w.runner, static, graphs)
     for a, b in zip(eager_w.runner.kv_caches, static.kv_caches):  # the latent caches: nothing padded wrote
         torch.testing.assert_close(a.data, b.data, rtol=1e-5, atol=1e-5)
 
