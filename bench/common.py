@@ -109,6 +109,25 @@ def graph_replay_ms(step: Callable[[], object], *, warmups: int = 2,
     return times, graph
 
 
+def graph_replays_equal(eager: torch.Tensor, step: Callable[[], torch.Tensor], label: str) -> bool:
+    """Whether step() captured in a CUDA graph gives `eager`'s bits on each of three replays (the
+    graph contract a decode kernel must keep); a capture that fails is a False verdict, printed
+    under `label`. step must be compiled already (run eagerly once)."""
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step()
+        same = True
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            same = same and torch.equal(out, eager)
+    except Exception as exc:  # noqa: BLE001 - a capture failure is a verdict
+        print(f"graph check {label}: {str(exc).splitlines()[0][:160]}", flush=True)
+        return False
+    return same
+
+
 def time_us(fn: Callable[[], object], device: str, iters: int) -> float:
     """Median time of fn() in microseconds: CUDA events on CUDA, the host clock elsewhere."""
     for _ in range(3):
