@@ -68,34 +68,30 @@ def shuffled_tables(batch: int, per_seq: int, gen: torch.Generator) -> list[list
     return perm.tolist()
 
 
-def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
-    """fn captured in a CUDA graph (as decode steps run it): replaying costs no launch overhead."""
+def capture_graph(fn: Callable[[], object], *, warmups: int = 2) -> torch.cuda.CUDAGraph:
+    """fn captured in a CUDA graph, after `warmups` runs on a side stream (compiles, probes and
+    lazily allocated buffers stay outside the capture)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        for _ in range(2):
+        for _ in range(warmups):
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return graph.replay
+    return graph
 
 
-def graph_replay_ms(step: Callable[[], object], *, warmups: int = 2,
-                    replays: int = 20) -> tuple[list[float], torch.cuda.CUDAGraph]:  # fmt: skip
-    """step() captured in one CUDA graph (after `warmups` runs on a side stream: compiles, probes
-    and lazily allocated buffers stay outside the capture), then ms of each of `replays` timed
+def graphed(fn: Callable[[], torch.Tensor]) -> Callable[[], None]:
+    """fn captured in a CUDA graph (as decode steps run it): replaying costs no launch overhead."""
+    return capture_graph(fn).replay
+
+
+def graph_replay_ms(step: Callable[[], object], *, replays: int = 20) -> tuple[list[float], torch.cuda.CUDAGraph]:
+    """step() captured in one CUDA graph (capture_graph), then ms of each of `replays` timed
     replays (CUDA events), and the graph (for its kernel count; the caller drops it)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(warmups):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
+    graph = capture_graph(step)
     graph.replay()
     torch.cuda.synchronize()
     times = []

@@ -175,7 +175,7 @@ def _graph_ms(step, device: str) -> float:
     if device == "cpu":
         step()
         return float("nan")
-    times, _ = graph_replay_ms(step, warmups=1)  # compiles and counters outside the capture
+    times, _ = graph_replay_ms(step)  # compiles and counters outside the capture
     return statistics.median(times)
 
 
