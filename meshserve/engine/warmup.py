@@ -9,7 +9,8 @@ over cached context), and decode steps with more than one row. A kernel that can
 start here, not a client's request.
 
 Nothing is left behind: the requests finish, their blocks are free again, the prefix hashes of
-their random tokens are forgotten, the scheduler's counters (metrics) start from zero, and greedy
+their random tokens are forgotten, the scheduler's counters (metrics) and the ranks' per-expert row
+counts start from zero, and greedy
 rows draw nothing from the sampler's generator (a request without a seed gets the tokens it
 would have got without the warm-up).
 """
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from meshserve.core.outputs import CompletionDelta
+    from meshserve.engine.engine_config import EngineConfig
     from meshserve.engine.request import Request
     from meshserve.engine.scheduler import Scheduler
     from meshserve.kvstore.manager import KVCacheManager
@@ -44,9 +46,17 @@ OUTPUT_TOKENS = 2
 MAX_STEPS = 64  # far above what the three requests need: a scheduler that never finishes them is a bug
 
 
+class RankCalls(Protocol):
+    """What the warm-up uses of an executor: a method called on every rank."""
+
+    def call(self, method: str, args: Sequence[dict]) -> list: ...
+
+
 class Engine(Protocol):
     """What the warm-up uses of an EngineCore (engine_core.py runs it; no import back)."""
 
+    config: EngineConfig
+    executor: RankCalls
     info: WorkerInfo
     kv: KVCacheManager
     scheduler: Scheduler
@@ -98,6 +108,7 @@ def warm_up(core: Engine) -> WarmupReport | None:
     cached = _run(core, rounds[1])
     core.kv.reset_prefix_cache()
     core.scheduler.stats = SchedulerStats()  # the metrics count clients' requests only
+    core.executor.call("counters", [{"reset": True}] * core.config.parallel.tp)  # ... and the expert loads
     report = WarmupReport(time.perf_counter() - started, 3, cached)
     log.info("warm-up: %d requests through the engine in %.2f s (%d prompt tokens from the prefix cache)",
              report.requests, report.seconds, report.cached_tokens)

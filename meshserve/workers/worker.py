@@ -357,10 +357,16 @@ class Worker:
         builder = None if self.runner is None or not self.runner.is_driver else self.runner.constraints
         return asdict(CompileStats(0, 0, 0, 0) if builder is None else builder.compile_stats())
 
-    def counters(self) -> dict[str, object]:
+    def counters(self, reset: bool = False) -> dict[str, object]:
         """What the replica reads every RANK_COUNTERS_PERIOD steps and when idle, in one call (a
-        channel round trip per rank): {"expert_load": expert_load(), "grammar": grammar_stats()}."""
-        return {"expert_load": self.expert_load(), "grammar": self.grammar_stats()}
+        channel round trip per rank): {"expert_load": expert_load(), "grammar": grammar_stats()}.
+        reset: then zero the expert counters (the engine's warm-up served no client)."""
+        out = {"expert_load": self.expert_load(), "grammar": self.grammar_stats()}
+        if reset and self.runner is not None:
+            for layer in self.runner.model.expert_layers():
+                layer.expert_load.zero_()
+            self._load_copy = None  # (a copy in flight holds counts from before the reset)
+        return out
 
     def check_health(self) -> dict[str, object]:
         return {"rank": self.rank, "started": self.runner is not None,

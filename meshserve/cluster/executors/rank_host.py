@@ -4,9 +4,10 @@
     rendezvous()                    "file://<private dir>/store" on this node (asked of rank 0)
     start(init_method)              WorkerInfo as a dict
     check_health()                  the worker's health dict
-    counters()                      Worker.counters: rows routed to each expert per MoE layer
+    counters(reset=False)           Worker.counters: rows routed to each expert per MoE layer
                                     (expert_load) and the driver's grammar compile counts (grammar;
-                                    zeros on other ranks), in one round trip
+                                    zeros on other ranks), in one round trip; reset: then zero the
+                                    expert counts
     kv_offer(...)                   offer a request's blocks to pullers under the coordinator's
                                     capability; returns the export endpoint (kvtransfer/transport.py)
     kv_pull(...)                    pull a request's blocks (by capability) from the prefill ranks
@@ -107,8 +108,8 @@ class RankHost:
     def check_health(self) -> dict[str, Any]:
         return {} if self.worker is None else self.worker.check_health()
 
-    def counters(self) -> dict[str, Any]:
-        return {"expert_load": [], "grammar": {}} if self.worker is None else self.worker.counters()
+    def counters(self, reset: bool = False) -> dict[str, Any]:
+        return {"expert_load": [], "grammar": {}} if self.worker is None else self.worker.counters(reset)
 
     def shutdown(self) -> None:
         if self._rendezvous:  # first: a rank process may be killed while its worker shuts down

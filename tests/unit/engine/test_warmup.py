@@ -127,3 +127,37 @@ def test_the_setting_is_checked_and_defaults_to_cuda_only():
         ModelConfig(model=str(DEMO_MODEL_DIR), warmup="yes")
     assert warmup_module.wants_warmup(None, "cuda") and not warmup_module.wants_warmup(None, "cpu")
     assert warmup_module.wants_warmup(True, "cpu") and not warmup_module.wants_warmup(False, "cuda")
+
+
+def test_the_warmups_expert_rows_are_not_counted(tmp_path):
+    """A MoE model's per-expert row counts (the expert-load metric) count clients' rows only: the
+    warm-up's tokens are routed like any others, and the engine zeroes the counts after it.
+    Oracle: the counts after one client request equal the same request's on an engine without
+    the warm-up."""
+    from tests.tiny_models import write_checkpoint
+
+    write_checkpoint(tmp_path / "moe", "gpt_oss")
+
+    def engine(warmup: bool) -> EngineCore:
+        config = EngineConfig(
+            model=ModelConfig(model=str(tmp_path / "moe"), dtype="float32", max_model_len=256, warmup=warmup),
+            cache=CacheConfig(num_kv_blocks=64, block_size=16, enable_prefix_caching=True),
+            attention=AttentionConfig(backend="TORCH"))
+        return EngineCore(config, device="cpu", progress=False)
+
+    def loads(core: EngineCore) -> list[list[int]]:
+        return core.executor.call("counters", [{}])[0]["expert_load"]
+
+    warm, cold = engine(True), engine(False)
+    try:
+        assert warm.warmup is not None
+        assert {n for layer in loads(warm) for n in layer} == {0}
+        params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        for core in (warm, cold):
+            core.add_request(list(range(300, 319)), params)
+            while core.has_unfinished():
+                core.step()
+        assert loads(warm) == loads(cold) and sum(map(sum, loads(cold))) > 0
+    finally:
+        warm.shutdown()
+        cold.shutdown()
