@@ -55,6 +55,9 @@
 #       --small-m-gemm on against auto (the baseline), 8B shape first, then GPT-OSS-20B, as long as the call
 #       lasts (GEMV16_E2E: the models, default "llama3-8b gpt-oss-20b"; GEMV16_BUDGET: the kernel bench's
 #       seconds, default 200)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh bs256
+#       issue 41: the 8B step at bs 256 beside the compiled baseline with a profiler timeline of its idle gaps
+#       (bench/e2e.py --timeline), then GPU tests (BS256_TESTS, default fused_moe) with the time left
 #   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
 #       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
 #       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
@@ -94,7 +97,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16 or gemv16e2e}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e or bs256}" in
     gemv16)
         timeout $((${GEMV16_BUDGET:-200} + 120)) python3 bench/kernels_device.py --part gemv16 \
             --budget "${GEMV16_BUDGET:-200}" --out "$OUT" > "$OUT/kernels_device_gemv16.log" 2>&1
@@ -191,5 +194,12 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
     disagg)
         timeout 540 python3 -m bench.disagg_ttft --device cuda --shape llama3-8b --deadline 300 --out "$OUT" \
             --logs "$OUT" 2>&1 | tail -30 ;;
+    bs256)  # issue 41's bs-256 target: the 8B step at bs 256 beside the compiled baseline, with a profiler timeline
+        # (bench/e2e.py --timeline: which host work each device idle gap waited for), then GPU tests (BS256_TESTS)
+        timeout 420 python3 -m bench.e2e --batch-sizes 256 --throughput-sizes 256 --ttft-lens= --timeline \
+            --out "$OUT/e2e-bs256" > "$OUT/e2e-bs256.log" 2>&1
+        echo "e2e bs256: exit $? at ${SECONDS}s"
+        grep -vE "^\s*$" "$OUT/e2e-bs256.log" | grep -v Warning | tail -40
+        BUDGET=$((590 - SECONDS)) bash "$0" tests ${BS256_TESTS-fused_moe} ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac
