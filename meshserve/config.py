@@ -31,8 +31,8 @@ class SmallMGemm(StrEnum):
 
     # auto: FP8 linears only (the kernel per rows bucket: workers/quant/gemm_table.py; the split-K
     # GEMV measured 1.5-1.75x bf16 cuBLAS on an H100, 2026-12-05). bf16/fp16 weights stay on cuBLAS:
-    # the GEMV on 16-bit weights (2026-12-06) is not measured on a GPU yet, and small_m.py's kernel
-    # was 0.88x cuBLAS for bf16 in a decode graph (docs/engine.md).
+    # the GEMV on 16-bit weights measured 0.80-1.00x cuBLAS per layer on an H100 (2026-12-06; the 8B
+    # bs-1 step 7.21 ms against 6.32), and small_m.py's kernel 0.88x (docs/engine.md).
     AUTO = "auto"
     ON = "on"  # as auto, and the bf16/fp16 decoder-layer projections on the GEMV (gemm_table's small_m_dense)
     OFF = "off"  # none: FP8 decode rows quantize their activations and run the FP8 tensor-core GEMMs

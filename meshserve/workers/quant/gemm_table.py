@@ -105,10 +105,12 @@ class Fp8GemmTable:
 # 1.31x; at M = 16 GEMV 1.52x / 1.50x, STREAM 1.50x / 1.23x, cuBLASLt blockwise 1.43x (GEMV with
 # gemv.DEFAULT_CONFIG; M = 4 was timed per layer only, where GEMV led STREAM per-channel).
 # Not yet timed on the H200.
-# small_m_dense: NOT measured (written 2026-12-06). GEMV_CORES at one row and GEMV up to 16 by
-# analogy with FP8, where the same kernels led; `bench/kernels_device.py --part gemv16` times
-# them against bf16 cuBLAS and small_m.py and prints the rows to set. Only small_m_gemm "on"
-# reads them.
+# small_m_dense: GEMV_CORES at one row and GEMV up to 16, by analogy with FP8. Measured since
+# (2026-12-06, H100, `bench/kernels_device.py --part gemv16`, docs/performance.md "The eighteenth
+# session's device calls"): on 16-bit weights neither beats cuBLAS per layer (8B 0.84x / 0.96-0.97x,
+# GPT-OSS-20B 1.00x / 0.89-0.93x, DeepSeek-V2-Lite 0.97x / 0.79-0.80x at M = 1 / 4-16), and the 8B
+# bs-1 step with them is 7.21 ms against cuBLAS's 6.32. So only small_m_gemm "on" reads these
+# rows (an explicit request for the streaming kernels); "auto" keeps 16-bit weights on cuBLAS.
 # The large-M defaults, from the H200 runs of 2026-12-02 (docs/performance.md, "FP8 GEMMs"): torch's
 # blockwise scaled_mm measured 1.25x bf16 at M = 64 and 1.50x at M = 4096, so block-scaled layers
 # take it above the small-M rows. The per-channel rescale formulation is NOT measured yet: off
