@@ -261,6 +261,7 @@ def timeline(run_steps, steps: int, path: Path) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
         run_steps(steps)
         torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as raw:
         prof.export_chrome_trace(raw.name)
         gaps = device_gaps(load(raw.name))
