@@ -101,7 +101,7 @@ class NullWorker:
         if not torch.equal(total, mine * self.parallel.tp):
             raise RuntimeError(f"ranks disagree on the step: rank {self.rank} has {tokens}, sum {total.tolist()}")
 
-    def counters(self) -> dict[str, object]:
+    def counters(self, reset: bool = False) -> dict[str, object]:
         return {"expert_load": [], "grammar": {}}  # no experts, no grammars (the replica reads zeros)
 
     def check_health(self) -> dict[str, object]:

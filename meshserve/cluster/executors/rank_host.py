@@ -109,7 +109,7 @@ class RankHost:
         return {} if self.worker is None else self.worker.check_health()
 
     def counters(self, reset: bool = False) -> dict[str, Any]:
-        return {"expert_load": [], "grammar": {}} if self.worker is None else self.worker.counters(reset)
+        return {"expert_load": [], "grammar": {}} if self.worker is None else self.worker.counters(reset=reset)
 
     def shutdown(self) -> None:
         if self._rendezvous:  # first: a rank process may be killed while its worker shuts down
