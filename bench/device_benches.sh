@@ -61,6 +61,11 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
 #       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
 #       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh mlastack
+#       DeepSeek MLA's stacked q_kv_a_proj (one GEMM for q_proj + kv_a_proj_with_mqa): the GPU tests of the
+#       MLA path first (rope kernel on stacked views, MLA kernels, decode and piecewise graphs on DeepSeek), then the
+#       DeepSeek-V2-Lite bs-1 step at full depth (kernels per step and ms against the 3.58 ms / 599 kernels
+#       measured before the stack on an H100: compare on the same card kind)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -97,7 +102,16 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e or bs256}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256 or mlastack}" in
+    mlastack)  # MLA's stacked q_kv_a_proj: its GPU tests, then the V2-Lite bs-1 step (kernels and ms per step)
+        tests gpu_mla_rope 90 tests/gpu/test_mla_rope_gpu.py
+        tests gpu_mla 120 tests/gpu/test_mla_gpu.py
+        tests gpu_decode_graphs_deepseek 120 tests/gpu/test_decode_graphs_gpu.py -k deepseek
+        tests gpu_piecewise_deepseek 90 tests/gpu/test_piecewise_graphs_gpu.py -k deepseek
+        timeout $((590 - SECONDS)) python3 -m bench.e2e --model deepseek-v2-lite --batch-sizes 1 --throughput-sizes 1 \
+            --ttft-lens= --no-baseline --kv-bytes $((8 << 30)) --out "$OUT/e2e-deepseek-v2-lite" \
+            > "$OUT/e2e-deepseek-v2-lite.log" 2>&1
+        echo "e2e deepseek-v2-lite: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-deepseek-v2-lite.log" | tail -14 ;;
     gemv16)
         timeout $((${GEMV16_BUDGET:-200} + 120)) python3 bench/kernels_device.py --part gemv16 \
             --budget "${GEMV16_BUDGET:-200}" --out "$OUT" > "$OUT/kernels_device_gemv16.log" 2>&1

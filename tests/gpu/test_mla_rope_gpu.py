@@ -21,11 +21,16 @@ HEADS, NOPE, ROPE, RANK = 16, 128, 64, 512  # DeepSeek-V2-Lite's MLA
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("tokens", [1, 1000])
-def test_kernel_equals_the_torch_ops_on_cuda(interleaved, dtype, tokens):
+@pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
+def test_kernel_equals_the_torch_ops_on_cuda(interleaved, dtype, tokens, stacked):
+    """stacked: q and compressed are views of one q_kv_a_proj output row (DeepSeek-V2-Lite's 3648)."""
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    q = torch.randn(tokens, HEADS * (NOPE + ROPE), generator=g, device="cuda").to(dtype)
-    q = q.view(tokens, HEADS, NOPE + ROPE)
-    compressed = torch.randn(tokens, RANK + ROPE, generator=g, device="cuda").to(dtype)
+    q_width = HEADS * (NOPE + ROPE)
+    rows = torch.randn(tokens, q_width + (RANK + ROPE if stacked else 0), generator=g, device="cuda").to(dtype)
+    q = rows[:, :q_width].view(tokens, HEADS, NOPE + ROPE)
+    compressed = (rows[:, q_width:] if stacked
+                  else torch.randn(tokens, RANK + ROPE, generator=g, device="cuda").to(dtype))  # fmt: skip
+    compressed_before = compressed.clone()
     angles = torch.rand(tokens, 1, ROPE // 2, generator=g, device="cuda") * 6.3
     cos, sin = (angles.cos() * 1.2).to(dtype), (angles.sin() * 1.2).to(dtype)
     want_q, want_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved,
@@ -33,11 +38,13 @@ def test_kernel_equals_the_torch_ops_on_cuda(interleaved, dtype, tokens):
     got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved)
     assert got_q.data_ptr() == q.data_ptr()
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+    assert torch.equal(compressed, compressed_before)  # q's in-place rotation stays in q's part
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_deepseek_on_fused_kernels_matches_unfused_on_cuda(tmp_path, monkeypatch, dtype):
-    write_deepseek(tmp_path, "deepseek_v3")
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2"])  # v2: q itself a view of q_kv_a_proj's output
+def test_deepseek_on_fused_kernels_matches_unfused_on_cuda(tmp_path, monkeypatch, dtype, name):
+    write_deepseek(tmp_path, name)
     got = step_logits(tmp_path, backend="TRITON", dtype=dtype, device="cuda")
     monkeypatch.setattr(fused_ops, "runs_triton", lambda x: False)
     want = step_logits(tmp_path, backend="TRITON", dtype=dtype, device="cuda")

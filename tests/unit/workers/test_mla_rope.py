@@ -14,13 +14,16 @@ HEADS, NOPE, ROPE, RANK = 5, 12, 8, 16  # 5 heads: a partly filled head block
 LAYOUTS = [True, False]
 
 
-def _case(tokens: int, dtype: torch.dtype, seed: int, *, pad: int = 0):
+def _case(tokens: int, dtype: torch.dtype, seed: int, *, pad: int = 0, stacked: bool = False):
     """q as the model passes it: a [T, H, nope + rope] view of a projection's output rows (pad:
-    extra values per row, so that q's rows are strided); compressed [T, rank + rope]; the tables."""
+    extra values per row, so that q's rows are strided); compressed [T, rank + rope]; the tables.
+    stacked: q and compressed are views of one [T, q + rank + rope] buffer, as MLA's q_kv_a_proj
+    output (both with row stride q + rank + rope)."""
     g = torch.Generator().manual_seed(seed)
-    rows = torch.randn(tokens, HEADS * (NOPE + ROPE) + pad, generator=g).to(dtype)
-    q = rows[:, : HEADS * (NOPE + ROPE)].view(tokens, HEADS, NOPE + ROPE)
-    compressed = torch.randn(tokens, RANK + ROPE, generator=g).to(dtype)
+    q_width = HEADS * (NOPE + ROPE)
+    rows = torch.randn(tokens, q_width + pad + (RANK + ROPE if stacked else 0), generator=g).to(dtype)
+    q = rows[:, :q_width].view(tokens, HEADS, NOPE + ROPE)
+    compressed = rows[:, q_width + pad :] if stacked else torch.randn(tokens, RANK + ROPE, generator=g).to(dtype)
     angles = torch.rand(tokens, 1, ROPE // 2, generator=g, dtype=torch.float64) * 6.3
     scale = 1.3  # YaRN's attention factor multiplies the tables
     return q, compressed, (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
@@ -45,8 +48,9 @@ def _oracle(x, cos, sin, interleaved):
 @pytest.mark.parametrize("interleaved", LAYOUTS, ids=["interleaved", "halves"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
 @pytest.mark.parametrize("tokens", [1, 7])
-def test_kernel_equals_the_torch_ops(interleaved, dtype, tokens):
-    q, compressed, cos, sin = _case(tokens, dtype, seed=tokens, pad=3)
+@pytest.mark.parametrize("stacked", [False, True], ids=["apart", "stacked"])
+def test_kernel_equals_the_torch_ops(interleaved, dtype, tokens, stacked):
+    q, compressed, cos, sin = _case(tokens, dtype, seed=tokens, pad=3, stacked=stacked)
     compressed_before = compressed.clone()
     want_q, want_k = _torch_ops(q, compressed, cos, sin, interleaved)
     got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK,
