@@ -1,8 +1,10 @@
-"""MLA's fused q/k_pe rotation on CUDA at DeepSeek's sizes, bf16 included (the interpreter
-computes bf16 wrongly): bit for bit the torch ops it replaces, both rope layouts, and enough
-tokens and heads that a race between the in-place loads and stores would show. The model
-on the fused path against its torch ops. Skipped without CUDA; the CPU tests (interpreter)
-are tests/unit/workers/test_mla_rope.py.
+"""MLA's fused q/k_pe rotation and latent norm on CUDA at DeepSeek's sizes, bf16 included (the
+interpreter computes bf16 wrongly): the rotation bit for bit the torch ops it replaces, both
+rope layouts, and enough tokens and heads that a race between the in-place loads and stores
+would show; the latent within one unit in the last place of fused_ops.rms_norm (its kernel may
+contract the sum of squares into FMAs, this one may not: mla_rope.py). The model on the fused
+path against its torch ops. Skipped without CUDA; the CPU tests (interpreter) are
+tests/unit/workers/test_mla_rope.py.
 """
 
 import pytest
@@ -16,6 +18,10 @@ from tests.unit.workers.test_fused_ops import step_logits
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 HEADS, NOPE, ROPE, RANK = 16, 128, 64, 512  # DeepSeek-V2-Lite's MLA
+EPS = 1e-6
+# One unit in the last place, relative (bf16 8 significant bits, fp16 11); float32: a few units
+# (the squares' sum, 512 terms, in another association).
+ULP = {torch.bfloat16: 2**-7, torch.float16: 2**-10, torch.float32: 2**-20}
 
 
 @pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "halves"])
@@ -33,12 +39,19 @@ def test_kernel_equals_the_torch_ops_on_cuda(interleaved, dtype, tokens, stacked
     compressed_before = compressed.clone()
     angles = torch.rand(tokens, 1, ROPE // 2, generator=g, device="cuda") * 6.3
     cos, sin = (angles.cos() * 1.2).to(dtype), (angles.sin() * 1.2).to(dtype)
-    want_q, want_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved,
-                                   use_triton=False)  # fmt: skip
-    got_q, got_k = rotary_mla_qk(q, compressed, cos, sin, kv_lora_rank=RANK, interleaved=interleaved)
+    weight = (0.5 + torch.rand(RANK, generator=g, device="cuda")).to(dtype)
+    want_q, want_k, _ = rotary_mla_qk(q, compressed, cos, sin, weight, kv_lora_rank=RANK, interleaved=interleaved,
+                                      eps=EPS, use_triton=False)  # fmt: skip
+    want_latent = fused_ops.rms_norm(compressed[:, :RANK], weight, EPS)  # kv_a_layernorm's own kernel
+    got_q, got_k, got_latent = rotary_mla_qk(q, compressed, cos, sin, weight, kv_lora_rank=RANK,
+                                             interleaved=interleaved, eps=EPS)  # fmt: skip
     assert got_q.data_ptr() == q.data_ptr()
     assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
     assert torch.equal(compressed, compressed_before)  # q's in-place rotation stays in q's part
+    torch.testing.assert_close(got_latent, want_latent, atol=1e-6, rtol=ULP[dtype])
+    x = compressed[:, :RANK].double()
+    exact = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + EPS) * weight.double()
+    torch.testing.assert_close(got_latent.double(), exact, atol=1e-5, rtol=max(2 * ULP[dtype], 1e-5))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -13,8 +13,9 @@ per parameter. Attention per token (DeepSeek-V2 paper, section 2.1):
 
 The cache write and the attention go through the layer's MLAAttention (decode and prefill
 backends chosen separately); this module never sees the latent layout or the kernels. On CUDA
-one kernel rotates q's rope part and k_pe (mla_rope.py), and the residual adds run inside the
-norms (fused_ops.add_rms_norm: layers pass (output, residual) pairs, as transformer.py). V3.2
+one kernel rotates q's rope part and k_pe and normalises the latent (mla_rope.py), and the
+residual adds run inside the norms (fused_ops.add_rms_norm: layers pass (output, residual)
+pairs, as transformer.py). V3.2
 layers also run the lightning indexer (deepseek_indexer.py) and attend through a
 SparseMLAAttention to the top-k tokens it scores best.
 """
@@ -116,9 +117,11 @@ class MLAttention(nn.Module):
             q_resid = self.q_a_layernorm(q_part)
             q = self.q_b_proj(q_resid)
         q = q.view(T, H, dims.qk_head_dim)
-        latent = self.kv_a_layernorm(compressed[:, :r])  # compressed: [T, rank + rope]
-        # q's rope part and k_pe [T, rope] (shared by every head) rotated: one kernel on CUDA.
-        q, k_pe = rotary_mla_qk(q, compressed, *rope, kv_lora_rank=r, interleaved=rotary.rope.interleaved)
+        # q's rope part and k_pe [T, rope] (shared by every head) rotated, and the latent [T, rank]
+        # normalised (kv_a_layernorm) from compressed [T, rank + rope]: one kernel on CUDA.
+        norm = self.kv_a_layernorm
+        q, k_pe, latent = rotary_mla_qk(q, compressed, *rope, norm.weight, kv_lora_rank=r,
+                                        interleaved=rotary.rope.interleaved, eps=norm.eps)  # fmt: skip
         layer = ctx.layers[self.layer_idx]
         if self.indexer is None:
             o = self.attend(q, latent, k_pe, layer)  # [T, H, v]
