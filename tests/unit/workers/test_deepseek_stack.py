@@ -165,3 +165,29 @@ def test_online_fp8_quantizes_the_stack_per_channel(tmp_path):
     ref_logits, ref_tokens, _ = _run(twin, prompt)
     assert tokens == ref_tokens
     torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=1e-4)
+
+
+def test_fp8_tp_ranks_stack_their_q_rows_and_scales(tmp_path):
+    """V2 at 16x16 blocks, tp=2: a rank's q_proj rows (48: 3 whole blocks) and the whole kv_a rows in
+    one Fp8Linear, its scale rows the matching slice of q_proj's and all of kv_a's."""
+    from meshserve.workers.quant.fp8 import dequantize_fp8_block
+
+    write_deepseek(tmp_path / "float", "deepseek_v2")
+    quantize_checkpoint(tmp_path / "float", tmp_path / "quant", "fp8", block=(16, 16))
+    state, arch = load_file(tmp_path / "quant" / "model.safetensors"), read_arch(tmp_path / "quant")
+    prefix = "model.layers.1.self_attn."
+    for rank in range(2):
+        ctx = ParallelContext(rank=rank, tp=2)
+        model = load_model(tmp_path / "quant", rank=rank, world=2, progress=False,
+                           transform=lambda m, ctx=ctx: tensor_parallel_transform(arch)(m, ctx))  # fmt: skip
+        fused = model.model.layers[1].self_attn.q_kv_a_proj
+        assert isinstance(fused, Fp8Linear) and tuple(fused.weight.shape) == (48 + 40, 64)
+        q = state[prefix + "q_proj.weight"].chunk(2)[rank]
+        q_scale = state[prefix + "q_proj.weight_scale_inv"].chunk(2)[rank]  # 6 scale rows, 3 a rank
+        kv = state[prefix + "kv_a_proj_with_mqa.weight"]
+        kv_scale = state[prefix + "kv_a_proj_with_mqa.weight_scale_inv"]
+        assert torch.equal(fused.weight.view(torch.uint8), torch.cat((q, kv)).view(torch.uint8))
+        assert torch.equal(fused.weight_scale_inv, torch.cat((q_scale, kv_scale)))
+        want = torch.cat((dequantize_fp8_block(q, q_scale, (16, 16)), dequantize_fp8_block(kv, kv_scale, (16, 16))))
+        torch.testing.assert_close(dequantize_fp8_block(fused.weight, fused.weight_scale_inv, (16, 16)), want,
+                                   rtol=0, atol=0)  # fmt: skip
