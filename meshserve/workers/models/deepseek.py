@@ -15,9 +15,8 @@ The cache write and the attention go through the layer's MLAAttention (decode an
 backends chosen separately); this module never sees the latent layout or the kernels. On CUDA
 one kernel rotates q's rope part and k_pe and normalises the latent (mla_rope.py), and the
 residual adds run inside the norms (fused_ops.add_rms_norm: layers pass (output, residual)
-pairs, as transformer.py). V3.2
-layers also run the lightning indexer (deepseek_indexer.py) and attend through a
-SparseMLAAttention to the top-k tokens it scores best.
+pairs, as transformer.py). V3.2 layers also run the lightning indexer (deepseek_indexer.py) and
+attend through a SparseMLAAttention to the top-k tokens it scores best.
 """
 
 from __future__ import annotations
