@@ -61,6 +61,13 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
 #       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
 #       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh mlastack
+#       DeepSeek MLA's stacked q_kv_a_proj (one GEMM for q_proj + kv_a_proj_with_mqa) and kv_a_layernorm inside
+#       the MLA rope kernel: the DeepSeek-V2-Lite bs-1 step at full depth first (kernels per step and ms against
+#       the 3.58 ms / 599 kernels measured before on an H100: 54 kernels fewer expected, 2 a layer; compare on the
+#       same card kind), then the rope + latent-norm kernel's GPU tests (stacked views included), then DeepSeek's
+#       decode graphs (V2 and V3, TRITON and FLASHINFER MLA) with the time left; the rest of the MLA path's GPU
+#       tests: `bash bench/device_benches.sh tests mla piecewise_graphs decode_graphs`
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -97,7 +104,16 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e or bs256}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256 or mlastack}" in
+    mlastack)  # MLA's stacked q_kv_a_proj + latent norm in the rope kernel: the V2-Lite bs-1 step first (kernels
+        # and ms per step), then the rope/norm kernel's GPU tests, then DeepSeek's decode graphs with the time left
+        timeout 330 python3 -m bench.e2e --model deepseek-v2-lite --batch-sizes 1 --throughput-sizes 1 \
+            --ttft-lens= --no-baseline --kv-bytes $((8 << 30)) --out "$OUT/e2e-deepseek-v2-lite" \
+            > "$OUT/e2e-deepseek-v2-lite.log" 2>&1
+        echo "e2e deepseek-v2-lite: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-deepseek-v2-lite.log" | tail -14
+        tests gpu_mla_rope 90 tests/gpu/test_mla_rope_gpu.py
+        left=$((585 - SECONDS))
+        [ "$left" -ge 60 ] && tests gpu_decode_graphs_deepseek "$left" tests/gpu/test_decode_graphs_gpu.py -k deepseek ;;
     gemv16)
         timeout $((${GEMV16_BUDGET:-200} + 120)) python3 bench/kernels_device.py --part gemv16 \
             --budget "${GEMV16_BUDGET:-200}" --out "$OUT" > "$OUT/kernels_device_gemv16.log" 2>&1

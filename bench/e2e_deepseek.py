@@ -79,11 +79,14 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
 
     from bench.common import save_shards
     from meshserve.workers.checkpoint import read_arch
+    from meshserve.workers.loader import fused_parts, part_sizes
     from meshserve.workers.models.deepseek import DeepseekForCausalLM
 
     transformers.DeepseekV2Config(**shape, architectures=["DeepseekV2ForCausalLM"], dtype=dtype).save_pretrained(path)
+    arch = read_arch(path)
     with torch.device("meta"):
-        model = DeepseekForCausalLM(read_arch(path))
+        model = DeepseekForCausalLM(arch)
+    fused = fused_parts(model.STACKED)
     g = torch.Generator(device).manual_seed(seed)
     shards: dict[str, dict[str, torch.Tensor]] = {}
     for name, p in model.named_parameters():
@@ -92,10 +95,11 @@ def write_checkpoint(path: Path, shape: dict, dtype: torch.dtype, device: str, s
             t = torch.ones(p.shape, dtype=dtype)
         else:
             t = (torch.randn(p.shape, generator=g, device=device) * 0.02).to(dtype).cpu()
-        if ".gate_up_proj." in name:  # HF keeps gate and up apart (the loader stacks them)
-            gate, up = t.chunk(2)
-            shards.setdefault(layer, {}).update({name.replace("gate_up_proj", "gate_proj"): gate.contiguous(),
-                                                 name.replace("gate_up_proj", "up_proj"): up.contiguous()})  # fmt: skip
+        module = name.split(".")[-2]
+        if module in fused:  # HF keeps the parts apart (gate/up; q_proj, kv_a_proj_with_mqa): the loader stacks them
+            sizes = part_sizes(module, arch, 1, 1, t.shape[0])
+            shards.setdefault(layer, {}).update({name.replace(f".{module}.", f".{part}."): rows.contiguous()
+                                                 for part, rows in zip(fused[module], t.split(sizes))})  # fmt: skip
             continue
         shards.setdefault(layer, {})[name] = t
     return save_shards(path, list(shards.values()))

@@ -31,6 +31,7 @@ from meshserve.errors import ConfigError, MeshserveError, as_enum, check
 from meshserve.workers.checkpoint import Checkpoint, read_arch
 from meshserve.workers.models import model_class
 from meshserve.workers.models.arch import ModelArch
+from meshserve.workers.models.deepseek import split_unstackable_mla
 from meshserve.workers.models.moe import split_unaligned_mlps
 from meshserve.workers.models.transformer import STACKED, CausalLM
 from meshserve.workers.quant import loading as qload
@@ -49,7 +50,6 @@ from meshserve.workers.sharding import kv_heads_per_rank, place_expert, shard_of
 
 TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
-FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # Linears whose weight other code reads as a matrix (MLA folds kv_b_proj into its attention):
 # FP8 checkpoint weights are dequantized at load for them, never kept as an Fp8Linear.
 KEEP_FLOAT = ("kv_b_proj",)
@@ -74,12 +74,24 @@ def resolve_dtype(dtype: str | Dtype | torch.dtype | None, arch: ModelArch, devi
     return torch.float32 if torch.device(device).type == "cpu" else native
 
 
+def fused_parts(stacked: dict[str, tuple[str, int]]) -> dict[str, tuple[str, ...]]:
+    """Fused module -> its checkpoint modules in row order, as a STACKED map declares them."""
+    out: dict[str, list[str]] = {}
+    for part, (fused, _) in sorted(stacked.items(), key=lambda item: item[1][1]):
+        out.setdefault(fused, []).append(part)
+    return {fused: tuple(parts) for fused, parts in out.items()}
+
+
 def part_sizes(fused: str, arch: ModelArch, world: int, dcp: int, rows: int) -> tuple[int, ...]:
     """Rows of each part inside this rank's fused matrix of `rows` rows (gate_up: two halves,
-    whatever the MLP's width: DeepSeek's dense, shared and routed MLPs differ)."""
+    whatever the MLP's width: DeepSeek's dense, shared and routed MLPs differ; MLA's q_kv_a_proj:
+    this rank's q rows, then the whole kv_a_proj_with_mqa)."""
     if fused == "qkv_proj":
         kv = kv_heads_per_rank(arch, world, dcp) * arch.head_dim
         return (arch.q_size // world, kv, kv)
+    if fused == "q_kv_a_proj":
+        latent = arch.deepseek.mla.latent_size
+        return (rows - latent, latent)
     return (rows // 2,) * 2
 
 
@@ -97,20 +109,19 @@ def _target(name: str, arch: ModelArch, world: int, dcp: int, params: dict[str, 
     return name, None, None
 
 
-def _is_last(name: str) -> bool:
+def _is_last(name: str, stacked: dict[str, tuple[str, int]] = STACKED) -> bool:
     """Whether `name` is the last part of its fused parameter (its rows must end the matrix)."""
-    module = name.split(".")[-2]
-    fused, index = STACKED[module]
-    return index == len(FUSED_PARTS[fused]) - 1
+    fused, index = stacked[name.split(".")[-2]]
+    return index == len(fused_parts(stacked)[fused]) - 1
 
 
-def _expected(params: dict[str, torch.nn.Parameter], fused_parts: dict[str, tuple[str, ...]]) -> set[str]:
+def _expected(params: dict[str, torch.nn.Parameter], parts_of: dict[str, tuple[str, ...]]) -> set[str]:
     """Checkpoint tensor names the model's parameters need."""
     out: set[str] = set()
     for pname in params:
         parts = pname.split(".")
-        if len(parts) >= 2 and parts[-2] in fused_parts:
-            out |= {".".join([*parts[:-2], p, parts[-1]]) for p in FUSED_PARTS[parts[-2]]}
+        if len(parts) >= 2 and parts[-2] in parts_of:
+            out |= {".".join([*parts[:-2], p, parts[-1]]) for p in parts_of[parts[-2]]}
         else:
             out.add(pname)
     return out
@@ -126,7 +137,7 @@ def _is_mtp(name: str, arch: ModelArch) -> bool:
 def fp8_modules(model: CausalLM, quant: WeightQuant, names: set[str]) -> set[str]:
     """Module names of the linears that become Fp8Linear: those whose checkpoint weights ship
     FP8 scales (every part of a fused one), or every eligible linear for online FP8."""
-    fused_parts = {f: FUSED_PARTS[f] for f, _ in model.STACKED.values()}
+    fused = fused_parts(model.STACKED)
     chosen = set()
     for module in linear_names(model):
         prefix, _, last = module.rpartition(".")
@@ -134,7 +145,7 @@ def fp8_modules(model: CausalLM, quant: WeightQuant, names: set[str]) -> set[str
             if last not in ONLINE_SKIP:
                 chosen.add(module)
             continue
-        stems = [f"{prefix}.{p}" for p in fused_parts[last]] if last in fused_parts else [module]
+        stems = [f"{prefix}.{p}" for p in fused[last]] if last in fused else [module]
         scaled = [stem + SCALE_SUFFIX in names for stem in stems]
         if any(scaled) and not all(scaled):
             raise WeightError(f"checkpoint quantizes only some of {stems} (FP8 scales for {scaled}); the "
@@ -179,8 +190,7 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
         return shard_of(name, shape, arch, r, w, dcp if w == world else 1)
     # A model class may fuse differently (or not at all): it says so with its own STACKED map.
     stacked = model.STACKED
-    fused_parts = {f: FUSED_PARTS[f] for f, _ in stacked.values()}
-    expected = _expected(params, fused_parts)
+    expected = _expected(params, fused_parts(stacked))
     names = ckpt.names()
     name_set = set(names)
     loaded: set[str] = set()
@@ -211,14 +221,14 @@ def load_weights(model: CausalLM, ckpt: Checkpoint, *, rank: int = 0, world: int
                                         shard_fn=shard_fn)
         tensor = read.values
         if read.scale is not None:
-            _store_scale(buffers, target, read.scale, offset, rows, offset is not None and _is_last(pname),
+            _store_scale(buffers, target, read.scale, offset, rows, offset is not None and _is_last(pname, stacked),
                          quant.block if quant is not None else None)
         elif pname != name:  # MXFP4 experts dequantized at load: say so where the MoE can see it
             modules[target.rpartition(".")[0]].weight_format = WeightFormatRecord(
                 WeightFormat.MXFP4, str(dest.dtype).removeprefix("torch."))
         where = f" (rank {rank} of {world})" if world > 1 else ""
         if offset is not None:
-            if offset + rows > dest.shape[0] or (offset + rows == dest.shape[0]) != _is_last(name):
+            if offset + rows > dest.shape[0] or (offset + rows == dest.shape[0]) != _is_last(name, stacked):
                 raise WeightError(f"checkpoint tensor '{pname}' ({rows} rows{where}) does not fit the fused "
                                   f"model parameter '{target}' {tuple(dest.shape)}")
             dest = dest.narrow(0, offset, rows)
@@ -334,6 +344,9 @@ def load_model(model_dir: str | Path, *, dtype: str | Dtype | torch.dtype | None
             if fp8:
                 if quant.block is not None:  # a block scale must not straddle gate and up
                     split_unaligned_mlps(model, quant.block[0])
+                # nor MLA's q and kv_a rows; nor may one of them be FP8 and the other not
+                split_unstackable_mla(model, quant.block and quant.block[0],
+                                      lambda module: quant.online or module + SCALE_SUFFIX in names)
                 small_m = streaming is not SmallMGemm.OFF
                 chosen = fp8_modules(model, quant, names)
                 convert_linears(model, chosen, quant.block, small_m=small_m)

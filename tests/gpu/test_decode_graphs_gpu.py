@@ -6,7 +6,8 @@ once (preemption and recompute), so graph steps alternate with eager prefill ste
 decode batch moves between buckets. float32 TRITON must give HF transformers' greedy tokens
 exactly, graphs or not; bf16 graph runs must give the eager run's tokens.
 
-DeepSeek-V3 (MLA attention + fused MoE) runs the same mix with DeepSeek's real latent shape
+DeepSeek-V3 and V2 (MLA attention + fused MoE; V2 without a q LoRA, so its query is a strided
+view of the stacked q_kv_a_proj output) run the same mix with DeepSeek's real latent shape
 (kv_lora_rank 512, rope 64, 16 heads: what FlashInfer's MLA kernels take) on a tiny model, through
 the TRITON and FLASHINFER MLA decode backends.
 """
@@ -40,14 +41,16 @@ def cases(tmp_path_factory):
     for name in ARCHS:
         hf = write_checkpoint(root / name, name, overrides={"head_dim": FLASHINFER_HEAD_DIM})
         out[name] = (root / name, batch, hf)
-    hf = write_deepseek(root / "deepseek_v3", "deepseek_v3", **DEEPSEEK_SHAPE)
-    out["deepseek_v3"] = (root / "deepseek_v3", batch, hf)
+    for name in DEEPSEEK:  # v2: no q LoRA, so q is a view of the stacked q_kv_a_proj's output
+        hf = write_deepseek(root / name, name, **DEEPSEEK_SHAPE)
+        out[name] = (root / name, batch, hf)
     return out
 
 
 # KV blocks of 16 tokens: enough for one max_model_len=128 sequence in each KV layer group (gemma2 has
 # three) plus a little, far fewer than the batch needs at once, so requests are preempted.
-NUM_BLOCKS = {"llama": 14, "gemma2": 30, "deepseek_v3": 14}
+NUM_BLOCKS = {"llama": 14, "gemma2": 30, "deepseek_v3": 14, "deepseek_v2": 14}
+DEEPSEEK = ("deepseek_v3", "deepseek_v2")
 MAX_BATCHED_TOKENS = 64
 DEEPSEEK_SHAPE = dict(num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
 DEEPSEEK_DIMS = MLADims(kv_lora_rank=512, qk_nope_head_dim=16, qk_rope_head_dim=64, v_head_dim=16)
@@ -68,7 +71,7 @@ def _run(llm, batch, params=GREEDY):
 
 
 def _skip_unless_served(backend, dtype, arch="llama"):
-    if arch == "deepseek_v3":  # the MLA decode table, asked about the checkpoint's MLA layer
+    if arch in DEEPSEEK:  # the MLA decode table, asked about the checkpoint's MLA layer
         spec, kind = mla_spec(DEEPSEEK_SHAPE["num_attention_heads"], DEEPSEEK_DIMS), BackendKind.MLA_DECODE
     else:
         spec, kind = AttentionSpec(num_heads=4, num_kv_heads=2, head_size=64), BackendKind.ATTENTION
@@ -82,7 +85,7 @@ def _skip_unless_served(backend, dtype, arch="llama"):
         pytest.skip("; ".join(reasons))
 
 
-@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3"])
+@pytest.mark.parametrize("arch", [*ARCHS, *DEEPSEEK])
 def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
     path, batch, hf = cases[arch]
     _skip_unless_served("TRITON", "float32", arch)
@@ -98,12 +101,12 @@ def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
 
 
 @pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER"])
-@pytest.mark.parametrize("arch", [*ARCHS, "deepseek_v3"])
+@pytest.mark.parametrize("arch", [*ARCHS, *DEEPSEEK])
 def test_bf16_graphs_equal_eager(cases, arch, backend):
     path, batch, _ = cases[arch]
     _skip_unless_served(backend, "bfloat16", arch)
     llm = _llm(path, backend, "bfloat16", enforce_eager=False)
-    if arch == "deepseek_v3":  # the MLA decode backend asked for, and MoE experts that run fused
+    if arch in DEEPSEEK:  # the MLA decode backend asked for, and MoE experts that run fused
         runner = llm.core.executor.worker.runner
         assert runner.backends[0].decode.name == backend and runner.model.cuda_graph_safe
     got, graphs, stats = _run(llm, batch)

@@ -24,7 +24,9 @@ class GenerativeModel(Protocol):
 
     # Checkpoint module -> (fused model module, index of its part along dim 0): how the loader
     # fills fused parameters (qkv_proj from q/k/v_proj); empty when every tensor loads as is.
-    STACKED: ClassVar[Mapping[str, tuple[str, int]]]
+    # A class attribute; an instance may set its own where the checkpoint decides (DeepSeek's
+    # MLA stacks q_proj or q_a_proj, whichever the checkpoint has, with kv_a_proj_with_mqa).
+    STACKED: Mapping[str, tuple[str, int]]
     # Whether the prompt is the encoder's input (the worker then gives the encoder its backend).
     is_encoder_decoder: ClassVar[bool]
 

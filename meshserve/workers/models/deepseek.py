@@ -6,19 +6,22 @@ per parameter. Attention per token (DeepSeek-V2 paper, section 2.1):
 
     q            = q_b_proj(q_a_layernorm(q_a_proj(x)))   or q_proj(x)      [H, nope + rope]
     c, k_pe      = kv_a_proj_with_mqa(x)                                      [rank], [rope]
+                   (q_proj / q_a_proj and kv_a_proj_with_mqa: one stacked GEMM, q_kv_a_proj)
     c            = kv_a_layernorm(c)                 (cached with the rotated k_pe, one row per token)
     o            = MLA(q_nope, rope(q_pe); c, rope(k_pe); W_UK, W_UV from kv_b_proj)  [H, v]
     out          = o_proj(o)
 
 The cache write and the attention go through the layer's MLAAttention (decode and prefill
 backends chosen separately); this module never sees the latent layout or the kernels. On CUDA
-one kernel rotates q's rope part and k_pe (mla_rope.py), and the residual adds run inside the
-norms (fused_ops.add_rms_norm: layers pass (output, residual) pairs, as transformer.py). V3.2
-layers also run the lightning indexer (deepseek_indexer.py) and attend through a
-SparseMLAAttention to the top-k tokens it scores best.
+one kernel rotates q's rope part and k_pe and normalises the latent (mla_rope.py), and the
+residual adds run inside the norms (fused_ops.add_rms_norm: layers pass (output, residual)
+pairs, as transformer.py). V3.2 layers also run the lightning indexer (deepseek_indexer.py) and
+attend through a SparseMLAAttention to the top-k tokens it scores best.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -37,6 +40,19 @@ from meshserve.workers.models.yarn_rope import YarnRotary
 
 
 class MLAttention(nn.Module):
+    """DeepSeek's attention. The two projections that read x, q's first one (q_proj, or q_a_proj
+    with a q LoRA) and kv_a_proj_with_mqa, are one matrix, q_kv_a_proj [q_rows + rank + rope,
+    hidden] (q's rows first: the loader stacks them, DeepseekForCausalLM.STACKED): one GEMM a
+    layer instead of two, whose output q and the latent are views of (row stride = its width).
+
+    Under tensor parallelism a rank's q_kv_a_proj holds its query heads' q_proj rows and the
+    whole kv_a_proj_with_mqa (which every rank computes in full); with a q LoRA, q_a_proj is
+    whole on every rank too: the stack is the same at any tp. `split()` goes back to the two
+    HF linears where one matrix cannot hold the checkpoint (FP8 block scales that q's rows end
+    inside, or FP8 on only one of them; a checkpoint without q LoRA but with attention biases:
+    HF's q_proj has none); the loader then fills them by their own names.
+    """
+
     def __init__(self, arch: ModelArch, layer_idx: int) -> None:
         super().__init__()
         ds = arch.deepseek
@@ -48,33 +64,63 @@ class MLAttention(nn.Module):
         self.dims = dims
         hidden, heads, bias = arch.hidden_size, arch.num_heads, ds.attention_bias
         q_out = heads * dims.qk_head_dim
-        if dims.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_out, bias=False)
-        else:
-            self.q_a_proj = nn.Linear(hidden, dims.q_lora_rank, bias=bias)
+        self.q_kv_a_proj: nn.Module | None = None
+        if dims.q_lora_rank is not None:
+            self.q_kv_a_proj = nn.Linear(hidden, dims.q_lora_rank + dims.latent_size, bias=bias)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, 1e-6)  # HF's default eps for these norms
             self.q_b_proj = nn.Linear(dims.q_lora_rank, q_out, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, dims.latent_size, bias=bias)
+        elif stacks_q_kv_a(arch):
+            self.q_kv_a_proj = nn.Linear(hidden, q_out + dims.latent_size, bias=False)
+        else:  # HF's q_proj has no bias, its kv_a_proj_with_mqa one: two linears
+            self.q_proj = nn.Linear(hidden, q_out, bias=False)
+            self.kv_a_proj_with_mqa = nn.Linear(hidden, dims.latent_size, bias=bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, 1e-6)
         self.kv_b_proj = nn.Linear(dims.kv_lora_rank, heads * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False)
         self.o_proj = nn.Linear(heads * dims.v_head_dim, hidden, bias=bias)
         # DeepSeek-V3.2: the lightning indexer picks the tokens each query attends to (sparse MLA).
         self.indexer = Indexer(hidden, dims) if dims.indexer is not None else None
 
+    @property
+    def q_rows(self) -> int:
+        """Rows of q's part of q_kv_a_proj: q_lora_rank, or this module's heads x qk_head_dim."""
+        dims = self.dims
+        return dims.q_lora_rank if dims.q_lora_rank is not None else self.num_heads * dims.qk_head_dim
+
+    @property
+    def q_name(self) -> str:
+        """HF's name of q's first projection (q_kv_a_proj's first part)."""
+        return "q_proj" if self.dims.q_lora_rank is None else "q_a_proj"
+
+    def split(self) -> None:
+        """q's first projection (q_proj / q_a_proj) and kv_a_proj_with_mqa as separate (new,
+        uninitialised) linears, in the stacked one's dtype and device."""
+        fused = self.q_kv_a_proj
+        hidden, like = fused.in_features, dict(dtype=fused.weight.dtype, device=fused.weight.device)
+        bias = fused.bias is not None
+        setattr(self, self.q_name, nn.Linear(hidden, self.q_rows, bias=bias, **like))
+        self.kv_a_proj_with_mqa = nn.Linear(hidden, self.dims.latent_size, bias=bias, **like)
+        self.q_kv_a_proj = None
+
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], rotary: YarnRotary,
                 ctx: ForwardContext) -> torch.Tensor:  # fmt: skip
         T, H, dims = x.shape[0], self.num_heads, self.dims
         r = dims.kv_lora_rank
-        if dims.q_lora_rank is None:
-            q, q_resid = self.q_proj(x), None
+        if self.q_kv_a_proj is not None:
+            both = self.q_kv_a_proj(x)  # [T, q_rows + rank + rope]: views, row stride q_rows + rank + rope
+            q_part, compressed = both[:, : self.q_rows], both[:, self.q_rows :]
         else:
-            q_resid = self.q_a_layernorm(self.q_a_proj(x))
+            q_part, compressed = getattr(self, self.q_name)(x), self.kv_a_proj_with_mqa(x)
+        if dims.q_lora_rank is None:
+            q, q_resid = q_part, None
+        else:
+            q_resid = self.q_a_layernorm(q_part)
             q = self.q_b_proj(q_resid)
         q = q.view(T, H, dims.qk_head_dim)
-        compressed = self.kv_a_proj_with_mqa(x)  # [T, rank + rope]
-        latent = self.kv_a_layernorm(compressed[:, :r])
-        # q's rope part and k_pe [T, rope] (shared by every head) rotated: one kernel on CUDA.
-        q, k_pe = rotary_mla_qk(q, compressed, *rope, kv_lora_rank=r, interleaved=rotary.rope.interleaved)
+        # q's rope part and k_pe [T, rope] (shared by every head) rotated, and the latent [T, rank]
+        # normalised (kv_a_layernorm) from compressed [T, rank + rope]: one kernel on CUDA.
+        norm = self.kv_a_layernorm
+        q, k_pe, latent = rotary_mla_qk(q, compressed, *rope, norm.weight, kv_lora_rank=r,
+                                        interleaved=rotary.rope.interleaved, eps=norm.eps)  # fmt: skip
         layer = ctx.layers[self.layer_idx]
         if self.indexer is None:
             o = self.attend(q, latent, k_pe, layer)  # [T, H, v]
@@ -142,12 +188,15 @@ class DeepseekBody(nn.Module):
 class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
     """DeepSeek-V2/V3 over a packed batch of new tokens (a contract.GenerativeModel)."""
 
-    # The MLPs' gate and up (dense, shared and routed experts) load into one gate_up_proj each.
+    # The MLPs' gate and up (dense, shared and routed experts) load into one gate_up_proj each;
+    # an instance adds MLA's q_kv_a_proj parts (q_proj or q_a_proj, then kv_a_proj_with_mqa):
+    # which q projection is stacked depends on the checkpoint (stacked_modules).
     STACKED: dict[str, tuple[str, int]] = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, arch: ModelArch, *, max_positions: int | None = None) -> None:
         super().__init__()
         self.arch = arch
+        self.STACKED = stacked_modules(arch)
         self.model = DeepseekBody(arch, max_positions or arch.max_position_embeddings)
         self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
         if arch.tie_word_embeddings:
@@ -176,3 +225,36 @@ class DeepseekForCausalLM(DecoderOnlyLM, nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] float32."""
         return self.lm_head(hidden).float()
+
+
+def stacks_q_kv_a(arch: ModelArch) -> bool:
+    """Whether MLA's q projection and kv_a_proj_with_mqa are built as one q_kv_a_proj: always
+    with a q LoRA (q_a_proj and kv_a_proj_with_mqa both carry attention_bias), and without one
+    unless attention_bias (HF's q_proj has no bias while kv_a_proj_with_mqa has)."""
+    return arch.deepseek.mla.q_lora_rank is not None or not arch.deepseek.attention_bias
+
+
+def stacked_modules(arch: ModelArch) -> dict[str, tuple[str, int]]:
+    """The checkpoint modules the loader stacks for `arch` (DeepseekForCausalLM.STACKED and MLA's)."""
+    out = dict(DeepseekForCausalLM.STACKED)
+    if stacks_q_kv_a(arch):
+        q = "q_proj" if arch.deepseek.mla.q_lora_rank is None else "q_a_proj"
+        out |= {q: ("q_kv_a_proj", 0), "kv_a_proj_with_mqa": ("q_kv_a_proj", 1)}
+    return out
+
+
+def split_unstackable_mla(model: nn.Module, block_rows: int | None, quantized: Callable[[str], bool]) -> list[str]:
+    """Split the q_kv_a_proj of every MLAttention of the (meta-device) `model` that cannot hold
+    the checkpoint: FP8 block scales (blocks of `block_rows` rows; None: none) that q's rows end
+    inside (one block scale cannot cover q's last rows and kv_a's first; kv_a's rows may end
+    mid-block: its part is the last), or weights of which `quantized(module name)` holds for one
+    only (one matrix has one format). Returns the modules split."""
+    split = []
+    for name, module in model.named_modules():
+        if not isinstance(module, MLAttention) or module.q_kv_a_proj is None:
+            continue
+        q_fp8, kv_fp8 = (quantized(f"{name}.{part}") for part in (module.q_name, "kv_a_proj_with_mqa"))
+        if q_fp8 != kv_fp8 or (q_fp8 and block_rows is not None and module.q_rows % block_rows):
+            module.split()
+            split.append(name)
+    return split

@@ -2,10 +2,12 @@
 
 The model code stays plain (gpt-fast style). For rank ctx.rank of a tp-way replica:
 - attention: query heads split over ranks (q_proj / q_b_proj keep this rank's heads' rows,
-  o_proj keeps their input columns and sums over ranks). The latent cache has one "head":
-  without DCP every rank caches all of it; with DCP the dcp ranks of a group cache every dcp-th
-  token each, and a rank attends for its whole group's query heads (gathered by the worker's
-  DCP wrapper) over its tokens, so kv_b_proj keeps the group's heads (Split.DCP_GROUP);
+  o_proj keeps their input columns and sums over ranks; MLA's stacked q_kv_a_proj holds this
+  rank's q_proj rows then the whole kv_a_proj_with_mqa, or the whole q_a_proj with a q LoRA).
+  The latent cache has one "head": without DCP every rank caches all of it; with DCP the dcp
+  ranks of a group cache every dcp-th token each, and a rank attends for its whole group's
+  query heads (gathered by the worker's DCP wrapper) over its tokens, so kv_b_proj keeps the
+  group's heads (Split.DCP_GROUP);
 - dense MLP and every expert (routed and shared): intermediate features split, partial products
   summed by one all-reduce per layer (after the routed and shared experts together); under --ep
   a rank keeps its E/ep routed experts, each split tp/ep ways (expert_parallel.py);
@@ -68,7 +70,10 @@ def apply_deepseek_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> No
     for layer in body.layers:
         attn = layer.self_attn
         if dims.q_lora_rank is None:
-            attn.q_proj = nn.Linear(hidden, local * dims.qk_head_dim, bias=False)
+            if attn.q_kv_a_proj is None:
+                attn.q_proj = nn.Linear(hidden, local * dims.qk_head_dim, bias=False)
+            else:  # this rank's q_proj rows, then the whole kv_a_proj_with_mqa
+                attn.q_kv_a_proj = nn.Linear(hidden, local * dims.qk_head_dim + dims.latent_size, bias=False)
         else:
             attn.q_b_proj = nn.Linear(dims.q_lora_rank, local * dims.qk_head_dim, bias=False)
         attn.kv_b_proj = nn.Linear(dims.kv_lora_rank, group * (dims.qk_nope_head_dim + dims.v_head_dim), bias=False)

@@ -259,11 +259,12 @@ class StreamedLinear(nn.Module):
 
 
 # The decoder-layer projections the bf16 switch streams (fused and unfused names; DeepSeek's MLA
-# projections but kv_b_proj, which the attention folds into matrices, and its shared experts);
-# routed experts (a module list `experts`) are left to the fused MoE, which reads their weights
-# as banks; routers, V3.2's indexer and the LM head stay on cuBLAS.
+# projections but kv_b_proj, which the attention folds into matrices, and its shared experts;
+# MLA's q_kv_a_proj stacks q_proj / q_a_proj with kv_a_proj_with_mqa); routed experts (a module
+# list `experts`) are left to the fused MoE, which reads their weights as banks; routers, V3.2's
+# indexer and the LM head stay on cuBLAS.
 STREAMED = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "gate_proj", "up_proj", "q_proj", "k_proj",
-            "v_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
+            "v_proj", "q_kv_a_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa")
 
 
 def stream_dense_linears(model: nn.Module) -> list[str]:

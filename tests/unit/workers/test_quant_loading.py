@@ -175,6 +175,7 @@ def test_deepseek_fp8_tp_slices_mla_and_experts(tmp_path):
     full = load_model(tmp_path / "quant", progress=False)
     f_attn, f_moe = full.model.layers[1].self_attn, full.model.layers[1].mlp
     assert isinstance(f_attn.q_b_proj, Fp8Linear) and f_attn.kv_a_proj_with_mqa.weight_scale_inv.shape == (3, 4)
+    assert f_attn.q_kv_a_proj is None  # q_a_proj's 24 rows end inside a 16-row block: two linears
     for r in range(2):
         part = _rank_model(tmp_path / "quant", r, 2)
         attn, moe = part.model.layers[1].self_attn, part.model.layers[1].mlp

@@ -73,6 +73,8 @@ CASES = {
     "llama_fp8_32": lambda p: (write_checkpoint(p, "llama"), "fp8", (32, 32)),
     "qwen3_fp8_128": lambda p: (write_checkpoint(p, "qwen3", overrides=QWEN3_128), "fp8", (128, 128)),
     "deepseek_v3_fp8_128": lambda p: (write_deepseek(p, "deepseek_v3"), "fp8", (128, 128)),
+    # blocks of 8: q_a_proj's 24 rows end on a block, so MLA's q_kv_a_proj stacks (128: two linears)
+    "deepseek_v3_fp8_8": lambda p: (write_deepseek(p, "deepseek_v3"), "fp8", (8, 8)),
     "deepseek_v32_fp8_128": lambda p: (write_deepseek_v32(p), "fp8", (128, 128)),  # indexer projections too
     "gpt_oss_mxfp4": lambda p: (write_checkpoint(p, "gpt_oss"), "mxfp4", None),
 }
@@ -100,6 +102,10 @@ def test_quantized_checkpoint_matches_dequantized_oracle(tmp_path, case):
             layer = model.model.layers[1]
             assert isinstance(layer.mlp.experts[0].down_proj, Fp8Linear)
             assert layer.self_attn.kv_b_proj.weight.dtype == torch.float32
+            stacked = block[0] == 8  # q_a_proj's rows end on a block: one FP8 matrix, else two
+            attn = layer.self_attn
+            linears = [attn.q_kv_a_proj] if stacked else [attn.q_a_proj, attn.kv_a_proj_with_mqa]
+            assert (attn.q_kv_a_proj is not None) == stacked and all(isinstance(m, Fp8Linear) for m in linears)
             if "v32" in case:  # the indexer's query and key projections are FP8, its head weights not
                 indexer = layer.self_attn.indexer
                 assert isinstance(indexer.wq_b, Fp8Linear) and isinstance(indexer.wk, Fp8Linear)
@@ -187,9 +193,9 @@ def test_small_m_gemm_switch_swaps_the_decoder_projections(tmp_path):
 
 
 def test_small_m_gemm_on_swaps_deepseeks_mla_projections_and_shared_experts(tmp_path):
-    """"on" on DeepSeek: MLA's q_a/q_b/kv_a/o projections, the dense layer's MLP and the shared
-    experts become StreamedLinear (same parameters: the same logits on CPU, where they run
-    F.linear); kv_b_proj (folded into matrices by the attention), the routed experts (banks of
+    """"on" on DeepSeek: MLA's q_kv_a (q_a and kv_a stacked)/q_b/o projections, the dense layer's
+    MLP and the shared experts become StreamedLinear (same parameters: the same logits on CPU,
+    where they run F.linear); kv_b_proj (folded into matrices by the attention), the routed experts (banks of
     the fused MoE), the router and the LM head do not."""
     from meshserve.workers.loader import load_model
     from tests.deepseek_models import write_deepseek
@@ -198,8 +204,7 @@ def test_small_m_gemm_on_swaps_deepseeks_mla_projections_and_shared_experts(tmp_
     on = load_model(tmp_path / "ds", small_m_gemm="on", progress=False)
     auto = load_model(tmp_path / "ds", progress=False)
     streamed = {n for n, m in on.named_modules() if isinstance(m, StreamedLinear)}
-    attn = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_a_proj", "q_b_proj",
-                                                                          "kv_a_proj_with_mqa", "o_proj")}
+    attn = {f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_kv_a_proj", "q_b_proj", "o_proj")}
     mlp = {f"model.layers.0.mlp.{p}" for p in ("gate_up_proj", "down_proj")}  # gate and up stacked
     shared = {f"model.layers.1.mlp.shared_experts.{p}" for p in ("gate_up_proj", "down_proj")}
     assert streamed == attn | mlp | shared, sorted(streamed ^ (attn | mlp | shared))
