@@ -206,11 +206,11 @@ def measure(bs: int, args: argparse.Namespace) -> dict[str, float]:
         def first_max_index(x):
             return x.argmax(dim=-1)
 
-    def draw(logits, rows):  # the greedy pick alone, once more: device work on a GPU, subtracted below
+    def draw(logits, rows, **kwargs):  # the greedy pick alone, once more: device work on a GPU, subtracted below
         t0 = time.process_time()
         first_max_index(logits)
         timers.now["argmax"] += time.process_time() - t0
-        return real_draw(logits, rows)
+        return real_draw(logits, rows, **kwargs)
 
     runner.sampler.draw = draw
     timers.wrap(backend, "prepare_replay", "page lists")
