@@ -58,6 +58,9 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh bs256
 #       issue 41: the 8B step at bs 256 beside the compiled baseline with a profiler timeline of its idle gaps
 #       (bench/e2e.py --timeline), then GPU tests (BS256_TESTS, default fused_moe) with the time left
+#   . bench/device_setup.sh && bash bench/device_benches.sh backends      (carry .whl .whlfi07)
+#       issue 42's test: tests/gpu/test_backends_gpu.py whole with FlashInfer 0.7 in (pytest -n 6 within one call;
+#       the fifteenth session's run with the graph tests beside it stopped one case short)
 #   NO_FLASHINFER=1 . bench/device_setup.sh && GEMV16_E2E=gpt-oss-20b bash bench/device_benches.sh gemv16e2e
 #       the e2e half alone (what the first call had no time for), then the bf16/fp16 GEMV's GPU tests
 #       (tests/gpu/test_quant_gpu.py -k "dense or streamed") with the time left
@@ -104,7 +107,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256 or mlastack}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack or backends}" in
     mlastack)  # MLA's stacked q_kv_a_proj + latent norm in the rope kernel: the V2-Lite bs-1 step first (kernels
         # and ms per step), then the rope/norm kernel's GPU tests, then DeepSeek's decode graphs with the time left
         timeout 330 python3 -m bench.e2e --model deepseek-v2-lite --batch-sizes 1 --throughput-sizes 1 \
@@ -217,5 +220,8 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         echo "e2e bs256: exit $? at ${SECONDS}s"
         grep -vE "^\s*$" "$OUT/e2e-bs256.log" | grep -v Warning | tail -40
         BUDGET=$((590 - SECONDS)) bash "$0" tests ${BS256_TESTS-fused_moe} ;;
+    backends)  # issue 42's test: the backend scenario table whole, every default kernel path against the
+        # reference (carry .whl .whlfi07, FlashInfer on); six workers, one file, the call's time
+        tests gpu_backends 560 -n 6 tests/gpu/test_backends_gpu.py ;;
     *) echo "unknown part $1"; exit 2 ;;
 esac
