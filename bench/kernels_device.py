@@ -167,15 +167,15 @@ def _bench(fn, device: str) -> float:
 
 def _calls(dtype):
     """method -> (weight format, fn(x, *weights)) for the per-projection and graph timings."""
-    from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable
+    from meshserve.workers.quant.gemm_table import GemmTable, GemmWay
     from meshserve.workers.quant.gemv import CORES_CONFIG, weight_gemv
     from meshserve.workers.quant.layers import fp8_linear
 
-    def table(block_way=Fp8Gemm.TRITON_BLOCK, channel_way=Fp8Gemm.CHANNEL_ROWWISE):
-        return Fp8GemmTable(small_m_block=((16, block_way),), small_m_channel=((16, channel_way),))
+    def table(block_way=GemmWay.TRITON_BLOCK, channel_way=GemmWay.CHANNEL_ROWWISE):
+        return GemmTable(small_m_block=((16, block_way),), small_m_channel=((16, channel_way),))
 
-    t_stream, t_blockwise, t_rescale = table(Fp8Gemm.STREAM, Fp8Gemm.STREAM), table(Fp8Gemm.CUBLAS_BLOCKWISE), \
-        table(channel_way=Fp8Gemm.CHANNEL_RESCALE)
+    t_stream, t_blockwise, t_rescale = table(GemmWay.STREAM, GemmWay.STREAM), table(GemmWay.CUBLAS_BLOCKWISE), \
+        table(channel_way=GemmWay.CHANNEL_RESCALE)
     t_tiled = table()
     return {
         "bf16_cublas": ("bf16", lambda x, w: torch.matmul(x, w.t())),
@@ -344,7 +344,7 @@ def suggest(graph_rows: list[dict]) -> dict[str, list]:
             timed = {r["method"]: r["ms"] for r in graph_rows if r["m"] == m and r["method"] in methods}
             if timed:
                 best = min(timed, key=timed.get)
-                rows.append((m, f"Fp8Gemm.{WAY[best.split('_', 1)[1]]}"))
+                rows.append((m, f"GemmWay.{WAY[best.split('_', 1)[1]]}"))
         out[fmt] = rows
     return out
 

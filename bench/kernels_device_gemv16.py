@@ -251,7 +251,7 @@ def suggest(rows: list[dict]) -> dict:
     cores = {k: v for k, v in per_config.items() if _cores(k)}
     best_tc = min(tc, key=tc.get) if tc else None
     best_cores = min(cores, key=cores.get) if cores else None
-    way = {CUBLAS: "Fp8Gemm.DENSE_CUBLAS", STREAM: "Fp8Gemm.STREAM"}
+    way = {CUBLAS: "GemmWay.DENSE_CUBLAS", STREAM: "GemmWay.STREAM"}
     table = []
     for m in MS:
         totals = _totals(rows, m)
@@ -263,7 +263,7 @@ def suggest(rows: list[dict]) -> dict:
         if m == 1 and best_cores in totals:
             cands["GEMV_CORES"] = totals[best_cores]
         best = min(cands, key=cands.get)
-        table.append((m, way.get(best, f"Fp8Gemm.{best}")))
+        table.append((m, way.get(best, f"GemmWay.{best}")))
     return {"dense_config": None if best_tc is None else str(gv.CONFIGS[int(best_tc[5:-1])]),
             "dense_cores_config": None if best_cores is None else str(gv.CONFIGS[int(best_cores[5:-1])]),
             "small_m_dense": table}

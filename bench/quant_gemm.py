@@ -215,7 +215,7 @@ SUMMARY = (("bf16", "bf16"), ("scaled_mm_tensor", "per-tensor"), ("torch_blockwi
 
 
 def suggest_table(rows: list[dict]) -> str:
-    """gemm_table.Fp8GemmTable values these numbers argue for (the measured Ms only)."""
+    """gemm_table.GemmTable values these numbers argue for (the measured Ms only)."""
     layers = sorted((r for r in rows if r["proj"] == "layer"), key=lambda r: r["m"])
 
     def wins(r, a, b):

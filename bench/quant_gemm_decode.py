@@ -58,11 +58,11 @@ def _kernels_per_replay(graph) -> int | str:
 def decode_graphs(shapes, *, layers: int, device: str) -> list[dict]:
     """One CUDA graph per method: `layers` x the four projections at M = 1, distinct random weights
     per layer (15 GB of bf16 for 32 layers: nothing stays in L2). Median ms of 20 replays."""
-    from meshserve.workers.quant.gemm_table import Fp8GemmTable
+    from meshserve.workers.quant.gemm_table import GemmTable
     from meshserve.workers.quant.layers import fp8_linear
     from meshserve.workers.quant.small_m import stream_linear
 
-    cublas, rescale = Fp8GemmTable(block_cublas_min_rows=1), Fp8GemmTable(channel_rescale_max_rows=16)
+    cublas, rescale = GemmTable(block_cublas_min_rows=1), GemmTable(channel_rescale_max_rows=16)
     t0 = time.perf_counter()
     weights = {m: [] for m in GRAPH_METHODS}
     for layer in range(layers):

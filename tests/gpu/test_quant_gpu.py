@@ -13,7 +13,7 @@ import torch
 
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import dequantize_fp8_block, quantize_fp8_block, quantize_per_token_group
-from meshserve.workers.quant.gemm_table import Fp8GemmTable
+from meshserve.workers.quant.gemm_table import GemmTable
 from meshserve.workers.quant.layers import Fp8Linear, fp8_linear
 from meshserve.workers.quant.mxfp4 import dequantize_mxfp4, quantize_mxfp4
 from meshserve.workers.quant.support import refusals
@@ -104,7 +104,7 @@ def test_fp8_linear_against_dequantized_matmul(m, n, k, block, small_m):
 
 # The cuBLASLt paths (fp8_cublas.py) and the dispatch table: the table with both new formulations
 # on everywhere they can run, against the same float64 oracle as the default one.
-FLIPPED = Fp8GemmTable(block_cublas_min_rows=1, channel_rescale_max_rows=1 << 30)
+FLIPPED = GemmTable(block_cublas_min_rows=1, channel_rescale_max_rows=1 << 30)
 
 
 @pytest.fixture
@@ -369,14 +369,14 @@ def test_dense_gemv_under_cuda_graph_replays_the_eager_bits():
     """Captured split GEMVs on a bf16 weight (the 8B o_proj: split-K at every config) replay the
     eager bits, and StreamedLinear takes the GEMV on CUDA (the table's choice) inside the graph."""
     from meshserve.workers.quant import gemv as gv
-    from meshserve.workers.quant.gemm_table import Fp8Gemm
+    from meshserve.workers.quant.gemm_table import GemmWay
     from meshserve.workers.quant.layers import StreamedLinear, dense_way
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     assert gv.plan_gemv(4096, 4096, scale_k=None, num_sms=sms, config=gv.DENSE_CONFIG).splits > 1
     w = _randn(4096, 4096, scale=0.02, seed=5)
     layer = StreamedLinear(torch.nn.Parameter(w, requires_grad=False), None, None)
-    for m, cfg, way in ((4, gv.DENSE_CONFIG, Fp8Gemm.GEMV), (1, gv.DENSE_CORES_CONFIG, Fp8Gemm.GEMV_CORES)):
+    for m, cfg, way in ((4, gv.DENSE_CONFIG, GemmWay.GEMV), (1, gv.DENSE_CORES_CONFIG, GemmWay.GEMV_CORES)):
         x = _randn(m, 4096, seed=6)
         assert dense_way(x, w) is way
         eager = gv.weight_gemv(x, w, config=cfg)

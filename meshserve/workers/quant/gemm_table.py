@@ -38,7 +38,9 @@ import torch
 from meshserve.workers.quant.formats import SMALL_M_MAX
 
 
-class Fp8Gemm(StrEnum):
+class GemmWay(StrEnum):
+    """A GEMM formulation (the module docstring lists them): FP8 ones and bf16/fp16 ones alike."""
+
     GEMV = "gemv"
     GEMV_CORES = "gemv_cores"
     STREAM = "stream"
@@ -49,18 +51,18 @@ class Fp8Gemm(StrEnum):
     DENSE_CUBLAS = "dense_cublas"
 
 
-_BLOCK_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CUBLAS_BLOCKWISE, Fp8Gemm.TRITON_BLOCK)
-_CHANNEL_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE)
-_DENSE_WAYS = (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES, Fp8Gemm.STREAM, Fp8Gemm.DENSE_CUBLAS)
+_BLOCK_WAYS = (GemmWay.GEMV, GemmWay.GEMV_CORES, GemmWay.STREAM, GemmWay.CUBLAS_BLOCKWISE, GemmWay.TRITON_BLOCK)
+_CHANNEL_WAYS = (GemmWay.GEMV, GemmWay.GEMV_CORES, GemmWay.STREAM, GemmWay.CHANNEL_RESCALE, GemmWay.CHANNEL_ROWWISE)
+_DENSE_WAYS = (GemmWay.GEMV, GemmWay.GEMV_CORES, GemmWay.STREAM, GemmWay.DENSE_CUBLAS)
 
 # Rows bucket -> formulation for linears built with small_m, up to SMALL_M_MAX rows: ((max_rows,
 # way), ...) in increasing max_rows; rows above the last bucket take the large-M rules below
 # (dense weights: F.linear).
-SmallMRows = tuple[tuple[int, Fp8Gemm], ...]
+SmallMRows = tuple[tuple[int, GemmWay], ...]
 
 
 @dataclass(frozen=True)
-class Fp8GemmTable:
+class GemmTable:
     """small_m_block / small_m_channel: for linears built with small_m, the formulation per rows
     bucket up to SMALL_M_MAX (block-scaled / per-channel weights). small_m_dense: the same for
     bf16/fp16 weights (StreamedLinear, small_m_gemm "on" only: "auto" leaves dense linears on
@@ -71,9 +73,9 @@ class Fp8GemmTable:
     row-wise `_scaled_mm`; 0 = never). rescale_raw_dtype: the raw product's dtype in the rescale
     formulation (float32: one rounding, to the output; bfloat16: two, half the bytes)."""
 
-    small_m_block: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
-    small_m_channel: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
-    small_m_dense: SmallMRows = ((1, Fp8Gemm.GEMV_CORES), (SMALL_M_MAX, Fp8Gemm.GEMV))
+    small_m_block: SmallMRows = ((1, GemmWay.GEMV_CORES), (SMALL_M_MAX, GemmWay.GEMV))
+    small_m_channel: SmallMRows = ((1, GemmWay.GEMV_CORES), (SMALL_M_MAX, GemmWay.GEMV))
+    small_m_dense: SmallMRows = ((1, GemmWay.GEMV_CORES), (SMALL_M_MAX, GemmWay.GEMV))
     block_cublas_min_rows: int = SMALL_M_MAX + 1
     channel_rescale_max_rows: int = 0
     rescale_raw_dtype: torch.dtype = torch.float32
@@ -88,7 +90,7 @@ class Fp8GemmTable:
             bad = [str(w) for _, w in rows if w not in allowed]
             if bad:
                 raise ValueError(f"{name} names {bad}; allowed: {[str(w) for w in allowed]}")
-            if any(w is Fp8Gemm.GEMV_CORES and r != 1 for r, w in rows):
+            if any(w is GemmWay.GEMV_CORES and r != 1 for r, w in rows):
                 raise ValueError(f"{name}: gemv_cores serves one row; put it in a bucket of max_rows 1, not {rows}")
         if self.block_cublas_min_rows < 1:
             raise ValueError(f"block_cublas_min_rows must be >= 1, not {self.block_cublas_min_rows}")
@@ -117,10 +119,10 @@ class Fp8GemmTable:
 # (0) until `bench/h200_gemm.sh` shows it ahead of the row-wise path; then set
 # channel_rescale_max_rows to the largest M where it wins (and block_cublas_min_rows to 1 if
 # the blockwise column beats the Triton block path at M = 1 and 16).
-DEFAULT_TABLE = Fp8GemmTable()
+DEFAULT_TABLE = GemmTable()
 
 
-def choose(table: Fp8GemmTable, *, block: bool, rows: int, small_m: bool) -> Fp8Gemm:
+def choose(table: GemmTable, *, block: bool, rows: int, small_m: bool) -> GemmWay:
     """The formulation an FP8 linear of `rows` rows runs on CUDA (before the blockwise probe,
     which may still send CUBLAS_BLOCKWISE to TRITON_BLOCK)."""
     if small_m and rows <= SMALL_M_MAX:
@@ -128,15 +130,15 @@ def choose(table: Fp8GemmTable, *, block: bool, rows: int, small_m: bool) -> Fp8
             if rows <= max_rows:
                 return way
     if block:
-        return Fp8Gemm.CUBLAS_BLOCKWISE if rows >= table.block_cublas_min_rows else Fp8Gemm.TRITON_BLOCK
-    return Fp8Gemm.CHANNEL_RESCALE if rows <= table.channel_rescale_max_rows else Fp8Gemm.CHANNEL_ROWWISE
+        return GemmWay.CUBLAS_BLOCKWISE if rows >= table.block_cublas_min_rows else GemmWay.TRITON_BLOCK
+    return GemmWay.CHANNEL_RESCALE if rows <= table.channel_rescale_max_rows else GemmWay.CHANNEL_ROWWISE
 
 
-def choose_dense(table: Fp8GemmTable, *, rows: int) -> Fp8Gemm:
+def choose_dense(table: GemmTable, *, rows: int) -> GemmWay:
     """The formulation a bf16/fp16 StreamedLinear of `rows` rows runs on CUDA: the small_m_dense
     bucket holding `rows`, else DENSE_CUBLAS (F.linear)."""
     if rows <= SMALL_M_MAX:
         for max_rows, way in table.small_m_dense:
             if rows <= max_rows:
                 return way
-    return Fp8Gemm.DENSE_CUBLAS
+    return GemmWay.DENSE_CUBLAS

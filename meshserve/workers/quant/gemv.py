@@ -25,7 +25,7 @@ streaming kernel (which read 2.2 TB/s on the H200 in a decode graph):
   scaling), float32 accumulation, the same split-K epilogue and bias. Under TRITON_INTERPRET
   (CPU tests) a bf16 dot runs on the float32 values instead (the interpreter's bf16 dot is wrong,
   a known interpreter bug; the products of two bf16 values are exact in float32 either way).
-- For ONE row, a second design (`_gemv_row`, GemvConfig.cores, Fp8Gemm.GEMV_CORES): no tensor
+- For ONE row, a second design (`_gemv_row`, GemvConfig.cores, GemmWay.GEMV_CORES): no tensor
   cores, 16-byte weight loads straight into registers (16 FP8 or 8 bf16/fp16 weights), float32
   FMAs, the same split-K epilogue.
 
@@ -114,11 +114,11 @@ class GemvConfig:
 # sm_90 compile (Triton 3.6, bench/kernel_report_gemm.py): wgmma (HGMMA.64x16x16) with the
 # weight converted in registers, cp.async weight loads, 118 (block) / 156 (channel) registers, no
 # stack. 512-column steps spill per-channel (88 bytes): not listed.
-# The cores configs (CORES_CONFIG: what Fp8Gemm.GEMV_CORES runs, one row only): 16-byte weight
+# The cores configs (CORES_CONFIG: what GemmWay.GEMV_CORES runs, one row only): 16-byte weight
 # loads, 42-68 registers, no stack, no shared-memory pipeline; ~4 instructions per weight byte
 # (F2FP + HADD2 + FFMA per weight), about half the sm_90's issue rate at 4 TB/s.
 DEFAULT_CONFIG = GemvConfig(64, 256, 4, 3, 4)
-CORES_CONFIG = GemvConfig(8, 1024, 4, 1, 8, cores=True)  # one row only: what Fp8Gemm.GEMV_CORES runs
+CORES_CONFIG = GemvConfig(8, 1024, 4, 1, 8, cores=True)  # one row only: what GemmWay.GEMV_CORES runs
 # bf16/fp16 weights: NOT measured on a GPU (2026-12-06); `bench/kernels_device.py --part gemv16` prints
 # the best of CONFIGS for 16-bit weights. Chosen from the sm_90 compile (bench/kernel_report_gemm.py,
 # Triton 3.7): DEFAULT_CONFIG on a bf16 weight streams 512 bytes a row per step and takes 120 KB of

@@ -35,7 +35,7 @@ from meshserve.parallel.layers import ParallelLMHead, RowParallelLinear
 from meshserve.workers.quant import gemm_table
 from meshserve.workers.quant.formats import SMALL_M_MAX, WeightFormat
 from meshserve.workers.quant.fp8 import FP8, dequantize_fp8_block, fp8_linear_reference
-from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable, choose, choose_dense
+from meshserve.workers.quant.gemm_table import GemmTable, GemmWay, choose, choose_dense
 
 
 @functools.cache
@@ -65,7 +65,7 @@ SCALED_MM_ALIGN = 16
 
 
 def _per_channel_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-                      way: Fp8Gemm, table: Fp8GemmTable) -> torch.Tensor:
+                      way: GemmWay, table: GemmTable) -> torch.Tensor:
     """x [M, K] @ (weight fp8 [N, K] * scale [N, 1])^T (+ bias) by the per-channel GEMM `way`.
     When N is not a multiple of SCALED_MM_ALIGN, the whole multiples run the GEMM and the last
     N % 16 rows (at most 15 of them) the dequantized reference, concatenated along N."""
@@ -79,7 +79,7 @@ def _per_channel_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
         front = _per_channel_gemm(x, weight[:whole], scale[:whole], None if bias is None else bias[:whole], way,
                                   table)
         return torch.cat((front, tail), dim=-1)
-    if way is Fp8Gemm.CHANNEL_RESCALE:
+    if way is GemmWay.CHANNEL_RESCALE:
         from meshserve.workers.quant.fp8_cublas import channel_rescale_linear
 
         return channel_rescale_linear(x, weight, scale, bias=bias, raw_dtype=table.rescale_raw_dtype)  # bias fused
@@ -89,7 +89,7 @@ def _per_channel_gemm(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
                *, small_m: bool = False, bias: torch.Tensor | None = None,
-               table: Fp8GemmTable | None = None) -> torch.Tensor:
+               table: GemmTable | None = None) -> torch.Tensor:
     """x [..., K] @ W^T (+ bias [N]) -> [..., N] in x's dtype, W given as fp8 `weight` [N, K] and its
     `scale` (block: [ceil(N / bn), ceil(K / bk)]; block None: per output channel [N]).
 
@@ -108,22 +108,22 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
         x2 = x2.contiguous()
     table = gemm_table.DEFAULT_TABLE if table is None else table
     way = choose(table, block=block is not None, rows=x2.shape[0], small_m=small_m)
-    if way in (Fp8Gemm.GEMV, Fp8Gemm.GEMV_CORES):
+    if way in (GemmWay.GEMV, GemmWay.GEMV_CORES):
         from meshserve.workers.quant.gemv import CORES_CONFIG, fits_gemv, weight_gemv
 
         if not fits_gemv(weight):  # past 32-bit offsets: the activation-quantized GEMM of larger M
             return fp8_linear(x, weight, scale, block, small_m=False, bias=bias, table=table)
 
-        config = CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None
+        config = CORES_CONFIG if way is GemmWay.GEMV_CORES else None
         return weight_gemv(x2, weight, scale, block, bias, config=config).view(*lead, weight.shape[0])  # bias fused
-    if way is Fp8Gemm.STREAM:
+    if way is GemmWay.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 
         return stream_linear(x2, weight, scale, block, bias).view(*lead, weight.shape[0])  # bias fused
-    if way in (Fp8Gemm.CHANNEL_RESCALE, Fp8Gemm.CHANNEL_ROWWISE):
+    if way in (GemmWay.CHANNEL_RESCALE, GemmWay.CHANNEL_ROWWISE):
         return _per_channel_gemm(x2, weight, scale, bias, way, table).view(*lead, weight.shape[0])
     y = None
-    if way is Fp8Gemm.CUBLAS_BLOCKWISE:
+    if way is GemmWay.CUBLAS_BLOCKWISE:
         from meshserve.workers.quant.fp8_cublas import block_linear_cublas
 
         y = block_linear_cublas(x2, weight, scale, block)  # None: not served here (probe), Triton below
@@ -200,38 +200,38 @@ def _runs_decode_kernels(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
-def dense_way(x: torch.Tensor, weight: torch.Tensor, table: Fp8GemmTable | None = None) -> Fp8Gemm:
+def dense_way(x: torch.Tensor, weight: torch.Tensor, table: GemmTable | None = None) -> GemmWay:
     """The formulation dense_linear runs for x [..., K] and a weight [N, K]: the table's small_m_dense
     choice for x's rows where a decode kernel can take it (x and weight both bf16 or both fp16, on
     CUDA, a weight within 32-bit offsets), else DENSE_CUBLAS."""
     rows = x.numel() // max(x.shape[-1], 1)
     if rows > SMALL_M_MAX or not _runs_decode_kernels(x) or x.dtype != weight.dtype:
-        return Fp8Gemm.DENSE_CUBLAS
+        return GemmWay.DENSE_CUBLAS
     from meshserve.workers.quant.gemv import DENSE, fits_gemv
 
     if x.dtype not in DENSE or not fits_gemv(weight):
-        return Fp8Gemm.DENSE_CUBLAS
+        return GemmWay.DENSE_CUBLAS
     return choose_dense(gemm_table.DEFAULT_TABLE if table is None else table, rows=rows)
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                 table: Fp8GemmTable | None = None) -> torch.Tensor:
+                 table: GemmTable | None = None) -> torch.Tensor:
     """x [..., K] @ weight^T (+ bias [N]) -> [..., N] for a bf16/fp16 `weight` [N, K], by `dense_way`
     (table None: gemm_table.DEFAULT_TABLE): at most SMALL_M_MAX rows on CUDA by default the split-K
     GEMV (gemv.DENSE_CONFIG; the CUDA-core kernel at one row, gemv.DENSE_CORES_CONFIG; bias fused),
     everything else F.linear."""
     way = dense_way(x, weight, table)
-    if way is Fp8Gemm.DENSE_CUBLAS:
+    if way is GemmWay.DENSE_CUBLAS:
         return nn.functional.linear(x, weight, bias)
     x2 = x.reshape(-1, x.shape[-1])
-    if way is Fp8Gemm.STREAM:
+    if way is GemmWay.STREAM:
         from meshserve.workers.quant.small_m import stream_linear
 
         y = stream_linear(x2, weight, bias=bias)
     else:
         from meshserve.workers.quant.gemv import DENSE_CORES_CONFIG, weight_gemv
 
-        y = weight_gemv(x2, weight, bias=bias, config=DENSE_CORES_CONFIG if way is Fp8Gemm.GEMV_CORES else None)
+        y = weight_gemv(x2, weight, bias=bias, config=DENSE_CORES_CONFIG if way is GemmWay.GEMV_CORES else None)
     return y.view(*x.shape[:-1], weight.shape[0])
 
 
@@ -243,7 +243,7 @@ class StreamedLinear(nn.Module):
     keep nn.Linear's names and shapes (weight [out, in], bias [out]), so loading is unchanged."""
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, ctx: ParallelContext | None, *,
-                 table: Fp8GemmTable | None = None) -> None:
+                 table: GemmTable | None = None) -> None:
         super().__init__()
         self.weight, self.bias, self.ctx, self.table = weight, bias, ctx, table
         self.out_features, self.in_features = weight.shape

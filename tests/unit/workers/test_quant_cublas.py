@@ -17,7 +17,7 @@ from meshserve.workers.quant.fp8 import (
     quantize_fp8_per_channel,
     quantize_per_token_group,
 )
-from meshserve.workers.quant.gemm_table import DEFAULT_TABLE, Fp8Gemm, Fp8GemmTable, choose, choose_dense
+from meshserve.workers.quant.gemm_table import DEFAULT_TABLE, GemmTable, GemmWay, choose, choose_dense
 
 
 def _randn(*shape, seed=0, scale=1.0):
@@ -183,51 +183,51 @@ def test_fp8_linear_takes_the_rescale_formulation_where_the_table_says(monkeypat
     monkeypatch.setattr(fp8_cublas, "channel_rescale_linear", lambda *a, **k: seen.append(a[0].shape) or real(*a, **k))
     wq, sw = quantize_fp8_per_channel(_randn(64, 128, seed=10, scale=0.05))
     x = _randn(2, 3, 128, seed=11).bfloat16()
-    y = layers.fp8_linear(x, wq, sw, None, table=Fp8GemmTable(channel_rescale_max_rows=6))
+    y = layers.fp8_linear(x, wq, sw, None, table=GemmTable(channel_rescale_max_rows=6))
     ref = x.double() @ (wq.double() * sw.double()[:, None]).T
     assert seen == [(6, 128)] and y.shape == (2, 3, 64)
     assert ((y.double() - ref).norm() / ref.norm()).item() < 0.05
 
 
 def test_dispatch_table():
-    t = Fp8GemmTable(block_cublas_min_rows=17, channel_rescale_max_rows=64,
-                     small_m_block=((4, Fp8Gemm.GEMV), (16, Fp8Gemm.STREAM)),
-                     small_m_channel=((8, Fp8Gemm.CHANNEL_RESCALE),))
-    assert choose(t, block=True, rows=4, small_m=True) is Fp8Gemm.GEMV
-    assert choose(t, block=True, rows=5, small_m=True) is Fp8Gemm.STREAM
-    assert choose(t, block=True, rows=16, small_m=True) is Fp8Gemm.STREAM
-    assert choose(t, block=False, rows=8, small_m=True) is Fp8Gemm.CHANNEL_RESCALE
-    assert choose(t, block=False, rows=9, small_m=True) is Fp8Gemm.CHANNEL_RESCALE  # past its buckets: large-M rules
-    assert choose(t, block=False, rows=65, small_m=True) is Fp8Gemm.CHANNEL_ROWWISE
-    assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is Fp8Gemm.GEMV  # measured: H100, 2026-12-05
-    assert choose(DEFAULT_TABLE, block=False, rows=1, small_m=True) is Fp8Gemm.GEMV_CORES
+    t = GemmTable(block_cublas_min_rows=17, channel_rescale_max_rows=64,
+                     small_m_block=((4, GemmWay.GEMV), (16, GemmWay.STREAM)),
+                     small_m_channel=((8, GemmWay.CHANNEL_RESCALE),))
+    assert choose(t, block=True, rows=4, small_m=True) is GemmWay.GEMV
+    assert choose(t, block=True, rows=5, small_m=True) is GemmWay.STREAM
+    assert choose(t, block=True, rows=16, small_m=True) is GemmWay.STREAM
+    assert choose(t, block=False, rows=8, small_m=True) is GemmWay.CHANNEL_RESCALE
+    assert choose(t, block=False, rows=9, small_m=True) is GemmWay.CHANNEL_RESCALE  # past its buckets: large-M rules
+    assert choose(t, block=False, rows=65, small_m=True) is GemmWay.CHANNEL_ROWWISE
+    assert choose(DEFAULT_TABLE, block=True, rows=16, small_m=True) is GemmWay.GEMV  # measured: H100, 2026-12-05
+    assert choose(DEFAULT_TABLE, block=False, rows=1, small_m=True) is GemmWay.GEMV_CORES
     with pytest.raises(ValueError, match=r"small_m_block names \['channel_rescale'\]"):
-        Fp8GemmTable(small_m_block=((16, Fp8Gemm.CHANNEL_RESCALE),))
-    assert choose(Fp8GemmTable(small_m_channel=((1, Fp8Gemm.GEMV_CORES), (16, Fp8Gemm.GEMV))), block=False, rows=1,
-                  small_m=True) is Fp8Gemm.GEMV_CORES
+        GemmTable(small_m_block=((16, GemmWay.CHANNEL_RESCALE),))
+    assert choose(GemmTable(small_m_channel=((1, GemmWay.GEMV_CORES), (16, GemmWay.GEMV))), block=False, rows=1,
+                  small_m=True) is GemmWay.GEMV_CORES
     with pytest.raises(ValueError, match="gemv_cores serves one row"):
-        Fp8GemmTable(small_m_block=((4, Fp8Gemm.GEMV_CORES),))
+        GemmTable(small_m_block=((4, GemmWay.GEMV_CORES),))
     with pytest.raises(ValueError, match="small_m_channel row bounds must increase within 1..16"):
-        Fp8GemmTable(small_m_channel=((8, Fp8Gemm.GEMV), (4, Fp8Gemm.STREAM)))
-    assert choose(t, block=True, rows=16, small_m=False) is Fp8Gemm.TRITON_BLOCK
-    assert choose(t, block=True, rows=17, small_m=True) is Fp8Gemm.CUBLAS_BLOCKWISE
-    assert choose(t, block=False, rows=64, small_m=False) is Fp8Gemm.CHANNEL_RESCALE
-    assert choose(t, block=False, rows=65, small_m=False) is Fp8Gemm.CHANNEL_ROWWISE
-    assert choose(DEFAULT_TABLE, block=False, rows=1, small_m=False) is Fp8Gemm.CHANNEL_ROWWISE  # not measured yet
+        GemmTable(small_m_channel=((8, GemmWay.GEMV), (4, GemmWay.STREAM)))
+    assert choose(t, block=True, rows=16, small_m=False) is GemmWay.TRITON_BLOCK
+    assert choose(t, block=True, rows=17, small_m=True) is GemmWay.CUBLAS_BLOCKWISE
+    assert choose(t, block=False, rows=64, small_m=False) is GemmWay.CHANNEL_RESCALE
+    assert choose(t, block=False, rows=65, small_m=False) is GemmWay.CHANNEL_ROWWISE
+    assert choose(DEFAULT_TABLE, block=False, rows=1, small_m=False) is GemmWay.CHANNEL_ROWWISE  # not measured yet
     with pytest.raises(ValueError, match="channel_rescale_max_rows must be >= 0, not -1"):
-        Fp8GemmTable(channel_rescale_max_rows=-1)
+        GemmTable(channel_rescale_max_rows=-1)
     with pytest.raises(ValueError, match="rescale_raw_dtype must be"):
-        Fp8GemmTable(rescale_raw_dtype=torch.float16)
+        GemmTable(rescale_raw_dtype=torch.float16)
     # bf16/fp16 weights (StreamedLinear, small_m_gemm "on"): NOT measured; the GEMV's kernels by default
     assert [choose_dense(DEFAULT_TABLE, rows=r) for r in (1, 2, 16, 17)] == \
-        [Fp8Gemm.GEMV_CORES, Fp8Gemm.GEMV, Fp8Gemm.GEMV, Fp8Gemm.DENSE_CUBLAS]
-    dense = Fp8GemmTable(small_m_dense=((1, Fp8Gemm.DENSE_CUBLAS), (4, Fp8Gemm.STREAM), (8, Fp8Gemm.GEMV)))
+        [GemmWay.GEMV_CORES, GemmWay.GEMV, GemmWay.GEMV, GemmWay.DENSE_CUBLAS]
+    dense = GemmTable(small_m_dense=((1, GemmWay.DENSE_CUBLAS), (4, GemmWay.STREAM), (8, GemmWay.GEMV)))
     assert [choose_dense(dense, rows=r) for r in (1, 4, 5, 8, 9)] == \
-        [Fp8Gemm.DENSE_CUBLAS, Fp8Gemm.STREAM, Fp8Gemm.GEMV, Fp8Gemm.GEMV, Fp8Gemm.DENSE_CUBLAS]
+        [GemmWay.DENSE_CUBLAS, GemmWay.STREAM, GemmWay.GEMV, GemmWay.GEMV, GemmWay.DENSE_CUBLAS]
     with pytest.raises(ValueError, match=r"small_m_dense names \['triton_block'\]; allowed: \['gemv', 'gemv_cores', "
                                          r"'stream', 'dense_cublas'\]"):
-        Fp8GemmTable(small_m_dense=((16, Fp8Gemm.TRITON_BLOCK),))
+        GemmTable(small_m_dense=((16, GemmWay.TRITON_BLOCK),))
     with pytest.raises(ValueError, match=r"small_m_channel names \['dense_cublas'\]"):
-        Fp8GemmTable(small_m_channel=((16, Fp8Gemm.DENSE_CUBLAS),))
+        GemmTable(small_m_channel=((16, GemmWay.DENSE_CUBLAS),))
     with pytest.raises(ValueError, match="small_m_dense: gemv_cores serves one row"):
-        Fp8GemmTable(small_m_dense=((2, Fp8Gemm.GEMV_CORES),))
+        GemmTable(small_m_dense=((2, GemmWay.GEMV_CORES),))

@@ -277,7 +277,7 @@ def test_streamed_linear_runs_the_chosen_dense_kernel(monkeypatch):
     without the bias, added once after."""
     from meshserve.parallel.groups import ParallelContext
     from meshserve.workers.quant import gemm_table, layers, small_m
-    from meshserve.workers.quant.gemm_table import Fp8Gemm, Fp8GemmTable
+    from meshserve.workers.quant.gemm_table import GemmTable, GemmWay
 
     ran = []
     real_gemv, real_stream = gemv_mod.weight_gemv, small_m.stream_linear
@@ -310,14 +310,14 @@ def test_streamed_linear_runs_the_chosen_dense_kernel(monkeypatch):
         torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=2**-9, atol=2e-3)
     x = _x(SMALL_M_MAX + 1).to(dt)
     ran.clear()
-    assert layers.dense_way(x, w) is Fp8Gemm.DENSE_CUBLAS
+    assert layers.dense_way(x, w) is GemmWay.DENSE_CUBLAS
     assert torch.equal(layer(x), torch.nn.functional.linear(x, w, b)) and ran == []
-    assert layers.dense_way(_x(3), w) is Fp8Gemm.DENSE_CUBLAS  # x's dtype is not the weight's
-    assert layers.dense_way(_x(3).bfloat16(), w.bfloat16(), Fp8GemmTable(small_m_dense=())) is Fp8Gemm.DENSE_CUBLAS
+    assert layers.dense_way(_x(3), w) is GemmWay.DENSE_CUBLAS  # x's dtype is not the weight's
+    assert layers.dense_way(_x(3).bfloat16(), w.bfloat16(), GemmTable(small_m_dense=())) is GemmWay.DENSE_CUBLAS
     big = torch.empty((1 << 20, 2048), dtype=torch.bfloat16, device="meta")  # past 32-bit offsets: cuBLAS
-    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big) is Fp8Gemm.DENSE_CUBLAS
-    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big[:-1]) is Fp8Gemm.GEMV_CORES
-    streamed = layers.StreamedLinear(w, b, None, table=Fp8GemmTable(small_m_dense=((16, Fp8Gemm.STREAM),)))
+    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big) is GemmWay.DENSE_CUBLAS
+    assert layers.dense_way(torch.empty((1, 2048), dtype=torch.bfloat16, device="meta"), big[:-1]) is GemmWay.GEMV_CORES
+    streamed = layers.StreamedLinear(w, b, None, table=GemmTable(small_m_dense=((16, GemmWay.STREAM),)))
     ran.clear()
     _assert_within_rounding(streamed(_x(4).to(dt)), _x(4).to(dt), w, b)
     assert ran == [("stream", None, True)]
