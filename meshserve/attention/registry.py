@@ -179,7 +179,8 @@ def default_order(problem: AttentionProblem, kind: BackendKind | str = BackendKi
     backends, priorities = tables(kind)
     choice = choose(problem, str(kind), priorities[platform_of(problem)])
     known = tuple(n for n in choice.order if n in backends)  # a table naming an unregistered backend: ignored
-    return Choice(known, choice.entries, choice.reason)
+    split = choice.split if choice.split is not None and set(choice.split) <= set(backends) else None
+    return Choice(known, choice.entries, choice.reason, split)
 
 
 def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:

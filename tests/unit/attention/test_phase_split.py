@@ -158,3 +158,30 @@ def test_graph_plan_and_replay_go_to_the_decode_backend(monkeypatch):
     out, lse = backend.forward(case.query, case.key, case.value, case.kv_cache, plan, layer=case.layer, return_lse=True)
     ref_out, ref_lse = oracle(case)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
+
+
+def test_cli_shows_a_named_split(capsys):
+    from meshserve.cli import main
+
+    flags = ["backends", "--quiet", "--device", "cuda", "--compute-capability", "9.0", "--head-size", "128"]
+    assert main([*flags, "--attention-backend", "prefill=TORCH,decode=TRITON"]) == 0
+    out = capsys.readouterr().out
+    assert "prefill=TORCH,decode=TRITON valid" in out and "Selected: TORCH prefill + TRITON decode (named)" in out
+
+
+def test_cli_shows_a_measured_split_and_why(capsys, monkeypatch):
+    from meshserve.attention import kernel_choice
+    from meshserve.attention.kernel_choice import parse_table
+    from meshserve.cli import main
+
+    source = {"command": "test", "date": "2026-12-06", "device": "test"}
+    key = dict(kind="attention", attention="GQA", kv="bfloat16", capability="9.0", page_size=16)
+    table = parse_table({"entries": [
+        key | dict(phase="prefill", fastest="TORCH", relative={"TORCH": 1.0, "TRITON": 1.4}, source=source),
+        key | dict(phase="decode", fastest="TRITON", relative={"TORCH": 1.3, "TRITON": 1.0}, source=source),
+    ]})  # fmt: skip
+    monkeypatch.setattr(kernel_choice, "load_table", lambda: table)
+    assert main(["backends", "--quiet", "--device", "cuda", "--compute-capability", "9.0", "--head-size", "128"]) == 0
+    selected = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("Selected"))
+    assert selected.startswith("Selected: TORCH prefill + TRITON decode (table: ")
+    assert "phase split prefill TORCH + decode TRITON (decode: TRITON 1.300x faster than TORCH" in selected
