@@ -135,7 +135,8 @@ def test_static_decode_with_a_phase_split_equals_eager(tmp_path, arch):
     alone; tokens equal the eager split's and the single-backend TRITON run's."""
     write_checkpoint(tmp_path / arch, arch)
     split = "prefill=TORCH,decode=TRITON"
-    eager_w, static_w, single_w = _worker(tmp_path / arch, split), _worker(tmp_path / arch, split), _worker(tmp_path / arch)
+    path = tmp_path / arch
+    eager_w, static_w, single_w = _worker(path, split), _worker(path, split), _worker(path)
     assert static_w.info.backend == "TORCH prefill + TRITON decode"
     static = static_w.runner
     assert graph_refusal(static.backends[0]) is None
