@@ -5,7 +5,7 @@ FlashInfer's kernels apply) plus longer GPU-sized scenarios, in bf16 and fp16. W
 runs which scenario is decided by the backend's own validate_configuration, never restated.
 Also: CUDA-graph capture and replay of decode with static metadata, the LSE merge kernels and
 the FP8 write_kv kernel on the GPU. The forced phase splits (FLASHINFER prefill + TRITON decode
-and the reverse) run the same scenario table: `-k "decode="` selects them.
+and the reverse) run the same scenario table (ids split-FLASHINFER-TRITON, split-TRITON-FLASHINFER): `-k split`.
 """
 
 import dataclasses
@@ -104,7 +104,7 @@ def _fresh(case: Case) -> Case:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scenario", GPU_SCENARIOS, ids=lambda s: s.name)
-@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("name", GPU_BACKENDS, ids=lambda n: n.replace("prefill=", "split-").replace(",decode=", "-"))
 def test_backend_matches_torch_reference(name, scenario, dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     cc = torch.cuda.get_device_capability()

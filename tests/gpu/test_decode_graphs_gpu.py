@@ -104,7 +104,8 @@ def test_triton_graphs_float32_equal_hf_and_eager(cases, arch):
 
 # prefill=FLASHINFER,decode=TRITON: the phase split (attention/backends/phase_split.py); decode
 # graphs plan and replay through TRITON, steps with prefills run FLASHINFER's prefill beside it.
-@pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "prefill=FLASHINFER,decode=TRITON"])
+@pytest.mark.parametrize("backend", ["TRITON", "FLASHINFER", "prefill=FLASHINFER,decode=TRITON"],
+                         ids=["TRITON", "FLASHINFER", "split-FLASHINFER-TRITON"])
 @pytest.mark.parametrize("arch", [*ARCHS, *DEEPSEEK])
 def test_bf16_graphs_equal_eager(cases, arch, backend):
     path, batch, _ = cases[arch]
