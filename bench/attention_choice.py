@@ -367,9 +367,18 @@ def merge(doc: dict, new: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------------- driver
-def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool) -> list[Result]:
+def measurement_name(phase: str, size: str) -> str:
+    """'prefill', 'decode', 'decode-short': what --only names (size "any" unnamed)."""
+    return phase if size == "any" else f"{phase}-{size}"
+
+
+def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool,
+            only: frozenset[str] | None = None) -> list[Result]:  # fmt: skip
+    """Every (kind, phase, size) of `cls` (or those `only` names: measurement_name) checked and timed."""
     results = []
     for kind, phase, size in cls.kinds():
+        if only is not None and measurement_name(phase, size) not in only:
+            continue
         r = Result(cls, kind, phase, size=size)
         backends, _ = tables(kind)
         if cls.attention == "mla":
@@ -441,21 +450,37 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+MEASUREMENTS = ("prefill", "decode", "decode-short")
+
+
+def parse_only(text: str | None) -> frozenset[str] | None:
+    """--only's measurements (None: all), each one of MEASUREMENTS."""
+    if text is None:
+        return None
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names or not names <= set(MEASUREMENTS):
+        raise SystemExit(f"--only: {text!r} is not a comma-separated list of {', '.join(MEASUREMENTS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated, from {', '.join(CLASSES)}")
     ap.add_argument("--write", type=Path, default=None, help="merge the entries into this kernel-choice table")
     ap.add_argument("--quick", action="store_true", help="one shape per phase and prefill path (less device time)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated measurements of each class: prefill, decode, decode-short (default: all)")
     ap.add_argument("--time-reference", action="store_true", help=f"time {REFERENCE} too (slow)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench.attention_choice measures GPU kernels: no CUDA device here")
     classes = [ProblemClassSpec.parse(c) for c in args.classes.split(",") if c]
+    only = parse_only(args.only)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for cls in classes:
-        results += measure(cls, quick=args.quick, time_reference=args.time_reference)
+        results += measure(cls, quick=args.quick, time_reference=args.time_reference, only=only)
     print(report(results))
     device = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()

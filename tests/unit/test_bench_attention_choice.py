@@ -126,3 +126,13 @@ def test_short_context_decode_is_its_own_class():
     assert choice.split == ("FLASHINFER", "TRITON")
     long = AttentionProblem(**(vars(short) | {"max_model_len": 4 * LONG_CONTEXT}))
     assert choose(long, "attention", ("FLASHINFER", "TRITON"), parsed).split is None  # the "any" decode entry
+
+
+def test_only_names_the_measurements_of_a_class():
+    from bench.attention_choice import MEASUREMENTS, measurement_name, parse_only
+
+    cls = ProblemClassSpec("gqa", "fp8", 64)
+    assert {measurement_name(phase, size) for _, phase, size in cls.kinds()} == set(MEASUREMENTS)
+    assert parse_only("decode-short") == {"decode-short"} and parse_only(None) is None
+    with pytest.raises(SystemExit, match="--only"):
+        parse_only("decode-long")
