@@ -21,6 +21,13 @@ TRITON's fresh tiles) and chunks over a cached prefix read the pages; the shapes
 batches hold both. FP8 caches: the step's K/V are the dequantized cache rows, and prefill reads
 the quantized pages (attention/backend.py step_kv_refusals).
 
+Decode is measured twice per standard class: at size "any" (64x4096, 256x2048, 8x32768) and at
+size "short" on short contexts (256x160, 256x512, 64x1024), the decode steps of a server whose
+max_model_len is at most kernel_choice.LONG_CONTEXT (the key kernel_choice.py reads: the choice
+is made once per server, by its max_model_len). A short-context decode winner that differs from
+the prefill winner by more than kernel_choice.SPLIT_MIN_GAIN makes such servers split their
+phases over two backends (attention/backends/phase_split.py).
+
 Prints a table, writes attention_choice.json (raw times) and attention_choice.png under --out;
 --write merges the measured entries into a kernel-choice table (same class: replaced).
 """
@@ -49,11 +56,14 @@ HEADS, KV_HEADS, HEAD = 32, 8, 128
 MLA_HEADS = 128
 V3 = MLADims(kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 DECODE_SHAPES = ((64, 4096), (256, 2048), (8, 32768))  # (batch, keys)
+# Short contexts: many sequences over few keys (a chat server's decode steps), size class "short".
+DECODE_SHORT_SHAPES = ((256, 160), (256, 512), (64, 1024))
 # (batch, new tokens, cached tokens): whole fresh prompts, and chunks over a cached prefix (a
 # prefix-cache hit, or a later chunk of a long prompt).
 PREFILL_SHAPES = ((4, 4096, 0), (1, 16384, 0), (4, 1024, 3072))
 MLA_DECODE_SHAPES = ((64, 4096), (8, 32768))
-QUICK = {"decode": ((64, 4096),), "prefill": ((4, 4096, 0), (4, 1024, 3072)), "mla": ((64, 4096),)}
+QUICK = {"decode": ((64, 4096),), "decode-short": ((256, 512),), "prefill": ((4, 4096, 0), (4, 1024, 3072)),
+         "mla": ((64, 4096),)}
 # Check batches (query lengths, sequence lengths), decode rows last. Prefill: a chunk over cached
 # context beside a whole prompt (paged paths), and whole prompts only (FLASHINFER's ragged prefill
 # needs every prefill of the step fresh).
@@ -106,11 +116,11 @@ class ProblemClassSpec:
     def kv_class(self) -> str:
         return "fp8" if self.kv == "fp8" else "bfloat16"
 
-    def kinds(self) -> tuple[tuple[str, str], ...]:
-        """(registry kind, phase) pairs measured for this class."""
+    def kinds(self) -> tuple[tuple[str, str, str], ...]:
+        """(registry kind, phase, size) measured for this class (size: kernel_choice.SIZES)."""
         if self.attention == "mla":
-            return (("mla_decode", "decode"),)
-        return (("attention", "prefill"), ("attention", "decode"))
+            return (("mla_decode", "decode", "any"),)
+        return (("attention", "prefill", "any"), ("attention", "decode", "any"), ("attention", "decode", "short"))
 
     def problem(self, max_len: int, rig: Rig = GPU) -> AttentionProblem:
         cc = torch.cuda.get_device_capability() if rig.device == "cuda" else None
@@ -134,6 +144,7 @@ class Result:
     phase: str
     times_us: dict[str, dict[str, float]] = field(default_factory=dict)  # backend -> shape -> µs
     dropped: dict[str, str] = field(default_factory=dict)  # backend -> reason
+    size: str = "any"  # kernel_choice.SIZES: "short" for the short-context decode shapes
 
 
 # ------------------------------------------------------------------------- standard attention
@@ -217,6 +228,15 @@ def step_lens(phase: str, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tupl
         return (new,) * batch, (new + cached,) * batch
     batch, seq = shape
     return (1,) * batch, (seq,) * batch
+
+
+def gqa_shapes(phase: str, size: str, *, quick: bool = False) -> tuple[tuple[int, ...], ...]:
+    """The timed shapes of a standard class's phase and size ("short" decode: short contexts)."""
+    if phase == "prefill":
+        return QUICK["prefill"] if quick else PREFILL_SHAPES
+    if size == "short":
+        return QUICK["decode-short"] if quick else DECODE_SHORT_SHAPES
+    return QUICK["decode"] if quick else DECODE_SHAPES
 
 
 def time_gqa(cls: ProblemClassSpec, name: str, phase: str, shapes) -> dict[str, float]:
@@ -321,10 +341,11 @@ def entries(results: list[Result], *, device: str, capability: str, date: str, c
         fastest = min(rel, key=rel.get)
         rel = {b: max(v / rel[fastest], 1.0) for b, v in rel.items()}  # the fastest is 1.0 exactly
         attention = "MLA" if r.cls.attention == "mla" else "GQA"
+        size = "" if r.size == "any" else f"-{r.size}"
         out.append({
-            "id": f"{_gpu_model(device)}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}",
+            "id": f"{_gpu_model(device)}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}{size}",
             "kind": r.kind, "phase": r.phase, "attention": attention, "kv": r.cls.kv_class,
-            "capability": capability, "page_size": r.cls.page, "size": "any", "fastest": fastest,
+            "capability": capability, "page_size": r.cls.page, "size": r.size, "fastest": fastest,
             "relative": {b: round(v, 3) for b, v in sorted(rel.items())},
             "shapes": ", ".join(next(iter(r.times_us.values()))),
             "source": {"command": command, "date": date, "device": device}
@@ -346,16 +367,25 @@ def merge(doc: dict, new: list[dict]) -> dict:
 
 
 # --------------------------------------------------------------------------------- driver
-def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool) -> list[Result]:
+def measurement_name(phase: str, size: str) -> str:
+    """'prefill', 'decode', 'decode-short': what --only names (size "any" unnamed)."""
+    return phase if size == "any" else f"{phase}-{size}"
+
+
+def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool,
+            only: frozenset[str] | None = None) -> list[Result]:  # fmt: skip
+    """Every (kind, phase, size) of `cls` (or those `only` names: measurement_name) checked and timed."""
     results = []
-    for kind, phase in cls.kinds():
-        r = Result(cls, kind, phase)
+    for kind, phase, size in cls.kinds():
+        if only is not None and measurement_name(phase, size) not in only:
+            continue
+        r = Result(cls, kind, phase, size=size)
         backends, _ = tables(kind)
         if cls.attention == "mla":
             check, timer, shapes = check_mla, time_mla, QUICK["mla"] if quick else MLA_DECODE_SHAPES
         else:
             check, timer = check_gqa, time_gqa
-            shapes = QUICK[phase] if quick else (PREFILL_SHAPES if phase == "prefill" else DECODE_SHAPES)
+            shapes = gqa_shapes(phase, size, quick=quick)
         longest = max(max(step_lens(phase, shape)[1]) for shape in shapes)
         for name in backends:
             if name == REFERENCE and not time_reference:
@@ -375,7 +405,7 @@ def measure(cls: ProblemClassSpec, *, quick: bool, time_reference: bool) -> list
                 r.times_us[name] = timer(cls, name, phase, shapes)
             except Exception as exc:  # a kernel that fails to build or run is dropped, the rest measured
                 r.dropped[name] = f"{type(exc).__name__}: {str(exc)[:300]}"
-            print(f"  {cls} {phase} {name}: {r.times_us.get(name) or r.dropped.get(name)}", flush=True)
+            print(f"  {cls} {phase} {size} {name}: {r.times_us.get(name) or r.dropped.get(name)}", flush=True)
         results.append(r)
     return results
 
@@ -384,7 +414,7 @@ def report(results: list[Result]) -> str:
     lines = ["| class | phase | backend | shape | µs | relative |", "|---|---|---|---|---|---|"]
     for r in results:
         rel = relative_times(r.times_us)
-        c = f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}"
+        c = f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}" + ("" if r.size == "any" else f" ({r.size})")
         for b, t in r.times_us.items():
             for shape, us in t.items():
                 lines.append(f"| {c} | {r.phase} | {b} | {shape} | {us:.1f} | {rel.get(b, float('nan')):.3f} |")
@@ -405,7 +435,8 @@ def plot(results: list[Result], path: Path) -> None:
     labels, series = [], {}
     for r in results:
         rel = relative_times(r.times_us)
-        labels.append(f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}\n{r.phase}")
+        size = "" if r.size == "any" else f" {r.size}"
+        labels.append(f"{r.cls.attention}-{r.cls.kv}-{r.cls.page}\n{r.phase}{size}")
         for b in set(series) | set(rel):
             series.setdefault(b, [float("nan")] * (len(labels) - 1)).append(rel.get(b, float("nan")))
     fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels)), 4))
@@ -419,21 +450,37 @@ def plot(results: list[Result], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+MEASUREMENTS = ("prefill", "decode", "decode-short")
+
+
+def parse_only(text: str | None) -> frozenset[str] | None:
+    """--only's measurements (None: all), each one of MEASUREMENTS."""
+    if text is None:
+        return None
+    names = frozenset(n.strip() for n in text.split(",") if n.strip())
+    if not names or not names <= set(MEASUREMENTS):
+        raise SystemExit(f"--only: {text!r} is not a comma-separated list of {', '.join(MEASUREMENTS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--classes", default=",".join(CLASSES), help=f"comma-separated, from {', '.join(CLASSES)}")
     ap.add_argument("--write", type=Path, default=None, help="merge the entries into this kernel-choice table")
     ap.add_argument("--quick", action="store_true", help="one shape per phase and prefill path (less device time)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated measurements of each class: prefill, decode, decode-short (default: all)")
     ap.add_argument("--time-reference", action="store_true", help=f"time {REFERENCE} too (slow)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("bench.attention_choice measures GPU kernels: no CUDA device here")
     classes = [ProblemClassSpec.parse(c) for c in args.classes.split(",") if c]
+    only = parse_only(args.only)
     args.out.mkdir(parents=True, exist_ok=True)
     results = []
     for cls in classes:
-        results += measure(cls, quick=args.quick, time_reference=args.time_reference)
+        results += measure(cls, quick=args.quick, time_reference=args.time_reference, only=only)
     print(report(results))
     device = torch.cuda.get_device_name()
     date = datetime.date.today().isoformat()
@@ -446,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
         command += f" (no flashinfer, triton {triton_version()})"
     capability = ".".join(map(str, torch.cuda.get_device_capability()))
     new = entries(results, device=device, capability=capability, date=date, command=command)
-    raw = [dict(cls=r.cls.__dict__, kind=r.kind, phase=r.phase, times_us=r.times_us, dropped=r.dropped)
+    raw = [dict(cls=r.cls.__dict__, kind=r.kind, phase=r.phase, size=r.size, times_us=r.times_us, dropped=r.dropped)
            for r in results]  # fmt: skip
     (args.out / "attention_choice.json").write_text(json.dumps(dict(device=device, date=date, results=raw,
                                                                     entries=new), indent=1))  # fmt: skip

@@ -71,6 +71,17 @@
 #       same card kind), then the rope + latent-norm kernel's GPU tests (stacked views included), then DeepSeek's
 #       decode graphs (V2 and V3, TRITON and FLASHINFER MLA) with the time left; the rest of the MLA path's GPU
 #       tests: `bash bench/device_benches.sh tests mla piecewise_graphs decode_graphs`
+#   . bench/device_setup.sh && bash bench/device_benches.sh split      (carry .whl .whlfi07)
+#       the phase split (attention/backends/phase_split.py): the 8B shape's decode steps at bs 1 and 256
+#       (prompt 128: ~160 keys a row) and TTFT at 4k, the default (FLASHINFER both phases) beside
+#       --attention-backend prefill=FLASHINFER,decode=TRITON (and TRITON alone where time is left); then
+#       the split's GPU tests: the backend scenario table and the bf16 decode-graph test (-k split)
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh shortdecode      (carry .whl .whlfi07)
+#       the short-context decode class alone (bench/attention_choice.py --only decode-short: 256x160, 256x512,
+#       64x1024, size "short"), FlashInfer 0.7 modules first as fi07 does, merged into a copy of the
+#       kernel-choice table under $OUT: the measurement that can make short servers split their phases
+#   . bench/device_setup.sh && bash bench/device_benches.sh splittests      (carry .whl .whlfi07)
+#       the split's GPU tests alone (what the split part had no time for)
 set -u
 OUT=${OUT:-bench/results}
 mkdir -p "$OUT"
@@ -107,7 +118,28 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack or backends}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, backends, split, splittests or shortdecode}" in
+    split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
+        for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
+                "triton --attention-backend TRITON"; do
+            set -- $run
+            name=$1; shift
+            left=$((500 - SECONDS))
+            [ "$left" -lt 90 ] && { echo "e2e $name: not run (time)"; continue; }
+            timeout "$left" python3 -m bench.e2e --batch-sizes 1,256 --throughput-sizes 256 --ttft-lens 4096 \
+                --no-baseline --out "$OUT/e2e-$name" "$@" > "$OUT/e2e-$name.log" 2>&1
+            echo "e2e $name: exit $? at ${SECONDS}s"; grep -vE "^\s*$" "$OUT/e2e-$name.log" | tail -16
+        done
+        [ $((590 - SECONDS)) -gt 60 ] && tests gpu_split $((590 - SECONDS)) -n 4 tests/gpu/test_backends_gpu.py \
+            tests/gpu/test_decode_graphs_gpu.py -k split ;;
+    shortdecode)
+        BUILD_TIMEOUT=240 VERIFY_TIMEOUT=90 bash bench/flashinfer_aot.sh .whlfi07
+        cp meshserve/attention/kernel_choice.json "$OUT/"
+        PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
+            --classes gqa-bf16-16,gqa-bf16-64,gqa-fp8-16,gqa-fp8-64 --only decode-short \
+            --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
+    splittests)
+        tests gpu_split 560 -n 4 tests/gpu/test_backends_gpu.py tests/gpu/test_decode_graphs_gpu.py -k split ;;
     mlastack)  # MLA's stacked q_kv_a_proj + latent norm in the rope kernel: the V2-Lite bs-1 step first (kernels
         # and ms per step), then the rope/norm kernel's GPU tests, then DeepSeek's decode graphs with the time left
         timeout 330 python3 -m bench.e2e --model deepseek-v2-lite --batch-sizes 1 --throughput-sizes 1 \

@@ -496,7 +496,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bandwidth", type=float, default=None,
                     help="TB/s of the roofline (default: CUDA: a device copy measured in this run; CPU: 4.18)")
     ap.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
-    ap.add_argument("--attention-backend", default=None)
+    ap.add_argument("--attention-backend", default=None,
+                    help="a backend name, or a phase split prefill=NAME,decode=NAME (default: automatic)")
     ap.add_argument("--quantization", default="none",
                     help="fp8: meshserve with online FP8 weights (docs/quantization.md)")
     ap.add_argument("--quantize-lm-head", action="store_true",

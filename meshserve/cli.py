@@ -36,7 +36,8 @@ def _add_layer_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: this machine")
     g.add_argument("--compute-capability", default=None,
                    help="plan for this CUDA compute capability, e.g. 8.0 (default: this machine's GPU)")
-    g.add_argument("--attention-backend", default=None, help="validate this backend instead of choosing")
+    g.add_argument("--attention-backend", default=None,
+                   help="validate this backend instead of choosing (or a phase split prefill=NAME,decode=NAME)")
     m = p.add_argument_group("a multi-head latent attention layer (DeepSeek-V2/V3) instead")
     m.add_argument("--kv-lora-rank", type=int, default=None, help="set to describe an MLA layer (e.g. 512)")
     m.add_argument("--qk-rope-head-dim", type=int, default=64)
@@ -52,7 +53,7 @@ def cmd_backends(args: argparse.Namespace) -> int:
 
     from meshserve.attention.backend import AttentionProblem
     from meshserve.attention.docs import feature_table
-    from meshserve.attention.registry import BackendKind, explain, platform_of, select_backend
+    from meshserve.attention.registry import BackendKind, canonical_name, explain, judge, platform_of, select_backend
     from meshserve.attention.spec import AttentionSpec
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -88,31 +89,43 @@ def cmd_backends(args: argparse.Namespace) -> int:
     for kind, name in choices:
         if kind is not BackendKind.ATTENTION:
             print(f"{kind}:")
-        for verdict in explain(problem, kind):
+        verdicts = explain(problem, kind)
+        if name and kind is BackendKind.ATTENTION and "=" in name:  # a named phase split: its own verdict
+            verdicts = [judge(canonical_name(name), problem), *verdicts]
+        for verdict in verdicts:
             print(f"  {verdict.name:<11} " + ("valid" if verdict.ok else "refused: " + "; ".join(verdict.reasons)))
         chosen = select_backend(problem, name, kind=kind)
         print("Selected" + ("" if kind is BackendKind.ATTENTION else f" for {kind}") + f": {chosen.name}"
-              + (" (named)" if name else f" ({_why_default(problem, kind, chosen.name)})"))
+              + (" (named)" if name else f" ({_why_default(problem, kind, chosen)})"))
     _print_weight_formats(device, cc, table=not args.quiet)
     return 0
 
 
-def _why_default(problem, kind, chosen: str) -> str:
-    """Why automatic selection gave `chosen`: the kernel-choice table entry or the priority list,
-    and for FLASHINFER which of FlashInfer's own kernels each phase runs."""
+def _why_default(problem, kind, chosen_cls) -> str:
+    """Why automatic selection gave `chosen_cls`: the kernel-choice table entry (and its phase-split
+    verdict) or the priority list, and for FLASHINFER which of FlashInfer's own kernels each phase runs."""
     from meshserve.attention.backends.flashinfer_kernels import decode_kernel, mla_decode_kernel, prefill_kernel
+    from meshserve.attention.backends.phase_split import PhaseSplitBackend
     from meshserve.attention.registry import BackendKind, default_order
 
     choice = default_order(problem, kind)
     why = choice.reason if choice.from_table else f"{choice.reason}; priority list order"
-    if choice.order and choice.order[0] != chosen:
+    split = isinstance(chosen_cls, type) and issubclass(chosen_cls, PhaseSplitBackend)
+    phases = ((chosen_cls.prefill_backend.name, chosen_cls.decode_backend.name) if split
+              else (chosen_cls.name, chosen_cls.name))  # fmt: skip
+    chosen = chosen_cls.name
+    if choice.split is not None and not split:
+        why += "; the phase split cannot serve it"
+    if not split and choice.order and choice.order[0] != chosen:
         why += f"; {', '.join(choice.order[: choice.order.index(chosen)])} cannot serve it"
-    if chosen == "FLASHINFER" and kind is BackendKind.ATTENTION:
-        why += f"; FlashInfer kernels: prefill {prefill_kernel(problem)}, decode {decode_kernel(problem)}"
+    if "FLASHINFER" in phases and kind is BackendKind.ATTENTION:
+        kernels = {"prefill": prefill_kernel(problem), "decode": decode_kernel(problem)}
+        why += "; FlashInfer kernels: " + ", ".join(f"{p} {k}" for (p, k), n in zip(kernels.items(), phases)
+                                                   if n == "FLASHINFER")
     elif chosen == "FLASHINFER" and kind is BackendKind.MLA_DECODE:
         why += f"; FlashInfer kernel: {mla_decode_kernel(problem)}"
-    if kind is BackendKind.ATTENTION and chosen in ("TRITON", "FLASHINFER"):
-        why += "; " + _fresh_prefill_verdict(problem, chosen)
+    if kind is BackendKind.ATTENTION and phases[0] in ("TRITON", "FLASHINFER"):
+        why += "; " + _fresh_prefill_verdict(problem, phases[0])
     return why
 
 

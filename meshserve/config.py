@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
 
-from meshserve.core.attention_options import ATTENTION_BACKENDS, KVCacheDtype
+from meshserve.core.attention_options import KVCacheDtype, canonical_attention_backend
 from meshserve.errors import as_enum, check
 
 
@@ -194,14 +194,13 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    backend: str | None = field(default=None, metadata={"help": "TORCH, TRITON, FLASHINFER; None = automatic"})
+    backend: str | None = field(default=None, metadata={
+        "help": "TORCH, CPU_SDPA, TRITON, FLASHINFER, or a phase split prefill=NAME,decode=NAME (standard layers "
+                "prefill on one backend and decode on the other, over one cache; MLA layers take each name for "
+                "their prefill and decode backend); None = automatic"})
 
     def __post_init__(self) -> None:
-        if self.backend is not None:
-            name = str(self.backend).upper()
-            check(name in ATTENTION_BACKENDS, "attention_backend", self.backend,
-                  f"one of {sorted(ATTENTION_BACKENDS)} or None")
-            object.__setattr__(self, "backend", name)
+        object.__setattr__(self, "backend", canonical_attention_backend(self.backend, "attention_backend"))
 
 
 @dataclass(frozen=True)

@@ -261,7 +261,8 @@ def add_generate_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--quantize-lm-head", action="store_true", help=QUANTIZE_LM_HEAD_HELP)
     p.add_argument("--small-m-gemm", default="auto", choices=[v.value for v in SmallMGemm], help=SMALL_M_GEMM_HELP)
     p.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when present")
-    p.add_argument("--attention-backend", default=None, help="CPU_SDPA, TORCH, TRITON, FLASHINFER (default: automatic)")
+    p.add_argument("--attention-backend", default=None,
+                   help="CPU_SDPA, TORCH, TRITON, FLASHINFER, or prefill=NAME,decode=NAME (default: automatic)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)

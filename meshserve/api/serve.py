@@ -87,7 +87,8 @@ def add_serve_parser(subparsers) -> argparse.ArgumentParser:
     m.add_argument("--ep", type=int, default=1,
                    help="expert-parallel ranks for MoE models (divides tp and the number of experts)")
     m.add_argument("--attention-backend", default=None,
-                   help="CPU_SDPA, TORCH, TRITON or FLASHINFER (default: automatic; `meshserve backends` says why)")
+                   help="CPU_SDPA, TORCH, TRITON or FLASHINFER, or a phase split prefill=NAME,decode=NAME "
+                        "(default: automatic; `meshserve backends` says why)")
     m.add_argument("--block-size", type=int, default=None,
                    help=f"KV block size in tokens, a power of two (default {DEFAULT_BLOCK_SIZE}; embedding models: "
                         "the naive layout)")

@@ -6,9 +6,10 @@ block of that page; a test fails when the page is stale. The CLI prints the same
 
 from __future__ import annotations
 
-from meshserve.attention.backend import BackendCapabilities
-from meshserve.attention.kernel_choice import load_table
+from meshserve.attention.backend import AttentionProblem, BackendCapabilities
+from meshserve.attention.kernel_choice import LONG_CONTEXT, SPLIT_MIN_GAIN, choose, load_table, phase_split
 from meshserve.attention.registry import BackendKind, load_backend, tables
+from meshserve.attention.spec import AttentionSpec, KVCacheDtype
 from meshserve.core.generated_docs import docs_main, replace_block
 
 BEGIN, END = "<!-- BEGIN GENERATED: backend table -->", "<!-- END GENERATED: backend table -->"
@@ -82,17 +83,54 @@ def choice_table() -> str:
     lines = [
         "Automatic selection on CUDA tries backends in the measured order of `meshserve/attention/"
         "kernel_choice.json` (written by `bench/attention_choice.py`) where it has every phase of the "
-        "problem's class; `meshserve backends` says which applied. relative: time over the fastest's.",
+        "problem's class; `meshserve backends` says which applied. relative: time over the fastest's. "
+        "size: by max_model_len (short <= 8192 < long; any: both).",
         "",
-        "| kind | phase | attention | KV | sm | page | fastest | relative | measured |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| kind | phase | attention | KV | sm | page | size | fastest | relative | measured |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for e in load_table():
         k = e.key
         rel = ", ".join(f"{n} {v:.2f}" for n, v in sorted(e.relative.items(), key=lambda kv: kv[1]))
         lines.append(f"| {k.kind} | {k.phase} | {k.attention} | {k.kv} | {k.capability} | "
-                     f"{k.page_size or 'any'} | {e.fastest} | {rel} | {e.source['device']}, {e.source['date']} |")
+                     f"{k.page_size or 'any'} | {k.size} | {e.fastest} | {rel} | {e.source['device']}, "
+                     f"{e.source['date']} |")
+    lines += ["", f"Phase split of standard layers (a phase's fastest must beat the best single backend there by "
+              f"SPLIT_MIN_GAIN = {SPLIT_MIN_GAIN}):", ""]
+    lines += [f"- {verdict}" for verdict in split_verdicts()] or ["- no standard-attention class is measured"]
     return "\n".join(lines)
+
+
+def split_verdicts() -> list[str]:
+    """Per measured standard-attention class (and size bucket where its entries differ): the single
+    backend or the phase split kernel_choice.choose gives, and why."""
+    out: dict[str, dict[str, str]] = {}
+    for e in load_table():
+        k = e.key
+        if k.kind != "attention":
+            continue
+        kv = KVCacheDtype.FP8_E4M3 if k.kv == "fp8" else KVCacheDtype.AUTO
+        dtype = "bfloat16" if k.kv == "fp8" else k.kv
+        heads = 8 if k.attention == "MHA" else 32
+        for max_len in (LONG_CONTEXT, 4 * LONG_CONTEXT):
+            problem = AttentionProblem(AttentionSpec(heads, 8, 128, kv_cache_dtype=kv), dtype=dtype,
+                                       block_size=k.page_size or 16, max_model_len=max_len, device="cuda",
+                                       compute_capability=tuple(map(int, k.capability.split("."))))  # fmt: skip
+            choice = choose(problem, "attention", ())
+            if not choice.from_table:
+                continue
+            _, why = phase_split(list(choice.entries), choice.order)
+            what = choice.order[0] if choice.split is None else "split"
+            size = "short" if max_len <= LONG_CONTEXT else "long"
+            out.setdefault(f"{k.attention} {k.kv} sm{k.capability} page {k.page_size or 'any'}", {})[size] = (
+                f"{what}; {why or 'no phase split (the same fastest in both phases)'}")
+    lines = []
+    for cls, by_size in out.items():
+        if len(set(by_size.values())) == 1:
+            lines.append(f"{cls}: {next(iter(by_size.values()))}")
+        else:
+            lines += [f"{cls}, size {size}: {verdict}" for size, verdict in by_size.items()]
+    return lines
 
 
 def feature_table() -> str:

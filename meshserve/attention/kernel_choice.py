@@ -8,6 +8,21 @@ relative times, 1.0 = the fastest); `mla_decode` and `mla_prefill` use one phase
 phase of the class has no entry, or the device is not CUDA, the registry's fixed priority list
 applies unchanged ("fallback"). A table entry only reorders: validation still runs, so a backend
 that cannot serve the problem is passed over exactly as before.
+
+Phase split (kind `attention` only): where the two phases' fastest backends differ and a phase's
+fastest beats the best single backend (the sum's winner) in that phase by at least
+SPLIT_MIN_GAIN, the choice also names a split (prefill backend, decode backend): the layer then
+runs attention/backends/phase_split.py over one cache. The margin keeps measurement noise
+(relative times of 1.006..1.015 between FLASHINFER and TRITON decode in today's table) from
+splitting; a split costs nothing per step beyond a second plan on mixed steps.
+
+Size buckets are keyed by max_model_len, the one length known when a server picks its kernels
+(it picks once, not per step): "short" for max_model_len <= LONG_CONTEXT, "long" above, "any"
+for an entry measured over both. A short server never decodes past LONG_CONTEXT and most of its
+decode steps attend over far fewer keys, so bench/attention_choice.py measures a "short" decode
+entry on short contexts (256x160, 256x512, 64x1024) beside the "any" one (64x4096, 256x2048,
+8x32768); the more specific entry wins where both match. Choosing per step by the step's own
+context lengths would need a per-step dispatch between two plans; not built.
 """
 
 from __future__ import annotations
@@ -23,6 +38,9 @@ from meshserve.errors import ConfigError, check
 
 TABLE_PATH = Path(__file__).with_name("kernel_choice.json")
 LONG_CONTEXT = 8192  # size bucket "long": max_model_len above this
+# A phase's fastest backend must beat the best single backend in that phase by this factor (time
+# over time, from the relative times) before a standard layer splits its phases over two backends.
+SPLIT_MIN_GAIN = 1.05
 
 
 class Phase(StrEnum):
@@ -90,6 +108,7 @@ class Choice:
     order: tuple[str, ...]
     entries: tuple[Entry, ...]
     reason: str
+    split: tuple[str, str] | None = None  # (prefill, decode) backends, tried before `order` (kind attention)
 
     @property
     def from_table(self) -> bool:
@@ -176,4 +195,22 @@ def choose(problem: AttentionProblem, kind: str, fallback: tuple[str, ...],
     ranked = tuple(sorted(measured, key=lambda n: (score[n], fallback.index(n) if n in fallback else len(fallback))))
     order = ranked + tuple(n for n in fallback if n not in ranked)
     used = ", ".join(f"{e.id} ({e.fastest} fastest; {e.source['device']}, {e.source['date']})" for e in entries)
-    return Choice(order, tuple(entries), f"table: {used}")
+    split, why = phase_split(entries, ranked) if kind == "attention" and ranked else (None, "")
+    return Choice(order, tuple(entries), f"table: {used}" + (f"; {why}" if why else ""), split)
+
+
+def phase_split(entries: list[Entry], ranked: tuple[str, ...]) -> tuple[tuple[str, str] | None, str]:
+    """(prefill, decode) backends when the phases' fastest differ and one of them beats the best
+    single backend `ranked[0]` in its phase by SPLIT_MIN_GAIN or more (else None), and why."""
+    best = ranked[0]
+    measured = [n for n in ranked if all(n in e.relative for e in entries)]
+    winners = tuple(min(measured, key=lambda n, e=e: (e.relative[n], measured.index(n))) for e in entries)
+    if winners[0] == winners[1]:
+        return None, ""
+    gains = [e.relative[best] / e.relative[w] for e, w in zip(entries, winners)]  # [prefill, decode]
+    i = max((0, 1), key=lambda j: gains[j])
+    said = (f"{('prefill', 'decode')[i]}: {winners[i]} {gains[i]:.3f}x faster than {best}; "
+            f"split margin SPLIT_MIN_GAIN {SPLIT_MIN_GAIN}")  # fmt: skip
+    if gains[i] < SPLIT_MIN_GAIN:
+        return None, f"no phase split ({said})"
+    return winners, f"phase split prefill {winners[0]} + decode {winners[1]} ({said})"

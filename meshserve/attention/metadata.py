@@ -8,7 +8,7 @@ chunks of a longer prompt whose earlier chunks are already cached) come first, d
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import chain
 
 import numpy as np
@@ -179,6 +179,56 @@ class AttentionMetadata:
             dcp_rank=dcp_rank,
             kv_group=kv_group,
         )
+
+
+def split_prefill_decode(meta: AttentionMetadata) -> tuple[AttentionMetadata | None, AttentionMetadata | None]:
+    """The prefill part and the decode part of a step's metadata (None where a part is empty).
+
+    Each part is a batch of its own: its query_start_loc starts at 0 and its slot_mapping holds
+    its own tokens; its block tables (device and host) and encoder fields are its own rows.
+    Tensors are slices (views) of the step's; nothing is copied to the host. Layers that run the
+    two phases on different backends cut the step with this (MLAAttention, PhaseSplitBackend).
+    """
+    npf, npt = meta.num_prefills, meta.num_prefill_tokens
+    host = meta.block_tables_host
+    enc_host, enc_table = meta.encoder_seq_lens_host, meta.encoder_block_table
+    prefill = decode = None
+    if npf:
+        prefill = replace(
+            meta,
+            query_start_loc=meta.query_start_loc[: npf + 1],
+            seq_lens=meta.seq_lens[:npf],
+            context_lens=meta.context_lens[:npf],
+            block_table=meta.block_table[:npf],
+            slot_mapping=meta.slot_mapping[:npt],
+            num_decodes=0,
+            max_query_len=max(meta.query_lens_host[:npf]),
+            max_seq_len=max(meta.seq_lens_host[:npf]),
+            query_lens_host=meta.query_lens_host[:npf],
+            seq_lens_host=meta.seq_lens_host[:npf],
+            block_tables_host=None if host is None else host[:npf],
+            encoder_seq_lens_host=None if enc_host is None else enc_host[:npf],
+            encoder_block_table=None if enc_table is None else enc_table[:npf],
+        )
+    if meta.num_decodes:
+        decode = replace(
+            meta,
+            query_start_loc=meta.query_start_loc[npf:] - npt,
+            seq_lens=meta.seq_lens[npf:],
+            context_lens=meta.context_lens[npf:],
+            block_table=meta.block_table[npf:],
+            slot_mapping=meta.slot_mapping[npt:],
+            num_prefills=0,
+            num_prefill_tokens=0,
+            max_query_len=1,
+            max_seq_len=max(meta.seq_lens_host[npf:]),
+            query_lens_host=meta.query_lens_host[npf:],
+            seq_lens_host=meta.seq_lens_host[npf:],
+            block_tables_host=None if host is None else host[npf:],
+            encoder_seq_lens_host=None if enc_host is None else enc_host[npf:],
+            encoder_block_table=None if enc_table is None else enc_table[npf:],
+        )
+    return prefill, decode
 
 
 def _check_lengths(q: np.ndarray, s: np.ndarray, widths: np.ndarray, block_size: int, dcp_size: int,

@@ -10,6 +10,10 @@ Four tables, one selection logic (`kind`): standard attention, multi-head latent
 whose decode and prefill backends are chosen separately (as vLLM does): decode attends in the
 latent space, prefill over expanded K/V, and the fastest of each differs; and sparse MLA
 (DeepSeek-V3.2's indexer top-k), one backend for both phases.
+
+Standard layers may split their phases too: a name spelled `prefill=FLASHINFER,decode=TRITON`
+(or a kernel-choice split, kernel_choice.py) gives a class made by
+attention/backends/phase_split.py that runs each phase on its backend over one cache.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem
 from meshserve.attention.kernel_choice import Choice, choose
+from meshserve.core.attention_options import parse_attention_backend, split_spelling
 from meshserve.errors import ConfigError, NoBackendError, as_enum
 
 if TYPE_CHECKING:
@@ -115,13 +120,34 @@ def platform_of(problem: AttentionProblem) -> str:
     return "cuda"
 
 
+def canonical_name(name: str, kind: BackendKind | str = BackendKind.ATTENTION) -> str:
+    """`name` as the registry spells it: upper case, or for standard attention a phase split
+    'prefill=A,decode=B' (a split of one name is that name); ConfigError names the setting and
+    what is allowed."""
+    backends, _ = tables(kind)
+    if as_enum(BackendKind, "backend kind", kind) is not BackendKind.ATTENTION:
+        if str(name).upper() not in backends:
+            raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
+        return str(name).upper()
+    parsed = parse_attention_backend(name, _field(kind), names=tuple(backends))
+    if isinstance(parsed, tuple):
+        return parsed[0] if parsed[0] == parsed[1] else split_spelling(*parsed)
+    return parsed
+
+
 def load_backend(
     name: str, kind: BackendKind | str = BackendKind.ATTENTION
 ) -> type[AttentionBackend] | type[MLABackend]:
-    """Import and return the backend class registered as `name` (ImportError propagates)."""
+    """Import and return the backend class registered as `name` (ImportError propagates); for
+    standard attention a split 'prefill=A,decode=B' gives the phase-split class of A and B."""
     backends, _ = tables(kind)
     if name not in backends:
-        raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
+        parsed = parse_attention_backend(canonical_name(name, kind), _field(kind), names=tuple(backends))
+        if isinstance(parsed, str):
+            return load_backend(parsed, kind)
+        from meshserve.attention.backends.phase_split import phase_split_backend
+
+        return phase_split_backend(load_backend(parsed[0]), load_backend(parsed[1]))
     module, _, cls = backends[name].partition(":")
     return getattr(importlib.import_module(module), cls)
 
@@ -153,15 +179,25 @@ def default_order(problem: AttentionProblem, kind: BackendKind | str = BackendKi
     backends, priorities = tables(kind)
     choice = choose(problem, str(kind), priorities[platform_of(problem)])
     known = tuple(n for n in choice.order if n in backends)  # a table naming an unregistered backend: ignored
-    return Choice(known, choice.entries, choice.reason)
+    split = choice.split if choice.split is not None and set(choice.split) <= set(backends) else None
+    return Choice(known, choice.entries, choice.reason, split)
 
 
 def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:
-    """Every registered backend's verdict, in the default order first."""
+    """Every registered backend's verdict, in the default order first (a measured phase split
+    first of all, under its spelling 'prefill=A,decode=B')."""
     backends, _ = tables(kind)
-    order = list(default_order(problem, kind).order)
+    choice = default_order(problem, kind)
+    order = list(choice.order)
     order += [n for n in backends if n not in order]
+    if choice.split is not None:
+        order.insert(0, split_spelling(*choice.split))
     return [judge(n, problem, kind) for n in order]
+
+
+def _candidates(choice: Choice) -> tuple[str, ...]:
+    """Names automatic selection tries, in order: the measured split, then the ranked backends."""
+    return ((split_spelling(*choice.split),) if choice.split is not None else ()) + choice.order
 
 
 def _format(verdicts: list[Verdict]) -> str:
@@ -178,15 +214,13 @@ def select_backend(
     backends, priorities = tables(kind)
     what = "attention backend" if str(kind) == "attention" else f"{kind} backend"
     if name is not None:
-        name = name.upper()
-        if name not in backends:
-            raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
+        name = canonical_name(name, kind)
         verdict = judge(name, problem, kind)
         if not verdict.ok:
             raise NoBackendError(f"{what} {name} cannot serve this configuration:\n" + _format([verdict]))
         return load_backend(name, kind)
     verdicts = explain(problem, kind)
-    candidates = default_order(problem, kind).order
+    candidates = _candidates(default_order(problem, kind))
     for verdict in verdicts:
         if verdict.ok and verdict.name in candidates:
             return load_backend(verdict.name, kind)
@@ -204,9 +238,7 @@ def select_backend_for_layers(
     if len(check_problems) == 1:
         return select_backend(check_problems[0], name)
     first = check_problems[0]
-    order = [name.upper()] if name is not None else list(default_order(first).order)
-    if name is not None and order[0] not in BACKENDS:
-        raise ConfigError(_field(BackendKind.ATTENTION), name, f"one of {sorted(BACKENDS)}")
+    order = [canonical_name(name)] if name is not None else list(_candidates(default_order(first)))
     refused: list[Verdict] = []
     for candidate in order:
         reasons: list[str] = []

@@ -4,7 +4,8 @@ Runs the shared scenario table (at head size 128 where the scenario does not set
 FlashInfer's kernels apply) plus longer GPU-sized scenarios, in bf16 and fp16. Which backend
 runs which scenario is decided by the backend's own validate_configuration, never restated.
 Also: CUDA-graph capture and replay of decode with static metadata, the LSE merge kernels and
-the FP8 write_kv kernel on the GPU.
+the FP8 write_kv kernel on the GPU. The forced phase splits (FLASHINFER prefill + TRITON decode
+and the reverse) run the same scenario table (ids split-FLASHINFER-TRITON, split-TRITON-FLASHINFER): `-k split`.
 """
 
 import dataclasses
@@ -22,7 +23,8 @@ from tests.unit.attention.scenarios import SCENARIOS, Case, Scenario, assert_mat
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-GPU_BACKENDS = ("TRITON", "FLASHINFER")
+# The phase splits (attention/backends/phase_split.py): each phase on its backend over one cache.
+GPU_BACKENDS = ("TRITON", "FLASHINFER", "prefill=FLASHINFER,decode=TRITON", "prefill=TRITON,decode=FLASHINFER")
 E4M3 = KVCacheDtype.FP8_E4M3
 
 
@@ -102,7 +104,7 @@ def _fresh(case: Case) -> Case:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scenario", GPU_SCENARIOS, ids=lambda s: s.name)
-@pytest.mark.parametrize("name", GPU_BACKENDS)
+@pytest.mark.parametrize("name", GPU_BACKENDS, ids=lambda n: n.replace("prefill=", "split-").replace(",decode=", "-"))
 def test_backend_matches_torch_reference(name, scenario, dtype):
     dtype_name = str(dtype).removeprefix("torch.")
     cc = torch.cuda.get_device_capability()
@@ -110,7 +112,7 @@ def test_backend_matches_torch_reference(name, scenario, dtype):
         backend_cls = load_backend(name)
     except ImportError as exc:
         pytest.skip(f"{name} cannot be imported: {exc}")
-    if name == "FLASHINFER" and dtype is torch.float16:
+    if "FLASHINFER" in name and dtype is torch.float16:
         pytest.skip("FlashInfer JIT-builds every dtype variant; fp16 runs through TRITON here, bf16 through both")
     reasons = backend_cls.validate_configuration(scenario.problem(dtype_name, device="cuda", compute_capability=cc))
     if reasons:

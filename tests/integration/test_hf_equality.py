@@ -98,6 +98,32 @@ def test_small_chunks_preemption_and_prefix_hits_keep_outputs(cases, arch, backe
     assert cached.core.scheduler.stats.num_prefix_hit_tokens - before == sum(hits) > 0
 
 
+# A forced phase split (attention/backends/phase_split.py): prefill on one backend, decode on the
+# other, over one cache. Chunked prefill (8 tokens a step) puts prefill chunks and decodes in
+# the same steps, so both halves run in one step; tokens equal HF's and the single-backend run's.
+@pytest.mark.parametrize("arch, split", [("llama", "prefill=CPU_SDPA,decode=TRITON"),
+                                         ("mistral", "prefill=TRITON,decode=TORCH"),
+                                         ("qwen3", "prefill=TORCH,decode=CPU_SDPA")])
+def test_forced_phase_split_keeps_outputs(cases, arch, split, monkeypatch):
+    from meshserve.attention.backends.phase_split import PhaseSplitBackend
+
+    plans = []
+    real_plan = PhaseSplitBackend.plan
+    monkeypatch.setattr(PhaseSplitBackend, "plan", lambda self, meta: plans.append(real_plan(self, meta)) or plans[-1])
+    path, batch, want = cases[arch]
+    _skip_unless_usable(split, path)
+    n = 2 if "TRITON" in split else 5
+    batch, want = batch[:n], want[:n]
+    prefill, decode = (part.partition("=")[2] for part in split.split(","))
+    single = _llm(path, decode).generate(batch, GREEDY)
+    llm = _llm(path, split.lower(), max_num_batched_tokens=8)
+    assert llm.core.info.backend == f"{prefill} prefill + {decode} decode"
+    outputs = llm.generate(batch, GREEDY)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in single]
+    _check(outputs, want)
+    assert any(p.prefill_plan is not None and p.decode_plan is not None for p in plans)  # mixed steps ran
+
+
 def test_shared_prefix_prompts_hit_the_cache(cases):
     path, batch, _ = cases["qwen3"]
     hf = write_checkpoint(path.parent / "qwen3_again", "qwen3")

@@ -95,3 +95,44 @@ def test_prefill_shapes_hold_fresh_prompts_and_chunks_over_cached_context():
     labels = [shape_label("prefill", s) for s in PREFILL_SHAPES]
     assert "prefill 4x4096" in labels and any("+" in label for label in labels)
     assert shape_label("decode", (64, 4096)) == "decode 64x4096"
+
+
+def test_short_context_decode_is_its_own_class():
+    """Standard classes measure decode at size "any" and, on short contexts, at size "short"; the
+    short entry is written with its size, merges beside the "any" one (not over it), and is the
+    decode entry a server of max_model_len <= LONG_CONTEXT reads."""
+    from bench.attention_choice import DECODE_SHAPES, DECODE_SHORT_SHAPES, gqa_shapes
+    from meshserve.attention.backend import AttentionProblem
+    from meshserve.attention.kernel_choice import LONG_CONTEXT, choose
+    from meshserve.attention.spec import AttentionSpec
+
+    cls = ProblemClassSpec("gqa", "bf16", 16)
+    assert ("attention", "decode", "short") in cls.kinds() and ("attention", "decode", "any") in cls.kinds()
+    assert gqa_shapes("decode", "short") == DECODE_SHORT_SHAPES and gqa_shapes("decode", "any") == DECODE_SHAPES
+    assert max(keys for _, keys in DECODE_SHORT_SHAPES) <= LONG_CONTEXT
+    r = Result(cls, "attention", "decode", size="short",
+               times_us={"TRITON": {"decode 256x160": 77.0}, "FLASHINFER": {"decode 256x160": 100.0}})  # fmt: skip
+    (e,) = entries([r], **STAMP)
+    assert e["size"] == "short" and e["id"].endswith("-short")
+    shipped = json.loads(TABLE_PATH.read_text())
+    parsed = parse_table(merge(shipped, [e]))
+    assert len(parsed) == len(shipped["entries"]) + 1  # beside the "any" decode entry
+    spec = AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128)
+    short = AttentionProblem(spec=spec, dtype="bfloat16", block_size=16, max_model_len=4096, device="cuda",
+                             compute_capability=(9, 0))  # fmt: skip
+    choice = choose(short, "attention", ("FLASHINFER", "TRITON"), parsed)
+    assert [x.key.size for x in choice.entries] == ["any", "short"]
+    # FLASHINFER prefill 1.427x faster, TRITON short decode 1.30x faster: the split
+    assert choice.split == ("FLASHINFER", "TRITON")
+    long = AttentionProblem(**(vars(short) | {"max_model_len": 4 * LONG_CONTEXT}))
+    assert choose(long, "attention", ("FLASHINFER", "TRITON"), parsed).split is None  # the "any" decode entry
+
+
+def test_only_names_the_measurements_of_a_class():
+    from bench.attention_choice import MEASUREMENTS, measurement_name, parse_only
+
+    cls = ProblemClassSpec("gqa", "fp8", 64)
+    assert {measurement_name(phase, size) for _, phase, size in cls.kinds()} == set(MEASUREMENTS)
+    assert parse_only("decode-short") == {"decode-short"} and parse_only(None) is None
+    with pytest.raises(SystemExit, match="--only"):
+        parse_only("decode-long")

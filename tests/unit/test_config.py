@@ -29,6 +29,14 @@ from meshserve.errors import ConfigError
         (lambda: CacheConfig(kv_cache_memory_bytes=-5), "kv_cache_memory_bytes", "an integer >= 1"),
         (lambda: AttentionConfig(backend="cudnn"), "attention_backend",
          "one of ['CPU_SDPA', 'FLASHINFER', 'TORCH', 'TRITON']"),
+        (lambda: AttentionConfig(backend="prefill=TRITON"), "attention_backend",
+         "prefill=NAME,decode=NAME: both phases named"),
+        (lambda: AttentionConfig(backend="prefill=FLASHINFER,decode=cudnn"), "attention_backend",
+         "prefill=NAME,decode=NAME with names from that list"),
+        (lambda: AttentionConfig(backend="prefill=TRITON;decode=TORCH"), "attention_backend",
+         "one of ['CPU_SDPA', 'FLASHINFER', 'TORCH', 'TRITON'], prefill=NAME,decode=NAME"),
+        (lambda: AttentionConfig(backend="prefill=TRITON,decode=TORCH,decode=TRITON"), "attention_backend",
+         "prefill=NAME,decode=NAME"),
         (lambda: ParallelConfig(tp=0), "tp", "an integer in [1, 1024]"),
         (lambda: ParallelConfig(tp=6, dcp=4), "dcp", "a divisor of tp=6: one of [1, 2, 3, 6]"),
         (lambda: ParallelConfig(dcp_comm="ring"), "dcp_comm", "one of ['ag_rs', 'a2a']"),
@@ -66,6 +74,8 @@ def test_strings_become_enums_once():
     assert ParallelConfig(gpus_per_rank=0.25).gpus_per_rank == 0.25
     assert PoolConfig(mode="disaggregated").mode is PoolMode.DISAGGREGATED
     assert AttentionConfig(backend="triton").backend == "TRITON"
+    assert AttentionConfig(backend=" decode=triton, Prefill=flashinfer").backend == "prefill=FLASHINFER,decode=TRITON"
+    assert AttentionConfig(backend="prefill=TRITON,decode=triton").backend == "TRITON"  # one backend: no split
 
 
 def test_head_split_check_says_what_works():

@@ -1,9 +1,9 @@
 """One MLA attention layer's step: write the latent cache, prefill and decode through their backends.
 
 The decode and prefill backends are chosen separately from their own registry tables. A step's
-packed batch (prefills first, then decodes) is cut in two: the prefill sequences go to the
-prefill backend, the decode sequences to the decode backend, and the outputs are concatenated
-in batch order. A model holds one MLAAttention per distinct MLA spec and calls
+packed batch (prefills first, then decodes) is cut in two (metadata.split_prefill_decode): the
+prefill sequences go to the prefill backend, the decode sequences to the decode backend, and the
+outputs are concatenated in batch order. A model holds one MLAAttention per distinct MLA spec and calls
 `plan` once per step and `write_kv` + `forward` per layer. Decode steps captured in CUDA graphs
 (workers/decode_graphs.py) plan with `plan_for_graph` over static buffers and `prepare_replay`
 before each replay; only the decode backend takes part.
@@ -11,56 +11,16 @@ before each replay; only the decode backend takes part.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from meshserve.attention.backend import AttentionProblem
-from meshserve.attention.metadata import AttentionMetadata
+from meshserve.attention.metadata import AttentionMetadata, split_prefill_decode
 from meshserve.attention.mla.backend import MLABackend, MLAWeights
 from meshserve.attention.mla.cache import LatentCache, write_latent_kv
 from meshserve.attention.registry import BackendKind, select_backend
-
-
-def split_prefill_decode(meta: AttentionMetadata) -> tuple[AttentionMetadata | None, AttentionMetadata | None]:
-    """The prefill part and the decode part of a step's metadata (None where a part is empty).
-
-    Each part is a batch of its own: its query_start_loc starts at 0 and its slot_mapping holds
-    its own tokens. Tensors are slices (views) of the step's; nothing is copied to the host.
-    """
-    npf, npt = meta.num_prefills, meta.num_prefill_tokens
-    prefill = decode = None
-    if npf:
-        prefill = replace(
-            meta,
-            query_start_loc=meta.query_start_loc[: npf + 1],
-            seq_lens=meta.seq_lens[:npf],
-            context_lens=meta.context_lens[:npf],
-            block_table=meta.block_table[:npf],
-            slot_mapping=meta.slot_mapping[:npt],
-            num_decodes=0,
-            max_query_len=max(meta.query_lens_host[:npf]),
-            max_seq_len=max(meta.seq_lens_host[:npf]),
-            query_lens_host=meta.query_lens_host[:npf],
-            seq_lens_host=meta.seq_lens_host[:npf],
-        )
-    if meta.num_decodes:
-        decode = replace(
-            meta,
-            query_start_loc=meta.query_start_loc[npf:] - npt,
-            seq_lens=meta.seq_lens[npf:],
-            context_lens=meta.context_lens[npf:],
-            block_table=meta.block_table[npf:],
-            slot_mapping=meta.slot_mapping[npt:],
-            num_prefills=0,
-            num_prefill_tokens=0,
-            max_query_len=1,
-            max_seq_len=max(meta.seq_lens_host[npf:]),
-            query_lens_host=meta.query_lens_host[npf:],
-            seq_lens_host=meta.seq_lens_host[npf:],
-        )
-    return prefill, decode
 
 
 @dataclass(frozen=True)
@@ -93,9 +53,14 @@ class MLAAttention:
     @classmethod
     def named(cls, problem: AttentionProblem, name: str | None) -> MLAAttention:
         """One engine-wide backend name for both phases: the prefill table takes it when it has it
-        (FLASHINFER serves decode only here), else chooses by priority."""
+        (FLASHINFER serves decode only here), else chooses by priority. A phase split
+        'prefill=A,decode=B' names each phase's backend (each validated by its own table)."""
         from meshserve.attention.registry import MLA_PREFILL_BACKENDS
+        from meshserve.core.attention_options import parse_attention_backend
 
+        parsed = parse_attention_backend(name)
+        if isinstance(parsed, tuple):
+            return cls(problem, decode_backend=parsed[1], prefill_backend=parsed[0])
         prefill = name if name is None or name.upper() in MLA_PREFILL_BACKENDS else None
         return cls(problem, decode_backend=name, prefill_backend=prefill)
 

@@ -1,11 +1,13 @@
 """DCP-sharded caches: every rank attends over its shard with global positions; the LSE merge
 of the shards equals attention over the whole key set (the float64 oracle). TORCH and TRITON
-(the interpreter on CPU) run the same table; tests/gpu/test_dcp_gpu.py runs it on the GPU."""
+(the interpreter on CPU), and the phase splits of the two (DCP asks each half for its LSE), run
+the same table; tests/gpu/test_dcp_gpu.py runs it on the GPU."""
 
 import pytest
 import torch
 
 from meshserve.attention.backend import KVCache, LayerParams
+from meshserve.attention.backends.phase_split import phase_split_backend
 from meshserve.attention.backends.torch_ref import TorchBackend
 from meshserve.attention.backends.triton_paged import TritonBackend
 from meshserve.attention.metadata import AttentionMetadata
@@ -68,7 +70,8 @@ def merge_shards(parts):
 
 @pytest.mark.parametrize("name", DCP_SCENARIOS)
 @pytest.mark.parametrize("dcp", [2, 3])
-@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend_cls", [TorchBackend, TritonBackend, phase_split_backend(TorchBackend, TritonBackend),
+                                         phase_split_backend(TritonBackend, TorchBackend)], ids=lambda b: b.name)
 def test_dcp_shards_merge_to_full_attention(name, dcp, backend_cls):
     case = make_case(SCENARIO_BY_NAME[name])
     gen = torch.Generator().manual_seed(dcp)

@@ -17,7 +17,7 @@ from meshserve.attention import kernel_choice
 from meshserve.attention.backend import AttentionProblem
 from meshserve.attention.kernel_choice import PHASES_OF_KIND, TABLE_PATH, choose, load_table, parse_table
 from meshserve.attention.mla.spec import mla_spec
-from meshserve.attention.registry import BackendKind, default_order, select_backend, tables
+from meshserve.attention.registry import BackendKind, default_order, explain, select_backend, tables
 from meshserve.attention.spec import AttentionSpec, KVCacheDtype, MLADims
 from meshserve.errors import ConfigError
 
@@ -139,3 +139,74 @@ def test_a_bad_entry_is_refused_naming_its_field(field, value, named):
     bad["entries"][0][field] = value
     with pytest.raises(ConfigError, match=rf"entries\[0\]\.{named}"):
         parse_table(bad)
+
+
+# ----------------------------------------------------------------------------- phase split
+def test_per_phase_winners_apart_by_more_than_the_margin_split(table):
+    # TORCH wins the sum (prefill by a lot); TRITON's decode is 1.30x TORCH's: split.
+    table(entry("prefill", {"TORCH": 1.0, "TRITON": 1.43}), entry("decode", {"TORCH": 1.30, "TRITON": 1.0}))
+    choice = default_order(gqa())
+    assert choice.order[0] == "TORCH" and choice.split == ("TORCH", "TRITON")
+    assert "phase split prefill TORCH + decode TRITON" in choice.reason and "1.300x" in choice.reason
+    chosen = select_backend(gqa())
+    assert chosen.name == "TORCH prefill + TRITON decode"
+    assert explain(gqa())[0].name == "prefill=TORCH,decode=TRITON"
+
+
+def test_per_phase_winners_apart_by_less_than_the_margin_do_not_split(table):
+    assert kernel_choice.SPLIT_MIN_GAIN == 1.05
+    table(entry("prefill", {"TORCH": 1.0, "TRITON": 1.43}), entry("decode", {"TORCH": 1.04, "TRITON": 1.0}))
+    choice = default_order(gqa())
+    assert choice.split is None and "no phase split" in choice.reason
+    assert select_backend(gqa()).name == "TORCH"
+
+
+def test_the_margin_applies_to_a_prefill_winner_too(table):
+    table(entry("prefill", {"TORCH": 1.2, "TRITON": 1.0}), entry("decode", {"TORCH": 1.0, "TRITON": 1.5}))
+    assert default_order(gqa()).split == ("TRITON", "TORCH")
+
+
+def test_a_split_whose_half_cannot_serve_is_passed_over(table):
+    # FLASHINFER cannot serve here (not installed, or float32): the split is refused, the order applies.
+    table(entry("prefill", {"FLASHINFER": 1.0, "TRITON": 1.4}), entry("decode", {"FLASHINFER": 1.3, "TRITON": 1.0}))
+    choice = default_order(gqa())
+    assert choice.split == ("FLASHINFER", "TRITON")
+    verdicts = {v.name: v for v in explain(gqa())}
+    assert not verdicts["prefill=FLASHINFER,decode=TRITON"].ok
+    assert any(r.startswith("prefill backend FLASHINFER") for r in verdicts["prefill=FLASHINFER,decode=TRITON"].reasons)
+    assert select_backend(gqa()).name == "TRITON"
+
+
+def test_other_kinds_never_split(table):
+    dims = MLADims(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16)
+    mla = AttentionProblem(spec=mla_spec(4, dims), dtype="float32", block_size=16, max_model_len=1024,
+                           device="cuda", compute_capability=(9, 0))  # fmt: skip
+    entries = parse_table({"entries": [
+        entry("prefill", {"TORCH": 1.0, "TRITON": 1.5}, kind="mla_sparse", attention="MLA"),
+        entry("decode", {"TORCH": 1.5, "TRITON": 1.0}, kind="mla_sparse", attention="MLA"),
+    ]})  # fmt: skip
+    assert choose(mla, "mla_sparse", ("TRITON", "TORCH"), entries).split is None
+
+
+def _shipped_attention_problems():
+    """One problem per (kv, page) class of the shipped attention entries, short and long."""
+    for e in load_table():
+        if e.key.kind != "attention":
+            continue
+        kv = KVCacheDtype.FP8_E4M3 if e.key.kv == "fp8" else KVCacheDtype.AUTO
+        dtype = "bfloat16" if e.key.kv == "fp8" else e.key.kv
+        major, minor = map(int, e.key.capability.split("."))
+        for max_len in (4096, 32768):
+            yield AttentionProblem(spec=AttentionSpec(num_heads=32, num_kv_heads=8, head_size=128, kv_cache_dtype=kv),
+                                   dtype=dtype, block_size=e.key.page_size or 16, max_model_len=max_len,
+                                   device="cuda", compute_capability=(major, minor))  # fmt: skip
+
+
+def test_the_shipped_table_splits_nowhere():
+    """Today's measurements (FLASHINFER vs TRITON decode within 1.006..1.015) must not split."""
+    problems = list(dict.fromkeys(_shipped_attention_problems()))
+    assert len(problems) >= 8
+    for problem in problems:
+        choice = default_order(problem)
+        assert choice.from_table, problem
+        assert choice.split is None, (problem, choice.reason)

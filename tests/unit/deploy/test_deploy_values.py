@@ -94,3 +94,16 @@ def test_docs_describe_every_value_and_no_other():
     assert sorted(documented) == sorted(leaf_paths(values))
     for path in CI_VALUES:
         assert f"`{path.name}`" in text
+
+
+def test_a_phase_split_backend_reaches_the_server_flags():
+    """engine.attentionBackend takes a phase split (attention/backends/phase_split.py) as the server
+    flag spells it; the config reads the same string back."""
+    from meshserve.config import AttentionConfig
+    from tests.unit.deploy.manifests import one
+
+    values = load_values(CHART / "ci" / "gpu-tp8-dcp2-values.yaml")
+    values["engine"]["attentionBackend"] = "prefill=FLASHINFER,decode=TRITON"
+    data = one(render(values), "ConfigMap", "ms-meshserve-config")["data"]
+    assert data["MESHSERVE_ATTENTION_BACKEND"] == "prefill=FLASHINFER,decode=TRITON"
+    assert AttentionConfig(backend=data["MESHSERVE_ATTENTION_BACKEND"]).backend == "prefill=FLASHINFER,decode=TRITON"

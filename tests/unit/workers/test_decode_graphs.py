@@ -129,6 +129,25 @@ def test_static_decode_equals_eager_and_keeps_its_contract(tmp_path, arch):
     _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
+def test_static_decode_with_a_phase_split_equals_eager(tmp_path, arch):
+    """prefill=TORCH,decode=TRITON: decode steps plan and replay through the decode backend (TRITON)
+    alone; tokens equal the eager split's and the single-backend TRITON run's."""
+    write_checkpoint(tmp_path / arch, arch)
+    split = "prefill=TORCH,decode=TRITON"
+    path = tmp_path / arch
+    eager_w, static_w, single_w = _worker(path, split), _worker(path, split), _worker(path)
+    assert static_w.info.backend == "TORCH prefill + TRITON decode"
+    static = static_w.runner
+    assert graph_refusal(static.backends[0]) is None
+    graphs = static.decode_graphs = _graphs(static_w, max_batch=4)
+    ptrs = [t.data_ptr() for t in _buffers(graphs)]
+    seen, used = _run_both(eager_w.runner, static, graphs, static.num_groups, others=(single_w.runner,))
+    _check_contract(eager_w.runner, static, graphs, seen, used, ptrs)
+    refused = _worker(tmp_path / arch, "prefill=TRITON,decode=TORCH").runner.backends[0]
+    assert graph_refusal(refused) == "attention backend TRITON prefill + TORCH decode declares no CUDA-graph support"
+
+
 def test_deepseek_static_decode_equals_eager_and_the_torch_mla_reference(tmp_path):
     """DeepSeek-V3 (MLA + MoE): the static path through TRITON MLA decode (interpreter) gives the
     eager TRITON run's and the TORCH MLA reference's greedy tokens, and keeps the contract."""

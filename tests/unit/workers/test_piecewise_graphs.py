@@ -90,7 +90,16 @@ def _check_expert_loads(eager, static, graphs: PiecewiseGraphs) -> None:
     assert graphs.num_real_tokens.item() == 4  # the last static step's 4 tokens (bucket 16)
 
 
-CASES = [("llama", "TRITON"), ("qwen3", "TORCH"), ("gemma2", "TORCH"), ("gpt_oss", "TORCH")]
+# The phase splits (attention/backends/phase_split.py): attention runs eagerly between the pieces with
+# the step's plan, each phase on its backend; TORCH's half makes the model defer write_kv (no fused write).
+CASES = [
+    ("llama", "TRITON"),
+    ("qwen3", "TORCH"),
+    ("gemma2", "TORCH"),
+    ("gpt_oss", "TORCH"),
+    ("llama", "prefill=TORCH,decode=TRITON"),
+    ("gemma2", "prefill=TRITON,decode=TORCH"),
+]
 
 
 @pytest.mark.parametrize("arch,backend", CASES)

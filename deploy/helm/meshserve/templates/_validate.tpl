@@ -37,8 +37,8 @@ what it was set to, and what is allowed, like meshserve's own ConfigError.
 {{- end -}}
 {{- end -}}
 {{- end -}}
-{{- if and (eq $gpus 0) (eq $v.engine.attentionBackend "FLASHINFER") -}}
-{{- fail "engine.attentionBackend=FLASHINFER is not allowed with worker.gpus=0: FlashInfer needs CUDA GPUs (use auto, TORCH or TRITON)" -}}
+{{- if and (eq $gpus 0) (contains "FLASHINFER" (toString $v.engine.attentionBackend)) -}}
+{{- fail (printf "engine.attentionBackend=%s is not allowed with worker.gpus=0: FlashInfer needs CUDA GPUs (use auto, TORCH or TRITON)" $v.engine.attentionBackend) -}}
 {{- end -}}
 {{- if and $v.tls.existingSecret (eq $v.probes.mode "grpc") -}}
 {{- fail (printf "probes.mode=grpc is not allowed with tls.existingSecret=%s: the kubelet's gRPC probe cannot speak TLS (use auto or exec)" $v.tls.existingSecret) -}}
