@@ -102,8 +102,7 @@ def check(shapes, extra, device: str, dtype: torch.dtype) -> tuple[list[dict], s
                         y2 = gv.weight_gemv(x, wq, scale, block, bias, config=cfg)
                         err = ((y.double() - ref).norm() / ref.norm()).item()
                         ok = bool(torch.isfinite(y).all()) and err < TOL and torch.equal(y, y2)
-                        counters = gv._COUNTERS.get(str(x.device))
-                        ok = ok and (counters is None or not bool(counters.any()))
+                        ok = ok and gv.counters_zeroed(x.device)
                         why = "" if ok else f"err {err:.2e}, finite {bool(torch.isfinite(y).all())}, " \
                             f"repeatable {torch.equal(y, y2)}"
                     except Exception as exc:  # noqa: BLE001 - a compile or launch failure is a verdict

@@ -125,8 +125,7 @@ def check(shapes: dict, device: str, dtype: torch.dtype) -> tuple[list[dict], se
                         y, y2 = fn(x, w, b), fn(x, w, b)
                         # half an ulp of bf16 (the interpreter's bf16 stores truncate: a whole one)
                         ok, rel, worst = _within(y, x, w64, b, 2.0**-8 if device == "cuda" else 2.0**-7)
-                        counters = gv._COUNTERS.get(str(x.device))
-                        clean = counters is None or not bool(counters.any())
+                        clean = gv.counters_zeroed(x.device)
                         ok = ok and torch.equal(y, y2) and clean
                         why = "" if ok else f"rel {rel:.2e}, worst excess {worst:.3g}, repeatable " \
                             f"{torch.equal(y, y2)}, counters zeroed {clean}"

@@ -313,6 +313,13 @@ def _counters(device: torch.device) -> torch.Tensor | None:
     return _COUNTERS[key]
 
 
+def counters_zeroed(device: torch.device | str) -> bool:
+    """Whether the device's tile counters are all zero (every split launch resets what it used;
+    a launch that leaves one set would make the next launch's last split come too early)."""
+    counters = _COUNTERS.get(str(device))
+    return counters is None or not bool(counters.any())
+
+
 def plan_gemv(n: int, k: int, *, scale_k: int | None, num_sms: int, config: GemvConfig = DEFAULT_CONFIG) -> GemvPlan:
     """How to cut an [N, K] weight: split K only when cdiv(N, block_n) column tiles are fewer than
     programs_per_sm x num_sms, into at most that many programs, each split a whole number of
