@@ -71,6 +71,9 @@
 #       same card kind), then the rope + latent-norm kernel's GPU tests (stacked views included), then DeepSeek's
 #       decode graphs (V2 and V3, TRITON and FLASHINFER MLA) with the time left; the rest of the MLA path's GPU
 #       tests: `bash bench/device_benches.sh tests mla piecewise_graphs decode_graphs`
+#   . bench/device_setup.sh && bash bench/device_benches.sh mlafi      (carry .whl .whlfi07)
+#       mlastack with FlashInfer in: the V2-Lite bs-1 step on TRITON's MLA and on the default (FlashInfer's
+#       MLA decode), then the rope/norm, MLA and DeepSeek decode-graph GPU tests
 #   . bench/device_setup.sh && bash bench/device_benches.sh split      (carry .whl .whlfi07)
 #       the phase split (attention/backends/phase_split.py): the 8B shape's decode steps at bs 1 and 256
 #       (prompt 128: ~160 keys a row) and TTFT at 4k, the default (FLASHINFER both phases) beside
@@ -118,7 +121,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, backends, split, splittests or shortdecode}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, backends, split, splittests or shortdecode}" in
     split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
         for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
                 "triton --attention-backend TRITON"; do
@@ -149,6 +152,24 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         tests gpu_mla_rope 90 tests/gpu/test_mla_rope_gpu.py
         left=$((585 - SECONDS))
         [ "$left" -ge 60 ] && tests gpu_decode_graphs_deepseek "$left" tests/gpu/test_decode_graphs_gpu.py -k deepseek ;;
+    mlafi)  # carry .whl .whlfi07 (FlashInfer on): mlastack's V2-Lite bs-1 step on TRITON's MLA (the stacking's
+        # kernel count) and on the default (FlashInfer's MLA decode, which .[gpu] gets), then the rope/norm,
+        # MLA (V2's strided q_pe through FlashInfer) and DeepSeek decode-graph GPU tests with the time left
+        for run in "triton --attention-backend TRITON" "default"; do
+            set -- $run
+            name=$1; shift
+            left=$((400 - SECONDS))
+            [ "$left" -lt 90 ] && { echo "e2e deepseek-v2-lite $name: not run (time)"; continue; }
+            timeout "$left" python3 -m bench.e2e --model deepseek-v2-lite --batch-sizes 1 --throughput-sizes 1 \
+                --ttft-lens= --no-baseline --kv-bytes $((8 << 30)) --out "$OUT/e2e-deepseek-v2-lite-$name" "$@" \
+                > "$OUT/e2e-deepseek-v2-lite-$name.log" 2>&1
+            echo "e2e deepseek-v2-lite $name: exit $? at ${SECONDS}s"
+            grep -vE "^\s*$" "$OUT/e2e-deepseek-v2-lite-$name.log" | tail -12
+        done
+        tests gpu_mla_rope 90 tests/gpu/test_mla_rope_gpu.py
+        BUDGET=$((560 - SECONDS)) bash "$0" tests mla
+        left=$((590 - SECONDS))
+        [ "$left" -ge 45 ] && tests gpu_decode_graphs_deepseek "$left" tests/gpu/test_decode_graphs_gpu.py -k deepseek ;;
     gemv16)
         timeout $((${GEMV16_BUDGET:-200} + 120)) python3 bench/kernels_device.py --part gemv16 \
             --budget "${GEMV16_BUDGET:-200}" --out "$OUT" > "$OUT/kernels_device_gemv16.log" 2>&1
