@@ -71,6 +71,9 @@
 #       same card kind), then the rope + latent-norm kernel's GPU tests (stacked views included), then DeepSeek's
 #       decode graphs (V2 and V3, TRITON and FLASHINFER MLA) with the time left; the rest of the MLA path's GPU
 #       tests: `bash bench/device_benches.sh tests mla piecewise_graphs decode_graphs`
+#   . bench/device_setup.sh && bash bench/device_benches.sh defaultpaths      (carry .whl .whlfi07)
+#       issue 42's backend scenario table on the default kernel paths only (TRITON, FLASHINFER; -n 8), then
+#       the stacked MLA's GPU tests (rope + latent norm, MLA backends, DeepSeek decode graphs) with the time left
 #   . bench/device_setup.sh && bash bench/device_benches.sh mlafi      (carry .whl .whlfi07)
 #       mlastack with FlashInfer in: the V2-Lite bs-1 step on TRITON's MLA and on the default (FlashInfer's
 #       MLA decode), then the rope/norm, MLA and DeepSeek decode-graph GPU tests
@@ -121,7 +124,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, backends, split, splittests or shortdecode}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, backends, split, splittests or shortdecode}" in
     split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
         for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
                 "triton --attention-backend TRITON"; do
@@ -274,6 +277,14 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         echo "e2e bs256: exit $? at ${SECONDS}s"
         grep -vE "^\s*$" "$OUT/e2e-bs256.log" | grep -v Warning | tail -40
         BUDGET=$((590 - SECONDS)) bash "$0" tests ${BS256_TESTS-fused_moe} ;;
+    defaultpaths)  # carry .whl .whlfi07: issue 42's test on the kernels a default picks (TRITON and FLASHINFER, no
+        # forced phase split: those are splittests') with eight workers, then the stacked MLA's GPU tests (rope +
+        # latent norm, DeepSeek's decode graphs on both MLA backends, the MLA backends) with the time left
+        tests gpu_backends_defaults 330 -n 8 tests/gpu/test_backends_gpu.py -k "not split"
+        tests gpu_mla_rope 60 tests/gpu/test_mla_rope_gpu.py
+        left=$((585 - SECONDS))
+        [ "$left" -ge 45 ] && tests gpu_mla_and_deepseek_graphs "$left" -n 4 tests/gpu/test_mla_gpu.py \
+            tests/gpu/test_decode_graphs_gpu.py -k "deepseek or mla or MLA" ;;
     backends)  # issue 42's test: the backend scenario table whole, every default kernel path against the
         # reference (carry .whl .whlfi07, FlashInfer on); six workers, one file, the call's time
         tests gpu_backends 560 -n 6 tests/gpu/test_backends_gpu.py ;;
