@@ -7,7 +7,7 @@ block of that page; a test fails when the page is stale. The CLI prints the same
 from __future__ import annotations
 
 from meshserve.attention.backend import AttentionProblem, BackendCapabilities
-from meshserve.attention.kernel_choice import LONG_CONTEXT, SPLIT_MIN_GAIN, choose, load_table, phase_split
+from meshserve.attention.kernel_choice import LONG_CONTEXT, SPLIT_MIN_GAIN, choose, load_table
 from meshserve.attention.registry import BackendKind, load_backend, tables
 from meshserve.attention.spec import AttentionSpec, KVCacheDtype
 from meshserve.core.generated_docs import docs_main, replace_block
@@ -119,11 +119,10 @@ def split_verdicts() -> list[str]:
             choice = choose(problem, "attention", ())
             if not choice.from_table:
                 continue
-            _, why = phase_split(list(choice.entries), choice.order)
             what = choice.order[0] if choice.split is None else "split"
             size = "short" if max_len <= LONG_CONTEXT else "long"
             out.setdefault(f"{k.attention} {k.kv} sm{k.capability} page {k.page_size or 'any'}", {})[size] = (
-                f"{what}; {why or 'no phase split (the same fastest in both phases)'}")
+                f"{what}; {choice.split_why or 'no phase split (the same fastest in both phases)'}")
     lines = []
     for cls, by_size in out.items():
         if len(set(by_size.values())) == 1:

@@ -109,6 +109,7 @@ class Choice:
     entries: tuple[Entry, ...]
     reason: str
     split: tuple[str, str] | None = None  # (prefill, decode) backends, tried before `order` (kind attention)
+    split_why: str = ""  # phase_split's verdict, split or not (empty where the phases' fastest agree)
 
     @property
     def from_table(self) -> bool:
@@ -196,7 +197,7 @@ def choose(problem: AttentionProblem, kind: str, fallback: tuple[str, ...],
     order = ranked + tuple(n for n in fallback if n not in ranked)
     used = ", ".join(f"{e.id} ({e.fastest} fastest; {e.source['device']}, {e.source['date']})" for e in entries)
     split, why = phase_split(entries, ranked) if kind == "attention" and ranked else (None, "")
-    return Choice(order, tuple(entries), f"table: {used}" + (f"; {why}" if why else ""), split)
+    return Choice(order, tuple(entries), f"table: {used}" + (f"; {why}" if why else ""), split, why)
 
 
 def phase_split(entries: list[Entry], ranked: tuple[str, ...]) -> tuple[tuple[str, str] | None, str]:
