@@ -8,7 +8,8 @@
 # builds but computes wrongly fails here): Llama-3-8B-shape GQA 32/8 x 128 bf16 prefill (FA3 on
 # sm90) and decode (FA2 tensor-core), FP8 e4m3 K/V prefill/decode (FA2), pages 16 and 64
 # (page size is a run-time argument: same modules); the ragged prefill of fresh prompts, also with a
-# sliding window and soft-cap; DeepSeek MLA decode 512 + 64 bf16 and FP8 (FA3).
+# sliding window and soft-cap; DeepSeek MLA decode 512 + 64 bf16 and FP8 (FA3); the CUDA-core decode
+# (GQA groups below 4 and MHA: Llama-2-7B shape) bf16 and FP8 e4m3, which a fresh start JIT-built before.
 # Writes $OUT/fi07_cache.tgz: <module>/<module>.so, debug symbols stripped, the layout of
 # flashinfer/data/aot/ (bench/h200_env.sh unpacks it there), to carry next time beside the
 # Python-only wheel (bench/repack_flashinfer.py --mode aot, ~7 MB). Must stay under ~12 MB.

@@ -19,7 +19,7 @@ attention/backends/phase_split.py that runs each phase on its backend over one c
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -180,7 +180,7 @@ def default_order(problem: AttentionProblem, kind: BackendKind | str = BackendKi
     choice = choose(problem, str(kind), priorities[platform_of(problem)])
     known = tuple(n for n in choice.order if n in backends)  # a table naming an unregistered backend: ignored
     split = choice.split if choice.split is not None and set(choice.split) <= set(backends) else None
-    return Choice(known, choice.entries, choice.reason, split)
+    return replace(choice, order=known, split=split)
 
 
 def explain(problem: AttentionProblem, kind: BackendKind | str = BackendKind.ATTENTION) -> list[Verdict]:

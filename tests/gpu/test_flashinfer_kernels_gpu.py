@@ -1,5 +1,6 @@
 """FLASHINFER's default kernels on this GPU (FA3 prefill on sm90, FA2 for FP8 K/V, FA2 decode),
-at the Llama-3-8B shape (GQA 32/8, head 128, bf16) with pages of 16 and 64, against the TORCH
+at the Llama-3-8B shape (GQA 32/8, head 128, bf16) with pages of 16 and 64, and at the Llama-2-7B
+shape (MHA 32/32: the CUDA-core decode kernel, not the tensor-core one), against the TORCH
 reference; skipped without CUDA or FlashInfer.
 
 Each case is a mixed batch (a chunk over cached context, a whole prompt, decodes), so both
@@ -23,10 +24,17 @@ from tests.unit.attention.scenarios import Scenario, assert_matches, make_case
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 LLAMA3_8B = dict(num_heads=32, num_kv_heads=8, head_size=128)
+# Groups below 4 (MHA, GQA 2-3) decode on FlashInfer's CUDA-core kernel, a module of its own (one
+# per K/V dtype, any group size): seen JIT-built at a first decode in the nineteenth session.
+LLAMA2_7B = dict(num_heads=32, num_kv_heads=32, head_size=128)
 CASES = tuple(
     Scenario(f"llama3_8b_{kv}_page{page}", (300, 64, 1, 1, 1), (700, 0, 900, 63, 4000),
              spec=LLAMA3_8B | {"kv_cache_dtype": kv}, block_size=page, max_model_len=8192)
     for kv in (KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3) for page in (16, 64)
+) + tuple(
+    Scenario(f"llama2_7b_{kv}_page16", (300, 1, 1, 1), (700, 900, 63, 4000),
+             spec=LLAMA2_7B | {"kv_cache_dtype": kv}, block_size=16, max_model_len=8192)
+    for kv in (KVCacheDtype.AUTO, KVCacheDtype.FP8_E4M3)
 )  # fmt: skip
 
 
