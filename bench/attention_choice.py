@@ -3,9 +3,10 @@ kernel-choice table the registry reads (meshserve/attention/kernel_choice.json).
 
     python3 -m bench.attention_choice --out $OUT [--write meshserve/attention/kernel_choice.json]
         [--classes gqa-bf16-16,gqa-bf16-64,gqa-fp8-16,gqa-fp8-64,mla-bf16-64,mla-fp8-64] [--quick]
+    (mha-bf16-16, mha-fp8-16, ...: Llama-2-7B-shaped MHA 32/32 x 128, measured only when named)
 
-Per class (Llama-3-8B-shaped GQA 32/8 x 128, or DeepSeek-V3-shaped MLA 128 heads, latent 512 +
-rope 64; bf16 activations) and phase, every registered backend of the kind that validates on
+Per class (Llama-3-8B-shaped GQA 32/8 x 128, Llama-2-7B-shaped MHA 32/32 x 128, or DeepSeek-V3-shaped
+MLA 128 heads, latent 512 + rope 64; bf16 activations) and phase, every registered backend of the kind that validates on
 this device is first run on small batches of the same class against the TORCH reference
 (float32 math): a backend whose output or LSE is off by more than the class's tolerance is
 dropped from that class and reported (a wrong kernel never wins). The rest are timed as the
@@ -95,22 +96,32 @@ GPU = Rig()
 
 @dataclass(frozen=True)
 class ProblemClassSpec:
-    """One class to measure: 'gqa-bf16-16' = GQA, bf16 K/V, pages of 16."""
+    """One class to measure: 'gqa-bf16-16' = GQA, bf16 K/V, pages of 16. MHA (as many K/V heads as
+    query heads) is a class of its own: FLASHINFER decodes it, and GQA groups below 4, without tensor
+    cores, another kernel than the GQA class's."""
 
-    attention: str  # "gqa" or "mla"
+    attention: str  # "gqa", "mha" or "mla"
     kv: str  # "bf16" or "fp8"
     page: int
 
     @classmethod
     def parse(cls, text: str) -> ProblemClassSpec:
         attention, kv, page = text.split("-")
-        if attention not in ("gqa", "mla") or kv not in ("bf16", "fp8") or not page.isdigit():
+        if attention not in ("gqa", "mha", "mla") or kv not in ("bf16", "fp8") or not page.isdigit():
             raise SystemExit(f"--classes: {text!r} is not ATTENTION-KV-PAGE (e.g. gqa-bf16-16, mla-fp8-64)")
         return cls(attention, kv, int(page))
 
     @property
     def kv_dtype(self) -> KVCacheDtype:
         return KVCacheDtype.FP8_E4M3 if self.kv == "fp8" else KVCacheDtype.AUTO
+
+    def kv_heads(self, rig: Rig = GPU) -> int:
+        return rig.heads if self.attention == "mha" else rig.kv_heads
+
+    @property
+    def table_attention(self) -> str:
+        """The table's attention class (kernel_choice.ATTENTION_CLASSES)."""
+        return self.attention.upper()
 
     @property
     def kv_class(self) -> str:
@@ -129,7 +140,7 @@ class ProblemClassSpec:
 
             spec = mla_spec(MLA_HEADS, V3, kv_cache_dtype=self.kv_dtype)
         else:
-            spec = AttentionSpec(rig.heads, rig.kv_heads, rig.head, kv_cache_dtype=self.kv_dtype)
+            spec = AttentionSpec(rig.heads, self.kv_heads(rig), rig.head, kv_cache_dtype=self.kv_dtype)
         dtype = str(rig.dtype).removeprefix("torch.")
         return AttentionProblem(spec, dtype=dtype, block_size=self.page, max_model_len=max_len, device=rig.device,
                                 compute_capability=cc)  # fmt: skip
@@ -162,7 +173,7 @@ class GqaBatch:
 
 
 def _gqa_cache(cls: ProblemClassSpec, num_blocks: int, gen: torch.Generator, rig: Rig) -> KVCache:
-    shape = (num_blocks, 2, cls.page, rig.kv_heads, rig.head)
+    shape = (num_blocks, 2, cls.page, cls.kv_heads(rig), rig.head)
     data = torch.randn(shape, device=rig.device, dtype=rig.dtype, generator=gen)
     if cls.kv != "fp8":
         return KVCache(data, torch.tensor(1.0, device=rig.device), torch.tensor(1.0, device=rig.device))
@@ -340,7 +351,7 @@ def entries(results: list[Result], *, device: str, capability: str, date: str, c
             continue
         fastest = min(rel, key=rel.get)
         rel = {b: max(v / rel[fastest], 1.0) for b, v in rel.items()}  # the fastest is 1.0 exactly
-        attention = "MLA" if r.cls.attention == "mla" else "GQA"
+        attention = r.cls.table_attention
         size = "" if r.size == "any" else f"-{r.size}"
         out.append({
             "id": f"{_gpu_model(device)}-{r.kind}-{r.phase}-{attention.lower()}-{r.cls.kv}-page{r.cls.page}{size}",

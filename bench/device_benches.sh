@@ -86,6 +86,10 @@
 #       the short-context decode class alone (bench/attention_choice.py --only decode-short: 256x160, 256x512,
 #       64x1024, size "short"), FlashInfer 0.7 modules first as fi07 does, merged into a copy of the
 #       kernel-choice table under $OUT: the measurement that can make short servers split their phases
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh mha      (carry .whl .whlfi07)
+#       the FlashInfer archive rebuilt with FlashInfer's CUDA-core decode (MHA and GQA groups below 4; the
+#       JIT-disabled fresh start proves it), then the MHA classes (mha-bf16-16, mha-fp8-16) timed per backend,
+#       merged into a copy of the kernel-choice table under $OUT; copy files_at/fi07_cache.tgz into .whlfi07/
 #   . bench/device_setup.sh && bash bench/device_benches.sh splittests      (carry .whl .whlfi07)
 #       the split's GPU tests alone (what the split part had no time for)
 set -u
@@ -124,7 +128,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, backends, split, splittests or shortdecode}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, mha, backends, split, splittests or shortdecode}" in
     split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
         for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
                 "triton --attention-backend TRITON"; do
@@ -144,6 +148,11 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
             --classes gqa-bf16-16,gqa-bf16-64,gqa-fp8-16,gqa-fp8-64 --only decode-short \
             --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
+    mha)  # the FlashInfer archive with the CUDA-core decode modules (MHA cases), then the MHA classes measured
+        BUILD_TIMEOUT=240 VERIFY_TIMEOUT=90 bash bench/flashinfer_aot.sh .whlfi07
+        cp meshserve/attention/kernel_choice.json "$OUT/"
+        PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
+            --classes mha-bf16-16,mha-fp8-16 --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
     splittests)
         tests gpu_split 560 -n 4 tests/gpu/test_backends_gpu.py tests/gpu/test_decode_graphs_gpu.py -k split ;;
     mlastack)  # MLA's stacked q_kv_a_proj + latent norm in the rope kernel: the V2-Lite bs-1 step first (kernels

@@ -136,3 +136,30 @@ def test_only_names_the_measurements_of_a_class():
     assert parse_only("decode-short") == {"decode-short"} and parse_only(None) is None
     with pytest.raises(SystemExit, match="--only"):
         parse_only("decode-long")
+
+
+def test_mha_is_a_class_of_its_own_that_an_mha_problem_reads():
+    """MHA (as many K/V heads as query heads) is measured as its own class: its cache and batches
+    carry a K/V head per query head, TRITON passes its checks against TORCH, and its entries are
+    the ones kernel_choice gives an MHA problem, while a GQA problem keeps the GQA entries."""
+    from meshserve.attention.backend import AttentionProblem
+    from meshserve.attention.kernel_choice import choose
+    from meshserve.attention.spec import AttentionSpec
+
+    cls = ProblemClassSpec.parse("mha-bf16-16")
+    assert cls.problem(2048, CPU).spec.num_kv_heads == CPU.heads
+    batch = gqa_batch(cls, (1, 1), (40, 7), seed=1, rig=CPU)
+    assert batch.cache.data.shape[-2] == CPU.heads and batch.key.shape[1] == CPU.heads
+    assert check_gqa(cls, "TRITON", "decode", CPU) is None
+    rs = [Result(cls, "attention", phase, times_us={"TRITON": {"s": 80.0}, "FLASHINFER": {"s": 100.0}})
+          for phase in ("prefill", "decode")]  # fmt: skip
+    made = entries(rs, **STAMP)
+    assert {e["attention"] for e in made} == {"MHA"} and all("-mha-" in e["id"] for e in made)
+    parsed = parse_table(merge(json.loads(TABLE_PATH.read_text()), made))
+
+    def first(kv_heads: int) -> str:
+        problem = AttentionProblem(AttentionSpec(32, kv_heads, 128), dtype="bfloat16", block_size=16,
+                                   max_model_len=1 << 17, device="cuda", compute_capability=(9, 0))  # fmt: skip
+        return choose(problem, "attention", ("FLASHINFER", "TRITON"), parsed).order[0]
+
+    assert (first(32), first(8)) == ("TRITON", "FLASHINFER")
