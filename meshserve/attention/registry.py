@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from meshserve.attention.backend import AttentionBackend, AttentionProblem
 from meshserve.attention.kernel_choice import Choice, choose
-from meshserve.core.attention_options import parse_attention_backend, split_spelling
+from meshserve.core.attention_options import canonical_attention_backend, parse_attention_backend, split_spelling
 from meshserve.errors import ConfigError, NoBackendError, as_enum
 
 if TYPE_CHECKING:
@@ -129,10 +129,7 @@ def canonical_name(name: str, kind: BackendKind | str = BackendKind.ATTENTION) -
         if str(name).upper() not in backends:
             raise ConfigError(_field(kind), name, f"one of {sorted(backends)}")
         return str(name).upper()
-    parsed = parse_attention_backend(name, _field(kind), names=tuple(backends))
-    if isinstance(parsed, tuple):
-        return parsed[0] if parsed[0] == parsed[1] else split_spelling(*parsed)
-    return parsed
+    return canonical_attention_backend(name, _field(kind), names=tuple(backends))
 
 
 def load_backend(

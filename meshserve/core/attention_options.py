@@ -64,10 +64,12 @@ def parse_attention_backend(
     return parts["prefill"], parts["decode"]
 
 
-def canonical_attention_backend(value: object, field: str = "attention_backend") -> str | None:
+def canonical_attention_backend(
+    value: object, field: str = "attention_backend", *, names: tuple[str, ...] = ATTENTION_BACKENDS
+) -> str | None:
     """The setting normalised: None, 'TRITON', or 'prefill=FLASHINFER,decode=TRITON'; a split whose
     two names are equal is that one name."""
-    parsed = parse_attention_backend(value, field)
+    parsed = parse_attention_backend(value, field, names=names)
     if isinstance(parsed, tuple):
         return parsed[0] if parsed[0] == parsed[1] else split_spelling(*parsed)
     return parsed
