@@ -304,7 +304,8 @@ class AsyncInferenceClient(_Base):
         """Until the channel is connected (asyncio.TimeoutError after `timeout`)."""
         import asyncio
 
-        await asyncio.wait_for(self.channel.channel_ready(), timeout)
+        async with asyncio.timeout(timeout):
+            await self.channel.channel_ready()
 
     async def stream(self, prompt: str | Sequence[int], *, timeout: float | None = None, model: str = "",
                      request_id: str = "", **sampling) -> AsyncIterator[pb.GenerateResponse]:

@@ -45,6 +45,7 @@ from meshserve.core.delta_coalescing import coalesce
 from meshserve.core.outputs import CompletionDelta
 from meshserve.core.sampling_params import SamplingParams
 from meshserve.core.secret import RejectedFrames
+from meshserve.core.tasks import cancel_and_wait
 from meshserve.errors import ConfigError, ReplicaFailedError, UnavailableError, check
 
 log = logging.getLogger("meshserve.api")
@@ -133,15 +134,12 @@ class EngineClient:
             self._send(wire.SHUTDOWN, b"")
             if self.process is None:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._bye.wait(), SHUTDOWN_TIMEOUT_S)
+                    async with asyncio.timeout(SHUTDOWN_TIMEOUT_S):
+                        await self._bye.wait()
         if self.process is not None:
             await asyncio.to_thread(self.process.wait, SHUTDOWN_TIMEOUT_S)
         self._end("the engine is shut down", expected=True)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self._sock is not None:
             self._sock.close(linger=0)
             self._sock = None

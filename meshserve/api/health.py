@@ -16,12 +16,12 @@ turn NOT_SERVING before the server stops taking calls, so probes fail while it d
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 
 from grpc_health.v1 import health, health_pb2
 
 from meshserve.cluster.service import InferenceService
+from meshserve.core.tasks import cancel_and_wait
 
 INFERENCE_SERVICE = "meshserve.v1.Inference"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -74,8 +74,6 @@ class HealthReporter:
     async def stop(self) -> None:
         """Every service NOT_SERVING from now on (draining)."""
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
         await self.servicer.enter_graceful_shutdown()

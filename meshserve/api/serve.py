@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import importlib.util
 import logging
 import os
@@ -50,6 +49,7 @@ from meshserve.config import (
     ServerConfig,
     SmallMGemm,
 )
+from meshserve.core.tasks import cancel_and_wait
 from meshserve.errors import UnavailableError, check
 
 log = logging.getLogger("meshserve.serve")
@@ -524,9 +524,7 @@ async def _start_or_stop(start, stop: asyncio.Event) -> bool:
     if starting.done():
         starting.result()  # raises the start's error
         return True
-    starting.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await starting
+    await cancel_and_wait(starting)
     return False
 
 

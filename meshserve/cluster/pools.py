@@ -35,6 +35,7 @@ from meshserve.cluster.handover_stats import HandoverStats
 from meshserve.cluster.replica import Replica, ReplicaState
 from meshserve.cluster.replica_stats import ReplicaStats
 from meshserve.core.outputs import CompletionDelta, FinishReason
+from meshserve.core.tasks import cancel_and_wait
 from meshserve.engine.request import Ticket
 from meshserve.errors import MeshserveError, QueueFullError, ReplicaFailedError, UnavailableError
 
@@ -84,10 +85,7 @@ class ReplicaPool:
         await asyncio.gather(*(r.drain(timeout_s) for r in self.replicas))
 
     async def stop(self) -> None:
-        for task in list(self._rebuilding.values()):
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._rebuilding.values())
         self._rebuilding.clear()
         await asyncio.gather(*(r.stop() for r in self.replicas), return_exceptions=True)
         for w in self._waiting:

@@ -38,6 +38,7 @@ from meshserve.cluster.replica_stats import ReplicaCounters, ReplicaStats
 from meshserve.core import hop_trace
 from meshserve.core.doorbell import Doorbell
 from meshserve.core.outputs import CompletionDelta, FinishReason
+from meshserve.core.tasks import cancel_and_wait
 from meshserve.engine.engine_config import EngineConfig
 from meshserve.engine.engine_core import EngineCore
 from meshserve.engine.request import Ticket
@@ -147,7 +148,8 @@ class Replica:
             if left is not None and left <= 0:
                 return False
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._idle.wait(), left)
+                async with asyncio.timeout(left):
+                    await self._idle.wait()
         return True
 
     async def stop(self) -> None:
@@ -155,8 +157,7 @@ class Replica:
         if self._task is not None:
             self._task.cancel()
             self._wake()  # a step thread waiting for KV pulls returns now (the cancel cannot reach it)
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task)
             self._task = None
             hung = isinstance(self.error, WorkerHungError)  # its thread never returns: not waited for
             if not hung and await asyncio.to_thread(self._thread_busy.acquire, timeout=STOP_TIMEOUT_S):
@@ -166,7 +167,8 @@ class Replica:
         self._held.clear()
         if self.executor is not None:  # ranks stop their KV pulls first; bounded (a hung in-process rank can't stop)
             try:
-                await asyncio.wait_for(asyncio.to_thread(self.executor.shutdown), STOP_TIMEOUT_S)
+                async with asyncio.timeout(STOP_TIMEOUT_S):
+                    await asyncio.to_thread(self.executor.shutdown)
             except TimeoutError:
                 log.error("replica %s: its ranks did not stop within %g s; left behind", self.name, STOP_TIMEOUT_S)
             self.executor = None
@@ -307,8 +309,9 @@ class Replica:
                 if self._adoptions or self.handover.imports:
                     await self._idle_turn()
                     continue
-                try:
-                    await asyncio.wait_for(self._wakeup.wait(), self.health_period_s)
+                try:  # (asyncio.timeout, not wait_for: on 3.11 that drops a cancel that comes as the wait ends)
+                    async with asyncio.timeout(self.health_period_s):
+                        await self._wakeup.wait()
                 except TimeoutError:
                     await self._idle_health_check()
         except asyncio.CancelledError:
@@ -345,7 +348,8 @@ class Replica:
             return
         self._wakeup.clear()  # (no await since the checks above: nothing can have come in between)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._wakeup.wait(), wait)
+            async with asyncio.timeout(wait):
+                await self._wakeup.wait()
         self._paced_s = time.monotonic() - started
         self._apply()
 

@@ -32,6 +32,7 @@ import zmq.asyncio
 from meshserve.cluster import service_wire as wire
 from meshserve.core import hop_trace
 from meshserve.core.secret import RejectedFrames
+from meshserve.core.tasks import cancel_and_wait
 from meshserve.errors import UnavailableError
 
 log = logging.getLogger("meshserve.endpoint")
@@ -107,9 +108,7 @@ class ServiceEndpoint:
                 await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
                 stopping.cancel()
                 if not starting.done():  # stopped while loading
-                    starting.cancel()
-                    with contextlib.suppress(asyncio.CancelledError, Exception):
-                        await starting
+                    await cancel_and_wait(starting)
                     return
                 if (exc := starting.exception()) is not None:
                     self._failed = f"{type(exc).__name__}: {exc}"
@@ -121,11 +120,7 @@ class ServiceEndpoint:
                 self._send_state_to_all()  # readiness flips now, not at the next period
             await self._stop.wait()
         finally:
-            state.cancel()
-            reader.cancel()
-            for task in (state, reader):
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+            await cancel_and_wait(state, reader)
 
     def stop(self) -> None:
         self._stop.set()

@@ -5,6 +5,7 @@ channel and KV transport as with Ray actors. The oracle is the single-process en
 """
 
 import asyncio
+from dataclasses import replace
 
 import pytest
 
@@ -208,3 +209,20 @@ def test_a_reader_that_lags_gets_its_waiting_deltas_joined_and_the_same_tokens(t
         assert [t for d in kept_up for t in d.token_ids] == null_tokens([2, 7], 24)
         assert len(kept_up) > 1
     serve(null_config(tmp_path), body)
+
+
+def test_a_stop_in_the_turn_after_a_wake_up_ends_the_replica_loop(tmp_path):
+    """Python 3.11's asyncio.wait_for returns the result of a wait that completed in the same turn
+    as a cancel and drops the cancel. The idle replica's loop waited for its wake-up that way: a
+    stop right after a wake-up left the loop running and the shutdown waiting on it for ever."""
+    async def body(c):
+        (replica,) = c.replicas()
+        await wait_until(lambda: replica._idle.is_set(), "the replica to idle", timeout_s=30, state=c.health)
+        await asyncio.sleep(0.05)  # now waiting for its wake-up (the health period is 60 s)
+        loop_task = replica._task
+        replica._wake()  # its wait completes in the next turn, the cancel comes in the turn after
+        await asyncio.sleep(0)
+        stop = asyncio.ensure_future(replica.stop())
+        done, _ = await asyncio.wait({stop}, timeout=10)
+        assert done and loop_task.done() and replica.state.value == "stopped"
+    serve(replace(null_config(tmp_path), health_period_s=60.0), body)
