@@ -90,6 +90,11 @@
 #       the FlashInfer archive rebuilt with FlashInfer's CUDA-core decode (MHA and GQA groups below 4; the
 #       JIT-disabled fresh start proves it), then the MHA classes (mha-bf16-16, mha-fp8-16) timed per backend,
 #       merged into a copy of the kernel-choice table under $OUT; copy files_at/fi07_cache.tgz into .whlfi07/
+#   . bench/device_setup.sh && bash bench/device_benches.sh gluon      (carry .whl .whlfi07)
+#       issue 42 item 3: the Gluon prefill (kernels/prefill_gluon.py, never run on a GPU before): its GPU
+#       tests against the reference first (a wrong barrier phase hangs, hence the short timeout), then
+#       bench/prefill_sweep.py at 4 x 4096 and 1 x 16384: FlashInfer 0.7's ragged and paged prefill, the
+#       Gluon variants, TRITON's fresh-desc tiles (today's fresh default 64x64 and 128x64)
 #   . bench/device_setup.sh && bash bench/device_benches.sh splittests      (carry .whl .whlfi07)
 #       the split's GPU tests alone (what the split part had no time for)
 set -u
@@ -128,7 +133,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, mha, backends, split, splittests or shortdecode}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, mha, gluon, backends, split, splittests or shortdecode}" in
     split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
         for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
                 "triton --attention-backend TRITON"; do
@@ -231,6 +236,13 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         # weights, then FP8 weights with the LM head in FP8 too (item 4's step target; ModelConfig.quantize_lm_head)
         e2e_bs1 "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
+    gluon)
+        tests gluon_prefill_gpu 150 tests/gpu/test_fresh_prefill_gpu.py -k gluon
+        timeout $((580 - SECONDS)) python3 -m bench.prefill_sweep --out "$OUT/prefill-gluon" --cases 4x4096,1x16384 \
+            --jobs 4 --only "gluon,fresh-desc 64x64 w4 s3 p16,fresh-desc 128x64 w4 s2 p16" > "$OUT/prefill-gluon.log" 2>&1
+        echo "prefill sweep: exit $? at ${SECONDS}s"
+        grep -E "WRONG|FAILED|Error" "$OUT/prefill-gluon.log" | cut -c1-200 | head -8
+        sed -n '/^| case/,$p' "$OUT/prefill-gluon.log" ;;
     fresh)  # FlashInfer rows always run; --only picks TRITON's fresh variants and today's two default tiles
         timeout 330 python3 -m bench.prefill_sweep --out "$OUT/prefill-fresh" --cases 4x4096,1x16384 --jobs 6 \
             --only "fresh-,gather 128x64 w4 s3 p16,desc 128x64 w4 s3 p64" > "$OUT/prefill-fresh.log" 2>&1

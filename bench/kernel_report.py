@@ -1,6 +1,6 @@
 """Compile the TRITON backend's kernels for a GPU target on a machine without one, and report them.
 
-    python -m bench.kernel_report [--arch 90] [--sass DIR] [--prefill-sweep]
+    python -m bench.kernel_report [--arch 90] [--sass DIR] [--prefill-sweep | --gluon]
 
 Runs the backend's real launch path on CPU tensors with the kernel launch intercepted: every
 launch is compiled with `triton.compile` for sm_<arch> instead of run, and cuobjdump reports the
@@ -8,8 +8,9 @@ registers, stack frame (spills) and shared memory of each variant. This catches 
 spills before any GPU time is spent; with --sass it also writes each kernel's SASS (to check
 for wgmma/HGMMA in prefill and 16-byte loads in decode). --prefill-sweep compiles the TRITON
 variants of bench/prefill_sweep.py instead and prints their registers, spills, shared memory,
-resident CTAs per SM and TMA / cp.async load counts. The H200 has Triton 3.6: to read its machine
-code here, install that wheel beside the venv's Triton and put it first on the path:
+resident CTAs per SM and TMA / cp.async load counts (the Gluon prefill's variants too: Gluon
+does not run in the interpreter, so its compile errors show here first). The H200 has Triton 3.6:
+to read its machine code here, install that wheel beside the venv's Triton and put it first on the path:
 `pip install --no-deps --target /tmp/t36 triton==3.6.0; PYTHONPATH=/tmp/t36:. python -m bench.kernel_report`.
 """
 
@@ -55,7 +56,7 @@ class Recorder:
         if key in self.seen:
             return None
         self.seen.add(key)
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=self.target,
+        compiled = triton.compile(_source(fn)(fn, signature, constexprs, attrs), target=self.target,
                                   options=options.__dict__)  # fmt: skip
         named = {fn.params[path[0]].name: value for path, value in constexprs.items()}
         self.rows.append((fn.fn.__name__, launch, named, _resource_report(compiled)))
@@ -70,21 +71,32 @@ class Recorder:
             sass = subprocess.run([str(CUOBJDUMP), "-sass", f.name], capture_output=True, text=True).stdout
         path = self.sass_dir / f"{name}_{self.label or len(self.rows)}.sass"
         path.write_text(sass)
-        ops = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL", "SETMAXNREG", "MUFU.EX2")
+        ops = ("HGMMA", "HMMA", "LDGSTS", "UTMALDG", "LDG.E.128", "LDL", "STL", "USETMAXREG", "MUFU.EX2")
         ops = {op: len(re.findall(op, sass)) for op in ops}
         self.rows[-1][3]["sass"] = ops
 
 
+def _source(fn: JITFunction):
+    """The compiler's source class of `fn`: Gluon kernels (kernels/prefill_gluon.py) have their own."""
+    if type(fn).__name__.startswith("Gluon"):
+        from triton.experimental.gluon._runtime import GluonASTSource
+
+        return GluonASTSource
+    return ASTSource
+
+
 def _resource_report(compiled) -> dict:
-    """Registers and stack frame (spilled registers land there) from the cubin, and shared memory."""
+    """Registers and stack frame (spilled registers land there) from the cubin, and shared memory;
+    with warp specialisation, the register counts its warpgroups move to (setmaxnreg)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(compiled.asm["cubin"])
         f.flush()
         text = subprocess.run([str(CUOBJDUMP), "-res-usage", f.name], capture_output=True, text=True).stdout
     grab = lambda pat: int(m.group(1)) if (m := re.search(pat, text)) else -1  # noqa: E731
     # num_warps after compilation: warp specialisation adds producer warps to the ones asked for.
+    moves = re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+)", compiled.asm.get("ptx", ""))
     return dict(registers=grab(r"REG:(\d+)"), stack=grab(r"STACK:(\d+)"), shared=compiled.metadata.shared,
-                warps=compiled.metadata.num_warps)  # fmt: skip
+                warps=compiled.metadata.num_warps, setmaxnreg=sorted({(op, int(n)) for op, n in moves}))  # fmt: skip
 
 
 def problems() -> list[tuple[str, AttentionProblem, list[int], list[int]]]:
@@ -148,6 +160,36 @@ def prefill_sweep(recorder: Recorder, only: str = "") -> None:
             print(f"| {var.label} | {rep['registers']} | {rep['stack']} | {rep['shared'] / 1024:.0f} | "
                   f"{rep['warps']} | {min(by_regs, by_smem)} ({by_regs}, {by_smem}) | {sass.get('UTMALDG', '-')} | "
                   f"{sass.get('LDGSTS', '-')} | {spills} |", flush=True)  # fmt: skip
+
+
+def gluon_prefill(recorder: Recorder) -> None:
+    """Compile the Gluon prefill kernel (kernels/prefill_gluon.py) for heads 64 and 128, causal and
+    full, with and without the LSE, on the Llama-3-8B head counts, and print one JSON line each:
+    registers, stack, shared memory, warps, the setmaxnreg moves. Needs a process without
+    TRITON_INTERPRET (the interpreter wraps Gluon functions, which then do not compile)."""
+    import json
+
+    from meshserve.attention.kernels import prefill_gluon as pg
+
+    for head in (64, 128):
+        for causal, lse in ((True, False), (False, True)):
+            tokens, heads, kv_heads = 512, 32, 8
+            q = torch.empty(tokens, heads, head, dtype=torch.bfloat16)
+            kv = torch.empty(tokens, 2, kv_heads, head, dtype=torch.bfloat16)  # strided rows, as a layer's K/V
+            out = torch.empty_like(q)
+            lse_t = torch.empty(tokens, heads, dtype=torch.float32)
+            ints = torch.zeros(8, dtype=torch.int32)
+            refused = pg.gluon_prefill_reasons(q, kv[:, 0], kv[:, 1])
+            args = (pg.row_descriptor(q, pg.HALF_M), pg.row_descriptor(kv[:, 0], pg.BLOCK_N),
+                    pg.row_descriptor(kv[:, 1], pg.BLOCK_N), out, lse_t, ints, ints, ints, 0.125,
+                    out.stride(0), out.stride(1), lse_t.stride(0), lse_t.stride(1))  # fmt: skip
+            recorder(pg.gluon_fresh_prefill_kernel, *args, grid=(1,), warmup=False, QUERIES_PER_KV=heads // kv_heads,
+                     HEAD_D=head, HALF=pg.HALF_M, TILE_N=pg.BLOCK_N, NUM_STAGES=pg.STAGES, CAUSAL=causal,
+                     RETURN_LSE=lse, LOADER_NUM_REGS=pg.LOADER_REGS, CONSUMER_NUM_REGS=pg.CONSUMER_REGS,
+                     num_warps=4)  # fmt: skip
+            name, _, _, rep = recorder.rows[-1]
+            print(json.dumps(dict(rep, kernel=name, head=head, causal=causal, lse=lse, refused=refused,
+                                  consumer_regs=pg.CONSUMER_REGS, loader_regs=pg.LOADER_REGS)), flush=True)
 
 
 def attention_launches(overrides: dict | None = None):
@@ -218,11 +260,14 @@ def main() -> int:
     ap.add_argument("--prefill-sweep", action="store_true", help="compile bench/prefill_sweep.py's variants only")
     ap.add_argument("--only", default="", help="with --prefill-sweep: variants whose label contains one of these "
                     "comma-separated texts")
+    ap.add_argument("--gluon", action="store_true", help="compile the Gluon prefill's variants only (JSON lines)")
     ap.add_argument("--prefill", default="", help="PrefillConfig fields for every problem's default prefill "
                     "tiles, e.g. 'kv_desc=True,max_registers=168'")  # fmt: skip
     args = ap.parse_args()
     if args.prefill_sweep:
         return compile_report(lambda recorder: prefill_sweep(recorder, args.only), "", args)
+    if args.gluon:
+        return compile_report(gluon_prefill, "", args)
     overrides = {k: _literal(v) for k, v in (kv.split("=") for kv in args.prefill.split(",") if kv)}
     return compile_report(attention_launches(overrides), "", args)
 

@@ -52,7 +52,7 @@ class Variant:
         if self.config is None:
             return f"FlashInfer {'ragged ' if self.ragged else ''}p{self.page}"
         c = self.config
-        path = ("fresh-" if c.fresh_kv else "") + ("desc" if c.kv_desc else "gather")
+        path = ("fresh-" if c.fresh_kv else "") + ("gluon" if c.gluon else "desc" if c.kv_desc else "gather")
         extra = f" r{c.max_registers}" if c.max_registers else ""
         return f"{path} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{extra} p{self.page}"
 
@@ -84,6 +84,10 @@ VARIANTS = (
     Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True), "2 CTAs per SM"),
     Variant(16, _cfg(128, 64, 4, 2, fresh_kv=True), "2 CTAs per SM"),
     Variant(16, _cfg(64, 64, 4, 3, kv_desc=True, fresh_kv=True), "no spills, 2 CTAs per SM"),
+    # Gluon (kernels/prefill_gluon.py): a TMA loader warp and two consumer warpgroups of 64 queries,
+    # 128-key stages; the tiles are for the portable kernel where Gluon does not apply.
+    Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, warp-specialised"),
+    Variant(64, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, warp-specialised"),
 )
 
 
@@ -167,7 +171,7 @@ def run_case(
                 why = ["paged: " + r for r in backend.ragged_prefill_reasons(meta)] if var.ragged else []
             else:
                 backend = TritonBackend(prob, prefill_config=var.config)
-                why = _triton_fallbacks(backend, var.config, cache, k, v)
+                why = _triton_fallbacks(backend, var.config, cache, q, k, v)
             if why:
                 row.note = (row.note + "; " if row.note else "") + "fallback: " + "; ".join(why)
             plan = backend.plan(meta)
@@ -198,11 +202,13 @@ def run_case(
     return rows
 
 
-def _triton_fallbacks(backend, cfg: PrefillConfig, cache, k, v) -> list[str]:
+def _triton_fallbacks(backend, cfg: PrefillConfig, cache, q, k, v) -> list[str]:
     """Why TRITON runs another path than `cfg` asks for here (empty: the one asked for)."""
     if cfg.fresh_kv:
         why = ["pages: " + r for r in backend.fresh_kv_reasons(cfg)]
-        if cfg.kv_desc and not why:
+        if cfg.gluon and not why and (gluon := backend.gluon_prefill_reasons(q, k, v)):
+            why = ["portable kernel: " + r for r in gluon]
+        if cfg.kv_desc and not why and not cfg.gluon:
             why = ["row gather: " + r for r in backend.fresh_descriptor_reasons(cfg, k, v)]
         return why
     return ["page gather: " + r for r in backend.prefill_descriptor_reasons(cfg, cache)] if cfg.kv_desc else []

@@ -3,7 +3,10 @@ against the TORCH reference in bf16 on the GPU; skipped without CUDA (and FlashI
 cases):
 - FLASHINFER with ragged_prefill=True: FlashInfer's ragged wrapper for steps whose prefills all
   start at position 0 (the paged wrapper otherwise);
-- TRITON with PrefillConfig.fresh_kv (row descriptors, one load per 64-key tile at any page size).
+- TRITON with PrefillConfig.fresh_kv (row descriptors, one load per 64-key tile at any page size);
+- TRITON with PrefillConfig.gluon: the Gluon kernel for Hopper (kernels/prefill_gluon.py: a TMA
+  loader warp, two consumer warpgroups), which only the GPU can run; where it does not apply (the
+  window and soft-cap scenario, a GPU other than sm_90) the portable kernel runs its tiles.
 
 After write_kv, every cache slot of a sequence that read the step's K/V is set to NaN (and every
 slot no sequence owns), so a kernel that still read the pages there fails. The mixed case (a
@@ -40,6 +43,11 @@ FRESH = tuple(
              block_size=page, max_model_len=8192)
     for page in (16, 64)
 ) + (
+    Scenario("fresh_prompts_head64", (700, 129, 128, 1, 1), (0, 0, 0, 300, 2000),
+             spec=dict(num_heads=16, num_kv_heads=4, head_size=64), max_model_len=4096),
+    Scenario("fresh_prompts_mha", (257, 40), (0, 0), spec=dict(num_heads=8, num_kv_heads=8, head_size=128),
+             max_model_len=4096),
+) + (
     Scenario("fresh_window_softcap", (500, 130, 1), (0, 0, 700), spec=dict(num_heads=8, num_kv_heads=2,
              head_size=128, sliding_window=256, logits_soft_cap=30.0), query_gain=4.0, max_model_len=4096),
 )  # fmt: skip
@@ -47,11 +55,15 @@ FRESH = tuple(
 MIXED = Scenario("mixed_cached_fresh_decode", (300, 64, 1, 1), (700, 0, 900, 63), spec=LLAMA3_8B,
                  max_model_len=8192)  # fmt: skip
 TRITON_FRESH = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True, fresh_kv=True)
+TRITON_GLUON = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, kv_desc=True, fresh_kv=True,
+                             gluon=True)  # fmt: skip
 
 
 def _backend(kind: str, problem):
     if kind == "triton_fresh_desc":
         return TritonBackend(problem, prefill_config=TRITON_FRESH)
+    if kind == "triton_fresh_gluon":
+        return TritonBackend(problem, prefill_config=TRITON_GLUON)
     try:
         cls = load_backend("FLASHINFER")
     except ImportError as exc:
@@ -76,7 +88,7 @@ def _case(scenario):
 
 
 @pytest.mark.parametrize("scenario", FRESH, ids=lambda s: s.name)
-@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc"])
+@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc", "triton_fresh_gluon"])
 def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenario):
     problem, case, ref = _case(scenario)
     backend = _backend(kind, problem)
@@ -84,6 +96,13 @@ def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenar
     assert_matches(out, lse, *ref, torch.bfloat16)
     if kind == "flashinfer_ragged":
         assert plan.ragged and plan.prefill._backend == backend.prefill_kernel
+    elif kind == "triton_fresh_gluon":  # the Gluon kernel ran where it applies, and only there
+        reasons = backend.gluon_prefill_reasons(case.query, case.key, strided_view(case.value))
+        plain = problem.spec.sliding_window is None and problem.spec.logits_soft_cap is None
+        if torch.cuda.get_device_capability()[0] == 9 and plain:
+            assert reasons == [], reasons
+        else:
+            assert reasons
     else:
         assert set(plan.fresh_tile_seq.tolist()) == set(_fresh_seqs(scenario)) and plan.tile_seq.numel() == 0
         reasons = backend.fresh_descriptor_reasons(TRITON_FRESH, case.key, strided_view(case.value))
@@ -93,7 +112,7 @@ def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenar
             assert any("compute capability" in r for r in reasons), reasons
 
 
-@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc"])
+@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc", "triton_fresh_gluon"])
 def test_mixed_step_with_cached_context_stays_right(kind):
     """FLASHINFER keeps its paged wrapper for the whole step; TRITON splits it: the fresh prompt
     reads the step's K/V (its slots are NaN), the chunk and the decodes the pages."""

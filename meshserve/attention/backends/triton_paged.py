@@ -364,6 +364,13 @@ class TritonBackend(AttentionBackend):
         descriptors where they apply (one load per tile at any page size), else by pointers."""
         key, value = _last_dim_contiguous(key), _last_dim_contiguous(value)
         k_strides, v_strides = (0, key.stride(0), key.stride(1)), (0, value.stride(0), value.stride(1))
+        if cfg.gluon and not self.gluon_prefill_reasons(args[0], key, value):
+            from meshserve.attention.kernels.prefill_gluon import gluon_fresh_prefill
+
+            query, out, lse, return_lse = args[:4]
+            gluon_fresh_prefill(query, key, value, out, lse, *tiles, plan.metadata.query_start_loc,
+                                self.spec.softmax_scale, causal=self.spec.is_causal, return_lse=return_lse)
+            return
         kv_desc = not self.fresh_descriptor_reasons(cfg, key, value)
         if kv_desc:
             from meshserve.attention.kernels.kv_rows import kv_row_descriptors
@@ -440,6 +447,28 @@ class TritonBackend(AttentionBackend):
             if kv_cache is not None and x.dtype != kv_cache.data.dtype:
                 out.append(f"{name} is {x.dtype}, the cache {kv_cache.data.dtype}: the cache holds other values")
         return out
+
+    def gluon_prefill_reasons(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[str]:
+        """Why fresh tiles run the portable kernel, not the Gluon one (kernels/prefill_gluon.py;
+        empty: the Gluon one, where the config asks for it): the device, the problem or the tensors."""
+        spec, cc, out = self.spec, self.problem.compute_capability, []
+        if self.problem.device != "cuda" or cc is None or cc[0] != 9:
+            where = "CPU" if self.problem.device != "cuda" else "unknown" if cc is None else f"sm_{cc[0]}{cc[1]}"
+            out.append(f"the Gluon prefill is written for sm_90's wgmma (have {where})")
+        if spec.head_size not in (64, 128) or spec.v_size != spec.head_size:
+            out.append(f"head_size={spec.head_size} (v {spec.v_size}): the Gluon prefill serves 64 and 128")
+        for name, used in (("a sliding window", spec.sliding_window is not None), ("learned sinks", spec.has_sinks),
+                           ("sink tokens", spec.num_sink_tokens > 0), ("ALiBi", spec.use_alibi),
+                           ("a logit soft cap", spec.logits_soft_cap is not None)):  # fmt: skip
+            if used:
+                out.append(f"{name}: the Gluon prefill has plain causal or full masks only")
+        if out:
+            return out
+        try:
+            from meshserve.attention.kernels.prefill_gluon import gluon_prefill_reasons
+        except ImportError as exc:  # a Triton without Gluon's Hopper ops
+            return [f"Gluon cannot be imported: {exc}"]
+        return gluon_prefill_reasons(query, key, value)
 
     def fresh_descriptor_reasons(self, cfg: PrefillConfig, key: torch.Tensor, value: torch.Tensor) -> list[str]:
         """Why fresh sequences read the step's K/V by pointers, not row descriptors (empty: by

@@ -29,6 +29,11 @@ class PrefillConfig:
     # On CUDA such sequences get tiles of their own by default (fresh_prefill_config).
     fresh_kv: bool = False
     max_registers: int | None = None  # per thread (Triton's maxnreg): trades spills for occupancy
+    # The fresh tiles through the Gluon kernel for Hopper (kernels/prefill_gluon.py: a TMA loader
+    # warp, two consumer warpgroups, asynchronous wgmma) where TritonBackend.gluon_prefill_reasons
+    # are empty; elsewhere they run the portable kernel with this config's tiles. Needs fresh_kv and
+    # block_m == 128 (two warpgroups of 64 queries). Not a default: unmeasured (docs/performance.md).
+    gluon: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):
@@ -38,6 +43,9 @@ class PrefillConfig:
         check(self.num_stages >= 1, "num_stages", self.num_stages, "an integer >= 1")
         regs = self.max_registers
         check(regs is None or 24 <= regs <= 255, "max_registers", regs, "None or 24..255 registers per thread")
+        if self.gluon:
+            check(self.fresh_kv, "gluon", self.gluon, "False unless fresh_kv=True (it serves fresh sequences only)")
+            check(self.block_m == 128, "block_m", self.block_m, "128 with gluon=True (two warpgroups of 64 queries)")
 
 
 # The descriptor K/V path (TMA) in the CUDA defaults: from this page size on, one page holds a
