@@ -129,26 +129,6 @@ def _consume(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, ou
 
 
 @gluon.jit
-def _consume0(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr,
-              q0, q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh,
-              HALF: gl.constexpr, HEAD_D: gl.constexpr, TILE_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
-    _consume(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 0, q0, q_len,
-             q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF, HEAD_D, TILE_N,
-             NUM_STAGES, CAUSAL, RETURN_LSE)  # fmt: skip
-
-
-@gluon.jit
-def _consume1(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr,
-              q0, q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh,
-              HALF: gl.constexpr, HEAD_D: gl.constexpr, TILE_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-              CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
-    _consume(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 1, q0, q_len,
-             q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF, HEAD_D, TILE_N,
-             NUM_STAGES, CAUSAL, RETURN_LSE)  # fmt: skip
-
-
-@gluon.jit
 def gluon_fresh_prefill_kernel(
     q_desc, k_desc, v_desc,  # over the step's rows: Q [T, H * D], K and V [T, KVH * D]; boxes [HALF, D], [TILE_N, D]
     out_ptr, lse_ptr,
@@ -195,12 +175,12 @@ def gluon_fresh_prefill_kernel(
     # (each partition's arguments written out: a tuple held in a variable loses its constexprs)
     gl.warp_specialize(
         [
-            (_consume0, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, q0, q_len,
-                         q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF, HEAD_D,
-                         TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
-            (_consume1, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, q0, q_len,
-                         q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF, HEAD_D,
-                         TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 0, q0,
+                        q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF,
+                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
+            (_consume, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 1, q0,
+                        q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF,
+                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free,
                        q_row, q_col, kv_row, kv_col, n_tiles, HALF, TILE_N, NUM_STAGES)),
         ],
