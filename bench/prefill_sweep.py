@@ -54,6 +54,7 @@ class Variant:
         c = self.config
         path = ("fresh-" if c.fresh_kv else "") + ("gluon" if c.gluon else "desc" if c.kv_desc else "gather")
         extra = f" r{c.max_registers}" if c.max_registers else ""
+        extra += " serial" if c.gluon and not c.gluon_overlap else ""
         return f"{path} {c.block_m}x{c.block_n} w{c.num_warps} s{c.num_stages}{extra} p{self.page}"
 
 
@@ -86,8 +87,9 @@ VARIANTS = (
     Variant(16, _cfg(64, 64, 4, 3, kv_desc=True, fresh_kv=True), "no spills, 2 CTAs per SM"),
     # Gluon (kernels/prefill_gluon.py): a TMA loader warp and two consumer warpgroups of 64 queries,
     # 128-key stages; the tiles are for the portable kernel where Gluon does not apply.
-    Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, warp-specialised"),
-    Variant(64, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, warp-specialised"),
+    Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, QK^T of the next tile overlaps"),
+    Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True, gluon_overlap=False),
+            "Gluon, one tile at a time"),
 )
 
 

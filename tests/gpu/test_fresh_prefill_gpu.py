@@ -17,6 +17,8 @@ prebuilt) the modules they use: the ragged and the paged runs share one FlashInf
     pytest tests/gpu/test_fresh_prefill_gpu.py
 """
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -57,13 +59,14 @@ MIXED = Scenario("mixed_cached_fresh_decode", (300, 64, 1, 1), (700, 0, 900, 63)
 TRITON_FRESH = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True, fresh_kv=True)
 TRITON_GLUON = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, kv_desc=True, fresh_kv=True,
                              gluon=True)  # fmt: skip
+TRITON_GLUON_SERIAL = dataclasses.replace(TRITON_GLUON, gluon_overlap=False)
 
 
 def _backend(kind: str, problem):
     if kind == "triton_fresh_desc":
         return TritonBackend(problem, prefill_config=TRITON_FRESH)
-    if kind == "triton_fresh_gluon":
-        return TritonBackend(problem, prefill_config=TRITON_GLUON)
+    if kind.startswith("triton_fresh_gluon"):
+        return TritonBackend(problem, prefill_config=TRITON_GLUON_SERIAL if kind.endswith("serial") else TRITON_GLUON)
     try:
         cls = load_backend("FLASHINFER")
     except ImportError as exc:
@@ -88,7 +91,8 @@ def _case(scenario):
 
 
 @pytest.mark.parametrize("scenario", FRESH, ids=lambda s: s.name)
-@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc", "triton_fresh_gluon"])
+@pytest.mark.parametrize("kind", ["flashinfer_ragged", "triton_fresh_desc", "triton_fresh_gluon",
+                                  "triton_fresh_gluon_serial"])
 def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenario):
     problem, case, ref = _case(scenario)
     backend = _backend(kind, problem)
@@ -96,7 +100,7 @@ def test_fresh_prefill_reads_the_steps_kv_and_matches_the_reference(kind, scenar
     assert_matches(out, lse, *ref, torch.bfloat16)
     if kind == "flashinfer_ragged":
         assert plan.ragged and plan.prefill._backend == backend.prefill_kernel
-    elif kind == "triton_fresh_gluon":  # the Gluon kernel ran where it applies, and only there
+    elif kind.startswith("triton_fresh_gluon"):  # the Gluon kernel ran where it applies, and only there
         reasons = backend.gluon_prefill_reasons(case.query, case.key, strided_view(case.value))
         plain = problem.spec.sliding_window is None and problem.spec.logits_soft_cap is None
         if torch.cuda.get_device_capability()[0] == 9 and plain:

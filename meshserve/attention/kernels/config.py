@@ -34,6 +34,9 @@ class PrefillConfig:
     # are empty; elsewhere they run the portable kernel with this config's tiles. Needs fresh_kv and
     # block_m == 128 (two warpgroups of 64 queries). Not a default: unmeasured (docs/performance.md).
     gluon: bool = False
+    # With gluon: the next key tile's Q K^T issued before this tile's softmax (FA3's intra-warpgroup
+    # overlap) rather than one tile at a time. A tuning switch until the two are measured.
+    gluon_overlap: bool = True
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n"):

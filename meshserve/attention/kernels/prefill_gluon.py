@@ -8,7 +8,9 @@ on an H100). Gluon, Triton's lower-level dialect, states the schedule instead: o
 the key and value tiles of 128 keys into a ring of shared-memory stages by TMA. The warpgroups
 run their QK^T and PV products as asynchronous `wgmma` from shared memory (P from registers) and
 drift apart, so one's softmax overlaps the other's products (FlashAttention-3's ping-pong without
-its named barriers); the loader runs ahead by the ring's depth.
+its named barriers); with `overlap` each also issues the next tile's QK^T before this tile's
+softmax (FA3's intra-warpgroup overlap, 64 more registers); the loader runs ahead by the ring's
+depth.
 
 Scope: sequences with no cached context (their keys are the step's own K/V rows, one 2-D TMA box
 per tile: kernels/kv_rows.py explains the view), 16-bit Q/K/V, head sizes 64 and 128, causal
@@ -62,17 +64,20 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_re
 
 
 @gluon.jit
-def _fold(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, j, m_i, l_i, acc, scale_log2, qp, kv_len,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, HALF: gl.constexpr, TILE_N: gl.constexpr,
-          NUM_STAGES: gl.constexpr, MASKED: gl.constexpr, CAUSAL: gl.constexpr):  # fmt: skip
-    """Fold key tile j into (m, l, acc): S = Q K^T, the online softmax, acc += P V."""
-    s = j % NUM_STAGES
-    phase = (j // NUM_STAGES) & 1
-    mbarrier.wait(k_ready.index(s), phase)
+def _issue_qk(q, k_smem, k_ready, j, s_layout: gl.constexpr, HALF: gl.constexpr, TILE_N: gl.constexpr,
+              NUM_STAGES: gl.constexpr):  # fmt: skip
+    """S = Q K^T of key tile j, issued (asynchronous: wait before reading it, then free its stage)."""
+    mbarrier.wait(k_ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
     zero = gl.zeros([HALF, TILE_N], gl.float32, s_layout)
-    qk = warpgroup_mma(q, k_smem.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
-    qk = warpgroup_mma_wait(0, deps=[qk])
-    mbarrier.arrive(k_free.index(s), count=1)
+    return warpgroup_mma(q, k_smem.index(j % NUM_STAGES).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _softmax_pv(q, qk, v_smem, v_ready, j, m_i, l_i, acc, scale_log2, qp, kv_len, s_layout: gl.constexpr,
+                o_layout: gl.constexpr, TILE_N: gl.constexpr, NUM_STAGES: gl.constexpr, MASKED: gl.constexpr,
+                CAUSAL: gl.constexpr):  # fmt: skip
+    """The online softmax of key tile j's scores qk, then acc += P V issued (asynchronous: wait
+    before reading acc, then free the value stage). Returns (m, l, acc)."""
     sc = qk * scale_log2
     if MASKED:  # the diagonal tile and the ragged end
         kp = j * TILE_N + gl.arange(0, TILE_N, layout=gl.SliceLayout(0, s_layout))
@@ -87,10 +92,8 @@ def _fold(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, j, m_i, l_i, acc,
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(q.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
-    mbarrier.wait(v_ready.index(s), phase)
-    acc = warpgroup_mma(p_op, v_smem.index(s), acc, is_async=True)
-    acc = warpgroup_mma_wait(0, deps=[acc])
-    mbarrier.arrive(v_free.index(s), count=1)
+    mbarrier.wait(v_ready.index(j % NUM_STAGES), (j // NUM_STAGES) & 1)
+    acc = warpgroup_mma(p_op, v_smem.index(j % NUM_STAGES), acc, is_async=True)
     return m_new, l_i, acc
 
 
@@ -98,7 +101,7 @@ def _fold(q, k_smem, v_smem, k_ready, v_ready, k_free, v_free, j, m_i, l_i, acc,
 def _consume(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr,
              c: gl.constexpr, q0, q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh,
              HALF: gl.constexpr, HEAD_D: gl.constexpr, TILE_N: gl.constexpr, NUM_STAGES: gl.constexpr,
-             CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr):  # fmt: skip
+             CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr):  # fmt: skip
     """Consumer warpgroup c: query rows [q0 + c * HALF, q0 + (c + 1) * HALF) of the sequence,
     over every key tile the loader brings (the last one masked), then its output rows."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -111,12 +114,33 @@ def _consume(q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, ou
     acc = gl.zeros([HALF, HEAD_D], gl.float32, o_layout)
     mbarrier.wait(q_bar.index(c), 0)
     q = q_smem.index(c)
-    ring = (k_smem, v_smem, k_ready, v_ready, k_free, v_free)
-    for j in range(n_tiles - 1):
-        m_i, l_i, acc = _fold(q, *ring, j, m_i, l_i, acc, scale_log2, rows, q_len, s_layout, o_layout, HALF,
-                              TILE_N, NUM_STAGES, False, CAUSAL)  # fmt: skip
-    m_i, l_i, acc = _fold(q, *ring, n_tiles - 1, m_i, l_i, acc, scale_log2, rows, q_len, s_layout, o_layout, HALF,
-                          TILE_N, NUM_STAGES, True, CAUSAL)  # fmt: skip
+    # Tiles before the last need no mask (a fresh sequence's tile of 128 queries ends on the
+    # diagonal tile, which is the last one; without a causal mask the last holds the ragged end).
+    last = n_tiles - 1
+    if OVERLAP:  # FA3's intra-warpgroup overlap: tile j + 1's Q K^T runs during tile j's softmax
+        qk = warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem, k_ready, 0, s_layout, HALF, TILE_N, NUM_STAGES)])
+        mbarrier.arrive(k_free.index(0), count=1)
+        for j in range(last):
+            nxt = _issue_qk(q, k_smem, k_ready, j + 1, s_layout, HALF, TILE_N, NUM_STAGES)
+            m_i, l_i, acc = _softmax_pv(q, qk, v_smem, v_ready, j, m_i, l_i, acc, scale_log2, rows, q_len, s_layout,
+                                        o_layout, TILE_N, NUM_STAGES, False, CAUSAL)  # fmt: skip
+            qk, acc = warpgroup_mma_wait(0, deps=[nxt, acc])
+            mbarrier.arrive(k_free.index((j + 1) % NUM_STAGES), count=1)
+            mbarrier.arrive(v_free.index(j % NUM_STAGES), count=1)
+    else:  # one tile at a time: Q K^T, softmax, P V
+        for j in range(last):
+            qk = warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem, k_ready, j, s_layout, HALF, TILE_N, NUM_STAGES)])
+            mbarrier.arrive(k_free.index(j % NUM_STAGES), count=1)
+            m_i, l_i, acc = _softmax_pv(q, qk, v_smem, v_ready, j, m_i, l_i, acc, scale_log2, rows, q_len, s_layout,
+                                        o_layout, TILE_N, NUM_STAGES, False, CAUSAL)  # fmt: skip
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(v_free.index(j % NUM_STAGES), count=1)
+        qk = warpgroup_mma_wait(0, deps=[_issue_qk(q, k_smem, k_ready, last, s_layout, HALF, TILE_N, NUM_STAGES)])
+        mbarrier.arrive(k_free.index(last % NUM_STAGES), count=1)
+    m_i, l_i, acc = _softmax_pv(q, qk, v_smem, v_ready, last, m_i, l_i, acc, scale_log2, rows, q_len, s_layout,
+                                o_layout, TILE_N, NUM_STAGES, True, CAUSAL)  # fmt: skip
+    acc = warpgroup_mma_wait(0, deps=[acc])
+    mbarrier.arrive(v_free.index(last % NUM_STAGES), count=1)
 
     o_rows = q0 + c * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
     d = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, o_layout))
@@ -137,7 +161,7 @@ def gluon_fresh_prefill_kernel(
     scale_log2,  # softmax scale * log2(e)
     stride_ot, stride_oh, stride_lt, stride_lh,
     QUERIES_PER_KV: gl.constexpr, HEAD_D: gl.constexpr, HALF: gl.constexpr, TILE_N: gl.constexpr,
-    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr,
+    NUM_STAGES: gl.constexpr, CAUSAL: gl.constexpr, RETURN_LSE: gl.constexpr, OVERLAP: gl.constexpr,
     LOADER_NUM_REGS: gl.constexpr, CONSUMER_NUM_REGS: gl.constexpr,
 ):  # fmt: skip
     head = gl.program_id(0)
@@ -177,10 +201,10 @@ def gluon_fresh_prefill_kernel(
         [
             (_consume, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 0, q0,
                         q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF,
-                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
+                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE, OVERLAP)),
             (_consume, (q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free, out_ptr, lse_ptr, 1, q0,
                         q_len, q_start, head, n_tiles, scale_log2, stride_ot, stride_oh, stride_lt, stride_lh, HALF,
-                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE)),
+                        HEAD_D, TILE_N, NUM_STAGES, CAUSAL, RETURN_LSE, OVERLAP)),
             (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_bar, k_ready, v_ready, k_free, v_free,
                        q_row, q_col, kv_row, kv_col, n_tiles, HALF, TILE_N, NUM_STAGES)),
         ],
@@ -218,9 +242,10 @@ def gluon_prefill_reasons(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def gluon_fresh_prefill(query, key, value, out, lse, tile_seq, tile_q0, query_start_loc, softmax_scale: float,
-                        *, causal: bool, return_lse: bool) -> None:  # fmt: skip
+                        *, causal: bool, return_lse: bool, overlap: bool = True) -> None:  # fmt: skip
     """out[rows of the tiles] (and lse) of the fresh sequences named by (tile_seq, tile_q0), tiles
-    of BLOCK_M queries: attention of each query over its own sequence's rows of key/value."""
+    of BLOCK_M queries: attention of each query over its own sequence's rows of key/value.
+    overlap: tile j + 1's Q K^T in flight during tile j's softmax (FA3's intra-warpgroup overlap)."""
     heads, head = query.shape[1], query.shape[2]
     q_desc = row_descriptor(query, HALF_M)
     k_desc, v_desc = row_descriptor(key, BLOCK_N), row_descriptor(value, BLOCK_N)
@@ -228,6 +253,6 @@ def gluon_fresh_prefill(query, key, value, out, lse, tile_seq, tile_q0, query_st
         q_desc, k_desc, v_desc, out, lse, tile_seq, tile_q0, query_start_loc, softmax_scale * LOG2E.value,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
         QUERIES_PER_KV=heads // key.shape[1], HEAD_D=head, HALF=HALF_M, TILE_N=BLOCK_N, NUM_STAGES=STAGES,
-        CAUSAL=causal, RETURN_LSE=return_lse, LOADER_NUM_REGS=LOADER_REGS, CONSUMER_NUM_REGS=CONSUMER_REGS,
-        num_warps=4,
+        CAUSAL=causal, RETURN_LSE=return_lse, OVERLAP=overlap, LOADER_NUM_REGS=LOADER_REGS,
+        CONSUMER_NUM_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip

@@ -71,7 +71,8 @@ def test_every_gluon_variant_compiles_for_sm90_without_spills_and_within_the_reg
     res = subprocess.run([sys.executable, "-m", "bench.kernel_report", "--gluon"], capture_output=True, text=True,
                          env=env, timeout=600, cwd=Path(__file__).resolve().parents[3])  # fmt: skip
     rows = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert res.returncode == 0 and len(rows) == 4, res.stdout[-2000:] + res.stderr[-3000:]
+    assert res.returncode == 0 and len(rows) == 5, res.stdout[-2000:] + res.stderr[-3000:]
+    assert {(r["head"], r["overlap"]) for r in rows} == {(64, True), (64, False), (128, True), (128, False)}
     for rep in rows:
         assert rep["kernel"] == "gluon_fresh_prefill_kernel" and rep["refused"] == []
         assert rep["stack"] == 0, rep  # no spills
