@@ -236,9 +236,9 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
         # weights, then FP8 weights with the LM head in FP8 too (item 4's step target; ModelConfig.quantize_lm_head)
         e2e_bs1 "triton --attention-backend TRITON" "default" "fp8 --quantization fp8 --ttft-lens=" \
             "fp8head --quantization fp8 --quantize-lm-head --ttft-lens=" ;;
-    gluon)
+    gluon)  # GLUON_BUDGET: the seconds this part may take (default 580; less when the call's limit is lower)
         tests gluon_prefill_gpu 150 tests/gpu/test_fresh_prefill_gpu.py -k gluon
-        timeout $((580 - SECONDS)) python3 -m bench.prefill_sweep --out "$OUT/prefill-gluon" --cases 4x4096,1x16384 \
+        timeout $((${GLUON_BUDGET:-580} - SECONDS)) python3 -m bench.prefill_sweep --out "$OUT/prefill-gluon" --cases 4x4096,1x16384 \
             --jobs 4 --only "gluon,fresh-desc 64x64 w4 s3 p16,fresh-desc 128x64 w4 s2 p16" > "$OUT/prefill-gluon.log" 2>&1
         echo "prefill sweep: exit $? at ${SECONDS}s"
         grep -E "WRONG|FAILED|Error" "$OUT/prefill-gluon.log" | cut -c1-200 | head -8
