@@ -90,6 +90,8 @@
 #       the FlashInfer archive rebuilt with FlashInfer's CUDA-core decode (MHA and GQA groups below 4; the
 #       JIT-disabled fresh start proves it), then the MHA classes (mha-bf16-16, mha-fp8-16) timed per backend,
 #       merged into a copy of the kernel-choice table under $OUT; copy files_at/fi07_cache.tgz into .whlfi07/
+#   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh mhagluon      (carry .whl .whlfi07)
+#       mha with the Gluon prefill's GPU tests between the archive and the MHA timings (one call for both)
 #   . bench/device_setup.sh && bash bench/device_benches.sh gluon      (carry .whl .whlfi07)
 #       issue 42 item 3: the Gluon prefill (kernels/prefill_gluon.py, never run on a GPU before): its GPU
 #       tests against the reference first (a wrong barrier phase hangs, hence the short timeout), then
@@ -133,7 +135,7 @@ e2e_small_m() {  # model...: the bs-1 step with --small-m-gemm on, then auto (th
         done
     done
 }
-case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, mha, gluon, backends, split, splittests or shortdecode}" in
+case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2e42, fp8head, ttft, fresh, moe, gemv16, gemv16e2e, bs256, mlastack, mlafi, defaultpaths, mha, mhagluon, gluon, backends, split, splittests or shortdecode}" in
     split)  # FlashInfer's prefill with TRITON's decode against the default, same card, same call
         for run in "default" "split --attention-backend prefill=FLASHINFER,decode=TRITON" \
                 "triton --attention-backend TRITON"; do
@@ -155,6 +157,13 @@ case "${1:?part: serve, latency, piecewise, probe, nixl, tests, disagg, fi07, e2
             --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
     mha)  # the FlashInfer archive with the CUDA-core decode modules (MHA cases), then the MHA classes measured
         BUILD_TIMEOUT=240 VERIFY_TIMEOUT=90 bash bench/flashinfer_aot.sh .whlfi07
+        cp meshserve/attention/kernel_choice.json "$OUT/"
+        PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
+            --classes mha-bf16-16,mha-fp8-16 --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
+    mhagluon)  # mha's archive and its JIT-disabled start, then the Gluon prefill's GPU tests (bounded), then the
+        # MHA classes with the time left: one call for both when device time is short
+        BUILD_TIMEOUT=240 VERIFY_TIMEOUT=90 bash bench/flashinfer_aot.sh .whlfi07
+        tests gluon_prefill_gpu 100 -x tests/gpu/test_fresh_prefill_gpu.py -k gluon
         cp meshserve/attention/kernel_choice.json "$OUT/"
         PYTHONPATH=/tmp/site07:$PYTHONPATH timeout $((580 - SECONDS)) python3 -m bench.attention_choice --out "$OUT" \
             --classes mha-bf16-16,mha-fp8-16 --write "$OUT/kernel_choice.json" 2>&1 | tail -40 ;;
