@@ -155,7 +155,6 @@ class Replica:
     async def stop(self) -> None:
         """Stop the loop and the ranks; requests still held end with ReplicaFailedError."""
         if self._task is not None:
-            self._task.cancel()
             self._wake()  # a step thread waiting for KV pulls returns now (the cancel cannot reach it)
             await cancel_and_wait(self._task)
             self._task = None
