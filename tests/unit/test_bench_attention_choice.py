@@ -58,7 +58,8 @@ def test_merge_replaces_the_same_class_and_keeps_the_rest():
                times_us={"TRITON": {"s": 90.0}, "FLASHINFER": {"s": 100.0}})  # fmt: skip
     merged = merge(shipped, entries([r], **STAMP))
     parsed = parse_table(merged)
-    decode16 = [e for e in parsed if (e.key.phase, e.key.kv, e.key.page_size) == ("decode", "bfloat16", 16)]
+    decode16 = [e for e in parsed if (e.key.phase, e.key.attention, e.key.kv, e.key.page_size, e.key.size)
+                == ("decode", "GQA", "bfloat16", 16, "any")]  # fmt: skip
     assert len(decode16) == 1 and decode16[0].fastest == "TRITON"
     assert len(parsed) == len(shipped["entries"])  # replaced, not added
 
