@@ -258,11 +258,11 @@ def plot(rows: list[Row], path: Path) -> None:
     cases = list(dict.fromkeys(r.case for r in rows))
     fig, axes = plt.subplots(1, len(cases), figsize=(6 * len(cases), 7), sharey=True, squeeze=False)
     colors = {"FlashInfer": "tab:green", "gather": "tab:blue", "desc": "tab:orange", "fresh-gather": "tab:purple",
-              "fresh-desc": "tab:red"}  # fmt: skip
+              "fresh-desc": "tab:red", "fresh-gluon": "tab:brown"}  # fmt: skip
     for ax, case in zip(axes[0], cases):
         mine = [r for r in rows if r.case == case]
         vals = [r.tflops or 0.0 for r in mine]
-        ax.barh(range(len(mine)), vals, color=[colors[r.variant.split()[0]] for r in mine])
+        ax.barh(range(len(mine)), vals, color=[colors.get(r.variant.split()[0], "tab:gray") for r in mine])
         ax.set_yticks(range(len(mine)))
         ax.set_yticklabels([r.variant for r in mine], fontsize=7)
         ax.invert_yaxis()

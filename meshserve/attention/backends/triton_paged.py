@@ -27,6 +27,7 @@ from meshserve.attention.backend import (
     step_kv_refusals,
 )
 from meshserve.attention.kernels.config import (
+    GLUON_FRESH_CONFIG,
     LONG_PREFILL_QUERIES,
     DecodeConfig,
     PrefillConfig,
@@ -164,8 +165,11 @@ class TritonBackend(AttentionBackend):
         cc, page = problem.compute_capability, problem.block_size
         self.prefill_cfg = prefill_config or default_prefill_config(*args, page=page, compute_capability=cc)
         self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, cc, page=page)
-        # Tiles of fresh sequences (fresh_cfg): a given config that asks for them, else the measured default.
+        # Tiles of fresh sequences (fresh_cfg): a given config that asks for them, else the measured default:
+        # on sm_90 the Gluon kernel where it serves the problem (it measured faster, docs/performance.md).
         self.default_fresh_cfg = None if prefill_config else fresh_prefill_config(*args, cc)
+        if self.default_fresh_cfg is not None and not self.gluon_problem_reasons():
+            self.default_fresh_cfg = GLUON_FRESH_CONFIG
         self.decode_cfg = decode_config or default_decode_config(*args)
 
     # ----------------------------------------------------------------------------------- plan
@@ -413,8 +417,9 @@ class TritonBackend(AttentionBackend):
     def fresh_cfg(self) -> PrefillConfig | None:
         """The config of the tiles of fresh sequences (no cached context), which read the step's
         own K/V: the prefill config if it asks for that (fresh_kv), else the measured default
-        (kernels/config.py fresh_prefill_config; None on CPU, below sm_90, for FP8 caches and
-        wide heads, or when a prefill config was given: fresh sequences then read the pages)."""
+        (kernels/config.py: GLUON_FRESH_CONFIG on sm_90 where the Gluon kernel serves the problem,
+        else fresh_prefill_config; None on CPU, below sm_90, for FP8 caches and wide heads, or when
+        a prefill config was given: fresh sequences then read the pages)."""
         return self.prefill_cfg if self.prefill_cfg.fresh_kv else self.default_fresh_cfg
 
     def fresh_kv_reasons(self, cfg: PrefillConfig | None = None, *, dcp_size: int = 1) -> list[str]:
@@ -452,6 +457,16 @@ class TritonBackend(AttentionBackend):
     def gluon_prefill_reasons(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[str]:
         """Why fresh tiles run the portable kernel, not the Gluon one (kernels/prefill_gluon.py;
         empty: the Gluon one, where the config asks for it): the device, the problem or the tensors."""
+        out = self.gluon_problem_reasons()
+        if out:
+            return out
+        from meshserve.attention.kernels.prefill_gluon import gluon_prefill_reasons
+
+        return gluon_prefill_reasons(query, key, value)
+
+    def gluon_problem_reasons(self) -> list[str]:
+        """gluon_prefill_reasons' part that the problem decides (the device, the head size, the
+        masks, an importable Gluon): empty where fresh prompts default to the Gluon kernel."""
         spec, cc, out = self.spec, self.problem.compute_capability, []
         if self.problem.device != "cuda" or cc is None or cc[0] != 9:
             where = "CPU" if self.problem.device != "cuda" else "unknown" if cc is None else f"sm_{cc[0]}{cc[1]}"
@@ -466,10 +481,10 @@ class TritonBackend(AttentionBackend):
         if out:
             return out
         try:
-            from meshserve.attention.kernels.prefill_gluon import gluon_prefill_reasons
+            import meshserve.attention.kernels.prefill_gluon  # noqa: F401
         except ImportError as exc:  # a Triton without Gluon's Hopper ops
             return [f"Gluon cannot be imported: {exc}"]
-        return gluon_prefill_reasons(query, key, value)
+        return []
 
     def fresh_descriptor_reasons(self, cfg: PrefillConfig, key: torch.Tensor, value: torch.Tensor) -> list[str]:
         """Why fresh sequences read the step's K/V by pointers, not row descriptors (empty: by

@@ -32,10 +32,11 @@ class PrefillConfig:
     # The fresh tiles through the Gluon kernel for Hopper (kernels/prefill_gluon.py: a TMA loader
     # warp, two consumer warpgroups, asynchronous wgmma) where TritonBackend.gluon_prefill_reasons
     # are empty; elsewhere they run the portable kernel with this config's tiles. Needs fresh_kv and
-    # block_m == 128 (two warpgroups of 64 queries). Not a default: unmeasured (docs/performance.md).
+    # block_m == 128 (two warpgroups of 64 queries). The default for fresh prompts on sm_90 where it
+    # serves the problem (GLUON_FRESH_CONFIG; TritonBackend.gluon_problem_reasons).
     gluon: bool = False
     # With gluon: the next key tile's Q K^T issued before this tile's softmax (FA3's intra-warpgroup
-    # overlap) rather than one tile at a time. A tuning switch until the two are measured.
+    # overlap; H100: 1.06-1.09x one tile at a time) rather than one tile at a time.
     gluon_overlap: bool = True
 
     def __post_init__(self) -> None:
@@ -68,6 +69,15 @@ def _descriptor_tiles(block_d: int, dtype: str, kv_fp8: bool, page: int | None,
     if dtype not in ("bfloat16", "float16") or compute_capability is None or compute_capability < (9, 0):
         return None
     return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True)
+
+
+# Fresh prompts on sm_90 where the Gluon kernel serves the problem (kernels/prefill_gluon.py). H100,
+# 2026-12-06 (bench/prefill_sweep.py, bf16, GQA 32/8 x 128, docs/performance.md): 555 / 606 TFLOP/s at
+# 4 x 4096 / 1 x 16384 against 468 / 485 for fresh_prefill_config's 64 x 64 tiles (1.19x / 1.25x), and
+# 0.85x / 0.87x FlashInfer 0.7's ragged prefill. The tiles are the portable kernel's where Gluon cannot
+# take a step's tensors (unaligned rows): 128 x 64 at 2 stages, which fit one CTA per SM.
+GLUON_FRESH_CONFIG = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, kv_desc=True, fresh_kv=True,
+                                   gluon=True)  # fmt: skip
 
 
 def fresh_prefill_config(head_size: int, dtype: str, device: str, kv_fp8: bool,

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from meshserve.attention.backends.triton_paged import TritonBackend
-from meshserve.attention.kernels.config import PrefillConfig
+from meshserve.attention.kernels.config import GLUON_FRESH_CONFIG, PrefillConfig
 from meshserve.errors import ConfigError
 from tests.unit.attention.scenarios import (
     Scenario,
@@ -51,6 +51,22 @@ def test_a_gluon_config_off_hopper_runs_the_portable_kernel_and_matches_the_orac
     assert_matches(out, lse, *oracle(case), torch.float32)
     assert set(plan.fresh_tile_seq.tolist()) == {0, 1}
     assert any("sm_90" in r and "CPU" in r for r in backend.gluon_prefill_reasons(case.query, case.key, case.value))
+
+
+@pytest.mark.parametrize("spec,cc,gluon", [
+    (dict(num_heads=32, num_kv_heads=8, head_size=128), (9, 0), True),
+    (dict(num_heads=16, num_kv_heads=4, head_size=64), (9, 0), True),
+    (dict(num_heads=32, num_kv_heads=8, head_size=128), (8, 0), None),  # below sm_90: no fresh tiles at all
+    (dict(num_heads=32, num_kv_heads=8, head_size=128), (10, 0), False),  # no wgmma: the portable fresh tiles
+    (dict(num_heads=16, num_kv_heads=4, head_size=96), (9, 0), False),
+    (dict(num_heads=8, num_kv_heads=2, head_size=128, sliding_window=64), (9, 0), False),
+])  # fmt: skip
+def test_fresh_prompts_default_to_gluon_on_sm90_where_it_serves_the_problem(spec, cc, gluon):
+    problem = Scenario("x", (8,), (0,), spec=spec).problem("bfloat16", device="cuda", compute_capability=cc)
+    cfg = TritonBackend(problem).fresh_cfg()
+    assert (None if cfg is None else cfg.gluon) is gluon
+    if gluon:
+        assert cfg == GLUON_FRESH_CONFIG
 
 
 def test_gluon_refuses_what_its_masks_and_tiles_do_not_cover():
