@@ -166,9 +166,10 @@ class TritonBackend(AttentionBackend):
         self.prefill_cfg = prefill_config or default_prefill_config(*args, page=page, compute_capability=cc)
         self.long_prefill_cfg = None if prefill_config else long_prefill_config(*args, cc, page=page)
         # Tiles of fresh sequences (fresh_cfg): a given config that asks for them, else the measured default:
-        # on sm_90 the Gluon kernel where it serves the problem (it measured faster, docs/performance.md).
+        # on sm_90 the Gluon kernel where it serves the problem (it measured faster, docs/performance.md),
+        # for bf16 (the dtype its GPU tests ran in; fp16 takes it when a config asks).
         self.default_fresh_cfg = None if prefill_config else fresh_prefill_config(*args, cc)
-        if self.default_fresh_cfg is not None and not self.gluon_problem_reasons():
+        if self.default_fresh_cfg is not None and problem.dtype == "bfloat16" and not self.gluon_problem_reasons():
             self.default_fresh_cfg = GLUON_FRESH_CONFIG
         self.decode_cfg = decode_config or default_decode_config(*args)
 

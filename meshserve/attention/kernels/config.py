@@ -71,7 +71,7 @@ def _descriptor_tiles(block_d: int, dtype: str, kv_fp8: bool, page: int | None,
     return PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3, kv_desc=True)
 
 
-# Fresh prompts on sm_90 where the Gluon kernel serves the problem (kernels/prefill_gluon.py). H100,
+# Fresh bf16 prompts on sm_90 where the Gluon kernel serves the problem (kernels/prefill_gluon.py). H100,
 # 2026-12-06 (bench/prefill_sweep.py, bf16, GQA 32/8 x 128, docs/performance.md): 555 / 606 TFLOP/s at
 # 4 x 4096 / 1 x 16384 against 468 / 485 for fresh_prefill_config's 64 x 64 tiles (1.19x / 1.25x), and
 # 0.85x / 0.87x FlashInfer 0.7's ragged prefill. The tiles are the portable kernel's where Gluon cannot

@@ -60,9 +60,12 @@ def test_a_gluon_config_off_hopper_runs_the_portable_kernel_and_matches_the_orac
     (dict(num_heads=32, num_kv_heads=8, head_size=128), (10, 0), False),  # no wgmma: the portable fresh tiles
     (dict(num_heads=16, num_kv_heads=4, head_size=96), (9, 0), False),
     (dict(num_heads=8, num_kv_heads=2, head_size=128, sliding_window=64), (9, 0), False),
+    (dict(num_heads=32, num_kv_heads=8, head_size=128, dtype="float16"), (9, 0), False),  # not run on a GPU in fp16
 ])  # fmt: skip
 def test_fresh_prompts_default_to_gluon_on_sm90_where_it_serves_the_problem(spec, cc, gluon):
-    problem = Scenario("x", (8,), (0,), spec=spec).problem("bfloat16", device="cuda", compute_capability=cc)
+    spec = dict(spec)
+    dtype = spec.pop("dtype", "bfloat16")
+    problem = Scenario("x", (8,), (0,), spec=spec).problem(dtype, device="cuda", compute_capability=cc)
     cfg = TritonBackend(problem).fresh_cfg()
     assert (None if cfg is None else cfg.gluon) is gluon
     if gluon:
