@@ -93,7 +93,7 @@
 #   NO_FLASHINFER=1 . bench/device_setup.sh && bash bench/device_benches.sh mhagluon      (carry .whl .whlfi07)
 #       mha with the Gluon prefill's GPU tests between the archive and the MHA timings (one call for both)
 #   . bench/device_setup.sh && bash bench/device_benches.sh gluon      (carry .whl .whlfi07)
-#       issue 42 item 3: the Gluon prefill (kernels/prefill_gluon.py, never run on a GPU before): its GPU
+#       issue 42 item 3: the Gluon prefill (kernels/prefill_gluon.py; first run 2026-12-06 on an H100): its GPU
 #       tests against the reference first (a wrong barrier phase hangs, hence the short timeout), then
 #       bench/prefill_sweep.py at 4 x 4096 and 1 x 16384: FlashInfer 0.7's ragged and paged prefill, the
 #       Gluon variants, TRITON's fresh-desc tiles (today's fresh default 64x64 and 128x64)
