@@ -171,8 +171,9 @@ def gluon_prefill(recorder: Recorder) -> None:
 
     from meshserve.attention.kernels import prefill_gluon as pg
 
-    for head, causal, lse, overlap in ((64, True, False, True), (64, False, True, False), (128, True, False, True),
-                                       (128, False, True, True), (128, True, False, False)):  # fmt: skip
+    for head, causal, lse, overlap, stages in ((64, True, False, True, 2), (64, False, True, False, 2),
+                                               (128, True, False, True, 2), (128, False, True, True, 2),
+                                               (128, True, False, False, 2), (128, True, False, True, 3)):  # fmt: skip
         if True:
             tokens, heads, kv_heads = 512, 32, 8
             q = torch.empty(tokens, heads, head, dtype=torch.bfloat16)
@@ -185,12 +186,13 @@ def gluon_prefill(recorder: Recorder) -> None:
                     pg.row_descriptor(kv[:, 1], pg.BLOCK_N), out, lse_t, ints, ints, ints, 0.125,
                     out.stride(0), out.stride(1), lse_t.stride(0), lse_t.stride(1))  # fmt: skip
             recorder(pg.gluon_fresh_prefill_kernel, *args, grid=(1,), warmup=False, QUERIES_PER_KV=heads // kv_heads,
-                     HEAD_D=head, HALF=pg.HALF_M, TILE_N=pg.BLOCK_N, NUM_STAGES=pg.STAGES, CAUSAL=causal,
+                     HEAD_D=head, HALF=pg.HALF_M, TILE_N=pg.BLOCK_N, NUM_STAGES=stages, CAUSAL=causal,
                      RETURN_LSE=lse, OVERLAP=overlap, LOADER_NUM_REGS=pg.LOADER_REGS,
                      CONSUMER_NUM_REGS=pg.CONSUMER_REGS, num_warps=4)  # fmt: skip
             name, _, _, rep = recorder.rows[-1]
-            print(json.dumps(dict(rep, kernel=name, head=head, causal=causal, lse=lse, overlap=overlap, refused=refused,
-                                  consumer_regs=pg.CONSUMER_REGS, loader_regs=pg.LOADER_REGS)), flush=True)
+            print(json.dumps(dict(rep, kernel=name, head=head, causal=causal, lse=lse, overlap=overlap, stages=stages,
+                                  refused=refused, consumer_regs=pg.CONSUMER_REGS, loader_regs=pg.LOADER_REGS)),
+                  flush=True)
 
 
 def attention_launches(overrides: dict | None = None):

@@ -90,6 +90,7 @@ VARIANTS = (
     Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, QK^T of the next tile overlaps"),
     Variant(16, _cfg(128, 64, 4, 2, kv_desc=True, fresh_kv=True, gluon=True, gluon_overlap=False),
             "Gluon, one tile at a time"),
+    Variant(16, _cfg(128, 64, 4, 3, kv_desc=True, fresh_kv=True, gluon=True), "Gluon, 3-stage K/V ring (224 KB)"),
 )
 
 

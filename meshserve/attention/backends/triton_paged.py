@@ -375,7 +375,7 @@ class TritonBackend(AttentionBackend):
             query, out, lse, return_lse = args[:4]
             gluon_fresh_prefill(query, key, value, out, lse, *tiles, plan.metadata.query_start_loc,
                                 self.spec.softmax_scale, causal=self.spec.is_causal, return_lse=return_lse,
-                                overlap=cfg.gluon_overlap)  # fmt: skip
+                                overlap=cfg.gluon_overlap, stages=cfg.num_stages)  # fmt: skip
             return
         kv_desc = not self.fresh_descriptor_reasons(cfg, key, value)
         if kv_desc:

@@ -32,8 +32,9 @@ class PrefillConfig:
     # The fresh tiles through the Gluon kernel for Hopper (kernels/prefill_gluon.py: a TMA loader
     # warp, two consumer warpgroups, asynchronous wgmma) where TritonBackend.gluon_prefill_reasons
     # are empty; elsewhere they run the portable kernel with this config's tiles. Needs fresh_kv and
-    # block_m == 128 (two warpgroups of 64 queries). The default for fresh prompts on sm_90 where it
-    # serves the problem (GLUON_FRESH_CONFIG; TritonBackend.gluon_problem_reasons).
+    # block_m == 128 (two warpgroups of 64 queries); num_stages is its K/V ring's depth (2 or 3). The
+    # default for fresh prompts on sm_90 where it serves the problem (GLUON_FRESH_CONFIG;
+    # TritonBackend.gluon_problem_reasons).
     gluon: bool = False
     # With gluon: the next key tile's Q K^T issued before this tile's softmax (FA3's intra-warpgroup
     # overlap; H100: 1.06-1.09x one tile at a time) rather than one tile at a time.
@@ -50,6 +51,8 @@ class PrefillConfig:
         if self.gluon:
             check(self.fresh_kv, "gluon", self.gluon, "False unless fresh_kv=True (it serves fresh sequences only)")
             check(self.block_m == 128, "block_m", self.block_m, "128 with gluon=True (two warpgroups of 64 queries)")
+            # the Gluon kernel's K/V ring (kernels/prefill_gluon.py MAX_STAGES: shared memory at head 128)
+            check(self.num_stages in (2, 3), "num_stages", self.num_stages, "2 or 3 with gluon=True (its K/V ring)")
 
 
 # The descriptor K/V path (TMA) in the CUDA defaults: from this page size on, one page holds a

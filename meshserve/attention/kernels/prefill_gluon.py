@@ -38,7 +38,8 @@ LN2 = gl.constexpr(0.6931471805599453)
 HALF_M = 64  # query rows per consumer warpgroup (a wgmma's M)
 BLOCK_M = 2 * HALF_M  # query rows per CTA: the tile list's block_m
 BLOCK_N = 128  # keys per stage
-STAGES = 2  # K and V tiles in flight: (2 x 32 KB) x 2 + Q 32 KB at head 128
+STAGES = 2  # K and V tiles in flight by default: (2 x 32 KB) x 2 + Q 32 KB at head 128
+MAX_STAGES = 3  # (3 x 32 KB) x 2 + Q 32 KB = 224 KB at head 128, under sm_90's 227 KB
 LOADER_REGS = 24  # registers per thread of the loader warp (setmaxnreg)
 CONSUMER_REGS = 208  # of the second consumer warpgroup
 
@@ -242,17 +243,19 @@ def gluon_prefill_reasons(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
 
 def gluon_fresh_prefill(query, key, value, out, lse, tile_seq, tile_q0, query_start_loc, softmax_scale: float,
-                        *, causal: bool, return_lse: bool, overlap: bool = True) -> None:  # fmt: skip
+                        *, causal: bool, return_lse: bool, overlap: bool = True,
+                        stages: int = STAGES) -> None:  # fmt: skip
     """out[rows of the tiles] (and lse) of the fresh sequences named by (tile_seq, tile_q0), tiles
     of BLOCK_M queries: attention of each query over its own sequence's rows of key/value.
-    overlap: tile j + 1's Q K^T in flight during tile j's softmax (FA3's intra-warpgroup overlap)."""
+    overlap: tile j + 1's Q K^T in flight during tile j's softmax (FA3's intra-warpgroup overlap);
+    stages: the K/V ring's depth (2 or 3)."""
     heads, head = query.shape[1], query.shape[2]
     q_desc = row_descriptor(query, HALF_M)
     k_desc, v_desc = row_descriptor(key, BLOCK_N), row_descriptor(value, BLOCK_N)
     gluon_fresh_prefill_kernel[(heads, tile_seq.numel())](
         q_desc, k_desc, v_desc, out, lse, tile_seq, tile_q0, query_start_loc, softmax_scale * LOG2E.value,
         out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        QUERIES_PER_KV=heads // key.shape[1], HEAD_D=head, HALF=HALF_M, TILE_N=BLOCK_N, NUM_STAGES=STAGES,
+        QUERIES_PER_KV=heads // key.shape[1], HEAD_D=head, HALF=HALF_M, TILE_N=BLOCK_N, NUM_STAGES=stages,
         CAUSAL=causal, RETURN_LSE=return_lse, OVERLAP=overlap, LOADER_NUM_REGS=LOADER_REGS,
         CONSUMER_NUM_REGS=CONSUMER_REGS, num_warps=4,
     )  # fmt: skip
