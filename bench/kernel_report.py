@@ -174,25 +174,20 @@ def gluon_prefill(recorder: Recorder) -> None:
     for head, causal, lse, overlap, stages in ((64, True, False, True, 2), (64, False, True, False, 2),
                                                (128, True, False, True, 2), (128, False, True, True, 2),
                                                (128, True, False, False, 2), (128, True, False, True, 3)):  # fmt: skip
-        if True:
-            tokens, heads, kv_heads = 512, 32, 8
-            q = torch.empty(tokens, heads, head, dtype=torch.bfloat16)
-            kv = torch.empty(tokens, 2, kv_heads, head, dtype=torch.bfloat16)  # strided rows, as a layer's K/V
-            out = torch.empty_like(q)
-            lse_t = torch.empty(tokens, heads, dtype=torch.float32)
-            ints = torch.zeros(8, dtype=torch.int32)
-            refused = pg.gluon_prefill_reasons(q, kv[:, 0], kv[:, 1])
-            args = (pg.row_descriptor(q, pg.HALF_M), pg.row_descriptor(kv[:, 0], pg.BLOCK_N),
-                    pg.row_descriptor(kv[:, 1], pg.BLOCK_N), out, lse_t, ints, ints, ints, 0.125,
-                    out.stride(0), out.stride(1), lse_t.stride(0), lse_t.stride(1))  # fmt: skip
-            recorder(pg.gluon_fresh_prefill_kernel, *args, grid=(1,), warmup=False, QUERIES_PER_KV=heads // kv_heads,
-                     HEAD_D=head, HALF=pg.HALF_M, TILE_N=pg.BLOCK_N, NUM_STAGES=stages, CAUSAL=causal,
-                     RETURN_LSE=lse, OVERLAP=overlap, LOADER_NUM_REGS=pg.LOADER_REGS,
-                     CONSUMER_NUM_REGS=pg.CONSUMER_REGS, num_warps=4)  # fmt: skip
-            name, _, _, rep = recorder.rows[-1]
-            print(json.dumps(dict(rep, kernel=name, head=head, causal=causal, lse=lse, overlap=overlap, stages=stages,
-                                  refused=refused, consumer_regs=pg.CONSUMER_REGS, loader_regs=pg.LOADER_REGS)),
-                  flush=True)
+        tokens, heads, kv_heads = 512, 32, 8
+        q = torch.empty(tokens, heads, head, dtype=torch.bfloat16)
+        kv = torch.empty(tokens, 2, kv_heads, head, dtype=torch.bfloat16)  # strided rows, as a layer's K/V
+        out = torch.empty_like(q)
+        lse_t = torch.empty(tokens, heads, dtype=torch.float32)
+        ints = torch.zeros(8, dtype=torch.int32)
+        refused = pg.gluon_prefill_reasons(q, kv[:, 0], kv[:, 1])
+        # the launch the backend makes (its kernel call compiled by the recorder, not run)
+        pg.gluon_fresh_prefill(q, kv[:, 0], kv[:, 1], out, lse_t, ints, ints, ints, 0.125, causal=causal,
+                               return_lse=lse, overlap=overlap, stages=stages)  # fmt: skip
+        name, _, _, rep = recorder.rows[-1]
+        print(json.dumps(dict(rep, kernel=name, head=head, causal=causal, lse=lse, overlap=overlap, stages=stages,
+                              refused=refused, consumer_regs=pg.CONSUMER_REGS, loader_regs=pg.LOADER_REGS)),
+              flush=True)
 
 
 def attention_launches(overrides: dict | None = None):

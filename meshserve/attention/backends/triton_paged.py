@@ -169,7 +169,8 @@ class TritonBackend(AttentionBackend):
         # on sm_90 the Gluon kernel where it serves the problem (it measured faster, docs/performance.md),
         # for bf16 (the dtype its GPU tests ran in; fp16 takes it when a config asks).
         self.default_fresh_cfg = None if prefill_config else fresh_prefill_config(*args, cc)
-        if self.default_fresh_cfg is not None and problem.dtype == "bfloat16" and not self.gluon_problem_reasons():
+        self._gluon_refusals = self._gluon_problem_reasons()  # fixed by the problem: decided once, not per forward
+        if self.default_fresh_cfg is not None and problem.dtype == "bfloat16" and not self._gluon_refusals:
             self.default_fresh_cfg = GLUON_FRESH_CONFIG
         self.decode_cfg = decode_config or default_decode_config(*args)
 
@@ -458,14 +459,13 @@ class TritonBackend(AttentionBackend):
     def gluon_prefill_reasons(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[str]:
         """Why fresh tiles run the portable kernel, not the Gluon one (kernels/prefill_gluon.py;
         empty: the Gluon one, where the config asks for it): the device, the problem or the tensors."""
-        out = self.gluon_problem_reasons()
-        if out:
-            return out
+        if self._gluon_refusals:
+            return list(self._gluon_refusals)
         from meshserve.attention.kernels.prefill_gluon import gluon_prefill_reasons
 
-        return gluon_prefill_reasons(query, key, value)
+        return gluon_prefill_reasons(query, key, value, self.problem.compute_capability)
 
-    def gluon_problem_reasons(self) -> list[str]:
+    def _gluon_problem_reasons(self) -> list[str]:
         """gluon_prefill_reasons' part that the problem decides (the device, the head size, the
         masks, an importable Gluon): empty where fresh prompts default to the Gluon kernel."""
         spec, cc, out = self.spec, self.problem.compute_capability, []

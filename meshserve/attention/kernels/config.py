@@ -34,7 +34,7 @@ class PrefillConfig:
     # are empty; elsewhere they run the portable kernel with this config's tiles. Needs fresh_kv and
     # block_m == 128 (two warpgroups of 64 queries); num_stages is its K/V ring's depth (2 or 3). The
     # default for fresh prompts on sm_90 where it serves the problem (GLUON_FRESH_CONFIG;
-    # TritonBackend.gluon_problem_reasons).
+    # TritonBackend.gluon_prefill_reasons).
     gluon: bool = False
     # With gluon: the next key tile's Q K^T issued before this tile's softmax (FA3's intra-warpgroup
     # overlap; H100: 1.06-1.09x one tile at a time) rather than one tile at a time.

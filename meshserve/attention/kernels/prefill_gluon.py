@@ -30,6 +30,8 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
+from meshserve.attention.kernels.host_plans import row_descriptor_reasons
+
 # Gluon renamed its TMA load (async_copy_global_to_shared before Triton 3.7, async_load after).
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 
@@ -226,19 +228,16 @@ def row_descriptor(x: torch.Tensor, box_rows: int):
 _GL_DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
 
 
-def gluon_prefill_reasons(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> list[str]:
-    """Why these tensors cannot go through the Gluon kernel's descriptors (empty: they can); the
-    attention problem's own limits are the backend's (TritonBackend.gluon_prefill_reasons)."""
+def gluon_prefill_reasons(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                          compute_capability: tuple[int, int] | None = None) -> list[str]:  # fmt: skip
+    """Why these tensors cannot go through the Gluon kernel's row descriptors (empty: they can):
+    16-bit, and rows a descriptor can read (host_plans.row_descriptor_reasons, kernels/kv_rows.py's
+    rule); the attention problem's own limits are the backend's (TritonBackend.gluon_prefill_reasons)."""
     out = []
     for name, x in (("query", query), ("key", key), ("value", value)):
         if x.dtype not in _GL_DTYPES:
             out.append(f"{name} dtype {x.dtype} is not bfloat16 or float16")
-        if x.dim() != 3 or x.stride(2) != 1 or x.stride(1) != x.shape[2]:
-            out.append(f"{name} rows are not [tokens, heads * head] with contiguous heads")
-        elif (x.stride(0) * x.element_size()) % 16 or x.data_ptr() % 16:
-            out.append(f"{name} rows are not 16-byte aligned")
-        if x.shape[0] >= 2**31:
-            out.append(f"{name} has 2**31 rows or more (descriptor coordinates are 32-bit)")
+        out += [f"{name}: {why}" for why in row_descriptor_reasons(x, x.shape[-1], x.shape[-1], compute_capability)]
     return out
 
 
